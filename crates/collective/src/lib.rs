@@ -1,0 +1,15 @@
+//! shoal's data plane as pure computation: element types, reduction operators and their kernels,
+//! and the schedules that say which bytes each rank sends, receives and reduces at every step.
+//!
+//! Nothing here touches a socket, a thread or a clock. The peer library executes these schedules
+//! over TCP; the tests here execute every rank's schedule in memory and compare with a naive
+//! reduction. `docs/algorithms.md` describes each schedule and its bytes on the wire.
+#![warn(missing_docs)]
+#![deny(unsafe_code)]
+
+mod dtype;
+mod kernels;
+pub mod ring;
+
+pub use dtype::{CollectiveKind, DType, ReduceOp};
+pub use kernels::{finish_avg, reduce_into, KernelError};

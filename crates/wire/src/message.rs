@@ -1,0 +1,410 @@
+//! The messages of the protocol and their body encodings. `docs/wire.md` has the table.
+
+use crate::codec::{Reader, Writer};
+use crate::{SessionId, WireError, MAX_MEMBERS};
+
+/// A peer's identity within one run of the master, assigned at registration and never reused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PeerId(pub u32);
+
+/// A peer group: collectives run within one group; admission is run-wide.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct GroupId(pub u32);
+
+/// Numbers the topologies the master has issued. It only grows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Epoch(pub u64);
+
+impl std::fmt::Display for PeerId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "peer#{}", self.0)
+    }
+}
+
+/// One member of a topology: who it is, its group, and where peers dial it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Member {
+    /// The member.
+    pub peer: PeerId,
+    /// Its peer group.
+    pub group: GroupId,
+    /// The `host:port` other peers dial for data connections.
+    pub addr: String,
+}
+
+/// Opens one collective on a data stream: both ends send it and compare, so peers that called
+/// different collectives find out before any tensor byte is misread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpHeader {
+    /// Which collective (a code of the collective crate).
+    pub collective: u8,
+    /// The topology the sender runs it in.
+    pub epoch: Epoch,
+    /// The sender's count of collectives started on this communicator.
+    pub seq: u64,
+    /// The application's tag.
+    pub tag: u64,
+    /// Element type code.
+    pub dtype: u8,
+    /// Reduction operator code.
+    pub op: u8,
+    /// Number of elements.
+    pub count: u64,
+}
+
+/// Every message of the protocol. The doc of each variant says who sends it to whom.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Message {
+    /// Peer → master, first message on a control connection: asks to join the run.
+    Join {
+        /// The group the peer will run collectives in.
+        group: GroupId,
+        /// Where other peers should dial this peer (`host:port`).
+        data_addr: String,
+    },
+    /// Either direction, on a control connection: I am alive.
+    Heartbeat,
+    /// Peer → master: this accepted peer calls `update_topology`.
+    VoteUpdateTopology,
+    /// Peer → master: this peer holds every data connection `epoch` asks of it.
+    TopologyReady {
+        /// The topology the peer is ready in.
+        epoch: Epoch,
+    },
+    /// Peer → master: this accepted peer calls `peers_pending`.
+    VotePeersPending,
+    /// Peer → master: this peer leaves the run.
+    Leave,
+    /// Peer → master: this peer could not open the data connections `epoch` asks to `peer`.
+    PeerUnreachable {
+        /// The topology being established.
+        epoch: Epoch,
+        /// The peer that could not be reached.
+        peer: PeerId,
+    },
+    /// Master → peer: you are registered as `peer` in run `session`.
+    Registered {
+        /// The peer's id.
+        peer: PeerId,
+        /// The run's session id; every later frame carries it.
+        session: SessionId,
+    },
+    /// Master → peer: the members of the run, in ring order; open your data connections.
+    Topology {
+        /// This topology's number.
+        epoch: Epoch,
+        /// Every member; a group's ring is its members in this order.
+        members: Vec<Member>,
+    },
+    /// Master → peer: every member of `epoch` is connected; the topology is in force.
+    TopologyCommitted {
+        /// The committed topology.
+        epoch: Epoch,
+    },
+    /// Master → peer: the outcome of a `peers_pending` vote, the same for every voter.
+    PeersPendingResult {
+        /// Whether registered peers await admission.
+        pending: bool,
+    },
+    /// Master → peer: you are no longer a member of the run, and why.
+    Kicked {
+        /// A human-readable reason.
+        reason: String,
+    },
+    /// Peer → peer, first message on a data connection: who dials, whom, for which stream.
+    PeerHello {
+        /// The dialing peer.
+        from: PeerId,
+        /// The peer it means to reach.
+        to: PeerId,
+        /// Index of this stream in the pair's pool.
+        stream: u16,
+    },
+    /// Peer → peer on a data stream: the collective whose bytes follow.
+    Op(OpHeader),
+}
+
+/// Kind codes. Never renumber; retire a code by commenting it out and leaving it reserved.
+mod kind {
+    pub const JOIN: u16 = 1;
+    pub const HEARTBEAT: u16 = 2;
+    pub const VOTE_UPDATE_TOPOLOGY: u16 = 3;
+    pub const TOPOLOGY_READY: u16 = 4;
+    pub const VOTE_PEERS_PENDING: u16 = 5;
+    pub const LEAVE: u16 = 6;
+    pub const PEER_UNREACHABLE: u16 = 7;
+    pub const REGISTERED: u16 = 64;
+    pub const TOPOLOGY: u16 = 65;
+    pub const TOPOLOGY_COMMITTED: u16 = 66;
+    pub const PEERS_PENDING_RESULT: u16 = 67;
+    pub const KICKED: u16 = 68;
+    pub const PEER_HELLO: u16 = 128;
+    pub const OP: u16 = 129;
+}
+
+impl Message {
+    /// The kind code written in the frame header.
+    pub fn kind(&self) -> u16 {
+        match self {
+            Message::Join { .. } => kind::JOIN,
+            Message::Heartbeat => kind::HEARTBEAT,
+            Message::VoteUpdateTopology => kind::VOTE_UPDATE_TOPOLOGY,
+            Message::TopologyReady { .. } => kind::TOPOLOGY_READY,
+            Message::VotePeersPending => kind::VOTE_PEERS_PENDING,
+            Message::Leave => kind::LEAVE,
+            Message::PeerUnreachable { .. } => kind::PEER_UNREACHABLE,
+            Message::Registered { .. } => kind::REGISTERED,
+            Message::Topology { .. } => kind::TOPOLOGY,
+            Message::TopologyCommitted { .. } => kind::TOPOLOGY_COMMITTED,
+            Message::PeersPendingResult { .. } => kind::PEERS_PENDING_RESULT,
+            Message::Kicked { .. } => kind::KICKED,
+            Message::PeerHello { .. } => kind::PEER_HELLO,
+            Message::Op(_) => kind::OP,
+        }
+    }
+
+    /// A short name for logs and errors.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Message::Join { .. } => "Join",
+            Message::Heartbeat => "Heartbeat",
+            Message::VoteUpdateTopology => "VoteUpdateTopology",
+            Message::TopologyReady { .. } => "TopologyReady",
+            Message::VotePeersPending => "VotePeersPending",
+            Message::Leave => "Leave",
+            Message::PeerUnreachable { .. } => "PeerUnreachable",
+            Message::Registered { .. } => "Registered",
+            Message::Topology { .. } => "Topology",
+            Message::TopologyCommitted { .. } => "TopologyCommitted",
+            Message::PeersPendingResult { .. } => "PeersPendingResult",
+            Message::Kicked { .. } => "Kicked",
+            Message::PeerHello { .. } => "PeerHello",
+            Message::Op(_) => "Op",
+        }
+    }
+
+    /// Appends the body (everything after the frame header) to `w`.
+    pub fn encode_body(&self, w: &mut Writer) {
+        match self {
+            Message::Join { group, data_addr } => {
+                w.u32(group.0);
+                w.str(data_addr);
+            }
+            Message::Heartbeat
+            | Message::VoteUpdateTopology
+            | Message::VotePeersPending
+            | Message::Leave => {}
+            Message::TopologyReady { epoch } | Message::TopologyCommitted { epoch } => {
+                w.u64(epoch.0)
+            }
+            Message::PeerUnreachable { epoch, peer } => {
+                w.u64(epoch.0);
+                w.u32(peer.0);
+            }
+            Message::Registered { peer, session } => {
+                w.u32(peer.0);
+                w.u64(session.0);
+            }
+            Message::Topology { epoch, members } => {
+                assert!(members.len() <= MAX_MEMBERS, "topology exceeds MAX_MEMBERS: a bug");
+                w.u64(epoch.0);
+                w.u32(members.len() as u32);
+                for m in members {
+                    w.u32(m.peer.0);
+                    w.u32(m.group.0);
+                    w.str(&m.addr);
+                }
+            }
+            Message::PeersPendingResult { pending } => w.bool(*pending),
+            Message::Kicked { reason } => w.str(reason),
+            Message::PeerHello { from, to, stream } => {
+                w.u32(from.0);
+                w.u32(to.0);
+                w.u16(*stream);
+            }
+            Message::Op(h) => {
+                w.u8(h.collective);
+                w.u64(h.epoch.0);
+                w.u64(h.seq);
+                w.u64(h.tag);
+                w.u8(h.dtype);
+                w.u8(h.op);
+                w.u64(h.count);
+            }
+        }
+    }
+
+    /// Decodes a body of the given kind. Never panics; checks every length before allocating.
+    ///
+    /// # Errors
+    /// [`WireError::UnknownKind`] for a kind this version does not know, or whatever is wrong
+    /// with the body.
+    pub fn decode_body(kind: u16, body: &[u8]) -> Result<Message, WireError> {
+        let mut r = Reader::new(body);
+        let message = match kind {
+            kind::JOIN => Message::Join { group: GroupId(r.u32()?), data_addr: r.str()? },
+            kind::HEARTBEAT => Message::Heartbeat,
+            kind::VOTE_UPDATE_TOPOLOGY => Message::VoteUpdateTopology,
+            kind::TOPOLOGY_READY => Message::TopologyReady { epoch: Epoch(r.u64()?) },
+            kind::VOTE_PEERS_PENDING => Message::VotePeersPending,
+            kind::LEAVE => Message::Leave,
+            kind::PEER_UNREACHABLE => {
+                Message::PeerUnreachable { epoch: Epoch(r.u64()?), peer: PeerId(r.u32()?) }
+            }
+            kind::REGISTERED => {
+                Message::Registered { peer: PeerId(r.u32()?), session: SessionId(r.u64()?) }
+            }
+            kind::TOPOLOGY => {
+                let epoch = Epoch(r.u64()?);
+                let count = r.count(MAX_MEMBERS, 4 + 4 + 2)?;
+                let mut members = Vec::with_capacity(count);
+                for _ in 0..count {
+                    members.push(Member {
+                        peer: PeerId(r.u32()?),
+                        group: GroupId(r.u32()?),
+                        addr: r.str()?,
+                    });
+                }
+                Message::Topology { epoch, members }
+            }
+            kind::TOPOLOGY_COMMITTED => Message::TopologyCommitted { epoch: Epoch(r.u64()?) },
+            kind::PEERS_PENDING_RESULT => {
+                Message::PeersPendingResult { pending: r.bool("pending")? }
+            }
+            kind::KICKED => Message::Kicked { reason: r.str()? },
+            kind::PEER_HELLO => Message::PeerHello {
+                from: PeerId(r.u32()?),
+                to: PeerId(r.u32()?),
+                stream: r.u16()?,
+            },
+            kind::OP => Message::Op(OpHeader {
+                collective: r.u8()?,
+                epoch: Epoch(r.u64()?),
+                seq: r.u64()?,
+                tag: r.u64()?,
+                dtype: r.u8()?,
+                op: r.u8()?,
+                count: r.u64()?,
+            }),
+            other => return Err(WireError::UnknownKind(other)),
+        };
+        r.finish()?;
+        Ok(message)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{decode_frame, encode_frame, HEADER_BYTES, MAX_STRING_BYTES};
+    use proptest::prelude::*;
+
+    fn member() -> impl Strategy<Value = Member> {
+        (any::<u32>(), any::<u32>(), "[a-z0-9.:]{0,40}").prop_map(|(p, g, addr)| Member {
+            peer: PeerId(p),
+            group: GroupId(g),
+            addr,
+        })
+    }
+
+    fn message() -> impl Strategy<Value = Message> {
+        prop_oneof![
+            (any::<u32>(), ".{0,64}")
+                .prop_map(|(g, a)| Message::Join { group: GroupId(g), data_addr: a }),
+            Just(Message::Heartbeat),
+            Just(Message::VoteUpdateTopology),
+            any::<u64>().prop_map(|e| Message::TopologyReady { epoch: Epoch(e) }),
+            Just(Message::VotePeersPending),
+            Just(Message::Leave),
+            (any::<u64>(), any::<u32>()).prop_map(|(e, p)| Message::PeerUnreachable {
+                epoch: Epoch(e),
+                peer: PeerId(p)
+            }),
+            (any::<u32>(), any::<u64>()).prop_map(|(p, s)| Message::Registered {
+                peer: PeerId(p),
+                session: SessionId(s)
+            }),
+            (any::<u64>(), prop::collection::vec(member(), 0..20))
+                .prop_map(|(e, members)| Message::Topology { epoch: Epoch(e), members }),
+            any::<u64>().prop_map(|e| Message::TopologyCommitted { epoch: Epoch(e) }),
+            any::<bool>().prop_map(|pending| Message::PeersPendingResult { pending }),
+            ".{0,100}".prop_map(|reason| Message::Kicked { reason }),
+            (any::<u32>(), any::<u32>(), any::<u16>()).prop_map(|(f, t, s)| {
+                Message::PeerHello { from: PeerId(f), to: PeerId(t), stream: s }
+            }),
+            (any::<(u8, u64, u64, u64, u8, u8, u64)>()).prop_map(|t| Message::Op(OpHeader {
+                collective: t.0,
+                epoch: Epoch(t.1),
+                seq: t.2,
+                tag: t.3,
+                dtype: t.4,
+                op: t.5,
+                count: t.6,
+            })),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn decode_of_encode_is_identity(m in message(), session in any::<u64>()) {
+            let bytes = encode_frame(SessionId(session), &m);
+            prop_assert_eq!(decode_frame(&bytes), Ok((SessionId(session), m)));
+        }
+
+        #[test]
+        fn decoding_arbitrary_bytes_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..200)) {
+            let _ = decode_frame(&bytes);
+            for kind in [1u16, 2, 7, 64, 65, 67, 68, 128, 129, 999] {
+                let _ = Message::decode_body(kind, &bytes);
+            }
+        }
+
+        #[test]
+        fn any_flipped_bit_is_detected(m in message(), bit in any::<prop::sample::Index>()) {
+            let mut bytes = encode_frame(SessionId(1), &m);
+            let i = bit.index(bytes.len() * 8);
+            bytes[i / 8] ^= 1 << (i % 8);
+            prop_assert!(decode_frame(&bytes).is_err());
+        }
+    }
+
+    #[test]
+    fn oversized_lengths_are_rejected_before_allocation() {
+        // A topology claiming four billion members in a tiny body must fail on the count.
+        let mut w = Writer::with_capacity(16);
+        w.u64(1);
+        w.u32(u32::MAX);
+        assert_eq!(
+            Message::decode_body(kind::TOPOLOGY, w.as_bytes()),
+            Err(WireError::TooManyEntries { len: u32::MAX as usize, max: MAX_MEMBERS })
+        );
+        // A count within the limit but larger than the bytes present is truncation.
+        let mut w = Writer::with_capacity(16);
+        w.u64(1);
+        w.u32(100);
+        assert_eq!(Message::decode_body(kind::TOPOLOGY, w.as_bytes()), Err(WireError::Truncated));
+        let mut w = Writer::with_capacity(16);
+        w.u16(u16::MAX);
+        assert_eq!(
+            Message::decode_body(kind::KICKED, w.as_bytes()),
+            Err(WireError::StringTooLong { len: u16::MAX as usize, max: MAX_STRING_BYTES })
+        );
+    }
+
+    #[test]
+    fn header_checks_name_the_problem() {
+        let mut bytes = encode_frame(SessionId(3), &Message::Leave);
+        bytes[0] = b'X';
+        assert!(matches!(decode_frame(&bytes), Err(WireError::BadMagic { .. })));
+        assert_eq!(decode_frame(&bytes[..HEADER_BYTES - 1]), Err(WireError::Truncated));
+        assert_eq!(
+            Message::decode_body(kind::LEAVE, &[0]),
+            Err(WireError::TrailingBytes(1))
+        );
+        assert_eq!(
+            Message::decode_body(kind::PEERS_PENDING_RESULT, &[2]),
+            Err(WireError::InvalidValue { field: "pending", value: 2 })
+        );
+    }
+}
