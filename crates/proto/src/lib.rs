@@ -1,1 +1,18 @@
-//! placeholder during bring-up
+//! shoal's protocol logic as sans-IO state machines.
+//!
+//! [`master::Master`] decides membership: who is registered, who is accepted, which topology is
+//! in force, and the votes (`update_topology`, `peers_pending`) that change or query it.
+//! [`peer::PeerView`] is a peer's side: what it has been told and what it must do next.
+//!
+//! Nothing here touches a socket, a thread or a clock: time arrives as an argument, output
+//! leaves through `poll_output`, and the same inputs always give the same outputs. That is what
+//! lets the drivers stay thin and the protocol be tested deterministically. `docs/protocol.md`
+//! holds the state diagram and the message table.
+#![warn(missing_docs)]
+#![deny(unsafe_code)]
+
+pub mod ballot;
+pub mod master;
+pub mod peer;
+
+pub use std::time::{Duration, Instant};

@@ -1,1 +1,218 @@
-//! placeholder during bring-up
+//! shoal's IO seam: opening TCP connections the way every shoal socket must be opened
+//! (`TCP_NODELAY` on both ends), reading and writing whole frames, and waiting for readiness on
+//! several sockets at once.
+//!
+//! This crate knows the frame format but not what any message means.
+#![warn(missing_docs)]
+
+use shoal_wire::{FrameHeader, Message, SessionId, WireError, HEADER_BYTES};
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
+use std::time::{Duration, Instant};
+
+/// What can go wrong reading or writing frames.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransportError {
+    /// The other side closed the connection.
+    #[error("connection closed by the other side")]
+    Closed,
+    /// The wait for data ran past its deadline.
+    #[error("timed out")]
+    TimedOut,
+    /// The bytes received are not a valid frame.
+    #[error("malformed frame: {0}")]
+    Wire(#[from] WireError),
+    /// A socket error.
+    #[error("{0}")]
+    Io(io::Error),
+}
+
+impl From<io::Error> for TransportError {
+    fn from(e: io::Error) -> Self {
+        match e.kind() {
+            io::ErrorKind::UnexpectedEof
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::BrokenPipe => TransportError::Closed,
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => TransportError::TimedOut,
+            _ => TransportError::Io(e),
+        }
+    }
+}
+
+/// Opens a TCP connection to `addr` (`host:port`), trying every address it resolves to, with
+/// `TCP_NODELAY` set.
+///
+/// # Errors
+/// The last connection error, or `InvalidInput` if `addr` resolves to nothing.
+pub fn connect(addr: &str, timeout: Duration) -> io::Result<TcpStream> {
+    let mut last = io::Error::new(io::ErrorKind::InvalidInput, format!("{addr} resolves to no address"));
+    for sa in addr.to_socket_addrs()? {
+        match TcpStream::connect_timeout(&sa, timeout) {
+            Ok(s) => {
+                s.set_nodelay(true)?;
+                return Ok(s);
+            }
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
+}
+
+/// Binds a listener on `addr` (`host:port`, port 0 for an ephemeral one).
+///
+/// # Errors
+/// Resolution or bind errors.
+pub fn listen(addr: &str) -> io::Result<TcpListener> {
+    TcpListener::bind(addr)
+}
+
+/// Accepts one connection and sets `TCP_NODELAY` on it: Nagle's algorithm and delayed ACKs
+/// would otherwise add tens of milliseconds to every small exchange.
+///
+/// # Errors
+/// Accept errors.
+pub fn accept(listener: &TcpListener) -> io::Result<(TcpStream, SocketAddr)> {
+    let (s, a) = listener.accept()?;
+    s.set_nodelay(true)?;
+    Ok((s, a))
+}
+
+/// Writes one framed message.
+///
+/// # Errors
+/// Socket errors.
+pub fn write_message(
+    stream: &mut impl Write,
+    session: SessionId,
+    message: &Message,
+) -> Result<(), TransportError> {
+    stream.write_all(&shoal_wire::encode_frame(session, message))?;
+    Ok(())
+}
+
+/// Reads one framed message, blocking (subject to the stream's read timeout).
+///
+/// # Errors
+/// [`TransportError::Closed`] at end of stream, [`TransportError::Wire`] for malformed bytes.
+pub fn read_message(stream: &mut impl Read) -> Result<(SessionId, Message), TransportError> {
+    let mut head = [0u8; HEADER_BYTES];
+    stream.read_exact(&mut head)?;
+    let header = FrameHeader::decode(&head)?;
+    // The length was checked against MAX_BODY_BYTES by `decode`.
+    let mut body = vec![0u8; header.body_len as usize];
+    stream.read_exact(&mut body)?;
+    Ok((header.session, shoal_wire::decode_body(&header, &body)?))
+}
+
+/// Reads one framed message from `stream`, waiting at most until `deadline`.
+///
+/// # Errors
+/// As [`read_message`], plus [`TransportError::TimedOut`].
+pub fn read_message_until(
+    stream: &mut TcpStream,
+    deadline: Instant,
+) -> Result<(SessionId, Message), TransportError> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(TransportError::TimedOut);
+    }
+    stream.set_read_timeout(Some(left))?;
+    let result = read_message(stream);
+    stream.set_read_timeout(None)?;
+    result
+}
+
+/// Readiness interest and result for one socket in [`poll`].
+#[derive(Debug, Clone, Copy)]
+pub struct PollFd {
+    fd: i32,
+    /// Wait until readable.
+    pub want_read: bool,
+    /// Wait until writable.
+    pub want_write: bool,
+    /// Readable (or closed, or in error) after the poll.
+    pub readable: bool,
+    /// Writable (or in error) after the poll.
+    pub writable: bool,
+}
+
+impl PollFd {
+    /// An entry for `socket` with no interest yet.
+    pub fn new(socket: &impl AsRawFd) -> Self {
+        PollFd {
+            fd: socket.as_raw_fd(),
+            want_read: false,
+            want_write: false,
+            readable: false,
+            writable: false,
+        }
+    }
+}
+
+/// Waits until at least one entry is ready or `timeout` passes; returns how many are ready.
+///
+/// # Errors
+/// Errors of `poll(2)` other than `EINTR`, which counts as nothing ready.
+pub fn poll(fds: &mut [PollFd], timeout: Duration) -> io::Result<usize> {
+    let mut raw: Vec<libc::pollfd> = fds
+        .iter()
+        .map(|f| libc::pollfd {
+            fd: if f.want_read || f.want_write { f.fd } else { -1 },
+            events: (if f.want_read { libc::POLLIN } else { 0 })
+                | (if f.want_write { libc::POLLOUT } else { 0 }),
+            revents: 0,
+        })
+        .collect();
+    let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
+    // SAFETY: `raw` is a valid, exclusively borrowed array of `raw.len()` pollfd structs that
+    // lives across the call; poll(2) only writes their `revents` fields.
+    let n = unsafe { libc::poll(raw.as_mut_ptr(), raw.len() as libc::nfds_t, ms) };
+    if n < 0 {
+        let e = io::Error::last_os_error();
+        return if e.kind() == io::ErrorKind::Interrupted { Ok(0) } else { Err(e) };
+    }
+    let bad = libc::POLLERR | libc::POLLHUP | libc::POLLNVAL;
+    for (f, r) in fds.iter_mut().zip(&raw) {
+        f.readable = r.revents & (libc::POLLIN | bad) != 0;
+        f.writable = r.revents & (libc::POLLOUT | bad) != 0;
+    }
+    Ok(n as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_cross_a_real_socket_and_garbage_is_named() {
+        let l = listen("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let mut c = connect(&addr, Duration::from_secs(1)).unwrap();
+        let (mut s, _) = accept(&l).unwrap();
+        assert!(s.nodelay().unwrap() && c.nodelay().unwrap());
+        write_message(&mut c, SessionId(9), &Message::Heartbeat).unwrap();
+        assert_eq!(read_message(&mut s).unwrap(), (SessionId(9), Message::Heartbeat));
+        c.write_all(&[0u8; HEADER_BYTES]).unwrap();
+        assert!(matches!(read_message(&mut s), Err(TransportError::Wire(WireError::BadMagic { .. }))));
+        let deadline = Instant::now() + Duration::from_millis(50);
+        assert!(matches!(read_message_until(&mut s, deadline), Err(TransportError::TimedOut)));
+        drop(c);
+        assert!(matches!(read_message(&mut s), Err(TransportError::Closed)));
+    }
+
+    #[test]
+    fn poll_reports_readable_sockets() {
+        let l = listen("127.0.0.1:0").unwrap();
+        let mut c = connect(&l.local_addr().unwrap().to_string(), Duration::from_secs(1)).unwrap();
+        let (s, _) = accept(&l).unwrap();
+        let mut fds = [PollFd::new(&s)];
+        fds[0].want_read = true;
+        assert_eq!(poll(&mut fds, Duration::from_millis(10)).unwrap(), 0);
+        c.write_all(b"x").unwrap();
+        assert_eq!(poll(&mut fds, Duration::from_secs(1)).unwrap(), 1);
+        assert!(fds[0].readable);
+    }
+}

@@ -1,0 +1,498 @@
+//! The master's state machine: membership, topology phases and votes.
+//!
+//! A peer's life at the master (see `docs/protocol.md`):
+//!
+//! ```text
+//!  Join ──▶ Registered ──(update_topology vote passes, or no accepted peer exists)──▶ in a
+//!  Topology being connected ──(every member TopologyReady)──▶ Accepted
+//!  any state ──(connection closed, missed heartbeats, Leave, protocol violation)──▶ removed
+//! ```
+//!
+//! The run has one [`Phase`] at a time. `peers_pending` votes are independent of the phase.
+
+mod timers;
+
+use crate::ballot::Ballot;
+use shoal_wire::{Epoch, GroupId, Member, Message, PeerId, SessionId};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::{Duration, Instant};
+pub use timers::{Timer, TimerTable};
+
+/// A control connection, as numbered by the driver.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ConnId(pub u64);
+
+/// Settings of the master state machine.
+#[derive(Debug, Clone)]
+pub struct MasterConfig {
+    /// The run's session id, written in every frame.
+    pub session: SessionId,
+    /// How long a peer may stay silent before it is declared dead.
+    pub heartbeat_timeout: Duration,
+}
+
+/// What the driver must do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use]
+pub enum Output {
+    /// Send `message` on `conn`.
+    Send {
+        /// The connection.
+        conn: ConnId,
+        /// The message.
+        message: Message,
+    },
+    /// Close `conn`; `reason` is for the log.
+    Close {
+        /// The connection.
+        conn: ConnId,
+        /// Why.
+        reason: String,
+    },
+    /// Something worth logging or counting happened.
+    Event(MasterEvent),
+}
+
+/// Facts about the run, reported for logs, status and tests.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MasterEvent {
+    /// A peer registered.
+    PeerRegistered {
+        /// The new peer.
+        peer: PeerId,
+        /// Its group.
+        group: GroupId,
+        /// The address it advertises.
+        addr: String,
+    },
+    /// A peer left the run.
+    PeerRemoved {
+        /// The peer.
+        peer: PeerId,
+        /// Why.
+        reason: String,
+    },
+    /// A topology was issued for peers to connect.
+    TopologyIssued {
+        /// Its number.
+        epoch: Epoch,
+        /// Its members in ring order.
+        members: Vec<PeerId>,
+    },
+    /// A topology came into force.
+    TopologyCommitted {
+        /// Its number.
+        epoch: Epoch,
+        /// Its members in ring order.
+        members: Vec<PeerId>,
+    },
+}
+
+/// What the run as a whole is doing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Phase {
+    /// No major operation.
+    Idle,
+    /// Accepted peers are voting to update the topology.
+    AwaitingTopologyVotes {
+        /// The vote.
+        ballot: Ballot,
+    },
+    /// A topology was issued; its members are opening their data connections.
+    AwaitingConnections {
+        /// The issued topology.
+        epoch: Epoch,
+        /// Its members in ring order.
+        members: Vec<PeerId>,
+        /// Members that reported `TopologyReady`.
+        ready: BTreeSet<PeerId>,
+    },
+}
+
+/// Where a peer stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    /// Joined; awaits admission.
+    Registered,
+    /// Member of the committed topology.
+    Accepted,
+}
+
+#[derive(Debug, Clone)]
+struct PeerEntry {
+    conn: ConnId,
+    group: GroupId,
+    addr: String,
+    status: Status,
+    last_heard: Instant,
+}
+
+/// The master's protocol state machine.
+#[derive(Debug)]
+pub struct Master {
+    config: MasterConfig,
+    peers: BTreeMap<PeerId, PeerEntry>,
+    conns: BTreeMap<ConnId, PeerId>,
+    next_peer: u32,
+    epoch: Epoch,
+    /// Accepted peers in ring order: the committed topology.
+    ring: Vec<PeerId>,
+    phase: Phase,
+    pending_vote: Option<Ballot>,
+    timers: TimerTable,
+    outputs: VecDeque<Output>,
+}
+
+impl Master {
+    /// A master with no peers.
+    pub fn new(config: MasterConfig, now: Instant) -> Self {
+        assert!(!config.heartbeat_timeout.is_zero(), "heartbeat timeout of zero");
+        let mut timers = TimerTable::default();
+        timers.set(Timer::SendHeartbeats, now + heartbeat_interval(config.heartbeat_timeout));
+        Master {
+            config,
+            peers: BTreeMap::new(),
+            conns: BTreeMap::new(),
+            next_peer: 0,
+            epoch: Epoch(0),
+            ring: Vec::new(),
+            phase: Phase::Idle,
+            pending_vote: None,
+            timers,
+            outputs: VecDeque::new(),
+        }
+    }
+
+    // ----- getters -----
+
+    /// The run's session id.
+    pub fn session(&self) -> SessionId {
+        self.config.session
+    }
+
+    /// The current phase.
+    pub fn phase(&self) -> &Phase {
+        &self.phase
+    }
+
+    /// The committed ring: accepted peers in ring order.
+    pub fn ring(&self) -> &[PeerId] {
+        &self.ring
+    }
+
+    /// Every known peer and its status.
+    pub fn peers(&self) -> impl Iterator<Item = (PeerId, Status)> + '_ {
+        self.peers.iter().map(|(id, e)| (*id, e.status))
+    }
+
+    /// The last epoch issued.
+    pub fn epoch(&self) -> Epoch {
+        self.epoch
+    }
+
+    // ----- inputs -----
+
+    /// A message arrived on `conn` in a frame stamped with `session`.
+    pub fn handle_message(&mut self, now: Instant, conn: ConnId, session: SessionId, message: Message) {
+        let Some(&peer) = self.conns.get(&conn) else {
+            return self.handle_first_message(now, conn, message);
+        };
+        if session != self.config.session {
+            return self.violation(peer, format!("frame of session {session:?} in another run"));
+        }
+        // Every message counts as a sign of life.
+        if let Some(e) = self.peers.get_mut(&peer) {
+            e.last_heard = now;
+        }
+        let accepted = self.peers.get(&peer).is_some_and(|e| e.status == Status::Accepted);
+        match message {
+            Message::Heartbeat => {}
+            Message::VoteUpdateTopology if accepted => self.vote_update_topology(peer),
+            Message::VotePeersPending if accepted => self.vote_peers_pending(peer),
+            Message::TopologyReady { epoch } => self.topology_ready(peer, epoch),
+            Message::PeerUnreachable { epoch, peer: target } => {
+                self.peer_unreachable(peer, epoch, target)
+            }
+            Message::Leave => {
+                self.remove_peer(peer, "left the run".into());
+            }
+            other => self.violation(peer, format!("unexpected {} from {peer}", other.name())),
+        }
+    }
+
+    /// `conn` closed (or its reader failed with `reason`).
+    pub fn handle_disconnect(&mut self, _now: Instant, conn: ConnId, reason: &str) {
+        if let Some(peer) = self.conns.get(&conn).copied() {
+            self.remove_peer(peer, format!("control connection lost: {reason}"));
+        }
+    }
+
+    /// Time passed; fire whatever timers are due.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        while let Some(timer) = self.timers.pop_due(now) {
+            match timer {
+                Timer::SendHeartbeats => {
+                    let conns: Vec<ConnId> = self.peers.values().map(|e| e.conn).collect();
+                    for conn in conns {
+                        self.send(conn, Message::Heartbeat);
+                    }
+                    let interval = heartbeat_interval(self.config.heartbeat_timeout);
+                    self.timers.set(Timer::SendHeartbeats, now + interval);
+                }
+                Timer::CheckHeartbeats => {}
+            }
+        }
+        let timeout = self.config.heartbeat_timeout;
+        let silent: Vec<PeerId> = self
+            .peers
+            .iter()
+            .filter(|(_, e)| now.saturating_duration_since(e.last_heard) > timeout)
+            .map(|(id, _)| *id)
+            .collect();
+        for peer in silent {
+            self.remove_peer(peer, format!("no message for {:.1} s", timeout.as_secs_f64()));
+        }
+        self.arm_heartbeat_check();
+    }
+
+    // ----- outputs -----
+
+    /// The next thing the driver must do.
+    pub fn poll_output(&mut self) -> Option<Output> {
+        self.outputs.pop_front()
+    }
+
+    /// When [`Master::handle_timeout`] must next be called.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.timers.next_deadline()
+    }
+
+    // ----- transitions -----
+
+    fn handle_first_message(&mut self, now: Instant, conn: ConnId, message: Message) {
+        let Message::Join { group, data_addr } = message else {
+            let reason = format!("expected Join as first message, got {}", message.name());
+            return self.outputs.push_back(Output::Close { conn, reason });
+        };
+        let peer = PeerId(self.next_peer);
+        self.next_peer = self.next_peer.checked_add(1).expect("peer ids exhausted");
+        let entry = PeerEntry { conn, group, addr: data_addr.clone(), status: Status::Registered, last_heard: now };
+        self.peers.insert(peer, entry);
+        self.conns.insert(conn, peer);
+        self.outputs.push_back(Output::Event(MasterEvent::PeerRegistered { peer, group, addr: data_addr }));
+        self.send(conn, Message::Registered { peer, session: self.config.session });
+        self.arm_heartbeat_check();
+        self.admit_without_vote_if_alone();
+    }
+
+    /// The first peers of a run (or the first after every accepted peer left) have nobody to
+    /// vote them in: they are admitted at once.
+    fn admit_without_vote_if_alone(&mut self) {
+        if self.phase == Phase::Idle && self.ring.is_empty() {
+            let newcomers = self.registered();
+            if !newcomers.is_empty() {
+                self.issue_topology(newcomers);
+            }
+        }
+    }
+
+    fn vote_update_topology(&mut self, peer: PeerId) {
+        match &mut self.phase {
+            Phase::Idle => {
+                let mut ballot = Ballot::new(self.ring.iter().copied().collect());
+                ballot.cast(peer);
+                self.set_phase(Phase::AwaitingTopologyVotes { ballot });
+            }
+            Phase::AwaitingTopologyVotes { ballot } => ballot.cast(peer),
+            Phase::AwaitingConnections { .. } => {
+                return self.violation(peer, "update_topology vote while a topology connects".into());
+            }
+        }
+        self.tally_topology_votes();
+    }
+
+    fn tally_topology_votes(&mut self) {
+        let Phase::AwaitingTopologyVotes { ballot } = &self.phase else { return };
+        if ballot.is_empty() {
+            self.set_phase(Phase::Idle);
+            return self.admit_without_vote_if_alone();
+        }
+        let Some(quorum) = ballot.tally() else { return };
+        let mut members: Vec<PeerId> =
+            self.ring.iter().copied().filter(|p| quorum.voters().contains(p)).collect();
+        members.extend(self.registered());
+        self.issue_topology(members);
+    }
+
+    fn issue_topology(&mut self, members: Vec<PeerId>) {
+        assert!(!members.is_empty(), "issuing an empty topology");
+        debug_assert!(members.iter().all(|p| self.peers.contains_key(p)), "unknown member");
+        self.epoch = Epoch(self.epoch.0 + 1);
+        let epoch = self.epoch;
+        let wire_members: Vec<Member> = members
+            .iter()
+            .map(|p| {
+                let e = &self.peers[p];
+                Member { peer: *p, group: e.group, addr: e.addr.clone() }
+            })
+            .collect();
+        for p in &members {
+            let conn = self.peers[p].conn;
+            self.send(conn, Message::Topology { epoch, members: wire_members.clone() });
+        }
+        self.outputs.push_back(Output::Event(MasterEvent::TopologyIssued { epoch, members: members.clone() }));
+        self.set_phase(Phase::AwaitingConnections { epoch, members, ready: BTreeSet::new() });
+    }
+
+    fn topology_ready(&mut self, peer: PeerId, epoch: Epoch) {
+        let Phase::AwaitingConnections { epoch: current, members, ready } = &mut self.phase else {
+            return; // A late report for a topology that was replaced.
+        };
+        if epoch != *current {
+            return;
+        }
+        if !members.contains(&peer) {
+            return self.violation(peer, format!("TopologyReady for {epoch:?} from a non-member"));
+        }
+        ready.insert(peer);
+        if ready.len() < members.len() {
+            return;
+        }
+        let members = members.clone();
+        for p in &members {
+            let e = self.peers.get_mut(p).expect("members are known peers");
+            e.status = Status::Accepted;
+            let conn = e.conn;
+            self.send(conn, Message::TopologyCommitted { epoch });
+        }
+        self.ring = members.clone();
+        self.outputs.push_back(Output::Event(MasterEvent::TopologyCommitted { epoch, members }));
+        self.set_phase(Phase::Idle);
+    }
+
+    fn peer_unreachable(&mut self, reporter: PeerId, epoch: Epoch, target: PeerId) {
+        let Phase::AwaitingConnections { epoch: current, members, .. } = &self.phase else { return };
+        if epoch != *current || !members.contains(&target) {
+            return;
+        }
+        // A newcomer that an accepted peer cannot reach is rejected; between two accepted
+        // peers we cannot tell who is at fault, and drop the one that was reported.
+        log::warn!("{reporter} cannot reach {target}; removing {target} from the run");
+        let conn = self.peers[&target].conn;
+        self.send(conn, Message::Kicked { reason: format!("{reporter} could not connect to you") });
+        self.remove_peer(target, format!("unreachable from {reporter}"));
+    }
+
+    fn vote_peers_pending(&mut self, peer: PeerId) {
+        let ring = &self.ring;
+        let ballot = self.pending_vote.get_or_insert_with(|| Ballot::new(ring.iter().copied().collect()));
+        ballot.cast(peer);
+        self.tally_pending_votes();
+    }
+
+    fn tally_pending_votes(&mut self) {
+        let Some(quorum) = self.pending_vote.as_ref().and_then(Ballot::tally) else {
+            if self.pending_vote.as_ref().is_some_and(Ballot::is_empty) {
+                self.pending_vote = None;
+            }
+            return;
+        };
+        self.pending_vote = None;
+        let pending = !self.registered().is_empty();
+        for p in quorum.voters() {
+            let conn = self.peers[p].conn;
+            self.send(conn, Message::PeersPendingResult { pending });
+        }
+    }
+
+    fn remove_peer(&mut self, peer: PeerId, reason: String) {
+        let Some(entry) = self.peers.remove(&peer) else { return };
+        self.conns.remove(&entry.conn);
+        log::info!("{peer} removed: {reason}");
+        self.outputs.push_back(Output::Close { conn: entry.conn, reason: reason.clone() });
+        self.outputs.push_back(Output::Event(MasterEvent::PeerRemoved { peer, reason }));
+        self.ring.retain(|p| *p != peer);
+        if let Some(b) = &mut self.pending_vote {
+            b.remove(peer);
+            self.tally_pending_votes();
+        }
+        match &mut self.phase {
+            Phase::Idle => self.admit_without_vote_if_alone(),
+            Phase::AwaitingTopologyVotes { ballot } => {
+                ballot.remove(peer);
+                self.tally_topology_votes();
+            }
+            Phase::AwaitingConnections { members, .. } => {
+                if members.contains(&peer) {
+                    // The issued topology can never be complete: issue it again without the
+                    // lost member. Everyone re-establishes against the new epoch.
+                    let remaining: Vec<PeerId> = members.iter().copied().filter(|p| *p != peer).collect();
+                    if remaining.is_empty() {
+                        self.set_phase(Phase::Idle);
+                        self.admit_without_vote_if_alone();
+                    } else {
+                        self.issue_topology(remaining);
+                    }
+                }
+            }
+        }
+        self.arm_heartbeat_check();
+    }
+
+    fn violation(&mut self, peer: PeerId, reason: String) {
+        log::warn!("protocol violation by {peer}: {reason}");
+        if let Some(e) = self.peers.get(&peer) {
+            let conn = e.conn;
+            self.send(conn, Message::Kicked { reason: format!("protocol violation: {reason}") });
+        }
+        self.remove_peer(peer, format!("protocol violation: {reason}"));
+    }
+
+    fn set_phase(&mut self, next: Phase) {
+        let legal = matches!(
+            (&self.phase, &next),
+            (Phase::Idle, Phase::AwaitingTopologyVotes { .. })
+                | (Phase::Idle, Phase::AwaitingConnections { .. })
+                | (Phase::AwaitingTopologyVotes { .. }, Phase::AwaitingConnections { .. })
+                | (Phase::AwaitingTopologyVotes { .. }, Phase::Idle)
+                | (Phase::AwaitingConnections { .. }, Phase::AwaitingConnections { .. })
+                | (Phase::AwaitingConnections { .. }, Phase::Idle)
+        );
+        assert!(legal, "illegal phase transition {:?} -> {:?}", self.phase, next);
+        log::debug!("phase {} -> {}", phase_name(&self.phase), phase_name(&next));
+        self.phase = next;
+    }
+
+    fn registered(&self) -> Vec<PeerId> {
+        self.peers.iter().filter(|(_, e)| e.status == Status::Registered).map(|(id, _)| *id).collect()
+    }
+
+    fn send(&mut self, conn: ConnId, message: Message) {
+        self.outputs.push_back(Output::Send { conn, message });
+    }
+
+    fn arm_heartbeat_check(&mut self) {
+        let timeout = self.config.heartbeat_timeout;
+        match self.peers.values().map(|e| e.last_heard).min() {
+            // A millisecond past the deadline, so the check sees the peer as overdue.
+            Some(oldest) => self.timers.set(Timer::CheckHeartbeats, oldest + timeout + Duration::from_millis(1)),
+            None => self.timers.clear(Timer::CheckHeartbeats),
+        }
+    }
+}
+
+fn phase_name(p: &Phase) -> &'static str {
+    match p {
+        Phase::Idle => "Idle",
+        Phase::AwaitingTopologyVotes { .. } => "AwaitingTopologyVotes",
+        Phase::AwaitingConnections { .. } => "AwaitingConnections",
+    }
+}
+
+/// Heartbeats go out four times per timeout, so one or two lost or late ones never expel a peer.
+pub fn heartbeat_interval(timeout: Duration) -> Duration {
+    timeout / 4
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,164 @@
+//! A peer's view of the protocol: what the master has told it, and where it stands in its ring.
+
+use shoal_wire::{Epoch, GroupId, Member, Message, PeerId, SessionId};
+
+/// What the peer has learned from the master.
+#[derive(Debug, Clone, Default)]
+pub struct PeerView {
+    /// Our id and the run's session, once registered.
+    pub registered: Option<(PeerId, SessionId)>,
+    /// The latest topology issued to us, not yet committed.
+    pub issued: Option<(Epoch, Vec<Member>)>,
+    /// The topology in force for us.
+    pub committed: Option<(Epoch, Vec<Member>)>,
+    /// The answer of the last `peers_pending` vote, until consumed.
+    pub pending_result: Option<bool>,
+    /// Why the master expelled us, if it did.
+    pub kicked: Option<String>,
+}
+
+/// A fact the peer learned from one message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PeerEvent {
+    /// Nothing new (a heartbeat).
+    Nothing,
+    /// We are registered.
+    Registered,
+    /// A topology was issued: open its connections.
+    TopologyIssued(Epoch),
+    /// A topology is in force.
+    TopologyCommitted(Epoch),
+    /// A `peers_pending` vote ended.
+    PeersPendingResult(bool),
+    /// We were expelled.
+    Kicked,
+}
+
+/// The master sent something a peer never expects.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unexpected {got} from the master: {why}")]
+pub struct UnexpectedMessage {
+    /// The message's name.
+    pub got: &'static str,
+    /// Why it is unexpected.
+    pub why: &'static str,
+}
+
+/// Our place in our group's ring.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RingPosition {
+    /// The topology.
+    pub epoch: Epoch,
+    /// Our index in the group's ring.
+    pub rank: usize,
+    /// The group's ring, in order.
+    pub ring: Vec<Member>,
+    /// Members of the whole run.
+    pub world_size: usize,
+}
+
+impl RingPosition {
+    /// Number of peers in our group.
+    pub fn group_size(&self) -> usize {
+        self.ring.len()
+    }
+    /// The member we send to.
+    pub fn next(&self) -> &Member {
+        &self.ring[(self.rank + 1) % self.ring.len()]
+    }
+    /// The member we receive from.
+    pub fn prev(&self) -> &Member {
+        &self.ring[(self.rank + self.ring.len() - 1) % self.ring.len()]
+    }
+}
+
+impl PeerView {
+    /// Applies one message from the master.
+    ///
+    /// # Errors
+    /// [`UnexpectedMessage`] for messages a master never sends, or sends out of order.
+    pub fn handle_message(&mut self, message: Message) -> Result<PeerEvent, UnexpectedMessage> {
+        let unexpected = |why| Err(UnexpectedMessage { got: message.name(), why });
+        Ok(match message {
+            Message::Heartbeat => PeerEvent::Nothing,
+            Message::Registered { peer, session } => {
+                if self.registered.is_some() {
+                    return unexpected("already registered");
+                }
+                self.registered = Some((peer, session));
+                PeerEvent::Registered
+            }
+            Message::Topology { epoch, ref members } => {
+                let Some((me, _)) = self.registered else { return unexpected("not registered") };
+                if !members.iter().any(|m| m.peer == me) {
+                    return unexpected("topology without us");
+                }
+                if self.committed.as_ref().is_some_and(|(e, _)| *e >= epoch) {
+                    return unexpected("topology epoch went backwards");
+                }
+                self.issued = Some((epoch, members.clone()));
+                PeerEvent::TopologyIssued(epoch)
+            }
+            Message::TopologyCommitted { epoch } => match self.issued.take() {
+                Some((issued, members)) if issued == epoch => {
+                    self.committed = Some((epoch, members));
+                    PeerEvent::TopologyCommitted(epoch)
+                }
+                other => {
+                    self.issued = other;
+                    return unexpected("commit of a topology not issued to us");
+                }
+            },
+            Message::PeersPendingResult { pending } => {
+                self.pending_result = Some(pending);
+                PeerEvent::PeersPendingResult(pending)
+            }
+            Message::Kicked { reason } => {
+                self.kicked = Some(reason);
+                PeerEvent::Kicked
+            }
+            _ => return unexpected("not a master-to-peer message"),
+        })
+    }
+
+    /// Our position in the ring of `members` (an issued or committed topology).
+    ///
+    /// # Panics
+    /// If we are not registered or not a member: [`PeerView::handle_message`] rejects such
+    /// topologies.
+    pub fn position(&self, epoch: Epoch, members: &[Member]) -> RingPosition {
+        let (me, _) = self.registered.expect("a topology is only accepted once registered");
+        let group: GroupId = members.iter().find(|m| m.peer == me).expect("we are a member").group;
+        let ring: Vec<Member> = members.iter().filter(|m| m.group == group).cloned().collect();
+        let rank = ring.iter().position(|m| m.peer == me).expect("we are in our group's ring");
+        RingPosition { epoch, rank, ring, world_size: members.len() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn member(p: u32, g: u32) -> Member {
+        Member { peer: PeerId(p), group: GroupId(g), addr: format!("h:{p}") }
+    }
+
+    #[test]
+    fn ring_position_is_taken_within_our_group() {
+        let mut v = PeerView::default();
+        v.handle_message(Message::Registered { peer: PeerId(3), session: SessionId(1) }).unwrap();
+        let members = vec![member(1, 0), member(2, 1), member(3, 0), member(4, 0)];
+        let ev = v.handle_message(Message::Topology { epoch: Epoch(2), members: members.clone() });
+        assert_eq!(ev, Ok(PeerEvent::TopologyIssued(Epoch(2))));
+        let pos = v.position(Epoch(2), &members);
+        assert_eq!((pos.rank, pos.group_size(), pos.world_size), (1, 3, 4));
+        assert_eq!((pos.prev().peer, pos.next().peer), (PeerId(1), PeerId(4)));
+        assert!(v.handle_message(Message::TopologyCommitted { epoch: Epoch(1) }).is_err());
+        assert_eq!(
+            v.handle_message(Message::TopologyCommitted { epoch: Epoch(2) }),
+            Ok(PeerEvent::TopologyCommitted(Epoch(2)))
+        );
+        assert!(v.handle_message(Message::Topology { epoch: Epoch(2), members }).is_err());
+        assert!(v.handle_message(Message::VotePeersPending).is_err());
+    }
+}
