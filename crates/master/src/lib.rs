@@ -1,1 +1,241 @@
-//! placeholder during bring-up
+//! shoal's master: accepts control connections and drives [`shoal_proto::master::Master`] over
+//! them. It coordinates membership and votes; it never carries tensor data.
+//!
+//! Threads: one accepts connections, one per connection reads and decodes frames, and one — the
+//! driver — owns the state machine: it feeds it every input in arrival order, writes what it
+//! outputs, and fires its timers. All protocol decisions are the state machine's.
+#![warn(missing_docs)]
+#![deny(unsafe_code)]
+
+use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output};
+use shoal_transport::{accept, read_message, write_message, PollFd};
+use shoal_wire::{Message, SessionId};
+use std::collections::BTreeMap;
+use std::hash::{BuildHasher, RandomState};
+use std::io;
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+/// Default time a silent peer is tolerated before it is declared dead.
+pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(15);
+/// Longest a write to one peer may block the driver: a frozen peer must not freeze the run.
+const WRITE_TIMEOUT_MAX: Duration = Duration::from_secs(1);
+
+/// How to run a master.
+#[derive(Debug, Clone)]
+pub struct MasterOptions {
+    /// `host:port` to listen on (port 0: ephemeral).
+    pub listen: String,
+    /// How long a silent peer is tolerated (`SHOAL_HEARTBEAT_TIMEOUT`).
+    pub heartbeat_timeout: Duration,
+}
+
+impl MasterOptions {
+    /// Options for `listen`, with the heartbeat timeout from the environment or the default.
+    ///
+    /// # Errors
+    /// If `SHOAL_HEARTBEAT_TIMEOUT` is malformed.
+    pub fn from_env(listen: &str) -> Result<Self, shoal_config::ConfigError> {
+        Ok(MasterOptions {
+            listen: listen.to_string(),
+            heartbeat_timeout: shoal_config::env_seconds("SHOAL_HEARTBEAT_TIMEOUT")?
+                .unwrap_or(DEFAULT_HEARTBEAT_TIMEOUT),
+        })
+    }
+}
+
+/// A running master. Stops when [`MasterServer::stop`] is called or it is dropped.
+pub struct MasterServer {
+    addr: SocketAddr,
+    session: SessionId,
+    inputs: Sender<Input>,
+    stop: Arc<AtomicBool>,
+    driver: Option<JoinHandle<()>>,
+}
+
+enum Input {
+    Connected(ConnId, TcpStream),
+    Message(ConnId, SessionId, Message),
+    Closed(ConnId, String),
+    Stop,
+}
+
+impl MasterServer {
+    /// Binds `options.listen` and starts serving.
+    ///
+    /// # Errors
+    /// If the address cannot be bound or a thread cannot be spawned.
+    pub fn start(options: MasterOptions) -> io::Result<MasterServer> {
+        shoal_config::init_logging();
+        if options.heartbeat_timeout.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "heartbeat timeout must be positive"));
+        }
+        let listener = shoal_transport::listen(&options.listen)?;
+        listener.set_nonblocking(true)?;
+        let addr = listener.local_addr()?;
+        let session = SessionId(RandomState::new().hash_one((std::process::id(), Instant::now())));
+        let (tx, rx) = mpsc::channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (accept_tx, accept_stop) = (tx.clone(), stop.clone());
+        thread::Builder::new()
+            .name("shoal-master-accept".into())
+            .spawn(move || accept_loop(listener, accept_tx, accept_stop))?;
+        let config = MasterConfig { session, heartbeat_timeout: options.heartbeat_timeout };
+        let write_timeout = (options.heartbeat_timeout / 4).min(WRITE_TIMEOUT_MAX);
+        let driver = thread::Builder::new()
+            .name("shoal-master".into())
+            .spawn(move || drive(Master::new(config, Instant::now()), rx, write_timeout))?;
+        log::info!("master listening on {addr} (session {:016x})", session.0);
+        Ok(MasterServer { addr, session, inputs: tx, stop, driver: Some(driver) })
+    }
+
+    /// The address the master listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The run's session id.
+    pub fn session(&self) -> SessionId {
+        self.session
+    }
+
+    /// Stops serving and closes every connection. Idempotent.
+    pub fn stop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        let _ = self.inputs.send(Input::Stop);
+        if let Some(d) = self.driver.take() {
+            let _ = d.join();
+        }
+    }
+}
+
+impl Drop for MasterServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn accept_loop(listener: TcpListener, inputs: Sender<Input>, stop: Arc<AtomicBool>) {
+    let mut next_conn = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        let mut fds = [PollFd::new(&listener)];
+        fds[0].want_read = true;
+        if shoal_transport::poll(&mut fds, Duration::from_millis(100)).unwrap_or(0) == 0 {
+            continue;
+        }
+        let (stream, from) = match accept(&listener) {
+            Ok(x) => x,
+            Err(e) => {
+                log::debug!("accept failed: {e}");
+                continue;
+            }
+        };
+        let conn = ConnId(next_conn);
+        next_conn += 1;
+        let reader = match stream.set_nonblocking(false).and_then(|()| stream.try_clone()) {
+            Ok(r) => r,
+            Err(e) => {
+                log::warn!("dropping connection from {from}: {e}");
+                continue;
+            }
+        };
+        log::debug!("connection {} from {from}", conn.0);
+        if inputs.send(Input::Connected(conn, stream)).is_err() {
+            return;
+        }
+        let tx = inputs.clone();
+        let spawned = thread::Builder::new()
+            .name("shoal-master-read".into())
+            .spawn(move || read_loop(conn, reader, tx));
+        if let Err(e) = spawned {
+            let _ = inputs.send(Input::Closed(conn, format!("cannot spawn reader: {e}")));
+        }
+    }
+}
+
+fn read_loop(conn: ConnId, mut stream: TcpStream, inputs: Sender<Input>) {
+    loop {
+        let input = match read_message(&mut stream) {
+            Ok((session, message)) => Input::Message(conn, session, message),
+            Err(e) => Input::Closed(conn, e.to_string()),
+        };
+        let closed = matches!(input, Input::Closed(..));
+        if inputs.send(input).is_err() || closed {
+            return;
+        }
+    }
+}
+
+fn drive(mut master: Master, inputs: Receiver<Input>, write_timeout: Duration) {
+    let mut streams: BTreeMap<ConnId, TcpStream> = BTreeMap::new();
+    loop {
+        let wait = master
+            .poll_timeout()
+            .map_or(Duration::from_secs(1), |t| t.saturating_duration_since(Instant::now()));
+        match inputs.recv_timeout(wait) {
+            Ok(Input::Connected(conn, stream)) => {
+                if let Err(e) = stream.set_write_timeout(Some(write_timeout)) {
+                    log::warn!("connection {}: {e}", conn.0);
+                }
+                streams.insert(conn, stream);
+            }
+            Ok(Input::Message(conn, session, message)) => {
+                log::trace!("connection {}: {message:?}", conn.0);
+                master.handle_message(Instant::now(), conn, session, message);
+            }
+            Ok(Input::Closed(conn, reason)) => {
+                master.handle_disconnect(Instant::now(), conn, &reason);
+                streams.remove(&conn);
+            }
+            Ok(Input::Stop) | Err(RecvTimeoutError::Disconnected) => break,
+            Err(RecvTimeoutError::Timeout) => {}
+        }
+        let now = Instant::now();
+        if master.poll_timeout().is_some_and(|t| t <= now) {
+            master.handle_timeout(now);
+        }
+        while let Some(output) = master.poll_output() {
+            match output {
+                Output::Send { conn, message } => {
+                    let Some(stream) = streams.get_mut(&conn) else { continue };
+                    if let Err(e) = write_message(stream, master.session(), &message) {
+                        // The reader sees the shutdown and reports the connection closed.
+                        log::warn!("connection {}: cannot send {}: {e}", conn.0, message.name());
+                        let _ = stream.shutdown(Shutdown::Both);
+                    }
+                }
+                Output::Close { conn, reason } => {
+                    if let Some(stream) = streams.remove(&conn) {
+                        log::debug!("closing connection {}: {reason}", conn.0);
+                        let _ = stream.shutdown(Shutdown::Both);
+                    }
+                }
+                Output::Event(event) => log_event(&event),
+            }
+        }
+    }
+    for stream in streams.values() {
+        let _ = stream.shutdown(Shutdown::Both);
+    }
+    log::info!("master stopped");
+}
+
+fn log_event(event: &MasterEvent) {
+    match event {
+        MasterEvent::PeerRegistered { peer, group, addr } => {
+            log::info!("{peer} registered in group {} at {addr}", group.0)
+        }
+        MasterEvent::PeerRemoved { peer, reason } => log::info!("{peer} removed: {reason}"),
+        MasterEvent::TopologyIssued { epoch, members } => {
+            log::debug!("topology {} issued: {members:?}", epoch.0)
+        }
+        MasterEvent::TopologyCommitted { epoch, members } => {
+            let ids: Vec<String> = members.iter().map(ToString::to_string).collect();
+            log::info!("topology {} committed: ring [{}]", epoch.0, ids.join(" -> "))
+        }
+    }
+}

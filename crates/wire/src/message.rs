@@ -120,6 +120,8 @@ pub enum Message {
         to: PeerId,
         /// Index of this stream in the pair's pool.
         stream: u16,
+        /// Size of the pool the dialer opens to this peer.
+        streams: u16,
     },
     /// Peer → peer on a data stream: the collective whose bytes follow.
     Op(OpHeader),
@@ -218,10 +220,11 @@ impl Message {
             }
             Message::PeersPendingResult { pending } => w.bool(*pending),
             Message::Kicked { reason } => w.str(reason),
-            Message::PeerHello { from, to, stream } => {
+            Message::PeerHello { from, to, stream, streams } => {
                 w.u32(from.0);
                 w.u32(to.0);
                 w.u16(*stream);
+                w.u16(*streams);
             }
             Message::Op(h) => {
                 w.u8(h.collective);
@@ -277,6 +280,7 @@ impl Message {
                 from: PeerId(r.u32()?),
                 to: PeerId(r.u32()?),
                 stream: r.u16()?,
+                streams: r.u16()?,
             },
             kind::OP => Message::Op(OpHeader {
                 collective: r.u8()?,
@@ -330,8 +334,8 @@ mod tests {
             any::<u64>().prop_map(|e| Message::TopologyCommitted { epoch: Epoch(e) }),
             any::<bool>().prop_map(|pending| Message::PeersPendingResult { pending }),
             ".{0,100}".prop_map(|reason| Message::Kicked { reason }),
-            (any::<u32>(), any::<u32>(), any::<u16>()).prop_map(|(f, t, s)| {
-                Message::PeerHello { from: PeerId(f), to: PeerId(t), stream: s }
+            (any::<u32>(), any::<u32>(), any::<u16>(), any::<u16>()).prop_map(|(f, t, s, n)| {
+                Message::PeerHello { from: PeerId(f), to: PeerId(t), stream: s, streams: n }
             }),
             (any::<(u8, u64, u64, u64, u8, u8, u64)>()).prop_map(|t| Message::Op(OpHeader {
                 collective: t.0,

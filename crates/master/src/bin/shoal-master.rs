@@ -1,0 +1,39 @@
+//! `shoal-master --listen HOST:PORT`: runs a master in the foreground until killed.
+//! The Python package's `shoal master` does the same; this binary needs no Python.
+
+use shoal_master::{MasterOptions, MasterServer};
+use std::time::Duration;
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let mut listen = "0.0.0.0:48148".to_string();
+    let mut heartbeat: Option<f64> = None;
+    while let Some(a) = args.next() {
+        match (a.as_str(), args.next()) {
+            ("--listen", Some(v)) => listen = v,
+            ("--heartbeat-timeout", Some(v)) => heartbeat = Some(v.parse().unwrap_or_else(|_| usage(&a))),
+            _ => usage(&a),
+        }
+    }
+    let mut options = MasterOptions::from_env(&listen).unwrap_or_else(|e| fail(&e.to_string()));
+    if let Some(s) = heartbeat {
+        if !(s.is_finite() && s > 0.0) {
+            usage("--heartbeat-timeout");
+        }
+        options.heartbeat_timeout = Duration::from_secs_f64(s);
+    }
+    let server = MasterServer::start(options).unwrap_or_else(|e| fail(&format!("cannot listen on {listen}: {e}")));
+    println!("shoal master listening on {}", server.local_addr());
+    loop {
+        std::thread::park();
+    }
+}
+
+fn usage(at: &str) -> ! {
+    fail(&format!("bad argument {at}\nusage: shoal-master [--listen HOST:PORT] [--heartbeat-timeout SECONDS]"))
+}
+
+fn fail(message: &str) -> ! {
+    eprintln!("shoal-master: {message}");
+    std::process::exit(2)
+}

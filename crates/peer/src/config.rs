@@ -1,0 +1,91 @@
+//! Settings of a communicator: explicit values win over `SHOAL_*` variables, which win over
+//! the defaults here.
+
+use crate::error::Result;
+use shoal_config::{env_count, env_seconds, env_value};
+use std::time::Duration;
+
+/// How a communicator joins a run and moves data.
+#[derive(Debug, Clone)]
+pub struct CommunicatorConfig {
+    /// The master's `host:port`.
+    pub master_addr: String,
+    /// The peer group to run collectives in.
+    pub group: u32,
+    /// TCP connections per peer pair (`SHOAL_CONNECTIONS`).
+    pub connections: usize,
+    /// Local address to listen on for data connections (port 0: ephemeral).
+    pub listen_addr: String,
+    /// `host` or `host:port` other peers dial (`SHOAL_ADVERTISE_ADDR`); by default the local
+    /// address of the connection to the master, with the listening port.
+    pub advertise_addr: Option<String>,
+    /// Largest chunk the ring pipelines, in bytes (`SHOAL_CHUNK_BYTES`).
+    pub chunk_bytes: usize,
+    /// How long the master may stay silent before it is declared lost
+    /// (`SHOAL_HEARTBEAT_TIMEOUT`). The master applies its own setting to peers.
+    pub heartbeat_timeout: Duration,
+    /// Bound on any blocking call (`SHOAL_TIMEOUT`).
+    pub timeout: Duration,
+}
+
+/// Default TCP connections per peer pair.
+pub const DEFAULT_CONNECTIONS: usize = 4;
+/// Default pipeline chunk.
+pub const DEFAULT_CHUNK_BYTES: usize = 1 << 20;
+/// Default heartbeat timeout: long enough for a congested intercontinental path.
+pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(15);
+/// Default bound on a blocking call.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+/// Most connections per pair: each costs a socket pair and buffers on both ends.
+pub const MAX_CONNECTIONS: usize = 64;
+/// Smallest pipeline chunk: below this, per-chunk overhead dominates.
+pub const MIN_CHUNK_BYTES: usize = 4096;
+
+impl CommunicatorConfig {
+    /// Defaults overridden by the environment.
+    ///
+    /// # Errors
+    /// [`crate::Error::Config`] if a `SHOAL_*` variable is malformed.
+    pub fn from_env(master_addr: &str) -> Result<Self> {
+        let config = CommunicatorConfig {
+            master_addr: master_addr.to_string(),
+            group: 0,
+            connections: env_count("SHOAL_CONNECTIONS")?.unwrap_or(DEFAULT_CONNECTIONS),
+            listen_addr: "0.0.0.0:0".to_string(),
+            advertise_addr: env_value("SHOAL_ADVERTISE_ADDR"),
+            chunk_bytes: env_count("SHOAL_CHUNK_BYTES")?.unwrap_or(DEFAULT_CHUNK_BYTES),
+            heartbeat_timeout: env_seconds("SHOAL_HEARTBEAT_TIMEOUT")?
+                .unwrap_or(DEFAULT_HEARTBEAT_TIMEOUT),
+            timeout: env_seconds("SHOAL_TIMEOUT")?.unwrap_or(DEFAULT_TIMEOUT),
+        };
+        if let Some(algo) = env_value("SHOAL_ALGO") {
+            if algo != "ring" {
+                return Err(shoal_config::ConfigError {
+                    name: "SHOAL_ALGO",
+                    value: algo,
+                    expected: "ring (the only all-reduce algorithm so far)",
+                }
+                .into());
+            }
+        }
+        Ok(config)
+    }
+
+    /// Checks ranges.
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidArgument`] naming the setting.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |s: String| Err(crate::Error::InvalidArgument(s));
+        if !(1..=MAX_CONNECTIONS).contains(&self.connections) {
+            return bad(format!("connections={} outside 1..={MAX_CONNECTIONS}", self.connections));
+        }
+        if self.chunk_bytes < MIN_CHUNK_BYTES {
+            return bad(format!("chunk_bytes={} below {MIN_CHUNK_BYTES}", self.chunk_bytes));
+        }
+        if self.heartbeat_timeout.is_zero() || self.timeout.is_zero() {
+            return bad("timeouts must be positive".into());
+        }
+        Ok(())
+    }
+}

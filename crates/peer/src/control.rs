@@ -1,0 +1,180 @@
+//! The control connection to the master: a reader thread that feeds [`PeerView`], a heartbeat
+//! thread, and blocking waits (always with a deadline) for what the API needs next.
+
+use crate::error::{Error, Result};
+use crate::Deadline;
+use shoal_proto::master::heartbeat_interval;
+use shoal_proto::peer::PeerView;
+use shoal_transport::{read_message, write_message};
+use shoal_wire::{Message, SessionId};
+use std::net::{Shutdown, TcpStream};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// Shared between the API thread and the control threads.
+pub(crate) struct Control {
+    master_addr: String,
+    writer: Mutex<TcpStream>,
+    state: Mutex<ControlState>,
+    changed: Condvar,
+}
+
+pub(crate) struct ControlState {
+    pub view: PeerView,
+    master_addr: String,
+    /// Why the master is considered lost, once it is.
+    pub lost: Option<String>,
+    last_heard: Instant,
+    closing: bool,
+}
+
+impl Control {
+    /// Starts the reader and heartbeat threads over `stream`.
+    pub fn start(master_addr: &str, stream: TcpStream, heartbeat_timeout: Duration) -> Result<Arc<Self>> {
+        let io_err = |source| Error::Io { context: "cloning the master connection".into(), source };
+        let reader = stream.try_clone().map_err(io_err)?;
+        let control = Arc::new(Control {
+            master_addr: master_addr.to_string(),
+            writer: Mutex::new(stream),
+            state: Mutex::new(ControlState {
+                view: PeerView::default(),
+                master_addr: master_addr.to_string(),
+                lost: None,
+                last_heard: Instant::now(),
+                closing: false,
+            }),
+            changed: Condvar::new(),
+        });
+        let c = Arc::clone(&control);
+        thread::Builder::new()
+            .name("shoal-control".into())
+            .spawn(move || c.read_loop(reader))
+            .map_err(|source| Error::Io { context: "spawning the control thread".into(), source })?;
+        let c = Arc::clone(&control);
+        thread::Builder::new()
+            .name("shoal-heartbeat".into())
+            .spawn(move || c.heartbeat_loop(heartbeat_timeout))
+            .map_err(|source| Error::Io { context: "spawning the heartbeat thread".into(), source })?;
+        Ok(control)
+    }
+
+    /// Sends one message to the master.
+    pub fn send(&self, message: &Message) -> Result<()> {
+        let session = self.lock().view.registered.map_or(SessionId(0), |(_, s)| s);
+        let mut w = self.writer.lock().expect("control writer lock poisoned");
+        write_message(&mut *w, session, message).map_err(|e| {
+            let reason = format!("sending {}: {e}", message.name());
+            self.mark_lost(reason.clone());
+            Error::MasterUnreachable { addr: self.master_addr.clone(), reason }
+        })
+    }
+
+    /// Waits until `ready` returns `Some`, the master is lost, we are kicked, or `deadline`.
+    pub fn wait_until<R>(
+        &self,
+        operation: &'static str,
+        deadline: Deadline,
+        mut ready: impl FnMut(&mut ControlState) -> Option<R>,
+    ) -> Result<R> {
+        let mut state = self.lock();
+        loop {
+            state.check_connected()?;
+            if let Some(r) = ready(&mut state) {
+                return Ok(r);
+            }
+            let left = deadline.left(operation)?;
+            state = self.changed.wait_timeout(state, left).expect("control lock poisoned").0;
+        }
+    }
+
+    pub fn lock(&self) -> MutexGuard<'_, ControlState> {
+        self.state.lock().expect("control lock poisoned")
+    }
+
+    /// Stops the threads and closes the connection, telling the master we leave.
+    pub fn close(&self) {
+        {
+            let mut s = self.lock();
+            if s.closing {
+                return;
+            }
+            s.closing = true;
+        }
+        // Best effort: the master also notices the closed connection.
+        let _ = self.send(&Message::Leave);
+        let _ = self.writer.lock().expect("control writer lock poisoned").shutdown(Shutdown::Both);
+        self.changed.notify_all();
+    }
+
+    fn mark_lost(&self, reason: String) {
+        let mut s = self.lock();
+        if s.lost.is_none() && !s.closing {
+            log::warn!("master {} lost: {reason}", self.master_addr);
+            s.lost = Some(reason);
+        }
+        drop(s);
+        self.changed.notify_all();
+    }
+
+    fn read_loop(&self, mut stream: TcpStream) {
+        loop {
+            let message = match read_message(&mut stream) {
+                Ok((_, m)) => m,
+                Err(e) => return self.mark_lost(format!("control connection: {e}")),
+            };
+            let mut s = self.lock();
+            s.last_heard = Instant::now();
+            match s.view.handle_message(message) {
+                Ok(event) => log::trace!("from master: {event:?}"),
+                Err(e) => {
+                    drop(s);
+                    return self.mark_lost(e.to_string());
+                }
+            }
+            drop(s);
+            self.changed.notify_all();
+        }
+    }
+
+    fn heartbeat_loop(&self, timeout: Duration) {
+        let interval = heartbeat_interval(timeout);
+        let mut state = self.lock();
+        loop {
+            state = self.changed.wait_timeout(state, interval).expect("control lock poisoned").0;
+            if state.closing || state.lost.is_some() {
+                return;
+            }
+            let silent = state.last_heard.elapsed();
+            drop(state);
+            if silent > timeout {
+                self.mark_lost(format!("no message for {:.1} s", silent.as_secs_f64()));
+                let _ = self.writer.lock().expect("control writer lock poisoned").shutdown(Shutdown::Both);
+                return;
+            }
+            if self.send(&Message::Heartbeat).is_err() {
+                return;
+            }
+            state = self.lock();
+        }
+    }
+}
+
+impl ControlState {
+    /// Fails if the master is lost or has expelled us.
+    pub fn check_connected(&self) -> Result<()> {
+        if let Some(reason) = &self.view.kicked {
+            return Err(Error::Kicked { reason: reason.clone() });
+        }
+        if self.closing {
+            return Err(Error::Closed);
+        }
+        if let Some(reason) = &self.lost {
+            return Err(Error::MasterUnreachable {
+                addr: self.master_addr.clone(),
+                reason: reason.clone(),
+            });
+        }
+        Ok(())
+    }
+}

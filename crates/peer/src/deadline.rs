@@ -1,0 +1,32 @@
+//! Deadlines that remember their bound, so a timeout error can say what the bound was.
+
+use crate::error::{Error, Result};
+use std::time::{Duration, Instant};
+
+/// A point in time by which an operation must end, and the bound it was made from.
+#[derive(Debug, Clone, Copy)]
+pub struct Deadline {
+    at: Instant,
+    bound: Duration,
+}
+
+impl Deadline {
+    /// `bound` from now.
+    pub fn after(bound: Duration) -> Self {
+        Deadline { at: Instant::now() + bound, bound }
+    }
+
+    /// Time left, or [`Error::Timeout`] naming `operation` once none is.
+    pub fn left(&self, operation: &'static str) -> Result<Duration> {
+        let left = self.at.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Error::Timeout { operation, after: self.bound });
+        }
+        Ok(left)
+    }
+
+    /// The instant.
+    pub fn at(&self) -> Instant {
+        self.at
+    }
+}

@@ -1,0 +1,83 @@
+//! The peer library's error type.
+
+use shoal_wire::PeerId;
+use std::time::Duration;
+
+/// Everything a communicator call can fail with. The Python layer maps each variant to an
+/// exception class (see `docs/errors.md`).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// API misuse: the call needs a connected communicator.
+    #[error("the communicator is not connected: call connect() first")]
+    NotConnected,
+    /// API misuse: `connect` was called twice.
+    #[error("the communicator is already connected")]
+    AlreadyConnected,
+    /// API misuse: the communicator was closed.
+    #[error("the communicator is closed")]
+    Closed,
+    /// API misuse: an argument is unusable; nothing was sent.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// The master cannot be reached, or stopped answering.
+    #[error("master {addr} unreachable: {reason}")]
+    MasterUnreachable {
+        /// The master's address.
+        addr: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// The master expelled this peer; it must connect again as a new peer.
+    #[error("expelled from the run by the master: {reason}")]
+    Kicked {
+        /// The master's reason.
+        reason: String,
+    },
+    /// A peer taking part in the operation was lost; the operation can be retried.
+    #[error("lost {peer} during {operation}: {reason}")]
+    PeerLost {
+        /// The lost peer.
+        peer: PeerId,
+        /// The operation that failed.
+        operation: &'static str,
+        /// What was observed.
+        reason: String,
+    },
+    /// The operation did not finish within its bound.
+    #[error("{operation} did not finish within {:.1} s", after.as_secs_f64())]
+    Timeout {
+        /// The operation.
+        operation: &'static str,
+        /// The bound.
+        after: Duration,
+    },
+    /// Peers called different collectives (count, dtype, op, tag or kind differ).
+    #[error("collective mismatch with {peer}: we called {ours}, it called {theirs}")]
+    CollectiveMismatch {
+        /// The peer whose call differs.
+        peer: PeerId,
+        /// Our call.
+        ours: String,
+        /// Its call.
+        theirs: String,
+    },
+    /// Another party broke the protocol (malformed bytes, unexpected message).
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    /// A `SHOAL_*` variable is invalid.
+    #[error(transparent)]
+    Config(#[from] shoal_config::ConfigError),
+    /// A local socket operation failed (for example binding the listen address).
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Shorthand for results of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,253 @@
+//! Data connections between peers.
+//!
+//! Each peer listens on one port. For every topology it dials a pool of streams to its ring
+//! successor (unless it holds one already) and waits for its predecessor's pool. A dialed stream
+//! carries data one way only, from dialer to acceptor; a pool is kept while both peers are
+//! members, so a topology update that leaves a neighbour in place costs no reconnection.
+//!
+//! A stream opens with `PeerHello`, which names the run's session and both peers, so a stranger
+//! or a process of an earlier run cannot feed bytes into a collective.
+
+use crate::control::Control;
+use crate::error::{Error, Result};
+use crate::Deadline;
+use shoal_proto::peer::RingPosition;
+use shoal_transport::{accept, connect, read_message_until, write_message, PollFd};
+use shoal_wire::{Message, PeerId, SessionId};
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// How long an accepted stream may take to say hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long one dial may take before the successor is reported unreachable.
+const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often a wait for the predecessor's streams looks at the control state.
+const ESTABLISH_POLL: Duration = Duration::from_millis(20);
+
+/// The listening side, shared with its accept thread.
+pub(crate) struct Listener {
+    pub port: u16,
+    identity: Arc<OnceLock<(PeerId, SessionId)>>,
+    arrivals: Arc<Arrivals>,
+    stop: Arc<AtomicBool>,
+}
+
+/// Streams accepted and greeted, not yet taken into a [`DataPlane`].
+#[derive(Default)]
+struct Arrivals {
+    streams: Mutex<BTreeMap<PeerId, Pool>>,
+    changed: Condvar,
+}
+
+/// A pool being filled: `size` streams announced, those arrived by index.
+struct Pool {
+    size: usize,
+    streams: BTreeMap<u16, TcpStream>,
+}
+
+/// The pools a peer holds, owned by whoever runs collectives.
+#[derive(Default)]
+pub(crate) struct DataPlane {
+    /// Streams we dialed, by the peer they reach: we send on them.
+    pub outgoing: BTreeMap<PeerId, Vec<TcpStream>>,
+    /// Streams the peer dialed to us: we receive on them.
+    pub incoming: BTreeMap<PeerId, Vec<TcpStream>>,
+}
+
+/// Why a topology could not be established.
+pub(crate) enum EstablishError {
+    /// This peer cannot reach that one; the master decides what to do.
+    Unreachable(PeerId, String),
+    /// The master issued a newer topology meanwhile.
+    Superseded,
+    /// The call must fail.
+    Fatal(Error),
+}
+
+impl Listener {
+    /// Binds `addr` and starts accepting.
+    pub fn start(addr: &str) -> Result<Self> {
+        let io = |context: &str| {
+            let context = format!("{context} {addr}");
+            move |source| Error::Io { context, source }
+        };
+        let listener = shoal_transport::listen(addr).map_err(io("binding the data listener on"))?;
+        let port = listener.local_addr().map_err(io("reading the address of"))?.port();
+        listener.set_nonblocking(true).map_err(io("configuring"))?;
+        let me = Listener {
+            port,
+            identity: Arc::new(OnceLock::new()),
+            arrivals: Arc::new(Arrivals::default()),
+            stop: Arc::new(AtomicBool::new(false)),
+        };
+        let (identity, arrivals, stop) = (me.identity.clone(), me.arrivals.clone(), me.stop.clone());
+        thread::Builder::new()
+            .name("shoal-accept".into())
+            .spawn(move || accept_loop(listener, identity, arrivals, stop))
+            .map_err(io("spawning the accept thread for"))?;
+        Ok(me)
+    }
+
+    /// Tells the accept thread who we are, once registered.
+    pub fn set_identity(&self, me: PeerId, session: SessionId) {
+        let _ = self.identity.set((me, session));
+    }
+
+    /// Makes `plane` hold a pool to our successor and one from our predecessor in `pos`, and
+    /// drops pools of peers that left. Gives up when the master supersedes the topology.
+    pub fn establish(
+        &self,
+        plane: &mut DataPlane,
+        control: &Control,
+        pos: &RingPosition,
+        connections: usize,
+        deadline: Deadline,
+    ) -> Result<(), EstablishError> {
+        let members: BTreeSet<PeerId> = pos.ring.iter().map(|m| m.peer).collect();
+        plane.outgoing.retain(|p, _| members.contains(p));
+        plane.incoming.retain(|p, _| members.contains(p));
+        self.arrivals.streams.lock().expect("arrivals lock poisoned").retain(|p, _| members.contains(p));
+        if pos.group_size() == 1 {
+            return Ok(());
+        }
+        let &(me, session) = self.identity.get().expect("identity is set at registration");
+        let next = pos.next();
+        if plane.outgoing.get(&next.peer).is_some_and(|pool| !pool_alive(pool)) {
+            log::debug!("{me}: pool to {} was closed by the other end; dialing again", next.peer);
+            plane.outgoing.remove(&next.peer);
+        }
+        if !plane.outgoing.contains_key(&next.peer) {
+            let pool = dial(me, session, next.peer, &next.addr, connections, deadline)
+                .map_err(|e| EstablishError::Unreachable(next.peer, e))?;
+            plane.outgoing.insert(next.peer, pool);
+        }
+        let prev = pos.prev().peer;
+        loop {
+            {
+                let mut arrivals = self.arrivals.streams.lock().expect("arrivals lock poisoned");
+                let complete = arrivals.get(&prev).is_some_and(|p| p.streams.len() == p.size);
+                if complete {
+                    let pool = arrivals.remove(&prev).expect("checked above");
+                    plane.incoming.insert(prev, pool.streams.into_values().collect());
+                    return Ok(());
+                }
+                if !arrivals.contains_key(&prev) && plane.incoming.contains_key(&prev) {
+                    return Ok(());
+                }
+                let wait = deadline.left("update_topology").map_err(EstablishError::Fatal)?;
+                drop(self.arrivals.changed.wait_timeout(arrivals, wait.min(ESTABLISH_POLL)));
+            }
+            let state = control.lock();
+            state.check_connected().map_err(EstablishError::Fatal)?;
+            if state.view.issued.as_ref().is_some_and(|(e, _)| *e != pos.epoch) {
+                return Err(EstablishError::Superseded);
+            }
+        }
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Whether every stream of an outgoing pool is still open. Nothing is ever sent back on an
+/// outgoing stream, so a readable one has been closed (or reset) by the acceptor.
+fn pool_alive(pool: &[TcpStream]) -> bool {
+    let mut fds: Vec<PollFd> = pool
+        .iter()
+        .map(|s| {
+            let mut fd = PollFd::new(s);
+            fd.want_read = true;
+            fd
+        })
+        .collect();
+    matches!(shoal_transport::poll(&mut fds, Duration::ZERO), Ok(0))
+}
+
+fn dial(
+    me: PeerId,
+    session: SessionId,
+    to: PeerId,
+    addr: &str,
+    connections: usize,
+    deadline: Deadline,
+) -> Result<Vec<TcpStream>, String> {
+    let mut pool = Vec::with_capacity(connections);
+    for i in 0..connections {
+        let left = deadline.left("update_topology").map_err(|e| e.to_string())?;
+        let mut s = connect(addr, left.min(DIAL_TIMEOUT)).map_err(|e| format!("dialing {to} at {addr}: {e}"))?;
+        let hello = Message::PeerHello { from: me, to, stream: i as u16, streams: connections as u16 };
+        write_message(&mut s, session, &hello).map_err(|e| format!("greeting {to} at {addr}: {e}"))?;
+        pool.push(s);
+    }
+    log::debug!("{me} dialed {connections} streams to {to} at {addr}");
+    Ok(pool)
+}
+
+fn accept_loop(
+    listener: TcpListener,
+    identity: Arc<OnceLock<(PeerId, SessionId)>>,
+    arrivals: Arc<Arrivals>,
+    stop: Arc<AtomicBool>,
+) {
+    while !stop.load(Ordering::Relaxed) {
+        let mut fds = [PollFd::new(&listener)];
+        fds[0].want_read = true;
+        if shoal_transport::poll(&mut fds, Duration::from_millis(100)).unwrap_or(0) == 0 {
+            continue;
+        }
+        let (stream, from_addr) = match accept(&listener) {
+            Ok(x) => x,
+            Err(e) => {
+                log::debug!("accept failed: {e}");
+                continue;
+            }
+        };
+        let (identity, arrivals) = (identity.clone(), arrivals.clone());
+        // A slow or silent dialer must not hold up the others: greet each on its own thread.
+        let spawned = thread::Builder::new().name("shoal-hello".into()).spawn(move || {
+            if let Err(reason) = greet(stream, &identity, &arrivals) {
+                log::warn!("refused data connection from {from_addr}: {reason}");
+            }
+        });
+        if let Err(e) = spawned {
+            log::warn!("cannot spawn a greeting thread: {e}");
+        }
+    }
+}
+
+fn greet(
+    mut stream: TcpStream,
+    identity: &OnceLock<(PeerId, SessionId)>,
+    arrivals: &Arrivals,
+) -> Result<(), String> {
+    stream.set_nonblocking(false).map_err(|e| e.to_string())?;
+    let (session, message) =
+        read_message_until(&mut stream, Instant::now() + HELLO_TIMEOUT).map_err(|e| e.to_string())?;
+    let &(me, our_session) = identity.get().ok_or("not registered yet")?;
+    let Message::PeerHello { from, to, stream: index, streams } = message else {
+        return Err(format!("expected PeerHello, got {}", message.name()));
+    };
+    if session != our_session || to != me {
+        return Err(format!("hello for {to} in {session:?}, we are {me} in {our_session:?}"));
+    }
+    if streams == 0 || usize::from(streams) > crate::config::MAX_CONNECTIONS || index >= streams {
+        return Err(format!("stream {index} of a pool of {streams}"));
+    }
+    let mut all = arrivals.streams.lock().expect("arrivals lock poisoned");
+    let pool = all.entry(from).or_insert_with(|| Pool { size: streams.into(), streams: BTreeMap::new() });
+    if pool.size != usize::from(streams) || pool.streams.len() == pool.size {
+        // The dialer started a new pool: forget the old one.
+        *pool = Pool { size: streams.into(), streams: BTreeMap::new() };
+    }
+    pool.streams.insert(index, stream);
+    drop(all);
+    arrivals.changed.notify_all();
+    Ok(())
+}

@@ -1,0 +1,87 @@
+//! End to end over loopback: a real master and real communicators in threads.
+
+use shoal_master::{MasterOptions, MasterServer};
+use shoal_peer::{Communicator, CommunicatorConfig, DType, ReduceOp};
+use std::sync::{Arc, Barrier};
+use std::thread;
+use std::time::Duration;
+
+fn master() -> MasterServer {
+    let options = MasterOptions { listen: "127.0.0.1:0".into(), heartbeat_timeout: Duration::from_secs(5) };
+    MasterServer::start(options).unwrap()
+}
+
+fn config(master: &MasterServer, connections: usize) -> CommunicatorConfig {
+    let mut c = CommunicatorConfig::from_env(&master.local_addr().to_string()).unwrap();
+    c.listen_addr = "127.0.0.1:0".into();
+    c.connections = connections;
+    c.chunk_bytes = 4096;
+    c.timeout = Duration::from_secs(20);
+    c
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Peers join one at a time, each admitted by the vote of those already in, and every world
+/// size from 1 to 4 all-reduces to the exact integer sum on every peer.
+#[test]
+fn peers_join_one_by_one_and_all_reduce() {
+    let m = master();
+    let world = 4;
+    let joined = Arc::new(Barrier::new(world));
+    let handles: Vec<_> = (0..world)
+        .map(|i| {
+            let cfg = config(&m, 1 + i % 3);
+            let joined = joined.clone();
+            thread::spawn(move || {
+                thread::sleep(Duration::from_millis(150 * i as u64));
+                let comm = Communicator::new(cfg).unwrap();
+                comm.connect(None).unwrap();
+                let mut sizes = Vec::new();
+                // Admit newcomers until everyone is in, all-reducing at every size on the way.
+                loop {
+                    let n = comm.group_world_size().unwrap();
+                    let len = 1001;
+                    let mut buf = f32_bytes(&vec![1.0f32; len]);
+                    let info = comm.all_reduce(&mut buf, DType::F32, ReduceOp::Sum, 0).unwrap();
+                    assert_eq!(info.world_size, n);
+                    assert!(buf == f32_bytes(&vec![n as f32; len]), "wrong sum at world {n}");
+                    sizes.push(n);
+                    if n == world {
+                        break;
+                    }
+                    if comm.peers_pending().unwrap() {
+                        comm.update_topology().unwrap();
+                    } else {
+                        thread::sleep(Duration::from_millis(20));
+                    }
+                }
+                joined.wait();
+                (comm.rank().unwrap(), sizes)
+            })
+        })
+        .collect();
+    let mut ranks: Vec<usize> = Vec::new();
+    for h in handles {
+        let (rank, sizes) = h.join().unwrap();
+        assert_eq!(*sizes.last().unwrap(), world);
+        ranks.push(rank);
+    }
+    ranks.sort();
+    assert_eq!(ranks, vec![0, 1, 2, 3]);
+}
+
+#[test]
+fn unreachable_master_is_named() {
+    let mut cfg = CommunicatorConfig::from_env("127.0.0.1:1").unwrap();
+    cfg.listen_addr = "127.0.0.1:0".into();
+    let comm = Communicator::new(cfg).unwrap();
+    let err = comm.connect(Some(Duration::from_secs(2))).unwrap_err();
+    assert!(matches!(err, shoal_peer::Error::MasterUnreachable { .. }), "{err}");
+    assert!(matches!(
+        comm.all_reduce(&mut [0u8; 4], DType::F32, ReduceOp::Sum, 0),
+        Err(shoal_peer::Error::NotConnected)
+    ));
+}
