@@ -1,0 +1,46 @@
+"""shoal: fault-tolerant collective communications for training across the internet.
+
+A :class:`Master` coordinates membership; each training process opens a
+:class:`Communicator`, is admitted by the accepted peers' vote, and all-reduces numpy arrays
+and torch CPU tensors in place with the other peers of its group.
+"""
+
+from __future__ import annotations
+
+from . import _native
+from ._communicator import Communicator
+from ._native import Master, ReduceInfo
+from .errors import (
+    AuthenticationError,
+    CollectiveMismatchError,
+    KickedError,
+    MasterUnreachableError,
+    PeerLostError,
+    ProtocolError,
+    ShoalError,
+    ShoalTimeoutError,
+    TooFewPeersError,
+    UsageError,
+)
+
+__version__: str = _native.__version__
+DTYPES: tuple[str, ...] = tuple(_native.DTYPES)
+OPS: tuple[str, ...] = tuple(_native.OPS)
+
+__all__ = [
+    "Master",
+    "Communicator",
+    "ReduceInfo",
+    "DTYPES",
+    "OPS",
+    "ShoalError",
+    "UsageError",
+    "PeerLostError",
+    "TooFewPeersError",
+    "MasterUnreachableError",
+    "KickedError",
+    "CollectiveMismatchError",
+    "ShoalTimeoutError",
+    "AuthenticationError",
+    "ProtocolError",
+]

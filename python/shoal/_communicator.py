@@ -1,0 +1,183 @@
+"""The user-facing :class:`Communicator`: tensor checks and conversion around the native one."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _native
+from .errors import UsageError
+
+_NUMPY_DTYPES = {
+    np.dtype(np.uint8): "u8",
+    np.dtype(np.int8): "i8",
+    np.dtype(np.int16): "i16",
+    np.dtype(np.uint16): "u16",
+    np.dtype(np.int32): "i32",
+    np.dtype(np.uint32): "u32",
+    np.dtype(np.int64): "i64",
+    np.dtype(np.uint64): "u64",
+    np.dtype(np.float16): "f16",
+    np.dtype(np.float32): "f32",
+    np.dtype(np.float64): "f64",
+}
+_TORCH_DTYPES = {
+    "torch.uint8": "u8",
+    "torch.int8": "i8",
+    "torch.int16": "i16",
+    "torch.uint16": "u16",
+    "torch.int32": "i32",
+    "torch.uint32": "u32",
+    "torch.int64": "i64",
+    "torch.uint64": "u64",
+    "torch.float16": "f16",
+    "torch.bfloat16": "bf16",
+    "torch.float32": "f32",
+    "torch.float64": "f64",
+}
+_SUPPORTED = "u8, i8, i16, u16, i32, u32, i64, u64, f16, bf16, f32, f64"
+
+
+class Communicator:
+    """One peer's membership in a run.
+
+    ``connect()`` registers with the master and returns once this peer is accepted: at once if
+    it is the first, otherwise when the accepted peers call ``update_topology()``. Collectives
+    work in place on numpy arrays and torch CPU tensors, release the GIL, and raise
+    ``TypeError``/``ValueError`` before any traffic when a tensor cannot be used as it is (shoal
+    never copies a tensor silently).
+
+    Options are keyword-only; timeouts are float seconds. ``None`` means: the ``SHOAL_*``
+    environment variable, else the built-in default.
+    """
+
+    def __init__(
+        self,
+        master_addr: str,
+        *,
+        peer_group: int = 0,
+        secret: Optional[str] = None,
+        connections: Optional[int] = None,
+        listen_addr: Optional[str] = None,
+        advertise_addr: Optional[str] = None,
+        chunk_bytes: Optional[int] = None,
+        heartbeat_timeout: Optional[float] = None,
+        timeout: Optional[float] = None,
+    ) -> None:
+        if secret is not None:
+            raise ValueError(
+                "secret=: run credentials are not implemented in this version of shoal; "
+                "pass secret=None and keep the master on a trusted network"
+            )
+        self._native = _native.Communicator(
+            master_addr,
+            peer_group=peer_group,
+            connections=connections,
+            listen_addr=listen_addr,
+            advertise_addr=advertise_addr,
+            chunk_bytes=chunk_bytes,
+            heartbeat_timeout=heartbeat_timeout,
+            timeout=timeout,
+        )
+
+    def connect(self, timeout: Optional[float] = None) -> None:
+        """Register with the master and wait until accepted."""
+        self._native.connect(timeout)
+
+    def update_topology(self) -> None:
+        """Vote with every accepted peer to admit the pending ones; return once in force."""
+        self._native.update_topology()
+
+    def peers_pending(self) -> bool:
+        """Whether peers wait for admission; a vote every accepted peer must call."""
+        return self._native.peers_pending()
+
+    def all_reduce(
+        self,
+        tensor: Any,
+        *,
+        op: str = "avg",
+        tag: int = 0,
+        quantization: Optional[str] = None,
+    ) -> _native.ReduceInfo:
+        """Reduce ``tensor`` in place with every peer of the group (ops: sum, avg, prod, min, max).
+
+        On success every peer holds bit-identical values.
+        """
+        if quantization is not None:
+            raise ValueError(f"quantization={quantization!r}: only None is supported so far")
+        if not isinstance(tag, int) or tag < 0:
+            raise ValueError(f"tag must be a non-negative integer, got {tag!r}")
+        view, dtype = _byte_view(tensor)
+        return self._native.all_reduce_bytes(view, dtype, op, tag)
+
+    @property
+    def world_size(self) -> int:
+        """Accepted peers in the whole run."""
+        return _accepted(self._native.world_size)
+
+    @property
+    def group_world_size(self) -> int:
+        """Accepted peers in this peer's group."""
+        return _accepted(self._native.group_world_size)
+
+    @property
+    def rank(self) -> int:
+        """This peer's position in its group's ring."""
+        return _accepted(self._native.rank)
+
+    @property
+    def peer_id(self) -> int:
+        """This peer's id in the run, assigned by the master."""
+        return _accepted(self._native.peer_id)
+
+    def close(self) -> None:
+        """Leave the run and close every connection. Idempotent."""
+        self._native.close()
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _accepted(value: Optional[int]) -> int:
+    if value is None:
+        raise UsageError("the communicator is not connected: call connect() first")
+    return value
+
+
+def _byte_view(tensor: Any) -> tuple[np.ndarray, str]:
+    """A writable uint8 view of ``tensor``'s memory and its dtype name, or TypeError/ValueError."""
+    if isinstance(tensor, np.ndarray):
+        arr = tensor
+        name = _NUMPY_DTYPES.get(arr.dtype)
+        if name is None and arr.dtype.name == "bfloat16":  # ml_dtypes' bfloat16
+            name = "bf16"
+        if name is None:
+            raise TypeError(f"unsupported dtype {arr.dtype}: shoal reduces {_SUPPORTED}")
+    elif type(tensor).__module__.startswith("torch"):
+        name = _TORCH_DTYPES.get(str(tensor.dtype))
+        if name is None:
+            raise TypeError(f"unsupported dtype {tensor.dtype}: shoal reduces {_SUPPORTED}")
+        if tensor.device.type != "cpu":
+            raise ValueError(f"tensor is on {tensor.device}: only CPU tensors are supported so far")
+        if not tensor.is_contiguous():
+            raise ValueError("tensor is not contiguous: shoal works in place and never copies silently")
+        t = tensor.detach()
+        if name == "bf16":
+            import torch
+
+            t = t.view(torch.int16)
+        arr = t.numpy()
+    else:
+        raise TypeError(f"expected a numpy array or a torch tensor, got {type(tensor).__name__}")
+    if not arr.flags.c_contiguous:
+        raise ValueError("tensor is not contiguous: shoal works in place and never copies silently")
+    if not arr.flags.writeable:
+        raise ValueError("tensor is read-only: all_reduce writes its result in place")
+    if not arr.flags.aligned:
+        raise ValueError(f"tensor is not aligned to its {arr.dtype.itemsize}-byte elements")
+    return arr.reshape(-1).view(np.uint8), name

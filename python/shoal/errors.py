@@ -1,0 +1,60 @@
+"""The exceptions shoal raises, as one tree under :class:`ShoalError`.
+
+Each subclasses the builtin that fits, so ``except ConnectionError`` or ``except TimeoutError``
+keep working for code that does not know shoal.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ShoalError",
+    "UsageError",
+    "PeerLostError",
+    "TooFewPeersError",
+    "MasterUnreachableError",
+    "KickedError",
+    "CollectiveMismatchError",
+    "ShoalTimeoutError",
+    "AuthenticationError",
+    "ProtocolError",
+]
+
+
+class ShoalError(Exception):
+    """Base class of every shoal error."""
+
+
+class UsageError(ShoalError, RuntimeError):
+    """The API was used out of order, e.g. ``all_reduce`` before ``connect``. Deterministic."""
+
+
+class PeerLostError(ShoalError, ConnectionError):
+    """A peer taking part in the operation was lost. Retryable: retry with the smaller world."""
+
+
+class TooFewPeersError(ShoalError):
+    """Fewer peers than required were accepted before the deadline."""
+
+
+class MasterUnreachableError(ShoalError, ConnectionError):
+    """The master cannot be reached, or stopped answering."""
+
+
+class KickedError(ShoalError):
+    """The master expelled this peer (it was declared dead, or broke the protocol)."""
+
+
+class CollectiveMismatchError(ShoalError):
+    """Peers called different collectives: count, dtype, op, tag or kind differ."""
+
+
+class ShoalTimeoutError(ShoalError, TimeoutError):
+    """A blocking call did not finish within its bound."""
+
+
+class AuthenticationError(ShoalError):
+    """The run's credentials were refused."""
+
+
+class ProtocolError(ShoalError):
+    """Another party sent bytes that break the protocol."""

@@ -1,0 +1,274 @@
+//! `shoal._native`: the Python face of the peer library and the master.
+//!
+//! This crate converts and nothing else: Python values to Rust settings, numpy byte views to
+//! `&mut [u8]`, Rust errors to the exception classes of `shoal.errors`. Every blocking call
+//! releases the GIL. The `shoal` package wraps these classes with tensor handling (numpy and
+//! torch) and the documented signatures.
+#![deny(unsafe_code)]
+
+use numpy::{PyArray1, PyArrayMethods};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use shoal_master::{MasterOptions, MasterServer};
+use shoal_peer::{Communicator as Core, CommunicatorConfig, DType, Error, ReduceOp};
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// Outcome of a completed collective.
+#[pyclass(frozen, get_all, module = "shoal._native")]
+#[derive(Clone)]
+struct ReduceInfo {
+    /// Peers that took part.
+    world_size: usize,
+    /// Bytes this peer sent.
+    tx_bytes: u64,
+    /// Bytes this peer received.
+    rx_bytes: u64,
+    /// Wall time of the call in seconds.
+    elapsed: f64,
+}
+
+#[pymethods]
+impl ReduceInfo {
+    fn __repr__(&self) -> String {
+        format!(
+            "ReduceInfo(world_size={}, tx_bytes={}, rx_bytes={}, elapsed={:.6})",
+            self.world_size, self.tx_bytes, self.rx_bytes, self.elapsed
+        )
+    }
+}
+
+/// A peer's communicator (native part; use `shoal.Communicator`).
+#[pyclass(frozen, module = "shoal._native")]
+struct Communicator {
+    inner: Core,
+}
+
+#[pymethods]
+impl Communicator {
+    #[new]
+    #[pyo3(signature = (master_addr, *, peer_group=0, connections=None, listen_addr=None,
+        advertise_addr=None, chunk_bytes=None, heartbeat_timeout=None, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        master_addr: &str,
+        peer_group: u32,
+        connections: Option<usize>,
+        listen_addr: Option<String>,
+        advertise_addr: Option<String>,
+        chunk_bytes: Option<usize>,
+        heartbeat_timeout: Option<f64>,
+        timeout: Option<f64>,
+    ) -> PyResult<Self> {
+        let mut c = CommunicatorConfig::from_env(master_addr).map_err(to_py)?;
+        c.group = peer_group;
+        if let Some(n) = connections {
+            c.connections = n;
+        }
+        if let Some(a) = listen_addr {
+            c.listen_addr = a;
+        }
+        if advertise_addr.is_some() {
+            c.advertise_addr = advertise_addr;
+        }
+        if let Some(n) = chunk_bytes {
+            c.chunk_bytes = n;
+        }
+        if let Some(s) = heartbeat_timeout {
+            c.heartbeat_timeout = seconds("heartbeat_timeout", s)?;
+        }
+        if let Some(s) = timeout {
+            c.timeout = seconds("timeout", s)?;
+        }
+        Ok(Communicator { inner: Core::new(c).map_err(to_py)? })
+    }
+
+    #[pyo3(signature = (timeout=None))]
+    fn connect(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
+        let timeout = timeout.map(|s| seconds("timeout", s)).transpose()?;
+        py.detach(|| self.inner.connect(timeout)).map_err(to_py)
+    }
+
+    fn update_topology(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.update_topology()).map_err(to_py)
+    }
+
+    fn peers_pending(&self, py: Python<'_>) -> PyResult<bool> {
+        py.detach(|| self.inner.peers_pending()).map_err(to_py)
+    }
+
+    /// All-reduces `buf`, a writable contiguous uint8 view of the tensor, as elements of
+    /// `dtype`. The caller (shoal.Communicator) has checked the tensor.
+    fn all_reduce_bytes(
+        &self,
+        py: Python<'_>,
+        buf: &Bound<'_, PyArray1<u8>>,
+        dtype: &str,
+        op: &str,
+        tag: u64,
+    ) -> PyResult<ReduceInfo> {
+        let dtype = DType::from_name(dtype).ok_or_else(|| PyTypeError::new_err(format!("unsupported dtype {dtype:?}")))?;
+        let op = ReduceOp::from_name(op).ok_or_else(|| {
+            PyValueError::new_err(format!("unknown op {op:?}: expected one of sum, avg, prod, min, max"))
+        })?;
+        let mut view = buf.try_readwrite().map_err(|e| PyValueError::new_err(format!("tensor is not writable: {e}")))?;
+        let bytes = view.as_slice_mut().map_err(|_| PyValueError::new_err("tensor is not contiguous"))?;
+        let info = py.detach(|| self.inner.all_reduce(bytes, dtype, op, tag)).map_err(to_py)?;
+        Ok(ReduceInfo {
+            world_size: info.world_size,
+            tx_bytes: info.tx_bytes,
+            rx_bytes: info.rx_bytes,
+            elapsed: info.elapsed.as_secs_f64(),
+        })
+    }
+
+    #[getter]
+    fn world_size(&self) -> Option<usize> {
+        self.inner.world_size()
+    }
+
+    #[getter]
+    fn group_world_size(&self) -> Option<usize> {
+        self.inner.group_world_size()
+    }
+
+    #[getter]
+    fn rank(&self) -> Option<usize> {
+        self.inner.rank()
+    }
+
+    #[getter]
+    fn peer_id(&self) -> Option<u32> {
+        self.inner.peer_id().map(|p| p.0)
+    }
+
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| self.inner.close())
+    }
+}
+
+/// The master (native part; `shoal.Master` is this class).
+#[pyclass(frozen, module = "shoal._native")]
+struct Master {
+    options: MasterOptions,
+    server: Mutex<Option<MasterServer>>,
+}
+
+#[pymethods]
+impl Master {
+    #[new]
+    #[pyo3(signature = (listen="0.0.0.0:48148", *, heartbeat_timeout=None))]
+    fn new(listen: &str, heartbeat_timeout: Option<f64>) -> PyResult<Self> {
+        let mut options = MasterOptions::from_env(listen).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        if let Some(s) = heartbeat_timeout {
+            options.heartbeat_timeout = seconds("heartbeat_timeout", s)?;
+        }
+        Ok(Master { options, server: Mutex::new(None) })
+    }
+
+    /// Binds the listen address and starts serving in background threads.
+    fn start(&self) -> PyResult<()> {
+        let mut server = self.server.lock().expect("master lock poisoned");
+        if server.is_some() {
+            return Err(usage_error("the master is already running"));
+        }
+        let started = MasterServer::start(self.options.clone()).map_err(|e| {
+            pyo3::exceptions::PyOSError::new_err(format!("cannot listen on {}: {e}", self.options.listen))
+        })?;
+        *server = Some(started);
+        Ok(())
+    }
+
+    /// Stops serving and closes every connection. Idempotent.
+    fn stop(&self, py: Python<'_>) {
+        let server = self.server.lock().expect("master lock poisoned").take();
+        if let Some(mut s) = server {
+            py.detach(|| s.stop());
+        }
+    }
+
+    /// `host:port` the master listens on (the real port when started with port 0).
+    #[getter]
+    fn address(&self) -> String {
+        match &*self.server.lock().expect("master lock poisoned") {
+            Some(s) => s.local_addr().to_string(),
+            None => self.options.listen.clone(),
+        }
+    }
+
+    #[getter]
+    fn running(&self) -> bool {
+        self.server.lock().expect("master lock poisoned").is_some()
+    }
+
+    fn __enter__(slf: Bound<'_, Self>) -> PyResult<Bound<'_, Self>> {
+        if !slf.get().running() {
+            slf.get().start()?;
+        }
+        Ok(slf)
+    }
+
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _exc_type: Option<Bound<'_, PyAny>>,
+        _exc: Option<Bound<'_, PyAny>>,
+        _tb: Option<Bound<'_, PyAny>>,
+    ) {
+        self.stop(py)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Master(address={:?}, running={})", self.address(), self.running())
+    }
+}
+
+fn seconds(name: &str, s: f64) -> PyResult<Duration> {
+    if s.is_finite() && s > 0.0 && s < 1e9 {
+        Ok(Duration::from_secs_f64(s))
+    } else {
+        Err(PyValueError::new_err(format!("{name} must be a positive number of seconds, got {s}")))
+    }
+}
+
+/// Raises the `shoal.errors` class that matches `e`.
+fn to_py(e: Error) -> PyErr {
+    let class = match &e {
+        Error::NotConnected | Error::AlreadyConnected | Error::Closed => "UsageError",
+        Error::InvalidArgument(_) => return PyValueError::new_err(e.to_string()),
+        Error::MasterUnreachable { .. } => "MasterUnreachableError",
+        Error::Kicked { .. } => "KickedError",
+        Error::PeerLost { .. } => "PeerLostError",
+        Error::Timeout { .. } => "ShoalTimeoutError",
+        Error::CollectiveMismatch { .. } => "CollectiveMismatchError",
+        Error::Protocol(_) => "ProtocolError",
+        Error::Config(_) => return PyValueError::new_err(e.to_string()),
+        _ => "ShoalError",
+    };
+    raise(class, e.to_string())
+}
+
+fn usage_error(message: &str) -> PyErr {
+    raise("UsageError", message.to_string())
+}
+
+fn raise(class: &str, message: String) -> PyErr {
+    Python::attach(|py| {
+        match py.import("shoal.errors").and_then(|m| m.getattr(class)) {
+            Ok(cls) => PyErr::from_value(cls.call1((message,)).unwrap_or_else(|e| e.into_value(py).into_bound(py).into_any())),
+            // Only if the package is broken: keep the message.
+            Err(_) => PyRuntimeError::new_err(format!("{class}: {message}")),
+        }
+    })
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Communicator>()?;
+    m.add_class::<Master>()?;
+    m.add_class::<ReduceInfo>()?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("DTYPES", DType::ALL.map(DType::name).to_vec())?;
+    m.add("OPS", ReduceOp::ALL.map(ReduceOp::name).to_vec())?;
+    Ok(())
+}
