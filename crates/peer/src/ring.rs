@@ -98,10 +98,39 @@ pub(crate) fn run(
             scratch: vec![0; scratch_words],
         })
         .collect();
-    let mut recv_done = vec![false; plan.recvs.len()];
-    let mut traffic = Traffic::default();
     let (send_lanes, recv_lanes) = (send.len(), recv.len());
     let mut ctx = Ctx { job, plan, header, elem, send_lanes, recv_lanes };
+    let result = drive(&mut ctx, &mut sends, &mut recvs, &mut *send, &mut *recv, deadline);
+    if let Err(e) = &result {
+        // Where every lane stood: enough to tell a dead peer from a desynchronised stream.
+        let s: Vec<(usize, usize, usize)> = sends.iter().map(|l| (l.header_sent, l.unit, l.offset)).collect();
+        let r: Vec<(usize, usize, usize)> = recvs.iter().map(|l| (l.header_got, l.unit, l.offset)).collect();
+        let ports = |v: &[TcpStream]| -> Vec<String> {
+            v.iter().map(|t| format!("{:?}->{:?}", t.local_addr().ok(), t.peer_addr().ok())).collect()
+        };
+        log::debug!(
+            "all_reduce seq {} failed ({e:?}) with {} send and {} receive chunks; lanes as \
+             (header bytes, chunk, offset): send {s:?} on {:?}, receive {r:?} on {:?}",
+            ctx.job.header.seq,
+            ctx.plan.sends.len(),
+            ctx.plan.recvs.len(),
+            ports(send),
+            ports(recv),
+        );
+    }
+    result
+}
+
+fn drive(
+    ctx: &mut Ctx<'_>,
+    sends: &mut [SendLane],
+    recvs: &mut [RecvLane],
+    send: &mut [TcpStream],
+    recv: &mut [TcpStream],
+    deadline: Deadline,
+) -> Result<Traffic, RingError> {
+    let mut recv_done = vec![false; ctx.plan.recvs.len()];
+    let mut traffic = Traffic::default();
 
     loop {
         let mut progress = false;

@@ -85,3 +85,64 @@ fn unreachable_master_is_named() {
         Err(shoal_peer::Error::NotConnected)
     ));
 }
+
+/// Defaults (1 MiB chunks, several streams) on a buffer of one chunk per segment.
+#[test]
+fn two_peers_with_default_settings() {
+    let m = master();
+    let handles: Vec<_> = (0..2)
+        .map(|i| {
+            let mut cfg = config(&m, shoal_peer::DEFAULT_CONNECTIONS);
+            cfg.chunk_bytes = shoal_peer::DEFAULT_CHUNK_BYTES;
+            thread::spawn(move || {
+                thread::sleep(Duration::from_millis(100 * i as u64));
+                let comm = Communicator::new(cfg).unwrap();
+                comm.connect(None).unwrap();
+                while comm.group_world_size() != Some(2) {
+                    if comm.peers_pending().unwrap() {
+                        comm.update_topology().unwrap();
+                    }
+                }
+                let mut buf = f32_bytes(&vec![1.5f32; 1 << 18]);
+                comm.all_reduce(&mut buf, DType::F32, ReduceOp::Avg, 0).unwrap();
+                assert!(buf == f32_bytes(&vec![1.5f32; 1 << 18]));
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+}
+
+/// Many collectives back to back, with the sizes changing, as the benchmark runs them.
+#[test]
+fn back_to_back_collectives_of_changing_sizes() {
+    let m = master();
+    let handles: Vec<_> = (0..2)
+        .map(|i| {
+            let mut cfg = config(&m, shoal_peer::DEFAULT_CONNECTIONS);
+            cfg.chunk_bytes = shoal_peer::DEFAULT_CHUNK_BYTES;
+            cfg.timeout = Duration::from_secs(5);
+            thread::spawn(move || {
+                thread::sleep(Duration::from_millis(100 * i as u64));
+                let comm = Communicator::new(cfg).unwrap();
+                comm.connect(None).unwrap();
+                while comm.group_world_size() != Some(2) {
+                    if comm.peers_pending().unwrap() {
+                        comm.update_topology().unwrap();
+                    }
+                }
+                for (bytes, iters) in [(4096, 3100), (65536, 300), (1 << 20, 300), (16 << 20, 3)] {
+                    let mut buf = vec![0u8; bytes];
+                    for it in 0..iters {
+                        comm.all_reduce(&mut buf, DType::F32, ReduceOp::Sum, 0)
+                            .unwrap_or_else(|e| panic!("size {bytes} iteration {it}: {e}"));
+                    }
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+}

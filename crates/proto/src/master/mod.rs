@@ -408,7 +408,6 @@ impl Master {
     fn remove_peer(&mut self, peer: PeerId, reason: String) {
         let Some(entry) = self.peers.remove(&peer) else { return };
         self.conns.remove(&entry.conn);
-        log::info!("{peer} removed: {reason}");
         self.outputs.push_back(Output::Close { conn: entry.conn, reason: reason.clone() });
         self.outputs.push_back(Output::Event(MasterEvent::PeerRemoved { peer, reason }));
         self.ring.retain(|p| *p != peer);

@@ -1,0 +1,77 @@
+"""Type stubs of the native extension. Users import these names from ``shoal``."""
+
+from typing import Optional
+
+import numpy as np
+import numpy.typing as npt
+
+__version__: str
+DTYPES: list[str]
+OPS: list[str]
+
+class ReduceInfo:
+    """Outcome of a completed collective."""
+
+    @property
+    def world_size(self) -> int:
+        """Peers that took part."""
+    @property
+    def tx_bytes(self) -> int:
+        """Bytes this peer sent."""
+    @property
+    def rx_bytes(self) -> int:
+        """Bytes this peer received."""
+    @property
+    def elapsed(self) -> float:
+        """Wall time of the call in seconds."""
+
+class Communicator:
+    """Native communicator; use ``shoal.Communicator``, which checks and converts tensors."""
+
+    def __init__(
+        self,
+        master_addr: str,
+        *,
+        peer_group: int = 0,
+        connections: Optional[int] = None,
+        listen_addr: Optional[str] = None,
+        advertise_addr: Optional[str] = None,
+        chunk_bytes: Optional[int] = None,
+        heartbeat_timeout: Optional[float] = None,
+        timeout: Optional[float] = None,
+    ) -> None: ...
+    def connect(self, timeout: Optional[float] = None) -> None: ...
+    def update_topology(self) -> None: ...
+    def peers_pending(self) -> bool: ...
+    def all_reduce_bytes(
+        self, buf: npt.NDArray[np.uint8], dtype: str, op: str, tag: int
+    ) -> ReduceInfo: ...
+    @property
+    def world_size(self) -> Optional[int]: ...
+    @property
+    def group_world_size(self) -> Optional[int]: ...
+    @property
+    def rank(self) -> Optional[int]: ...
+    @property
+    def peer_id(self) -> Optional[int]: ...
+    def close(self) -> None: ...
+
+class Master:
+    """The coordinator: admits peers and runs votes; never carries tensor data.
+
+    ``Master("0.0.0.0:48148")`` then ``start()``/``stop()``, or use it as a context manager.
+    Port 0 picks a free port; ``address`` gives the real one once started.
+    """
+
+    def __init__(self, listen: str = "0.0.0.0:48148", *, heartbeat_timeout: Optional[float] = None) -> None: ...
+    def start(self) -> None:
+        """Bind the listen address and serve in background threads."""
+    def stop(self) -> None:
+        """Stop serving and close every connection. Idempotent."""
+    @property
+    def address(self) -> str:
+        """``host:port`` the master listens on."""
+    @property
+    def running(self) -> bool: ...
+    def __enter__(self) -> "Master": ...
+    def __exit__(self, *exc: object) -> None: ...

@@ -1,0 +1,192 @@
+"""``shoal bench``: an nccl-tests style table of all-reduce time and bandwidth over a size sweep.
+
+It starts a master (or joins ``--master``) and ``--peers`` local peer processes, which join one
+by one, then all-reduce every size for a fixed number of iterations. For each iteration the time
+that counts is the slowest peer's; the table gives its median and p99, the algorithm bandwidth
+(bytes / time) and the bus bandwidth (algbw * 2 (n - 1) / n, the bytes each link carries).
+
+The iteration policy and the table live here so that other implementations (``bench/gloo.py``)
+are measured exactly the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable, Iterable, Optional, Sequence
+
+import numpy as np
+
+DEFAULT_SIZES = "4K,64K,1M,16M,64M,256M"
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+# Each size runs for about this many bytes, within the iteration bounds below.
+_BUDGET_BYTES = 2 << 30
+_MIN_ITERS, _MAX_ITERS = 8, 1000
+
+
+def parse_sizes(spec: str) -> list[int]:
+    """``"4K,1M"`` -> ``[4096, 1048576]``."""
+    sizes = []
+    for part in spec.split(","):
+        part = part.strip().upper().removesuffix("B")
+        unit = part[-1] if part and part[-1] in _UNITS else ""
+        number = part[: -1] if unit else part
+        if not number.isdigit() or int(number) <= 0:
+            raise argparse.ArgumentTypeError(f"bad size {part!r}: expected e.g. 4K, 64M, 1G")
+        sizes.append(int(number) * _UNITS[unit])
+    return sizes
+
+
+def iterations(size_bytes: int) -> tuple[int, int]:
+    """(warm-up, timed) iterations for a size; the same on every peer."""
+    timed = max(_MIN_ITERS, min(_MAX_ITERS, _BUDGET_BYTES // max(size_bytes, 1)))
+    return min(5, timed), timed
+
+
+def run_loop(
+    all_reduce: Callable[[np.ndarray], object], sizes: Sequence[int], dtype: str, out=sys.stdout
+) -> None:
+    """The worker side: for each size, warm up, time each iteration, print one JSON line."""
+    np_dtype = np.dtype(dtype)
+    for size in sizes:
+        count = max(1, size // np_dtype.itemsize)
+        x = np.ones(count, dtype=np_dtype)
+        warm, timed = iterations(size)
+        for _ in range(warm):
+            all_reduce(x)
+        times = []
+        for _ in range(timed):
+            t0 = time.perf_counter()
+            all_reduce(x)
+            times.append(time.perf_counter() - t0)
+        print(json.dumps({"size": count * np_dtype.itemsize, "count": count, "times": times}), file=out, flush=True)
+
+
+def summarize(per_peer: Sequence[Sequence[dict]], peers: int) -> list[dict]:
+    """Combine every peer's JSON lines into one row per size."""
+    rows = []
+    for results in zip(*per_peer):
+        size = results[0]["size"]
+        # An iteration ends when its slowest peer is done.
+        slowest = [max(ts) for ts in zip(*(r["times"] for r in results))]
+        median = statistics.median(slowest)
+        p99 = float(np.percentile(slowest, 99))
+        algbw = size / median / 1e9
+        rows.append(
+            {
+                "op": "all_reduce",
+                "size": size,
+                "count": results[0]["count"],
+                "peers": peers,
+                "iters": len(slowest),
+                "time_us": median * 1e6,
+                "p99_us": p99 * 1e6,
+                "algbw_gbs": algbw,
+                "busbw_gbs": algbw * 2 * (peers - 1) / peers if peers > 1 else 0.0,
+            }
+        )
+    return rows
+
+
+def format_table(rows: Iterable[dict], title: str) -> str:
+    lines = [
+        f"# {title}",
+        f"# {'op':>10} {'size(B)':>11} {'count':>10} {'iters':>6} {'time(us)':>10} {'p99(us)':>10} "
+        f"{'algbw(GB/s)':>12} {'busbw(GB/s)':>12}",
+    ]
+    for r in rows:
+        lines.append(
+            f"  {r['op']:>10} {r['size']:>11} {r['count']:>10} {r['iters']:>6} {r['time_us']:>10.1f} "
+            f"{r['p99_us']:>10.1f} {r['algbw_gbs']:>12.3f} {r['busbw_gbs']:>12.3f}"
+        )
+    return "\n".join(lines)
+
+
+def spawn_workers(argv_for: Callable[[int], list[str]], peers: int) -> list[list[dict]]:
+    """Runs ``peers`` worker processes and returns each one's JSON lines.
+
+    Output goes to files, not pipes: a worker blocked on a full pipe would stall the collective
+    every other worker is in.
+    """
+    with tempfile.TemporaryDirectory(prefix="shoal-bench-") as tmp:
+        files = [open(os.path.join(tmp, f"worker{i}.jsonl"), "w+") for i in range(peers)]
+        procs = [subprocess.Popen(argv_for(i), stdout=f, text=True) for i, f in enumerate(files)]
+        codes = [p.wait() for p in procs]
+        outputs = []
+        for f in files:
+            f.seek(0)
+            outputs.append([json.loads(line) for line in f if line.startswith("{")])
+            f.close()
+    if any(codes):
+        raise SystemExit(f"a benchmark worker failed (exit codes {codes}; see its error above)")
+    return outputs
+
+
+def _worker(args: argparse.Namespace) -> None:
+    import shoal
+
+    comm = shoal.Communicator(args.master, connections=args.connections, chunk_bytes=args.chunk_bytes)
+    comm.connect(timeout=120)
+    # Admit newcomers until the whole local group is in.
+    while comm.group_world_size < args.peers:
+        if comm.peers_pending():
+            comm.update_topology()
+        else:
+            time.sleep(0.01)
+    run_loop(lambda x: comm.all_reduce(x, op=args.op), parse_sizes(args.sizes), args.dtype)
+    comm.close()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="shoal bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", type=int, default=4, help="local peer processes (default 4)")
+    parser.add_argument("--master", help="join this master instead of starting one")
+    parser.add_argument("--sizes", default=DEFAULT_SIZES, help=f"bytes per all-reduce (default {DEFAULT_SIZES})")
+    parser.add_argument("--dtype", default="float32", help="numpy dtype (default float32)")
+    parser.add_argument("--op", default="sum", help="reduction (default sum)")
+    parser.add_argument("--connections", type=int, default=None, help="TCP connections per peer pair")
+    parser.add_argument("--chunk-bytes", type=int, default=None, help="ring pipeline chunk")
+    parser.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    parse_sizes(args.sizes)
+    if args.worker:
+        return _worker(args)
+    if args.peers < 1:
+        parser.error("--peers must be at least 1")
+
+    import shoal
+
+    master = None
+    if args.master is None:
+        master = shoal.Master("127.0.0.1:0")
+        master.start()
+        args.master = master.address
+    try:
+        passthrough = ["--master", args.master, "--sizes", args.sizes, "--dtype", args.dtype, "--op", args.op]
+        passthrough += ["--peers", str(args.peers)]
+        if args.connections is not None:
+            passthrough += ["--connections", str(args.connections)]
+        if args.chunk_bytes is not None:
+            passthrough += ["--chunk-bytes", str(args.chunk_bytes)]
+        outputs = spawn_workers(
+            lambda i: [sys.executable, "-m", "shoal.bench", "--worker", *passthrough], args.peers
+        )
+    finally:
+        if master is not None:
+            master.stop()
+    rows = summarize(outputs, args.peers)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(format_table(rows, f"shoal all_reduce, {args.peers} peers, {args.dtype} {args.op}, master {args.master}"))
+
+
+if __name__ == "__main__":
+    main()

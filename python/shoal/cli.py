@@ -1,0 +1,55 @@
+"""The ``shoal`` command: ``shoal master``, ``shoal bench``, ``shoal demo``."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from typing import Optional, Sequence
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"master": _master, "bench": _bench, "demo": _demo}
+    if not argv or argv[0] not in commands:
+        print("usage: shoal {master,bench,demo} [options]   (shoal COMMAND --help for more)", file=sys.stderr)
+        raise SystemExit(0 if argv[:1] in (["-h"], ["--help"]) else 2)
+    commands[argv[0]](argv[1:])
+
+
+def _master(argv: Sequence[str]) -> None:
+    parser = argparse.ArgumentParser(prog="shoal master", description="Run a shoal master in the foreground.")
+    parser.add_argument("--listen", default="0.0.0.0:48148", help="HOST:PORT to listen on (default 0.0.0.0:48148)")
+    parser.add_argument("--heartbeat-timeout", type=float, default=None, help="seconds a silent peer is tolerated")
+    args = parser.parse_args(argv)
+    import shoal
+
+    master = shoal.Master(args.listen, heartbeat_timeout=args.heartbeat_timeout)
+    try:
+        master.start()
+    except OSError as e:
+        raise SystemExit(f"shoal master: {e}")
+    print(f"shoal master listening on {master.address}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.5):
+        pass
+    master.stop()
+
+
+def _bench(argv: Sequence[str]) -> None:
+    from . import bench
+
+    bench.main(argv)
+
+
+def _demo(argv: Sequence[str]) -> None:
+    from . import demo
+
+    demo.main(argv)
+
+
+if __name__ == "__main__":
+    main()

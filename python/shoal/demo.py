@@ -1,0 +1,84 @@
+"""``shoal demo``: a master and peers on this machine; peers join one by one and all-reduce.
+
+Each peer is a separate process holding a "gradient" filled with its own number. Every step it
+averages the gradient with the peers present, so the printed mean shows who is in the run. Peers
+already in the run admit each newcomer with ``peers_pending()`` / ``update_topology()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+
+
+def _peer(master: str, name: int, peers: int, steps_after_full: int, elements: int) -> None:
+    import shoal
+
+    def say(msg: str) -> None:
+        print(f"[peer {name}] {msg}", flush=True)
+
+    with shoal.Communicator(master) as comm:
+        say("connecting to the master")
+        comm.connect(timeout=60)
+        say(f"accepted as rank {comm.rank} of {comm.group_world_size}")
+        step, full_since = 0, None
+        # Every accepted peer makes the same calls in the same order: all_reduce, then the
+        # peers_pending vote, then (if it says so) update_topology. A newcomer's connect()
+        # returns when that update commits, so it enters the loop at the all_reduce.
+        while full_since is None or step - full_since < steps_after_full:
+            grad = np.full(elements, float(name), dtype=np.float32)
+            info = comm.all_reduce(grad, op="avg")
+            say(
+                f"step {step:2d}: all_reduce(avg) over {info.world_size} peers -> {grad[0]:.3f} "
+                f"({grad.nbytes >> 10} KiB in {info.elapsed * 1e3:.2f} ms)"
+            )
+            if full_since is None and comm.group_world_size == peers:
+                full_since = step
+            step += 1
+            time.sleep(0.15)
+            if comm.peers_pending():
+                say("peers are pending: voting to admit them")
+                comm.update_topology()
+                say(f"now rank {comm.rank} of {comm.group_world_size}")
+        say("done, leaving the run")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="shoal demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--join-interval", type=float, default=1.0, help="seconds between joins")
+    parser.add_argument("--steps", type=int, default=8, help="steps once everyone is in")
+    parser.add_argument("--elements", type=int, default=1 << 18)
+    parser.add_argument("--peer", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--master", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.peer is not None:
+        return _peer(args.master, args.peer, args.peers, args.steps, args.elements)
+
+    os.environ.setdefault("SHOAL_LOG", "info")  # the master's log shows membership changes
+    import shoal
+
+    with shoal.Master("127.0.0.1:0") as master:
+        print(f"[demo] master listening on {master.address}", flush=True)
+        env = {k: v for k, v in os.environ.items() if k != "SHOAL_LOG"}
+        procs = []
+        for i in range(args.peers):
+            print(f"[demo] starting peer {i}", flush=True)
+            cmd = [sys.executable, "-m", "shoal.demo", "--peer", str(i), "--master", master.address]
+            cmd += ["--peers", str(args.peers), "--steps", str(args.steps), "--elements", str(args.elements)]
+            procs.append(subprocess.Popen(cmd, env=env))
+            time.sleep(args.join_interval)
+        codes = [p.wait(timeout=300) for p in procs]
+    if any(codes):
+        raise SystemExit(f"[demo] a peer failed: exit codes {codes}")
+    print(f"[demo] all {args.peers} peers finished", flush=True)
+
+
+if __name__ == "__main__":
+    main()
