@@ -283,7 +283,7 @@ impl Communicator {
             match step {
                 Step::Establish(epoch, members) => {
                     let pos = c.control.lock().view.position(epoch, &members);
-                    match c.listener.establish(&mut data, &c.control, &pos, self.config.connections, deadline) {
+                    match c.listener.establish(&mut data, &c.control, &pos, self.config.connections, deadline, operation) {
                         Ok(()) => c.control.send(&Message::TopologyReady { epoch })?,
                         Err(EstablishError::Unreachable(peer, reason)) => {
                             log::warn!("{}: cannot reach {peer}: {reason}", c.me);

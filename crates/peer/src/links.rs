@@ -106,6 +106,7 @@ impl Listener {
         pos: &RingPosition,
         connections: usize,
         deadline: Deadline,
+        operation: &'static str,
     ) -> Result<(), EstablishError> {
         let members: BTreeSet<PeerId> = pos.ring.iter().map(|m| m.peer).collect();
         plane.outgoing.retain(|p, _| members.contains(p));
@@ -121,7 +122,7 @@ impl Listener {
             plane.outgoing.remove(&next.peer);
         }
         if !plane.outgoing.contains_key(&next.peer) {
-            let pool = dial(me, session, next.peer, &next.addr, connections, deadline)
+            let pool = dial(me, session, next.peer, &next.addr, connections, deadline, operation)
                 .map_err(|e| EstablishError::Unreachable(next.peer, e))?;
             plane.outgoing.insert(next.peer, pool);
         }
@@ -138,7 +139,7 @@ impl Listener {
                 if !arrivals.contains_key(&prev) && plane.incoming.contains_key(&prev) {
                     return Ok(());
                 }
-                let wait = deadline.left("update_topology").map_err(EstablishError::Fatal)?;
+                let wait = deadline.left(operation).map_err(EstablishError::Fatal)?;
                 drop(self.arrivals.changed.wait_timeout(arrivals, wait.min(ESTABLISH_POLL)));
             }
             let state = control.lock();
@@ -177,10 +178,11 @@ fn dial(
     addr: &str,
     connections: usize,
     deadline: Deadline,
+    operation: &'static str,
 ) -> Result<Vec<TcpStream>, String> {
     let mut pool = Vec::with_capacity(connections);
     for i in 0..connections {
-        let left = deadline.left("update_topology").map_err(|e| e.to_string())?;
+        let left = deadline.left(operation).map_err(|e| e.to_string())?;
         let mut s = connect(addr, left.min(DIAL_TIMEOUT)).map_err(|e| format!("dialing {to} at {addr}: {e}"))?;
         let hello = Message::PeerHello { from: me, to, stream: i as u16, streams: connections as u16 };
         write_message(&mut s, session, &hello).map_err(|e| format!("greeting {to} at {addr}: {e}"))?;
@@ -228,9 +230,17 @@ fn greet(
     arrivals: &Arrivals,
 ) -> Result<(), String> {
     stream.set_nonblocking(false).map_err(|e| e.to_string())?;
-    let (session, message) =
-        read_message_until(&mut stream, Instant::now() + HELLO_TIMEOUT).map_err(|e| e.to_string())?;
-    let &(me, our_session) = identity.get().ok_or("not registered yet")?;
+    let deadline = Instant::now() + HELLO_TIMEOUT;
+    let (session, message) = read_message_until(&mut stream, deadline).map_err(|e| e.to_string())?;
+    // A peer may dial us as soon as the master issues a topology with us in it, which can be
+    // before our API thread has woken up to record who we are: wait for it.
+    let &(me, our_session) = loop {
+        match identity.get() {
+            Some(id) => break id,
+            None if Instant::now() < deadline => thread::sleep(Duration::from_millis(1)),
+            None => return Err("not registered yet".into()),
+        }
+    };
     let Message::PeerHello { from, to, stream: index, streams } = message else {
         return Err(format!("expected PeerHello, got {}", message.name()));
     };
@@ -250,4 +260,51 @@ fn greet(
     drop(all);
     arrivals.changed.notify_all();
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A peer may dial a newcomer before the newcomer's API thread has recorded its identity
+    /// (the master issues the topology right after registering it). The stream must be kept,
+    /// not refused: a refused stream leaves the dialer holding a pool nobody reads, and the
+    /// newcomer waiting for one that never comes.
+    #[test]
+    fn hello_before_identity_is_known_is_kept() {
+        let listener = Listener::start("127.0.0.1:0").unwrap();
+        let addr = format!("127.0.0.1:{}", listener.port);
+        let (me, session) = (PeerId(7), SessionId(42));
+        let mut s = connect(&addr, Duration::from_secs(1)).unwrap();
+        let hello = Message::PeerHello { from: PeerId(3), to: me, stream: 0, streams: 1 };
+        write_message(&mut s, session, &hello).unwrap();
+        thread::sleep(Duration::from_millis(100));
+        listener.set_identity(me, session);
+        let deadline = Instant::now() + Duration::from_secs(3);
+        loop {
+            let arrivals = listener.arrivals.streams.lock().unwrap();
+            if arrivals.get(&PeerId(3)).is_some_and(|p| p.streams.len() == 1) {
+                break;
+            }
+            drop(arrivals);
+            assert!(Instant::now() < deadline, "the early stream was refused");
+            thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn hello_for_another_session_or_peer_is_refused() {
+        let listener = Listener::start("127.0.0.1:0").unwrap();
+        listener.set_identity(PeerId(1), SessionId(5));
+        let addr = format!("127.0.0.1:{}", listener.port);
+        for (to, session) in [(PeerId(2), SessionId(5)), (PeerId(1), SessionId(6))] {
+            let mut s = connect(&addr, Duration::from_secs(1)).unwrap();
+            let hello = Message::PeerHello { from: PeerId(9), to, stream: 0, streams: 1 };
+            write_message(&mut s, session, &hello).unwrap();
+            // The listener closes a refused stream.
+            s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+            assert_eq!(std::io::Read::read(&mut s, &mut [0u8; 1]).unwrap(), 0);
+        }
+        assert!(listener.arrivals.streams.lock().unwrap().is_empty());
+    }
 }
