@@ -1,14 +1,18 @@
 """Type stubs of the native extension. Users import these names from ``shoal``."""
 
-from typing import Optional
+from typing import Optional, final
+
+from typing_extensions import Self
 
 import numpy as np
 import numpy.typing as npt
 
+__all__ = ["Communicator", "DTYPES", "Master", "OPS", "ReduceInfo", "__version__"]
 __version__: str
 DTYPES: list[str]
 OPS: list[str]
 
+@final
 class ReduceInfo:
     """Outcome of a completed collective."""
 
@@ -25,11 +29,12 @@ class ReduceInfo:
     def elapsed(self) -> float:
         """Wall time of the call in seconds."""
 
+@final
 class Communicator:
     """Native communicator; use ``shoal.Communicator``, which checks and converts tensors."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         master_addr: str,
         *,
         peer_group: int = 0,
@@ -39,7 +44,7 @@ class Communicator:
         chunk_bytes: Optional[int] = None,
         heartbeat_timeout: Optional[float] = None,
         timeout: Optional[float] = None,
-    ) -> None: ...
+    ) -> Self: ...
     def connect(self, timeout: Optional[float] = None) -> None: ...
     def update_topology(self) -> None: ...
     def peers_pending(self) -> bool: ...
@@ -56,6 +61,7 @@ class Communicator:
     def peer_id(self) -> Optional[int]: ...
     def close(self) -> None: ...
 
+@final
 class Master:
     """The coordinator: admits peers and runs votes; never carries tensor data.
 
@@ -63,7 +69,7 @@ class Master:
     Port 0 picks a free port; ``address`` gives the real one once started.
     """
 
-    def __init__(self, listen: str = "0.0.0.0:48148", *, heartbeat_timeout: Optional[float] = None) -> None: ...
+    def __new__(cls, listen: str = "0.0.0.0:48148", *, heartbeat_timeout: Optional[float] = None) -> Self: ...
     def start(self) -> None:
         """Bind the listen address and serve in background threads."""
     def stop(self) -> None:
@@ -73,5 +79,5 @@ class Master:
         """``host:port`` the master listens on."""
     @property
     def running(self) -> bool: ...
-    def __enter__(self) -> "Master": ...
-    def __exit__(self, *exc: object) -> None: ...
+    def __enter__(self) -> Self: ...
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None: ...

@@ -143,6 +143,39 @@ def _worker(args: argparse.Namespace) -> None:
     comm.close()
 
 
+def run(
+    peers: int,
+    sizes: str,
+    *,
+    dtype: str = "float32",
+    op: str = "sum",
+    master_addr: Optional[str] = None,
+    connections: Optional[int] = None,
+    chunk_bytes: Optional[int] = None,
+) -> list[dict]:
+    """Runs the benchmark with ``peers`` local worker processes and returns its rows. Starts a
+    master unless ``master_addr`` is given."""
+    import shoal
+
+    master = None
+    if master_addr is None:
+        master = shoal.Master("127.0.0.1:0")
+        master.start()
+        master_addr = master.address
+    try:
+        argv = [sys.executable, "-m", "shoal.bench", "--worker", "--master", master_addr, "--sizes", sizes]
+        argv += ["--dtype", dtype, "--op", op, "--peers", str(peers)]
+        if connections is not None:
+            argv += ["--connections", str(connections)]
+        if chunk_bytes is not None:
+            argv += ["--chunk-bytes", str(chunk_bytes)]
+        outputs = spawn_workers(lambda i: argv, peers)
+    finally:
+        if master is not None:
+            master.stop()
+    return summarize(outputs, peers)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="shoal bench", description=__doc__.splitlines()[0])
     parser.add_argument("--peers", type=int, default=4, help="local peer processes (default 4)")
@@ -161,31 +194,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.peers < 1:
         parser.error("--peers must be at least 1")
 
-    import shoal
-
-    master = None
-    if args.master is None:
-        master = shoal.Master("127.0.0.1:0")
-        master.start()
-        args.master = master.address
-    try:
-        passthrough = ["--master", args.master, "--sizes", args.sizes, "--dtype", args.dtype, "--op", args.op]
-        passthrough += ["--peers", str(args.peers)]
-        if args.connections is not None:
-            passthrough += ["--connections", str(args.connections)]
-        if args.chunk_bytes is not None:
-            passthrough += ["--chunk-bytes", str(args.chunk_bytes)]
-        outputs = spawn_workers(
-            lambda i: [sys.executable, "-m", "shoal.bench", "--worker", *passthrough], args.peers
-        )
-    finally:
-        if master is not None:
-            master.stop()
-    rows = summarize(outputs, args.peers)
+    rows = run(args.peers, args.sizes, dtype=args.dtype, op=args.op, master_addr=args.master,
+               connections=args.connections, chunk_bytes=args.chunk_bytes)
+    where = args.master or "local"
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print(format_table(rows, f"shoal all_reduce, {args.peers} peers, {args.dtype} {args.op}, master {args.master}"))
+        print(format_table(rows, f"shoal all_reduce, {args.peers} peers, {args.dtype} {args.op}, master {where}"))
 
 
 if __name__ == "__main__":

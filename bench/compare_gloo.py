@@ -1,0 +1,49 @@
+"""shoal and torch.distributed Gloo, side by side in one run, with ratios.
+
+    python bench/compare_gloo.py --peers 2 4 --sizes 4K,64M,256M
+
+Both are measured by the same code (shoal.bench): same sizes, iteration counts and statistics.
+The machine is shared and noisy: trust the ratios more than the absolute figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import gloo  # noqa: E402
+
+from shoal import bench  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--sizes", default="4K,64M,256M")
+    parser.add_argument("--json", help="also write all rows to this file")
+    args = parser.parse_args()
+    everything = []
+    for peers in args.peers:
+        ours = bench.run(peers, args.sizes)
+        theirs = gloo.run(peers, args.sizes)
+        print(bench.format_table(ours, f"shoal, {peers} peers"))
+        print(bench.format_table(theirs, f"gloo, {peers} peers"))
+        print(f"# ratios, {peers} peers: shoal busbw / gloo busbw, gloo time / shoal time (higher is better for shoal)")
+        for a, b in zip(ours, theirs):
+            print(
+                f"  {a['size']:>11} B  busbw x{a['busbw_gbs'] / b['busbw_gbs']:5.2f}  "
+                f"p50 x{b['time_us'] / a['time_us']:5.2f}  shoal p99/p50 {a['p99_us'] / a['time_us']:4.2f}"
+            )
+        print(flush=True)
+        everything.append({"peers": peers, "shoal": ours, "gloo": theirs})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(everything, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

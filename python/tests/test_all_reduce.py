@@ -1,0 +1,62 @@
+"""all_reduce across real peer processes: every dtype and op against numpy, bit-identical on
+every peer, world sizes 1 to 8, torch tensors in place, and peers joining while others run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import run_peers
+from worker import DTYPES, OPS, inputs
+
+
+def expected(dtype: str, op: str, peers: int) -> np.ndarray:
+    xs = [inputs(dtype, op, r) for r in range(peers)]
+    if op in ("sum", "avg", "prod"):
+        acc = xs[0].copy()
+        for x in xs[1:]:
+            acc = acc + x if op != "prod" else acc * x  # wraps like the library for integers
+        if op == "avg":
+            if np.dtype(dtype).kind == "f":
+                return (acc.astype(np.float64) / peers).astype(dtype)
+            return (acc.astype(np.float64) / peers).astype(np.int64).astype(dtype)  # truncates
+        return acc
+    return np.minimum.reduce(xs) if op == "min" else np.maximum.reduce(xs)
+
+
+@pytest.mark.parametrize("peers", [1, 2, 3, 5, 8])
+def test_every_dtype_and_op_matches_numpy_on_every_peer(master, tmp_path, peers):
+    # Small chunks and 3 connections so that even 1 KiB buffers cross several chunks and lanes.
+    infos = run_peers(master, tmp_path, "matrix", peers, connections=3, chunk_bytes=4096)
+    assert sorted(i["rank"] for i in infos) == list(range(peers))
+    results = [np.load(tmp_path / f"peer{i}.npz") for i in range(peers)]
+    for dtype in DTYPES:
+        for op in OPS:
+            key = f"{dtype}/{op}"
+            first = results[0][key]
+            for r in results[1:]:
+                assert r[key].tobytes() == first.tobytes(), f"{key}: peers disagree"
+            want = expected(dtype, op, peers)
+            if op == "avg" and np.dtype(dtype).kind == "f":
+                # Sum then one division: within rounding of the exact mean.
+                np.testing.assert_allclose(first, want, rtol=2e-3 if dtype == "float16" else 1e-6)
+            else:
+                assert first.tobytes() == want.tobytes(), f"{key}: differs from numpy"
+
+
+def test_torch_cpu_tensors_are_reduced_in_place(master, tmp_path):
+    pytest.importorskip("torch")
+    out = run_peers(master, tmp_path, "torch", 2, timeout=120)
+    for result in out:
+        for dtype in ["torch.float32", "torch.bfloat16", "torch.float16", "torch.int64", "torch.uint8"]:
+            assert result[dtype] == [3.0, 3.0, 3.0], dtype
+        assert result["requires_grad"] == [1.0, 1.0]
+
+
+def test_peers_join_one_by_one_while_the_others_run(master, tmp_path):
+    out = run_peers(master, tmp_path, "join_late", 4, delay=0.4)
+    # Everyone ends in the full world with the same exact result.
+    want = (np.arange(10) * (1 + 2 + 3 + 4)).tolist()
+    assert all(o["result"] == want for o in out)
+    assert sorted(o["rank"] for o in out) == [0, 1, 2, 3]
+    # The first peer started alone and saw the world grow.
+    assert out[0]["seen"][0] == 1 and out[0]["seen"][-1] == 4

@@ -1,0 +1,141 @@
+"""The API's edges in one process: bad arguments fail before any traffic with the right error,
+blocking calls release the GIL, errors form the documented tree."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import shoal
+
+
+@pytest.fixture
+def solo(master):
+    """A connected communicator alone in its run (world size 1)."""
+    with shoal.Communicator(master.address) as comm:
+        comm.connect(timeout=10)
+        yield comm
+
+
+def test_a_single_peer_is_accepted_at_once_and_reduces_alone(solo):
+    assert (solo.world_size, solo.group_world_size, solo.rank) == (1, 1, 0)
+    x = np.arange(5, dtype=np.float32)
+    info = solo.all_reduce(x, op="avg")
+    assert x.tolist() == [0, 1, 2, 3, 4] and info.world_size == 1 and info.tx_bytes == 0
+    assert solo.peers_pending() is False
+    solo.update_topology()  # a vote of one, admitting nobody
+
+
+@pytest.mark.parametrize(
+    "tensor, error, words",
+    [
+        (np.zeros((4, 4), np.float32)[:, 1], ValueError, "contiguous"),
+        (np.zeros(4, np.complex64), TypeError, "unsupported dtype"),
+        (np.zeros(4, bool), TypeError, "unsupported dtype"),
+        ([1.0, 2.0], TypeError, "numpy array or a torch tensor"),
+    ],
+)
+def test_bad_tensors_are_refused_before_any_traffic(solo, tensor, error, words):
+    with pytest.raises(error, match=words):
+        solo.all_reduce(tensor)
+
+
+def test_read_only_and_misaligned_arrays_are_refused(solo):
+    ro = np.zeros(4, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        solo.all_reduce(ro)
+    raw = np.zeros(4 * 8 + 1, np.uint8)
+    misaligned = raw[1:].view(np.float32)
+    if not misaligned.flags.aligned:
+        with pytest.raises(ValueError, match="aligned"):
+            solo.all_reduce(misaligned)
+
+
+def test_bad_options_name_the_problem(solo, master):
+    with pytest.raises(ValueError, match="unknown op"):
+        solo.all_reduce(np.zeros(2, np.float32), op="mean")
+    with pytest.raises(ValueError, match="tag"):
+        solo.all_reduce(np.zeros(2, np.float32), tag=-1)
+    with pytest.raises(ValueError, match="quantization"):
+        solo.all_reduce(np.zeros(2, np.float32), quantization="int8")
+    with pytest.raises(ValueError, match="connections"):
+        shoal.Communicator(master.address, connections=0)
+    with pytest.raises(ValueError, match="timeout"):
+        shoal.Communicator(master.address, timeout=-1)
+
+
+def test_calls_before_connect_are_usage_errors(master):
+    comm = shoal.Communicator(master.address)
+    for call in (lambda: comm.all_reduce(np.zeros(2)), comm.peers_pending, comm.update_topology, lambda: comm.rank):
+        with pytest.raises(shoal.UsageError, match="connect"):
+            call()
+    comm.connect(timeout=10)
+    with pytest.raises(shoal.UsageError, match="already connected"):
+        comm.connect(timeout=10)
+    comm.close()
+    comm.close()  # idempotent
+    with pytest.raises(shoal.UsageError):
+        comm.all_reduce(np.zeros(2, np.float32))
+
+
+def test_unreachable_master_raises_within_the_timeout():
+    comm = shoal.Communicator("127.0.0.1:1")
+    with pytest.raises(shoal.MasterUnreachableError) as info:
+        comm.connect(timeout=3)
+    assert isinstance(info.value, ConnectionError) and isinstance(info.value, shoal.ShoalError)
+
+
+def test_errors_form_a_tree_under_shoal_error():
+    for name in ["PeerLostError", "MasterUnreachableError", "ShoalTimeoutError", "CollectiveMismatchError",
+                 "TooFewPeersError", "AuthenticationError", "ProtocolError", "UsageError", "KickedError"]:
+        assert issubclass(getattr(shoal, name), shoal.ShoalError), name
+    assert issubclass(shoal.PeerLostError, ConnectionError)
+    assert issubclass(shoal.ShoalTimeoutError, TimeoutError)
+
+
+def test_blocking_calls_release_the_gil(master):
+    # Two communicators in two threads of one process: the second can only reach all_reduce
+    # while the first is blocked in it if the first released the GIL.
+    results = {}
+
+    def peer(i):
+        with shoal.Communicator(master.address) as comm:
+            comm.connect(timeout=20)
+            while comm.group_world_size < 2:
+                if comm.peers_pending():
+                    comm.update_topology()
+            x = np.full(1 << 20, i + 1.0, np.float32)
+            comm.all_reduce(x, op="sum")
+            results[i] = float(x[0])
+
+    first = threading.Thread(target=peer, args=(0,))
+    first.start()
+    second = threading.Thread(target=peer, args=(1,))
+    second.start()
+    first.join(30)
+    second.join(30)
+    assert results == {0: 3.0, 1: 3.0}
+
+
+def test_master_context_manager_and_address(master):
+    assert master.running and master.address.startswith("127.0.0.1:")
+    m = shoal.Master("127.0.0.1:0")
+    m.start()
+    with pytest.raises(shoal.UsageError, match="already running"):
+        m.start()
+    m.stop()
+    m.stop()
+    assert not m.running
+
+
+def test_malformed_environment_is_named(master, monkeypatch):
+    monkeypatch.setenv("SHOAL_CONNECTIONS", "many")
+    with pytest.raises(ValueError, match="SHOAL_CONNECTIONS"):
+        shoal.Communicator(master.address)
+    monkeypatch.setenv("SHOAL_CONNECTIONS", "2")
+    monkeypatch.setenv("SHOAL_ALGO", "tree")
+    with pytest.raises(ValueError, match="SHOAL_ALGO"):
+        shoal.Communicator(master.address)

@@ -1,0 +1,54 @@
+"""The shoal command: master in the foreground, bench and demo end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+
+import shoal
+
+SHOAL = [sys.executable, "-m", "shoal.cli"]
+
+
+def test_master_command_serves_until_terminated():
+    env = {**os.environ, "SHOAL_LOG": "info", "SHOAL_BOGUS": "1"}
+    proc = subprocess.Popen([*SHOAL, "master", "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("shoal master listening on 127.0.0.1:"), line
+        address = line.split()[-1]
+        with shoal.Communicator(address) as comm:
+            comm.connect(timeout=10)
+            x = np.ones(3, np.float32)
+            comm.all_reduce(x)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0
+    assert "unknown environment variable SHOAL_BOGUS" in err
+    assert "registered" in err  # SHOAL_LOG=info shows membership
+
+
+def test_bench_prints_json_rows():
+    out = subprocess.run([*SHOAL, "bench", "--peers", "2", "--sizes", "4K,1M", "--json"], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    rows = json.loads(out)
+    assert [r["size"] for r in rows] == [4096, 1 << 20]
+    for r in rows:
+        assert r["peers"] == 2 and r["time_us"] > 0 and r["busbw_gbs"] > 0 and r["p99_us"] >= r["time_us"]
+
+
+def test_demo_runs_to_the_end():
+    out = subprocess.run([*SHOAL, "demo", "--peers", "3", "--join-interval", "0.3", "--steps", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "all 3 peers finished" in out.stdout
+    # With all three in, the average of 0, 1, 2 is 1.
+    assert "over 3 peers -> 1.000" in out.stdout

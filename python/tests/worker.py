@@ -1,0 +1,97 @@
+"""A peer process for the tests: ``worker.py SCENARIO JSON_SPEC``. Prints one JSON line."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+
+import shoal
+
+DTYPES = ["uint8", "int8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64"]
+OPS = ["sum", "avg", "prod", "min", "max"]
+LEN = 1031  # awkward: not a multiple of any world size or chunk
+
+
+def inputs(dtype: str, op: str, rank_seed: int) -> np.ndarray:
+    """Small integer values, so sums and products are exact in every dtype and any order."""
+    rng = np.random.default_rng(rank_seed * 1000 + DTYPES.index(dtype) * 10 + OPS.index(op))
+    if op == "prod":
+        values = rng.choice([1, 2, -1, -2] if np.dtype(dtype).kind != "u" else [1, 2], size=LEN)
+    else:
+        values = rng.integers(0 if np.dtype(dtype).kind == "u" else -10, 11, size=LEN)
+    return values.astype(dtype)
+
+
+def join_all(comm: shoal.Communicator, peers: int) -> None:
+    """Admit newcomers until the group has ``peers`` members, all-reducing at every size."""
+    while comm.group_world_size < peers:
+        x = np.ones(4, np.float32)
+        comm.all_reduce(x, op="sum")
+        assert x[0] == comm.group_world_size, (x, comm.group_world_size)
+        if comm.peers_pending():
+            comm.update_topology()
+        else:
+            time.sleep(0.02)
+
+
+def matrix(spec: dict) -> dict:
+    """Every dtype and op once; results saved for the test to compare."""
+    comm = shoal.Communicator(spec["master"], connections=spec.get("connections"), chunk_bytes=spec.get("chunk_bytes"))
+    comm.connect(timeout=30)
+    join_all(comm, spec["peers"])
+    results = {}
+    for dtype in DTYPES:
+        for op in OPS:
+            x = inputs(dtype, op, spec["index"])
+            info = comm.all_reduce(x, op=op)
+            assert info.world_size == spec["peers"]
+            results[f"{dtype}/{op}"] = x
+    np.savez(spec["out"] + ".npz", **results)
+    return {"rank": comm.rank, "peer_id": comm.peer_id, "world_size": comm.world_size}
+
+
+def torch_tensors(spec: dict) -> dict:
+    import torch
+
+    comm = shoal.Communicator(spec["master"])
+    comm.connect(timeout=30)
+    join_all(comm, spec["peers"])
+    out = {}
+    for dtype in [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8]:
+        t = torch.full((257,), spec["index"] + 1, dtype=dtype)
+        before = t.data_ptr()
+        comm.all_reduce(t, op="sum")
+        assert t.data_ptr() == before  # in place
+        out[str(dtype)] = t.float().tolist()[:3]
+    # A tensor that requires grad: its storage is reduced in place.
+    w = torch.ones(10, requires_grad=True)
+    comm.all_reduce(w, op="avg")
+    out["requires_grad"] = w.detach().tolist()[:2]
+    return out
+
+
+def join_late(spec: dict) -> dict:
+    """Peer i arrives i * delay seconds late; the ones in keep all-reducing until all are in."""
+    time.sleep(spec["index"] * spec["delay"])
+    comm = shoal.Communicator(spec["master"])
+    comm.connect(timeout=60)
+    seen = [comm.group_world_size]
+    while comm.group_world_size < spec["peers"]:
+        x = np.full(100_000, 1.0, np.float32)
+        comm.all_reduce(x, op="sum")
+        assert (x == comm.group_world_size).all()
+        if comm.peers_pending():
+            comm.update_topology()
+            seen.append(comm.group_world_size)
+    x = np.arange(10, dtype=np.float64) * (spec["index"] + 1)
+    comm.all_reduce(x, op="sum")
+    return {"seen": seen, "result": x.tolist(), "rank": comm.rank}
+
+
+if __name__ == "__main__":
+    scenario, spec = sys.argv[1], json.loads(sys.argv[2])
+    result = {"matrix": matrix, "torch": torch_tensors, "join_late": join_late}[scenario](spec)
+    print(json.dumps(result), flush=True)
