@@ -6,20 +6,31 @@
 //! and reads all-gather chunks directly into place. No thread hand-off sits on the path, which
 //! keeps small all-reduces at a few system calls per hop, and no copy but the kernel's.
 //!
-//! Chunk `k` of the schedule travels on stream `k mod pool size`. Both ends derive the same
-//! assignment, because the receiving end's pool is the sending end's pool.
+//! Chunk `k` of the schedule travels on stream `k mod lanes`, where `lanes` grows with the buffer
+//! size up to the pool size ([`lanes`]). Both ends derive the same assignment: the receiving
+//! end's pool is the sending end's pool, and its list of chunks to receive is the sender's list
+//! of chunks to send.
 
 use crate::Deadline;
 use shoal_collective::ring::{RecvAction, RingAllReduce};
 use shoal_collective::{finish_avg, reduce_into, DType, ReduceOp};
 use shoal_transport::PollFd;
 use shoal_wire::{decode_frame, encode_frame, Message, OpHeader, SessionId};
-use std::io::{ErrorKind, Read, Write};
+use std::io::{ErrorKind, IoSlice, Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
+/// A collective uses one more stream of the pool per this many bytes of buffer. Small collectives
+/// ride one stream: every extra stream costs a header and a wake-up per hop, which dominated
+/// small all-reduces (4 KiB across processes: 440 µs on 4 streams, 85 µs on one).
+const BYTES_PER_LANE: usize = 256 << 10;
 /// Longest a poll waits before the deadline is looked at again.
 const POLL_SLICE: Duration = Duration::from_millis(50);
+/// How long the executor keeps retrying non-blocking IO (yielding the CPU in between) before it
+/// sleeps in `poll(2)`. A sleep and wake-up cost tens of microseconds per hop, which dominates
+/// small collectives (4 KiB, 2 peers: 71 µs median without, 55 µs with); yielding keeps a
+/// spinning peer from starving a neighbour on the same core.
+const SPIN: Duration = Duration::from_micros(50);
 
 /// One ring all-reduce to run.
 pub(crate) struct RingJob<'a> {
@@ -86,6 +97,9 @@ pub(crate) fn run(
     let chunk_elems = (job.chunk_bytes / elem).max(1);
     let plan = RingAllReduce::new(job.rank, job.world, job.buf.len() / elem, chunk_elems);
     let header = encode_frame(job.session, &Message::Op(job.header));
+    let (send_used, recv_used) =
+        (lanes(send.len(), plan.sends.len(), job.buf.len()), lanes(recv.len(), plan.recvs.len(), job.buf.len()));
+    let (send, recv) = (&mut send[..send_used], &mut recv[..recv_used]);
     let mut sends: Vec<SendLane> =
         (0..send.len()).map(|i| SendLane { header_sent: 0, unit: i, offset: 0 }).collect();
     let scratch_words = (chunk_elems * elem).div_ceil(8);
@@ -100,7 +114,7 @@ pub(crate) fn run(
         .collect();
     let (send_lanes, recv_lanes) = (send.len(), recv.len());
     let mut ctx = Ctx { job, plan, header, elem, send_lanes, recv_lanes };
-    let result = drive(&mut ctx, &mut sends, &mut recvs, &mut *send, &mut *recv, deadline);
+    let result = drive(&mut ctx, &mut sends, &mut recvs, send, recv, deadline);
     if let Err(e) = &result {
         // Where every lane stood: enough to tell a dead peer from a desynchronised stream.
         let s: Vec<(usize, usize, usize)> = sends.iter().map(|l| (l.header_sent, l.unit, l.offset)).collect();
@@ -131,6 +145,7 @@ fn drive(
 ) -> Result<Traffic, RingError> {
     let mut recv_done = vec![false; ctx.plan.recvs.len()];
     let mut traffic = Traffic::default();
+    let mut idle_since: Option<std::time::Instant> = None;
 
     loop {
         let mut progress = false;
@@ -146,6 +161,12 @@ fn drive(
             break;
         }
         if progress {
+            idle_since = None;
+            continue;
+        }
+        let now = std::time::Instant::now();
+        if now.duration_since(*idle_since.get_or_insert(now)) < SPIN {
+            std::thread::yield_now();
             continue;
         }
         let mut fds: Vec<PollFd> = Vec::with_capacity(send.len() + recv.len());
@@ -165,6 +186,11 @@ fn drive(
     }
     debug_assert!(recv_done.iter().all(|d| *d), "finished with chunks not received");
     Ok(traffic)
+}
+
+/// How many streams of a pool of `pool` a collective of `units` chunks over `buf_bytes` uses.
+fn lanes(pool: usize, units: usize, buf_bytes: usize) -> usize {
+    pool.min(units).min(buf_bytes.div_ceil(BYTES_PER_LANE)).max(1)
 }
 
 struct Ctx<'a> {
@@ -202,30 +228,36 @@ impl Ctx<'_> {
     ) -> Result<bool, RingError> {
         let mut progress = false;
         while self.send_ready(lane, recv_done) {
-            let in_header = lane.header_sent < self.header.len();
-            let bytes: &[u8] = if in_header {
-                &self.header[lane.header_sent..]
-            } else {
-                let r = &self.plan.sends[lane.unit].range;
-                &self.job.buf[r.start * self.elem + lane.offset..r.end * self.elem]
+            let header_left = &self.header[lane.header_sent..];
+            let unit = self.plan.sends.get(lane.unit).filter(|u| u.after_recv.is_none_or(|j| recv_done[j]));
+            let (unit_bytes, unit_len): (&[u8], usize) = match unit {
+                Some(u) => {
+                    let (start, end) = (u.range.start * self.elem, u.range.end * self.elem);
+                    (&self.job.buf[start + lane.offset..end], end - start)
+                }
+                None => (&[], 0),
             };
-            let remaining = bytes.len();
-            let n = match stream.write(bytes) {
+            // The header goes out with the lane's first chunk in one system call.
+            let written = if header_left.is_empty() {
+                stream.write(unit_bytes)
+            } else {
+                stream.write_vectored(&[IoSlice::new(header_left), IoSlice::new(unit_bytes)])
+            };
+            let n = match written {
                 Ok(n) => n,
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) => return Err(RingError::Lost { side: Side::Next, reason: e.to_string() }),
             };
             progress = true;
-            if in_header {
-                lane.header_sent += n;
-            } else if n == remaining {
-                traffic.tx_bytes += n as u64;
+            let from_header = n.min(header_left.len());
+            lane.header_sent += from_header;
+            let from_unit = n - from_header;
+            traffic.tx_bytes += from_unit as u64;
+            lane.offset += from_unit;
+            if unit_len > 0 && lane.offset == unit_len {
                 lane.unit += self.send_lanes;
                 lane.offset = 0;
-            } else {
-                traffic.tx_bytes += n as u64;
-                lane.offset += n;
             }
         }
         Ok(progress)
@@ -308,5 +340,19 @@ impl Ctx<'_> {
             return Err(RingError::Mismatch { theirs });
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_buffers_ride_one_lane_and_large_ones_the_whole_pool() {
+        assert_eq!(lanes(4, 2, 4096), 1);
+        assert_eq!(lanes(4, 0, 0), 1, "an empty buffer still sends its header on one lane");
+        assert_eq!(lanes(4, 3, 600 << 10), 3);
+        assert_eq!(lanes(4, 96, 64 << 20), 4);
+        assert_eq!(lanes(1, 96, 64 << 20), 1);
     }
 }

@@ -146,3 +146,43 @@ fn back_to_back_collectives_of_changing_sizes() {
         h.join().unwrap();
     }
 }
+
+/// Buffers large enough to stripe over several streams of the pool, with pools of different
+/// sizes on different peers (each peer's pool to its successor is its own choice), reduce to
+/// exact values on every peer.
+#[test]
+fn large_buffers_striped_over_pools_of_different_sizes() {
+    let m = master();
+    let world = 3;
+    let handles: Vec<_> = (0..world)
+        .map(|i| {
+            let mut cfg = config(&m, [2, 4, 3][i]);
+            cfg.chunk_bytes = 64 << 10;
+            thread::spawn(move || {
+                thread::sleep(Duration::from_millis(100 * i as u64));
+                let comm = Communicator::new(cfg).unwrap();
+                comm.connect(None).unwrap();
+                while comm.group_world_size() != Some(world) {
+                    if comm.peers_pending().unwrap() {
+                        comm.update_topology().unwrap();
+                    }
+                }
+                let len = (3 << 20) / 4 + 7;
+                let mine: Vec<f32> = (0..len).map(|k| (k % 1000) as f32 * (i + 1) as f32).collect();
+                let mut buf = f32_bytes(&mine);
+                let info = comm.all_reduce(&mut buf, DType::F32, ReduceOp::Sum, 3).unwrap();
+                let want: Vec<f32> = (0..len).map(|k| (k % 1000) as f32 * 6.0).collect();
+                let got: Vec<f32> = buf.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+                if let Some(k) = (0..len).find(|&k| got[k] != want[k]) {
+                    panic!("peer {i}: element {k} of {len} is {} not {}", got[k], want[k]);
+                }
+                // Each peer sends 2 (n - 1) / n of the buffer, give or take a segment's rounding.
+                let bytes = (len * 4) as u64;
+                assert!(info.tx_bytes.abs_diff(bytes * 4 / 3) <= 8, "tx {}", info.tx_bytes);
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+}
