@@ -51,7 +51,7 @@ pub fn reduce_into(
     src: &[u8],
 ) -> Result<(), KernelError> {
     let elem = dtype.size();
-    if dst.len() != src.len() || dst.len() % elem != 0 {
+    if dst.len() != src.len() || !dst.len().is_multiple_of(elem) {
         return Err(KernelError::Length { dst: dst.len(), src: src.len(), elem });
     }
     match dtype {
@@ -88,7 +88,7 @@ pub fn reduce_into(
 pub fn finish_avg(dtype: DType, buf: &mut [u8], count: usize) -> Result<(), KernelError> {
     assert!(count > 0, "average over zero participants");
     let elem = dtype.size();
-    if buf.len() % elem != 0 {
+    if !buf.len().is_multiple_of(elem) {
         return Err(KernelError::Length { dst: buf.len(), src: buf.len(), elem });
     }
     macro_rules! div_int {

@@ -8,7 +8,7 @@
 #![deny(unsafe_code)]
 
 use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output};
-use shoal_transport::{accept, read_message, write_message, PollFd};
+use shoal_transport::{read_message, write_message};
 use shoal_wire::{Message, SessionId};
 use std::collections::BTreeMap;
 use std::hash::{BuildHasher, RandomState};
@@ -75,7 +75,6 @@ impl MasterServer {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "heartbeat timeout must be positive"));
         }
         let listener = shoal_transport::listen(&options.listen)?;
-        listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
         let session = SessionId(RandomState::new().hash_one((std::process::id(), Instant::now())));
         let (tx, rx) = mpsc::channel();
@@ -121,31 +120,19 @@ impl Drop for MasterServer {
 
 fn accept_loop(listener: TcpListener, inputs: Sender<Input>, stop: Arc<AtomicBool>) {
     let mut next_conn = 0u64;
-    while !stop.load(Ordering::Relaxed) {
-        let mut fds = [PollFd::new(&listener)];
-        fds[0].want_read = true;
-        if shoal_transport::poll(&mut fds, Duration::from_millis(100)).unwrap_or(0) == 0 {
-            continue;
-        }
-        let (stream, from) = match accept(&listener) {
-            Ok(x) => x,
-            Err(e) => {
-                log::debug!("accept failed: {e}");
-                continue;
-            }
-        };
+    let served = shoal_transport::accept_until(&listener, &stop, |stream, from| {
         let conn = ConnId(next_conn);
         next_conn += 1;
-        let reader = match stream.set_nonblocking(false).and_then(|()| stream.try_clone()) {
+        let reader = match stream.try_clone() {
             Ok(r) => r,
             Err(e) => {
                 log::warn!("dropping connection from {from}: {e}");
-                continue;
+                return true;
             }
         };
         log::debug!("connection {} from {from}", conn.0);
         if inputs.send(Input::Connected(conn, stream)).is_err() {
-            return;
+            return false;
         }
         let tx = inputs.clone();
         let spawned = thread::Builder::new()
@@ -154,6 +141,10 @@ fn accept_loop(listener: TcpListener, inputs: Sender<Input>, stop: Arc<AtomicBoo
         if let Err(e) = spawned {
             let _ = inputs.send(Input::Closed(conn, format!("cannot spawn reader: {e}")));
         }
+        true
+    });
+    if let Err(e) = served {
+        log::error!("master stopped accepting: {e}");
     }
 }
 

@@ -145,14 +145,14 @@ impl Communicator {
         let started = Instant::now();
         let connected = self.connected()?;
         let elem = dtype.size();
-        if buf.len() % elem != 0 {
+        if !buf.len().is_multiple_of(elem) {
             return Err(Error::InvalidArgument(format!(
                 "buffer of {} bytes is not a whole number of {} elements",
                 buf.len(),
                 dtype.name()
             )));
         }
-        if buf.as_ptr() as usize % elem != 0 {
+        if !(buf.as_ptr() as usize).is_multiple_of(elem) {
             return Err(Error::InvalidArgument(format!(
                 "buffer is not aligned to its {elem}-byte {} elements",
                 dtype.name()

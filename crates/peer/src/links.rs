@@ -12,8 +12,9 @@ use crate::control::Control;
 use crate::error::{Error, Result};
 use crate::Deadline;
 use shoal_proto::peer::RingPosition;
-use shoal_transport::{accept, connect, read_message_until, write_message, PollFd};
+use shoal_transport::{connect, read_message_until, write_message, PollFd};
 use shoal_wire::{Message, PeerId, SessionId};
+use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -77,7 +78,6 @@ impl Listener {
         };
         let listener = shoal_transport::listen(addr).map_err(io("binding the data listener on"))?;
         let port = listener.local_addr().map_err(io("reading the address of"))?.port();
-        listener.set_nonblocking(true).map_err(io("configuring"))?;
         let me = Listener {
             port,
             identity: Arc::new(OnceLock::new()),
@@ -121,10 +121,10 @@ impl Listener {
             log::debug!("{me}: pool to {} was closed by the other end; dialing again", next.peer);
             plane.outgoing.remove(&next.peer);
         }
-        if !plane.outgoing.contains_key(&next.peer) {
+        if let Entry::Vacant(e) = plane.outgoing.entry(next.peer) {
             let pool = dial(me, session, next.peer, &next.addr, connections, deadline, operation)
                 .map_err(|e| EstablishError::Unreachable(next.peer, e))?;
-            plane.outgoing.insert(next.peer, pool);
+            e.insert(pool);
         }
         let prev = pos.prev().peer;
         loop {
@@ -198,29 +198,21 @@ fn accept_loop(
     arrivals: Arc<Arrivals>,
     stop: Arc<AtomicBool>,
 ) {
-    while !stop.load(Ordering::Relaxed) {
-        let mut fds = [PollFd::new(&listener)];
-        fds[0].want_read = true;
-        if shoal_transport::poll(&mut fds, Duration::from_millis(100)).unwrap_or(0) == 0 {
-            continue;
-        }
-        let (stream, from_addr) = match accept(&listener) {
-            Ok(x) => x,
-            Err(e) => {
-                log::debug!("accept failed: {e}");
-                continue;
-            }
-        };
+    let served = shoal_transport::accept_until(&listener, &stop, |stream, from| {
         let (identity, arrivals) = (identity.clone(), arrivals.clone());
         // A slow or silent dialer must not hold up the others: greet each on its own thread.
         let spawned = thread::Builder::new().name("shoal-hello".into()).spawn(move || {
             if let Err(reason) = greet(stream, &identity, &arrivals) {
-                log::warn!("refused data connection from {from_addr}: {reason}");
+                log::warn!("refused data connection from {from}: {reason}");
             }
         });
         if let Err(e) = spawned {
             log::warn!("cannot spawn a greeting thread: {e}");
         }
+        true
+    });
+    if let Err(e) = served {
+        log::error!("data listener stopped: {e}");
     }
 }
 
@@ -229,7 +221,6 @@ fn greet(
     identity: &OnceLock<(PeerId, SessionId)>,
     arrivals: &Arrivals,
 ) -> Result<(), String> {
-    stream.set_nonblocking(false).map_err(|e| e.to_string())?;
     let deadline = Instant::now() + HELLO_TIMEOUT;
     let (session, message) = read_message_until(&mut stream, deadline).map_err(|e| e.to_string())?;
     // A peer may dial us as soon as the master issues a topology with us in it, which can be

@@ -24,6 +24,36 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
+/// Starts one communicator per config in its own thread, 100 ms apart; the peers already in
+/// admit each newcomer; once all are in, each runs `body(index, &comm)`. Returns the results
+/// in config order.
+fn with_peers<T: Send + 'static>(
+    configs: Vec<CommunicatorConfig>,
+    body: impl Fn(usize, &Communicator) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let world = configs.len();
+    let body = Arc::new(body);
+    let handles: Vec<_> = configs
+        .into_iter()
+        .enumerate()
+        .map(|(i, cfg)| {
+            let body = body.clone();
+            thread::spawn(move || {
+                thread::sleep(Duration::from_millis(100 * i as u64));
+                let comm = Communicator::new(cfg).unwrap();
+                comm.connect(None).unwrap();
+                while comm.group_world_size() != Some(world) {
+                    if comm.peers_pending().unwrap() {
+                        comm.update_topology().unwrap();
+                    }
+                }
+                body(i, &comm)
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
 /// Peers join one at a time, each admitted by the vote of those already in, and every world
 /// size from 1 to 4 all-reduces to the exact integer sum on every peer.
 #[test]
@@ -90,61 +120,41 @@ fn unreachable_master_is_named() {
 #[test]
 fn two_peers_with_default_settings() {
     let m = master();
-    let handles: Vec<_> = (0..2)
-        .map(|i| {
+    let configs = (0..2)
+        .map(|_| {
             let mut cfg = config(&m, shoal_peer::DEFAULT_CONNECTIONS);
             cfg.chunk_bytes = shoal_peer::DEFAULT_CHUNK_BYTES;
-            thread::spawn(move || {
-                thread::sleep(Duration::from_millis(100 * i as u64));
-                let comm = Communicator::new(cfg).unwrap();
-                comm.connect(None).unwrap();
-                while comm.group_world_size() != Some(2) {
-                    if comm.peers_pending().unwrap() {
-                        comm.update_topology().unwrap();
-                    }
-                }
-                let mut buf = f32_bytes(&vec![1.5f32; 1 << 18]);
-                comm.all_reduce(&mut buf, DType::F32, ReduceOp::Avg, 0).unwrap();
-                assert!(buf == f32_bytes(&vec![1.5f32; 1 << 18]));
-            })
+            cfg
         })
         .collect();
-    for h in handles {
-        h.join().unwrap();
-    }
+    with_peers(configs, |_, comm| {
+        let mut buf = f32_bytes(&vec![1.5f32; 1 << 18]);
+        comm.all_reduce(&mut buf, DType::F32, ReduceOp::Avg, 0).unwrap();
+        assert!(buf == f32_bytes(&vec![1.5f32; 1 << 18]));
+    });
 }
 
 /// Many collectives back to back, with the sizes changing, as the benchmark runs them.
 #[test]
 fn back_to_back_collectives_of_changing_sizes() {
     let m = master();
-    let handles: Vec<_> = (0..2)
-        .map(|i| {
+    let configs = (0..2)
+        .map(|_| {
             let mut cfg = config(&m, shoal_peer::DEFAULT_CONNECTIONS);
             cfg.chunk_bytes = shoal_peer::DEFAULT_CHUNK_BYTES;
             cfg.timeout = Duration::from_secs(5);
-            thread::spawn(move || {
-                thread::sleep(Duration::from_millis(100 * i as u64));
-                let comm = Communicator::new(cfg).unwrap();
-                comm.connect(None).unwrap();
-                while comm.group_world_size() != Some(2) {
-                    if comm.peers_pending().unwrap() {
-                        comm.update_topology().unwrap();
-                    }
-                }
-                for (bytes, iters) in [(4096, 3100), (65536, 300), (1 << 20, 300), (16 << 20, 3)] {
-                    let mut buf = vec![0u8; bytes];
-                    for it in 0..iters {
-                        comm.all_reduce(&mut buf, DType::F32, ReduceOp::Sum, 0)
-                            .unwrap_or_else(|e| panic!("size {bytes} iteration {it}: {e}"));
-                    }
-                }
-            })
+            cfg
         })
         .collect();
-    for h in handles {
-        h.join().unwrap();
-    }
+    with_peers(configs, |_, comm| {
+        for (bytes, iters) in [(4096, 3100), (65536, 300), (1 << 20, 300), (16 << 20, 3)] {
+            let mut buf = vec![0u8; bytes];
+            for it in 0..iters {
+                comm.all_reduce(&mut buf, DType::F32, ReduceOp::Sum, 0)
+                    .unwrap_or_else(|e| panic!("size {bytes} iteration {it}: {e}"));
+            }
+        }
+    });
 }
 
 /// Buffers large enough to stripe over several streams of the pool, with pools of different
@@ -153,36 +163,22 @@ fn back_to_back_collectives_of_changing_sizes() {
 #[test]
 fn large_buffers_striped_over_pools_of_different_sizes() {
     let m = master();
-    let world = 3;
-    let handles: Vec<_> = (0..world)
-        .map(|i| {
-            let mut cfg = config(&m, [2, 4, 3][i]);
+    let configs = [2, 4, 3]
+        .into_iter()
+        .map(|pool| {
+            let mut cfg = config(&m, pool);
             cfg.chunk_bytes = 64 << 10;
-            thread::spawn(move || {
-                thread::sleep(Duration::from_millis(100 * i as u64));
-                let comm = Communicator::new(cfg).unwrap();
-                comm.connect(None).unwrap();
-                while comm.group_world_size() != Some(world) {
-                    if comm.peers_pending().unwrap() {
-                        comm.update_topology().unwrap();
-                    }
-                }
-                let len = (3 << 20) / 4 + 7;
-                let mine: Vec<f32> = (0..len).map(|k| (k % 1000) as f32 * (i + 1) as f32).collect();
-                let mut buf = f32_bytes(&mine);
-                let info = comm.all_reduce(&mut buf, DType::F32, ReduceOp::Sum, 3).unwrap();
-                let want: Vec<f32> = (0..len).map(|k| (k % 1000) as f32 * 6.0).collect();
-                let got: Vec<f32> = buf.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
-                if let Some(k) = (0..len).find(|&k| got[k] != want[k]) {
-                    panic!("peer {i}: element {k} of {len} is {} not {}", got[k], want[k]);
-                }
-                // Each peer sends 2 (n - 1) / n of the buffer, give or take a segment's rounding.
-                let bytes = (len * 4) as u64;
-                assert!(info.tx_bytes.abs_diff(bytes * 4 / 3) <= 8, "tx {}", info.tx_bytes);
-            })
+            cfg
         })
         .collect();
-    for h in handles {
-        h.join().unwrap();
-    }
+    with_peers(configs, |i, comm| {
+        let len = (3 << 20) / 4 + 7;
+        let mine: Vec<f32> = (0..len).map(|k| (k % 1000) as f32 * (i + 1) as f32).collect();
+        let mut buf = f32_bytes(&mine);
+        let info = comm.all_reduce(&mut buf, DType::F32, ReduceOp::Sum, 3).unwrap();
+        let want: Vec<f32> = (0..len).map(|k| (k % 1000) as f32 * 6.0).collect();
+        assert!(buf == f32_bytes(&want), "peer {i}: wrong sum");
+        // Each peer sends 2 (n - 1) / n of the buffer, give or take a segment's rounding.
+        assert!(info.tx_bytes.abs_diff((len * 4) as u64 * 4 / 3) <= 8, "tx {}", info.tx_bytes);
+    });
 }

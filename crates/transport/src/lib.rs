@@ -9,6 +9,7 @@ use shoal_wire::{FrameHeader, Message, SessionId, WireError, HEADER_BYTES};
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 /// What can go wrong reading or writing frames.
@@ -78,6 +79,38 @@ pub fn accept(listener: &TcpListener) -> io::Result<(TcpStream, SocketAddr)> {
     let (s, a) = listener.accept()?;
     s.set_nodelay(true)?;
     Ok((s, a))
+}
+
+/// Accepts connections on `listener` until `stop` is set or `handle` returns `false`, giving
+/// each one to `handle` in blocking mode with `TCP_NODELAY`. Looks at `stop` ten times a second.
+///
+/// # Errors
+/// If the listener cannot be switched to non-blocking mode.
+pub fn accept_until(
+    listener: &TcpListener,
+    stop: &AtomicBool,
+    mut handle: impl FnMut(TcpStream, SocketAddr) -> bool,
+) -> io::Result<()> {
+    listener.set_nonblocking(true)?;
+    while !stop.load(Ordering::Relaxed) {
+        let mut fds = [PollFd::new(listener)];
+        fds[0].want_read = true;
+        if poll(&mut fds, Duration::from_millis(100)).unwrap_or(0) == 0 {
+            continue;
+        }
+        let accepted = accept(listener).and_then(|(s, a)| s.set_nonblocking(false).map(|()| (s, a)));
+        match accepted {
+            Ok((stream, from)) => {
+                if !handle(stream, from) {
+                    break;
+                }
+            }
+            // Out of descriptors, or the connection was reset before we took it: pause rather
+            // than spin, and go on.
+            Err(_) => std::thread::sleep(Duration::from_millis(10)),
+        }
+    }
+    Ok(())
 }
 
 /// Writes one framed message.
