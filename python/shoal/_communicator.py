@@ -49,7 +49,9 @@ class Communicator:
     never copies a tensor silently).
 
     Options are keyword-only; timeouts are float seconds. ``None`` means: the ``SHOAL_*``
-    environment variable, else the built-in default.
+    environment variable, else the built-in default. ``connections`` is the number of TCP
+    streams per peer pair; by default one to a peer on the same host and four to a peer
+    elsewhere.
     """
 
     def __init__(

@@ -62,8 +62,8 @@ impl Communicator {
     ) -> PyResult<Self> {
         let mut c = CommunicatorConfig::from_env(master_addr).map_err(to_py)?;
         c.group = peer_group;
-        if let Some(n) = connections {
-            c.connections = n;
+        if connections.is_some() {
+            c.connections = connections;
         }
         if let Some(a) = listen_addr {
             c.listen_addr = a;

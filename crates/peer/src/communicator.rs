@@ -97,7 +97,7 @@ impl Communicator {
             }
         };
         log::info!("registered as {me} in group {} advertising {data_addr}", group.0);
-        listener.set_identity(me, session);
+        listener.set_identity(me, session, &data_addr);
         let connected = Arc::new(Connected { control, listener, me, session });
         match self.await_topology(&connected, deadline, "connect") {
             Ok(()) => {
@@ -283,7 +283,7 @@ impl Communicator {
             match step {
                 Step::Establish(epoch, members) => {
                     let pos = c.control.lock().view.position(epoch, &members);
-                    match c.listener.establish(&mut data, &c.control, &pos, self.config.connections, deadline, operation) {
+                    match c.listener.establish(&mut data, &c.control, &pos, &self.config, deadline, operation) {
                         Ok(()) => c.control.send(&Message::TopologyReady { epoch })?,
                         Err(EstablishError::Unreachable(peer, reason)) => {
                             log::warn!("{}: cannot reach {peer}: {reason}", c.me);

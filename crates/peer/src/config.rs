@@ -3,6 +3,7 @@
 
 use crate::error::Result;
 use shoal_config::{env_count, env_seconds, env_value};
+use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 /// How a communicator joins a run and moves data.
@@ -12,8 +13,9 @@ pub struct CommunicatorConfig {
     pub master_addr: String,
     /// The peer group to run collectives in.
     pub group: u32,
-    /// TCP connections per peer pair (`SHOAL_CONNECTIONS`).
-    pub connections: usize,
+    /// TCP connections per peer pair (`SHOAL_CONNECTIONS`); `None` chooses per peer (see
+    /// [`CommunicatorConfig::pool_size`]).
+    pub connections: Option<usize>,
     /// Local address to listen on for data connections (port 0: ephemeral).
     pub listen_addr: String,
     /// `host` or `host:port` other peers dial (`SHOAL_ADVERTISE_ADDR`); by default the local
@@ -28,7 +30,8 @@ pub struct CommunicatorConfig {
     pub timeout: Duration,
 }
 
-/// Default TCP connections per peer pair.
+/// Default TCP connections to a peer on another host. Parallel streams get past per-flow
+/// window limits and fair queuing on long paths.
 pub const DEFAULT_CONNECTIONS: usize = 4;
 /// Default pipeline chunk.
 pub const DEFAULT_CHUNK_BYTES: usize = 1 << 20;
@@ -50,7 +53,7 @@ impl CommunicatorConfig {
         let config = CommunicatorConfig {
             master_addr: master_addr.to_string(),
             group: 0,
-            connections: env_count("SHOAL_CONNECTIONS")?.unwrap_or(DEFAULT_CONNECTIONS),
+            connections: env_count("SHOAL_CONNECTIONS")?,
             listen_addr: "0.0.0.0:0".to_string(),
             advertise_addr: env_value("SHOAL_ADVERTISE_ADDR"),
             chunk_bytes: env_count("SHOAL_CHUNK_BYTES")?.unwrap_or(DEFAULT_CHUNK_BYTES),
@@ -71,14 +74,29 @@ impl CommunicatorConfig {
         Ok(config)
     }
 
+    /// How many streams to open to a peer at `peer_addr`, when we advertise `local_ip`: the
+    /// configured number if there is one; otherwise one stream to a peer on this host (nothing
+    /// limits a single flow there, and every extra stream costs CPU: 4 peers on 2 cores ran a
+    /// 16 MiB all-reduce in 26 ms on one stream per pair and 46 ms on four), and
+    /// [`DEFAULT_CONNECTIONS`] to a peer elsewhere.
+    pub fn pool_size(&self, local_ip: Option<IpAddr>, peer_addr: &str) -> usize {
+        if let Some(n) = self.connections {
+            return n;
+        }
+        match peer_addr.parse::<SocketAddr>() {
+            Ok(a) if a.ip().is_loopback() || Some(a.ip()) == local_ip => 1,
+            _ => DEFAULT_CONNECTIONS,
+        }
+    }
+
     /// Checks ranges.
     ///
     /// # Errors
     /// [`crate::Error::InvalidArgument`] naming the setting.
     pub fn validate(&self) -> Result<()> {
         let bad = |s: String| Err(crate::Error::InvalidArgument(s));
-        if !(1..=MAX_CONNECTIONS).contains(&self.connections) {
-            return bad(format!("connections={} outside 1..={MAX_CONNECTIONS}", self.connections));
+        if let Some(n) = self.connections.filter(|n| !(1..=MAX_CONNECTIONS).contains(n)) {
+            return bad(format!("connections={n} outside 1..={MAX_CONNECTIONS}"));
         }
         if self.chunk_bytes < MIN_CHUNK_BYTES {
             return bad(format!("chunk_bytes={} below {MIN_CHUNK_BYTES}", self.chunk_bytes));
@@ -87,5 +105,23 @@ impl CommunicatorConfig {
             return bad("timeouts must be positive".into());
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pools_are_one_stream_on_this_host_unless_configured() {
+        let mut c = CommunicatorConfig::from_env("127.0.0.1:1").unwrap();
+        c.connections = None;
+        let here: IpAddr = "10.1.2.3".parse().unwrap();
+        assert_eq!(c.pool_size(Some(here), "127.0.0.1:5000"), 1);
+        assert_eq!(c.pool_size(Some(here), "10.1.2.3:5000"), 1);
+        assert_eq!(c.pool_size(Some(here), "10.1.2.4:5000"), DEFAULT_CONNECTIONS);
+        assert_eq!(c.pool_size(None, "peer.example:5000"), DEFAULT_CONNECTIONS);
+        c.connections = Some(3);
+        assert_eq!(c.pool_size(Some(here), "127.0.0.1:5000"), 3);
     }
 }

@@ -32,7 +32,10 @@ pub(crate) struct ControlState {
 impl Control {
     /// Starts the reader and heartbeat threads over `stream`.
     pub fn start(master_addr: &str, stream: TcpStream, heartbeat_timeout: Duration) -> Result<Arc<Self>> {
-        let io_err = |source| Error::Io { context: "cloning the master connection".into(), source };
+        let io_err = |source| Error::Io { context: "configuring the master connection".into(), source };
+        // A frozen master must not block a write (and so a call) for longer than it takes to
+        // declare the master lost.
+        stream.set_write_timeout(Some(heartbeat_timeout)).map_err(io_err)?;
         let reader = stream.try_clone().map_err(io_err)?;
         let control = Arc::new(Control {
             master_addr: master_addr.to_string(),

@@ -8,6 +8,7 @@
 //! A stream opens with `PeerHello`, which names the run's session and both peers, so a stranger
 //! or a process of an earlier run cannot feed bytes into a collective.
 
+use crate::config::CommunicatorConfig;
 use crate::control::Control;
 use crate::error::{Error, Result};
 use crate::Deadline;
@@ -16,7 +17,7 @@ use shoal_transport::{connect, read_message_until, write_message, PollFd};
 use shoal_wire::{Message, PeerId, SessionId};
 use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{TcpListener, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread;
@@ -33,6 +34,7 @@ const ESTABLISH_POLL: Duration = Duration::from_millis(20);
 pub(crate) struct Listener {
     pub port: u16,
     identity: Arc<OnceLock<(PeerId, SessionId)>>,
+    advertised_ip: OnceLock<Option<IpAddr>>,
     arrivals: Arc<Arrivals>,
     stop: Arc<AtomicBool>,
 }
@@ -81,6 +83,7 @@ impl Listener {
         let me = Listener {
             port,
             identity: Arc::new(OnceLock::new()),
+            advertised_ip: OnceLock::new(),
             arrivals: Arc::new(Arrivals::default()),
             stop: Arc::new(AtomicBool::new(false)),
         };
@@ -92,9 +95,14 @@ impl Listener {
         Ok(me)
     }
 
-    /// Tells the accept thread who we are, once registered.
-    pub fn set_identity(&self, me: PeerId, session: SessionId) {
+    /// Tells the accept thread who we are, once registered, and the address we advertise.
+    pub fn set_identity(&self, me: PeerId, session: SessionId, advertised: &str) {
         let _ = self.identity.set((me, session));
+        let _ = self.advertised_ip.set(advertised.parse::<SocketAddr>().ok().map(|a| a.ip()));
+    }
+
+    fn local_ip(&self) -> Option<IpAddr> {
+        self.advertised_ip.get().copied().flatten()
     }
 
     /// Makes `plane` hold a pool to our successor and one from our predecessor in `pos`, and
@@ -104,7 +112,7 @@ impl Listener {
         plane: &mut DataPlane,
         control: &Control,
         pos: &RingPosition,
-        connections: usize,
+        config: &CommunicatorConfig,
         deadline: Deadline,
         operation: &'static str,
     ) -> Result<(), EstablishError> {
@@ -122,6 +130,7 @@ impl Listener {
             plane.outgoing.remove(&next.peer);
         }
         if let Entry::Vacant(e) = plane.outgoing.entry(next.peer) {
+            let connections = config.pool_size(self.local_ip(), &next.addr);
             let pool = dial(me, session, next.peer, &next.addr, connections, deadline, operation)
                 .map_err(|e| EstablishError::Unreachable(next.peer, e))?;
             e.insert(pool);
@@ -270,7 +279,7 @@ mod tests {
         let hello = Message::PeerHello { from: PeerId(3), to: me, stream: 0, streams: 1 };
         write_message(&mut s, session, &hello).unwrap();
         thread::sleep(Duration::from_millis(100));
-        listener.set_identity(me, session);
+        listener.set_identity(me, session, "");
         let deadline = Instant::now() + Duration::from_secs(3);
         loop {
             let arrivals = listener.arrivals.streams.lock().unwrap();
@@ -286,7 +295,7 @@ mod tests {
     #[test]
     fn hello_for_another_session_or_peer_is_refused() {
         let listener = Listener::start("127.0.0.1:0").unwrap();
-        listener.set_identity(PeerId(1), SessionId(5));
+        listener.set_identity(PeerId(1), SessionId(5), "127.0.0.1:1");
         let addr = format!("127.0.0.1:{}", listener.port);
         for (to, session) in [(PeerId(2), SessionId(5)), (PeerId(1), SessionId(6))] {
             let mut s = connect(&addr, Duration::from_secs(1)).unwrap();

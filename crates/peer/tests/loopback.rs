@@ -14,7 +14,7 @@ fn master() -> MasterServer {
 fn config(master: &MasterServer, connections: usize) -> CommunicatorConfig {
     let mut c = CommunicatorConfig::from_env(&master.local_addr().to_string()).unwrap();
     c.listen_addr = "127.0.0.1:0".into();
-    c.connections = connections;
+    c.connections = Some(connections);
     c.chunk_bytes = 4096;
     c.timeout = Duration::from_secs(20);
     c
