@@ -175,7 +175,7 @@ impl Communicator {
             count: (buf.len() / elem) as u64,
         };
         let (next, prev) = (pos.next().peer, pos.prev().peer);
-        let DataPlane { outgoing, incoming } = &mut *data;
+        let DataPlane { outgoing, incoming, scratch } = &mut *data;
         let (Some(send), Some(recv)) = (outgoing.get_mut(&next), incoming.get_mut(&prev)) else {
             return Err(Error::PeerLost {
                 peer: next,
@@ -192,6 +192,7 @@ impl Communicator {
             world,
             rank: pos.rank,
             chunk_bytes: self.config.chunk_bytes,
+            scratch,
         };
         log::trace!("all_reduce seq {seq} tag {tag}: {} {} x{}", op.name(), dtype.name(), header.count);
         match ring::run(job, send, recv, Deadline::after(self.config.timeout)) {

@@ -59,6 +59,8 @@ pub(crate) struct DataPlane {
     pub outgoing: BTreeMap<PeerId, Vec<TcpStream>>,
     /// Streams the peer dialed to us: we receive on them.
     pub incoming: BTreeMap<PeerId, Vec<TcpStream>>,
+    /// Receive buffers of the collectives, kept so that each call does not allocate them.
+    pub scratch: Vec<Vec<u64>>,
 }
 
 /// Why a topology could not be established.

@@ -42,6 +42,8 @@ pub(crate) struct RingJob<'a> {
     pub world: usize,
     pub rank: usize,
     pub chunk_bytes: usize,
+    /// Receive buffers kept between collectives, one per stream; grown as needed.
+    pub scratch: &'a mut Vec<Vec<u64>>,
 }
 
 /// Bytes moved by one collective.
@@ -76,12 +78,12 @@ struct SendLane {
     offset: usize,
 }
 
-struct RecvLane {
+struct RecvLane<'a> {
     header: Vec<u8>,
     header_got: usize,
     unit: usize,
     offset: usize,
-    scratch: Vec<u64>,
+    scratch: &'a mut [u64],
 }
 
 /// Runs `job` to completion over `send` (to our successor) and `recv` (from our predecessor).
@@ -102,14 +104,25 @@ pub(crate) fn run(
     let (send, recv) = (&mut send[..send_used], &mut recv[..recv_used]);
     let mut sends: Vec<SendLane> =
         (0..send.len()).map(|i| SendLane { header_sent: 0, unit: i, offset: 0 }).collect();
-    let scratch_words = (chunk_elems * elem).div_ceil(8);
-    let mut recvs: Vec<RecvLane> = (0..recv.len())
-        .map(|i| RecvLane {
+    // Reduce-scatter chunks land in scratch first; the largest one sets its size.
+    let largest = plan.recvs.iter().map(|u| u.range.len()).max().unwrap_or(0);
+    let scratch_words = (largest * elem).div_ceil(8);
+    let mut scratch = std::mem::take(job.scratch);
+    scratch.resize_with(recv.len().max(scratch.len()), Vec::new);
+    for s in &mut scratch[..recv.len()] {
+        if s.len() < scratch_words {
+            s.resize(scratch_words, 0);
+        }
+    }
+    let mut recvs: Vec<RecvLane> = scratch[..recv.len()]
+        .iter_mut()
+        .enumerate()
+        .map(|(i, s)| RecvLane {
             header: vec![0; header.len()],
             header_got: 0,
             unit: i,
             offset: 0,
-            scratch: vec![0; scratch_words],
+            scratch: &mut s[..scratch_words],
         })
         .collect();
     let (send_lanes, recv_lanes) = (send.len(), recv.len());
@@ -132,6 +145,8 @@ pub(crate) fn run(
             ports(recv),
         );
     }
+    drop(recvs);
+    *ctx.job.scratch = scratch;
     result
 }
 
@@ -280,7 +295,7 @@ impl Ctx<'_> {
                 match u.action {
                     RecvAction::Copy => &mut self.job.buf[start + lane.offset..end],
                     RecvAction::Reduce { .. } => {
-                        let scratch: &mut [u8] = bytemuck::cast_slice_mut(&mut lane.scratch);
+                        let scratch: &mut [u8] = bytemuck::cast_slice_mut(lane.scratch);
                         &mut scratch[lane.offset..end - start]
                     }
                 }
@@ -313,7 +328,7 @@ impl Ctx<'_> {
             }
             if let RecvAction::Reduce { last } = u.action {
                 let dst = &mut self.job.buf[start..end];
-                let src: &[u8] = bytemuck::cast_slice(&lane.scratch);
+                let src: &[u8] = bytemuck::cast_slice(lane.scratch);
                 // Lengths match and both buffers are aligned: checked at the API boundary.
                 reduce_into(self.job.dtype, self.job.op, dst, &src[..end - start]).expect("aligned buffers");
                 if last && self.job.op == ReduceOp::Avg {
