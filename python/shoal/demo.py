@@ -1,14 +1,18 @@
-"""``shoal demo``: a master and peers on this machine; peers join one by one and all-reduce.
+"""``shoal demo``: a master and peers on this machine; peers join one by one, all-reduce, and
+one of them dies.
 
 Each peer is a separate process holding a "gradient" filled with its own number. Every step it
 averages the gradient with the peers present, so the printed mean shows who is in the run. Peers
-already in the run admit each newcomer with ``peers_pending()`` / ``update_topology()``.
+already in the run admit each newcomer with ``peers_pending()`` / ``update_topology()``. A few
+steps after everyone is in, the last peer kills itself (SIGKILL: no goodbye); the others see
+``PeerLostError``, vote ``update_topology()`` and carry on without it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,11 +21,13 @@ from typing import Optional, Sequence
 import numpy as np
 
 
-def _peer(master: str, name: int, peers: int, steps_after_full: int, elements: int) -> None:
+def _peer(master: str, name: int, peers: int, steps_after_full: int, elements: int, dies: bool) -> None:
     import shoal
 
     def say(msg: str) -> None:
-        print(f"[peer {name}] {msg}", flush=True)
+        # One write per line, so that the peers' lines do not interleave.
+        sys.stdout.write(f"[peer {name}] {msg}\n")
+        sys.stdout.flush()
 
     with shoal.Communicator(master) as comm:
         say("connecting to the master")
@@ -32,8 +38,17 @@ def _peer(master: str, name: int, peers: int, steps_after_full: int, elements: i
         # peers_pending vote, then (if it says so) update_topology. A newcomer's connect()
         # returns when that update commits, so it enters the loop at the all_reduce.
         while full_since is None or step - full_since < steps_after_full:
+            if dies and full_since is not None and step - full_since == 2:
+                say("crashing now (SIGKILL)")
+                os.kill(os.getpid(), signal.SIGKILL)
             grad = np.full(elements, float(name), dtype=np.float32)
-            info = comm.all_reduce(grad, op="avg")
+            try:
+                info = comm.all_reduce(grad, op="avg")
+            except shoal.PeerLostError as e:
+                say(f"all_reduce failed: {e}; voting to go on without it")
+                comm.update_topology()
+                say(f"now rank {comm.rank} of {comm.group_world_size}")
+                continue
             say(
                 f"step {step:2d}: all_reduce(avg) over {info.world_size} peers -> {grad[0]:.3f} "
                 f"({grad.nbytes >> 10} KiB in {info.elapsed * 1e3:.2f} ms)"
@@ -55,11 +70,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--join-interval", type=float, default=1.0, help="seconds between joins")
     parser.add_argument("--steps", type=int, default=8, help="steps once everyone is in")
     parser.add_argument("--elements", type=int, default=1 << 18)
+    parser.add_argument("--no-death", action="store_true", help="nobody dies")
     parser.add_argument("--peer", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--master", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.peer is not None:
-        return _peer(args.master, args.peer, args.peers, args.steps, args.elements)
+        dies = not args.no_death and args.peers > 1 and args.peer == args.peers - 1
+        return _peer(args.master, args.peer, args.peers, args.steps, args.elements, dies)
 
     os.environ.setdefault("SHOAL_LOG", "info")  # the master's log shows membership changes
     import shoal
@@ -72,12 +89,18 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             print(f"[demo] starting peer {i}", flush=True)
             cmd = [sys.executable, "-m", "shoal.demo", "--peer", str(i), "--master", master.address]
             cmd += ["--peers", str(args.peers), "--steps", str(args.steps), "--elements", str(args.elements)]
+            cmd += ["--no-death"] if args.no_death else []
             procs.append(subprocess.Popen(cmd, env=env))
             time.sleep(args.join_interval)
         codes = [p.wait(timeout=300) for p in procs]
-    if any(codes):
-        raise SystemExit(f"[demo] a peer failed: exit codes {codes}")
-    print(f"[demo] all {args.peers} peers finished", flush=True)
+    # The peer that crashed on purpose ends with SIGKILL; every other must end cleanly.
+    expected = [0] * args.peers
+    if not args.no_death and args.peers > 1:
+        expected[-1] = -signal.SIGKILL
+    if codes != expected:
+        raise SystemExit(f"[demo] a peer failed: exit codes {codes}, expected {expected}")
+    survivors = args.peers - (expected[-1] != 0)
+    print(f"[demo] {survivors} of {args.peers} peers finished; the rest crashed as planned", flush=True)
 
 
 if __name__ == "__main__":

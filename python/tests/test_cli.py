@@ -46,9 +46,11 @@ def test_bench_prints_json_rows():
 
 
 def test_demo_runs_to_the_end():
-    out = subprocess.run([*SHOAL, "demo", "--peers", "3", "--join-interval", "0.3", "--steps", "2"],
+    out = subprocess.run([*SHOAL, "demo", "--peers", "3", "--join-interval", "0.3", "--steps", "5"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "all 3 peers finished" in out.stdout
-    # With all three in, the average of 0, 1, 2 is 1.
+    assert "2 of 3 peers finished" in out.stdout
+    # With all three in, the average of 0, 1, 2 is 1; after peer 2 dies, that of 0 and 1.
     assert "over 3 peers -> 1.000" in out.stdout
+    assert "voting to go on without it" in out.stdout
+    assert "over 2 peers -> 0.500" in out.stdout

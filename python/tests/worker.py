@@ -91,7 +91,33 @@ def join_late(spec: dict) -> dict:
     return {"seen": seen, "result": x.tolist(), "rank": comm.rank}
 
 
+def survive(spec: dict) -> dict:
+    """All-reduce in a loop; on PeerLostError vote update_topology and go on, until
+    ``steps_after`` all-reduces succeeded in a smaller world. Prints "ready" once all are in."""
+    comm = shoal.Communicator(spec["master"], timeout=60)
+    comm.connect(timeout=30)
+    join_all(comm, spec["peers"])
+    print(json.dumps({"ready": comm.peer_id}), flush=True)
+    errors, smaller, deadline = [], 0, time.time() + 60
+    x = np.empty(1 << 20, np.float32)
+    try:
+        while smaller < spec["steps_after"] and time.time() < deadline:
+            x[:] = 1.0
+            try:
+                info = comm.all_reduce(x, op="sum")
+            except shoal.PeerLostError as e:
+                errors.append({"at": time.time(), "error": str(e)})
+                comm.update_topology()
+                continue
+            assert (x == info.world_size).all(), (x[:3], info.world_size)
+            smaller += info.world_size < spec["peers"]
+    except shoal.KickedError as e:
+        return {"kicked": str(e)}
+    return {"errors": errors, "world": comm.group_world_size, "smaller": smaller}
+
+
 if __name__ == "__main__":
     scenario, spec = sys.argv[1], json.loads(sys.argv[2])
-    result = {"matrix": matrix, "torch": torch_tensors, "join_late": join_late}[scenario](spec)
+    scenarios = {"matrix": matrix, "torch": torch_tensors, "join_late": join_late, "survive": survive}
+    result = scenarios[scenario](spec)
     print(json.dumps(result), flush=True)

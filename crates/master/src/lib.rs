@@ -194,8 +194,9 @@ fn drive(mut master: Master, inputs: Receiver<Input>, write_timeout: Duration) {
                 Output::Send { conn, message } => {
                     let Some(stream) = streams.get_mut(&conn) else { continue };
                     if let Err(e) = write_message(stream, master.session(), &message) {
-                        // The reader sees the shutdown and reports the connection closed.
-                        log::warn!("connection {}: cannot send {}: {e}", conn.0, message.name());
+                        // The reader sees the shutdown and reports the connection closed. Peers
+                        // that just left cause this routinely: not worth a warning.
+                        log::debug!("connection {}: cannot send {}: {e}", conn.0, message.name());
                         let _ = stream.shutdown(Shutdown::Both);
                     }
                 }

@@ -195,12 +195,28 @@ impl Communicator {
             scratch,
         };
         log::trace!("all_reduce seq {seq} tag {tag}: {} {} x{}", op.name(), dtype.name(), header.count);
-        match ring::run(job, send, recv, Deadline::after(self.config.timeout)) {
+        let members: Vec<PeerId> = pos.ring.iter().map(|m| m.peer).collect();
+        let abort = || {
+            let state = connected.control.lock();
+            if let Err(e) = state.check_connected() {
+                return Some(e);
+            }
+            let gone = members.iter().find(|p| state.view.removed.contains(p))?;
+            Some(Error::PeerLost {
+                peer: *gone,
+                operation: "all_reduce",
+                reason: "the master removed it from the run".into(),
+            })
+        };
+        match ring::run(job, send, recv, Deadline::after(self.config.timeout), &abort) {
             Ok(t) => Ok(Info { world_size: world, tx_bytes: t.tx_bytes, rx_bytes: t.rx_bytes, elapsed: started.elapsed() }),
             Err(e) => {
                 // The streams may hold half a chunk: they can never be used again.
                 outgoing.remove(&next);
                 incoming.remove(&prev);
+                // If the master expelled us (we were frozen, say) or is gone, that is the news,
+                // not the closed stream that made us notice.
+                connected.control.lock().check_connected()?;
                 Err(match e {
                     RingError::Lost { side, reason } => Error::PeerLost {
                         peer: if side == Side::Next { next } else { prev },
@@ -213,7 +229,7 @@ impl Communicator {
                         theirs: describe(&theirs),
                     },
                     RingError::Malformed(reason) => Error::Protocol(format!("from {prev}: {reason}")),
-                    RingError::Timeout(e) => e,
+                    RingError::Timeout(e) | RingError::Aborted(e) => e,
                 })
             }
         }

@@ -141,9 +141,11 @@ impl Control {
     }
 
     fn heartbeat_loop(&self, timeout: Duration) {
-        let interval = heartbeat_interval(timeout);
         let mut state = self.lock();
         loop {
+            // As often as we need to watch the master, or as the master asks, whichever is more.
+            let ours = heartbeat_interval(timeout);
+            let interval = state.view.heartbeat_interval.map_or(ours, |theirs| theirs.min(ours));
             state = self.changed.wait_timeout(state, interval).expect("control lock poisoned").0;
             if state.closing || state.lost.is_some() {
                 return;

@@ -70,6 +70,8 @@ pub(crate) enum RingError {
     Malformed(String),
     /// The deadline passed.
     Timeout(crate::Error),
+    /// The run changed under the collective (a member was removed, the master was lost).
+    Aborted(crate::Error),
 }
 
 struct SendLane {
@@ -87,11 +89,14 @@ struct RecvLane<'a> {
 }
 
 /// Runs `job` to completion over `send` (to our successor) and `recv` (from our predecessor).
+/// Whenever it is about to sleep it asks `abort` whether the run changed under it (a member
+/// of the ring removed by the master: a dead or frozen peer never closes its streams).
 pub(crate) fn run(
     job: RingJob<'_>,
     send: &mut [TcpStream],
     recv: &mut [TcpStream],
     deadline: Deadline,
+    abort: &dyn Fn() -> Option<crate::Error>,
 ) -> Result<Traffic, RingError> {
     assert!(job.world > 1 && !send.is_empty() && !recv.is_empty(), "a ring needs neighbours");
     let elem = job.dtype.size();
@@ -127,7 +132,7 @@ pub(crate) fn run(
         .collect();
     let (send_lanes, recv_lanes) = (send.len(), recv.len());
     let mut ctx = Ctx { job, plan, header, elem, send_lanes, recv_lanes };
-    let result = drive(&mut ctx, &mut sends, &mut recvs, send, recv, deadline);
+    let result = drive(&mut ctx, &mut sends, &mut recvs, send, recv, deadline, abort);
     if let Err(e) = &result {
         // Where every lane stood: enough to tell a dead peer from a desynchronised stream.
         let s: Vec<(usize, usize, usize)> = sends.iter().map(|l| (l.header_sent, l.unit, l.offset)).collect();
@@ -157,6 +162,7 @@ fn drive(
     send: &mut [TcpStream],
     recv: &mut [TcpStream],
     deadline: Deadline,
+    abort: &dyn Fn() -> Option<crate::Error>,
 ) -> Result<Traffic, RingError> {
     let mut recv_done = vec![false; ctx.plan.recvs.len()];
     let mut traffic = Traffic::default();
@@ -194,6 +200,9 @@ fn drive(
             let mut fd = PollFd::new(stream);
             fd.want_write = ctx.send_ready(lane, &recv_done);
             fds.push(fd);
+        }
+        if let Some(e) = abort() {
+            return Err(RingError::Aborted(e));
         }
         let left = deadline.left("all_reduce").map_err(RingError::Timeout)?;
         shoal_transport::poll(&mut fds, left.min(POLL_SLICE))

@@ -1,6 +1,8 @@
 //! A peer's view of the protocol: what the master has told it, and where it stands in its ring.
 
 use shoal_wire::{Epoch, GroupId, Member, Message, PeerId, SessionId};
+use std::collections::BTreeSet;
+use std::time::Duration;
 
 /// What the peer has learned from the master.
 #[derive(Debug, Clone, Default)]
@@ -15,6 +17,10 @@ pub struct PeerView {
     pub pending_result: Option<bool>,
     /// Why the master expelled us, if it did.
     pub kicked: Option<String>,
+    /// How often the master wants a heartbeat, once registered.
+    pub heartbeat_interval: Option<Duration>,
+    /// Peers the master reported gone. Ids are never reused, so this only grows.
+    pub removed: BTreeSet<PeerId>,
 }
 
 /// A fact the peer learned from one message.
@@ -32,6 +38,8 @@ pub enum PeerEvent {
     PeersPendingResult(bool),
     /// We were expelled.
     Kicked,
+    /// Another peer left the run.
+    PeerRemoved(PeerId),
 }
 
 /// The master sent something a peer never expects.
@@ -81,12 +89,17 @@ impl PeerView {
         let unexpected = |why| Err(UnexpectedMessage { got: message.name(), why });
         Ok(match message {
             Message::Heartbeat => PeerEvent::Nothing,
-            Message::Registered { peer, session } => {
+            Message::Registered { peer, session, heartbeat_ms } => {
                 if self.registered.is_some() {
                     return unexpected("already registered");
                 }
                 self.registered = Some((peer, session));
+                self.heartbeat_interval = Some(Duration::from_millis(heartbeat_ms.max(1).into()));
                 PeerEvent::Registered
+            }
+            Message::PeerRemoved { peer } => {
+                self.removed.insert(peer);
+                PeerEvent::PeerRemoved(peer)
             }
             Message::Topology { epoch, ref members } => {
                 let Some((me, _)) = self.registered else { return unexpected("not registered") };
@@ -146,7 +159,8 @@ mod tests {
     #[test]
     fn ring_position_is_taken_within_our_group() {
         let mut v = PeerView::default();
-        v.handle_message(Message::Registered { peer: PeerId(3), session: SessionId(1) }).unwrap();
+        v.handle_message(Message::Registered { peer: PeerId(3), session: SessionId(1), heartbeat_ms: 100 })
+            .unwrap();
         let members = vec![member(1, 0), member(2, 1), member(3, 0), member(4, 0)];
         let ev = v.handle_message(Message::Topology { epoch: Epoch(2), members: members.clone() });
         assert_eq!(ev, Ok(PeerEvent::TopologyIssued(Epoch(2))));

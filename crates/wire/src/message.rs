@@ -89,6 +89,8 @@ pub enum Message {
         peer: PeerId,
         /// The run's session id; every later frame carries it.
         session: SessionId,
+        /// How often the master wants a sign of life, in milliseconds.
+        heartbeat_ms: u32,
     },
     /// Master → peer: the members of the run, in ring order; open your data connections.
     Topology {
@@ -106,6 +108,12 @@ pub enum Message {
     PeersPendingResult {
         /// Whether registered peers await admission.
         pending: bool,
+    },
+    /// Master → peer: `peer` left the run (died, fell silent, left or was expelled). Operations
+    /// that involve it must end.
+    PeerRemoved {
+        /// The peer that left.
+        peer: PeerId,
     },
     /// Master → peer: you are no longer a member of the run, and why.
     Kicked {
@@ -141,6 +149,7 @@ mod kind {
     pub const TOPOLOGY_COMMITTED: u16 = 66;
     pub const PEERS_PENDING_RESULT: u16 = 67;
     pub const KICKED: u16 = 68;
+    pub const PEER_REMOVED: u16 = 69;
     pub const PEER_HELLO: u16 = 128;
     pub const OP: u16 = 129;
 }
@@ -161,6 +170,7 @@ impl Message {
             Message::TopologyCommitted { .. } => kind::TOPOLOGY_COMMITTED,
             Message::PeersPendingResult { .. } => kind::PEERS_PENDING_RESULT,
             Message::Kicked { .. } => kind::KICKED,
+            Message::PeerRemoved { .. } => kind::PEER_REMOVED,
             Message::PeerHello { .. } => kind::PEER_HELLO,
             Message::Op(_) => kind::OP,
         }
@@ -181,6 +191,7 @@ impl Message {
             Message::TopologyCommitted { .. } => "TopologyCommitted",
             Message::PeersPendingResult { .. } => "PeersPendingResult",
             Message::Kicked { .. } => "Kicked",
+            Message::PeerRemoved { .. } => "PeerRemoved",
             Message::PeerHello { .. } => "PeerHello",
             Message::Op(_) => "Op",
         }
@@ -204,10 +215,12 @@ impl Message {
                 w.u64(epoch.0);
                 w.u32(peer.0);
             }
-            Message::Registered { peer, session } => {
+            Message::Registered { peer, session, heartbeat_ms } => {
                 w.u32(peer.0);
                 w.u64(session.0);
+                w.u32(*heartbeat_ms);
             }
+            Message::PeerRemoved { peer } => w.u32(peer.0),
             Message::Topology { epoch, members } => {
                 assert!(members.len() <= MAX_MEMBERS, "topology exceeds MAX_MEMBERS: a bug");
                 w.u64(epoch.0);
@@ -255,9 +268,12 @@ impl Message {
             kind::PEER_UNREACHABLE => {
                 Message::PeerUnreachable { epoch: Epoch(r.u64()?), peer: PeerId(r.u32()?) }
             }
-            kind::REGISTERED => {
-                Message::Registered { peer: PeerId(r.u32()?), session: SessionId(r.u64()?) }
-            }
+            kind::REGISTERED => Message::Registered {
+                peer: PeerId(r.u32()?),
+                session: SessionId(r.u64()?),
+                heartbeat_ms: r.u32()?,
+            },
+            kind::PEER_REMOVED => Message::PeerRemoved { peer: PeerId(r.u32()?) },
             kind::TOPOLOGY => {
                 let epoch = Epoch(r.u64()?);
                 let count = r.count(MAX_MEMBERS, 4 + 4 + 2)?;
@@ -325,10 +341,12 @@ mod tests {
                 epoch: Epoch(e),
                 peer: PeerId(p)
             }),
-            (any::<u32>(), any::<u64>()).prop_map(|(p, s)| Message::Registered {
+            (any::<u32>(), any::<u64>(), any::<u32>()).prop_map(|(p, s, h)| Message::Registered {
                 peer: PeerId(p),
-                session: SessionId(s)
+                session: SessionId(s),
+                heartbeat_ms: h,
             }),
+            any::<u32>().prop_map(|p| Message::PeerRemoved { peer: PeerId(p) }),
             (any::<u64>(), prop::collection::vec(member(), 0..20))
                 .prop_map(|(e, members)| Message::Topology { epoch: Epoch(e), members }),
             any::<u64>().prop_map(|e| Message::TopologyCommitted { epoch: Epoch(e) }),
@@ -359,7 +377,7 @@ mod tests {
         #[test]
         fn decoding_arbitrary_bytes_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..200)) {
             let _ = decode_frame(&bytes);
-            for kind in [1u16, 2, 7, 64, 65, 67, 68, 128, 129, 999] {
+            for kind in [1u16, 2, 7, 64, 65, 67, 68, 69, 128, 129, 999] {
                 let _ = Message::decode_body(kind, &bytes);
             }
         }

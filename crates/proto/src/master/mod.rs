@@ -214,7 +214,7 @@ impl Master {
                 self.peer_unreachable(peer, epoch, target)
             }
             Message::Leave => {
-                self.remove_peer(peer, "left the run".into());
+                self.remove_peer(peer, "left the run".into(), false);
             }
             other => self.violation(peer, format!("unexpected {} from {peer}", other.name())),
         }
@@ -223,7 +223,7 @@ impl Master {
     /// `conn` closed (or its reader failed with `reason`).
     pub fn handle_disconnect(&mut self, _now: Instant, conn: ConnId, reason: &str) {
         if let Some(peer) = self.conns.get(&conn).copied() {
-            self.remove_peer(peer, format!("control connection lost: {reason}"));
+            self.remove_peer(peer, format!("control connection lost: {reason}"), false);
         }
     }
 
@@ -250,7 +250,7 @@ impl Master {
             .map(|(id, _)| *id)
             .collect();
         for peer in silent {
-            self.remove_peer(peer, format!("no message for {:.1} s", timeout.as_secs_f64()));
+            self.remove_peer(peer, format!("no message for {:.1} s", timeout.as_secs_f64()), true);
         }
         self.arm_heartbeat_check();
     }
@@ -280,7 +280,8 @@ impl Master {
         self.peers.insert(peer, entry);
         self.conns.insert(conn, peer);
         self.outputs.push_back(Output::Event(MasterEvent::PeerRegistered { peer, group, addr: data_addr }));
-        self.send(conn, Message::Registered { peer, session: self.config.session });
+        let heartbeat_ms = heartbeat_interval(self.config.heartbeat_timeout).as_millis().clamp(1, u32::MAX.into()) as u32;
+        self.send(conn, Message::Registered { peer, session: self.config.session, heartbeat_ms });
         self.arm_heartbeat_check();
         self.admit_without_vote_if_alone();
     }
@@ -378,9 +379,7 @@ impl Master {
         // A newcomer that an accepted peer cannot reach is rejected; between two accepted
         // peers we cannot tell who is at fault, and drop the one that was reported.
         log::warn!("{reporter} cannot reach {target}; removing {target} from the run");
-        let conn = self.peers[&target].conn;
-        self.send(conn, Message::Kicked { reason: format!("{reporter} could not connect to you") });
-        self.remove_peer(target, format!("unreachable from {reporter}"));
+        self.remove_peer(target, format!("{reporter} could not connect to it"), true);
     }
 
     fn vote_peers_pending(&mut self, peer: PeerId) {
@@ -405,11 +404,23 @@ impl Master {
         }
     }
 
-    fn remove_peer(&mut self, peer: PeerId, reason: String) {
+    /// Removes `peer` from the run. `expel` tells it why first (it may be alive: frozen,
+    /// misbehaving, unreachable), where it did not leave or hang up by itself.
+    fn remove_peer(&mut self, peer: PeerId, reason: String, expel: bool) {
         let Some(entry) = self.peers.remove(&peer) else { return };
         self.conns.remove(&entry.conn);
+        if expel {
+            // A frozen peer finds this when it wakes up.
+            self.send(entry.conn, Message::Kicked { reason: reason.clone() });
+        }
         self.outputs.push_back(Output::Close { conn: entry.conn, reason: reason.clone() });
         self.outputs.push_back(Output::Event(MasterEvent::PeerRemoved { peer, reason }));
+        // Everyone still here hears of it, so that a collective waiting on the lost peer ends
+        // now rather than at its timeout (a frozen peer never closes its connections).
+        let conns: Vec<ConnId> = self.peers.values().map(|e| e.conn).collect();
+        for conn in conns {
+            self.send(conn, Message::PeerRemoved { peer });
+        }
         self.ring.retain(|p| *p != peer);
         if let Some(b) = &mut self.pending_vote {
             b.remove(peer);
@@ -440,11 +451,7 @@ impl Master {
 
     fn violation(&mut self, peer: PeerId, reason: String) {
         log::warn!("protocol violation by {peer}: {reason}");
-        if let Some(e) = self.peers.get(&peer) {
-            let conn = e.conn;
-            self.send(conn, Message::Kicked { reason: format!("protocol violation: {reason}") });
-        }
-        self.remove_peer(peer, format!("protocol violation: {reason}"));
+        self.remove_peer(peer, format!("protocol violation: {reason}"), true);
     }
 
     fn set_phase(&mut self, next: Phase) {

@@ -71,7 +71,7 @@ fn run_with(n: u64) -> (Harness, Epoch) {
 fn first_peer_is_admitted_without_a_vote() {
     let mut h = Harness::new();
     let out = h.join(1);
-    assert_eq!(sent_to(&out, 1)[0], &Message::Registered { peer: PeerId(0), session: SESSION });
+    assert_eq!(sent_to(&out, 1)[0], &Message::Registered { peer: PeerId(0), session: SESSION, heartbeat_ms: 500 });
     let epoch = issued_epoch(&out, 1).unwrap();
     let out = h.send(1, Message::TopologyReady { epoch });
     assert_eq!(sent_to(&out, 1), vec![&Message::TopologyCommitted { epoch }]);
@@ -152,6 +152,10 @@ fn silent_peer_is_removed_after_the_heartbeat_timeout() {
     let out = h.drain();
     assert!(out.iter().any(|o| matches!(o, Output::Close { conn: ConnId(2), .. })));
     assert_eq!(h.master.ring(), &[PeerId(0)]);
+    // The survivor is told, so that a collective it runs with the silent peer ends now, and
+    // the silent peer finds out why if it wakes up.
+    assert!(sent_to(&out, 1).contains(&&Message::PeerRemoved { peer: PeerId(1) }));
+    assert!(sent_to(&out, 2).iter().any(|m| matches!(m, Message::Kicked { .. })));
 }
 
 #[test]

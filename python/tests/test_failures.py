@@ -1,0 +1,64 @@
+"""A peer that dies (SIGKILL) or freezes (SIGSTOP) during an all-reduce loop: the survivors'
+calls fail with PeerLostError within a bound instead of hanging, and after update_topology
+the run goes on with the smaller world. A frozen peer that wakes learns it was expelled."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import WORKER
+
+import shoal
+
+HEARTBEAT_TIMEOUT = 1.0
+
+
+def start_survivors(master: shoal.Master, peers: int) -> list[subprocess.Popen]:
+    procs = []
+    for i in range(peers):
+        spec = {"master": master.address, "index": i, "peers": peers, "steps_after": 5}
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), "survive", json.dumps(spec)],
+                                      stdout=subprocess.PIPE, text=True,
+                                      env={k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}))
+        time.sleep(0.2)
+    for p in procs:
+        assert "ready" in p.stdout.readline(), "a peer did not join"
+    time.sleep(0.3)  # let them all-reduce for a while
+    return procs
+
+
+def result(p: subprocess.Popen, timeout: float = 60) -> dict:
+    out, _ = p.communicate(timeout=timeout)
+    assert p.returncode == 0, out
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+def test_survivors_fail_fast_and_carry_on_without_the_lost_peer(sig):
+    with shoal.Master("127.0.0.1:0", heartbeat_timeout=HEARTBEAT_TIMEOUT) as master:
+        procs = start_survivors(master, 3)
+        victim, survivors = procs[1], [procs[0], procs[2]]
+        lost_at = time.time()
+        victim.send_signal(sig)
+        try:
+            outcomes = [result(p) for p in survivors]
+        finally:
+            if sig == signal.SIGSTOP:
+                victim.send_signal(signal.SIGCONT)
+        for o in outcomes:
+            assert o["world"] == 2 and o["smaller"] == 5, o
+            assert o["errors"], "the loss went unnoticed"
+            # Bounded by the heartbeat timeout (frozen) or the closed connections (killed), not
+            # by the 60 s call timeout. Generous: the machine is shared.
+            assert o["errors"][0]["at"] - lost_at < HEARTBEAT_TIMEOUT + 4, o["errors"][0]
+        if sig == signal.SIGSTOP:
+            woken = result(victim)
+            assert "kicked" in woken and "no message" in woken["kicked"], woken
+        else:
+            victim.communicate(timeout=10)  # reaps it and closes its pipe
