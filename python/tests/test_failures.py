@@ -16,7 +16,9 @@ from conftest import WORKER
 
 import shoal
 
-HEARTBEAT_TIMEOUT = 1.0
+# 1 s works alone, but under the full suite on 2 shared cores a survivor was once expelled for
+# silence: 2 s keeps the test about failure handling, not about scheduling.
+HEARTBEAT_TIMEOUT = 2.0
 
 
 def start_survivors(master: shoal.Master, peers: int) -> list[subprocess.Popen]:
@@ -59,6 +61,6 @@ def test_survivors_fail_fast_and_carry_on_without_the_lost_peer(sig):
             assert o["errors"][0]["at"] - lost_at < HEARTBEAT_TIMEOUT + 4, o["errors"][0]
         if sig == signal.SIGSTOP:
             woken = result(victim)
-            assert "kicked" in woken and "no message" in woken["kicked"], woken
+            assert "kicked" in woken and "no message for 2.0 s" in woken["kicked"], woken
         else:
             victim.communicate(timeout=10)  # reaps it and closes its pipe

@@ -196,7 +196,7 @@ fn drive(mut master: Master, inputs: Receiver<Input>, write_timeout: Duration) {
                     if let Err(e) = write_message(stream, master.session(), &message) {
                         // The reader sees the shutdown and reports the connection closed. Peers
                         // that just left cause this routinely: not worth a warning.
-                        log::debug!("connection {}: cannot send {}: {e}", conn.0, message.name());
+                        log::info!("connection {}: cannot send {}: {e}", conn.0, message.name());
                         let _ = stream.shutdown(Shutdown::Both);
                     }
                 }

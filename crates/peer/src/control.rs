@@ -12,6 +12,9 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread;
 use std::time::{Duration, Instant};
 
+/// How long a failed send waits for the reader to deliver what the master sent before closing.
+const READER_DRAIN: Duration = Duration::from_millis(500);
+
 /// Shared between the API thread and the control threads.
 pub(crate) struct Control {
     master_addr: String,
@@ -66,11 +69,22 @@ impl Control {
     pub fn send(&self, message: &Message) -> Result<()> {
         let session = self.lock().view.registered.map_or(SessionId(0), |(_, s)| s);
         let mut w = self.writer.lock().expect("control writer lock poisoned");
-        write_message(&mut *w, session, message).map_err(|e| {
-            let reason = format!("sending {}: {e}", message.name());
-            self.mark_lost(reason.clone());
-            Error::MasterUnreachable { addr: self.master_addr.clone(), reason }
-        })
+        let Err(e) = write_message(&mut *w, session, message) else { return Ok(()) };
+        drop(w);
+        // The master may have said why before it closed the connection (an expelled peer that
+        // was frozen finds Kicked waiting when it wakes): let the reader deliver what is
+        // buffered, so that the caller learns that rather than "connection closed".
+        let state = self.lock();
+        let drained = self
+            .changed
+            .wait_timeout_while(state, READER_DRAIN, |s| s.view.kicked.is_none() && s.lost.is_none())
+            .expect("control lock poisoned")
+            .0;
+        drop(drained);
+        let reason = format!("sending {}: {e}", message.name());
+        self.mark_lost(reason.clone());
+        self.lock().check_connected()?;
+        Err(Error::MasterUnreachable { addr: self.master_addr.clone(), reason })
     }
 
     /// Waits until `ready` returns `Some`, the master is lost, we are kicked, or `deadline`.
@@ -181,5 +195,44 @@ impl ControlState {
             });
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shoal_wire::PeerId;
+
+    /// A peer expelled while frozen finds Kicked in its socket when it wakes, and the master has
+    /// closed the connection. Whatever the API thread does first, it must learn that it was
+    /// expelled and why, not merely that the connection is closed.
+    #[test]
+    fn a_failed_send_reports_the_expulsion_the_master_sent_first() {
+        let listener = shoal_transport::listen("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let master = std::thread::spawn(move || {
+            let (mut s, _) = shoal_transport::accept(&listener).unwrap();
+            let registered = Message::Registered { peer: PeerId(4), session: SessionId(9), heartbeat_ms: 1000 };
+            write_message(&mut s, SessionId(9), &registered).unwrap();
+            let kicked = Message::Kicked { reason: "no message for 2.0 s".into() };
+            write_message(&mut s, SessionId(9), &kicked).unwrap();
+            // Closing with unread data resets the connection: the peer's writes fail.
+            s.shutdown(Shutdown::Both).unwrap();
+        });
+        let stream = shoal_transport::connect(&addr, Duration::from_secs(1)).unwrap();
+        let control = Control::start(&addr, stream, Duration::from_secs(10)).unwrap();
+        master.join().unwrap();
+        let mut outcome = Ok(());
+        for _ in 0..50 {
+            outcome = control.send(&Message::Heartbeat);
+            if outcome.is_err() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        match outcome {
+            Err(Error::Kicked { reason }) => assert!(reason.contains("no message"), "{reason}"),
+            other => panic!("expected Kicked, got {other:?}"),
+        }
     }
 }

@@ -415,11 +415,15 @@ impl Master {
         }
         self.outputs.push_back(Output::Close { conn: entry.conn, reason: reason.clone() });
         self.outputs.push_back(Output::Event(MasterEvent::PeerRemoved { peer, reason }));
-        // Everyone still here hears of it, so that a collective waiting on the lost peer ends
-        // now rather than at its timeout (a frozen peer never closes its connections).
-        let conns: Vec<ConnId> = self.peers.values().map(|e| e.conn).collect();
-        for conn in conns {
-            self.send(conn, Message::PeerRemoved { peer });
+        if expel {
+            // An expelled peer may still hold its data streams open (frozen, cut off), so the
+            // others must hear of it to end collectives that wait on it. A peer that left or
+            // hung up closed its streams itself, and may have finished its part of a collective
+            // the others are still completing: telling them would abort that needlessly.
+            let conns: Vec<ConnId> = self.peers.values().map(|e| e.conn).collect();
+            for conn in conns {
+                self.send(conn, Message::PeerRemoved { peer });
+            }
         }
         self.ring.retain(|p| *p != peer);
         if let Some(b) = &mut self.pending_vote {

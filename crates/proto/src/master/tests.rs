@@ -183,3 +183,16 @@ fn when_every_accepted_peer_is_gone_the_next_registered_one_is_admitted() {
     let out = h.drain();
     assert!(issued_epoch(&out, 2).is_some());
 }
+
+#[test]
+fn a_peer_that_leaves_is_not_reported_to_the_others() {
+    // It closed its streams itself and may have finished its part of a collective the others
+    // are still completing; a PeerRemoved would abort them needlessly.
+    let (mut h, _) = run_with(3);
+    let out = h.send(1, Message::Leave);
+    assert!(!out.iter().any(|o| matches!(o, Output::Send { message: Message::PeerRemoved { .. }, .. })));
+    h.master.handle_disconnect(h.now, ConnId(2), "reset");
+    let out = h.drain();
+    assert!(!out.iter().any(|o| matches!(o, Output::Send { message: Message::PeerRemoved { .. }, .. })));
+    assert_eq!(h.master.ring(), &[PeerId(2)]);
+}
