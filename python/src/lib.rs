@@ -254,8 +254,9 @@ fn usage_error(message: &str) -> PyErr {
 
 fn raise(class: &str, message: String) -> PyErr {
     Python::attach(|py| {
-        match py.import("shoal.errors").and_then(|m| m.getattr(class)) {
-            Ok(cls) => PyErr::from_value(cls.call1((message,)).unwrap_or_else(|e| e.into_value(py).into_bound(py).into_any())),
+        let error = py.import("shoal.errors").and_then(|m| m.getattr(class)?.call1((message.clone(),)));
+        match error {
+            Ok(e) => PyErr::from_value(e),
             // Only if the package is broken: keep the message.
             Err(_) => PyRuntimeError::new_err(format!("{class}: {message}")),
         }
