@@ -36,6 +36,12 @@ def test_master_command_serves_until_terminated():
     assert "registered" in err  # SHOAL_LOG=info shows membership
 
 
+def test_bench_joins_a_given_master(master):
+    out = subprocess.run([*SHOAL, "bench", "--master", master.address, "--peers", "2", "--sizes", "4K"],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert f"master {master.address}" in out and "all_reduce        4096" in out
+
+
 def test_bench_prints_json_rows():
     out = subprocess.run([*SHOAL, "bench", "--peers", "2", "--sizes", "4K,1M", "--json"], capture_output=True,
                          text=True, timeout=120, check=True).stdout
