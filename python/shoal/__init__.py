@@ -10,37 +10,11 @@ from __future__ import annotations
 from . import _native
 from ._communicator import Communicator
 from ._native import Master, ReduceInfo
-from .errors import (
-    AuthenticationError,
-    CollectiveMismatchError,
-    KickedError,
-    MasterUnreachableError,
-    PeerLostError,
-    ProtocolError,
-    ShoalError,
-    ShoalTimeoutError,
-    TooFewPeersError,
-    UsageError,
-)
+from . import errors
+from .errors import *  # noqa: F403 - the exception tree, listed in errors.__all__
 
 __version__: str = _native.__version__
 DTYPES: tuple[str, ...] = tuple(_native.DTYPES)
 OPS: tuple[str, ...] = tuple(_native.OPS)
 
-__all__ = [
-    "Master",
-    "Communicator",
-    "ReduceInfo",
-    "DTYPES",
-    "OPS",
-    "ShoalError",
-    "UsageError",
-    "PeerLostError",
-    "TooFewPeersError",
-    "MasterUnreachableError",
-    "KickedError",
-    "CollectiveMismatchError",
-    "ShoalTimeoutError",
-    "AuthenticationError",
-    "ProtocolError",
-]
+__all__ = ["Master", "Communicator", "ReduceInfo", "DTYPES", "OPS", *errors.__all__]

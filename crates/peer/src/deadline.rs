@@ -24,9 +24,4 @@ impl Deadline {
         }
         Ok(left)
     }
-
-    /// The instant.
-    pub fn at(&self) -> Instant {
-        self.at
-    }
 }

@@ -15,4 +15,3 @@ pub mod ballot;
 pub mod master;
 pub mod peer;
 
-pub use std::time::{Duration, Instant};

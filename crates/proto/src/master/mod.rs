@@ -239,6 +239,7 @@ impl Master {
                     let interval = heartbeat_interval(self.config.heartbeat_timeout);
                     self.timers.set(Timer::SendHeartbeats, now + interval);
                 }
+                // Only a wake-up: the scan for silent peers below runs on every timeout.
                 Timer::CheckHeartbeats => {}
             }
         }
