@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import sys
 import time
 
@@ -116,8 +118,55 @@ def survive(spec: dict) -> dict:
     return {"errors": errors, "world": comm.group_world_size, "smaller": smaller}
 
 
+def agree(spec: dict) -> dict:
+    """All-reduce distinct data for ``steps`` steps and record each step's outcome: the result's
+    hash, or the error and whether the buffer came back exactly as it was. A peer given
+    ``failpoint`` arms it once everyone is in, and so dies at that step of its first all-reduce.
+    On PeerLostError the others vote update_topology and go on."""
+    comm = shoal.Communicator(spec["master"], timeout=60)
+    comm.connect(timeout=30)
+    join_all(comm, spec["peers"])
+    print(json.dumps({"ready": comm.peer_id}), flush=True)
+    if "failpoint" in spec:
+        os.environ["SHOAL_FAILPOINT"] = spec["failpoint"]
+    rng = np.random.default_rng(spec["index"])
+    outcomes = []
+    for step in range(spec["steps"]):
+        x = rng.standard_normal(spec.get("count", 300_000)).astype(np.float32)
+        before = x.tobytes()
+        try:
+            info = comm.all_reduce(x, op="sum")
+            outcomes.append({"ok": True, "world": info.world_size, "sha": hashlib.sha256(x.tobytes()).hexdigest()})
+        except (shoal.PeerLostError, shoal.CollectiveMismatchError) as e:
+            outcomes.append({"ok": False, "error": type(e).__name__, "restored": x.tobytes() == before, "msg": str(e)})
+            comm.update_topology()
+    return {"outcomes": outcomes, "world": comm.group_world_size}
+
+
+def mismatch(spec: dict) -> dict:
+    """Peers call all_reduce with different counts (or dtypes, or ops, as ``vary`` says) on the
+    peer of index 1; then they all re-establish and run a matching one."""
+    comm = shoal.Communicator(spec["master"], timeout=30)
+    comm.connect(timeout=30)
+    join_all(comm, spec["peers"])
+    odd = spec["index"] == 1
+    x = np.arange(10 + (spec["vary"] == "count" and odd), dtype=np.float64 if spec["vary"] == "dtype" and odd else np.float32)
+    before = x.tobytes()
+    op = "max" if spec["vary"] == "op" and odd else "sum"
+    try:
+        comm.all_reduce(x, op=op)
+        error = None
+    except shoal.ShoalError as e:
+        error = {"type": type(e).__name__, "msg": str(e), "restored": x.tobytes() == before}
+    comm.update_topology()
+    y = np.ones(10, np.float32)
+    comm.all_reduce(y, op="sum")
+    return {"error": error, "after": float(y[0])}
+
+
 if __name__ == "__main__":
     scenario, spec = sys.argv[1], json.loads(sys.argv[2])
-    scenarios = {"matrix": matrix, "torch": torch_tensors, "join_late": join_late, "survive": survive}
+    scenarios = {"matrix": matrix, "torch": torch_tensors, "join_late": join_late, "survive": survive, "agree": agree,
+                 "mismatch": mismatch}
     result = scenarios[scenario](spec)
     print(json.dumps(result), flush=True)

@@ -21,6 +21,7 @@ pub const KNOWN_VARS: &[(&str, &str)] = &[
     ("SHOAL_ADVERTISE_ADDR", "host[:port] other peers should dial to reach this peer"),
     ("SHOAL_SECRET", "run credentials"),
     ("SHOAL_TIMEOUT", "bound in seconds on any blocking call (float)"),
+    ("SHOAL_FAILPOINT", "tests: a protocol step at which the peer dies (all_reduce.before_done, all_reduce.after_done)"),
     ("SHOAL_VENV", "scripts: where the cached Python environment lives"),
     ("SHOAL_SKIP_BUILD", "scripts: 1 to skip rebuilding the native module"),
 ];

@@ -1,14 +1,14 @@
 //! The communicator: one peer's handle on a run.
 
 use crate::config::CommunicatorConfig;
-use crate::control::Control;
+use crate::control::{Control, ControlState};
 use crate::error::{Error, Result};
 use crate::links::{DataPlane, EstablishError, Listener};
 use crate::ring::{self, RingError, RingJob, Side};
 use crate::Deadline;
 use shoal_collective::{CollectiveKind, DType, ReduceOp};
-use shoal_proto::peer::RingPosition;
-use shoal_wire::{Epoch, GroupId, Member, Message, OpHeader, PeerId, SessionId};
+use shoal_proto::peer::{RingPosition, Verdict};
+use shoal_wire::{Epoch, FailureKind, GroupId, Member, Message, OpFailure, OpHeader, PeerId, SessionId};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -160,46 +160,36 @@ impl Communicator {
         }
         let mut data = self.data.lock().expect("data lock poisoned");
         let pos = self.topology.lock().expect("topology lock poisoned").clone().ok_or(Error::NotConnected)?;
-        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         let world = pos.group_size();
         if world == 1 {
             return Ok(Info { world_size: 1, tx_bytes: 0, rx_bytes: 0, elapsed: started.elapsed() });
         }
+        // Numbered within the topology: every member counts the same collectives in the same
+        // order, so (epoch, seq) names this collective at the master and on every peer.
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let epoch = pos.epoch;
         let header = OpHeader {
             collective: CollectiveKind::AllReduce.code(),
-            epoch: pos.epoch,
+            epoch,
             seq,
             tag,
             dtype: dtype.code(),
             op: op.code(),
             count: (buf.len() / elem) as u64,
         };
+        let deadline = Deadline::after(self.config.timeout);
         let (next, prev) = (pos.next().peer, pos.prev().peer);
-        let DataPlane { outgoing, incoming, scratch } = &mut *data;
-        let (Some(send), Some(recv)) = (outgoing.get_mut(&next), incoming.get_mut(&prev)) else {
-            return Err(Error::PeerLost {
-                peer: next,
-                operation: "all_reduce",
-                reason: "no data connection: call update_topology".into(),
-            });
-        };
-        let job = RingJob {
-            dtype,
-            op,
-            header,
-            session: connected.session,
-            buf,
-            world,
-            rank: pos.rank,
-            chunk_bytes: self.config.chunk_bytes,
-            scratch,
-        };
+        let DataPlane { outgoing, incoming, scratch, backup } = &mut *data;
         log::trace!("all_reduce seq {seq} tag {tag}: {} {} x{}", op.name(), dtype.name(), header.count);
         let members: Vec<PeerId> = pos.ring.iter().map(|m| m.peer).collect();
+        let control = &connected.control;
         let abort = || {
-            let state = connected.control.lock();
+            let state = control.lock();
             if let Err(e) = state.check_connected() {
                 return Some(e);
+            }
+            if let Some(Verdict::Aborted(f)) = state.view.verdicts.get(&(epoch, seq)) {
+                return Some(op_error(f.clone(), &header));
             }
             let gone = members.iter().find(|p| state.view.removed.contains(p))?;
             Some(Error::PeerLost {
@@ -208,32 +198,118 @@ impl Communicator {
                 reason: "the master removed it from the run".into(),
             })
         };
-        match ring::run(job, send, recv, Deadline::after(self.config.timeout), &abort) {
-            Ok(t) => Ok(Info { world_size: world, tx_bytes: t.tx_bytes, rx_bytes: t.rx_bytes, elapsed: started.elapsed() }),
-            Err(e) => {
-                // The streams may hold half a chunk: they can never be used again.
-                outgoing.remove(&next);
-                incoming.remove(&prev);
-                // If the master expelled us (we were frozen, say) or is gone, that is the news,
-                // not the closed stream that made us notice.
-                connected.control.lock().check_connected()?;
-                Err(match e {
-                    RingError::Lost { side, reason } => Error::PeerLost {
-                        peer: if side == Side::Next { next } else { prev },
-                        operation: "all_reduce",
-                        reason,
-                    },
-                    RingError::Mismatch { theirs } => Error::CollectiveMismatch {
-                        peer: prev,
-                        ours: describe(&header),
-                        theirs: describe(&theirs),
-                    },
-                    RingError::Malformed(reason) => Error::Protocol(format!("from {prev}: {reason}")),
-                    RingError::Timeout(e) | RingError::Aborted(e) => e,
-                })
+        let ran = match (outgoing.get_mut(&next), incoming.get_mut(&prev)) {
+            (Some(send), Some(recv)) => {
+                let job = RingJob {
+                    dtype,
+                    op,
+                    header,
+                    session: connected.session,
+                    buf: &mut *buf,
+                    world,
+                    rank: pos.rank,
+                    chunk_bytes: self.config.chunk_bytes,
+                    scratch,
+                    backup,
+                };
+                ring::run(job, send, recv, deadline, &abort)
             }
+            _ => {
+                backup.reset(0);
+                let reason = "no data connection (a collective failed before): call update_topology";
+                Err(RingError::Lost { side: if outgoing.contains_key(&next) { Side::Prev } else { Side::Next }, reason: reason.into() })
+            }
+        };
+        let error = match ran {
+            Ok(traffic) => {
+                failpoint("all_reduce.before_done");
+                match self.await_verdict(&connected, &header, deadline) {
+                    Ok(()) => {
+                        return Ok(Info {
+                            world_size: world,
+                            tx_bytes: traffic.tx_bytes,
+                            rx_bytes: traffic.rx_bytes,
+                            elapsed: started.elapsed(),
+                        })
+                    }
+                    Err(e) => e,
+                }
+            }
+            Err(e) => {
+                let (local, failure) = ring_error(e, &header, connected.me, next, prev);
+                let decided = control.lock().view.verdicts.remove(&(epoch, seq));
+                match (decided, failure) {
+                    (Some(Verdict::Aborted(f)), _) => op_error(f, &header),
+                    // Tell the master, which aborts the collective for everyone: peers still
+                    // waiting on data stop now rather than when they notice by themselves. The
+                    // verdict names the first failure reported, so every participant gets the
+                    // same cause (a mismatch, not the closed stream that followed it). The
+                    // streams stay open until then, so no neighbour sees them close first.
+                    (_, Some(failure)) => self.report_failure(&connected, &header, failure).unwrap_or(local),
+                    _ => local,
+                }
+            }
+        };
+        // Every participant restores its buffer: the collective never happened.
+        backup.restore(buf);
+        // The streams may hold half a chunk: they can never be used again.
+        outgoing.remove(&next);
+        incoming.remove(&prev);
+        // If the master expelled us (we were frozen, say) or is gone, that is the news, not the
+        // closed stream that made us notice.
+        control.lock().check_connected()?;
+        Err(error)
+    }
+
+    /// Reports a collective failed here; returns the error of the master's verdict, if it comes
+    /// within a heartbeat timeout.
+    fn report_failure(&self, c: &Connected, header: &OpHeader, failure: OpFailure) -> Option<Error> {
+        let (epoch, seq) = (header.epoch, header.seq);
+        c.control.send(&Message::OpFailed { epoch, seq, failure }).ok()?;
+        let grace = Deadline::after(self.config.heartbeat_timeout);
+        match c.control.wait_until("all_reduce", grace, |s| s.view.verdicts.remove(&(epoch, seq))).ok()? {
+            Verdict::Aborted(f) => Some(op_error(f, header)),
+            Verdict::Committed => None,
         }
     }
+
+    /// Reports our part of collective `header` done and waits for the master's verdict.
+    fn await_verdict(&self, c: &Connected, header: &OpHeader, deadline: Deadline) -> Result<()> {
+        let (epoch, seq) = (header.epoch, header.seq);
+        c.control.send(&Message::OpDone { epoch, seq })?;
+        failpoint("all_reduce.after_done");
+        let verdict = |s: &mut ControlState| s.view.verdicts.remove(&(epoch, seq));
+        let verdict = match c.control.wait_until("all_reduce", deadline, verdict) {
+            Err(Error::Timeout { operation, after }) => {
+                // We said done and cannot take it back, but we can ask for an abort: the master
+                // answers with the one verdict everyone gets (a commit, if it was already made).
+                let failure = OpFailure::new(
+                    FailureKind::Timeout,
+                    c.me,
+                    format!("{} gave up waiting for the others after {:.1} s", c.me, after.as_secs_f64()),
+                );
+                c.control.send(&Message::OpFailed { epoch, seq, failure })?;
+                let grace = Deadline::after(self.config.heartbeat_timeout);
+                match c.control.wait_until(operation, grace, verdict) {
+                    Ok(Verdict::Aborted(_)) => return Err(Error::Timeout { operation, after }),
+                    Ok(Verdict::Committed) => Verdict::Committed,
+                    Err(Error::Timeout { .. }) => {
+                        return Err(Error::MasterUnreachable {
+                            addr: self.config.master_addr.clone(),
+                            reason: "no verdict on a collective".into(),
+                        })
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            other => other?,
+        };
+        match verdict {
+            Verdict::Committed => Ok(()),
+            Verdict::Aborted(f) => Err(op_error(f, header)),
+        }
+    }
+
 
     /// Members of the whole run, once accepted.
     pub fn world_size(&self) -> Option<usize> {
@@ -325,6 +401,8 @@ impl Communicator {
                         pos.world_size
                     );
                     *self.topology.lock().expect("topology lock poisoned") = Some(pos);
+                    // Collectives are numbered afresh in every topology.
+                    self.seq.store(0, Ordering::Relaxed);
                     return Ok(());
                 }
             }
@@ -360,9 +438,59 @@ fn set_nonblocking(s: &TcpStream) -> Result<()> {
     s.set_nonblocking(true).map_err(|source| Error::Io { context: "configuring a data stream".into(), source })
 }
 
+/// Dies abruptly if `SHOAL_FAILPOINT` names `point`: lets tests kill a peer at an exact step
+/// of the protocol, which no signal sent from outside can hit reliably. Read at every step
+/// (well under a microsecond), so a test process can arm it once it is where it wants to be.
+fn failpoint(point: &str) {
+    if shoal_config::env_value("SHOAL_FAILPOINT").as_deref() == Some(point) {
+        log::warn!("failpoint {point}: dying");
+        std::process::abort();
+    }
+}
+
+/// What a failed ring run means for the caller, and what to tell the master (nothing where the
+/// master already decided).
+fn ring_error(e: RingError, header: &OpHeader, me: PeerId, next: PeerId, prev: PeerId) -> (Error, Option<OpFailure>) {
+    match e {
+        RingError::Lost { side, reason } => {
+            let peer = if side == Side::Next { next } else { prev };
+            let failure = OpFailure::new(FailureKind::PeerLost, peer, format!("{me} lost {peer}: {reason}"));
+            (Error::PeerLost { peer, operation: "all_reduce", reason }, Some(failure))
+        }
+        RingError::Mismatch { theirs } => {
+            let (ours, theirs) = (describe(header), describe(&theirs));
+            let failure = OpFailure::new(FailureKind::Mismatch, prev, theirs.clone());
+            (Error::CollectiveMismatch { peer: prev, ours, theirs }, Some(failure))
+        }
+        RingError::Malformed(reason) => {
+            let failure = OpFailure::new(FailureKind::Protocol, prev, format!("{prev} sent {me} {reason}"));
+            (Error::Protocol(format!("from {prev}: {reason}")), Some(failure))
+        }
+        RingError::Timeout(e) => {
+            let failure = OpFailure::new(FailureKind::Timeout, me, format!("{me}: {e}"));
+            (e, Some(failure))
+        }
+        RingError::Aborted(e) => {
+            let failure = match &e {
+                Error::PeerLost { peer, reason, .. } => Some(OpFailure::new(FailureKind::PeerLost, *peer, reason.clone())),
+                _ => None,
+            };
+            (e, failure)
+        }
+    }
+}
+
+/// The error a participant returns for a collective the master aborted.
+fn op_error(f: OpFailure, header: &OpHeader) -> Error {
+    match f.kind {
+        FailureKind::Mismatch => Error::CollectiveMismatch { peer: f.peer, ours: describe(header), theirs: f.reason },
+        _ => Error::PeerLost { peer: f.peer, operation: "all_reduce", reason: f.reason },
+    }
+}
+
 fn describe(h: &OpHeader) -> String {
     let dtype = DType::from_code(h.dtype).map_or("?", DType::name);
     let op = ReduceOp::from_code(h.op).map_or("?", ReduceOp::name);
     let kind = if h.collective == CollectiveKind::AllReduce.code() { "all_reduce" } else { "collective" };
-    format!("{kind}(count={}, dtype={dtype}, op={op}, tag={}, topology={})", h.count, h.tag, h.epoch.0)
+    format!("{kind}(count={}, dtype={dtype}, op={op}, tag={}, topology={}, number={})", h.count, h.tag, h.epoch.0, h.seq)
 }

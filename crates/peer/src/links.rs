@@ -61,6 +61,8 @@ pub(crate) struct DataPlane {
     pub incoming: BTreeMap<PeerId, Vec<TcpStream>>,
     /// Receive buffers of the collectives, kept so that each call does not allocate them.
     pub scratch: Vec<Vec<u64>>,
+    /// What collectives overwrote, to put back if they fail.
+    pub backup: crate::ring::Backup,
 }
 
 /// Why a topology could not be established.

@@ -44,6 +44,50 @@ pub(crate) struct RingJob<'a> {
     pub chunk_bytes: usize,
     /// Receive buffers kept between collectives, one per stream; grown as needed.
     pub scratch: &'a mut Vec<Vec<u64>>,
+    /// Where the caller's bytes are saved before the collective first changes them.
+    pub backup: &'a mut Backup,
+}
+
+/// The original bytes of every part of a buffer a collective changed, so that a failed
+/// collective can put the buffer back as it was. Each range is saved just before its first
+/// change, so the copy is spread over the collective (overlapping the network wait) rather
+/// than paid up front; a collective that fails early saved little.
+#[derive(Debug, Default)]
+pub(crate) struct Backup {
+    words: Vec<u64>,
+    /// Byte ranges saved, in the order they were saved.
+    saved: Vec<std::ops::Range<usize>>,
+}
+
+impl Backup {
+    /// Forgets what was saved, ready for a buffer of `len` bytes.
+    pub fn reset(&mut self, len: usize) {
+        self.saved.clear();
+        let words = len.div_ceil(8);
+        if self.words.len() < words {
+            self.words.resize(words, 0);
+        }
+    }
+
+    fn save(&mut self, buf: &[u8], range: std::ops::Range<usize>) {
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut self.words);
+        bytes[range.clone()].copy_from_slice(&buf[range.clone()]);
+        self.saved.push(range);
+    }
+
+    /// Puts every saved range back into `buf`.
+    pub fn restore(&self, buf: &mut [u8]) {
+        let bytes: &[u8] = bytemuck::cast_slice(&self.words);
+        for r in &self.saved {
+            buf[r.clone()].copy_from_slice(&bytes[r.clone()]);
+        }
+    }
+
+    /// Bytes saved so far.
+    #[cfg(test)]
+    fn saved_bytes(&self) -> usize {
+        self.saved.iter().map(|r| r.len()).sum()
+    }
 }
 
 /// Bytes moved by one collective.
@@ -131,7 +175,14 @@ pub(crate) fn run(
         })
         .collect();
     let (send_lanes, recv_lanes) = (send.len(), recv.len());
-    let mut ctx = Ctx { job, plan, header, elem, send_lanes, recv_lanes };
+    // Units over the same elements (a segment's chunk is reduced, later overwritten) share one
+    // save: `first_unit[u]` is the first unit with `u`'s range.
+    let mut first_of_range = std::collections::HashMap::with_capacity(plan.recvs.len());
+    let first_unit: Vec<usize> =
+        plan.recvs.iter().enumerate().map(|(i, u)| *first_of_range.entry(u.range.start).or_insert(i)).collect();
+    let saved = vec![false; plan.recvs.len()];
+    job.backup.reset(job.buf.len());
+    let mut ctx = Ctx { job, plan, header, elem, send_lanes, recv_lanes, first_unit, saved };
     let result = drive(&mut ctx, &mut sends, &mut recvs, send, recv, deadline, abort);
     if let Err(e) = &result {
         // Where every lane stood: enough to tell a dead peer from a desynchronised stream.
@@ -224,9 +275,21 @@ struct Ctx<'a> {
     elem: usize,
     send_lanes: usize,
     recv_lanes: usize,
+    first_unit: Vec<usize>,
+    saved: Vec<bool>,
 }
 
 impl Ctx<'_> {
+    /// Saves the original bytes of receive unit `unit`'s range unless already saved.
+    fn save_before_change(&mut self, unit: usize) {
+        let first = self.first_unit[unit];
+        if !self.saved[first] {
+            self.saved[first] = true;
+            let r = &self.plan.recvs[unit].range;
+            self.job.backup.save(self.job.buf, r.start * self.elem..r.end * self.elem);
+        }
+    }
+
     fn send_finished(&self, lane: &SendLane) -> bool {
         lane.header_sent == self.header.len() && lane.unit >= self.plan.sends.len()
     }
@@ -297,6 +360,12 @@ impl Ctx<'_> {
         let mut progress = false;
         loop {
             let header_len = self.header.len();
+            if lane.header_got == header_len
+                && lane.offset == 0
+                && self.plan.recvs.get(lane.unit).is_some_and(|u| u.action == RecvAction::Copy)
+            {
+                self.save_before_change(lane.unit);
+            }
             let target: &mut [u8] = if lane.header_got < header_len {
                 &mut lane.header[lane.header_got..]
             } else if let Some(u) = self.plan.recvs.get(lane.unit) {
@@ -336,6 +405,9 @@ impl Ctx<'_> {
                 continue;
             }
             if let RecvAction::Reduce { last } = u.action {
+                self.save_before_change(lane.unit);
+                let u = &self.plan.recvs[lane.unit];
+                let (start, end) = (u.range.start * self.elem, u.range.end * self.elem);
                 let dst = &mut self.job.buf[start..end];
                 let src: &[u8] = bytemuck::cast_slice(lane.scratch);
                 // Lengths match and both buffers are aligned: checked at the API boundary.
@@ -358,9 +430,9 @@ impl Ctx<'_> {
             }
             Err(e) => return Err(RingError::Malformed(e.to_string())),
         };
-        let ours = self.job.header;
-        let same = OpHeader { seq: ours.seq, ..theirs } == ours;
-        if !same {
+        // Everything must match, the number too: a peer that ran one collective more than us is
+        // as much a mismatch as one that passed another count.
+        if theirs != self.job.header {
             return Err(RingError::Mismatch { theirs });
         }
         Ok(())

@@ -1,7 +1,7 @@
 //! A peer's view of the protocol: what the master has told it, and where it stands in its ring.
 
-use shoal_wire::{Epoch, GroupId, Member, Message, PeerId, SessionId};
-use std::collections::BTreeSet;
+use shoal_wire::{Epoch, GroupId, Member, Message, OpFailure, PeerId, SessionId};
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 /// What the peer has learned from the master.
@@ -21,6 +21,19 @@ pub struct PeerView {
     pub heartbeat_interval: Option<Duration>,
     /// Peers the master reported gone. Ids are never reused, so this only grows.
     pub removed: BTreeSet<PeerId>,
+    /// The master's verdicts on collectives, by (epoch, seq), until consumed. An abort may
+    /// arrive before this peer even starts the collective; verdicts of replaced topologies are
+    /// dropped when a new one is committed.
+    pub verdicts: BTreeMap<(Epoch, u64), Verdict>,
+}
+
+/// How the master decided a collective.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Every participant finished: the results stand.
+    Committed,
+    /// The collective failed somewhere: every participant restores its buffers.
+    Aborted(OpFailure),
 }
 
 /// A fact the peer learned from one message.
@@ -40,6 +53,8 @@ pub enum PeerEvent {
     Kicked,
     /// Another peer left the run.
     PeerRemoved(PeerId),
+    /// The master decided a collective.
+    Verdict(Epoch, u64),
 }
 
 /// The master sent something a peer never expects.
@@ -115,6 +130,7 @@ impl PeerView {
             Message::TopologyCommitted { epoch } => match self.issued.take() {
                 Some((issued, members)) if issued == epoch => {
                     self.committed = Some((epoch, members));
+                    self.verdicts.retain(|(e, _), _| *e >= epoch);
                     PeerEvent::TopologyCommitted(epoch)
                 }
                 other => {
@@ -125,6 +141,14 @@ impl PeerView {
             Message::PeersPendingResult { pending } => {
                 self.pending_result = Some(pending);
                 PeerEvent::PeersPendingResult(pending)
+            }
+            Message::OpCommitted { epoch, seq } => {
+                self.verdicts.insert((epoch, seq), Verdict::Committed);
+                PeerEvent::Verdict(epoch, seq)
+            }
+            Message::OpAborted { epoch, seq, failure } => {
+                self.verdicts.insert((epoch, seq), Verdict::Aborted(failure));
+                PeerEvent::Verdict(epoch, seq)
             }
             Message::Kicked { reason } => {
                 self.kicked = Some(reason);

@@ -52,6 +52,75 @@ pub struct OpHeader {
     pub count: u64,
 }
 
+/// Why a collective failed, as one peer saw it and as the master then tells every participant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OpFailure {
+    /// What kind of failure.
+    pub kind: FailureKind,
+    /// The peer it concerns: the one lost, or the one whose call differs.
+    pub peer: PeerId,
+    /// A human-readable account, at most [`MAX_STRING_BYTES`](crate::MAX_STRING_BYTES) bytes
+    /// (longer ones are cut at a character boundary when sent).
+    pub reason: String,
+}
+
+/// The kinds of [`OpFailure`], by wire code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    /// A participant died, froze, was cut off or left.
+    PeerLost = 1,
+    /// Participants called different collectives.
+    Mismatch = 2,
+    /// A participant's call ran out of time.
+    Timeout = 3,
+    /// A participant broke the data protocol (malformed bytes).
+    Protocol = 4,
+    /// The run changed under the collective (a new topology was issued).
+    Superseded = 5,
+}
+
+impl FailureKind {
+    fn from_code(code: u8) -> Result<Self, WireError> {
+        Ok(match code {
+            1 => FailureKind::PeerLost,
+            2 => FailureKind::Mismatch,
+            3 => FailureKind::Timeout,
+            4 => FailureKind::Protocol,
+            5 => FailureKind::Superseded,
+            value => return Err(WireError::InvalidValue { field: "failure kind", value: value.into() }),
+        })
+    }
+}
+
+impl OpFailure {
+    /// A failure of `kind` concerning `peer`; `reason` is cut to fit a message.
+    pub fn new(kind: FailureKind, peer: PeerId, reason: impl Into<String>) -> Self {
+        OpFailure { kind, peer, reason: truncate(reason.into(), crate::MAX_STRING_BYTES) }
+    }
+
+    fn encode(&self, w: &mut Writer) {
+        w.u8(self.kind as u8);
+        w.u32(self.peer.0);
+        w.str(&self.reason);
+    }
+
+    fn decode(r: &mut Reader<'_>) -> Result<Self, WireError> {
+        Ok(OpFailure { kind: FailureKind::from_code(r.u8()?)?, peer: PeerId(r.u32()?), reason: r.str()? })
+    }
+}
+
+/// `s` cut to at most `max` bytes at a character boundary.
+pub fn truncate(mut s: String, max: usize) -> String {
+    if s.len() > max {
+        let mut end = max;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
+    }
+    s
+}
+
 /// Every message of the protocol. The doc of each variant says who sends it to whom.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -82,6 +151,23 @@ pub enum Message {
         epoch: Epoch,
         /// The peer that could not be reached.
         peer: PeerId,
+    },
+    /// Peer → master: this peer finished its part of collective `seq` of `epoch` and awaits the
+    /// verdict.
+    OpDone {
+        /// The topology the collective runs in.
+        epoch: Epoch,
+        /// The collective's number within the epoch.
+        seq: u64,
+    },
+    /// Peer → master: collective `seq` of `epoch` failed here; abort it everywhere.
+    OpFailed {
+        /// The topology the collective runs in.
+        epoch: Epoch,
+        /// The collective's number within the epoch.
+        seq: u64,
+        /// What went wrong.
+        failure: OpFailure,
     },
     /// Master → peer: you are registered as `peer` in run `session`.
     Registered {
@@ -120,6 +206,22 @@ pub enum Message {
         /// A human-readable reason.
         reason: String,
     },
+    /// Master → peer: every participant finished collective `seq` of `epoch`; it succeeded.
+    OpCommitted {
+        /// The topology the collective ran in.
+        epoch: Epoch,
+        /// The collective's number within the epoch.
+        seq: u64,
+    },
+    /// Master → peer: collective `seq` of `epoch` failed; every participant restores its buffers.
+    OpAborted {
+        /// The topology the collective ran in.
+        epoch: Epoch,
+        /// The collective's number within the epoch.
+        seq: u64,
+        /// Why.
+        failure: OpFailure,
+    },
     /// Peer → peer, first message on a data connection: who dials, whom, for which stream.
     PeerHello {
         /// The dialing peer.
@@ -144,12 +246,16 @@ mod kind {
     pub const VOTE_PEERS_PENDING: u16 = 5;
     pub const LEAVE: u16 = 6;
     pub const PEER_UNREACHABLE: u16 = 7;
+    pub const OP_DONE: u16 = 8;
+    pub const OP_FAILED: u16 = 9;
     pub const REGISTERED: u16 = 64;
     pub const TOPOLOGY: u16 = 65;
     pub const TOPOLOGY_COMMITTED: u16 = 66;
     pub const PEERS_PENDING_RESULT: u16 = 67;
     pub const KICKED: u16 = 68;
     pub const PEER_REMOVED: u16 = 69;
+    pub const OP_COMMITTED: u16 = 70;
+    pub const OP_ABORTED: u16 = 71;
     pub const PEER_HELLO: u16 = 128;
     pub const OP: u16 = 129;
 }
@@ -165,12 +271,16 @@ impl Message {
             Message::VotePeersPending => kind::VOTE_PEERS_PENDING,
             Message::Leave => kind::LEAVE,
             Message::PeerUnreachable { .. } => kind::PEER_UNREACHABLE,
+            Message::OpDone { .. } => kind::OP_DONE,
+            Message::OpFailed { .. } => kind::OP_FAILED,
             Message::Registered { .. } => kind::REGISTERED,
             Message::Topology { .. } => kind::TOPOLOGY,
             Message::TopologyCommitted { .. } => kind::TOPOLOGY_COMMITTED,
             Message::PeersPendingResult { .. } => kind::PEERS_PENDING_RESULT,
             Message::Kicked { .. } => kind::KICKED,
             Message::PeerRemoved { .. } => kind::PEER_REMOVED,
+            Message::OpCommitted { .. } => kind::OP_COMMITTED,
+            Message::OpAborted { .. } => kind::OP_ABORTED,
             Message::PeerHello { .. } => kind::PEER_HELLO,
             Message::Op(_) => kind::OP,
         }
@@ -186,12 +296,16 @@ impl Message {
             Message::VotePeersPending => "VotePeersPending",
             Message::Leave => "Leave",
             Message::PeerUnreachable { .. } => "PeerUnreachable",
+            Message::OpDone { .. } => "OpDone",
+            Message::OpFailed { .. } => "OpFailed",
             Message::Registered { .. } => "Registered",
             Message::Topology { .. } => "Topology",
             Message::TopologyCommitted { .. } => "TopologyCommitted",
             Message::PeersPendingResult { .. } => "PeersPendingResult",
             Message::Kicked { .. } => "Kicked",
             Message::PeerRemoved { .. } => "PeerRemoved",
+            Message::OpCommitted { .. } => "OpCommitted",
+            Message::OpAborted { .. } => "OpAborted",
             Message::PeerHello { .. } => "PeerHello",
             Message::Op(_) => "Op",
         }
@@ -221,6 +335,15 @@ impl Message {
                 w.u32(*heartbeat_ms);
             }
             Message::PeerRemoved { peer } => w.u32(peer.0),
+            Message::OpDone { epoch, seq } | Message::OpCommitted { epoch, seq } => {
+                w.u64(epoch.0);
+                w.u64(*seq);
+            }
+            Message::OpFailed { epoch, seq, failure } | Message::OpAborted { epoch, seq, failure } => {
+                w.u64(epoch.0);
+                w.u64(*seq);
+                failure.encode(w);
+            }
             Message::Topology { epoch, members } => {
                 assert!(members.len() <= MAX_MEMBERS, "topology exceeds MAX_MEMBERS: a bug");
                 w.u64(epoch.0);
@@ -274,6 +397,14 @@ impl Message {
                 heartbeat_ms: r.u32()?,
             },
             kind::PEER_REMOVED => Message::PeerRemoved { peer: PeerId(r.u32()?) },
+            kind::OP_DONE => Message::OpDone { epoch: Epoch(r.u64()?), seq: r.u64()? },
+            kind::OP_COMMITTED => Message::OpCommitted { epoch: Epoch(r.u64()?), seq: r.u64()? },
+            kind::OP_FAILED => {
+                Message::OpFailed { epoch: Epoch(r.u64()?), seq: r.u64()?, failure: OpFailure::decode(&mut r)? }
+            }
+            kind::OP_ABORTED => {
+                Message::OpAborted { epoch: Epoch(r.u64()?), seq: r.u64()?, failure: OpFailure::decode(&mut r)? }
+            }
             kind::TOPOLOGY => {
                 let epoch = Epoch(r.u64()?);
                 let count = r.count(MAX_MEMBERS, 4 + 4 + 2)?;
@@ -328,6 +459,18 @@ mod tests {
         })
     }
 
+    fn failure() -> impl Strategy<Value = OpFailure> {
+        let kinds = [
+            FailureKind::PeerLost,
+            FailureKind::Mismatch,
+            FailureKind::Timeout,
+            FailureKind::Protocol,
+            FailureKind::Superseded,
+        ];
+        (prop::sample::select(kinds.to_vec()), any::<u32>(), ".{0,300}")
+            .prop_map(|(kind, p, reason)| OpFailure::new(kind, PeerId(p), reason))
+    }
+
     fn message() -> impl Strategy<Value = Message> {
         prop_oneof![
             (any::<u32>(), ".{0,64}")
@@ -347,6 +490,12 @@ mod tests {
                 heartbeat_ms: h,
             }),
             any::<u32>().prop_map(|p| Message::PeerRemoved { peer: PeerId(p) }),
+            (any::<u64>(), any::<u64>()).prop_map(|(e, seq)| Message::OpDone { epoch: Epoch(e), seq }),
+            (any::<u64>(), any::<u64>()).prop_map(|(e, seq)| Message::OpCommitted { epoch: Epoch(e), seq }),
+            (any::<u64>(), any::<u64>(), failure())
+                .prop_map(|(e, seq, failure)| Message::OpFailed { epoch: Epoch(e), seq, failure }),
+            (any::<u64>(), any::<u64>(), failure())
+                .prop_map(|(e, seq, failure)| Message::OpAborted { epoch: Epoch(e), seq, failure }),
             (any::<u64>(), prop::collection::vec(member(), 0..20))
                 .prop_map(|(e, members)| Message::Topology { epoch: Epoch(e), members }),
             any::<u64>().prop_map(|e| Message::TopologyCommitted { epoch: Epoch(e) }),
@@ -377,7 +526,7 @@ mod tests {
         #[test]
         fn decoding_arbitrary_bytes_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..200)) {
             let _ = decode_frame(&bytes);
-            for kind in [1u16, 2, 7, 64, 65, 67, 68, 69, 128, 129, 999] {
+            for kind in [1u16, 2, 7, 8, 9, 64, 65, 67, 68, 69, 70, 71, 128, 129, 999] {
                 let _ = Message::decode_body(kind, &bytes);
             }
         }
@@ -411,6 +560,22 @@ mod tests {
         assert_eq!(
             Message::decode_body(kind::KICKED, w.as_bytes()),
             Err(WireError::StringTooLong { len: u16::MAX as usize, max: MAX_STRING_BYTES })
+        );
+    }
+
+    #[test]
+    fn long_reasons_are_cut_at_a_character_boundary() {
+        let f = OpFailure::new(FailureKind::PeerLost, PeerId(1), "é".repeat(200));
+        assert_eq!(f.reason.len(), MAX_STRING_BYTES);
+        let f = OpFailure::new(FailureKind::PeerLost, PeerId(1), format!("x{}", "é".repeat(200)));
+        assert_eq!(f.reason.len(), MAX_STRING_BYTES - 1);
+        let mut w = Writer::with_capacity(32);
+        w.u64(1);
+        w.u64(2);
+        w.u8(9);
+        assert_eq!(
+            Message::decode_body(kind::OP_ABORTED, w.as_bytes()),
+            Err(WireError::InvalidValue { field: "failure kind", value: 9 })
         );
     }
 

@@ -10,12 +10,14 @@
 //!
 //! The run has one [`Phase`] at a time. `peers_pending` votes are independent of the phase.
 
+mod ops;
 mod timers;
 
 use crate::ballot::Ballot;
 use shoal_wire::{Epoch, GroupId, Member, Message, PeerId, SessionId};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
+pub use ops::MAX_TRACKED_OPS;
 pub use timers::{Timer, TimerTable};
 
 /// A control connection, as numbered by the driver.
@@ -137,6 +139,10 @@ pub struct Master {
     epoch: Epoch,
     /// Accepted peers in ring order: the committed topology.
     ring: Vec<PeerId>,
+    /// The epoch of `ring`.
+    ring_epoch: Epoch,
+    /// Collectives of the committed ring reported by some member and not yet settled.
+    ops: BTreeMap<(GroupId, u64), ops::OpRecord>,
     phase: Phase,
     pending_vote: Option<Ballot>,
     timers: TimerTable,
@@ -156,6 +162,8 @@ impl Master {
             next_peer: 0,
             epoch: Epoch(0),
             ring: Vec::new(),
+            ring_epoch: Epoch(0),
+            ops: BTreeMap::new(),
             phase: Phase::Idle,
             pending_vote: None,
             timers,
@@ -213,6 +221,8 @@ impl Master {
             Message::PeerUnreachable { epoch, peer: target } => {
                 self.peer_unreachable(peer, epoch, target)
             }
+            Message::OpDone { epoch, seq } => self.op_done(peer, epoch, seq),
+            Message::OpFailed { epoch, seq, failure } => self.op_failed(peer, epoch, seq, failure),
             Message::Leave => {
                 self.remove_peer(peer, "left the run".into(), false);
             }
@@ -331,6 +341,7 @@ impl Master {
         debug_assert!(members.iter().all(|p| self.peers.contains_key(p)), "unknown member");
         self.epoch = Epoch(self.epoch.0 + 1);
         let epoch = self.epoch;
+        self.abort_all_ops(epoch);
         let wire_members: Vec<Member> = members
             .iter()
             .map(|p| {
@@ -368,6 +379,7 @@ impl Master {
             self.send(conn, Message::TopologyCommitted { epoch });
         }
         self.ring = members.clone();
+        self.ring_epoch = epoch;
         self.outputs.push_back(Output::Event(MasterEvent::TopologyCommitted { epoch, members }));
         self.set_phase(Phase::Idle);
     }
@@ -415,7 +427,7 @@ impl Master {
             self.send(entry.conn, Message::Kicked { reason: reason.clone() });
         }
         self.outputs.push_back(Output::Close { conn: entry.conn, reason: reason.clone() });
-        self.outputs.push_back(Output::Event(MasterEvent::PeerRemoved { peer, reason }));
+        self.outputs.push_back(Output::Event(MasterEvent::PeerRemoved { peer, reason: reason.clone() }));
         if expel {
             // An expelled peer may still hold its data streams open (frozen, cut off), so the
             // others must hear of it to end collectives that wait on it. A peer that left or
@@ -427,6 +439,7 @@ impl Master {
             }
         }
         self.ring.retain(|p| *p != peer);
+        self.abort_ops_of(peer, &reason);
         if let Some(b) = &mut self.pending_vote {
             b.remove(peer);
             self.tally_pending_votes();

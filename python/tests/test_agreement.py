@@ -1,0 +1,77 @@
+"""Every surviving participant of a collective returns the same outcome: all succeed with
+identical bytes, or all fail with their buffers exactly as before the call. A peer is killed at
+exact steps of the commit protocol with SHOAL_FAILPOINT, which signals from outside cannot hit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import WORKER, run_peers
+
+import shoal
+
+PEERS = 4
+
+
+def run_with_victim(master: shoal.Master, failpoint: str, steps: int = 4) -> list[dict]:
+    procs = []
+    for i in range(PEERS):
+        spec = {"master": master.address, "index": i, "peers": PEERS, "steps": steps}
+        if i == 2:
+            spec["failpoint"] = failpoint
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), "agree", json.dumps(spec)],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env={k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}))
+    results = []
+    for i, p in enumerate(procs):
+        out, err = p.communicate(timeout=90)
+        if i == 2:
+            assert p.returncode != 0, "the failpoint did not fire"
+            continue
+        assert p.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def assert_agreement(results: list[dict]) -> None:
+    for step in zip(*(r["outcomes"] for r in results)):
+        assert len({o["ok"] for o in step}) == 1, f"survivors disagree: {step}"
+        if step[0]["ok"]:
+            assert len({o["sha"] for o in step}) == 1, f"different results: {step}"
+        else:
+            assert all(o["restored"] for o in step), f"a buffer was not restored: {step}"
+
+
+def test_death_before_reporting_done_aborts_the_collective_everywhere():
+    # The victim received everything, so every survivor may well hold the complete result;
+    # they must still all fail, because the victim never said it was done.
+    with shoal.Master("127.0.0.1:0", heartbeat_timeout=5.0) as master:
+        results = run_with_victim(master, "all_reduce.before_done")
+    assert_agreement(results)
+    first = [r["outcomes"][0] for r in results]
+    assert all(not o["ok"] and o["error"] == "PeerLostError" for o in first), first
+    assert all(o["ok"] and o["world"] == PEERS - 1 for r in results for o in r["outcomes"][1:]), results
+
+
+def test_death_after_reporting_done_still_commits():
+    with shoal.Master("127.0.0.1:0", heartbeat_timeout=5.0) as master:
+        results = run_with_victim(master, "all_reduce.after_done")
+    assert_agreement(results)
+    first = [r["outcomes"][0] for r in results]
+    assert all(o["ok"] and o["world"] == PEERS for o in first), first
+    # The next one finds the victim gone, fails everywhere, and the run goes on without it.
+    assert all(not r["outcomes"][1]["ok"] for r in results)
+    assert all(o["ok"] and o["world"] == PEERS - 1 for r in results for o in r["outcomes"][2:]), results
+
+
+@pytest.mark.parametrize("vary", ["count", "dtype", "op"])
+def test_mismatched_calls_fail_on_every_peer(master, tmp_path, vary):
+    results = run_peers(master, tmp_path, "mismatch", 3, vary=vary)
+    for r in results:
+        assert r["error"] is not None and r["error"]["type"] == "CollectiveMismatchError", r
+        assert r["error"]["restored"], r
+        assert r["after"] == 3.0, "the run did not go on after the mismatch"
