@@ -95,11 +95,17 @@ impl CommunicatorConfig {
     /// [`crate::Error::InvalidArgument`] naming the setting.
     pub fn validate(&self) -> Result<()> {
         let bad = |s: String| Err(crate::Error::InvalidArgument(s));
-        if let Some(n) = self.connections.filter(|n| !(1..=MAX_CONNECTIONS).contains(n)) {
+        if let Some(n) = self
+            .connections
+            .filter(|n| !(1..=MAX_CONNECTIONS).contains(n))
+        {
             return bad(format!("connections={n} outside 1..={MAX_CONNECTIONS}"));
         }
         if self.chunk_bytes < MIN_CHUNK_BYTES {
-            return bad(format!("chunk_bytes={} below {MIN_CHUNK_BYTES}", self.chunk_bytes));
+            return bad(format!(
+                "chunk_bytes={} below {MIN_CHUNK_BYTES}",
+                self.chunk_bytes
+            ));
         }
         if self.heartbeat_timeout.is_zero() || self.timeout.is_zero() {
             return bad("timeouts must be positive".into());
@@ -119,7 +125,10 @@ mod tests {
         let here: IpAddr = "10.1.2.3".parse().unwrap();
         assert_eq!(c.pool_size(Some(here), "127.0.0.1:5000"), 1);
         assert_eq!(c.pool_size(Some(here), "10.1.2.3:5000"), 1);
-        assert_eq!(c.pool_size(Some(here), "10.1.2.4:5000"), DEFAULT_CONNECTIONS);
+        assert_eq!(
+            c.pool_size(Some(here), "10.1.2.4:5000"),
+            DEFAULT_CONNECTIONS
+        );
         assert_eq!(c.pool_size(None, "peer.example:5000"), DEFAULT_CONNECTIONS);
         c.connections = Some(3);
         assert_eq!(c.pool_size(Some(here), "127.0.0.1:5000"), 3);

@@ -4,7 +4,7 @@
 use crate::error::{Error, Result};
 use crate::Deadline;
 use shoal_proto::master::heartbeat_interval;
-use shoal_proto::peer::PeerView;
+use shoal_proto::peer::{PeerEvent, PeerView};
 use shoal_transport::{read_message, write_message};
 use shoal_wire::{Message, SessionId};
 use std::net::{Shutdown, TcpStream};
@@ -34,11 +34,20 @@ pub(crate) struct ControlState {
 
 impl Control {
     /// Starts the reader and heartbeat threads over `stream`.
-    pub fn start(master_addr: &str, stream: TcpStream, heartbeat_timeout: Duration) -> Result<Arc<Self>> {
-        let io_err = |source| Error::Io { context: "configuring the master connection".into(), source };
+    pub fn start(
+        master_addr: &str,
+        stream: TcpStream,
+        heartbeat_timeout: Duration,
+    ) -> Result<Arc<Self>> {
+        let io_err = |source| Error::Io {
+            context: "configuring the master connection".into(),
+            source,
+        };
         // A frozen master must not block a write (and so a call) for longer than it takes to
         // declare the master lost.
-        stream.set_write_timeout(Some(heartbeat_timeout)).map_err(io_err)?;
+        stream
+            .set_write_timeout(Some(heartbeat_timeout))
+            .map_err(io_err)?;
         let reader = stream.try_clone().map_err(io_err)?;
         let control = Arc::new(Control {
             master_addr: master_addr.to_string(),
@@ -56,12 +65,18 @@ impl Control {
         thread::Builder::new()
             .name("shoal-control".into())
             .spawn(move || c.read_loop(reader))
-            .map_err(|source| Error::Io { context: "spawning the control thread".into(), source })?;
+            .map_err(|source| Error::Io {
+                context: "spawning the control thread".into(),
+                source,
+            })?;
         let c = Arc::clone(&control);
         thread::Builder::new()
             .name("shoal-heartbeat".into())
             .spawn(move || c.heartbeat_loop(heartbeat_timeout))
-            .map_err(|source| Error::Io { context: "spawning the heartbeat thread".into(), source })?;
+            .map_err(|source| Error::Io {
+                context: "spawning the heartbeat thread".into(),
+                source,
+            })?;
         Ok(control)
     }
 
@@ -69,7 +84,9 @@ impl Control {
     pub fn send(&self, message: &Message) -> Result<()> {
         let session = self.lock().view.registered.map_or(SessionId(0), |(_, s)| s);
         let mut w = self.writer.lock().expect("control writer lock poisoned");
-        let Err(e) = write_message(&mut *w, session, message) else { return Ok(()) };
+        let Err(e) = write_message(&mut *w, session, message) else {
+            return Ok(());
+        };
         drop(w);
         // The master may have said why before it closed the connection (an expelled peer that
         // was frozen finds Kicked waiting when it wakes): let the reader deliver what is
@@ -77,14 +94,19 @@ impl Control {
         let state = self.lock();
         let drained = self
             .changed
-            .wait_timeout_while(state, READER_DRAIN, |s| s.view.kicked.is_none() && s.lost.is_none())
+            .wait_timeout_while(state, READER_DRAIN, |s| {
+                s.view.kicked.is_none() && s.lost.is_none()
+            })
             .expect("control lock poisoned")
             .0;
         drop(drained);
         let reason = format!("sending {}: {e}", message.name());
         self.mark_lost(reason.clone());
         self.lock().check_connected()?;
-        Err(Error::MasterUnreachable { addr: self.master_addr.clone(), reason })
+        Err(Error::MasterUnreachable {
+            addr: self.master_addr.clone(),
+            reason,
+        })
     }
 
     /// Waits until `ready` returns `Some`, the master is lost, we are kicked, or `deadline`.
@@ -101,7 +123,11 @@ impl Control {
                 return Ok(r);
             }
             let left = deadline.left(operation)?;
-            state = self.changed.wait_timeout(state, left).expect("control lock poisoned").0;
+            state = self
+                .changed
+                .wait_timeout(state, left)
+                .expect("control lock poisoned")
+                .0;
         }
     }
 
@@ -120,7 +146,11 @@ impl Control {
         }
         // Best effort: the master also notices the closed connection.
         let _ = self.send(&Message::Leave);
-        let _ = self.writer.lock().expect("control writer lock poisoned").shutdown(Shutdown::Both);
+        let _ = self
+            .writer
+            .lock()
+            .expect("control writer lock poisoned")
+            .shutdown(Shutdown::Both);
         self.changed.notify_all();
     }
 
@@ -143,6 +173,25 @@ impl Control {
             let mut s = self.lock();
             s.last_heard = Instant::now();
             match s.view.handle_message(message) {
+                Ok(PeerEvent::Query {
+                    epoch,
+                    seq,
+                    committed: true,
+                }) => {
+                    drop(s);
+                    // The master needs this to answer a participant that could not tell.
+                    if self
+                        .send(&Message::OpDone {
+                            epoch,
+                            seq,
+                            decided: true,
+                        })
+                        .is_err()
+                    {
+                        return;
+                    }
+                    continue;
+                }
                 Ok(event) => log::trace!("from master: {event:?}"),
                 Err(e) => {
                     drop(s);
@@ -159,8 +208,15 @@ impl Control {
         loop {
             // As often as we need to watch the master, or as the master asks, whichever is more.
             let ours = heartbeat_interval(timeout);
-            let interval = state.view.heartbeat_interval.map_or(ours, |theirs| theirs.min(ours));
-            state = self.changed.wait_timeout(state, interval).expect("control lock poisoned").0;
+            let interval = state
+                .view
+                .heartbeat_interval
+                .map_or(ours, |theirs| theirs.min(ours));
+            state = self
+                .changed
+                .wait_timeout(state, interval)
+                .expect("control lock poisoned")
+                .0;
             if state.closing || state.lost.is_some() {
                 return;
             }
@@ -168,7 +224,11 @@ impl Control {
             drop(state);
             if silent > timeout {
                 self.mark_lost(format!("no message for {:.1} s", silent.as_secs_f64()));
-                let _ = self.writer.lock().expect("control writer lock poisoned").shutdown(Shutdown::Both);
+                let _ = self
+                    .writer
+                    .lock()
+                    .expect("control writer lock poisoned")
+                    .shutdown(Shutdown::Both);
                 return;
             }
             if self.send(&Message::Heartbeat).is_err() {
@@ -183,7 +243,9 @@ impl ControlState {
     /// Fails if the master is lost or has expelled us.
     pub fn check_connected(&self) -> Result<()> {
         if let Some(reason) = &self.view.kicked {
-            return Err(Error::Kicked { reason: reason.clone() });
+            return Err(Error::Kicked {
+                reason: reason.clone(),
+            });
         }
         if self.closing {
             return Err(Error::Closed);
@@ -212,9 +274,15 @@ mod tests {
         let addr = listener.local_addr().unwrap().to_string();
         let master = std::thread::spawn(move || {
             let (mut s, _) = shoal_transport::accept(&listener).unwrap();
-            let registered = Message::Registered { peer: PeerId(4), session: SessionId(9), heartbeat_ms: 1000 };
+            let registered = Message::Registered {
+                peer: PeerId(4),
+                session: SessionId(9),
+                heartbeat_ms: 1000,
+            };
             write_message(&mut s, SessionId(9), &registered).unwrap();
-            let kicked = Message::Kicked { reason: "no message for 2.0 s".into() };
+            let kicked = Message::Kicked {
+                reason: "no message for 2.0 s".into(),
+            };
             write_message(&mut s, SessionId(9), &kicked).unwrap();
             // Closing with unread data resets the connection: the peer's writes fail.
             s.shutdown(Shutdown::Both).unwrap();

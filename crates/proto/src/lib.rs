@@ -14,4 +14,3 @@
 pub mod ballot;
 pub mod master;
 pub mod peer;
-

@@ -25,6 +25,12 @@ pub struct PeerView {
     /// arrive before this peer even starts the collective; verdicts of replaced topologies are
     /// dropped when a new one is committed.
     pub verdicts: BTreeMap<(Epoch, u64), Verdict>,
+    /// The last collective this peer committed on its own, which implies every earlier one of
+    /// that epoch it took part in committed too (a failed one ends the epoch's collectives for it).
+    pub committed_through: Option<(Epoch, u64)>,
+    /// Collectives the master asked about that this peer had not committed when asked: it
+    /// reports them if it commits them on its own.
+    pub queried: BTreeSet<(Epoch, u64)>,
 }
 
 /// How the master decided a collective.
@@ -55,6 +61,16 @@ pub enum PeerEvent {
     PeerRemoved(PeerId),
     /// The master decided a collective.
     Verdict(Epoch, u64),
+    /// The master asked whether we committed a collective: `committed` says we did and must
+    /// tell it so now; otherwise we will when we do.
+    Query {
+        /// The topology.
+        epoch: Epoch,
+        /// The collective.
+        seq: u64,
+        /// Whether we already committed it.
+        committed: bool,
+    },
 }
 
 /// The master sent something a peer never expects.
@@ -101,10 +117,19 @@ impl PeerView {
     /// # Errors
     /// [`UnexpectedMessage`] for messages a master never sends, or sends out of order.
     pub fn handle_message(&mut self, message: Message) -> Result<PeerEvent, UnexpectedMessage> {
-        let unexpected = |why| Err(UnexpectedMessage { got: message.name(), why });
+        let unexpected = |why| {
+            Err(UnexpectedMessage {
+                got: message.name(),
+                why,
+            })
+        };
         Ok(match message {
             Message::Heartbeat => PeerEvent::Nothing,
-            Message::Registered { peer, session, heartbeat_ms } => {
+            Message::Registered {
+                peer,
+                session,
+                heartbeat_ms,
+            } => {
                 if self.registered.is_some() {
                     return unexpected("already registered");
                 }
@@ -117,7 +142,9 @@ impl PeerView {
                 PeerEvent::PeerRemoved(peer)
             }
             Message::Topology { epoch, ref members } => {
-                let Some((me, _)) = self.registered else { return unexpected("not registered") };
+                let Some((me, _)) = self.registered else {
+                    return unexpected("not registered");
+                };
                 if !members.iter().any(|m| m.peer == me) {
                     return unexpected("topology without us");
                 }
@@ -131,6 +158,7 @@ impl PeerView {
                 Some((issued, members)) if issued == epoch => {
                     self.committed = Some((epoch, members));
                     self.verdicts.retain(|(e, _), _| *e >= epoch);
+                    self.queried.retain(|(e, _)| *e >= epoch);
                     PeerEvent::TopologyCommitted(epoch)
                 }
                 other => {
@@ -146,9 +174,27 @@ impl PeerView {
                 self.verdicts.insert((epoch, seq), Verdict::Committed);
                 PeerEvent::Verdict(epoch, seq)
             }
-            Message::OpAborted { epoch, seq, failure } => {
-                self.verdicts.insert((epoch, seq), Verdict::Aborted(failure));
+            Message::OpAborted {
+                epoch,
+                seq,
+                failure,
+            } => {
+                self.verdicts
+                    .insert((epoch, seq), Verdict::Aborted(failure));
                 PeerEvent::Verdict(epoch, seq)
+            }
+            Message::OpQuery { epoch, seq } => {
+                let committed = self
+                    .committed_through
+                    .is_some_and(|(e, s)| e == epoch && s >= seq);
+                if !committed {
+                    self.queried.insert((epoch, seq));
+                }
+                PeerEvent::Query {
+                    epoch,
+                    seq,
+                    committed,
+                }
             }
             Message::Kicked { reason } => {
                 self.kicked = Some(reason);
@@ -158,17 +204,42 @@ impl PeerView {
         })
     }
 
+    /// Records that we committed collective `seq` of `epoch` on our own; true if the master
+    /// asked about it meanwhile and must be told.
+    pub fn commit_on_our_own(&mut self, epoch: Epoch, seq: u64) -> bool {
+        self.committed_through = Some((epoch, seq));
+        self.queried.remove(&(epoch, seq))
+    }
+
     /// Our position in the ring of `members` (an issued or committed topology).
     ///
     /// # Panics
     /// If we are not registered or not a member: [`PeerView::handle_message`] rejects such
     /// topologies.
     pub fn position(&self, epoch: Epoch, members: &[Member]) -> RingPosition {
-        let (me, _) = self.registered.expect("a topology is only accepted once registered");
-        let group: GroupId = members.iter().find(|m| m.peer == me).expect("we are a member").group;
-        let ring: Vec<Member> = members.iter().filter(|m| m.group == group).cloned().collect();
-        let rank = ring.iter().position(|m| m.peer == me).expect("we are in our group's ring");
-        RingPosition { epoch, rank, ring, world_size: members.len() }
+        let (me, _) = self
+            .registered
+            .expect("a topology is only accepted once registered");
+        let group: GroupId = members
+            .iter()
+            .find(|m| m.peer == me)
+            .expect("we are a member")
+            .group;
+        let ring: Vec<Member> = members
+            .iter()
+            .filter(|m| m.group == group)
+            .cloned()
+            .collect();
+        let rank = ring
+            .iter()
+            .position(|m| m.peer == me)
+            .expect("we are in our group's ring");
+        RingPosition {
+            epoch,
+            rank,
+            ring,
+            world_size: members.len(),
+        }
     }
 }
 
@@ -176,27 +247,85 @@ impl PeerView {
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_query_is_answered_now_if_we_committed_and_remembered_otherwise() {
+        let mut v = PeerView::default();
+        let (e, later) = (Epoch(3), Epoch(4));
+        assert!(!v.commit_on_our_own(e, 0), "nobody asked");
+        let query = |seq| Message::OpQuery { epoch: e, seq };
+        assert_eq!(
+            v.handle_message(query(0)),
+            Ok(PeerEvent::Query {
+                epoch: e,
+                seq: 0,
+                committed: true
+            })
+        );
+        assert_eq!(
+            v.handle_message(query(1)),
+            Ok(PeerEvent::Query {
+                epoch: e,
+                seq: 1,
+                committed: false
+            })
+        );
+        assert!(
+            v.commit_on_our_own(e, 1),
+            "asked before we committed: tell the master"
+        );
+        let other = Message::OpQuery {
+            epoch: later,
+            seq: 0,
+        };
+        assert_eq!(
+            v.handle_message(other),
+            Ok(PeerEvent::Query {
+                epoch: later,
+                seq: 0,
+                committed: false
+            })
+        );
+    }
+
     fn member(p: u32, g: u32) -> Member {
-        Member { peer: PeerId(p), group: GroupId(g), addr: format!("h:{p}") }
+        Member {
+            peer: PeerId(p),
+            group: GroupId(g),
+            addr: format!("h:{p}"),
+        }
     }
 
     #[test]
     fn ring_position_is_taken_within_our_group() {
         let mut v = PeerView::default();
-        v.handle_message(Message::Registered { peer: PeerId(3), session: SessionId(1), heartbeat_ms: 100 })
-            .unwrap();
+        v.handle_message(Message::Registered {
+            peer: PeerId(3),
+            session: SessionId(1),
+            heartbeat_ms: 100,
+        })
+        .unwrap();
         let members = vec![member(1, 0), member(2, 1), member(3, 0), member(4, 0)];
-        let ev = v.handle_message(Message::Topology { epoch: Epoch(2), members: members.clone() });
+        let ev = v.handle_message(Message::Topology {
+            epoch: Epoch(2),
+            members: members.clone(),
+        });
         assert_eq!(ev, Ok(PeerEvent::TopologyIssued(Epoch(2))));
         let pos = v.position(Epoch(2), &members);
         assert_eq!((pos.rank, pos.group_size(), pos.world_size), (1, 3, 4));
         assert_eq!((pos.prev().peer, pos.next().peer), (PeerId(1), PeerId(4)));
-        assert!(v.handle_message(Message::TopologyCommitted { epoch: Epoch(1) }).is_err());
+        assert!(v
+            .handle_message(Message::TopologyCommitted { epoch: Epoch(1) })
+            .is_err());
         assert_eq!(
             v.handle_message(Message::TopologyCommitted { epoch: Epoch(2) }),
             Ok(PeerEvent::TopologyCommitted(Epoch(2)))
         );
-        assert!(v.handle_message(Message::Topology { epoch: Epoch(2), members }).is_err());
+        assert!(v
+            .handle_message(Message::Topology {
+                epoch: Epoch(2),
+                members
+            })
+            .is_err());
         assert!(v.handle_message(Message::VotePeersPending).is_err());
     }
 }

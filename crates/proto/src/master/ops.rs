@@ -1,11 +1,21 @@
-//! The master's half of collective agreement: every participant reports its end of a collective
-//! (`OpDone` or `OpFailed`), and the master decides one outcome for all of them.
+//! The master's half of collective agreement (`docs/protocol.md`, "Agreement").
 //!
-//! A collective commits when every member its group had when the master first heard of it has
-//! reported `OpDone`. It aborts as soon as one member reports `OpFailed`, or a member is removed
-//! before reporting `OpDone`, or a new topology is issued. The decision is final and goes to every
-//! member of the group, so participants still moving data stop at once. `docs/protocol.md`
-//! argues why every surviving participant returns the same outcome.
+//! Participants first try to agree among themselves: each that finishes its part sends a token
+//! around the ring, and one that holds every other participant's token commits on its own; the
+//! master never hears of a collective that went well. When that fails (a participant died or
+//! froze, a stream broke) a participant that finished asks the master (`OpDone { decided: false }`)
+//! and one that did not finish reports `OpFailed`. The master then queries every other
+//! participant (`OpQuery`); one that committed on its own says so (`OpDone { decided: true }`),
+//! one still running answers when it finishes. The master's rules keep both paths consistent:
+//!
+//! - **abort** only on an `OpFailed`: the reporter never finished, so it never sent a token, so no
+//!   participant can have committed on its own;
+//! - **commit** once any participant says it committed, or once every participant still in the
+//!   run has reported `OpDone`: all of them hold the complete result. A removed participant
+//!   counts for nothing either way.
+//!
+//! An abort goes to every participant, so those still waiting on data stop at once; a commit goes
+//! to those that asked.
 
 use super::{Master, Status};
 use shoal_wire::{Epoch, FailureKind, GroupId, Message, OpFailure, PeerId};
@@ -22,69 +32,169 @@ pub(super) struct OpRecord {
     members: BTreeSet<PeerId>,
     /// Members that reported `OpDone`.
     done: BTreeSet<PeerId>,
-    /// Set once the collective is aborted; kept to answer late `OpDone`s.
-    aborted: Option<OpFailure>,
+    /// Members that asked for the verdict and have not had it.
+    waiting: BTreeSet<PeerId>,
+    /// Members asked whether they committed on their own.
+    queried: BTreeSet<PeerId>,
+    /// The verdict, once there is one. An aborted record is kept (until the topology changes) to
+    /// answer participants that report late.
+    outcome: Option<Outcome>,
+}
+
+#[derive(Debug, Clone)]
+enum Outcome {
+    Committed,
+    Aborted(OpFailure),
 }
 
 impl Master {
-    pub(super) fn op_done(&mut self, peer: PeerId, epoch: Epoch, seq: u64) {
-        let Some(key) = self.op_key(peer, epoch, seq) else { return };
-        let record = &mut self.ops.get_mut(&key).expect("op_key creates the record");
-        if let Some(failure) = record.aborted.clone() {
-            // We finished our part after someone else failed: the collective still aborts.
-            return self.send_to_peer(peer, Message::OpAborted { epoch, seq, failure });
-        }
+    pub(super) fn op_done(&mut self, peer: PeerId, epoch: Epoch, seq: u64, decided: bool) {
+        let Some(key) = self.op_key(peer, epoch, seq) else {
+            return;
+        };
+        let record = self.ops.get_mut(&key).expect("op_key creates the record");
         record.done.insert(peer);
-        if record.done.is_superset(&record.members) {
-            let record = self.ops.remove(&key).expect("present");
-            for p in record.members {
-                self.send_to_peer(p, Message::OpCommitted { epoch, seq });
+        if decided {
+            if let Some(Outcome::Aborted(f)) = &record.outcome {
+                log::error!(
+                    "{peer} committed collective {seq}, which was aborted ({}): a bug",
+                    f.reason
+                );
             }
+            record.outcome.get_or_insert(Outcome::Committed);
+        } else {
+            record.waiting.insert(peer);
         }
+        self.settle(key);
     }
 
     pub(super) fn op_failed(&mut self, peer: PeerId, epoch: Epoch, seq: u64, failure: OpFailure) {
-        let Some(key) = self.op_key(peer, epoch, seq) else { return };
-        log::info!("collective {seq} of topology {} failed at {peer}: {}", epoch.0, failure.reason);
-        self.abort_op(key, failure);
-    }
-
-    /// A member left the run: every collective of its group it had not finished aborts.
-    pub(super) fn abort_ops_of(&mut self, peer: PeerId, reason: &str) {
-        let keys: Vec<(GroupId, u64)> = self
-            .ops
-            .iter()
-            .filter(|(_, r)| r.aborted.is_none() && r.members.contains(&peer) && !r.done.contains(&peer))
-            .map(|(k, _)| *k)
-            .collect();
-        for key in keys {
-            self.abort_op(key, OpFailure::new(FailureKind::PeerLost, peer, reason));
+        let Some(key) = self.op_key(peer, epoch, seq) else {
+            return;
+        };
+        let record = self.ops.get_mut(&key).expect("op_key creates the record");
+        match &record.outcome {
+            None => {
+                log::info!(
+                    "collective {seq} of topology {} failed at {peer}: {}",
+                    epoch.0,
+                    failure.reason
+                );
+                record.outcome = Some(Outcome::Aborted(failure.clone()));
+                record.waiting.clear();
+                let members: Vec<PeerId> = record.members.iter().copied().collect();
+                for p in members {
+                    self.send_to_peer(
+                        p,
+                        Message::OpAborted {
+                            epoch,
+                            seq,
+                            failure: failure.clone(),
+                        },
+                    );
+                }
+            }
+            Some(Outcome::Committed) => {
+                log::error!(
+                    "{peer} failed collective {seq}, which was committed ({}): a bug",
+                    failure.reason
+                )
+            }
+            Some(Outcome::Aborted(_)) => {}
         }
     }
 
-    /// A new topology replaces the ring: collectives of the old one can never finish.
-    pub(super) fn abort_all_ops(&mut self, next: Epoch) {
-        let keys: Vec<(GroupId, u64)> =
-            self.ops.iter().filter(|(_, r)| r.aborted.is_none()).map(|(k, _)| *k).collect();
+    /// A member left the run: collectives that waited only on it may now commit.
+    pub(super) fn settle_ops_of(&mut self, peer: PeerId) {
+        let keys: Vec<(GroupId, u64)> = self
+            .ops
+            .iter()
+            .filter(|(_, r)| r.members.contains(&peer))
+            .map(|(k, _)| *k)
+            .collect();
         for key in keys {
-            let (_, seq) = key;
-            let reason = format!("topology {} was replaced by topology {} during collective {seq}", self.ring_epoch.0, next.0);
-            let any_member = *self.ops[&key].members.iter().next().expect("records have members");
-            self.abort_op(key, OpFailure::new(FailureKind::Superseded, any_member, reason));
+            self.settle(key);
+        }
+    }
+
+    /// A new topology replaces the ring: collectives of the old one that cannot commit abort.
+    pub(super) fn close_ops(&mut self, next: Epoch) {
+        let keys: Vec<(GroupId, u64)> = self.ops.keys().copied().collect();
+        for key in keys {
+            self.settle(key);
+            let Some(record) = self.ops.get(&key) else {
+                continue;
+            };
+            if record.outcome.is_none() {
+                let (old, seq) = (self.ring_epoch, key.1);
+                let reason = format!(
+                    "topology {} was replaced by topology {} during collective {seq}",
+                    old.0, next.0
+                );
+                let any_member = *record.members.iter().next().expect("records have members");
+                let failure = OpFailure::new(FailureKind::Superseded, any_member, reason);
+                let members: Vec<PeerId> = record.members.iter().copied().collect();
+                for p in members {
+                    self.send_to_peer(
+                        p,
+                        Message::OpAborted {
+                            epoch: old,
+                            seq,
+                            failure: failure.clone(),
+                        },
+                    );
+                }
+            }
         }
         self.ops.clear();
     }
 
-    fn abort_op(&mut self, key: (GroupId, u64), failure: OpFailure) {
-        let epoch = self.ring_epoch;
-        let record = self.ops.get_mut(&key).expect("aborting a tracked op");
-        if record.aborted.is_some() {
+    /// Commits if the rules allow, answers whoever waits, and forgets what is settled.
+    fn settle(&mut self, key: (GroupId, u64)) {
+        let peers = &self.peers;
+        let Some(record) = self.ops.get_mut(&key) else {
             return;
+        };
+        let mut live = record.members.iter().filter(|p| peers.contains_key(p));
+        let all_done = live.all(|p| record.done.contains(p));
+        if record.outcome.is_none() && all_done {
+            record.outcome = Some(Outcome::Committed);
         }
-        record.aborted = Some(failure.clone());
-        let members: Vec<PeerId> = record.members.iter().copied().collect();
-        for p in members {
-            self.send_to_peer(p, Message::OpAborted { epoch, seq: key.1, failure: failure.clone() });
+        let epoch = self.ring_epoch;
+        let seq = key.1;
+        let answer = match &record.outcome {
+            None if record.waiting.is_empty() => return,
+            None => {
+                // Someone waits: find out whether the others committed on their own.
+                let ask: Vec<PeerId> = record
+                    .members
+                    .iter()
+                    .filter(|p| {
+                        peers.contains_key(p)
+                            && !record.done.contains(p)
+                            && !record.queried.contains(p)
+                    })
+                    .copied()
+                    .collect();
+                record.queried.extend(ask.iter().copied());
+                for p in ask {
+                    self.send_to_peer(p, Message::OpQuery { epoch, seq });
+                }
+                return;
+            }
+            Some(Outcome::Committed) => Message::OpCommitted { epoch, seq },
+            Some(Outcome::Aborted(failure)) => Message::OpAborted {
+                epoch,
+                seq,
+                failure: failure.clone(),
+            },
+        };
+        let waiting = std::mem::take(&mut record.waiting);
+        if matches!(record.outcome, Some(Outcome::Committed)) && all_done {
+            self.ops.remove(&key);
+        }
+        for p in waiting {
+            self.send_to_peer(p, answer.clone());
         }
     }
 
@@ -93,25 +203,53 @@ impl Master {
     fn op_key(&mut self, peer: PeerId, epoch: Epoch, seq: u64) -> Option<(GroupId, u64)> {
         let entry = self.peers.get(&peer)?;
         if entry.status != Status::Accepted {
-            self.violation(peer, format!("collective report from {peer}, which is not accepted"));
+            self.violation(
+                peer,
+                format!("collective report from {peer}, which is not accepted"),
+            );
             return None;
         }
         let group = entry.group;
         if epoch != self.ring_epoch {
-            // Reports for a replaced topology: that ring's collectives were aborted with it.
-            let reason = format!("topology {} was replaced by topology {}", epoch.0, self.ring_epoch.0);
-            self.send_to_peer(peer, Message::OpAborted { epoch, seq, failure: OpFailure::new(FailureKind::Superseded, peer, reason) });
+            // A report for a replaced topology: that ring's collectives were settled with it.
+            let reason = format!(
+                "topology {} was replaced by topology {}",
+                epoch.0, self.ring_epoch.0
+            );
+            let failure = OpFailure::new(FailureKind::Superseded, peer, reason);
+            self.send_to_peer(
+                peer,
+                Message::OpAborted {
+                    epoch,
+                    seq,
+                    failure,
+                },
+            );
             return None;
         }
         let key = (group, seq);
         if !self.ops.contains_key(&key) {
             if self.ops.len() >= MAX_TRACKED_OPS {
-                self.violation(peer, format!("more than {MAX_TRACKED_OPS} collectives open at once"));
+                self.violation(
+                    peer,
+                    format!("more than {MAX_TRACKED_OPS} collectives open at once"),
+                );
                 return None;
             }
-            let members: BTreeSet<PeerId> =
-                self.ring.iter().copied().filter(|p| self.peers[p].group == group).collect();
-            self.ops.insert(key, OpRecord { members, done: BTreeSet::new(), aborted: None });
+            let members: BTreeSet<PeerId> = self
+                .ring
+                .iter()
+                .copied()
+                .filter(|p| self.peers[p].group == group)
+                .collect();
+            let record = OpRecord {
+                members,
+                done: BTreeSet::new(),
+                waiting: BTreeSet::new(),
+                queried: BTreeSet::new(),
+                outcome: None,
+            };
+            self.ops.insert(key, record);
         }
         Some(key)
     }
