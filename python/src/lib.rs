@@ -80,9 +80,7 @@ impl Communicator {
         if let Some(s) = timeout {
             c.timeout = seconds("timeout", s)?;
         }
-        Ok(Communicator {
-            inner: Core::new(c).map_err(to_py)?,
-        })
+        Ok(Communicator { inner: Core::new(c).map_err(to_py)? })
     }
 
     #[pyo3(signature = (timeout=None))]
@@ -109,22 +107,15 @@ impl Communicator {
         op: &str,
         tag: u64,
     ) -> PyResult<ReduceInfo> {
-        let dtype = DType::from_name(dtype)
-            .ok_or_else(|| PyTypeError::new_err(format!("unsupported dtype {dtype:?}")))?;
+        let dtype =
+            DType::from_name(dtype).ok_or_else(|| PyTypeError::new_err(format!("unsupported dtype {dtype:?}")))?;
         let op = ReduceOp::from_name(op).ok_or_else(|| {
-            PyValueError::new_err(format!(
-                "unknown op {op:?}: expected one of sum, avg, prod, min, max"
-            ))
+            PyValueError::new_err(format!("unknown op {op:?}: expected one of sum, avg, prod, min, max"))
         })?;
-        let mut view = buf
-            .try_readwrite()
-            .map_err(|e| PyValueError::new_err(format!("tensor is not writable: {e}")))?;
-        let bytes = view
-            .as_slice_mut()
-            .map_err(|_| PyValueError::new_err("tensor is not contiguous"))?;
-        let info = py
-            .detach(|| self.inner.all_reduce(bytes, dtype, op, tag))
-            .map_err(to_py)?;
+        let mut view =
+            buf.try_readwrite().map_err(|e| PyValueError::new_err(format!("tensor is not writable: {e}")))?;
+        let bytes = view.as_slice_mut().map_err(|_| PyValueError::new_err("tensor is not contiguous"))?;
+        let info = py.detach(|| self.inner.all_reduce(bytes, dtype, op, tag)).map_err(to_py)?;
         Ok(ReduceInfo {
             world_size: info.world_size,
             tx_bytes: info.tx_bytes,
@@ -170,15 +161,11 @@ impl Master {
     #[new]
     #[pyo3(signature = (listen="0.0.0.0:48148", *, heartbeat_timeout=None))]
     fn new(listen: &str, heartbeat_timeout: Option<f64>) -> PyResult<Self> {
-        let mut options =
-            MasterOptions::from_env(listen).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let mut options = MasterOptions::from_env(listen).map_err(|e| PyValueError::new_err(e.to_string()))?;
         if let Some(s) = heartbeat_timeout {
             options.heartbeat_timeout = seconds("heartbeat_timeout", s)?;
         }
-        Ok(Master {
-            options,
-            server: Mutex::new(None),
-        })
+        Ok(Master { options, server: Mutex::new(None) })
     }
 
     /// Binds the listen address and starts serving in background threads.
@@ -188,10 +175,7 @@ impl Master {
             return Err(usage_error("the master is already running"));
         }
         let started = MasterServer::start(self.options.clone()).map_err(|e| {
-            pyo3::exceptions::PyOSError::new_err(format!(
-                "cannot listen on {}: {e}",
-                self.options.listen
-            ))
+            pyo3::exceptions::PyOSError::new_err(format!("cannot listen on {}: {e}", self.options.listen))
         })?;
         *server = Some(started);
         Ok(())
@@ -237,11 +221,7 @@ impl Master {
     }
 
     fn __repr__(&self) -> String {
-        format!(
-            "Master(address={:?}, running={})",
-            self.address(),
-            self.running()
-        )
+        format!("Master(address={:?}, running={})", self.address(), self.running())
     }
 }
 
@@ -249,9 +229,7 @@ fn seconds(name: &str, s: f64) -> PyResult<Duration> {
     if s.is_finite() && s > 0.0 && s < 1e9 {
         Ok(Duration::from_secs_f64(s))
     } else {
-        Err(PyValueError::new_err(format!(
-            "{name} must be a positive number of seconds, got {s}"
-        )))
+        Err(PyValueError::new_err(format!("{name} must be a positive number of seconds, got {s}")))
     }
 }
 
@@ -278,9 +256,7 @@ fn usage_error(message: &str) -> PyErr {
 
 fn raise(class: &str, message: String) -> PyErr {
     Python::attach(|py| {
-        let error = py
-            .import("shoal.errors")
-            .and_then(|m| m.getattr(class)?.call1((message.clone(),)));
+        let error = py.import("shoal.errors").and_then(|m| m.getattr(class)?.call1((message.clone(),)));
         match error {
             Ok(e) => PyErr::from_value(e),
             // Only if the package is broken: keep the message.

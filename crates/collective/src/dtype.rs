@@ -112,13 +112,7 @@ pub enum ReduceOp {
 
 impl ReduceOp {
     /// Every operator, in code order.
-    pub const ALL: [ReduceOp; 5] = [
-        ReduceOp::Sum,
-        ReduceOp::Avg,
-        ReduceOp::Prod,
-        ReduceOp::Min,
-        ReduceOp::Max,
-    ];
+    pub const ALL: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max];
 
     /// The name used by the Python API.
     pub fn name(self) -> &'static str {
@@ -143,9 +137,7 @@ impl ReduceOp {
 
     /// Inverse of [`ReduceOp::code`].
     pub fn from_code(code: u8) -> Option<ReduceOp> {
-        ReduceOp::ALL
-            .get(usize::from(code).checked_sub(1)?)
-            .copied()
+        ReduceOp::ALL.get(usize::from(code).checked_sub(1)?).copied()
     }
 }
 

@@ -44,19 +44,10 @@ pub enum KernelError {
 /// reduce_into(DType::I32, ReduceOp::Max, &mut dst, &7i32.to_le_bytes()).unwrap();
 /// assert_eq!(dst, 7i32.to_le_bytes());
 /// ```
-pub fn reduce_into(
-    dtype: DType,
-    op: ReduceOp,
-    dst: &mut [u8],
-    src: &[u8],
-) -> Result<(), KernelError> {
+pub fn reduce_into(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) -> Result<(), KernelError> {
     let elem = dtype.size();
     if dst.len() != src.len() || !dst.len().is_multiple_of(elem) {
-        return Err(KernelError::Length {
-            dst: dst.len(),
-            src: src.len(),
-            elem,
-        });
+        return Err(KernelError::Length { dst: dst.len(), src: src.len(), elem });
     }
     match dtype {
         DType::U8 => int_u8(op, dst, src),
@@ -93,11 +84,7 @@ pub fn finish_avg(dtype: DType, buf: &mut [u8], count: usize) -> Result<(), Kern
     assert!(count > 0, "average over zero participants");
     let elem = dtype.size();
     if !buf.len().is_multiple_of(elem) {
-        return Err(KernelError::Length {
-            dst: buf.len(),
-            src: buf.len(),
-            elem,
-        });
+        return Err(KernelError::Length { dst: buf.len(), src: buf.len(), elem });
     }
     macro_rules! div_int {
         ($t:ty) => {{
@@ -114,18 +101,14 @@ pub fn finish_avg(dtype: DType, buf: &mut [u8], count: usize) -> Result<(), Kern
         DType::U32 => div_int!(u32),
         DType::I64 => div_int!(i64),
         DType::U64 => div_int!(u64),
-        DType::F32 => cast_mut::<f32>(buf, elem)?
-            .iter_mut()
-            .for_each(|x| *x /= count as f32),
-        DType::F64 => cast_mut::<f64>(buf, elem)?
-            .iter_mut()
-            .for_each(|x| *x /= count as f64),
-        DType::F16 => cast_mut::<f16>(buf, elem)?
-            .iter_mut()
-            .for_each(|x| *x = f16::from_f32(x.to_f32() / count as f32)),
-        DType::BF16 => cast_mut::<bf16>(buf, elem)?
-            .iter_mut()
-            .for_each(|x| *x = bf16::from_f32(x.to_f32() / count as f32)),
+        DType::F32 => cast_mut::<f32>(buf, elem)?.iter_mut().for_each(|x| *x /= count as f32),
+        DType::F64 => cast_mut::<f64>(buf, elem)?.iter_mut().for_each(|x| *x /= count as f64),
+        DType::F16 => {
+            cast_mut::<f16>(buf, elem)?.iter_mut().for_each(|x| *x = f16::from_f32(x.to_f32() / count as f32))
+        }
+        DType::BF16 => {
+            cast_mut::<bf16>(buf, elem)?.iter_mut().for_each(|x| *x = bf16::from_f32(x.to_f32() / count as f32))
+        }
     }
     Ok(())
 }
@@ -225,13 +208,7 @@ mod tests {
     #[test]
     fn float_min_max_propagate_nan_like_numpy() {
         let mut d = bytes_f32(&[1.0, f32::NAN, 3.0, 2.0]);
-        reduce_into(
-            DType::F32,
-            ReduceOp::Min,
-            &mut d,
-            &bytes_f32(&[f32::NAN, 0.0, 1.0, 5.0]),
-        )
-        .unwrap();
+        reduce_into(DType::F32, ReduceOp::Min, &mut d, &bytes_f32(&[f32::NAN, 0.0, 1.0, 5.0])).unwrap();
         let got: Vec<f32> = bytemuck::cast_slice(&d).to_vec();
         assert!(got[0].is_nan() && got[1].is_nan());
         assert_eq!(&got[2..], &[1.0, 2.0]);
@@ -240,10 +217,7 @@ mod tests {
     #[test]
     fn mismatched_or_misaligned_buffers_are_refused() {
         let mut d = vec![0u8; 8];
-        assert!(matches!(
-            reduce_into(DType::F32, ReduceOp::Sum, &mut d, &[0u8; 4]),
-            Err(KernelError::Length { .. })
-        ));
+        assert!(matches!(reduce_into(DType::F32, ReduceOp::Sum, &mut d, &[0u8; 4]), Err(KernelError::Length { .. })));
         let mut backing = vec![0u64; 3];
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut backing);
         let src = [0u8; 8];

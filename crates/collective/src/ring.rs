@@ -77,10 +77,7 @@ impl RingAllReduce {
     /// assert_eq!(plan.sends[0].range, 0..2);
     /// ```
     pub fn new(rank: usize, world: usize, len: usize, chunk_elems: usize) -> Self {
-        assert!(
-            world > 0 && rank < world,
-            "rank {rank} outside a ring of {world}"
-        );
+        assert!(world > 0 && rank < world, "rank {rank} outside a ring of {world}");
         assert!(chunk_elems > 0, "chunk size of zero elements");
         let steps = 2 * (world - 1);
         let segment = |s: isize| -> Range<usize> {
@@ -93,13 +90,7 @@ impl RingAllReduce {
         let mut recv_step_start = Vec::with_capacity(steps);
         for s in 0..steps {
             recv_step_start.push(recvs.len());
-            let action = if s + 1 < world {
-                RecvAction::Reduce {
-                    last: s + 2 == world,
-                }
-            } else {
-                RecvAction::Copy
-            };
+            let action = if s + 1 < world { RecvAction::Reduce { last: s + 2 == world } } else { RecvAction::Copy };
             for range in chunks(segment(s as isize + 1), chunk_elems) {
                 recvs.push(RecvUnit { range, action });
             }
@@ -108,10 +99,7 @@ impl RingAllReduce {
             for (c, range) in chunks(segment(s as isize), chunk_elems).enumerate() {
                 let after_recv = s.checked_sub(1).map(|prev| recv_step_start[prev] + c);
                 if let Some(i) = after_recv {
-                    debug_assert_eq!(
-                        recvs[i].range, range,
-                        "pipeline dependency on another chunk"
-                    );
+                    debug_assert_eq!(recvs[i].range, range, "pipeline dependency on another chunk");
                 }
                 sends.push(SendUnit { range, after_recv });
             }
@@ -131,10 +119,7 @@ pub fn segment_range(j: usize, world: usize, len: usize) -> Range<usize> {
 
 fn chunks(range: Range<usize>, chunk_elems: usize) -> impl Iterator<Item = Range<usize>> {
     let end = range.end;
-    range
-        .clone()
-        .step_by(chunk_elems)
-        .map(move |start| start..(start + chunk_elems).min(end))
+    range.clone().step_by(chunk_elems).map(move |start| start..(start + chunk_elems).min(end))
 }
 
 #[cfg(test)]
@@ -153,9 +138,7 @@ mod tests {
     ) -> Vec<Vec<i64>> {
         let world = inputs.len();
         let len = inputs[0].len();
-        let plans: Vec<_> = (0..world)
-            .map(|r| RingAllReduce::new(r, world, len, chunk_elems))
-            .collect();
+        let plans: Vec<_> = (0..world).map(|r| RingAllReduce::new(r, world, len, chunk_elems)).collect();
         let mut bufs: Vec<Vec<i64>> = inputs.to_vec();
         // In-flight chunks on the link from rank r to r+1, in order.
         let mut links: Vec<std::collections::VecDeque<Vec<i64>>> = vec![Default::default(); world];
@@ -254,16 +237,9 @@ mod tests {
 
     #[test]
     fn large_world_and_awkward_lengths() {
-        for (world, len, chunk) in [
-            (64, 1000, 7),
-            (64, 63, 1),
-            (7, 1, 3),
-            (2, 0, 4),
-            (64, 4097, 16),
-        ] {
-            let inputs: Vec<Vec<i64>> = (0..world)
-                .map(|r| (0..len).map(|i| (r * 31 + i) as i64 % 97).collect())
-                .collect();
+        for (world, len, chunk) in [(64, 1000, 7), (64, 63, 1), (7, 1, 3), (2, 0, 4), (64, 4097, 16)] {
+            let inputs: Vec<Vec<i64>> =
+                (0..world).map(|r| (0..len).map(|i| (r * 31 + i) as i64 % 97).collect()).collect();
             let out = run_ring(&inputs, ReduceOp::Sum, chunk, |_| 0);
             let want = naive(&inputs, ReduceOp::Sum);
             assert!(out.iter().all(|b| b == &want), "world {world} len {len}");

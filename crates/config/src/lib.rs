@@ -21,7 +21,10 @@ pub const KNOWN_VARS: &[(&str, &str)] = &[
     ("SHOAL_ADVERTISE_ADDR", "host[:port] other peers should dial to reach this peer"),
     ("SHOAL_SECRET", "run credentials"),
     ("SHOAL_TIMEOUT", "bound in seconds on any blocking call (float)"),
-    ("SHOAL_FAILPOINT", "tests: a protocol step at which the peer dies (all_reduce.before_confirm, all_reduce.after_commit)"),
+    (
+        "SHOAL_FAILPOINT",
+        "tests: a protocol step at which the peer dies (all_reduce.before_confirm, all_reduce.after_commit)",
+    ),
     ("SHOAL_VENV", "scripts: where the cached Python environment lives"),
     ("SHOAL_SKIP_BUILD", "scripts: 1 to skip rebuilding the native module"),
 ];
@@ -48,11 +51,7 @@ pub fn env_seconds(name: &'static str) -> Result<Option<Duration>, ConfigError> 
     };
     match value.trim().parse::<f64>() {
         Ok(s) if s.is_finite() && s > 0.0 && s < 1e9 => Ok(Some(Duration::from_secs_f64(s))),
-        _ => Err(ConfigError {
-            name,
-            value,
-            expected: "a positive number of seconds",
-        }),
+        _ => Err(ConfigError { name, value, expected: "a positive number of seconds" }),
     }
 }
 
@@ -66,20 +65,13 @@ pub fn env_count(name: &'static str) -> Result<Option<usize>, ConfigError> {
     };
     match value.trim().parse::<usize>() {
         Ok(n) if n > 0 => Ok(Some(n)),
-        _ => Err(ConfigError {
-            name,
-            value,
-            expected: "a positive integer",
-        }),
+        _ => Err(ConfigError { name, value, expected: "a positive integer" }),
     }
 }
 
 /// Reads a string from `name`; an empty value counts as unset.
 pub fn env_value(name: &'static str) -> Option<String> {
-    debug_assert!(
-        KNOWN_VARS.iter().any(|(n, _)| *n == name),
-        "{name} missing from KNOWN_VARS"
-    );
+    debug_assert!(KNOWN_VARS.iter().any(|(n, _)| *n == name), "{name} missing from KNOWN_VARS");
     std::env::var(name).ok().filter(|v| !v.is_empty())
 }
 
@@ -118,11 +110,7 @@ struct Logger {
 
 impl Logger {
     fn new(spec: &str) -> Self {
-        let mut logger = Logger {
-            default: log::LevelFilter::Warn,
-            targets: Vec::new(),
-            start: Instant::now(),
-        };
+        let mut logger = Logger { default: log::LevelFilter::Warn, targets: Vec::new(), start: Instant::now() };
         for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             match part.split_once('=') {
                 Some((target, level)) => {
@@ -137,24 +125,16 @@ impl Logger {
                 }
             }
         }
-        logger
-            .targets
-            .sort_by_key(|(t, _)| std::cmp::Reverse(t.len()));
+        logger.targets.sort_by_key(|(t, _)| std::cmp::Reverse(t.len()));
         logger
     }
 
     fn max_level(&self) -> log::LevelFilter {
-        self.targets
-            .iter()
-            .map(|(_, l)| *l)
-            .fold(self.default, std::cmp::max)
+        self.targets.iter().map(|(_, l)| *l).fold(self.default, std::cmp::max)
     }
 
     fn level_for(&self, target: &str) -> log::LevelFilter {
-        self.targets
-            .iter()
-            .find(|(t, _)| target.starts_with(t.as_str()))
-            .map_or(self.default, |x| x.1)
+        self.targets.iter().find(|(t, _)| target.starts_with(t.as_str())).map_or(self.default, |x| x.1)
     }
 }
 

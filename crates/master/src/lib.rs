@@ -72,10 +72,7 @@ impl MasterServer {
     pub fn start(options: MasterOptions) -> io::Result<MasterServer> {
         shoal_config::init_logging();
         if options.heartbeat_timeout.is_zero() {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "heartbeat timeout must be positive",
-            ));
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "heartbeat timeout must be positive"));
         }
         let listener = shoal_transport::listen(&options.listen)?;
         let addr = listener.local_addr()?;
@@ -86,22 +83,13 @@ impl MasterServer {
         thread::Builder::new()
             .name("shoal-master-accept".into())
             .spawn(move || accept_loop(listener, accept_tx, accept_stop))?;
-        let config = MasterConfig {
-            session,
-            heartbeat_timeout: options.heartbeat_timeout,
-        };
+        let config = MasterConfig { session, heartbeat_timeout: options.heartbeat_timeout };
         let write_timeout = (options.heartbeat_timeout / 4).min(WRITE_TIMEOUT_MAX);
         let driver = thread::Builder::new()
             .name("shoal-master".into())
             .spawn(move || drive(Master::new(config, Instant::now()), rx, write_timeout))?;
         log::info!("master listening on {addr} (session {:016x})", session.0);
-        Ok(MasterServer {
-            addr,
-            session,
-            inputs: tx,
-            stop,
-            driver: Some(driver),
-        })
+        Ok(MasterServer { addr, session, inputs: tx, stop, driver: Some(driver) })
     }
 
     /// The address the master listens on.
@@ -147,9 +135,8 @@ fn accept_loop(listener: TcpListener, inputs: Sender<Input>, stop: Arc<AtomicBoo
             return false;
         }
         let tx = inputs.clone();
-        let spawned = thread::Builder::new()
-            .name("shoal-master-read".into())
-            .spawn(move || read_loop(conn, reader, tx));
+        let spawned =
+            thread::Builder::new().name("shoal-master-read".into()).spawn(move || read_loop(conn, reader, tx));
         if let Err(e) = spawned {
             let _ = inputs.send(Input::Closed(conn, format!("cannot spawn reader: {e}")));
         }
@@ -176,9 +163,8 @@ fn read_loop(conn: ConnId, mut stream: TcpStream, inputs: Sender<Input>) {
 fn drive(mut master: Master, inputs: Receiver<Input>, write_timeout: Duration) {
     let mut streams: BTreeMap<ConnId, TcpStream> = BTreeMap::new();
     loop {
-        let wait = master.poll_timeout().map_or(Duration::from_secs(1), |t| {
-            t.saturating_duration_since(Instant::now())
-        });
+        let wait =
+            master.poll_timeout().map_or(Duration::from_secs(1), |t| t.saturating_duration_since(Instant::now()));
         match inputs.recv_timeout(wait) {
             Ok(Input::Connected(conn, stream)) => {
                 if let Err(e) = stream.set_write_timeout(Some(write_timeout)) {
@@ -241,11 +227,7 @@ fn log_event(event: &MasterEvent) {
         }
         MasterEvent::TopologyCommitted { epoch, members } => {
             let ids: Vec<String> = members.iter().map(ToString::to_string).collect();
-            log::info!(
-                "topology {} committed: ring [{}]",
-                epoch.0,
-                ids.join(" -> ")
-            )
+            log::info!("topology {} committed: ring [{}]", epoch.0, ids.join(" -> "))
         }
     }
 }

@@ -8,9 +8,7 @@ use crate::ring::{self, RingError, RingJob, Side, Stop};
 use crate::Deadline;
 use shoal_collective::{CollectiveKind, DType, ReduceOp};
 use shoal_proto::peer::{RingPosition, Verdict};
-use shoal_wire::{
-    Epoch, FailureKind, GroupId, Member, Message, OpFailure, OpHeader, PeerId, SessionId,
-};
+use shoal_wire::{Epoch, FailureKind, GroupId, Member, Message, OpFailure, OpHeader, PeerId, SessionId};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -83,19 +81,13 @@ impl Communicator {
         let deadline = Deadline::after(timeout.unwrap_or(self.config.timeout));
         let listener = Listener::start(&self.config.listen_addr)?;
         let addr = self.config.master_addr.clone();
-        let unreachable = |reason: String| Error::MasterUnreachable {
-            addr: addr.clone(),
-            reason,
-        };
-        let stream = shoal_transport::connect(&addr, deadline.left("connect")?)
-            .map_err(|e| unreachable(e.to_string()))?;
+        let unreachable = |reason: String| Error::MasterUnreachable { addr: addr.clone(), reason };
+        let stream =
+            shoal_transport::connect(&addr, deadline.left("connect")?).map_err(|e| unreachable(e.to_string()))?;
         let data_addr = self.advertised_addr(&stream, listener.port)?;
         let control = Control::start(&addr, stream, self.config.heartbeat_timeout)?;
         let group = GroupId(self.config.group);
-        control.send(&Message::Join {
-            group,
-            data_addr: data_addr.clone(),
-        })?;
+        control.send(&Message::Join { group, data_addr: data_addr.clone() })?;
         let registered = control.wait_until("connect", deadline, |s| s.view.registered);
         let (me, session) = match registered {
             Ok(x) => x,
@@ -104,17 +96,9 @@ impl Communicator {
                 return Err(e);
             }
         };
-        log::info!(
-            "registered as {me} in group {} advertising {data_addr}",
-            group.0
-        );
+        log::info!("registered as {me} in group {} advertising {data_addr}", group.0);
         listener.set_identity(me, session, &data_addr);
-        let connected = Arc::new(Connected {
-            control,
-            listener,
-            me,
-            session,
-        });
+        let connected = Arc::new(Connected { control, listener, me, session });
         match self.await_topology(&connected, deadline, "connect") {
             Ok(()) => {
                 *slot = Some(connected);
@@ -135,11 +119,7 @@ impl Communicator {
     pub fn update_topology(&self) -> Result<()> {
         let connected = self.connected()?;
         connected.control.send(&Message::VoteUpdateTopology)?;
-        self.await_topology(
-            &connected,
-            Deadline::after(self.config.timeout),
-            "update_topology",
-        )
+        self.await_topology(&connected, Deadline::after(self.config.timeout), "update_topology")
     }
 
     /// Whether peers wait to be admitted. A vote among the accepted peers: every one of them
@@ -151,9 +131,7 @@ impl Communicator {
         let connected = self.connected()?;
         connected.control.send(&Message::VotePeersPending)?;
         let deadline = Deadline::after(self.config.timeout);
-        connected
-            .control
-            .wait_until("peers_pending", deadline, |s| s.view.pending_result.take())
+        connected.control.wait_until("peers_pending", deadline, |s| s.view.pending_result.take())
     }
 
     /// Reduces `buf` (elements of `dtype`, as bytes) with every peer of the group, in place:
@@ -181,20 +159,10 @@ impl Communicator {
             )));
         }
         let mut data = self.data.lock().expect("data lock poisoned");
-        let pos = self
-            .topology
-            .lock()
-            .expect("topology lock poisoned")
-            .clone()
-            .ok_or(Error::NotConnected)?;
+        let pos = self.topology.lock().expect("topology lock poisoned").clone().ok_or(Error::NotConnected)?;
         let world = pos.group_size();
         if world == 1 {
-            return Ok(Info {
-                world_size: 1,
-                tx_bytes: 0,
-                rx_bytes: 0,
-                elapsed: started.elapsed(),
-            });
+            return Ok(Info { world_size: 1, tx_bytes: 0, rx_bytes: 0, elapsed: started.elapsed() });
         }
         // Numbered within the topology: every member counts the same collectives in the same
         // order, so (epoch, seq) names this collective at the master and on every peer.
@@ -211,18 +179,8 @@ impl Communicator {
         };
         let deadline = Deadline::after(self.config.timeout);
         let (next, prev) = (pos.next().peer, pos.prev().peer);
-        let DataPlane {
-            outgoing,
-            incoming,
-            scratch,
-            backup,
-        } = &mut *data;
-        log::trace!(
-            "all_reduce seq {seq} tag {tag}: {} {} x{}",
-            op.name(),
-            dtype.name(),
-            header.count
-        );
+        let DataPlane { outgoing, incoming, scratch, backup } = &mut *data;
+        log::trace!("all_reduce seq {seq} tag {tag}: {} {} x{}", op.name(), dtype.name(), header.count);
         let members: Vec<PeerId> = pos.ring.iter().map(|m| m.peer).collect();
         let control = &connected.control;
         let abort = || {
@@ -267,33 +225,14 @@ impl Communicator {
                 };
                 ring::run(job, send, recv, deadline, &abort).map(|traffic| {
                     failpoint("all_reduce.before_confirm");
-                    (
-                        traffic,
-                        ring::confirm(
-                            &mut send[0],
-                            &mut recv[0],
-                            pos.rank,
-                            world,
-                            seq,
-                            deadline,
-                            &watch,
-                        ),
-                    )
+                    (traffic, ring::confirm(&mut send[0], &mut recv[0], pos.rank, world, seq, deadline, &watch))
                 })
             }
             _ => {
                 backup.reset(0);
-                let reason =
-                    "no data connection (a collective failed before): call update_topology";
-                let side = if outgoing.contains_key(&next) {
-                    Side::Prev
-                } else {
-                    Side::Next
-                };
-                Err(RingError::Lost {
-                    side,
-                    reason: reason.into(),
-                })
+                let reason = "no data connection (a collective failed before): call update_topology";
+                let side = if outgoing.contains_key(&next) { Side::Prev } else { Side::Next };
+                Err(RingError::Lost { side, reason: reason.into() })
             }
         };
         let error = match ran {
@@ -308,11 +247,7 @@ impl Communicator {
                     // Every participant holds the result: committed without the master, which
                     // hears of it only if it asks (to answer a participant that could not tell).
                     if control.lock().view.commit_on_our_own(epoch, seq) {
-                        let _ = control.send(&Message::OpDone {
-                            epoch,
-                            seq,
-                            decided: true,
-                        });
+                        let _ = control.send(&Message::OpDone { epoch, seq, decided: true });
                     }
                     failpoint("all_reduce.after_commit");
                     return Ok(info);
@@ -325,10 +260,7 @@ impl Communicator {
                     Err(Stop::Verdict(v)) => Ok(v),
                     Err(Stop::Fail(e)) => Err(e),
                     Err(Stop::Ask(reason)) => {
-                        log::info!(
-                            "{}: collective {seq} finished here, asking the master ({reason})",
-                            connected.me
-                        );
+                        log::info!("{}: collective {seq} finished here, asking the master ({reason})", connected.me);
                         self.ask_verdict(&connected, epoch, seq, deadline)
                     }
                 };
@@ -348,9 +280,7 @@ impl Communicator {
                     // verdict names the first failure reported, so every participant gets the
                     // same cause (a mismatch, not the closed stream that followed it). The
                     // streams stay open until then, so no neighbour sees them close first.
-                    (_, Some(failure)) => self
-                        .report_failure(&connected, &header, failure)
-                        .unwrap_or(local),
+                    (_, Some(failure)) => self.report_failure(&connected, &header, failure).unwrap_or(local),
                     _ => local,
                 }
             }
@@ -368,28 +298,11 @@ impl Communicator {
 
     /// Reports a collective failed here; returns the error of the master's verdict, if it comes
     /// within a heartbeat timeout.
-    fn report_failure(
-        &self,
-        c: &Connected,
-        header: &OpHeader,
-        failure: OpFailure,
-    ) -> Option<Error> {
+    fn report_failure(&self, c: &Connected, header: &OpHeader, failure: OpFailure) -> Option<Error> {
         let (epoch, seq) = (header.epoch, header.seq);
-        c.control
-            .send(&Message::OpFailed {
-                epoch,
-                seq,
-                failure,
-            })
-            .ok()?;
+        c.control.send(&Message::OpFailed { epoch, seq, failure }).ok()?;
         let grace = Deadline::after(self.config.heartbeat_timeout);
-        match c
-            .control
-            .wait_until("all_reduce", grace, |s| {
-                s.view.verdicts.remove(&(epoch, seq))
-            })
-            .ok()?
-        {
+        match c.control.wait_until("all_reduce", grace, |s| s.view.verdicts.remove(&(epoch, seq))).ok()? {
             Verdict::Aborted(f) => Some(op_error(f, header)),
             Verdict::Committed => None,
         }
@@ -398,22 +311,10 @@ impl Communicator {
     /// Reports that we hold the complete result of collective `seq` and waits for the master's
     /// verdict. Every participant still in the run reports within its own bound, so the verdict
     /// comes within ours and a heartbeat timeout, or the master is as good as lost.
-    fn ask_verdict(
-        &self,
-        c: &Connected,
-        epoch: Epoch,
-        seq: u64,
-        deadline: Deadline,
-    ) -> Result<Verdict> {
-        c.control.send(&Message::OpDone {
-            epoch,
-            seq,
-            decided: false,
-        })?;
+    fn ask_verdict(&self, c: &Connected, epoch: Epoch, seq: u64, deadline: Deadline) -> Result<Verdict> {
+        c.control.send(&Message::OpDone { epoch, seq, decided: false })?;
         let deadline = deadline.extended(self.config.heartbeat_timeout);
-        c.control.wait_until("all_reduce", deadline, |s| {
-            s.view.verdicts.remove(&(epoch, seq))
-        })
+        c.control.wait_until("all_reduce", deadline, |s| s.view.verdicts.remove(&(epoch, seq)))
     }
 
     /// Members of the whole run, once accepted.
@@ -433,11 +334,7 @@ impl Communicator {
 
     /// This peer's id, once registered.
     pub fn peer_id(&self) -> Option<PeerId> {
-        self.connected
-            .lock()
-            .expect("connect lock poisoned")
-            .as_ref()
-            .map(|c| c.me)
+        self.connected.lock().expect("connect lock poisoned").as_ref().map(|c| c.me)
     }
 
     /// Leaves the run and closes every connection. Later calls fail with [`Error::Closed`] or
@@ -451,19 +348,11 @@ impl Communicator {
     }
 
     fn position(&self) -> Option<RingPosition> {
-        self.topology
-            .lock()
-            .expect("topology lock poisoned")
-            .clone()
+        self.topology.lock().expect("topology lock poisoned").clone()
     }
 
     fn connected(&self) -> Result<Arc<Connected>> {
-        let c = self
-            .connected
-            .lock()
-            .expect("connect lock poisoned")
-            .clone()
-            .ok_or(Error::NotConnected)?;
+        let c = self.connected.lock().expect("connect lock poisoned").clone().ok_or(Error::NotConnected)?;
         c.control.lock().check_connected()?;
         Ok(c)
     }
@@ -471,12 +360,7 @@ impl Communicator {
     /// Follows the master's topologies until one that includes us is committed: open the
     /// connections each one asks for, report ready (or who is unreachable), repeat if the
     /// master supersedes it.
-    fn await_topology(
-        &self,
-        c: &Connected,
-        deadline: Deadline,
-        operation: &'static str,
-    ) -> Result<()> {
+    fn await_topology(&self, c: &Connected, deadline: Deadline, operation: &'static str) -> Result<()> {
         let mut data = self.data.lock().expect("data lock poisoned");
         let mut handled: Option<Epoch> = None;
         enum Step {
@@ -498,14 +382,7 @@ impl Communicator {
             match step {
                 Step::Establish(epoch, members) => {
                     let pos = c.control.lock().view.position(epoch, &members);
-                    match c.listener.establish(
-                        &mut data,
-                        &c.control,
-                        &pos,
-                        &self.config,
-                        deadline,
-                        operation,
-                    ) {
+                    match c.listener.establish(&mut data, &c.control, &pos, &self.config, deadline, operation) {
                         Ok(()) => c.control.send(&Message::TopologyReady { epoch })?,
                         Err(EstablishError::Unreachable(peer, reason)) => {
                             log::warn!("{}: cannot reach {peer}: {reason}", c.me);
@@ -518,12 +395,7 @@ impl Communicator {
                 }
                 Step::Done(epoch, members) => {
                     let pos = c.control.lock().view.position(epoch, &members);
-                    for s in data
-                        .outgoing
-                        .values()
-                        .chain(data.incoming.values())
-                        .flatten()
-                    {
+                    for s in data.outgoing.values().chain(data.incoming.values()).flatten() {
                         set_nonblocking(s)?;
                     }
                     log::info!(
@@ -569,10 +441,7 @@ impl Drop for Communicator {
 }
 
 fn set_nonblocking(s: &TcpStream) -> Result<()> {
-    s.set_nonblocking(true).map_err(|source| Error::Io {
-        context: "configuring a data stream".into(),
-        source,
-    })
+    s.set_nonblocking(true).map_err(|source| Error::Io { context: "configuring a data stream".into(), source })
 }
 
 /// Dies abruptly if `SHOAL_FAILPOINT` names `point`: lets tests kill a peer at an exact step
@@ -587,52 +456,21 @@ fn failpoint(point: &str) {
 
 /// What a failed ring run means for the caller, and what to tell the master (nothing where the
 /// master already decided).
-fn ring_error(
-    e: RingError,
-    header: &OpHeader,
-    me: PeerId,
-    next: PeerId,
-    prev: PeerId,
-) -> (Error, Option<OpFailure>) {
+fn ring_error(e: RingError, header: &OpHeader, me: PeerId, next: PeerId, prev: PeerId) -> (Error, Option<OpFailure>) {
     match e {
         RingError::Lost { side, reason } => {
             let peer = if side == Side::Next { next } else { prev };
-            let failure = OpFailure::new(
-                FailureKind::PeerLost,
-                peer,
-                format!("{me} lost {peer}: {reason}"),
-            );
-            (
-                Error::PeerLost {
-                    peer,
-                    operation: "all_reduce",
-                    reason,
-                },
-                Some(failure),
-            )
+            let failure = OpFailure::new(FailureKind::PeerLost, peer, format!("{me} lost {peer}: {reason}"));
+            (Error::PeerLost { peer, operation: "all_reduce", reason }, Some(failure))
         }
         RingError::Mismatch { theirs } => {
             let (ours, theirs) = (describe(header), describe(&theirs));
             let failure = OpFailure::new(FailureKind::Mismatch, prev, theirs.clone());
-            (
-                Error::CollectiveMismatch {
-                    peer: prev,
-                    ours,
-                    theirs,
-                },
-                Some(failure),
-            )
+            (Error::CollectiveMismatch { peer: prev, ours, theirs }, Some(failure))
         }
         RingError::Malformed(reason) => {
-            let failure = OpFailure::new(
-                FailureKind::Protocol,
-                prev,
-                format!("{prev} sent {me} {reason}"),
-            );
-            (
-                Error::Protocol(format!("from {prev}: {reason}")),
-                Some(failure),
-            )
+            let failure = OpFailure::new(FailureKind::Protocol, prev, format!("{prev} sent {me} {reason}"));
+            (Error::Protocol(format!("from {prev}: {reason}")), Some(failure))
         }
         RingError::Timeout(e) => {
             let failure = OpFailure::new(FailureKind::Timeout, me, format!("{me}: {e}"));
@@ -653,27 +491,15 @@ fn ring_error(
 /// The error a participant returns for a collective the master aborted.
 fn op_error(f: OpFailure, header: &OpHeader) -> Error {
     match f.kind {
-        FailureKind::Mismatch => Error::CollectiveMismatch {
-            peer: f.peer,
-            ours: describe(header),
-            theirs: f.reason,
-        },
-        _ => Error::PeerLost {
-            peer: f.peer,
-            operation: "all_reduce",
-            reason: f.reason,
-        },
+        FailureKind::Mismatch => Error::CollectiveMismatch { peer: f.peer, ours: describe(header), theirs: f.reason },
+        _ => Error::PeerLost { peer: f.peer, operation: "all_reduce", reason: f.reason },
     }
 }
 
 fn describe(h: &OpHeader) -> String {
     let dtype = DType::from_code(h.dtype).map_or("?", DType::name);
     let op = ReduceOp::from_code(h.op).map_or("?", ReduceOp::name);
-    let kind = if h.collective == CollectiveKind::AllReduce.code() {
-        "all_reduce"
-    } else {
-        "collective"
-    };
+    let kind = if h.collective == CollectiveKind::AllReduce.code() { "all_reduce" } else { "collective" };
     format!(
         "{kind}(count={}, dtype={dtype}, op={op}, tag={}, topology={}, number={})",
         h.count, h.tag, h.epoch.0, h.seq

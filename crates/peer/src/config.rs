@@ -57,8 +57,7 @@ impl CommunicatorConfig {
             listen_addr: "0.0.0.0:0".to_string(),
             advertise_addr: env_value("SHOAL_ADVERTISE_ADDR"),
             chunk_bytes: env_count("SHOAL_CHUNK_BYTES")?.unwrap_or(DEFAULT_CHUNK_BYTES),
-            heartbeat_timeout: env_seconds("SHOAL_HEARTBEAT_TIMEOUT")?
-                .unwrap_or(DEFAULT_HEARTBEAT_TIMEOUT),
+            heartbeat_timeout: env_seconds("SHOAL_HEARTBEAT_TIMEOUT")?.unwrap_or(DEFAULT_HEARTBEAT_TIMEOUT),
             timeout: env_seconds("SHOAL_TIMEOUT")?.unwrap_or(DEFAULT_TIMEOUT),
         };
         if let Some(algo) = env_value("SHOAL_ALGO") {
@@ -95,17 +94,11 @@ impl CommunicatorConfig {
     /// [`crate::Error::InvalidArgument`] naming the setting.
     pub fn validate(&self) -> Result<()> {
         let bad = |s: String| Err(crate::Error::InvalidArgument(s));
-        if let Some(n) = self
-            .connections
-            .filter(|n| !(1..=MAX_CONNECTIONS).contains(n))
-        {
+        if let Some(n) = self.connections.filter(|n| !(1..=MAX_CONNECTIONS).contains(n)) {
             return bad(format!("connections={n} outside 1..={MAX_CONNECTIONS}"));
         }
         if self.chunk_bytes < MIN_CHUNK_BYTES {
-            return bad(format!(
-                "chunk_bytes={} below {MIN_CHUNK_BYTES}",
-                self.chunk_bytes
-            ));
+            return bad(format!("chunk_bytes={} below {MIN_CHUNK_BYTES}", self.chunk_bytes));
         }
         if self.heartbeat_timeout.is_zero() || self.timeout.is_zero() {
             return bad("timeouts must be positive".into());
@@ -125,10 +118,7 @@ mod tests {
         let here: IpAddr = "10.1.2.3".parse().unwrap();
         assert_eq!(c.pool_size(Some(here), "127.0.0.1:5000"), 1);
         assert_eq!(c.pool_size(Some(here), "10.1.2.3:5000"), 1);
-        assert_eq!(
-            c.pool_size(Some(here), "10.1.2.4:5000"),
-            DEFAULT_CONNECTIONS
-        );
+        assert_eq!(c.pool_size(Some(here), "10.1.2.4:5000"), DEFAULT_CONNECTIONS);
         assert_eq!(c.pool_size(None, "peer.example:5000"), DEFAULT_CONNECTIONS);
         c.connections = Some(3);
         assert_eq!(c.pool_size(Some(here), "127.0.0.1:5000"), 3);

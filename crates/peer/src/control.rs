@@ -34,20 +34,11 @@ pub(crate) struct ControlState {
 
 impl Control {
     /// Starts the reader and heartbeat threads over `stream`.
-    pub fn start(
-        master_addr: &str,
-        stream: TcpStream,
-        heartbeat_timeout: Duration,
-    ) -> Result<Arc<Self>> {
-        let io_err = |source| Error::Io {
-            context: "configuring the master connection".into(),
-            source,
-        };
+    pub fn start(master_addr: &str, stream: TcpStream, heartbeat_timeout: Duration) -> Result<Arc<Self>> {
+        let io_err = |source| Error::Io { context: "configuring the master connection".into(), source };
         // A frozen master must not block a write (and so a call) for longer than it takes to
         // declare the master lost.
-        stream
-            .set_write_timeout(Some(heartbeat_timeout))
-            .map_err(io_err)?;
+        stream.set_write_timeout(Some(heartbeat_timeout)).map_err(io_err)?;
         let reader = stream.try_clone().map_err(io_err)?;
         let control = Arc::new(Control {
             master_addr: master_addr.to_string(),
@@ -65,18 +56,12 @@ impl Control {
         thread::Builder::new()
             .name("shoal-control".into())
             .spawn(move || c.read_loop(reader))
-            .map_err(|source| Error::Io {
-                context: "spawning the control thread".into(),
-                source,
-            })?;
+            .map_err(|source| Error::Io { context: "spawning the control thread".into(), source })?;
         let c = Arc::clone(&control);
         thread::Builder::new()
             .name("shoal-heartbeat".into())
             .spawn(move || c.heartbeat_loop(heartbeat_timeout))
-            .map_err(|source| Error::Io {
-                context: "spawning the heartbeat thread".into(),
-                source,
-            })?;
+            .map_err(|source| Error::Io { context: "spawning the heartbeat thread".into(), source })?;
         Ok(control)
     }
 
@@ -94,19 +79,14 @@ impl Control {
         let state = self.lock();
         let drained = self
             .changed
-            .wait_timeout_while(state, READER_DRAIN, |s| {
-                s.view.kicked.is_none() && s.lost.is_none()
-            })
+            .wait_timeout_while(state, READER_DRAIN, |s| s.view.kicked.is_none() && s.lost.is_none())
             .expect("control lock poisoned")
             .0;
         drop(drained);
         let reason = format!("sending {}: {e}", message.name());
         self.mark_lost(reason.clone());
         self.lock().check_connected()?;
-        Err(Error::MasterUnreachable {
-            addr: self.master_addr.clone(),
-            reason,
-        })
+        Err(Error::MasterUnreachable { addr: self.master_addr.clone(), reason })
     }
 
     /// Waits until `ready` returns `Some`, the master is lost, we are kicked, or `deadline`.
@@ -123,11 +103,7 @@ impl Control {
                 return Ok(r);
             }
             let left = deadline.left(operation)?;
-            state = self
-                .changed
-                .wait_timeout(state, left)
-                .expect("control lock poisoned")
-                .0;
+            state = self.changed.wait_timeout(state, left).expect("control lock poisoned").0;
         }
     }
 
@@ -146,11 +122,7 @@ impl Control {
         }
         // Best effort: the master also notices the closed connection.
         let _ = self.send(&Message::Leave);
-        let _ = self
-            .writer
-            .lock()
-            .expect("control writer lock poisoned")
-            .shutdown(Shutdown::Both);
+        let _ = self.writer.lock().expect("control writer lock poisoned").shutdown(Shutdown::Both);
         self.changed.notify_all();
     }
 
@@ -173,21 +145,10 @@ impl Control {
             let mut s = self.lock();
             s.last_heard = Instant::now();
             match s.view.handle_message(message) {
-                Ok(PeerEvent::Query {
-                    epoch,
-                    seq,
-                    committed: true,
-                }) => {
+                Ok(PeerEvent::Query { epoch, seq, committed: true }) => {
                     drop(s);
                     // The master needs this to answer a participant that could not tell.
-                    if self
-                        .send(&Message::OpDone {
-                            epoch,
-                            seq,
-                            decided: true,
-                        })
-                        .is_err()
-                    {
+                    if self.send(&Message::OpDone { epoch, seq, decided: true }).is_err() {
                         return;
                     }
                     continue;
@@ -208,15 +169,8 @@ impl Control {
         loop {
             // As often as we need to watch the master, or as the master asks, whichever is more.
             let ours = heartbeat_interval(timeout);
-            let interval = state
-                .view
-                .heartbeat_interval
-                .map_or(ours, |theirs| theirs.min(ours));
-            state = self
-                .changed
-                .wait_timeout(state, interval)
-                .expect("control lock poisoned")
-                .0;
+            let interval = state.view.heartbeat_interval.map_or(ours, |theirs| theirs.min(ours));
+            state = self.changed.wait_timeout(state, interval).expect("control lock poisoned").0;
             if state.closing || state.lost.is_some() {
                 return;
             }
@@ -224,11 +178,7 @@ impl Control {
             drop(state);
             if silent > timeout {
                 self.mark_lost(format!("no message for {:.1} s", silent.as_secs_f64()));
-                let _ = self
-                    .writer
-                    .lock()
-                    .expect("control writer lock poisoned")
-                    .shutdown(Shutdown::Both);
+                let _ = self.writer.lock().expect("control writer lock poisoned").shutdown(Shutdown::Both);
                 return;
             }
             if self.send(&Message::Heartbeat).is_err() {
@@ -243,18 +193,13 @@ impl ControlState {
     /// Fails if the master is lost or has expelled us.
     pub fn check_connected(&self) -> Result<()> {
         if let Some(reason) = &self.view.kicked {
-            return Err(Error::Kicked {
-                reason: reason.clone(),
-            });
+            return Err(Error::Kicked { reason: reason.clone() });
         }
         if self.closing {
             return Err(Error::Closed);
         }
         if let Some(reason) = &self.lost {
-            return Err(Error::MasterUnreachable {
-                addr: self.master_addr.clone(),
-                reason: reason.clone(),
-            });
+            return Err(Error::MasterUnreachable { addr: self.master_addr.clone(), reason: reason.clone() });
         }
         Ok(())
     }
@@ -274,15 +219,9 @@ mod tests {
         let addr = listener.local_addr().unwrap().to_string();
         let master = std::thread::spawn(move || {
             let (mut s, _) = shoal_transport::accept(&listener).unwrap();
-            let registered = Message::Registered {
-                peer: PeerId(4),
-                session: SessionId(9),
-                heartbeat_ms: 1000,
-            };
+            let registered = Message::Registered { peer: PeerId(4), session: SessionId(9), heartbeat_ms: 1000 };
             write_message(&mut s, SessionId(9), &registered).unwrap();
-            let kicked = Message::Kicked {
-                reason: "no message for 2.0 s".into(),
-            };
+            let kicked = Message::Kicked { reason: "no message for 2.0 s".into() };
             write_message(&mut s, SessionId(9), &kicked).unwrap();
             // Closing with unread data resets the connection: the peer's writes fail.
             s.shutdown(Shutdown::Both).unwrap();

@@ -13,28 +13,19 @@ pub struct Deadline {
 impl Deadline {
     /// `bound` from now.
     pub fn after(bound: Duration) -> Self {
-        Deadline {
-            at: Instant::now() + bound,
-            bound,
-        }
+        Deadline { at: Instant::now() + bound, bound }
     }
 
     /// The same deadline moved `by` later (the bound it reports grows too).
     pub fn extended(&self, by: Duration) -> Self {
-        Deadline {
-            at: self.at + by,
-            bound: self.bound + by,
-        }
+        Deadline { at: self.at + by, bound: self.bound + by }
     }
 
     /// Time left, or [`Error::Timeout`] naming `operation` once none is.
     pub fn left(&self, operation: &'static str) -> Result<Duration> {
         let left = self.at.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(Error::Timeout {
-                operation,
-                after: self.bound,
-            });
+            return Err(Error::Timeout { operation, after: self.bound });
         }
         Ok(left)
     }

@@ -19,8 +19,8 @@ mod ring;
 
 pub use communicator::{Communicator, Info};
 pub use config::{
-    CommunicatorConfig, DEFAULT_CHUNK_BYTES, DEFAULT_CONNECTIONS, DEFAULT_HEARTBEAT_TIMEOUT,
-    DEFAULT_TIMEOUT, MAX_CONNECTIONS,
+    CommunicatorConfig, DEFAULT_CHUNK_BYTES, DEFAULT_CONNECTIONS, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_TIMEOUT,
+    MAX_CONNECTIONS,
 };
 pub use deadline::Deadline;
 pub use error::{Error, Result};

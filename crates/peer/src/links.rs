@@ -83,10 +83,7 @@ impl Listener {
             move |source| Error::Io { context, source }
         };
         let listener = shoal_transport::listen(addr).map_err(io("binding the data listener on"))?;
-        let port = listener
-            .local_addr()
-            .map_err(io("reading the address of"))?
-            .port();
+        let port = listener.local_addr().map_err(io("reading the address of"))?.port();
         let me = Listener {
             port,
             identity: Arc::new(OnceLock::new()),
@@ -94,8 +91,7 @@ impl Listener {
             arrivals: Arc::new(Arrivals::default()),
             stop: Arc::new(AtomicBool::new(false)),
         };
-        let (identity, arrivals, stop) =
-            (me.identity.clone(), me.arrivals.clone(), me.stop.clone());
+        let (identity, arrivals, stop) = (me.identity.clone(), me.arrivals.clone(), me.stop.clone());
         thread::Builder::new()
             .name("shoal-accept".into())
             .spawn(move || accept_loop(listener, identity, arrivals, stop))
@@ -106,9 +102,7 @@ impl Listener {
     /// Tells the accept thread who we are, once registered, and the address we advertise.
     pub fn set_identity(&self, me: PeerId, session: SessionId, advertised: &str) {
         let _ = self.identity.set((me, session));
-        let _ = self
-            .advertised_ip
-            .set(advertised.parse::<SocketAddr>().ok().map(|a| a.ip()));
+        let _ = self.advertised_ip.set(advertised.parse::<SocketAddr>().ok().map(|a| a.ip()));
     }
 
     fn local_ip(&self) -> Option<IpAddr> {
@@ -129,80 +123,41 @@ impl Listener {
         let members: BTreeSet<PeerId> = pos.ring.iter().map(|m| m.peer).collect();
         plane.outgoing.retain(|p, _| members.contains(p));
         plane.incoming.retain(|p, _| members.contains(p));
-        self.arrivals
-            .streams
-            .lock()
-            .expect("arrivals lock poisoned")
-            .retain(|p, _| members.contains(p));
+        self.arrivals.streams.lock().expect("arrivals lock poisoned").retain(|p, _| members.contains(p));
         if pos.group_size() == 1 {
             return Ok(());
         }
-        let &(me, session) = self
-            .identity
-            .get()
-            .expect("identity is set at registration");
+        let &(me, session) = self.identity.get().expect("identity is set at registration");
         let next = pos.next();
-        if plane
-            .outgoing
-            .get(&next.peer)
-            .is_some_and(|pool| !pool_alive(pool))
-        {
-            log::debug!(
-                "{me}: pool to {} was closed by the other end; dialing again",
-                next.peer
-            );
+        if plane.outgoing.get(&next.peer).is_some_and(|pool| !pool_alive(pool)) {
+            log::debug!("{me}: pool to {} was closed by the other end; dialing again", next.peer);
             plane.outgoing.remove(&next.peer);
         }
         if let Entry::Vacant(e) = plane.outgoing.entry(next.peer) {
             let connections = config.pool_size(self.local_ip(), &next.addr);
-            let pool = dial(
-                me,
-                session,
-                next.peer,
-                &next.addr,
-                connections,
-                deadline,
-                operation,
-            )
-            .map_err(|e| EstablishError::Unreachable(next.peer, e))?;
+            let pool = dial(me, session, next.peer, &next.addr, connections, deadline, operation)
+                .map_err(|e| EstablishError::Unreachable(next.peer, e))?;
             e.insert(pool);
         }
         let prev = pos.prev().peer;
         loop {
             {
-                let mut arrivals = self
-                    .arrivals
-                    .streams
-                    .lock()
-                    .expect("arrivals lock poisoned");
-                let complete = arrivals
-                    .get(&prev)
-                    .is_some_and(|p| p.streams.len() == p.size);
+                let mut arrivals = self.arrivals.streams.lock().expect("arrivals lock poisoned");
+                let complete = arrivals.get(&prev).is_some_and(|p| p.streams.len() == p.size);
                 if complete {
                     let pool = arrivals.remove(&prev).expect("checked above");
-                    plane
-                        .incoming
-                        .insert(prev, pool.streams.into_values().collect());
+                    plane.incoming.insert(prev, pool.streams.into_values().collect());
                     return Ok(());
                 }
                 if !arrivals.contains_key(&prev) && plane.incoming.contains_key(&prev) {
                     return Ok(());
                 }
                 let wait = deadline.left(operation).map_err(EstablishError::Fatal)?;
-                drop(
-                    self.arrivals
-                        .changed
-                        .wait_timeout(arrivals, wait.min(ESTABLISH_POLL)),
-                );
+                drop(self.arrivals.changed.wait_timeout(arrivals, wait.min(ESTABLISH_POLL)));
             }
             let state = control.lock();
             state.check_connected().map_err(EstablishError::Fatal)?;
-            if state
-                .view
-                .issued
-                .as_ref()
-                .is_some_and(|(e, _)| *e != pos.epoch)
-            {
+            if state.view.issued.as_ref().is_some_and(|(e, _)| *e != pos.epoch) {
                 return Err(EstablishError::Superseded);
             }
         }
@@ -241,16 +196,9 @@ fn dial(
     let mut pool = Vec::with_capacity(connections);
     for i in 0..connections {
         let left = deadline.left(operation).map_err(|e| e.to_string())?;
-        let mut s = connect(addr, left.min(DIAL_TIMEOUT))
-            .map_err(|e| format!("dialing {to} at {addr}: {e}"))?;
-        let hello = Message::PeerHello {
-            from: me,
-            to,
-            stream: i as u16,
-            streams: connections as u16,
-        };
-        write_message(&mut s, session, &hello)
-            .map_err(|e| format!("greeting {to} at {addr}: {e}"))?;
+        let mut s = connect(addr, left.min(DIAL_TIMEOUT)).map_err(|e| format!("dialing {to} at {addr}: {e}"))?;
+        let hello = Message::PeerHello { from: me, to, stream: i as u16, streams: connections as u16 };
+        write_message(&mut s, session, &hello).map_err(|e| format!("greeting {to} at {addr}: {e}"))?;
         pool.push(s);
     }
     log::debug!("{me} dialed {connections} streams to {to} at {addr}");
@@ -266,13 +214,11 @@ fn accept_loop(
     let served = shoal_transport::accept_until(&listener, &stop, |stream, from| {
         let (identity, arrivals) = (identity.clone(), arrivals.clone());
         // A slow or silent dialer must not hold up the others: greet each on its own thread.
-        let spawned = thread::Builder::new()
-            .name("shoal-hello".into())
-            .spawn(move || {
-                if let Err(reason) = greet(stream, &identity, &arrivals) {
-                    log::warn!("refused data connection from {from}: {reason}");
-                }
-            });
+        let spawned = thread::Builder::new().name("shoal-hello".into()).spawn(move || {
+            if let Err(reason) = greet(stream, &identity, &arrivals) {
+                log::warn!("refused data connection from {from}: {reason}");
+            }
+        });
         if let Err(e) = spawned {
             log::warn!("cannot spawn a greeting thread: {e}");
         }
@@ -283,14 +229,9 @@ fn accept_loop(
     }
 }
 
-fn greet(
-    mut stream: TcpStream,
-    identity: &OnceLock<(PeerId, SessionId)>,
-    arrivals: &Arrivals,
-) -> Result<(), String> {
+fn greet(mut stream: TcpStream, identity: &OnceLock<(PeerId, SessionId)>, arrivals: &Arrivals) -> Result<(), String> {
     let deadline = Instant::now() + HELLO_TIMEOUT;
-    let (session, message) =
-        read_message_until(&mut stream, deadline).map_err(|e| e.to_string())?;
+    let (session, message) = read_message_until(&mut stream, deadline).map_err(|e| e.to_string())?;
     // A peer may dial us as soon as the master issues a topology with us in it, which can be
     // before our API thread has woken up to record who we are: wait for it.
     let &(me, our_session) = loop {
@@ -300,34 +241,20 @@ fn greet(
             None => return Err("not registered yet".into()),
         }
     };
-    let Message::PeerHello {
-        from,
-        to,
-        stream: index,
-        streams,
-    } = message
-    else {
+    let Message::PeerHello { from, to, stream: index, streams } = message else {
         return Err(format!("expected PeerHello, got {}", message.name()));
     };
     if session != our_session || to != me {
-        return Err(format!(
-            "hello for {to} in {session:?}, we are {me} in {our_session:?}"
-        ));
+        return Err(format!("hello for {to} in {session:?}, we are {me} in {our_session:?}"));
     }
     if streams == 0 || usize::from(streams) > crate::config::MAX_CONNECTIONS || index >= streams {
         return Err(format!("stream {index} of a pool of {streams}"));
     }
     let mut all = arrivals.streams.lock().expect("arrivals lock poisoned");
-    let pool = all.entry(from).or_insert_with(|| Pool {
-        size: streams.into(),
-        streams: BTreeMap::new(),
-    });
+    let pool = all.entry(from).or_insert_with(|| Pool { size: streams.into(), streams: BTreeMap::new() });
     if pool.size != usize::from(streams) || pool.streams.len() == pool.size {
         // The dialer started a new pool: forget the old one.
-        *pool = Pool {
-            size: streams.into(),
-            streams: BTreeMap::new(),
-        };
+        *pool = Pool { size: streams.into(), streams: BTreeMap::new() };
     }
     pool.streams.insert(index, stream);
     drop(all);
@@ -349,22 +276,14 @@ mod tests {
         let addr = format!("127.0.0.1:{}", listener.port);
         let (me, session) = (PeerId(7), SessionId(42));
         let mut s = connect(&addr, Duration::from_secs(1)).unwrap();
-        let hello = Message::PeerHello {
-            from: PeerId(3),
-            to: me,
-            stream: 0,
-            streams: 1,
-        };
+        let hello = Message::PeerHello { from: PeerId(3), to: me, stream: 0, streams: 1 };
         write_message(&mut s, session, &hello).unwrap();
         thread::sleep(Duration::from_millis(100));
         listener.set_identity(me, session, "");
         let deadline = Instant::now() + Duration::from_secs(3);
         loop {
             let arrivals = listener.arrivals.streams.lock().unwrap();
-            if arrivals
-                .get(&PeerId(3))
-                .is_some_and(|p| p.streams.len() == 1)
-            {
+            if arrivals.get(&PeerId(3)).is_some_and(|p| p.streams.len() == 1) {
                 break;
             }
             drop(arrivals);
@@ -380,12 +299,7 @@ mod tests {
         let addr = format!("127.0.0.1:{}", listener.port);
         for (to, session) in [(PeerId(2), SessionId(5)), (PeerId(1), SessionId(6))] {
             let mut s = connect(&addr, Duration::from_secs(1)).unwrap();
-            let hello = Message::PeerHello {
-                from: PeerId(9),
-                to,
-                stream: 0,
-                streams: 1,
-            };
+            let hello = Message::PeerHello { from: PeerId(9), to, stream: 0, streams: 1 };
             write_message(&mut s, session, &hello).unwrap();
             // The listener closes a refused stream.
             s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();

@@ -143,27 +143,16 @@ pub(crate) fn run(
     deadline: Deadline,
     abort: &dyn Fn() -> Option<crate::Error>,
 ) -> Result<Traffic, RingError> {
-    assert!(
-        job.world > 1 && !send.is_empty() && !recv.is_empty(),
-        "a ring needs neighbours"
-    );
+    assert!(job.world > 1 && !send.is_empty() && !recv.is_empty(), "a ring needs neighbours");
     let elem = job.dtype.size();
     debug_assert_eq!(job.buf.len() % elem, 0);
     let chunk_elems = (job.chunk_bytes / elem).max(1);
     let plan = RingAllReduce::new(job.rank, job.world, job.buf.len() / elem, chunk_elems);
     let header = encode_frame(job.session, &Message::Op(job.header));
-    let (send_used, recv_used) = (
-        lanes(send.len(), plan.sends.len(), job.buf.len()),
-        lanes(recv.len(), plan.recvs.len(), job.buf.len()),
-    );
+    let (send_used, recv_used) =
+        (lanes(send.len(), plan.sends.len(), job.buf.len()), lanes(recv.len(), plan.recvs.len(), job.buf.len()));
     let (send, recv) = (&mut send[..send_used], &mut recv[..recv_used]);
-    let mut sends: Vec<SendLane> = (0..send.len())
-        .map(|i| SendLane {
-            header_sent: 0,
-            unit: i,
-            offset: 0,
-        })
-        .collect();
+    let mut sends: Vec<SendLane> = (0..send.len()).map(|i| SendLane { header_sent: 0, unit: i, offset: 0 }).collect();
     // Reduce-scatter chunks land in scratch first; the largest one sets its size.
     let largest = plan.recvs.iter().map(|u| u.range.len()).max().unwrap_or(0);
     let scratch_words = (largest * elem).div_ceil(8);
@@ -189,41 +178,18 @@ pub(crate) fn run(
     // Units over the same elements (a segment's chunk is reduced, later overwritten) share one
     // save: `first_unit[u]` is the first unit with `u`'s range.
     let mut first_of_range = std::collections::HashMap::with_capacity(plan.recvs.len());
-    let first_unit: Vec<usize> = plan
-        .recvs
-        .iter()
-        .enumerate()
-        .map(|(i, u)| *first_of_range.entry(u.range.start).or_insert(i))
-        .collect();
+    let first_unit: Vec<usize> =
+        plan.recvs.iter().enumerate().map(|(i, u)| *first_of_range.entry(u.range.start).or_insert(i)).collect();
     let saved = vec![false; plan.recvs.len()];
     job.backup.reset(job.buf.len());
-    let mut ctx = Ctx {
-        job,
-        plan,
-        header,
-        elem,
-        send_lanes,
-        recv_lanes,
-        first_unit,
-        saved,
-    };
-    let result = drive(
-        &mut ctx, &mut sends, &mut recvs, send, recv, deadline, abort,
-    );
+    let mut ctx = Ctx { job, plan, header, elem, send_lanes, recv_lanes, first_unit, saved, save_cursor: 0 };
+    let result = drive(&mut ctx, &mut sends, &mut recvs, send, recv, deadline, abort);
     if let Err(e) = &result {
         // Where every lane stood: enough to tell a dead peer from a desynchronised stream.
-        let s: Vec<(usize, usize, usize)> = sends
-            .iter()
-            .map(|l| (l.header_sent, l.unit, l.offset))
-            .collect();
-        let r: Vec<(usize, usize, usize)> = recvs
-            .iter()
-            .map(|l| (l.header_got, l.unit, l.offset))
-            .collect();
+        let s: Vec<(usize, usize, usize)> = sends.iter().map(|l| (l.header_sent, l.unit, l.offset)).collect();
+        let r: Vec<(usize, usize, usize)> = recvs.iter().map(|l| (l.header_got, l.unit, l.offset)).collect();
         let ports = |v: &[TcpStream]| -> Vec<String> {
-            v.iter()
-                .map(|t| format!("{:?}->{:?}", t.local_addr().ok(), t.peer_addr().ok()))
-                .collect()
+            v.iter().map(|t| format!("{:?}->{:?}", t.local_addr().ok(), t.peer_addr().ok())).collect()
         };
         log::debug!(
             "all_reduce seq {} failed ({e:?}) with {} send and {} receive chunks; lanes as \
@@ -270,6 +236,11 @@ fn drive(
             idle_since = None;
             continue;
         }
+        // Nothing to do until the network delivers: save ahead what we will overwrite, so that
+        // on a real network the backup costs no time at all.
+        if ctx.save_ahead() {
+            continue;
+        }
         let now = std::time::Instant::now();
         if now.duration_since(*idle_since.get_or_insert(now)) < SPIN {
             std::thread::yield_now();
@@ -290,23 +261,16 @@ fn drive(
             return Err(RingError::Aborted(e));
         }
         let left = deadline.left("all_reduce").map_err(RingError::Timeout)?;
-        shoal_transport::poll(&mut fds, left.min(POLL_SLICE)).map_err(|e| RingError::Lost {
-            side: Side::Prev,
-            reason: format!("poll: {e}"),
-        })?;
+        shoal_transport::poll(&mut fds, left.min(POLL_SLICE))
+            .map_err(|e| RingError::Lost { side: Side::Prev, reason: format!("poll: {e}") })?;
     }
-    debug_assert!(
-        recv_done.iter().all(|d| *d),
-        "finished with chunks not received"
-    );
+    debug_assert!(recv_done.iter().all(|d| *d), "finished with chunks not received");
     Ok(traffic)
 }
 
 /// How many streams of a pool of `pool` a collective of `units` chunks over `buf_bytes` uses.
 fn lanes(pool: usize, units: usize, buf_bytes: usize) -> usize {
-    pool.min(units)
-        .min(buf_bytes.div_ceil(BYTES_PER_LANE))
-        .max(1)
+    pool.min(units).min(buf_bytes.div_ceil(BYTES_PER_LANE)).max(1)
 }
 
 struct Ctx<'a> {
@@ -318,18 +282,31 @@ struct Ctx<'a> {
     recv_lanes: usize,
     first_unit: Vec<usize>,
     saved: Vec<bool>,
+    /// Where [`Ctx::save_ahead`] goes on.
+    save_cursor: usize,
 }
 
 impl Ctx<'_> {
+    /// Saves the next receive unit not yet saved, in schedule order; false if all are.
+    fn save_ahead(&mut self) -> bool {
+        while self.save_cursor < self.plan.recvs.len() {
+            let unit = self.save_cursor;
+            self.save_cursor += 1;
+            if !self.saved[self.first_unit[unit]] {
+                self.save_before_change(unit);
+                return true;
+            }
+        }
+        false
+    }
+
     /// Saves the original bytes of receive unit `unit`'s range unless already saved.
     fn save_before_change(&mut self, unit: usize) {
         let first = self.first_unit[unit];
         if !self.saved[first] {
             self.saved[first] = true;
             let r = &self.plan.recvs[unit].range;
-            self.job
-                .backup
-                .save(self.job.buf, r.start * self.elem..r.end * self.elem);
+            self.job.backup.save(self.job.buf, r.start * self.elem..r.end * self.elem);
         }
     }
 
@@ -346,10 +323,7 @@ impl Ctx<'_> {
         if lane.header_sent < self.header.len() {
             return true;
         }
-        self.plan
-            .sends
-            .get(lane.unit)
-            .is_some_and(|u| u.after_recv.is_none_or(|j| recv_done[j]))
+        self.plan.sends.get(lane.unit).is_some_and(|u| u.after_recv.is_none_or(|j| recv_done[j]))
     }
 
     fn pump_send(
@@ -362,11 +336,7 @@ impl Ctx<'_> {
         let mut progress = false;
         while self.send_ready(lane, recv_done) {
             let header_left = &self.header[lane.header_sent..];
-            let unit = self
-                .plan
-                .sends
-                .get(lane.unit)
-                .filter(|u| u.after_recv.is_none_or(|j| recv_done[j]));
+            let unit = self.plan.sends.get(lane.unit).filter(|u| u.after_recv.is_none_or(|j| recv_done[j]));
             let (unit_bytes, unit_len): (&[u8], usize) = match unit {
                 Some(u) => {
                     let (start, end) = (u.range.start * self.elem, u.range.end * self.elem);
@@ -384,12 +354,7 @@ impl Ctx<'_> {
                 Ok(n) => n,
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                Err(e) => {
-                    return Err(RingError::Lost {
-                        side: Side::Next,
-                        reason: e.to_string(),
-                    })
-                }
+                Err(e) => return Err(RingError::Lost { side: Side::Next, reason: e.to_string() }),
             };
             progress = true;
             let from_header = n.min(header_left.len());
@@ -417,11 +382,7 @@ impl Ctx<'_> {
             let header_len = self.header.len();
             if lane.header_got == header_len
                 && lane.offset == 0
-                && self
-                    .plan
-                    .recvs
-                    .get(lane.unit)
-                    .is_some_and(|u| u.action == RecvAction::Copy)
+                && self.plan.recvs.get(lane.unit).is_some_and(|u| u.action == RecvAction::Copy)
             {
                 self.save_before_change(lane.unit);
             }
@@ -440,21 +401,11 @@ impl Ctx<'_> {
                 return Ok(progress);
             };
             let n = match stream.read(target) {
-                Ok(0) => {
-                    return Err(RingError::Lost {
-                        side: Side::Prev,
-                        reason: "connection closed".into(),
-                    })
-                }
+                Ok(0) => return Err(RingError::Lost { side: Side::Prev, reason: "connection closed".into() }),
                 Ok(n) => n,
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(progress),
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                Err(e) => {
-                    return Err(RingError::Lost {
-                        side: Side::Prev,
-                        reason: e.to_string(),
-                    })
-                }
+                Err(e) => return Err(RingError::Lost { side: Side::Prev, reason: e.to_string() }),
             };
             progress = true;
             if lane.header_got < header_len {
@@ -478,8 +429,7 @@ impl Ctx<'_> {
                 let dst = &mut self.job.buf[start..end];
                 let src: &[u8] = bytemuck::cast_slice(lane.scratch);
                 // Lengths match and both buffers are aligned: checked at the API boundary.
-                reduce_into(self.job.dtype, self.job.op, dst, &src[..end - start])
-                    .expect("aligned buffers");
+                reduce_into(self.job.dtype, self.job.op, dst, &src[..end - start]).expect("aligned buffers");
                 if last && self.job.op == ReduceOp::Avg {
                     finish_avg(self.job.dtype, dst, self.job.world).expect("aligned buffer");
                 }
@@ -557,8 +507,7 @@ pub(crate) fn confirm(
     let mut inbox = [0u8; TOKEN_BYTES];
     let (mut got, mut received) = (0, 0);
     let mut idle_since: Option<std::time::Instant> = None;
-    let broken =
-        |what: &str, e: std::io::Error| Stop::Ask(format!("confirmation lap: {what}: {e}"));
+    let broken = |what: &str, e: std::io::Error| Stop::Ask(format!("confirmation lap: {what}: {e}"));
     while received < world - 1 || sent < (world - 1) * TOKEN_BYTES {
         let mut progress = false;
         while sent < outbox.len() {
@@ -574,11 +523,7 @@ pub(crate) fn confirm(
         }
         while received < world - 1 {
             match recv.read(&mut inbox[got..]) {
-                Ok(0) => {
-                    return Err(Stop::Ask(
-                        "confirmation lap: predecessor closed the stream".into(),
-                    ))
-                }
+                Ok(0) => return Err(Stop::Ask("confirmation lap: predecessor closed the stream".into())),
                 Ok(n) => {
                     got += n;
                     progress = true;
@@ -616,9 +561,7 @@ pub(crate) fn confirm(
         if let Some(stop) = watch() {
             return Err(stop);
         }
-        let left = deadline
-            .left("all_reduce")
-            .map_err(|e| Stop::Ask(e.to_string()))?;
+        let left = deadline.left("all_reduce").map_err(|e| Stop::Ask(e.to_string()))?;
         let mut fds = [PollFd::new(recv), PollFd::new(send)];
         fds[0].want_read = received < world - 1;
         fds[1].want_write = sent < outbox.len();
@@ -634,11 +577,7 @@ mod tests {
     #[test]
     fn small_buffers_ride_one_lane_and_large_ones_the_whole_pool() {
         assert_eq!(lanes(4, 2, 4096), 1);
-        assert_eq!(
-            lanes(4, 0, 0),
-            1,
-            "an empty buffer still sends its header on one lane"
-        );
+        assert_eq!(lanes(4, 0, 0), 1, "an empty buffer still sends its header on one lane");
         assert_eq!(lanes(4, 3, 600 << 10), 3);
         assert_eq!(lanes(4, 96, 64 << 20), 4);
         assert_eq!(lanes(1, 96, 64 << 20), 1);

@@ -7,10 +7,7 @@ use std::thread;
 use std::time::Duration;
 
 fn master() -> MasterServer {
-    let options = MasterOptions {
-        listen: "127.0.0.1:0".into(),
-        heartbeat_timeout: Duration::from_secs(5),
-    };
+    let options = MasterOptions { listen: "127.0.0.1:0".into(), heartbeat_timeout: Duration::from_secs(5) };
     MasterServer::start(options).unwrap()
 }
 
@@ -78,14 +75,9 @@ fn peers_join_one_by_one_and_all_reduce() {
                     let n = comm.group_world_size().unwrap();
                     let len = 1001;
                     let mut buf = f32_bytes(&vec![1.0f32; len]);
-                    let info = comm
-                        .all_reduce(&mut buf, DType::F32, ReduceOp::Sum, 0)
-                        .unwrap();
+                    let info = comm.all_reduce(&mut buf, DType::F32, ReduceOp::Sum, 0).unwrap();
                     assert_eq!(info.world_size, n);
-                    assert!(
-                        buf == f32_bytes(&vec![n as f32; len]),
-                        "wrong sum at world {n}"
-                    );
+                    assert!(buf == f32_bytes(&vec![n as f32; len]), "wrong sum at world {n}");
                     sizes.push(n);
                     if n == world {
                         break;
@@ -117,10 +109,7 @@ fn unreachable_master_is_named() {
     cfg.listen_addr = "127.0.0.1:0".into();
     let comm = Communicator::new(cfg).unwrap();
     let err = comm.connect(Some(Duration::from_secs(2))).unwrap_err();
-    assert!(
-        matches!(err, shoal_peer::Error::MasterUnreachable { .. }),
-        "{err}"
-    );
+    assert!(matches!(err, shoal_peer::Error::MasterUnreachable { .. }), "{err}");
     assert!(matches!(
         comm.all_reduce(&mut [0u8; 4], DType::F32, ReduceOp::Sum, 0),
         Err(shoal_peer::Error::NotConnected)
@@ -140,8 +129,7 @@ fn two_peers_with_default_settings() {
         .collect();
     with_peers(configs, |_, comm| {
         let mut buf = f32_bytes(&vec![1.5f32; 1 << 18]);
-        comm.all_reduce(&mut buf, DType::F32, ReduceOp::Avg, 0)
-            .unwrap();
+        comm.all_reduce(&mut buf, DType::F32, ReduceOp::Avg, 0).unwrap();
         assert!(buf == f32_bytes(&vec![1.5f32; 1 << 18]));
     });
 }
@@ -185,20 +173,12 @@ fn large_buffers_striped_over_pools_of_different_sizes() {
         .collect();
     with_peers(configs, |i, comm| {
         let len = (3 << 20) / 4 + 7;
-        let mine: Vec<f32> = (0..len)
-            .map(|k| (k % 1000) as f32 * (i + 1) as f32)
-            .collect();
+        let mine: Vec<f32> = (0..len).map(|k| (k % 1000) as f32 * (i + 1) as f32).collect();
         let mut buf = f32_bytes(&mine);
-        let info = comm
-            .all_reduce(&mut buf, DType::F32, ReduceOp::Sum, 3)
-            .unwrap();
+        let info = comm.all_reduce(&mut buf, DType::F32, ReduceOp::Sum, 3).unwrap();
         let want: Vec<f32> = (0..len).map(|k| (k % 1000) as f32 * 6.0).collect();
         assert!(buf == f32_bytes(&want), "peer {i}: wrong sum");
         // Each peer sends 2 (n - 1) / n of the buffer, give or take a segment's rounding.
-        assert!(
-            info.tx_bytes.abs_diff((len * 4) as u64 * 4 / 3) <= 8,
-            "tx {}",
-            info.tx_bytes
-        );
+        assert!(info.tx_bytes.abs_diff((len * 4) as u64 * 4 / 3) <= 8, "tx {}", info.tx_bytes);
     });
 }

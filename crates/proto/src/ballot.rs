@@ -31,10 +31,7 @@ impl Quorum {
 impl Ballot {
     /// A ballot among `eligible`.
     pub fn new(eligible: BTreeSet<PeerId>) -> Self {
-        Ballot {
-            eligible,
-            cast: BTreeSet::new(),
-        }
+        Ballot { eligible, cast: BTreeSet::new() }
     }
 
     /// Records `peer`'s vote. A peer outside `eligible` (accepted after the ballot opened) joins
@@ -63,16 +60,11 @@ impl Ballot {
     /// A [`Quorum`] once every eligible peer has voted; `None` while votes are missing or
     /// nobody is eligible.
     pub fn tally(&self) -> Option<Quorum> {
-        debug_assert!(
-            self.cast.is_subset(&self.eligible),
-            "a vote from outside the electorate"
-        );
+        debug_assert!(self.cast.is_subset(&self.eligible), "a vote from outside the electorate");
         if self.eligible.is_empty() || self.cast != self.eligible {
             return None;
         }
-        Some(Quorum {
-            voters: self.cast.clone(),
-        })
+        Some(Quorum { voters: self.cast.clone() })
     }
 }
 
@@ -100,9 +92,7 @@ mod tests {
         for n in 0..=5u32 {
             for mask in 0..(1u32 << n) {
                 let mut b = Ballot::new((0..n).map(PeerId).collect());
-                (0..n)
-                    .filter(|i| mask & (1 << i) != 0)
-                    .for_each(|i| b.cast(PeerId(i)));
+                (0..n).filter(|i| mask & (1 << i) != 0).for_each(|i| b.cast(PeerId(i)));
                 let all = n > 0 && mask == (1 << n) - 1;
                 assert_eq!(b.tally().is_some(), all, "n={n} mask={mask:b}");
             }

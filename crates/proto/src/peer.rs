@@ -117,19 +117,10 @@ impl PeerView {
     /// # Errors
     /// [`UnexpectedMessage`] for messages a master never sends, or sends out of order.
     pub fn handle_message(&mut self, message: Message) -> Result<PeerEvent, UnexpectedMessage> {
-        let unexpected = |why| {
-            Err(UnexpectedMessage {
-                got: message.name(),
-                why,
-            })
-        };
+        let unexpected = |why| Err(UnexpectedMessage { got: message.name(), why });
         Ok(match message {
             Message::Heartbeat => PeerEvent::Nothing,
-            Message::Registered {
-                peer,
-                session,
-                heartbeat_ms,
-            } => {
+            Message::Registered { peer, session, heartbeat_ms } => {
                 if self.registered.is_some() {
                     return unexpected("already registered");
                 }
@@ -174,27 +165,16 @@ impl PeerView {
                 self.verdicts.insert((epoch, seq), Verdict::Committed);
                 PeerEvent::Verdict(epoch, seq)
             }
-            Message::OpAborted {
-                epoch,
-                seq,
-                failure,
-            } => {
-                self.verdicts
-                    .insert((epoch, seq), Verdict::Aborted(failure));
+            Message::OpAborted { epoch, seq, failure } => {
+                self.verdicts.insert((epoch, seq), Verdict::Aborted(failure));
                 PeerEvent::Verdict(epoch, seq)
             }
             Message::OpQuery { epoch, seq } => {
-                let committed = self
-                    .committed_through
-                    .is_some_and(|(e, s)| e == epoch && s >= seq);
+                let committed = self.committed_through.is_some_and(|(e, s)| e == epoch && s >= seq);
                 if !committed {
                     self.queried.insert((epoch, seq));
                 }
-                PeerEvent::Query {
-                    epoch,
-                    seq,
-                    committed,
-                }
+                PeerEvent::Query { epoch, seq, committed }
             }
             Message::Kicked { reason } => {
                 self.kicked = Some(reason);
@@ -217,29 +197,11 @@ impl PeerView {
     /// If we are not registered or not a member: [`PeerView::handle_message`] rejects such
     /// topologies.
     pub fn position(&self, epoch: Epoch, members: &[Member]) -> RingPosition {
-        let (me, _) = self
-            .registered
-            .expect("a topology is only accepted once registered");
-        let group: GroupId = members
-            .iter()
-            .find(|m| m.peer == me)
-            .expect("we are a member")
-            .group;
-        let ring: Vec<Member> = members
-            .iter()
-            .filter(|m| m.group == group)
-            .cloned()
-            .collect();
-        let rank = ring
-            .iter()
-            .position(|m| m.peer == me)
-            .expect("we are in our group's ring");
-        RingPosition {
-            epoch,
-            rank,
-            ring,
-            world_size: members.len(),
-        }
+        let (me, _) = self.registered.expect("a topology is only accepted once registered");
+        let group: GroupId = members.iter().find(|m| m.peer == me).expect("we are a member").group;
+        let ring: Vec<Member> = members.iter().filter(|m| m.group == group).cloned().collect();
+        let rank = ring.iter().position(|m| m.peer == me).expect("we are in our group's ring");
+        RingPosition { epoch, rank, ring, world_size: members.len() }
     }
 }
 
@@ -253,79 +215,33 @@ mod tests {
         let (e, later) = (Epoch(3), Epoch(4));
         assert!(!v.commit_on_our_own(e, 0), "nobody asked");
         let query = |seq| Message::OpQuery { epoch: e, seq };
-        assert_eq!(
-            v.handle_message(query(0)),
-            Ok(PeerEvent::Query {
-                epoch: e,
-                seq: 0,
-                committed: true
-            })
-        );
-        assert_eq!(
-            v.handle_message(query(1)),
-            Ok(PeerEvent::Query {
-                epoch: e,
-                seq: 1,
-                committed: false
-            })
-        );
-        assert!(
-            v.commit_on_our_own(e, 1),
-            "asked before we committed: tell the master"
-        );
-        let other = Message::OpQuery {
-            epoch: later,
-            seq: 0,
-        };
-        assert_eq!(
-            v.handle_message(other),
-            Ok(PeerEvent::Query {
-                epoch: later,
-                seq: 0,
-                committed: false
-            })
-        );
+        assert_eq!(v.handle_message(query(0)), Ok(PeerEvent::Query { epoch: e, seq: 0, committed: true }));
+        assert_eq!(v.handle_message(query(1)), Ok(PeerEvent::Query { epoch: e, seq: 1, committed: false }));
+        assert!(v.commit_on_our_own(e, 1), "asked before we committed: tell the master");
+        let other = Message::OpQuery { epoch: later, seq: 0 };
+        assert_eq!(v.handle_message(other), Ok(PeerEvent::Query { epoch: later, seq: 0, committed: false }));
     }
 
     fn member(p: u32, g: u32) -> Member {
-        Member {
-            peer: PeerId(p),
-            group: GroupId(g),
-            addr: format!("h:{p}"),
-        }
+        Member { peer: PeerId(p), group: GroupId(g), addr: format!("h:{p}") }
     }
 
     #[test]
     fn ring_position_is_taken_within_our_group() {
         let mut v = PeerView::default();
-        v.handle_message(Message::Registered {
-            peer: PeerId(3),
-            session: SessionId(1),
-            heartbeat_ms: 100,
-        })
-        .unwrap();
+        v.handle_message(Message::Registered { peer: PeerId(3), session: SessionId(1), heartbeat_ms: 100 }).unwrap();
         let members = vec![member(1, 0), member(2, 1), member(3, 0), member(4, 0)];
-        let ev = v.handle_message(Message::Topology {
-            epoch: Epoch(2),
-            members: members.clone(),
-        });
+        let ev = v.handle_message(Message::Topology { epoch: Epoch(2), members: members.clone() });
         assert_eq!(ev, Ok(PeerEvent::TopologyIssued(Epoch(2))));
         let pos = v.position(Epoch(2), &members);
         assert_eq!((pos.rank, pos.group_size(), pos.world_size), (1, 3, 4));
         assert_eq!((pos.prev().peer, pos.next().peer), (PeerId(1), PeerId(4)));
-        assert!(v
-            .handle_message(Message::TopologyCommitted { epoch: Epoch(1) })
-            .is_err());
+        assert!(v.handle_message(Message::TopologyCommitted { epoch: Epoch(1) }).is_err());
         assert_eq!(
             v.handle_message(Message::TopologyCommitted { epoch: Epoch(2) }),
             Ok(PeerEvent::TopologyCommitted(Epoch(2)))
         );
-        assert!(v
-            .handle_message(Message::Topology {
-                epoch: Epoch(2),
-                members
-            })
-            .is_err());
+        assert!(v.handle_message(Message::Topology { epoch: Epoch(2), members }).is_err());
         assert!(v.handle_message(Message::VotePeersPending).is_err());
     }
 }

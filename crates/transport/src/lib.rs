@@ -49,10 +49,7 @@ impl From<io::Error> for TransportError {
 /// # Errors
 /// The last connection error, or `InvalidInput` if `addr` resolves to nothing.
 pub fn connect(addr: &str, timeout: Duration) -> io::Result<TcpStream> {
-    let mut last = io::Error::new(
-        io::ErrorKind::InvalidInput,
-        format!("{addr} resolves to no address"),
-    );
+    let mut last = io::Error::new(io::ErrorKind::InvalidInput, format!("{addr} resolves to no address"));
     for sa in addr.to_socket_addrs()? {
         match TcpStream::connect_timeout(&sa, timeout) {
             Ok(s) => {
@@ -101,8 +98,7 @@ pub fn accept_until(
         if poll(&mut fds, Duration::from_millis(100)).unwrap_or(0) == 0 {
             continue;
         }
-        let accepted =
-            accept(listener).and_then(|(s, a)| s.set_nonblocking(false).map(|()| (s, a)));
+        let accepted = accept(listener).and_then(|(s, a)| s.set_nonblocking(false).map(|()| (s, a)));
         match accepted {
             Ok((stream, from)) => {
                 if !handle(stream, from) {
@@ -121,11 +117,7 @@ pub fn accept_until(
 ///
 /// # Errors
 /// Socket errors.
-pub fn write_message(
-    stream: &mut impl Write,
-    session: SessionId,
-    message: &Message,
-) -> Result<(), TransportError> {
+pub fn write_message(stream: &mut impl Write, session: SessionId, message: &Message) -> Result<(), TransportError> {
     stream.write_all(&shoal_wire::encode_frame(session, message))?;
     Ok(())
 }
@@ -148,10 +140,7 @@ pub fn read_message(stream: &mut impl Read) -> Result<(SessionId, Message), Tran
 ///
 /// # Errors
 /// As [`read_message`], plus [`TransportError::TimedOut`].
-pub fn read_message_until(
-    stream: &mut TcpStream,
-    deadline: Instant,
-) -> Result<(SessionId, Message), TransportError> {
+pub fn read_message_until(stream: &mut TcpStream, deadline: Instant) -> Result<(SessionId, Message), TransportError> {
     let left = deadline.saturating_duration_since(Instant::now());
     if left.is_zero() {
         return Err(TransportError::TimedOut);
@@ -179,13 +168,7 @@ pub struct PollFd {
 impl PollFd {
     /// An entry for `socket` with no interest yet.
     pub fn new(socket: &impl AsRawFd) -> Self {
-        PollFd {
-            fd: socket.as_raw_fd(),
-            want_read: false,
-            want_write: false,
-            readable: false,
-            writable: false,
-        }
+        PollFd { fd: socket.as_raw_fd(), want_read: false, want_write: false, readable: false, writable: false }
     }
 }
 
@@ -197,13 +180,8 @@ pub fn poll(fds: &mut [PollFd], timeout: Duration) -> io::Result<usize> {
     let mut raw: Vec<libc::pollfd> = fds
         .iter()
         .map(|f| libc::pollfd {
-            fd: if f.want_read || f.want_write {
-                f.fd
-            } else {
-                -1
-            },
-            events: (if f.want_read { libc::POLLIN } else { 0 })
-                | (if f.want_write { libc::POLLOUT } else { 0 }),
+            fd: if f.want_read || f.want_write { f.fd } else { -1 },
+            events: (if f.want_read { libc::POLLIN } else { 0 }) | (if f.want_write { libc::POLLOUT } else { 0 }),
             revents: 0,
         })
         .collect();
@@ -213,11 +191,7 @@ pub fn poll(fds: &mut [PollFd], timeout: Duration) -> io::Result<usize> {
     let n = unsafe { libc::poll(raw.as_mut_ptr(), raw.len() as libc::nfds_t, ms) };
     if n < 0 {
         let e = io::Error::last_os_error();
-        return if e.kind() == io::ErrorKind::Interrupted {
-            Ok(0)
-        } else {
-            Err(e)
-        };
+        return if e.kind() == io::ErrorKind::Interrupted { Ok(0) } else { Err(e) };
     }
     let bad = libc::POLLERR | libc::POLLHUP | libc::POLLNVAL;
     for (f, r) in fds.iter_mut().zip(&raw) {
@@ -239,20 +213,11 @@ mod tests {
         let (mut s, _) = accept(&l).unwrap();
         assert!(s.nodelay().unwrap() && c.nodelay().unwrap());
         write_message(&mut c, SessionId(9), &Message::Heartbeat).unwrap();
-        assert_eq!(
-            read_message(&mut s).unwrap(),
-            (SessionId(9), Message::Heartbeat)
-        );
+        assert_eq!(read_message(&mut s).unwrap(), (SessionId(9), Message::Heartbeat));
         c.write_all(&[0u8; HEADER_BYTES]).unwrap();
-        assert!(matches!(
-            read_message(&mut s),
-            Err(TransportError::Wire(WireError::BadMagic { .. }))
-        ));
+        assert!(matches!(read_message(&mut s), Err(TransportError::Wire(WireError::BadMagic { .. }))));
         let deadline = Instant::now() + Duration::from_millis(50);
-        assert!(matches!(
-            read_message_until(&mut s, deadline),
-            Err(TransportError::TimedOut)
-        ));
+        assert!(matches!(read_message_until(&mut s, deadline), Err(TransportError::TimedOut)));
         drop(c);
         assert!(matches!(read_message(&mut s), Err(TransportError::Closed)));
     }

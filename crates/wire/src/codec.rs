@@ -11,9 +11,7 @@ pub struct Writer {
 impl Writer {
     /// A writer with room for `capacity` bytes.
     pub fn with_capacity(capacity: usize) -> Self {
-        Writer {
-            bytes: Vec::with_capacity(capacity),
-        }
+        Writer { bytes: Vec::with_capacity(capacity) }
     }
     /// Appends one byte.
     pub fn u8(&mut self, v: u8) {
@@ -44,10 +42,7 @@ impl Writer {
     /// # Panics
     /// If the string is longer than [`MAX_STRING_BYTES`]: senders validate strings before.
     pub fn str(&mut self, v: &str) {
-        assert!(
-            v.len() <= MAX_STRING_BYTES,
-            "string exceeds MAX_STRING_BYTES: a bug"
-        );
+        assert!(v.len() <= MAX_STRING_BYTES, "string exceeds MAX_STRING_BYTES: a bug");
         self.u16(v.len() as u16);
         self.bytes(v.as_bytes());
     }
@@ -101,20 +96,14 @@ impl<'a> Reader<'a> {
         match self.u8()? {
             0 => Ok(false),
             1 => Ok(true),
-            v => Err(WireError::InvalidValue {
-                field,
-                value: v.into(),
-            }),
+            v => Err(WireError::InvalidValue { field, value: v.into() }),
         }
     }
     /// Reads a string written by [`Writer::str`], checking its length before copying it.
     pub fn str(&mut self) -> Result<String, WireError> {
         let len = self.u16()? as usize;
         if len > MAX_STRING_BYTES {
-            return Err(WireError::StringTooLong {
-                len,
-                max: MAX_STRING_BYTES,
-            });
+            return Err(WireError::StringTooLong { len, max: MAX_STRING_BYTES });
         }
         let end = self.pos + len;
         let slice = self.bytes.get(self.pos..end).ok_or(WireError::Truncated)?;

@@ -36,8 +36,7 @@ pub const MAX_MEMBERS: usize = 4096;
 
 const _: () = assert!(HEADER_BYTES == 4 + 2 + 2 + 4 + 2 + 2 + 8 + 4 + 4);
 // The largest topology message must fit in a frame.
-const _: () =
-    assert!(MAX_BODY_BYTES as usize >= 8 + 4 + MAX_MEMBERS * (4 + 4 + 2 + MAX_STRING_BYTES));
+const _: () = assert!(MAX_BODY_BYTES as usize >= 8 + 4 + MAX_MEMBERS * (4 + 4 + 2 + MAX_STRING_BYTES));
 
 /// Identifies one run of a master. Every frame after the first `Join` carries it, so a peer of an
 /// earlier run (or a stray process) cannot talk into a new one.
@@ -84,24 +83,12 @@ impl FrameHeader {
             return Err(WireError::HeaderChecksum);
         }
         if version != PROTOCOL_VERSION {
-            return Err(WireError::VersionMismatch {
-                ours: PROTOCOL_VERSION,
-                theirs: version,
-            });
+            return Err(WireError::VersionMismatch { ours: PROTOCOL_VERSION, theirs: version });
         }
         if body_len > MAX_BODY_BYTES {
-            return Err(WireError::BodyTooLarge {
-                len: body_len,
-                max: MAX_BODY_BYTES,
-            });
+            return Err(WireError::BodyTooLarge { len: body_len, max: MAX_BODY_BYTES });
         }
-        Ok(FrameHeader {
-            version,
-            kind,
-            body_len,
-            session,
-            body_crc,
-        })
+        Ok(FrameHeader { version, kind, body_len, session, body_crc })
     }
 }
 
@@ -118,10 +105,7 @@ pub fn encode_frame(session: SessionId, message: &Message) -> Vec<u8> {
     let mut body = Writer::with_capacity(64);
     message.encode_body(&mut body);
     let body = body.into_bytes();
-    assert!(
-        body.len() <= MAX_BODY_BYTES as usize,
-        "message exceeds MAX_BODY_BYTES: a bug"
-    );
+    assert!(body.len() <= MAX_BODY_BYTES as usize, "message exceeds MAX_BODY_BYTES: a bug");
     let mut w = Writer::with_capacity(HEADER_BYTES + body.len());
     w.u32(MAGIC);
     w.u16(PROTOCOL_VERSION);
@@ -158,10 +142,8 @@ pub fn decode_body(header: &FrameHeader, body: &[u8]) -> Result<Message, WireErr
 /// # Errors
 /// Any [`WireError`] naming what is wrong with the bytes.
 pub fn decode_frame(bytes: &[u8]) -> Result<(SessionId, Message), WireError> {
-    let head: &[u8; HEADER_BYTES] = bytes
-        .get(..HEADER_BYTES)
-        .and_then(|h| h.try_into().ok())
-        .ok_or(WireError::Truncated)?;
+    let head: &[u8; HEADER_BYTES] =
+        bytes.get(..HEADER_BYTES).and_then(|h| h.try_into().ok()).ok_or(WireError::Truncated)?;
     let header = FrameHeader::decode(head)?;
     let message = decode_body(&header, &bytes[HEADER_BYTES..])?;
     Ok((header.session, message))

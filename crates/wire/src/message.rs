@@ -87,12 +87,7 @@ impl FailureKind {
             3 => FailureKind::Timeout,
             4 => FailureKind::Protocol,
             5 => FailureKind::Superseded,
-            value => {
-                return Err(WireError::InvalidValue {
-                    field: "failure kind",
-                    value: value.into(),
-                })
-            }
+            value => return Err(WireError::InvalidValue { field: "failure kind", value: value.into() }),
         })
     }
 }
@@ -100,11 +95,7 @@ impl FailureKind {
 impl OpFailure {
     /// A failure of `kind` concerning `peer`; `reason` is cut to fit a message.
     pub fn new(kind: FailureKind, peer: PeerId, reason: impl Into<String>) -> Self {
-        OpFailure {
-            kind,
-            peer,
-            reason: truncate(reason.into(), crate::MAX_STRING_BYTES),
-        }
+        OpFailure { kind, peer, reason: truncate(reason.into(), crate::MAX_STRING_BYTES) }
     }
 
     fn encode(&self, w: &mut Writer) {
@@ -114,11 +105,7 @@ impl OpFailure {
     }
 
     fn decode(r: &mut Reader<'_>) -> Result<Self, WireError> {
-        Ok(OpFailure {
-            kind: FailureKind::from_code(r.u8()?)?,
-            peer: PeerId(r.u32()?),
-            reason: r.str()?,
-        })
+        Ok(OpFailure { kind: FailureKind::from_code(r.u8()?)?, peer: PeerId(r.u32()?), reason: r.str()? })
     }
 }
 
@@ -346,32 +333,19 @@ impl Message {
                 w.u32(group.0);
                 w.str(data_addr);
             }
-            Message::Heartbeat
-            | Message::VoteUpdateTopology
-            | Message::VotePeersPending
-            | Message::Leave => {}
-            Message::TopologyReady { epoch } | Message::TopologyCommitted { epoch } => {
-                w.u64(epoch.0)
-            }
+            Message::Heartbeat | Message::VoteUpdateTopology | Message::VotePeersPending | Message::Leave => {}
+            Message::TopologyReady { epoch } | Message::TopologyCommitted { epoch } => w.u64(epoch.0),
             Message::PeerUnreachable { epoch, peer } => {
                 w.u64(epoch.0);
                 w.u32(peer.0);
             }
-            Message::Registered {
-                peer,
-                session,
-                heartbeat_ms,
-            } => {
+            Message::Registered { peer, session, heartbeat_ms } => {
                 w.u32(peer.0);
                 w.u64(session.0);
                 w.u32(*heartbeat_ms);
             }
             Message::PeerRemoved { peer } => w.u32(peer.0),
-            Message::OpDone {
-                epoch,
-                seq,
-                decided,
-            } => {
+            Message::OpDone { epoch, seq, decided } => {
                 w.u64(epoch.0);
                 w.u64(*seq);
                 w.bool(*decided);
@@ -380,25 +354,13 @@ impl Message {
                 w.u64(epoch.0);
                 w.u64(*seq);
             }
-            Message::OpFailed {
-                epoch,
-                seq,
-                failure,
-            }
-            | Message::OpAborted {
-                epoch,
-                seq,
-                failure,
-            } => {
+            Message::OpFailed { epoch, seq, failure } | Message::OpAborted { epoch, seq, failure } => {
                 w.u64(epoch.0);
                 w.u64(*seq);
                 failure.encode(w);
             }
             Message::Topology { epoch, members } => {
-                assert!(
-                    members.len() <= MAX_MEMBERS,
-                    "topology exceeds MAX_MEMBERS: a bug"
-                );
+                assert!(members.len() <= MAX_MEMBERS, "topology exceeds MAX_MEMBERS: a bug");
                 w.u64(epoch.0);
                 w.u32(members.len() as u32);
                 for m in members {
@@ -409,12 +371,7 @@ impl Message {
             }
             Message::PeersPendingResult { pending } => w.bool(*pending),
             Message::Kicked { reason } => w.str(reason),
-            Message::PeerHello {
-                from,
-                to,
-                stream,
-                streams,
-            } => {
+            Message::PeerHello { from, to, stream, streams } => {
                 w.u32(from.0);
                 w.u32(to.0);
                 w.u16(*stream);
@@ -440,78 +397,41 @@ impl Message {
     pub fn decode_body(kind: u16, body: &[u8]) -> Result<Message, WireError> {
         let mut r = Reader::new(body);
         let message = match kind {
-            kind::JOIN => Message::Join {
-                group: GroupId(r.u32()?),
-                data_addr: r.str()?,
-            },
+            kind::JOIN => Message::Join { group: GroupId(r.u32()?), data_addr: r.str()? },
             kind::HEARTBEAT => Message::Heartbeat,
             kind::VOTE_UPDATE_TOPOLOGY => Message::VoteUpdateTopology,
-            kind::TOPOLOGY_READY => Message::TopologyReady {
-                epoch: Epoch(r.u64()?),
-            },
+            kind::TOPOLOGY_READY => Message::TopologyReady { epoch: Epoch(r.u64()?) },
             kind::VOTE_PEERS_PENDING => Message::VotePeersPending,
             kind::LEAVE => Message::Leave,
-            kind::PEER_UNREACHABLE => Message::PeerUnreachable {
-                epoch: Epoch(r.u64()?),
-                peer: PeerId(r.u32()?),
-            },
-            kind::REGISTERED => Message::Registered {
-                peer: PeerId(r.u32()?),
-                session: SessionId(r.u64()?),
-                heartbeat_ms: r.u32()?,
-            },
-            kind::PEER_REMOVED => Message::PeerRemoved {
-                peer: PeerId(r.u32()?),
-            },
-            kind::OP_DONE => Message::OpDone {
-                epoch: Epoch(r.u64()?),
-                seq: r.u64()?,
-                decided: r.bool("decided")?,
-            },
-            kind::OP_COMMITTED => Message::OpCommitted {
-                epoch: Epoch(r.u64()?),
-                seq: r.u64()?,
-            },
-            kind::OP_QUERY => Message::OpQuery {
-                epoch: Epoch(r.u64()?),
-                seq: r.u64()?,
-            },
-            kind::OP_FAILED => Message::OpFailed {
-                epoch: Epoch(r.u64()?),
-                seq: r.u64()?,
-                failure: OpFailure::decode(&mut r)?,
-            },
-            kind::OP_ABORTED => Message::OpAborted {
-                epoch: Epoch(r.u64()?),
-                seq: r.u64()?,
-                failure: OpFailure::decode(&mut r)?,
-            },
+            kind::PEER_UNREACHABLE => Message::PeerUnreachable { epoch: Epoch(r.u64()?), peer: PeerId(r.u32()?) },
+            kind::REGISTERED => {
+                Message::Registered { peer: PeerId(r.u32()?), session: SessionId(r.u64()?), heartbeat_ms: r.u32()? }
+            }
+            kind::PEER_REMOVED => Message::PeerRemoved { peer: PeerId(r.u32()?) },
+            kind::OP_DONE => Message::OpDone { epoch: Epoch(r.u64()?), seq: r.u64()?, decided: r.bool("decided")? },
+            kind::OP_COMMITTED => Message::OpCommitted { epoch: Epoch(r.u64()?), seq: r.u64()? },
+            kind::OP_QUERY => Message::OpQuery { epoch: Epoch(r.u64()?), seq: r.u64()? },
+            kind::OP_FAILED => {
+                Message::OpFailed { epoch: Epoch(r.u64()?), seq: r.u64()?, failure: OpFailure::decode(&mut r)? }
+            }
+            kind::OP_ABORTED => {
+                Message::OpAborted { epoch: Epoch(r.u64()?), seq: r.u64()?, failure: OpFailure::decode(&mut r)? }
+            }
             kind::TOPOLOGY => {
                 let epoch = Epoch(r.u64()?);
                 let count = r.count(MAX_MEMBERS, 4 + 4 + 2)?;
                 let mut members = Vec::with_capacity(count);
                 for _ in 0..count {
-                    members.push(Member {
-                        peer: PeerId(r.u32()?),
-                        group: GroupId(r.u32()?),
-                        addr: r.str()?,
-                    });
+                    members.push(Member { peer: PeerId(r.u32()?), group: GroupId(r.u32()?), addr: r.str()? });
                 }
                 Message::Topology { epoch, members }
             }
-            kind::TOPOLOGY_COMMITTED => Message::TopologyCommitted {
-                epoch: Epoch(r.u64()?),
-            },
-            kind::PEERS_PENDING_RESULT => Message::PeersPendingResult {
-                pending: r.bool("pending")?,
-            },
+            kind::TOPOLOGY_COMMITTED => Message::TopologyCommitted { epoch: Epoch(r.u64()?) },
+            kind::PEERS_PENDING_RESULT => Message::PeersPendingResult { pending: r.bool("pending")? },
             kind::KICKED => Message::Kicked { reason: r.str()? },
-            kind::PEER_HELLO => Message::PeerHello {
-                from: PeerId(r.u32()?),
-                to: PeerId(r.u32()?),
-                stream: r.u16()?,
-                streams: r.u16()?,
-            },
+            kind::PEER_HELLO => {
+                Message::PeerHello { from: PeerId(r.u32()?), to: PeerId(r.u32()?), stream: r.u16()?, streams: r.u16()? }
+            }
             kind::OP => Message::Op(OpHeader {
                 collective: r.u8()?,
                 epoch: Epoch(r.u64()?),
@@ -550,80 +470,41 @@ mod tests {
             FailureKind::Protocol,
             FailureKind::Superseded,
         ];
-        (
-            prop::sample::select(kinds.to_vec()),
-            any::<u32>(),
-            ".{0,300}",
-        )
+        (prop::sample::select(kinds.to_vec()), any::<u32>(), ".{0,300}")
             .prop_map(|(kind, p, reason)| OpFailure::new(kind, PeerId(p), reason))
     }
 
     fn message() -> impl Strategy<Value = Message> {
         prop_oneof![
-            (any::<u32>(), ".{0,64}").prop_map(|(g, a)| Message::Join {
-                group: GroupId(g),
-                data_addr: a
-            }),
+            (any::<u32>(), ".{0,64}").prop_map(|(g, a)| Message::Join { group: GroupId(g), data_addr: a }),
             Just(Message::Heartbeat),
             Just(Message::VoteUpdateTopology),
             any::<u64>().prop_map(|e| Message::TopologyReady { epoch: Epoch(e) }),
             Just(Message::VotePeersPending),
             Just(Message::Leave),
-            (any::<u64>(), any::<u32>()).prop_map(|(e, p)| Message::PeerUnreachable {
-                epoch: Epoch(e),
-                peer: PeerId(p)
-            }),
+            (any::<u64>(), any::<u32>())
+                .prop_map(|(e, p)| Message::PeerUnreachable { epoch: Epoch(e), peer: PeerId(p) }),
             (any::<u32>(), any::<u64>(), any::<u32>()).prop_map(|(p, s, h)| Message::Registered {
                 peer: PeerId(p),
                 session: SessionId(s),
                 heartbeat_ms: h,
             }),
             any::<u32>().prop_map(|p| Message::PeerRemoved { peer: PeerId(p) }),
-            (any::<u64>(), any::<u64>(), any::<bool>()).prop_map(|(e, seq, decided)| {
-                Message::OpDone {
-                    epoch: Epoch(e),
-                    seq,
-                    decided,
-                }
-            }),
-            (any::<u64>(), any::<u64>()).prop_map(|(e, seq)| Message::OpCommitted {
-                epoch: Epoch(e),
-                seq
-            }),
-            (any::<u64>(), any::<u64>()).prop_map(|(e, seq)| Message::OpQuery {
-                epoch: Epoch(e),
-                seq
-            }),
-            (any::<u64>(), any::<u64>(), failure()).prop_map(|(e, seq, failure)| {
-                Message::OpFailed {
-                    epoch: Epoch(e),
-                    seq,
-                    failure,
-                }
-            }),
-            (any::<u64>(), any::<u64>(), failure()).prop_map(|(e, seq, failure)| {
-                Message::OpAborted {
-                    epoch: Epoch(e),
-                    seq,
-                    failure,
-                }
-            }),
-            (any::<u64>(), prop::collection::vec(member(), 0..20)).prop_map(|(e, members)| {
-                Message::Topology {
-                    epoch: Epoch(e),
-                    members,
-                }
-            }),
+            (any::<u64>(), any::<u64>(), any::<bool>())
+                .prop_map(|(e, seq, decided)| { Message::OpDone { epoch: Epoch(e), seq, decided } }),
+            (any::<u64>(), any::<u64>()).prop_map(|(e, seq)| Message::OpCommitted { epoch: Epoch(e), seq }),
+            (any::<u64>(), any::<u64>()).prop_map(|(e, seq)| Message::OpQuery { epoch: Epoch(e), seq }),
+            (any::<u64>(), any::<u64>(), failure())
+                .prop_map(|(e, seq, failure)| { Message::OpFailed { epoch: Epoch(e), seq, failure } }),
+            (any::<u64>(), any::<u64>(), failure())
+                .prop_map(|(e, seq, failure)| { Message::OpAborted { epoch: Epoch(e), seq, failure } }),
+            (any::<u64>(), prop::collection::vec(member(), 0..20))
+                .prop_map(|(e, members)| { Message::Topology { epoch: Epoch(e), members } }),
             any::<u64>().prop_map(|e| Message::TopologyCommitted { epoch: Epoch(e) }),
             any::<bool>().prop_map(|pending| Message::PeersPendingResult { pending }),
             ".{0,100}".prop_map(|reason| Message::Kicked { reason }),
             (any::<u32>(), any::<u32>(), any::<u16>(), any::<u16>()).prop_map(|(f, t, s, n)| {
-                Message::PeerHello {
-                    from: PeerId(f),
-                    to: PeerId(t),
-                    stream: s,
-                    streams: n,
-                }
+                Message::PeerHello { from: PeerId(f), to: PeerId(t), stream: s, streams: n }
             }),
             (any::<(u8, u64, u64, u64, u8, u8, u64)>()).prop_map(|t| Message::Op(OpHeader {
                 collective: t.0,
@@ -669,27 +550,18 @@ mod tests {
         w.u32(u32::MAX);
         assert_eq!(
             Message::decode_body(kind::TOPOLOGY, w.as_bytes()),
-            Err(WireError::TooManyEntries {
-                len: u32::MAX as usize,
-                max: MAX_MEMBERS
-            })
+            Err(WireError::TooManyEntries { len: u32::MAX as usize, max: MAX_MEMBERS })
         );
         // A count within the limit but larger than the bytes present is truncation.
         let mut w = Writer::with_capacity(16);
         w.u64(1);
         w.u32(100);
-        assert_eq!(
-            Message::decode_body(kind::TOPOLOGY, w.as_bytes()),
-            Err(WireError::Truncated)
-        );
+        assert_eq!(Message::decode_body(kind::TOPOLOGY, w.as_bytes()), Err(WireError::Truncated));
         let mut w = Writer::with_capacity(16);
         w.u16(u16::MAX);
         assert_eq!(
             Message::decode_body(kind::KICKED, w.as_bytes()),
-            Err(WireError::StringTooLong {
-                len: u16::MAX as usize,
-                max: MAX_STRING_BYTES
-            })
+            Err(WireError::StringTooLong { len: u16::MAX as usize, max: MAX_STRING_BYTES })
         );
     }
 
@@ -697,11 +569,7 @@ mod tests {
     fn long_reasons_are_cut_at_a_character_boundary() {
         let f = OpFailure::new(FailureKind::PeerLost, PeerId(1), "é".repeat(200));
         assert_eq!(f.reason.len(), MAX_STRING_BYTES);
-        let f = OpFailure::new(
-            FailureKind::PeerLost,
-            PeerId(1),
-            format!("x{}", "é".repeat(200)),
-        );
+        let f = OpFailure::new(FailureKind::PeerLost, PeerId(1), format!("x{}", "é".repeat(200)));
         assert_eq!(f.reason.len(), MAX_STRING_BYTES - 1);
         let mut w = Writer::with_capacity(32);
         w.u64(1);
@@ -709,10 +577,7 @@ mod tests {
         w.u8(9);
         assert_eq!(
             Message::decode_body(kind::OP_ABORTED, w.as_bytes()),
-            Err(WireError::InvalidValue {
-                field: "failure kind",
-                value: 9
-            })
+            Err(WireError::InvalidValue { field: "failure kind", value: 9 })
         );
     }
 
@@ -720,24 +585,12 @@ mod tests {
     fn header_checks_name_the_problem() {
         let mut bytes = encode_frame(SessionId(3), &Message::Leave);
         bytes[0] = b'X';
-        assert!(matches!(
-            decode_frame(&bytes),
-            Err(WireError::BadMagic { .. })
-        ));
-        assert_eq!(
-            decode_frame(&bytes[..HEADER_BYTES - 1]),
-            Err(WireError::Truncated)
-        );
-        assert_eq!(
-            Message::decode_body(kind::LEAVE, &[0]),
-            Err(WireError::TrailingBytes(1))
-        );
+        assert!(matches!(decode_frame(&bytes), Err(WireError::BadMagic { .. })));
+        assert_eq!(decode_frame(&bytes[..HEADER_BYTES - 1]), Err(WireError::Truncated));
+        assert_eq!(Message::decode_body(kind::LEAVE, &[0]), Err(WireError::TrailingBytes(1)));
         assert_eq!(
             Message::decode_body(kind::PEERS_PENDING_RESULT, &[2]),
-            Err(WireError::InvalidValue {
-                field: "pending",
-                value: 2
-            })
+            Err(WireError::InvalidValue { field: "pending", value: 2 })
         );
     }
 }

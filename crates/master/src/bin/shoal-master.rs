@@ -11,9 +11,7 @@ fn main() {
     while let Some(a) = args.next() {
         match (a.as_str(), args.next()) {
             ("--listen", Some(v)) => listen = v,
-            ("--heartbeat-timeout", Some(v)) => {
-                heartbeat = Some(v.parse().unwrap_or_else(|_| usage(&a)))
-            }
+            ("--heartbeat-timeout", Some(v)) => heartbeat = Some(v.parse().unwrap_or_else(|_| usage(&a))),
             _ => usage(&a),
         }
     }
@@ -24,8 +22,7 @@ fn main() {
         }
         options.heartbeat_timeout = Duration::from_secs_f64(s);
     }
-    let server = MasterServer::start(options)
-        .unwrap_or_else(|e| fail(&format!("cannot listen on {listen}: {e}")));
+    let server = MasterServer::start(options).unwrap_or_else(|e| fail(&format!("cannot listen on {listen}: {e}")));
     println!("shoal master listening on {}", server.local_addr());
     loop {
         std::thread::park();
@@ -33,9 +30,7 @@ fn main() {
 }
 
 fn usage(at: &str) -> ! {
-    fail(&format!(
-        "bad argument {at}\nusage: shoal-master [--listen HOST:PORT] [--heartbeat-timeout SECONDS]"
-    ))
+    fail(&format!("bad argument {at}\nusage: shoal-master [--listen HOST:PORT] [--heartbeat-timeout SECONDS]"))
 }
 
 fn fail(message: &str) -> ! {

@@ -152,15 +152,9 @@ pub struct Master {
 impl Master {
     /// A master with no peers.
     pub fn new(config: MasterConfig, now: Instant) -> Self {
-        assert!(
-            !config.heartbeat_timeout.is_zero(),
-            "heartbeat timeout of zero"
-        );
+        assert!(!config.heartbeat_timeout.is_zero(), "heartbeat timeout of zero");
         let mut timers = TimerTable::default();
-        timers.set(
-            Timer::SendHeartbeats,
-            now + heartbeat_interval(config.heartbeat_timeout),
-        );
+        timers.set(Timer::SendHeartbeats, now + heartbeat_interval(config.heartbeat_timeout));
         Master {
             config,
             peers: BTreeMap::new(),
@@ -207,13 +201,7 @@ impl Master {
     // ----- inputs -----
 
     /// A message arrived on `conn` in a frame stamped with `session`.
-    pub fn handle_message(
-        &mut self,
-        now: Instant,
-        conn: ConnId,
-        session: SessionId,
-        message: Message,
-    ) {
+    pub fn handle_message(&mut self, now: Instant, conn: ConnId, session: SessionId, message: Message) {
         let Some(&peer) = self.conns.get(&conn) else {
             return self.handle_first_message(now, conn, message);
         };
@@ -224,29 +212,15 @@ impl Master {
         if let Some(e) = self.peers.get_mut(&peer) {
             e.last_heard = now;
         }
-        let accepted = self
-            .peers
-            .get(&peer)
-            .is_some_and(|e| e.status == Status::Accepted);
+        let accepted = self.peers.get(&peer).is_some_and(|e| e.status == Status::Accepted);
         match message {
             Message::Heartbeat => {}
             Message::VoteUpdateTopology if accepted => self.vote_update_topology(peer),
             Message::VotePeersPending if accepted => self.vote_peers_pending(peer),
             Message::TopologyReady { epoch } => self.topology_ready(peer, epoch),
-            Message::PeerUnreachable {
-                epoch,
-                peer: target,
-            } => self.peer_unreachable(peer, epoch, target),
-            Message::OpDone {
-                epoch,
-                seq,
-                decided,
-            } => self.op_done(peer, epoch, seq, decided),
-            Message::OpFailed {
-                epoch,
-                seq,
-                failure,
-            } => self.op_failed(peer, epoch, seq, failure),
+            Message::PeerUnreachable { epoch, peer: target } => self.peer_unreachable(peer, epoch, target),
+            Message::OpDone { epoch, seq, decided } => self.op_done(peer, epoch, seq, decided),
+            Message::OpFailed { epoch, seq, failure } => self.op_failed(peer, epoch, seq, failure),
             Message::Leave => {
                 self.remove_peer(peer, "left the run".into(), false);
             }
@@ -285,11 +259,7 @@ impl Master {
             .map(|(id, _)| *id)
             .collect();
         for peer in silent {
-            self.remove_peer(
-                peer,
-                format!("no message for {:.1} s", timeout.as_secs_f64()),
-                true,
-            );
+            self.remove_peer(peer, format!("no message for {:.1} s", timeout.as_secs_f64()), true);
         }
         self.arm_heartbeat_check();
     }
@@ -315,32 +285,13 @@ impl Master {
         };
         let peer = PeerId(self.next_peer);
         self.next_peer = self.next_peer.checked_add(1).expect("peer ids exhausted");
-        let entry = PeerEntry {
-            conn,
-            group,
-            addr: data_addr.clone(),
-            status: Status::Registered,
-            last_heard: now,
-        };
+        let entry = PeerEntry { conn, group, addr: data_addr.clone(), status: Status::Registered, last_heard: now };
         self.peers.insert(peer, entry);
         self.conns.insert(conn, peer);
-        self.outputs
-            .push_back(Output::Event(MasterEvent::PeerRegistered {
-                peer,
-                group,
-                addr: data_addr,
-            }));
-        let heartbeat_ms = heartbeat_interval(self.config.heartbeat_timeout)
-            .as_millis()
-            .clamp(1, u32::MAX.into()) as u32;
-        self.send(
-            conn,
-            Message::Registered {
-                peer,
-                session: self.config.session,
-                heartbeat_ms,
-            },
-        );
+        self.outputs.push_back(Output::Event(MasterEvent::PeerRegistered { peer, group, addr: data_addr }));
+        let heartbeat_ms =
+            heartbeat_interval(self.config.heartbeat_timeout).as_millis().clamp(1, u32::MAX.into()) as u32;
+        self.send(conn, Message::Registered { peer, session: self.config.session, heartbeat_ms });
         self.arm_heartbeat_check();
         self.admit_without_vote_if_alone();
     }
@@ -365,10 +316,7 @@ impl Master {
             }
             Phase::AwaitingTopologyVotes { ballot } => ballot.cast(peer),
             Phase::AwaitingConnections { .. } => {
-                return self.violation(
-                    peer,
-                    "update_topology vote while a topology connects".into(),
-                );
+                return self.violation(peer, "update_topology vote while a topology connects".into());
             }
         }
         self.tally_topology_votes();
@@ -383,22 +331,14 @@ impl Master {
             return self.admit_without_vote_if_alone();
         }
         let Some(quorum) = ballot.tally() else { return };
-        let mut members: Vec<PeerId> = self
-            .ring
-            .iter()
-            .copied()
-            .filter(|p| quorum.voters().contains(p))
-            .collect();
+        let mut members: Vec<PeerId> = self.ring.iter().copied().filter(|p| quorum.voters().contains(p)).collect();
         members.extend(self.registered());
         self.issue_topology(members);
     }
 
     fn issue_topology(&mut self, members: Vec<PeerId>) {
         assert!(!members.is_empty(), "issuing an empty topology");
-        debug_assert!(
-            members.iter().all(|p| self.peers.contains_key(p)),
-            "unknown member"
-        );
+        debug_assert!(members.iter().all(|p| self.peers.contains_key(p)), "unknown member");
         self.epoch = Epoch(self.epoch.0 + 1);
         let epoch = self.epoch;
         self.close_ops(epoch);
@@ -406,52 +346,26 @@ impl Master {
             .iter()
             .map(|p| {
                 let e = &self.peers[p];
-                Member {
-                    peer: *p,
-                    group: e.group,
-                    addr: e.addr.clone(),
-                }
+                Member { peer: *p, group: e.group, addr: e.addr.clone() }
             })
             .collect();
         for p in &members {
             let conn = self.peers[p].conn;
-            self.send(
-                conn,
-                Message::Topology {
-                    epoch,
-                    members: wire_members.clone(),
-                },
-            );
+            self.send(conn, Message::Topology { epoch, members: wire_members.clone() });
         }
-        self.outputs
-            .push_back(Output::Event(MasterEvent::TopologyIssued {
-                epoch,
-                members: members.clone(),
-            }));
-        self.set_phase(Phase::AwaitingConnections {
-            epoch,
-            members,
-            ready: BTreeSet::new(),
-        });
+        self.outputs.push_back(Output::Event(MasterEvent::TopologyIssued { epoch, members: members.clone() }));
+        self.set_phase(Phase::AwaitingConnections { epoch, members, ready: BTreeSet::new() });
     }
 
     fn topology_ready(&mut self, peer: PeerId, epoch: Epoch) {
-        let Phase::AwaitingConnections {
-            epoch: current,
-            members,
-            ready,
-        } = &mut self.phase
-        else {
+        let Phase::AwaitingConnections { epoch: current, members, ready } = &mut self.phase else {
             return; // A late report for a topology that was replaced.
         };
         if epoch != *current {
             return;
         }
         if !members.contains(&peer) {
-            return self.violation(
-                peer,
-                format!("TopologyReady for {epoch:?} from a non-member"),
-            );
+            return self.violation(peer, format!("TopologyReady for {epoch:?} from a non-member"));
         }
         ready.insert(peer);
         if ready.len() < members.len() {
@@ -466,21 +380,12 @@ impl Master {
         }
         self.ring = members.clone();
         self.ring_epoch = epoch;
-        self.outputs
-            .push_back(Output::Event(MasterEvent::TopologyCommitted {
-                epoch,
-                members,
-            }));
+        self.outputs.push_back(Output::Event(MasterEvent::TopologyCommitted { epoch, members }));
         self.set_phase(Phase::Idle);
     }
 
     fn peer_unreachable(&mut self, reporter: PeerId, epoch: Epoch, target: PeerId) {
-        let Phase::AwaitingConnections {
-            epoch: current,
-            members,
-            ..
-        } = &self.phase
-        else {
+        let Phase::AwaitingConnections { epoch: current, members, .. } = &self.phase else {
             return;
         };
         if epoch != *current || !members.contains(&target) {
@@ -494,9 +399,7 @@ impl Master {
 
     fn vote_peers_pending(&mut self, peer: PeerId) {
         let ring = &self.ring;
-        let ballot = self
-            .pending_vote
-            .get_or_insert_with(|| Ballot::new(ring.iter().copied().collect()));
+        let ballot = self.pending_vote.get_or_insert_with(|| Ballot::new(ring.iter().copied().collect()));
         ballot.cast(peer);
         self.tally_pending_votes();
     }
@@ -525,22 +428,10 @@ impl Master {
         self.conns.remove(&entry.conn);
         if expel {
             // A frozen peer finds this when it wakes up.
-            self.send(
-                entry.conn,
-                Message::Kicked {
-                    reason: reason.clone(),
-                },
-            );
+            self.send(entry.conn, Message::Kicked { reason: reason.clone() });
         }
-        self.outputs.push_back(Output::Close {
-            conn: entry.conn,
-            reason: reason.clone(),
-        });
-        self.outputs
-            .push_back(Output::Event(MasterEvent::PeerRemoved {
-                peer,
-                reason: reason.clone(),
-            }));
+        self.outputs.push_back(Output::Close { conn: entry.conn, reason: reason.clone() });
+        self.outputs.push_back(Output::Event(MasterEvent::PeerRemoved { peer, reason: reason.clone() }));
         // The others must hear of it: an expelled peer may still hold its data streams open
         // (frozen, cut off), and participants of a collective that wait on tokens routed
         // through a dead peer ask the master once they know it is gone. Nobody can still need
@@ -565,8 +456,7 @@ impl Master {
                 if members.contains(&peer) {
                     // The issued topology can never be complete: issue it again without the
                     // lost member. Everyone re-establishes against the new epoch.
-                    let remaining: Vec<PeerId> =
-                        members.iter().copied().filter(|p| *p != peer).collect();
+                    let remaining: Vec<PeerId> = members.iter().copied().filter(|p| *p != peer).collect();
                     if remaining.is_empty() {
                         self.set_phase(Phase::Idle);
                         self.admit_without_vote_if_alone();
@@ -589,32 +479,18 @@ impl Master {
             (&self.phase, &next),
             (Phase::Idle, Phase::AwaitingTopologyVotes { .. })
                 | (Phase::Idle, Phase::AwaitingConnections { .. })
-                | (
-                    Phase::AwaitingTopologyVotes { .. },
-                    Phase::AwaitingConnections { .. }
-                )
+                | (Phase::AwaitingTopologyVotes { .. }, Phase::AwaitingConnections { .. })
                 | (Phase::AwaitingTopologyVotes { .. }, Phase::Idle)
-                | (
-                    Phase::AwaitingConnections { .. },
-                    Phase::AwaitingConnections { .. }
-                )
+                | (Phase::AwaitingConnections { .. }, Phase::AwaitingConnections { .. })
                 | (Phase::AwaitingConnections { .. }, Phase::Idle)
         );
-        assert!(
-            legal,
-            "illegal phase transition {:?} -> {:?}",
-            self.phase, next
-        );
+        assert!(legal, "illegal phase transition {:?} -> {:?}", self.phase, next);
         log::debug!("phase {} -> {}", phase_name(&self.phase), phase_name(&next));
         self.phase = next;
     }
 
     fn registered(&self) -> Vec<PeerId> {
-        self.peers
-            .iter()
-            .filter(|(_, e)| e.status == Status::Registered)
-            .map(|(id, _)| *id)
-            .collect()
+        self.peers.iter().filter(|(_, e)| e.status == Status::Registered).map(|(id, _)| *id).collect()
     }
 
     fn send(&mut self, conn: ConnId, message: Message) {
@@ -625,10 +501,7 @@ impl Master {
         let timeout = self.config.heartbeat_timeout;
         match self.peers.values().map(|e| e.last_heard).min() {
             // A millisecond past the deadline, so the check sees the peer as overdue.
-            Some(oldest) => self.timers.set(
-                Timer::CheckHeartbeats,
-                oldest + timeout + Duration::from_millis(1),
-            ),
+            Some(oldest) => self.timers.set(Timer::CheckHeartbeats, oldest + timeout + Duration::from_millis(1)),
             None => self.timers.clear(Timer::CheckHeartbeats),
         }
     }

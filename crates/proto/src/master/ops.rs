@@ -56,10 +56,7 @@ impl Master {
         record.done.insert(peer);
         if decided {
             if let Some(Outcome::Aborted(f)) = &record.outcome {
-                log::error!(
-                    "{peer} committed collective {seq}, which was aborted ({}): a bug",
-                    f.reason
-                );
+                log::error!("{peer} committed collective {seq}, which was aborted ({}): a bug", f.reason);
             }
             record.outcome.get_or_insert(Outcome::Committed);
         } else {
@@ -75,30 +72,16 @@ impl Master {
         let record = self.ops.get_mut(&key).expect("op_key creates the record");
         match &record.outcome {
             None => {
-                log::info!(
-                    "collective {seq} of topology {} failed at {peer}: {}",
-                    epoch.0,
-                    failure.reason
-                );
+                log::info!("collective {seq} of topology {} failed at {peer}: {}", epoch.0, failure.reason);
                 record.outcome = Some(Outcome::Aborted(failure.clone()));
                 record.waiting.clear();
                 let members: Vec<PeerId> = record.members.iter().copied().collect();
                 for p in members {
-                    self.send_to_peer(
-                        p,
-                        Message::OpAborted {
-                            epoch,
-                            seq,
-                            failure: failure.clone(),
-                        },
-                    );
+                    self.send_to_peer(p, Message::OpAborted { epoch, seq, failure: failure.clone() });
                 }
             }
             Some(Outcome::Committed) => {
-                log::error!(
-                    "{peer} failed collective {seq}, which was committed ({}): a bug",
-                    failure.reason
-                )
+                log::error!("{peer} failed collective {seq}, which was committed ({}): a bug", failure.reason)
             }
             Some(Outcome::Aborted(_)) => {}
         }
@@ -106,12 +89,8 @@ impl Master {
 
     /// A member left the run: collectives that waited only on it may now commit.
     pub(super) fn settle_ops_of(&mut self, peer: PeerId) {
-        let keys: Vec<(GroupId, u64)> = self
-            .ops
-            .iter()
-            .filter(|(_, r)| r.members.contains(&peer))
-            .map(|(k, _)| *k)
-            .collect();
+        let keys: Vec<(GroupId, u64)> =
+            self.ops.iter().filter(|(_, r)| r.members.contains(&peer)).map(|(k, _)| *k).collect();
         for key in keys {
             self.settle(key);
         }
@@ -127,22 +106,12 @@ impl Master {
             };
             if record.outcome.is_none() {
                 let (old, seq) = (self.ring_epoch, key.1);
-                let reason = format!(
-                    "topology {} was replaced by topology {} during collective {seq}",
-                    old.0, next.0
-                );
+                let reason = format!("topology {} was replaced by topology {} during collective {seq}", old.0, next.0);
                 let any_member = *record.members.iter().next().expect("records have members");
                 let failure = OpFailure::new(FailureKind::Superseded, any_member, reason);
                 let members: Vec<PeerId> = record.members.iter().copied().collect();
                 for p in members {
-                    self.send_to_peer(
-                        p,
-                        Message::OpAborted {
-                            epoch: old,
-                            seq,
-                            failure: failure.clone(),
-                        },
-                    );
+                    self.send_to_peer(p, Message::OpAborted { epoch: old, seq, failure: failure.clone() });
                 }
             }
         }
@@ -169,11 +138,7 @@ impl Master {
                 let ask: Vec<PeerId> = record
                     .members
                     .iter()
-                    .filter(|p| {
-                        peers.contains_key(p)
-                            && !record.done.contains(p)
-                            && !record.queried.contains(p)
-                    })
+                    .filter(|p| peers.contains_key(p) && !record.done.contains(p) && !record.queried.contains(p))
                     .copied()
                     .collect();
                 record.queried.extend(ask.iter().copied());
@@ -183,11 +148,7 @@ impl Master {
                 return;
             }
             Some(Outcome::Committed) => Message::OpCommitted { epoch, seq },
-            Some(Outcome::Aborted(failure)) => Message::OpAborted {
-                epoch,
-                seq,
-                failure: failure.clone(),
-            },
+            Some(Outcome::Aborted(failure)) => Message::OpAborted { epoch, seq, failure: failure.clone() },
         };
         let waiting = std::mem::take(&mut record.waiting);
         if matches!(record.outcome, Some(Outcome::Committed)) && all_done {
@@ -203,45 +164,25 @@ impl Master {
     fn op_key(&mut self, peer: PeerId, epoch: Epoch, seq: u64) -> Option<(GroupId, u64)> {
         let entry = self.peers.get(&peer)?;
         if entry.status != Status::Accepted {
-            self.violation(
-                peer,
-                format!("collective report from {peer}, which is not accepted"),
-            );
+            self.violation(peer, format!("collective report from {peer}, which is not accepted"));
             return None;
         }
         let group = entry.group;
         if epoch != self.ring_epoch {
             // A report for a replaced topology: that ring's collectives were settled with it.
-            let reason = format!(
-                "topology {} was replaced by topology {}",
-                epoch.0, self.ring_epoch.0
-            );
+            let reason = format!("topology {} was replaced by topology {}", epoch.0, self.ring_epoch.0);
             let failure = OpFailure::new(FailureKind::Superseded, peer, reason);
-            self.send_to_peer(
-                peer,
-                Message::OpAborted {
-                    epoch,
-                    seq,
-                    failure,
-                },
-            );
+            self.send_to_peer(peer, Message::OpAborted { epoch, seq, failure });
             return None;
         }
         let key = (group, seq);
         if !self.ops.contains_key(&key) {
             if self.ops.len() >= MAX_TRACKED_OPS {
-                self.violation(
-                    peer,
-                    format!("more than {MAX_TRACKED_OPS} collectives open at once"),
-                );
+                self.violation(peer, format!("more than {MAX_TRACKED_OPS} collectives open at once"));
                 return None;
             }
-            let members: BTreeSet<PeerId> = self
-                .ring
-                .iter()
-                .copied()
-                .filter(|p| self.peers[p].group == group)
-                .collect();
+            let members: BTreeSet<PeerId> =
+                self.ring.iter().copied().filter(|p| self.peers[p].group == group).collect();
             let record = OpRecord {
                 members,
                 done: BTreeSet::new(),

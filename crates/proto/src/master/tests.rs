@@ -13,33 +13,16 @@ struct Harness {
 impl Harness {
     fn new() -> Self {
         let now = Instant::now();
-        let config = MasterConfig {
-            session: SESSION,
-            heartbeat_timeout: Duration::from_secs(2),
-        };
-        Harness {
-            master: Master::new(config, now),
-            now,
-        }
+        let config = MasterConfig { session: SESSION, heartbeat_timeout: Duration::from_secs(2) };
+        Harness { master: Master::new(config, now), now }
     }
     fn send(&mut self, conn: u64, m: Message) -> Vec<Output> {
-        let session = if matches!(m, Message::Join { .. }) {
-            SessionId(0)
-        } else {
-            SESSION
-        };
-        self.master
-            .handle_message(self.now, ConnId(conn), session, m);
+        let session = if matches!(m, Message::Join { .. }) { SessionId(0) } else { SESSION };
+        self.master.handle_message(self.now, ConnId(conn), session, m);
         self.drain()
     }
     fn join(&mut self, conn: u64) -> Vec<Output> {
-        self.send(
-            conn,
-            Message::Join {
-                group: GroupId(0),
-                data_addr: format!("127.0.0.1:{conn}"),
-            },
-        )
+        self.send(conn, Message::Join { group: GroupId(0), data_addr: format!("127.0.0.1:{conn}") })
     }
     fn drain(&mut self) -> Vec<Output> {
         std::iter::from_fn(|| self.master.poll_output()).collect()
@@ -89,20 +72,10 @@ fn run_with(n: u64) -> (Harness, Epoch) {
 fn first_peer_is_admitted_without_a_vote() {
     let mut h = Harness::new();
     let out = h.join(1);
-    assert_eq!(
-        sent_to(&out, 1)[0],
-        &Message::Registered {
-            peer: PeerId(0),
-            session: SESSION,
-            heartbeat_ms: 500
-        }
-    );
+    assert_eq!(sent_to(&out, 1)[0], &Message::Registered { peer: PeerId(0), session: SESSION, heartbeat_ms: 500 });
     let epoch = issued_epoch(&out, 1).unwrap();
     let out = h.send(1, Message::TopologyReady { epoch });
-    assert_eq!(
-        sent_to(&out, 1),
-        vec![&Message::TopologyCommitted { epoch }]
-    );
+    assert_eq!(sent_to(&out, 1), vec![&Message::TopologyCommitted { epoch }]);
     assert_eq!(h.master.phase(), &Phase::Idle);
 }
 
@@ -115,24 +88,15 @@ fn newcomer_waits_until_every_accepted_peer_votes() {
     assert!(sent_to(&h.send(1, Message::VotePeersPending), 1).is_empty());
     let out = h.send(2, Message::VotePeersPending);
     for c in [1, 2] {
-        assert_eq!(
-            sent_to(&out, c),
-            vec![&Message::PeersPendingResult { pending: true }]
-        );
+        assert_eq!(sent_to(&out, c), vec![&Message::PeersPendingResult { pending: true }]);
     }
-    assert_eq!(
-        issued_epoch(&h.send(1, Message::VoteUpdateTopology), 3),
-        None
-    );
+    assert_eq!(issued_epoch(&h.send(1, Message::VoteUpdateTopology), 3), None);
     let out = h.send(2, Message::VoteUpdateTopology);
     let epoch = issued_epoch(&out, 3).unwrap();
     assert_eq!(issued_epoch(&out, 1), Some(epoch));
     h.send(1, Message::TopologyReady { epoch });
     h.send(3, Message::TopologyReady { epoch });
-    assert!(matches!(
-        h.master.phase(),
-        Phase::AwaitingConnections { .. }
-    ));
+    assert!(matches!(h.master.phase(), Phase::AwaitingConnections { .. }));
     h.send(2, Message::TopologyReady { epoch });
     assert_eq!(h.master.ring(), &[PeerId(0), PeerId(1), PeerId(2)]);
 }
@@ -146,21 +110,8 @@ fn peer_lost_during_vote_lets_the_others_finish() {
     h.master.handle_disconnect(h.now, ConnId(3), "reset");
     let out = h.drain();
     let epoch = issued_epoch(&out, 4).expect("the tally ran again without the lost voter");
-    let Output::Send {
-        message: Message::Topology { members, .. },
-        ..
-    } = out
-        .iter()
-        .find(|o| {
-            matches!(
-                o,
-                Output::Send {
-                    message: Message::Topology { .. },
-                    ..
-                }
-            )
-        })
-        .unwrap()
+    let Output::Send { message: Message::Topology { members, .. }, .. } =
+        out.iter().find(|o| matches!(o, Output::Send { message: Message::Topology { .. }, .. })).unwrap()
     else {
         unreachable!()
     };
@@ -200,20 +151,12 @@ fn silent_peer_is_removed_after_the_heartbeat_timeout() {
         h.master.handle_timeout(h.now);
     }
     let out = h.drain();
-    assert!(out.iter().any(|o| matches!(
-        o,
-        Output::Close {
-            conn: ConnId(2),
-            ..
-        }
-    )));
+    assert!(out.iter().any(|o| matches!(o, Output::Close { conn: ConnId(2), .. })));
     assert_eq!(h.master.ring(), &[PeerId(0)]);
     // The survivor is told, so that a collective it runs with the silent peer ends now, and
     // the silent peer finds out why if it wakes up.
     assert!(sent_to(&out, 1).contains(&&Message::PeerRemoved { peer: PeerId(1) }));
-    assert!(sent_to(&out, 2)
-        .iter()
-        .any(|m| matches!(m, Message::Kicked { .. })));
+    assert!(sent_to(&out, 2).iter().any(|m| matches!(m, Message::Kicked { .. })));
 }
 
 #[test]
@@ -223,32 +166,13 @@ fn protocol_violations_expel_only_the_offender() {
     // A registered peer may not vote.
     let out = h.send(3, Message::VoteUpdateTopology);
     assert!(matches!(sent_to(&out, 3)[0], Message::Kicked { .. }));
-    assert!(out.iter().any(|o| matches!(
-        o,
-        Output::Close {
-            conn: ConnId(3),
-            ..
-        }
-    )));
+    assert!(out.iter().any(|o| matches!(o, Output::Close { conn: ConnId(3), .. })));
     // A frame of another session is refused.
-    h.master
-        .handle_message(h.now, ConnId(2), SessionId(5), Message::Heartbeat);
-    assert!(h.drain().iter().any(|o| matches!(
-        o,
-        Output::Close {
-            conn: ConnId(2),
-            ..
-        }
-    )));
+    h.master.handle_message(h.now, ConnId(2), SessionId(5), Message::Heartbeat);
+    assert!(h.drain().iter().any(|o| matches!(o, Output::Close { conn: ConnId(2), .. })));
     // Anything but Join on a new connection closes it.
     let out = h.send(9, Message::Heartbeat);
-    assert!(matches!(
-        out[0],
-        Output::Close {
-            conn: ConnId(9),
-            ..
-        }
-    ));
+    assert!(matches!(out[0], Output::Close { conn: ConnId(9), .. }));
     assert_eq!(h.master.ring(), &[PeerId(0)]);
 }
 
@@ -275,11 +199,7 @@ fn every_removal_is_reported_to_the_others() {
 }
 
 fn done(epoch: Epoch, seq: u64, decided: bool) -> Message {
-    Message::OpDone {
-        epoch,
-        seq,
-        decided,
-    }
+    Message::OpDone { epoch, seq, decided }
 }
 
 fn lost(peer: u32) -> OpFailure {
@@ -292,19 +212,13 @@ fn a_collective_commits_once_every_member_still_in_the_run_has_it() {
     // The first to ask makes the master query the others, once.
     let out = h.send(1, done(epoch, 0, false));
     let query = Message::OpQuery { epoch, seq: 0 };
-    assert_eq!(
-        (sent_to(&out, 1), sent_to(&out, 2), sent_to(&out, 3)),
-        (vec![], vec![&query], vec![&query])
-    );
+    assert_eq!((sent_to(&out, 1), sent_to(&out, 2), sent_to(&out, 3)), (vec![], vec![&query], vec![&query]));
     assert!(h.send(2, done(epoch, 0, false)).is_empty());
     // The third died holding or not holding the result: it counts for nothing either way.
     h.master.handle_disconnect(h.now, ConnId(3), "eof");
     let out = h.drain();
     for conn in [1, 2] {
-        assert!(
-            sent_to(&out, conn).contains(&&Message::OpCommitted { epoch, seq: 0 }),
-            "{out:?}"
-        );
+        assert!(sent_to(&out, conn).contains(&&Message::OpCommitted { epoch, seq: 0 }), "{out:?}");
     }
 }
 
@@ -314,14 +228,8 @@ fn a_participant_that_committed_on_its_own_commits_it_for_those_that_ask() {
     let out = h.send(2, done(epoch, 4, false));
     assert_eq!(sent_to(&out, 1), vec![&Message::OpQuery { epoch, seq: 4 }]);
     let out = h.send(1, done(epoch, 4, true));
-    assert_eq!(
-        sent_to(&out, 2),
-        vec![&Message::OpCommitted { epoch, seq: 4 }]
-    );
-    assert!(
-        h.send(3, done(epoch, 4, true)).is_empty(),
-        "nobody else asked"
-    );
+    assert_eq!(sent_to(&out, 2), vec![&Message::OpCommitted { epoch, seq: 4 }]);
+    assert!(h.send(3, done(epoch, 4, true)).is_empty(), "nobody else asked");
     // Settled and forgotten: the same number may not be reported again in this topology, but
     // if it is, it starts a new record rather than inheriting the old verdict.
     assert!(h.master.ops.is_empty());
@@ -330,19 +238,8 @@ fn a_participant_that_committed_on_its_own_commits_it_for_those_that_ask() {
 #[test]
 fn a_failure_aborts_for_every_member_including_those_that_report_later() {
     let (mut h, epoch) = run_with(3);
-    let out = h.send(
-        2,
-        Message::OpFailed {
-            epoch,
-            seq: 1,
-            failure: lost(2),
-        },
-    );
-    let aborted = Message::OpAborted {
-        epoch,
-        seq: 1,
-        failure: lost(2),
-    };
+    let out = h.send(2, Message::OpFailed { epoch, seq: 1, failure: lost(2) });
+    let aborted = Message::OpAborted { epoch, seq: 1, failure: lost(2) };
     for conn in [1, 2, 3] {
         assert!(sent_to(&out, conn).contains(&&aborted), "{out:?}");
     }
@@ -356,11 +253,7 @@ fn reports_about_a_replaced_topology_get_an_abort() {
     let stale = Epoch(epoch.0 - 1);
     let out = h.send(1, done(stale, 0, false));
     match sent_to(&out, 1)[..] {
-        [Message::OpAborted {
-            epoch: e,
-            seq: 0,
-            failure,
-        }] => {
+        [Message::OpAborted { epoch: e, seq: 0, failure }] => {
             assert_eq!((*e, failure.kind), (stale, FailureKind::Superseded))
         }
         _ => panic!("{out:?}"),
@@ -377,10 +270,5 @@ fn an_undecided_collective_aborts_when_the_ring_is_replaced() {
     // Peer 0 votes without having reported its part: a bug of its own, but the others must not
     // wait forever for a ring that no longer exists.
     let out = h.send(1, Message::VoteUpdateTopology);
-    assert!(
-        sent_to(&out, 1)
-            .iter()
-            .any(|m| matches!(m, Message::OpAborted { seq: 0, .. })),
-        "{out:?}"
-    );
+    assert!(sent_to(&out, 1).iter().any(|m| matches!(m, Message::OpAborted { seq: 0, .. })), "{out:?}");
 }

@@ -36,11 +36,7 @@ impl TimerTable {
 
     /// Removes and returns a timer due at `now`, earliest first.
     pub fn pop_due(&mut self, now: Instant) -> Option<Timer> {
-        let (&timer, _) = self
-            .deadlines
-            .iter()
-            .filter(|(_, &at)| at <= now)
-            .min_by_key(|(_, &at)| at)?;
+        let (&timer, _) = self.deadlines.iter().filter(|(_, &at)| at <= now).min_by_key(|(_, &at)| at)?;
         self.deadlines.remove(&timer);
         Some(timer)
     }
