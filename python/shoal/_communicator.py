@@ -83,9 +83,16 @@ class Communicator:
             timeout=timeout,
         )
 
-    def connect(self, timeout: Optional[float] = None) -> None:
-        """Register with the master and wait until accepted."""
-        self._native.connect(timeout)
+    def connect(self, timeout: Optional[float] = None, *, min_world_size: int = 1) -> None:
+        """Register with the master and wait until accepted.
+
+        With ``min_world_size``, then wait until the run has that many accepted peers, admitting
+        newcomers as they register; every accepted peer must be in this call (admission is their
+        vote). Raises :class:`TooFewPeersError` when ``timeout`` passes first, and leaves the run.
+        """
+        if isinstance(min_world_size, bool) or not isinstance(min_world_size, int) or min_world_size < 1:
+            raise ValueError(f"min_world_size must be a positive int, got {min_world_size!r}")
+        self._native.connect(timeout, min_world_size)
 
     def update_topology(self) -> None:
         """Vote with every accepted peer to admit the pending ones; return once in force."""

@@ -83,10 +83,10 @@ impl Communicator {
         Ok(Communicator { inner: Core::new(c).map_err(to_py)? })
     }
 
-    #[pyo3(signature = (timeout=None))]
-    fn connect(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
+    #[pyo3(signature = (timeout=None, min_world_size=1))]
+    fn connect(&self, py: Python<'_>, timeout: Option<f64>, min_world_size: usize) -> PyResult<()> {
         let timeout = timeout.map(|s| seconds("timeout", s)).transpose()?;
-        py.detach(|| self.inner.connect(timeout)).map_err(to_py)
+        py.detach(|| self.inner.connect_until(timeout, min_world_size)).map_err(to_py)
     }
 
     fn update_topology(&self, py: Python<'_>) -> PyResult<()> {
@@ -242,6 +242,7 @@ fn to_py(e: Error) -> PyErr {
         Error::Kicked { .. } => "KickedError",
         Error::PeerLost { .. } => "PeerLostError",
         Error::Timeout { .. } => "ShoalTimeoutError",
+        Error::TooFewPeers { .. } => "TooFewPeersError",
         Error::CollectiveMismatch { .. } => "CollectiveMismatchError",
         Error::Protocol(_) => "ProtocolError",
         Error::Config(_) => return PyValueError::new_err(e.to_string()),

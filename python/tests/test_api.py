@@ -4,11 +4,13 @@ blocking calls release the GIL, errors form the documented tree."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
 
 import shoal
+from conftest import run_peers
 
 
 @pytest.fixture
@@ -139,3 +141,24 @@ def test_malformed_environment_is_named(master, monkeypatch):
     monkeypatch.setenv("SHOAL_ALGO", "tree")
     with pytest.raises(ValueError, match="SHOAL_ALGO"):
         shoal.Communicator(master.address)
+
+
+def test_connect_waits_for_the_minimum_world_size(master, tmp_path):
+    results = run_peers(master, tmp_path, "min_world", 3, delay=0.3)
+    assert all(r == {"world": 3, "sum": 3.0} for r in results), results
+
+
+def test_too_few_peers_ends_connect_at_its_timeout_and_leaves_the_run(master):
+    comm = shoal.Communicator(master.address)
+    started = time.monotonic()
+    with pytest.raises(shoal.TooFewPeersError, match="only 1 of the 2 peers"):
+        comm.connect(timeout=1.0, min_world_size=2)
+    assert time.monotonic() - started < 5
+    with pytest.raises(shoal.UsageError):
+        comm.all_reduce(np.ones(4, np.float32))
+    # It left: a newcomer is the run's first peer again, admitted without a vote.
+    with shoal.Communicator(master.address) as other:
+        other.connect(timeout=10)
+        assert other.world_size == 1
+    with pytest.raises(ValueError, match="min_world_size"):
+        shoal.Communicator(master.address).connect(min_world_size=0)

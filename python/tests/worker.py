@@ -143,6 +143,17 @@ def agree(spec: dict) -> dict:
     return {"outcomes": outcomes, "world": comm.group_world_size}
 
 
+def min_world(spec: dict) -> dict:
+    """Arrive ``index * delay`` seconds late; connect waits until everyone is in."""
+    time.sleep(spec["index"] * spec["delay"])
+    comm = shoal.Communicator(spec["master"])
+    comm.connect(timeout=30, min_world_size=spec["peers"])
+    world = comm.world_size
+    x = np.ones(8, np.float32)
+    comm.all_reduce(x, op="sum")
+    return {"world": world, "sum": float(x[0])}
+
+
 def mismatch(spec: dict) -> dict:
     """Peers call all_reduce with different counts (or dtypes, or ops, as ``vary`` says) on the
     peer of index 1; then they all re-establish and run a matching one."""
@@ -166,7 +177,7 @@ def mismatch(spec: dict) -> dict:
 
 if __name__ == "__main__":
     scenario, spec = sys.argv[1], json.loads(sys.argv[2])
-    scenarios = {"matrix": matrix, "torch": torch_tensors, "join_late": join_late, "survive": survive, "agree": agree,
+    scenarios = {"matrix": matrix, "torch": torch_tensors, "join_late": join_late, "survive": survive, "agree": agree, "min_world": min_world,
                  "mismatch": mismatch}
     result = scenarios[scenario](spec)
     print(json.dumps(result), flush=True)

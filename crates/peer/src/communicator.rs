@@ -14,6 +14,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// How often [`Communicator::connect_until`] asks whether newcomers wait to be admitted.
+const ADMISSION_POLL: Duration = Duration::from_millis(50);
+
 /// What a completed collective reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Info {
@@ -74,11 +77,49 @@ impl Communicator {
     /// configured bound), [`Error::AlreadyConnected`], [`Error::Io`] if the listen address
     /// cannot be bound.
     pub fn connect(&self, timeout: Option<Duration>) -> Result<()> {
+        self.connect_until(timeout, 1)
+    }
+
+    /// [`Communicator::connect`], then waits until the run has at least `min_world_size`
+    /// accepted peers, admitting newcomers as they register. Every accepted peer must be in this
+    /// call (or in the same `peers_pending` / `update_topology` loop): admission is their vote.
+    ///
+    /// # Errors
+    /// As [`Communicator::connect`]; [`Error::TooFewPeers`] if the bound passes first, in which
+    /// case this peer leaves the run again.
+    pub fn connect_until(&self, timeout: Option<Duration>, min_world_size: usize) -> Result<()> {
+        let deadline = Deadline::after(timeout.unwrap_or(self.config.timeout));
+        self.join(deadline)?;
+        let too_few = |have| Error::TooFewPeers { have, want: min_world_size, after: deadline.bound() };
+        loop {
+            let have = self.world_size().unwrap_or(0);
+            if have >= min_world_size {
+                return Ok(());
+            }
+            let step = deadline.left("connect").and_then(|left| {
+                if self.vote_peers_pending(deadline)? {
+                    self.vote_update_topology(deadline)
+                } else {
+                    std::thread::sleep(left.min(ADMISSION_POLL));
+                    Ok(())
+                }
+            });
+            match step {
+                Ok(()) => {}
+                Err(Error::Timeout { .. }) => {
+                    self.close();
+                    return Err(too_few(have));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn join(&self, deadline: Deadline) -> Result<()> {
         let mut slot = self.connected.lock().expect("connect lock poisoned");
         if slot.is_some() {
             return Err(Error::AlreadyConnected);
         }
-        let deadline = Deadline::after(timeout.unwrap_or(self.config.timeout));
         let listener = Listener::start(&self.config.listen_addr)?;
         let addr = self.config.master_addr.clone();
         let unreachable = |reason: String| Error::MasterUnreachable { addr: addr.clone(), reason };
@@ -117,9 +158,13 @@ impl Communicator {
     /// # Errors
     /// [`Error::NotConnected`], [`Error::MasterUnreachable`], [`Error::Timeout`].
     pub fn update_topology(&self) -> Result<()> {
+        self.vote_update_topology(Deadline::after(self.config.timeout))
+    }
+
+    fn vote_update_topology(&self, deadline: Deadline) -> Result<()> {
         let connected = self.connected()?;
         connected.control.send(&Message::VoteUpdateTopology)?;
-        self.await_topology(&connected, Deadline::after(self.config.timeout), "update_topology")
+        self.await_topology(&connected, deadline, "update_topology")
     }
 
     /// Whether peers wait to be admitted. A vote among the accepted peers: every one of them
@@ -128,9 +173,12 @@ impl Communicator {
     /// # Errors
     /// [`Error::NotConnected`], [`Error::MasterUnreachable`], [`Error::Timeout`].
     pub fn peers_pending(&self) -> Result<bool> {
+        self.vote_peers_pending(Deadline::after(self.config.timeout))
+    }
+
+    fn vote_peers_pending(&self, deadline: Deadline) -> Result<bool> {
         let connected = self.connected()?;
         connected.control.send(&Message::VotePeersPending)?;
-        let deadline = Deadline::after(self.config.timeout);
         connected.control.wait_until("peers_pending", deadline, |s| s.view.pending_result.take())
     }
 

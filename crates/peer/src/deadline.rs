@@ -21,6 +21,11 @@ impl Deadline {
         Deadline { at: self.at + by, bound: self.bound + by }
     }
 
+    /// The bound this deadline was made from.
+    pub fn bound(&self) -> Duration {
+        self.bound
+    }
+
     /// Time left, or [`Error::Timeout`] naming `operation` once none is.
     pub fn left(&self, operation: &'static str) -> Result<Duration> {
         let left = self.at.saturating_duration_since(Instant::now());

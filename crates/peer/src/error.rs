@@ -44,6 +44,16 @@ pub enum Error {
         /// What was observed.
         reason: String,
     },
+    /// Fewer peers than required were accepted within the bound.
+    #[error("only {have} of the {want} peers required were accepted within {:.1} s", after.as_secs_f64())]
+    TooFewPeers {
+        /// Accepted peers at the deadline.
+        have: usize,
+        /// Peers required.
+        want: usize,
+        /// The bound.
+        after: Duration,
+    },
     /// The operation did not finish within its bound.
     #[error("{operation} did not finish within {:.1} s", after.as_secs_f64())]
     Timeout {
