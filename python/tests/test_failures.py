@@ -64,3 +64,32 @@ def test_survivors_fail_fast_and_carry_on_without_the_lost_peer(sig):
             assert "kicked" in woken and "no message for 2.0 s" in woken["kicked"], woken
         else:
             victim.communicate(timeout=10)  # reaps it and closes its pipe
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+def test_losing_the_master_ends_every_call_on_every_peer(sig):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
+    master = subprocess.Popen([sys.executable, "-m", "shoal.cli", "master", "--listen", "127.0.0.1:0",
+                               "--heartbeat-timeout", "10"], stdout=subprocess.PIPE, text=True, env=env)
+    peer_timeout = 1.5
+    try:
+        address = master.stdout.readline().split()[-1]
+        procs = []
+        for i in range(3):
+            spec = {"master": address, "index": i, "peers": 3, "heartbeat_timeout": peer_timeout}
+            procs.append(subprocess.Popen([sys.executable, str(WORKER), "master_loss", json.dumps(spec)],
+                                          stdout=subprocess.PIPE, text=True, env=env))
+        for p in procs:
+            assert "ready" in p.stdout.readline(), "a peer did not join"
+        lost_at = time.time()
+        master.send_signal(sig)
+        outcomes = [result(p) for p in procs]
+    finally:
+        master.kill()
+        master.communicate(timeout=10)
+    for o in outcomes:
+        assert "at" in o, o
+        # A killed master closes its connections: noticed at once. A frozen one is noticed by
+        # the missing heartbeats, within the peers' heartbeat timeout.
+        assert o["at"] - lost_at < peer_timeout + 3, o
+        assert all(v.startswith("MasterUnreachableError after 0.0") for v in o["later"].values()), o

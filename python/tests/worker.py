@@ -154,6 +154,34 @@ def min_world(spec: dict) -> dict:
     return {"world": world, "sum": float(x[0])}
 
 
+def master_loss(spec: dict) -> dict:
+    """All-reduce until the master is lost; then every other call must fail the same way."""
+    comm = shoal.Communicator(spec["master"], heartbeat_timeout=spec["heartbeat_timeout"], timeout=60)
+    comm.connect(timeout=30)
+    join_all(comm, spec["peers"])
+    print(json.dumps({"ready": comm.peer_id}), flush=True)
+    x = np.ones(1 << 16, np.float32)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            comm.all_reduce(x, op="max")
+        except shoal.MasterUnreachableError as e:
+            lost_at, first = time.time(), str(e)
+            break
+    else:
+        return {"error": "never noticed"}
+    later = {}
+    for name, call in [("all_reduce", lambda: comm.all_reduce(x)), ("peers_pending", comm.peers_pending),
+                       ("update_topology", comm.update_topology)]:
+        started = time.time()
+        try:
+            call()
+            later[name] = "returned"
+        except shoal.ShoalError as e:
+            later[name] = f"{type(e).__name__} after {time.time() - started:.2f} s"
+    return {"at": lost_at, "first": first, "later": later}
+
+
 def mismatch(spec: dict) -> dict:
     """Peers call all_reduce with different counts (or dtypes, or ops, as ``vary`` says) on the
     peer of index 1; then they all re-establish and run a matching one."""
@@ -177,7 +205,7 @@ def mismatch(spec: dict) -> dict:
 
 if __name__ == "__main__":
     scenario, spec = sys.argv[1], json.loads(sys.argv[2])
-    scenarios = {"matrix": matrix, "torch": torch_tensors, "join_late": join_late, "survive": survive, "agree": agree, "min_world": min_world,
+    scenarios = {"matrix": matrix, "torch": torch_tensors, "join_late": join_late, "survive": survive, "agree": agree, "min_world": min_world, "master_loss": master_loss,
                  "mismatch": mismatch}
     result = scenarios[scenario](spec)
     print(json.dumps(result), flush=True)
