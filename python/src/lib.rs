@@ -236,7 +236,7 @@ fn seconds(name: &str, s: f64) -> PyResult<Duration> {
 /// Raises the `shoal.errors` class that matches `e`.
 fn to_py(e: Error) -> PyErr {
     let class = match &e {
-        Error::NotConnected | Error::AlreadyConnected | Error::Closed => "UsageError",
+        Error::NotConnected | Error::AlreadyConnected | Error::Closed | Error::Misuse(_) => "UsageError",
         Error::InvalidArgument(_) => return PyValueError::new_err(e.to_string()),
         Error::MasterUnreachable { .. } => "MasterUnreachableError",
         Error::Kicked { .. } => "KickedError",

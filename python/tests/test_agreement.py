@@ -70,3 +70,14 @@ def test_mismatched_calls_fail_on_every_peer(master, tmp_path, vary):
         assert r["error"] is not None and r["error"]["type"] == "CollectiveMismatchError", r
         assert r["error"]["restored"], r
         assert r["after"] == 3.0, "the run did not go on after the mismatch"
+
+
+def test_a_collective_during_an_admission_vote_fails_on_every_peer(master, tmp_path):
+    voter, *reducers = run_peers(master, tmp_path, "admission_misuse", 3)
+    assert voter["error"]["type"] == "UsageError" and "update_topology" in voter["error"]["msg"], voter
+    for r in reducers:
+        assert r["error"]["type"] == "UsageError" and "all_reduce" in r["error"]["msg"], r
+        assert r["restored"], r
+    for r in [voter, *reducers]:
+        assert r["took"] < 10, r  # not the 30 s call timeout
+        assert r["after"] == 3.0, r

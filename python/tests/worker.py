@@ -182,6 +182,30 @@ def master_loss(spec: dict) -> dict:
     return {"at": lost_at, "first": first, "later": later}
 
 
+def admission_misuse(spec: dict) -> dict:
+    """Peer 0 calls update_topology while the others all-reduce: every one of them gets a
+    UsageError naming the other call; then all vote together and the run goes on."""
+    comm = shoal.Communicator(spec["master"], timeout=30)
+    comm.connect(timeout=30)
+    join_all(comm, spec["peers"])
+    started = time.time()
+    x = np.arange(1000, dtype=np.float32)
+    try:
+        if spec["index"] == 0:
+            comm.update_topology()
+        else:
+            comm.all_reduce(x)
+        error = None
+    except shoal.ShoalError as e:
+        error = {"type": type(e).__name__, "msg": str(e)}
+    took = time.time() - started
+    restored = bool((x == np.arange(1000, dtype=np.float32)).all())
+    comm.update_topology()
+    y = np.ones(10, np.float32)
+    comm.all_reduce(y, op="sum")
+    return {"error": error, "took": took, "restored": restored, "after": float(y[0])}
+
+
 def mismatch(spec: dict) -> dict:
     """Peers call all_reduce with different counts (or dtypes, or ops, as ``vary`` says) on the
     peer of index 1; then they all re-establish and run a matching one."""
@@ -206,6 +230,7 @@ def mismatch(spec: dict) -> dict:
 if __name__ == "__main__":
     scenario, spec = sys.argv[1], json.loads(sys.argv[2])
     scenarios = {"matrix": matrix, "torch": torch_tensors, "join_late": join_late, "survive": survive, "agree": agree, "min_world": min_world, "master_loss": master_loss,
+                 "admission_misuse": admission_misuse,
                  "mismatch": mismatch}
     result = scenarios[scenario](spec)
     print(json.dumps(result), flush=True)

@@ -163,7 +163,9 @@ impl Communicator {
 
     fn vote_update_topology(&self, deadline: Deadline) -> Result<()> {
         let connected = self.connected()?;
-        connected.control.send(&Message::VoteUpdateTopology)?;
+        connected.control.lock().view.vote_aborted = None;
+        let collectives = self.seq.load(Ordering::Relaxed);
+        connected.control.send(&Message::VoteUpdateTopology { collectives })?;
         self.await_topology(&connected, deadline, "update_topology")
     }
 
@@ -238,6 +240,16 @@ impl Communicator {
             }
             if let Some(Verdict::Aborted(f)) = state.view.verdicts.get(&(epoch, seq)) {
                 return Some(op_error(f.clone(), &header));
+            }
+            if let Some((e, voter, started)) = state.view.vote_open {
+                if e == epoch && started <= seq {
+                    return Some(Error::Misuse(format!(
+                        "{voter} called update_topology after {started} collectives of topology {}, while {} \
+                         ran collective number {seq} (all_reduce): every accepted peer must make the same \
+                         calls in the same order",
+                        e.0, connected.me
+                    )));
+                }
             }
             let gone = members.iter().find(|p| state.view.removed.contains(p))?;
             Some(Error::PeerLost {
@@ -417,16 +429,19 @@ impl Communicator {
         }
         loop {
             let step = c.control.wait_until(operation, deadline, |s| {
+                if let Some(reason) = s.view.vote_aborted.take() {
+                    return Some(Err(Error::Misuse(reason)));
+                }
                 if let Some((e, m)) = &s.view.issued {
                     if Some(*e) != handled {
-                        return Some(Step::Establish(*e, m.clone()));
+                        return Some(Ok(Step::Establish(*e, m.clone())));
                     }
                 }
                 match &s.view.committed {
-                    Some((e, m)) if Some(*e) == handled => Some(Step::Done(*e, m.clone())),
+                    Some((e, m)) if Some(*e) == handled => Some(Ok(Step::Done(*e, m.clone()))),
                     _ => None,
                 }
-            })?;
+            })??;
             match step {
                 Step::Establish(epoch, members) => {
                     let pos = c.control.lock().view.position(epoch, &members);
@@ -529,6 +544,7 @@ fn ring_error(e: RingError, header: &OpHeader, me: PeerId, next: PeerId, prev: P
                 Error::PeerLost { peer, reason, .. } => {
                     Some(OpFailure::new(FailureKind::PeerLost, *peer, reason.clone()))
                 }
+                Error::Misuse(reason) => Some(OpFailure::new(FailureKind::Misuse, me, reason.clone())),
                 _ => None,
             };
             (e, failure)
@@ -540,6 +556,7 @@ fn ring_error(e: RingError, header: &OpHeader, me: PeerId, next: PeerId, prev: P
 fn op_error(f: OpFailure, header: &OpHeader) -> Error {
     match f.kind {
         FailureKind::Mismatch => Error::CollectiveMismatch { peer: f.peer, ours: describe(header), theirs: f.reason },
+        FailureKind::Misuse => Error::Misuse(f.reason),
         _ => Error::PeerLost { peer: f.peer, operation: "all_reduce", reason: f.reason },
     }
 }

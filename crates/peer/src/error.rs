@@ -17,6 +17,10 @@ pub enum Error {
     /// API misuse: the communicator was closed.
     #[error("the communicator is closed")]
     Closed,
+    /// API misuse across peers: they made different calls (one ran a collective while another
+    /// voted to change the topology). Both calls fail; nothing is lost.
+    #[error("usage error: {0}")]
+    Misuse(String),
     /// API misuse: an argument is unusable; nothing was sent.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

@@ -31,6 +31,11 @@ pub struct PeerView {
     /// Collectives the master asked about that this peer had not committed when asked: it
     /// reports them if it commits them on its own.
     pub queried: BTreeSet<(Epoch, u64)>,
+    /// An `update_topology` vote is open: (topology, a voter, the fewest collectives a voter had
+    /// started). A collective numbered at least that can never complete.
+    pub vote_open: Option<(Epoch, PeerId, u64)>,
+    /// Why the last `update_topology` vote was abandoned, until consumed.
+    pub vote_aborted: Option<String>,
 }
 
 /// How the master decided a collective.
@@ -143,6 +148,7 @@ impl PeerView {
                     return unexpected("topology epoch went backwards");
                 }
                 self.issued = Some((epoch, members.clone()));
+                self.vote_open = None;
                 PeerEvent::TopologyIssued(epoch)
             }
             Message::TopologyCommitted { epoch } => match self.issued.take() {
@@ -168,6 +174,17 @@ impl PeerView {
             Message::OpAborted { epoch, seq, failure } => {
                 self.verdicts.insert((epoch, seq), Verdict::Aborted(failure));
                 PeerEvent::Verdict(epoch, seq)
+            }
+            Message::TopologyVoteOpened { epoch, voter, collectives } => {
+                if self.vote_open.is_none_or(|(e, _, c)| e != epoch || collectives < c) {
+                    self.vote_open = Some((epoch, voter, collectives));
+                }
+                PeerEvent::Nothing
+            }
+            Message::TopologyVoteAborted { reason } => {
+                self.vote_open = None;
+                self.vote_aborted = Some(reason);
+                PeerEvent::Nothing
             }
             Message::OpQuery { epoch, seq } => {
                 let committed = self.committed_through.is_some_and(|(e, s)| e == epoch && s >= seq);

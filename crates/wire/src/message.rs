@@ -77,6 +77,9 @@ pub enum FailureKind {
     Protocol = 4,
     /// The run changed under the collective (a new topology was issued).
     Superseded = 5,
+    /// Members made different calls: one ran the collective while another voted to change the
+    /// topology.
+    Misuse = 6,
 }
 
 impl FailureKind {
@@ -87,6 +90,7 @@ impl FailureKind {
             3 => FailureKind::Timeout,
             4 => FailureKind::Protocol,
             5 => FailureKind::Superseded,
+            6 => FailureKind::Misuse,
             value => return Err(WireError::InvalidValue { field: "failure kind", value: value.into() }),
         })
     }
@@ -135,7 +139,11 @@ pub enum Message {
     /// Either direction, on a control connection: I am alive.
     Heartbeat,
     /// Peer → master: this accepted peer calls `update_topology`.
-    VoteUpdateTopology,
+    VoteUpdateTopology {
+        /// How many collectives the peer started in the current topology: a member still running
+        /// a collective with a number at least this knows the voter will never join it.
+        collectives: u64,
+    },
     /// Peer → master: this peer holds every data connection `epoch` asks of it.
     TopologyReady {
         /// The topology the peer is ready in.
@@ -234,6 +242,22 @@ pub enum Message {
         /// The collective's number within the epoch.
         seq: u64,
     },
+    /// Master → peer: `voter` called `update_topology` after starting `collectives` collectives
+    /// of topology `epoch`. A member running a later one must abort it: it cannot complete.
+    TopologyVoteOpened {
+        /// The committed topology.
+        epoch: Epoch,
+        /// Who voted.
+        voter: PeerId,
+        /// The voter's count of collectives started in `epoch`.
+        collectives: u64,
+    },
+    /// Master → peer: the `update_topology` vote was abandoned, because a member ran a collective
+    /// instead; voters' calls fail with `reason`.
+    TopologyVoteAborted {
+        /// Why.
+        reason: String,
+    },
     /// Peer → peer, first message on a data connection: who dials, whom, for which stream.
     PeerHello {
         /// The dialing peer.
@@ -269,6 +293,8 @@ mod kind {
     pub const OP_COMMITTED: u16 = 70;
     pub const OP_ABORTED: u16 = 71;
     pub const OP_QUERY: u16 = 72;
+    pub const TOPOLOGY_VOTE_OPENED: u16 = 73;
+    pub const TOPOLOGY_VOTE_ABORTED: u16 = 74;
     pub const PEER_HELLO: u16 = 128;
     pub const OP: u16 = 129;
 }
@@ -279,7 +305,7 @@ impl Message {
         match self {
             Message::Join { .. } => kind::JOIN,
             Message::Heartbeat => kind::HEARTBEAT,
-            Message::VoteUpdateTopology => kind::VOTE_UPDATE_TOPOLOGY,
+            Message::VoteUpdateTopology { .. } => kind::VOTE_UPDATE_TOPOLOGY,
             Message::TopologyReady { .. } => kind::TOPOLOGY_READY,
             Message::VotePeersPending => kind::VOTE_PEERS_PENDING,
             Message::Leave => kind::LEAVE,
@@ -295,6 +321,8 @@ impl Message {
             Message::OpCommitted { .. } => kind::OP_COMMITTED,
             Message::OpAborted { .. } => kind::OP_ABORTED,
             Message::OpQuery { .. } => kind::OP_QUERY,
+            Message::TopologyVoteOpened { .. } => kind::TOPOLOGY_VOTE_OPENED,
+            Message::TopologyVoteAborted { .. } => kind::TOPOLOGY_VOTE_ABORTED,
             Message::PeerHello { .. } => kind::PEER_HELLO,
             Message::Op(_) => kind::OP,
         }
@@ -305,7 +333,7 @@ impl Message {
         match self {
             Message::Join { .. } => "Join",
             Message::Heartbeat => "Heartbeat",
-            Message::VoteUpdateTopology => "VoteUpdateTopology",
+            Message::VoteUpdateTopology { .. } => "VoteUpdateTopology",
             Message::TopologyReady { .. } => "TopologyReady",
             Message::VotePeersPending => "VotePeersPending",
             Message::Leave => "Leave",
@@ -321,6 +349,8 @@ impl Message {
             Message::OpCommitted { .. } => "OpCommitted",
             Message::OpAborted { .. } => "OpAborted",
             Message::OpQuery { .. } => "OpQuery",
+            Message::TopologyVoteOpened { .. } => "TopologyVoteOpened",
+            Message::TopologyVoteAborted { .. } => "TopologyVoteAborted",
             Message::PeerHello { .. } => "PeerHello",
             Message::Op(_) => "Op",
         }
@@ -333,7 +363,14 @@ impl Message {
                 w.u32(group.0);
                 w.str(data_addr);
             }
-            Message::Heartbeat | Message::VoteUpdateTopology | Message::VotePeersPending | Message::Leave => {}
+            Message::VoteUpdateTopology { collectives } => w.u64(*collectives),
+            Message::TopologyVoteOpened { epoch, voter, collectives } => {
+                w.u64(epoch.0);
+                w.u32(voter.0);
+                w.u64(*collectives);
+            }
+            Message::TopologyVoteAborted { reason } => w.str(reason),
+            Message::Heartbeat | Message::VotePeersPending | Message::Leave => {}
             Message::TopologyReady { epoch } | Message::TopologyCommitted { epoch } => w.u64(epoch.0),
             Message::PeerUnreachable { epoch, peer } => {
                 w.u64(epoch.0);
@@ -399,7 +436,11 @@ impl Message {
         let message = match kind {
             kind::JOIN => Message::Join { group: GroupId(r.u32()?), data_addr: r.str()? },
             kind::HEARTBEAT => Message::Heartbeat,
-            kind::VOTE_UPDATE_TOPOLOGY => Message::VoteUpdateTopology,
+            kind::VOTE_UPDATE_TOPOLOGY => Message::VoteUpdateTopology { collectives: r.u64()? },
+            kind::TOPOLOGY_VOTE_OPENED => {
+                Message::TopologyVoteOpened { epoch: Epoch(r.u64()?), voter: PeerId(r.u32()?), collectives: r.u64()? }
+            }
+            kind::TOPOLOGY_VOTE_ABORTED => Message::TopologyVoteAborted { reason: r.str()? },
             kind::TOPOLOGY_READY => Message::TopologyReady { epoch: Epoch(r.u64()?) },
             kind::VOTE_PEERS_PENDING => Message::VotePeersPending,
             kind::LEAVE => Message::Leave,
@@ -469,6 +510,7 @@ mod tests {
             FailureKind::Timeout,
             FailureKind::Protocol,
             FailureKind::Superseded,
+            FailureKind::Misuse,
         ];
         (prop::sample::select(kinds.to_vec()), any::<u32>(), ".{0,300}")
             .prop_map(|(kind, p, reason)| OpFailure::new(kind, PeerId(p), reason))
@@ -478,7 +520,11 @@ mod tests {
         prop_oneof![
             (any::<u32>(), ".{0,64}").prop_map(|(g, a)| Message::Join { group: GroupId(g), data_addr: a }),
             Just(Message::Heartbeat),
-            Just(Message::VoteUpdateTopology),
+            any::<u64>().prop_map(|collectives| Message::VoteUpdateTopology { collectives }),
+            (any::<u64>(), any::<u32>(), any::<u64>()).prop_map(|(e, v, collectives)| {
+                Message::TopologyVoteOpened { epoch: Epoch(e), voter: PeerId(v), collectives }
+            }),
+            ".{0,100}".prop_map(|reason| Message::TopologyVoteAborted { reason }),
             any::<u64>().prop_map(|e| Message::TopologyReady { epoch: Epoch(e) }),
             Just(Message::VotePeersPending),
             Just(Message::Leave),
@@ -528,7 +574,7 @@ mod tests {
         #[test]
         fn decoding_arbitrary_bytes_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..200)) {
             let _ = decode_frame(&bytes);
-            for kind in [1u16, 2, 7, 8, 9, 64, 65, 67, 68, 69, 70, 71, 72, 128, 129, 999] {
+            for kind in [1u16, 2, 7, 8, 9, 64, 65, 67, 68, 69, 70, 71, 72, 73, 74, 128, 129, 999] {
                 let _ = Message::decode_body(kind, &bytes);
             }
         }

@@ -215,7 +215,7 @@ impl Master {
         let accepted = self.peers.get(&peer).is_some_and(|e| e.status == Status::Accepted);
         match message {
             Message::Heartbeat => {}
-            Message::VoteUpdateTopology if accepted => self.vote_update_topology(peer),
+            Message::VoteUpdateTopology { collectives } if accepted => self.vote_update_topology(peer, collectives),
             Message::VotePeersPending if accepted => self.vote_peers_pending(peer),
             Message::TopologyReady { epoch } => self.topology_ready(peer, epoch),
             Message::PeerUnreachable { epoch, peer: target } => self.peer_unreachable(peer, epoch, target),
@@ -307,7 +307,13 @@ impl Master {
         }
     }
 
-    fn vote_update_topology(&mut self, peer: PeerId) {
+    fn vote_update_topology(&mut self, peer: PeerId, collectives: u64) {
+        // Members still running a collective this voter never started must hear of the vote:
+        // that collective cannot complete, and the vote cannot pass while they run it.
+        let (epoch, ring) = (self.ring_epoch, self.ring.clone());
+        for p in ring.into_iter().filter(|p| *p != peer) {
+            self.send_to_peer(p, Message::TopologyVoteOpened { epoch, voter: peer, collectives });
+        }
         match &mut self.phase {
             Phase::Idle => {
                 let mut ballot = Ballot::new(self.ring.iter().copied().collect());
@@ -320,6 +326,19 @@ impl Master {
             }
         }
         self.tally_topology_votes();
+    }
+
+    /// A member ran a collective while others voted to change the topology: neither can
+    /// finish, so both end with an error naming the other.
+    fn abandon_topology_vote(&mut self, reason: String) {
+        if !matches!(self.phase, Phase::AwaitingTopologyVotes { .. }) {
+            return;
+        }
+        log::warn!("update_topology vote abandoned: {reason}");
+        for p in self.ring.clone() {
+            self.send_to_peer(p, Message::TopologyVoteAborted { reason: reason.clone() });
+        }
+        self.set_phase(Phase::Idle);
     }
 
     fn tally_topology_votes(&mut self) {

@@ -73,6 +73,10 @@ impl Master {
         match &record.outcome {
             None => {
                 log::info!("collective {seq} of topology {} failed at {peer}: {}", epoch.0, failure.reason);
+                if failure.kind == FailureKind::Misuse {
+                    self.abandon_topology_vote(failure.reason.clone());
+                }
+                let record = self.ops.get_mut(&key).expect("still tracked");
                 record.outcome = Some(Outcome::Aborted(failure.clone()));
                 record.waiting.clear();
                 let members: Vec<PeerId> = record.members.iter().copied().collect();
@@ -195,7 +199,7 @@ impl Master {
         Some(key)
     }
 
-    fn send_to_peer(&mut self, peer: PeerId, message: Message) {
+    pub(super) fn send_to_peer(&mut self, peer: PeerId, message: Message) {
         if let Some(conn) = self.peers.get(&peer).map(|e| e.conn) {
             self.send(conn, message);
         }

@@ -56,7 +56,7 @@ fn run_with(n: u64) -> (Harness, Epoch) {
         h.join(c);
         let mut out = Vec::new();
         for voter in 1..c {
-            out = h.send(voter, Message::VoteUpdateTopology);
+            out = h.send(voter, Message::VoteUpdateTopology { collectives: 0 });
         }
         epoch = issued_epoch(&out, c).expect("the vote issues a topology");
         for member in 1..=c {
@@ -90,8 +90,8 @@ fn newcomer_waits_until_every_accepted_peer_votes() {
     for c in [1, 2] {
         assert_eq!(sent_to(&out, c), vec![&Message::PeersPendingResult { pending: true }]);
     }
-    assert_eq!(issued_epoch(&h.send(1, Message::VoteUpdateTopology), 3), None);
-    let out = h.send(2, Message::VoteUpdateTopology);
+    assert_eq!(issued_epoch(&h.send(1, Message::VoteUpdateTopology { collectives: 0 }), 3), None);
+    let out = h.send(2, Message::VoteUpdateTopology { collectives: 0 });
     let epoch = issued_epoch(&out, 3).unwrap();
     assert_eq!(issued_epoch(&out, 1), Some(epoch));
     h.send(1, Message::TopologyReady { epoch });
@@ -105,8 +105,8 @@ fn newcomer_waits_until_every_accepted_peer_votes() {
 fn peer_lost_during_vote_lets_the_others_finish() {
     let (mut h, _) = run_with(3);
     h.join(4);
-    h.send(1, Message::VoteUpdateTopology);
-    h.send(2, Message::VoteUpdateTopology);
+    h.send(1, Message::VoteUpdateTopology { collectives: 0 });
+    h.send(2, Message::VoteUpdateTopology { collectives: 0 });
     h.master.handle_disconnect(h.now, ConnId(3), "reset");
     let out = h.drain();
     let epoch = issued_epoch(&out, 4).expect("the tally ran again without the lost voter");
@@ -124,8 +124,8 @@ fn peer_lost_during_vote_lets_the_others_finish() {
 fn member_lost_while_connecting_reissues_the_topology() {
     let (mut h, _) = run_with(2);
     h.join(3);
-    h.send(1, Message::VoteUpdateTopology);
-    let out = h.send(2, Message::VoteUpdateTopology);
+    h.send(1, Message::VoteUpdateTopology { collectives: 0 });
+    let out = h.send(2, Message::VoteUpdateTopology { collectives: 0 });
     let first = issued_epoch(&out, 3).unwrap();
     h.send(1, Message::TopologyReady { epoch: first });
     h.master.handle_disconnect(h.now, ConnId(3), "eof");
@@ -164,7 +164,7 @@ fn protocol_violations_expel_only_the_offender() {
     let (mut h, _) = run_with(2);
     h.join(3);
     // A registered peer may not vote.
-    let out = h.send(3, Message::VoteUpdateTopology);
+    let out = h.send(3, Message::VoteUpdateTopology { collectives: 0 });
     assert!(matches!(sent_to(&out, 3)[0], Message::Kicked { .. }));
     assert!(out.iter().any(|o| matches!(o, Output::Close { conn: ConnId(3), .. })));
     // A frame of another session is refused.
@@ -265,10 +265,25 @@ fn an_undecided_collective_aborts_when_the_ring_is_replaced() {
     let (mut h, epoch) = run_with(3);
     h.send(1, done(epoch, 0, false));
     h.join(4);
-    h.send(2, Message::VoteUpdateTopology);
-    h.send(3, Message::VoteUpdateTopology);
+    h.send(2, Message::VoteUpdateTopology { collectives: 0 });
+    h.send(3, Message::VoteUpdateTopology { collectives: 0 });
     // Peer 0 votes without having reported its part: a bug of its own, but the others must not
     // wait forever for a ring that no longer exists.
-    let out = h.send(1, Message::VoteUpdateTopology);
+    let out = h.send(1, Message::VoteUpdateTopology { collectives: 0 });
     assert!(sent_to(&out, 1).iter().any(|m| matches!(m, Message::OpAborted { seq: 0, .. })), "{out:?}");
+}
+
+#[test]
+fn a_collective_run_during_an_admission_vote_abandons_the_vote() {
+    let (mut h, epoch) = run_with(3);
+    let out = h.send(1, Message::VoteUpdateTopology { collectives: 7 });
+    let opened = Message::TopologyVoteOpened { epoch, voter: PeerId(0), collectives: 7 };
+    assert_eq!((sent_to(&out, 2), sent_to(&out, 3)), (vec![&opened], vec![&opened]));
+    // Peer 1 was running collective 7, which the voter never started.
+    let failure = OpFailure::new(FailureKind::Misuse, PeerId(1), "peer#0 called update_topology");
+    let out = h.send(2, Message::OpFailed { epoch, seq: 7, failure });
+    for conn in [1, 2, 3] {
+        assert!(sent_to(&out, conn).iter().any(|m| matches!(m, Message::TopologyVoteAborted { .. })), "{out:?}");
+    }
+    assert_eq!(h.master.phase(), &Phase::Idle);
 }
