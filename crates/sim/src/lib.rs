@@ -1,0 +1,26 @@
+//! A deterministic simulation of shoal's protocol.
+//!
+//! The master is the real [`shoal_proto::master::Master`]; each peer keeps the real
+//! [`shoal_proto::peer::PeerView`] and follows the peer library's rules (`crates/peer`): the real
+//! ring schedule ([`shoal_collective::ring::RingAllReduce`], one element per segment, values
+//! summed), the confirmation lap of tokens, asking the master when the lap cannot finish,
+//! reporting failures, answering queries. A seeded network carries every message with random
+//! latency, first-in first-out per connection, and injects faults: crashes, freezes (SIGSTOP),
+//! stalled links (a cut-off path), connection resets, and newcomers joining mid-operation.
+//!
+//! Checked after every run ([`check`]):
+//! - **agreement**: for every collective, every participant still in the run at the end returned
+//!   the same outcome, and every success holds the sum of exactly the participants' inputs;
+//! - **bounded calls**: no call outlived its bound (the model enforces bounds and records any
+//!   call that ends by its deadline; a timeout is allowed only where a peer was cut off);
+//! - **one major operation at a time**: the master never tracks a collective of a replaced ring,
+//!   and never issues a topology while a member of the current ring still runs a collective it
+//!   could complete;
+//! - **convergence**: once faults stop, the committed ring is exactly the live peers, and every
+//!   one of them is in it.
+//!
+//! `run(seed)` is a pure function of the seed: a failing seed reproduces exactly.
+
+mod model;
+
+pub use model::{check, run, Outcome, Report, Violation};

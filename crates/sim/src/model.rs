@@ -1,0 +1,1079 @@
+//! The simulated run: network, peers, faults, and the checks.
+
+use shoal_collective::ring::{RecvAction, RingAllReduce};
+use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output};
+use shoal_proto::peer::{PeerEvent, PeerView, Verdict};
+use shoal_wire::{Epoch, FailureKind, GroupId, Message, OpFailure, PeerId, SessionId};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
+use std::time::{Duration, Instant};
+
+const SESSION: SessionId = SessionId(42);
+const HEARTBEAT_TIMEOUT: Duration = Duration::from_millis(1000);
+const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+const TICK: Duration = Duration::from_millis(20);
+/// Faults are injected until then; afterwards the run must converge.
+const FAULTS_UNTIL: Duration = Duration::from_secs(12);
+const END: Duration = Duration::from_secs(30);
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+/// splitmix64: small, fast, and the same everywhere.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+    fn between(&mut self, lo: Duration, hi: Duration) -> Duration {
+        let span = (hi - lo).as_micros() as u64;
+        lo + Duration::from_micros(self.below(span + 1))
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Node {
+    Master,
+    Peer(usize),
+}
+
+#[derive(Debug, Clone)]
+enum Item {
+    Chunk {
+        epoch: Epoch,
+        seq: u64,
+        unit: usize,
+        value: i64,
+    },
+    Token {
+        epoch: Epoch,
+        seq: u64,
+        origin: usize,
+    },
+    /// The sender closed the stream (EOF after everything sent before).
+    Closed,
+}
+
+#[derive(Debug, Clone)]
+enum Fault {
+    Crash(usize),
+    /// Crash just after sending this many more data messages: lands inside a collective, at
+    /// any step of the ring or the lap.
+    CrashMidOp(usize, u32),
+    Freeze(usize, Duration),
+    Stall(Node, Node, Duration),
+    Reset(usize, usize),
+    Join,
+}
+
+#[derive(Debug, Clone)]
+enum Ev {
+    Control {
+        from: Node,
+        to: Node,
+        msg: Message,
+    },
+    /// The control connection of peer `peer` closed, as seen by `to`.
+    ControlClosed {
+        to: Node,
+        peer: usize,
+    },
+    Data {
+        from: usize,
+        to: usize,
+        item: Item,
+    },
+    /// `to`'s outgoing stream to `from` was closed by `from`.
+    OutClosed {
+        from: usize,
+        to: usize,
+    },
+    MasterWake,
+    Tick(usize),
+    Fault(Fault),
+}
+
+struct Queued {
+    at: Duration,
+    n: u64,
+    ev: Ev,
+}
+
+impl PartialEq for Queued {
+    fn eq(&self, o: &Self) -> bool {
+        (self.at, self.n) == (o.at, o.n)
+    }
+}
+impl Eq for Queued {}
+impl PartialOrd for Queued {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Queued {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        (o.at, o.n).cmp(&(self.at, self.n)) // min-heap
+    }
+}
+
+/// How a call ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// The all-reduce succeeded with these values.
+    Ok(Vec<i64>),
+    /// It failed.
+    Err(String),
+}
+
+/// A broken invariant, with what the checker saw.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Violation(pub String);
+
+/// What one run did.
+#[derive(Debug, Default)]
+pub struct Report {
+    /// The seed.
+    pub seed: u64,
+    /// (peer index, epoch, seq, members, outcome) of every all-reduce that ended.
+    pub collectives: Vec<(usize, Epoch, u64, Vec<PeerId>, Outcome)>,
+    /// Violations the model itself detected while running (desynchronised streams, hangs).
+    pub violations: Vec<Violation>,
+    /// Faults injected.
+    pub faults: Vec<String>,
+    /// Peers still in the run at the end.
+    pub live: Vec<PeerId>,
+    /// Their simulation indices.
+    pub live_index: BTreeSet<usize>,
+    /// The master's ring at the end.
+    pub ring: Vec<PeerId>,
+    /// Live peers' view of the ring at the end.
+    pub views: Vec<Option<Vec<PeerId>>>,
+    /// Why peers left the run: (index, reason).
+    pub gone: Vec<(usize, String)>,
+    /// Successful collectives.
+    pub successes: usize,
+    /// Events processed.
+    pub events: u64,
+}
+
+#[derive(Debug)]
+enum Call {
+    Idle,
+    Connecting { deadline: Duration, handled: Option<Epoch> },
+    Voting { deadline: Duration, handled: Option<Epoch> },
+    Pending { deadline: Duration },
+    Collective(Box<Op>),
+}
+
+#[derive(Debug)]
+struct Op {
+    epoch: Epoch,
+    seq: u64,
+    deadline: Duration,
+    members: Vec<PeerId>,
+    /// Simulation indices of the ring members, in ring order.
+    ring: Vec<usize>,
+    rank: usize,
+    plan: RingAllReduce,
+    buf: Vec<i64>,
+    sent: usize,
+    received: usize,
+    phase: Phase,
+    tokens_in: usize,
+    tokens_out: usize,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum Phase {
+    Data,
+    Lap,
+    /// Finished here, waiting for the master's verdict until then.
+    Asking(Duration),
+    /// Failed here, waiting (until then) for the verdict naming the first failure.
+    Reporting(Duration, String),
+}
+
+struct Peer {
+    alive: bool,
+    frozen_until: Option<Duration>,
+    deferred: Vec<Ev>,
+    gone: Option<String>,
+    view: PeerView,
+    call: Call,
+    call_started: Duration,
+    seq: u64,
+    epoch: Option<Epoch>,
+    ring: Vec<usize>,
+    rank: usize,
+    broken: bool,
+    inbox: BTreeMap<usize, VecDeque<Item>>,
+    out_closed: BTreeSet<usize>,
+    /// The application asks `peers_pending` next.
+    pending_due: bool,
+    /// Crash after sending this many more data messages.
+    crash_after_sends: Option<u32>,
+    last_heard: Duration,
+    last_heartbeat: Duration,
+}
+
+impl Peer {
+    fn new(now: Duration) -> Self {
+        Peer {
+            alive: true,
+            frozen_until: None,
+            deferred: Vec::new(),
+            gone: None,
+            view: PeerView::default(),
+            call: Call::Connecting { deadline: now + CALL_TIMEOUT, handled: None },
+            call_started: now,
+            seq: 0,
+            epoch: None,
+            ring: Vec::new(),
+            rank: 0,
+            broken: false,
+            inbox: BTreeMap::new(),
+            out_closed: BTreeSet::new(),
+            pending_due: false,
+            crash_after_sends: None,
+            last_heard: now,
+            last_heartbeat: now,
+        }
+    }
+
+    fn active(&self) -> bool {
+        self.alive && self.gone.is_none()
+    }
+
+    fn me(&self) -> Option<PeerId> {
+        self.view.registered.map(|(p, _)| p)
+    }
+}
+
+struct Sim {
+    rng: Rng,
+    now: Duration,
+    base: Instant,
+    queue: BinaryHeap<Queued>,
+    n: u64,
+    master: Master,
+    master_wake: Option<Duration>,
+    peers: Vec<Peer>,
+    /// Last delivery time per directed connection, for first-in first-out delivery.
+    fifo: BTreeMap<(Node, Node), Duration>,
+    /// Links that deliver nothing until then (both directions).
+    stalled: BTreeMap<(Node, Node), Duration>,
+    /// Topologies the master committed: (time, epoch, members).
+    commits: Vec<(Duration, Epoch, Vec<PeerId>)>,
+    index_of: BTreeMap<PeerId, usize>,
+    report: Report,
+    /// Print every event (`SHOAL_SIM_TRACE`).
+    trace: bool,
+}
+
+/// Runs the scenario of `seed` to its end.
+pub fn run(seed: u64) -> Report {
+    let base = Instant::now();
+    let config = MasterConfig { session: SESSION, heartbeat_timeout: HEARTBEAT_TIMEOUT };
+    let mut sim = Sim {
+        rng: Rng(seed),
+        now: Duration::ZERO,
+        base,
+        queue: BinaryHeap::new(),
+        n: 0,
+        master: Master::new(config, base),
+        master_wake: None,
+        peers: Vec::new(),
+        fifo: BTreeMap::new(),
+        stalled: BTreeMap::new(),
+        commits: Vec::new(),
+        index_of: BTreeMap::new(),
+        report: Report { seed, ..Report::default() },
+        trace: std::env::var_os("SHOAL_SIM_TRACE").is_some(),
+    };
+    let initial = 2 + sim.rng.below(4) as usize;
+    for _ in 0..initial {
+        sim.add_peer();
+    }
+    sim.plan_faults();
+    sim.wake_master();
+    while let Some(q) = sim.queue.pop() {
+        if q.at > END {
+            break;
+        }
+        sim.now = q.at;
+        sim.report.events += 1;
+        if sim.trace && !matches!(q.ev, Ev::Tick(_) | Ev::Data { .. }) {
+            eprintln!("{:>12?} {:?}", sim.now, q.ev);
+        }
+        sim.handle(q.ev);
+    }
+    sim.now = END;
+    sim.finish()
+}
+
+impl Sim {
+    fn push(&mut self, at: Duration, ev: Ev) {
+        self.n += 1;
+        self.queue.push(Queued { at, n: self.n, ev });
+    }
+
+    /// Sends over the connection `from → to`: random latency, never overtaking what that
+    /// connection carried before, held while the link is stalled.
+    fn send(&mut self, from: Node, to: Node, ev: Ev) {
+        let latency = if self.rng.chance(5) { self.rng.between(ms(5), ms(40)) } else { self.rng.between(ms(0), ms(3)) };
+        let mut at = self.now + latency;
+        let key = if from < to { (from, to) } else { (to, from) };
+        if let Some(&until) = self.stalled.get(&key) {
+            at = at.max(until + latency);
+        }
+        let last = self.fifo.entry((from, to)).or_insert(Duration::ZERO);
+        at = at.max(*last + Duration::from_nanos(1));
+        *last = at;
+        self.push(at, ev);
+    }
+
+    fn add_peer(&mut self) {
+        let i = self.peers.len();
+        self.peers.push(Peer::new(self.now));
+        let join = Message::Join { group: GroupId(0), data_addr: format!("sim:{i}") };
+        self.send(Node::Peer(i), Node::Master, Ev::Control { from: Node::Peer(i), to: Node::Master, msg: join });
+        let first_tick = self.now + self.rng.between(ms(1), TICK);
+        self.push(first_tick, Ev::Tick(i));
+    }
+
+    fn plan_faults(&mut self) {
+        let count = self.rng.below(9);
+        for _ in 0..count {
+            let at = self.rng.between(ms(500), FAULTS_UNTIL);
+            let victim = self.rng.below(8) as usize; // resolved against the peers present then
+            let fault = match self.rng.below(7) {
+                0 => Fault::Crash(victim),
+                6 => Fault::CrashMidOp(victim, self.rng.below(24) as u32),
+                1 => Fault::Freeze(victim, self.rng.between(ms(200), ms(3000))),
+                2 => {
+                    let other = if self.rng.chance(40) { Node::Master } else { Node::Peer(self.rng.below(8) as usize) };
+                    Fault::Stall(Node::Peer(victim), other, self.rng.between(ms(100), ms(3000)))
+                }
+                3 => Fault::Reset(victim, self.rng.below(8) as usize),
+                _ => Fault::Join,
+            };
+            self.push(at, Ev::Fault(fault));
+        }
+    }
+
+    fn instant(&self) -> Instant {
+        self.base + self.now
+    }
+
+    // ----- the master -----
+
+    fn wake_master(&mut self) {
+        if let Some(t) = self.master.poll_timeout() {
+            let at = t.saturating_duration_since(self.base).max(self.now);
+            if self.master_wake.is_none_or(|w| at < w || w < self.now) {
+                self.master_wake = Some(at);
+                self.push(at, Ev::MasterWake);
+            }
+        }
+    }
+
+    fn drain_master(&mut self) {
+        while let Some(out) = self.master.poll_output() {
+            match out {
+                Output::Send { conn, message } => {
+                    let to = Node::Peer(conn.0 as usize);
+                    self.send(Node::Master, to, Ev::Control { from: Node::Master, to, msg: message });
+                }
+                Output::Close { conn, .. } => {
+                    let to = Node::Peer(conn.0 as usize);
+                    self.send(Node::Master, to, Ev::ControlClosed { to, peer: conn.0 as usize });
+                }
+                Output::Event(MasterEvent::TopologyCommitted { epoch, members }) => {
+                    self.commits.push((self.now, epoch, members))
+                }
+                Output::Event(_) => {}
+            }
+        }
+        self.wake_master();
+    }
+
+    // ----- events -----
+
+    fn handle(&mut self, ev: Ev) {
+        // A frozen peer handles nothing until it thaws; what arrives for it waits.
+        let target = match &ev {
+            Ev::Control { to: Node::Peer(i), .. } | Ev::ControlClosed { to: Node::Peer(i), .. } => Some(*i),
+            Ev::Data { to, .. } | Ev::OutClosed { to, .. } => Some(*to),
+            Ev::Tick(i) => Some(*i),
+            _ => None,
+        };
+        if let Some(i) = target {
+            let p = &mut self.peers[i];
+            if !p.alive {
+                return;
+            }
+            if let Some(until) = p.frozen_until {
+                if self.now < until {
+                    if !matches!(ev, Ev::Tick(_)) {
+                        p.deferred.push(ev);
+                    }
+                    return;
+                }
+                p.frozen_until = None;
+                let deferred = std::mem::take(&mut p.deferred);
+                for d in deferred {
+                    self.handle(d);
+                }
+            }
+        }
+        match ev {
+            Ev::Control { from: Node::Peer(i), to: Node::Master, msg } => {
+                let session = if matches!(msg, Message::Join { .. }) { SessionId(0) } else { SESSION };
+                self.master.handle_message(self.instant(), ConnId(i as u64), session, msg);
+                self.drain_master();
+            }
+            Ev::ControlClosed { to: Node::Master, peer } => {
+                self.master.handle_disconnect(self.instant(), ConnId(peer as u64), "closed");
+                self.drain_master();
+            }
+            Ev::MasterWake => {
+                if self.master_wake.is_some_and(|w| w <= self.now) {
+                    self.master_wake = None;
+                }
+                if self.master.poll_timeout().is_some_and(|t| t <= self.instant()) {
+                    self.master.handle_timeout(self.instant());
+                }
+                self.drain_master();
+            }
+            Ev::Control { to: Node::Peer(i), msg, .. } => self.peer_control(i, msg),
+            Ev::ControlClosed { to: Node::Peer(i), .. } => {
+                let why = self.peers[i].view.kicked.clone().unwrap_or_else(|| "master closed the connection".into());
+                self.leave(i, format!("control connection closed: {why}"));
+            }
+            Ev::Data { from, to, item } => {
+                if self.peers[to].active() {
+                    self.peers[to].inbox.entry(from).or_default().push_back(item);
+                    self.step(to);
+                }
+            }
+            Ev::OutClosed { from, to } => {
+                self.peers[to].out_closed.insert(from);
+                self.step(to);
+            }
+            Ev::Tick(i) => self.tick(i),
+            Ev::Fault(f) => self.fault(f),
+            Ev::Control { .. } => unreachable!("peers only talk to the master"),
+        }
+    }
+
+    fn fault(&mut self, f: Fault) {
+        let present = self.peers.len();
+        let pick = |i: usize| i % present;
+        self.report.faults.push(format!("{:?} at {:?}", f, self.now));
+        match f {
+            Fault::Crash(v) => {
+                let v = pick(v);
+                if self.peers[v].alive {
+                    self.peers[v].alive = false;
+                    self.send(Node::Peer(v), Node::Master, Ev::ControlClosed { to: Node::Master, peer: v });
+                    self.close_streams(v);
+                }
+            }
+            Fault::CrashMidOp(v, sends) => {
+                let v = pick(v);
+                self.peers[v].crash_after_sends = Some(sends);
+            }
+            Fault::Freeze(v, d) => {
+                let v = pick(v);
+                self.peers[v].frozen_until = Some(self.now + d);
+                // Wake it at the end even if nothing arrives.
+                self.push(self.now + d, Ev::Tick(v));
+            }
+            Fault::Stall(a, b, d) => {
+                let norm = |n: Node| match n {
+                    Node::Peer(i) => Node::Peer(pick(i)),
+                    Node::Master => Node::Master,
+                };
+                let (a, b) = (norm(a), norm(b));
+                if a != b {
+                    let key = if a < b { (a, b) } else { (b, a) };
+                    self.stalled.insert(key, self.now + d);
+                }
+            }
+            Fault::Reset(a, b) => {
+                let (a, b) = (pick(a), pick(b));
+                if a != b && self.peers[a].alive && self.peers[b].alive {
+                    for (x, y) in [(a, b), (b, a)] {
+                        self.send(Node::Peer(x), Node::Peer(y), Ev::Data { from: x, to: y, item: Item::Closed });
+                        self.send(Node::Peer(x), Node::Peer(y), Ev::OutClosed { from: x, to: y });
+                    }
+                }
+            }
+            Fault::Join => self.add_peer(),
+        }
+    }
+
+    /// Peer `v` closes every data stream it has: receivers read what was in flight, then EOF;
+    /// senders to it find their stream closed.
+    fn close_streams(&mut self, v: usize) {
+        for j in 0..self.peers.len() {
+            if j != v {
+                self.send(Node::Peer(v), Node::Peer(j), Ev::Data { from: v, to: j, item: Item::Closed });
+                self.send(Node::Peer(v), Node::Peer(j), Ev::OutClosed { from: v, to: j });
+            }
+        }
+    }
+
+    fn leave(&mut self, i: usize, why: String) {
+        let p = &mut self.peers[i];
+        if p.gone.is_some() {
+            return;
+        }
+        p.gone = Some(why.clone());
+        self.report.gone.push((i, format!("{why} at {:?}", self.now)));
+        if let Call::Collective(op) = std::mem::replace(&mut p.call, Call::Idle) {
+            let record = (i, op.epoch, op.seq, op.members.clone(), Outcome::Err(why));
+            self.report.collectives.push(record);
+        }
+        self.close_streams(i);
+    }
+
+    fn send_master(&mut self, i: usize, msg: Message) {
+        self.send(Node::Peer(i), Node::Master, Ev::Control { from: Node::Peer(i), to: Node::Master, msg });
+    }
+
+    fn send_data(&mut self, from: usize, to: usize, item: Item) {
+        self.send(Node::Peer(from), Node::Peer(to), Ev::Data { from, to, item });
+        let p = &mut self.peers[from];
+        match p.crash_after_sends {
+            Some(0) => {
+                p.crash_after_sends = None;
+                p.alive = false;
+                self.report.faults.push(format!("peer {from} crashed mid-collective at {:?}", self.now));
+                self.send(Node::Peer(from), Node::Master, Ev::ControlClosed { to: Node::Master, peer: from });
+                self.close_streams(from);
+            }
+            Some(n) => p.crash_after_sends = Some(n - 1),
+            None => {}
+        }
+    }
+
+    fn peer_control(&mut self, i: usize, msg: Message) {
+        if !self.peers[i].active() {
+            return;
+        }
+        self.peers[i].last_heard = self.now;
+        match self.peers[i].view.handle_message(msg) {
+            Ok(PeerEvent::Query { epoch, seq, committed: true }) => {
+                self.send_master(i, Message::OpDone { epoch, seq, decided: true })
+            }
+            Ok(PeerEvent::Registered) => {
+                let me = self.peers[i].me().expect("registered");
+                self.index_of.insert(me, i);
+            }
+            Ok(PeerEvent::Kicked) => {}
+            Ok(_) => {}
+            Err(e) => self.report.violations.push(Violation(format!("peer {i}: {e}"))),
+        }
+        self.step(i);
+    }
+
+    fn tick(&mut self, i: usize) {
+        if !self.peers[i].active() {
+            return;
+        }
+        let next = self.now + TICK;
+        self.push(next, Ev::Tick(i));
+        let p = &mut self.peers[i];
+        if self.now.saturating_sub(p.last_heard) > HEARTBEAT_TIMEOUT {
+            // The master went silent for us: a real peer declares it lost.
+            return self.leave(i, "master lost".into());
+        }
+        let interval = p.view.heartbeat_interval.unwrap_or(HEARTBEAT_TIMEOUT / 4);
+        if p.view.registered.is_some() && self.now - p.last_heartbeat >= interval {
+            p.last_heartbeat = self.now;
+            self.send_master(i, Message::Heartbeat);
+        }
+        self.watch(i);
+        self.step(i);
+        let p = &self.peers[i];
+        if p.active()
+            && !matches!(p.call, Call::Idle)
+            && self.now - p.call_started > CALL_TIMEOUT * 2 + HEARTBEAT_TIMEOUT * 2
+        {
+            let v = Violation(format!("peer {i} hangs in {:?} since {:?}", p.call, p.call_started));
+            self.report.violations.push(v);
+            self.leave(i, "hung".into());
+        }
+    }
+
+    // ----- the peer library's rules -----
+
+    /// What the real executor checks before it sleeps: verdicts, removed members, misuse, the
+    /// deadline.
+    fn watch(&mut self, i: usize) -> bool {
+        let now = self.now;
+        let p = &mut self.peers[i];
+        let Call::Collective(op) = &mut p.call else {
+            return self.watch_other(i);
+        };
+        let (epoch, seq) = (op.epoch, op.seq);
+        match op.phase {
+            Phase::Data => {
+                if let Some(Verdict::Aborted(f)) = p.view.verdicts.remove(&(epoch, seq)) {
+                    return self.end_op(i, Outcome::Err(format!("aborted: {}", f.reason)));
+                }
+                if let Some(gone) = op.members.iter().find(|m| p.view.removed.contains(m)) {
+                    let f = OpFailure::new(FailureKind::PeerLost, *gone, "removed by the master");
+                    return self.fail_op(i, f);
+                }
+                if let Some((e, voter, started)) = p.view.vote_open {
+                    if e == epoch && started <= seq {
+                        let f = OpFailure::new(FailureKind::Misuse, voter, "vote during collective");
+                        return self.fail_op(i, f);
+                    }
+                }
+                if now >= op.deadline {
+                    let me = p.me().expect("registered");
+                    return self.fail_op(i, OpFailure::new(FailureKind::Timeout, me, "timed out"));
+                }
+            }
+            Phase::Lap => {
+                if let Some(v) = p.view.verdicts.remove(&(epoch, seq)) {
+                    return self.verdict(i, v);
+                }
+                if op.members.iter().any(|m| p.view.removed.contains(m)) || now >= op.deadline {
+                    return self.ask(i);
+                }
+            }
+            Phase::Asking(until) | Phase::Reporting(until, _) => {
+                if now >= until {
+                    let outcome = Outcome::Err("no verdict in time".into());
+                    self.report.violations.push(Violation(format!("peer {i}: no verdict on ({epoch:?}, {seq})")));
+                    return self.end_op(i, outcome);
+                }
+            }
+        }
+        false
+    }
+
+    fn watch_other(&mut self, i: usize) -> bool {
+        let now = self.now;
+        let p = &mut self.peers[i];
+        let deadline = match p.call {
+            Call::Connecting { deadline, .. } | Call::Voting { deadline, .. } | Call::Pending { deadline } => deadline,
+            _ => return false,
+        };
+        if now >= deadline {
+            // The real call returns a timeout; the application here gives up on the run.
+            self.leave(i, "call timed out".into());
+        }
+        false
+    }
+
+    /// Makes every move the peer can make now, then lets the application pick its next call.
+    fn step(&mut self, i: usize) {
+        for _ in 0..10_000 {
+            if !self.peers[i].active() || !self.advance(i) {
+                return;
+            }
+        }
+        self.report.violations.push(Violation(format!("peer {i} does not settle")));
+    }
+
+    /// One move; false when there is nothing to do until something arrives.
+    fn advance(&mut self, i: usize) -> bool {
+        let p = &mut self.peers[i];
+        if let Some(reason) = p.view.kicked.clone() {
+            self.leave(i, format!("kicked: {reason}"));
+            return false;
+        }
+        match &mut p.call {
+            Call::Idle => self.next_call(i),
+            Call::Connecting { handled, .. } | Call::Voting { handled, .. } => {
+                let handled = *handled;
+                let voting = matches!(p.call, Call::Voting { .. });
+                if let Some(reason) = p.view.vote_aborted.take().filter(|_| voting) {
+                    // The vote was abandoned (a member ran a collective instead): the call fails
+                    // with a usage error, and this application simply votes again.
+                    let _ = reason;
+                    self.vote(i);
+                    return true;
+                }
+                if let Some((e, members)) = p.view.issued.clone().filter(|(e, _)| Some(*e) != handled) {
+                    // Open the connections the topology asks for: dialing a dead peer fails.
+                    let me = p.me().expect("registered");
+                    let pos = members.iter().position(|m| m.peer == me).expect("a member");
+                    let next = members[(pos + 1) % members.len()].peer;
+                    let reachable = next == me || self.index_of.get(&next).is_some_and(|&j| self.peers[j].alive);
+                    if let Call::Connecting { handled, .. } | Call::Voting { handled, .. } = &mut self.peers[i].call {
+                        *handled = Some(e);
+                    }
+                    let msg = if reachable {
+                        Message::TopologyReady { epoch: e }
+                    } else {
+                        Message::PeerUnreachable { epoch: e, peer: next }
+                    };
+                    self.send_master(i, msg);
+                    return true;
+                }
+                let p = &mut self.peers[i];
+                let Some((e, members)) = p.view.committed.clone().filter(|(e, _)| Some(*e) == handled) else {
+                    return false;
+                };
+                let me = p.me().expect("registered");
+                p.epoch = Some(e);
+                p.ring = members.iter().map(|m| self.index_of[&m.peer]).collect();
+                p.rank = members.iter().position(|m| m.peer == me).expect("a member");
+                p.seq = 0;
+                p.broken = false;
+                p.out_closed.clear();
+                for q in p.inbox.values_mut() {
+                    q.retain(|item| match item {
+                        Item::Chunk { epoch, .. } | Item::Token { epoch, .. } => *epoch >= e,
+                        Item::Closed => false,
+                    });
+                }
+                p.call = Call::Idle;
+                true
+            }
+            Call::Pending { .. } => match p.view.pending_result.take() {
+                Some(pending) => {
+                    if pending {
+                        self.vote(i);
+                    } else {
+                        self.start_collective(i);
+                    }
+                    true
+                }
+                None => false,
+            },
+            Call::Collective(_) => self.advance_op(i),
+        }
+    }
+
+    fn next_call(&mut self, i: usize) -> bool {
+        let p = &mut self.peers[i];
+        p.call_started = self.now;
+        // Every member makes the same calls: after every third collective of a topology, ask
+        // whether newcomers wait.
+        if std::mem::take(&mut p.pending_due) {
+            p.call = Call::Pending { deadline: self.now + CALL_TIMEOUT };
+            self.send_master(i, Message::VotePeersPending);
+        } else {
+            self.start_collective(i);
+        }
+        true
+    }
+
+    /// Calls `update_topology`.
+    fn vote(&mut self, i: usize) {
+        let p = &mut self.peers[i];
+        p.call_started = self.now;
+        p.view.vote_aborted = None;
+        p.call = Call::Voting { deadline: self.now + CALL_TIMEOUT, handled: None };
+        let collectives = p.seq;
+        self.send_master(i, Message::VoteUpdateTopology { collectives });
+    }
+
+    fn start_collective(&mut self, i: usize) {
+        let now = self.now;
+        let ring = self.peers[i].ring.clone();
+        let members: Vec<PeerId> = ring.iter().map(|&j| self.peers[j].me().expect("registered")).collect();
+        let p = &mut self.peers[i];
+        p.call_started = now;
+        let epoch = p.epoch.expect("accepted");
+        let world = p.ring.len();
+        let seq = p.seq;
+        p.seq += 1;
+        let me = p.me().expect("registered");
+        let buf: Vec<i64> = (0..world).map(|k| input(me, seq, k)).collect();
+        let plan = RingAllReduce::new(p.rank, world, world, 1);
+        let op = Op {
+            epoch,
+            seq,
+            deadline: now + CALL_TIMEOUT,
+            members,
+            ring: p.ring.clone(),
+            rank: p.rank,
+            plan,
+            buf,
+            sent: 0,
+            received: 0,
+            phase: Phase::Data,
+            tokens_in: 0,
+            tokens_out: 0,
+        };
+        p.call = Call::Collective(Box::new(op));
+        if world == 1 {
+            self.end_op(i, Outcome::Ok(vec![input(me, seq, 0)]));
+        } else if self.peers[i].broken {
+            let next = self.peers[i].ring[(self.peers[i].rank + 1) % world];
+            let next_id = self.peers[next].me().expect("registered");
+            self.fail_op(i, OpFailure::new(FailureKind::PeerLost, next_id, "no data connection"));
+        }
+    }
+
+    fn advance_op(&mut self, i: usize) -> bool {
+        let p = &mut self.peers[i];
+        let Call::Collective(op) = &mut p.call else { unreachable!() };
+        let world = op.ring.len();
+        let (next, prev) = (op.ring[(op.rank + 1) % world], op.ring[(op.rank + world - 1) % world]);
+        match op.phase {
+            Phase::Data => {
+                // Send what the schedule allows.
+                if op.sent < op.plan.sends.len() {
+                    let u = &op.plan.sends[op.sent];
+                    if u.after_recv.is_none_or(|j| j < op.received) {
+                        if p.out_closed.contains(&next) {
+                            let id = op.members[(op.rank + 1) % world];
+                            return self.fail_op(i, OpFailure::new(FailureKind::PeerLost, id, "send failed"));
+                        }
+                        let item =
+                            Item::Chunk { epoch: op.epoch, seq: op.seq, unit: op.sent, value: op.buf[u.range.start] };
+                        op.sent += 1;
+                        self.send_data(i, next, item);
+                        return true;
+                    }
+                }
+                if op.received < op.plan.recvs.len() {
+                    let (epoch, seq, expect) = (op.epoch, op.seq, op.received);
+                    let Some(item) = p.inbox.get_mut(&prev).and_then(|q| q.pop_front()) else { return false };
+                    match item {
+                        Item::Chunk { epoch: e, .. } | Item::Token { epoch: e, .. } if e < epoch => {}
+                        Item::Chunk { epoch: e, seq: s, unit, value } if e == epoch && s == seq && unit == expect => {
+                            let Call::Collective(op) = &mut self.peers[i].call else { unreachable!() };
+                            let r = &op.plan.recvs[unit];
+                            match r.action {
+                                RecvAction::Reduce { .. } => {
+                                    op.buf[r.range.start] = op.buf[r.range.start].wrapping_add(value)
+                                }
+                                RecvAction::Copy => op.buf[r.range.start] = value,
+                            }
+                            op.received += 1;
+                        }
+                        Item::Closed => {
+                            let id = op_member(&self.peers[i], -1);
+                            return self.fail_op(i, OpFailure::new(FailureKind::PeerLost, id, "connection closed"));
+                        }
+                        other => {
+                            self.report.violations.push(Violation(format!(
+                                "peer {i} in ({epoch:?}, {seq}) expected chunk {expect}, got {other:?}"
+                            )));
+                            let id = op_member(&self.peers[i], -1);
+                            return self.fail_op(i, OpFailure::new(FailureKind::Protocol, id, "desynchronised"));
+                        }
+                    }
+                    return true;
+                }
+                if op.sent == op.plan.sends.len() {
+                    op.phase = Phase::Lap;
+                    op.tokens_out = 1;
+                    let item = Item::Token { epoch: op.epoch, seq: op.seq, origin: op.rank };
+                    self.send_data(i, next, item);
+                    return true;
+                }
+                false
+            }
+            Phase::Lap => {
+                if op.tokens_in == world - 1 && op.tokens_out == world - 1 {
+                    let (epoch, seq) = (op.epoch, op.seq);
+                    if p.view.commit_on_our_own(epoch, seq) {
+                        self.send_master(i, Message::OpDone { epoch, seq, decided: true });
+                    }
+                    let Call::Collective(op) = &self.peers[i].call else { unreachable!() };
+                    let buf = op.buf.clone();
+                    self.end_op(i, Outcome::Ok(buf));
+                    return true;
+                }
+                if p.out_closed.contains(&next) && op.tokens_out < world - 1 {
+                    return self.ask(i);
+                }
+                let (epoch, seq, rank) = (op.epoch, op.seq, op.rank);
+                let Some(item) = p.inbox.get_mut(&prev).and_then(|q| q.pop_front()) else { return false };
+                match item {
+                    Item::Token { epoch: e, seq: s, origin } if e == epoch && s == seq && origin != rank => {
+                        op.tokens_in += 1;
+                        if origin != (rank + 1) % world {
+                            op.tokens_out += 1;
+                            self.send_data(i, next, Item::Token { epoch, seq, origin });
+                        }
+                        true
+                    }
+                    Item::Closed => self.ask(i),
+                    other => {
+                        let v = format!("peer {i} in the lap of ({epoch:?}, {seq}) got {other:?}");
+                        self.report.violations.push(Violation(v));
+                        self.ask(i)
+                    }
+                }
+            }
+            Phase::Asking(_) | Phase::Reporting(..) => {
+                let (epoch, seq) = (op.epoch, op.seq);
+                match p.view.verdicts.remove(&(epoch, seq)) {
+                    Some(v) => self.verdict(i, v),
+                    None => false,
+                }
+            }
+        }
+    }
+
+    fn verdict(&mut self, i: usize, v: Verdict) -> bool {
+        let Call::Collective(op) = &self.peers[i].call else { unreachable!() };
+        let outcome = match (v, &op.phase) {
+            (Verdict::Committed, Phase::Reporting(..)) => {
+                self.report.violations.push(Violation(format!("peer {i}: a failed collective was committed")));
+                Outcome::Err("committed after failing".into())
+            }
+            (Verdict::Committed, _) => Outcome::Ok(op.buf.clone()),
+            (Verdict::Aborted(f), _) => Outcome::Err(format!("aborted: {}", f.reason)),
+        };
+        if !matches!(op.phase, Phase::Lap) || matches!(outcome, Outcome::Err(_)) {
+            self.drop_streams(i);
+        }
+        self.end_op(i, outcome)
+    }
+
+    /// The lap cannot finish: ask the master, which queries the others.
+    fn ask(&mut self, i: usize) -> bool {
+        self.drop_streams(i);
+        let Call::Collective(op) = &mut self.peers[i].call else { unreachable!() };
+        let (epoch, seq) = (op.epoch, op.seq);
+        op.phase = Phase::Asking(op.deadline.max(self.now) + HEARTBEAT_TIMEOUT);
+        self.send_master(i, Message::OpDone { epoch, seq, decided: false });
+        self.advance_op(i)
+    }
+
+    /// This participant did not finish: report, and wait for the verdict naming the cause.
+    fn fail_op(&mut self, i: usize, failure: OpFailure) -> bool {
+        self.drop_streams(i);
+        let Call::Collective(op) = &mut self.peers[i].call else { unreachable!() };
+        let (epoch, seq) = (op.epoch, op.seq);
+        op.phase = Phase::Reporting(self.now + HEARTBEAT_TIMEOUT, failure.reason.clone());
+        self.send_master(i, Message::OpFailed { epoch, seq, failure });
+        true
+    }
+
+    fn drop_streams(&mut self, i: usize) {
+        let p = &mut self.peers[i];
+        if p.broken || p.ring.len() < 2 {
+            return;
+        }
+        p.broken = true;
+        let world = p.ring.len();
+        let (next, prev) = (p.ring[(p.rank + 1) % world], p.ring[(p.rank + world - 1) % world]);
+        p.inbox.remove(&prev);
+        self.send_data(i, next, Item::Closed);
+        self.send(Node::Peer(i), Node::Peer(prev), Ev::OutClosed { from: i, to: prev });
+    }
+
+    fn end_op(&mut self, i: usize, outcome: Outcome) -> bool {
+        let p = &mut self.peers[i];
+        let Call::Collective(op) = std::mem::replace(&mut p.call, Call::Idle) else { unreachable!() };
+        if let Outcome::Ok(_) = outcome {
+            p.pending_due = op.seq % 3 == 2;
+            self.report.successes += 1;
+            let me = p.me().expect("registered");
+            // One major operation at a time: no collective of a ring succeeds after a later
+            // topology including this peer came into force.
+            if let Some((at, e, _)) =
+                self.commits.iter().find(|(at, e, m)| *e > op.epoch && m.contains(&me) && *at < self.now)
+            {
+                self.report.violations.push(Violation(format!(
+                    "peer {i} finished ({:?}, {}) at {:?}, after topology {e:?} came into force at {at:?}",
+                    op.epoch, op.seq, self.now
+                )));
+            }
+            self.report.collectives.push((i, op.epoch, op.seq, op.members, outcome));
+        } else {
+            self.report.collectives.push((i, op.epoch, op.seq, op.members, outcome));
+            self.vote(i);
+        }
+        true
+    }
+
+    fn finish(mut self) -> Report {
+        let live: Vec<usize> = (0..self.peers.len()).filter(|&i| self.peers[i].active()).collect();
+        self.report.live = live.iter().filter_map(|&i| self.peers[i].me()).collect();
+        self.report.live_index = live.iter().copied().collect();
+        self.report.ring = self.master.ring().to_vec();
+        self.report.views = live
+            .iter()
+            .map(|&i| {
+                let p = &self.peers[i];
+                p.epoch.map(|_| p.ring.iter().filter_map(|&j| self.peers[j].me()).collect())
+            })
+            .collect();
+        self.report
+    }
+}
+
+fn op_member(p: &Peer, offset: isize) -> PeerId {
+    let Call::Collective(op) = &p.call else { unreachable!() };
+    let world = op.ring.len() as isize;
+    op.members[((op.rank as isize + offset).rem_euclid(world)) as usize]
+}
+
+/// Peer `me`'s input at index `k` of its collective `seq`.
+fn input(me: PeerId, seq: u64, k: usize) -> i64 {
+    i64::from(me.0) * 1_000_000 + seq as i64 * 1_000 + k as i64
+}
+
+/// Checks a run's invariants (see the crate docs).
+///
+/// # Errors
+/// The first violation found.
+pub fn check(r: &Report) -> Result<(), Violation> {
+    if let Some(v) = r.violations.first() {
+        return Err(v.clone());
+    }
+    type Ended<'a> = (usize, &'a Vec<PeerId>, &'a Outcome);
+    let mut by_op: BTreeMap<(Epoch, u64), Vec<Ended>> = BTreeMap::new();
+    for (i, e, s, members, o) in &r.collectives {
+        by_op.entry((*e, *s)).or_default().push((*i, members, o));
+    }
+    for ((e, s), results) in &by_op {
+        // Every success holds the sum of exactly the participants' inputs.
+        for (i, members, o) in results {
+            if let Outcome::Ok(v) = o {
+                let expected: Vec<i64> = (0..members.len())
+                    .map(|k| members.iter().fold(0i64, |a, m| a.wrapping_add(input(*m, *s, k))))
+                    .collect();
+                if *v != expected {
+                    return Err(Violation(format!("peer {i}: ({e:?}, {s}) returned {v:?}, expected {expected:?}")));
+                }
+            }
+        }
+        // Participants still in the run at the end all returned the same outcome.
+        let staying: Vec<_> = results.iter().filter(|(i, _, _)| r.live_index.contains(i)).collect();
+        let ok = staying.iter().filter(|(_, _, o)| matches!(o, Outcome::Ok(_))).count();
+        if ok > 0 && ok < staying.len() {
+            let all: Vec<String> = staying.iter().map(|(i, _, o)| format!("peer {i}: {o:?}")).collect();
+            return Err(Violation(format!("({e:?}, {s}): survivors disagree: {}", all.join("; "))));
+        }
+    }
+    // Convergence: the ring is exactly the live peers, and they all see it.
+    let live: BTreeSet<PeerId> = r.live.iter().copied().collect();
+    let ring: BTreeSet<PeerId> = r.ring.iter().copied().collect();
+    if ring != live {
+        return Err(Violation(format!("ring {:?} is not the live peers {:?}", r.ring, r.live)));
+    }
+    for v in &r.views {
+        match v {
+            Some(view) if view.iter().copied().collect::<BTreeSet<_>>() == ring => {}
+            other => return Err(Violation(format!("a live peer sees ring {other:?}, the master has {:?}", r.ring))),
+        }
+    }
+    Ok(())
+}

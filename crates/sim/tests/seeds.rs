@@ -1,0 +1,67 @@
+//! Many seeds of the simulation, each checked; a failing seed prints the command that replays
+//! it, and joins `REGRESSIONS` once fixed.
+
+use shoal_sim::{check, run, Outcome};
+
+/// Seeds that once broke an invariant.
+const REGRESSIONS: &[u64] = &[];
+
+fn env_u64(name: &str) -> Option<u64> {
+    std::env::var(name).ok().map(|v| v.parse().unwrap_or_else(|_| panic!("{name}={v:?} is not a number")))
+}
+
+fn verify(seed: u64) -> (usize, usize) {
+    let report = run(seed);
+    if let Err(v) = check(&report) {
+        panic!(
+            "seed {seed} broke an invariant: {}\nfaults: {:#?}\nreplay: SHOAL_SIM_SEED={seed} cargo test -p shoal-sim \
+             --test seeds replay -- --nocapture",
+            v.0, report.faults
+        );
+    }
+    let aborted = report.collectives.iter().filter(|c| matches!(c.4, Outcome::Err(_))).count();
+    (report.successes, aborted)
+}
+
+/// `SHOAL_SIM_SEEDS` seeds (default 1000) from `SHOAL_SIM_FIRST` (default 0).
+#[test]
+fn every_seed_keeps_every_invariant() {
+    let count = env_u64("SHOAL_SIM_SEEDS").unwrap_or(1000);
+    let first = env_u64("SHOAL_SIM_FIRST").unwrap_or(0);
+    let (mut successes, mut aborted) = (0, 0);
+    for seed in first..first + count {
+        let (s, a) = verify(seed);
+        successes += s;
+        aborted += a;
+    }
+    eprintln!("{count} seeds: {successes} collectives succeeded, {aborted} failed and agreed");
+    // The runs must exercise both paths, or the checks prove nothing.
+    assert!(successes > 100 * count as usize, "too few successes: {successes}");
+    assert!(count < 20 || aborted > count as usize / 4, "too few failures: {aborted}");
+}
+
+#[test]
+fn regressions() {
+    for &seed in REGRESSIONS {
+        verify(seed);
+    }
+}
+
+/// `SHOAL_SIM_SEED=N`: runs one seed and prints what happened.
+#[test]
+fn replay() {
+    let Some(seed) = env_u64("SHOAL_SIM_SEED") else { return };
+    let report = run(seed);
+    eprintln!("faults: {:#?}\ngone: {:#?}", report.faults, report.gone);
+    for c in &report.collectives {
+        eprintln!("{c:?}");
+    }
+    eprintln!("live {:?}, ring {:?}, views {:?}, events {}", report.live, report.ring, report.views, report.events);
+    check(&report).unwrap();
+}
+
+#[test]
+fn a_seed_is_a_pure_function() {
+    let (a, b) = (run(7), run(7));
+    assert_eq!((a.events, a.successes, a.collectives.len()), (b.events, b.successes, b.collectives.len()));
+}
