@@ -28,6 +28,12 @@ class ReduceInfo:
     @property
     def elapsed(self) -> float:
         """Wall time of the call in seconds."""
+    @property
+    def topology(self) -> int:
+        """The topology (epoch) the collective ran in."""
+    @property
+    def sequence(self) -> int:
+        """The collective's number within its topology; with ``topology``, the same on every participant."""
 
 @final
 class Communicator:

@@ -26,14 +26,19 @@ struct ReduceInfo {
     rx_bytes: u64,
     /// Wall time of the call in seconds.
     elapsed: f64,
+    /// The topology (epoch) the collective ran in.
+    topology: u64,
+    /// The collective's number within its topology: with `topology`, the same on every
+    /// participant.
+    sequence: u64,
 }
 
 #[pymethods]
 impl ReduceInfo {
     fn __repr__(&self) -> String {
         format!(
-            "ReduceInfo(world_size={}, tx_bytes={}, rx_bytes={}, elapsed={:.6})",
-            self.world_size, self.tx_bytes, self.rx_bytes, self.elapsed
+            "ReduceInfo(world_size={}, tx_bytes={}, rx_bytes={}, elapsed={:.6}, topology={}, sequence={})",
+            self.world_size, self.tx_bytes, self.rx_bytes, self.elapsed, self.topology, self.sequence
         )
     }
 }
@@ -121,6 +126,8 @@ impl Communicator {
             tx_bytes: info.tx_bytes,
             rx_bytes: info.rx_bytes,
             elapsed: info.elapsed.as_secs_f64(),
+            topology: info.topology,
+            sequence: info.sequence,
         })
     }
 

@@ -206,6 +206,56 @@ def admission_misuse(spec: dict) -> dict:
     return {"error": error, "took": took, "restored": restored, "after": float(y[0])}
 
 
+def chaos(spec: dict) -> dict:
+    """All-reduce until the stop file appears, logging every call to a JSON-lines file as it
+    ends (this process may be killed at any instant). Calls follow what every peer sees: after
+    each fifth collective of a topology ask peers_pending; after a failure vote update_topology."""
+    comm = shoal.Communicator(spec["master"], timeout=spec["call_timeout"])
+    log = open(spec["log"], "a")
+
+    def record(**fields) -> None:
+        log.write(json.dumps(fields) + "\n")
+        log.flush()
+
+    def timed(name: str, call):
+        started = time.time()
+        try:
+            return call()
+        finally:
+            record(call=name, seconds=time.time() - started)
+
+    try:
+        timed("connect", lambda: comm.connect(timeout=spec["call_timeout"]))
+        pattern = (np.arange(1 << 18) % 13 + 1).astype(np.float32)
+        next_call = "all_reduce"
+        while not os.path.exists(spec["stop"]):
+            try:
+                if next_call == "peers_pending":
+                    next_call = "update_topology" if timed("peers_pending", comm.peers_pending) else "all_reduce"
+                    continue
+                if next_call == "update_topology":
+                    timed("update_topology", comm.update_topology)
+                    next_call = "all_reduce"
+                    continue
+                x = pattern.copy()
+                info = timed("all_reduce", lambda: comm.all_reduce(x, op="sum"))
+                ok = bool((x == pattern * info.world_size).all())
+                record(key=[info.topology, info.sequence], world=info.world_size, correct=ok,
+                       sha=hashlib.sha256(x.tobytes()).hexdigest())
+                if info.sequence % 5 == 4:
+                    next_call = "peers_pending"
+            except (shoal.PeerLostError, shoal.UsageError) as e:
+                restored = next_call != "all_reduce" or bool((x == pattern).all())
+                record(error=type(e).__name__, restored=restored, msg=str(e))
+                next_call = "update_topology"
+    except shoal.KickedError as e:
+        record(kicked=str(e))
+    except shoal.ShoalError as e:
+        record(fatal=f"{type(e).__name__}: {e}")
+        raise
+    return {}
+
+
 def mismatch(spec: dict) -> dict:
     """Peers call all_reduce with different counts (or dtypes, or ops, as ``vary`` says) on the
     peer of index 1; then they all re-establish and run a matching one."""
@@ -230,7 +280,7 @@ def mismatch(spec: dict) -> dict:
 if __name__ == "__main__":
     scenario, spec = sys.argv[1], json.loads(sys.argv[2])
     scenarios = {"matrix": matrix, "torch": torch_tensors, "join_late": join_late, "survive": survive, "agree": agree, "min_world": min_world, "master_loss": master_loss,
-                 "admission_misuse": admission_misuse,
+                 "admission_misuse": admission_misuse, "chaos": chaos,
                  "mismatch": mismatch}
     result = scenarios[scenario](spec)
     print(json.dumps(result), flush=True)

@@ -28,6 +28,11 @@ pub struct Info {
     pub rx_bytes: u64,
     /// Wall time of the call.
     pub elapsed: Duration,
+    /// The topology the collective ran in.
+    pub topology: u64,
+    /// The collective's number within its topology: with `topology`, it names the collective
+    /// on every participant.
+    pub sequence: u64,
 }
 
 /// One peer's membership in a run: joins through the master, is admitted by the accepted
@@ -212,7 +217,8 @@ impl Communicator {
         let pos = self.topology.lock().expect("topology lock poisoned").clone().ok_or(Error::NotConnected)?;
         let world = pos.group_size();
         if world == 1 {
-            return Ok(Info { world_size: 1, tx_bytes: 0, rx_bytes: 0, elapsed: started.elapsed() });
+            let (topology, sequence) = (pos.epoch.0, self.seq.fetch_add(1, Ordering::Relaxed));
+            return Ok(Info { world_size: 1, tx_bytes: 0, rx_bytes: 0, elapsed: started.elapsed(), topology, sequence });
         }
         // Numbered within the topology: every member counts the same collectives in the same
         // order, so (epoch, seq) names this collective at the master and on every peer.
@@ -302,6 +308,8 @@ impl Communicator {
                     tx_bytes: traffic.tx_bytes,
                     rx_bytes: traffic.rx_bytes,
                     elapsed: started.elapsed(),
+                    topology: epoch.0,
+                    sequence: seq,
                 };
                 if confirmed.is_ok() {
                     // Every participant holds the result: committed without the master, which

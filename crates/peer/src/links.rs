@@ -129,7 +129,7 @@ impl Listener {
         }
         let &(me, session) = self.identity.get().expect("identity is set at registration");
         let next = pos.next();
-        if plane.outgoing.get(&next.peer).is_some_and(|pool| !pool_alive(pool)) {
+        if plane.outgoing.get(&next.peer).is_some_and(|pool| !pool_idle(pool)) {
             log::debug!("{me}: pool to {} was closed by the other end; dialing again", next.peer);
             plane.outgoing.remove(&next.peer);
         }
@@ -140,6 +140,12 @@ impl Listener {
             e.insert(pool);
         }
         let prev = pos.prev().peer;
+        // No collective of this topology can have started (it needs our TopologyReady), so
+        // anything readable on the old incoming pool is left over from a failed one.
+        if plane.incoming.get(&prev).is_some_and(|pool| !pool_idle(pool)) {
+            log::debug!("{me}: pool from {prev} holds leftovers of a failed collective; awaiting a new one");
+            plane.incoming.remove(&prev);
+        }
         loop {
             {
                 let mut arrivals = self.arrivals.streams.lock().expect("arrivals lock poisoned");
@@ -170,9 +176,12 @@ impl Drop for Listener {
     }
 }
 
-/// Whether every stream of an outgoing pool is still open. Nothing is ever sent back on an
-/// outgoing stream, so a readable one has been closed (or reset) by the acceptor.
-fn pool_alive(pool: &[TcpStream]) -> bool {
+/// Whether no stream of a pool has anything to read, between collectives. Nothing is ever sent
+/// back on an outgoing stream, so a readable one was closed (or reset) by the acceptor. An
+/// incoming stream is read to its end by every collective that succeeds, so a readable one
+/// holds the end of a collective that failed (its sender dropped the pool and dials again) or
+/// was closed.
+fn pool_idle(pool: &[TcpStream]) -> bool {
     let mut fds: Vec<PollFd> = pool
         .iter()
         .map(|s| {
