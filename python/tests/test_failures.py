@@ -7,12 +7,16 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 
+from typing import Optional
+
 import pytest
 from conftest import WORKER
+from proxy import Proxy
 
 import shoal
 
@@ -21,10 +25,13 @@ import shoal
 HEARTBEAT_TIMEOUT = 2.0
 
 
-def start_survivors(master: shoal.Master, peers: int) -> list[subprocess.Popen]:
+def start_survivors(master: shoal.Master, peers: int, special: Optional[dict] = None) -> list[subprocess.Popen]:
+    """Starts ``peers`` survive workers; peer 1 gets ``special`` merged into its spec."""
     procs = []
     for i in range(peers):
         spec = {"master": master.address, "index": i, "peers": peers, "steps_after": 5}
+        if i == 1 and special:
+            spec.update(special)
         procs.append(subprocess.Popen([sys.executable, str(WORKER), "survive", json.dumps(spec)],
                                       stdout=subprocess.PIPE, text=True,
                                       env={k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}))
@@ -93,3 +100,32 @@ def test_losing_the_master_ends_every_call_on_every_peer(sig):
         # the missing heartbeats, within the peers' heartbeat timeout.
         assert o["at"] - lost_at < peer_timeout + 3, o
         assert all(v.startswith("MasterUnreachableError after 0.0") for v in o["later"].values()), o
+
+
+def test_a_cut_off_peer_is_expelled_and_the_others_carry_on():
+    # Peer 1 reaches the master, and is reached by its predecessor, only through proxies that
+    # then stop forwarding: the path is blackholed, nothing closes.
+    with shoal.Master("127.0.0.1:0", heartbeat_timeout=HEARTBEAT_TIMEOUT) as master:
+        control = Proxy(master.address)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        data = Proxy(f"127.0.0.1:{port}")
+        special = {"master": control.address, "listen": f"127.0.0.1:{port}", "advertise": data.address,
+                   "heartbeat_timeout": HEARTBEAT_TIMEOUT}
+        try:
+            procs = start_survivors(master, 3, special)
+            victim, survivors = procs[1], [procs[0], procs[2]]
+            cut_at = time.time()
+            control.blackhole.set()
+            data.blackhole.set()
+            outcomes = [result(p) for p in survivors]
+            cut_off = result(victim)
+        finally:
+            control.close()
+            data.close()
+    for o in outcomes:
+        assert o["world"] == 2 and o["smaller"] == 5, o
+        assert o["errors"] and o["errors"][0]["at"] - cut_at < HEARTBEAT_TIMEOUT + 4, o
+    # It hears nothing more from the master: it declares it lost within its own timeout.
+    assert "master_unreachable" in cut_off or "kicked" in cut_off, cut_off

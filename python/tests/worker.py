@@ -96,7 +96,8 @@ def join_late(spec: dict) -> dict:
 def survive(spec: dict) -> dict:
     """All-reduce in a loop; on PeerLostError vote update_topology and go on, until
     ``steps_after`` all-reduces succeeded in a smaller world. Prints "ready" once all are in."""
-    comm = shoal.Communicator(spec["master"], timeout=60)
+    comm = shoal.Communicator(spec["master"], timeout=60, listen_addr=spec.get("listen"),
+                              advertise_addr=spec.get("advertise"), heartbeat_timeout=spec.get("heartbeat_timeout"))
     comm.connect(timeout=30)
     join_all(comm, spec["peers"])
     print(json.dumps({"ready": comm.peer_id}), flush=True)
@@ -115,6 +116,8 @@ def survive(spec: dict) -> dict:
             smaller += info.world_size < spec["peers"]
     except shoal.KickedError as e:
         return {"kicked": str(e)}
+    except shoal.MasterUnreachableError as e:
+        return {"master_unreachable": str(e)}
     return {"errors": errors, "world": comm.group_world_size, "smaller": smaller}
 
 
