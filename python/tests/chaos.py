@@ -26,10 +26,10 @@ import shoal
 
 WORKER = Path(__file__).with_name("worker.py")
 HEARTBEAT_TIMEOUT = 1.5
-CALL_TIMEOUT = 20.0
+CALL_TIMEOUT = 30.0
 # A call ends by a peer's loss within the heartbeat timeout, plus scheduling slack on 2 shared
 # cores; never by the call timeout.
-CALL_BOUND = HEARTBEAT_TIMEOUT + 6.0
+CALL_BOUND = HEARTBEAT_TIMEOUT + 10.0
 
 
 def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive: int = 6) -> dict:

@@ -129,3 +129,32 @@ def test_a_cut_off_peer_is_expelled_and_the_others_carry_on():
         assert o["errors"] and o["errors"][0]["at"] - cut_at < HEARTBEAT_TIMEOUT + 4, o
     # It hears nothing more from the master: it declares it lost within its own timeout.
     assert "master_unreachable" in cut_off or "kicked" in cut_off, cut_off
+
+
+@pytest.mark.parametrize("point", ["connect.before_ready", "update_topology.before_ready", "peers_pending.after_vote",
+                                   "all_reduce.reduce_scatter", "all_reduce.all_gather"])
+def test_a_peer_dying_at_any_step_ends_every_call_and_the_run_goes_on(point):
+    # Admission calls complete without the dead peer (they never need its data); a collective
+    # fails on every survivor with its buffer restored. Either way the next all-reduce succeeds
+    # in the smaller world.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
+    with shoal.Master("127.0.0.1:0", heartbeat_timeout=HEARTBEAT_TIMEOUT) as master:
+        victim = 3
+        procs = []
+        for i in range(4):
+            spec = {"master": master.address, "index": i, "peers": 4, "victim": victim, "failpoint": point}
+            procs.append(subprocess.Popen([sys.executable, str(WORKER), "die_at", json.dumps(spec)],
+                                          stdout=subprocess.PIPE, text=True, env=env))
+            if point.startswith("connect") and i == victim - 1:
+                for p in procs:
+                    assert "ready" in p.stdout.readline()
+        survivors = [result(p) for p in procs[:victim]]
+        procs[victim].communicate(timeout=30)
+        assert procs[victim].returncode not in (0, 1), "the victim did not die at the failpoint"
+    for s in survivors:
+        first, *rest = s["calls"]
+        assert first["seconds"] < HEARTBEAT_TIMEOUT + 4, first
+        if point.startswith("all_reduce"):
+            assert "error" in first and first["restored"], first
+        final = rest[-1]
+        assert final.get("ok") and final["world"] == 3 and final["sum"] == 3.0, s

@@ -259,6 +259,57 @@ def chaos(spec: dict) -> dict:
     return {}
 
 
+def die_at(spec: dict) -> dict:
+    """The peer of index ``victim`` dies at ``failpoint``; the others make the call it names and
+    then all-reduce until they succeed in the smaller world. Records what every call did."""
+    point, victim = spec["failpoint"], spec["index"] == spec["victim"]
+    comm = shoal.Communicator(spec["master"], timeout=30)
+    if point.startswith("connect"):
+        # The victim arrives last and dies while being admitted.
+        if victim:
+            os.environ["SHOAL_FAILPOINT"] = point
+            comm.connect(timeout=30)
+            raise AssertionError("the failpoint did not fire")
+        comm.connect(timeout=30)
+        join_all(comm, spec["peers"] - 1)
+        print(json.dumps({"ready": comm.peer_id}), flush=True)
+        while not comm.peers_pending():
+            time.sleep(0.02)
+    else:
+        comm.connect(timeout=30)
+        join_all(comm, spec["peers"])
+        print(json.dumps({"ready": comm.peer_id}), flush=True)
+        if victim:
+            os.environ["SHOAL_FAILPOINT"] = point
+    calls = []
+    x = np.arange(100_000, dtype=np.float32)
+    started = time.time()
+    first = point.split(".")[0]
+    try:
+        if first == "all_reduce":
+            comm.all_reduce(x, op="sum")
+        elif first == "peers_pending":
+            comm.peers_pending()
+        else:
+            comm.update_topology()
+        calls.append({"call": first, "ok": True})
+    except shoal.PeerLostError as e:
+        restored = bool((x == np.arange(100_000, dtype=np.float32)).all())
+        calls.append({"call": first, "error": str(e), "restored": restored})
+    calls[-1]["seconds"] = time.time() - started
+    assert not victim, "the failpoint did not fire"
+    for _ in range(3):
+        y = np.ones(16, np.float32)
+        try:
+            info = comm.all_reduce(y, op="sum")
+            calls.append({"call": "all_reduce", "ok": True, "world": info.world_size, "sum": float(y[0])})
+            break
+        except shoal.PeerLostError as e:
+            calls.append({"call": "all_reduce", "error": str(e)})
+            comm.update_topology()
+    return {"calls": calls}
+
+
 def mismatch(spec: dict) -> dict:
     """Peers call all_reduce with different counts (or dtypes, or ops, as ``vary`` says) on the
     peer of index 1; then they all re-establish and run a matching one."""
@@ -284,6 +335,7 @@ if __name__ == "__main__":
     scenario, spec = sys.argv[1], json.loads(sys.argv[2])
     scenarios = {"matrix": matrix, "torch": torch_tensors, "join_late": join_late, "survive": survive, "agree": agree, "min_world": min_world, "master_loss": master_loss,
                  "admission_misuse": admission_misuse, "chaos": chaos,
+                 "die_at": die_at,
                  "mismatch": mismatch}
     result = scenarios[scenario](spec)
     print(json.dumps(result), flush=True)

@@ -3,6 +3,7 @@
 use crate::config::CommunicatorConfig;
 use crate::control::Control;
 use crate::error::{Error, Result};
+use crate::failpoint::failpoint;
 use crate::links::{DataPlane, EstablishError, Listener};
 use crate::ring::{self, RingError, RingJob, Side, Stop};
 use crate::Deadline;
@@ -186,6 +187,7 @@ impl Communicator {
     fn vote_peers_pending(&self, deadline: Deadline) -> Result<bool> {
         let connected = self.connected()?;
         connected.control.send(&Message::VotePeersPending)?;
+        failpoint("peers_pending.after_vote");
         connected.control.wait_until("peers_pending", deadline, |s| s.view.pending_result.take())
     }
 
@@ -218,7 +220,14 @@ impl Communicator {
         let world = pos.group_size();
         if world == 1 {
             let (topology, sequence) = (pos.epoch.0, self.seq.fetch_add(1, Ordering::Relaxed));
-            return Ok(Info { world_size: 1, tx_bytes: 0, rx_bytes: 0, elapsed: started.elapsed(), topology, sequence });
+            return Ok(Info {
+                world_size: 1,
+                tx_bytes: 0,
+                rx_bytes: 0,
+                elapsed: started.elapsed(),
+                topology,
+                sequence,
+            });
         }
         // Numbered within the topology: every member counts the same collectives in the same
         // order, so (epoch, seq) names this collective at the master and on every peer.
@@ -454,7 +463,14 @@ impl Communicator {
                 Step::Establish(epoch, members) => {
                     let pos = c.control.lock().view.position(epoch, &members);
                     match c.listener.establish(&mut data, &c.control, &pos, &self.config, deadline, operation) {
-                        Ok(()) => c.control.send(&Message::TopologyReady { epoch })?,
+                        Ok(()) => {
+                            failpoint(if operation == "connect" {
+                                "connect.before_ready"
+                            } else {
+                                "update_topology.before_ready"
+                            });
+                            c.control.send(&Message::TopologyReady { epoch })?
+                        }
                         Err(EstablishError::Unreachable(peer, reason)) => {
                             log::warn!("{}: cannot reach {peer}: {reason}", c.me);
                             c.control.send(&Message::PeerUnreachable { epoch, peer })?;
@@ -513,16 +529,6 @@ impl Drop for Communicator {
 
 fn set_nonblocking(s: &TcpStream) -> Result<()> {
     s.set_nonblocking(true).map_err(|source| Error::Io { context: "configuring a data stream".into(), source })
-}
-
-/// Dies abruptly if `SHOAL_FAILPOINT` names `point`: lets tests kill a peer at an exact step
-/// of the protocol, which no signal sent from outside can hit reliably. Read at every step
-/// (well under a microsecond), so a test process can arm it once it is where it wants to be.
-fn failpoint(point: &str) {
-    if shoal_config::env_value("SHOAL_FAILPOINT").as_deref() == Some(point) {
-        log::warn!("failpoint {point}: dying");
-        std::process::abort();
-    }
 }
 
 /// What a failed ring run means for the caller, and what to tell the master (nothing where the

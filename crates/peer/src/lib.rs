@@ -14,6 +14,7 @@ mod config;
 mod control;
 mod deadline;
 mod error;
+mod failpoint;
 mod links;
 mod ring;
 

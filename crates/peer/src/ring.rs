@@ -182,7 +182,9 @@ pub(crate) fn run(
         plan.recvs.iter().enumerate().map(|(i, u)| *first_of_range.entry(u.range.start).or_insert(i)).collect();
     let saved = vec![false; plan.recvs.len()];
     job.backup.reset(job.buf.len());
-    let mut ctx = Ctx { job, plan, header, elem, send_lanes, recv_lanes, first_unit, saved, save_cursor: 0 };
+    let first_copy = plan.recvs.iter().position(|u| u.action == RecvAction::Copy).unwrap_or(usize::MAX);
+    let mut ctx =
+        Ctx { job, plan, header, elem, send_lanes, recv_lanes, first_unit, saved, save_cursor: 0, first_copy };
     let result = drive(&mut ctx, &mut sends, &mut recvs, send, recv, deadline, abort);
     if let Err(e) = &result {
         // Where every lane stood: enough to tell a dead peer from a desynchronised stream.
@@ -284,6 +286,8 @@ struct Ctx<'a> {
     saved: Vec<bool>,
     /// Where [`Ctx::save_ahead`] goes on.
     save_cursor: usize,
+    /// The first receive unit of the all-gather.
+    first_copy: usize,
 }
 
 impl Ctx<'_> {
@@ -433,6 +437,12 @@ impl Ctx<'_> {
                 if last && self.job.op == ReduceOp::Avg {
                     finish_avg(self.job.dtype, dst, self.job.world).expect("aligned buffer");
                 }
+            }
+            // Test hooks: die having received the first chunk of either half.
+            if lane.unit == 0 {
+                crate::failpoint::failpoint("all_reduce.reduce_scatter");
+            } else if lane.unit == self.first_copy {
+                crate::failpoint::failpoint("all_reduce.all_gather");
             }
             recv_done[lane.unit] = true;
             lane.unit += self.recv_lanes;
