@@ -298,9 +298,10 @@ impl Communicator {
                     scratch,
                     backup,
                 };
-                ring::run(job, send, recv, deadline, &abort).map(|traffic| {
+                ring::run(job, send, recv, deadline, &abort, &control.waker).map(|traffic| {
                     failpoint("all_reduce.before_confirm");
-                    (traffic, ring::confirm(&mut send[0], &mut recv[0], pos.rank, world, seq, deadline, &watch))
+                    let (send, recv) = (&mut send[0], &mut recv[0]);
+                    (traffic, ring::confirm(send, recv, pos.rank, world, seq, deadline, &watch, &control.waker))
                 })
             }
             _ => {

@@ -7,7 +7,9 @@ use shoal_proto::master::heartbeat_interval;
 use shoal_proto::peer::{PeerEvent, PeerView};
 use shoal_transport::{read_message, write_message};
 use shoal_wire::{Message, SessionId};
+use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
+use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -15,9 +17,43 @@ use std::time::{Duration, Instant};
 /// How long a failed send waits for the reader to deliver what the master sent before closing.
 const READER_DRAIN: Duration = Duration::from_millis(500);
 
+/// Wakes a collective sleeping in `poll(2)` on its data streams when the master says something
+/// that may end it (a verdict, a removed peer, an opened vote, expulsion, loss). Without it the
+/// collective would notice only at the end of its poll slice.
+pub(crate) struct Waker {
+    rx: UnixStream,
+    tx: UnixStream,
+}
+
+impl Waker {
+    fn new() -> std::io::Result<Self> {
+        let (rx, tx) = UnixStream::pair()?;
+        rx.set_nonblocking(true)?;
+        tx.set_nonblocking(true)?;
+        Ok(Waker { rx, tx })
+    }
+
+    fn wake(&self) {
+        // A full pipe already holds a wake-up.
+        let _ = (&self.tx).write(&[1]);
+    }
+
+    /// The end to poll for reading.
+    pub fn fd(&self) -> &UnixStream {
+        &self.rx
+    }
+
+    /// Consumes pending wake-ups.
+    pub fn drain(&self) {
+        let mut buf = [0u8; 64];
+        while matches!((&self.rx).read(&mut buf), Ok(n) if n > 0) {}
+    }
+}
+
 /// Shared between the API thread and the control threads.
 pub(crate) struct Control {
     master_addr: String,
+    pub waker: Waker,
     writer: Mutex<TcpStream>,
     state: Mutex<ControlState>,
     changed: Condvar,
@@ -40,8 +76,10 @@ impl Control {
         // declare the master lost.
         stream.set_write_timeout(Some(heartbeat_timeout)).map_err(io_err)?;
         let reader = stream.try_clone().map_err(io_err)?;
+        let waker = Waker::new().map_err(|source| Error::Io { context: "creating a wake-up pipe".into(), source })?;
         let control = Arc::new(Control {
             master_addr: master_addr.to_string(),
+            waker,
             writer: Mutex::new(stream),
             state: Mutex::new(ControlState {
                 view: PeerView::default(),
@@ -134,6 +172,7 @@ impl Control {
         }
         drop(s);
         self.changed.notify_all();
+        self.waker.wake();
     }
 
     fn read_loop(&self, mut stream: TcpStream) {
@@ -142,6 +181,7 @@ impl Control {
                 Ok((_, m)) => m,
                 Err(e) => return self.mark_lost(format!("control connection: {e}")),
             };
+            let wake = !matches!(message, Message::Heartbeat | Message::PeersPendingResult { .. });
             let mut s = self.lock();
             s.last_heard = Instant::now();
             match s.view.handle_message(message) {
@@ -161,6 +201,9 @@ impl Control {
             }
             drop(s);
             self.changed.notify_all();
+            if wake {
+                self.waker.wake();
+            }
         }
     }
 

@@ -11,6 +11,7 @@
 //! end's pool is the sending end's pool, and its list of chunks to receive is the sender's list
 //! of chunks to send.
 
+use crate::control::Waker;
 use crate::Deadline;
 use shoal_collective::ring::{RecvAction, RingAllReduce};
 use shoal_collective::{finish_avg, reduce_into, DType, ReduceOp};
@@ -142,6 +143,7 @@ pub(crate) fn run(
     recv: &mut [TcpStream],
     deadline: Deadline,
     abort: &dyn Fn() -> Option<crate::Error>,
+    waker: &Waker,
 ) -> Result<Traffic, RingError> {
     assert!(job.world > 1 && !send.is_empty() && !recv.is_empty(), "a ring needs neighbours");
     let elem = job.dtype.size();
@@ -185,7 +187,7 @@ pub(crate) fn run(
     let first_copy = plan.recvs.iter().position(|u| u.action == RecvAction::Copy).unwrap_or(usize::MAX);
     let mut ctx =
         Ctx { job, plan, header, elem, send_lanes, recv_lanes, first_unit, saved, save_cursor: 0, first_copy };
-    let result = drive(&mut ctx, &mut sends, &mut recvs, send, recv, deadline, abort);
+    let result = drive(&mut ctx, &mut sends, &mut recvs, send, recv, deadline, abort, waker);
     if let Err(e) = &result {
         // Where every lane stood: enough to tell a dead peer from a desynchronised stream.
         let s: Vec<(usize, usize, usize)> = sends.iter().map(|l| (l.header_sent, l.unit, l.offset)).collect();
@@ -208,6 +210,7 @@ pub(crate) fn run(
     result
 }
 
+#[allow(clippy::too_many_arguments)]
 fn drive(
     ctx: &mut Ctx<'_>,
     sends: &mut [SendLane],
@@ -216,6 +219,7 @@ fn drive(
     recv: &mut [TcpStream],
     deadline: Deadline,
     abort: &dyn Fn() -> Option<crate::Error>,
+    waker: &Waker,
 ) -> Result<Traffic, RingError> {
     let mut recv_done = vec![false; ctx.plan.recvs.len()];
     let mut traffic = Traffic::default();
@@ -259,6 +263,10 @@ fn drive(
             fd.want_write = ctx.send_ready(lane, &recv_done);
             fds.push(fd);
         }
+        let mut wake = PollFd::new(waker.fd());
+        wake.want_read = true;
+        fds.push(wake);
+        waker.drain();
         if let Some(e) = abort() {
             return Err(RingError::Aborted(e));
         }
@@ -503,6 +511,7 @@ pub(crate) fn confirm(
     seq: u64,
     deadline: Deadline,
     watch: &dyn Fn() -> Option<Stop>,
+    waker: &Waker,
 ) -> Result<(), Stop> {
     let token = |origin: usize| -> [u8; TOKEN_BYTES] {
         let mut t = [0u8; TOKEN_BYTES];
@@ -568,13 +577,15 @@ pub(crate) fn confirm(
             std::thread::yield_now();
             continue;
         }
+        waker.drain();
         if let Some(stop) = watch() {
             return Err(stop);
         }
         let left = deadline.left("all_reduce").map_err(|e| Stop::Ask(e.to_string()))?;
-        let mut fds = [PollFd::new(recv), PollFd::new(send)];
+        let mut fds = [PollFd::new(recv), PollFd::new(send), PollFd::new(waker.fd())];
         fds[0].want_read = received < world - 1;
         fds[1].want_write = sent < outbox.len();
+        fds[2].want_read = true;
         shoal_transport::poll(&mut fds, left.min(POLL_SLICE)).map_err(|e| broken("poll", e))?;
     }
     Ok(())
