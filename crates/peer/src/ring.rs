@@ -503,6 +503,7 @@ pub(crate) enum Stop {
 /// of the participant `world - 1` places behind arrives after `world - 1` hops.
 ///
 /// `watch` is asked before every sleep whether to stop.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn confirm(
     send: &mut TcpStream,
     recv: &mut TcpStream,
@@ -594,6 +595,26 @@ pub(crate) fn confirm(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_backup_puts_back_exactly_what_was_saved() {
+        let original: Vec<u8> = (0..100u8).collect();
+        let mut buf = original.clone();
+        let mut backup = Backup::default();
+        backup.reset(buf.len());
+        backup.save(&buf, 10..20);
+        backup.save(&buf, 50..90);
+        assert_eq!(backup.saved_bytes(), 50);
+        buf[10..20].fill(0xff);
+        buf[50..90].fill(0xee);
+        backup.restore(&mut buf);
+        assert_eq!(buf, original);
+        // A reset forgets: restoring changes nothing.
+        backup.reset(buf.len());
+        buf[0] = 7;
+        backup.restore(&mut buf);
+        assert_eq!(buf[0], 7);
+    }
 
     #[test]
     fn small_buffers_ride_one_lane_and_large_ones_the_whole_pool() {
