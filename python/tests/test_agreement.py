@@ -63,7 +63,7 @@ def test_a_participant_dying_once_it_holds_the_result_does_not_split_the_survivo
     assert all(o["ok"] and o["world"] == PEERS - 1 for r in results for o in r["outcomes"][2:]), results
 
 
-@pytest.mark.parametrize("vary", ["count", "dtype", "op"])
+@pytest.mark.parametrize("vary", ["count", "dtype", "op", "tag"])
 def test_mismatched_calls_fail_on_every_peer(master, tmp_path, vary):
     results = run_peers(master, tmp_path, "mismatch", 3, vary=vary)
     for r in results:

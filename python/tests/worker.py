@@ -320,8 +320,9 @@ def mismatch(spec: dict) -> dict:
     x = np.arange(10 + (spec["vary"] == "count" and odd), dtype=np.float64 if spec["vary"] == "dtype" and odd else np.float32)
     before = x.tobytes()
     op = "max" if spec["vary"] == "op" and odd else "sum"
+    tag = 1 if spec["vary"] == "tag" and odd else 0
     try:
-        comm.all_reduce(x, op=op)
+        comm.all_reduce(x, op=op, tag=tag)
         error = None
     except shoal.ShoalError as e:
         error = {"type": type(e).__name__, "msg": str(e), "restored": x.tobytes() == before}
