@@ -657,13 +657,17 @@ impl Sim {
                     return self.ask(i);
                 }
             }
-            Phase::Asking(until) | Phase::Reporting(until, _) => {
-                if now >= until {
-                    let outcome = Outcome::Err("no verdict in time".into());
-                    self.report.violations.push(Violation(format!("peer {i}: no verdict on ({epoch:?}, {seq})")));
-                    return self.end_op(i, outcome);
-                }
+            // Without a verdict in time the real call returns its own error: after a failure the
+            // local one, after asking a timeout. Neither is wrong in itself (a peer cut off from
+            // the master gets no verdict); whether the survivors still agree is for `check`.
+            Phase::Reporting(until, ref local) if now >= until => {
+                let outcome = Outcome::Err(format!("{local} (no verdict)"));
+                return self.end_op(i, outcome);
             }
+            Phase::Asking(until) if now >= until => {
+                return self.end_op(i, Outcome::Err(format!("no verdict on ({epoch:?}, {seq}) in time")));
+            }
+            Phase::Asking(_) | Phase::Reporting(..) => {}
         }
         false
     }

@@ -4,7 +4,11 @@
 use shoal_sim::{check, run, Outcome};
 
 /// Seeds that once broke an invariant.
-const REGRESSIONS: &[u64] = &[];
+const REGRESSIONS: &[u64] = &[
+    // The model took a peer cut off from the master (frozen, then its link stalled) that got no
+    // verdict after reporting a failure for a violation; the real peer returns its own error.
+    1635,
+];
 
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().map(|v| v.parse().unwrap_or_else(|_| panic!("{name}={v:?} is not a number")))
