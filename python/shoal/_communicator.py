@@ -158,8 +158,17 @@ def _accepted(value: Optional[int]) -> int:
     return value
 
 
-def _byte_view(tensor: Any) -> tuple[np.ndarray, str]:
-    """A writable uint8 view of ``tensor``'s memory and its dtype name, or TypeError/ValueError."""
+def hash_tensor(tensor: Any) -> str:
+    """The content hash of a numpy array or torch CPU tensor, as 64 hex digits: BLAKE3 over its
+    dtype, shape and bytes (``docs/state.md``). Equal on every peer that holds the same tensor,
+    whatever the tensor's address or the number of threads; large tensors are hashed in parallel.
+    The tensor must be contiguous (shoal never copies silently)."""
+    view, dtype = _byte_view(tensor, writable=False)
+    return _native.hash_tensor_bytes(view, dtype, [int(d) for d in tensor.shape])
+
+
+def _byte_view(tensor: Any, writable: bool = True) -> tuple[np.ndarray, str]:
+    """A uint8 view of ``tensor``'s memory and its dtype name, or TypeError/ValueError."""
     if isinstance(tensor, np.ndarray):
         arr = tensor
         name = _NUMPY_DTYPES.get(arr.dtype)
@@ -185,7 +194,7 @@ def _byte_view(tensor: Any) -> tuple[np.ndarray, str]:
         raise TypeError(f"expected a numpy array or a torch tensor, got {type(tensor).__name__}")
     if not arr.flags.c_contiguous:
         raise ValueError("tensor is not contiguous: shoal works in place and never copies silently")
-    if not arr.flags.writeable:
+    if writable and not arr.flags.writeable:
         raise ValueError("tensor is read-only: all_reduce writes its result in place")
     if not arr.flags.aligned:
         raise ValueError(f"tensor is not aligned to its {arr.dtype.itemsize}-byte elements")

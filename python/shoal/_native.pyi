@@ -7,7 +7,7 @@ from typing_extensions import Self
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Communicator", "DTYPES", "Master", "OPS", "ReduceInfo", "__version__"]
+__all__ = ["Communicator", "DTYPES", "Master", "OPS", "ReduceInfo", "__version__", "hash_tensor_bytes"]
 __version__: str
 DTYPES: list[str]
 OPS: list[str]
@@ -87,3 +87,5 @@ class Master:
     def running(self) -> bool: ...
     def __enter__(self) -> Self: ...
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None: ...
+
+def hash_tensor_bytes(buf: npt.NDArray[np.uint8], dtype: str, shape: list[int]) -> str: ...

@@ -6,7 +6,7 @@
 //! torch) and the documented signatures.
 #![deny(unsafe_code)]
 
-use numpy::{PyArray1, PyArrayMethods};
+use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use shoal_master::{MasterOptions, MasterServer};
@@ -273,11 +273,22 @@ fn raise(class: &str, message: String) -> PyErr {
     })
 }
 
+/// BLAKE3 content hash of a tensor given as its bytes, dtype name and shape; 64 hex digits.
+#[pyfunction]
+fn hash_tensor_bytes(py: Python<'_>, buf: PyReadonlyArray1<'_, u8>, dtype: &str, shape: Vec<u64>) -> PyResult<String> {
+    let dtype =
+        DType::from_name(dtype).ok_or_else(|| PyTypeError::new_err(format!("unsupported dtype {dtype:?}")))?;
+    let bytes = buf.as_slice().map_err(|_| PyValueError::new_err("tensor is not contiguous"))?;
+    let hash = py.detach(|| shoal_state::hash_tensor(dtype, &shape, bytes));
+    hash.map(|h| h.to_string()).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Communicator>()?;
     m.add_class::<Master>()?;
     m.add_class::<ReduceInfo>()?;
+    m.add_function(wrap_pyfunction!(hash_tensor_bytes, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("DTYPES", DType::ALL.map(DType::name).to_vec())?;
     m.add("OPS", ReduceOp::ALL.map(ReduceOp::name).to_vec())?;
