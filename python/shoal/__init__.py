@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from . import _native
 from ._communicator import Communicator, hash_tensor
+from ._state import SharedState, SyncInfo
 from ._native import Master, ReduceInfo
 from . import errors
 from .errors import *  # noqa: F403 - the exception tree, listed in errors.__all__
@@ -17,4 +18,4 @@ __version__: str = _native.__version__
 DTYPES: tuple[str, ...] = tuple(_native.DTYPES)
 OPS: tuple[str, ...] = tuple(_native.OPS)
 
-__all__ = ["Master", "Communicator", "ReduceInfo", "hash_tensor", "DTYPES", "OPS", *errors.__all__]
+__all__ = ["Master", "Communicator", "ReduceInfo", "SharedState", "SyncInfo", "hash_tensor", "DTYPES", "OPS", *errors.__all__]

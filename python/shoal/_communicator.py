@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
 from . import _native
 from .errors import UsageError
+
+if TYPE_CHECKING:
+    from ._state import SharedState, SyncInfo
 
 _NUMPY_DTYPES = {
     np.dtype(np.uint8): "u8",
@@ -120,6 +123,38 @@ class Communicator:
             raise ValueError(f"tag must be a non-negative integer, got {tag!r}")
         view, dtype = _byte_view(tensor)
         return self._native.all_reduce_bytes(view, dtype, op, tag)
+
+    def sync_shared_state(
+        self, state: "SharedState", strategy: str = "enforce_popular", *, override_resume: bool = False
+    ) -> "SyncInfo":
+        """Make ``state`` the one the group elects, in place; every accepted peer of the group
+        calls it together (``docs/state.md``).
+
+        ``strategy``: ``enforce_popular`` (the most popular state at the run's next revision wins;
+        an outvoted or lagging peer is repaired), ``send_only`` (this peer's state is
+        authoritative; it never receives), ``receive_only`` (never votes or sends; takes the
+        elected state). Only differing tensors travel, peer to peer, striped across every peer
+        that holds the elected one, and are verified by hash before they replace anything.
+        ``override_resume`` accepts a state other than the one the run last agreed on after
+        every peer had left. Raises :class:`PeerLostError` (retryable) if a participant was lost
+        and the sync could not complete, :class:`UsageError` if the calls do not fit together.
+        """
+        from ._state import SyncInfo
+
+        if strategy not in ("enforce_popular", "send_only", "receive_only"):
+            raise ValueError(f"unknown strategy {strategy!r}: expected enforce_popular, send_only or receive_only")
+        revision, received, sent_to, sent_bytes, elapsed = self._native.sync_shared_state(
+            state._native_entries(), state.revision, strategy, override_resume
+        )
+        state.revision = revision
+        return SyncInfo(
+            revision=revision,
+            received={name: donors for name, donors, _ in received},
+            received_bytes=sum(n for _, _, n in received),
+            sent_to=sent_to,
+            sent_bytes=sent_bytes,
+            elapsed=elapsed,
+        )
 
     @property
     def world_size(self) -> int:

@@ -57,6 +57,13 @@ class Communicator:
     def all_reduce_bytes(
         self, buf: npt.NDArray[np.uint8], dtype: str, op: str, tag: int
     ) -> ReduceInfo: ...
+    def sync_shared_state(
+        self,
+        tensors: list[tuple[str, npt.NDArray[np.uint8], str, list[int], bool]],
+        revision: int,
+        strategy: str,
+        override_resume: bool,
+    ) -> tuple[int, list[tuple[str, list[int], int]], list[int], int, float]: ...
     @property
     def world_size(self) -> Optional[int]: ...
     @property

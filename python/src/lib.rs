@@ -10,7 +10,7 @@ use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use shoal_master::{MasterOptions, MasterServer};
-use shoal_peer::{Communicator as Core, CommunicatorConfig, DType, Error, ReduceOp};
+use shoal_peer::{Communicator as Core, CommunicatorConfig, DType, Error, ReduceOp, StateTensor, Strategy};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -129,6 +129,53 @@ impl Communicator {
             topology: info.topology,
             sequence: info.sequence,
         })
+    }
+
+    /// Syncs a shared state. `tensors` are (name, writable uint8 view, dtype, shape, may_differ);
+    /// returns (revision, [(name, [donor ids], bytes)], [peer ids sent to], bytes sent, seconds).
+    #[allow(clippy::type_complexity)]
+    fn sync_shared_state(
+        &self,
+        py: Python<'_>,
+        tensors: Vec<(String, Bound<'_, PyArray1<u8>>, String, Vec<u64>, bool)>,
+        revision: u64,
+        strategy: &str,
+        override_resume: bool,
+    ) -> PyResult<(u64, Vec<(String, Vec<u32>, u64)>, Vec<u32>, u64, f64)> {
+        let strategy = match strategy {
+            "enforce_popular" => Strategy::EnforcePopular,
+            "send_only" => Strategy::SendOnly,
+            "receive_only" => Strategy::ReceiveOnly,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "unknown strategy {other:?}: expected enforce_popular, send_only or receive_only"
+                )))
+            }
+        };
+        let mut views = Vec::with_capacity(tensors.len());
+        let mut meta = Vec::with_capacity(tensors.len());
+        for (name, buf, dtype, shape, may_differ) in &tensors {
+            let dtype =
+                DType::from_name(dtype).ok_or_else(|| PyTypeError::new_err(format!("unsupported dtype {dtype:?}")))?;
+            views.push(
+                buf.try_readwrite()
+                    .map_err(|e| PyValueError::new_err(format!("tensor {name:?} is not writable: {e}")))?,
+            );
+            meta.push((name.clone(), dtype, shape.clone(), *may_differ));
+        }
+        let mut state: Vec<StateTensor<'_>> = Vec::with_capacity(views.len());
+        for (view, (name, dtype, shape, may_differ)) in views.iter_mut().zip(meta) {
+            let bytes =
+                view.as_slice_mut().map_err(|_| PyValueError::new_err(format!("tensor {name:?} is not contiguous")))?;
+            state.push(StateTensor { name, dtype, shape, bytes, may_differ });
+        }
+        let info = py
+            .detach(|| self.inner.sync_shared_state(&mut state, revision, strategy, override_resume))
+            .map_err(to_py)?;
+        let received =
+            info.received.into_iter().map(|(n, d, b)| (n, d.into_iter().map(|p| p.0).collect(), b)).collect();
+        let sent_to = info.sent_to.into_iter().map(|p| p.0).collect();
+        Ok((info.revision, received, sent_to, info.sent_bytes, info.elapsed.as_secs_f64()))
     }
 
     #[getter]
@@ -250,6 +297,8 @@ fn to_py(e: Error) -> PyErr {
         Error::PeerLost { .. } => "PeerLostError",
         Error::Timeout { .. } => "ShoalTimeoutError",
         Error::TooFewPeers { .. } => "TooFewPeersError",
+        Error::SyncFailed { retryable: true, .. } => "PeerLostError",
+        Error::SyncFailed { retryable: false, .. } => "UsageError",
         Error::CollectiveMismatch { .. } => "CollectiveMismatchError",
         Error::Protocol(_) => "ProtocolError",
         Error::Config(_) => return PyValueError::new_err(e.to_string()),
@@ -276,8 +325,7 @@ fn raise(class: &str, message: String) -> PyErr {
 /// BLAKE3 content hash of a tensor given as its bytes, dtype name and shape; 64 hex digits.
 #[pyfunction]
 fn hash_tensor_bytes(py: Python<'_>, buf: PyReadonlyArray1<'_, u8>, dtype: &str, shape: Vec<u64>) -> PyResult<String> {
-    let dtype =
-        DType::from_name(dtype).ok_or_else(|| PyTypeError::new_err(format!("unsupported dtype {dtype:?}")))?;
+    let dtype = DType::from_name(dtype).ok_or_else(|| PyTypeError::new_err(format!("unsupported dtype {dtype:?}")))?;
     let bytes = buf.as_slice().map_err(|_| PyValueError::new_err("tensor is not contiguous"))?;
     let hash = py.detach(|| shoal_state::hash_tensor(dtype, &shape, bytes));
     hash.map(|h| h.to_string()).map_err(|e| PyValueError::new_err(e.to_string()))

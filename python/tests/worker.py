@@ -310,6 +310,75 @@ def die_at(spec: dict) -> dict:
     return {"calls": calls}
 
 
+def sgd(spec: dict) -> dict:
+    """Deterministic data-parallel SGD on a fixed least-squares problem. Every step: admit
+    newcomers, sync the shared state (the newcomer, arriving with zeros, is repaired), all-reduce
+    the gradient of this peer's shard, update. Records the state's hash after every sync."""
+    if spec["index"] == spec["peers"] - 1:
+        time.sleep(spec["late"])
+    rng = np.random.default_rng(0)
+    x_all = rng.standard_normal((400, 16)).astype(np.float32)
+    y_all = x_all @ np.arange(16, dtype=np.float32)
+    w = np.zeros(16, np.float32)
+    momentum = np.zeros(16, np.float32)
+    state = shoal.SharedState({"w": w, "momentum": momentum}, revision=0)
+    comm = shoal.Communicator(spec["master"], timeout=30)
+    comm.connect(timeout=30)
+    newcomer = comm.world_size > 1
+    records = []
+    # Every peer sees the same revision and world, so all stop together: at `steps`, and not
+    # before the latecomer is in.
+    while state.revision < spec["steps"] or comm.world_size < spec["peers"]:
+        if not newcomer and comm.peers_pending():
+            comm.update_topology()
+        newcomer = False
+        state.revision += 1
+        info = comm.sync_shared_state(state)
+        records.append({"revision": state.revision, "hash": shoal.hash_tensor(w) + shoal.hash_tensor(momentum),
+                        "world": comm.world_size, "received": sorted(info.received)})
+        shard = slice(comm.rank * 100 % 400, comm.rank * 100 % 400 + 100)
+        x, y = x_all[shard], y_all[shard]
+        grad = (x.T @ (x @ w - y) / len(y)).astype(np.float32)
+        comm.all_reduce(grad, op="avg")
+        momentum *= 0.9
+        momentum += grad
+        w -= 0.01 * momentum
+        time.sleep(0.01)
+    return {"records": records, "loss": float(((x_all @ w - y_all) ** 2).mean())}
+
+
+def sync_case(spec: dict) -> dict:
+    """One sync among ``peers`` peers whose states and strategies ``case`` sets by index."""
+    case, i = spec["case"], spec["index"]
+    comm = shoal.Communicator(spec["master"], timeout=30)
+    comm.connect(timeout=30, min_world_size=spec["peers"])
+    strategy = "enforce_popular"
+    if case in ("send_only", "receive_only") and i == 0:
+        strategy = case
+    if case == "dtypes":
+        import torch
+
+        tensors = {d: (np.arange(300).reshape(3, 100) % 11 + (i == 2)).astype(d) for d in DTYPES}
+        tensors["torch.bf16"] = torch.arange(50, dtype=torch.bfloat16) + (i == 2)
+        tensors["scalar"] = np.array(float(i == 2))
+    elif case == "donor_dies":
+        tensors = {"big": np.full(spec["mib"] << 18, 0.0 if i == 2 else 1.5, np.float32)}
+        if i == 0:
+            os.environ["SHOAL_FAILPOINT"] = "sync.serve"
+    else:
+        # Peer 0 differs from the two others.
+        tensors = {"w": np.full(1000, 7.0 if i == 0 else 1.0, np.float32), "step": np.array([3], np.int64)}
+    state = shoal.SharedState(tensors, revision=spec.get("revision", 0))
+    try:
+        info = comm.sync_shared_state(state, strategy)
+        result = {"received": info.received, "sent_to": info.sent_to, "revision": info.revision}
+    except shoal.ShoalError as e:
+        result = {"error": type(e).__name__, "msg": str(e)}
+    result["hashes"] = state.hashes()
+    result["peer_id"] = comm.peer_id
+    return result
+
+
 def mismatch(spec: dict) -> dict:
     """Peers call all_reduce with different counts (or dtypes, or ops, as ``vary`` says) on the
     peer of index 1; then they all re-establish and run a matching one."""
@@ -336,7 +405,7 @@ if __name__ == "__main__":
     scenario, spec = sys.argv[1], json.loads(sys.argv[2])
     scenarios = {"matrix": matrix, "torch": torch_tensors, "join_late": join_late, "survive": survive, "agree": agree, "min_world": min_world, "master_loss": master_loss,
                  "admission_misuse": admission_misuse, "chaos": chaos,
-                 "die_at": die_at,
+                 "die_at": die_at, "sgd": sgd, "sync_case": sync_case,
                  "mismatch": mismatch}
     result = scenarios[scenario](spec)
     print(json.dumps(result), flush=True)

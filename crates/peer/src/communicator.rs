@@ -42,19 +42,19 @@ pub struct Info {
 /// Every method takes `&self` and is safe to call from several threads; collectives and
 /// topology changes are serialised internally. Every blocking call ends within its bound.
 pub struct Communicator {
-    config: CommunicatorConfig,
+    pub(crate) config: CommunicatorConfig,
     connected: Mutex<Option<Arc<Connected>>>,
-    /// The data pools. Held for the whole of a collective or a topology change.
-    data: Mutex<DataPlane>,
+    /// The data pools. Held for the whole of a collective, a topology change or a sync.
+    pub(crate) data: Mutex<DataPlane>,
     topology: Mutex<Option<RingPosition>>,
     seq: AtomicU64,
 }
 
-struct Connected {
-    control: Arc<Control>,
-    listener: Listener,
-    me: PeerId,
-    session: SessionId,
+pub(crate) struct Connected {
+    pub control: Arc<Control>,
+    pub listener: Listener,
+    pub me: PeerId,
+    pub session: SessionId,
 }
 
 impl Communicator {
@@ -425,11 +425,11 @@ impl Communicator {
         *self.data.lock().expect("data lock poisoned") = DataPlane::default();
     }
 
-    fn position(&self) -> Option<RingPosition> {
+    pub(crate) fn position(&self) -> Option<RingPosition> {
         self.topology.lock().expect("topology lock poisoned").clone()
     }
 
-    fn connected(&self) -> Result<Arc<Connected>> {
+    pub(crate) fn connected(&self) -> Result<Arc<Connected>> {
         let c = self.connected.lock().expect("connect lock poisoned").clone().ok_or(Error::NotConnected)?;
         c.control.lock().check_connected()?;
         Ok(c)

@@ -48,6 +48,15 @@ pub enum Error {
         /// What was observed.
         reason: String,
     },
+    /// A shared-state sync ended without effect: every participant gets this error.
+    #[error("sync_shared_state failed: {reason}")]
+    SyncFailed {
+        /// Calling again can succeed (a participant was lost); otherwise the calls do not fit
+        /// together (different tensors, revisions or strategies).
+        retryable: bool,
+        /// Why.
+        reason: String,
+    },
     /// Fewer peers than required were accepted within the bound.
     #[error("only {have} of the {want} peers required were accepted within {:.1} s", after.as_secs_f64())]
     TooFewPeers {

@@ -17,6 +17,7 @@ mod error;
 mod failpoint;
 mod links;
 mod ring;
+mod sync;
 
 pub use communicator::{Communicator, Info};
 pub use config::{
@@ -26,4 +27,6 @@ pub use config::{
 pub use deadline::Deadline;
 pub use error::{Error, Result};
 pub use shoal_collective::{DType, ReduceOp};
+pub use shoal_proto::master::Strategy;
 pub use shoal_wire::PeerId;
+pub use sync::{StateTensor, SyncInfo};

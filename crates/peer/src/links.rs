@@ -39,10 +39,12 @@ pub(crate) struct Listener {
     stop: Arc<AtomicBool>,
 }
 
-/// Streams accepted and greeted, not yet taken into a [`DataPlane`].
+/// Streams accepted and greeted, not yet taken into a [`DataPlane`] (or, for shared-state
+/// fetches, by the sync that serves them).
 #[derive(Default)]
 struct Arrivals {
     streams: Mutex<BTreeMap<PeerId, Pool>>,
+    fetches: Mutex<std::collections::VecDeque<(TcpStream, crate::sync::FetchReq)>>,
     changed: Condvar,
 }
 
@@ -103,6 +105,19 @@ impl Listener {
     pub fn set_identity(&self, me: PeerId, session: SessionId, advertised: &str) {
         let _ = self.identity.set((me, session));
         let _ = self.advertised_ip.set(advertised.parse::<SocketAddr>().ok().map(|a| a.ip()));
+    }
+
+    /// The next connection a peer opened to fetch shared state from us, with its first request;
+    /// waits up to `wait`.
+    pub fn take_fetch(&self, wait: Duration) -> Option<(TcpStream, crate::sync::FetchReq)> {
+        let fetches = self.arrivals.fetches.lock().expect("arrivals lock poisoned");
+        let mut fetches = self
+            .arrivals
+            .changed
+            .wait_timeout_while(fetches, wait, |f| f.is_empty())
+            .expect("arrivals lock poisoned")
+            .0;
+        fetches.pop_front()
     }
 
     fn local_ip(&self) -> Option<IpAddr> {
@@ -250,8 +265,17 @@ fn greet(mut stream: TcpStream, identity: &OnceLock<(PeerId, SessionId)>, arriva
             None => return Err("not registered yet".into()),
         }
     };
+    if let Message::FetchRequest { from, to, round, index, offset, len } = message {
+        if session != our_session || to != me {
+            return Err(format!("fetch for {to} in {session:?}, we are {me} in {our_session:?}"));
+        }
+        let request = crate::sync::FetchReq { from, round, index, offset, len };
+        arrivals.fetches.lock().expect("arrivals lock poisoned").push_back((stream, request));
+        arrivals.changed.notify_all();
+        return Ok(());
+    }
     let Message::PeerHello { from, to, stream: index, streams } = message else {
-        return Err(format!("expected PeerHello, got {}", message.name()));
+        return Err(format!("expected PeerHello or FetchRequest, got {}", message.name()));
     };
     if session != our_session || to != me {
         return Err(format!("hello for {to} in {session:?}, we are {me} in {our_session:?}"));

@@ -1,6 +1,6 @@
 //! A peer's view of the protocol: what the master has told it, and where it stands in its ring.
 
-use shoal_wire::{Epoch, GroupId, Member, Message, OpFailure, PeerId, SessionId};
+use shoal_wire::{Epoch, GroupId, Member, Message, OpFailure, PeerId, PlanEntry, SessionId};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
@@ -36,6 +36,10 @@ pub struct PeerView {
     pub vote_open: Option<(Epoch, PeerId, u64)>,
     /// Why the last `update_topology` vote was abandoned, until consumed.
     pub vote_aborted: Option<String>,
+    /// The plan of the current shared-state sync: (round, revision, entries).
+    pub sync_plan: Option<(u64, u64, Vec<PlanEntry>)>,
+    /// How a shared-state sync ended: (round, `Ok` or `Err((retryable, reason))`).
+    pub sync_end: Option<(u64, Result<(), (bool, String)>)>,
 }
 
 /// How the master decided a collective.
@@ -184,6 +188,18 @@ impl PeerView {
             Message::TopologyVoteAborted { reason } => {
                 self.vote_open = None;
                 self.vote_aborted = Some(reason);
+                PeerEvent::Nothing
+            }
+            Message::SyncPlan { round, revision, entries } => {
+                self.sync_plan = Some((round, revision, entries));
+                PeerEvent::Nothing
+            }
+            Message::SyncComplete { round } => {
+                self.sync_end = Some((round, Ok(())));
+                PeerEvent::Nothing
+            }
+            Message::SyncAborted { round, retryable, reason } => {
+                self.sync_end = Some((round, Err((retryable, reason))));
                 PeerEvent::Nothing
             }
             Message::OpQuery { epoch, seq } => {

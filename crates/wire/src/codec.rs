@@ -75,6 +75,10 @@ impl<'a> Reader<'a> {
         // The slice has exactly N bytes by construction.
         Ok(slice.try_into().expect("slice of length N"))
     }
+    /// Reads 32 bytes (a hash).
+    pub fn hash(&mut self) -> Result<[u8; 32], WireError> {
+        self.take::<32>()
+    }
     /// Reads one byte.
     pub fn u8(&mut self) -> Result<u8, WireError> {
         Ok(self.take::<1>()?[0])

@@ -33,8 +33,17 @@ pub const MAX_BODY_BYTES: u32 = 2 << 20;
 pub const MAX_STRING_BYTES: usize = 256;
 /// Most members a topology message may list.
 pub const MAX_MEMBERS: usize = 4096;
+/// Most tensors one shared state may hold.
+pub const MAX_STATE_ENTRIES: usize = 2048;
+/// Most dimensions a tensor of a shared state may have.
+pub const MAX_DIMS: usize = 16;
 
 const _: () = assert!(HEADER_BYTES == 4 + 2 + 2 + 4 + 2 + 2 + 8 + 4 + 4);
+// The largest shared-state vote must fit in a frame.
+const _: () = assert!(
+    MAX_BODY_BYTES as usize
+        >= 8 + 1 + 1 + 4 + MAX_STATE_ENTRIES * (2 + MAX_STRING_BYTES + 1 + 4 + 8 * MAX_DIMS + 32 + 1)
+);
 // The largest topology message must fit in a frame.
 const _: () = assert!(MAX_BODY_BYTES as usize >= 8 + 4 + MAX_MEMBERS * (4 + 4 + 2 + MAX_STRING_BYTES));
 

@@ -1,7 +1,7 @@
 //! The messages of the protocol and their body encodings. `docs/wire.md` has the table.
 
 use crate::codec::{Reader, Writer};
-use crate::{SessionId, WireError, MAX_MEMBERS};
+use crate::{SessionId, WireError, MAX_DIMS, MAX_MEMBERS, MAX_STATE_ENTRIES};
 
 /// A peer's identity within one run of the master, assigned at registration and never reused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -125,6 +125,30 @@ pub fn truncate(mut s: String, max: usize) -> String {
     s
 }
 
+/// One tensor of a peer's shared state, as it votes in a sync.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StateDigest {
+    /// The tensor's name.
+    pub name: String,
+    /// Element type code.
+    pub dtype: u8,
+    /// Dimensions.
+    pub shape: Vec<u64>,
+    /// Content hash (`shoal_state::hash_tensor`).
+    pub hash: [u8; 32],
+    /// May differ between accepted peers (only newcomers receive it).
+    pub may_differ: bool,
+}
+
+/// The master's instruction for one tensor of a sync, in the order of the peer's vote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlanEntry {
+    /// The hash the tensor must have afterwards.
+    pub hash: [u8; 32],
+    /// Peers to fetch it from; empty when the peer keeps its own.
+    pub donors: Vec<PeerId>,
+}
+
 /// Every message of the protocol. The doc of each variant says who sends it to whom.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -179,6 +203,30 @@ pub enum Message {
         seq: u64,
         /// What went wrong.
         failure: OpFailure,
+    },
+    /// Peer → master: this accepted peer calls `sync_shared_state`.
+    SyncVote {
+        /// The revision the peer's state is at.
+        revision: u64,
+        /// 1 enforce_popular, 2 send_only, 3 receive_only.
+        strategy: u8,
+        /// Accept a state that does not match the one the run last agreed on.
+        override_resume: bool,
+        /// The peer's tensors, sorted by name.
+        entries: Vec<StateDigest>,
+    },
+    /// Peer → master: this peer holds every tensor of sync `round` as planned, verified.
+    SyncDone {
+        /// The sync.
+        round: u64,
+    },
+    /// Peer → master: this peer cannot complete sync `round` (every donor of a tensor failed,
+    /// or what arrived does not hash as planned).
+    SyncFailed {
+        /// The sync.
+        round: u64,
+        /// Why.
+        reason: String,
     },
     /// Master → peer: you are registered as `peer` in run `session`.
     Registered {
@@ -258,6 +306,45 @@ pub enum Message {
         /// Why.
         reason: String,
     },
+    /// Master → peer: the plan of sync `round`, one entry per tensor of the peer's vote.
+    SyncPlan {
+        /// The sync.
+        round: u64,
+        /// The revision every participant is at once it completes.
+        revision: u64,
+        /// Per tensor: the hash to hold and whom to fetch it from.
+        entries: Vec<PlanEntry>,
+    },
+    /// Master → peer: every participant of sync `round` holds the elected state.
+    SyncComplete {
+        /// The sync.
+        round: u64,
+    },
+    /// Master → peer: the sync ended without effect.
+    SyncAborted {
+        /// The sync (0 if it never started).
+        round: u64,
+        /// Whether calling again can succeed (a participant was lost) or the calls are wrong.
+        retryable: bool,
+        /// Why.
+        reason: String,
+    },
+    /// Peer → peer, on a connection dialed to a donor: send `len` bytes of tensor `index` of
+    /// sync `round` from `offset`. The donor answers with exactly those bytes.
+    FetchRequest {
+        /// The fetching peer.
+        from: PeerId,
+        /// The donor.
+        to: PeerId,
+        /// The sync.
+        round: u64,
+        /// The tensor, by position in the sorted vote.
+        index: u32,
+        /// First byte.
+        offset: u64,
+        /// Bytes.
+        len: u64,
+    },
     /// Peer → peer, first message on a data connection: who dials, whom, for which stream.
     PeerHello {
         /// The dialing peer.
@@ -284,6 +371,9 @@ mod kind {
     pub const PEER_UNREACHABLE: u16 = 7;
     pub const OP_DONE: u16 = 8;
     pub const OP_FAILED: u16 = 9;
+    pub const SYNC_VOTE: u16 = 10;
+    pub const SYNC_DONE: u16 = 11;
+    pub const SYNC_FAILED: u16 = 12;
     pub const REGISTERED: u16 = 64;
     pub const TOPOLOGY: u16 = 65;
     pub const TOPOLOGY_COMMITTED: u16 = 66;
@@ -295,8 +385,12 @@ mod kind {
     pub const OP_QUERY: u16 = 72;
     pub const TOPOLOGY_VOTE_OPENED: u16 = 73;
     pub const TOPOLOGY_VOTE_ABORTED: u16 = 74;
+    pub const SYNC_PLAN: u16 = 75;
+    pub const SYNC_COMPLETE: u16 = 76;
+    pub const SYNC_ABORTED: u16 = 77;
     pub const PEER_HELLO: u16 = 128;
     pub const OP: u16 = 129;
+    pub const FETCH_REQUEST: u16 = 130;
 }
 
 impl Message {
@@ -312,6 +406,13 @@ impl Message {
             Message::PeerUnreachable { .. } => kind::PEER_UNREACHABLE,
             Message::OpDone { .. } => kind::OP_DONE,
             Message::OpFailed { .. } => kind::OP_FAILED,
+            Message::SyncVote { .. } => kind::SYNC_VOTE,
+            Message::SyncDone { .. } => kind::SYNC_DONE,
+            Message::SyncFailed { .. } => kind::SYNC_FAILED,
+            Message::SyncPlan { .. } => kind::SYNC_PLAN,
+            Message::SyncComplete { .. } => kind::SYNC_COMPLETE,
+            Message::SyncAborted { .. } => kind::SYNC_ABORTED,
+            Message::FetchRequest { .. } => kind::FETCH_REQUEST,
             Message::Registered { .. } => kind::REGISTERED,
             Message::Topology { .. } => kind::TOPOLOGY,
             Message::TopologyCommitted { .. } => kind::TOPOLOGY_COMMITTED,
@@ -340,6 +441,13 @@ impl Message {
             Message::PeerUnreachable { .. } => "PeerUnreachable",
             Message::OpDone { .. } => "OpDone",
             Message::OpFailed { .. } => "OpFailed",
+            Message::SyncVote { .. } => "SyncVote",
+            Message::SyncDone { .. } => "SyncDone",
+            Message::SyncFailed { .. } => "SyncFailed",
+            Message::SyncPlan { .. } => "SyncPlan",
+            Message::SyncComplete { .. } => "SyncComplete",
+            Message::SyncAborted { .. } => "SyncAborted",
+            Message::FetchRequest { .. } => "FetchRequest",
             Message::Registered { .. } => "Registered",
             Message::Topology { .. } => "Topology",
             Message::TopologyCommitted { .. } => "TopologyCommitted",
@@ -370,6 +478,55 @@ impl Message {
                 w.u64(*collectives);
             }
             Message::TopologyVoteAborted { reason } => w.str(reason),
+            Message::SyncVote { revision, strategy, override_resume, entries } => {
+                assert!(entries.len() <= MAX_STATE_ENTRIES, "state exceeds MAX_STATE_ENTRIES: a bug");
+                w.u64(*revision);
+                w.u8(*strategy);
+                w.bool(*override_resume);
+                w.u32(entries.len() as u32);
+                for e in entries {
+                    assert!(e.shape.len() <= MAX_DIMS, "tensor exceeds MAX_DIMS: a bug");
+                    w.str(&e.name);
+                    w.u8(e.dtype);
+                    w.u32(e.shape.len() as u32);
+                    for d in &e.shape {
+                        w.u64(*d);
+                    }
+                    w.bytes(&e.hash);
+                    w.bool(e.may_differ);
+                }
+            }
+            Message::SyncDone { round } | Message::SyncComplete { round } => w.u64(*round),
+            Message::SyncFailed { round, reason } => {
+                w.u64(*round);
+                w.str(reason);
+            }
+            Message::SyncPlan { round, revision, entries } => {
+                assert!(entries.len() <= MAX_STATE_ENTRIES, "plan exceeds MAX_STATE_ENTRIES: a bug");
+                w.u64(*round);
+                w.u64(*revision);
+                w.u32(entries.len() as u32);
+                for e in entries {
+                    w.bytes(&e.hash);
+                    w.u32(e.donors.len() as u32);
+                    for d in &e.donors {
+                        w.u32(d.0);
+                    }
+                }
+            }
+            Message::SyncAborted { round, retryable, reason } => {
+                w.u64(*round);
+                w.bool(*retryable);
+                w.str(reason);
+            }
+            Message::FetchRequest { from, to, round, index, offset, len } => {
+                w.u32(from.0);
+                w.u32(to.0);
+                w.u64(*round);
+                w.u32(*index);
+                w.u64(*offset);
+                w.u64(*len);
+            }
             Message::Heartbeat | Message::VotePeersPending | Message::Leave => {}
             Message::TopologyReady { epoch } | Message::TopologyCommitted { epoch } => w.u64(epoch.0),
             Message::PeerUnreachable { epoch, peer } => {
@@ -441,6 +598,50 @@ impl Message {
                 Message::TopologyVoteOpened { epoch: Epoch(r.u64()?), voter: PeerId(r.u32()?), collectives: r.u64()? }
             }
             kind::TOPOLOGY_VOTE_ABORTED => Message::TopologyVoteAborted { reason: r.str()? },
+            kind::SYNC_VOTE => {
+                let (revision, strategy, override_resume) = (r.u64()?, r.u8()?, r.bool("override_resume")?);
+                let count = r.count(MAX_STATE_ENTRIES, 2 + 1 + 4 + 32 + 1)?;
+                let mut entries = Vec::with_capacity(count);
+                for _ in 0..count {
+                    let (name, dtype) = (r.str()?, r.u8()?);
+                    let dims = r.count(MAX_DIMS, 8)?;
+                    let shape = (0..dims).map(|_| r.u64()).collect::<Result<Vec<u64>, _>>()?;
+                    entries.push(StateDigest {
+                        name,
+                        dtype,
+                        shape,
+                        hash: r.hash()?,
+                        may_differ: r.bool("may_differ")?,
+                    });
+                }
+                Message::SyncVote { revision, strategy, override_resume, entries }
+            }
+            kind::SYNC_DONE => Message::SyncDone { round: r.u64()? },
+            kind::SYNC_COMPLETE => Message::SyncComplete { round: r.u64()? },
+            kind::SYNC_FAILED => Message::SyncFailed { round: r.u64()?, reason: r.str()? },
+            kind::SYNC_PLAN => {
+                let (round, revision) = (r.u64()?, r.u64()?);
+                let count = r.count(MAX_STATE_ENTRIES, 32 + 4)?;
+                let mut entries = Vec::with_capacity(count);
+                for _ in 0..count {
+                    let hash = r.hash()?;
+                    let n = r.count(MAX_MEMBERS, 4)?;
+                    let donors = (0..n).map(|_| r.u32().map(PeerId)).collect::<Result<Vec<_>, _>>()?;
+                    entries.push(PlanEntry { hash, donors });
+                }
+                Message::SyncPlan { round, revision, entries }
+            }
+            kind::SYNC_ABORTED => {
+                Message::SyncAborted { round: r.u64()?, retryable: r.bool("retryable")?, reason: r.str()? }
+            }
+            kind::FETCH_REQUEST => Message::FetchRequest {
+                from: PeerId(r.u32()?),
+                to: PeerId(r.u32()?),
+                round: r.u64()?,
+                index: r.u32()?,
+                offset: r.u64()?,
+                len: r.u64()?,
+            },
             kind::TOPOLOGY_READY => Message::TopologyReady { epoch: Epoch(r.u64()?) },
             kind::VOTE_PEERS_PENDING => Message::VotePeersPending,
             kind::LEAVE => Message::Leave,
@@ -516,8 +717,56 @@ mod tests {
             .prop_map(|(kind, p, reason)| OpFailure::new(kind, PeerId(p), reason))
     }
 
+    fn digest() -> impl Strategy<Value = StateDigest> {
+        ("[a-z.]{0,30}", any::<u8>(), prop::collection::vec(any::<u64>(), 0..5), any::<[u8; 32]>(), any::<bool>())
+            .prop_map(|(name, dtype, shape, hash, may_differ)| StateDigest { name, dtype, shape, hash, may_differ })
+    }
+
+    fn sync_message() -> impl Strategy<Value = Message> {
+        prop_oneof![
+            (any::<u64>(), 1u8..4, any::<bool>(), prop::collection::vec(digest(), 0..6)).prop_map(
+                |(revision, strategy, override_resume, entries)| Message::SyncVote {
+                    revision,
+                    strategy,
+                    override_resume,
+                    entries
+                }
+            ),
+            any::<u64>().prop_map(|round| Message::SyncDone { round }),
+            any::<u64>().prop_map(|round| Message::SyncComplete { round }),
+            (any::<u64>(), ".{0,60}").prop_map(|(round, reason)| Message::SyncFailed { round, reason }),
+            (
+                any::<u64>(),
+                any::<u64>(),
+                prop::collection::vec((any::<[u8; 32]>(), prop::collection::vec(any::<u32>(), 0..4)), 0..5)
+            )
+                .prop_map(|(round, revision, e)| Message::SyncPlan {
+                    round,
+                    revision,
+                    entries: e
+                        .into_iter()
+                        .map(|(hash, d)| PlanEntry { hash, donors: d.into_iter().map(PeerId).collect() })
+                        .collect()
+                }),
+            (any::<u64>(), any::<bool>(), ".{0,60}").prop_map(|(round, retryable, reason)| Message::SyncAborted {
+                round,
+                retryable,
+                reason
+            }),
+            any::<(u32, u32, u64, u32, u64, u64)>().prop_map(|t| Message::FetchRequest {
+                from: PeerId(t.0),
+                to: PeerId(t.1),
+                round: t.2,
+                index: t.3,
+                offset: t.4,
+                len: t.5
+            }),
+        ]
+    }
+
     fn message() -> impl Strategy<Value = Message> {
         prop_oneof![
+            sync_message(),
             (any::<u32>(), ".{0,64}").prop_map(|(g, a)| Message::Join { group: GroupId(g), data_addr: a }),
             Just(Message::Heartbeat),
             any::<u64>().prop_map(|collectives| Message::VoteUpdateTopology { collectives }),
@@ -574,7 +823,7 @@ mod tests {
         #[test]
         fn decoding_arbitrary_bytes_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..200)) {
             let _ = decode_frame(&bytes);
-            for kind in [1u16, 2, 7, 8, 9, 64, 65, 67, 68, 69, 70, 71, 72, 73, 74, 128, 129, 999] {
+            for kind in [1u16, 2, 7, 8, 9, 64, 65, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 10, 11, 12, 130, 128, 129, 999] {
                 let _ = Message::decode_body(kind, &bytes);
             }
         }

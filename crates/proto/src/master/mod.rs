@@ -11,6 +11,7 @@
 //! The run has one [`Phase`] at a time. `peers_pending` votes are independent of the phase.
 
 mod ops;
+mod sync;
 mod timers;
 
 use crate::ballot::Ballot;
@@ -18,6 +19,7 @@ pub use ops::MAX_TRACKED_OPS;
 use shoal_wire::{Epoch, GroupId, Member, Message, PeerId, SessionId};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
+pub use sync::Strategy;
 pub use timers::{Timer, TimerTable};
 
 /// A control connection, as numbered by the driver.
@@ -143,6 +145,11 @@ pub struct Master {
     ring_epoch: Epoch,
     /// Collectives of the committed ring reported by some member and not yet settled.
     ops: BTreeMap<(GroupId, u64), ops::OpRecord>,
+    /// Shared-state syncs in progress, by group.
+    syncs: BTreeMap<GroupId, sync::SyncRound>,
+    next_sync: u64,
+    /// Each group's last completed sync.
+    group_states: BTreeMap<GroupId, sync::GroupState>,
     phase: Phase,
     pending_vote: Option<Ballot>,
     timers: TimerTable,
@@ -164,6 +171,9 @@ impl Master {
             ring: Vec::new(),
             ring_epoch: Epoch(0),
             ops: BTreeMap::new(),
+            syncs: BTreeMap::new(),
+            next_sync: 0,
+            group_states: BTreeMap::new(),
             phase: Phase::Idle,
             pending_vote: None,
             timers,
@@ -221,6 +231,11 @@ impl Master {
             Message::PeerUnreachable { epoch, peer: target } => self.peer_unreachable(peer, epoch, target),
             Message::OpDone { epoch, seq, decided } => self.op_done(peer, epoch, seq, decided),
             Message::OpFailed { epoch, seq, failure } => self.op_failed(peer, epoch, seq, failure),
+            Message::SyncVote { revision, strategy, override_resume, entries } if accepted => {
+                self.sync_vote(peer, revision, strategy, override_resume, entries)
+            }
+            Message::SyncDone { round } if accepted => self.sync_done(peer, round),
+            Message::SyncFailed { round, reason } if accepted => self.sync_failed(peer, round, reason),
             Message::Leave => {
                 self.remove_peer(peer, "left the run".into(), false);
             }
@@ -308,6 +323,11 @@ impl Master {
     }
 
     fn vote_update_topology(&mut self, peer: PeerId, collectives: u64) {
+        let group = self.peers[&peer].group;
+        if self.syncs.contains_key(&group) {
+            let reason = format!("{peer} called update_topology while its group runs sync_shared_state");
+            self.abort_sync(group, false, reason);
+        }
         // Members still running a collective this voter never started must hear of the vote:
         // that collective cannot complete, and the vote cannot pass while they run it.
         let (epoch, ring) = (self.ring_epoch, self.ring.clone());
@@ -361,6 +381,7 @@ impl Master {
         self.epoch = Epoch(self.epoch.0 + 1);
         let epoch = self.epoch;
         self.close_ops(epoch);
+        self.abort_every_sync("the topology changed during the sync");
         let wire_members: Vec<Member> = members
             .iter()
             .map(|p| {
@@ -461,6 +482,7 @@ impl Master {
         }
         self.ring.retain(|p| *p != peer);
         self.settle_ops_of(peer);
+        self.sync_member_removed(peer);
         if let Some(b) = &mut self.pending_vote {
             b.remove(peer);
             self.tally_pending_votes();

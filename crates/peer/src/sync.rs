@@ -1,0 +1,417 @@
+//! `sync_shared_state`: hash, vote, fetch what the election says we lack from its donors
+//! (striped across all of them, verified by hash), serve what others lack, and end together
+//! (`docs/state.md`).
+//!
+//! Threads, all scoped to the call: one accepts fetch connections and hands each to a server
+//! thread that answers requests from our tensors (read-only); one fetch thread per donor pulls
+//! pieces from a shared queue, so faster donors take more, and a donor that fails puts its piece
+//! back for the others. Fetched bytes land in buffers of their own and replace our tensors only
+//! once the master says every participant holds the elected state.
+
+use crate::communicator::{Communicator, Connected};
+use crate::error::{Error, Result};
+use crate::failpoint::failpoint;
+use crate::Deadline;
+use shoal_collective::DType;
+use shoal_proto::master::Strategy;
+use shoal_transport::{connect, read_message_until, write_message, PollFd};
+use shoal_wire::{truncate, Message, PeerId, PlanEntry, StateDigest, MAX_DIMS, MAX_STATE_ENTRIES, MAX_STRING_BYTES};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// Bytes asked of a donor at a time: small enough to spread a tensor over every donor and to
+/// lose little when one dies, large enough that the request costs nothing.
+const PIECE_BYTES: u64 = 4 << 20;
+/// Tensors at least this large log their progress.
+const PROGRESS_BYTES: u64 = 64 << 20;
+
+/// One tensor of a shared state, borrowed for the call.
+pub struct StateTensor<'a> {
+    /// Its name; unique within the state.
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Dimensions.
+    pub shape: Vec<u64>,
+    /// Its elements in memory order; replaced if the election says so.
+    pub bytes: &'a mut [u8],
+    /// May differ between accepted peers (per-peer RNG or data-loader state): never repaired
+    /// among them, but a newcomer receives it.
+    pub may_differ: bool,
+}
+
+/// What a sync did.
+#[derive(Debug, Clone, Default)]
+pub struct SyncInfo {
+    /// The revision every participant is at now.
+    pub revision: u64,
+    /// Tensors this peer received: name, the donors it fetched from, bytes.
+    pub received: Vec<(String, Vec<PeerId>, u64)>,
+    /// Peers this peer sent tensor bytes to.
+    pub sent_to: BTreeSet<PeerId>,
+    /// Bytes this peer sent.
+    pub sent_bytes: u64,
+    /// Wall time of the call.
+    pub elapsed: Duration,
+}
+
+/// A fetcher's request, as the listener hands it over.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FetchReq {
+    pub from: PeerId,
+    pub round: u64,
+    pub index: u32,
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// A tensor to fetch.
+struct Wanted {
+    index: usize,
+    len: u64,
+    donors: Vec<PeerId>,
+    hash: [u8; 32],
+}
+
+/// The fetch work of one sync: pieces per wanted tensor, shared by the donor threads.
+struct Work {
+    queues: Vec<VecDeque<(u64, u64)>>,
+    /// Pieces not yet in place, per wanted tensor.
+    outstanding: Vec<usize>,
+    done_bytes: Vec<u64>,
+}
+
+impl Communicator {
+    /// Makes this peer's shared state the one the group elects, with every accepted peer of the
+    /// group calling it together: see `docs/state.md` for the election, the revision rules and
+    /// the strategies.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for duplicate names, over-long names or shapes that do not
+    /// match the bytes (nothing sent); [`Error::SyncFailed`] if the sync ended without effect
+    /// (retryable when a participant was lost, a usage error when the calls do not fit
+    /// together); [`Error::MasterUnreachable`], [`Error::Timeout`].
+    pub fn sync_shared_state(
+        &self,
+        tensors: &mut [StateTensor<'_>],
+        revision: u64,
+        strategy: Strategy,
+        override_resume: bool,
+    ) -> Result<SyncInfo> {
+        let started = Instant::now();
+        let connected = self.connected()?;
+        let _data = self.data.lock().expect("data lock poisoned");
+        let pos = self.position().ok_or(Error::NotConnected)?;
+        tensors.sort_by(|a, b| a.name.cmp(&b.name));
+        let digests = digest(tensors)?;
+        let deadline = Deadline::after(self.config.timeout);
+        let control = &connected.control;
+        {
+            let mut s = control.lock();
+            s.view.sync_plan = None;
+            s.view.sync_end = None;
+        }
+        control.send(&Message::SyncVote { revision, strategy: strategy as u8, override_resume, entries: digests })?;
+        let plan = control.wait_until("sync_shared_state", deadline, |s| {
+            if let Some((_, Err((retryable, reason)))) = s.view.sync_end.take() {
+                return Some(Err(Error::SyncFailed { retryable, reason }));
+            }
+            s.view.sync_plan.take().map(Ok)
+        })??;
+        let (round, revision, entries) = plan;
+        if entries.len() != tensors.len() {
+            return Err(Error::Protocol(format!(
+                "a plan of {} tensors for a state of {}",
+                entries.len(),
+                tensors.len()
+            )));
+        }
+        let wanted: Vec<Wanted> = entries
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| !e.donors.is_empty())
+            .map(|(index, PlanEntry { hash, donors })| Wanted {
+                index,
+                len: tensors[index].bytes.len() as u64,
+                donors: donors.clone(),
+                hash: *hash,
+            })
+            .collect();
+        let addrs: BTreeMap<PeerId, String> = pos.ring.iter().map(|m| (m.peer, m.addr.clone())).collect();
+        let meta = tensors_meta(tensors);
+        let views: Vec<&[u8]> = tensors.iter().map(|t| &*t.bytes).collect();
+        let sent_bytes = AtomicU64::new(0);
+        let sent_to = Mutex::new(BTreeSet::new());
+        let stop = AtomicBool::new(false);
+        let io_timeout = self.config.heartbeat_timeout;
+        let (fetched, ended) = std::thread::scope(|scope| {
+            // Serve whatever the others fetch from us until the sync ends.
+            scope.spawn(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    let Some((stream, first)) = connected.listener.take_fetch(Duration::from_millis(20)) else {
+                        continue;
+                    };
+                    let (views, sent_bytes, sent_to, stop) = (&views, &sent_bytes, &sent_to, &stop);
+                    scope.spawn(move || {
+                        if let Err(e) = serve(stream, first, round, views, sent_bytes, sent_to, stop, io_timeout) {
+                            log::debug!("serving {}: {e}", first.from);
+                        }
+                    });
+                }
+            });
+            let fetched = fetch(&connected, round, &wanted, meta, &addrs, io_timeout);
+            let report = match &fetched {
+                Ok(_) => Message::SyncDone { round },
+                Err(reason) => Message::SyncFailed { round, reason: truncate(reason.clone(), MAX_STRING_BYTES) },
+            };
+            let ended = control.send(&report).and_then(|()| {
+                control.wait_until("sync_shared_state", deadline, |s| match s.view.sync_end.take() {
+                    Some((r, end)) if r == round => Some(end),
+                    _ => None,
+                })
+            });
+            stop.store(true, Ordering::Relaxed);
+            (fetched, ended)
+        });
+        match ended? {
+            Ok(()) => {}
+            Err((retryable, reason)) => return Err(Error::SyncFailed { retryable, reason }),
+        }
+        let fetched = fetched.map_err(|reason| Error::SyncFailed { retryable: true, reason })?;
+        let mut received = Vec::new();
+        for (w, data) in wanted.iter().zip(fetched) {
+            tensors[w.index].bytes.copy_from_slice(&data);
+            received.push((tensors[w.index].name.clone(), w.donors.clone(), w.len));
+        }
+        Ok(SyncInfo {
+            revision,
+            received,
+            sent_to: sent_to.into_inner().expect("sent_to lock poisoned"),
+            sent_bytes: sent_bytes.into_inner(),
+            elapsed: started.elapsed(),
+        })
+    }
+}
+
+/// (dtype, shape, name) of each tensor, for hashing what arrives.
+fn tensors_meta(tensors: &[StateTensor<'_>]) -> Vec<(DType, Vec<u64>, String)> {
+    tensors.iter().map(|t| (t.dtype, t.shape.clone(), t.name.clone())).collect()
+}
+
+/// Checks and hashes the state, in name order.
+fn digest(tensors: &[StateTensor<'_>]) -> Result<Vec<StateDigest>> {
+    if tensors.len() > MAX_STATE_ENTRIES {
+        return Err(Error::InvalidArgument(format!(
+            "{} tensors; a shared state holds at most {MAX_STATE_ENTRIES}",
+            tensors.len()
+        )));
+    }
+    let mut out = Vec::with_capacity(tensors.len());
+    for (i, t) in tensors.iter().enumerate() {
+        if i > 0 && tensors[i - 1].name == t.name {
+            return Err(Error::InvalidArgument(format!("tensor name {:?} appears twice", t.name)));
+        }
+        if t.name.len() > MAX_STRING_BYTES {
+            return Err(Error::InvalidArgument(format!(
+                "tensor name {:?}... is over {MAX_STRING_BYTES} bytes",
+                &t.name[..32]
+            )));
+        }
+        if t.shape.len() > MAX_DIMS {
+            return Err(Error::InvalidArgument(format!(
+                "tensor {:?} has {} dimensions, at most {MAX_DIMS}",
+                t.name,
+                t.shape.len()
+            )));
+        }
+        let hash = shoal_state::hash_tensor(t.dtype, &t.shape, t.bytes)
+            .map_err(|e| Error::InvalidArgument(format!("tensor {:?}: {e}", t.name)))?;
+        out.push(StateDigest {
+            name: t.name.clone(),
+            dtype: t.dtype.code(),
+            shape: t.shape.clone(),
+            hash: hash.0,
+            may_differ: t.may_differ,
+        });
+    }
+    Ok(out)
+}
+
+/// Answers one fetcher's requests from our tensors until it hangs up or the sync ends.
+#[allow(clippy::too_many_arguments)]
+fn serve(
+    mut stream: TcpStream,
+    first: FetchReq,
+    round: u64,
+    views: &[&[u8]],
+    sent_bytes: &AtomicU64,
+    sent_to: &Mutex<BTreeSet<PeerId>>,
+    stop: &AtomicBool,
+    io_timeout: Duration,
+) -> std::result::Result<(), String> {
+    stream.set_write_timeout(Some(io_timeout)).map_err(|e| e.to_string())?;
+    let mut request = first;
+    loop {
+        let tensor = views.get(request.index as usize).ok_or("no such tensor")?;
+        let (start, end) = (request.offset, request.offset.saturating_add(request.len));
+        if request.round != round || end > tensor.len() as u64 {
+            return Err(format!("request {request:?} does not fit sync {round}"));
+        }
+        stream.write_all(&tensor[start as usize..end as usize]).map_err(|e| e.to_string())?;
+        sent_bytes.fetch_add(request.len, Ordering::Relaxed);
+        sent_to.lock().expect("sent_to lock poisoned").insert(request.from);
+        failpoint("sync.serve");
+        // The next request, or the end: the fetcher hangs up, or the sync ends here.
+        loop {
+            if stop.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+            let mut fd = PollFd::new(&stream);
+            fd.want_read = true;
+            if shoal_transport::poll(&mut [fd], Duration::from_millis(50)).map_err(|e| e.to_string())? == 0 {
+                continue;
+            }
+            match read_message_until(&mut stream, Instant::now() + io_timeout) {
+                Ok((_, Message::FetchRequest { from, round, index, offset, len, .. })) => {
+                    request = FetchReq { from, round, index, offset, len };
+                    break;
+                }
+                Ok((_, other)) => return Err(format!("expected FetchRequest, got {}", other.name())),
+                Err(_) => return Ok(()), // hung up
+            }
+        }
+    }
+}
+
+/// Fetches every wanted tensor from its donors, one thread per donor; returns their bytes,
+/// verified, in the order of `wanted`, or why that is impossible.
+fn fetch(
+    c: &Connected,
+    round: u64,
+    wanted: &[Wanted],
+    meta: Vec<(DType, Vec<u64>, String)>,
+    addrs: &BTreeMap<PeerId, String>,
+    io_timeout: Duration,
+) -> std::result::Result<Vec<Vec<u8>>, String> {
+    if wanted.is_empty() {
+        return Ok(Vec::new());
+    }
+    let pieces = |len: u64| -> VecDeque<(u64, u64)> {
+        (0..len.div_ceil(PIECE_BYTES).max(1))
+            .map(|k| (k * PIECE_BYTES, PIECE_BYTES.min(len - k * PIECE_BYTES)))
+            .collect()
+    };
+    let queues: Vec<VecDeque<(u64, u64)>> = wanted.iter().map(|w| pieces(w.len)).collect();
+    let outstanding = queues.iter().map(VecDeque::len).collect();
+    let work = Mutex::new(Work { queues, outstanding, done_bytes: vec![0; wanted.len()] });
+    let changed = Condvar::new();
+    let results: Vec<Mutex<Vec<u8>>> = wanted.iter().map(|w| Mutex::new(vec![0; w.len as usize])).collect();
+    let donors: BTreeSet<PeerId> = wanted.iter().flat_map(|w| w.donors.iter().copied()).collect();
+    std::thread::scope(|scope| {
+        for donor in donors {
+            let mine: Vec<usize> = (0..wanted.len()).filter(|&i| wanted[i].donors.contains(&donor)).collect();
+            let (work, changed, results) = (&work, &changed, &results);
+            let addr = addrs.get(&donor).cloned();
+            scope.spawn(move || {
+                let outcome = fetch_from(c, round, donor, addr, &mine, wanted, work, changed, results, io_timeout);
+                if let Err(e) = outcome {
+                    log::warn!("{}: fetching from {donor}: {e}; the other donors take over", c.me);
+                }
+                changed.notify_all();
+            });
+        }
+    });
+    let w = work.into_inner().expect("work lock poisoned");
+    if let Some(i) = w.outstanding.iter().position(|n| *n > 0) {
+        let name = &meta[wanted[i].index].2;
+        return Err(format!("every donor of tensor {name:?} failed before it arrived"));
+    }
+    let mut out = Vec::with_capacity(wanted.len());
+    for (w, data) in wanted.iter().zip(results) {
+        let data = data.into_inner().expect("result lock poisoned");
+        let (dtype, shape, name) = &meta[w.index];
+        let hash = shoal_state::hash_tensor(*dtype, shape, &data).map_err(|e| e.to_string())?;
+        if hash.0 != w.hash {
+            return Err(format!("tensor {name:?} arrived with hash {hash}, not the one elected"));
+        }
+        out.push(data);
+    }
+    Ok(out)
+}
+
+/// One donor's share: pieces of the tensors it holds, until none is left or it fails.
+#[allow(clippy::too_many_arguments)]
+fn fetch_from(
+    c: &Connected,
+    round: u64,
+    donor: PeerId,
+    addr: Option<String>,
+    mine: &[usize],
+    wanted: &[Wanted],
+    work: &Mutex<Work>,
+    changed: &Condvar,
+    results: &[Mutex<Vec<u8>>],
+    io_timeout: Duration,
+) -> std::result::Result<(), String> {
+    let addr = addr.ok_or("not in our topology")?;
+    let mut stream: Option<TcpStream> = None;
+    let mut buf = Vec::new();
+    loop {
+        // Take a piece of one of our tensors; wait while others' pieces are in flight (a donor
+        // that fails puts its piece back); stop when all of ours are in place.
+        let (i, (offset, len)) = {
+            let mut w = work.lock().expect("work lock poisoned");
+            loop {
+                if let Some(&i) = mine.iter().find(|&&i| !w.queues[i].is_empty()) {
+                    break (i, w.queues[i].pop_front().expect("not empty"));
+                }
+                if mine.iter().all(|&i| w.outstanding[i] == 0) {
+                    return Ok(());
+                }
+                w = changed.wait_timeout(w, Duration::from_millis(50)).expect("work lock poisoned").0;
+            }
+        };
+        let fetched = (|| -> std::result::Result<(), String> {
+            if stream.is_none() {
+                let s = connect(&addr, io_timeout).map_err(|e| format!("dialing {addr}: {e}"))?;
+                s.set_read_timeout(Some(io_timeout)).map_err(|e| e.to_string())?;
+                stream = Some(s);
+            }
+            let s = stream.as_mut().expect("just set");
+            let request =
+                Message::FetchRequest { from: c.me, to: donor, round, index: wanted[i].index as u32, offset, len };
+            write_message(s, c.session, &request).map_err(|e| e.to_string())?;
+            buf.resize(len as usize, 0);
+            s.read_exact(&mut buf).map_err(|e| e.to_string())?;
+            Ok(())
+        })();
+        let mut w = work.lock().expect("work lock poisoned");
+        if let Err(e) = fetched {
+            w.queues[i].push_front((offset, len));
+            drop(w);
+            changed.notify_all();
+            return Err(e);
+        }
+        results[i].lock().expect("result lock poisoned")[offset as usize..(offset + len) as usize]
+            .copy_from_slice(&buf);
+        w.outstanding[i] -= 1;
+        let total = wanted[i].len;
+        let before = w.done_bytes[i];
+        w.done_bytes[i] += len;
+        if total >= PROGRESS_BYTES && before * 10 / total != w.done_bytes[i] * 10 / total {
+            log::info!(
+                "{}: tensor {} of the shared state: {} of {} MiB",
+                c.me,
+                wanted[i].index,
+                w.done_bytes[i] >> 20,
+                total >> 20
+            );
+        }
+        drop(w);
+        changed.notify_all();
+    }
+}

@@ -1,0 +1,352 @@
+//! The master's half of `sync_shared_state` (`docs/state.md`): a vote per group, the election
+//! of every tensor, the plan each peer fetches by, and the end of the sync for everyone.
+//!
+//! A sync is a major operation of its group: every accepted member of the group votes with its
+//! revision, strategy and tensor hashes. Once all have, the master elects and sends each a plan;
+//! peers fetch what they lack from donors, peer to peer, and report `SyncDone`; when every
+//! participant still in the run has, the master sends `SyncComplete` and remembers the group's
+//! revision and hashes. A lost participant that others still need to fetch from is routed around
+//! by the fetchers; one that cannot be routed around makes its fetcher report `SyncFailed`, and
+//! the sync aborts for everyone (retryable).
+
+use super::Master;
+use crate::ballot::Ballot;
+use shoal_wire::{truncate, GroupId, Message, PeerId, PlanEntry, StateDigest, MAX_STRING_BYTES};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// How a peer takes part in a sync.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Strategy {
+    /// Votes with its state; the most popular state wins and it is repaired if outvoted.
+    EnforcePopular = 1,
+    /// Authoritative: its state wins; it never receives.
+    SendOnly = 2,
+    /// Never votes or sends; takes the elected state.
+    ReceiveOnly = 3,
+}
+
+impl Strategy {
+    /// The strategy of a wire code.
+    pub fn from_code(code: u8) -> Option<Self> {
+        [Strategy::EnforcePopular, Strategy::SendOnly, Strategy::ReceiveOnly].into_iter().find(|s| *s as u8 == code)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Vote {
+    revision: u64,
+    strategy: Strategy,
+    override_resume: bool,
+    entries: Vec<StateDigest>,
+}
+
+/// A sync in progress in one group.
+#[derive(Debug)]
+pub(super) struct SyncRound {
+    round: u64,
+    ballot: Ballot,
+    votes: BTreeMap<PeerId, Vote>,
+    /// Set once the plan went out: who takes part, and who has finished.
+    transfer: Option<Transfer>,
+}
+
+#[derive(Debug)]
+struct Transfer {
+    revision: u64,
+    hashes: BTreeMap<String, [u8; 32]>,
+    participants: BTreeSet<PeerId>,
+    done: BTreeSet<PeerId>,
+}
+
+/// What the master remembers of a group's last completed sync: the resume rule needs it.
+#[derive(Debug, Clone)]
+pub(super) struct GroupState {
+    revision: u64,
+    hashes: BTreeMap<String, [u8; 32]>,
+    /// Peers that took part in a completed sync: they are not newcomers.
+    synced: BTreeSet<PeerId>,
+}
+
+impl Master {
+    pub(super) fn sync_vote(
+        &mut self,
+        peer: PeerId,
+        revision: u64,
+        strategy: u8,
+        override_resume: bool,
+        entries: Vec<StateDigest>,
+    ) {
+        let Some(strategy) = Strategy::from_code(strategy) else {
+            return self.violation(peer, format!("unknown sync strategy {strategy}"));
+        };
+        if !matches!(self.phase, super::Phase::Idle) {
+            let reason = format!("{peer} called sync_shared_state while update_topology is in progress");
+            return self.send_to_peer(peer, Message::SyncAborted { round: 0, retryable: false, reason });
+        }
+        let group = self.peers[&peer].group;
+        if !self.syncs.contains_key(&group) {
+            self.next_sync += 1;
+            let electorate = self.ring.iter().copied().filter(|p| self.peers[p].group == group).collect();
+            let round = SyncRound {
+                round: self.next_sync,
+                ballot: Ballot::new(electorate),
+                votes: BTreeMap::new(),
+                transfer: None,
+            };
+            self.syncs.insert(group, round);
+        }
+        let sync = self.syncs.get_mut(&group).expect("inserted above");
+        if sync.transfer.is_some() || sync.votes.contains_key(&peer) || !sync.ballot.is_eligible(peer) {
+            return self.violation(peer, "sync vote outside of a sync's voting".into());
+        }
+        sync.ballot.cast(peer);
+        sync.votes.insert(peer, Vote { revision, strategy, override_resume, entries });
+        self.tally_sync(group);
+    }
+
+    pub(super) fn sync_done(&mut self, peer: PeerId, round: u64) {
+        let group = self.peers[&peer].group;
+        let Some(sync) = self.syncs.get_mut(&group).filter(|s| s.round == round) else { return };
+        if let Some(t) = &mut sync.transfer {
+            t.done.insert(peer);
+        }
+        self.settle_sync(group);
+    }
+
+    pub(super) fn sync_failed(&mut self, peer: PeerId, round: u64, reason: String) {
+        let group = self.peers[&peer].group;
+        if self.syncs.get(&group).is_some_and(|s| s.round == round) {
+            self.abort_sync(group, true, format!("{peer} could not complete the sync: {reason}"));
+        }
+    }
+
+    /// A member left: it no longer votes, and nobody waits for it to finish.
+    pub(super) fn sync_member_removed(&mut self, peer: PeerId) {
+        let groups: Vec<GroupId> = self.syncs.keys().copied().collect();
+        for group in groups {
+            let sync = self.syncs.get_mut(&group).expect("listed");
+            sync.ballot.remove(peer);
+            sync.votes.remove(&peer);
+            if let Some(t) = &mut sync.transfer {
+                t.participants.remove(&peer);
+            }
+            if sync.transfer.is_some() {
+                self.settle_sync(group);
+            } else {
+                self.tally_sync(group);
+            }
+        }
+    }
+
+    /// Ends every sync of `group` (or of every group) with an error for its voters.
+    pub(super) fn abort_sync(&mut self, group: GroupId, retryable: bool, reason: String) {
+        let Some(sync) = self.syncs.remove(&group) else { return };
+        log::warn!("sync {} aborted: {reason}", sync.round);
+        let reason = truncate(reason, MAX_STRING_BYTES);
+        let voters: Vec<PeerId> = match &sync.transfer {
+            Some(t) => t.participants.iter().copied().collect(),
+            None => sync.votes.keys().copied().collect(),
+        };
+        for p in voters {
+            self.send_to_peer(p, Message::SyncAborted { round: sync.round, retryable, reason: reason.clone() });
+        }
+    }
+
+    pub(super) fn abort_every_sync(&mut self, reason: &str) {
+        let groups: Vec<GroupId> = self.syncs.keys().copied().collect();
+        for g in groups {
+            self.abort_sync(g, true, reason.to_string());
+        }
+    }
+
+    fn tally_sync(&mut self, group: GroupId) {
+        let Some(sync) = self.syncs.get(&group) else { return };
+        if sync.transfer.is_some() {
+            return;
+        }
+        if sync.ballot.is_empty() {
+            self.syncs.remove(&group);
+            return;
+        }
+        if sync.ballot.tally().is_none() {
+            return;
+        }
+        let votes = sync.votes.clone();
+        let round = sync.round;
+        match self.elect(group, &votes) {
+            Ok((revision, hashes, plans)) => {
+                let participants: BTreeSet<PeerId> = votes.keys().copied().collect();
+                let sync = self.syncs.get_mut(&group).expect("present");
+                sync.transfer = Some(Transfer { revision, hashes, participants, done: BTreeSet::new() });
+                log::info!("sync {round} of group {}: revision {revision}, {} peers", group.0, votes.len());
+                for (p, entries) in plans {
+                    self.send_to_peer(p, Message::SyncPlan { round, revision, entries });
+                }
+            }
+            Err(reason) => self.abort_sync(group, false, reason),
+        }
+    }
+
+    fn settle_sync(&mut self, group: GroupId) {
+        let Some(sync) = self.syncs.get(&group) else { return };
+        let Some(t) = &sync.transfer else { return };
+        if !t.participants.iter().all(|p| t.done.contains(p)) {
+            return;
+        }
+        let sync = self.syncs.remove(&group).expect("present");
+        let t = sync.transfer.expect("checked");
+        let state = self.group_states.entry(group).or_insert_with(|| GroupState {
+            revision: t.revision,
+            hashes: BTreeMap::new(),
+            synced: BTreeSet::new(),
+        });
+        state.revision = t.revision;
+        state.hashes = t.hashes;
+        state.synced.extend(t.participants.iter().copied());
+        for p in t.participants {
+            self.send_to_peer(p, Message::SyncComplete { round: sync.round });
+        }
+    }
+
+    /// The election: the revision, the elected hash of every tensor, and each voter's plan; or
+    /// why the votes cannot be reconciled (a usage error: calling again will not help).
+    #[allow(clippy::type_complexity)]
+    fn elect(
+        &self,
+        group: GroupId,
+        votes: &BTreeMap<PeerId, Vote>,
+    ) -> Result<(u64, BTreeMap<String, [u8; 32]>, Vec<(PeerId, Vec<PlanEntry>)>), String> {
+        let (first, first_vote) = votes.iter().next().expect("a tallied ballot has voters");
+        // Every voter must describe the same tensors.
+        let layout = |v: &Vote| -> Vec<(String, u8, Vec<u64>, bool)> {
+            v.entries.iter().map(|e| (e.name.clone(), e.dtype, e.shape.clone(), e.may_differ)).collect()
+        };
+        for (p, v) in votes {
+            if layout(v) != layout(first_vote) {
+                return Err(describe_layout_difference(*first, first_vote, *p, v));
+            }
+        }
+        let providers: Vec<(PeerId, &Vote)> =
+            votes.iter().filter(|(_, v)| v.strategy != Strategy::ReceiveOnly).map(|(p, v)| (*p, v)).collect();
+        if providers.is_empty() {
+            return Err("every peer called sync_shared_state with receive_only: nobody provides the state".into());
+        }
+        let previous = self.group_states.get(&group);
+        let override_resume = votes.values().any(|v| v.override_resume);
+        let resuming = previous.is_some_and(|s| !override_resume && votes.keys().all(|p| !s.synced.contains(p)));
+        let max_revision = providers.iter().map(|(_, v)| v.revision).max().expect("not empty");
+        let expected = match previous {
+            Some(s) if resuming => s.revision,
+            Some(s) if !override_resume => s.revision + 1,
+            _ => max_revision,
+        };
+        if let Some((p, v)) = providers.iter().find(|(_, v)| v.revision > expected) {
+            return Err(format!(
+                "{p} claims revision {} but the run is at revision {}: a sync advances it by exactly one",
+                v.revision,
+                expected.saturating_sub(1)
+            ));
+        }
+        if let Some((p, v)) = providers.iter().find(|(_, v)| v.strategy == Strategy::SendOnly && v.revision != expected)
+        {
+            return Err(format!(
+                "{p} is send_only at revision {} but the sync is at revision {expected}: a send_only peer never receives",
+                v.revision
+            ));
+        }
+        let mut candidates: Vec<(PeerId, &Vote)> =
+            providers.iter().filter(|(_, v)| v.revision == expected).copied().collect();
+        if resuming {
+            // Every peer left and peers came back: only the state the run last agreed on is
+            // accepted, so a restart cannot silently roll training back or forward.
+            let s = previous.expect("resuming implies a previous state");
+            candidates
+                .retain(|(_, v)| v.entries.iter().all(|e| e.may_differ || s.hashes.get(&e.name) == Some(&e.hash)));
+            if candidates.is_empty() {
+                return Err(format!(
+                    "no peer holds the state the run last agreed on (revision {}): pass override_resume=True to \
+                     start from another",
+                    s.revision
+                ));
+            }
+        }
+        if candidates.is_empty() {
+            return Err(format!("no peer that provides state is at revision {expected}"));
+        }
+        let synced = |p: &PeerId| previous.is_some_and(|s| s.synced.contains(p));
+        let mut hashes = BTreeMap::new();
+        let mut plans: BTreeMap<PeerId, Vec<PlanEntry>> = votes.keys().map(|p| (*p, Vec::new())).collect();
+        for (i, entry) in first_vote.entries.iter().enumerate() {
+            let (winner, donors, receivers): ([u8; 32], Vec<PeerId>, BTreeSet<PeerId>) = if entry.may_differ {
+                // Never repaired among accepted peers; a newcomer takes a synced peer's copy.
+                let donor = candidates.iter().find(|(p, _)| synced(p));
+                match donor {
+                    Some((d, v)) => {
+                        let hash = v.entries[i].hash;
+                        let receivers = votes
+                            .iter()
+                            .filter(|(p, w)| !synced(p) && w.entries[i].hash != hash)
+                            .map(|(p, _)| *p)
+                            .collect();
+                        (hash, vec![*d], receivers)
+                    }
+                    None => ([0; 32], Vec::new(), BTreeSet::new()),
+                }
+            } else {
+                let send_only: BTreeSet<[u8; 32]> = candidates
+                    .iter()
+                    .filter(|(_, v)| v.strategy == Strategy::SendOnly)
+                    .map(|(_, v)| v.entries[i].hash)
+                    .collect();
+                let winner = match send_only.len() {
+                    0 => popular(candidates.iter().map(|(_, v)| v.entries[i].hash)),
+                    1 => *send_only.iter().next().expect("one"),
+                    _ => return Err(format!("send_only peers disagree on tensor {:?}", entry.name)),
+                };
+                let donors = candidates.iter().filter(|(_, v)| v.entries[i].hash == winner).map(|(p, _)| *p).collect();
+                let receivers = votes.iter().filter(|(_, v)| v.entries[i].hash != winner).map(|(p, _)| *p).collect();
+                hashes.insert(entry.name.clone(), winner);
+                (winner, donors, receivers)
+            };
+            for (p, plan) in &mut plans {
+                let receives = receivers.contains(p);
+                let hash = if receives { winner } else { votes[p].entries[i].hash };
+                plan.push(PlanEntry { hash, donors: if receives { donors.clone() } else { Vec::new() } });
+            }
+        }
+        Ok((expected, hashes, plans.into_iter().collect()))
+    }
+}
+
+/// The most frequent hash; ties go to the smallest, so every master elects the same.
+fn popular(hashes: impl Iterator<Item = [u8; 32]>) -> [u8; 32] {
+    let mut counts: BTreeMap<[u8; 32], usize> = BTreeMap::new();
+    for h in hashes {
+        *counts.entry(h).or_default() += 1;
+    }
+    let best = counts.values().copied().max().expect("at least one candidate");
+    *counts.iter().find(|(_, c)| **c == best).expect("the maximum exists").0
+}
+
+fn describe_layout_difference(a: PeerId, va: &Vote, b: PeerId, vb: &Vote) -> String {
+    let show = |e: &StateDigest| {
+        format!(
+            "{:?} (dtype {}, shape {:?}{})",
+            e.name,
+            e.dtype,
+            e.shape,
+            if e.may_differ { ", may differ" } else { "" }
+        )
+    };
+    for i in 0..va.entries.len().max(vb.entries.len()) {
+        match (va.entries.get(i), vb.entries.get(i)) {
+            (Some(x), Some(y)) if show(x) == show(y) => continue,
+            (x, y) => {
+                let x = x.map_or("nothing".into(), show);
+                let y = y.map_or("nothing".into(), show);
+                return format!("shared states differ: {a} has {x} where {b} has {y}");
+            }
+        }
+    }
+    "shared states differ".into()
+}
