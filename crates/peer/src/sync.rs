@@ -14,6 +14,7 @@ use crate::failpoint::failpoint;
 use crate::Deadline;
 use shoal_collective::DType;
 use shoal_proto::master::Strategy;
+use shoal_proto::peer::SyncAbort;
 use shoal_transport::{connect, read_message_until, write_message, PollFd};
 use shoal_wire::{truncate, Message, PeerId, PlanEntry, StateDigest, MAX_DIMS, MAX_STATE_ENTRIES, MAX_STRING_BYTES};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -117,7 +118,7 @@ impl Communicator {
         }
         control.send(&Message::SyncVote { revision, strategy: strategy as u8, override_resume, entries: digests })?;
         let plan = control.wait_until("sync_shared_state", deadline, |s| {
-            if let Some((_, Err((retryable, reason)))) = s.view.sync_end.take() {
+            if let Some((_, Err(SyncAbort { retryable, reason }))) = s.view.sync_end.take() {
                 return Some(Err(Error::SyncFailed { retryable, reason }));
             }
             s.view.sync_plan.take().map(Ok)
@@ -179,7 +180,7 @@ impl Communicator {
         });
         match ended? {
             Ok(()) => {}
-            Err((retryable, reason)) => return Err(Error::SyncFailed { retryable, reason }),
+            Err(SyncAbort { retryable, reason }) => return Err(Error::SyncFailed { retryable, reason }),
         }
         let fetched = fetched.map_err(|reason| Error::SyncFailed { retryable: true, reason })?;
         let mut received = Vec::new();
@@ -309,7 +310,10 @@ fn fetch(
     let outstanding = queues.iter().map(VecDeque::len).collect();
     let work = Mutex::new(Work { queues, outstanding, done_bytes: vec![0; wanted.len()] });
     let changed = Condvar::new();
-    let results: Vec<Mutex<Vec<u8>>> = wanted.iter().map(|w| Mutex::new(vec![0; w.len as usize])).collect();
+    let mut buffers: Vec<Vec<u8>> = wanted.iter().map(|w| vec![0; w.len as usize]).collect();
+    // One slot per piece, so that donors read straight into place without contending.
+    let results: Vec<Vec<Mutex<&mut [u8]>>> =
+        buffers.iter_mut().map(|b| b.chunks_mut(PIECE_BYTES as usize).map(Mutex::new).collect()).collect();
     let donors: BTreeSet<PeerId> = wanted.iter().flat_map(|w| w.donors.iter().copied()).collect();
     std::thread::scope(|scope| {
         for donor in donors {
@@ -325,14 +329,14 @@ fn fetch(
             });
         }
     });
+    drop(results);
     let w = work.into_inner().expect("work lock poisoned");
     if let Some(i) = w.outstanding.iter().position(|n| *n > 0) {
         let name = &meta[wanted[i].index].2;
         return Err(format!("every donor of tensor {name:?} failed before it arrived"));
     }
     let mut out = Vec::with_capacity(wanted.len());
-    for (w, data) in wanted.iter().zip(results) {
-        let data = data.into_inner().expect("result lock poisoned");
+    for (w, data) in wanted.iter().zip(buffers) {
         let (dtype, shape, name) = &meta[w.index];
         let hash = shoal_state::hash_tensor(*dtype, shape, &data).map_err(|e| e.to_string())?;
         if hash.0 != w.hash {
@@ -354,12 +358,11 @@ fn fetch_from(
     wanted: &[Wanted],
     work: &Mutex<Work>,
     changed: &Condvar,
-    results: &[Mutex<Vec<u8>>],
+    results: &[Vec<Mutex<&mut [u8]>>],
     io_timeout: Duration,
 ) -> std::result::Result<(), String> {
     let addr = addr.ok_or("not in our topology")?;
     let mut stream: Option<TcpStream> = None;
-    let mut buf = Vec::new();
     loop {
         // Take a piece of one of our tensors; wait while others' pieces are in flight (a donor
         // that fails puts its piece back); stop when all of ours are in place.
@@ -385,8 +388,9 @@ fn fetch_from(
             let request =
                 Message::FetchRequest { from: c.me, to: donor, round, index: wanted[i].index as u32, offset, len };
             write_message(s, c.session, &request).map_err(|e| e.to_string())?;
-            buf.resize(len as usize, 0);
-            s.read_exact(&mut buf).map_err(|e| e.to_string())?;
+            let mut slot = results[i][(offset / PIECE_BYTES) as usize].lock().expect("result lock poisoned");
+            debug_assert_eq!(slot.len() as u64, len);
+            s.read_exact(&mut slot).map_err(|e| e.to_string())?;
             Ok(())
         })();
         let mut w = work.lock().expect("work lock poisoned");
@@ -396,8 +400,6 @@ fn fetch_from(
             changed.notify_all();
             return Err(e);
         }
-        results[i].lock().expect("result lock poisoned")[offset as usize..(offset + len) as usize]
-            .copy_from_slice(&buf);
         w.outstanding[i] -= 1;
         let total = wanted[i].len;
         let before = w.done_bytes[i];

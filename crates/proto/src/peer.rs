@@ -38,8 +38,17 @@ pub struct PeerView {
     pub vote_aborted: Option<String>,
     /// The plan of the current shared-state sync: (round, revision, entries).
     pub sync_plan: Option<(u64, u64, Vec<PlanEntry>)>,
-    /// How a shared-state sync ended: (round, `Ok` or `Err((retryable, reason))`).
-    pub sync_end: Option<(u64, Result<(), (bool, String)>)>,
+    /// How a shared-state sync ended: (round, completed or why not).
+    pub sync_end: Option<(u64, Result<(), SyncAbort>)>,
+}
+
+/// Why a shared-state sync ended without effect.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SyncAbort {
+    /// Calling again can succeed.
+    pub retryable: bool,
+    /// Why.
+    pub reason: String,
 }
 
 /// How the master decided a collective.
@@ -199,7 +208,7 @@ impl PeerView {
                 PeerEvent::Nothing
             }
             Message::SyncAborted { round, retryable, reason } => {
-                self.sync_end = Some((round, Err((retryable, reason))));
+                self.sync_end = Some((round, Err(SyncAbort { retryable, reason })));
                 PeerEvent::Nothing
             }
             Message::OpQuery { epoch, seq } => {
