@@ -1,7 +1,8 @@
-"""Chaos: peers all-reduce in a loop while random ones are killed (SIGKILL), frozen (SIGSTOP,
-for less or more than the heartbeat timeout) or started. Afterwards every completed all-reduce
-must be identical on all its participants and correct, every failed one must have restored its
-buffer, and no call may have outlived its bound.
+"""Chaos: peers all-reduce and sync a shared state in a loop while random ones are killed
+(SIGKILL), frozen (SIGSTOP, for less or more than the heartbeat timeout) or started. Afterwards
+every completed all-reduce must be identical on all its participants and correct, every failed
+one must have restored its buffer, every peer's state must hash the same at every revision (a
+newcomer once repaired), and no call may have outlived its bound.
 
 ``test_chaos.py`` runs a short round in the suite. A soak is opt-in::
 
@@ -87,6 +88,8 @@ def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive
 
 def analyse(workdir: Path, peers: int, actions: list[str]) -> dict:
     results: dict[tuple, set] = defaultdict(set)
+    states: dict[int, set] = defaultdict(set)
+    syncs = repaired = 0
     successes = errors = 0
     longest = 0.0
     for i in range(peers):
@@ -103,13 +106,20 @@ def analyse(workdir: Path, peers: int, actions: list[str]) -> dict:
                 successes += 1
                 assert r["correct"], f"wrong result: {where}"
                 results[tuple(r["key"])].add(r["sha"])
+            if "revision" in r:
+                syncs += 1
+                repaired += bool(r["received"])
+                states[r["revision"]].add(r["state"])
             if "error" in r:
                 errors += 1
                 assert r["restored"], f"buffer not restored: {where}"
             assert "fatal" not in r, where
     for key, shas in results.items():
         assert len(shas) == 1, f"collective {key} differs between participants"
-    return {"collectives": len(results), "successes": successes, "errors": errors,
+    for revision, hashes in states.items():
+        assert len(hashes) == 1, f"peers hold different states at revision {revision}"
+    return {"collectives": len(results), "successes": successes, "errors": errors, "syncs": syncs,
+            "repaired": repaired,
             "longest_call_s": round(longest, 2), "actions": len(actions)}
 
 

@@ -4,6 +4,7 @@ each strategy, every dtype, a donor killed mid-transfer, and the rules (revision
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -110,6 +111,8 @@ def test_revisions_advance_by_one_and_an_impossible_one_is_refused(master):
     infos = run_together(comms, lambda i, c: c.sync_shared_state(states[i]))
     assert [i.revision for i in infos] == [5, 5] and infos[1].received == {"w": [comms[0].peer_id]}
     assert (states[1].tensors["w"] == 1).all()
+    # A step retried after a failure syncs the same revision again: the run stays there.
+    assert [i.revision for i in run_together(comms, lambda i, c: c.sync_shared_state(states[i]))] == [5, 5]
     for c in comms:
         c.close()
 
@@ -146,4 +149,35 @@ def test_states_that_do_not_fit_together_fail_on_every_peer(master):
     with pytest.raises(ValueError, match="allowed_to_differ"):
         shoal.SharedState({"w": np.ones(1)}, allowed_to_differ=["x"])
     for c in comms:
+        c.close()
+
+
+def test_tensors_allowed_to_differ_go_only_to_newcomers(master):
+    comms = joined(master, 2)
+    states = [shoal.SharedState({"w": np.ones(4, np.float32), "rng": np.full(3, i, np.uint64)},
+                                allowed_to_differ=["rng"]) for i in range(2)]
+    infos = run_together(comms, lambda i, c: c.sync_shared_state(states[i]))
+    assert [i.received for i in infos] == [{}, {}], "accepted peers keep their own"
+    assert [int(s.tensors["rng"][0]) for s in states] == [0, 1]
+    # A newcomer is admitted and receives everything, including a synced peer's rng.
+    newcomer = shoal.Communicator(master.address, timeout=20)
+    all3 = comms + [newcomer]
+
+    def admit(i, c):
+        if c is newcomer:
+            c.connect(timeout=20)
+        else:
+            while not c.peers_pending():
+                time.sleep(0.02)
+            c.update_topology()
+
+    run_together(all3, admit)
+    states.append(shoal.SharedState({"w": np.zeros(4, np.float32), "rng": np.full(3, 9, np.uint64)},
+                                    allowed_to_differ=["rng"]))
+    for s in states:
+        s.revision = 1
+    infos = run_together(all3, lambda i, c: c.sync_shared_state(states[i]))
+    assert sorted(infos[2].received) == ["rng", "w"] and infos[0].received == infos[1].received == {}, infos
+    assert int(states[2].tensors["rng"][0]) in (0, 1) and [int(s.tensors["rng"][0]) for s in states[:2]] == [0, 1]
+    for c in all3:
         c.close()

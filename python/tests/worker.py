@@ -210,9 +210,12 @@ def admission_misuse(spec: dict) -> dict:
 
 
 def chaos(spec: dict) -> dict:
-    """All-reduce until the stop file appears, logging every call to a JSON-lines file as it
-    ends (this process may be killed at any instant). Calls follow what every peer sees: after
-    each fifth collective of a topology ask peers_pending; after a failure vote update_topology."""
+    """All-reduce and sync a shared state until the stop file appears, logging every call to a
+    JSON-lines file as it ends (this process may be killed at any instant). The state moves with
+    every all-reduce's result and is synced after it, so a newcomer (arriving with zeros) is
+    repaired and every peer's state hash must then be equal at every revision. Calls follow what
+    every peer sees: after each fifth collective of a topology ask peers_pending; after a failure
+    vote update_topology."""
     comm = shoal.Communicator(spec["master"], timeout=spec["call_timeout"])
     log = open(spec["log"], "a")
 
@@ -230,6 +233,8 @@ def chaos(spec: dict) -> dict:
     try:
         timed("connect", lambda: comm.connect(timeout=spec["call_timeout"]))
         pattern = (np.arange(1 << 18) % 13 + 1).astype(np.float32)
+        w = np.zeros(1 << 16, np.float32)
+        state, synced = shoal.SharedState({"w": w}), 0
         next_call = "all_reduce"
         while not os.path.exists(spec["stop"]):
             try:
@@ -240,13 +245,22 @@ def chaos(spec: dict) -> dict:
                     timed("update_topology", comm.update_topology)
                     next_call = "all_reduce"
                     continue
+                if next_call == "sync":
+                    # The revision the run moves to; a peer behind (a newcomer) is repaired.
+                    state.revision = synced + 1
+                    info = timed("sync", lambda: comm.sync_shared_state(state))
+                    synced = info.revision
+                    record(revision=synced, state=shoal.hash_tensor(w), received=sorted(info.received))
+                    next_call = "peers_pending" if pending_due else "all_reduce"
+                    continue
                 x = pattern.copy()
                 info = timed("all_reduce", lambda: comm.all_reduce(x, op="sum"))
                 ok = bool((x == pattern * info.world_size).all())
                 record(key=[info.topology, info.sequence], world=info.world_size, correct=ok,
                        sha=hashlib.sha256(x.tobytes()).hexdigest())
-                if info.sequence % 5 == 4:
-                    next_call = "peers_pending"
+                w += x[: w.size] * 1e-3
+                pending_due = info.sequence % 5 == 4
+                next_call = "sync"
             except (shoal.PeerLostError, shoal.UsageError) as e:
                 restored = next_call != "all_reduce" or bool((x == pattern).all())
                 record(error=type(e).__name__, restored=restored, msg=str(e))

@@ -235,9 +235,11 @@ impl Master {
         let override_resume = votes.values().any(|v| v.override_resume);
         let resuming = previous.is_some_and(|s| !override_resume && votes.keys().all(|p| !s.synced.contains(p)));
         let max_revision = providers.iter().map(|(_, v)| v.revision).max().expect("not empty");
+        // A sync moves the run one revision on; when every provider claims the run's current
+        // revision it re-checks that one instead (a step retried after a failure).
         let expected = match previous {
             Some(s) if resuming => s.revision,
-            Some(s) if !override_resume => s.revision + 1,
+            Some(s) if !override_resume => s.revision + u64::from(max_revision > s.revision),
             _ => max_revision,
         };
         if let Some((p, v)) = providers.iter().find(|(_, v)| v.revision > expected) {
