@@ -1,7 +1,7 @@
 //! Scenario tests of the master state machine: inputs in, outputs checked, no IO.
 
 use super::*;
-use shoal_wire::{FailureKind, OpFailure};
+use shoal_wire::{FailureKind, OpFailure, PlanEntry, StateDigest};
 
 const SESSION: SessionId = SessionId(77);
 
@@ -286,4 +286,85 @@ fn a_collective_run_during_an_admission_vote_abandons_the_vote() {
         assert!(sent_to(&out, conn).iter().any(|m| matches!(m, Message::TopologyVoteAborted { .. })), "{out:?}");
     }
     assert_eq!(h.master.phase(), &Phase::Idle);
+}
+
+fn digest(name: &str, hash: u8) -> StateDigest {
+    StateDigest { name: name.into(), dtype: 11, shape: vec![4], hash: [hash; 32], may_differ: false }
+}
+
+fn vote(h: &mut Harness, conn: u64, revision: u64, strategy: Strategy, hashes: &[u8]) -> Vec<Output> {
+    let entries = hashes.iter().enumerate().map(|(i, x)| digest(&format!("t{i}"), *x)).collect();
+    h.send(conn, Message::SyncVote { revision, strategy: strategy as u8, override_resume: false, entries })
+}
+
+fn plan(out: &[Output], conn: u64) -> Option<(u64, u64, Vec<PlanEntry>)> {
+    sent_to(out, conn).into_iter().find_map(|m| match m {
+        Message::SyncPlan { round, revision, entries } => Some((*round, *revision, entries.clone())),
+        _ => None,
+    })
+}
+
+#[test]
+fn a_sync_elects_the_popular_state_and_plans_striped_repairs() {
+    let (mut h, _) = run_with(3);
+    assert!(vote(&mut h, 1, 0, Strategy::EnforcePopular, &[1, 5]).is_empty());
+    vote(&mut h, 2, 0, Strategy::EnforcePopular, &[1, 6]);
+    let out = vote(&mut h, 3, 0, Strategy::EnforcePopular, &[2, 6]);
+    let (round, revision, p3) = plan(&out, 3).expect("everyone voted");
+    assert_eq!(revision, 0);
+    // t0: 1 is popular (peers 0 and 1 hold it): peer 2 fetches it from both. t1: 6 wins.
+    assert_eq!(p3[0], PlanEntry { hash: [1; 32], donors: vec![PeerId(0), PeerId(1)] });
+    assert_eq!(p3[1], PlanEntry { hash: [6; 32], donors: vec![] });
+    let (_, _, p1) = plan(&out, 1).unwrap();
+    assert_eq!(p1[1], PlanEntry { hash: [6; 32], donors: vec![PeerId(1), PeerId(2)] });
+    // A donor dies mid-transfer: the others finish and the sync completes without it.
+    h.send(2, Message::SyncDone { round });
+    h.master.handle_disconnect(h.now, ConnId(3), "eof");
+    h.drain();
+    let out = h.send(1, Message::SyncDone { round });
+    assert_eq!(sent_to(&out, 1), vec![&Message::SyncComplete { round }]);
+}
+
+#[test]
+fn send_only_wins_and_impossible_revisions_are_refused() {
+    let (mut h, _) = run_with(3);
+    vote(&mut h, 1, 0, Strategy::SendOnly, &[9]);
+    vote(&mut h, 2, 0, Strategy::EnforcePopular, &[1]);
+    let out = vote(&mut h, 3, 0, Strategy::EnforcePopular, &[1]);
+    let (round, _, p2) = plan(&out, 2).unwrap();
+    assert_eq!(p2[0], PlanEntry { hash: [9; 32], donors: vec![PeerId(0)] });
+    assert_eq!(plan(&out, 1).unwrap().2[0].donors, vec![], "send_only never receives");
+    for c in 1..=3 {
+        h.send(c, Message::SyncDone { round });
+    }
+    // The run is at revision 0: claiming 5 is refused for everyone.
+    vote(&mut h, 1, 1, Strategy::EnforcePopular, &[9]);
+    vote(&mut h, 2, 5, Strategy::EnforcePopular, &[9]);
+    let out = vote(&mut h, 3, 1, Strategy::EnforcePopular, &[9]);
+    for c in 1..=3 {
+        let aborted = sent_to(&out, c).into_iter().any(|m| {
+            matches!(m, Message::SyncAborted { retryable: false, reason, .. } if reason.contains("claims revision 5"))
+        });
+        assert!(aborted, "{out:?}");
+    }
+}
+
+#[test]
+fn a_group_whose_peers_all_left_resumes_only_from_the_agreed_state() {
+    let (mut h, _) = run_with(1);
+    let out = vote(&mut h, 1, 3, Strategy::EnforcePopular, &[7]);
+    let (round, ..) = plan(&out, 1).unwrap();
+    h.send(1, Message::SyncDone { round });
+    h.master.handle_disconnect(h.now, ConnId(1), "eof");
+    // A new peer arrives with another state at the same revision.
+    let out = h.join(2);
+    let epoch = issued_epoch(&out, 2).unwrap();
+    h.send(2, Message::TopologyReady { epoch });
+    let out = vote(&mut h, 2, 3, Strategy::EnforcePopular, &[8]);
+    let refused = sent_to(&out, 2).into_iter().any(
+        |m| matches!(m, Message::SyncAborted { retryable: false, reason, .. } if reason.contains("last agreed on (revision 3)")),
+    );
+    assert!(refused, "{out:?}");
+    let out = vote(&mut h, 2, 3, Strategy::EnforcePopular, &[7]);
+    assert!(plan(&out, 2).is_some(), "the agreed state is accepted: {out:?}");
 }
