@@ -313,7 +313,7 @@ impl Communicator {
         };
         let error = match ran {
             Ok((traffic, confirmed)) => {
-                let info = Info {
+                let info = || Info {
                     world_size: world,
                     tx_bytes: traffic.tx_bytes,
                     rx_bytes: traffic.rx_bytes,
@@ -321,29 +321,31 @@ impl Communicator {
                     topology: epoch.0,
                     sequence: seq,
                 };
-                if confirmed.is_ok() {
-                    // Every participant holds the result: committed without the master, which
-                    // hears of it only if it asks (to answer a participant that could not tell).
-                    if control.lock().view.commit_on_our_own(epoch, seq) {
-                        let _ = control.send(&Message::OpDone { epoch, seq, decided: true });
+                let stop = match confirmed {
+                    Ok(()) => {
+                        // Every participant holds the result: committed without the master, which
+                        // hears of it only if it asks (to answer a participant that could not tell).
+                        if control.lock().view.commit_on_our_own(epoch, seq) {
+                            let _ = control.send(&Message::OpDone { epoch, seq, decided: true });
+                        }
+                        failpoint("all_reduce.after_commit");
+                        return Ok(info());
                     }
-                    failpoint("all_reduce.after_commit");
-                    return Ok(info);
-                }
+                    Err(stop) => stop,
+                };
                 // The lap may have stopped mid-token: these streams are done for.
                 outgoing.remove(&next);
                 incoming.remove(&prev);
-                let verdict = match confirmed {
-                    Ok(()) => unreachable!("handled above"),
-                    Err(Stop::Verdict(v)) => Ok(v),
-                    Err(Stop::Fail(e)) => Err(e),
-                    Err(Stop::Ask(reason)) => {
+                let verdict = match stop {
+                    Stop::Verdict(v) => Ok(v),
+                    Stop::Fail(e) => Err(e),
+                    Stop::Ask(reason) => {
                         log::info!("{}: collective {seq} finished here, asking the master ({reason})", connected.me);
                         self.ask_verdict(&connected, epoch, seq, deadline)
                     }
                 };
                 match verdict {
-                    Ok(Verdict::Committed) => return Ok(info),
+                    Ok(Verdict::Committed) => return Ok(info()),
                     Ok(Verdict::Aborted(f)) => op_error(f, &header),
                     Err(e) => e,
                 }
