@@ -1,11 +1,12 @@
-"""``shoal demo``: a master and peers on this machine; peers join one by one, all-reduce, and
-one of them dies.
+"""``shoal demo``: a master and peers on this machine; peers join one by one, share a model,
+all-reduce, and one of them dies.
 
 Each peer is a separate process holding a "gradient" filled with its own number. Every step it
-averages the gradient with the peers present, so the printed mean shows who is in the run. Peers
-already in the run admit each newcomer with ``peers_pending()`` / ``update_topology()``. A few
-steps after everyone is in, the last peer kills itself (SIGKILL: no goodbye); the others see
-``PeerLostError``, vote ``update_topology()`` and carry on without it.
+syncs the shared model (a newcomer arrives with zeros and is repaired from the others), averages
+the gradient with the peers present (the printed mean shows who is in the run) and updates the
+model. Peers already in the run admit each newcomer with ``peers_pending()`` /
+``update_topology()``. A few steps after everyone is in, the last peer kills itself (SIGKILL: no
+goodbye); the others see ``PeerLostError``, vote ``update_topology()`` and carry on without it.
 """
 
 from __future__ import annotations
@@ -34,24 +35,32 @@ def _peer(master: str, name: int, peers: int, steps_after_full: int, elements: i
         comm.connect(timeout=60)
         say(f"accepted as rank {comm.rank} of {comm.group_world_size}")
         step, full_since = 0, None
-        # Every accepted peer makes the same calls in the same order: all_reduce, then the
+        model = np.zeros(elements, dtype=np.float32)
+        state = shoal.SharedState({"model": model})
+        # Every accepted peer makes the same calls in the same order: sync, all_reduce, the
         # peers_pending vote, then (if it says so) update_topology. A newcomer's connect()
-        # returns when that update commits, so it enters the loop at the all_reduce.
+        # returns when that update commits, so it enters the loop at the sync.
         while full_since is None or step - full_since < steps_after_full:
             if dies and full_since is not None and step - full_since == 2:
                 say("crashing now (SIGKILL)")
                 os.kill(os.getpid(), signal.SIGKILL)
             grad = np.full(elements, float(name), dtype=np.float32)
             try:
+                state.revision = step
+                synced = comm.sync_shared_state(state)
+                if synced.received:
+                    say(f"model repaired at revision {synced.revision} from peers {synced.received['model']}")
+                step = state.revision
                 info = comm.all_reduce(grad, op="avg")
             except shoal.PeerLostError as e:
                 say(f"all_reduce failed: {e}; voting to go on without it")
                 comm.update_topology()
                 say(f"now rank {comm.rank} of {comm.group_world_size}")
                 continue
+            model -= 0.1 * grad
             say(
                 f"step {step:2d}: all_reduce(avg) over {info.world_size} peers -> {grad[0]:.3f} "
-                f"({grad.nbytes >> 10} KiB in {info.elapsed * 1e3:.2f} ms)"
+                f"({grad.nbytes >> 10} KiB in {info.elapsed * 1e3:.2f} ms); model hash {shoal.hash_tensor(model)[:12]}"
             )
             if full_since is None and comm.group_world_size == peers:
                 full_since = step

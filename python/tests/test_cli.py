@@ -60,3 +60,5 @@ def test_demo_runs_to_the_end():
     assert "over 3 peers -> 1.000" in out.stdout
     assert "voting to go on without it" in out.stdout
     assert "over 2 peers -> 0.500" in out.stdout
+    # Each newcomer arrives with a zero model and is repaired from the peers already in.
+    assert "model repaired at revision" in out.stdout
