@@ -144,7 +144,7 @@ pub struct Master {
     /// The epoch of `ring`.
     ring_epoch: Epoch,
     /// Collectives of the committed ring reported by some member and not yet settled.
-    ops: BTreeMap<(GroupId, u64), ops::OpRecord>,
+    ops: BTreeMap<ops::OpKey, ops::OpRecord>,
     /// Shared-state syncs in progress, by group.
     syncs: BTreeMap<GroupId, sync::SyncRound>,
     next_sync: u64,
@@ -419,6 +419,8 @@ impl Master {
             self.send(conn, Message::TopologyCommitted { epoch });
         }
         self.ring = members.clone();
+        // Reports about the old ring that arrived while this one connected are settled now.
+        self.close_ops(epoch);
         self.ring_epoch = epoch;
         self.outputs.push_back(Output::Event(MasterEvent::TopologyCommitted { epoch, members }));
         self.set_phase(Phase::Idle);

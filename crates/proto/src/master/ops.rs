@@ -25,6 +25,11 @@ use std::collections::BTreeSet;
 /// one after another, so only a peer that invents sequence numbers gets near this.
 pub const MAX_TRACKED_OPS: usize = 4096;
 
+/// Names a collective: its group, the topology it ran in, its number there. Numbers restart in
+/// every topology, so the epoch must be part of the name: a late report about collective 12 of
+/// a replaced topology must never be taken for collective 12 of the next one.
+pub(super) type OpKey = (GroupId, Epoch, u64);
+
 /// A collective the master has heard of and not yet forgotten.
 #[derive(Debug, Clone)]
 pub(super) struct OpRecord {
@@ -93,8 +98,7 @@ impl Master {
 
     /// A member left the run: collectives that waited only on it may now commit.
     pub(super) fn settle_ops_of(&mut self, peer: PeerId) {
-        let keys: Vec<(GroupId, u64)> =
-            self.ops.iter().filter(|(_, r)| r.members.contains(&peer)).map(|(k, _)| *k).collect();
+        let keys: Vec<OpKey> = self.ops.iter().filter(|(_, r)| r.members.contains(&peer)).map(|(k, _)| *k).collect();
         for key in keys {
             self.settle(key);
         }
@@ -102,14 +106,14 @@ impl Master {
 
     /// A new topology replaces the ring: collectives of the old one that cannot commit abort.
     pub(super) fn close_ops(&mut self, next: Epoch) {
-        let keys: Vec<(GroupId, u64)> = self.ops.keys().copied().collect();
+        let keys: Vec<OpKey> = self.ops.keys().copied().collect();
         for key in keys {
             self.settle(key);
             let Some(record) = self.ops.get(&key) else {
                 continue;
             };
             if record.outcome.is_none() {
-                let (old, seq) = (self.ring_epoch, key.1);
+                let (_, old, seq) = key;
                 let reason = format!("topology {} was replaced by topology {} during collective {seq}", old.0, next.0);
                 let any_member = *record.members.iter().next().expect("records have members");
                 let failure = OpFailure::new(FailureKind::Superseded, any_member, reason);
@@ -123,7 +127,7 @@ impl Master {
     }
 
     /// Commits if the rules allow, answers whoever waits, and forgets what is settled.
-    fn settle(&mut self, key: (GroupId, u64)) {
+    fn settle(&mut self, key: OpKey) {
         let peers = &self.peers;
         let Some(record) = self.ops.get_mut(&key) else {
             return;
@@ -133,8 +137,7 @@ impl Master {
         if record.outcome.is_none() && all_done {
             record.outcome = Some(Outcome::Committed);
         }
-        let epoch = self.ring_epoch;
-        let seq = key.1;
+        let (_, epoch, seq) = key;
         let answer = match &record.outcome {
             None if record.waiting.is_empty() => return,
             None => {
@@ -165,7 +168,7 @@ impl Master {
 
     /// The record of collective `seq` in `peer`'s group, created on first report. `None` (and
     /// the reporter answered or expelled) when the report cannot concern the current ring.
-    fn op_key(&mut self, peer: PeerId, epoch: Epoch, seq: u64) -> Option<(GroupId, u64)> {
+    fn op_key(&mut self, peer: PeerId, epoch: Epoch, seq: u64) -> Option<OpKey> {
         let entry = self.peers.get(&peer)?;
         if entry.status != Status::Accepted {
             self.violation(peer, format!("collective report from {peer}, which is not accepted"));
@@ -179,7 +182,7 @@ impl Master {
             self.send_to_peer(peer, Message::OpAborted { epoch, seq, failure });
             return None;
         }
-        let key = (group, seq);
+        let key = (group, epoch, seq);
         if !self.ops.contains_key(&key) {
             if self.ops.len() >= MAX_TRACKED_OPS {
                 self.violation(peer, format!("more than {MAX_TRACKED_OPS} collectives open at once"));

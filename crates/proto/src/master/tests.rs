@@ -368,3 +368,27 @@ fn a_group_whose_peers_all_left_resumes_only_from_the_agreed_state() {
     let out = vote(&mut h, 2, 3, Strategy::EnforcePopular, &[7]);
     assert!(plan(&out, 2).is_some(), "the agreed state is accepted: {out:?}");
 }
+
+/// Found by the simulation (seed 112661): a member answered a query about collective 12 of the
+/// old ring after the new ring was issued but before it was committed. The master kept that
+/// record, committed, under the key (group, 12); collective 12 of the new ring then found it, took
+/// a failure report for a bug, and committed an asker: survivors disagreed.
+#[test]
+fn a_late_report_about_the_old_ring_never_decides_the_same_number_in_the_new_one() {
+    let (mut h, old) = run_with(3);
+    h.join(4);
+    for c in 1..=3 {
+        h.send(c, Message::VoteUpdateTopology { collectives: 13 });
+    }
+    let new = h.master.epoch();
+    // The late answer arrives while the new ring connects.
+    h.send(2, done(old, 12, true));
+    for c in 1..=4 {
+        h.send(c, Message::TopologyReady { epoch: new });
+    }
+    // Collective 12 of the new ring fails at one member; another finished and asks.
+    let out = h.send(1, Message::OpFailed { epoch: new, seq: 12, failure: lost(3) });
+    assert!(sent_to(&out, 3).iter().any(|m| matches!(m, Message::OpAborted { seq: 12, .. })), "{out:?}");
+    let out = h.send(3, done(new, 12, false));
+    assert!(matches!(sent_to(&out, 3)[..], [Message::OpAborted { .. }]), "{out:?}");
+}
