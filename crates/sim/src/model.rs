@@ -708,10 +708,9 @@ impl Sim {
             Call::Connecting { handled, .. } | Call::Voting { handled, .. } => {
                 let handled = *handled;
                 let voting = matches!(p.call, Call::Voting { .. });
-                if let Some(reason) = p.view.vote_aborted.take().filter(|_| voting) {
+                if voting && p.view.vote_aborted.take().is_some() {
                     // The vote was abandoned (a member ran a collective instead): the call fails
                     // with a usage error, and this application simply votes again.
-                    let _ = reason;
                     self.vote(i);
                     return true;
                 }
@@ -868,14 +867,14 @@ impl Sim {
                             op.received += 1;
                         }
                         Item::Closed => {
-                            let id = op_member(&self.peers[i], -1);
+                            let id = predecessor(&self.peers[i]);
                             return self.fail_op(i, OpFailure::new(FailureKind::PeerLost, id, "connection closed"));
                         }
                         other => {
                             self.report.violations.push(Violation(format!(
                                 "peer {i} in ({epoch:?}, {seq}) expected chunk {expect}, got {other:?}"
                             )));
-                            let id = op_member(&self.peers[i], -1);
+                            let id = predecessor(&self.peers[i]);
                             return self.fail_op(i, OpFailure::new(FailureKind::Protocol, id, "desynchronised"));
                         }
                     }
@@ -1023,10 +1022,9 @@ impl Sim {
     }
 }
 
-fn op_member(p: &Peer, offset: isize) -> PeerId {
+fn predecessor(p: &Peer) -> PeerId {
     let Call::Collective(op) = &p.call else { unreachable!() };
-    let world = op.ring.len() as isize;
-    op.members[((op.rank as isize + offset).rem_euclid(world)) as usize]
+    op.members[(op.rank + op.members.len() - 1) % op.members.len()]
 }
 
 /// Peer `me`'s input at index `k` of its collective `seq`.
