@@ -7,7 +7,7 @@ from typing_extensions import Self
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Communicator", "DTYPES", "Master", "OPS", "ReduceInfo", "__version__", "hash_tensor_bytes"]
+__all__ = ["Communicator", "DTYPES", "Master", "OPS", "ReduceInfo", "__version__", "hash_tensor_bytes", "lab_delay"]
 __version__: str
 DTYPES: list[str]
 OPS: list[str]
@@ -96,3 +96,4 @@ class Master:
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None: ...
 
 def hash_tensor_bytes(buf: npt.NDArray[np.uint8], dtype: str, shape: list[int]) -> str: ...
+def lab_delay(queues: list[tuple[int, float]], ttl: float, max_len: int) -> tuple[int, int]: ...

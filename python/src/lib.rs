@@ -331,12 +331,38 @@ fn hash_tensor_bytes(py: Python<'_>, buf: PyReadonlyArray1<'_, u8>, dtype: &str,
     hash.map(|h| h.to_string()).map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
+/// The WAN lab's delay program: holds the packets of each netfilter queue `(number, delay in
+/// seconds)` of this network namespace for its delay, for `ttl` seconds; returns (packets held,
+/// most held at once). Linux only.
+#[pyfunction]
+fn lab_delay(py: Python<'_>, queues: Vec<(u16, f64)>, ttl: f64, max_len: u32) -> PyResult<(u64, usize)> {
+    let seconds = |s: f64, what: &str| {
+        Duration::try_from_secs_f64(s).map_err(|_| PyValueError::new_err(format!("{what} must be a non-negative number of seconds, not {s}")))
+    };
+    let queues = queues
+        .into_iter()
+        .map(|(queue, delay)| Ok(shoal_lab::QueueDelay { queue, delay: seconds(delay, "a delay")? }))
+        .collect::<PyResult<Vec<_>>>()?;
+    let ttl = seconds(ttl, "ttl")?;
+    #[cfg(target_os = "linux")]
+    {
+        let stats = py.detach(|| shoal_lab::run(&queues, ttl, max_len)).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+        Ok((stats.packets, stats.max_held))
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = (py, queues, ttl, max_len);
+        Err(PyRuntimeError::new_err("the lab's delay program needs Linux netfilter queues"))
+    }
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Communicator>()?;
     m.add_class::<Master>()?;
     m.add_class::<ReduceInfo>()?;
     m.add_function(wrap_pyfunction!(hash_tensor_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(lab_delay, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("DTYPES", DType::ALL.map(DType::name).to_vec())?;
     m.add("OPS", ReduceOp::ALL.map(ReduceOp::name).to_vec())?;
