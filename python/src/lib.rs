@@ -337,7 +337,8 @@ fn hash_tensor_bytes(py: Python<'_>, buf: PyReadonlyArray1<'_, u8>, dtype: &str,
 #[pyfunction]
 fn lab_delay(py: Python<'_>, queues: Vec<(u16, f64)>, ttl: f64, max_len: u32) -> PyResult<(u64, usize)> {
     let seconds = |s: f64, what: &str| {
-        Duration::try_from_secs_f64(s).map_err(|_| PyValueError::new_err(format!("{what} must be a non-negative number of seconds, not {s}")))
+        Duration::try_from_secs_f64(s)
+            .map_err(|_| PyValueError::new_err(format!("{what} must be a non-negative number of seconds, not {s}")))
     };
     let queues = queues
         .into_iter()
@@ -346,7 +347,8 @@ fn lab_delay(py: Python<'_>, queues: Vec<(u16, f64)>, ttl: f64, max_len: u32) ->
     let ttl = seconds(ttl, "ttl")?;
     #[cfg(target_os = "linux")]
     {
-        let stats = py.detach(|| shoal_lab::run(&queues, ttl, max_len)).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+        let stats =
+            py.detach(|| shoal_lab::run(&queues, ttl, max_len)).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
         Ok((stats.packets, stats.max_held))
     }
     #[cfg(not(target_os = "linux"))]
