@@ -1,4 +1,4 @@
-"""The ``shoal`` command: ``shoal master``, ``shoal bench``, ``shoal demo``."""
+"""The ``shoal`` command: ``shoal master``, ``shoal bench``, ``shoal demo``, ``shoal lab``."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Optional, Sequence
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"master": _master, "bench": _bench, "demo": _demo}
+    commands = {"master": _master, "bench": _bench, "demo": _demo, "lab": _lab}
     if not argv or argv[0] not in commands:
-        print("usage: shoal {master,bench,demo} [options]   (shoal COMMAND --help for more)", file=sys.stderr)
+        print("usage: shoal {master,bench,demo,lab} [options]   (shoal COMMAND --help for more)", file=sys.stderr)
         raise SystemExit(0 if argv[:1] in (["-h"], ["--help"]) else 2)
     commands[argv[0]](argv[1:])
 
@@ -49,6 +49,12 @@ def _demo(argv: Sequence[str]) -> None:
     from . import demo
 
     demo.main(argv)
+
+
+def _lab(argv: Sequence[str]) -> None:
+    from .lab import cli
+
+    cli.main(argv)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, Union
 
 import pytest
 
@@ -22,21 +22,38 @@ def master() -> Iterator[shoal.Master]:
         yield m
 
 
-def run_peers(master: shoal.Master, tmp_path: Path, scenario: str, peers: int, timeout: float = 90, **params) -> list[dict]:
-    """Runs ``peers`` processes of ``worker.py SCENARIO`` against ``master``; returns each one's
+def clean_env() -> dict[str, str]:
+    """The environment without SHOAL_* settings, so that a developer's shell cannot skew a test."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
+
+
+def worker_argv(scenario: str, spec: dict) -> list[str]:
+    return [sys.executable, str(WORKER), scenario, json.dumps(spec)]
+
+
+def need_lab() -> None:
+    """Skips the test where no lab can be built, naming why; under SHOAL_LAB_REQUIRED=1 (CI)
+    fails it instead, so that the lab tests cannot silently stop running."""
+    from shoal.lab import unavailable
+
+    reason = unavailable()
+    if reason and os.environ.get("SHOAL_LAB_REQUIRED") == "1":
+        pytest.fail(f"SHOAL_LAB_REQUIRED=1 but {reason}")
+    if reason:
+        pytest.skip(reason)
+
+
+def run_peers(master: Union[shoal.Master, str], tmp_path: Path, scenario: str, peers: int, timeout: float = 90,
+              launch: Callable[[int, list[str]], list[str]] = lambda i, argv: argv, **params) -> list[dict]:
+    """Runs ``peers`` processes of ``worker.py SCENARIO`` against ``master`` (or its address);
+    ``launch(i, argv)`` may wrap peer i's command (to run it in a lab host). Returns each one's
     JSON result, in launch order. Fails the test with every worker's stderr if one fails."""
+    address = master if isinstance(master, str) else master.address
     procs = []
     for i in range(peers):
-        spec = {"master": master.address, "index": i, "peers": peers, "out": str(tmp_path / f"peer{i}"), **params}
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), scenario, json.dumps(spec)],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env={k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")},
-            )
-        )
+        spec = {"master": address, "index": i, "peers": peers, "out": str(tmp_path / f"peer{i}"), **params}
+        procs.append(subprocess.Popen(launch(i, worker_argv(scenario, spec)), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, env=clean_env()))
     outputs = []
     for p in procs:
         try:

@@ -5,17 +5,16 @@ the run goes on with the smaller world. A frozen peer that wakes learns it was e
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
 import sys
 import time
 
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import pytest
-from conftest import WORKER
+from conftest import clean_env, worker_argv
 from proxy import Proxy
 
 import shoal
@@ -25,16 +24,18 @@ import shoal
 HEARTBEAT_TIMEOUT = 2.0
 
 
-def start_survivors(master: shoal.Master, peers: int, special: Optional[dict] = None) -> list[subprocess.Popen]:
-    """Starts ``peers`` survive workers; peer 1 gets ``special`` merged into its spec."""
+def start_survivors(master: Union[shoal.Master, str], peers: int, special: Optional[dict] = None,
+                    launch: Callable[[int, list[str]], list[str]] = lambda i, argv: argv) -> list[subprocess.Popen]:
+    """Starts ``peers`` survive workers (``launch`` may wrap peer i's command); peer 1 gets
+    ``special`` merged into its spec."""
+    address = master if isinstance(master, str) else master.address
     procs = []
     for i in range(peers):
-        spec = {"master": master.address, "index": i, "peers": peers, "steps_after": 5}
+        spec = {"master": address, "index": i, "peers": peers, "steps_after": 5}
         if i == 1 and special:
             spec.update(special)
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), "survive", json.dumps(spec)],
-                                      stdout=subprocess.PIPE, text=True,
-                                      env={k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}))
+        procs.append(subprocess.Popen(launch(i, worker_argv("survive", spec)), stdout=subprocess.PIPE, text=True,
+                                      env=clean_env()))
         time.sleep(0.2)
     for p in procs:
         assert "ready" in p.stdout.readline(), "a peer did not join"
@@ -75,7 +76,7 @@ def test_survivors_fail_fast_and_carry_on_without_the_lost_peer(sig):
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
 def test_losing_the_master_ends_every_call_on_every_peer(sig):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
+    env = clean_env()
     master = subprocess.Popen([sys.executable, "-m", "shoal.cli", "master", "--listen", "127.0.0.1:0",
                                "--heartbeat-timeout", "10"], stdout=subprocess.PIPE, text=True, env=env)
     peer_timeout = 1.5
@@ -84,7 +85,7 @@ def test_losing_the_master_ends_every_call_on_every_peer(sig):
         procs = []
         for i in range(3):
             spec = {"master": address, "index": i, "peers": 3, "heartbeat_timeout": peer_timeout}
-            procs.append(subprocess.Popen([sys.executable, str(WORKER), "master_loss", json.dumps(spec)],
+            procs.append(subprocess.Popen(worker_argv("master_loss", spec),
                                           stdout=subprocess.PIPE, text=True, env=env))
         for p in procs:
             assert "ready" in p.stdout.readline(), "a peer did not join"
@@ -137,13 +138,13 @@ def test_a_peer_dying_at_any_step_ends_every_call_and_the_run_goes_on(point):
     # Admission calls complete without the dead peer (they never need its data); a collective
     # fails on every survivor with its buffer restored. Either way the next all-reduce succeeds
     # in the smaller world.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
+    env = clean_env()
     with shoal.Master("127.0.0.1:0", heartbeat_timeout=HEARTBEAT_TIMEOUT) as master:
         victim = 3
         procs = []
         for i in range(4):
             spec = {"master": master.address, "index": i, "peers": 4, "victim": victim, "failpoint": point}
-            procs.append(subprocess.Popen([sys.executable, str(WORKER), "die_at", json.dumps(spec)],
+            procs.append(subprocess.Popen(worker_argv("die_at", spec),
                                           stdout=subprocess.PIPE, text=True, env=env))
             if point.startswith("connect") and i == victim - 1:
                 for p in procs:

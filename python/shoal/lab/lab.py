@@ -1,0 +1,507 @@
+"""Builds, runs and removes a lab: network namespaces on one machine that behave like hosts on
+a WAN (see ``docs/lab.md``).
+
+Layout of a lab called NAME: a namespace ``NAME-switch`` holding a bridge, and one namespace
+``NAME-HOST`` per host whose ``eth0`` is a veth into the bridge. Inside each host:
+
+- htb on ``eth0`` caps what the host sends; htb on the switch's end caps what it receives;
+- ``net.ipv4.tcp_rmem`` caps TCP receive windows (the per-flow limit of long fat pipes);
+- iptables INPUT: first the ``SHOAL-FAULT`` chain (partitions, resets, blackholes), then random
+  loss, then one NFQUEUE rule per sending host with a delay (``--queue-bypass``: if the delay
+  program is gone, packets pass undelayed);
+- a delay program (``python -m shoal.lab.delay``) holding each queue's packets for RTT/2.
+
+Everything is recorded before it is made, in ``/run/shoal-lab/NAME/state.json``
+(``SHOAL_LAB_STATE`` moves it): ``down``, or the next ``up`` of the same name, removes what a
+crashed run left. Every helper process runs under ``timeout`` (its time-to-live) and carries
+``SHOAL_LAB_HELPER=NAME`` in its environment, so it is found and ended by PID.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+from .spec import Spec, build
+
+IPT = "iptables-legacy"
+FAULT_CHAIN = "SHOAL-FAULT"
+FAULT_KINDS = ("partition", "blackhole", "reset", "loss")
+TOXIPROXY_VERSION = "v2.12.0"
+TOXIPROXY_API = "127.0.0.1:8474"
+DEFAULT_TTL_S = 4 * 3600
+PROBE = Path(__file__).with_name("probe.py")
+
+
+class LabError(RuntimeError):
+    """The lab cannot be built or used; the message says what to do."""
+
+
+def state_root() -> Path:
+    return Path(os.environ.get("SHOAL_LAB_STATE", "/run/shoal-lab"))
+
+
+def unavailable() -> Optional[str]:
+    """Why a lab cannot be built on this machine, or None."""
+    if sys.platform != "linux":
+        return "the lab needs Linux network namespaces"
+    if os.geteuid() != 0:
+        return "the lab needs root (network namespaces, tc, iptables)"
+    for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), (IPT, "iptables"), ("timeout", "coreutils")):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed (Debian package {package}; scripts/lab-deps installs it)"
+    probe = f"shoal-probe-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create a network namespace: {made.stderr.strip()}"
+    try:
+        nfq = subprocess.run(["ip", "netns", "exec", probe, IPT, "-A", "INPUT", "-s", "192.0.2.1", "-j", "NFQUEUE",
+                              "--queue-num", "1", "--queue-bypass"], capture_output=True, text=True)
+        if nfq.returncode != 0:
+            return f"the kernel refuses iptables NFQUEUE rules: {nfq.stderr.strip()}"
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def toxiproxy_binary() -> Optional[str]:
+    """The pinned toxiproxy server scripts/lab-deps installs, or ``SHOAL_TOXIPROXY``."""
+    if os.environ.get("SHOAL_TOXIPROXY"):
+        return os.environ["SHOAL_TOXIPROXY"]
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    path = cache / "shoal" / "bin" / f"toxiproxy-server-{TOXIPROXY_VERSION}"
+    return str(path) if path.is_file() else None
+
+
+def _run(argv: Sequence[str], what: str) -> str:
+    p = subprocess.run(list(argv), capture_output=True, text=True)
+    if p.returncode != 0:
+        raise LabError(f"{what}: `{' '.join(argv)}` failed: {p.stderr.strip() or p.stdout.strip()}")
+    return p.stdout
+
+
+def _pid_alive_with(pid: int, marker: str) -> bool:
+    """Whether ``pid`` is a live process carrying ``marker`` in its environment (a PID may have
+    been reused since it was recorded)."""
+    try:
+        return marker.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+
+
+class Lab:
+    """A lab that is up (or is being built). ``Lab.up(spec)`` builds one; ``Lab(name)`` attaches
+    to one built by another process (``shoal lab up``)."""
+
+    def __init__(self, name: str = "shoal") -> None:
+        self.name = name
+        self.dir = state_root() / name
+        state = self._read_state()
+        if state is None or not state.get("complete"):
+            raise LabError(f"no lab named {name!r} is up (shoal lab up PROFILE --name {name})")
+        self.state = state
+        self.spec = build(state["raw"], state["subnet"], **state["overrides"])
+
+    # ---- building and removing -------------------------------------------------------------
+
+    @classmethod
+    def up(cls, raw: dict[str, Any], name: str = "shoal", subnet: str = "10.77.0.0/24", ttl: float = DEFAULT_TTL_S,
+           **overrides: Any) -> "Lab":
+        """Builds the lab ``raw`` (a spec dict or profile, see ``spec.py``) under ``name``,
+        first removing whatever an earlier lab of that name left."""
+        if not name or not name.replace("-", "").isalnum() or len(name) > 24:
+            raise LabError(f"bad lab name {name!r}: letters, digits and '-', at most 24")
+        spec = build(raw, subnet, **overrides)
+        reason = unavailable()
+        if reason:
+            raise LabError(reason)
+        with _locked(name):
+            _down(name)
+            lab_dir = state_root() / name
+            lab_dir.mkdir(parents=True, exist_ok=True)
+            state = {"raw": raw, "subnet": subnet, "overrides": overrides, "ttl": ttl, "created": time.time(),
+                     "namespaces": [f"{name}-switch"] + [f"{name}-{h.name}" for h in spec.hosts],
+                     "helpers": [], "faults": [], "complete": False}
+            _write_state(name, state)
+            try:
+                _build(name, spec, state, ttl)
+            except BaseException:
+                _down(name)
+                raise
+            state["complete"] = True
+            _write_state(name, state)
+        return cls(name)
+
+    def down(self) -> None:
+        """Ends every process in the lab's hosts and removes its namespaces and state."""
+        remove(self.name)
+
+    def __enter__(self) -> "Lab":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    # ---- using it --------------------------------------------------------------------------
+
+    @property
+    def hosts(self) -> list[str]:
+        return [h.name for h in self.spec.hosts]
+
+    def address(self, host: str) -> str:
+        return self.spec.host(host).address
+
+    def namespace(self, host: str) -> str:
+        self.spec.host(host)
+        return f"{self.name}-{host}"
+
+    def argv(self, host: str, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside ``host``."""
+        return ["ip", "netns", "exec", self.namespace(host), *argv]
+
+    def popen(self, host: str, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
+        return subprocess.Popen(self.argv(host, argv), **kwargs)
+
+    def run(self, host: str, argv: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess:
+        return subprocess.run(self.argv(host, argv), **kwargs)
+
+    # ---- faults ----------------------------------------------------------------------------
+
+    def fault(self, kind: str, a: str, b: Optional[str] = None, probability: float = 0.05) -> None:
+        """Breaks the path between hosts ``a`` and ``b`` (or between ``a`` and every other host):
+
+        - ``partition``: nothing passes either way (silently dropped);
+        - ``blackhole``: what ``a`` sends to ``b`` vanishes; the other direction still flows;
+        - ``reset``: every TCP segment either way is answered with a reset;
+        - ``loss``: each packet either way is dropped with ``probability``.
+        """
+        if kind not in FAULT_KINDS:
+            raise LabError(f"unknown fault {kind!r}: expected one of {', '.join(FAULT_KINDS)}")
+        if kind == "loss" and not 0 < probability < 1:
+            raise LabError(f"loss probability {probability} outside (0, 1)")
+        with _locked(self.name):
+            state = self._read_state() or self.state
+            for other in self._others(a, b):
+                f = {"kind": kind, "a": a, "b": other, "probability": probability if kind == "loss" else None}
+                if f in state["faults"]:
+                    continue
+                for host, rule in self._fault_rules(f):
+                    _run(self.argv(host, [IPT, "-A", FAULT_CHAIN, *rule]), f"adding a {kind} fault")
+                state["faults"].append(f)
+            _write_state(self.name, state)
+            self.state = state
+
+    def heal(self, a: Optional[str] = None, b: Optional[str] = None) -> int:
+        """Removes the faults between ``a`` and ``b`` (either order), or every fault of ``a``, or
+        every fault. Returns how many were removed."""
+        with _locked(self.name):
+            state = self._read_state() or self.state
+            self._others(a, b)  # checks the names
+            keep, removed = [], 0
+            for f in state["faults"]:
+                involved = {f["a"], f["b"]}
+                if a is None or (a in involved and (b is None or involved == {a, b})):
+                    for host, rule in self._fault_rules(f):
+                        self.run(host, [IPT, "-D", FAULT_CHAIN, *rule], capture_output=True)
+                    removed += 1
+                else:
+                    keep.append(f)
+            state["faults"] = keep
+            _write_state(self.name, state)
+            self.state = state
+        return removed
+
+    def _others(self, a: Optional[str], b: Optional[str]) -> list[str]:
+        if a is None:
+            return []
+        self.spec.host(a)
+        if b is not None:
+            self.spec.host(b)
+            if a == b:
+                raise LabError(f"a fault needs two different hosts, not {a} and {a}")
+            return [b]
+        return [h for h in self.hosts if h != a]
+
+    def _fault_rules(self, f: dict[str, Any]) -> list[tuple[str, list[str]]]:
+        """The iptables rules (host, arguments) of one fault between two hosts."""
+        a, b = f["a"], f["b"]
+        ip = self.address
+        if f["kind"] == "partition":
+            return [(a, ["-s", ip(b), "-j", "DROP"]), (b, ["-s", ip(a), "-j", "DROP"])]
+        if f["kind"] == "blackhole":
+            return [(b, ["-s", ip(a), "-j", "DROP"])]
+        if f["kind"] == "loss":
+            p = ["-m", "statistic", "--mode", "random", "--probability", str(f["probability"]), "-j", "DROP"]
+            return [(a, ["-s", ip(b), *p]), (b, ["-s", ip(a), *p])]
+        # A reset itself must pass, or the other side's rule would swallow it.
+        reset = ["-p", "tcp", "!", "--tcp-flags", "RST", "RST", "-j", "REJECT", "--reject-with", "tcp-reset"]
+        return [(a, ["-s", ip(b), *reset]), (b, ["-s", ip(a), *reset])]
+
+    # ---- connection-level faults (toxiproxy) --------------------------------------------------
+
+    def proxy(self, host: str, name: str, listen_port: int, upstream: str) -> str:
+        """Starts (once per host) a toxiproxy server inside ``host`` and makes proxy ``name``
+        listening on ``listen_port`` there and forwarding to ``upstream``; returns the address
+        to dial. Toxics (``toxic``) then act on the connections through it."""
+        binary = toxiproxy_binary()
+        if binary is None:
+            raise LabError(f"toxiproxy {TOXIPROXY_VERSION} is not installed: run scripts/lab-deps")
+        with _locked(self.name):
+            state = self._read_state() or self.state
+            running = [h for h in state["helpers"] if h["kind"] == "toxiproxy" and h["host"] == host
+                       and _pid_alive_with(h["pid"], self._marker)]
+            if not running:
+                api_host, api_port = TOXIPROXY_API.split(":")
+                self._start_helper(state, host, "toxiproxy", [binary, "-host", api_host, "-port", api_port])
+                _write_state(self.name, state)
+                self._wait(lambda: self._toxiproxy(host, "GET", "/version", check=False) is not None,
+                           f"toxiproxy in {host} did not start (see {self.dir / f'toxiproxy-{host}.log'})")
+            self.state = state
+        self._toxiproxy(host, "POST", "/proxies", {"name": name, "listen": f"0.0.0.0:{listen_port}",
+                                                   "upstream": upstream, "enabled": True})
+        return f"{self.address(host)}:{listen_port}"
+
+    def toxic(self, host: str, proxy: str, kind: str, stream: str = "downstream", name: Optional[str] = None,
+              toxicity: float = 1.0, **attributes: Any) -> str:
+        """Adds a toxic (``latency``, ``bandwidth``, ``reset_peer``, ``timeout``, ``slicer``,
+        ``limit_data``, ...) to proxy ``proxy`` in ``host``; returns its name."""
+        name = name or f"{kind}_{stream}"
+        self._toxiproxy(host, "POST", f"/proxies/{proxy}/toxics", {"name": name, "type": kind, "stream": stream,
+                                                                   "toxicity": toxicity, "attributes": attributes})
+        return name
+
+    def untoxic(self, host: str, proxy: str, name: str) -> None:
+        self._toxiproxy(host, "DELETE", f"/proxies/{proxy}/toxics/{name}")
+
+    def _toxiproxy(self, host: str, method: str, path: str, body: Any = None, check: bool = True) -> Any:
+        # Its API listens inside the host's namespace: the request is made from there.
+        script = ("import sys,urllib.request as u\n"
+                  "r=u.Request('http://" + TOXIPROXY_API + "'+sys.argv[2],method=sys.argv[1],"
+                  "data=sys.argv[3].encode() or None,headers={'Content-Type':'application/json'})\n"
+                  "try:\n print(u.urlopen(r,timeout=5).read().decode())\n"
+                  "except u.HTTPError as e:\n sys.exit(f'{e.code}: {e.read().decode()}')\n")
+        p = self.run(host, [sys.executable, "-c", script, method, path, json.dumps(body) if body is not None else ""],
+                     capture_output=True, text=True, timeout=20)
+        if p.returncode != 0:
+            if check:
+                raise LabError(f"toxiproxy in {host}: {method} {path}: {p.stderr.strip().splitlines()[-1:]}")
+            return None
+        return json.loads(p.stdout) if p.stdout.strip() else {}
+
+    # ---- measuring -------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def probe_server(self, host: str, port: int = 5201) -> Iterator[str]:
+        """A probe server (``probe.py serve``) in ``host``; yields its address."""
+        p = self.popen(host, [sys.executable, str(PROBE), "serve", str(port)], stdout=subprocess.PIPE, text=True)
+        try:
+            if "ready" not in (p.stdout.readline() if p.stdout else ""):
+                raise LabError(f"the probe server in {host} did not start")
+            yield f"{self.address(host)}:{port}"
+        finally:
+            p.kill()
+            p.communicate()
+
+    def measure_rtt(self, a: str, b: str, count: int = 20, timeout: float = 10.0) -> dict:
+        """TCP round trips of one byte from ``a`` to ``b``: median/min/max in ms."""
+        with self.probe_server(b) as addr:
+            return self.probe(a, ["rtt", addr, str(count), str(timeout)])
+
+    def measure_throughput(self, a: str, b: str, streams: int = 1, seconds: float = 3.0, warmup: float = 1.5) -> dict:
+        """What ``b`` receives from ``a`` over ``streams`` TCP connections, counted from
+        ``warmup`` seconds after they start (slow start on a long path takes a while)."""
+        with self.probe_server(b) as addr:
+            return self.probe(a, ["stream", addr, str(streams), str(seconds), str(warmup)])
+
+    def watch(self, host: str, server: str, seconds: float) -> subprocess.Popen:
+        """Starts ``probe.py watch`` from ``host`` to a probe server's address (``probe_server``)
+        and returns once it is connected; its last stdout line will be the JSON timeline."""
+        p = self.popen(host, [sys.executable, str(PROBE), "watch", server, str(seconds)], stdout=subprocess.PIPE,
+                       text=True)
+        if "ready" not in (p.stdout.readline() if p.stdout else ""):
+            p.kill()
+            p.communicate()
+            raise LabError(f"the probe in {host} could not connect to {server}")
+        return p
+
+    def probe(self, host: str, args: list[str]) -> dict:
+        """Runs ``probe.py ARGS`` in ``host`` and returns its JSON answer."""
+        p = self.run(host, [sys.executable, str(PROBE), *args], capture_output=True, text=True, timeout=120)
+        if p.returncode != 0:
+            raise LabError(f"probe {' '.join(args)} from {host} failed: {p.stderr.strip()}")
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    # ---- internals -------------------------------------------------------------------------
+
+    @property
+    def _marker(self) -> str:
+        return f"SHOAL_LAB_HELPER={self.name}"
+
+    def _read_state(self) -> Optional[dict]:
+        return _read_state(self.name)
+
+    def _start_helper(self, state: dict, host: str, kind: str, argv: list[str]) -> int:
+        return _start_helper(self.name, state, host, kind, argv)
+
+    @staticmethod
+    def _wait(ready, message: str, timeout: float = 10.0) -> None:
+        until = time.monotonic() + timeout
+        while not ready():
+            if time.monotonic() > until:
+                raise LabError(message)
+            time.sleep(0.05)
+
+    def status(self) -> dict[str, Any]:
+        alive = [dict(h, alive=_pid_alive_with(h["pid"], self._marker)) for h in self.state["helpers"]]
+        hosts = self.hosts
+        return {
+            "name": self.name,
+            "hosts": self.spec.to_dict()["hosts"],
+            "rtt_ms": {a: {b: self.spec.rtt(a, b) for b in hosts if b != a} for a in hosts},
+            "faults": self.state["faults"],
+            "helpers": alive,
+            "expires": self.state["created"] + self.state["ttl"],
+        }
+
+
+# ---- building, removing and the state file (module level: also used before a Lab exists) ----
+
+
+def remove(name: str) -> None:
+    """Removes whatever is left of lab ``name``: processes in its hosts, namespaces, state."""
+    with _locked(name):
+        _down(name)
+
+
+def names() -> list[str]:
+    """The labs this machine has state for."""
+    root = state_root()
+    return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+
+
+@contextlib.contextmanager
+def _locked(name: str) -> Iterator[None]:
+    state_root().mkdir(parents=True, exist_ok=True)
+    with open(state_root() / f"{name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _read_state(name: str) -> Optional[dict]:
+    try:
+        return json.loads((state_root() / name / "state.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _write_state(name: str, state: dict) -> None:
+    path = state_root() / name / "state.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=1))
+    tmp.replace(path)
+
+
+def _start_helper(name: str, state: dict, host: str, kind: str, argv: list[str]) -> int:
+    """Starts a helper in ``host`` under ``timeout`` (its time-to-live), detached from the caller
+    (a shell starts it in the background and exits, so nobody has to reap it), and records its
+    PID in ``state`` (the caller writes the state)."""
+    remaining = max(1, int(state["created"] + state["ttl"] - time.time()))
+    log = state_root() / name / f"{kind}-{host}.log"
+    env = dict(os.environ, SHOAL_LAB_HELPER=name)
+    command = ["ip", "netns", "exec", f"{name}-{host}", "timeout", "-s", "KILL", str(remaining + 5), *argv]
+    out = subprocess.run(["sh", "-c", 'log=$1; shift; "$@" </dev/null >>"$log" 2>&1 & echo $!', "sh", str(log), *command],
+                         env=env, capture_output=True, text=True, start_new_session=True, check=True).stdout
+    pid = int(out.strip())
+    state["helpers"].append({"kind": kind, "host": host, "pid": pid})
+    return pid
+
+
+def _down(name: str) -> None:
+    """Removes everything the state of lab ``name`` records (missing pieces are fine)."""
+    state = _read_state(name)
+    marker = f"SHOAL_LAB_HELPER={name}"
+    pids = [h["pid"] for h in (state or {}).get("helpers", []) if _pid_alive_with(h["pid"], marker)]
+    namespaces = (state or {}).get("namespaces", [])
+    existing = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+    for ns in namespaces:
+        if ns in existing:
+            out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
+            pids += [int(p) for p in out.split()]
+    for pid in set(pids):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for ns in namespaces:
+        if ns in existing:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    shutil.rmtree(state_root() / name, ignore_errors=True)
+
+
+def _build(name: str, spec: Spec, state: dict, ttl: float) -> None:
+    sw = f"{name}-switch"
+    ns = {h.name: f"{name}-{h.name}" for h in spec.hosts}
+    _run(["ip", "netns", "add", sw], "creating the switch")
+    _run(["ip", "-n", sw, "link", "add", "br0", "type", "bridge"], "creating the bridge")
+    _run(["ip", "-n", sw, "link", "set", "br0", "up"], "starting the bridge")
+    plen = state["subnet"].split("/")[1]
+    for h in spec.hosts:
+        n, port = ns[h.name], f"h-{h.name}"
+        _run(["ip", "netns", "add", n], f"creating host {h.name}")
+        _run(["ip", "-n", sw, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", n], f"cabling {h.name}")
+        _run(["ip", "-n", sw, "link", "set", port, "master", "br0", "up"], f"plugging {h.name} in")
+        _run(["ip", "-n", n, "addr", "add", f"{h.address}/{plen}", "dev", "eth0"], f"addressing {h.name}")
+        _run(["ip", "-n", n, "link", "set", "eth0", "up"], f"starting {h.name}'s link")
+        _run(["ip", "-n", n, "link", "set", "lo", "up"], f"starting {h.name}'s loopback")
+        if h.rate:
+            _cap(n, "eth0", h.rate)  # what it sends
+            _cap(sw, port, h.rate)  # what it receives
+        if h.window:
+            default = min(131072, h.window)
+            _run(["ip", "netns", "exec", n, "sysctl", "-q", "-w", f"net.ipv4.tcp_rmem=4096 {default} {h.window}"],
+                 f"capping {h.name}'s TCP windows")
+        ipt = ["ip", "netns", "exec", n, IPT]
+        _run([*ipt, "-N", FAULT_CHAIN], f"{h.name}: fault chain")
+        _run([*ipt, "-A", "INPUT", "-i", "eth0", "-j", FAULT_CHAIN], f"{h.name}: fault chain")
+        if h.loss:
+            _run([*ipt, "-A", "INPUT", "-i", "eth0", "-m", "statistic", "--mode", "random", "--probability",
+                  str(h.loss), "-j", "DROP"], f"{h.name}: loss")
+        # One queue per distinct one-way delay towards this host.
+        delays = {o.name: spec.rtt(h.name, o.name) / 2000 for o in spec.hosts if o.name != h.name}
+        queues = {d: i + 1 for i, d in enumerate(sorted({d for d in delays.values() if d > 0}))}
+        for other, d in delays.items():
+            if d > 0:
+                _run([*ipt, "-A", "INPUT", "-i", "eth0", "-s", spec.host(other).address, "-j", "NFQUEUE",
+                      "--queue-num", str(queues[d]), "--queue-bypass"], f"{h.name}: delay from {other}")
+        if queues:
+            args = [f"{q}={d}" for d, q in queues.items()]
+            _start_helper(name, state, h.name, "delay", [sys.executable, "-m", "shoal.lab.delay", "--ttl", str(ttl), *args])
+            _write_state(name, state)
+            want = {str(q) for q in queues.values()}
+            Lab._wait(lambda: want <= _bound_queues(n),
+                      f"the delay program in {h.name} did not bind its queues (see {state_root() / name}/delay-{h.name}.log)")
+
+
+def _bound_queues(namespace: str) -> set[str]:
+    out = subprocess.run(["ip", "netns", "exec", namespace, "cat", "/proc/net/netfilter/nfnetlink_queue"],
+                         capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def _cap(namespace: str, dev: str, bits: int) -> None:
+    """htb at ``bits``/s on ``dev``'s egress, with a byte FIFO holding ~50 ms at that rate."""
+    rate = f"{bits}bit"
+    burst = max(64 << 10, bits // 8 // 500)  # 2 ms at the rate, at least one large segment
+    limit = max(256 << 10, bits // 8 // 20)
+    tc = ["ip", "netns", "exec", namespace, "tc"]
+    _run([*tc, "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "1"], f"capping {dev}")
+    _run([*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", rate, "ceil", rate,
+          "burst", str(burst), "cburst", str(burst)], f"capping {dev}")
+    _run([*tc, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "bfifo", "limit", str(limit)], f"capping {dev}")

@@ -1,0 +1,34 @@
+"""Named lab topologies to start from (``shoal lab up NAME``); see ``spec.py`` for the format.
+Rates, windows, loss and the RTT between sites can be changed at ``up`` time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+PROFILES: dict[str, dict[str, Any]] = {
+    "two-sites": {
+        "description": "2+2 hosts: 1 ms inside a site, 40 ms between the sites, 1 Gbit/s links",
+        "hosts": {"a1": {"site": "a"}, "a2": {"site": "a"}, "b1": {"site": "b"}, "b2": {"site": "b"}},
+        "rtt": {"a": 1, "b": 1, "a-b": 40},
+        "rate": "1gbit",
+    },
+    "three-continents": {
+        "description": "2 hosts in each of 3 sites: 20, 80 and 150 ms between them, 1 ms inside, 1 Gbit/s links",
+        "hosts": {
+            "us1": {"site": "us"}, "us2": {"site": "us"},
+            "eu1": {"site": "eu"}, "eu2": {"site": "eu"},
+            "ap1": {"site": "ap"}, "ap2": {"site": "ap"},
+        },
+        # Not a metric on purpose, like the internet: ap-us (150) is slower than ap-eu-us (100),
+        # so the order of a ring matters.
+        "rtt": {"us": 1, "eu": 1, "ap": 1, "eu-ap": 20, "us-eu": 80, "us-ap": 150},
+        "rate": "1gbit",
+    },
+    "long-fat-pipe": {
+        "description": "2 hosts 40 ms apart on 1 Gbit/s links, TCP windows capped at 640 KiB (~100 Mbit/s per flow)",
+        "hosts": {"x": {}, "y": {}},
+        "rtt": {"x-y": 40},
+        "rate": "1gbit",
+        "window": 655360,
+    },
+}

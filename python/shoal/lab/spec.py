@@ -1,0 +1,173 @@
+"""What a lab is made of: hosts in sites, round-trip times, link caps, windows and loss.
+
+A spec is written as a small dict (a JSON file for ``shoal lab up FILE``, or a named profile)::
+
+    {
+      "hosts": {"a1": {"site": "a"}, "a2": {"site": "a"}, "b1": {"site": "b", "rate": "100mbit", "rtt": 5}},
+      "rtt": {"a": 1, "b": 1, "a-b": 40, "a2-b1": 60},   # ms: inside a site, between sites, pairs
+      "rate": "1gbit",        # every host's link, both directions (htb); a host's own wins
+      "window": 655360,       # TCP receive-buffer cap (bytes) inside every host; ditto
+      "loss": 0.0             # probability each packet a host receives is dropped; ditto
+    }
+
+A pair of hosts gets the RTT named for the pair, else the one between (or inside) their sites,
+else none; plus each host's own ``rtt`` (its access link: added to every path it is on). A host
+without a site is a site of its own. Everything is checked here, before anything is built.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+HOST_NAME = re.compile(r"^[a-z][a-z0-9]{0,9}$")
+_RATE = re.compile(r"^(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit)$")
+_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
+_SIZE = re.compile(r"^(\d+)\s*([kmg]?)i?b?$")
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+class SpecError(ValueError):
+    """A lab spec names something wrong; the message says what."""
+
+
+def parse_rate(text: Union[str, int]) -> int:
+    """``"1gbit"``, ``"250mbit"`` (tc's units) or bits per second -> bits per second."""
+    if isinstance(text, int):
+        bits = text
+    else:
+        m = _RATE.match(str(text).strip().lower())
+        if not m:
+            raise SpecError(f"bad rate {text!r}: expected e.g. 100mbit, 1gbit")
+        bits = int(float(m.group(1)) * _RATE_UNITS[m.group(2)])
+    if bits < 8000:
+        raise SpecError(f"rate {text!r} is below 8 kbit/s")
+    return bits
+
+
+def parse_size(text: Union[str, int]) -> int:
+    """``"640K"``, ``"4M"`` or bytes -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(str(text).strip().lower())
+    if not m:
+        raise SpecError(f"bad size {text!r}: expected bytes or e.g. 640K, 4M")
+    return int(m.group(1)) * _SIZE_UNITS[m.group(2)]
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    site: str
+    address: str
+    rate: Optional[int]  # bits/s, both directions
+    window: Optional[int]  # bytes: tcp_rmem max
+    loss: float
+    rtt: float = 0.0  # ms added to every path this host is on
+
+
+@dataclass
+class Spec:
+    hosts: list[Host]
+    rtt_ms: dict[frozenset, float] = field(default_factory=dict)  # {a, b} or {a} (same host/site)
+
+    def host(self, name: str) -> Host:
+        for h in self.hosts:
+            if h.name == name:
+                return h
+        raise SpecError(f"no host {name!r} in this lab (hosts: {', '.join(h.name for h in self.hosts)})")
+
+    def rtt(self, a: str, b: str) -> float:
+        """Added round-trip time in ms between hosts ``a`` and ``b``."""
+        ha, hb = self.host(a), self.host(b)
+        path = 0.0
+        for key in (frozenset((a, b)), frozenset((ha.site, hb.site))):
+            if key in self.rtt_ms:
+                path = self.rtt_ms[key]
+                break
+        return path + ha.rtt + hb.rtt
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "hosts": {h.name: {"site": h.site, "address": h.address, "rate": h.rate, "window": h.window, "loss": h.loss,
+                               "rtt": h.rtt} for h in self.hosts},
+            "rtt": {"-".join(sorted(k)): v for k, v in self.rtt_ms.items()},
+        }
+
+
+def build(raw: dict[str, Any], subnet: str = "10.77.0.0/24", **overrides: Any) -> Spec:
+    """Checks a spec dict and assigns addresses in ``subnet`` (hosts get .1, .2, ... in order).
+    ``overrides`` (``rate``, ``window``, ``loss``, ``rtt`` between sites) win over the dict's
+    lab-wide values."""
+    raw = json.loads(json.dumps(raw))  # a deep copy that also proves it is plain data
+    unknown = set(raw) - {"hosts", "rtt", "rate", "window", "loss", "description"}
+    if unknown:
+        raise SpecError(f"unknown spec keys: {', '.join(sorted(unknown))}")
+    for key in ("rate", "window", "loss"):
+        if overrides.get(key) is not None:
+            raw[key] = overrides[key]
+    hosts_raw = raw.get("hosts")
+    if not isinstance(hosts_raw, dict) or not hosts_raw:
+        raise SpecError("a spec needs a non-empty 'hosts' mapping")
+    try:
+        net = ipaddress.ip_network(subnet)
+    except ValueError as e:
+        raise SpecError(f"bad subnet {subnet!r}: {e}") from None
+    if net.version != 4 or net.num_addresses - 2 < len(hosts_raw):
+        raise SpecError(f"subnet {subnet} has no room for {len(hosts_raw)} IPv4 hosts")
+    addresses = iter(net.hosts())
+
+    hosts = []
+    for name, h in hosts_raw.items():
+        if not HOST_NAME.match(name) or name == "switch":
+            raise SpecError(f"bad host name {name!r}: 1-10 lowercase letters and digits, starting with a letter")
+        h = h or {}
+        extra = set(h) - {"site", "rate", "window", "loss", "rtt"}
+        if extra:
+            raise SpecError(f"host {name}: unknown keys {', '.join(sorted(extra))}")
+        rate = h.get("rate", raw.get("rate"))
+        window = h.get("window", raw.get("window"))
+        loss = float(h.get("loss", raw.get("loss", 0.0)) or 0.0)
+        if not 0.0 <= loss < 1.0:
+            raise SpecError(f"host {name}: loss {loss} outside [0, 1)")
+        hosts.append(Host(name, str(h.get("site", name)), str(next(addresses)),
+                          parse_rate(rate) if rate is not None else None,
+                          parse_size(window) if window is not None else None, loss, _ms(f"host {name}: rtt", h.get("rtt", 0))))
+    spec = Spec(hosts)
+
+    names = {h.name for h in hosts} | {h.site for h in hosts}
+    rtts = dict(raw.get("rtt") or {})
+    if overrides.get("rtt") is not None:  # between every two sites
+        sites = sorted({h.site for h in hosts})
+        rtts.update({f"{a}-{b}": overrides["rtt"] for i, a in enumerate(sites) for b in sites[i + 1:]})
+    for key, ms in rtts.items():
+        parts = key.split("-")
+        if len(parts) not in (1, 2) or not set(parts) <= names:
+            raise SpecError(f"rtt key {key!r}: expected SITE (inside it), SITE-SITE or HOST-HOST of this lab")
+        spec.rtt_ms[frozenset(parts)] = _ms(f"rtt {key}", ms)
+    return spec
+
+
+def _ms(what: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 10_000:
+        raise SpecError(f"{what}: {value!r} is not a number of milliseconds in [0, 10000]")
+    return float(value)
+
+
+def load(profile_or_file: str) -> dict[str, Any]:
+    """A named profile, or a JSON spec file."""
+    from .profiles import PROFILES
+
+    if profile_or_file in PROFILES:
+        return PROFILES[profile_or_file]
+    path = Path(profile_or_file)
+    if not path.is_file():
+        raise SpecError(f"{profile_or_file!r} is neither a profile ({', '.join(PROFILES)}) nor a spec file")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise SpecError(f"{path}: not JSON: {e}") from None
