@@ -12,6 +12,7 @@ are measured exactly the same way.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -43,21 +44,23 @@ def parse_sizes(spec: str) -> list[int]:
     return sizes
 
 
-def iterations(size_bytes: int) -> tuple[int, int]:
-    """(warm-up, timed) iterations for a size; the same on every peer."""
-    timed = max(_MIN_ITERS, min(_MAX_ITERS, _BUDGET_BYTES // max(size_bytes, 1)))
+def iterations(size_bytes: int, max_iters: int = _MAX_ITERS) -> tuple[int, int]:
+    """(warm-up, timed) iterations for a size; the same on every peer. ``max_iters`` bounds
+    the timed ones (on a WAN a small all-reduce takes many milliseconds)."""
+    timed = max(1, min(max_iters, max(_MIN_ITERS, min(_MAX_ITERS, _BUDGET_BYTES // max(size_bytes, 1)))))
     return min(5, timed), timed
 
 
 def run_loop(
-    all_reduce: Callable[[np.ndarray], object], sizes: Sequence[int], dtype: str, out=sys.stdout
+    all_reduce: Callable[[np.ndarray], object], sizes: Sequence[int], dtype: str, out=sys.stdout,
+    max_iters: int = _MAX_ITERS,
 ) -> None:
     """The worker side: for each size, warm up, time each iteration, print one JSON line."""
     np_dtype = np.dtype(dtype)
     for size in sizes:
         count = max(1, size // np_dtype.itemsize)
         x = np.ones(count, dtype=np_dtype)
-        warm, timed = iterations(size)
+        warm, timed = iterations(size, max_iters)
         for _ in range(warm):
             all_reduce(x)
         times = []
@@ -139,7 +142,7 @@ def _worker(args: argparse.Namespace) -> None:
             comm.update_topology()
         else:
             time.sleep(0.01)
-    run_loop(lambda x: comm.all_reduce(x, op=args.op), parse_sizes(args.sizes), args.dtype)
+    run_loop(lambda x: comm.all_reduce(x, op=args.op), parse_sizes(args.sizes), args.dtype, max_iters=args.max_iters)
     comm.close()
 
 
@@ -152,27 +155,36 @@ def run(
     master_addr: Optional[str] = None,
     connections: Optional[int] = None,
     chunk_bytes: Optional[int] = None,
+    lab: Optional[str] = None,
+    hosts: Optional[Sequence[str]] = None,
+    max_iters: int = _MAX_ITERS,
 ) -> list[dict]:
-    """Runs the benchmark with ``peers`` local worker processes and returns its rows. Starts a
-    master unless ``master_addr`` is given."""
+    """Runs the benchmark with ``peers`` worker processes and returns its rows. Starts a master
+    unless ``master_addr`` is given. With ``lab`` (a lab that is up, see ``shoal lab``), peer i
+    runs in lab host ``hosts[i % len(hosts)]`` (default: all the lab's hosts) and the master in
+    the first of them."""
     import shoal
 
-    master = None
-    if master_addr is None:
-        master = shoal.Master("127.0.0.1:0")
-        master.start()
-        master_addr = master.address
-    try:
+    with contextlib.ExitStack() as stack:
+        place: Callable[[int, list[str]], list[str]] = lambda i, argv: argv
+        if lab is not None:
+            from .lab import Lab
+
+            the_lab = Lab(lab)
+            hosts = list(hosts or the_lab.hosts)
+            place = lambda i, argv: the_lab.argv(hosts[i % len(hosts)], argv)  # noqa: E731
+            if master_addr is None:
+                master_addr = stack.enter_context(the_lab.master(hosts[0]))
+        if master_addr is None:
+            master = stack.enter_context(shoal.Master("127.0.0.1:0"))
+            master_addr = master.address
         argv = [sys.executable, "-m", "shoal.bench", "--worker", "--master", master_addr, "--sizes", sizes]
-        argv += ["--dtype", dtype, "--op", op, "--peers", str(peers)]
+        argv += ["--dtype", dtype, "--op", op, "--peers", str(peers), "--max-iters", str(max_iters)]
         if connections is not None:
             argv += ["--connections", str(connections)]
         if chunk_bytes is not None:
             argv += ["--chunk-bytes", str(chunk_bytes)]
-        outputs = spawn_workers(lambda i: argv, peers)
-    finally:
-        if master is not None:
-            master.stop()
+        outputs = spawn_workers(lambda i: place(i, argv), peers)
     return summarize(outputs, peers)
 
 
@@ -185,6 +197,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--op", default="sum", help="reduction (default sum)")
     parser.add_argument("--connections", type=int, default=None, help="TCP connections per peer pair")
     parser.add_argument("--chunk-bytes", type=int, default=None, help="ring pipeline chunk")
+    parser.add_argument("--max-iters", type=int, default=_MAX_ITERS,
+                        help=f"at most this many timed iterations per size (default {_MAX_ITERS})")
+    parser.add_argument("--lab", help="run the peers (and the master) in the hosts of this lab (shoal lab up)")
+    parser.add_argument("--hosts", help="comma-separated lab hosts for the peers, in ring order (default: all)")
     parser.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -195,8 +211,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         parser.error("--peers must be at least 1")
 
     rows = run(args.peers, args.sizes, dtype=args.dtype, op=args.op, master_addr=args.master,
-               connections=args.connections, chunk_bytes=args.chunk_bytes)
-    where = args.master or "local"
+               connections=args.connections, chunk_bytes=args.chunk_bytes, lab=args.lab,
+               hosts=args.hosts.split(",") if args.hosts else None, max_iters=args.max_iters)
+    where = args.master or (f"in lab {args.lab}" if args.lab else "local")
     if args.json:
         print(json.dumps(rows, indent=1))
     else:

@@ -27,6 +27,12 @@ def expected(dtype: str, op: str, peers: int) -> np.ndarray:
 def test_every_dtype_and_op_matches_numpy_on_every_peer(master, tmp_path, peers):
     # Small chunks and 3 connections so that even 1 KiB buffers cross several chunks and lanes.
     infos = run_peers(master, tmp_path, "matrix", peers, connections=3, chunk_bytes=4096)
+    check_matrix(infos, tmp_path)
+
+
+def check_matrix(infos: list[dict], tmp_path) -> None:
+    """The ``matrix`` workers' results: bit-identical on every peer and equal to numpy's."""
+    peers = len(infos)
     assert sorted(i["rank"] for i in infos) == list(range(peers))
     results = [np.load(tmp_path / f"peer{i}.npz") for i in range(peers)]
     for dtype in DTYPES:

@@ -124,7 +124,7 @@ class Lab:
         reason = unavailable()
         if reason:
             raise LabError(reason)
-        with _locked(name):
+        with _locked():
             _down(name)
             lab_dir = state_root() / name
             lab_dir.mkdir(parents=True, exist_ok=True)
@@ -174,6 +174,25 @@ class Lab:
     def run(self, host: str, argv: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess:
         return subprocess.run(self.argv(host, argv), **kwargs)
 
+    @contextlib.contextmanager
+    def master(self, host: str, port: int = 48148, heartbeat_timeout: Optional[float] = None) -> Iterator[str]:
+        """A ``shoal master`` process in ``host``; yields the address peers dial."""
+        argv = [sys.executable, "-m", "shoal.cli", "master", "--listen", f"0.0.0.0:{port}"]
+        if heartbeat_timeout is not None:
+            argv += ["--heartbeat-timeout", str(heartbeat_timeout)]
+        p = self.popen(host, argv, stdout=subprocess.PIPE, text=True)
+        try:
+            if "listening" not in (p.stdout.readline() if p.stdout else ""):
+                raise LabError(f"the master in {host} did not start")
+            yield f"{self.address(host)}:{port}"
+        finally:
+            p.terminate()
+            try:
+                p.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.communicate()
+
     # ---- faults ----------------------------------------------------------------------------
 
     def fault(self, kind: str, a: str, b: Optional[str] = None, probability: float = 0.05) -> None:
@@ -188,7 +207,7 @@ class Lab:
             raise LabError(f"unknown fault {kind!r}: expected one of {', '.join(FAULT_KINDS)}")
         if kind == "loss" and not 0 < probability < 1:
             raise LabError(f"loss probability {probability} outside (0, 1)")
-        with _locked(self.name):
+        with _locked():
             state = self._read_state() or self.state
             for other in self._others(a, b):
                 f = {"kind": kind, "a": a, "b": other, "probability": probability if kind == "loss" else None}
@@ -203,7 +222,7 @@ class Lab:
     def heal(self, a: Optional[str] = None, b: Optional[str] = None) -> int:
         """Removes the faults between ``a`` and ``b`` (either order), or every fault of ``a``, or
         every fault. Returns how many were removed."""
-        with _locked(self.name):
+        with _locked():
             state = self._read_state() or self.state
             self._others(a, b)  # checks the names
             keep, removed = [], 0
@@ -255,7 +274,7 @@ class Lab:
         binary = toxiproxy_binary()
         if binary is None:
             raise LabError(f"toxiproxy {TOXIPROXY_VERSION} is not installed: run scripts/lab-deps")
-        with _locked(self.name):
+        with _locked():
             state = self._read_state() or self.state
             running = [h for h in state["helpers"] if h["kind"] == "toxiproxy" and h["host"] == host
                        and _pid_alive_with(h["pid"], self._marker)]
@@ -378,7 +397,7 @@ class Lab:
 
 def remove(name: str) -> None:
     """Removes whatever is left of lab ``name``: processes in its hosts, namespaces, state."""
-    with _locked(name):
+    with _locked():
         _down(name)
 
 
@@ -389,9 +408,10 @@ def names() -> list[str]:
 
 
 @contextlib.contextmanager
-def _locked(name: str) -> Iterator[None]:
+def _locked() -> Iterator[None]:
+    """Serialises changes to labs (one lock for all: they are short, and no lock files pile up)."""
     state_root().mkdir(parents=True, exist_ok=True)
-    with open(state_root() / f"{name}.lock", "w") as f:
+    with open(state_root() / "lock", "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         yield
 

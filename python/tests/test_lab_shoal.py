@@ -1,0 +1,62 @@
+"""shoal across the lab's WAN: a master and 4 peers on the hosts of two sites 40 ms apart
+(``two-sites``). All-reduce gives numpy's results, bit-identical on every peer; ``shoal bench``
+runs there and sees the path's latency; a peer cut off by partitioning its host is expelled
+and the others carry on. Needs root (see test_lab.py)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from conftest import need_lab, run_peers
+from test_all_reduce import check_matrix
+from test_failures import result, start_survivors
+
+from shoal import bench
+from shoal.lab import PROFILES, Lab
+
+HEARTBEAT_TIMEOUT = 2.0
+
+
+@pytest.fixture(scope="module")
+def sites():
+    need_lab()
+    with Lab.up(PROFILES["two-sites"], name=f"t{os.getpid()}s", subnet="10.206.0.0/24", ttl=900) as lab:
+        yield lab
+
+
+def test_all_reduce_across_sites_matches_numpy_on_every_peer(sites, tmp_path):
+    hosts = ["a1", "b1", "a2", "b2"]  # the ring crosses the 40 ms path four times
+    with sites.master("a1") as master:
+        infos = run_peers(master, tmp_path, "matrix", 4, timeout=180, launch=lambda i, argv: sites.argv(hosts[i], argv),
+                          connections=4, chunk_bytes=4096)
+    check_matrix(infos, tmp_path)
+
+
+def test_bench_runs_in_the_lab_and_sees_the_wan(sites):
+    rows = bench.run(4, "4K,4M", lab=sites.name, max_iters=4)
+    assert [r["size"] for r in rows] == [4096, 4 << 20]
+    # A ring all-reduce waits on the 20 ms one-way path at several of its steps.
+    assert all(r["time_us"] > 40_000 for r in rows), rows
+
+
+def test_a_peer_cut_off_by_a_partition_is_expelled_and_the_others_carry_on(sites):
+    hosts = ["a1", "b2", "a2", "b1"]  # peer 1, the victim, on b2
+    with sites.master("a1", heartbeat_timeout=HEARTBEAT_TIMEOUT) as master:
+        procs = start_survivors(master, 4, {"heartbeat_timeout": HEARTBEAT_TIMEOUT},
+                                launch=lambda i, argv: sites.argv(hosts[i], argv))
+        try:
+            victim, survivors = procs[1], [p for i, p in enumerate(procs) if i != 1]
+            cut_at = time.time()
+            sites.fault("partition", "b2")  # from every other host, the master's included
+            outcomes = [result(p, timeout=90) for p in survivors]
+            cut_off = result(victim, timeout=30)
+        finally:
+            sites.heal()
+            for p in procs:
+                p.kill()
+    for o in outcomes:
+        assert o["world"] == 3 and o["smaller"] == 5, o
+        assert o["errors"] and o["errors"][0]["at"] - cut_at < HEARTBEAT_TIMEOUT + 4, o
+    assert "master_unreachable" in cut_off or "kicked" in cut_off, cut_off
