@@ -128,6 +128,39 @@ def test_a_partition_blocks_a_live_connection_and_healing_restores_it(fat_pipe):
     assert fat_pipe.measure_rtt("x", "y", count=3)["median_ms"] < 44
 
 
+def udp_delivered(lab: Lab, src: str, dst: str, count: int = 2000) -> float:
+    """The share of ``count`` datagrams from ``src`` that reach ``dst``."""
+    recv = lab.popen(dst, [sys.executable, "-c", UDP_COUNT], stdout=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    lab.run(src, [sys.executable, "-c", UDP_BURST, lab.address(dst), str(count)], check=True)
+    return int(recv.communicate(timeout=20)[0]) / count
+
+
+def test_random_loss_drops_the_configured_share(fat_pipe, lab_ok):
+    fat_pipe.fault("loss", "x", "y", probability=0.2)
+    try:
+        got = udp_delivered(fat_pipe, "x", "y")
+    finally:
+        fat_pipe.heal()
+    assert 0.75 <= got <= 0.85, got
+    with Lab.up({"hosts": {"p": {}, "q": {"loss": 0.1}}}, name=f"t{os.getpid()}l", subnet="10.207.0.0/24") as lab:
+        assert 0.87 <= udp_delivered(lab, "p", "q") <= 0.93
+        assert udp_delivered(lab, "q", "p") == 1.0  # a host's loss is on what it receives
+
+
+UDP_COUNT = """import socket
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(("0.0.0.0", 5301)); s.settimeout(10)
+n = 0
+try:
+    while True:
+        s.recv(64); n += 1; s.settimeout(1)
+except TimeoutError:
+    print(n)"""
+UDP_BURST = """import socket, sys, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for i in range(int(sys.argv[2])):
+    s.sendto(b"x", (sys.argv[1], 5301))
+    if i % 100 == 99: time.sleep(0.005)"""
 UDP_RECEIVE = """import socket
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(("0.0.0.0", 5300)); s.settimeout(8)
 print(s.recv(16).decode())"""
