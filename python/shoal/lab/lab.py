@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from .spec import Spec, build
 
@@ -105,7 +105,7 @@ class Lab:
     def __init__(self, name: str = "shoal") -> None:
         self.name = name
         self.dir = state_root() / name
-        state = self._read_state()
+        state = _read_state(name)
         if state is None or not state.get("complete"):
             raise LabError(f"no lab named {name!r} is up (shoal lab up PROFILE --name {name})")
         self.state = state
@@ -208,7 +208,7 @@ class Lab:
         if kind == "loss" and not 0 < probability < 1:
             raise LabError(f"loss probability {probability} outside (0, 1)")
         with _locked():
-            state = self._read_state() or self.state
+            state = _read_state(self.name) or self.state
             for other in self._others(a, b):
                 f = {"kind": kind, "a": a, "b": other, "probability": probability if kind == "loss" else None}
                 if f in state["faults"]:
@@ -223,7 +223,7 @@ class Lab:
         """Removes the faults between ``a`` and ``b`` (either order), or every fault of ``a``, or
         every fault. Returns how many were removed."""
         with _locked():
-            state = self._read_state() or self.state
+            state = _read_state(self.name) or self.state
             self._others(a, b)  # checks the names
             keep, removed = [], 0
             for f in state["faults"]:
@@ -275,14 +275,14 @@ class Lab:
         if binary is None:
             raise LabError(f"toxiproxy {TOXIPROXY_VERSION} is not installed: run scripts/lab-deps")
         with _locked():
-            state = self._read_state() or self.state
+            state = _read_state(self.name) or self.state
             running = [h for h in state["helpers"] if h["kind"] == "toxiproxy" and h["host"] == host
                        and _pid_alive_with(h["pid"], self._marker)]
             if not running:
                 api_host, api_port = TOXIPROXY_API.split(":")
-                self._start_helper(state, host, "toxiproxy", [binary, "-host", api_host, "-port", api_port])
+                _start_helper(self.name, state, host, "toxiproxy", [binary, "-host", api_host, "-port", api_port])
                 _write_state(self.name, state)
-                self._wait(lambda: self._toxiproxy(host, "GET", "/version", check=False) is not None,
+                _wait_for(lambda: self._toxiproxy(host, "GET", "/version", check=False) is not None,
                            f"toxiproxy in {host} did not start (see {self.dir / f'toxiproxy-{host}.log'})")
             self.state = state
         self._toxiproxy(host, "POST", "/proxies", {"name": name, "listen": f"0.0.0.0:{listen_port}",
@@ -364,20 +364,6 @@ class Lab:
     @property
     def _marker(self) -> str:
         return f"SHOAL_LAB_HELPER={self.name}"
-
-    def _read_state(self) -> Optional[dict]:
-        return _read_state(self.name)
-
-    def _start_helper(self, state: dict, host: str, kind: str, argv: list[str]) -> int:
-        return _start_helper(self.name, state, host, kind, argv)
-
-    @staticmethod
-    def _wait(ready, message: str, timeout: float = 10.0) -> None:
-        until = time.monotonic() + timeout
-        while not ready():
-            if time.monotonic() > until:
-                raise LabError(message)
-            time.sleep(0.05)
 
     def status(self) -> dict[str, Any]:
         alive = [dict(h, alive=_pid_alive_with(h["pid"], self._marker)) for h in self.state["helpers"]]
@@ -505,8 +491,16 @@ def _build(name: str, spec: Spec, state: dict, ttl: float) -> None:
             _start_helper(name, state, h.name, "delay", [sys.executable, "-m", "shoal.lab.delay", "--ttl", str(ttl), *args])
             _write_state(name, state)
             want = {str(q) for q in queues.values()}
-            Lab._wait(lambda: want <= _bound_queues(n),
+            _wait_for(lambda: want <= _bound_queues(n),
                       f"the delay program in {h.name} did not bind its queues (see {state_root() / name}/delay-{h.name}.log)")
+
+
+def _wait_for(ready: Callable[[], bool], message: str, timeout: float = 10.0) -> None:
+    until = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > until:
+            raise LabError(message)
+        time.sleep(0.05)
 
 
 def _bound_queues(namespace: str) -> set[str]:
