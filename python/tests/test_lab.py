@@ -62,6 +62,36 @@ def test_specs_are_checked_before_anything_is_built():
         build({"hosts": {"a": {}, "b": {}, "c": {}}}, subnet="10.0.0.0/30")
 
 
+def shoal_lab(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    p = subprocess.run([sys.executable, "-m", "shoal.cli", "lab", *args], capture_output=True, text=True, timeout=60)
+    assert not check or p.returncode == 0, p.stderr
+    return p
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_every_profile_comes_up_from_the_command_line(lab_ok, profile):
+    name = f"t{os.getpid()}p"
+    shoal_lab("up", profile, "--name", name, "--subnet", "10.208.0.0/24", "--ttl", "300")
+    try:
+        status = json.loads(shoal_lab("status", "--name", name, "--json").stdout)
+        spec = build(PROFILES[profile])
+        assert list(status["hosts"]) == [h.name for h in spec.hosts]
+        assert all(status["rtt_ms"][a][b] == spec.rtt(a, b) for a in status["rtt_ms"] for b in status["rtt_ms"][a])
+        assert all(h["alive"] for h in status["helpers"]) and len(status["helpers"]) == len(spec.hosts)
+        first, last = spec.hosts[0].name, spec.hosts[-1].name
+        addr = shoal_lab("exec", "--name", name, last, "ip", "-4", "-br", "addr", "show", "eth0").stdout
+        assert "10.208.0." in addr and "UP" in addr, addr
+        shoal_lab("fault", "--name", name, "partition", first, last)
+        assert json.loads(shoal_lab("status", "--name", name, "--json").stdout)["faults"][0]["kind"] == "partition"
+        assert "removed 1 fault" in shoal_lab("heal", "--name", name).stdout
+        assert "no host 'zz'" in shoal_lab("fault", "--name", name, "reset", first, "zz", check=False).stderr
+    finally:
+        shoal_lab("down", "--name", name)
+    assert f"no lab named '{name}' is up" in shoal_lab("status", "--name", name, check=False).stderr
+    bad = shoal_lab("up", "nowhere", "--name", name, check=False)
+    assert bad.returncode != 0 and "'nowhere' is neither a profile" in bad.stderr
+
+
 def test_round_trip_times_are_within_10_percent_of_the_target(continents):
     for a, b in [("us1", "eu1"), ("eu2", "ap1"), ("us2", "ap2"), ("ap1", "eu1")]:
         target = continents.spec.rtt(a, b)
