@@ -1,12 +1,15 @@
 """Chaos: peers all-reduce and sync a shared state in a loop while random ones are killed
-(SIGKILL), frozen (SIGSTOP, for less or more than the heartbeat timeout) or started. Afterwards
-every completed all-reduce must be identical on all its participants and correct, every failed
-one must have restored its buffer, every peer's state must hash the same at every revision (a
-newcomer once repaired), and no call may have outlived its bound.
+(SIGKILL), frozen (SIGSTOP, for less or more than the heartbeat timeout) or started; in a WAN
+lab (``--lab PROFILE``, root) the master and peers run on its hosts and random peers' hosts are
+also partitioned from every other host for a while, then healed. Afterwards every completed
+all-reduce must be identical on all its participants and correct, every failed one must have
+restored its buffer, every peer's state must hash the same at every revision (a newcomer once
+repaired), no call may have outlived its bound, and only peers on a partitioned host may have
+lost the master.
 
-``test_chaos.py`` runs a short round in the suite. A soak is opt-in::
+``test_chaos.py`` runs short rounds in the suite. A soak is opt-in::
 
-    python python/tests/chaos.py --duration 600 --seed 7
+    python python/tests/chaos.py --duration 600 --seed 7 [--lab two-sites]
 """
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from contextlib import ExitStack
 from pathlib import Path
+from typing import Optional
 
 import shoal
+from shoal.lab import Lab
 
 WORKER = Path(__file__).with_name("worker.py")
 HEARTBEAT_TIMEOUT = 1.5
@@ -33,19 +39,33 @@ CALL_TIMEOUT = 30.0
 CALL_BOUND = HEARTBEAT_TIMEOUT + 10.0
 
 
-def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive: int = 6) -> dict:
+def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive: int = 6,
+        lab: Optional[Lab] = None) -> dict:
+    """With ``lab``, the master runs on its first host, peers round the others, and partitions
+    join the chaos."""
     rng = random.Random(seed)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
     stop = workdir / "stop"
     procs: dict[int, subprocess.Popen] = {}
     frozen: dict[int, float] = {}
+    cut: dict[str, float] = {}  # partitioned host -> when it heals
+    ever_cut: set[int] = set()  # peers whose host was partitioned while they ran
     actions: list[str] = []
-    with shoal.Master("127.0.0.1:0", heartbeat_timeout=HEARTBEAT_TIMEOUT) as master:
+    peer_hosts = lab.hosts[1:] if lab else []
+    with ExitStack() as stack:
+        if lab:
+            address = stack.enter_context(lab.master(lab.hosts[0], heartbeat_timeout=HEARTBEAT_TIMEOUT))
+        else:
+            address = stack.enter_context(shoal.Master("127.0.0.1:0", heartbeat_timeout=HEARTBEAT_TIMEOUT)).address
+
+        def host(i: int) -> str:
+            return peer_hosts[i % len(peer_hosts)]
 
         def start(i: int) -> None:
-            spec = {"master": master.address, "index": i, "log": str(workdir / f"peer{i}.jsonl"),
-                    "stop": str(stop), "call_timeout": CALL_TIMEOUT}
-            procs[i] = subprocess.Popen([sys.executable, str(WORKER), "chaos", json.dumps(spec)],
+            spec = {"master": address, "index": i, "log": str(workdir / f"peer{i}.jsonl"),
+                    "stop": str(stop), "call_timeout": CALL_TIMEOUT, "may_be_cut_off": bool(lab)}
+            argv = [sys.executable, str(WORKER), "chaos", json.dumps(spec)]
+            procs[i] = subprocess.Popen(lab.argv(host(i), argv) if lab else argv,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
 
         for i in range(4):
@@ -57,9 +77,22 @@ def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive
                 if time.time() >= until:
                     procs[v].send_signal(signal.SIGCONT)
                     del frozen[v]
+            for h, until in list(cut.items()):
+                if lab and time.time() >= until:
+                    lab.heal(h)
+                    actions.append(f"{time.time():.2f} heal {h}")
+                    del cut[h]
             running = [i for i, p in procs.items() if p.poll() is None and i not in frozen]
-            action = rng.choice(["kill", "freeze", "join"])
-            if action == "join" and len(running) < max_alive:
+            action = rng.choice(["kill", "freeze", "join", "partition"] if lab else ["kill", "freeze", "join"])
+            if action == "partition" and len(running) > min_alive:
+                h = host(rng.choice(running))
+                if h not in cut:
+                    seconds = rng.uniform(0.3, 3.0)
+                    lab.fault("partition", h)
+                    cut[h] = time.time() + seconds
+                    ever_cut.update(i for i in running if host(i) == h)
+                    actions.append(f"{time.time():.2f} partition {h} for {seconds:.1f} s")
+            elif action == "join" and len(running) < max_alive:
                 start(len(procs))
                 actions.append(f"{time.time():.2f} start peer{len(procs) - 1}")
             elif action != "join" and len(running) > min_alive:
@@ -74,6 +107,8 @@ def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive
                     actions.append(f"{time.time():.2f} SIGSTOP peer{v} for {seconds:.1f} s")
         for v in frozen:
             procs[v].send_signal(signal.SIGCONT)
+        if lab:
+            lab.heal()
         stop.touch()
         for i, p in procs.items():
             try:
@@ -83,13 +118,13 @@ def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive
                 raise AssertionError(f"peer{i} did not stop: a call hangs") from None
             if p.returncode not in (0, -signal.SIGKILL):
                 raise AssertionError(f"peer{i} exited {p.returncode}:\n{err.decode()[-3000:]}")
-    return analyse(workdir, len(procs), actions)
+    return analyse(workdir, len(procs), actions, ever_cut)
 
 
-def analyse(workdir: Path, peers: int, actions: list[str]) -> dict:
+def analyse(workdir: Path, peers: int, actions: list[str], ever_cut: set[int] = frozenset()) -> dict:
     results: dict[tuple, set] = defaultdict(set)
     states: dict[int, set] = defaultdict(set)
-    syncs = repaired = 0
+    syncs = repaired = cut_off = 0
     successes = errors = 0
     longest = 0.0
     for i in range(peers):
@@ -114,23 +149,30 @@ def analyse(workdir: Path, peers: int, actions: list[str]) -> dict:
                 errors += 1
                 assert r["restored"], f"buffer not restored: {where}"
             assert "fatal" not in r, where
+            if "master_unreachable" in r:
+                cut_off += 1
+                assert i in ever_cut, f"a peer lost the master without being cut off: {where}"
     for key, shas in results.items():
         assert len(shas) == 1, f"collective {key} differs between participants"
     for revision, hashes in states.items():
         assert len(hashes) == 1, f"peers hold different states at revision {revision}"
     return {"collectives": len(results), "successes": successes, "errors": errors, "syncs": syncs,
-            "repaired": repaired,
-            "longest_call_s": round(longest, 2), "actions": len(actions)}
+            "repaired": repaired, "cut_off": cut_off,
+            "longest_call_s": round(longest, 2), "actions": len(actions),
+            "partitions": sum(a.split()[1] == "partition" for a in actions)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="shoal chaos soak")
     parser.add_argument("--duration", type=float, default=600)
     parser.add_argument("--seed", type=int, default=int(time.time()))
+    parser.add_argument("--lab", help="a lab profile to run in (root; builds a lab named 'chaos')")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory() as d, ExitStack() as stack:
+        lab = stack.enter_context(Lab.up(shoal.lab.load(args.lab), name="chaos", subnet="10.209.0.0/24",
+                                         ttl=args.duration + 600)) if args.lab else None
         print(f"seed {args.seed}", flush=True)
-        print(json.dumps(run(args.duration, args.seed, Path(d))))
+        print(json.dumps(run(args.duration, args.seed, Path(d), lab=lab)))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 
@@ -235,7 +236,7 @@ def chaos(spec: dict) -> dict:
         pattern = (np.arange(1 << 18) % 13 + 1).astype(np.float32)
         w = np.zeros(1 << 16, np.float32)
         state, synced = shoal.SharedState({"w": w}), 0
-        next_call = "all_reduce"
+        next_call, pending_due, resume = "all_reduce", False, False
         while not os.path.exists(spec["stop"]):
             try:
                 if next_call == "peers_pending":
@@ -248,7 +249,8 @@ def chaos(spec: dict) -> dict:
                 if next_call == "sync":
                     # The revision the run moves to; a peer behind (a newcomer) is repaired.
                     state.revision = synced + 1
-                    info = timed("sync", lambda: comm.sync_shared_state(state))
+                    info = timed("sync", lambda: comm.sync_shared_state(state, override_resume=resume))
+                    resume = False
                     synced = info.revision
                     record(revision=synced, state=shoal.hash_tensor(w), received=sorted(info.received))
                     next_call = "peers_pending" if pending_due else "all_reduce"
@@ -264,9 +266,20 @@ def chaos(spec: dict) -> dict:
             except (shoal.PeerLostError, shoal.UsageError) as e:
                 restored = next_call != "all_reduce" or bool((x == pattern).all())
                 record(error=type(e).__name__, restored=restored, msg=str(e))
+                # Every peer that held the run's state (revision R) is gone: go on from ours at
+                # R + 1, as an application would from a checkpoint of R, so that a revision never
+                # names two different states.
+                lost = re.search(r"last agreed on \(revision (\d+)\)", str(e))
+                if lost:
+                    resume, synced = True, int(lost.group(1))
                 next_call = "update_topology"
     except shoal.KickedError as e:
         record(kicked=str(e))
+    except shoal.MasterUnreachableError as e:
+        if not spec.get("may_be_cut_off"):
+            record(fatal=f"{type(e).__name__}: {e}")
+            raise
+        record(master_unreachable=str(e))  # its host was partitioned: chaos.py checks that
     except shoal.ShoalError as e:
         record(fatal=f"{type(e).__name__}: {e}")
         raise
