@@ -137,7 +137,10 @@ def watch_through(lab: Lab, src: str, server: str, fault, heal_after: float, sec
 
 def test_a_partition_blocks_a_live_connection_and_healing_restores_it(fat_pipe):
     with fat_pipe.probe_server("y") as server:
-        t = watch_through(fat_pipe, "x", server, lambda: fat_pipe.fault("partition", "x", "y"), heal_after=1.5)
+        # 6 s: TCP's retransmission backoff (0.2, 0.4, 0.8, 1.6 s after the first loss at 1 s)
+        # may resume the connection only ~1.5 s after the heal at 2.5 s.
+        t = watch_through(fat_pipe, "x", server, lambda: fat_pipe.fault("partition", "x", "y"), heal_after=1.5,
+                          seconds=6.0)
     echoes = t["echoes"]
     assert "error" not in t, t  # the connection survives: TCP retransmits after the heal
     gap = max(b - a for a, b in zip(echoes, echoes[1:]))
