@@ -174,16 +174,22 @@ class Lab:
     def run(self, host: str, argv: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess:
         return subprocess.run(self.argv(host, argv), **kwargs)
 
-    @contextlib.contextmanager
-    def master(self, host: str, port: int = 48148, heartbeat_timeout: Optional[float] = None) -> Iterator[str]:
+    def master(self, host: str, port: int = 48148,
+               heartbeat_timeout: Optional[float] = None) -> contextlib.AbstractContextManager[str]:
         """A ``shoal master`` process in ``host``; yields the address peers dial."""
         argv = [sys.executable, "-m", "shoal.cli", "master", "--listen", f"0.0.0.0:{port}"]
         if heartbeat_timeout is not None:
             argv += ["--heartbeat-timeout", str(heartbeat_timeout)]
+        return self._server(host, argv, "listening", "the master", port)
+
+    @contextlib.contextmanager
+    def _server(self, host: str, argv: list[str], ready: str, what: str, port: int) -> Iterator[str]:
+        """Runs ``argv`` in ``host`` until the block ends; waits for ``ready`` on its first line
+        and yields ``address:port``."""
         p = self.popen(host, argv, stdout=subprocess.PIPE, text=True)
         try:
-            if "listening" not in (p.stdout.readline() if p.stdout else ""):
-                raise LabError(f"the master in {host} did not start")
+            if ready not in (p.stdout.readline() if p.stdout else ""):
+                raise LabError(f"{what} in {host} did not start")
             yield f"{self.address(host)}:{port}"
         finally:
             p.terminate()
@@ -318,17 +324,9 @@ class Lab:
 
     # ---- measuring -------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def probe_server(self, host: str, port: int = 5201) -> Iterator[str]:
+    def probe_server(self, host: str, port: int = 5201) -> contextlib.AbstractContextManager[str]:
         """A probe server (``probe.py serve``) in ``host``; yields its address."""
-        p = self.popen(host, [sys.executable, str(PROBE), "serve", str(port)], stdout=subprocess.PIPE, text=True)
-        try:
-            if "ready" not in (p.stdout.readline() if p.stdout else ""):
-                raise LabError(f"the probe server in {host} did not start")
-            yield f"{self.address(host)}:{port}"
-        finally:
-            p.kill()
-            p.communicate()
+        return self._server(host, [sys.executable, str(PROBE), "serve", str(port)], "ready", "the probe server", port)
 
     def measure_rtt(self, a: str, b: str, count: int = 20, timeout: float = 10.0) -> dict:
         """TCP round trips of one byte from ``a`` to ``b``: median/min/max in ms."""
