@@ -40,7 +40,8 @@ def fat_pipe(lab_ok):
 
 
 def test_specs_are_checked_before_anything_is_built():
-    spec = build({"hosts": {"a": {"site": "s", "rtt": 5}, "b": {"site": "s"}, "c": {}}, "rtt": {"s": 2, "s-c": 30, "a-c": 50}})
+    spec = build({"hosts": {"a": {"site": "s", "rtt": 5}, "b": {"site": "s"}, "c": {}},
+                  "rtt": {"s": 2, "s-c": 30, "a-c": 50}})
     assert (spec.rtt("a", "b"), spec.rtt("b", "c"), spec.rtt("a", "c")) == (7, 30, 55)  # host rtt adds; pairs win
     assert [h.address for h in spec.hosts] == ["10.77.0.1", "10.77.0.2", "10.77.0.3"]
     bad = [
@@ -51,7 +52,10 @@ def test_specs_are_checked_before_anything_is_built():
         ({"hosts": {"a": {}, "b": {}}, "rtt": {"a-z": 3}}, "rtt key 'a-z'"),
         ({"hosts": {"a": {}, "b": {}}, "rtt": {"a-b": -1}}, "not a number of milliseconds"),
         ({"hosts": {"a": {"rate": "fast"}}}, "bad rate 'fast'"),
-        ({"hosts": {"a": {"loss": 1.5}}}, "outside [0, 1)"),
+        ({"hosts": {"a": {"loss": 1.5}}}, "not a probability in [0, 1)"),
+        ({"hosts": {"a": {"loss": "some"}}}, "not a probability"),
+        ({"hosts": {"a": "fast"}}, "expected a mapping"),
+        ({"hosts": {"a": {"site": "x-y"}}}, "bad site 'x-y'"),
         ({"hosts": {"a": {"window": "lots"}}}, "bad size 'lots'"),
         ({"hosts": {"a": {}}, "speed": 1}, "unknown spec keys: speed"),
     ]

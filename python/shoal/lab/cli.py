@@ -110,7 +110,8 @@ def _dispatch(args: argparse.Namespace) -> None:
     elif args.command == "measure":
         lab = Lab(args.name)
         r = lab.measure_rtt(args.a, args.b)
-        print(f"rtt {args.a} -> {args.b}: median {r['median_ms']:.2f} ms (min {r['min_ms']:.2f}, max {r['max_ms']:.2f}; "
+        print(f"rtt {args.a} -> {args.b}: median {r['median_ms']:.2f} ms "
+              f"(min {r['min_ms']:.2f}, max {r['max_ms']:.2f}; "
               f"target {lab.spec.rtt(args.a, args.b):.1f})")
         for n in (int(s) for s in args.streams.split(",")):
             t = lab.measure_throughput(args.a, args.b, n, args.seconds)

@@ -29,7 +29,8 @@ def main() -> None:
     started = time.monotonic()
     print(f"delay: holding queues {queues} for {args.ttl:.0f} s", flush=True)
     packets, max_held = lab_delay(queues, args.ttl, args.max_len)
-    print(f"delay: done after {time.monotonic() - started:.0f} s: {packets} packets, at most {max_held} held", flush=True)
+    elapsed = time.monotonic() - started
+    print(f"delay: done after {elapsed:.0f} s: {packets} packets, at most {max_held} held", flush=True)
 
 
 if __name__ == "__main__":

@@ -422,7 +422,8 @@ def _start_helper(name: str, state: dict, host: str, kind: str, argv: list[str])
     log = state_root() / name / f"{kind}-{host}.log"
     env = dict(os.environ, SHOAL_LAB_HELPER=name)
     command = ["ip", "netns", "exec", f"{name}-{host}", "timeout", "-s", "KILL", str(remaining + 5), *argv]
-    out = subprocess.run(["sh", "-c", 'log=$1; shift; "$@" </dev/null >>"$log" 2>&1 & echo $!', "sh", str(log), *command],
+    background = 'log=$1; shift; "$@" </dev/null >>"$log" 2>&1 & echo $!'
+    out = subprocess.run(["sh", "-c", background, "sh", str(log), *command],
                          env=env, capture_output=True, text=True, start_new_session=True, check=True).stdout
     pid = int(out.strip())
     state["helpers"].append({"kind": kind, "host": host, "pid": pid})
@@ -459,7 +460,8 @@ def _build(name: str, spec: Spec, state: dict, ttl: float) -> None:
     for h in spec.hosts:
         n, port = ns[h.name], f"h-{h.name}"
         _run(["ip", "netns", "add", n], f"creating host {h.name}")
-        _run(["ip", "-n", sw, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", n], f"cabling {h.name}")
+        _run(["ip", "-n", sw, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", n],
+             f"cabling {h.name}")
         _run(["ip", "-n", sw, "link", "set", port, "master", "br0", "up"], f"plugging {h.name} in")
         _run(["ip", "-n", n, "addr", "add", f"{h.address}/{plen}", "dev", "eth0"], f"addressing {h.name}")
         _run(["ip", "-n", n, "link", "set", "eth0", "up"], f"starting {h.name}'s link")
@@ -486,11 +488,13 @@ def _build(name: str, spec: Spec, state: dict, ttl: float) -> None:
                       "--queue-num", str(queues[d]), "--queue-bypass"], f"{h.name}: delay from {other}")
         if queues:
             args = [f"{q}={d}" for d, q in queues.items()]
-            _start_helper(name, state, h.name, "delay", [sys.executable, "-m", "shoal.lab.delay", "--ttl", str(ttl), *args])
+            delay = [sys.executable, "-m", "shoal.lab.delay", "--ttl", str(ttl), *args]
+            _start_helper(name, state, h.name, "delay", delay)
             _write_state(name, state)
             want = {str(q) for q in queues.values()}
             _wait_for(lambda: want <= _bound_queues(n),
-                      f"the delay program in {h.name} did not bind its queues (see {state_root() / name}/delay-{h.name}.log)")
+                      f"the delay program in {h.name} did not bind its queues "
+                      f"(see {state_root() / name}/delay-{h.name}.log)")
 
 
 def _wait_for(ready: Callable[[], bool], message: str, timeout: float = 10.0) -> None:
@@ -516,4 +520,5 @@ def _cap(namespace: str, dev: str, bits: int) -> None:
     _run([*tc, "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "1"], f"capping {dev}")
     _run([*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", rate, "ceil", rate,
           "burst", str(burst), "cburst", str(burst)], f"capping {dev}")
-    _run([*tc, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "bfifo", "limit", str(limit)], f"capping {dev}")
+    _run([*tc, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "bfifo", "limit", str(limit)],
+         f"capping {dev}")

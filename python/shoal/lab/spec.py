@@ -126,17 +126,23 @@ def build(raw: dict[str, Any], subnet: str = "10.77.0.0/24", **overrides: Any) -
         if not HOST_NAME.match(name) or name == "switch":
             raise SpecError(f"bad host name {name!r}: 1-10 lowercase letters and digits, starting with a letter")
         h = h or {}
+        if not isinstance(h, dict):
+            raise SpecError(f"host {name}: expected a mapping of its settings, not {h!r}")
         extra = set(h) - {"site", "rate", "window", "loss", "rtt"}
         if extra:
             raise SpecError(f"host {name}: unknown keys {', '.join(sorted(extra))}")
+        site = h.get("site", name)
+        if not isinstance(site, str) or not HOST_NAME.match(site):
+            raise SpecError(f"host {name}: bad site {site!r}: 1-10 lowercase letters and digits, "
+                            "starting with a letter")
         rate = h.get("rate", raw.get("rate"))
         window = h.get("window", raw.get("window"))
-        loss = float(h.get("loss", raw.get("loss", 0.0)) or 0.0)
-        if not 0.0 <= loss < 1.0:
-            raise SpecError(f"host {name}: loss {loss} outside [0, 1)")
-        hosts.append(Host(name, str(h.get("site", name)), str(next(addresses)),
-                          parse_rate(rate) if rate is not None else None,
-                          parse_size(window) if window is not None else None, loss, _ms(f"host {name}: rtt", h.get("rtt", 0))))
+        loss = h.get("loss", raw.get("loss")) or 0.0
+        if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not 0.0 <= loss < 1.0:
+            raise SpecError(f"host {name}: loss {loss!r} is not a probability in [0, 1)")
+        hosts.append(Host(name, site, str(next(addresses)), parse_rate(rate) if rate is not None else None,
+                          parse_size(window) if window is not None else None, float(loss),
+                          _ms(f"host {name}: rtt", h.get("rtt", 0))))
     spec = Spec(hosts)
 
     names = {h.name for h in hosts} | {h.site for h in hosts}
