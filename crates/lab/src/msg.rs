@@ -228,6 +228,23 @@ mod tests {
         );
     }
 
+    proptest::proptest! {
+        /// Whatever the socket hands over, parsing neither panics nor reads past the datagram,
+        /// and packets in front of garbage are still found.
+        #[test]
+        fn any_bytes_parse_without_panic(ids in proptest::collection::vec((0u16..4, proptest::num::u32::ANY), 0..8),
+                                         garbage in proptest::collection::vec(proptest::num::u8::ANY, 0..200)) {
+            let mut buf = Vec::new();
+            for &(queue, id) in &ids {
+                buf.extend(packet(queue, id));
+            }
+            buf.extend_from_slice(&garbage);
+            let got = parse(&buf);
+            let want: Vec<Message> = ids.iter().map(|&(queue, id)| Message::Packet { queue, id }).collect();
+            proptest::prop_assert_eq!(&got[..want.len()], &want[..]);
+        }
+    }
+
     #[test]
     fn truncated_or_garbage_input_yields_what_came_before_it() {
         let good = packet(1, 2);
