@@ -217,7 +217,7 @@ def chaos(spec: dict) -> dict:
     repaired and every peer's state hash must then be equal at every revision. Calls follow what
     every peer sees: after each fifth collective of a topology ask peers_pending; after a failure
     vote update_topology."""
-    comm = shoal.Communicator(spec["master"], timeout=spec["call_timeout"])
+    comm = shoal.Communicator(spec["master"], timeout=spec["call_timeout"], heartbeat_timeout=spec.get("heartbeat_timeout"))
     log = open(spec["log"], "a")
 
     def record(**fields) -> None:
