@@ -47,7 +47,7 @@ def parse_sizes(spec: str) -> list[int]:
 def iterations(size_bytes: int, max_iters: int = _MAX_ITERS) -> tuple[int, int]:
     """(warm-up, timed) iterations for a size; the same on every peer. ``max_iters`` bounds
     the timed ones (on a WAN a small all-reduce takes many milliseconds)."""
-    timed = max(1, min(max_iters, max(_MIN_ITERS, min(_MAX_ITERS, _BUDGET_BYTES // max(size_bytes, 1)))))
+    timed = min(max_iters, max(_MIN_ITERS, min(_MAX_ITERS, _BUDGET_BYTES // max(size_bytes, 1))))
     return min(5, timed), timed
 
 
@@ -165,16 +165,17 @@ def run(
     the first of them."""
     import shoal
 
-    with contextlib.ExitStack() as stack:
-        place: Callable[[int, list[str]], list[str]] = lambda i, argv: argv
-        if lab is not None:
-            from .lab import Lab
+    from .lab import Lab
 
-            the_lab = Lab(lab)
-            hosts = list(hosts or the_lab.hosts)
-            place = lambda i, argv: the_lab.argv(hosts[i % len(hosts)], argv)  # noqa: E731
-            if master_addr is None:
-                master_addr = stack.enter_context(the_lab.master(hosts[0]))
+    the_lab = Lab(lab) if lab is not None else None
+    places = list(hosts or the_lab.hosts) if the_lab else []
+
+    def place(i: int, argv: list[str]) -> list[str]:
+        return the_lab.argv(places[i % len(places)], argv) if the_lab else argv
+
+    with contextlib.ExitStack() as stack:
+        if the_lab and master_addr is None:
+            master_addr = stack.enter_context(the_lab.master(places[0]))
         if master_addr is None:
             master = stack.enter_context(shoal.Master("127.0.0.1:0"))
             master_addr = master.address
@@ -207,8 +208,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parse_sizes(args.sizes)
     if args.worker:
         return _worker(args)
-    if args.peers < 1:
-        parser.error("--peers must be at least 1")
+    if args.peers < 1 or args.max_iters < 1:
+        parser.error("--peers and --max-iters must be at least 1")
 
     rows = run(args.peers, args.sizes, dtype=args.dtype, op=args.op, master_addr=args.master,
                connections=args.connections, chunk_bytes=args.chunk_bytes, lab=args.lab,

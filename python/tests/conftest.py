@@ -31,12 +31,16 @@ def worker_argv(scenario: str, spec: dict) -> list[str]:
     return [sys.executable, str(WORKER), scenario, json.dumps(spec)]
 
 
-def need_lab() -> None:
-    """Skips the test where no lab can be built, naming why; under SHOAL_LAB_REQUIRED=1 (CI)
-    fails it instead, so that the lab tests cannot silently stop running."""
-    from shoal.lab import unavailable
+def need_lab(toxiproxy: bool = False) -> None:
+    """Skips the test where no lab can be built (not root, no namespaces, no iptables; with
+    ``toxiproxy``, also where toxiproxy is not installed), naming why; under
+    SHOAL_LAB_REQUIRED=1 (CI as root) fails it instead, so that the lab tests cannot silently
+    stop running."""
+    from shoal.lab import toxiproxy_binary, unavailable
 
     reason = unavailable()
+    if not reason and toxiproxy and toxiproxy_binary() is None:
+        reason = "toxiproxy is not installed: run scripts/lab-deps"
     if reason and os.environ.get("SHOAL_LAB_REQUIRED") == "1":
         pytest.fail(f"SHOAL_LAB_REQUIRED=1 but {reason}")
     if reason:

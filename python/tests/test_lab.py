@@ -17,7 +17,7 @@ import time
 import pytest
 from conftest import need_lab
 
-from shoal.lab import PROFILES, Lab, LabError, SpecError, build, names, toxiproxy_binary
+from shoal.lab import PROFILES, Lab, LabError, SpecError, build, names
 
 GOODPUT = 1448 / 1514  # TCP payload per Ethernet frame: what htb's rate leaves for data
 
@@ -216,10 +216,7 @@ def test_a_reset_fault_ends_a_live_connection_at_once(fat_pipe):
 
 
 def test_toxiproxy_faults_one_connection(fat_pipe):
-    if toxiproxy_binary() is None:
-        if os.environ.get("SHOAL_LAB_REQUIRED") == "1":
-            pytest.fail("SHOAL_LAB_REQUIRED=1 but toxiproxy is not installed (scripts/lab-deps)")
-        pytest.skip("toxiproxy is not installed: run scripts/lab-deps")
+    need_lab(toxiproxy=True)
     with fat_pipe.probe_server("y") as server:
         proxy = fat_pipe.proxy("x", "echo", 7001, server)
         base = fat_pipe.probe("x", ["rtt", proxy, "3", "10"])["median_ms"]

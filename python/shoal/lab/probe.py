@@ -64,7 +64,7 @@ def _serve_one(s: socket.socket) -> None:
 
 
 def serve(port: int) -> None:
-    srv = socket.create_server(("0.0.0.0", port), backlog=128, reuse_port=False)
+    srv = socket.create_server(("0.0.0.0", port), backlog=128)
     print("ready", flush=True)
     while True:
         s, _ = srv.accept()
