@@ -119,7 +119,7 @@ class Communicator:
         """
         if quantization is not None:
             raise ValueError(f"quantization={quantization!r}: only None is supported so far")
-        if not isinstance(tag, int) or tag < 0:
+        if isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:
             raise ValueError(f"tag must be a non-negative integer, got {tag!r}")
         view, dtype = _byte_view(tensor)
         return self._native.all_reduce_bytes(view, dtype, op, tag)

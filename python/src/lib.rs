@@ -9,9 +9,10 @@
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyBool;
 use shoal_master::{MasterOptions, MasterServer};
 use shoal_peer::{Communicator as Core, CommunicatorConfig, DType, Error, ReduceOp, StateTensor, Strategy};
-use std::sync::Mutex;
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 /// Outcome of a completed collective.
@@ -62,8 +63,8 @@ impl Communicator {
         listen_addr: Option<String>,
         advertise_addr: Option<String>,
         chunk_bytes: Option<usize>,
-        heartbeat_timeout: Option<f64>,
-        timeout: Option<f64>,
+        heartbeat_timeout: Option<Bound<'_, PyAny>>,
+        timeout: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let mut c = CommunicatorConfig::from_env(master_addr).map_err(to_py)?;
         c.group = peer_group;
@@ -80,17 +81,17 @@ impl Communicator {
             c.chunk_bytes = n;
         }
         if let Some(s) = heartbeat_timeout {
-            c.heartbeat_timeout = seconds("heartbeat_timeout", s)?;
+            c.heartbeat_timeout = seconds("heartbeat_timeout", &s)?;
         }
         if let Some(s) = timeout {
-            c.timeout = seconds("timeout", s)?;
+            c.timeout = seconds("timeout", &s)?;
         }
         Ok(Communicator { inner: Core::new(c).map_err(to_py)? })
     }
 
     #[pyo3(signature = (timeout=None, min_world_size=1))]
-    fn connect(&self, py: Python<'_>, timeout: Option<f64>, min_world_size: usize) -> PyResult<()> {
-        let timeout = timeout.map(|s| seconds("timeout", s)).transpose()?;
+    fn connect(&self, py: Python<'_>, timeout: Option<Bound<'_, PyAny>>, min_world_size: usize) -> PyResult<()> {
+        let timeout = timeout.map(|s| seconds("timeout", &s)).transpose()?;
         py.detach(|| self.inner.connect_until(timeout, min_world_size)).map_err(to_py)
     }
 
@@ -214,17 +215,17 @@ struct Master {
 impl Master {
     #[new]
     #[pyo3(signature = (listen="0.0.0.0:48148", *, heartbeat_timeout=None))]
-    fn new(listen: &str, heartbeat_timeout: Option<f64>) -> PyResult<Self> {
+    fn new(listen: &str, heartbeat_timeout: Option<Bound<'_, PyAny>>) -> PyResult<Self> {
         let mut options = MasterOptions::from_env(listen).map_err(|e| PyValueError::new_err(e.to_string()))?;
         if let Some(s) = heartbeat_timeout {
-            options.heartbeat_timeout = seconds("heartbeat_timeout", s)?;
+            options.heartbeat_timeout = seconds("heartbeat_timeout", &s)?;
         }
         Ok(Master { options, server: Mutex::new(None) })
     }
 
     /// Binds the listen address and starts serving in background threads.
     fn start(&self) -> PyResult<()> {
-        let mut server = self.server.lock().expect("master lock poisoned");
+        let mut server = self.server.lock().unwrap_or_else(PoisonError::into_inner);
         if server.is_some() {
             return Err(usage_error("the master is already running"));
         }
@@ -237,7 +238,7 @@ impl Master {
 
     /// Stops serving and closes every connection. Idempotent.
     fn stop(&self, py: Python<'_>) {
-        let server = self.server.lock().expect("master lock poisoned").take();
+        let server = self.server.lock().unwrap_or_else(PoisonError::into_inner).take();
         if let Some(mut s) = server {
             py.detach(|| s.stop());
         }
@@ -246,7 +247,7 @@ impl Master {
     /// `host:port` the master listens on (the real port when started with port 0).
     #[getter]
     fn address(&self) -> String {
-        match &*self.server.lock().expect("master lock poisoned") {
+        match &*self.server.lock().unwrap_or_else(PoisonError::into_inner) {
             Some(s) => s.local_addr().to_string(),
             None => self.options.listen.clone(),
         }
@@ -254,7 +255,7 @@ impl Master {
 
     #[getter]
     fn running(&self) -> bool {
-        self.server.lock().expect("master lock poisoned").is_some()
+        self.server.lock().unwrap_or_else(PoisonError::into_inner).is_some()
     }
 
     fn __enter__(slf: Bound<'_, Self>) -> PyResult<Bound<'_, Self>> {
@@ -279,7 +280,14 @@ impl Master {
     }
 }
 
-fn seconds(name: &str, s: f64) -> PyResult<Duration> {
+/// A duration argument: a positive int or float of seconds. `True` is an int to Python, but never
+/// a duration anyone meant: refused.
+fn seconds(name: &str, value: &Bound<'_, PyAny>) -> PyResult<Duration> {
+    let not_a_number = || PyTypeError::new_err(format!("{name} must be a number of seconds, got {value}"));
+    if value.is_instance_of::<PyBool>() {
+        return Err(not_a_number());
+    }
+    let s: f64 = value.extract().map_err(|_| not_a_number())?;
     if s.is_finite() && s > 0.0 && s < 1e9 {
         Ok(Duration::from_secs_f64(s))
     } else {

@@ -95,15 +95,16 @@ def join_late(spec: dict) -> dict:
 
 
 def survive(spec: dict) -> dict:
-    """All-reduce in a loop; on PeerLostError vote update_topology and go on, until
-    ``steps_after`` all-reduces succeeded in a smaller world. Prints "ready" once all are in."""
+    """All-reduce in a loop; on PeerLostError vote update_topology (or, with ``retry_only``, simply
+    try again) and go on, until ``steps_after`` all-reduces succeeded in a smaller world. Prints
+    "ready" once all are in. Reports every error and when the first smaller world succeeded."""
     comm = shoal.Communicator(spec["master"], timeout=60, listen_addr=spec.get("listen"),
                               advertise_addr=spec.get("advertise"), heartbeat_timeout=spec.get("heartbeat_timeout"))
     comm.connect(timeout=30)
     join_all(comm, spec["peers"])
     print(json.dumps({"ready": comm.peer_id}), flush=True)
-    errors, smaller, deadline = [], 0, time.time() + 60
-    x = np.empty(1 << 20, np.float32)
+    errors, smaller, recovered_at, deadline = [], 0, None, time.time() + 60
+    x = np.empty(spec.get("count", 1 << 20), np.float32)
     try:
         while smaller < spec["steps_after"] and time.time() < deadline:
             x[:] = 1.0
@@ -111,15 +112,18 @@ def survive(spec: dict) -> dict:
                 info = comm.all_reduce(x, op="sum")
             except shoal.PeerLostError as e:
                 errors.append({"at": time.time(), "error": str(e)})
-                comm.update_topology()
+                if not spec.get("retry_only"):
+                    comm.update_topology()
                 continue
             assert (x == info.world_size).all(), (x[:3], info.world_size)
-            smaller += info.world_size < spec["peers"]
+            if info.world_size < spec["peers"]:
+                smaller += 1
+                recovered_at = recovered_at or time.time()
     except shoal.KickedError as e:
         return {"kicked": str(e)}
     except shoal.MasterUnreachableError as e:
         return {"master_unreachable": str(e)}
-    return {"errors": errors, "world": comm.group_world_size, "smaller": smaller}
+    return {"errors": errors, "world": comm.group_world_size, "smaller": smaller, "recovered_at": recovered_at}
 
 
 def agree(spec: dict) -> dict:

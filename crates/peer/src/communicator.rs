@@ -8,11 +8,11 @@ use crate::links::{DataPlane, EstablishError, Listener};
 use crate::ring::{self, RingError, RingJob, Side, Stop};
 use crate::Deadline;
 use shoal_collective::{CollectiveKind, DType, ReduceOp};
-use shoal_proto::peer::{RingPosition, Verdict};
+use shoal_proto::peer::{RingPosition, Verdict, VoteAbort};
 use shoal_wire::{Epoch, FailureKind, GroupId, Member, Message, OpFailure, OpHeader, PeerId, SessionId};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 /// How often [`Communicator::connect_until`] asks whether newcomers wait to be admitted.
@@ -122,7 +122,7 @@ impl Communicator {
     }
 
     fn join(&self, deadline: Deadline) -> Result<()> {
-        let mut slot = self.connected.lock().expect("connect lock poisoned");
+        let mut slot = self.connected.lock().unwrap_or_else(PoisonError::into_inner);
         if slot.is_some() {
             return Err(Error::AlreadyConnected);
         }
@@ -146,8 +146,8 @@ impl Communicator {
         log::info!("registered as {me} in group {} advertising {data_addr}", group.0);
         listener.set_identity(me, session, &data_addr);
         let connected = Arc::new(Connected { control, listener, me, session });
-        match self.await_topology(&connected, deadline, "connect") {
-            Ok(()) => {
+        match self.await_topology(&connected, deadline, Await::Connect) {
+            Ok(_) => {
                 *slot = Some(connected);
                 Ok(())
             }
@@ -169,10 +169,18 @@ impl Communicator {
 
     fn vote_update_topology(&self, deadline: Deadline) -> Result<()> {
         let connected = self.connected()?;
-        connected.control.lock().view.vote_aborted = None;
-        let collectives = self.seq.load(Ordering::Relaxed);
-        connected.control.send(&Message::VoteUpdateTopology { collectives })?;
-        self.await_topology(&connected, deadline, "update_topology")
+        // A vote that crossed a topology the master issued meanwhile (a member was lost) is not
+        // counted: join that topology and vote again, within the call's bound.
+        loop {
+            self.follow_topology(&connected, deadline, "update_topology")?;
+            connected.control.lock().view.vote_aborted = None;
+            let collectives = self.seq.load(Ordering::Relaxed);
+            connected.control.send(&Message::VoteUpdateTopology { collectives })?;
+            match self.await_topology(&connected, deadline, Await::Vote)? {
+                Awaited::InForce => return Ok(()),
+                Awaited::VoteRefused => continue,
+            }
+        }
     }
 
     /// Whether peers wait to be admitted. A vote among the accepted peers: every one of them
@@ -186,6 +194,7 @@ impl Communicator {
 
     fn vote_peers_pending(&self, deadline: Deadline) -> Result<bool> {
         let connected = self.connected()?;
+        self.follow_topology(&connected, deadline, "peers_pending")?;
         connected.control.send(&Message::VotePeersPending)?;
         failpoint("peers_pending.after_vote");
         connected.control.wait_until("peers_pending", deadline, |s| s.view.pending_result.take())
@@ -209,14 +218,18 @@ impl Communicator {
                 dtype.name()
             )));
         }
-        if !(buf.as_ptr() as usize).is_multiple_of(elem) {
+        // An empty buffer has no element to align (numpy gives it any address); it still runs as a
+        // collective, as in torch.distributed, so every peer counts it.
+        if !buf.is_empty() && !(buf.as_ptr() as usize).is_multiple_of(elem) {
             return Err(Error::InvalidArgument(format!(
                 "buffer is not aligned to its {elem}-byte {} elements",
                 dtype.name()
             )));
         }
-        let mut data = self.data.lock().expect("data lock poisoned");
-        let pos = self.topology.lock().expect("topology lock poisoned").clone().ok_or(Error::NotConnected)?;
+        let deadline = Deadline::after(self.config.timeout);
+        self.follow_topology(&connected, deadline, "all_reduce")?;
+        let mut data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
+        let pos = self.topology.lock().unwrap_or_else(PoisonError::into_inner).clone().ok_or(Error::NotConnected)?;
         let world = pos.group_size();
         if world == 1 {
             let (topology, sequence) = (pos.epoch.0, self.seq.fetch_add(1, Ordering::Relaxed));
@@ -242,7 +255,6 @@ impl Communicator {
             op: op.code(),
             count: (buf.len() / elem) as u64,
         };
-        let deadline = Deadline::after(self.config.timeout);
         let (next, prev) = (pos.next().peer, pos.prev().peer);
         let DataPlane { outgoing, incoming, scratch, backup } = &mut *data;
         log::trace!("all_reduce seq {seq} tag {tag}: {} {} x{}", op.name(), dtype.name(), header.count);
@@ -414,43 +426,64 @@ impl Communicator {
 
     /// This peer's id, once registered.
     pub fn peer_id(&self) -> Option<PeerId> {
-        self.connected.lock().expect("connect lock poisoned").as_ref().map(|c| c.me)
+        self.connected.lock().unwrap_or_else(PoisonError::into_inner).as_ref().map(|c| c.me)
     }
 
     /// Leaves the run and closes every connection. Later calls fail with [`Error::Closed`] or
     /// [`Error::NotConnected`]; closing twice is harmless.
     pub fn close(&self) {
-        if let Some(c) = self.connected.lock().expect("connect lock poisoned").take() {
+        if let Some(c) = self.connected.lock().unwrap_or_else(PoisonError::into_inner).take() {
             c.control.close();
         }
-        *self.topology.lock().expect("topology lock poisoned") = None;
-        *self.data.lock().expect("data lock poisoned") = DataPlane::default();
+        *self.topology.lock().unwrap_or_else(PoisonError::into_inner) = None;
+        *self.data.lock().unwrap_or_else(PoisonError::into_inner) = DataPlane::default();
     }
 
     pub(crate) fn position(&self) -> Option<RingPosition> {
-        self.topology.lock().expect("topology lock poisoned").clone()
+        self.topology.lock().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
     pub(crate) fn connected(&self) -> Result<Arc<Connected>> {
-        let c = self.connected.lock().expect("connect lock poisoned").clone().ok_or(Error::NotConnected)?;
+        let c = self.connected.lock().unwrap_or_else(PoisonError::into_inner).clone().ok_or(Error::NotConnected)?;
         c.control.lock().check_connected()?;
         Ok(c)
+    }
+
+    /// Joins a topology the master issued since our last call, if any, before the call itself:
+    /// after a failure the master re-forms the ring by itself, and every survivor's next call,
+    /// whichever it is, opens the new connections and runs in the new topology once all are
+    /// ready (`docs/protocol.md`, "Retry").
+    pub(crate) fn follow_topology(&self, c: &Connected, deadline: Deadline, operation: &'static str) -> Result<()> {
+        let due = {
+            let s = c.control.lock();
+            s.view.issued.as_ref().is_some_and(|(e, _)| s.view.committed.as_ref().is_none_or(|(c, _)| c < e))
+        };
+        if due {
+            self.await_topology(c, deadline, Await::Follow(operation))?;
+        }
+        Ok(())
     }
 
     /// Follows the master's topologies until one that includes us is committed: open the
     /// connections each one asks for, report ready (or who is unreachable), repeat if the
     /// master supersedes it.
-    fn await_topology(&self, c: &Connected, deadline: Deadline, operation: &'static str) -> Result<()> {
-        let mut data = self.data.lock().expect("data lock poisoned");
+    fn await_topology(&self, c: &Connected, deadline: Deadline, call: Await) -> Result<Awaited> {
+        let operation = call.operation();
+        let mut data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
         let mut handled: Option<Epoch> = None;
         enum Step {
             Establish(Epoch, Vec<Member>),
             Done(Epoch, Vec<Member>),
+            Refused,
         }
         loop {
             let step = c.control.wait_until(operation, deadline, |s| {
-                if let Some(reason) = s.view.vote_aborted.take() {
-                    return Some(Err(Error::Misuse(reason)));
+                if call == Await::Vote {
+                    match s.view.vote_aborted.take() {
+                        Some(VoteAbort { retry: true, .. }) => return Some(Ok(Step::Refused)),
+                        Some(VoteAbort { retry: false, reason }) => return Some(Err(Error::Misuse(reason))),
+                        None => {}
+                    }
                 }
                 if let Some((e, m)) = &s.view.issued {
                     if Some(*e) != handled {
@@ -463,11 +496,12 @@ impl Communicator {
                 }
             })??;
             match step {
+                Step::Refused => return Ok(Awaited::VoteRefused),
                 Step::Establish(epoch, members) => {
                     let pos = c.control.lock().view.position(epoch, &members);
                     match c.listener.establish(&mut data, &c.control, &pos, &self.config, deadline, operation) {
                         Ok(()) => {
-                            failpoint(if operation == "connect" {
+                            failpoint(if call == Await::Connect {
                                 "connect.before_ready"
                             } else {
                                 "update_topology.before_ready"
@@ -496,10 +530,10 @@ impl Communicator {
                         pos.group_size(),
                         pos.world_size
                     );
-                    *self.topology.lock().expect("topology lock poisoned") = Some(pos);
+                    *self.topology.lock().unwrap_or_else(PoisonError::into_inner) = Some(pos);
                     // Collectives are numbered afresh in every topology.
                     self.seq.store(0, Ordering::Relaxed);
-                    return Ok(());
+                    return Ok(Awaited::InForce);
                 }
             }
         }
@@ -524,6 +558,35 @@ impl Communicator {
     }
 }
 
+/// How a wait for a topology ended.
+enum Awaited {
+    /// The topology is in force.
+    InForce,
+    /// Our `update_topology` vote was not counted (a topology was being connected): vote again.
+    VoteRefused,
+}
+
+/// Which call waits for a topology to come into force.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Await {
+    /// `connect`: a newcomer waits to be admitted.
+    Connect,
+    /// `update_topology`: our vote may be abandoned (the others made another call).
+    Vote,
+    /// Another call joins a topology issued without a vote (a re-formed ring) before it runs.
+    Follow(&'static str),
+}
+
+impl Await {
+    fn operation(self) -> &'static str {
+        match self {
+            Await::Connect => "connect",
+            Await::Vote => "update_topology",
+            Await::Follow(operation) => operation,
+        }
+    }
+}
+
 impl Drop for Communicator {
     fn drop(&mut self) {
         self.close();
@@ -544,8 +607,10 @@ fn ring_error(e: RingError, header: &OpHeader, me: PeerId, next: PeerId, prev: P
             (Error::PeerLost { peer, operation: "all_reduce", reason }, Some(failure))
         }
         RingError::Mismatch { theirs } => {
-            let (ours, theirs) = (describe(header), describe(&theirs));
-            let failure = OpFailure::new(FailureKind::Mismatch, prev, theirs.clone());
+            // The verdict carries both calls with their peers: a participant that did not see the
+            // difference itself (the predecessor, say) must not read either as its own.
+            let (ours, theirs) = (describe(header), format!("{prev} called {}", describe(&theirs)));
+            let failure = OpFailure::new(FailureKind::Mismatch, prev, format!("{me} called {ours}; {theirs}"));
             (Error::CollectiveMismatch { peer: prev, ours, theirs }, Some(failure))
         }
         RingError::Malformed(reason) => {

@@ -3,6 +3,7 @@
 
 use crate::error::Result;
 use shoal_config::{env_count, env_seconds, env_value};
+use shoal_wire::MAX_STRING_BYTES;
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
@@ -103,6 +104,16 @@ impl CommunicatorConfig {
         if self.heartbeat_timeout.is_zero() || self.timeout.is_zero() {
             return bad("timeouts must be positive".into());
         }
+        // Sent to the master and every peer as is (with ":port" where it has none): it must fit
+        // a message's string, or the join would fail after binding and dialing.
+        if let Some(addr) = self.advertise_addr.as_ref().filter(|a| a.len() + ":65535".len() > MAX_STRING_BYTES) {
+            let head = shoal_wire::truncate(addr.clone(), 32);
+            return bad(format!(
+                "advertise_addr {head:?}... is {} bytes; at most {} (with its port)",
+                addr.len(),
+                MAX_STRING_BYTES
+            ));
+        }
         Ok(())
     }
 }
@@ -122,5 +133,19 @@ mod tests {
         assert_eq!(c.pool_size(None, "peer.example:5000"), DEFAULT_CONNECTIONS);
         c.connections = Some(3);
         assert_eq!(c.pool_size(Some(here), "127.0.0.1:5000"), 3);
+    }
+
+    /// An advertised address too long for a message once crashed the join (an encoder
+    /// assertion under the communicator's lock); it is refused up front, naming the setting.
+    #[test]
+    fn an_over_long_advertised_address_is_refused_before_any_io() {
+        let mut c = CommunicatorConfig::from_env("127.0.0.1:1").unwrap();
+        c.advertise_addr = Some("a".repeat(300));
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("advertise_addr") && e.contains("300 bytes"), "{e}");
+        c.advertise_addr = Some("€".repeat(100));
+        assert!(c.validate().is_err(), "multi-byte characters count as bytes, and do not panic");
+        c.advertise_addr = Some("peer.example.org".into());
+        c.validate().unwrap();
     }
 }

@@ -5,12 +5,12 @@ use crate::error::{Error, Result};
 use crate::Deadline;
 use shoal_proto::master::heartbeat_interval;
 use shoal_proto::peer::{PeerEvent, PeerView};
-use shoal_transport::{read_message, write_message};
+use shoal_transport::{read_message, write_message, TransportError};
 use shoal_wire::{Message, SessionId};
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::os::unix::net::UnixStream;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -106,9 +106,14 @@ impl Control {
     /// Sends one message to the master.
     pub fn send(&self, message: &Message) -> Result<()> {
         let session = self.lock().view.registered.map_or(SessionId(0), |(_, s)| s);
-        let mut w = self.writer.lock().expect("control writer lock poisoned");
-        let Err(e) = write_message(&mut *w, session, message) else {
-            return Ok(());
+        let mut w = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
+        let e = match write_message(&mut *w, session, message) {
+            Ok(()) => return Ok(()),
+            // Nothing was sent: a string the user gave does not fit a message.
+            Err(TransportError::Wire(e)) => {
+                return Err(Error::InvalidArgument(format!("{} cannot be sent: {e}", message.name())))
+            }
+            Err(e) => e,
         };
         drop(w);
         // The master may have said why before it closed the connection (an expelled peer that
@@ -118,7 +123,7 @@ impl Control {
         let drained = self
             .changed
             .wait_timeout_while(state, READER_DRAIN, |s| s.view.kicked.is_none() && s.lost.is_none())
-            .expect("control lock poisoned")
+            .unwrap_or_else(PoisonError::into_inner)
             .0;
         drop(drained);
         let reason = format!("sending {}: {e}", message.name());
@@ -141,12 +146,12 @@ impl Control {
                 return Ok(r);
             }
             let left = deadline.left(operation)?;
-            state = self.changed.wait_timeout(state, left).expect("control lock poisoned").0;
+            state = self.changed.wait_timeout(state, left).unwrap_or_else(PoisonError::into_inner).0;
         }
     }
 
     pub fn lock(&self) -> MutexGuard<'_, ControlState> {
-        self.state.lock().expect("control lock poisoned")
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Stops the threads and closes the connection, telling the master we leave.
@@ -160,7 +165,7 @@ impl Control {
         }
         // Best effort: the master also notices the closed connection.
         let _ = self.send(&Message::Leave);
-        let _ = self.writer.lock().expect("control writer lock poisoned").shutdown(Shutdown::Both);
+        let _ = self.writer.lock().unwrap_or_else(PoisonError::into_inner).shutdown(Shutdown::Both);
         self.changed.notify_all();
     }
 
@@ -213,7 +218,7 @@ impl Control {
             // As often as we need to watch the master, or as the master asks, whichever is more.
             let ours = heartbeat_interval(timeout);
             let interval = state.view.heartbeat_interval.map_or(ours, |theirs| theirs.min(ours));
-            state = self.changed.wait_timeout(state, interval).expect("control lock poisoned").0;
+            state = self.changed.wait_timeout(state, interval).unwrap_or_else(PoisonError::into_inner).0;
             if state.closing || state.lost.is_some() {
                 return;
             }
@@ -221,7 +226,7 @@ impl Control {
             drop(state);
             if silent > timeout {
                 self.mark_lost(format!("no message for {:.1} s", silent.as_secs_f64()));
-                let _ = self.writer.lock().expect("control writer lock poisoned").shutdown(Shutdown::Both);
+                let _ = self.writer.lock().unwrap_or_else(PoisonError::into_inner).shutdown(Shutdown::Both);
                 return;
             }
             if self.send(&Message::Heartbeat).is_err() {

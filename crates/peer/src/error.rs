@@ -76,13 +76,13 @@ pub enum Error {
         after: Duration,
     },
     /// Peers called different collectives (count, dtype, op, tag or kind differ).
-    #[error("collective mismatch with {peer}: we called {ours}, it called {theirs}")]
+    #[error("collective mismatch: we called {ours}; {theirs}")]
     CollectiveMismatch {
-        /// The peer whose call differs.
+        /// A peer whose call differs from its neighbour's.
         peer: PeerId,
         /// Our call.
         ours: String,
-        /// Its call.
+        /// The calls that differ, each named with its peer ("p3 called all_reduce(...)").
         theirs: String,
     },
     /// Another party broke the protocol (malformed bytes, unexpected message).

@@ -6,6 +6,10 @@
 //! threads. Threads: one reads the master's messages, one sends heartbeats, one accepts data
 //! connections. Collectives run on the caller's thread, which drives every data stream with
 //! non-blocking IO.
+//!
+//! A panic is a bug, but it must not turn every later call into another panic: every lock is
+//! taken with `unwrap_or_else(PoisonError::into_inner)`, so a lock a panic left poisoned still
+//! serves (each holder leaves its state consistent before any call that can fail).
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
 

@@ -19,7 +19,7 @@ use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -110,12 +110,12 @@ impl Listener {
     /// The next connection a peer opened to fetch shared state from us, with its first request;
     /// waits up to `wait`.
     pub fn take_fetch(&self, wait: Duration) -> Option<(TcpStream, crate::sync::FetchReq)> {
-        let fetches = self.arrivals.fetches.lock().expect("arrivals lock poisoned");
+        let fetches = self.arrivals.fetches.lock().unwrap_or_else(PoisonError::into_inner);
         let mut fetches = self
             .arrivals
             .changed
             .wait_timeout_while(fetches, wait, |f| f.is_empty())
-            .expect("arrivals lock poisoned")
+            .unwrap_or_else(PoisonError::into_inner)
             .0;
         fetches.pop_front()
     }
@@ -138,7 +138,7 @@ impl Listener {
         let members: BTreeSet<PeerId> = pos.ring.iter().map(|m| m.peer).collect();
         plane.outgoing.retain(|p, _| members.contains(p));
         plane.incoming.retain(|p, _| members.contains(p));
-        self.arrivals.streams.lock().expect("arrivals lock poisoned").retain(|p, _| members.contains(p));
+        self.arrivals.streams.lock().unwrap_or_else(PoisonError::into_inner).retain(|p, _| members.contains(p));
         if pos.group_size() == 1 {
             return Ok(());
         }
@@ -163,7 +163,7 @@ impl Listener {
         }
         loop {
             {
-                let mut arrivals = self.arrivals.streams.lock().expect("arrivals lock poisoned");
+                let mut arrivals = self.arrivals.streams.lock().unwrap_or_else(PoisonError::into_inner);
                 let complete = arrivals.get(&prev).is_some_and(|p| p.streams.len() == p.size);
                 if complete {
                     let pool = arrivals.remove(&prev).expect("checked above");
@@ -270,7 +270,7 @@ fn greet(mut stream: TcpStream, identity: &OnceLock<(PeerId, SessionId)>, arriva
             return Err(format!("fetch for {to} in {session:?}, we are {me} in {our_session:?}"));
         }
         let request = crate::sync::FetchReq { from, round, index, offset, len };
-        arrivals.fetches.lock().expect("arrivals lock poisoned").push_back((stream, request));
+        arrivals.fetches.lock().unwrap_or_else(PoisonError::into_inner).push_back((stream, request));
         arrivals.changed.notify_all();
         return Ok(());
     }
@@ -283,7 +283,7 @@ fn greet(mut stream: TcpStream, identity: &OnceLock<(PeerId, SessionId)>, arriva
     if streams == 0 || usize::from(streams) > crate::config::MAX_CONNECTIONS || index >= streams {
         return Err(format!("stream {index} of a pool of {streams}"));
     }
-    let mut all = arrivals.streams.lock().expect("arrivals lock poisoned");
+    let mut all = arrivals.streams.lock().unwrap_or_else(PoisonError::into_inner);
     let pool = all.entry(from).or_insert_with(|| Pool { size: streams.into(), streams: BTreeMap::new() });
     if pool.size != usize::from(streams) || pool.streams.len() == pool.size {
         // The dialer started a new pool: forget the old one.

@@ -150,7 +150,8 @@ pub(crate) fn run(
     debug_assert_eq!(job.buf.len() % elem, 0);
     let chunk_elems = (job.chunk_bytes / elem).max(1);
     let plan = RingAllReduce::new(job.rank, job.world, job.buf.len() / elem, chunk_elems);
-    let header = encode_frame(job.session, &Message::Op(job.header));
+    // An `Op` header holds no string: it always encodes.
+    let header = encode_frame(job.session, &Message::Op(job.header)).expect("an Op header encodes");
     let (send_used, recv_used) =
         (lanes(send.len(), plan.sends.len(), job.buf.len()), lanes(recv.len(), plan.recvs.len(), job.buf.len()));
     let (send, recv) = (&mut send[..send_used], &mut recv[..recv_used]);

@@ -21,7 +21,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Condvar, Mutex};
+use std::sync::{Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 /// Bytes asked of a donor at a time: small enough to spread a tensor over every donor and to
@@ -105,11 +105,12 @@ impl Communicator {
     ) -> Result<SyncInfo> {
         let started = Instant::now();
         let connected = self.connected()?;
-        let _data = self.data.lock().expect("data lock poisoned");
-        let pos = self.position().ok_or(Error::NotConnected)?;
         tensors.sort_by(|a, b| a.name.cmp(&b.name));
         let digests = digest(tensors)?;
         let deadline = Deadline::after(self.config.timeout);
+        self.follow_topology(&connected, deadline, "sync_shared_state")?;
+        let _data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
+        let pos = self.position().ok_or(Error::NotConnected)?;
         let control = &connected.control;
         {
             let mut s = control.lock();
@@ -191,7 +192,7 @@ impl Communicator {
         Ok(SyncInfo {
             revision,
             received,
-            sent_to: sent_to.into_inner().expect("sent_to lock poisoned"),
+            sent_to: sent_to.into_inner().unwrap_or_else(PoisonError::into_inner),
             sent_bytes: sent_bytes.into_inner(),
             elapsed: started.elapsed(),
         })
@@ -218,8 +219,9 @@ fn digest(tensors: &[StateTensor<'_>]) -> Result<Vec<StateDigest>> {
         }
         if t.name.len() > MAX_STRING_BYTES {
             return Err(Error::InvalidArgument(format!(
-                "tensor name {:?}... is over {MAX_STRING_BYTES} bytes",
-                &t.name[..32]
+                "tensor name {:?}... is {} bytes, over {MAX_STRING_BYTES}",
+                truncate(t.name.clone(), 32),
+                t.name.len()
             )));
         }
         if t.shape.len() > MAX_DIMS {
@@ -264,7 +266,7 @@ fn serve(
         }
         stream.write_all(&tensor[start as usize..end as usize]).map_err(|e| e.to_string())?;
         sent_bytes.fetch_add(request.len, Ordering::Relaxed);
-        sent_to.lock().expect("sent_to lock poisoned").insert(request.from);
+        sent_to.lock().unwrap_or_else(PoisonError::into_inner).insert(request.from);
         failpoint("sync.serve");
         // The next request, or the end: the fetcher hangs up, or the sync ends here.
         loop {
@@ -330,7 +332,7 @@ fn fetch(
         }
     });
     drop(results);
-    let w = work.into_inner().expect("work lock poisoned");
+    let w = work.into_inner().unwrap_or_else(PoisonError::into_inner);
     if let Some(i) = w.outstanding.iter().position(|n| *n > 0) {
         let name = &meta[wanted[i].index].2;
         return Err(format!("every donor of tensor {name:?} failed before it arrived"));
@@ -367,7 +369,7 @@ fn fetch_from(
         // Take a piece of one of our tensors; wait while others' pieces are in flight (a donor
         // that fails puts its piece back); stop when all of ours are in place.
         let (i, (offset, len)) = {
-            let mut w = work.lock().expect("work lock poisoned");
+            let mut w = work.lock().unwrap_or_else(PoisonError::into_inner);
             loop {
                 if let Some(&i) = mine.iter().find(|&&i| !w.queues[i].is_empty()) {
                     break (i, w.queues[i].pop_front().expect("not empty"));
@@ -375,7 +377,7 @@ fn fetch_from(
                 if mine.iter().all(|&i| w.outstanding[i] == 0) {
                     return Ok(());
                 }
-                w = changed.wait_timeout(w, Duration::from_millis(50)).expect("work lock poisoned").0;
+                w = changed.wait_timeout(w, Duration::from_millis(50)).unwrap_or_else(PoisonError::into_inner).0;
             }
         };
         let fetched = (|| -> std::result::Result<(), String> {
@@ -388,12 +390,12 @@ fn fetch_from(
             let request =
                 Message::FetchRequest { from: c.me, to: donor, round, index: wanted[i].index as u32, offset, len };
             write_message(s, c.session, &request).map_err(|e| e.to_string())?;
-            let mut slot = results[i][(offset / PIECE_BYTES) as usize].lock().expect("result lock poisoned");
+            let mut slot = results[i][(offset / PIECE_BYTES) as usize].lock().unwrap_or_else(PoisonError::into_inner);
             debug_assert_eq!(slot.len() as u64, len);
             s.read_exact(&mut slot).map_err(|e| e.to_string())?;
             Ok(())
         })();
-        let mut w = work.lock().expect("work lock poisoned");
+        let mut w = work.lock().unwrap_or_else(PoisonError::into_inner);
         if let Err(e) = fetched {
             w.queues[i].push_front((offset, len));
             drop(w);

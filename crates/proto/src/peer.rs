@@ -34,12 +34,22 @@ pub struct PeerView {
     /// An `update_topology` vote is open: (topology, a voter, the fewest collectives a voter had
     /// started). A collective numbered at least that can never complete.
     pub vote_open: Option<(Epoch, PeerId, u64)>,
-    /// Why the last `update_topology` vote was abandoned, until consumed.
-    pub vote_aborted: Option<String>,
+    /// Why the last `update_topology` vote was abandoned or refused, until consumed.
+    pub vote_aborted: Option<VoteAbort>,
     /// The plan of the current shared-state sync: (round, revision, entries).
     pub sync_plan: Option<(u64, u64, Vec<PlanEntry>)>,
     /// How a shared-state sync ended: (round, completed or why not).
     pub sync_end: Option<(u64, Result<(), SyncAbort>)>,
+}
+
+/// Why an `update_topology` vote ended without a topology.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VoteAbort {
+    /// Not counted while a topology was being connected: join it, then vote again. Otherwise the
+    /// vote was abandoned because the peers made different calls, and the call fails.
+    pub retry: bool,
+    /// Why.
+    pub reason: String,
 }
 
 /// Why a shared-state sync ended without effect.
@@ -194,9 +204,9 @@ impl PeerView {
                 }
                 PeerEvent::Nothing
             }
-            Message::TopologyVoteAborted { reason } => {
+            Message::TopologyVoteAborted { retry, reason } => {
                 self.vote_open = None;
-                self.vote_aborted = Some(reason);
+                self.vote_aborted = Some(VoteAbort { retry, reason });
                 PeerEvent::Nothing
             }
             Message::SyncPlan { round, revision, entries } => {

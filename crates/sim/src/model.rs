@@ -170,10 +170,33 @@ pub struct Report {
 #[derive(Debug)]
 enum Call {
     Idle,
-    Connecting { deadline: Duration, handled: Option<Epoch> },
-    Voting { deadline: Duration, handled: Option<Epoch> },
-    Pending { deadline: Duration },
+    Connecting {
+        deadline: Duration,
+        handled: Option<Epoch>,
+    },
+    Voting {
+        deadline: Duration,
+        handled: Option<Epoch>,
+    },
+    /// Joining a topology the master issued without a vote (a re-formed ring) before the call
+    /// `then`, as the real peer does at the start of every call.
+    Following {
+        deadline: Duration,
+        handled: Option<Epoch>,
+        then: Next,
+    },
+    Pending {
+        deadline: Duration,
+    },
     Collective(Box<Op>),
+}
+
+/// The call the application makes next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Next {
+    Vote,
+    Pending,
+    Collective,
 }
 
 #[derive(Debug)]
@@ -277,6 +300,9 @@ struct Sim {
     commits: Vec<(Duration, Epoch, Vec<PeerId>)>,
     index_of: BTreeMap<PeerId, usize>,
     report: Report,
+    /// The application's loop shape, the same on every peer: after a failed collective it only
+    /// retries (true), or calls `update_topology` first (the README's loop).
+    retry_only: bool,
     /// Print every event (`SHOAL_SIM_TRACE`).
     trace: bool,
 }
@@ -299,8 +325,10 @@ pub fn run(seed: u64) -> Report {
         commits: Vec::new(),
         index_of: BTreeMap::new(),
         report: Report { seed, ..Report::default() },
+        retry_only: false,
         trace: std::env::var_os("SHOAL_SIM_TRACE").is_some(),
     };
+    sim.retry_only = sim.rng.chance(50);
     let initial = 2 + sim.rng.below(4) as usize;
     for _ in 0..initial {
         sim.add_peer();
@@ -676,7 +704,10 @@ impl Sim {
         let now = self.now;
         let p = &mut self.peers[i];
         let deadline = match p.call {
-            Call::Connecting { deadline, .. } | Call::Voting { deadline, .. } | Call::Pending { deadline } => deadline,
+            Call::Connecting { deadline, .. }
+            | Call::Voting { deadline, .. }
+            | Call::Following { deadline, .. }
+            | Call::Pending { deadline } => deadline,
             _ => return false,
         };
         if now >= deadline {
@@ -705,7 +736,7 @@ impl Sim {
         }
         match &mut p.call {
             Call::Idle => self.next_call(i),
-            Call::Connecting { handled, .. } | Call::Voting { handled, .. } => {
+            Call::Connecting { handled, .. } | Call::Voting { handled, .. } | Call::Following { handled, .. } => {
                 let handled = *handled;
                 let voting = matches!(p.call, Call::Voting { .. });
                 if voting && p.view.vote_aborted.take().is_some() {
@@ -720,7 +751,10 @@ impl Sim {
                     let pos = members.iter().position(|m| m.peer == me).expect("a member");
                     let next = members[(pos + 1) % members.len()].peer;
                     let reachable = next == me || self.index_of.get(&next).is_some_and(|&j| self.peers[j].alive);
-                    if let Call::Connecting { handled, .. } | Call::Voting { handled, .. } = &mut self.peers[i].call {
+                    if let Call::Connecting { handled, .. }
+                    | Call::Voting { handled, .. }
+                    | Call::Following { handled, .. } = &mut self.peers[i].call
+                    {
                         *handled = Some(e);
                     }
                     let msg = if reachable {
@@ -748,16 +782,14 @@ impl Sim {
                         Item::Closed => false,
                     });
                 }
-                p.call = Call::Idle;
-                true
+                match std::mem::replace(&mut p.call, Call::Idle) {
+                    Call::Following { then, .. } => self.call(i, then),
+                    _ => true,
+                }
             }
             Call::Pending { .. } => match p.view.pending_result.take() {
                 Some(pending) => {
-                    if pending {
-                        self.vote(i);
-                    } else {
-                        self.start_collective(i);
-                    }
+                    self.begin(i, if pending { Next::Vote } else { Next::Collective });
                     true
                 }
                 None => false,
@@ -767,27 +799,47 @@ impl Sim {
     }
 
     fn next_call(&mut self, i: usize) -> bool {
-        let p = &mut self.peers[i];
-        p.call_started = self.now;
         // Every member makes the same calls: after every third collective of a topology, ask
         // whether newcomers wait.
-        if std::mem::take(&mut p.pending_due) {
-            p.call = Call::Pending { deadline: self.now + CALL_TIMEOUT };
-            self.send_master(i, Message::VotePeersPending);
+        let pending = std::mem::take(&mut self.peers[i].pending_due);
+        self.begin(i, if pending { Next::Pending } else { Next::Collective });
+        true
+    }
+
+    /// Starts the application's next call: first, as the real peer does, join a topology the
+    /// master issued since the last call.
+    fn begin(&mut self, i: usize, next: Next) {
+        let p = &mut self.peers[i];
+        p.call_started = self.now;
+        if p.view.issued.is_some() {
+            p.call = Call::Following { deadline: self.now + CALL_TIMEOUT, handled: None, then: next };
         } else {
-            self.start_collective(i);
+            self.call(i, next);
+        }
+    }
+
+    /// The call itself, once the peer is in the latest topology.
+    fn call(&mut self, i: usize, next: Next) -> bool {
+        match next {
+            Next::Vote => {
+                let p = &mut self.peers[i];
+                p.view.vote_aborted = None;
+                p.call = Call::Voting { deadline: self.now + CALL_TIMEOUT, handled: None };
+                let collectives = p.seq;
+                self.send_master(i, Message::VoteUpdateTopology { collectives });
+            }
+            Next::Pending => {
+                self.peers[i].call = Call::Pending { deadline: self.now + CALL_TIMEOUT };
+                self.send_master(i, Message::VotePeersPending);
+            }
+            Next::Collective => self.start_collective(i),
         }
         true
     }
 
     /// Calls `update_topology`.
     fn vote(&mut self, i: usize) {
-        let p = &mut self.peers[i];
-        p.call_started = self.now;
-        p.view.vote_aborted = None;
-        p.call = Call::Voting { deadline: self.now + CALL_TIMEOUT, handled: None };
-        let collectives = p.seq;
-        self.send_master(i, Message::VoteUpdateTopology { collectives });
+        self.begin(i, Next::Vote);
     }
 
     fn start_collective(&mut self, i: usize) {
@@ -1001,7 +1053,8 @@ impl Sim {
             self.report.collectives.push((i, op.epoch, op.seq, op.members, outcome));
         } else {
             self.report.collectives.push((i, op.epoch, op.seq, op.members, outcome));
-            self.vote(i);
+            // The application catches the error: it retries, or votes first (README's loop).
+            self.begin(i, if self.retry_only { Next::Collective } else { Next::Vote });
         }
         true
     }

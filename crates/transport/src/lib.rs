@@ -118,7 +118,7 @@ pub fn accept_until(
 /// # Errors
 /// Socket errors.
 pub fn write_message(stream: &mut impl Write, session: SessionId, message: &Message) -> Result<(), TransportError> {
-    stream.write_all(&shoal_wire::encode_frame(session, message))?;
+    stream.write_all(&shoal_wire::encode_frame(session, message)?)?;
     Ok(())
 }
 

@@ -6,12 +6,14 @@ use crate::{WireError, MAX_STRING_BYTES};
 #[derive(Debug, Default)]
 pub struct Writer {
     bytes: Vec<u8>,
+    /// The first field that could not be encoded: [`Writer::finish`] returns it.
+    error: Option<WireError>,
 }
 
 impl Writer {
     /// A writer with room for `capacity` bytes.
     pub fn with_capacity(capacity: usize) -> Self {
-        Writer { bytes: Vec::with_capacity(capacity) }
+        Writer { bytes: Vec::with_capacity(capacity), error: None }
     }
     /// Appends one byte.
     pub fn u8(&mut self, v: u8) {
@@ -37,12 +39,13 @@ impl Writer {
     pub fn bytes(&mut self, v: &[u8]) {
         self.bytes.extend_from_slice(v);
     }
-    /// Appends a string as a u16 length and its UTF-8 bytes.
-    ///
-    /// # Panics
-    /// If the string is longer than [`MAX_STRING_BYTES`]: senders validate strings before.
+    /// Appends a string as a u16 length and its UTF-8 bytes. A string longer than
+    /// [`MAX_STRING_BYTES`] is not written: [`Writer::finish`] reports it.
     pub fn str(&mut self, v: &str) {
-        assert!(v.len() <= MAX_STRING_BYTES, "string exceeds MAX_STRING_BYTES: a bug");
+        if v.len() > MAX_STRING_BYTES {
+            self.error.get_or_insert(WireError::StringTooLong { len: v.len(), max: MAX_STRING_BYTES });
+            return;
+        }
         self.u16(v.len() as u16);
         self.bytes(v.as_bytes());
     }
@@ -53,6 +56,16 @@ impl Writer {
     /// Consumes the writer, returning its bytes.
     pub fn into_bytes(self) -> Vec<u8> {
         self.bytes
+    }
+    /// Consumes the writer, returning its bytes, or the first field that could not be encoded.
+    ///
+    /// # Errors
+    /// [`WireError::StringTooLong`] if a string was over [`MAX_STRING_BYTES`].
+    pub fn finish(self) -> Result<Vec<u8>, WireError> {
+        match self.error {
+            Some(e) => Err(e),
+            None => Ok(self.bytes),
+        }
     }
 }
 

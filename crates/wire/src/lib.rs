@@ -21,7 +21,7 @@ pub use message::*;
 
 /// The protocol version this build speaks. Peers and masters of different versions refuse to
 /// talk to each other with [`WireError::VersionMismatch`].
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 /// The four bytes that open every frame: `SHOL` read as a little-endian u32.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"SHOL");
 /// Size of the fixed frame header.
@@ -106,14 +106,19 @@ impl FrameHeader {
 /// # Examples
 /// ```
 /// use shoal_wire::{decode_frame, encode_frame, Message, SessionId};
-/// let bytes = encode_frame(SessionId(7), &Message::Heartbeat);
+/// let bytes = encode_frame(SessionId(7), &Message::Heartbeat).unwrap();
 /// let (session, message) = decode_frame(&bytes).unwrap();
 /// assert_eq!((session, message), (SessionId(7), Message::Heartbeat));
 /// ```
-pub fn encode_frame(session: SessionId, message: &Message) -> Vec<u8> {
+///
+/// # Errors
+/// [`WireError::StringTooLong`] if a string field is over [`MAX_STRING_BYTES`] (a name or an
+/// address the user gave): nothing is encoded, and the caller tells the user which.
+pub fn encode_frame(session: SessionId, message: &Message) -> Result<Vec<u8>, WireError> {
     let mut body = Writer::with_capacity(64);
     message.encode_body(&mut body);
-    let body = body.into_bytes();
+    let body = body.finish()?;
+    // Every list is bounded and every string checked, so the limits bound the body: a bug if not.
     assert!(body.len() <= MAX_BODY_BYTES as usize, "message exceeds MAX_BODY_BYTES: a bug");
     let mut w = Writer::with_capacity(HEADER_BYTES + body.len());
     w.u32(MAGIC);
@@ -128,7 +133,7 @@ pub fn encode_frame(session: SessionId, message: &Message) -> Vec<u8> {
     w.u32(header_crc);
     debug_assert_eq!(w.as_bytes().len(), HEADER_BYTES);
     w.bytes(&body);
-    w.into_bytes()
+    Ok(w.into_bytes())
 }
 
 /// Decodes the body of a frame whose header was checked by [`FrameHeader::decode`].

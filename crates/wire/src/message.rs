@@ -301,8 +301,11 @@ pub enum Message {
         collectives: u64,
     },
     /// Master → peer: the `update_topology` vote was abandoned, because a member ran a collective
-    /// instead; voters' calls fail with `reason`.
+    /// instead (voters' calls fail with `reason`), or this vote was not counted because a topology
+    /// was being connected (`retry`: the voter joins that topology and votes again).
     TopologyVoteAborted {
+        /// The vote was refused for now, not abandoned: vote again once the topology is in force.
+        retry: bool,
         /// Why.
         reason: String,
     },
@@ -477,7 +480,10 @@ impl Message {
                 w.u32(voter.0);
                 w.u64(*collectives);
             }
-            Message::TopologyVoteAborted { reason } => w.str(reason),
+            Message::TopologyVoteAborted { retry, reason } => {
+                w.bool(*retry);
+                w.str(reason);
+            }
             Message::SyncVote { revision, strategy, override_resume, entries } => {
                 assert!(entries.len() <= MAX_STATE_ENTRIES, "state exceeds MAX_STATE_ENTRIES: a bug");
                 w.u64(*revision);
@@ -597,7 +603,7 @@ impl Message {
             kind::TOPOLOGY_VOTE_OPENED => {
                 Message::TopologyVoteOpened { epoch: Epoch(r.u64()?), voter: PeerId(r.u32()?), collectives: r.u64()? }
             }
-            kind::TOPOLOGY_VOTE_ABORTED => Message::TopologyVoteAborted { reason: r.str()? },
+            kind::TOPOLOGY_VOTE_ABORTED => Message::TopologyVoteAborted { retry: r.bool("retry")?, reason: r.str()? },
             kind::SYNC_VOTE => {
                 let (revision, strategy, override_resume) = (r.u64()?, r.u8()?, r.bool("override_resume")?);
                 let count = r.count(MAX_STATE_ENTRIES, 2 + 1 + 4 + 32 + 1)?;
@@ -773,7 +779,7 @@ mod tests {
             (any::<u64>(), any::<u32>(), any::<u64>()).prop_map(|(e, v, collectives)| {
                 Message::TopologyVoteOpened { epoch: Epoch(e), voter: PeerId(v), collectives }
             }),
-            ".{0,100}".prop_map(|reason| Message::TopologyVoteAborted { reason }),
+            (any::<bool>(), ".{0,100}").prop_map(|(retry, reason)| Message::TopologyVoteAborted { retry, reason }),
             any::<u64>().prop_map(|e| Message::TopologyReady { epoch: Epoch(e) }),
             Just(Message::VotePeersPending),
             Just(Message::Leave),
@@ -816,7 +822,7 @@ mod tests {
     proptest! {
         #[test]
         fn decode_of_encode_is_identity(m in message(), session in any::<u64>()) {
-            let bytes = encode_frame(SessionId(session), &m);
+            let bytes = encode_frame(SessionId(session), &m).unwrap();
             prop_assert_eq!(decode_frame(&bytes), Ok((SessionId(session), m)));
         }
 
@@ -830,7 +836,7 @@ mod tests {
 
         #[test]
         fn any_flipped_bit_is_detected(m in message(), bit in any::<prop::sample::Index>()) {
-            let mut bytes = encode_frame(SessionId(1), &m);
+            let mut bytes = encode_frame(SessionId(1), &m).unwrap();
             let i = bit.index(bytes.len() * 8);
             bytes[i / 8] ^= 1 << (i % 8);
             prop_assert!(decode_frame(&bytes).is_err());
@@ -876,9 +882,21 @@ mod tests {
         );
     }
 
+    /// A user's string (a tensor name, an advertised address) longer than the limit must come back
+    /// as an error naming it, never a panic: a panic under the communicator's locks once made
+    /// every later call of that peer fail.
+    #[test]
+    fn an_over_long_string_is_an_encoding_error_not_a_panic() {
+        let m = Message::Join { group: GroupId(0), data_addr: "é".repeat(MAX_STRING_BYTES) };
+        let want = WireError::StringTooLong { len: 2 * MAX_STRING_BYTES, max: MAX_STRING_BYTES };
+        assert_eq!(encode_frame(SessionId(1), &m), Err(want));
+        let fits = Message::Join { group: GroupId(0), data_addr: "é".repeat(MAX_STRING_BYTES / 2) };
+        assert!(encode_frame(SessionId(1), &fits).is_ok());
+    }
+
     #[test]
     fn header_checks_name_the_problem() {
-        let mut bytes = encode_frame(SessionId(3), &Message::Leave);
+        let mut bytes = encode_frame(SessionId(3), &Message::Leave).unwrap();
         bytes[0] = b'X';
         assert!(matches!(decode_frame(&bytes), Err(WireError::BadMagic { .. })));
         assert_eq!(decode_frame(&bytes[..HEADER_BYTES - 1]), Err(WireError::Truncated));

@@ -152,6 +152,10 @@ pub struct Master {
     group_states: BTreeMap<GroupId, sync::GroupState>,
     phase: Phase,
     pending_vote: Option<Ballot>,
+    /// The ring lost a member, or a collective of it was aborted (its streams are gone): the
+    /// survivors' next calls need a new topology of the same ring. Issued as soon as no major
+    /// operation is open ([`Master::reform_if_due`]), so an application simply retries.
+    reform_due: bool,
     timers: TimerTable,
     outputs: VecDeque<Output>,
 }
@@ -176,6 +180,7 @@ impl Master {
             group_states: BTreeMap::new(),
             phase: Phase::Idle,
             pending_vote: None,
+            reform_due: false,
             timers,
             outputs: VecDeque::new(),
         }
@@ -241,6 +246,7 @@ impl Master {
             }
             other => self.violation(peer, format!("unexpected {} from {peer}", other.name())),
         }
+        self.reform_if_due();
     }
 
     /// `conn` closed (or its reader failed with `reason`).
@@ -248,6 +254,7 @@ impl Master {
         if let Some(peer) = self.conns.get(&conn).copied() {
             self.remove_peer(peer, format!("control connection lost: {reason}"), false);
         }
+        self.reform_if_due();
     }
 
     /// Time passed; fire whatever timers are due.
@@ -277,6 +284,7 @@ impl Master {
             self.remove_peer(peer, format!("no message for {:.1} s", timeout.as_secs_f64()), true);
         }
         self.arm_heartbeat_check();
+        self.reform_if_due();
     }
 
     // ----- outputs -----
@@ -322,6 +330,16 @@ impl Master {
         }
     }
 
+    /// Issues a topology of the surviving ring when one is due and no major operation is open:
+    /// the survivors' next calls run in it, whatever they are (`docs/protocol.md`, "Retry").
+    /// Newcomers wait for the admission vote.
+    pub(super) fn reform_if_due(&mut self) {
+        if self.reform_due && self.phase == Phase::Idle && self.syncs.is_empty() && !self.ring.is_empty() {
+            log::info!("re-forming the ring of {} peers after a failure", self.ring.len());
+            self.issue_topology(self.ring.clone());
+        }
+    }
+
     fn vote_update_topology(&mut self, peer: PeerId, collectives: u64) {
         let group = self.peers[&peer].group;
         if self.syncs.contains_key(&group) {
@@ -341,8 +359,14 @@ impl Master {
                 self.set_phase(Phase::AwaitingTopologyVotes { ballot });
             }
             Phase::AwaitingTopologyVotes { ballot } => ballot.cast(peer),
-            Phase::AwaitingConnections { .. } => {
-                return self.violation(peer, "update_topology vote while a topology connects".into());
+            Phase::AwaitingConnections { epoch, .. } => {
+                // A retry that crossed a topology issued meanwhile (a member was lost): the
+                // call fails, the caller's next call follows the new topology.
+                let reason = format!(
+                    "{peer} called update_topology while topology {} was being connected; call it again",
+                    epoch.0
+                );
+                return self.send_to_peer(peer, Message::TopologyVoteAborted { retry: true, reason });
             }
         }
         self.tally_topology_votes();
@@ -356,7 +380,7 @@ impl Master {
         }
         log::warn!("update_topology vote abandoned: {reason}");
         for p in self.ring.clone() {
-            self.send_to_peer(p, Message::TopologyVoteAborted { reason: reason.clone() });
+            self.send_to_peer(p, Message::TopologyVoteAborted { retry: false, reason: reason.clone() });
         }
         self.set_phase(Phase::Idle);
     }
@@ -380,7 +404,9 @@ impl Master {
         debug_assert!(members.iter().all(|p| self.peers.contains_key(p)), "unknown member");
         self.epoch = Epoch(self.epoch.0 + 1);
         let epoch = self.epoch;
-        self.close_ops(epoch);
+        // The ring's collectives stay open until this topology commits: members still running
+        // one (the ring re-forms without waiting for anyone's call) may yet report on it.
+        self.reform_due = false;
         self.abort_every_sync("the topology changed during the sync");
         let wire_members: Vec<Member> = members
             .iter()
@@ -482,7 +508,11 @@ impl Master {
         for conn in conns {
             self.send(conn, Message::PeerRemoved { peer });
         }
-        self.ring.retain(|p| *p != peer);
+        if self.ring.contains(&peer) {
+            self.ring.retain(|p| *p != peer);
+            // A topology being connected is re-issued without the peer below instead.
+            self.reform_due |= !matches!(self.phase, Phase::AwaitingConnections { .. });
+        }
         self.settle_ops_of(peer);
         self.sync_member_removed(peer);
         if let Some(b) = &mut self.pending_vote {

@@ -85,6 +85,11 @@ impl Master {
                 record.outcome = Some(Outcome::Aborted(failure.clone()));
                 record.waiting.clear();
                 let members: Vec<PeerId> = record.members.iter().copied().collect();
+                // The participants dropped the ring's streams: re-form it (unless a topology being
+                // connected replaces the ring anyway), and announce the new topology before the
+                // verdict, so that a participant retrying at once finds it.
+                self.reform_due |= !matches!(self.phase, super::Phase::AwaitingConnections { .. });
+                self.reform_if_due();
                 for p in members {
                     self.send_to_peer(p, Message::OpAborted { epoch, seq, failure: failure.clone() });
                 }

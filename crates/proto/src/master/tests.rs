@@ -268,9 +268,68 @@ fn an_undecided_collective_aborts_when_the_ring_is_replaced() {
     h.send(2, Message::VoteUpdateTopology { collectives: 0 });
     h.send(3, Message::VoteUpdateTopology { collectives: 0 });
     // Peer 0 votes without having reported its part: a bug of its own, but the others must not
-    // wait forever for a ring that no longer exists.
+    // wait forever for a ring that no longer exists. The old ring's records are settled when the
+    // new topology comes into force (members may still report on them until then).
     let out = h.send(1, Message::VoteUpdateTopology { collectives: 0 });
+    let next = issued_epoch(&out, 4).expect("the vote passed");
+    let mut out = Vec::new();
+    for c in 1..=4 {
+        out = h.send(c, Message::TopologyReady { epoch: next });
+    }
     assert!(sent_to(&out, 1).iter().any(|m| matches!(m, Message::OpAborted { seq: 0, .. })), "{out:?}");
+}
+
+/// The retry rule: a member lost between or during collectives makes the master issue a
+/// topology of the survivors by itself (no `update_topology` needed), leaving newcomers to the
+/// admission vote.
+#[test]
+fn a_lost_member_re_forms_the_ring_without_a_vote() {
+    let (mut h, epoch) = run_with(3);
+    h.join(4);
+    h.master.handle_disconnect(h.now, ConnId(2), "eof");
+    let out = h.drain();
+    let next = issued_epoch(&out, 1).expect("re-formed at once");
+    assert!(next > epoch);
+    assert_eq!(issued_epoch(&out, 4), None, "a newcomer waits for the vote");
+    match sent_to(&out, 3).last() {
+        Some(Message::Topology { members, .. }) => {
+            assert_eq!(members.iter().map(|m| m.peer).collect::<Vec<_>>(), vec![PeerId(0), PeerId(2)])
+        }
+        other => panic!("{other:?}"),
+    }
+    h.send(1, Message::TopologyReady { epoch: next });
+    let out = h.send(3, Message::TopologyReady { epoch: next });
+    assert!(sent_to(&out, 3).contains(&&Message::TopologyCommitted { epoch: next }));
+    assert_eq!(h.master.ring(), &[PeerId(0), PeerId(2)]);
+}
+
+/// A collective aborted without losing anyone (a mismatch) still broke the ring's streams: the
+/// ring re-forms, and the new topology reaches each member before the verdict, so that a member
+/// that retries the moment it has the verdict already runs in it.
+#[test]
+fn an_aborted_collective_re_forms_the_ring_before_its_verdict_goes_out() {
+    let (mut h, epoch) = run_with(2);
+    let failure = OpFailure::new(FailureKind::Mismatch, PeerId(0), "p1 called x; p0 called y");
+    let out = h.send(2, Message::OpFailed { epoch, seq: 3, failure });
+    for conn in [1, 2] {
+        let kinds: Vec<&str> = sent_to(&out, conn).iter().map(|m| m.name()).collect();
+        assert_eq!(kinds, vec!["Topology", "OpAborted"], "to {conn}");
+    }
+    // A late report about the aborted collective still gets the same verdict.
+    let out = h.send(1, done(epoch, 3, false));
+    assert!(matches!(sent_to(&out, 1)[..], [Message::OpAborted { seq: 3, .. }]), "{out:?}");
+}
+
+/// A vote that crosses a topology issued meanwhile is an error for the voter, never a reason to
+/// expel it (which once ended the whole run when members retried a timed-out vote).
+#[test]
+fn a_vote_while_a_topology_connects_is_refused_not_expelled() {
+    let (mut h, _) = run_with(3);
+    h.master.handle_disconnect(h.now, ConnId(3), "eof");
+    h.drain();
+    let out = h.send(1, Message::VoteUpdateTopology { collectives: 0 });
+    assert!(matches!(sent_to(&out, 1)[..], [Message::TopologyVoteAborted { retry: true, .. }]), "{out:?}");
+    assert!(h.master.peers().any(|(p, _)| p == PeerId(0)), "still in the run");
 }
 
 #[test]
@@ -285,7 +344,8 @@ fn a_collective_run_during_an_admission_vote_abandons_the_vote() {
     for conn in [1, 2, 3] {
         assert!(sent_to(&out, conn).iter().any(|m| matches!(m, Message::TopologyVoteAborted { .. })), "{out:?}");
     }
-    assert_eq!(h.master.phase(), &Phase::Idle);
+    // The aborted collective broke the ring's streams: it re-forms, with the same members.
+    assert!(matches!(h.master.phase(), Phase::AwaitingConnections { members, .. } if members.len() == 3));
 }
 
 fn digest(name: &str, hash: u8) -> StateDigest {
@@ -322,7 +382,9 @@ fn a_sync_elects_the_popular_state_and_plans_striped_repairs() {
     h.master.handle_disconnect(h.now, ConnId(3), "eof");
     h.drain();
     let out = h.send(1, Message::SyncDone { round });
-    assert_eq!(sent_to(&out, 1), vec![&Message::SyncComplete { round }]);
+    assert_eq!(sent_to(&out, 1)[0], &Message::SyncComplete { round });
+    // The ring lost a member: it re-forms once the sync is over, not during it.
+    assert!(matches!(sent_to(&out, 1)[1], Message::Topology { members, .. } if members.len() == 2));
 }
 
 #[test]
