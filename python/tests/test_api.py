@@ -69,6 +69,47 @@ def test_bad_options_name_the_problem(solo, master):
         shoal.Communicator(master.address, timeout=-1)
 
 
+def test_an_empty_tensor_reduces_like_any_other(solo):
+    """A zero-element collective is a collective (as in torch.distributed): it works, rather than
+    failing for a misaligned address numpy gave an empty array."""
+    for dtype in (np.float32, np.float64, np.int16):
+        info = solo.all_reduce(np.zeros(0, dtype), op="sum")
+        assert info.world_size == 1
+
+
+def test_an_empty_tensor_reduces_across_peers(master, tmp_path):
+    for r in run_peers(master, tmp_path, "empty", 2):
+        assert r == {"world": 2, "after": 2.0}, r
+
+
+def test_bools_are_not_numbers_here(solo, master):
+    """``True`` is an int to Python; as a tag or a duration it is a mistake, refused by name."""
+    with pytest.raises(ValueError, match="tag"):
+        solo.all_reduce(np.zeros(2, np.float32), tag=True)
+    with pytest.raises(TypeError, match="timeout"):
+        shoal.Communicator(master.address, timeout=True)
+    with pytest.raises(TypeError, match="heartbeat_timeout"):
+        shoal.Master("127.0.0.1:0", heartbeat_timeout=True)
+    with pytest.raises(TypeError, match="timeout"):
+        shoal.Communicator(master.address).connect(timeout=True)
+
+
+def test_over_long_and_non_ascii_strings_are_refused_and_nothing_breaks(solo, master):
+    """A name over the limit in multi-byte characters once panicked (a byte slice inside a
+    character), poisoned a lock, and made every later call, close() too, raise PanicException;
+    an over-long advertised address did the same through the encoder."""
+    t = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="tensor name"):
+        solo.sync_shared_state(shoal.SharedState({"€" * 100: t}, revision=0))
+    # The communicator still works, and a proper name syncs.
+    solo.all_reduce(t)
+    solo.sync_shared_state(shoal.SharedState({"poids €": t}, revision=0))
+    with pytest.raises(ValueError, match="advertise_addr"):
+        shoal.Communicator(master.address, advertise_addr="a" * 300)
+    with pytest.raises(ValueError, match="advertise_addr"):
+        shoal.Communicator(master.address, advertise_addr="é" * 200)
+
+
 def test_calls_before_connect_are_usage_errors(master):
     comm = shoal.Communicator(master.address)
     for call in (lambda: comm.all_reduce(np.zeros(2)), comm.peers_pending, comm.update_topology, lambda: comm.rank):

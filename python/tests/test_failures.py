@@ -67,12 +67,13 @@ def test_survivors_fail_fast_and_carry_on_without_the_lost_peer(sig, retry_only)
                 victim.send_signal(signal.SIGCONT)
         for o in outcomes:
             assert o["world"] == 2 and o["smaller"] == 5, o
-            assert o["errors"], "the loss went unnoticed"
             # Bounded by the heartbeat timeout (frozen) or the closed connections (killed), not
-            # by the 60 s call timeout. Generous: the machine is shared.
-            assert o["errors"][0]["at"] - lost_at < HEARTBEAT_TIMEOUT + 4, o["errors"][0]
-            # One failed collective, then the smaller world: no error storm before a success.
-            assert len(o["errors"]) <= 2, o["errors"]
+            # by the 60 s call timeout. Generous: the machine is shared. A survivor may see no
+            # error at all (the victim stopped between collectives, or after sending its part,
+            # and the master committed that collective without it).
+            assert o["recovered_at"] - lost_at < HEARTBEAT_TIMEOUT + 4, o
+            # At most one failed collective, then the smaller world: no error storm.
+            assert len(o["errors"]) <= 1, o["errors"]
         if sig == signal.SIGSTOP:
             woken = result(victim)
             assert "kicked" in woken and "no message for 2.0 s" in woken["kicked"], woken

@@ -142,12 +142,17 @@ def agree(spec: dict) -> dict:
     for step in range(spec["steps"]):
         x = rng.standard_normal(spec.get("count", 300_000)).astype(np.float32)
         before = x.tobytes()
-        try:
-            info = comm.all_reduce(x, op="sum")
-            outcomes.append({"ok": True, "world": info.world_size, "sha": hashlib.sha256(x.tobytes()).hexdigest()})
-        except (shoal.PeerLostError, shoal.CollectiveMismatchError) as e:
-            outcomes.append({"ok": False, "error": type(e).__name__, "restored": x.tobytes() == before, "msg": str(e)})
-            comm.update_topology()
+        while True:  # a failed step is retried with the same data: it did not happen
+            try:
+                info = comm.all_reduce(x, op="sum")
+                outcomes.append({"ok": True, "world": info.world_size, "step": step,
+                                 "sha": hashlib.sha256(x.tobytes()).hexdigest(),
+                                 "collective": [info.topology, info.sequence]})
+                break
+            except (shoal.PeerLostError, shoal.CollectiveMismatchError) as e:
+                outcomes.append({"ok": False, "error": type(e).__name__, "step": step,
+                                 "restored": x.tobytes() == before, "msg": str(e)})
+                comm.update_topology()
     return {"outcomes": outcomes, "world": comm.group_world_size}
 
 
@@ -411,25 +416,43 @@ def sync_case(spec: dict) -> dict:
 
 
 def mismatch(spec: dict) -> dict:
-    """Peers call all_reduce with different counts (or dtypes, or ops, as ``vary`` says) on the
-    peer of index 1; then they all re-establish and run a matching one."""
+    """The peer of index 1 first calls all_reduce with another count (or dtype, op or tag, as
+    ``vary`` says); every peer retries its call until it succeeds (the odd one now matching),
+    then all run one more. A peer that had not started the mismatched collective when it was
+    aborted joins the re-formed ring directly and sees no error: the call did not happen."""
     comm = shoal.Communicator(spec["master"], timeout=30)
     comm.connect(timeout=30)
     join_all(comm, spec["peers"])
-    odd = spec["index"] == 1
-    x = np.arange(10 + (spec["vary"] == "count" and odd), dtype=np.float64 if spec["vary"] == "dtype" and odd else np.float32)
-    before = x.tobytes()
-    op = "max" if spec["vary"] == "op" and odd else "sum"
-    tag = 1 if spec["vary"] == "tag" and odd else 0
-    try:
-        comm.all_reduce(x, op=op, tag=tag)
-        error = None
-    except shoal.ShoalError as e:
-        error = {"type": type(e).__name__, "msg": str(e), "restored": x.tobytes() == before}
-    comm.update_topology()
+    error, attempt = None, 0
+    while True:
+        odd = spec["index"] == 1 and attempt == 0
+        x = np.arange(10 + (spec["vary"] == "count" and odd),
+                      dtype=np.float64 if spec["vary"] == "dtype" and odd else np.float32)
+        before = x.tobytes()
+        op = "max" if spec["vary"] == "op" and odd else "sum"
+        tag = 1 if spec["vary"] == "tag" and odd else 0
+        attempt += 1
+        try:
+            comm.all_reduce(x, op=op, tag=tag)
+            break
+        except shoal.ShoalError as e:
+            error = {"type": type(e).__name__, "msg": str(e), "restored": x.tobytes() == before, "count": len(x)}
+            if not spec.get("retry_only"):
+                comm.update_topology()
     y = np.ones(10, np.float32)
     comm.all_reduce(y, op="sum")
-    return {"error": error, "after": float(y[0])}
+    return {"error": error, "after": float(y[0]), "me": comm.peer_id, "odd": spec["index"] == 1}
+
+
+def empty(spec: dict) -> dict:
+    """A zero-element all-reduce across peers, then an ordinary one."""
+    comm = shoal.Communicator(spec["master"], timeout=30)
+    comm.connect(timeout=30)
+    join_all(comm, spec["peers"])
+    comm.all_reduce(np.zeros(0, np.float32), op="sum")
+    y = np.ones(10, np.float32)
+    info = comm.all_reduce(y, op="sum")
+    return {"world": info.world_size, "after": float(y[0])}
 
 
 if __name__ == "__main__":
@@ -437,6 +460,6 @@ if __name__ == "__main__":
     scenarios = {"matrix": matrix, "torch": torch_tensors, "join_late": join_late, "survive": survive, "agree": agree, "min_world": min_world, "master_loss": master_loss,
                  "admission_misuse": admission_misuse, "chaos": chaos,
                  "die_at": die_at, "sgd": sgd, "sync_case": sync_case,
-                 "mismatch": mismatch}
+                 "mismatch": mismatch, "empty": empty}
     result = scenarios[scenario](spec)
     print(json.dumps(result), flush=True)

@@ -11,7 +11,6 @@ use shoal_collective::{CollectiveKind, DType, ReduceOp};
 use shoal_proto::peer::{RingPosition, Verdict, VoteAbort};
 use shoal_wire::{Epoch, FailureKind, GroupId, Member, Message, OpFailure, OpHeader, PeerId, SessionId};
 use std::net::{SocketAddr, TcpStream};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -47,7 +46,6 @@ pub struct Communicator {
     /// The data pools. Held for the whole of a collective, a topology change or a sync.
     pub(crate) data: Mutex<DataPlane>,
     topology: Mutex<Option<RingPosition>>,
-    seq: AtomicU64,
 }
 
 pub(crate) struct Connected {
@@ -70,7 +68,6 @@ impl Communicator {
             connected: Mutex::new(None),
             data: Mutex::new(DataPlane::default()),
             topology: Mutex::new(None),
-            seq: AtomicU64::new(0),
         })
     }
 
@@ -164,7 +161,7 @@ impl Communicator {
     /// # Errors
     /// [`Error::NotConnected`], [`Error::MasterUnreachable`], [`Error::Timeout`].
     pub fn update_topology(&self) -> Result<()> {
-        self.vote_update_topology(Deadline::after(self.config.timeout))
+        self.ended(self.vote_update_topology(Deadline::after(self.config.timeout)))
     }
 
     fn vote_update_topology(&self, deadline: Deadline) -> Result<()> {
@@ -173,8 +170,16 @@ impl Communicator {
         // counted: join that topology and vote again, within the call's bound.
         loop {
             self.follow_topology(&connected, deadline, "update_topology")?;
-            connected.control.lock().view.vote_aborted = None;
-            let collectives = self.seq.load(Ordering::Relaxed);
+            let collectives = {
+                let mut s = connected.control.lock();
+                s.view.missed = None;
+                if !s.view.vote_needed() {
+                    log::debug!("{}: update_topology after a failure: the ring re-formed already", connected.me);
+                    return Ok(());
+                }
+                s.view.vote_aborted = None;
+                s.view.started
+            };
             connected.control.send(&Message::VoteUpdateTopology { collectives })?;
             match self.await_topology(&connected, deadline, Await::Vote)? {
                 Awaited::InForce => return Ok(()),
@@ -189,12 +194,13 @@ impl Communicator {
     /// # Errors
     /// [`Error::NotConnected`], [`Error::MasterUnreachable`], [`Error::Timeout`].
     pub fn peers_pending(&self) -> Result<bool> {
-        self.vote_peers_pending(Deadline::after(self.config.timeout))
+        self.ended(self.vote_peers_pending(Deadline::after(self.config.timeout)))
     }
 
     fn vote_peers_pending(&self, deadline: Deadline) -> Result<bool> {
         let connected = self.connected()?;
         self.follow_topology(&connected, deadline, "peers_pending")?;
+        connected.control.lock().view.missed = None;
         connected.control.send(&Message::VotePeersPending)?;
         failpoint("peers_pending.after_vote");
         connected.control.wait_until("peers_pending", deadline, |s| s.view.pending_result.take())
@@ -208,6 +214,10 @@ impl Communicator {
     /// elements; [`Error::PeerLost`] if a neighbour fails; [`Error::CollectiveMismatch`] if a
     /// peer called another collective; [`Error::Timeout`].
     pub fn all_reduce(&self, buf: &mut [u8], dtype: DType, op: ReduceOp, tag: u64) -> Result<Info> {
+        self.ended(self.run_all_reduce(buf, dtype, op, tag))
+    }
+
+    fn run_all_reduce(&self, buf: &mut [u8], dtype: DType, op: ReduceOp, tag: u64) -> Result<Info> {
         let started = Instant::now();
         let connected = self.connected()?;
         let elem = dtype.size();
@@ -231,30 +241,29 @@ impl Communicator {
         let mut data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
         let pos = self.topology.lock().unwrap_or_else(PoisonError::into_inner).clone().ok_or(Error::NotConnected)?;
         let world = pos.group_size();
+        let count = (buf.len() / elem) as u64;
+        // Numbered within the topology: every member counts the same collectives in the same
+        // order, so (epoch, seq) names this collective at the master and on every peer.
+        let numbered = connected.control.lock().view.start_collective();
+        let (epoch, seq) = match numbered {
+            Ok(name) => name,
+            Err((epoch, seq, failure)) => {
+                // The others failed this call before we started it: it fails here too, untouched.
+                return Err(op_error(failure, &all_reduce_header(epoch, seq, tag, dtype, op, count)));
+            }
+        };
+        debug_assert_eq!(epoch, pos.epoch, "the view and the position agree on the topology");
         if world == 1 {
-            let (topology, sequence) = (pos.epoch.0, self.seq.fetch_add(1, Ordering::Relaxed));
             return Ok(Info {
                 world_size: 1,
                 tx_bytes: 0,
                 rx_bytes: 0,
                 elapsed: started.elapsed(),
-                topology,
-                sequence,
+                topology: epoch.0,
+                sequence: seq,
             });
         }
-        // Numbered within the topology: every member counts the same collectives in the same
-        // order, so (epoch, seq) names this collective at the master and on every peer.
-        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
-        let epoch = pos.epoch;
-        let header = OpHeader {
-            collective: CollectiveKind::AllReduce.code(),
-            epoch,
-            seq,
-            tag,
-            dtype: dtype.code(),
-            op: op.code(),
-            count: (buf.len() / elem) as u64,
-        };
+        let header = all_reduce_header(epoch, seq, tag, dtype, op, count);
         let (next, prev) = (pos.next().peer, pos.prev().peer);
         let DataPlane { outgoing, incoming, scratch, backup } = &mut *data;
         log::trace!("all_reduce seq {seq} tag {tag}: {} {} x{}", op.name(), dtype.name(), header.count);
@@ -318,7 +327,7 @@ impl Communicator {
             }
             _ => {
                 backup.reset(0);
-                let reason = "no data connection (a collective failed before): call update_topology";
+                let reason = "no data connection: a collective failed before and the ring has not re-formed yet";
                 let side = if outgoing.contains_key(&next) { Side::Prev } else { Side::Next };
                 Err(RingError::Lost { side, reason: reason.into() })
             }
@@ -407,6 +416,27 @@ impl Communicator {
         c.control.send(&Message::OpDone { epoch, seq, decided: false })?;
         let deadline = deadline.extended(self.config.heartbeat_timeout);
         c.control.wait_until("all_reduce", deadline, |s| s.view.verdicts.remove(&(epoch, seq)))
+    }
+
+    /// Records how a call that reached the run ended, for the retry rule
+    /// ([`shoal_proto::peer::PeerView::vote_needed`]). Errors raised before anything was sent
+    /// (arguments, not connected) and the loss of the master or of our place say nothing of it.
+    pub(crate) fn ended<T>(&self, result: Result<T>) -> Result<T> {
+        let ok = match &result {
+            Ok(_) => true,
+            Err(
+                Error::PeerLost { .. }
+                | Error::CollectiveMismatch { .. }
+                | Error::Misuse(_)
+                | Error::SyncFailed { .. }
+                | Error::Timeout { .. },
+            ) => false,
+            Err(_) => return result,
+        };
+        if let Some(c) = &*self.connected.lock().unwrap_or_else(PoisonError::into_inner) {
+            c.control.lock().view.call_ended(ok);
+        }
+        result
     }
 
     /// Members of the whole run, once accepted.
@@ -531,8 +561,6 @@ impl Communicator {
                         pos.world_size
                     );
                     *self.topology.lock().unwrap_or_else(PoisonError::into_inner) = Some(pos);
-                    // Collectives are numbered afresh in every topology.
-                    self.seq.store(0, Ordering::Relaxed);
                     return Ok(Awaited::InForce);
                 }
             }
@@ -640,6 +668,18 @@ fn op_error(f: OpFailure, header: &OpHeader) -> Error {
         FailureKind::Mismatch => Error::CollectiveMismatch { peer: f.peer, ours: describe(header), theirs: f.reason },
         FailureKind::Misuse => Error::Misuse(f.reason),
         _ => Error::PeerLost { peer: f.peer, operation: "all_reduce", reason: f.reason },
+    }
+}
+
+fn all_reduce_header(epoch: Epoch, seq: u64, tag: u64, dtype: DType, op: ReduceOp, count: u64) -> OpHeader {
+    OpHeader {
+        collective: CollectiveKind::AllReduce.code(),
+        epoch,
+        seq,
+        tag,
+        dtype: dtype.code(),
+        op: op.code(),
+        count,
     }
 }
 

@@ -1,21 +1,22 @@
 //! Data connections between peers.
 //!
 //! Each peer listens on one port. For every topology it dials a pool of streams to its ring
-//! successor (unless it holds one already) and waits for its predecessor's pool. A dialed stream
-//! carries data one way only, from dialer to acceptor; a pool is kept while both peers are
-//! members, so a topology update that leaves a neighbour in place costs no reconnection.
+//! successor and waits for its predecessor's pool, both for that topology alone: a collective
+//! that failed leaves half-sent chunks in its streams, and a member that never ran it (it joined
+//! the re-formed ring first) cannot tell, so no pool outlives its topology. A dialed stream
+//! carries data one way only, from dialer to acceptor.
 //!
-//! A stream opens with `PeerHello`, which names the run's session and both peers, so a stranger
-//! or a process of an earlier run cannot feed bytes into a collective.
+//! A stream opens with `PeerHello`, which names the run's session, both peers and the topology,
+//! so a stranger, a process of an earlier run or a pool of a replaced topology cannot feed bytes
+//! into a collective.
 
 use crate::config::CommunicatorConfig;
 use crate::control::Control;
 use crate::error::{Error, Result};
 use crate::Deadline;
 use shoal_proto::peer::RingPosition;
-use shoal_transport::{connect, read_message_until, write_message, PollFd};
-use shoal_wire::{Message, PeerId, SessionId};
-use std::collections::btree_map::Entry;
+use shoal_transport::{connect, read_message_until, write_message};
+use shoal_wire::{Epoch, Message, PeerId, SessionId};
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -48,8 +49,9 @@ struct Arrivals {
     changed: Condvar,
 }
 
-/// A pool being filled: `size` streams announced, those arrived by index.
+/// A pool being filled: `size` streams announced for topology `epoch`, those arrived by index.
 struct Pool {
+    epoch: Epoch,
     size: usize,
     streams: BTreeMap<u16, TcpStream>,
 }
@@ -124,8 +126,8 @@ impl Listener {
         self.advertised_ip.get().copied().flatten()
     }
 
-    /// Makes `plane` hold a pool to our successor and one from our predecessor in `pos`, and
-    /// drops pools of peers that left. Gives up when the master supersedes the topology.
+    /// Makes `plane` hold a pool to our successor and one from our predecessor for the topology
+    /// of `pos`, and nothing else. Gives up when the master supersedes the topology.
     pub fn establish(
         &self,
         plane: &mut DataPlane,
@@ -136,41 +138,30 @@ impl Listener {
         operation: &'static str,
     ) -> Result<(), EstablishError> {
         let members: BTreeSet<PeerId> = pos.ring.iter().map(|m| m.peer).collect();
-        plane.outgoing.retain(|p, _| members.contains(p));
-        plane.incoming.retain(|p, _| members.contains(p));
-        self.arrivals.streams.lock().unwrap_or_else(PoisonError::into_inner).retain(|p, _| members.contains(p));
+        plane.outgoing.clear();
+        plane.incoming.clear();
+        self.arrivals
+            .streams
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .retain(|p, pool| members.contains(p) && pool.epoch >= pos.epoch);
         if pos.group_size() == 1 {
             return Ok(());
         }
         let &(me, session) = self.identity.get().expect("identity is set at registration");
         let next = pos.next();
-        if plane.outgoing.get(&next.peer).is_some_and(|pool| !pool_idle(pool)) {
-            log::debug!("{me}: pool to {} was closed by the other end; dialing again", next.peer);
-            plane.outgoing.remove(&next.peer);
-        }
-        if let Entry::Vacant(e) = plane.outgoing.entry(next.peer) {
-            let connections = config.pool_size(self.local_ip(), &next.addr);
-            let pool = dial(me, session, next.peer, &next.addr, connections, deadline, operation)
-                .map_err(|e| EstablishError::Unreachable(next.peer, e))?;
-            e.insert(pool);
-        }
+        let connections = config.pool_size(self.local_ip(), &next.addr);
+        let pool = dial(me, session, next.peer, pos.epoch, &next.addr, connections, deadline, operation)
+            .map_err(|e| EstablishError::Unreachable(next.peer, e))?;
+        plane.outgoing.insert(next.peer, pool);
         let prev = pos.prev().peer;
-        // No collective of this topology can have started (it needs our TopologyReady), so
-        // anything readable on the old incoming pool is left over from a failed one.
-        if plane.incoming.get(&prev).is_some_and(|pool| !pool_idle(pool)) {
-            log::debug!("{me}: pool from {prev} holds leftovers of a failed collective; awaiting a new one");
-            plane.incoming.remove(&prev);
-        }
         loop {
             {
                 let mut arrivals = self.arrivals.streams.lock().unwrap_or_else(PoisonError::into_inner);
-                let complete = arrivals.get(&prev).is_some_and(|p| p.streams.len() == p.size);
+                let complete = arrivals.get(&prev).is_some_and(|p| p.epoch == pos.epoch && p.streams.len() == p.size);
                 if complete {
                     let pool = arrivals.remove(&prev).expect("checked above");
                     plane.incoming.insert(prev, pool.streams.into_values().collect());
-                    return Ok(());
-                }
-                if !arrivals.contains_key(&prev) && plane.incoming.contains_key(&prev) {
                     return Ok(());
                 }
                 let wait = deadline.left(operation).map_err(EstablishError::Fatal)?;
@@ -191,27 +182,12 @@ impl Drop for Listener {
     }
 }
 
-/// Whether no stream of a pool has anything to read, between collectives. Nothing is ever sent
-/// back on an outgoing stream, so a readable one was closed (or reset) by the acceptor. An
-/// incoming stream is read to its end by every collective that succeeds, so a readable one
-/// holds the end of a collective that failed (its sender dropped the pool and dials again) or
-/// was closed.
-fn pool_idle(pool: &[TcpStream]) -> bool {
-    let mut fds: Vec<PollFd> = pool
-        .iter()
-        .map(|s| {
-            let mut fd = PollFd::new(s);
-            fd.want_read = true;
-            fd
-        })
-        .collect();
-    matches!(shoal_transport::poll(&mut fds, Duration::ZERO), Ok(0))
-}
-
+#[allow(clippy::too_many_arguments)]
 fn dial(
     me: PeerId,
     session: SessionId,
     to: PeerId,
+    epoch: Epoch,
     addr: &str,
     connections: usize,
     deadline: Deadline,
@@ -221,7 +197,7 @@ fn dial(
     for i in 0..connections {
         let left = deadline.left(operation).map_err(|e| e.to_string())?;
         let mut s = connect(addr, left.min(DIAL_TIMEOUT)).map_err(|e| format!("dialing {to} at {addr}: {e}"))?;
-        let hello = Message::PeerHello { from: me, to, stream: i as u16, streams: connections as u16 };
+        let hello = Message::PeerHello { from: me, to, epoch, stream: i as u16, streams: connections as u16 };
         write_message(&mut s, session, &hello).map_err(|e| format!("greeting {to} at {addr}: {e}"))?;
         pool.push(s);
     }
@@ -274,7 +250,7 @@ fn greet(mut stream: TcpStream, identity: &OnceLock<(PeerId, SessionId)>, arriva
         arrivals.changed.notify_all();
         return Ok(());
     }
-    let Message::PeerHello { from, to, stream: index, streams } = message else {
+    let Message::PeerHello { from, to, epoch, stream: index, streams } = message else {
         return Err(format!("expected PeerHello or FetchRequest, got {}", message.name()));
     };
     if session != our_session || to != me {
@@ -284,10 +260,14 @@ fn greet(mut stream: TcpStream, identity: &OnceLock<(PeerId, SessionId)>, arriva
         return Err(format!("stream {index} of a pool of {streams}"));
     }
     let mut all = arrivals.streams.lock().unwrap_or_else(PoisonError::into_inner);
-    let pool = all.entry(from).or_insert_with(|| Pool { size: streams.into(), streams: BTreeMap::new() });
-    if pool.size != usize::from(streams) || pool.streams.len() == pool.size {
+    let fresh = || Pool { epoch, size: streams.into(), streams: BTreeMap::new() };
+    let pool = all.entry(from).or_insert_with(fresh);
+    if epoch < pool.epoch {
+        return Err(format!("{from} greeted for topology {} after topology {}", epoch.0, pool.epoch.0));
+    }
+    if epoch > pool.epoch || pool.size != usize::from(streams) || pool.streams.contains_key(&index) {
         // The dialer started a new pool: forget the old one.
-        *pool = Pool { size: streams.into(), streams: BTreeMap::new() };
+        *pool = fresh();
     }
     pool.streams.insert(index, stream);
     drop(all);
@@ -309,7 +289,7 @@ mod tests {
         let addr = format!("127.0.0.1:{}", listener.port);
         let (me, session) = (PeerId(7), SessionId(42));
         let mut s = connect(&addr, Duration::from_secs(1)).unwrap();
-        let hello = Message::PeerHello { from: PeerId(3), to: me, stream: 0, streams: 1 };
+        let hello = Message::PeerHello { from: PeerId(3), to: me, epoch: Epoch(1), stream: 0, streams: 1 };
         write_message(&mut s, session, &hello).unwrap();
         thread::sleep(Duration::from_millis(100));
         listener.set_identity(me, session, "");
@@ -332,7 +312,7 @@ mod tests {
         let addr = format!("127.0.0.1:{}", listener.port);
         for (to, session) in [(PeerId(2), SessionId(5)), (PeerId(1), SessionId(6))] {
             let mut s = connect(&addr, Duration::from_secs(1)).unwrap();
-            let hello = Message::PeerHello { from: PeerId(9), to, stream: 0, streams: 1 };
+            let hello = Message::PeerHello { from: PeerId(9), to, epoch: Epoch(1), stream: 0, streams: 1 };
             write_message(&mut s, session, &hello).unwrap();
             // The listener closes a refused stream.
             s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();

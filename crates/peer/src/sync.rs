@@ -103,12 +103,23 @@ impl Communicator {
         strategy: Strategy,
         override_resume: bool,
     ) -> Result<SyncInfo> {
+        self.ended(self.sync(tensors, revision, strategy, override_resume))
+    }
+
+    fn sync(
+        &self,
+        tensors: &mut [StateTensor<'_>],
+        revision: u64,
+        strategy: Strategy,
+        override_resume: bool,
+    ) -> Result<SyncInfo> {
         let started = Instant::now();
         let connected = self.connected()?;
         tensors.sort_by(|a, b| a.name.cmp(&b.name));
         let digests = digest(tensors)?;
         let deadline = Deadline::after(self.config.timeout);
         self.follow_topology(&connected, deadline, "sync_shared_state")?;
+        connected.control.lock().view.missed = None;
         let _data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
         let pos = self.position().ok_or(Error::NotConnected)?;
         let control = &connected.control;

@@ -13,6 +13,13 @@ pub struct PeerView {
     pub issued: Option<(Epoch, Vec<Member>)>,
     /// The topology in force for us.
     pub committed: Option<(Epoch, Vec<Member>)>,
+    /// Collectives this peer started in the committed topology: the next one's number there.
+    pub started: u64,
+    /// The collective this peer would have run next in the topology it left, which the others
+    /// failed before it started it (it joined the re-formed ring first): (topology, number, why).
+    /// Its next collective call fails the same way, so that every member's k-th call has one
+    /// outcome ([`PeerView::start_collective`]).
+    pub missed: Option<(Epoch, u64, OpFailure)>,
     /// The answer of the last `peers_pending` vote, until consumed.
     pub pending_result: Option<bool>,
     /// Why the master expelled us, if it did.
@@ -36,6 +43,10 @@ pub struct PeerView {
     pub vote_open: Option<(Epoch, PeerId, u64)>,
     /// Why the last `update_topology` vote was abandoned or refused, until consumed.
     pub vote_aborted: Option<VoteAbort>,
+    /// The topology in force when this peer's last call failed, until a call succeeds: a ring
+    /// re-formed since then makes an `update_topology` after the failure a no-op
+    /// ([`PeerView::vote_needed`]).
+    pub failed_in: Option<Epoch>,
     /// The plan of the current shared-state sync: (round, revision, entries).
     pub sync_plan: Option<(u64, u64, Vec<PlanEntry>)>,
     /// How a shared-state sync ended: (round, completed or why not).
@@ -176,7 +187,16 @@ impl PeerView {
             }
             Message::TopologyCommitted { epoch } => match self.issued.take() {
                 Some((issued, members)) if issued == epoch => {
+                    // Every abort reaches every member of the collective before the next commit
+                    // (one connection, in order): an abort of the collective we would have run
+                    // next means the others failed it without us.
+                    self.missed =
+                        self.committed.as_ref().and_then(|(left, _)| match self.verdicts.get(&(*left, self.started)) {
+                            Some(Verdict::Aborted(f)) => Some((*left, self.started, f.clone())),
+                            _ => None,
+                        });
                     self.committed = Some((epoch, members));
+                    self.started = 0;
                     self.verdicts.retain(|(e, _), _| *e >= epoch);
                     self.queried.retain(|(e, _)| *e >= epoch);
                     PeerEvent::TopologyCommitted(epoch)
@@ -236,6 +256,53 @@ impl PeerView {
         })
     }
 
+    /// Numbers this peer's next collective: (the committed topology, its number there), the same
+    /// on every member since each starts the same collectives in the same order.
+    ///
+    /// # Errors
+    /// The collective it would have run in the topology it left, with the failure the others
+    /// saw, when they failed it before this peer started it: the call fails without running,
+    /// like theirs, and the next one runs in the new topology.
+    ///
+    /// # Panics
+    /// If no topology is in force: the caller checks that it is connected first.
+    pub fn start_collective(&mut self) -> Result<(Epoch, u64), (Epoch, u64, OpFailure)> {
+        if let Some(missed) = self.missed.take() {
+            // It failed in the topology we left, like the others' calls of it.
+            self.failed_in = Some(missed.0);
+            return Err(missed);
+        }
+        let (epoch, _) = self.committed.as_ref().expect("a collective needs a topology in force");
+        let seq = self.started;
+        self.started += 1;
+        Ok((*epoch, seq))
+    }
+
+    /// Records how this peer's last call ended: a failure remembers the topology it failed in
+    /// (the first since the last success: the ring re-forms after it).
+    pub fn call_ended(&mut self, ok: bool) {
+        if ok {
+            self.failed_in = None;
+        } else if let Some((e, _)) = &self.committed {
+            self.failed_in.get_or_insert(*e);
+        }
+    }
+
+    /// Whether an `update_topology` called now must vote. Not after a failed call once the master
+    /// has re-formed the ring (`docs/protocol.md`, "Retry"): the survivors that saw no error
+    /// already run in the new topology, and would never join the vote. The vote is for admission,
+    /// and newcomers are admitted at the next vote every peer makes. Consumes the failure.
+    pub fn vote_needed(&mut self) -> bool {
+        let committed = self.committed.as_ref().map(|(e, _)| *e);
+        match self.failed_in.take() {
+            Some(failed) if committed > Some(failed) => false,
+            failed => {
+                self.failed_in = failed;
+                true
+            }
+        }
+    }
+
     /// Records that we committed collective `seq` of `epoch` on our own; true if the master
     /// asked about it meanwhile and must be told.
     pub fn commit_on_our_own(&mut self, epoch: Epoch, seq: u64) -> bool {
@@ -260,6 +327,7 @@ impl PeerView {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use shoal_wire::FailureKind;
 
     #[test]
     fn a_query_is_answered_now_if_we_committed_and_remembered_otherwise() {
@@ -272,6 +340,54 @@ mod tests {
         assert!(v.commit_on_our_own(e, 1), "asked before we committed: tell the master");
         let other = Message::OpQuery { epoch: later, seq: 0 };
         assert_eq!(v.handle_message(other), Ok(PeerEvent::Query { epoch: later, seq: 0, committed: false }));
+    }
+
+    /// A failed call is followed by a vote only while the ring has not re-formed since; any
+    /// successful call ends that.
+    #[test]
+    fn a_vote_after_a_failure_is_needed_only_until_the_ring_re_forms() {
+        let mut v = PeerView::default();
+        v.handle_message(Message::Registered { peer: PeerId(0), session: SessionId(1), heartbeat_ms: 100 }).unwrap();
+        let commit = |v: &mut PeerView, e| {
+            v.handle_message(Message::Topology { epoch: Epoch(e), members: vec![member(0, 0)] }).unwrap();
+            v.handle_message(Message::TopologyCommitted { epoch: Epoch(e) }).unwrap();
+        };
+        commit(&mut v, 1);
+        assert!(v.vote_needed(), "no failure: a real vote");
+        v.call_ended(false);
+        assert!(v.vote_needed(), "failed, not yet re-formed: vote");
+        commit(&mut v, 2);
+        assert!(!v.vote_needed(), "re-formed since the failure: nothing to vote on");
+        assert!(v.vote_needed(), "consumed");
+        v.call_ended(false);
+        v.call_ended(true);
+        commit(&mut v, 3);
+        assert!(v.vote_needed(), "a success since the failure: a real vote");
+    }
+
+    /// A member that had not started the collective the others failed (it joined the re-formed
+    /// ring first) fails its own call of it, so that programs stay in step.
+    #[test]
+    fn a_collective_the_others_failed_before_we_started_it_fails_here_too() {
+        let mut v = PeerView::default();
+        v.handle_message(Message::Registered { peer: PeerId(0), session: SessionId(1), heartbeat_ms: 100 }).unwrap();
+        let commit = |v: &mut PeerView, e| {
+            v.handle_message(Message::Topology { epoch: Epoch(e), members: vec![member(0, 0)] }).unwrap();
+            v.handle_message(Message::TopologyCommitted { epoch: Epoch(e) }).unwrap();
+        };
+        commit(&mut v, 1);
+        assert_eq!(v.start_collective(), Ok((Epoch(1), 0)));
+        assert_eq!(v.start_collective(), Ok((Epoch(1), 1)));
+        let failure = OpFailure::new(FailureKind::PeerLost, PeerId(3), "gone");
+        v.handle_message(Message::OpAborted { epoch: Epoch(1), seq: 2, failure: failure.clone() }).unwrap();
+        commit(&mut v, 2);
+        assert_eq!(v.start_collective(), Err((Epoch(1), 2, failure)));
+        assert_eq!(v.start_collective(), Ok((Epoch(2), 0)), "the retry runs in the new topology");
+        // An abort of a collective we started (and failed ourselves) voids nothing.
+        let failure = OpFailure::new(FailureKind::PeerLost, PeerId(3), "gone");
+        v.handle_message(Message::OpAborted { epoch: Epoch(2), seq: 0, failure }).unwrap();
+        commit(&mut v, 3);
+        assert_eq!(v.start_collective(), Ok((Epoch(3), 0)));
     }
 
     fn member(p: u32, g: u32) -> Member {

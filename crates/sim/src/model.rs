@@ -235,7 +235,6 @@ struct Peer {
     view: PeerView,
     call: Call,
     call_started: Duration,
-    seq: u64,
     epoch: Option<Epoch>,
     ring: Vec<usize>,
     rank: usize,
@@ -260,7 +259,6 @@ impl Peer {
             view: PeerView::default(),
             call: Call::Connecting { deadline: now + CALL_TIMEOUT, handled: None },
             call_started: now,
-            seq: 0,
             epoch: None,
             ring: Vec::new(),
             rank: 0,
@@ -739,9 +737,13 @@ impl Sim {
             Call::Connecting { handled, .. } | Call::Voting { handled, .. } | Call::Following { handled, .. } => {
                 let handled = *handled;
                 let voting = matches!(p.call, Call::Voting { .. });
-                if voting && p.view.vote_aborted.take().is_some() {
-                    // The vote was abandoned (a member ran a collective instead): the call fails
-                    // with a usage error, and this application simply votes again.
+                if let Some(abort) = p.view.vote_aborted.take().filter(|_| voting) {
+                    // Refused while a topology connected: the real call follows it and votes
+                    // again. Abandoned (a member ran a collective instead): the call fails with a
+                    // usage error, and this application simply votes again.
+                    if !abort.retry {
+                        p.view.call_ended(false);
+                    }
                     self.vote(i);
                     return true;
                 }
@@ -773,7 +775,6 @@ impl Sim {
                 p.epoch = Some(e);
                 p.ring = members.iter().map(|m| self.index_of[&m.peer]).collect();
                 p.rank = members.iter().position(|m| m.peer == me).expect("a member");
-                p.seq = 0;
                 p.broken = false;
                 p.out_closed.clear();
                 for q in p.inbox.values_mut() {
@@ -823,12 +824,18 @@ impl Sim {
         match next {
             Next::Vote => {
                 let p = &mut self.peers[i];
+                if !p.view.vote_needed() {
+                    // The ring re-formed after our failure: update_topology has nothing to do.
+                    return self.call(i, Next::Collective);
+                }
                 p.view.vote_aborted = None;
+                p.view.missed = None;
                 p.call = Call::Voting { deadline: self.now + CALL_TIMEOUT, handled: None };
-                let collectives = p.seq;
+                let collectives = p.view.started;
                 self.send_master(i, Message::VoteUpdateTopology { collectives });
             }
             Next::Pending => {
+                self.peers[i].view.missed = None;
                 self.peers[i].call = Call::Pending { deadline: self.now + CALL_TIMEOUT };
                 self.send_master(i, Message::VotePeersPending);
             }
@@ -848,10 +855,14 @@ impl Sim {
         let members: Vec<PeerId> = ring.iter().map(|&j| self.peers[j].me().expect("registered")).collect();
         let p = &mut self.peers[i];
         p.call_started = now;
-        let epoch = p.epoch.expect("accepted");
         let world = p.ring.len();
-        let seq = p.seq;
-        p.seq += 1;
+        // The real peer's numbering, and its rule for a collective the others failed before this
+        // peer started it: the call fails at once, as theirs did.
+        let (epoch, seq, missed) = match p.view.start_collective() {
+            Ok((epoch, seq)) => (epoch, seq, None),
+            Err((epoch, seq, failure)) => (epoch, seq, Some(failure)),
+        };
+        debug_assert!(missed.is_some() || Some(epoch) == p.epoch);
         let me = p.me().expect("registered");
         let buf: Vec<i64> = (0..world).map(|k| input(me, seq, k)).collect();
         let plan = RingAllReduce::new(p.rank, world, world, 1);
@@ -871,7 +882,9 @@ impl Sim {
             tokens_out: 0,
         };
         p.call = Call::Collective(Box::new(op));
-        if world == 1 {
+        if let Some(failure) = missed {
+            self.end_op(i, Outcome::Err(format!("aborted before it started here: {}", failure.reason)));
+        } else if world == 1 {
             self.end_op(i, Outcome::Ok(vec![input(me, seq, 0)]));
         } else if self.peers[i].broken {
             let next = self.peers[i].ring[(self.peers[i].rank + 1) % world];
@@ -1036,6 +1049,7 @@ impl Sim {
     fn end_op(&mut self, i: usize, outcome: Outcome) -> bool {
         let p = &mut self.peers[i];
         let Call::Collective(op) = std::mem::replace(&mut p.call, Call::Idle) else { unreachable!() };
+        p.view.call_ended(matches!(outcome, Outcome::Ok(_)));
         if let Outcome::Ok(_) = outcome {
             p.pending_due = op.seq % 3 == 2;
             self.report.successes += 1;

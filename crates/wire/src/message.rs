@@ -348,12 +348,15 @@ pub enum Message {
         /// Bytes.
         len: u64,
     },
-    /// Peer → peer, first message on a data connection: who dials, whom, for which stream.
+    /// Peer → peer, first message on a data connection: who dials, whom, for which topology and
+    /// stream.
     PeerHello {
         /// The dialing peer.
         from: PeerId,
         /// The peer it means to reach.
         to: PeerId,
+        /// The topology the pool is for: every topology has pools of its own.
+        epoch: Epoch,
         /// Index of this stream in the pair's pool.
         stream: u16,
         /// Size of the pool the dialer opens to this peer.
@@ -571,9 +574,10 @@ impl Message {
             }
             Message::PeersPendingResult { pending } => w.bool(*pending),
             Message::Kicked { reason } => w.str(reason),
-            Message::PeerHello { from, to, stream, streams } => {
+            Message::PeerHello { from, to, epoch, stream, streams } => {
                 w.u32(from.0);
                 w.u32(to.0);
+                w.u64(epoch.0);
                 w.u16(*stream);
                 w.u16(*streams);
             }
@@ -677,9 +681,13 @@ impl Message {
             kind::TOPOLOGY_COMMITTED => Message::TopologyCommitted { epoch: Epoch(r.u64()?) },
             kind::PEERS_PENDING_RESULT => Message::PeersPendingResult { pending: r.bool("pending")? },
             kind::KICKED => Message::Kicked { reason: r.str()? },
-            kind::PEER_HELLO => {
-                Message::PeerHello { from: PeerId(r.u32()?), to: PeerId(r.u32()?), stream: r.u16()?, streams: r.u16()? }
-            }
+            kind::PEER_HELLO => Message::PeerHello {
+                from: PeerId(r.u32()?),
+                to: PeerId(r.u32()?),
+                epoch: Epoch(r.u64()?),
+                stream: r.u16()?,
+                streams: r.u16()?,
+            },
             kind::OP => Message::Op(OpHeader {
                 collective: r.u8()?,
                 epoch: Epoch(r.u64()?),
@@ -804,8 +812,8 @@ mod tests {
             any::<u64>().prop_map(|e| Message::TopologyCommitted { epoch: Epoch(e) }),
             any::<bool>().prop_map(|pending| Message::PeersPendingResult { pending }),
             ".{0,100}".prop_map(|reason| Message::Kicked { reason }),
-            (any::<u32>(), any::<u32>(), any::<u16>(), any::<u16>()).prop_map(|(f, t, s, n)| {
-                Message::PeerHello { from: PeerId(f), to: PeerId(t), stream: s, streams: n }
+            (any::<u32>(), any::<u32>(), any::<u64>(), any::<u16>(), any::<u16>()).prop_map(|(f, t, e, s, n)| {
+                Message::PeerHello { from: PeerId(f), to: PeerId(t), epoch: Epoch(e), stream: s, streams: n }
             }),
             (any::<(u8, u64, u64, u64, u8, u8, u64)>()).prop_map(|t| Message::Op(OpHeader {
                 collective: t.0,
