@@ -199,11 +199,29 @@ impl Communicator {
 
     fn vote_peers_pending(&self, deadline: Deadline) -> Result<bool> {
         let connected = self.connected()?;
-        self.follow_topology(&connected, deadline, "peers_pending")?;
-        connected.control.lock().view.missed = None;
-        connected.control.send(&Message::VotePeersPending)?;
-        failpoint("peers_pending.after_vote");
-        connected.control.wait_until("peers_pending", deadline, |s| s.view.pending_result.take())
+        // A vote cast just before a topology was issued is not counted: join it, vote again.
+        loop {
+            self.follow_topology(&connected, deadline, "peers_pending")?;
+            let collectives = {
+                let mut s = connected.control.lock();
+                s.view.missed = None;
+                s.view.pending_aborted = None;
+                s.view.started
+            };
+            connected.control.send(&Message::VotePeersPending { collectives })?;
+            failpoint("peers_pending.after_vote");
+            let answer = connected.control.wait_until("peers_pending", deadline, |s| {
+                match s.view.pending_aborted.take() {
+                    Some(VoteAbort { retry: true, .. }) => return Some(Ok(None)),
+                    Some(VoteAbort { retry: false, reason }) => return Some(Err(Error::Misuse(reason))),
+                    None => {}
+                }
+                s.view.pending_result.take().map(|pending| Ok(Some(pending)))
+            })??;
+            if let Some(pending) = answer {
+                return Ok(pending);
+            }
+        }
     }
 
     /// Reduces `buf` (elements of `dtype`, as bytes) with every peer of the group, in place:
@@ -277,15 +295,8 @@ impl Communicator {
             if let Some(Verdict::Aborted(f)) = state.view.verdicts.get(&(epoch, seq)) {
                 return Some(op_error(f.clone(), &header));
             }
-            if let Some((e, voter, started)) = state.view.vote_open {
-                if e == epoch && started <= seq {
-                    return Some(Error::Misuse(format!(
-                        "{voter} called update_topology after {started} collectives of topology {}, while {} \
-                         ran collective number {seq} (all_reduce): every accepted peer must make the same \
-                         calls in the same order",
-                        e.0, connected.me
-                    )));
-                }
+            if let Some(why) = state.view.vote_open.as_ref().and_then(|o| o.blocks(epoch, seq, connected.me)) {
+                return Some(Error::Misuse(why));
             }
             let gone = members.iter().find(|p| state.view.removed.contains(p))?;
             Some(Error::PeerLost {

@@ -119,7 +119,11 @@ impl Communicator {
         let digests = digest(tensors)?;
         let deadline = Deadline::after(self.config.timeout);
         self.follow_topology(&connected, deadline, "sync_shared_state")?;
-        connected.control.lock().view.missed = None;
+        let collectives = {
+            let mut s = connected.control.lock();
+            s.view.missed = None;
+            s.view.started
+        };
         let _data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
         let pos = self.position().ok_or(Error::NotConnected)?;
         let control = &connected.control;
@@ -128,7 +132,9 @@ impl Communicator {
             s.view.sync_plan = None;
             s.view.sync_end = None;
         }
-        control.send(&Message::SyncVote { revision, strategy: strategy as u8, override_resume, entries: digests })?;
+        let vote =
+            Message::SyncVote { revision, strategy: strategy as u8, override_resume, entries: digests, collectives };
+        control.send(&vote)?;
         let plan = control.wait_until("sync_shared_state", deadline, |s| {
             if let Some((_, Err(SyncAbort { retryable, reason }))) = s.view.sync_end.take() {
                 return Some(Err(Error::SyncFailed { retryable, reason }));

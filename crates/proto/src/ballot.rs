@@ -5,14 +5,17 @@
 //! again, so a crash never stalls a vote. Only [`Ballot::tally`] creates a [`Quorum`], and the
 //! transitions that need consensus take one.
 
-use shoal_wire::PeerId;
-use std::collections::BTreeSet;
+use shoal_wire::{GroupId, PeerId};
+use std::collections::{BTreeMap, BTreeSet};
 
 /// An open vote.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Ballot {
     eligible: BTreeSet<PeerId>,
     cast: BTreeSet<PeerId>,
+    /// Per group, the fewest collectives a voter had started, as announced to the group's
+    /// members (`VoteOpened`): a later voter with as many needs no announcement.
+    announced: BTreeMap<GroupId, u64>,
 }
 
 /// Proof that a ballot passed: every eligible peer voted. Only [`Ballot::tally`] makes one.
@@ -31,7 +34,7 @@ impl Quorum {
 impl Ballot {
     /// A ballot among `eligible`.
     pub fn new(eligible: BTreeSet<PeerId>) -> Self {
-        Ballot { eligible, cast: BTreeSet::new() }
+        Ballot { eligible, cast: BTreeSet::new(), announced: BTreeMap::new() }
     }
 
     /// Records `peer`'s vote. A peer outside `eligible` (accepted after the ballot opened) joins
@@ -50,6 +53,25 @@ impl Ballot {
     /// Whether `peer` may vote in this ballot.
     pub fn is_eligible(&self, peer: PeerId) -> bool {
         self.eligible.contains(&peer)
+    }
+
+    /// Whether the ballot has votes and still waits for `peer`'s: then `peer` is in another call.
+    pub fn awaits(&self, peer: PeerId) -> bool {
+        !self.cast.is_empty() && self.eligible.contains(&peer) && !self.cast.contains(&peer)
+    }
+
+    /// The peers that voted so far.
+    pub fn voters(&self) -> &BTreeSet<PeerId> {
+        &self.cast
+    }
+
+    /// Records that a voter of `group` had started `collectives`; true if that is fewer than
+    /// announced to the group so far, and so must be announced.
+    pub fn announce(&mut self, group: GroupId, collectives: u64) -> bool {
+        let least = self.announced.entry(group).or_insert(u64::MAX);
+        let fewer = collectives < *least;
+        *least = (*least).min(collectives);
+        fewer
     }
 
     /// Whether nobody is left to vote.

@@ -1,6 +1,6 @@
 //! A peer's view of the protocol: what the master has told it, and where it stands in its ring.
 
-use shoal_wire::{Epoch, GroupId, Member, Message, OpFailure, PeerId, PlanEntry, SessionId};
+use shoal_wire::{Epoch, GroupId, Member, Message, OpFailure, PeerId, PlanEntry, SessionId, Vote};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
@@ -38,9 +38,11 @@ pub struct PeerView {
     /// Collectives the master asked about that this peer had not committed when asked: it
     /// reports them if it commits them on its own.
     pub queried: BTreeSet<(Epoch, u64)>,
-    /// An `update_topology` vote is open: (topology, a voter, the fewest collectives a voter had
-    /// started). A collective numbered at least that can never complete.
-    pub vote_open: Option<(Epoch, PeerId, u64)>,
+    /// A member of our group waits in a vote (the one that had started the fewest collectives).
+    /// A collective numbered at least its count can never complete.
+    pub vote_open: Option<VoteOpen>,
+    /// Why the last `peers_pending` vote was abandoned or refused, until consumed.
+    pub pending_aborted: Option<VoteAbort>,
     /// Why the last `update_topology` vote was abandoned or refused, until consumed.
     pub vote_aborted: Option<VoteAbort>,
     /// The topology in force when this peer's last call failed, until a call succeeds: a ring
@@ -53,7 +55,36 @@ pub struct PeerView {
     pub sync_end: Option<(u64, Result<(), SyncAbort>)>,
 }
 
-/// Why an `update_topology` vote ended without a topology.
+/// A member of our group waits in a vote: a collective it never started can never complete.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VoteOpen {
+    /// The call it waits in.
+    pub vote: Vote,
+    /// The topology its count is in.
+    pub epoch: Epoch,
+    /// Who.
+    pub voter: PeerId,
+    /// Collectives it started in `epoch`.
+    pub collectives: u64,
+}
+
+impl VoteOpen {
+    /// Whether collective `seq` of `epoch` can never complete; then why, naming both calls.
+    pub fn blocks(&self, epoch: Epoch, seq: u64, me: PeerId) -> Option<String> {
+        (self.epoch == epoch && self.collectives <= seq).then(|| {
+            format!(
+                "{} called {} after {} collectives of topology {}, while {me} ran collective number {seq} \
+                 (all_reduce): every accepted peer must make the same calls in the same order",
+                self.voter,
+                self.vote.call(),
+                self.collectives,
+                epoch.0
+            )
+        })
+    }
+}
+
+/// Why an `update_topology` or `peers_pending` vote ended without a result.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VoteAbort {
     /// Not counted while a topology was being connected: join it, then vote again. Otherwise the
@@ -207,6 +238,7 @@ impl PeerView {
                 }
             },
             Message::PeersPendingResult { pending } => {
+                self.vote_open = None;
                 self.pending_result = Some(pending);
                 PeerEvent::PeersPendingResult(pending)
             }
@@ -218,10 +250,15 @@ impl PeerView {
                 self.verdicts.insert((epoch, seq), Verdict::Aborted(failure));
                 PeerEvent::Verdict(epoch, seq)
             }
-            Message::TopologyVoteOpened { epoch, voter, collectives } => {
-                if self.vote_open.is_none_or(|(e, _, c)| e != epoch || collectives < c) {
-                    self.vote_open = Some((epoch, voter, collectives));
+            Message::VoteOpened { vote, epoch, voter, collectives } => {
+                if self.vote_open.as_ref().is_none_or(|o| o.epoch != epoch || collectives < o.collectives) {
+                    self.vote_open = Some(VoteOpen { vote, epoch, voter, collectives });
                 }
+                PeerEvent::Nothing
+            }
+            Message::PeersPendingAborted { retry, reason } => {
+                self.vote_open = None;
+                self.pending_aborted = Some(VoteAbort { retry, reason });
                 PeerEvent::Nothing
             }
             Message::TopologyVoteAborted { retry, reason } => {
@@ -230,6 +267,7 @@ impl PeerView {
                 PeerEvent::Nothing
             }
             Message::SyncPlan { round, revision, entries } => {
+                self.vote_open = None;
                 self.sync_plan = Some((round, revision, entries));
                 PeerEvent::Nothing
             }
@@ -238,6 +276,7 @@ impl PeerView {
                 PeerEvent::Nothing
             }
             Message::SyncAborted { round, retryable, reason } => {
+                self.vote_open = None;
                 self.sync_end = Some((round, Err(SyncAbort { retryable, reason })));
                 PeerEvent::Nothing
             }
@@ -410,6 +449,6 @@ mod tests {
             Ok(PeerEvent::TopologyCommitted(Epoch(2)))
         );
         assert!(v.handle_message(Message::Topology { epoch: Epoch(2), members }).is_err());
-        assert!(v.handle_message(Message::VotePeersPending).is_err());
+        assert!(v.handle_message(Message::VotePeersPending { collectives: 0 }).is_err());
     }
 }

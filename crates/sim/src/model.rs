@@ -191,6 +191,19 @@ enum Call {
     Collective(Box<Op>),
 }
 
+/// The application's loop, which the seed picks for every peer of a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    /// The README's: collectives, `peers_pending` every third one; `update_topology` after a
+    /// failure.
+    Readme,
+    /// The same, but a failed collective is simply retried.
+    RetryOnly,
+    /// PCCL's: `peers_pending` (and `update_topology` if it says so) at the top of every
+    /// iteration, then a collective; a failure goes back to the top. A newcomer starts at the top.
+    Pccl,
+}
+
 /// The call the application makes next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Next {
@@ -298,9 +311,8 @@ struct Sim {
     commits: Vec<(Duration, Epoch, Vec<PeerId>)>,
     index_of: BTreeMap<PeerId, usize>,
     report: Report,
-    /// The application's loop shape, the same on every peer: after a failed collective it only
-    /// retries (true), or calls `update_topology` first (the README's loop).
-    retry_only: bool,
+    /// The application's loop, the same on every peer.
+    shape: Shape,
     /// Print every event (`SHOAL_SIM_TRACE`).
     trace: bool,
 }
@@ -323,10 +335,10 @@ pub fn run(seed: u64) -> Report {
         commits: Vec::new(),
         index_of: BTreeMap::new(),
         report: Report { seed, ..Report::default() },
-        retry_only: false,
+        shape: Shape::Readme,
         trace: std::env::var_os("SHOAL_SIM_TRACE").is_some(),
     };
-    sim.retry_only = sim.rng.chance(50);
+    sim.shape = [Shape::Readme, Shape::RetryOnly, Shape::Pccl][sim.rng.below(3) as usize];
     let initial = 2 + sim.rng.below(4) as usize;
     for _ in 0..initial {
         sim.add_peer();
@@ -371,7 +383,9 @@ impl Sim {
 
     fn add_peer(&mut self) {
         let i = self.peers.len();
-        self.peers.push(Peer::new(self.now));
+        let mut peer = Peer::new(self.now);
+        peer.pending_due = self.shape == Shape::Pccl;
+        self.peers.push(peer);
         let join = Message::Join { group: GroupId(0), data_addr: format!("sim:{i}") };
         self.send(Node::Peer(i), Node::Master, Ev::Control { from: Node::Peer(i), to: Node::Master, msg: join });
         let first_tick = self.now + self.rng.between(ms(1), TICK);
@@ -651,6 +665,7 @@ impl Sim {
     fn watch(&mut self, i: usize) -> bool {
         let now = self.now;
         let p = &mut self.peers[i];
+        let me = p.me();
         let Call::Collective(op) = &mut p.call else {
             return self.watch_other(i);
         };
@@ -664,9 +679,9 @@ impl Sim {
                     let f = OpFailure::new(FailureKind::PeerLost, *gone, "removed by the master");
                     return self.fail_op(i, f);
                 }
-                if let Some((e, voter, started)) = p.view.vote_open {
-                    if e == epoch && started <= seq {
-                        let f = OpFailure::new(FailureKind::Misuse, voter, "vote during collective");
+                if let Some(open) = &p.view.vote_open {
+                    if let Some(why) = open.blocks(epoch, seq, me.expect("registered")) {
+                        let f = OpFailure::new(FailureKind::Misuse, open.voter, why);
                         return self.fail_op(i, f);
                     }
                 }
@@ -709,6 +724,14 @@ impl Sim {
             _ => return false,
         };
         if now >= deadline {
+            // No call waits for a call that will never come: a vote that runs to its full bound
+            // is a bug unless a peer was frozen or cut off (whose calls the others wait for
+            // until the heartbeat timeout, well within the bound, but it may itself hang).
+            let cut_off = self.report.faults.iter().any(|f| f.starts_with("Freeze") || f.starts_with("Stall"));
+            if !cut_off && !matches!(p.call, Call::Connecting { .. }) {
+                let v = Violation(format!("peer {i} waited for its whole bound in {:?}", p.call));
+                self.report.violations.push(v);
+            }
             // The real call returns a timeout; the application here gives up on the run.
             self.leave(i, "call timed out".into());
         }
@@ -788,13 +811,27 @@ impl Sim {
                     _ => true,
                 }
             }
-            Call::Pending { .. } => match p.view.pending_result.take() {
-                Some(pending) => {
-                    self.begin(i, if pending { Next::Vote } else { Next::Collective });
-                    true
+            Call::Pending { .. } => {
+                if let Some(abort) = p.view.pending_aborted.take() {
+                    // Refused while a topology was issued: the real call joins it and votes
+                    // again. Abandoned (the others made another call): a usage error, and this
+                    // application goes on with its next call.
+                    if abort.retry {
+                        self.begin(i, Next::Pending);
+                    } else {
+                        p.view.call_ended(false);
+                        self.begin(i, Next::Collective);
+                    }
+                    return true;
                 }
-                None => false,
-            },
+                match p.view.pending_result.take() {
+                    Some(pending) => {
+                        self.begin(i, if pending { Next::Vote } else { Next::Collective });
+                        true
+                    }
+                    None => false,
+                }
+            }
             Call::Collective(_) => self.advance_op(i),
         }
     }
@@ -835,9 +872,12 @@ impl Sim {
                 self.send_master(i, Message::VoteUpdateTopology { collectives });
             }
             Next::Pending => {
-                self.peers[i].view.missed = None;
-                self.peers[i].call = Call::Pending { deadline: self.now + CALL_TIMEOUT };
-                self.send_master(i, Message::VotePeersPending);
+                let p = &mut self.peers[i];
+                p.view.missed = None;
+                p.view.pending_aborted = None;
+                p.call = Call::Pending { deadline: self.now + CALL_TIMEOUT };
+                let collectives = p.view.started;
+                self.send_master(i, Message::VotePeersPending { collectives });
             }
             Next::Collective => self.start_collective(i),
         }
@@ -1051,7 +1091,7 @@ impl Sim {
         let Call::Collective(op) = std::mem::replace(&mut p.call, Call::Idle) else { unreachable!() };
         p.view.call_ended(matches!(outcome, Outcome::Ok(_)));
         if let Outcome::Ok(_) = outcome {
-            p.pending_due = op.seq % 3 == 2;
+            p.pending_due = self.shape == Shape::Pccl || op.seq % 3 == 2;
             self.report.successes += 1;
             let me = p.me().expect("registered");
             // One major operation at a time: no collective of a ring succeeds after a later
@@ -1068,7 +1108,12 @@ impl Sim {
         } else {
             self.report.collectives.push((i, op.epoch, op.seq, op.members, outcome));
             // The application catches the error: it retries, or votes first (README's loop).
-            self.begin(i, if self.retry_only { Next::Collective } else { Next::Vote });
+            let next = match self.shape {
+                Shape::Readme => Next::Vote,
+                Shape::RetryOnly => Next::Collective,
+                Shape::Pccl => Next::Pending,
+            };
+            self.begin(i, next);
         }
         true
     }

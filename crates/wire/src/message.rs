@@ -64,6 +64,38 @@ pub struct OpFailure {
     pub reason: String,
 }
 
+/// The calls that are votes at the master, by wire code: a member of the voter's group running a
+/// collective the voter never started must give it up ([`Message::VoteOpened`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Vote {
+    /// `update_topology`.
+    UpdateTopology = 1,
+    /// `peers_pending`.
+    PeersPending = 2,
+    /// `sync_shared_state`.
+    SyncSharedState = 3,
+}
+
+impl Vote {
+    fn from_code(code: u8) -> Result<Self, WireError> {
+        Ok(match code {
+            1 => Vote::UpdateTopology,
+            2 => Vote::PeersPending,
+            3 => Vote::SyncSharedState,
+            value => return Err(WireError::InvalidValue { field: "vote", value: value.into() }),
+        })
+    }
+
+    /// The API call's name.
+    pub fn call(self) -> &'static str {
+        match self {
+            Vote::UpdateTopology => "update_topology",
+            Vote::PeersPending => "peers_pending",
+            Vote::SyncSharedState => "sync_shared_state",
+        }
+    }
+}
+
 /// The kinds of [`OpFailure`], by wire code.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FailureKind {
@@ -174,7 +206,10 @@ pub enum Message {
         epoch: Epoch,
     },
     /// Peer → master: this accepted peer calls `peers_pending`.
-    VotePeersPending,
+    VotePeersPending {
+        /// Collectives the voter started in the committed topology (see [`Message::VoteOpened`]).
+        collectives: u64,
+    },
     /// Peer → master: this peer leaves the run.
     Leave,
     /// Peer → master: this peer could not open the data connections `epoch` asks to `peer`.
@@ -214,6 +249,8 @@ pub enum Message {
         override_resume: bool,
         /// The peer's tensors, sorted by name.
         entries: Vec<StateDigest>,
+        /// Collectives the voter started in the committed topology (see [`Message::VoteOpened`]).
+        collectives: u64,
     },
     /// Peer → master: this peer holds every tensor of sync `round` as planned, verified.
     SyncDone {
@@ -290,15 +327,27 @@ pub enum Message {
         /// The collective's number within the epoch.
         seq: u64,
     },
-    /// Master → peer: `voter` called `update_topology` after starting `collectives` collectives
-    /// of topology `epoch`. A member running a later one must abort it: it cannot complete.
-    TopologyVoteOpened {
+    /// Master → peer: `voter` made the call `vote` after starting `collectives` collectives of
+    /// topology `epoch`. A member of its group running a later one must abort it: it cannot
+    /// complete, since the voter waits in the vote.
+    VoteOpened {
+        /// The call the voter is in.
+        vote: Vote,
         /// The committed topology.
         epoch: Epoch,
         /// Who voted.
         voter: PeerId,
         /// The voter's count of collectives started in `epoch`.
         collectives: u64,
+    },
+    /// Master → peer: the `peers_pending` vote was abandoned, because the members made calls that
+    /// cannot complete together (voters' calls fail with `reason`), or not counted because a
+    /// topology was issued (`retry`: the voter joins it and votes again).
+    PeersPendingAborted {
+        /// The vote was refused for now, not abandoned: vote again once the topology is in force.
+        retry: bool,
+        /// Why.
+        reason: String,
     },
     /// Master → peer: the `update_topology` vote was abandoned, because a member ran a collective
     /// instead (voters' calls fail with `reason`), or this vote was not counted because a topology
@@ -389,11 +438,12 @@ mod kind {
     pub const OP_COMMITTED: u16 = 70;
     pub const OP_ABORTED: u16 = 71;
     pub const OP_QUERY: u16 = 72;
-    pub const TOPOLOGY_VOTE_OPENED: u16 = 73;
+    pub const VOTE_OPENED: u16 = 73;
     pub const TOPOLOGY_VOTE_ABORTED: u16 = 74;
     pub const SYNC_PLAN: u16 = 75;
     pub const SYNC_COMPLETE: u16 = 76;
     pub const SYNC_ABORTED: u16 = 77;
+    pub const PEERS_PENDING_ABORTED: u16 = 78;
     pub const PEER_HELLO: u16 = 128;
     pub const OP: u16 = 129;
     pub const FETCH_REQUEST: u16 = 130;
@@ -407,7 +457,7 @@ impl Message {
             Message::Heartbeat => kind::HEARTBEAT,
             Message::VoteUpdateTopology { .. } => kind::VOTE_UPDATE_TOPOLOGY,
             Message::TopologyReady { .. } => kind::TOPOLOGY_READY,
-            Message::VotePeersPending => kind::VOTE_PEERS_PENDING,
+            Message::VotePeersPending { .. } => kind::VOTE_PEERS_PENDING,
             Message::Leave => kind::LEAVE,
             Message::PeerUnreachable { .. } => kind::PEER_UNREACHABLE,
             Message::OpDone { .. } => kind::OP_DONE,
@@ -428,7 +478,8 @@ impl Message {
             Message::OpCommitted { .. } => kind::OP_COMMITTED,
             Message::OpAborted { .. } => kind::OP_ABORTED,
             Message::OpQuery { .. } => kind::OP_QUERY,
-            Message::TopologyVoteOpened { .. } => kind::TOPOLOGY_VOTE_OPENED,
+            Message::VoteOpened { .. } => kind::VOTE_OPENED,
+            Message::PeersPendingAborted { .. } => kind::PEERS_PENDING_ABORTED,
             Message::TopologyVoteAborted { .. } => kind::TOPOLOGY_VOTE_ABORTED,
             Message::PeerHello { .. } => kind::PEER_HELLO,
             Message::Op(_) => kind::OP,
@@ -442,7 +493,7 @@ impl Message {
             Message::Heartbeat => "Heartbeat",
             Message::VoteUpdateTopology { .. } => "VoteUpdateTopology",
             Message::TopologyReady { .. } => "TopologyReady",
-            Message::VotePeersPending => "VotePeersPending",
+            Message::VotePeersPending { .. } => "VotePeersPending",
             Message::Leave => "Leave",
             Message::PeerUnreachable { .. } => "PeerUnreachable",
             Message::OpDone { .. } => "OpDone",
@@ -463,7 +514,8 @@ impl Message {
             Message::OpCommitted { .. } => "OpCommitted",
             Message::OpAborted { .. } => "OpAborted",
             Message::OpQuery { .. } => "OpQuery",
-            Message::TopologyVoteOpened { .. } => "TopologyVoteOpened",
+            Message::VoteOpened { .. } => "VoteOpened",
+            Message::PeersPendingAborted { .. } => "PeersPendingAborted",
             Message::TopologyVoteAborted { .. } => "TopologyVoteAborted",
             Message::PeerHello { .. } => "PeerHello",
             Message::Op(_) => "Op",
@@ -478,7 +530,8 @@ impl Message {
                 w.str(data_addr);
             }
             Message::VoteUpdateTopology { collectives } => w.u64(*collectives),
-            Message::TopologyVoteOpened { epoch, voter, collectives } => {
+            Message::VoteOpened { vote, epoch, voter, collectives } => {
+                w.u8(*vote as u8);
                 w.u64(epoch.0);
                 w.u32(voter.0);
                 w.u64(*collectives);
@@ -487,8 +540,9 @@ impl Message {
                 w.bool(*retry);
                 w.str(reason);
             }
-            Message::SyncVote { revision, strategy, override_resume, entries } => {
+            Message::SyncVote { revision, strategy, override_resume, entries, collectives } => {
                 assert!(entries.len() <= MAX_STATE_ENTRIES, "state exceeds MAX_STATE_ENTRIES: a bug");
+                w.u64(*collectives);
                 w.u64(*revision);
                 w.u8(*strategy);
                 w.bool(*override_resume);
@@ -536,7 +590,12 @@ impl Message {
                 w.u64(*offset);
                 w.u64(*len);
             }
-            Message::Heartbeat | Message::VotePeersPending | Message::Leave => {}
+            Message::Heartbeat | Message::Leave => {}
+            Message::VotePeersPending { collectives } => w.u64(*collectives),
+            Message::PeersPendingAborted { retry, reason } => {
+                w.bool(*retry);
+                w.str(reason);
+            }
             Message::TopologyReady { epoch } | Message::TopologyCommitted { epoch } => w.u64(epoch.0),
             Message::PeerUnreachable { epoch, peer } => {
                 w.u64(epoch.0);
@@ -604,11 +663,15 @@ impl Message {
             kind::JOIN => Message::Join { group: GroupId(r.u32()?), data_addr: r.str()? },
             kind::HEARTBEAT => Message::Heartbeat,
             kind::VOTE_UPDATE_TOPOLOGY => Message::VoteUpdateTopology { collectives: r.u64()? },
-            kind::TOPOLOGY_VOTE_OPENED => {
-                Message::TopologyVoteOpened { epoch: Epoch(r.u64()?), voter: PeerId(r.u32()?), collectives: r.u64()? }
-            }
+            kind::VOTE_OPENED => Message::VoteOpened {
+                vote: Vote::from_code(r.u8()?)?,
+                epoch: Epoch(r.u64()?),
+                voter: PeerId(r.u32()?),
+                collectives: r.u64()?,
+            },
             kind::TOPOLOGY_VOTE_ABORTED => Message::TopologyVoteAborted { retry: r.bool("retry")?, reason: r.str()? },
             kind::SYNC_VOTE => {
+                let collectives = r.u64()?;
                 let (revision, strategy, override_resume) = (r.u64()?, r.u8()?, r.bool("override_resume")?);
                 let count = r.count(MAX_STATE_ENTRIES, 2 + 1 + 4 + 32 + 1)?;
                 let mut entries = Vec::with_capacity(count);
@@ -624,7 +687,7 @@ impl Message {
                         may_differ: r.bool("may_differ")?,
                     });
                 }
-                Message::SyncVote { revision, strategy, override_resume, entries }
+                Message::SyncVote { revision, strategy, override_resume, entries, collectives }
             }
             kind::SYNC_DONE => Message::SyncDone { round: r.u64()? },
             kind::SYNC_COMPLETE => Message::SyncComplete { round: r.u64()? },
@@ -653,7 +716,8 @@ impl Message {
                 len: r.u64()?,
             },
             kind::TOPOLOGY_READY => Message::TopologyReady { epoch: Epoch(r.u64()?) },
-            kind::VOTE_PEERS_PENDING => Message::VotePeersPending,
+            kind::VOTE_PEERS_PENDING => Message::VotePeersPending { collectives: r.u64()? },
+            kind::PEERS_PENDING_ABORTED => Message::PeersPendingAborted { retry: r.bool("retry")?, reason: r.str()? },
             kind::LEAVE => Message::Leave,
             kind::PEER_UNREACHABLE => Message::PeerUnreachable { epoch: Epoch(r.u64()?), peer: PeerId(r.u32()?) },
             kind::REGISTERED => {
@@ -738,12 +802,13 @@ mod tests {
 
     fn sync_message() -> impl Strategy<Value = Message> {
         prop_oneof![
-            (any::<u64>(), 1u8..4, any::<bool>(), prop::collection::vec(digest(), 0..6)).prop_map(
-                |(revision, strategy, override_resume, entries)| Message::SyncVote {
+            (any::<u64>(), 1u8..4, any::<bool>(), prop::collection::vec(digest(), 0..6), any::<u64>()).prop_map(
+                |(revision, strategy, override_resume, entries, collectives)| Message::SyncVote {
                     revision,
                     strategy,
                     override_resume,
-                    entries
+                    entries,
+                    collectives
                 }
             ),
             any::<u64>().prop_map(|round| Message::SyncDone { round }),
@@ -784,12 +849,14 @@ mod tests {
             (any::<u32>(), ".{0,64}").prop_map(|(g, a)| Message::Join { group: GroupId(g), data_addr: a }),
             Just(Message::Heartbeat),
             any::<u64>().prop_map(|collectives| Message::VoteUpdateTopology { collectives }),
-            (any::<u64>(), any::<u32>(), any::<u64>()).prop_map(|(e, v, collectives)| {
-                Message::TopologyVoteOpened { epoch: Epoch(e), voter: PeerId(v), collectives }
+            (1u8..4, any::<u64>(), any::<u32>(), any::<u64>()).prop_map(|(k, e, v, collectives)| {
+                let vote = Vote::from_code(k).expect("a vote code");
+                Message::VoteOpened { vote, epoch: Epoch(e), voter: PeerId(v), collectives }
             }),
             (any::<bool>(), ".{0,100}").prop_map(|(retry, reason)| Message::TopologyVoteAborted { retry, reason }),
             any::<u64>().prop_map(|e| Message::TopologyReady { epoch: Epoch(e) }),
-            Just(Message::VotePeersPending),
+            any::<u64>().prop_map(|collectives| Message::VotePeersPending { collectives }),
+            (any::<bool>(), ".{0,100}").prop_map(|(retry, reason)| Message::PeersPendingAborted { retry, reason }),
             Just(Message::Leave),
             (any::<u64>(), any::<u32>())
                 .prop_map(|(e, p)| Message::PeerUnreachable { epoch: Epoch(e), peer: PeerId(p) }),
@@ -837,7 +904,7 @@ mod tests {
         #[test]
         fn decoding_arbitrary_bytes_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..200)) {
             let _ = decode_frame(&bytes);
-            for kind in [1u16, 2, 7, 8, 9, 64, 65, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 10, 11, 12, 130, 128, 129, 999] {
+            for kind in [1u16, 2, 5, 7, 8, 9, 64, 65, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 10, 11, 12, 130, 128, 129, 999] {
                 let _ = Message::decode_body(kind, &bytes);
             }
         }

@@ -10,13 +10,14 @@
 //!
 //! The run has one [`Phase`] at a time. `peers_pending` votes are independent of the phase.
 
+mod calls;
 mod ops;
 mod sync;
 mod timers;
 
 use crate::ballot::Ballot;
 pub use ops::MAX_TRACKED_OPS;
-use shoal_wire::{Epoch, GroupId, Member, Message, PeerId, SessionId};
+use shoal_wire::{Epoch, GroupId, Member, Message, PeerId, SessionId, Vote};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 pub use sync::Strategy;
@@ -110,6 +111,9 @@ pub enum Phase {
         members: Vec<PeerId>,
         /// Members that reported `TopologyReady`.
         ready: BTreeSet<PeerId>,
+        /// Once every member accepted before is ready: when newcomers not ready by then are
+        /// dropped (a process that accepts connections but never reports must not stall the run).
+        newcomers_by: Option<Instant>,
     },
 }
 
@@ -129,6 +133,8 @@ struct PeerEntry {
     addr: String,
     status: Status,
     last_heard: Instant,
+    /// Admitted by the accepted peers' vote and has made no call since (`calls.rs`).
+    fresh: bool,
 }
 
 /// The master's protocol state machine.
@@ -231,13 +237,19 @@ impl Master {
         match message {
             Message::Heartbeat => {}
             Message::VoteUpdateTopology { collectives } if accepted => self.vote_update_topology(peer, collectives),
-            Message::VotePeersPending if accepted => self.vote_peers_pending(peer),
-            Message::TopologyReady { epoch } => self.topology_ready(peer, epoch),
+            Message::VotePeersPending { collectives } if accepted => self.vote_peers_pending(peer, collectives),
+            Message::TopologyReady { epoch } => self.topology_ready(now, peer, epoch),
             Message::PeerUnreachable { epoch, peer: target } => self.peer_unreachable(peer, epoch, target),
-            Message::OpDone { epoch, seq, decided } => self.op_done(peer, epoch, seq, decided),
-            Message::OpFailed { epoch, seq, failure } => self.op_failed(peer, epoch, seq, failure),
-            Message::SyncVote { revision, strategy, override_resume, entries } if accepted => {
-                self.sync_vote(peer, revision, strategy, override_resume, entries)
+            Message::OpDone { epoch, seq, decided } => {
+                self.made_a_call(peer);
+                self.op_done(peer, epoch, seq, decided)
+            }
+            Message::OpFailed { epoch, seq, failure } => {
+                self.made_a_call(peer);
+                self.op_failed(peer, epoch, seq, failure)
+            }
+            Message::SyncVote { revision, strategy, override_resume, entries, collectives } if accepted => {
+                self.sync_vote(peer, revision, strategy, override_resume, entries, collectives)
             }
             Message::SyncDone { round } if accepted => self.sync_done(peer, round),
             Message::SyncFailed { round, reason } if accepted => self.sync_failed(peer, round, reason),
@@ -271,6 +283,7 @@ impl Master {
                 }
                 // Only a wake-up: the scan for silent peers below runs on every timeout.
                 Timer::CheckHeartbeats => {}
+                Timer::NewcomersReady => self.drop_late_newcomers(now),
             }
         }
         let timeout = self.config.heartbeat_timeout;
@@ -308,7 +321,14 @@ impl Master {
         };
         let peer = PeerId(self.next_peer);
         self.next_peer = self.next_peer.checked_add(1).expect("peer ids exhausted");
-        let entry = PeerEntry { conn, group, addr: data_addr.clone(), status: Status::Registered, last_heard: now };
+        let entry = PeerEntry {
+            conn,
+            group,
+            addr: data_addr.clone(),
+            status: Status::Registered,
+            last_heard: now,
+            fresh: false,
+        };
         self.peers.insert(peer, entry);
         self.conns.insert(conn, peer);
         self.outputs.push_back(Output::Event(MasterEvent::PeerRegistered { peer, group, addr: data_addr }));
@@ -341,48 +361,51 @@ impl Master {
     }
 
     fn vote_update_topology(&mut self, peer: PeerId, collectives: u64) {
-        let group = self.peers[&peer].group;
-        if self.syncs.contains_key(&group) {
-            let reason = format!("{peer} called update_topology while its group runs sync_shared_state");
-            self.abort_sync(group, false, reason);
+        if let Phase::AwaitingConnections { epoch, .. } = self.phase {
+            // A retry that crossed a topology issued meanwhile (a member was lost): not counted;
+            // the voter joins that topology and votes again.
+            let reason =
+                format!("{peer} called update_topology while topology {} was being connected; call it again", epoch.0);
+            return self.send_to_peer(peer, Message::TopologyVoteAborted { retry: true, reason });
         }
-        // Members still running a collective this voter never started must hear of the vote:
-        // that collective cannot complete, and the vote cannot pass while they run it.
-        let (epoch, ring) = (self.ring_epoch, self.ring.clone());
-        for p in ring.into_iter().filter(|p| *p != peer) {
-            self.send_to_peer(p, Message::TopologyVoteOpened { epoch, voter: peer, collectives });
+        if !self.admit_vote(peer, Vote::UpdateTopology, collectives) {
+            return;
         }
         match &mut self.phase {
             Phase::Idle => {
                 let mut ballot = Ballot::new(self.ring.iter().copied().collect());
+                ballot.announce(self.peers[&peer].group, collectives);
                 ballot.cast(peer);
                 self.set_phase(Phase::AwaitingTopologyVotes { ballot });
             }
             Phase::AwaitingTopologyVotes { ballot } => ballot.cast(peer),
-            Phase::AwaitingConnections { epoch, .. } => {
-                // A retry that crossed a topology issued meanwhile (a member was lost): the
-                // call fails, the caller's next call follows the new topology.
-                let reason = format!(
-                    "{peer} called update_topology while topology {} was being connected; call it again",
-                    epoch.0
-                );
-                return self.send_to_peer(peer, Message::TopologyVoteAborted { retry: true, reason });
-            }
+            Phase::AwaitingConnections { .. } => unreachable!("refused above"),
         }
         self.tally_topology_votes();
     }
 
-    /// A member ran a collective while others voted to change the topology: neither can
-    /// finish, so both end with an error naming the other.
-    fn abandon_topology_vote(&mut self, reason: String) {
-        if !matches!(self.phase, Phase::AwaitingTopologyVotes { .. }) {
+    /// Newcomers that did not report ready a heartbeat timeout after every accepted member did are
+    /// expelled; the topology is issued again without them.
+    fn drop_late_newcomers(&mut self, now: Instant) {
+        let Phase::AwaitingConnections { epoch, members, ready, newcomers_by: Some(by) } = &self.phase else {
             return;
+        };
+        if now < *by {
+            return self.timers.set(Timer::NewcomersReady, *by);
         }
-        log::warn!("update_topology vote abandoned: {reason}");
-        for p in self.ring.clone() {
-            self.send_to_peer(p, Message::TopologyVoteAborted { retry: false, reason: reason.clone() });
+        let (epoch, bound) = (*epoch, self.config.heartbeat_timeout.as_secs_f64());
+        let late: Vec<PeerId> = members.iter().copied().filter(|p| !ready.contains(p)).collect();
+        for p in late {
+            let reason = format!("not ready in topology {} {bound:.1} s after the accepted peers", epoch.0);
+            self.remove_peer(p, reason, true);
         }
-        self.set_phase(Phase::Idle);
+    }
+
+    /// `peer` reported on a collective: it is no newcomer at the top of its loop any more.
+    fn made_a_call(&mut self, peer: PeerId) {
+        if let Some(e) = self.peers.get_mut(&peer) {
+            e.fresh = false;
+        }
     }
 
     fn tally_topology_votes(&mut self) {
@@ -408,6 +431,13 @@ impl Master {
         // one (the ring re-forms without waiting for anyone's call) may yet report on it.
         self.reform_due = false;
         self.abort_every_sync("the topology changed during the sync");
+        // Its members join it at their next call: a peers_pending vote cast before cannot pass.
+        if let Some(ballot) = self.pending_vote.take() {
+            let reason = format!("topology {} was issued during the vote", epoch.0);
+            for p in ballot.voters().clone() {
+                self.send_to_peer(p, Message::PeersPendingAborted { retry: true, reason: reason.clone() });
+            }
+        }
         let wire_members: Vec<Member> = members
             .iter()
             .map(|p| {
@@ -420,11 +450,11 @@ impl Master {
             self.send(conn, Message::Topology { epoch, members: wire_members.clone() });
         }
         self.outputs.push_back(Output::Event(MasterEvent::TopologyIssued { epoch, members: members.clone() }));
-        self.set_phase(Phase::AwaitingConnections { epoch, members, ready: BTreeSet::new() });
+        self.set_phase(Phase::AwaitingConnections { epoch, members, ready: BTreeSet::new(), newcomers_by: None });
     }
 
-    fn topology_ready(&mut self, peer: PeerId, epoch: Epoch) {
-        let Phase::AwaitingConnections { epoch: current, members, ready } = &mut self.phase else {
+    fn topology_ready(&mut self, now: Instant, peer: PeerId, epoch: Epoch) {
+        let Phase::AwaitingConnections { epoch: current, members, ready, newcomers_by } = &mut self.phase else {
             return; // A late report for a topology that was replaced.
         };
         if epoch != *current {
@@ -435,11 +465,27 @@ impl Master {
         }
         ready.insert(peer);
         if ready.len() < members.len() {
+            let peers = &self.peers;
+            let accepted_ready = members
+                .iter()
+                .filter(|p| peers.get(p).is_some_and(|e| e.status == Status::Accepted))
+                .all(|p| ready.contains(p));
+            if accepted_ready && newcomers_by.is_none() {
+                let at = now + self.config.heartbeat_timeout;
+                *newcomers_by = Some(at);
+                self.timers.set(Timer::NewcomersReady, at);
+            }
             return;
         }
+        self.timers.clear(Timer::NewcomersReady);
         let members = members.clone();
+        // Newcomers admitted by the accepted peers' vote (not the first peers of a run).
+        let by_vote = !self.ring.is_empty();
         for p in &members {
             let e = self.peers.get_mut(p).expect("members are known peers");
+            if e.status == Status::Registered {
+                e.fresh = by_vote;
+            }
             e.status = Status::Accepted;
             let conn = e.conn;
             self.send(conn, Message::TopologyCommitted { epoch });
@@ -465,9 +511,19 @@ impl Master {
         self.remove_peer(target, format!("{reporter} could not connect to it"), true);
     }
 
-    fn vote_peers_pending(&mut self, peer: PeerId) {
-        let ring = &self.ring;
+    fn vote_peers_pending(&mut self, peer: PeerId, collectives: u64) {
+        if let Phase::AwaitingConnections { epoch, .. } = self.phase {
+            // Sent before the voter saw the topology: the members that did wait for the voter to
+            // join it, and the vote for them. Not counted: the voter joins and votes again.
+            let reason = format!("{peer} called peers_pending while topology {} was being connected", epoch.0);
+            return self.send_to_peer(peer, Message::PeersPendingAborted { retry: true, reason });
+        }
+        if !self.admit_vote(peer, Vote::PeersPending, collectives) {
+            return;
+        }
+        let (ring, group) = (&self.ring, self.peers[&peer].group);
         let ballot = self.pending_vote.get_or_insert_with(|| Ballot::new(ring.iter().copied().collect()));
+        ballot.announce(group, collectives);
         ballot.cast(peer);
         self.tally_pending_votes();
     }

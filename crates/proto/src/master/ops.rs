@@ -79,7 +79,7 @@ impl Master {
             None => {
                 log::info!("collective {seq} of topology {} failed at {peer}: {}", epoch.0, failure.reason);
                 if failure.kind == FailureKind::Misuse {
-                    self.abandon_topology_vote(failure.reason.clone());
+                    self.abandon_votes(key.0, &failure.reason);
                 }
                 let record = self.ops.get_mut(&key).expect("still tracked");
                 record.outcome = Some(Outcome::Aborted(failure.clone()));

@@ -50,6 +50,18 @@ pub(super) struct SyncRound {
     transfer: Option<Transfer>,
 }
 
+impl SyncRound {
+    /// The ballot, while the sync is still voting (no plan sent yet).
+    pub(super) fn voting(&self) -> Option<&Ballot> {
+        self.transfer.is_none().then_some(&self.ballot)
+    }
+
+    /// The ballot, mutably, while the sync is still voting.
+    pub(super) fn voting_mut(&mut self) -> Option<&mut Ballot> {
+        self.transfer.is_none().then_some(&mut self.ballot)
+    }
+}
+
 #[derive(Debug)]
 struct Transfer {
     revision: u64,
@@ -75,13 +87,19 @@ impl Master {
         strategy: u8,
         override_resume: bool,
         entries: Vec<StateDigest>,
+        collectives: u64,
     ) {
         let Some(strategy) = Strategy::from_code(strategy) else {
             return self.violation(peer, format!("unknown sync strategy {strategy}"));
         };
-        if !matches!(self.phase, super::Phase::Idle) {
-            let reason = format!("{peer} called sync_shared_state while update_topology is in progress");
-            return self.send_to_peer(peer, Message::SyncAborted { round: 0, retryable: false, reason });
+        if let super::Phase::AwaitingConnections { epoch, .. } = self.phase {
+            // A call that crossed a topology issued meanwhile (a member was lost): retryable, and
+            // the retry joins that topology first.
+            let reason = format!("topology {} was being connected when {peer} called sync_shared_state", epoch.0);
+            return self.send_to_peer(peer, Message::SyncAborted { round: 0, retryable: true, reason });
+        }
+        if !self.admit_vote(peer, shoal_wire::Vote::SyncSharedState, collectives) {
+            return;
         }
         let group = self.peers[&peer].group;
         if !self.syncs.contains_key(&group) {
@@ -99,6 +117,7 @@ impl Master {
         if sync.transfer.is_some() || sync.votes.contains_key(&peer) || !sync.ballot.is_eligible(peer) {
             return self.violation(peer, "sync vote outside of a sync's voting".into());
         }
+        sync.ballot.announce(group, collectives);
         sync.ballot.cast(peer);
         sync.votes.insert(peer, Vote { revision, strategy, override_resume, entries });
         self.tally_sync(group);
@@ -143,9 +162,10 @@ impl Master {
         let Some(sync) = self.syncs.remove(&group) else { return };
         log::warn!("sync {} aborted: {reason}", sync.round);
         let reason = truncate(reason, MAX_STRING_BYTES);
+        // While voting, every member of the group hears of it: the vote was announced to them.
         let voters: Vec<PeerId> = match &sync.transfer {
             Some(t) => t.participants.iter().copied().collect(),
-            None => sync.votes.keys().copied().collect(),
+            None => self.group_ring(group),
         };
         for p in voters {
             self.send_to_peer(p, Message::SyncAborted { round: sync.round, retryable, reason: reason.clone() });

@@ -85,8 +85,8 @@ fn newcomer_waits_until_every_accepted_peer_votes() {
     let out = h.join(3);
     assert_eq!(issued_epoch(&out, 3), None, "a newcomer is only registered");
     // peers_pending is a vote too: the answer comes once both accepted peers asked.
-    assert!(sent_to(&h.send(1, Message::VotePeersPending), 1).is_empty());
-    let out = h.send(2, Message::VotePeersPending);
+    assert!(sent_to(&h.send(1, Message::VotePeersPending { collectives: 1 }), 1).is_empty());
+    let out = h.send(2, Message::VotePeersPending { collectives: 1 });
     for c in [1, 2] {
         assert_eq!(sent_to(&out, c), vec![&Message::PeersPendingResult { pending: true }]);
     }
@@ -336,7 +336,7 @@ fn a_vote_while_a_topology_connects_is_refused_not_expelled() {
 fn a_collective_run_during_an_admission_vote_abandons_the_vote() {
     let (mut h, epoch) = run_with(3);
     let out = h.send(1, Message::VoteUpdateTopology { collectives: 7 });
-    let opened = Message::TopologyVoteOpened { epoch, voter: PeerId(0), collectives: 7 };
+    let opened = Message::VoteOpened { vote: Vote::UpdateTopology, epoch, voter: PeerId(0), collectives: 7 };
     assert_eq!((sent_to(&out, 2), sent_to(&out, 3)), (vec![&opened], vec![&opened]));
     // Peer 1 was running collective 7, which the voter never started.
     let failure = OpFailure::new(FailureKind::Misuse, PeerId(1), "peer#0 called update_topology");
@@ -354,7 +354,10 @@ fn digest(name: &str, hash: u8) -> StateDigest {
 
 fn vote(h: &mut Harness, conn: u64, revision: u64, strategy: Strategy, hashes: &[u8]) -> Vec<Output> {
     let entries = hashes.iter().enumerate().map(|(i, x)| digest(&format!("t{i}"), *x)).collect();
-    h.send(conn, Message::SyncVote { revision, strategy: strategy as u8, override_resume: false, entries })
+    h.send(
+        conn,
+        Message::SyncVote { revision, strategy: strategy as u8, override_resume: false, entries, collectives: 0 },
+    )
 }
 
 fn plan(out: &[Output], conn: u64) -> Option<(u64, u64, Vec<PlanEntry>)> {
@@ -367,7 +370,7 @@ fn plan(out: &[Output], conn: u64) -> Option<(u64, u64, Vec<PlanEntry>)> {
 #[test]
 fn a_sync_elects_the_popular_state_and_plans_striped_repairs() {
     let (mut h, _) = run_with(3);
-    assert!(vote(&mut h, 1, 0, Strategy::EnforcePopular, &[1, 5]).is_empty());
+    assert_eq!(plan(&vote(&mut h, 1, 0, Strategy::EnforcePopular, &[1, 5]), 1), None);
     vote(&mut h, 2, 0, Strategy::EnforcePopular, &[1, 6]);
     let out = vote(&mut h, 3, 0, Strategy::EnforcePopular, &[2, 6]);
     let (round, revision, p3) = plan(&out, 3).expect("everyone voted");
@@ -453,4 +456,100 @@ fn a_late_report_about_the_old_ring_never_decides_the_same_number_in_the_new_one
     assert!(sent_to(&out, 3).iter().any(|m| matches!(m, Message::OpAborted { seq: 12, .. })), "{out:?}");
     let out = h.send(3, done(new, 12, false));
     assert!(matches!(sent_to(&out, 3)[..], [Message::OpAborted { .. }]), "{out:?}");
+}
+
+/// PCCL's loop: `peers_pending`, `update_topology`, then the sync. A newcomer's first call is
+/// `peers_pending` while the others, who admitted it, already wait in the sync: it is answered
+/// `false` at once (it must go on to the sync), and its next `peers_pending` is a vote again.
+#[test]
+fn a_newcomers_first_peers_pending_sends_it_on_to_the_others_call() {
+    let (mut h, _) = run_with(3);
+    vote(&mut h, 1, 0, Strategy::EnforcePopular, &[1]);
+    vote(&mut h, 2, 0, Strategy::EnforcePopular, &[1]);
+    let out = h.send(3, Message::VotePeersPending { collectives: 0 });
+    assert_eq!(sent_to(&out, 3), vec![&Message::PeersPendingResult { pending: false }]);
+    let out = vote(&mut h, 3, 0, Strategy::EnforcePopular, &[1]);
+    assert!(plan(&out, 3).is_some(), "the sync goes on with the newcomer");
+    // Not fresh any more: its next peers_pending waits for the others like anyone's.
+    assert!(sent_to(&h.send(3, Message::VotePeersPending { collectives: 0 }), 3).is_empty());
+}
+
+/// Two votes that wait for each other can never pass: both end at once, every voter told who
+/// called what, instead of both waiting for SHOAL_TIMEOUT.
+#[test]
+fn votes_that_wait_for_each_other_end_together_with_a_usage_error() {
+    let (mut h, _) = run_with(3);
+    h.send(1, Message::VotePeersPending { collectives: 2 });
+    h.send(2, Message::VotePeersPending { collectives: 2 });
+    let out = vote(&mut h, 3, 0, Strategy::EnforcePopular, &[1]);
+    for conn in [1, 2] {
+        match sent_to(&out, conn).iter().find(|m| matches!(m, Message::PeersPendingAborted { .. })) {
+            Some(Message::PeersPendingAborted { retry: false, reason }) => assert!(
+                reason.contains("peer#2 called sync_shared_state")
+                    && reason.contains("peer#0, peer#1 called peers_pending"),
+                "{reason}"
+            ),
+            other => panic!("{other:?} in {out:?}"),
+        }
+    }
+    assert!(sent_to(&out, 3).iter().any(|m| matches!(m, Message::SyncAborted { retryable: false, .. })), "{out:?}");
+    // Nothing is left open: the same calls made together pass.
+    assert_eq!(h.master.phase(), &Phase::Idle);
+    for c in 1..=2 {
+        h.send(c, Message::VotePeersPending { collectives: 2 });
+    }
+    let out = h.send(3, Message::VotePeersPending { collectives: 2 });
+    assert!(sent_to(&out, 3).contains(&&Message::PeersPendingResult { pending: false }));
+}
+
+/// Every vote is announced to the voter's group once per ballot (again only for a voter that had
+/// started fewer collectives), so that a member running a collective the voter never started
+/// gives it up; its report abandons the vote for everyone.
+#[test]
+fn a_vote_is_announced_to_the_group_and_a_collective_it_blocks_abandons_it() {
+    let (mut h, epoch) = run_with(3);
+    let out = h.send(1, Message::VotePeersPending { collectives: 4 });
+    let opened = Message::VoteOpened { vote: Vote::PeersPending, epoch, voter: PeerId(0), collectives: 4 };
+    assert_eq!((sent_to(&out, 2), sent_to(&out, 3)), (vec![&opened], vec![&opened]));
+    let out = h.send(2, Message::VotePeersPending { collectives: 4 });
+    assert!(sent_to(&out, 3).is_empty(), "announced already: {out:?}");
+    let failure = OpFailure::new(FailureKind::Misuse, PeerId(2), "peer#0 called peers_pending after 4 collectives");
+    let out = h.send(3, Message::OpFailed { epoch, seq: 4, failure });
+    for conn in [1, 2] {
+        assert!(sent_to(&out, conn).iter().any(|m| matches!(m, Message::PeersPendingAborted { .. })), "{out:?}");
+    }
+}
+
+/// A newcomer whose port accepts connections but which never reports ready once stalled every
+/// accepted peer's update_topology until its timeout. It is dropped a heartbeat timeout after the
+/// accepted members are ready, and the topology is issued again without it.
+#[test]
+fn a_newcomer_that_never_reports_ready_is_dropped_and_the_rest_go_on() {
+    let (mut h, _) = run_with(2);
+    h.join(3);
+    h.send(1, Message::VoteUpdateTopology { collectives: 0 });
+    let out = h.send(2, Message::VoteUpdateTopology { collectives: 0 });
+    let epoch = issued_epoch(&out, 3).unwrap();
+    h.send(1, Message::TopologyReady { epoch });
+    h.send(2, Message::TopologyReady { epoch });
+    let due = h.master.poll_timeout().unwrap();
+    assert!(due <= h.now + Duration::from_secs(2), "bounded by the heartbeat timeout");
+    // The accepted members stay alive (heartbeats); the newcomer only keeps its connection.
+    for step in [1000, 900, 200] {
+        h.now += Duration::from_millis(step);
+        for c in [1, 2, 3] {
+            h.send(c, Message::Heartbeat);
+        }
+        h.master.handle_timeout(h.now);
+        if step != 200 {
+            assert!(h.drain().iter().all(|o| !matches!(o, Output::Send { message: Message::Kicked { .. }, .. })));
+        }
+    }
+    let out = h.drain();
+    assert!(sent_to(&out, 3).iter().any(|m| matches!(m, Message::Kicked { reason } if reason.contains("not ready"))));
+    let again = issued_epoch(&out, 1).expect("issued again without it");
+    h.send(1, Message::TopologyReady { epoch: again });
+    let out = h.send(2, Message::TopologyReady { epoch: again });
+    assert!(sent_to(&out, 1).contains(&&Message::TopologyCommitted { epoch: again }));
+    assert_eq!(h.master.ring(), &[PeerId(0), PeerId(1)]);
 }

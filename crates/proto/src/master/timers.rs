@@ -10,6 +10,9 @@ pub enum Timer {
     SendHeartbeats,
     /// The oldest peer's silence reaches the heartbeat timeout: check who is overdue.
     CheckHeartbeats,
+    /// Newcomers of an issued topology are overdue with their `TopologyReady`: every accepted
+    /// member is ready, and a newcomer that can be reached is ready within moments.
+    NewcomersReady,
 }
 
 /// Deadlines indexed by [`Timer`]; at most one per timer.

@@ -1,0 +1,119 @@
+//! Calls that cannot complete together (`docs/protocol.md`, "No call waits for a call that will
+//! never come").
+//!
+//! The master sees the votes: `update_topology`, `peers_pending` and `sync_shared_state`. A peer
+//! is in one call at a time, so a vote that waits for a peer which is in another vote, whose
+//! ballot in turn waits for this voter, can never pass: both end at once with a usage error that
+//! names who called what. A collective is invisible to the master, so every vote is announced to
+//! the voter's group with the number of collectives the voter had started (`VoteOpened`): a
+//! member running a later one knows the voter will never join it, gives it up (`OpFailed` with
+//! `Misuse`), and the master then abandons the votes of that group.
+//!
+//! One combination is not a mistake: a peer admitted by the last vote whose first call is
+//! `peers_pending` is at the top of a loop iteration the others already passed (PCCL's loop:
+//! `peers_pending`, `update_topology`, then the sync and collectives). It is answered `false` at
+//! once, which sends it on to the call the others are in.
+
+use super::{Master, Phase};
+use shoal_wire::{GroupId, Message, PeerId, Vote};
+use std::collections::BTreeSet;
+
+impl Master {
+    /// Checks the vote of `peer` in `vote`, having started `collectives` collectives of the
+    /// committed topology, against the calls its group is in; announces it to the group. False
+    /// when the vote must not be cast: it was answered or abandoned here.
+    pub(super) fn admit_vote(&mut self, peer: PeerId, vote: Vote, collectives: u64) -> bool {
+        let entry = self.peers.get_mut(&peer).expect("votes come from known peers");
+        let (group, fresh) = (entry.group, std::mem::take(&mut entry.fresh));
+        if vote == Vote::PeersPending && fresh && collectives == 0 {
+            log::debug!("{peer}'s first call since its admission is peers_pending: false, at once");
+            self.send_to_peer(peer, Message::PeersPendingResult { pending: false });
+            return false;
+        }
+        if let Some((other, voters)) = self.vote_awaiting(peer, vote) {
+            let voters: Vec<String> = voters.iter().map(ToString::to_string).collect();
+            let reason = format!(
+                "{peer} called {} while {} called {}: every accepted peer must make the same calls in the \
+                 same order",
+                vote.call(),
+                voters.join(", "),
+                other.call()
+            );
+            log::warn!("{reason}");
+            self.abandon_votes(group, &reason);
+            self.refuse(peer, vote, reason);
+            return false;
+        }
+        let announce = match vote {
+            Vote::UpdateTopology => match &mut self.phase {
+                Phase::AwaitingTopologyVotes { ballot } => ballot.announce(group, collectives),
+                _ => true,
+            },
+            Vote::PeersPending => self.pending_vote.as_mut().is_none_or(|b| b.announce(group, collectives)),
+            Vote::SyncSharedState => {
+                self.syncs.get_mut(&group).and_then(|s| s.voting_mut()).is_none_or(|b| b.announce(group, collectives))
+            }
+        };
+        if announce {
+            let epoch = self.ring_epoch;
+            for p in self.group_ring(group).into_iter().filter(|p| *p != peer) {
+                self.send_to_peer(p, Message::VoteOpened { vote, epoch, voter: peer, collectives });
+            }
+        }
+        true
+    }
+
+    /// A member of `group` gave up a collective because others wait in a vote, or two votes wait
+    /// for each other: every open vote the group's members are in ends with `reason`. Every
+    /// member hears of it, voter or not, so that none keeps the announcement of a dead vote.
+    pub(super) fn abandon_votes(&mut self, group: GroupId, reason: &str) {
+        if matches!(self.phase, Phase::AwaitingTopologyVotes { .. }) {
+            log::warn!("update_topology vote abandoned: {reason}");
+            for p in self.ring.clone() {
+                self.send_to_peer(p, Message::TopologyVoteAborted { retry: false, reason: reason.to_string() });
+            }
+            self.set_phase(Phase::Idle);
+        }
+        if self.pending_vote.take().is_some() {
+            log::warn!("peers_pending vote abandoned: {reason}");
+            for p in self.ring.clone() {
+                self.send_to_peer(p, Message::PeersPendingAborted { retry: false, reason: reason.to_string() });
+            }
+        }
+        if self.syncs.get(&group).is_some_and(|s| s.voting().is_some()) {
+            self.abort_sync(group, false, reason.to_string());
+        }
+    }
+
+    /// An open vote of another kind than `vote` that has votes and waits for `peer`, which is
+    /// in `vote`: (its kind, its voters).
+    fn vote_awaiting(&self, peer: PeerId, vote: Vote) -> Option<(Vote, BTreeSet<PeerId>)> {
+        let group = self.peers[&peer].group;
+        let topology = match &self.phase {
+            Phase::AwaitingTopologyVotes { ballot } => Some((Vote::UpdateTopology, ballot)),
+            _ => None,
+        };
+        let pending = self.pending_vote.as_ref().map(|b| (Vote::PeersPending, b));
+        let sync = self.syncs.get(&group).and_then(|s| s.voting()).map(|b| (Vote::SyncSharedState, b));
+        [topology, pending, sync]
+            .into_iter()
+            .flatten()
+            .find(|(kind, ballot)| *kind != vote && ballot.awaits(peer))
+            .map(|(kind, ballot)| (kind, ballot.voters().clone()))
+    }
+
+    /// Ends `peer`'s call `vote` with a usage error, without casting it.
+    fn refuse(&mut self, peer: PeerId, vote: Vote, reason: String) {
+        let message = match vote {
+            Vote::UpdateTopology => Message::TopologyVoteAborted { retry: false, reason },
+            Vote::PeersPending => Message::PeersPendingAborted { retry: false, reason },
+            Vote::SyncSharedState => Message::SyncAborted { round: 0, retryable: false, reason },
+        };
+        self.send_to_peer(peer, message);
+    }
+
+    /// The committed ring's members of `group`, in ring order.
+    pub(super) fn group_ring(&self, group: GroupId) -> Vec<PeerId> {
+        self.ring.iter().copied().filter(|p| self.peers.get(p).is_some_and(|e| e.group == group)).collect()
+    }
+}
