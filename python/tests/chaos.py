@@ -67,7 +67,9 @@ def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive
             return peer_hosts[i % len(peer_hosts)]
 
         def start(i: int) -> None:
+            # Odd peers only retry a failed call; even ones vote update_topology first (README).
             spec = {"master": address, "index": i, "log": str(workdir / f"peer{i}.jsonl"),
+                    "retry_only": i % 2 == 1,
                     "stop": str(stop), "call_timeout": CALL_TIMEOUT, "may_be_cut_off": bool(lab),
                     "heartbeat_timeout": CUT_OFF_HEARTBEAT_TIMEOUT if lab else None}
             argv = [sys.executable, str(WORKER), "chaos", json.dumps(spec)]

@@ -201,8 +201,10 @@ def admission_misuse(spec: dict) -> dict:
     comm = shoal.Communicator(spec["master"], timeout=30)
     comm.connect(timeout=30)
     join_all(comm, spec["peers"])
-    started = time.time()
     x = np.arange(1000, dtype=np.float32)
+    if spec["index"] == 0:
+        time.sleep(0.3)  # the others are in their all-reduce: one round of errors, not two
+    started = time.time()
     try:
         if spec["index"] == 0:
             comm.update_topology()
@@ -224,8 +226,9 @@ def chaos(spec: dict) -> dict:
     JSON-lines file as it ends (this process may be killed at any instant). The state moves with
     every all-reduce's result and is synced after it, so a newcomer (arriving with zeros) is
     repaired and every peer's state hash must then be equal at every revision. Calls follow what
-    every peer sees: after each fifth collective of a topology ask peers_pending; after a failure
-    vote update_topology."""
+    every peer sees: after each fifth collective of a topology ask peers_pending. A failed call is
+    retried; before the retry, after PeerLostError, the README's loop votes update_topology, and a
+    ``retry_only`` peer does not."""
     comm = shoal.Communicator(spec["master"], timeout=spec["call_timeout"], heartbeat_timeout=spec.get("heartbeat_timeout"))
     log = open(spec["log"], "a")
 
@@ -245,9 +248,13 @@ def chaos(spec: dict) -> dict:
         pattern = (np.arange(1 << 18) % 13 + 1).astype(np.float32)
         w = np.zeros(1 << 16, np.float32)
         state, synced = shoal.SharedState({"w": w}), 0
-        next_call, pending_due, resume = "all_reduce", False, False
+        next_call, pending_due, resume, vote_first = "all_reduce", False, False, False
         while not os.path.exists(spec["stop"]):
             try:
+                if vote_first:
+                    vote_first = False
+                    timed("update_topology", comm.update_topology)
+                    continue
                 if next_call == "peers_pending":
                     next_call = "update_topology" if timed("peers_pending", comm.peers_pending) else "all_reduce"
                     continue
@@ -281,7 +288,7 @@ def chaos(spec: dict) -> dict:
                 lost = re.search(r"last agreed on \(revision (\d+)\)", str(e))
                 if lost:
                     resume, synced = True, int(lost.group(1))
-                next_call = "update_topology"
+                vote_first = isinstance(e, shoal.PeerLostError) and not spec.get("retry_only")
     except shoal.KickedError as e:
         record(kicked=str(e))
     except shoal.MasterUnreachableError as e:
@@ -444,6 +451,85 @@ def mismatch(spec: dict) -> dict:
     return {"error": error, "after": float(y[0]), "me": comm.peer_id, "odd": spec["index"] == 1}
 
 
+def loop(spec: dict) -> dict:
+    """The loops users write, over a shared state: ``shape`` "readme" (sync, all_reduce, then
+    peers_pending / update_topology; update_topology after PeerLostError), "retry" (the same,
+    but a failure is only retried) or "pccl" (peers_pending / update_topology at the top, then
+    sync and all_reduce; a failure goes back to the top). Runs until revision ``steps``; records
+    every step's revision, world and state hash, every error, and the longest call."""
+    comm = shoal.Communicator(spec["master"], timeout=30, heartbeat_timeout=spec.get("heartbeat_timeout"))
+    comm.connect(timeout=30)
+    print(json.dumps({"ready": comm.peer_id}), flush=True)
+    w = np.zeros(1024, np.float32)
+    state, shape = shoal.SharedState({"w": w}), spec["shape"]
+    step, steps, errors, longest = 0, [], [], [0.0, ""]
+
+    def timed(name: str, call):
+        started = time.time()
+        try:
+            return call()
+        finally:
+            if time.time() - started > longest[0]:
+                longest[:] = [time.time() - started, name]
+
+    while step < spec["steps"]:
+        try:
+            if shape == "pccl" and timed("peers_pending", comm.peers_pending):
+                timed("update_topology", comm.update_topology)
+            state.revision = step
+            timed("sync_shared_state", lambda: comm.sync_shared_state(state))
+            step = state.revision
+            g = np.ones(1024, np.float32)
+            info = timed("all_reduce", lambda: comm.all_reduce(g, op="avg"))
+            w += g  # the average of ones is exactly one: the state is a function of the revision
+            steps.append({"revision": step, "world": info.world_size, "state": shoal.hash_tensor(w)})
+            step += 1
+            if shape != "pccl" and timed("peers_pending", comm.peers_pending):
+                timed("update_topology", comm.update_topology)
+            time.sleep(spec.get("pause", 0.02))
+        except shoal.PeerLostError as e:
+            errors.append(str(e))
+            if shape == "readme":
+                timed("update_topology", comm.update_topology)
+    comm.close()
+    return {"steps": steps, "errors": errors, "longest": longest}
+
+
+def mismatched_calls(spec: dict) -> dict:
+    """Peer 0 makes the call ``first`` once the others are in ``others``: calls that can never
+    complete together. Every one must end with UsageError naming the calls, quickly; then all
+    run one matching all-reduce (retried, as a failed call may be)."""
+    comm = shoal.Communicator(spec["master"], timeout=60)
+    comm.connect(timeout=30)
+    join_all(comm, spec["peers"])
+    comm.all_reduce(np.ones(1, np.float32))  # nobody is a newcomer at the top of its loop
+    state = shoal.SharedState({"w": np.zeros(8, np.float32)}, revision=0)
+    calls = {
+        "peers_pending": comm.peers_pending,
+        "update_topology": comm.update_topology,
+        "sync_shared_state": lambda: comm.sync_shared_state(state),
+        "all_reduce": lambda: comm.all_reduce(np.ones(1000, np.float32)),
+    }
+    call = spec["first"] if spec["index"] == 0 else spec["others"]
+    if spec["index"] == 0:
+        time.sleep(0.3)
+    started = time.time()
+    try:
+        calls[call]()
+        error = None
+    except shoal.ShoalError as e:
+        error = {"type": type(e).__name__, "msg": str(e)}
+    took = time.time() - started
+    for _ in range(5):
+        y = np.ones(10, np.float32)
+        try:
+            comm.all_reduce(y, op="sum")
+            break
+        except (shoal.PeerLostError, shoal.UsageError):
+            continue
+    return {"call": call, "error": error, "took": took, "after": float(y[0])}
+
+
 def empty(spec: dict) -> dict:
     """A zero-element all-reduce across peers, then an ordinary one."""
     comm = shoal.Communicator(spec["master"], timeout=30)
@@ -460,6 +546,6 @@ if __name__ == "__main__":
     scenarios = {"matrix": matrix, "torch": torch_tensors, "join_late": join_late, "survive": survive, "agree": agree, "min_world": min_world, "master_loss": master_loss,
                  "admission_misuse": admission_misuse, "chaos": chaos,
                  "die_at": die_at, "sgd": sgd, "sync_case": sync_case,
-                 "mismatch": mismatch, "empty": empty}
+                 "mismatch": mismatch, "empty": empty, "loop": loop, "mismatched_calls": mismatched_calls}
     result = scenarios[scenario](spec)
     print(json.dumps(result), flush=True)

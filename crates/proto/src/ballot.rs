@@ -55,6 +55,11 @@ impl Ballot {
         self.eligible.contains(&peer)
     }
 
+    /// Takes back `peer`'s vote; it stays eligible.
+    pub fn uncast(&mut self, peer: PeerId) {
+        self.cast.remove(&peer);
+    }
+
     /// Whether the ballot has votes and still waits for `peer`'s: then `peer` is in another call.
     pub fn awaits(&self, peer: PeerId) -> bool {
         !self.cast.is_empty() && self.eligible.contains(&peer) && !self.cast.contains(&peer)

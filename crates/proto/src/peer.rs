@@ -1,6 +1,6 @@
 //! A peer's view of the protocol: what the master has told it, and where it stands in its ring.
 
-use shoal_wire::{Epoch, GroupId, Member, Message, OpFailure, PeerId, PlanEntry, SessionId, Vote};
+use shoal_wire::{Epoch, FailureKind, GroupId, Member, Message, OpFailure, PeerId, PlanEntry, SessionId, Vote};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
@@ -220,12 +220,13 @@ impl PeerView {
                 Some((issued, members)) if issued == epoch => {
                     // Every abort reaches every member of the collective before the next commit
                     // (one connection, in order): an abort of the collective we would have run
-                    // next means the others failed it without us.
-                    self.missed =
-                        self.committed.as_ref().and_then(|(left, _)| match self.verdicts.get(&(*left, self.started)) {
-                            Some(Verdict::Aborted(f)) => Some((*left, self.started, f.clone())),
-                            _ => None,
-                        });
+                    // next means the others failed it without us. Not for misuse: then we were in
+                    // the other call, which failed with the same usage error already.
+                    let next = self.committed.as_ref().map(|(left, _)| (*left, self.started));
+                    self.missed = next.and_then(|(left, seq)| match self.verdicts.get(&(left, seq)) {
+                        Some(Verdict::Aborted(f)) if f.kind != FailureKind::Misuse => Some((left, seq, f.clone())),
+                        _ => None,
+                    });
                     self.committed = Some((epoch, members));
                     self.started = 0;
                     self.verdicts.retain(|(e, _), _| *e >= epoch);
@@ -366,7 +367,6 @@ impl PeerView {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use shoal_wire::FailureKind;
 
     #[test]
     fn a_query_is_answered_now_if_we_committed_and_remembered_otherwise() {

@@ -10,25 +10,39 @@
 //! `Misuse`), and the master then abandons the votes of that group.
 //!
 //! One combination is not a mistake: a peer admitted by the last vote whose first call is
-//! `peers_pending` is at the top of a loop iteration the others already passed (PCCL's loop:
-//! `peers_pending`, `update_topology`, then the sync and collectives). It is answered `false` at
-//! once, which sends it on to the call the others are in.
+//! `peers_pending` may be at the top of a loop iteration the others already passed (PCCL's loop:
+//! `peers_pending`, `update_topology`, then the sync and collectives), or the others may be about
+//! to ask too (`connect(min_world_size=...)`'s loop). The master cannot tell which, so that vote
+//! is cast *tentatively*: not announced, it passes if the others join it; it is answered `false`
+//! (sending the newcomer on to the others' call) as soon as a member votes another call that the
+//! ballot waits for, or after a heartbeat interval (the others may be in a collective, which the
+//! master does not see).
 
-use super::{Master, Phase};
+use super::{heartbeat_interval, Master, Phase, Timer};
 use shoal_wire::{GroupId, Message, PeerId, Vote};
 use std::collections::BTreeSet;
+use std::time::Instant;
 
 impl Master {
     /// Checks the vote of `peer` in `vote`, having started `collectives` collectives of the
     /// committed topology, against the calls its group is in; announces it to the group. False
     /// when the vote must not be cast: it was answered or abandoned here.
-    pub(super) fn admit_vote(&mut self, peer: PeerId, vote: Vote, collectives: u64) -> bool {
+    pub(super) fn admit_vote(&mut self, now: Instant, peer: PeerId, vote: Vote, collectives: u64) -> bool {
         let entry = self.peers.get_mut(&peer).expect("votes come from known peers");
         let (group, fresh) = (entry.group, std::mem::take(&mut entry.fresh));
         if vote == Vote::PeersPending && fresh && collectives == 0 {
-            log::debug!("{peer}'s first call since its admission is peers_pending: false, at once");
-            self.send_to_peer(peer, Message::PeersPendingResult { pending: false });
-            return false;
+            if self.vote_awaiting(peer, vote).is_some() {
+                log::debug!("{peer}'s first call since its admission is peers_pending, the others vote another");
+                self.send_to_peer(peer, Message::PeersPendingResult { pending: false });
+                return false;
+            }
+            let at = now + heartbeat_interval(self.config.heartbeat_timeout);
+            self.tentative.insert(peer, at);
+            self.arm_tentative_votes();
+            return true;
+        }
+        if vote != Vote::PeersPending {
+            self.release_tentative_votes_awaiting(peer);
         }
         if let Some((other, voters)) = self.vote_awaiting(peer, vote) {
             let voters: Vec<String> = voters.iter().map(ToString::to_string).collect();
@@ -63,6 +77,44 @@ impl Master {
         true
     }
 
+    /// Answers `false` to the tentative `peers_pending` votes whose time is up.
+    pub(super) fn answer_tentative_votes(&mut self, now: Instant) {
+        let due: Vec<PeerId> = self.tentative.iter().filter(|(_, at)| **at <= now).map(|(p, _)| *p).collect();
+        self.release_tentative(&due);
+        self.arm_tentative_votes();
+    }
+
+    /// `member` votes another call: a ballot of tentative newcomers' votes that waits for it
+    /// can never pass, and its newcomers go on to the call the others are in.
+    fn release_tentative_votes_awaiting(&mut self, member: PeerId) {
+        let Some(ballot) = &self.pending_vote else { return };
+        if ballot.awaits(member) && ballot.voters().iter().all(|p| self.tentative.contains_key(p)) {
+            let voters: Vec<PeerId> = ballot.voters().iter().copied().collect();
+            self.release_tentative(&voters);
+        }
+    }
+
+    fn release_tentative(&mut self, peers: &[PeerId]) {
+        for p in peers {
+            self.tentative.remove(p);
+            if let Some(ballot) = &mut self.pending_vote {
+                ballot.uncast(*p);
+                log::debug!("{p}'s first peers_pending since its admission: false");
+                self.send_to_peer(*p, Message::PeersPendingResult { pending: false });
+            }
+        }
+        if self.pending_vote.as_ref().is_some_and(|b| b.voters().is_empty()) {
+            self.pending_vote = None;
+        }
+    }
+
+    fn arm_tentative_votes(&mut self) {
+        match self.tentative.values().min() {
+            Some(at) => self.timers.set(Timer::TentativeVotes, *at),
+            None => self.timers.clear(Timer::TentativeVotes),
+        }
+    }
+
     /// A member of `group` gave up a collective because others wait in a vote, or two votes wait
     /// for each other: every open vote the group's members are in ends with `reason`. Every
     /// member hears of it, voter or not, so that none keeps the announcement of a dead vote.
@@ -75,6 +127,7 @@ impl Master {
             self.set_phase(Phase::Idle);
         }
         if self.pending_vote.take().is_some() {
+            self.tentative.clear();
             log::warn!("peers_pending vote abandoned: {reason}");
             for p in self.ring.clone() {
                 self.send_to_peer(p, Message::PeersPendingAborted { retry: false, reason: reason.to_string() });

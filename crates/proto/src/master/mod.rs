@@ -158,6 +158,9 @@ pub struct Master {
     group_states: BTreeMap<GroupId, sync::GroupState>,
     phase: Phase,
     pending_vote: Option<Ballot>,
+    /// Newcomers' first `peers_pending` votes, cast tentatively, and when each is answered `false`
+    /// unless its ballot passed (`calls.rs`).
+    tentative: BTreeMap<PeerId, Instant>,
     /// The ring lost a member, or a collective of it was aborted (its streams are gone): the
     /// survivors' next calls need a new topology of the same ring. Issued as soon as no major
     /// operation is open ([`Master::reform_if_due`]), so an application simply retries.
@@ -186,6 +189,7 @@ impl Master {
             group_states: BTreeMap::new(),
             phase: Phase::Idle,
             pending_vote: None,
+            tentative: BTreeMap::new(),
             reform_due: false,
             timers,
             outputs: VecDeque::new(),
@@ -236,8 +240,8 @@ impl Master {
         let accepted = self.peers.get(&peer).is_some_and(|e| e.status == Status::Accepted);
         match message {
             Message::Heartbeat => {}
-            Message::VoteUpdateTopology { collectives } if accepted => self.vote_update_topology(peer, collectives),
-            Message::VotePeersPending { collectives } if accepted => self.vote_peers_pending(peer, collectives),
+            Message::VoteUpdateTopology { collectives } if accepted => self.vote_update_topology(now, peer, collectives),
+            Message::VotePeersPending { collectives } if accepted => self.vote_peers_pending(now, peer, collectives),
             Message::TopologyReady { epoch } => self.topology_ready(now, peer, epoch),
             Message::PeerUnreachable { epoch, peer: target } => self.peer_unreachable(peer, epoch, target),
             Message::OpDone { epoch, seq, decided } => {
@@ -249,7 +253,7 @@ impl Master {
                 self.op_failed(peer, epoch, seq, failure)
             }
             Message::SyncVote { revision, strategy, override_resume, entries, collectives } if accepted => {
-                self.sync_vote(peer, revision, strategy, override_resume, entries, collectives)
+                self.sync_vote(now, peer, revision, strategy, override_resume, entries, collectives)
             }
             Message::SyncDone { round } if accepted => self.sync_done(peer, round),
             Message::SyncFailed { round, reason } if accepted => self.sync_failed(peer, round, reason),
@@ -284,6 +288,7 @@ impl Master {
                 // Only a wake-up: the scan for silent peers below runs on every timeout.
                 Timer::CheckHeartbeats => {}
                 Timer::NewcomersReady => self.drop_late_newcomers(now),
+                Timer::TentativeVotes => self.answer_tentative_votes(now),
             }
         }
         let timeout = self.config.heartbeat_timeout;
@@ -360,7 +365,7 @@ impl Master {
         }
     }
 
-    fn vote_update_topology(&mut self, peer: PeerId, collectives: u64) {
+    fn vote_update_topology(&mut self, now: Instant, peer: PeerId, collectives: u64) {
         if let Phase::AwaitingConnections { epoch, .. } = self.phase {
             // A retry that crossed a topology issued meanwhile (a member was lost): not counted;
             // the voter joins that topology and votes again.
@@ -368,7 +373,7 @@ impl Master {
                 format!("{peer} called update_topology while topology {} was being connected; call it again", epoch.0);
             return self.send_to_peer(peer, Message::TopologyVoteAborted { retry: true, reason });
         }
-        if !self.admit_vote(peer, Vote::UpdateTopology, collectives) {
+        if !self.admit_vote(now, peer, Vote::UpdateTopology, collectives) {
             return;
         }
         match &mut self.phase {
@@ -433,6 +438,7 @@ impl Master {
         self.abort_every_sync("the topology changed during the sync");
         // Its members join it at their next call: a peers_pending vote cast before cannot pass.
         if let Some(ballot) = self.pending_vote.take() {
+            self.tentative.clear();
             let reason = format!("topology {} was issued during the vote", epoch.0);
             for p in ballot.voters().clone() {
                 self.send_to_peer(p, Message::PeersPendingAborted { retry: true, reason: reason.clone() });
@@ -511,19 +517,21 @@ impl Master {
         self.remove_peer(target, format!("{reporter} could not connect to it"), true);
     }
 
-    fn vote_peers_pending(&mut self, peer: PeerId, collectives: u64) {
+    fn vote_peers_pending(&mut self, now: Instant, peer: PeerId, collectives: u64) {
         if let Phase::AwaitingConnections { epoch, .. } = self.phase {
             // Sent before the voter saw the topology: the members that did wait for the voter to
             // join it, and the vote for them. Not counted: the voter joins and votes again.
             let reason = format!("{peer} called peers_pending while topology {} was being connected", epoch.0);
             return self.send_to_peer(peer, Message::PeersPendingAborted { retry: true, reason });
         }
-        if !self.admit_vote(peer, Vote::PeersPending, collectives) {
+        if !self.admit_vote(now, peer, Vote::PeersPending, collectives) {
             return;
         }
         let (ring, group) = (&self.ring, self.peers[&peer].group);
         let ballot = self.pending_vote.get_or_insert_with(|| Ballot::new(ring.iter().copied().collect()));
-        ballot.announce(group, collectives);
+        if !self.tentative.contains_key(&peer) {
+            ballot.announce(group, collectives);
+        }
         ballot.cast(peer);
         self.tally_pending_votes();
     }
@@ -536,6 +544,7 @@ impl Master {
             return;
         };
         self.pending_vote = None;
+        self.tentative.clear();
         let pending = !self.registered().is_empty();
         for p in quorum.voters() {
             let conn = self.peers[p].conn;
@@ -571,6 +580,7 @@ impl Master {
         }
         self.settle_ops_of(peer);
         self.sync_member_removed(peer);
+        self.tentative.remove(&peer);
         if let Some(b) = &mut self.pending_vote {
             b.remove(peer);
             self.tally_pending_votes();

@@ -78,18 +78,23 @@ impl Master {
         match &record.outcome {
             None => {
                 log::info!("collective {seq} of topology {} failed at {peer}: {}", epoch.0, failure.reason);
+                // What ends a call goes out after the new topology, so that whoever calls again at
+                // once finds it: the votes abandoned for misuse are held back until it is issued.
+                let held = self.outputs.len();
                 if failure.kind == FailureKind::Misuse {
                     self.abandon_votes(key.0, &failure.reason);
                 }
+                let abandoned: Vec<_> = self.outputs.drain(held..).collect();
                 let record = self.ops.get_mut(&key).expect("still tracked");
                 record.outcome = Some(Outcome::Aborted(failure.clone()));
                 record.waiting.clear();
                 let members: Vec<PeerId> = record.members.iter().copied().collect();
                 // The participants dropped the ring's streams: re-form it (unless a topology being
                 // connected replaces the ring anyway), and announce the new topology before the
-                // verdict, so that a participant retrying at once finds it.
+                // verdict.
                 self.reform_due |= !matches!(self.phase, super::Phase::AwaitingConnections { .. });
                 self.reform_if_due();
+                self.outputs.extend(abandoned);
                 for p in members {
                     self.send_to_peer(p, Message::OpAborted { epoch, seq, failure: failure.clone() });
                 }

@@ -80,8 +80,10 @@ pub(super) struct GroupState {
 }
 
 impl Master {
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn sync_vote(
         &mut self,
+        now: std::time::Instant,
         peer: PeerId,
         revision: u64,
         strategy: u8,
@@ -98,7 +100,7 @@ impl Master {
             let reason = format!("topology {} was being connected when {peer} called sync_shared_state", epoch.0);
             return self.send_to_peer(peer, Message::SyncAborted { round: 0, retryable: true, reason });
         }
-        if !self.admit_vote(peer, shoal_wire::Vote::SyncSharedState, collectives) {
+        if !self.admit_vote(now, peer, shoal_wire::Vote::SyncSharedState, collectives) {
             return;
         }
         let group = self.peers[&peer].group;

@@ -344,8 +344,11 @@ fn a_collective_run_during_an_admission_vote_abandons_the_vote() {
     for conn in [1, 2, 3] {
         assert!(sent_to(&out, conn).iter().any(|m| matches!(m, Message::TopologyVoteAborted { .. })), "{out:?}");
     }
-    // The aborted collective broke the ring's streams: it re-forms, with the same members.
+    // The aborted collective broke the ring's streams: it re-forms, with the same members, and
+    // the new topology reaches the voter before the news that ends its call.
     assert!(matches!(h.master.phase(), Phase::AwaitingConnections { members, .. } if members.len() == 3));
+    let kinds: Vec<&str> = sent_to(&out, 1).iter().map(|m| m.name()).collect();
+    assert_eq!(kinds, vec!["Topology", "TopologyVoteAborted", "OpAborted"]);
 }
 
 fn digest(name: &str, hash: u8) -> StateDigest {
@@ -552,4 +555,31 @@ fn a_newcomer_that_never_reports_ready_is_dropped_and_the_rest_go_on() {
     let out = h.send(2, Message::TopologyReady { epoch: again });
     assert!(sent_to(&out, 1).contains(&&Message::TopologyCommitted { epoch: again }));
     assert_eq!(h.master.ring(), &[PeerId(0), PeerId(1)]);
+}
+
+/// A newcomer's first peers_pending when the others ask too (connect(min_world_size)'s loop):
+/// the tentative vote joins theirs and all get one answer. When the others are in a collective
+/// instead (PCCL's loop without a sync), it is answered false after a heartbeat interval.
+#[test]
+fn a_newcomers_first_peers_pending_joins_the_others_or_is_answered_after_an_interval() {
+    let (mut h, _) = run_with(3);
+    let out = h.send(3, Message::VotePeersPending { collectives: 0 });
+    assert!(out.is_empty(), "tentative: neither answered nor announced: {out:?}");
+    h.send(1, Message::VotePeersPending { collectives: 0 });
+    let out = h.send(2, Message::VotePeersPending { collectives: 0 });
+    for c in 1..=3 {
+        assert_eq!(sent_to(&out, c), vec![&Message::PeersPendingResult { pending: false }]);
+    }
+
+    let (mut h, _) = run_with(3);
+    h.send(3, Message::VotePeersPending { collectives: 0 });
+    let due = h.master.poll_timeout().unwrap();
+    assert!(due <= h.now + Duration::from_millis(500), "a heartbeat interval");
+    h.now = due;
+    h.master.handle_timeout(h.now);
+    let out = h.drain();
+    assert!(sent_to(&out, 3).contains(&&Message::PeersPendingResult { pending: false }), "{out:?}");
+    // The others' own vote later is an ordinary one, announced and needing everyone.
+    let out = h.send(1, Message::VotePeersPending { collectives: 1 });
+    assert!(matches!(sent_to(&out, 3)[..], [Message::VoteOpened { .. }]), "{out:?}");
 }

@@ -13,6 +13,8 @@ pub enum Timer {
     /// Newcomers of an issued topology are overdue with their `TopologyReady`: every accepted
     /// member is ready, and a newcomer that can be reached is ready within moments.
     NewcomersReady,
+    /// A newcomer's first `peers_pending`, cast tentatively, is due its answer (`calls.rs`).
+    TentativeVotes,
 }
 
 /// Deadlines indexed by [`Timer`]; at most one per timer.
