@@ -15,9 +15,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import gloo  # noqa: E402
-
-from shoal import bench  # noqa: E402
+import gloo
+from shoal import bench
 
 
 def main() -> None:

@@ -13,7 +13,14 @@ import os
 import socket
 import sys
 
-from shoal.bench import DEFAULT_SIZES, format_table, parse_sizes, run_loop, spawn_workers, summarize
+from shoal.bench import (
+    DEFAULT_SIZES,
+    format_table,
+    parse_sizes,
+    run_loop,
+    spawn_workers,
+    summarize,
+)
 
 
 def _worker(args: argparse.Namespace) -> None:

@@ -17,7 +17,6 @@ import sys
 import time
 
 import numpy as np
-
 import shoal
 
 

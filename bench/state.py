@@ -11,7 +11,6 @@ import threading
 import time
 
 import numpy as np
-
 import shoal
 
 
@@ -60,7 +59,7 @@ def main() -> None:
         infos = together(comms, lambda i, c: c.sync_shared_state(states[i]))
         newcomer = infos[-1]
         moved = newcomer.elapsed - hash_all_s
-        print(f"newcomer received {newcomer.received_bytes >> 20} MiB from {len(set(sum(newcomer.received.values(), [])))} "
+        print(f"newcomer received {newcomer.received_bytes >> 20} MiB from {len({d for donors in newcomer.received.values() for d in donors})} "
               f"donors: whole sync {newcomer.elapsed * 1e3:.0f} ms ({newcomer.received_bytes / newcomer.elapsed / 1e9:.2f} GB/s), "
               f"after the vote's hashing {moved * 1e3:.0f} ms ({newcomer.received_bytes / moved / 1e9:.2f} GB/s)")
         assert states[-1].hashes() == reference.hashes()

@@ -7,15 +7,15 @@ and torch CPU tensors in place with the other peers of its group.
 
 from __future__ import annotations
 
-from . import _native
+from . import _native, errors
 from ._communicator import Communicator, hash_tensor
-from ._state import SharedState, SyncInfo
 from ._native import Master, ReduceInfo
-from . import errors
+from ._state import SharedState, SyncInfo
 from .errors import *  # noqa: F403 - the exception tree, listed in errors.__all__
 
 __version__: str = _native.__version__
 DTYPES: tuple[str, ...] = tuple(_native.DTYPES)
 OPS: tuple[str, ...] = tuple(_native.OPS)
 
-__all__ = ["Master", "Communicator", "ReduceInfo", "SharedState", "SyncInfo", "hash_tensor", "DTYPES", "OPS", *errors.__all__]
+__all__ = ["Master", "Communicator", "ReduceInfo", "SharedState", "SyncInfo", "hash_tensor", "DTYPES", "OPS",
+           *errors.__all__]

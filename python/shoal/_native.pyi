@@ -2,10 +2,9 @@
 
 from typing import Optional, final
 
-from typing_extensions import Self
-
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import Self
 
 __all__ = ["Communicator", "DTYPES", "Master", "OPS", "ReduceInfo", "__version__", "hash_tensor_bytes", "lab_delay"]
 __version__: str

@@ -8,9 +8,9 @@ import time
 
 import numpy as np
 import pytest
+from conftest import run_peers
 
 import shoal
-from conftest import run_peers
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 import time
-
 from typing import Callable, Optional, Union
 
 import pytest

@@ -229,7 +229,8 @@ def chaos(spec: dict) -> dict:
     every peer sees: after each fifth collective of a topology ask peers_pending. A failed call is
     retried; before the retry, after PeerLostError, the README's loop votes update_topology, and a
     ``retry_only`` peer does not."""
-    comm = shoal.Communicator(spec["master"], timeout=spec["call_timeout"], heartbeat_timeout=spec.get("heartbeat_timeout"))
+    comm = shoal.Communicator(spec["master"], timeout=spec["call_timeout"],
+                              heartbeat_timeout=spec.get("heartbeat_timeout"))
     log = open(spec["log"], "a")
 
     def record(**fields) -> None:
@@ -543,9 +544,10 @@ def empty(spec: dict) -> dict:
 
 if __name__ == "__main__":
     scenario, spec = sys.argv[1], json.loads(sys.argv[2])
-    scenarios = {"matrix": matrix, "torch": torch_tensors, "join_late": join_late, "survive": survive, "agree": agree, "min_world": min_world, "master_loss": master_loss,
-                 "admission_misuse": admission_misuse, "chaos": chaos,
-                 "die_at": die_at, "sgd": sgd, "sync_case": sync_case,
-                 "mismatch": mismatch, "empty": empty, "loop": loop, "mismatched_calls": mismatched_calls}
+    scenarios = {"matrix": matrix, "torch": torch_tensors, "join_late": join_late, "survive": survive,
+                 "agree": agree, "min_world": min_world, "master_loss": master_loss,
+                 "admission_misuse": admission_misuse, "chaos": chaos, "die_at": die_at, "sgd": sgd,
+                 "sync_case": sync_case, "mismatch": mismatch, "empty": empty, "loop": loop,
+                 "mismatched_calls": mismatched_calls}
     result = scenarios[scenario](spec)
     print(json.dumps(result), flush=True)
