@@ -240,7 +240,9 @@ impl Master {
         let accepted = self.peers.get(&peer).is_some_and(|e| e.status == Status::Accepted);
         match message {
             Message::Heartbeat => {}
-            Message::VoteUpdateTopology { collectives } if accepted => self.vote_update_topology(now, peer, collectives),
+            Message::VoteUpdateTopology { collectives } if accepted => {
+                self.vote_update_topology(now, peer, collectives)
+            }
             Message::VotePeersPending { collectives } if accepted => self.vote_peers_pending(now, peer, collectives),
             Message::TopologyReady { epoch } => self.topology_ready(now, peer, epoch),
             Message::PeerUnreachable { epoch, peer: target } => self.peer_unreachable(peer, epoch, target),
