@@ -385,12 +385,7 @@ mod tests {
     /// successful call ends that.
     #[test]
     fn a_vote_after_a_failure_is_needed_only_until_the_ring_re_forms() {
-        let mut v = PeerView::default();
-        v.handle_message(Message::Registered { peer: PeerId(0), session: SessionId(1), heartbeat_ms: 100 }).unwrap();
-        let commit = |v: &mut PeerView, e| {
-            v.handle_message(Message::Topology { epoch: Epoch(e), members: vec![member(0, 0)] }).unwrap();
-            v.handle_message(Message::TopologyCommitted { epoch: Epoch(e) }).unwrap();
-        };
+        let mut v = registered_alone();
         commit(&mut v, 1);
         assert!(v.vote_needed(), "no failure: a real vote");
         v.call_ended(false);
@@ -408,12 +403,7 @@ mod tests {
     /// ring first) fails its own call of it, so that programs stay in step.
     #[test]
     fn a_collective_the_others_failed_before_we_started_it_fails_here_too() {
-        let mut v = PeerView::default();
-        v.handle_message(Message::Registered { peer: PeerId(0), session: SessionId(1), heartbeat_ms: 100 }).unwrap();
-        let commit = |v: &mut PeerView, e| {
-            v.handle_message(Message::Topology { epoch: Epoch(e), members: vec![member(0, 0)] }).unwrap();
-            v.handle_message(Message::TopologyCommitted { epoch: Epoch(e) }).unwrap();
-        };
+        let mut v = registered_alone();
         commit(&mut v, 1);
         assert_eq!(v.start_collective(), Ok((Epoch(1), 0)));
         assert_eq!(v.start_collective(), Ok((Epoch(1), 1)));
@@ -427,6 +417,19 @@ mod tests {
         v.handle_message(Message::OpAborted { epoch: Epoch(2), seq: 0, failure }).unwrap();
         commit(&mut v, 3);
         assert_eq!(v.start_collective(), Ok((Epoch(3), 0)));
+    }
+
+    /// Peer 0, registered, in no topology yet.
+    fn registered_alone() -> PeerView {
+        let mut v = PeerView::default();
+        v.handle_message(Message::Registered { peer: PeerId(0), session: SessionId(1), heartbeat_ms: 100 }).unwrap();
+        v
+    }
+
+    /// Topology `e` with peer 0 alone is issued and comes into force.
+    fn commit(v: &mut PeerView, e: u64) {
+        v.handle_message(Message::Topology { epoch: Epoch(e), members: vec![member(0, 0)] }).unwrap();
+        v.handle_message(Message::TopologyCommitted { epoch: Epoch(e) }).unwrap();
     }
 
     fn member(p: u32, g: u32) -> Member {
