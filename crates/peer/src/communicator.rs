@@ -511,7 +511,10 @@ impl Communicator {
     fn await_topology(&self, c: &Connected, deadline: Deadline, call: Await) -> Result<Awaited> {
         let operation = call.operation();
         let mut data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut handled: Option<Epoch> = None;
+        // A topology this peer reported ready in during an earlier call (one whose vote was then
+        // abandoned, say) is not established again: that would re-dial, and so close, the pool
+        // its successor already took.
+        let mut handled: Option<Epoch> = c.control.lock().view.ready_in;
         enum Step {
             Establish(Epoch, Vec<Member>),
             Done(Epoch, Vec<Member>),
@@ -547,7 +550,9 @@ impl Communicator {
                             } else {
                                 "update_topology.before_ready"
                             });
-                            c.control.send(&Message::TopologyReady { epoch })?
+                            // Before the report: its commit may arrive before send returns.
+                            c.control.lock().view.ready_in = Some(epoch);
+                            c.control.send(&Message::TopologyReady { epoch })?;
                         }
                         Err(EstablishError::Unreachable(peer, reason)) => {
                             log::warn!("{}: cannot reach {peer}: {reason}", c.me);

@@ -13,6 +13,9 @@ pub struct PeerView {
     pub issued: Option<(Epoch, Vec<Member>)>,
     /// The topology in force for us.
     pub committed: Option<(Epoch, Vec<Member>)>,
+    /// The issued topology this peer established and reported ready in, until it commits: a
+    /// later call does not establish it again.
+    pub ready_in: Option<Epoch>,
     /// Collectives this peer started in the committed topology: the next one's number there.
     pub started: u64,
     /// The collective this peer would have run next in the topology it left, which the others
@@ -228,6 +231,7 @@ impl PeerView {
                         _ => None,
                     });
                     self.committed = Some((epoch, members));
+                    self.ready_in = None;
                     self.started = 0;
                     self.verdicts.retain(|(e, _), _| *e >= epoch);
                     self.queried.retain(|(e, _)| *e >= epoch);

@@ -783,6 +783,7 @@ impl Sim {
                         *handled = Some(e);
                     }
                     let msg = if reachable {
+                        self.peers[i].view.ready_in = Some(e);
                         Message::TopologyReady { epoch: e }
                     } else {
                         Message::PeerUnreachable { epoch: e, peer: next }
@@ -850,7 +851,8 @@ impl Sim {
         let p = &mut self.peers[i];
         p.call_started = self.now;
         if p.view.issued.is_some() {
-            p.call = Call::Following { deadline: self.now + CALL_TIMEOUT, handled: None, then: next };
+            let handled = p.view.ready_in;
+            p.call = Call::Following { deadline: self.now + CALL_TIMEOUT, handled, then: next };
         } else {
             self.call(i, next);
         }
@@ -867,7 +869,7 @@ impl Sim {
                 }
                 p.view.vote_aborted = None;
                 p.view.missed = None;
-                p.call = Call::Voting { deadline: self.now + CALL_TIMEOUT, handled: None };
+                p.call = Call::Voting { deadline: self.now + CALL_TIMEOUT, handled: p.view.ready_in };
                 let collectives = p.view.started;
                 self.send_master(i, Message::VoteUpdateTopology { collectives });
             }
