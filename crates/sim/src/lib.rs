@@ -1,10 +1,14 @@
 //! A deterministic simulation of shoal's protocol.
 //!
 //! The master is the real [`shoal_proto::master::Master`]; each peer keeps the real
-//! [`shoal_proto::peer::PeerView`] and follows the peer library's rules (`crates/peer`): the real
-//! ring schedule ([`shoal_collective::ring::RingAllReduce`], one element per segment, values
-//! summed), the confirmation lap of tokens, asking the master when the lap cannot finish,
-//! reporting failures, answering queries. A seeded network carries every message with random
+//! [`shoal_proto::peer::PeerView`] (its numbering of collectives and its retry rules: joining a
+//! re-formed topology before every call, failing a collective the others failed before it started,
+//! skipping `update_topology` once the ring re-formed) and follows the peer library's rules
+//! (`crates/peer`): the real ring schedule ([`shoal_collective::ring::RingAllReduce`], one element
+//! per segment, values summed), the confirmation lap of tokens, asking the master when the lap
+//! cannot finish, reporting failures, answering queries. The seed picks the application's loop for
+//! every peer: the README's (`update_topology` after a failure), retry-only, or PCCL's
+//! (`peers_pending` at the top of every iteration; a newcomer starts there). A seeded network carries every message with random
 //! latency, first-in first-out per connection, and injects faults: crashes, freezes (SIGSTOP),
 //! stalled links (a cut-off path), connection resets, and newcomers joining mid-operation.
 //!
@@ -12,7 +16,8 @@
 //! - **agreement**: for every collective, every participant still in the run at the end returned
 //!   the same outcome, and every success holds the sum of exactly the participants' inputs;
 //! - **bounded calls**: no call outlived its bound (the model enforces bounds and records any
-//!   call that ends by its deadline; a timeout is allowed only where a peer was cut off);
+//!   call that ends by its deadline; a timeout is allowed only where a peer was cut off), and no
+//!   vote or `peers_pending` ran to its whole bound in a run without a frozen or cut-off peer;
 //! - **one major operation at a time**: the master never tracks a collective of a replaced ring,
 //!   and never issues a topology while a member of the current ring still runs a collective it
 //!   could complete;
