@@ -357,9 +357,7 @@ impl Communicator {
                     Ok(()) => {
                         // Every participant holds the result: committed without the master, which
                         // hears of it only if it asks (to answer a participant that could not tell).
-                        if control.lock().view.commit_on_our_own(epoch, seq) {
-                            let _ = control.send(&Message::OpDone { epoch, seq, decided: true });
-                        }
+                        control.commit_on_our_own(epoch, seq);
                         failpoint("all_reduce.after_commit");
                         return Ok(info());
                     }

@@ -4,9 +4,9 @@
 use crate::error::{Error, Result};
 use crate::Deadline;
 use shoal_proto::master::heartbeat_interval;
-use shoal_proto::peer::{PeerEvent, PeerView};
+use shoal_proto::peer::PeerView;
 use shoal_transport::{read_message, write_message, TransportError};
-use shoal_wire::{Message, SessionId};
+use shoal_wire::{Epoch, Message, SessionId};
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::os::unix::net::UnixStream;
@@ -150,6 +150,19 @@ impl Control {
         }
     }
 
+    /// Records that we committed collective `seq` of `epoch` on our own, and tells the master if
+    /// the view says it asked meanwhile. Best effort: a lost master is the next call's news.
+    pub fn commit_on_our_own(&self, epoch: Epoch, seq: u64) {
+        let answers: Vec<Message> = {
+            let mut s = self.lock();
+            s.view.commit_on_our_own(epoch, seq);
+            std::iter::from_fn(|| s.view.poll_output()).collect()
+        };
+        for answer in answers {
+            let _ = self.send(&answer);
+        }
+    }
+
     pub fn lock(&self) -> MutexGuard<'_, ControlState> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -190,21 +203,19 @@ impl Control {
             let mut s = self.lock();
             s.last_heard = Instant::now();
             match s.view.handle_message(message) {
-                Ok(PeerEvent::Query { epoch, seq, committed: true }) => {
-                    drop(s);
-                    // The master needs this to answer a participant that could not tell.
-                    if self.send(&Message::OpDone { epoch, seq, decided: true }).is_err() {
-                        return;
-                    }
-                    continue;
-                }
                 Ok(event) => log::trace!("from master: {event:?}"),
                 Err(e) => {
                     drop(s);
                     return self.mark_lost(e.to_string());
                 }
             }
+            let answers: Vec<Message> = std::iter::from_fn(|| s.view.poll_output()).collect();
             drop(s);
+            for answer in answers {
+                if self.send(&answer).is_err() {
+                    return;
+                }
+            }
             self.changed.notify_all();
             if wake {
                 self.waker.wake();

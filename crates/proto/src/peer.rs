@@ -1,7 +1,7 @@
 //! A peer's view of the protocol: what the master has told it, and where it stands in its ring.
 
 use shoal_wire::{Epoch, FailureKind, GroupId, Member, Message, OpFailure, PeerId, PlanEntry, SessionId, Vote};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 /// What the peer has learned from the master.
@@ -52,6 +52,9 @@ pub struct PeerView {
     /// re-formed since then makes an `update_topology` after the failure a no-op
     /// ([`PeerView::vote_needed`]).
     pub failed_in: Option<Epoch>,
+    /// Messages to the master this view decided on, until the driver takes them
+    /// ([`PeerView::poll_output`]).
+    outbox: VecDeque<Message>,
     /// The plan of the current shared-state sync: (round, revision, entries).
     pub sync_plan: Option<(u64, u64, Vec<PlanEntry>)>,
     /// How a shared-state sync ended: (round, completed or why not).
@@ -286,8 +289,11 @@ impl PeerView {
                 PeerEvent::Nothing
             }
             Message::OpQuery { epoch, seq } => {
+                // The master needs the answer to decide for a participant that could not tell.
                 let committed = self.committed_through.is_some_and(|(e, s)| e == epoch && s >= seq);
-                if !committed {
+                if committed {
+                    self.outbox.push_back(Message::OpDone { epoch, seq, decided: true });
+                } else {
                     self.queried.insert((epoch, seq));
                 }
                 PeerEvent::Query { epoch, seq, committed }
@@ -347,11 +353,20 @@ impl PeerView {
         }
     }
 
-    /// Records that we committed collective `seq` of `epoch` on our own; true if the master
-    /// asked about it meanwhile and must be told.
-    pub fn commit_on_our_own(&mut self, epoch: Epoch, seq: u64) -> bool {
+    /// Records that we committed collective `seq` of `epoch` on our own; if the master asked
+    /// about it meanwhile, the answer waits in [`PeerView::poll_output`].
+    pub fn commit_on_our_own(&mut self, epoch: Epoch, seq: u64) {
         self.committed_through = Some((epoch, seq));
-        self.queried.remove(&(epoch, seq))
+        if self.queried.remove(&(epoch, seq)) {
+            self.outbox.push_back(Message::OpDone { epoch, seq, decided: true });
+        }
+    }
+
+    /// The next message to the master this view decided on (the answer to a query): the driver
+    /// drains these after every input and sends them in order.
+    #[must_use]
+    pub fn poll_output(&mut self) -> Option<Message> {
+        self.outbox.pop_front()
     }
 
     /// Our position in the ring of `members` (an issued or committed topology).
@@ -376,13 +391,19 @@ mod tests {
     fn a_query_is_answered_now_if_we_committed_and_remembered_otherwise() {
         let mut v = PeerView::default();
         let (e, later) = (Epoch(3), Epoch(4));
-        assert!(!v.commit_on_our_own(e, 0), "nobody asked");
+        v.commit_on_our_own(e, 0);
+        assert_eq!(v.poll_output(), None, "nobody asked");
         let query = |seq| Message::OpQuery { epoch: e, seq };
+        let done = |seq| Some(Message::OpDone { epoch: e, seq, decided: true });
         assert_eq!(v.handle_message(query(0)), Ok(PeerEvent::Query { epoch: e, seq: 0, committed: true }));
+        assert_eq!(v.poll_output(), done(0), "committed already: answered at once");
         assert_eq!(v.handle_message(query(1)), Ok(PeerEvent::Query { epoch: e, seq: 1, committed: false }));
-        assert!(v.commit_on_our_own(e, 1), "asked before we committed: tell the master");
+        assert_eq!(v.poll_output(), None);
+        v.commit_on_our_own(e, 1);
+        assert_eq!(v.poll_output(), done(1), "asked before we committed: told when we do");
         let other = Message::OpQuery { epoch: later, seq: 0 };
         assert_eq!(v.handle_message(other), Ok(PeerEvent::Query { epoch: later, seq: 0, committed: false }));
+        assert_eq!(v.poll_output(), None);
     }
 
     /// A failed call is followed by a vote only while the ring has not re-formed since; any

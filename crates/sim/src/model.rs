@@ -593,6 +593,13 @@ impl Sim {
         self.send(Node::Peer(i), Node::Master, Ev::Control { from: Node::Peer(i), to: Node::Master, msg });
     }
 
+    /// Sends what peer `i`'s view decided to tell the master, as the real driver does.
+    fn send_view_output(&mut self, i: usize) {
+        while let Some(m) = self.peers[i].view.poll_output() {
+            self.send_master(i, m);
+        }
+    }
+
     fn send_data(&mut self, from: usize, to: usize, item: Item) {
         self.send(Node::Peer(from), Node::Peer(to), Ev::Data { from, to, item });
         let p = &mut self.peers[from];
@@ -614,10 +621,9 @@ impl Sim {
             return;
         }
         self.peers[i].last_heard = self.now;
-        match self.peers[i].view.handle_message(msg) {
-            Ok(PeerEvent::Query { epoch, seq, committed: true }) => {
-                self.send_master(i, Message::OpDone { epoch, seq, decided: true })
-            }
+        let event = self.peers[i].view.handle_message(msg);
+        self.send_view_output(i);
+        match event {
             Ok(PeerEvent::Registered) => {
                 let me = self.peers[i].me().expect("registered");
                 self.index_of.insert(me, i);
@@ -999,9 +1005,8 @@ impl Sim {
             Phase::Lap => {
                 if op.tokens_in == world - 1 && op.tokens_out == world - 1 {
                     let (epoch, seq) = (op.epoch, op.seq);
-                    if p.view.commit_on_our_own(epoch, seq) {
-                        self.send_master(i, Message::OpDone { epoch, seq, decided: true });
-                    }
+                    p.view.commit_on_our_own(epoch, seq);
+                    self.send_view_output(i);
                     let Call::Collective(op) = &self.peers[i].call else { unreachable!() };
                     let buf = op.buf.clone();
                     self.end_op(i, Outcome::Ok(buf));
