@@ -8,7 +8,7 @@ use crate::links::{DataPlane, EstablishError, Listener};
 use crate::ring::{self, RingError, RingJob, Side, Stop};
 use crate::Deadline;
 use shoal_collective::{CollectiveKind, DType, ReduceOp};
-use shoal_proto::peer::{RingPosition, Verdict, VoteAbort};
+use shoal_proto::peer::{Interrupt, LapInterrupt, RingPosition, Verdict, VoteAbort};
 use shoal_wire::{Epoch, FailureKind, GroupId, Member, Message, OpFailure, OpHeader, PeerId, SessionId};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -292,17 +292,14 @@ impl Communicator {
             if let Err(e) = state.check_connected() {
                 return Some(e);
             }
-            if let Some(Verdict::Aborted(f)) = state.view.verdicts.get(&(epoch, seq)) {
-                return Some(op_error(f.clone(), &header));
-            }
-            if let Some(why) = state.view.vote_open.as_ref().and_then(|o| o.blocks(epoch, seq, connected.me)) {
-                return Some(Error::Misuse(why));
-            }
-            let gone = members.iter().find(|p| state.view.removed.contains(p))?;
-            Some(Error::PeerLost {
-                peer: *gone,
-                operation: "all_reduce",
-                reason: "the master removed it from the run".into(),
+            Some(match state.view.interrupt(epoch, seq, &members)? {
+                Interrupt::Aborted(f) => op_error(f, &header),
+                Interrupt::Blocked(why) => Error::Misuse(why),
+                Interrupt::MemberLost(peer) => Error::PeerLost {
+                    peer,
+                    operation: "all_reduce",
+                    reason: "the master removed it from the run".into(),
+                },
             })
         };
         let watch = || {
@@ -310,11 +307,10 @@ impl Communicator {
             if let Err(e) = state.check_connected() {
                 return Some(Stop::Fail(e));
             }
-            if let Some(v) = state.view.verdicts.remove(&(epoch, seq)) {
-                return Some(Stop::Verdict(v));
-            }
-            let gone = members.iter().find(|p| state.view.removed.contains(p))?;
-            Some(Stop::Ask(format!("the master removed {gone}")))
+            Some(match state.view.lap_interrupt(epoch, seq, &members)? {
+                LapInterrupt::Verdict(v) => Stop::Verdict(v),
+                LapInterrupt::MemberLost(peer) => Stop::Ask(format!("the master removed {peer}")),
+            })
         };
         let ran = match (outgoing.get_mut(&next), incoming.get_mut(&prev)) {
             (Some(send), Some(recv)) => {

@@ -90,6 +90,26 @@ impl VoteOpen {
     }
 }
 
+/// Why a collective this peer is moving data for must stop ([`PeerView::interrupt`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Interrupt {
+    /// The master aborted it: every participant fails with this failure.
+    Aborted(OpFailure),
+    /// A member of the group waits in a vote and will never join it: misuse, naming both calls.
+    Blocked(String),
+    /// The master removed a participant (a frozen or cut-off peer never closes its streams).
+    MemberLost(PeerId),
+}
+
+/// Why a confirmation lap stops before every token came round ([`PeerView::lap_interrupt`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LapInterrupt {
+    /// The master decided the collective.
+    Verdict(Verdict),
+    /// A participant was removed: the lap cannot finish, ask the master.
+    MemberLost(PeerId),
+}
+
 /// Why an `update_topology` or `peers_pending` vote ended without a result.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VoteAbort {
@@ -328,6 +348,28 @@ impl PeerView {
         Ok((*epoch, seq))
     }
 
+    /// Whether collective `seq` of `epoch` (among `members`), still moving data here, must stop.
+    /// The driver asks before it sleeps: what the master said since may end it.
+    pub fn interrupt(&self, epoch: Epoch, seq: u64, members: &[PeerId]) -> Option<Interrupt> {
+        if let Some(Verdict::Aborted(f)) = self.verdicts.get(&(epoch, seq)) {
+            return Some(Interrupt::Aborted(f.clone()));
+        }
+        let (me, _) = self.registered.expect("a collective runs once registered");
+        if let Some(why) = self.vote_open.as_ref().and_then(|o| o.blocks(epoch, seq, me)) {
+            return Some(Interrupt::Blocked(why));
+        }
+        members.iter().find(|p| self.removed.contains(p)).map(|p| Interrupt::MemberLost(*p))
+    }
+
+    /// Whether the confirmation lap of collective `seq` of `epoch` (among `members`) must stop;
+    /// takes the verdict if there is one.
+    pub fn lap_interrupt(&mut self, epoch: Epoch, seq: u64, members: &[PeerId]) -> Option<LapInterrupt> {
+        if let Some(v) = self.verdicts.remove(&(epoch, seq)) {
+            return Some(LapInterrupt::Verdict(v));
+        }
+        members.iter().find(|p| self.removed.contains(p)).map(|p| LapInterrupt::MemberLost(*p))
+    }
+
     /// Records how this peer's last call ended: a failure remembers the topology it failed in
     /// (the first since the last success: the ring re-forms after it).
     pub fn call_ended(&mut self, ok: bool) {
@@ -442,6 +484,33 @@ mod tests {
         v.handle_message(Message::OpAborted { epoch: Epoch(2), seq: 0, failure }).unwrap();
         commit(&mut v, 3);
         assert_eq!(v.start_collective(), Ok((Epoch(3), 0)));
+    }
+
+    /// What stops a running collective, in the order the peer and the simulator both apply: the
+    /// master's abort, a vote the collective can never complete against, a removed participant.
+    #[test]
+    fn a_running_collective_is_interrupted_by_an_abort_a_blocking_vote_or_a_lost_member() {
+        let mut v = registered_alone();
+        commit(&mut v, 1);
+        let members = [PeerId(0), PeerId(1)];
+        assert_eq!(v.interrupt(Epoch(1), 2, &members), None);
+        v.handle_message(Message::PeerRemoved { peer: PeerId(1) }).unwrap();
+        assert_eq!(v.interrupt(Epoch(1), 2, &members), Some(Interrupt::MemberLost(PeerId(1))));
+        assert_eq!(v.lap_interrupt(Epoch(1), 2, &members), Some(LapInterrupt::MemberLost(PeerId(1))));
+        let open = Message::VoteOpened { vote: Vote::PeersPending, epoch: Epoch(1), voter: PeerId(1), collectives: 2 };
+        v.handle_message(open).unwrap();
+        assert!(
+            matches!(v.interrupt(Epoch(1), 2, &members), Some(Interrupt::Blocked(why)) if why.contains("peers_pending"))
+        );
+        assert_eq!(
+            v.interrupt(Epoch(1), 1, &members),
+            Some(Interrupt::MemberLost(PeerId(1))),
+            "started before the vote"
+        );
+        let failure = OpFailure::new(FailureKind::Mismatch, PeerId(1), "p1 called x");
+        v.handle_message(Message::OpAborted { epoch: Epoch(1), seq: 2, failure: failure.clone() }).unwrap();
+        assert_eq!(v.interrupt(Epoch(1), 2, &members), Some(Interrupt::Aborted(failure.clone())));
+        assert_eq!(v.lap_interrupt(Epoch(1), 2, &members), Some(LapInterrupt::Verdict(Verdict::Aborted(failure))));
     }
 
     /// Peer 0, registered, in no topology yet.

@@ -2,7 +2,7 @@
 
 use shoal_collective::ring::{RecvAction, RingAllReduce};
 use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output};
-use shoal_proto::peer::{PeerEvent, PeerView, Verdict};
+use shoal_proto::peer::{Interrupt, LapInterrupt, PeerEvent, PeerView, Verdict};
 use shoal_wire::{Epoch, FailureKind, GroupId, Message, OpFailure, PeerId, SessionId};
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
 use std::time::{Duration, Instant};
@@ -677,33 +677,32 @@ impl Sim {
         };
         let (epoch, seq) = (op.epoch, op.seq);
         match op.phase {
+            // The real peer's rules, from the same view.
             Phase::Data => {
-                if let Some(Verdict::Aborted(f)) = p.view.verdicts.remove(&(epoch, seq)) {
-                    return self.end_op(i, Outcome::Err(format!("aborted: {}", f.reason)));
-                }
-                if let Some(gone) = op.members.iter().find(|m| p.view.removed.contains(m)) {
-                    let f = OpFailure::new(FailureKind::PeerLost, *gone, "removed by the master");
-                    return self.fail_op(i, f);
-                }
-                if let Some(open) = &p.view.vote_open {
-                    if let Some(why) = open.blocks(epoch, seq, me.expect("registered")) {
-                        let f = OpFailure::new(FailureKind::Misuse, open.voter, why);
+                let me = me.expect("registered");
+                match p.view.interrupt(epoch, seq, &op.members) {
+                    Some(Interrupt::Aborted(f)) => {
+                        return self.end_op(i, Outcome::Err(format!("aborted: {}", f.reason)))
+                    }
+                    Some(Interrupt::Blocked(why)) => {
+                        return self.fail_op(i, OpFailure::new(FailureKind::Misuse, me, why))
+                    }
+                    Some(Interrupt::MemberLost(gone)) => {
+                        let f = OpFailure::new(FailureKind::PeerLost, gone, "removed by the master");
                         return self.fail_op(i, f);
                     }
-                }
-                if now >= op.deadline {
-                    let me = p.me().expect("registered");
-                    return self.fail_op(i, OpFailure::new(FailureKind::Timeout, me, "timed out"));
-                }
-            }
-            Phase::Lap => {
-                if let Some(v) = p.view.verdicts.remove(&(epoch, seq)) {
-                    return self.verdict(i, v);
-                }
-                if op.members.iter().any(|m| p.view.removed.contains(m)) || now >= op.deadline {
-                    return self.ask(i);
+                    None if now >= op.deadline => {
+                        return self.fail_op(i, OpFailure::new(FailureKind::Timeout, me, "timed out"))
+                    }
+                    None => {}
                 }
             }
+            Phase::Lap => match p.view.lap_interrupt(epoch, seq, &op.members) {
+                Some(LapInterrupt::Verdict(v)) => return self.verdict(i, v),
+                Some(LapInterrupt::MemberLost(_)) => return self.ask(i),
+                None if now >= op.deadline => return self.ask(i),
+                None => {}
+            },
             // Without a verdict in time the real call returns its own error: after a failure the
             // local one, after asking a timeout. Neither is wrong in itself (a peer cut off from
             // the master gets no verdict); whether the survivors still agree is for `check`.
