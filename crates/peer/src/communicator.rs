@@ -489,13 +489,39 @@ impl Communicator {
     /// whichever it is, opens the new connections and runs in the new topology once all are
     /// ready (`docs/protocol.md`, "Retry").
     pub(crate) fn follow_topology(&self, c: &Connected, deadline: Deadline, operation: &'static str) -> Result<()> {
-        let due = {
+        let (issued, committed) = {
             let s = c.control.lock();
-            s.view.issued.as_ref().is_some_and(|(e, _)| s.view.committed.as_ref().is_none_or(|(c, _)| c < e))
+            let committed = s.view.committed.clone();
+            let issued = s.view.issued.as_ref().is_some_and(|(e, _)| committed.as_ref().is_none_or(|(c, _)| c < e));
+            (issued, committed)
         };
-        if due {
+        if issued {
             self.await_topology(c, deadline, Await::Follow(operation))?;
+        } else if let Some((epoch, members)) = committed.filter(|(e, _)| self.position().is_none_or(|p| p.epoch != *e))
+        {
+            // It came into force between calls: we reported ready in a call that then failed (its
+            // vote was abandoned, say). Its pools are ours already; take it up.
+            let mut data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
+            self.take_up(c, &mut data, epoch, &members)?;
         }
+        Ok(())
+    }
+
+    /// Makes topology `epoch`, in force with our pools established, the one our calls run in.
+    fn take_up(&self, c: &Connected, data: &mut DataPlane, epoch: Epoch, members: &[Member]) -> Result<()> {
+        let pos = c.control.lock().view.position(epoch, members);
+        for s in data.outgoing.values().chain(data.incoming.values()).flatten() {
+            set_nonblocking(s)?;
+        }
+        log::info!(
+            "{}: topology {} in force: rank {} of {} (run of {})",
+            c.me,
+            epoch.0,
+            pos.rank,
+            pos.group_size(),
+            pos.world_size
+        );
+        *self.topology.lock().unwrap_or_else(PoisonError::into_inner) = Some(pos);
         Ok(())
     }
 
@@ -558,19 +584,7 @@ impl Communicator {
                     handled = Some(epoch);
                 }
                 Step::Done(epoch, members) => {
-                    let pos = c.control.lock().view.position(epoch, &members);
-                    for s in data.outgoing.values().chain(data.incoming.values()).flatten() {
-                        set_nonblocking(s)?;
-                    }
-                    log::info!(
-                        "{}: topology {} in force: rank {} of {} (run of {})",
-                        c.me,
-                        epoch.0,
-                        pos.rank,
-                        pos.group_size(),
-                        pos.world_size
-                    );
-                    *self.topology.lock().unwrap_or_else(PoisonError::into_inner) = Some(pos);
+                    self.take_up(c, &mut data, epoch, &members)?;
                     return Ok(Awaited::InForce);
                 }
             }

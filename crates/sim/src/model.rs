@@ -3,7 +3,7 @@
 use shoal_collective::ring::{RecvAction, RingAllReduce};
 use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output};
 use shoal_proto::peer::{Interrupt, LapInterrupt, PeerEvent, PeerView, Verdict};
-use shoal_wire::{Epoch, FailureKind, GroupId, Message, OpFailure, PeerId, SessionId};
+use shoal_wire::{Epoch, FailureKind, GroupId, Member, Message, OpFailure, PeerId, SessionId};
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
 use std::time::{Duration, Instant};
 
@@ -800,18 +800,8 @@ impl Sim {
                 let Some((e, members)) = p.view.committed.clone().filter(|(e, _)| Some(*e) == handled) else {
                     return false;
                 };
-                let me = p.me().expect("registered");
-                p.epoch = Some(e);
-                p.ring = members.iter().map(|m| self.index_of[&m.peer]).collect();
-                p.rank = members.iter().position(|m| m.peer == me).expect("a member");
-                p.broken = false;
-                p.out_closed.clear();
-                for q in p.inbox.values_mut() {
-                    q.retain(|item| match item {
-                        Item::Chunk { epoch, .. } | Item::Token { epoch, .. } => *epoch >= e,
-                        Item::Closed => false,
-                    });
-                }
+                self.take_up(i, e, &members);
+                let p = &mut self.peers[i];
                 match std::mem::replace(&mut p.call, Call::Idle) {
                     Call::Following { then, .. } => self.call(i, then),
                     _ => true,
@@ -859,7 +849,29 @@ impl Sim {
             let handled = p.view.ready_in;
             p.call = Call::Following { deadline: self.now + CALL_TIMEOUT, handled, then: next };
         } else {
+            // A topology that came into force between calls (we reported ready in a call that
+            // then failed) is taken up first, as the real peer does.
+            if let Some((e, members)) = p.view.committed.clone().filter(|(e, _)| p.epoch != Some(*e)) {
+                self.take_up(i, e, &members);
+            }
             self.call(i, next);
+        }
+    }
+
+    /// Topology `e` of `members` is in force for peer `i`: its calls run in it, on fresh streams.
+    fn take_up(&mut self, i: usize, e: Epoch, members: &[Member]) {
+        let p = &mut self.peers[i];
+        let me = p.me().expect("registered");
+        p.epoch = Some(e);
+        p.ring = members.iter().map(|m| self.index_of[&m.peer]).collect();
+        p.rank = members.iter().position(|m| m.peer == me).expect("a member");
+        p.broken = false;
+        p.out_closed.clear();
+        for q in p.inbox.values_mut() {
+            q.retain(|item| match item {
+                Item::Chunk { epoch, .. } | Item::Token { epoch, .. } => *epoch >= e,
+                Item::Closed => false,
+            });
         }
     }
 
