@@ -8,7 +8,7 @@ use crate::links::{DataPlane, EstablishError, Listener};
 use crate::ring::{self, RingError, RingJob, Side, Stop};
 use crate::Deadline;
 use shoal_collective::{CollectiveKind, DType, ReduceOp};
-use shoal_proto::peer::{Interrupt, LapInterrupt, RingPosition, Verdict, VoteAbort};
+use shoal_proto::peer::{Interrupt, LapInterrupt, RingPosition, TopologyStep, Verdict, VoteAbort};
 use shoal_wire::{Epoch, FailureKind, GroupId, Member, Message, OpFailure, OpHeader, PeerId, SessionId};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -535,33 +535,13 @@ impl Communicator {
         // abandoned, say) is not established again: that would re-dial, and so close, the pool
         // its successor already took.
         let mut handled: Option<Epoch> = c.control.lock().view.ready_in;
-        enum Step {
-            Establish(Epoch, Vec<Member>),
-            Done(Epoch, Vec<Member>),
-            Refused,
-        }
         loop {
-            let step = c.control.wait_until(operation, deadline, |s| {
-                if call == Await::Vote {
-                    match s.view.vote_aborted.take() {
-                        Some(VoteAbort { retry: true, .. }) => return Some(Ok(Step::Refused)),
-                        Some(VoteAbort { retry: false, reason }) => return Some(Err(Error::Misuse(reason))),
-                        None => {}
-                    }
-                }
-                if let Some((e, m)) = &s.view.issued {
-                    if Some(*e) != handled {
-                        return Some(Ok(Step::Establish(*e, m.clone())));
-                    }
-                }
-                match &s.view.committed {
-                    Some((e, m)) if Some(*e) == handled => Some(Ok(Step::Done(*e, m.clone()))),
-                    _ => None,
-                }
-            })??;
+            let step =
+                c.control.wait_until(operation, deadline, |s| s.view.topology_step(handled, call == Await::Vote))?;
             match step {
-                Step::Refused => return Ok(Awaited::VoteRefused),
-                Step::Establish(epoch, members) => {
+                TopologyStep::VoteRefused => return Ok(Awaited::VoteRefused),
+                TopologyStep::VoteAbandoned(reason) => return Err(Error::Misuse(reason)),
+                TopologyStep::Establish(epoch, members) => {
                     let pos = c.control.lock().view.position(epoch, &members);
                     match c.listener.establish(&mut data, &c.control, &pos, &self.config, deadline, operation) {
                         Ok(()) => {
@@ -583,7 +563,7 @@ impl Communicator {
                     }
                     handled = Some(epoch);
                 }
-                Step::Done(epoch, members) => {
+                TopologyStep::InForce(epoch, members) => {
                     self.take_up(c, &mut data, epoch, &members)?;
                     return Ok(Awaited::InForce);
                 }

@@ -110,6 +110,19 @@ pub enum LapInterrupt {
     MemberLost(PeerId),
 }
 
+/// What a call that waits for a topology does next ([`PeerView::topology_step`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TopologyStep {
+    /// Open the connections of this issued topology, then report ready (or who is unreachable).
+    Establish(Epoch, Vec<Member>),
+    /// The topology this call established is in force: the call's work runs in it.
+    InForce(Epoch, Vec<Member>),
+    /// Our `update_topology` vote was not counted (a topology was being connected): vote again.
+    VoteRefused,
+    /// Our `update_topology` vote was abandoned (the others made another call): a usage error.
+    VoteAbandoned(String),
+}
+
 /// Why an `update_topology` or `peers_pending` vote ended without a result.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VoteAbort {
@@ -348,6 +361,26 @@ impl PeerView {
         Ok((*epoch, seq))
     }
 
+    /// The next step of a call that waits for a topology, having handled (established, or reported
+    /// unreachable) topology `handled` so far; `voting` when the call is our `update_topology`
+    /// vote. `None`: wait for the master.
+    pub fn topology_step(&mut self, handled: Option<Epoch>, voting: bool) -> Option<TopologyStep> {
+        if voting {
+            match self.vote_aborted.take() {
+                Some(VoteAbort { retry: true, .. }) => return Some(TopologyStep::VoteRefused),
+                Some(VoteAbort { retry: false, reason }) => return Some(TopologyStep::VoteAbandoned(reason)),
+                None => {}
+            }
+        }
+        if let Some((e, m)) = self.issued.as_ref().filter(|(e, _)| Some(*e) != handled) {
+            return Some(TopologyStep::Establish(*e, m.clone()));
+        }
+        match &self.committed {
+            Some((e, m)) if Some(*e) == handled => Some(TopologyStep::InForce(*e, m.clone())),
+            _ => None,
+        }
+    }
+
     /// Whether collective `seq` of `epoch` (among `members`), still moving data here, must stop.
     /// The driver asks before it sleeps: what the master said since may end it.
     pub fn interrupt(&self, epoch: Epoch, seq: u64, members: &[PeerId]) -> Option<Interrupt> {
@@ -511,6 +544,25 @@ mod tests {
         v.handle_message(Message::OpAborted { epoch: Epoch(1), seq: 2, failure: failure.clone() }).unwrap();
         assert_eq!(v.interrupt(Epoch(1), 2, &members), Some(Interrupt::Aborted(failure.clone())));
         assert_eq!(v.lap_interrupt(Epoch(1), 2, &members), Some(LapInterrupt::Verdict(Verdict::Aborted(failure))));
+    }
+
+    /// A call waiting for a topology establishes each issued one once, is done when the one it
+    /// established commits, and (when it is our vote) ends on a refusal or an abandonment.
+    #[test]
+    fn a_call_waiting_for_a_topology_establishes_each_once_and_ends_when_it_commits() {
+        let mut v = registered_alone();
+        assert_eq!(v.topology_step(None, false), None);
+        let members = vec![member(0, 0)];
+        v.handle_message(Message::Topology { epoch: Epoch(1), members: members.clone() }).unwrap();
+        assert_eq!(v.topology_step(None, false), Some(TopologyStep::Establish(Epoch(1), members.clone())));
+        assert_eq!(v.topology_step(Some(Epoch(1)), false), None, "established: wait for the commit");
+        v.handle_message(Message::TopologyCommitted { epoch: Epoch(1) }).unwrap();
+        assert_eq!(v.topology_step(Some(Epoch(1)), false), Some(TopologyStep::InForce(Epoch(1), members)));
+        v.handle_message(Message::TopologyVoteAborted { retry: true, reason: "connecting".into() }).unwrap();
+        assert_eq!(v.topology_step(Some(Epoch(1)), false), Some(TopologyStep::InForce(Epoch(1), vec![member(0, 0)])));
+        assert_eq!(v.topology_step(Some(Epoch(1)), true), Some(TopologyStep::VoteRefused), "only a vote hears it");
+        v.handle_message(Message::TopologyVoteAborted { retry: false, reason: "p1 ran all_reduce".into() }).unwrap();
+        assert_eq!(v.topology_step(None, true), Some(TopologyStep::VoteAbandoned("p1 ran all_reduce".into())));
     }
 
     /// Peer 0, registered, in no topology yet.

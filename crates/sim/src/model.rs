@@ -2,7 +2,7 @@
 
 use shoal_collective::ring::{RecvAction, RingAllReduce};
 use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output};
-use shoal_proto::peer::{Interrupt, LapInterrupt, PeerEvent, PeerView, Verdict};
+use shoal_proto::peer::{Interrupt, LapInterrupt, PeerEvent, PeerView, TopologyStep, Verdict};
 use shoal_wire::{Epoch, FailureKind, GroupId, Member, Message, OpFailure, PeerId, SessionId};
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
 use std::time::{Duration, Instant};
@@ -765,47 +765,49 @@ impl Sim {
             Call::Connecting { handled, .. } | Call::Voting { handled, .. } | Call::Following { handled, .. } => {
                 let handled = *handled;
                 let voting = matches!(p.call, Call::Voting { .. });
-                if let Some(abort) = p.view.vote_aborted.take().filter(|_| voting) {
+                // The real call's steps, from the same view.
+                let (e, members) = match p.view.topology_step(handled, voting) {
+                    None => return false,
                     // Refused while a topology connected: the real call follows it and votes
                     // again. Abandoned (a member ran a collective instead): the call fails with a
                     // usage error, and this application simply votes again.
-                    if !abort.retry {
+                    Some(TopologyStep::VoteRefused) => {
+                        self.vote(i);
+                        return true;
+                    }
+                    Some(TopologyStep::VoteAbandoned(_)) => {
                         p.view.call_ended(false);
+                        self.vote(i);
+                        return true;
                     }
-                    self.vote(i);
-                    return true;
-                }
-                if let Some((e, members)) = p.view.issued.clone().filter(|(e, _)| Some(*e) != handled) {
-                    // Open the connections the topology asks for: dialing a dead peer fails.
-                    let me = p.me().expect("registered");
-                    let pos = members.iter().position(|m| m.peer == me).expect("a member");
-                    let next = members[(pos + 1) % members.len()].peer;
-                    let reachable = next == me || self.index_of.get(&next).is_some_and(|&j| self.peers[j].alive);
-                    if let Call::Connecting { handled, .. }
-                    | Call::Voting { handled, .. }
-                    | Call::Following { handled, .. } = &mut self.peers[i].call
-                    {
-                        *handled = Some(e);
+                    Some(TopologyStep::InForce(e, members)) => {
+                        self.take_up(i, e, &members);
+                        return match std::mem::replace(&mut self.peers[i].call, Call::Idle) {
+                            Call::Following { then, .. } => self.call(i, then),
+                            _ => true,
+                        };
                     }
-                    let msg = if reachable {
-                        self.peers[i].view.ready_in = Some(e);
-                        Message::TopologyReady { epoch: e }
-                    } else {
-                        Message::PeerUnreachable { epoch: e, peer: next }
-                    };
-                    self.send_master(i, msg);
-                    return true;
-                }
-                let p = &mut self.peers[i];
-                let Some((e, members)) = p.view.committed.clone().filter(|(e, _)| Some(*e) == handled) else {
-                    return false;
+                    Some(TopologyStep::Establish(e, members)) => (e, members),
                 };
-                self.take_up(i, e, &members);
-                let p = &mut self.peers[i];
-                match std::mem::replace(&mut p.call, Call::Idle) {
-                    Call::Following { then, .. } => self.call(i, then),
-                    _ => true,
+                // Open the connections the topology asks for: dialing a dead peer fails.
+                let me = p.me().expect("registered");
+                let pos = members.iter().position(|m| m.peer == me).expect("a member");
+                let next = members[(pos + 1) % members.len()].peer;
+                let reachable = next == me || self.index_of.get(&next).is_some_and(|&j| self.peers[j].alive);
+                if let Call::Connecting { handled, .. }
+                | Call::Voting { handled, .. }
+                | Call::Following { handled, .. } = &mut self.peers[i].call
+                {
+                    *handled = Some(e);
                 }
+                let msg = if reachable {
+                    self.peers[i].view.ready_in = Some(e);
+                    Message::TopologyReady { epoch: e }
+                } else {
+                    Message::PeerUnreachable { epoch: e, peer: next }
+                };
+                self.send_master(i, msg);
+                true
             }
             Call::Pending { .. } => {
                 if let Some(abort) = p.view.pending_aborted.take() {
