@@ -9,7 +9,7 @@ use crate::ring::{self, RingError, RingJob, Side, Stop};
 use crate::Deadline;
 use shoal_collective::{CollectiveKind, DType, ReduceOp};
 use shoal_proto::peer::{Interrupt, LapInterrupt, RingPosition, TopologyStep, Verdict, VoteAbort};
-use shoal_wire::{Epoch, FailureKind, GroupId, Member, Message, OpFailure, OpHeader, PeerId, SessionId};
+use shoal_wire::{Epoch, FailureKind, GroupId, Member, Message, OpFailure, OpHeader, PeerId, SessionId, Vote};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -172,13 +172,12 @@ impl Communicator {
             self.follow_topology(&connected, deadline, "update_topology")?;
             let collectives = {
                 let mut s = connected.control.lock();
-                s.view.missed = None;
+                let collectives = s.view.cast_vote(Vote::UpdateTopology);
                 if !s.view.vote_needed() {
                     log::debug!("{}: update_topology after a failure: the ring re-formed already", connected.me);
                     return Ok(());
                 }
-                s.view.vote_aborted = None;
-                s.view.started
+                collectives
             };
             connected.control.send(&Message::VoteUpdateTopology { collectives })?;
             match self.await_topology(&connected, deadline, Await::Vote)? {
@@ -202,12 +201,7 @@ impl Communicator {
         // A vote cast just before a topology was issued is not counted: join it, vote again.
         loop {
             self.follow_topology(&connected, deadline, "peers_pending")?;
-            let collectives = {
-                let mut s = connected.control.lock();
-                s.view.missed = None;
-                s.view.pending_aborted = None;
-                s.view.started
-            };
+            let collectives = connected.control.lock().view.cast_vote(Vote::PeersPending);
             connected.control.send(&Message::VotePeersPending { collectives })?;
             failpoint("peers_pending.after_vote");
             let answer = connected.control.wait_until("peers_pending", deadline, |s| {

@@ -16,7 +16,9 @@ use shoal_collective::DType;
 use shoal_proto::master::Strategy;
 use shoal_proto::peer::SyncAbort;
 use shoal_transport::{connect, read_message_until, write_message, PollFd};
-use shoal_wire::{truncate, Message, PeerId, PlanEntry, StateDigest, MAX_DIMS, MAX_STATE_ENTRIES, MAX_STRING_BYTES};
+use shoal_wire::{
+    truncate, Message, PeerId, PlanEntry, StateDigest, Vote, MAX_DIMS, MAX_STATE_ENTRIES, MAX_STRING_BYTES,
+};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -119,19 +121,10 @@ impl Communicator {
         let digests = digest(tensors)?;
         let deadline = Deadline::after(self.config.timeout);
         self.follow_topology(&connected, deadline, "sync_shared_state")?;
-        let collectives = {
-            let mut s = connected.control.lock();
-            s.view.missed = None;
-            s.view.started
-        };
+        let collectives = connected.control.lock().view.cast_vote(Vote::SyncSharedState);
         let _data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
         let pos = self.position().ok_or(Error::NotConnected)?;
         let control = &connected.control;
-        {
-            let mut s = control.lock();
-            s.view.sync_plan = None;
-            s.view.sync_end = None;
-        }
         let vote =
             Message::SyncVote { revision, strategy: strategy as u8, override_resume, entries: digests, collectives };
         control.send(&vote)?;

@@ -361,6 +361,22 @@ impl PeerView {
         Ok((*epoch, seq))
     }
 
+    /// Starts this peer's call `vote` (after it joined any issued topology): forgets what an
+    /// earlier call of that kind left behind, and the collective it missed (a vote is another
+    /// call); returns the count of collectives the vote carries (`VoteOpened`).
+    pub fn cast_vote(&mut self, vote: Vote) -> u64 {
+        self.missed = None;
+        match vote {
+            Vote::UpdateTopology => self.vote_aborted = None,
+            Vote::PeersPending => self.pending_aborted = None,
+            Vote::SyncSharedState => {
+                self.sync_plan = None;
+                self.sync_end = None;
+            }
+        }
+        self.started
+    }
+
     /// The next step of a call that waits for a topology, having handled (established, or reported
     /// unreachable) topology `handled` so far; `voting` when the call is our `update_topology`
     /// vote. `None`: wait for the master.
@@ -419,13 +435,11 @@ impl PeerView {
     /// and newcomers are admitted at the next vote every peer makes. Consumes the failure.
     pub fn vote_needed(&mut self) -> bool {
         let committed = self.committed.as_ref().map(|(e, _)| *e);
-        match self.failed_in.take() {
-            Some(failed) if committed > Some(failed) => false,
-            failed => {
-                self.failed_in = failed;
-                true
-            }
+        if self.failed_in.is_some_and(|failed| committed > Some(failed)) {
+            self.failed_in = None;
+            return false;
         }
+        true
     }
 
     /// Records that we committed collective `seq` of `epoch` on our own; if the master asked

@@ -3,7 +3,7 @@
 use shoal_collective::ring::{RecvAction, RingAllReduce};
 use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output};
 use shoal_proto::peer::{Interrupt, LapInterrupt, PeerEvent, PeerView, TopologyStep, Verdict};
-use shoal_wire::{Epoch, FailureKind, GroupId, Member, Message, OpFailure, PeerId, SessionId};
+use shoal_wire::{Epoch, FailureKind, GroupId, Member, Message, OpFailure, PeerId, SessionId, Vote};
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
 use std::time::{Duration, Instant};
 
@@ -882,22 +882,18 @@ impl Sim {
         match next {
             Next::Vote => {
                 let p = &mut self.peers[i];
+                let collectives = p.view.cast_vote(Vote::UpdateTopology);
                 if !p.view.vote_needed() {
                     // The ring re-formed after our failure: update_topology has nothing to do.
                     return self.call(i, Next::Collective);
                 }
-                p.view.vote_aborted = None;
-                p.view.missed = None;
                 p.call = Call::Voting { deadline: self.now + CALL_TIMEOUT, handled: p.view.ready_in };
-                let collectives = p.view.started;
                 self.send_master(i, Message::VoteUpdateTopology { collectives });
             }
             Next::Pending => {
                 let p = &mut self.peers[i];
-                p.view.missed = None;
-                p.view.pending_aborted = None;
+                let collectives = p.view.cast_vote(Vote::PeersPending);
                 p.call = Call::Pending { deadline: self.now + CALL_TIMEOUT };
-                let collectives = p.view.started;
                 self.send_master(i, Message::VotePeersPending { collectives });
             }
             Next::Collective => self.start_collective(i),
