@@ -25,8 +25,8 @@ use std::time::Instant;
 
 impl Master {
     /// Checks the vote of `peer` in `vote`, having started `collectives` collectives of the
-    /// committed topology, against the calls its group is in; announces it to the group. False
-    /// when the vote must not be cast: it was answered or abandoned here.
+    /// committed topology, against the calls its group is in. False when the vote must not be
+    /// cast: it was answered or abandoned here.
     pub(super) fn admit_vote(&mut self, now: Instant, peer: PeerId, vote: Vote, collectives: u64) -> bool {
         let entry = self.peers.get_mut(&peer).expect("votes come from known peers");
         let (group, fresh) = (entry.group, std::mem::take(&mut entry.fresh));
@@ -58,23 +58,17 @@ impl Master {
             self.refuse(peer, vote, reason);
             return false;
         }
-        let announce = match vote {
-            Vote::UpdateTopology => match &mut self.phase {
-                Phase::AwaitingTopologyVotes { ballot } => ballot.announce(group, collectives),
-                _ => true,
-            },
-            Vote::PeersPending => self.pending_vote.as_mut().is_none_or(|b| b.announce(group, collectives)),
-            Vote::SyncSharedState => {
-                self.syncs.get_mut(&group).and_then(|s| s.voting_mut()).is_none_or(|b| b.announce(group, collectives))
-            }
-        };
-        if announce {
-            let epoch = self.ring_epoch;
-            for p in self.group_ring(group).into_iter().filter(|p| *p != peer) {
-                self.send_to_peer(p, Message::VoteOpened { vote, epoch, voter: peer, collectives });
-            }
-        }
         true
+    }
+
+    /// Tells the other members of `peer`'s group that it waits in `vote` having started
+    /// `collectives` collectives: its ballot found that fewer than announced so far
+    /// ([`crate::ballot::Ballot::announce`]).
+    pub(super) fn announce_vote(&mut self, peer: PeerId, vote: Vote, collectives: u64) {
+        let epoch = self.ring_epoch;
+        for p in self.group_ring(self.peers[&peer].group).into_iter().filter(|p| *p != peer) {
+            self.send_to_peer(p, Message::VoteOpened { vote, epoch, voter: peer, collectives });
+        }
     }
 
     /// Answers `false` to the tentative `peers_pending` votes whose time is up.

@@ -378,15 +378,23 @@ impl Master {
         if !self.admit_vote(now, peer, Vote::UpdateTopology, collectives) {
             return;
         }
-        match &mut self.phase {
+        let group = self.peers[&peer].group;
+        let fewer = match &mut self.phase {
             Phase::Idle => {
                 let mut ballot = Ballot::new(self.ring.iter().copied().collect());
-                ballot.announce(self.peers[&peer].group, collectives);
+                let fewer = ballot.announce(group, collectives);
                 ballot.cast(peer);
                 self.set_phase(Phase::AwaitingTopologyVotes { ballot });
+                fewer
             }
-            Phase::AwaitingTopologyVotes { ballot } => ballot.cast(peer),
+            Phase::AwaitingTopologyVotes { ballot } => {
+                ballot.cast(peer);
+                ballot.announce(group, collectives)
+            }
             Phase::AwaitingConnections { .. } => unreachable!("refused above"),
+        };
+        if fewer {
+            self.announce_vote(peer, Vote::UpdateTopology, collectives);
         }
         self.tally_topology_votes();
     }
@@ -529,12 +537,15 @@ impl Master {
         if !self.admit_vote(now, peer, Vote::PeersPending, collectives) {
             return;
         }
-        let (ring, group) = (&self.ring, self.peers[&peer].group);
+        // A tentative vote is not announced (`calls.rs`).
+        let (group, tentative) = (self.peers[&peer].group, self.tentative.contains_key(&peer));
+        let ring = &self.ring;
         let ballot = self.pending_vote.get_or_insert_with(|| Ballot::new(ring.iter().copied().collect()));
-        if !self.tentative.contains_key(&peer) {
-            ballot.announce(group, collectives);
-        }
+        let fewer = !tentative && ballot.announce(group, collectives);
         ballot.cast(peer);
+        if fewer {
+            self.announce_vote(peer, Vote::PeersPending, collectives);
+        }
         self.tally_pending_votes();
     }
 

@@ -55,11 +55,6 @@ impl SyncRound {
     pub(super) fn voting(&self) -> Option<&Ballot> {
         self.transfer.is_none().then_some(&self.ballot)
     }
-
-    /// The ballot, mutably, while the sync is still voting.
-    pub(super) fn voting_mut(&mut self) -> Option<&mut Ballot> {
-        self.transfer.is_none().then_some(&mut self.ballot)
-    }
 }
 
 #[derive(Debug)]
@@ -119,9 +114,12 @@ impl Master {
         if sync.transfer.is_some() || sync.votes.contains_key(&peer) || !sync.ballot.is_eligible(peer) {
             return self.violation(peer, "sync vote outside of a sync's voting".into());
         }
-        sync.ballot.announce(group, collectives);
+        let fewer = sync.ballot.announce(group, collectives);
         sync.ballot.cast(peer);
         sync.votes.insert(peer, Vote { revision, strategy, override_resume, entries });
+        if fewer {
+            self.announce_vote(peer, shoal_wire::Vote::SyncSharedState, collectives);
+        }
         self.tally_sync(group);
     }
 
