@@ -115,7 +115,8 @@ class Communicator:
     ) -> _native.ReduceInfo:
         """Reduce ``tensor`` in place with every peer of the group (ops: sum, avg, prod, min, max).
 
-        On success every peer holds bit-identical values.
+        On success every peer holds bit-identical values. On :class:`PeerLostError` the call did
+        not happen (the tensor is as it was) and the ring re-forms by itself: retry it as is.
         """
         if quantization is not None:
             raise ValueError(f"quantization={quantization!r}: only None is supported so far")

@@ -772,12 +772,12 @@ impl Sim {
                     // again. Abandoned (a member ran a collective instead): the call fails with a
                     // usage error, and this application simply votes again.
                     Some(TopologyStep::VoteRefused) => {
-                        self.vote(i);
+                        self.begin(i, Next::Vote);
                         return true;
                     }
                     Some(TopologyStep::VoteAbandoned(_)) => {
                         p.view.call_ended(false);
-                        self.vote(i);
+                        self.begin(i, Next::Vote);
                         return true;
                     }
                     Some(TopologyStep::InForce(e, members)) => {
@@ -899,11 +899,6 @@ impl Sim {
             Next::Collective => self.start_collective(i),
         }
         true
-    }
-
-    /// Calls `update_topology`.
-    fn vote(&mut self, i: usize) {
-        self.begin(i, Next::Vote);
     }
 
     fn start_collective(&mut self, i: usize) {
