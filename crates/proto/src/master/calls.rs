@@ -16,7 +16,9 @@
 //! is cast *tentatively*: not announced, it passes if the others join it; it is answered `false`
 //! (sending the newcomer on to the others' call) as soon as a member votes another call that the
 //! ballot waits for, or after a heartbeat interval (the others may be in a collective, which the
-//! master does not see).
+//! master does not see). A newcomer sent on that way may find the others gone back to the top of
+//! their loop (their iteration failed, which it never saw): when its next vote and theirs cannot
+//! complete together, the newcomer's side is refused *retryably*, once, and its loop meets them.
 
 use super::{heartbeat_interval, Master, Phase, Timer};
 use shoal_wire::{GroupId, Message, PeerId, Vote};
@@ -34,6 +36,7 @@ impl Master {
             if self.vote_awaiting(peer, vote).is_some() {
                 log::debug!("{peer}'s first call since its admission is peers_pending, the others vote another");
                 self.send_to_peer(peer, Message::PeersPendingResult { pending: false });
+                self.sent_on.insert(peer);
                 return false;
             }
             let at = now + heartbeat_interval(self.config.heartbeat_timeout);
@@ -44,18 +47,31 @@ impl Master {
         if vote != Vote::PeersPending {
             self.release_tentative_votes_awaiting(peer);
         }
-        if let Some((other, voters)) = self.vote_awaiting(peer, vote) {
-            let voters: Vec<String> = voters.iter().map(ToString::to_string).collect();
+        while let Some((other, voters)) = self.vote_awaiting(peer, vote) {
+            let names: Vec<String> = voters.iter().map(ToString::to_string).collect();
             let reason = format!(
                 "{peer} called {} while {} called {}: every accepted peer must make the same calls in the \
                  same order",
                 vote.call(),
-                voters.join(", "),
+                names.join(", "),
                 other.call()
             );
+            if self.sent_on.remove(&peer) {
+                // A newcomer sent on to a call the others have left: it goes back to meet them.
+                log::debug!("{reason}: {peer} was sent on as a newcomer, and tries again");
+                self.refuse(peer, vote, reason, true);
+                return false;
+            }
+            if voters.iter().all(|v| self.sent_on.contains(v)) {
+                // The newcomers wait in a call the others have left: they try again, this vote counts.
+                log::debug!("{reason}: the newcomers sent on try again");
+                self.sent_on.retain(|v| !voters.contains(v));
+                self.withdraw(other, group, &reason, true);
+                continue;
+            }
             log::warn!("{reason}");
             self.abandon_votes(group, &reason);
-            self.refuse(peer, vote, reason);
+            self.refuse(peer, vote, reason, false);
             return false;
         }
         true
@@ -91,6 +107,7 @@ impl Master {
     fn release_tentative(&mut self, peers: &[PeerId]) {
         for p in peers {
             self.tentative.remove(p);
+            self.sent_on.insert(*p);
             if let Some(ballot) = &mut self.pending_vote {
                 ballot.uncast(*p);
                 log::debug!("{p}'s first peers_pending since its admission: false");
@@ -113,22 +130,35 @@ impl Master {
     /// for each other: every open vote the group's members are in ends with `reason`. Every
     /// member hears of it, voter or not, so that none keeps the announcement of a dead vote.
     pub(super) fn abandon_votes(&mut self, group: GroupId, reason: &str) {
-        if matches!(self.phase, Phase::AwaitingTopologyVotes { .. }) {
-            log::warn!("update_topology vote abandoned: {reason}");
-            for p in self.ring.clone() {
-                self.send_to_peer(p, Message::TopologyVoteAborted { retry: false, reason: reason.to_string() });
-            }
-            self.set_phase(Phase::Idle);
+        for vote in [Vote::UpdateTopology, Vote::PeersPending, Vote::SyncSharedState] {
+            self.withdraw(vote, group, reason, false);
         }
-        if self.pending_vote.take().is_some() {
-            self.tentative.clear();
-            log::warn!("peers_pending vote abandoned: {reason}");
-            for p in self.ring.clone() {
-                self.send_to_peer(p, Message::PeersPendingAborted { retry: false, reason: reason.to_string() });
+    }
+
+    /// Ends the open ballot of `vote` (of `group`, for a sync), if any: its voters' calls fail,
+    /// or (`retry`) vote again. Every member hears of it, voter or not.
+    fn withdraw(&mut self, vote: Vote, group: GroupId, reason: &str, retry: bool) {
+        let reason = reason.to_string();
+        match vote {
+            Vote::UpdateTopology if matches!(self.phase, Phase::AwaitingTopologyVotes { .. }) => {
+                log::warn!("update_topology vote ended: {reason}");
+                for p in self.ring.clone() {
+                    self.send_to_peer(p, Message::TopologyVoteAborted { retry, reason: reason.clone() });
+                }
+                self.set_phase(Phase::Idle);
             }
-        }
-        if self.syncs.get(&group).is_some_and(|s| s.voting().is_some()) {
-            self.abort_sync(group, false, reason.to_string());
+            Vote::PeersPending if self.pending_vote.is_some() => {
+                self.pending_vote = None;
+                self.tentative.clear();
+                log::warn!("peers_pending vote ended: {reason}");
+                for p in self.ring.clone() {
+                    self.send_to_peer(p, Message::PeersPendingAborted { retry, reason: reason.clone() });
+                }
+            }
+            Vote::SyncSharedState if self.syncs.get(&group).is_some_and(|s| s.voting().is_some()) => {
+                self.abort_sync(group, retry, reason);
+            }
+            _ => {}
         }
     }
 
@@ -149,12 +179,13 @@ impl Master {
             .map(|(kind, ballot)| (kind, ballot.voters().clone()))
     }
 
-    /// Ends `peer`'s call `vote` with a usage error, without casting it.
-    fn refuse(&mut self, peer: PeerId, vote: Vote, reason: String) {
+    /// Ends `peer`'s call `vote` without casting it: with a usage error, or (`retry`) for it to
+    /// try again.
+    fn refuse(&mut self, peer: PeerId, vote: Vote, reason: String, retry: bool) {
         let message = match vote {
-            Vote::UpdateTopology => Message::TopologyVoteAborted { retry: false, reason },
-            Vote::PeersPending => Message::PeersPendingAborted { retry: false, reason },
-            Vote::SyncSharedState => Message::SyncAborted { round: 0, retryable: false, reason },
+            Vote::UpdateTopology => Message::TopologyVoteAborted { retry, reason },
+            Vote::PeersPending => Message::PeersPendingAborted { retry, reason },
+            Vote::SyncSharedState => Message::SyncAborted { round: 0, retryable: retry, reason },
         };
         self.send_to_peer(peer, message);
     }

@@ -161,6 +161,9 @@ pub struct Master {
     /// Newcomers' first `peers_pending` votes, cast tentatively, and when each is answered `false`
     /// unless its ballot passed (`calls.rs`).
     tentative: BTreeMap<PeerId, Instant>,
+    /// Newcomers the tentative rule answered `false`, until they report a collective or a
+    /// `peers_pending` vote of theirs passes: their first conflicting vote is retried (`calls.rs`).
+    sent_on: BTreeSet<PeerId>,
     /// The ring lost a member, or a collective of it was aborted (its streams are gone): the
     /// survivors' next calls need a new topology of the same ring. Issued as soon as no major
     /// operation is open ([`Master::reform_if_due`]), so an application simply retries.
@@ -190,6 +193,7 @@ impl Master {
             phase: Phase::Idle,
             pending_vote: None,
             tentative: BTreeMap::new(),
+            sent_on: BTreeSet::new(),
             reform_due: false,
             timers,
             outputs: VecDeque::new(),
@@ -421,6 +425,7 @@ impl Master {
         if let Some(e) = self.peers.get_mut(&peer) {
             e.fresh = false;
         }
+        self.sent_on.remove(&peer);
     }
 
     fn tally_topology_votes(&mut self) {
@@ -537,8 +542,13 @@ impl Master {
         if !self.admit_vote(now, peer, Vote::PeersPending, collectives) {
             return;
         }
-        // A tentative vote is not announced (`calls.rs`).
+        // A tentative vote is not announced (`calls.rs`); an ordinary one makes the ballot's
+        // tentative votes ordinary too: the others are asking as well.
         let (group, tentative) = (self.peers[&peer].group, self.tentative.contains_key(&peer));
+        if !tentative {
+            self.tentative.clear();
+            self.timers.clear(Timer::TentativeVotes);
+        }
         let ring = &self.ring;
         let ballot = self.pending_vote.get_or_insert_with(|| Ballot::new(ring.iter().copied().collect()));
         let fewer = !tentative && ballot.announce(group, collectives);
@@ -559,6 +569,7 @@ impl Master {
         self.pending_vote = None;
         self.tentative.clear();
         let pending = !self.registered().is_empty();
+        self.sent_on.retain(|p| !quorum.voters().contains(p));
         for p in quorum.voters() {
             let conn = self.peers[p].conn;
             self.send(conn, Message::PeersPendingResult { pending });
@@ -594,6 +605,7 @@ impl Master {
         self.settle_ops_of(peer);
         self.sync_member_removed(peer);
         self.tentative.remove(&peer);
+        self.sent_on.remove(&peer);
         if let Some(b) = &mut self.pending_vote {
             b.remove(peer);
             self.tally_pending_votes();

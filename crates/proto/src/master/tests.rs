@@ -571,6 +571,20 @@ fn a_newcomers_first_peers_pending_joins_the_others_or_is_answered_after_an_inte
         assert_eq!(sent_to(&out, c), vec![&Message::PeersPendingResult { pending: false }]);
     }
 
+    // Once one of the others asks, the newcomer's vote counts like theirs: the interval passing
+    // does not send it away while they wait for it.
+    let (mut h, _) = run_with(3);
+    h.send(3, Message::VotePeersPending { collectives: 0 });
+    h.send(1, Message::VotePeersPending { collectives: 0 });
+    h.now += Duration::from_secs(1);
+    for c in 1..=3 {
+        h.send(c, Message::Heartbeat);
+    }
+    h.master.handle_timeout(h.now);
+    assert!(!sent_to(&h.drain(), 3).iter().any(|m| matches!(m, Message::PeersPendingResult { .. })));
+    let out = h.send(2, Message::VotePeersPending { collectives: 0 });
+    assert_eq!(sent_to(&out, 3), vec![&Message::PeersPendingResult { pending: false }]);
+
     let (mut h, _) = run_with(3);
     h.send(3, Message::VotePeersPending { collectives: 0 });
     let due = h.master.poll_timeout().unwrap();
@@ -582,4 +596,26 @@ fn a_newcomers_first_peers_pending_joins_the_others_or_is_answered_after_an_inte
     // The others' own vote later is an ordinary one, announced and needing everyone.
     let out = h.send(1, Message::VotePeersPending { collectives: 1 });
     assert!(matches!(sent_to(&out, 3)[..], [Message::VoteOpened { .. }]), "{out:?}");
+}
+
+/// PCCL's loop with a newcomer and a failure: the newcomer is sent on to the sync, but the others'
+/// iteration failed and they start again at peers_pending, which it never saw. Its sync is
+/// withdrawn retryably (its loop goes back to the top), and their vote counts: nobody gets a
+/// usage error.
+#[test]
+fn a_newcomer_sent_on_to_a_call_the_others_left_tries_again() {
+    let (mut h, _) = run_with(3);
+    h.send(3, Message::VotePeersPending { collectives: 0 });
+    h.now = h.master.poll_timeout().unwrap();
+    h.master.handle_timeout(h.now);
+    h.drain();
+    vote(&mut h, 3, 0, Strategy::EnforcePopular, &[1]);
+    let out = h.send(1, Message::VotePeersPending { collectives: 0 });
+    assert!(sent_to(&out, 3).iter().any(|m| matches!(m, Message::SyncAborted { retryable: true, .. })), "{out:?}");
+    assert!(!out.iter().any(|o| matches!(o, Output::Send { message: Message::PeersPendingAborted { .. }, .. })));
+    h.send(2, Message::VotePeersPending { collectives: 0 });
+    let out = h.send(3, Message::VotePeersPending { collectives: 0 });
+    for c in 1..=3 {
+        assert!(sent_to(&out, c).contains(&&Message::PeersPendingResult { pending: false }), "{out:?}");
+    }
 }
