@@ -35,7 +35,8 @@ class Proxy:
                 pass
 
     def close(self) -> None:
-        self._closed = True
+        with self._lock:
+            self._closed = True
         self._listener.close()
         self.reset_all()
 
@@ -43,12 +44,21 @@ class Proxy:
         while not self._closed:
             try:
                 down, _ = self._listener.accept()
-                up = socket.create_connection(self.upstream)
             except OSError:
                 return
+            try:
+                up = socket.create_connection(self.upstream)
+            except OSError:
+                # The upstream is gone (a killed peer): the connection is refused, as it would be.
+                down.close()
+                continue
             for s in (down, up):
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
+                if self._closed:
+                    down.close()
+                    up.close()
+                    return
                 self._conns += [down, up]
             threading.Thread(target=self._pump, args=(down, up), daemon=True).start()
             threading.Thread(target=self._pump, args=(up, down), daemon=True).start()
