@@ -2,7 +2,8 @@
 //!
 //! [`master::Master`] decides membership: who is registered, who is accepted, which topology is
 //! in force, and the votes (`update_topology`, `peers_pending`) that change or query it.
-//! [`peer::PeerView`] is a peer's side: what it has been told and what it must do next.
+//! [`peer::Peer`] is a peer's side: every step of its calls, what it tells the master, and what
+//! it asks of the thread that moves its data.
 //!
 //! Nothing here touches a socket, a thread or a clock: time arrives as an argument, output
 //! leaves through `poll_output`, and the same inputs always give the same outputs. That is what

@@ -1,0 +1,262 @@
+//! The peer's state machine, one rule at a time: what it sends, what it asks of its driver, and
+//! when its calls end. `crates/sim` runs the same machine through thousands of faulty runs.
+
+use super::*;
+use shoal_wire::{Member, SessionId};
+
+const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(2);
+const BOUND: Duration = Duration::from_secs(10);
+
+fn member(p: u32) -> Member {
+    Member { peer: PeerId(p), group: GroupId(0), addr: format!("h:{p}") }
+}
+
+fn members(ids: &[u32]) -> Vec<Member> {
+    ids.iter().map(|&p| member(p)).collect()
+}
+
+/// Drains the messages for the master.
+fn sent(p: &mut Peer) -> Vec<Message> {
+    std::iter::from_fn(|| p.poll_output()).collect()
+}
+
+/// Drains the actions for the calling thread.
+fn actions(p: &mut Peer) -> Vec<Action> {
+    std::iter::from_fn(|| p.poll_action()).collect()
+}
+
+/// Peer 0, joined and accepted in topology 1 of `ring` (peer 0 among them).
+fn joined(ring: &[u32]) -> (Peer, Instant) {
+    let t0 = Instant::now();
+    let mut p = Peer::new(PeerConfig { heartbeat_timeout: HEARTBEAT_TIMEOUT }, t0);
+    p.connect(GroupId(0), "h:0".into(), BOUND, t0);
+    assert_eq!(sent(&mut p), vec![Message::Join { group: GroupId(0), data_addr: "h:0".into() }]);
+    let registered = Message::Registered { peer: PeerId(0), session: SessionId(7), heartbeat_ms: 100 };
+    p.handle_message(registered, t0).unwrap();
+    p.handle_message(Message::Topology { epoch: Epoch(1), members: members(ring) }, t0).unwrap();
+    let position = match &actions(&mut p)[..] {
+        [Action::Registered { me: PeerId(0), session: SessionId(7) }, Action::Establish { position, .. }] => {
+            position.clone()
+        }
+        other => panic!("expected registration, then establish: {other:?}"),
+    };
+    assert_eq!(position.ring.len(), ring.len());
+    p.handle_established(Epoch(1), Established::Ready, t0);
+    assert_eq!(sent(&mut p), vec![Message::TopologyReady { epoch: Epoch(1) }]);
+    p.handle_message(Message::TopologyCommitted { epoch: Epoch(1) }, t0).unwrap();
+    assert_eq!(actions(&mut p), vec![Action::TakeUp(position), Action::Done(Ok(Value::Joined))]);
+    assert!(!p.busy());
+    (p, t0)
+}
+
+/// Starts a collective; returns its name.
+fn start_collective(p: &mut Peer, now: Instant) -> OpId {
+    p.call(CallKind::Collective, BOUND, now);
+    match &actions(p)[..] {
+        [Action::RunCollective { op, .. }] => *op,
+        other => panic!("expected the collective to run: {other:?}"),
+    }
+}
+
+#[test]
+fn a_newcomer_is_done_joining_once_the_topology_it_established_commits() {
+    let (p, _) = joined(&[0, 1]);
+    assert_eq!(p.position().map(|pos| pos.group_size()), Some(2));
+}
+
+/// Heartbeats go out as often as the master asks, which may be more often than the peer's own
+/// timeout needs; a master silent for a heartbeat timeout is lost and ends the call in progress.
+#[test]
+fn heartbeats_follow_the_master_and_a_silent_master_ends_the_call() {
+    let (mut p, t0) = joined(&[0]);
+    let due = p.poll_timeout().unwrap();
+    assert!(due <= t0 + Duration::from_millis(100), "the master asked for a heartbeat every 100 ms");
+    p.handle_timeout(due);
+    assert_eq!(sent(&mut p), vec![Message::Heartbeat]);
+    p.call(CallKind::PeersPending, BOUND, due);
+    assert_eq!(sent(&mut p), vec![Message::VotePeersPending { collectives: 0 }]);
+    let silent = t0 + HEARTBEAT_TIMEOUT + Duration::from_millis(10);
+    p.handle_timeout(silent);
+    assert!(matches!(p.gone(), Some(Gone::MasterLost(why)) if why.contains("no message")));
+    assert!(matches!(&actions(&mut p)[..], [Action::Done(Err(CallError::Gone(Gone::MasterLost(_))))]));
+    assert_eq!(p.poll_timeout(), None, "nothing more to time");
+}
+
+/// A participant the master removed never closes its streams (frozen, cut off): the collective
+/// stops, the failure is reported, and the verdict ends the call on every participant alike.
+#[test]
+fn a_removed_member_stops_the_collective_and_the_verdict_ends_it() {
+    let (mut p, t0) = joined(&[0, 1, 2]);
+    let op = start_collective(&mut p, t0);
+    assert_eq!(op, OpId { epoch: Epoch(1), seq: Seq(0) });
+    assert!(p.running(op));
+    p.handle_message(Message::PeerRemoved { peer: PeerId(2) }, t0).unwrap();
+    assert!(!p.running(op), "the data plane must stop");
+    let failed = sent(&mut p);
+    assert!(
+        matches!(&failed[..], [Message::OpFailed { epoch: Epoch(1), seq: 0, failure }] if failure.peer == PeerId(2)),
+        "{failed:?}"
+    );
+    // What the data plane says after the decision changes nothing.
+    p.handle_collective(op, OpProgress::DataDone, t0);
+    assert!(actions(&mut p).is_empty());
+    let failure = OpFailure::new(FailureKind::PeerLost, PeerId(2), "gone");
+    p.handle_message(Message::OpAborted { epoch: Epoch(1), seq: 0, failure: failure.clone() }, t0).unwrap();
+    assert_eq!(actions(&mut p), vec![Action::Done(Err(CallError::Aborted { op, failure }))]);
+    assert!(!p.busy());
+}
+
+/// A lap that came round commits on its own; a query that came before is answered then.
+#[test]
+fn a_confirmed_lap_commits_on_its_own_and_answers_the_query_it_had() {
+    let (mut p, t0) = joined(&[0, 1]);
+    let op = start_collective(&mut p, t0);
+    p.handle_message(Message::OpQuery { epoch: Epoch(1), seq: 0 }, t0).unwrap();
+    assert!(sent(&mut p).is_empty(), "not committed yet: answered when it is");
+    p.handle_collective(op, OpProgress::DataDone, t0);
+    assert!(p.running(op), "the lap runs");
+    p.handle_collective(op, OpProgress::Confirmed, t0);
+    assert_eq!(sent(&mut p), vec![Message::OpDone { epoch: Epoch(1), seq: 0, decided: true }]);
+    assert_eq!(actions(&mut p), vec![Action::Done(Ok(Value::Collective(op)))]);
+    assert_eq!(start_collective(&mut p, t0), OpId { epoch: Epoch(1), seq: Seq(1) }, "numbered in order");
+}
+
+/// A lap that cannot finish asks the master, which decides for every participant.
+#[test]
+fn a_broken_lap_asks_the_master_and_takes_its_verdict() {
+    let (mut p, t0) = joined(&[0, 1]);
+    let op = start_collective(&mut p, t0);
+    p.handle_collective(op, OpProgress::DataDone, t0);
+    p.handle_collective(op, OpProgress::LapBroken("predecessor closed the stream".into()), t0);
+    assert!(!p.running(op));
+    assert_eq!(sent(&mut p), vec![Message::OpDone { epoch: Epoch(1), seq: 0, decided: false }]);
+    // A lap the data plane finishes after the peer asked does not commit on its own.
+    p.handle_collective(op, OpProgress::Confirmed, t0);
+    assert!(actions(&mut p).is_empty() && sent(&mut p).is_empty());
+    p.handle_message(Message::OpCommitted { epoch: Epoch(1), seq: 0 }, t0).unwrap();
+    assert_eq!(actions(&mut p), vec![Action::Done(Ok(Value::Collective(op)))]);
+}
+
+/// A failure reported without a verdict in a heartbeat timeout (the master is cut off from us)
+/// leaves the driver's own error; a question without an answer ends in a timeout.
+#[test]
+fn without_a_verdict_a_failure_stands_and_a_question_times_out() {
+    let (mut p, t0) = joined(&[0, 1]);
+    let op = start_collective(&mut p, t0);
+    let failure = OpFailure::new(FailureKind::PeerLost, PeerId(1), "closed");
+    p.handle_collective(op, OpProgress::Failed(failure.clone()), t0);
+    let later = t0 + HEARTBEAT_TIMEOUT / 2;
+    p.handle_message(Message::Heartbeat, later).unwrap();
+    p.handle_timeout(later);
+    assert!(actions(&mut p).is_empty(), "waits for the verdict");
+    let after = t0 + HEARTBEAT_TIMEOUT;
+    p.handle_timeout(after);
+    assert_eq!(actions(&mut p), vec![Action::Done(Err(CallError::Unconfirmed { op, failure }))]);
+
+    let op = start_collective(&mut p, after);
+    p.handle_collective(op, OpProgress::DataDone, after);
+    p.handle_message(Message::PeerRemoved { peer: PeerId(1) }, after).unwrap();
+    assert_eq!(sent(&mut p).last(), Some(&Message::OpDone { epoch: Epoch(1), seq: 1, decided: false }));
+    // Asked at `after`, within the call's bound: the answer may take that bound and a heartbeat
+    // timeout more.
+    let end = after + BOUND + HEARTBEAT_TIMEOUT;
+    p.handle_message(Message::Heartbeat, end - Duration::from_millis(1)).unwrap();
+    p.handle_timeout(end - Duration::from_millis(1));
+    assert!(actions(&mut p).is_empty());
+    p.handle_message(Message::Heartbeat, end).unwrap();
+    p.handle_timeout(end);
+    assert_eq!(actions(&mut p), vec![Action::Done(Err(CallError::Timeout))]);
+}
+
+/// The master refuses a vote while a topology connects: the call joins that topology, then
+/// votes again, all within its bound, and the driver only opens connections.
+#[test]
+fn a_refused_vote_joins_the_issued_topology_and_votes_again() {
+    let (mut p, t0) = joined(&[0, 1]);
+    p.call(CallKind::UpdateTopology, BOUND, t0);
+    assert_eq!(sent(&mut p), vec![Message::VoteUpdateTopology { collectives: 0 }]);
+    p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1, 2]) }, t0).unwrap();
+    p.handle_message(Message::TopologyVoteAborted { retry: true, reason: "a topology connects".into() }, t0).unwrap();
+    let establish = actions(&mut p);
+    assert!(matches!(&establish[..], [Action::Establish { position, .. }] if position.epoch == Epoch(2)));
+    p.handle_established(Epoch(2), Established::Ready, t0);
+    assert_eq!(sent(&mut p), vec![Message::TopologyReady { epoch: Epoch(2) }]);
+    p.handle_message(Message::TopologyCommitted { epoch: Epoch(2) }, t0).unwrap();
+    assert!(matches!(&actions(&mut p)[..], [Action::TakeUp(pos)] if pos.epoch == Epoch(2)));
+    assert_eq!(sent(&mut p), vec![Message::VoteUpdateTopology { collectives: 0 }], "voted again");
+    p.handle_message(Message::TopologyVoteAborted { retry: false, reason: "p1 ran all_reduce".into() }, t0).unwrap();
+    assert_eq!(actions(&mut p), vec![Action::Done(Err(CallError::Misuse("p1 ran all_reduce".into())))]);
+}
+
+/// A collective that the others failed while this peer was between calls (it joined the
+/// re-formed ring first) fails here too, untouched: every member's k-th call has one outcome.
+#[test]
+fn a_collective_the_others_failed_first_fails_here_before_it_runs() {
+    let (mut p, t0) = joined(&[0, 1, 2]);
+    let failure = OpFailure::new(FailureKind::PeerLost, PeerId(2), "gone");
+    p.handle_message(Message::OpAborted { epoch: Epoch(1), seq: 0, failure: failure.clone() }, t0).unwrap();
+    p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1]) }, t0).unwrap();
+    p.call(CallKind::Collective, BOUND, t0);
+    assert!(matches!(&actions(&mut p)[..], [Action::Establish { .. }]), "first it follows the re-formed ring");
+    p.handle_established(Epoch(2), Established::Ready, t0);
+    p.handle_message(Message::TopologyCommitted { epoch: Epoch(2) }, t0).unwrap();
+    let op = OpId { epoch: Epoch(1), seq: Seq(0) };
+    let ended = actions(&mut p);
+    assert!(matches!(&ended[..], [Action::TakeUp(_), Action::Done(Err(CallError::Aborted { op: o, .. }))] if *o == op));
+    // update_topology after that failure has nothing to vote on: the ring re-formed already.
+    p.call(CallKind::UpdateTopology, BOUND, t0);
+    assert_eq!(actions(&mut p), vec![Action::Done(Ok(Value::TopologyInForce))]);
+    assert!(sent(&mut p).iter().all(|m| !matches!(m, Message::VoteUpdateTopology { .. })));
+    assert_eq!(start_collective(&mut p, t0), OpId { epoch: Epoch(2), seq: Seq(0) });
+}
+
+/// A vote nobody answers ends at the call's bound; a second call meanwhile is refused.
+#[test]
+fn a_call_ends_at_its_bound_and_calls_do_not_overlap() {
+    let (mut p, t0) = joined(&[0, 1]);
+    p.call(CallKind::PeersPending, BOUND, t0);
+    p.call(CallKind::Collective, BOUND, t0);
+    assert_eq!(actions(&mut p), vec![Action::Done(Err(CallError::Busy("all_reduce")))]);
+    let mut now = t0;
+    while now < t0 + BOUND {
+        now += Duration::from_secs(1);
+        p.handle_message(Message::Heartbeat, now).unwrap();
+        p.handle_timeout(now);
+    }
+    assert_eq!(actions(&mut p), vec![Action::Done(Err(CallError::Timeout))]);
+}
+
+/// A sync votes, fetches what the plan says, reports, and ends as the master says.
+#[test]
+fn a_sync_votes_fetches_reports_and_ends_with_the_master() {
+    let (mut p, t0) = joined(&[0, 1]);
+    let entries = vec![StateDigest { name: "w".into(), dtype: 0, shape: vec![2], hash: [1; 32], may_differ: false }];
+    let ballot = SyncBallot { revision: Revision(3), strategy: 0, override_resume: false, entries: entries.clone() };
+    p.call(CallKind::SyncSharedState(ballot), BOUND, t0);
+    let vote = Message::SyncVote { revision: 3, strategy: 0, override_resume: false, entries, collectives: 0 };
+    assert_eq!(sent(&mut p), vec![vote]);
+    let plan = vec![PlanEntry { hash: [2; 32], donors: vec![PeerId(1)] }];
+    p.handle_message(Message::SyncPlan { round: 9, revision: 4, entries: plan.clone() }, t0).unwrap();
+    assert_eq!(actions(&mut p), vec![Action::Fetch { round: 9, revision: Revision(4), entries: plan }]);
+    // The master's word waits until the fetch reports.
+    p.handle_message(Message::SyncComplete { round: 9 }, t0).unwrap();
+    assert!(actions(&mut p).is_empty());
+    p.handle_fetched(9, Ok(()), t0);
+    assert_eq!(sent(&mut p), vec![Message::SyncDone { round: 9 }]);
+    assert_eq!(actions(&mut p), vec![Action::Done(Ok(Value::Synced(Revision(4))))]);
+}
+
+/// Expulsion is the news, whatever else failed.
+#[test]
+fn an_expelled_peer_says_so_and_refuses_further_calls() {
+    let (mut p, t0) = joined(&[0, 1]);
+    let op = start_collective(&mut p, t0);
+    p.handle_message(Message::Kicked { reason: "no message for 2.0 s".into() }, t0).unwrap();
+    p.handle_disconnect("connection reset".into(), t0);
+    assert!(!p.running(op));
+    let gone = Gone::Kicked("no message for 2.0 s".into());
+    assert_eq!(actions(&mut p), vec![Action::Done(Err(CallError::Gone(gone.clone())))]);
+    p.call(CallKind::PeersPending, BOUND, t0);
+    assert_eq!(actions(&mut p), vec![Action::Done(Err(CallError::Gone(gone)))]);
+    assert!(sent(&mut p).is_empty(), "nothing more to the master");
+}
