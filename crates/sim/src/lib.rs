@@ -1,14 +1,15 @@
 //! A deterministic simulation of shoal's protocol.
 //!
-//! The master is the real [`shoal_proto::master::Master`]; each peer keeps the real
-//! [`shoal_proto::peer::PeerView`] (its numbering of collectives and its retry rules: joining a
-//! re-formed topology before every call, failing a collective the others failed before it started,
-//! skipping `update_topology` once the ring re-formed) and follows the peer library's rules
-//! (`crates/peer`): the real ring schedule ([`shoal_collective::ring::RingAllReduce`], one element
-//! per segment, values summed), the confirmation lap of tokens, asking the master when the lap
-//! cannot finish, reporting failures, answering queries. The seed picks the application's loop for
-//! every peer: the README's (`update_topology` after a failure), retry-only, or PCCL's
-//! (`peers_pending` at the top of every iteration; a newcomer starts there). A seeded network carries every message with random
+//! The master is the real [`shoal_proto::master::Master`], and each peer is the real
+//! [`shoal_proto::peer::Peer`], the state machine `crates/peer` ships: every decision a peer makes
+//! (joining re-formed topologies before every call, numbering collectives, when a collective stops,
+//! reporting failures and asking for verdicts, retrying refused votes, heartbeats, declaring a
+//! silent master lost) is the shipped code's. The simulation drives it as `crates/peer` does and
+//! models only what moves bytes: opening a topology's connections, the real ring schedule
+//! ([`shoal_collective::ring::RingAllReduce`], one element per segment, values summed) and the
+//! confirmation lap of tokens. The seed picks the application's loop for every peer: the
+//! README's (`update_topology` after a failure), retry-only, or PCCL's (`peers_pending` at the top
+//! of every iteration; a newcomer starts there). A seeded network carries every message with random
 //! latency, first-in first-out per connection, and injects faults: crashes, freezes (SIGSTOP),
 //! stalled links (a cut-off path), connection resets, and newcomers joining mid-operation.
 //!

@@ -2,8 +2,10 @@
 
 use shoal_collective::ring::{RecvAction, RingAllReduce};
 use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output};
-use shoal_proto::peer::{Interrupt, LapInterrupt, PeerEvent, PeerView, TopologyStep, Verdict};
-use shoal_wire::{Epoch, FailureKind, GroupId, Member, Message, OpFailure, PeerId, SessionId, Vote};
+use shoal_proto::peer::{
+    Action, CallError, CallKind, Established, Gone, OpId, OpProgress, Peer, PeerConfig, RingPosition, Value,
+};
+use shoal_wire::{Epoch, FailureKind, GroupId, Message, OpFailure, PeerId, SessionId};
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
 use std::time::{Duration, Instant};
 
@@ -167,30 +169,6 @@ pub struct Report {
     pub events: u64,
 }
 
-#[derive(Debug)]
-enum Call {
-    Idle,
-    Connecting {
-        deadline: Duration,
-        handled: Option<Epoch>,
-    },
-    Voting {
-        deadline: Duration,
-        handled: Option<Epoch>,
-    },
-    /// Joining a topology the master issued without a vote (a re-formed ring) before the call
-    /// `then`, as the real peer does at the start of every call.
-    Following {
-        deadline: Duration,
-        handled: Option<Epoch>,
-        then: Next,
-    },
-    Pending {
-        deadline: Duration,
-    },
-    Collective(Box<Op>),
-}
-
 /// The application's loop, which the seed picks for every peer of a run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Shape {
@@ -204,19 +182,20 @@ enum Shape {
     Pccl,
 }
 
-/// The call the application makes next.
+/// A call of the application.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Next {
+    Connect,
     Vote,
     Pending,
     Collective,
 }
 
+/// The data plane of the collective in progress: the real ring schedule over simulated streams,
+/// then the confirmation lap.
 #[derive(Debug)]
 struct Op {
-    epoch: Epoch,
-    seq: u64,
-    deadline: Duration,
+    id: OpId,
     members: Vec<PeerId>,
     /// Simulation indices of the ring members, in ring order.
     ring: Vec<usize>,
@@ -225,29 +204,27 @@ struct Op {
     buf: Vec<i64>,
     sent: usize,
     received: usize,
-    phase: Phase,
+    /// The data moved: the lap runs.
+    lap: bool,
     tokens_in: usize,
     tokens_out: usize,
+    /// The lap came round.
+    confirmed: bool,
+    /// The peer stopped it: nothing more moves.
+    stopped: bool,
 }
 
-#[derive(Debug, PartialEq, Eq)]
-enum Phase {
-    Data,
-    Lap,
-    /// Finished here, waiting for the master's verdict until then.
-    Asking(Duration),
-    /// Failed here, waiting (until then) for the verdict naming the first failure.
-    Reporting(Duration, String),
-}
-
-struct Peer {
+struct SimPeer {
     alive: bool,
     frozen_until: Option<Duration>,
     deferred: Vec<Ev>,
     gone: Option<String>,
-    view: PeerView,
-    call: Call,
+    /// The peer's side of the protocol: the state machine `crates/peer` drives.
+    proto: Peer,
+    /// The call in progress.
+    calling: Option<Next>,
     call_started: Duration,
+    op: Option<Box<Op>>,
     epoch: Option<Epoch>,
     ring: Vec<usize>,
     rank: usize,
@@ -258,20 +235,19 @@ struct Peer {
     pending_due: bool,
     /// Crash after sending this many more data messages.
     crash_after_sends: Option<u32>,
-    last_heard: Duration,
-    last_heartbeat: Duration,
 }
 
-impl Peer {
-    fn new(now: Duration) -> Self {
-        Peer {
+impl SimPeer {
+    fn new(now: Duration, at: Instant) -> Self {
+        SimPeer {
             alive: true,
             frozen_until: None,
             deferred: Vec::new(),
             gone: None,
-            view: PeerView::default(),
-            call: Call::Connecting { deadline: now + CALL_TIMEOUT, handled: None },
+            proto: Peer::new(PeerConfig { heartbeat_timeout: HEARTBEAT_TIMEOUT }, at),
+            calling: Some(Next::Connect),
             call_started: now,
+            op: None,
             epoch: None,
             ring: Vec::new(),
             rank: 0,
@@ -280,8 +256,6 @@ impl Peer {
             out_closed: BTreeSet::new(),
             pending_due: false,
             crash_after_sends: None,
-            last_heard: now,
-            last_heartbeat: now,
         }
     }
 
@@ -290,10 +264,9 @@ impl Peer {
     }
 
     fn me(&self) -> Option<PeerId> {
-        self.view.registered.map(|(p, _)| p)
+        self.proto.registered().map(|(p, _)| p)
     }
 }
-
 struct Sim {
     rng: Rng,
     now: Duration,
@@ -302,7 +275,7 @@ struct Sim {
     n: u64,
     master: Master,
     master_wake: Option<Duration>,
-    peers: Vec<Peer>,
+    peers: Vec<SimPeer>,
     /// Last delivery time per directed connection, for first-in first-out delivery.
     fifo: BTreeMap<(Node, Node), Duration>,
     /// Links that deliver nothing until then (both directions).
@@ -383,11 +356,12 @@ impl Sim {
 
     fn add_peer(&mut self) {
         let i = self.peers.len();
-        let mut peer = Peer::new(self.now);
+        let at = self.instant();
+        let mut peer = SimPeer::new(self.now, at);
         peer.pending_due = self.shape == Shape::Pccl;
+        peer.proto.connect(GroupId(0), format!("sim:{i}"), CALL_TIMEOUT, at);
         self.peers.push(peer);
-        let join = Message::Join { group: GroupId(0), data_addr: format!("sim:{i}") };
-        self.send(Node::Peer(i), Node::Master, Ev::Control { from: Node::Peer(i), to: Node::Master, msg: join });
+        self.flush(i);
         let first_tick = self.now + self.rng.between(ms(1), TICK);
         self.push(first_tick, Ev::Tick(i));
     }
@@ -498,8 +472,11 @@ impl Sim {
             }
             Ev::Control { to: Node::Peer(i), msg, .. } => self.peer_control(i, msg),
             Ev::ControlClosed { to: Node::Peer(i), .. } => {
-                let why = self.peers[i].view.kicked.clone().unwrap_or_else(|| "master closed the connection".into());
-                self.leave(i, format!("control connection closed: {why}"));
+                if self.peers[i].active() {
+                    let at = self.instant();
+                    self.peers[i].proto.handle_disconnect("the master closed the connection".into(), at);
+                    self.step(i);
+                }
             }
             Ev::Data { from, to, item } => {
                 if self.peers[to].active() {
@@ -582,9 +559,8 @@ impl Sim {
         }
         p.gone = Some(why.clone());
         self.report.gone.push((i, format!("{why} at {:?}", self.now)));
-        if let Call::Collective(op) = std::mem::replace(&mut p.call, Call::Idle) {
-            let record = (i, op.epoch, op.seq, op.members.clone(), Outcome::Err(why));
-            self.report.collectives.push(record);
+        if let Some(op) = p.op.take() {
+            self.report.collectives.push((i, op.id.epoch, op.id.seq.0, op.members, Outcome::Err(why)));
         }
         self.close_streams(i);
     }
@@ -593,9 +569,9 @@ impl Sim {
         self.send(Node::Peer(i), Node::Master, Ev::Control { from: Node::Peer(i), to: Node::Master, msg });
     }
 
-    /// Sends what peer `i`'s view decided to tell the master, as the real driver does.
-    fn send_view_output(&mut self, i: usize) {
-        while let Some(m) = self.peers[i].view.poll_output() {
+    /// Sends what peer `i` decided to tell the master, in order, as the real driver does.
+    fn flush(&mut self, i: usize) {
+        while let Some(m) = self.peers[i].proto.poll_output() {
             self.send_master(i, m);
         }
     }
@@ -620,17 +596,9 @@ impl Sim {
         if !self.peers[i].active() {
             return;
         }
-        self.peers[i].last_heard = self.now;
-        let event = self.peers[i].view.handle_message(msg);
-        self.send_view_output(i);
-        match event {
-            Ok(PeerEvent::Registered) => {
-                let me = self.peers[i].me().expect("registered");
-                self.index_of.insert(me, i);
-            }
-            Ok(PeerEvent::Kicked) => {}
-            Ok(_) => {}
-            Err(e) => self.report.violations.push(Violation(format!("peer {i}: {e}"))),
+        let at = self.instant();
+        if let Err(e) = self.peers[i].proto.handle_message(msg, at) {
+            self.report.violations.push(Violation(format!("peer {i}: {e}")));
         }
         self.step(i);
     }
@@ -641,112 +609,32 @@ impl Sim {
         }
         let next = self.now + TICK;
         self.push(next, Ev::Tick(i));
+        let at = self.instant();
         let p = &mut self.peers[i];
-        if self.now.saturating_sub(p.last_heard) > HEARTBEAT_TIMEOUT {
-            // The master went silent for us: a real peer declares it lost.
-            return self.leave(i, "master lost".into());
+        // Heartbeats, a silent master, the bounds of calls: all the state machine's.
+        if p.proto.poll_timeout().is_some_and(|t| t <= at) {
+            p.proto.handle_timeout(at);
         }
-        let interval = p.view.heartbeat_interval.unwrap_or(HEARTBEAT_TIMEOUT / 4);
-        if p.view.registered.is_some() && self.now - p.last_heartbeat >= interval {
-            p.last_heartbeat = self.now;
-            self.send_master(i, Message::Heartbeat);
-        }
-        self.watch(i);
         self.step(i);
         let p = &self.peers[i];
-        if p.active()
-            && !matches!(p.call, Call::Idle)
-            && self.now - p.call_started > CALL_TIMEOUT * 2 + HEARTBEAT_TIMEOUT * 2
-        {
-            let v = Violation(format!("peer {i} hangs in {:?} since {:?}", p.call, p.call_started));
+        if p.active() && p.calling.is_some() && self.now - p.call_started > CALL_TIMEOUT * 2 + HEARTBEAT_TIMEOUT * 2 {
+            let v = Violation(format!("peer {i} hangs in {:?} since {:?}", p.calling, p.call_started));
             self.report.violations.push(v);
             self.leave(i, "hung".into());
         }
     }
 
-    // ----- the peer library's rules -----
+    // ----- the peer library's driver: what `crates/peer` does with sockets -----
 
-    /// What the real executor checks before it sleeps: verdicts, removed members, misuse, the
-    /// deadline.
-    fn watch(&mut self, i: usize) -> bool {
-        let now = self.now;
-        let p = &mut self.peers[i];
-        let me = p.me();
-        let Call::Collective(op) = &mut p.call else {
-            return self.watch_other(i);
-        };
-        let (epoch, seq) = (op.epoch, op.seq);
-        match op.phase {
-            // The real peer's rules, from the same view.
-            Phase::Data => {
-                let me = me.expect("registered");
-                match p.view.interrupt(epoch, seq, &op.members) {
-                    Some(Interrupt::Aborted(f)) => {
-                        return self.end_op(i, Outcome::Err(format!("aborted: {}", f.reason)))
-                    }
-                    Some(Interrupt::Blocked(why)) => {
-                        return self.fail_op(i, OpFailure::new(FailureKind::Misuse, me, why))
-                    }
-                    Some(Interrupt::MemberLost(gone)) => {
-                        let f = OpFailure::new(FailureKind::PeerLost, gone, "removed by the master");
-                        return self.fail_op(i, f);
-                    }
-                    None if now >= op.deadline => {
-                        return self.fail_op(i, OpFailure::new(FailureKind::Timeout, me, "timed out"))
-                    }
-                    None => {}
-                }
-            }
-            Phase::Lap => match p.view.lap_interrupt(epoch, seq, &op.members) {
-                Some(LapInterrupt::Verdict(v)) => return self.verdict(i, v),
-                Some(LapInterrupt::MemberLost(_)) => return self.ask(i),
-                None if now >= op.deadline => return self.ask(i),
-                None => {}
-            },
-            // Without a verdict in time the real call returns its own error: after a failure the
-            // local one, after asking a timeout. Neither is wrong in itself (a peer cut off from
-            // the master gets no verdict); whether the survivors still agree is for `check`.
-            Phase::Reporting(until, ref local) if now >= until => {
-                let outcome = Outcome::Err(format!("{local} (no verdict)"));
-                return self.end_op(i, outcome);
-            }
-            Phase::Asking(until) if now >= until => {
-                return self.end_op(i, Outcome::Err(format!("no verdict on ({epoch:?}, {seq}) in time")));
-            }
-            Phase::Asking(_) | Phase::Reporting(..) => {}
-        }
-        false
-    }
-
-    fn watch_other(&mut self, i: usize) -> bool {
-        let now = self.now;
-        let p = &mut self.peers[i];
-        let deadline = match p.call {
-            Call::Connecting { deadline, .. }
-            | Call::Voting { deadline, .. }
-            | Call::Following { deadline, .. }
-            | Call::Pending { deadline } => deadline,
-            _ => return false,
-        };
-        if now >= deadline {
-            // No call waits for a call that will never come: a vote that runs to its full bound
-            // is a bug unless a peer was frozen or cut off (whose calls the others wait for
-            // until the heartbeat timeout, well within the bound, but it may itself hang).
-            let cut_off = self.report.faults.iter().any(|f| f.starts_with("Freeze") || f.starts_with("Stall"));
-            if !cut_off && !matches!(p.call, Call::Connecting { .. }) {
-                let v = Violation(format!("peer {i} waited for its whole bound in {:?}", p.call));
-                self.report.violations.push(v);
-            }
-            // The real call returns a timeout; the application here gives up on the run.
-            self.leave(i, "call timed out".into());
-        }
-        false
-    }
-
-    /// Makes every move the peer can make now, then lets the application pick its next call.
+    /// Carries out what peer `i`'s state machine asks, and lets the application make its next
+    /// call, until it waits for the network.
     fn step(&mut self, i: usize) {
         for _ in 0..10_000 {
-            if !self.peers[i].active() || !self.advance(i) {
+            if !self.peers[i].active() {
+                return;
+            }
+            self.flush(i);
+            if !self.advance(i) {
                 return;
             }
         }
@@ -755,118 +643,109 @@ impl Sim {
 
     /// One move; false when there is nothing to do until something arrives.
     fn advance(&mut self, i: usize) -> bool {
-        let p = &mut self.peers[i];
-        if let Some(reason) = p.view.kicked.clone() {
-            self.leave(i, format!("kicked: {reason}"));
+        if let Some(action) = self.peers[i].proto.poll_action() {
+            self.act(i, action);
+            return true;
+        }
+        if let Some(gone) = self.peers[i].proto.gone() {
+            let why = match gone {
+                Gone::Kicked(reason) => format!("kicked: {reason}"),
+                Gone::MasterLost(reason) => format!("master lost: {reason}"),
+                Gone::Closed => "closed".into(),
+            };
+            self.leave(i, why);
             return false;
         }
-        match &mut p.call {
-            Call::Idle => self.next_call(i),
-            Call::Connecting { handled, .. } | Call::Voting { handled, .. } | Call::Following { handled, .. } => {
-                let handled = *handled;
-                let voting = matches!(p.call, Call::Voting { .. });
-                // The real call's steps, from the same view.
-                let (e, members) = match p.view.topology_step(handled, voting) {
-                    None => return false,
-                    // Refused while a topology connected: the real call follows it and votes
-                    // again. Abandoned (a member ran a collective instead): the call fails with a
-                    // usage error, and this application simply votes again.
-                    Some(TopologyStep::VoteRefused) => {
-                        self.begin(i, Next::Vote);
-                        return true;
-                    }
-                    Some(TopologyStep::VoteAbandoned(_)) => {
-                        p.view.call_ended(false);
-                        self.begin(i, Next::Vote);
-                        return true;
-                    }
-                    Some(TopologyStep::InForce(e, members)) => {
-                        self.take_up(i, e, &members);
-                        return match std::mem::replace(&mut self.peers[i].call, Call::Idle) {
-                            Call::Following { then, .. } => self.call(i, then),
-                            _ => true,
-                        };
-                    }
-                    Some(TopologyStep::Establish(e, members)) => (e, members),
-                };
+        if self.peers[i].calling.is_none() {
+            // Every member makes the same calls: after every third collective of a topology, ask
+            // whether newcomers wait.
+            let pending = std::mem::take(&mut self.peers[i].pending_due);
+            return self.call(i, if pending { Next::Pending } else { Next::Collective });
+        }
+        self.advance_op(i)
+    }
+
+    fn act(&mut self, i: usize, action: Action) {
+        let at = self.instant();
+        match action {
+            Action::Registered { me, .. } => {
+                self.index_of.insert(me, i);
+            }
+            Action::Establish { position, .. } => {
                 // Open the connections the topology asks for: dialing a dead peer fails.
-                let me = p.me().expect("registered");
-                let pos = members.iter().position(|m| m.peer == me).expect("a member");
-                let next = members[(pos + 1) % members.len()].peer;
+                let (me, next) = (position.ring[position.rank].peer, position.next().peer);
                 let reachable = next == me || self.index_of.get(&next).is_some_and(|&j| self.peers[j].alive);
-                if let Call::Connecting { handled, .. }
-                | Call::Voting { handled, .. }
-                | Call::Following { handled, .. } = &mut self.peers[i].call
-                {
-                    *handled = Some(e);
-                }
-                let msg = if reachable {
-                    self.peers[i].view.ready_in = Some(e);
-                    Message::TopologyReady { epoch: e }
-                } else {
-                    Message::PeerUnreachable { epoch: e, peer: next }
-                };
-                self.send_master(i, msg);
-                true
+                let outcome = if reachable { Established::Ready } else { Established::Unreachable(next) };
+                self.peers[i].proto.handle_established(position.epoch, outcome, at);
             }
-            Call::Pending { .. } => {
-                if let Some(abort) = p.view.pending_aborted.take() {
-                    // Refused while a topology was issued: the real call joins it and votes
-                    // again. Abandoned (the others made another call): a usage error, and this
-                    // application goes on with its next call.
-                    if abort.retry {
-                        self.begin(i, Next::Pending);
-                    } else {
-                        p.view.call_ended(false);
-                        self.begin(i, Next::Collective);
-                    }
-                    return true;
-                }
-                match p.view.pending_result.take() {
-                    Some(pending) => {
-                        self.begin(i, if pending { Next::Vote } else { Next::Collective });
-                        true
-                    }
-                    None => false,
-                }
-            }
-            Call::Collective(_) => self.advance_op(i),
+            Action::TakeUp(position) => self.take_up(i, &position),
+            Action::RunCollective { op, position, .. } => self.start_collective(i, op, &position),
+            Action::Fetch { .. } => unreachable!("the simulated application never syncs"),
+            Action::Done(result) => self.done(i, result),
         }
     }
 
-    fn next_call(&mut self, i: usize) -> bool {
-        // Every member makes the same calls: after every third collective of a topology, ask
-        // whether newcomers wait.
-        let pending = std::mem::take(&mut self.peers[i].pending_due);
-        self.begin(i, if pending { Next::Pending } else { Next::Collective });
+    /// The application's call `next`.
+    fn call(&mut self, i: usize, next: Next) -> bool {
+        let at = self.instant();
+        let p = &mut self.peers[i];
+        p.calling = Some(next);
+        p.call_started = self.now;
+        let kind = match next {
+            Next::Vote => CallKind::UpdateTopology,
+            Next::Pending => CallKind::PeersPending,
+            Next::Collective => CallKind::Collective,
+            Next::Connect => unreachable!("a peer connects once"),
+        };
+        p.proto.call(kind, CALL_TIMEOUT, at);
         true
     }
 
-    /// Starts the application's next call: first, as the real peer does, join a topology the
-    /// master issued since the last call.
-    fn begin(&mut self, i: usize, next: Next) {
+    /// A call ended: the application goes on.
+    fn done(&mut self, i: usize, result: Result<Value, CallError>) {
         let p = &mut self.peers[i];
-        p.call_started = self.now;
-        if p.view.issued.is_some() {
-            let handled = p.view.ready_in;
-            p.call = Call::Following { deadline: self.now + CALL_TIMEOUT, handled, then: next };
-        } else {
-            // A topology that came into force between calls (we reported ready in a call that
-            // then failed) is taken up first, as the real peer does.
-            if let Some((e, members)) = p.view.committed.clone().filter(|(e, _)| p.epoch != Some(*e)) {
-                self.take_up(i, e, &members);
+        let call = p.calling.take().expect("only a call ends");
+        let op = p.op.take();
+        match (call, result) {
+            (Next::Collective, result) => self.end_op(i, op, result),
+            (_, Err(CallError::Timeout)) => {
+                // No call waits for a call that will never come: a vote that runs to its full bound
+                // is a bug unless a peer was frozen or cut off (whose calls the others wait for
+                // until the heartbeat timeout, well within the bound, but it may itself hang).
+                let cut_off = self.report.faults.iter().any(|f| f.starts_with("Freeze") || f.starts_with("Stall"));
+                if !cut_off && call != Next::Connect {
+                    let v = Violation(format!("peer {i} waited for its whole bound in {call:?}"));
+                    self.report.violations.push(v);
+                }
+                // The application gives up on the run.
+                self.leave(i, "call timed out".into());
             }
-            self.call(i, next);
+            // Out of the run: the driver leaves.
+            (_, Err(CallError::Gone(_))) => {}
+            (Next::Pending, Ok(Value::Pending(pending))) => {
+                self.call(i, if pending { Next::Vote } else { Next::Collective });
+            }
+            // Abandoned (the others made another call): a usage error; this application votes
+            // again, or goes on with its collective.
+            (Next::Vote, Err(_)) => {
+                self.call(i, Next::Vote);
+            }
+            (Next::Pending, Err(_)) => {
+                self.call(i, Next::Collective);
+            }
+            (_, Ok(_)) => {}
+            (Next::Connect, Err(e)) => self.report.violations.push(Violation(format!("peer {i}: connect: {e:?}"))),
         }
     }
 
-    /// Topology `e` of `members` is in force for peer `i`: its calls run in it, on fresh streams.
-    fn take_up(&mut self, i: usize, e: Epoch, members: &[Member]) {
+    /// Topology `position.epoch` is in force for peer `i`: its calls run in it, on fresh streams.
+    fn take_up(&mut self, i: usize, position: &RingPosition) {
+        let ring = position.ring.iter().map(|m| self.index_of[&m.peer]).collect();
         let p = &mut self.peers[i];
-        let me = p.me().expect("registered");
+        let e = position.epoch;
         p.epoch = Some(e);
-        p.ring = members.iter().map(|m| self.index_of[&m.peer]).collect();
-        p.rank = members.iter().position(|m| m.peer == me).expect("a member");
+        p.ring = ring;
+        p.rank = position.rank;
         p.broken = false;
         p.out_closed.clear();
         for q in p.inbox.values_mut() {
@@ -877,211 +756,146 @@ impl Sim {
         }
     }
 
-    /// The call itself, once the peer is in the latest topology.
-    fn call(&mut self, i: usize, next: Next) -> bool {
-        match next {
-            Next::Vote => {
-                let p = &mut self.peers[i];
-                let collectives = p.view.cast_vote(Vote::UpdateTopology);
-                if !p.view.vote_needed() {
-                    // The ring re-formed after our failure: update_topology has nothing to do.
-                    return self.call(i, Next::Collective);
-                }
-                p.call = Call::Voting { deadline: self.now + CALL_TIMEOUT, handled: p.view.ready_in };
-                self.send_master(i, Message::VoteUpdateTopology { collectives });
-            }
-            Next::Pending => {
-                let p = &mut self.peers[i];
-                let collectives = p.view.cast_vote(Vote::PeersPending);
-                p.call = Call::Pending { deadline: self.now + CALL_TIMEOUT };
-                self.send_master(i, Message::VotePeersPending { collectives });
-            }
-            Next::Collective => self.start_collective(i),
-        }
-        true
-    }
-
-    fn start_collective(&mut self, i: usize) {
-        let now = self.now;
-        let ring = self.peers[i].ring.clone();
-        let members: Vec<PeerId> = ring.iter().map(|&j| self.peers[j].me().expect("registered")).collect();
+    fn start_collective(&mut self, i: usize, id: OpId, position: &RingPosition) {
+        let members: Vec<PeerId> = position.ring.iter().map(|m| m.peer).collect();
         let p = &mut self.peers[i];
-        p.call_started = now;
-        let world = p.ring.len();
-        // The real peer's numbering, and its rule for a collective the others failed before this
-        // peer started it: the call fails at once, as theirs did.
-        let (epoch, seq, missed) = match p.view.start_collective() {
-            Ok((epoch, seq)) => (epoch, seq, None),
-            Err((epoch, seq, failure)) => (epoch, seq, Some(failure)),
-        };
-        debug_assert!(missed.is_some() || Some(epoch) == p.epoch);
+        debug_assert_eq!(Some(id.epoch), p.epoch);
+        let world = members.len();
         let me = p.me().expect("registered");
-        let buf: Vec<i64> = (0..world).map(|k| input(me, seq, k)).collect();
-        let plan = RingAllReduce::new(p.rank, world, world, 1);
-        let op = Op {
-            epoch,
-            seq,
-            deadline: now + CALL_TIMEOUT,
+        let buf: Vec<i64> = (0..world).map(|k| input(me, id.seq.0, k)).collect();
+        let next = members[(position.rank + 1) % world];
+        p.op = Some(Box::new(Op {
+            id,
             members,
             ring: p.ring.clone(),
-            rank: p.rank,
-            plan,
+            rank: position.rank,
+            plan: RingAllReduce::new(position.rank, world, world, 1),
             buf,
             sent: 0,
             received: 0,
-            phase: Phase::Data,
+            lap: false,
             tokens_in: 0,
             tokens_out: 0,
-        };
-        p.call = Call::Collective(Box::new(op));
-        if let Some(failure) = missed {
-            self.end_op(i, Outcome::Err(format!("aborted before it started here: {}", failure.reason)));
-        } else if world == 1 {
-            self.end_op(i, Outcome::Ok(vec![input(me, seq, 0)]));
-        } else if self.peers[i].broken {
-            let next = self.peers[i].ring[(self.peers[i].rank + 1) % world];
-            let next_id = self.peers[next].me().expect("registered");
-            self.fail_op(i, OpFailure::new(FailureKind::PeerLost, next_id, "no data connection"));
+            confirmed: false,
+            stopped: false,
+        }));
+        if p.broken {
+            self.progress(i, OpProgress::Failed(OpFailure::new(FailureKind::PeerLost, next, "no data connection")));
         }
+    }
+
+    /// Tells peer `i`'s state machine what its data plane did.
+    fn progress(&mut self, i: usize, progress: OpProgress) -> bool {
+        let at = self.instant();
+        let p = &mut self.peers[i];
+        let op = p.op.as_ref().expect("a collective runs").id;
+        p.proto.handle_collective(op, progress, at);
+        true
     }
 
     fn advance_op(&mut self, i: usize) -> bool {
         let p = &mut self.peers[i];
-        let Call::Collective(op) = &mut p.call else { unreachable!() };
+        let Some(op) = p.op.as_mut() else { return false };
+        if op.stopped {
+            return false;
+        }
+        if !p.proto.running(op.id) {
+            // The state machine stopped it (a verdict, a lost member, a failure reported, the
+            // bound): its streams may hold half a chunk.
+            op.stopped = true;
+            if !op.confirmed {
+                self.drop_streams(i);
+            }
+            return true;
+        }
         let world = op.ring.len();
         let (next, prev) = (op.ring[(op.rank + 1) % world], op.ring[(op.rank + world - 1) % world]);
-        match op.phase {
-            Phase::Data => {
-                // Send what the schedule allows.
-                if op.sent < op.plan.sends.len() {
-                    let u = &op.plan.sends[op.sent];
-                    if u.after_recv.is_none_or(|j| j < op.received) {
-                        if p.out_closed.contains(&next) {
-                            let id = op.members[(op.rank + 1) % world];
-                            return self.fail_op(i, OpFailure::new(FailureKind::PeerLost, id, "send failed"));
-                        }
-                        let item =
-                            Item::Chunk { epoch: op.epoch, seq: op.seq, unit: op.sent, value: op.buf[u.range.start] };
-                        op.sent += 1;
-                        self.send_data(i, next, item);
-                        return true;
+        let (epoch, seq) = (op.id.epoch, op.id.seq.0);
+        if !op.lap {
+            // Send what the schedule allows.
+            if op.sent < op.plan.sends.len() {
+                let u = &op.plan.sends[op.sent];
+                if u.after_recv.is_none_or(|j| j < op.received) {
+                    if p.out_closed.contains(&next) {
+                        let id = op.members[(op.rank + 1) % world];
+                        return self
+                            .progress(i, OpProgress::Failed(OpFailure::new(FailureKind::PeerLost, id, "send failed")));
                     }
-                }
-                if op.received < op.plan.recvs.len() {
-                    let (epoch, seq, expect) = (op.epoch, op.seq, op.received);
-                    let Some(item) = p.inbox.get_mut(&prev).and_then(|q| q.pop_front()) else { return false };
-                    match item {
-                        Item::Chunk { epoch: e, .. } | Item::Token { epoch: e, .. } if e < epoch => {}
-                        Item::Chunk { epoch: e, seq: s, unit, value } if e == epoch && s == seq && unit == expect => {
-                            let Call::Collective(op) = &mut self.peers[i].call else { unreachable!() };
-                            let r = &op.plan.recvs[unit];
-                            match r.action {
-                                RecvAction::Reduce { .. } => {
-                                    op.buf[r.range.start] = op.buf[r.range.start].wrapping_add(value)
-                                }
-                                RecvAction::Copy => op.buf[r.range.start] = value,
-                            }
-                            op.received += 1;
-                        }
-                        Item::Closed => {
-                            let id = predecessor(&self.peers[i]);
-                            return self.fail_op(i, OpFailure::new(FailureKind::PeerLost, id, "connection closed"));
-                        }
-                        other => {
-                            self.report.violations.push(Violation(format!(
-                                "peer {i} in ({epoch:?}, {seq}) expected chunk {expect}, got {other:?}"
-                            )));
-                            let id = predecessor(&self.peers[i]);
-                            return self.fail_op(i, OpFailure::new(FailureKind::Protocol, id, "desynchronised"));
-                        }
-                    }
-                    return true;
-                }
-                if op.sent == op.plan.sends.len() {
-                    op.phase = Phase::Lap;
-                    op.tokens_out = 1;
-                    let item = Item::Token { epoch: op.epoch, seq: op.seq, origin: op.rank };
+                    let item = Item::Chunk { epoch, seq, unit: op.sent, value: op.buf[u.range.start] };
+                    op.sent += 1;
                     self.send_data(i, next, item);
                     return true;
                 }
-                false
             }
-            Phase::Lap => {
-                if op.tokens_in == world - 1 && op.tokens_out == world - 1 {
-                    let (epoch, seq) = (op.epoch, op.seq);
-                    p.view.commit_on_our_own(epoch, seq);
-                    self.send_view_output(i);
-                    let Call::Collective(op) = &self.peers[i].call else { unreachable!() };
-                    let buf = op.buf.clone();
-                    self.end_op(i, Outcome::Ok(buf));
-                    return true;
-                }
-                if p.out_closed.contains(&next) && op.tokens_out < world - 1 {
-                    return self.ask(i);
-                }
-                let (epoch, seq, rank) = (op.epoch, op.seq, op.rank);
+            if op.received < op.plan.recvs.len() {
+                let expect = op.received;
                 let Some(item) = p.inbox.get_mut(&prev).and_then(|q| q.pop_front()) else { return false };
                 match item {
-                    Item::Token { epoch: e, seq: s, origin } if e == epoch && s == seq && origin != rank => {
-                        op.tokens_in += 1;
-                        if origin != (rank + 1) % world {
-                            op.tokens_out += 1;
-                            self.send_data(i, next, Item::Token { epoch, seq, origin });
+                    Item::Chunk { epoch: e, .. } | Item::Token { epoch: e, .. } if e < epoch => {}
+                    Item::Chunk { epoch: e, seq: s, unit, value } if e == epoch && s == seq && unit == expect => {
+                        let r = &op.plan.recvs[unit];
+                        match r.action {
+                            RecvAction::Reduce { .. } => {
+                                op.buf[r.range.start] = op.buf[r.range.start].wrapping_add(value)
+                            }
+                            RecvAction::Copy => op.buf[r.range.start] = value,
                         }
-                        true
+                        op.received += 1;
                     }
-                    Item::Closed => self.ask(i),
+                    Item::Closed => {
+                        let id = predecessor(op);
+                        return self.progress(
+                            i,
+                            OpProgress::Failed(OpFailure::new(FailureKind::PeerLost, id, "connection closed")),
+                        );
+                    }
                     other => {
-                        let v = format!("peer {i} in the lap of ({epoch:?}, {seq}) got {other:?}");
-                        self.report.violations.push(Violation(v));
-                        self.ask(i)
+                        self.report.violations.push(Violation(format!(
+                            "peer {i} in ({epoch:?}, {seq}) expected chunk {expect}, got {other:?}"
+                        )));
+                        let id = predecessor(op);
+                        return self.progress(
+                            i,
+                            OpProgress::Failed(OpFailure::new(FailureKind::Protocol, id, "desynchronised")),
+                        );
                     }
                 }
+                return true;
             }
-            Phase::Asking(_) | Phase::Reporting(..) => {
-                let (epoch, seq) = (op.epoch, op.seq);
-                match p.view.verdicts.remove(&(epoch, seq)) {
-                    Some(v) => self.verdict(i, v),
-                    None => false,
+            if op.sent == op.plan.sends.len() {
+                op.lap = true;
+                op.tokens_out = 1;
+                let item = Item::Token { epoch, seq, origin: op.rank };
+                self.send_data(i, next, item);
+                return self.progress(i, OpProgress::DataDone);
+            }
+            return false;
+        }
+        if op.tokens_in == world - 1 && op.tokens_out == world - 1 {
+            op.confirmed = true;
+            return self.progress(i, OpProgress::Confirmed);
+        }
+        if p.out_closed.contains(&next) && op.tokens_out < world - 1 {
+            return self.progress(i, OpProgress::LapBroken("successor closed the stream".into()));
+        }
+        let rank = op.rank;
+        let Some(item) = p.inbox.get_mut(&prev).and_then(|q| q.pop_front()) else { return false };
+        match item {
+            Item::Token { epoch: e, seq: s, origin } if e == epoch && s == seq && origin != rank => {
+                op.tokens_in += 1;
+                if origin != (rank + 1) % world {
+                    op.tokens_out += 1;
+                    self.send_data(i, next, Item::Token { epoch, seq, origin });
                 }
+                true
+            }
+            Item::Closed => self.progress(i, OpProgress::LapBroken("predecessor closed the stream".into())),
+            other => {
+                let v = format!("peer {i} in the lap of ({epoch:?}, {seq}) got {other:?}");
+                self.report.violations.push(Violation(v));
+                self.progress(i, OpProgress::LapBroken("bad token".into()))
             }
         }
-    }
-
-    fn verdict(&mut self, i: usize, v: Verdict) -> bool {
-        let Call::Collective(op) = &self.peers[i].call else { unreachable!() };
-        let outcome = match (v, &op.phase) {
-            (Verdict::Committed, Phase::Reporting(..)) => {
-                self.report.violations.push(Violation(format!("peer {i}: a failed collective was committed")));
-                Outcome::Err("committed after failing".into())
-            }
-            (Verdict::Committed, _) => Outcome::Ok(op.buf.clone()),
-            (Verdict::Aborted(f), _) => Outcome::Err(format!("aborted: {}", f.reason)),
-        };
-        if !matches!(op.phase, Phase::Lap) || matches!(outcome, Outcome::Err(_)) {
-            self.drop_streams(i);
-        }
-        self.end_op(i, outcome)
-    }
-
-    /// The lap cannot finish: ask the master, which queries the others.
-    fn ask(&mut self, i: usize) -> bool {
-        self.drop_streams(i);
-        let Call::Collective(op) = &mut self.peers[i].call else { unreachable!() };
-        let (epoch, seq) = (op.epoch, op.seq);
-        op.phase = Phase::Asking(op.deadline.max(self.now) + HEARTBEAT_TIMEOUT);
-        self.send_master(i, Message::OpDone { epoch, seq, decided: false });
-        self.advance_op(i)
-    }
-
-    /// This participant did not finish: report, and wait for the verdict naming the cause.
-    fn fail_op(&mut self, i: usize, failure: OpFailure) -> bool {
-        self.drop_streams(i);
-        let Call::Collective(op) = &mut self.peers[i].call else { unreachable!() };
-        let (epoch, seq) = (op.epoch, op.seq);
-        op.phase = Phase::Reporting(self.now + HEARTBEAT_TIMEOUT, failure.reason.clone());
-        self.send_master(i, Message::OpFailed { epoch, seq, failure });
-        true
     }
 
     fn drop_streams(&mut self, i: usize) {
@@ -1097,36 +911,59 @@ impl Sim {
         self.send(Node::Peer(i), Node::Peer(prev), Ev::OutClosed { from: i, to: prev });
     }
 
-    fn end_op(&mut self, i: usize, outcome: Outcome) -> bool {
+    /// Peer `i`'s collective ended: record it; the application goes on.
+    fn end_op(&mut self, i: usize, op: Option<Box<Op>>, result: Result<Value, CallError>) {
+        let me = self.peers[i].me().expect("registered");
+        // Whatever the lap did not confirm leaves its streams unusable (the real peer drops them).
+        if op.as_ref().is_some_and(|op| !op.confirmed) {
+            self.drop_streams(i);
+        }
+        let (id, members, outcome) = match (result, op) {
+            (Ok(Value::Collective(id)), Some(op)) => (id, op.members, Outcome::Ok(op.buf)),
+            // Alone in its group: nothing moved.
+            (Ok(Value::Collective(id)), None) => (id, vec![me], Outcome::Ok(vec![input(me, id.seq.0, 0)])),
+            (Ok(other), _) => {
+                self.report.violations.push(Violation(format!("peer {i}: a collective returned {other:?}")));
+                return;
+            }
+            (Err(e), op) => {
+                let id = match &e {
+                    CallError::Aborted { op, .. } | CallError::Unconfirmed { op, .. } => Some(*op),
+                    _ => op.as_ref().map(|o| o.id),
+                };
+                let members = op.map(|o| o.members).unwrap_or_default();
+                match id {
+                    Some(id) => (id, members, Outcome::Err(format!("{e:?}"))),
+                    None => return,
+                }
+            }
+        };
+        let ok = matches!(outcome, Outcome::Ok(_));
         let p = &mut self.peers[i];
-        let Call::Collective(op) = std::mem::replace(&mut p.call, Call::Idle) else { unreachable!() };
-        p.view.call_ended(matches!(outcome, Outcome::Ok(_)));
-        if let Outcome::Ok(_) = outcome {
-            p.pending_due = self.shape == Shape::Pccl || op.seq % 3 == 2;
+        if ok {
+            p.pending_due = self.shape == Shape::Pccl || id.seq.0 % 3 == 2;
             self.report.successes += 1;
-            let me = p.me().expect("registered");
             // One major operation at a time: no collective of a ring succeeds after a later
             // topology including this peer came into force.
             if let Some((at, e, _)) =
-                self.commits.iter().find(|(at, e, m)| *e > op.epoch && m.contains(&me) && *at < self.now)
+                self.commits.iter().find(|(at, e, m)| *e > id.epoch && m.contains(&me) && *at < self.now)
             {
                 self.report.violations.push(Violation(format!(
                     "peer {i} finished ({:?}, {}) at {:?}, after topology {e:?} came into force at {at:?}",
-                    op.epoch, op.seq, self.now
+                    id.epoch, id.seq.0, self.now
                 )));
             }
-            self.report.collectives.push((i, op.epoch, op.seq, op.members, outcome));
-        } else {
-            self.report.collectives.push((i, op.epoch, op.seq, op.members, outcome));
+        }
+        self.report.collectives.push((i, id.epoch, id.seq.0, members, outcome));
+        if !ok && self.peers[i].active() && self.peers[i].proto.gone().is_none() {
             // The application catches the error: it retries, or votes first (README's loop).
             let next = match self.shape {
                 Shape::Readme => Next::Vote,
                 Shape::RetryOnly => Next::Collective,
                 Shape::Pccl => Next::Pending,
             };
-            self.begin(i, next);
+            self.call(i, next);
         }
-        true
     }
 
     fn finish(mut self) -> Report {
@@ -1145,8 +982,7 @@ impl Sim {
     }
 }
 
-fn predecessor(p: &Peer) -> PeerId {
-    let Call::Collective(op) = &p.call else { unreachable!() };
+fn predecessor(op: &Op) -> PeerId {
     op.members[(op.rank + op.members.len() - 1) % op.members.len()]
 }
 
