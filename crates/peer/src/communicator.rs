@@ -4,12 +4,12 @@ use crate::config::CommunicatorConfig;
 use crate::control::Control;
 use crate::error::{Error, Result};
 use crate::failpoint::failpoint;
-use crate::links::{DataPlane, EstablishError, Listener};
-use crate::ring::{self, RingError, RingJob, Side, Stop};
+use crate::links::{DataPlane, Listener};
+use crate::ring::{self, RingError, RingJob, Side, Stop, Traffic};
 use crate::Deadline;
 use shoal_collective::{CollectiveKind, DType, ReduceOp};
-use shoal_proto::peer::{Interrupt, LapInterrupt, RingPosition, TopologyStep, Verdict, VoteAbort};
-use shoal_wire::{Epoch, FailureKind, GroupId, Member, Message, OpFailure, OpHeader, PeerId, SessionId, Vote};
+use shoal_proto::peer::{Action, CallError, CallKind, Established, OpId, OpProgress, RingPosition, Value};
+use shoal_wire::{FailureKind, GroupId, OpFailure, OpHeader, PeerId, SessionId};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -45,7 +45,6 @@ pub struct Communicator {
     connected: Mutex<Option<Arc<Connected>>>,
     /// The data pools. Held for the whole of a collective, a topology change or a sync.
     pub(crate) data: Mutex<DataPlane>,
-    topology: Mutex<Option<RingPosition>>,
 }
 
 pub(crate) struct Connected {
@@ -63,12 +62,7 @@ impl Communicator {
     pub fn new(config: CommunicatorConfig) -> Result<Self> {
         config.validate()?;
         shoal_config::init_logging();
-        Ok(Communicator {
-            config,
-            connected: Mutex::new(None),
-            data: Mutex::new(DataPlane::default()),
-            topology: Mutex::new(None),
-        })
+        Ok(Communicator { config, connected: Mutex::new(None), data: Mutex::new(DataPlane::default()) })
     }
 
     /// Registers with the master and returns once this peer is accepted: at once if it is the
@@ -100,8 +94,8 @@ impl Communicator {
                 return Ok(());
             }
             let step = deadline.left("connect").and_then(|left| {
-                if self.vote_peers_pending(deadline)? {
-                    self.vote_update_topology(deadline)
+                if self.vote(CallKind::PeersPending, left)? == Value::Pending(true) {
+                    self.vote(CallKind::UpdateTopology, deadline.left("connect")?).map(drop)
                 } else {
                     std::thread::sleep(left.min(ADMISSION_POLL));
                     Ok(())
@@ -131,26 +125,26 @@ impl Communicator {
         let data_addr = self.advertised_addr(&stream, listener.port)?;
         let control = Control::start(&addr, stream, self.config.heartbeat_timeout)?;
         let group = GroupId(self.config.group);
-        control.send(&Message::Join { group, data_addr: data_addr.clone() })?;
-        let registered = control.wait_until("connect", deadline, |s| s.view.registered);
-        let (me, session) = match registered {
-            Ok(x) => x,
-            Err(e) => {
-                control.close();
-                return Err(e);
-            }
-        };
-        log::info!("registered as {me} in group {} advertising {data_addr}", group.0);
-        listener.set_identity(me, session, &data_addr);
-        let connected = Arc::new(Connected { control, listener, me, session });
-        match self.await_topology(&connected, deadline, Await::Connect) {
-            Ok(_) => {
-                *slot = Some(connected);
+        let bound = deadline.left("connect")?;
+        control.input(|p, now| p.connect(group, data_addr.clone(), bound, now));
+        let mut data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut me = None;
+        let joined = self.drive(&control, &listener, &mut data, "connect", |_, action| {
+            let Action::Registered { me: id, session } = action else { unreachable!("connect moves no data") };
+            log::info!("registered as {id} in group {} advertising {data_addr}", group.0);
+            listener.set_identity(id, session, &data_addr);
+            me = Some((id, session));
+            None
+        });
+        match (joined, me) {
+            (Ok(_), Some((me, session))) => {
+                *slot = Some(Arc::new(Connected { control, listener, me, session }));
                 Ok(())
             }
-            Err(e) => {
-                connected.control.close();
-                Err(e)
+            (Ok(_), None) => unreachable!("a peer is accepted once registered"),
+            (Err(e), _) => {
+                control.close();
+                Err(self.call_error(&control, e, "connect", bound))
             }
         }
     }
@@ -161,30 +155,7 @@ impl Communicator {
     /// # Errors
     /// [`Error::NotConnected`], [`Error::MasterUnreachable`], [`Error::Timeout`].
     pub fn update_topology(&self) -> Result<()> {
-        self.ended(self.vote_update_topology(Deadline::after(self.config.timeout)))
-    }
-
-    fn vote_update_topology(&self, deadline: Deadline) -> Result<()> {
-        let connected = self.connected()?;
-        // A vote that crossed a topology the master issued meanwhile (a member was lost) is not
-        // counted: join that topology and vote again, within the call's bound.
-        loop {
-            self.follow_topology(&connected, deadline, "update_topology")?;
-            let collectives = {
-                let mut s = connected.control.lock();
-                let collectives = s.view.cast_vote(Vote::UpdateTopology);
-                if !s.view.vote_needed() {
-                    log::debug!("{}: update_topology after a failure: the ring re-formed already", connected.me);
-                    return Ok(());
-                }
-                collectives
-            };
-            connected.control.send(&Message::VoteUpdateTopology { collectives })?;
-            match self.await_topology(&connected, deadline, Await::Vote)? {
-                Awaited::InForce => return Ok(()),
-                Awaited::VoteRefused => continue,
-            }
-        }
+        self.vote(CallKind::UpdateTopology, self.config.timeout).map(drop)
     }
 
     /// Whether peers wait to be admitted. A vote among the accepted peers: every one of them
@@ -193,29 +164,25 @@ impl Communicator {
     /// # Errors
     /// [`Error::NotConnected`], [`Error::MasterUnreachable`], [`Error::Timeout`].
     pub fn peers_pending(&self) -> Result<bool> {
-        self.ended(self.vote_peers_pending(Deadline::after(self.config.timeout)))
+        match self.vote(CallKind::PeersPending, self.config.timeout)? {
+            Value::Pending(pending) => Ok(pending),
+            other => unreachable!("peers_pending returned {other:?}"),
+        }
     }
 
-    fn vote_peers_pending(&self, deadline: Deadline) -> Result<bool> {
-        let connected = self.connected()?;
-        // A vote cast just before a topology was issued is not counted: join it, vote again.
-        loop {
-            self.follow_topology(&connected, deadline, "peers_pending")?;
-            let collectives = connected.control.lock().view.cast_vote(Vote::PeersPending);
-            connected.control.send(&Message::VotePeersPending { collectives })?;
+    /// A call that moves no data of its own: `update_topology` or `peers_pending`.
+    fn vote(&self, kind: CallKind, bound: Duration) -> Result<Value> {
+        let c = self.connected()?;
+        let operation = kind.name();
+        let mut data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
+        c.control.input(|p, now| p.call(kind, bound, now));
+        if operation == "peers_pending" {
             failpoint("peers_pending.after_vote");
-            let answer = connected.control.wait_until("peers_pending", deadline, |s| {
-                match s.view.pending_aborted.take() {
-                    Some(VoteAbort { retry: true, .. }) => return Some(Ok(None)),
-                    Some(VoteAbort { retry: false, reason }) => return Some(Err(Error::Misuse(reason))),
-                    None => {}
-                }
-                s.view.pending_result.take().map(|pending| Ok(Some(pending)))
-            })??;
-            if let Some(pending) = answer {
-                return Ok(pending);
-            }
         }
+        let result = self.drive(&c.control, &c.listener, &mut data, operation, |_, action| {
+            unreachable!("{operation} moves no data, yet the peer asked for {action:?}")
+        });
+        result.map_err(|e| self.call_error(&c.control, e, operation, bound))
     }
 
     /// Reduces `buf` (elements of `dtype`, as bytes) with every peer of the group, in place:
@@ -226,12 +193,8 @@ impl Communicator {
     /// elements; [`Error::PeerLost`] if a neighbour fails; [`Error::CollectiveMismatch`] if a
     /// peer called another collective; [`Error::Timeout`].
     pub fn all_reduce(&self, buf: &mut [u8], dtype: DType, op: ReduceOp, tag: u64) -> Result<Info> {
-        self.ended(self.run_all_reduce(buf, dtype, op, tag))
-    }
-
-    fn run_all_reduce(&self, buf: &mut [u8], dtype: DType, op: ReduceOp, tag: u64) -> Result<Info> {
         let started = Instant::now();
-        let connected = self.connected()?;
+        let c = self.connected()?;
         let elem = dtype.size();
         if !buf.len().is_multiple_of(elem) {
             return Err(Error::InvalidArgument(format!(
@@ -248,194 +211,175 @@ impl Communicator {
                 dtype.name()
             )));
         }
-        let deadline = Deadline::after(self.config.timeout);
-        self.follow_topology(&connected, deadline, "all_reduce")?;
-        let mut data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
-        let pos = self.topology.lock().unwrap_or_else(PoisonError::into_inner).clone().ok_or(Error::NotConnected)?;
-        let world = pos.group_size();
         let count = (buf.len() / elem) as u64;
-        // Numbered within the topology: every member counts the same collectives in the same
-        // order, so (epoch, seq) names this collective at the master and on every peer.
-        let numbered = connected.control.lock().view.start_collective();
-        let (epoch, seq) = match numbered {
-            Ok(name) => name,
-            Err((epoch, seq, failure)) => {
-                // The others failed this call before we started it: it fails here too, untouched.
-                return Err(op_error(failure, &all_reduce_header(epoch, seq, tag, dtype, op, count)));
+        let header = |id: OpId| all_reduce_header(id, tag, dtype, op, count);
+        let bound = self.config.timeout;
+        let mut data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
+        // Nothing to restore unless the ring runs.
+        data.backup.reset(0);
+        c.control.input(|p, now| p.call(CallKind::Collective, bound, now));
+        // What this peer saw of the collective: the ring it ran in, what moved, whether the lap
+        // came round, and its own error (which stands where no verdict comes).
+        let (mut ring, mut traffic, mut confirmed, mut local) = (None, Traffic::default(), false, None);
+        let control = &c.control;
+        let result = self.drive(control, &c.listener, &mut data, "all_reduce", |data, action| {
+            let Action::RunCollective { op: id, position, deadline } = action else {
+                unreachable!("all_reduce asked for {action:?}")
+            };
+            let header = header(id);
+            let (world, rank, next, prev) =
+                (position.group_size(), position.rank, position.next().peer, position.prev().peer);
+            ring = Some((world, next, prev));
+            log::trace!("all_reduce {id} tag {tag}: {} {} x{count}", op.name(), dtype.name());
+            let DataPlane { outgoing, incoming, scratch, backup } = data;
+            let running = || control.lock().running(id);
+            let deadline = Deadline::until(deadline, bound);
+            let progress = match (outgoing.get_mut(&next), incoming.get_mut(&prev)) {
+                (Some(send), Some(recv)) => {
+                    let job = RingJob {
+                        dtype,
+                        op,
+                        header,
+                        session: c.session,
+                        buf: &mut *buf,
+                        world,
+                        rank,
+                        chunk_bytes: self.config.chunk_bytes,
+                        scratch,
+                        backup,
+                    };
+                    match ring::run(job, send, recv, deadline, &running, &control.waker) {
+                        Ok(moved) => {
+                            traffic = moved;
+                            control.input(|p, now| p.handle_collective(id, OpProgress::DataDone, now));
+                            failpoint("all_reduce.before_confirm");
+                            let (send, recv) = (&mut send[0], &mut recv[0]);
+                            match ring::confirm(send, recv, rank, world, id.seq.0, deadline, &running, &control.waker) {
+                                Ok(()) => {
+                                    confirmed = true;
+                                    Some(OpProgress::Confirmed)
+                                }
+                                Err(Stop::Broken(reason)) => Some(OpProgress::LapBroken(reason)),
+                                Err(Stop::Stopped) => None,
+                            }
+                        }
+                        Err(RingError::Stopped) => None,
+                        Err(e) => {
+                            let (error, failure) = ring_error(e, &header, c.me, next, prev);
+                            local = Some(error);
+                            Some(OpProgress::Failed(failure))
+                        }
+                    }
+                }
+                _ => {
+                    let reason = "no data connection: a collective failed before and the ring has not re-formed yet";
+                    let lost = if outgoing.contains_key(&next) { prev } else { next };
+                    local = Some(Error::PeerLost { peer: lost, operation: "all_reduce", reason: reason.into() });
+                    Some(OpProgress::Failed(OpFailure::new(FailureKind::PeerLost, lost, format!("{}: {reason}", c.me))))
+                }
+            };
+            if let Some(progress) = progress {
+                control.input(|p, now| p.handle_collective(id, progress, now));
             }
-        };
-        debug_assert_eq!(epoch, pos.epoch, "the view and the position agree on the topology");
-        if world == 1 {
-            return Ok(Info {
-                world_size: 1,
-                tx_bytes: 0,
-                rx_bytes: 0,
-                elapsed: started.elapsed(),
-                topology: epoch.0,
-                sequence: seq,
-            });
+            None
+        });
+        let DataPlane { outgoing, incoming, backup, .. } = &mut *data;
+        if let Some((_, next, prev)) = ring.filter(|_| !(confirmed && result.is_ok())) {
+            // The streams may hold half a chunk or half a token: they can never be used again.
+            outgoing.remove(&next);
+            incoming.remove(&prev);
         }
-        let header = all_reduce_header(epoch, seq, tag, dtype, op, count);
-        let (next, prev) = (pos.next().peer, pos.prev().peer);
-        let DataPlane { outgoing, incoming, scratch, backup } = &mut *data;
-        log::trace!("all_reduce seq {seq} tag {tag}: {} {} x{}", op.name(), dtype.name(), header.count);
-        let members: Vec<PeerId> = pos.ring.iter().map(|m| m.peer).collect();
-        let control = &connected.control;
-        let abort = || {
-            let state = control.lock();
-            if let Err(e) = state.check_connected() {
-                return Some(e);
-            }
-            Some(match state.view.interrupt(epoch, seq, &members)? {
-                Interrupt::Aborted(f) => op_error(f, &header),
-                Interrupt::Blocked(why) => Error::Misuse(why),
-                Interrupt::MemberLost(peer) => Error::PeerLost {
-                    peer,
-                    operation: "all_reduce",
-                    reason: "the master removed it from the run".into(),
-                },
-            })
-        };
-        let watch = || {
-            let mut state = control.lock();
-            if let Err(e) = state.check_connected() {
-                return Some(Stop::Fail(e));
-            }
-            Some(match state.view.lap_interrupt(epoch, seq, &members)? {
-                LapInterrupt::Verdict(v) => Stop::Verdict(v),
-                LapInterrupt::MemberLost(peer) => Stop::Ask(format!("the master removed {peer}")),
-            })
-        };
-        let ran = match (outgoing.get_mut(&next), incoming.get_mut(&prev)) {
-            (Some(send), Some(recv)) => {
-                let job = RingJob {
-                    dtype,
-                    op,
-                    header,
-                    session: connected.session,
-                    buf: &mut *buf,
-                    world,
-                    rank: pos.rank,
-                    chunk_bytes: self.config.chunk_bytes,
-                    scratch,
-                    backup,
-                };
-                ring::run(job, send, recv, deadline, &abort, &control.waker).map(|traffic| {
-                    failpoint("all_reduce.before_confirm");
-                    let (send, recv) = (&mut send[0], &mut recv[0]);
-                    (traffic, ring::confirm(send, recv, pos.rank, world, seq, deadline, &watch, &control.waker))
-                })
-            }
-            _ => {
-                backup.reset(0);
-                let reason = "no data connection: a collective failed before and the ring has not re-formed yet";
-                let side = if outgoing.contains_key(&next) { Side::Prev } else { Side::Next };
-                Err(RingError::Lost { side, reason: reason.into() })
-            }
-        };
-        let error = match ran {
-            Ok((traffic, confirmed)) => {
-                let info = || Info {
-                    world_size: world,
+        let e = match result {
+            Ok(Value::Collective(id)) => {
+                if confirmed {
+                    failpoint("all_reduce.after_commit");
+                }
+                return Ok(Info {
+                    world_size: ring.map_or(1, |(world, ..)| world),
                     tx_bytes: traffic.tx_bytes,
                     rx_bytes: traffic.rx_bytes,
                     elapsed: started.elapsed(),
-                    topology: epoch.0,
-                    sequence: seq,
-                };
-                let stop = match confirmed {
-                    Ok(()) => {
-                        // Every participant holds the result: committed without the master, which
-                        // hears of it only if it asks (to answer a participant that could not tell).
-                        control.commit_on_our_own(epoch, seq);
-                        failpoint("all_reduce.after_commit");
-                        return Ok(info());
-                    }
-                    Err(stop) => stop,
-                };
-                // The lap may have stopped mid-token: these streams are done for.
-                outgoing.remove(&next);
-                incoming.remove(&prev);
-                let verdict = match stop {
-                    Stop::Verdict(v) => Ok(v),
-                    Stop::Fail(e) => Err(e),
-                    Stop::Ask(reason) => {
-                        log::info!("{}: collective {seq} finished here, asking the master ({reason})", connected.me);
-                        self.ask_verdict(&connected, epoch, seq, deadline)
-                    }
-                };
-                match verdict {
-                    Ok(Verdict::Committed) => return Ok(info()),
-                    Ok(Verdict::Aborted(f)) => op_error(f, &header),
-                    Err(e) => e,
-                }
+                    topology: id.epoch.0,
+                    sequence: id.seq.0,
+                });
             }
-            Err(e) => {
-                let (local, failure) = ring_error(e, &header, connected.me, next, prev);
-                let decided = control.lock().view.verdicts.remove(&(epoch, seq));
-                match (decided, failure) {
-                    (Some(Verdict::Aborted(f)), _) => op_error(f, &header),
-                    // Tell the master, which aborts the collective for everyone: peers still
-                    // waiting on data stop now rather than when they notice by themselves. The
-                    // verdict names the first failure reported, so every participant gets the
-                    // same cause (a mismatch, not the closed stream that followed it). The
-                    // streams stay open until then, so no neighbour sees them close first.
-                    (_, Some(failure)) => self.report_failure(&connected, &header, failure).unwrap_or(local),
-                    _ => local,
-                }
-            }
+            Ok(other) => unreachable!("all_reduce returned {other:?}"),
+            Err(e) => e,
         };
         // Every participant restores its buffer: the collective never happened.
         backup.restore(buf);
-        // The streams may hold half a chunk: they can never be used again.
-        outgoing.remove(&next);
-        incoming.remove(&prev);
         // If the master expelled us (we were frozen, say) or is gone, that is the news, not the
         // closed stream that made us notice.
-        control.lock().check_connected()?;
-        Err(error)
+        control.check_connected()?;
+        Err(match e {
+            CallError::Aborted { op: id, failure } => op_error(failure, &header(id)),
+            // Our own error stands; where the state machine stopped the collective (a removed
+            // member, a blocking vote, the bound), the failure it reported.
+            CallError::Unconfirmed { op: id, failure } => local.unwrap_or_else(|| match failure.kind {
+                FailureKind::Timeout => Error::Timeout { operation: "all_reduce", after: bound },
+                _ => op_error(failure, &header(id)),
+            }),
+            e => self.call_error(control, e, "all_reduce", bound),
+        })
     }
 
-    /// Reports a collective failed here; returns the error of the master's verdict, if it comes
-    /// within a heartbeat timeout.
-    fn report_failure(&self, c: &Connected, header: &OpHeader, failure: OpFailure) -> Option<Error> {
-        let (epoch, seq) = (header.epoch, header.seq);
-        c.control.send(&Message::OpFailed { epoch, seq, failure }).ok()?;
-        let grace = Deadline::after(self.config.heartbeat_timeout);
-        match c.control.wait_until("all_reduce", grace, |s| s.view.verdicts.remove(&(epoch, seq))).ok()? {
-            Verdict::Aborted(f) => Some(op_error(f, header)),
-            Verdict::Committed => None,
+    /// Carries out what the state machine asks of the call in progress until it is done: opens
+    /// and takes up topologies itself, and hands what only this call does (moving a collective's
+    /// data, fetching state) to `own`, which may end the call early with its result.
+    pub(crate) fn drive(
+        &self,
+        control: &Control,
+        listener: &Listener,
+        data: &mut DataPlane,
+        operation: &'static str,
+        mut own: impl FnMut(&mut DataPlane, Action) -> Option<CallResult>,
+    ) -> CallResult {
+        loop {
+            match control.next_action() {
+                Action::Done(result) => return result,
+                Action::Establish { position, deadline } => {
+                    let deadline = Deadline::until(deadline, self.config.timeout);
+                    let outcome = listener.establish(data, control, &position, &self.config, deadline, operation);
+                    if outcome == Established::Ready {
+                        failpoint(if operation == "connect" {
+                            "connect.before_ready"
+                        } else {
+                            "update_topology.before_ready"
+                        });
+                    }
+                    control.input(|p, now| p.handle_established(position.epoch, outcome, now));
+                }
+                Action::TakeUp(position) => take_up(data, &position),
+                action => {
+                    if let Some(result) = own(data, action) {
+                        return result;
+                    }
+                }
+            }
         }
     }
 
-    /// Reports that we hold the complete result of collective `seq` and waits for the master's
-    /// verdict. Every participant still in the run reports within its own bound, so the verdict
-    /// comes within ours and a heartbeat timeout, or the master is as good as lost.
-    fn ask_verdict(&self, c: &Connected, epoch: Epoch, seq: u64, deadline: Deadline) -> Result<Verdict> {
-        c.control.send(&Message::OpDone { epoch, seq, decided: false })?;
-        let deadline = deadline.extended(self.config.heartbeat_timeout);
-        c.control.wait_until("all_reduce", deadline, |s| s.view.verdicts.remove(&(epoch, seq)))
-    }
-
-    /// Records how a call that reached the run ended, for the retry rule
-    /// ([`shoal_proto::peer::PeerView::vote_needed`]). Errors raised before anything was sent
-    /// (arguments, not connected) and the loss of the master or of our place say nothing of it.
-    pub(crate) fn ended<T>(&self, result: Result<T>) -> Result<T> {
-        let ok = match &result {
-            Ok(_) => true,
-            Err(
-                Error::PeerLost { .. }
-                | Error::CollectiveMismatch { .. }
-                | Error::Misuse(_)
-                | Error::SyncFailed { .. }
-                | Error::Timeout { .. },
-            ) => false,
-            Err(_) => return result,
-        };
-        if let Some(c) = &*self.connected.lock().unwrap_or_else(PoisonError::into_inner) {
-            c.control.lock().view.call_ended(ok);
+    /// The error a call returns for how the state machine ended it.
+    pub(crate) fn call_error(
+        &self,
+        control: &Control,
+        e: CallError,
+        operation: &'static str,
+        bound: Duration,
+    ) -> Error {
+        match e {
+            CallError::Timeout => Error::Timeout { operation, after: bound },
+            CallError::Misuse(reason) => Error::Misuse(reason),
+            CallError::SyncFailed { retryable, reason } => Error::SyncFailed { retryable, reason },
+            CallError::Gone(gone) => control.gone_error(gone),
+            CallError::Busy(call) => {
+                Error::Misuse(format!("{call} called while another call of this communicator is in progress"))
+            }
+            CallError::Aborted { op, failure } => {
+                Error::Protocol(format!("{operation} ended by an abort of {op}: {}", failure.reason))
+            }
+            CallError::Unconfirmed { op, .. } => Error::Protocol(format!("{operation} ended by {op}")),
         }
-        result
     }
 
     /// Members of the whole run, once accepted.
@@ -464,105 +408,19 @@ impl Communicator {
         if let Some(c) = self.connected.lock().unwrap_or_else(PoisonError::into_inner).take() {
             c.control.close();
         }
-        *self.topology.lock().unwrap_or_else(PoisonError::into_inner) = None;
         *self.data.lock().unwrap_or_else(PoisonError::into_inner) = DataPlane::default();
     }
 
     pub(crate) fn position(&self) -> Option<RingPosition> {
-        self.topology.lock().unwrap_or_else(PoisonError::into_inner).clone()
+        let c = self.connected.lock().unwrap_or_else(PoisonError::into_inner).clone()?;
+        let position = c.control.lock().position();
+        position
     }
 
     pub(crate) fn connected(&self) -> Result<Arc<Connected>> {
         let c = self.connected.lock().unwrap_or_else(PoisonError::into_inner).clone().ok_or(Error::NotConnected)?;
-        c.control.lock().check_connected()?;
+        c.control.check_connected()?;
         Ok(c)
-    }
-
-    /// Joins a topology the master issued since our last call, if any, before the call itself:
-    /// after a failure the master re-forms the ring by itself, and every survivor's next call,
-    /// whichever it is, opens the new connections and runs in the new topology once all are
-    /// ready (`docs/protocol.md`, "Retry").
-    pub(crate) fn follow_topology(&self, c: &Connected, deadline: Deadline, operation: &'static str) -> Result<()> {
-        let (issued, committed) = {
-            let s = c.control.lock();
-            let committed = s.view.committed.clone();
-            let issued = s.view.issued.as_ref().is_some_and(|(e, _)| committed.as_ref().is_none_or(|(c, _)| c < e));
-            (issued, committed)
-        };
-        if issued {
-            self.await_topology(c, deadline, Await::Follow(operation))?;
-        } else if let Some((epoch, members)) = committed.filter(|(e, _)| self.position().is_none_or(|p| p.epoch != *e))
-        {
-            // It came into force between calls: we reported ready in a call that then failed (its
-            // vote was abandoned, say). Its pools are ours already; take it up.
-            let mut data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
-            self.take_up(c, &mut data, epoch, &members)?;
-        }
-        Ok(())
-    }
-
-    /// Makes topology `epoch`, in force with our pools established, the one our calls run in.
-    fn take_up(&self, c: &Connected, data: &mut DataPlane, epoch: Epoch, members: &[Member]) -> Result<()> {
-        let pos = c.control.lock().view.position(epoch, members);
-        for s in data.outgoing.values().chain(data.incoming.values()).flatten() {
-            set_nonblocking(s)?;
-        }
-        log::info!(
-            "{}: topology {} in force: rank {} of {} (run of {})",
-            c.me,
-            epoch.0,
-            pos.rank,
-            pos.group_size(),
-            pos.world_size
-        );
-        *self.topology.lock().unwrap_or_else(PoisonError::into_inner) = Some(pos);
-        Ok(())
-    }
-
-    /// Follows the master's topologies until one that includes us is committed: open the
-    /// connections each one asks for, report ready (or who is unreachable), repeat if the
-    /// master supersedes it.
-    fn await_topology(&self, c: &Connected, deadline: Deadline, call: Await) -> Result<Awaited> {
-        let operation = call.operation();
-        let mut data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
-        // A topology this peer reported ready in during an earlier call (one whose vote was then
-        // abandoned, say) is not established again: that would re-dial, and so close, the pool
-        // its successor already took.
-        let mut handled: Option<Epoch> = c.control.lock().view.ready_in;
-        loop {
-            let step =
-                c.control.wait_until(operation, deadline, |s| s.view.topology_step(handled, call == Await::Vote))?;
-            match step {
-                TopologyStep::VoteRefused => return Ok(Awaited::VoteRefused),
-                TopologyStep::VoteAbandoned(reason) => return Err(Error::Misuse(reason)),
-                TopologyStep::Establish(epoch, members) => {
-                    let pos = c.control.lock().view.position(epoch, &members);
-                    match c.listener.establish(&mut data, &c.control, &pos, &self.config, deadline, operation) {
-                        Ok(()) => {
-                            failpoint(if call == Await::Connect {
-                                "connect.before_ready"
-                            } else {
-                                "update_topology.before_ready"
-                            });
-                            // Before the report: its commit may arrive before send returns.
-                            c.control.lock().view.ready_in = Some(epoch);
-                            c.control.send(&Message::TopologyReady { epoch })?;
-                        }
-                        Err(EstablishError::Unreachable(peer, reason)) => {
-                            log::warn!("{}: cannot reach {peer}: {reason}", c.me);
-                            c.control.send(&Message::PeerUnreachable { epoch, peer })?;
-                        }
-                        Err(EstablishError::Superseded) => {}
-                        Err(EstablishError::Fatal(e)) => return Err(e),
-                    }
-                    handled = Some(epoch);
-                }
-                TopologyStep::InForce(epoch, members) => {
-                    self.take_up(c, &mut data, epoch, &members)?;
-                    return Ok(Awaited::InForce);
-                }
-            }
-        }
     }
 
     fn advertised_addr(&self, master: &TcpStream, port: u16) -> Result<String> {
@@ -584,33 +442,30 @@ impl Communicator {
     }
 }
 
-/// How a wait for a topology ended.
-enum Awaited {
-    /// The topology is in force.
-    InForce,
-    /// Our `update_topology` vote was not counted (a topology was being connected): vote again.
-    VoteRefused,
-}
+/// How the state machine ended a call.
+pub(crate) type CallResult = std::result::Result<Value, CallError>;
 
-/// Which call waits for a topology to come into force.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Await {
-    /// `connect`: a newcomer waits to be admitted.
-    Connect,
-    /// `update_topology`: our vote may be abandoned (the others made another call).
-    Vote,
-    /// Another call joins a topology issued without a vote (a re-formed ring) before it runs.
-    Follow(&'static str),
-}
-
-impl Await {
-    fn operation(self) -> &'static str {
-        match self {
-            Await::Connect => "connect",
-            Await::Vote => "update_topology",
-            Await::Follow(operation) => operation,
-        }
+/// Topology `position.epoch`, in force with our pools established, is the one our calls run in:
+/// its streams are driven without blocking. A stream that cannot be is dropped with its pool, and
+/// the next collective fails over it and is retried in a re-formed ring.
+fn take_up(data: &mut DataPlane, position: &RingPosition) {
+    for pools in [&mut data.outgoing, &mut data.incoming] {
+        pools.retain(|peer, pool| match pool.iter().try_for_each(|s| s.set_nonblocking(true)) {
+            Ok(()) => true,
+            Err(e) => {
+                log::warn!("dropping the streams of {peer}: configuring a data stream: {e}");
+                false
+            }
+        });
     }
+    let me = position.ring[position.rank].peer;
+    log::info!(
+        "{me}: topology {} in force: rank {} of {} (run of {})",
+        position.epoch.0,
+        position.rank,
+        position.group_size(),
+        position.world_size
+    );
 }
 
 impl Drop for Communicator {
@@ -619,44 +474,30 @@ impl Drop for Communicator {
     }
 }
 
-fn set_nonblocking(s: &TcpStream) -> Result<()> {
-    s.set_nonblocking(true).map_err(|source| Error::Io { context: "configuring a data stream".into(), source })
-}
-
-/// What a failed ring run means for the caller, and what to tell the master (nothing where the
-/// master already decided).
-fn ring_error(e: RingError, header: &OpHeader, me: PeerId, next: PeerId, prev: PeerId) -> (Error, Option<OpFailure>) {
+/// What a failed ring run means for the caller, and the failure to report to the master.
+fn ring_error(e: RingError, header: &OpHeader, me: PeerId, next: PeerId, prev: PeerId) -> (Error, OpFailure) {
     match e {
         RingError::Lost { side, reason } => {
             let peer = if side == Side::Next { next } else { prev };
             let failure = OpFailure::new(FailureKind::PeerLost, peer, format!("{me} lost {peer}: {reason}"));
-            (Error::PeerLost { peer, operation: "all_reduce", reason }, Some(failure))
+            (Error::PeerLost { peer, operation: "all_reduce", reason }, failure)
         }
         RingError::Mismatch { theirs } => {
             // The verdict carries both calls with their peers: a participant that did not see the
             // difference itself (the predecessor, say) must not read either as its own.
             let (ours, theirs) = (describe(header), format!("{prev} called {}", describe(&theirs)));
             let failure = OpFailure::new(FailureKind::Mismatch, prev, format!("{me} called {ours}; {theirs}"));
-            (Error::CollectiveMismatch { peer: prev, ours, theirs }, Some(failure))
+            (Error::CollectiveMismatch { peer: prev, ours, theirs }, failure)
         }
         RingError::Malformed(reason) => {
             let failure = OpFailure::new(FailureKind::Protocol, prev, format!("{prev} sent {me} {reason}"));
-            (Error::Protocol(format!("from {prev}: {reason}")), Some(failure))
+            (Error::Protocol(format!("from {prev}: {reason}")), failure)
         }
         RingError::Timeout(e) => {
             let failure = OpFailure::new(FailureKind::Timeout, me, format!("{me}: {e}"));
-            (e, Some(failure))
-        }
-        RingError::Aborted(e) => {
-            let failure = match &e {
-                Error::PeerLost { peer, reason, .. } => {
-                    Some(OpFailure::new(FailureKind::PeerLost, *peer, reason.clone()))
-                }
-                Error::Misuse(reason) => Some(OpFailure::new(FailureKind::Misuse, me, reason.clone())),
-                _ => None,
-            };
             (e, failure)
         }
+        RingError::Stopped => unreachable!("a stopped ring is the state machine's news, not a failure"),
     }
 }
 
@@ -669,11 +510,11 @@ fn op_error(f: OpFailure, header: &OpHeader) -> Error {
     }
 }
 
-fn all_reduce_header(epoch: Epoch, seq: u64, tag: u64, dtype: DType, op: ReduceOp, count: u64) -> OpHeader {
+fn all_reduce_header(id: OpId, tag: u64, dtype: DType, op: ReduceOp, count: u64) -> OpHeader {
     OpHeader {
         collective: CollectiveKind::AllReduce.code(),
-        epoch,
-        seq,
+        epoch: id.epoch,
+        seq: id.seq.0,
         tag,
         dtype: dtype.code(),
         op: op.code(),

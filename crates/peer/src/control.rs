@@ -1,12 +1,12 @@
-//! The control connection to the master: a reader thread that feeds [`PeerView`], a heartbeat
-//! thread, and blocking waits (always with a deadline) for what the API needs next.
+//! The driver of [`Peer`], the peer's protocol state machine: the control connection to the
+//! master, a reader thread that feeds it the master's messages, a timer thread that feeds it the
+//! passing of time, and the calling thread that carries out its [`Action`]s. Every decision is
+//! the state machine's; this module moves bytes and wakes threads.
 
 use crate::error::{Error, Result};
-use crate::Deadline;
-use shoal_proto::master::heartbeat_interval;
-use shoal_proto::peer::PeerView;
+use shoal_proto::peer::{Action, Gone, Peer, PeerConfig};
 use shoal_transport::{read_message, write_message, TransportError};
-use shoal_wire::{Epoch, Message, SessionId};
+use shoal_wire::{Message, SessionId};
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::os::unix::net::UnixStream;
@@ -17,9 +17,9 @@ use std::time::{Duration, Instant};
 /// How long a failed send waits for the reader to deliver what the master sent before closing.
 const READER_DRAIN: Duration = Duration::from_millis(500);
 
-/// Wakes a collective sleeping in `poll(2)` on its data streams when the master says something
-/// that may end it (a verdict, a removed peer, an opened vote, expulsion, loss). Without it the
-/// collective would notice only at the end of its poll slice.
+/// Wakes a collective sleeping in `poll(2)` on its data streams when the state machine may have
+/// stopped it (a verdict, a removed peer, an opened vote, expulsion, loss, its bound). Without it
+/// the collective would notice only at the end of its poll slice.
 pub(crate) struct Waker {
     rx: UnixStream,
     tx: UnixStream,
@@ -50,26 +50,17 @@ impl Waker {
     }
 }
 
-/// Shared between the API thread and the control threads.
+/// Shared between the calling thread and the control threads.
 pub(crate) struct Control {
     master_addr: String,
     pub waker: Waker,
     writer: Mutex<TcpStream>,
-    state: Mutex<ControlState>,
+    peer: Mutex<Peer>,
     changed: Condvar,
 }
 
-pub(crate) struct ControlState {
-    pub view: PeerView,
-    master_addr: String,
-    /// Why the master is considered lost, once it is.
-    pub lost: Option<String>,
-    last_heard: Instant,
-    closing: bool,
-}
-
 impl Control {
-    /// Starts the reader and heartbeat threads over `stream`.
+    /// Starts the reader and timer threads over `stream`.
     pub fn start(master_addr: &str, stream: TcpStream, heartbeat_timeout: Duration) -> Result<Arc<Self>> {
         let io_err = |source| Error::Io { context: "configuring the master connection".into(), source };
         // A frozen master must not block a write (and so a call) for longer than it takes to
@@ -81,13 +72,7 @@ impl Control {
             master_addr: master_addr.to_string(),
             waker,
             writer: Mutex::new(stream),
-            state: Mutex::new(ControlState {
-                view: PeerView::default(),
-                master_addr: master_addr.to_string(),
-                lost: None,
-                last_heard: Instant::now(),
-                closing: false,
-            }),
+            peer: Mutex::new(Peer::new(PeerConfig { heartbeat_timeout }, Instant::now())),
             changed: Condvar::new(),
         });
         let c = Arc::clone(&control);
@@ -97,180 +82,160 @@ impl Control {
             .map_err(|source| Error::Io { context: "spawning the control thread".into(), source })?;
         let c = Arc::clone(&control);
         thread::Builder::new()
-            .name("shoal-heartbeat".into())
-            .spawn(move || c.heartbeat_loop(heartbeat_timeout))
-            .map_err(|source| Error::Io { context: "spawning the heartbeat thread".into(), source })?;
+            .name("shoal-timer".into())
+            .spawn(move || c.timer_loop())
+            .map_err(|source| Error::Io { context: "spawning the timer thread".into(), source })?;
         Ok(control)
     }
 
-    /// Sends one message to the master.
-    pub fn send(&self, message: &Message) -> Result<()> {
-        let session = self.lock().view.registered.map_or(SessionId(0), |(_, s)| s);
-        let mut w = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
-        let e = match write_message(&mut *w, session, message) {
-            Ok(()) => return Ok(()),
-            // Nothing was sent: a string the user gave does not fit a message.
-            Err(TransportError::Wire(e)) => {
-                return Err(Error::InvalidArgument(format!("{} cannot be sent: {e}", message.name())))
+    /// The state machine, for reading.
+    pub fn lock(&self) -> MutexGuard<'_, Peer> {
+        self.peer.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Feeds the state machine one input, then sends what it decided to tell the master and wakes
+    /// every thread that waits on it.
+    pub fn input<R>(&self, f: impl FnOnce(&mut Peer, Instant) -> R) -> R {
+        let mut peer = self.lock();
+        let r = f(&mut peer, Instant::now());
+        self.flush(peer);
+        r
+    }
+
+    /// Sends, in order, what the state machine decided to tell the master. The writer is taken
+    /// before the state is released, so messages leave in the order they were decided.
+    fn flush(&self, mut peer: MutexGuard<'_, Peer>) {
+        let messages: Vec<Message> = std::iter::from_fn(|| peer.poll_output()).collect();
+        let session = peer.registered().map_or(SessionId(0), |(_, s)| s);
+        let mut writer = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
+        drop(peer);
+        let mut failed = None;
+        for message in &messages {
+            match write_message(&mut *writer, session, message) {
+                Ok(()) => {}
+                // The state machine's messages hold only what was checked before it took them.
+                Err(TransportError::Wire(e)) => log::error!("{} cannot be sent: {e}", message.name()),
+                Err(e) => {
+                    failed = Some(format!("sending {}: {e}", message.name()));
+                    break;
+                }
             }
-            Err(e) => e,
-        };
-        drop(w);
-        // The master may have said why before it closed the connection (an expelled peer that
-        // was frozen finds Kicked waiting when it wakes): let the reader deliver what is
-        // buffered, so that the caller learns that rather than "connection closed".
-        let state = self.lock();
-        let drained = self
-            .changed
-            .wait_timeout_while(state, READER_DRAIN, |s| s.view.kicked.is_none() && s.lost.is_none())
-            .unwrap_or_else(PoisonError::into_inner)
-            .0;
-        drop(drained);
-        let reason = format!("sending {}: {e}", message.name());
-        self.mark_lost(reason.clone());
-        self.lock().check_connected()?;
-        Err(Error::MasterUnreachable { addr: self.master_addr.clone(), reason })
-    }
-
-    /// Waits until `ready` returns `Some`, the master is lost, we are kicked, or `deadline`.
-    pub fn wait_until<R>(
-        &self,
-        operation: &'static str,
-        deadline: Deadline,
-        mut ready: impl FnMut(&mut ControlState) -> Option<R>,
-    ) -> Result<R> {
-        let mut state = self.lock();
-        loop {
-            state.check_connected()?;
-            if let Some(r) = ready(&mut state) {
-                return Ok(r);
-            }
-            let left = deadline.left(operation)?;
-            state = self.changed.wait_timeout(state, left).unwrap_or_else(PoisonError::into_inner).0;
         }
-    }
-
-    /// Records that we committed collective `seq` of `epoch` on our own, and tells the master if
-    /// the view says it asked meanwhile. Best effort: a lost master is the next call's news.
-    pub fn commit_on_our_own(&self, epoch: Epoch, seq: u64) {
-        let answers: Vec<Message> = {
-            let mut s = self.lock();
-            s.view.commit_on_our_own(epoch, seq);
-            std::iter::from_fn(|| s.view.poll_output()).collect()
-        };
-        for answer in answers {
-            let _ = self.send(&answer);
+        drop(writer);
+        if let Some(reason) = failed {
+            self.lose(reason);
         }
-    }
-
-    pub fn lock(&self) -> MutexGuard<'_, ControlState> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Stops the threads and closes the connection, telling the master we leave.
-    pub fn close(&self) {
-        {
-            let mut s = self.lock();
-            if s.closing {
-                return;
-            }
-            s.closing = true;
-        }
-        // Best effort: the master also notices the closed connection.
-        let _ = self.send(&Message::Leave);
-        let _ = self.writer.lock().unwrap_or_else(PoisonError::into_inner).shutdown(Shutdown::Both);
-        self.changed.notify_all();
-    }
-
-    fn mark_lost(&self, reason: String) {
-        let mut s = self.lock();
-        if s.lost.is_none() && !s.closing {
-            log::warn!("master {} lost: {reason}", self.master_addr);
-            s.lost = Some(reason);
-        }
-        drop(s);
         self.changed.notify_all();
         self.waker.wake();
+    }
+
+    /// The connection to the master failed. It may have said why before it closed (an expelled
+    /// peer that was frozen finds Kicked waiting when it wakes): the reader gets a moment to
+    /// deliver what is buffered, so that the caller learns that rather than "connection closed".
+    fn lose(&self, reason: String) {
+        let peer = self.lock();
+        let peer = self
+            .changed
+            .wait_timeout_while(peer, READER_DRAIN, |p| p.gone().is_none())
+            .unwrap_or_else(PoisonError::into_inner)
+            .0;
+        drop(peer);
+        self.input(|p, now| p.handle_disconnect(reason, now));
+        let _ = self.writer.lock().unwrap_or_else(PoisonError::into_inner).shutdown(Shutdown::Both);
+    }
+
+    /// Waits for the state machine's next action for the calling thread. Every call ends (its
+    /// bound is the state machine's), so this returns.
+    pub fn next_action(&self) -> Action {
+        let mut peer = self.lock();
+        loop {
+            if let Some(action) = peer.poll_action() {
+                return action;
+            }
+            let wait =
+                peer.poll_timeout().map_or(Duration::from_secs(1), |t| t.saturating_duration_since(Instant::now()));
+            if wait.is_zero() {
+                peer.handle_timeout(Instant::now());
+                self.flush(peer);
+                peer = self.lock();
+                continue;
+            }
+            peer = self.changed.wait_timeout(peer, wait).unwrap_or_else(PoisonError::into_inner).0;
+        }
+    }
+
+    /// Fails if the master is lost or has expelled us, or we left.
+    pub fn check_connected(&self) -> Result<()> {
+        match self.lock().gone() {
+            Some(gone) => Err(self.gone_error(gone)),
+            None => Ok(()),
+        }
+    }
+
+    /// The error a call returns once this peer is out of the run.
+    pub fn gone_error(&self, gone: Gone) -> Error {
+        match gone {
+            Gone::Kicked(reason) => Error::Kicked { reason },
+            Gone::MasterLost(reason) => Error::MasterUnreachable { addr: self.master_addr.clone(), reason },
+            Gone::Closed => Error::Closed,
+        }
+    }
+
+    /// Leaves the run: tells the master, then closes the connection.
+    pub fn close(&self) {
+        if matches!(self.lock().gone(), Some(Gone::Closed)) {
+            return;
+        }
+        self.input(|p, now| p.close(now));
+        let _ = self.writer.lock().unwrap_or_else(PoisonError::into_inner).shutdown(Shutdown::Both);
     }
 
     fn read_loop(&self, mut stream: TcpStream) {
         loop {
             let message = match read_message(&mut stream) {
                 Ok((_, m)) => m,
-                Err(e) => return self.mark_lost(format!("control connection: {e}")),
+                Err(e) => return self.input(|p, now| p.handle_disconnect(format!("control connection: {e}"), now)),
             };
-            let wake = !matches!(message, Message::Heartbeat | Message::PeersPendingResult { .. });
-            let mut s = self.lock();
-            s.last_heard = Instant::now();
-            match s.view.handle_message(message) {
+            let event = self.input(|p, now| p.handle_message(message, now));
+            match event {
                 Ok(event) => log::trace!("from master: {event:?}"),
-                Err(e) => {
-                    drop(s);
-                    return self.mark_lost(e.to_string());
-                }
-            }
-            let answers: Vec<Message> = std::iter::from_fn(|| s.view.poll_output()).collect();
-            drop(s);
-            for answer in answers {
-                if self.send(&answer).is_err() {
-                    return;
-                }
-            }
-            self.changed.notify_all();
-            if wake {
-                self.waker.wake();
+                Err(e) => return log::warn!("master {}: {e}", self.master_addr),
             }
         }
     }
 
-    fn heartbeat_loop(&self, timeout: Duration) {
-        let mut state = self.lock();
+    /// Feeds the state machine the passing of time: heartbeats, a silent master, bounds.
+    fn timer_loop(&self) {
+        let mut peer = self.lock();
         loop {
-            // As often as we need to watch the master, or as the master asks, whichever is more.
-            let ours = heartbeat_interval(timeout);
-            let interval = state.view.heartbeat_interval.map_or(ours, |theirs| theirs.min(ours));
-            state = self.changed.wait_timeout(state, interval).unwrap_or_else(PoisonError::into_inner).0;
-            if state.closing || state.lost.is_some() {
+            let Some(due) = peer.poll_timeout() else {
+                // Out of the run: a lost master's connection is shut, so nothing blocks on it.
+                if matches!(peer.gone(), Some(Gone::MasterLost(_))) {
+                    drop(peer);
+                    let _ = self.writer.lock().unwrap_or_else(PoisonError::into_inner).shutdown(Shutdown::Both);
+                }
                 return;
+            };
+            let wait = due.saturating_duration_since(Instant::now());
+            if wait.is_zero() {
+                peer.handle_timeout(Instant::now());
+                self.flush(peer);
+                peer = self.lock();
+            } else {
+                peer = self.changed.wait_timeout(peer, wait).unwrap_or_else(PoisonError::into_inner).0;
             }
-            let silent = state.last_heard.elapsed();
-            drop(state);
-            if silent > timeout {
-                self.mark_lost(format!("no message for {:.1} s", silent.as_secs_f64()));
-                let _ = self.writer.lock().unwrap_or_else(PoisonError::into_inner).shutdown(Shutdown::Both);
-                return;
-            }
-            if self.send(&Message::Heartbeat).is_err() {
-                return;
-            }
-            state = self.lock();
         }
-    }
-}
-
-impl ControlState {
-    /// Fails if the master is lost or has expelled us.
-    pub fn check_connected(&self) -> Result<()> {
-        if let Some(reason) = &self.view.kicked {
-            return Err(Error::Kicked { reason: reason.clone() });
-        }
-        if self.closing {
-            return Err(Error::Closed);
-        }
-        if let Some(reason) = &self.lost {
-            return Err(Error::MasterUnreachable { addr: self.master_addr.clone(), reason: reason.clone() });
-        }
-        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use shoal_wire::PeerId;
+    use shoal_proto::peer::CallError;
+    use shoal_wire::{GroupId, PeerId};
 
     /// A peer expelled while frozen finds Kicked in its socket when it wakes, and the master has
-    /// closed the connection. Whatever the API thread does first, it must learn that it was
+    /// closed the connection. Whatever the calling thread does first, it must learn that it was
     /// expelled and why, not merely that the connection is closed.
     #[test]
     fn a_failed_send_reports_the_expulsion_the_master_sent_first() {
@@ -278,6 +243,8 @@ mod tests {
         let addr = listener.local_addr().unwrap().to_string();
         let master = std::thread::spawn(move || {
             let (mut s, _) = shoal_transport::accept(&listener).unwrap();
+            // Unread bytes would make the close a reset, which may discard what we send.
+            assert!(matches!(read_message(&mut s).unwrap().1, Message::Join { .. }));
             let registered = Message::Registered { peer: PeerId(4), session: SessionId(9), heartbeat_ms: 1000 };
             write_message(&mut s, SessionId(9), &registered).unwrap();
             let kicked = Message::Kicked { reason: "no message for 2.0 s".into() };
@@ -287,17 +254,19 @@ mod tests {
         });
         let stream = shoal_transport::connect(&addr, Duration::from_secs(1)).unwrap();
         let control = Control::start(&addr, stream, Duration::from_secs(10)).unwrap();
+        control.input(|p, now| p.connect(GroupId(0), "127.0.0.1:1".into(), Duration::from_secs(5), now));
         master.join().unwrap();
-        let mut outcome = Ok(());
-        for _ in 0..50 {
-            outcome = control.send(&Message::Heartbeat);
-            if outcome.is_err() {
-                break;
+        let outcome = loop {
+            match control.next_action() {
+                Action::Done(result) => break result,
+                _ => continue,
             }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        };
         match outcome {
-            Err(Error::Kicked { reason }) => assert!(reason.contains("no message"), "{reason}"),
+            Err(CallError::Gone(gone)) => match control.gone_error(gone) {
+                Error::Kicked { reason } => assert!(reason.contains("no message"), "{reason}"),
+                other => panic!("expected Kicked, got {other:?}"),
+            },
             other => panic!("expected Kicked, got {other:?}"),
         }
     }

@@ -16,6 +16,11 @@ impl Deadline {
         Deadline { at: Instant::now() + bound, bound }
     }
 
+    /// At `at`, made from `bound`.
+    pub fn until(at: Instant, bound: Duration) -> Self {
+        Deadline { at, bound }
+    }
+
     /// The same deadline moved `by` later (the bound it reports grows too).
     pub fn extended(&self, by: Duration) -> Self {
         Deadline { at: self.at + by, bound: self.bound + by }

@@ -1,11 +1,12 @@
 //! shoal's peer library: a [`Communicator`] joins a run through the master, is admitted by the
 //! accepted peers' vote, and runs collectives peer to peer over TCP.
 //!
-//! The protocol decisions live in `shoal-proto` (what the master's messages mean), the
-//! schedules and kernels in `shoal-collective`; this crate drives them with sockets and
-//! threads. Threads: one reads the master's messages, one sends heartbeats, one accepts data
-//! connections. Collectives run on the caller's thread, which drives every data stream with
-//! non-blocking IO.
+//! Every protocol decision is made by `shoal_proto::peer::Peer`, a sans-IO state machine (the
+//! same one `crates/sim` tests through thousands of faulty runs); the schedules and kernels live
+//! in `shoal-collective`. This crate drives them with sockets and threads: one feeds the state
+//! machine the master's messages, one the passing of time, one accepts data connections. Calls
+//! run on the caller's thread, which carries out the state machine's actions and drives every
+//! data stream with non-blocking IO.
 //!
 //! A panic is a bug, but it must not turn every later call into another panic: every lock is
 //! taken with `unwrap_or_else(PoisonError::into_inner)`, so a lock a panic left poisoned still

@@ -14,7 +14,7 @@ use crate::config::CommunicatorConfig;
 use crate::control::Control;
 use crate::error::{Error, Result};
 use crate::Deadline;
-use shoal_proto::peer::RingPosition;
+use shoal_proto::peer::{Established, RingPosition};
 use shoal_transport::{connect, read_message_until, write_message};
 use shoal_wire::{Epoch, Message, PeerId, SessionId};
 use std::collections::{BTreeMap, BTreeSet};
@@ -69,16 +69,6 @@ pub(crate) struct DataPlane {
     pub backup: crate::ring::Backup,
 }
 
-/// Why a topology could not be established.
-pub(crate) enum EstablishError {
-    /// This peer cannot reach that one; the master decides what to do.
-    Unreachable(PeerId, String),
-    /// The master issued a newer topology meanwhile.
-    Superseded,
-    /// The call must fail.
-    Fatal(Error),
-}
-
 impl Listener {
     /// Binds `addr` and starts accepting.
     pub fn start(addr: &str) -> Result<Self> {
@@ -127,7 +117,8 @@ impl Listener {
     }
 
     /// Makes `plane` hold a pool to our successor and one from our predecessor for the topology
-    /// of `pos`, and nothing else. Gives up when the master supersedes the topology.
+    /// of `pos`, and nothing else. Gives up once the state machine says the topology is
+    /// superseded (or we are out of the run), or at `deadline`: the state machine ends the call.
     pub fn establish(
         &self,
         plane: &mut DataPlane,
@@ -136,7 +127,7 @@ impl Listener {
         config: &CommunicatorConfig,
         deadline: Deadline,
         operation: &'static str,
-    ) -> Result<(), EstablishError> {
+    ) -> Established {
         let members: BTreeSet<PeerId> = pos.ring.iter().map(|m| m.peer).collect();
         plane.outgoing.clear();
         plane.incoming.clear();
@@ -146,14 +137,18 @@ impl Listener {
             .unwrap_or_else(PoisonError::into_inner)
             .retain(|p, pool| members.contains(p) && pool.epoch >= pos.epoch);
         if pos.group_size() == 1 {
-            return Ok(());
+            return Established::Ready;
         }
         let &(me, session) = self.identity.get().expect("identity is set at registration");
         let next = pos.next();
         let connections = config.pool_size(self.local_ip(), &next.addr);
-        let pool = dial(me, session, next.peer, pos.epoch, &next.addr, connections, deadline, operation)
-            .map_err(|e| EstablishError::Unreachable(next.peer, e))?;
-        plane.outgoing.insert(next.peer, pool);
+        match dial(me, session, next.peer, pos.epoch, &next.addr, connections, deadline, operation) {
+            Ok(pool) => plane.outgoing.insert(next.peer, pool),
+            Err(reason) => {
+                log::warn!("{me}: cannot reach {}: {reason}", next.peer);
+                return Established::Unreachable(next.peer);
+            }
+        };
         let prev = pos.prev().peer;
         loop {
             {
@@ -162,15 +157,13 @@ impl Listener {
                 if complete {
                     let pool = arrivals.remove(&prev).expect("checked above");
                     plane.incoming.insert(prev, pool.streams.into_values().collect());
-                    return Ok(());
+                    return Established::Ready;
                 }
-                let wait = deadline.left(operation).map_err(EstablishError::Fatal)?;
+                let Ok(wait) = deadline.left(operation) else { return Established::Superseded };
                 drop(self.arrivals.changed.wait_timeout(arrivals, wait.min(ESTABLISH_POLL)));
             }
-            let state = control.lock();
-            state.check_connected().map_err(EstablishError::Fatal)?;
-            if state.view.issued.as_ref().is_some_and(|(e, _)| *e != pos.epoch) {
-                return Err(EstablishError::Superseded);
+            if control.lock().superseded(pos.epoch) {
+                return Established::Superseded;
             }
         }
     }

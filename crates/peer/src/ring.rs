@@ -15,7 +15,6 @@ use crate::control::Waker;
 use crate::Deadline;
 use shoal_collective::ring::{RecvAction, RingAllReduce};
 use shoal_collective::{finish_avg, reduce_into, DType, ReduceOp};
-use shoal_proto::peer::Verdict;
 use shoal_transport::PollFd;
 use shoal_wire::{decode_frame, encode_frame, Message, OpHeader, SessionId};
 use std::io::{ErrorKind, IoSlice, Read, Write};
@@ -116,8 +115,9 @@ pub(crate) enum RingError {
     Malformed(String),
     /// The deadline passed.
     Timeout(crate::Error),
-    /// The run changed under the collective (a member was removed, the master was lost).
-    Aborted(crate::Error),
+    /// The peer's state machine stopped the collective (a verdict, a removed member, a vote it
+    /// can never complete against, expulsion): it ends the call.
+    Stopped,
 }
 
 struct SendLane {
@@ -135,14 +135,14 @@ struct RecvLane<'a> {
 }
 
 /// Runs `job` to completion over `send` (to our successor) and `recv` (from our predecessor).
-/// Whenever it is about to sleep it asks `abort` whether the run changed under it (a member
-/// of the ring removed by the master: a dead or frozen peer never closes its streams).
+/// Whenever it is about to sleep it asks `running` whether the peer still wants it moved (a
+/// member of the ring removed by the master: a dead or frozen peer never closes its streams).
 pub(crate) fn run(
     job: RingJob<'_>,
     send: &mut [TcpStream],
     recv: &mut [TcpStream],
     deadline: Deadline,
-    abort: &dyn Fn() -> Option<crate::Error>,
+    running: &dyn Fn() -> bool,
     waker: &Waker,
 ) -> Result<Traffic, RingError> {
     assert!(job.world > 1 && !send.is_empty() && !recv.is_empty(), "a ring needs neighbours");
@@ -188,7 +188,7 @@ pub(crate) fn run(
     let first_copy = plan.recvs.iter().position(|u| u.action == RecvAction::Copy).unwrap_or(usize::MAX);
     let mut ctx =
         Ctx { job, plan, header, elem, send_lanes, recv_lanes, first_unit, saved, save_cursor: 0, first_copy };
-    let result = drive(&mut ctx, &mut sends, &mut recvs, send, recv, deadline, abort, waker);
+    let result = drive(&mut ctx, &mut sends, &mut recvs, send, recv, deadline, running, waker);
     if let Err(e) = &result {
         // Where every lane stood: enough to tell a dead peer from a desynchronised stream.
         let s: Vec<(usize, usize, usize)> = sends.iter().map(|l| (l.header_sent, l.unit, l.offset)).collect();
@@ -219,7 +219,7 @@ fn drive(
     send: &mut [TcpStream],
     recv: &mut [TcpStream],
     deadline: Deadline,
-    abort: &dyn Fn() -> Option<crate::Error>,
+    running: &dyn Fn() -> bool,
     waker: &Waker,
 ) -> Result<Traffic, RingError> {
     let mut recv_done = vec![false; ctx.plan.recvs.len()];
@@ -268,8 +268,8 @@ fn drive(
         wake.want_read = true;
         fds.push(wake);
         waker.drain();
-        if let Some(e) = abort() {
-            return Err(RingError::Aborted(e));
+        if !running() {
+            return Err(RingError::Stopped);
         }
         let left = deadline.left("all_reduce").map_err(RingError::Timeout)?;
         shoal_transport::poll(&mut fds, left.min(POLL_SLICE))
@@ -487,13 +487,10 @@ const TOKEN_MAGIC: u32 = u32::from_le_bytes(*b"SHDN");
 /// Why [`confirm`] stopped before every participant was known to have finished.
 #[derive(Debug)]
 pub(crate) enum Stop {
-    /// The master decided the collective.
-    Verdict(Verdict),
-    /// The participants cannot agree among themselves (a stream broke, a member was removed, the
-    /// deadline passed): ask the master.
-    Ask(String),
-    /// Nothing more can be learned: we were expelled, or the master is lost.
-    Fail(crate::Error),
+    /// The peer's state machine stopped the lap (a verdict, a removed member, its bound).
+    Stopped,
+    /// The lap cannot finish here (a stream broke, a bad token): ask the master.
+    Broken(String),
 }
 
 /// The confirmation lap that follows a successful ring: every participant that holds the complete
@@ -503,7 +500,7 @@ pub(crate) enum Stop {
 /// that received them all knows every participant finished and may commit on its own. The token
 /// of the participant `world - 1` places behind arrives after `world - 1` hops.
 ///
-/// `watch` is asked before every sleep whether to stop.
+/// `running` is asked before every sleep whether to go on.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn confirm(
     send: &mut TcpStream,
@@ -512,7 +509,7 @@ pub(crate) fn confirm(
     world: usize,
     seq: u64,
     deadline: Deadline,
-    watch: &dyn Fn() -> Option<Stop>,
+    running: &dyn Fn() -> bool,
     waker: &Waker,
 ) -> Result<(), Stop> {
     let token = |origin: usize| -> [u8; TOKEN_BYTES] {
@@ -528,7 +525,7 @@ pub(crate) fn confirm(
     let mut inbox = [0u8; TOKEN_BYTES];
     let (mut got, mut received) = (0, 0);
     let mut idle_since: Option<std::time::Instant> = None;
-    let broken = |what: &str, e: std::io::Error| Stop::Ask(format!("confirmation lap: {what}: {e}"));
+    let broken = |what: &str, e: std::io::Error| Stop::Broken(format!("confirmation lap: {what}: {e}"));
     while received < world - 1 || sent < (world - 1) * TOKEN_BYTES {
         let mut progress = false;
         while sent < outbox.len() {
@@ -544,7 +541,7 @@ pub(crate) fn confirm(
         }
         while received < world - 1 {
             match recv.read(&mut inbox[got..]) {
-                Ok(0) => return Err(Stop::Ask("confirmation lap: predecessor closed the stream".into())),
+                Ok(0) => return Err(Stop::Broken("confirmation lap: predecessor closed the stream".into())),
                 Ok(n) => {
                     got += n;
                     progress = true;
@@ -562,7 +559,7 @@ pub(crate) fn confirm(
             let origin = u32::from_le_bytes(inbox[4..8].try_into().expect("4 bytes")) as usize;
             let their_seq = u64::from_le_bytes(inbox[8..].try_into().expect("8 bytes"));
             if magic != TOKEN_MAGIC || their_seq != seq || origin >= world || origin == rank {
-                return Err(Stop::Ask(format!(
+                return Err(Stop::Broken(format!(
                     "confirmation lap: bad token (magic {magic:#x}, rank {origin}, collective {their_seq})"
                 )));
             }
@@ -580,10 +577,10 @@ pub(crate) fn confirm(
             continue;
         }
         waker.drain();
-        if let Some(stop) = watch() {
-            return Err(stop);
+        if !running() {
+            return Err(Stop::Stopped);
         }
-        let left = deadline.left("all_reduce").map_err(|e| Stop::Ask(e.to_string()))?;
+        let left = deadline.left("all_reduce").map_err(|e| Stop::Broken(e.to_string()))?;
         let mut fds = [PollFd::new(recv), PollFd::new(send), PollFd::new(waker.fd())];
         fds[0].want_read = received < world - 1;
         fds[1].want_write = sent < outbox.len();

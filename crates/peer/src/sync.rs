@@ -11,14 +11,11 @@
 use crate::communicator::{Communicator, Connected};
 use crate::error::{Error, Result};
 use crate::failpoint::failpoint;
-use crate::Deadline;
 use shoal_collective::DType;
 use shoal_proto::master::Strategy;
-use shoal_proto::peer::SyncAbort;
+use shoal_proto::peer::{Action, CallKind, Revision, SyncBallot, Value};
 use shoal_transport::{connect, read_message_until, write_message, PollFd};
-use shoal_wire::{
-    truncate, Message, PeerId, PlanEntry, StateDigest, Vote, MAX_DIMS, MAX_STATE_ENTRIES, MAX_STRING_BYTES,
-};
+use shoal_wire::{truncate, Message, PeerId, PlanEntry, StateDigest, MAX_DIMS, MAX_STATE_ENTRIES, MAX_STRING_BYTES};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -105,95 +102,82 @@ impl Communicator {
         strategy: Strategy,
         override_resume: bool,
     ) -> Result<SyncInfo> {
-        self.ended(self.sync(tensors, revision, strategy, override_resume))
-    }
-
-    fn sync(
-        &self,
-        tensors: &mut [StateTensor<'_>],
-        revision: u64,
-        strategy: Strategy,
-        override_resume: bool,
-    ) -> Result<SyncInfo> {
         let started = Instant::now();
-        let connected = self.connected()?;
+        let c = self.connected()?;
         tensors.sort_by(|a, b| a.name.cmp(&b.name));
-        let digests = digest(tensors)?;
-        let deadline = Deadline::after(self.config.timeout);
-        self.follow_topology(&connected, deadline, "sync_shared_state")?;
-        let collectives = connected.control.lock().view.cast_vote(Vote::SyncSharedState);
-        let _data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
-        let pos = self.position().ok_or(Error::NotConnected)?;
-        let control = &connected.control;
-        let vote =
-            Message::SyncVote { revision, strategy: strategy as u8, override_resume, entries: digests, collectives };
-        control.send(&vote)?;
-        let plan = control.wait_until("sync_shared_state", deadline, |s| {
-            if let Some((_, Err(SyncAbort { retryable, reason }))) = s.view.sync_end.take() {
-                return Some(Err(Error::SyncFailed { retryable, reason }));
-            }
-            s.view.sync_plan.take().map(Ok)
-        })??;
-        let (round, revision, entries) = plan;
-        if entries.len() != tensors.len() {
-            return Err(Error::Protocol(format!(
-                "a plan of {} tensors for a state of {}",
-                entries.len(),
-                tensors.len()
-            )));
-        }
-        let wanted: Vec<Wanted> = entries
-            .iter()
-            .enumerate()
-            .filter(|(_, e)| !e.donors.is_empty())
-            .map(|(index, PlanEntry { hash, donors })| Wanted {
-                index,
-                len: tensors[index].bytes.len() as u64,
-                donors: donors.clone(),
-                hash: *hash,
-            })
-            .collect();
-        let addrs: BTreeMap<PeerId, String> = pos.ring.iter().map(|m| (m.peer, m.addr.clone())).collect();
-        let meta = tensors_meta(tensors);
-        let views: Vec<&[u8]> = tensors.iter().map(|t| &*t.bytes).collect();
-        let sent_bytes = AtomicU64::new(0);
-        let sent_to = Mutex::new(BTreeSet::new());
-        let stop = AtomicBool::new(false);
-        let io_timeout = self.config.heartbeat_timeout;
-        let (fetched, ended) = std::thread::scope(|scope| {
-            // Serve whatever the others fetch from us until the sync ends.
-            scope.spawn(|| {
-                while !stop.load(Ordering::Relaxed) {
-                    let Some((stream, first)) = connected.listener.take_fetch(Duration::from_millis(20)) else {
-                        continue;
-                    };
-                    let (views, sent_bytes, sent_to, stop) = (&views, &sent_bytes, &sent_to, &stop);
-                    scope.spawn(move || {
-                        if let Err(e) = serve(stream, first, round, views, sent_bytes, sent_to, stop, io_timeout) {
-                            log::debug!("serving {}: {e}", first.from);
-                        }
-                    });
-                }
-            });
-            let fetched = fetch(&connected, round, &wanted, meta, &addrs, io_timeout);
-            let report = match &fetched {
-                Ok(_) => Message::SyncDone { round },
-                Err(reason) => Message::SyncFailed { round, reason: truncate(reason.clone(), MAX_STRING_BYTES) },
+        let entries = digest(tensors)?;
+        let bound = self.config.timeout;
+        let mut data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
+        let ballot = SyncBallot { revision: Revision(revision), strategy: strategy as u8, override_resume, entries };
+        c.control.input(|p, now| p.call(CallKind::SyncSharedState(ballot), bound, now));
+        let (sent_bytes, sent_to) = (AtomicU64::new(0), Mutex::new(BTreeSet::new()));
+        let mut fetched = None;
+        let mut wanted = Vec::new();
+        let ended = self.drive(&c.control, &c.listener, &mut data, "sync_shared_state", |_, action| {
+            let Action::Fetch { round, entries, .. } = action else {
+                unreachable!("sync_shared_state asked for {action:?}")
             };
-            let ended = control.send(&report).and_then(|()| {
-                control.wait_until("sync_shared_state", deadline, |s| match s.view.sync_end.take() {
-                    Some((r, end)) if r == round => Some(end),
-                    _ => None,
-                })
-            });
-            stop.store(true, Ordering::Relaxed);
-            (fetched, ended)
+            let misfit = (entries.len() != tensors.len())
+                .then(|| format!("a plan of {} tensors for a state of {}", entries.len(), tensors.len()));
+            if misfit.is_none() {
+                wanted = entries
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, e)| !e.donors.is_empty())
+                    .map(|(index, PlanEntry { hash, donors })| Wanted {
+                        index,
+                        len: tensors[index].bytes.len() as u64,
+                        donors: donors.clone(),
+                        hash: *hash,
+                    })
+                    .collect();
+            }
+            let position = c.control.lock().position().expect("a sync runs in a topology");
+            let addrs: BTreeMap<PeerId, String> = position.ring.iter().map(|m| (m.peer, m.addr.clone())).collect();
+            let meta = tensors_meta(tensors);
+            let views: Vec<&[u8]> = tensors.iter().map(|t| &*t.bytes).collect();
+            let stop = AtomicBool::new(false);
+            let io_timeout = self.config.heartbeat_timeout;
+            // Serve whatever the others fetch from us until the sync ends: until the master says
+            // every participant holds the elected state, or that the sync failed.
+            Some(std::thread::scope(|scope| {
+                scope.spawn(|| {
+                    while !stop.load(Ordering::Relaxed) {
+                        let Some((stream, first)) = c.listener.take_fetch(Duration::from_millis(20)) else {
+                            continue;
+                        };
+                        let (views, sent_bytes, sent_to, stop) = (&views, &sent_bytes, &sent_to, &stop);
+                        scope.spawn(move || {
+                            if let Err(e) = serve(stream, first, round, views, sent_bytes, sent_to, stop, io_timeout) {
+                                log::debug!("serving {}: {e}", first.from);
+                            }
+                        });
+                    }
+                });
+                let result = match misfit {
+                    Some(reason) => Err(reason),
+                    None => fetch(&c, round, &wanted, meta, &addrs, io_timeout),
+                };
+                let report = result.as_ref().map(drop).map_err(Clone::clone);
+                fetched = Some(result);
+                c.control.input(|p, now| p.handle_fetched(round, report, now));
+                let ended = match c.control.next_action() {
+                    Action::Done(result) => result,
+                    action => unreachable!("sync_shared_state asked for {action:?} after its plan"),
+                };
+                stop.store(true, Ordering::Relaxed);
+                ended
+            }))
         });
-        match ended? {
-            Ok(()) => {}
-            Err(SyncAbort { retryable, reason }) => return Err(Error::SyncFailed { retryable, reason }),
-        }
-        let fetched = fetched.map_err(|reason| Error::SyncFailed { retryable: true, reason })?;
+        let revision = match ended {
+            Ok(Value::Synced(revision)) => revision.0,
+            Ok(other) => unreachable!("sync_shared_state returned {other:?}"),
+            Err(e) => return Err(self.call_error(&c.control, e, "sync_shared_state", bound)),
+        };
+        // The master says every participant holds the elected state: ours too.
+        let fetched = fetched
+            .expect("a sync completes once fetched")
+            .map_err(|reason| Error::SyncFailed { retryable: true, reason })?;
         let mut received = Vec::new();
         for (w, data) in wanted.iter().zip(fetched) {
             tensors[w.index].bytes.copy_from_slice(&data);
