@@ -7,9 +7,11 @@
 //! silent master lost) is the shipped code's. The simulation drives it as `crates/peer` does and
 //! models only what moves bytes: opening a topology's connections, the real ring schedule
 //! ([`shoal_collective::ring::RingAllReduce`], one element per segment, values summed) and the
-//! confirmation lap of tokens. The seed picks the application's loop for every peer: the
-//! README's (`update_topology` after a failure), retry-only, or PCCL's (`peers_pending` at the top
-//! of every iteration; a newcomer starts there). A seeded network carries every message with random
+//! confirmation lap of tokens, and fetching shared state (which fails from a dead donor). The seed
+//! picks the application's loop for every peer: the README's (`update_topology` after a failure),
+//! retry-only, or PCCL's (`peers_pending` at the top of every iteration; a newcomer starts there),
+//! and whether every iteration syncs its shared state before its collective, as the README's
+//! does (the state's revision counts the collectives; a newcomer fetches it). A seeded network carries every message with random
 //! latency, first-in first-out per connection, and injects faults: crashes, freezes (SIGSTOP),
 //! stalled links (a cut-off path), connection resets, and newcomers joining mid-operation.
 //!
@@ -22,6 +24,8 @@
 //! - **one major operation at a time**: the master never tracks a collective of a replaced ring,
 //!   and never issues a topology while a member of the current ring still runs a collective it
 //!   could complete;
+//! - **calls in step**: no call ends in a usage error (the application's calls are the same on
+//!   every peer, so only the protocol could put them out of step);
 //! - **convergence**: once faults stop, the committed ring is exactly the live peers, and every
 //!   one of them is in it.
 //!

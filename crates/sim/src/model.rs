@@ -1,11 +1,13 @@
 //! The simulated run: network, peers, faults, and the checks.
 
 use shoal_collective::ring::{RecvAction, RingAllReduce};
+use shoal_proto::master::Strategy;
 use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output};
 use shoal_proto::peer::{
-    Action, CallError, CallKind, Established, Gone, OpId, OpProgress, Peer, PeerConfig, RingPosition, Value,
+    Action, CallError, CallKind, Established, Gone, OpId, OpProgress, Peer, PeerConfig, Revision, RingPosition,
+    SyncBallot, Value,
 };
-use shoal_wire::{Epoch, FailureKind, GroupId, Message, OpFailure, PeerId, SessionId};
+use shoal_wire::{Epoch, FailureKind, GroupId, Message, OpFailure, PeerId, SessionId, StateDigest};
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
 use std::time::{Duration, Instant};
 
@@ -165,6 +167,13 @@ pub struct Report {
     pub gone: Vec<(usize, String)>,
     /// Successful collectives.
     pub successes: usize,
+    /// Successful shared-state syncs.
+    pub syncs: usize,
+    /// Calls that failed with a usage error: (peer index, call, why). The application's calls
+    /// are the same on every peer, so only failures can put them out of step.
+    pub misuse: Vec<(usize, String, String)>,
+    /// The application's loop.
+    pub shape: String,
     /// Events processed.
     pub events: u64,
 }
@@ -188,6 +197,8 @@ enum Next {
     Connect,
     Vote,
     Pending,
+    /// `sync_shared_state`, before every collective when the run syncs.
+    Sync,
     Collective,
 }
 
@@ -233,6 +244,13 @@ struct SimPeer {
     out_closed: BTreeSet<usize>,
     /// The application asks `peers_pending` next.
     pending_due: bool,
+    /// The revision of its shared state (a newcomer's is 0): one more after every collective.
+    revision: u64,
+    /// It synced its state for the collective it calls next.
+    synced: bool,
+    /// Its next sync passes `override_resume`: every peer that held the state the run last
+    /// agreed on is gone, and the application starts from its own.
+    override_resume: bool,
     /// Crash after sending this many more data messages.
     crash_after_sends: Option<u32>,
 }
@@ -255,6 +273,9 @@ impl SimPeer {
             inbox: BTreeMap::new(),
             out_closed: BTreeSet::new(),
             pending_due: false,
+            revision: 0,
+            synced: false,
+            override_resume: false,
             crash_after_sends: None,
         }
     }
@@ -286,6 +307,8 @@ struct Sim {
     report: Report,
     /// The application's loop, the same on every peer.
     shape: Shape,
+    /// Whether the loop syncs its shared state before every collective, as the README's does.
+    syncs: bool,
     /// Print every event (`SHOAL_SIM_TRACE`).
     trace: bool,
 }
@@ -309,9 +332,12 @@ pub fn run(seed: u64) -> Report {
         index_of: BTreeMap::new(),
         report: Report { seed, ..Report::default() },
         shape: Shape::Readme,
+        syncs: false,
         trace: std::env::var_os("SHOAL_SIM_TRACE").is_some(),
     };
     sim.shape = [Shape::Readme, Shape::RetryOnly, Shape::Pccl][sim.rng.below(3) as usize];
+    sim.syncs = sim.rng.chance(50);
+    sim.report.shape = format!("{:?}{}", sim.shape, if sim.syncs { " with syncs" } else { "" });
     let initial = 2 + sim.rng.below(4) as usize;
     for _ in 0..initial {
         sim.add_peer();
@@ -660,7 +686,7 @@ impl Sim {
             // Every member makes the same calls: after every third collective of a topology, ask
             // whether newcomers wait.
             let pending = std::mem::take(&mut self.peers[i].pending_due);
-            return self.call(i, if pending { Next::Pending } else { Next::Collective });
+            return if pending { self.call(i, Next::Pending) } else { self.work(i) };
         }
         self.advance_op(i)
     }
@@ -680,9 +706,22 @@ impl Sim {
             }
             Action::TakeUp(position) => self.take_up(i, &position),
             Action::RunCollective { op, position, .. } => self.start_collective(i, op, &position),
-            Action::Fetch { .. } => unreachable!("the simulated application never syncs"),
+            Action::Fetch { round, entries, .. } => {
+                // Fetching from a dead donor fails; the live ones serve.
+                let donors = entries.iter().flat_map(|e| &e.donors);
+                let dead = donors.copied().find(|d| self.index_of.get(d).is_none_or(|&j| !self.peers[j].alive));
+                let fetched = dead.map_or(Ok(()), |d| Err(format!("fetching from {d}: connection refused")));
+                self.peers[i].proto.handle_fetched(round, fetched, at);
+            }
             Action::Done(result) => self.done(i, result),
         }
+    }
+
+    /// The iteration's work: sync the state if the loop does and it has not yet, then the
+    /// collective.
+    fn work(&mut self, i: usize) -> bool {
+        let sync = self.syncs && !self.peers[i].synced;
+        self.call(i, if sync { Next::Sync } else { Next::Collective })
     }
 
     /// The application's call `next`.
@@ -694,6 +733,12 @@ impl Sim {
         let kind = match next {
             Next::Vote => CallKind::UpdateTopology,
             Next::Pending => CallKind::PeersPending,
+            Next::Sync => CallKind::SyncSharedState(SyncBallot {
+                revision: Revision(p.revision),
+                strategy: Strategy::EnforcePopular as u8,
+                override_resume: std::mem::take(&mut p.override_resume),
+                entries: vec![state_digest(p.revision)],
+            }),
             Next::Collective => CallKind::Collective,
             Next::Connect => unreachable!("a peer connects once"),
         };
@@ -723,19 +768,66 @@ impl Sim {
             // Out of the run: the driver leaves.
             (_, Err(CallError::Gone(_))) => {}
             (Next::Pending, Ok(Value::Pending(pending))) => {
-                self.call(i, if pending { Next::Vote } else { Next::Collective });
+                if pending {
+                    self.call(i, Next::Vote);
+                } else {
+                    self.work(i);
+                }
+            }
+            (Next::Sync, Ok(Value::Synced(revision))) => {
+                self.report.syncs += 1;
+                let p = &mut self.peers[i];
+                p.revision = revision.0;
+                p.synced = true;
+                self.call(i, Next::Collective);
+            }
+            (Next::Sync, Err(e)) => {
+                match &e {
+                    // Not a usage error of the loop: the run lost every holder of its state.
+                    CallError::SyncFailed { retryable: false, reason }
+                        if reason.contains("no peer holds the state") =>
+                    {
+                        self.peers[i].override_resume = true;
+                    }
+                    CallError::SyncFailed { retryable: false, reason } | CallError::Misuse(reason) => {
+                        self.misuse(i, call, reason)
+                    }
+                    _ => {}
+                }
+                self.failed(i);
             }
             // Abandoned (the others made another call): a usage error; this application votes
-            // again, or goes on with its collective.
-            (Next::Vote, Err(_)) => {
+            // again, or goes on with its work.
+            (Next::Vote, Err(e)) => {
+                if let CallError::Misuse(reason) = &e {
+                    self.misuse(i, call, reason);
+                }
                 self.call(i, Next::Vote);
             }
-            (Next::Pending, Err(_)) => {
-                self.call(i, Next::Collective);
+            (Next::Pending, Err(e)) => {
+                if let CallError::Misuse(reason) = &e {
+                    self.misuse(i, call, reason);
+                }
+                self.work(i);
             }
             (_, Ok(_)) => {}
             (Next::Connect, Err(e)) => self.report.violations.push(Violation(format!("peer {i}: connect: {e:?}"))),
         }
+    }
+
+    fn misuse(&mut self, i: usize, call: Next, why: &str) {
+        let at = format!("{call:?} at {:?}", self.now);
+        self.report.misuse.push((i, at, why.to_string()));
+    }
+
+    /// A collective or sync failed: the application catches the error, and retries, or votes
+    /// first (README's loop), or starts its iteration over (PCCL's).
+    fn failed(&mut self, i: usize) {
+        match self.shape {
+            Shape::Readme => self.call(i, Next::Vote),
+            Shape::RetryOnly => self.work(i),
+            Shape::Pccl => self.call(i, Next::Pending),
+        };
     }
 
     /// Topology `position.epoch` is in force for peer `i`: its calls run in it, on fresh streams.
@@ -927,6 +1019,11 @@ impl Sim {
                 return;
             }
             (Err(e), op) => {
+                if let CallError::Aborted { failure, .. } = &e {
+                    if failure.kind == FailureKind::Misuse {
+                        self.misuse(i, Next::Collective, &failure.reason);
+                    }
+                }
                 let id = match &e {
                     CallError::Aborted { op, .. } | CallError::Unconfirmed { op, .. } => Some(*op),
                     _ => op.as_ref().map(|o| o.id),
@@ -940,7 +1037,10 @@ impl Sim {
         };
         let ok = matches!(outcome, Outcome::Ok(_));
         let p = &mut self.peers[i];
+        // Every iteration syncs again before its collective, a retried one too.
+        p.synced = false;
         if ok {
+            p.revision += 1;
             p.pending_due = self.shape == Shape::Pccl || id.seq.0 % 3 == 2;
             self.report.successes += 1;
             // One major operation at a time: no collective of a ring succeeds after a later
@@ -956,13 +1056,7 @@ impl Sim {
         }
         self.report.collectives.push((i, id.epoch, id.seq.0, members, outcome));
         if !ok && self.peers[i].active() && self.peers[i].proto.gone().is_none() {
-            // The application catches the error: it retries, or votes first (README's loop).
-            let next = match self.shape {
-                Shape::Readme => Next::Vote,
-                Shape::RetryOnly => Next::Collective,
-                Shape::Pccl => Next::Pending,
-            };
-            self.call(i, next);
+            self.failed(i);
         }
     }
 
@@ -986,6 +1080,14 @@ fn predecessor(op: &Op) -> PeerId {
     op.members[(op.rank + op.members.len() - 1) % op.members.len()]
 }
 
+/// The digest of the one-tensor shared state at `revision`: peers at one revision hold the same
+/// state, so only a newcomer (at revision 0) fetches.
+fn state_digest(revision: u64) -> StateDigest {
+    let mut hash = [0u8; 32];
+    hash[..8].copy_from_slice(&revision.to_le_bytes());
+    StateDigest { name: "w".into(), dtype: 0, shape: vec![1], hash, may_differ: false }
+}
+
 /// Peer `me`'s input at index `k` of its collective `seq`.
 fn input(me: PeerId, seq: u64, k: usize) -> i64 {
     i64::from(me.0) * 1_000_000 + seq as i64 * 1_000 + k as i64
@@ -998,6 +1100,11 @@ fn input(me: PeerId, seq: u64, k: usize) -> i64 {
 pub fn check(r: &Report) -> Result<(), Violation> {
     if let Some(v) = r.violations.first() {
         return Err(v.clone());
+    }
+    // Every peer's application makes the same calls in the same order, and every failure ends
+    // the same call on every member: their calls never fall out of step.
+    if let Some((i, call, why)) = r.misuse.first() {
+        return Err(Violation(format!("peer {i}: a usage error in {call}: {why}")));
     }
     type Ended<'a> = (usize, &'a Vec<PeerId>, &'a Outcome);
     let mut by_op: BTreeMap<(Epoch, u64), Vec<Ended>> = BTreeMap::new();

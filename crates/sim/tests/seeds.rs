@@ -17,7 +17,7 @@ fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().map(|v| v.parse().unwrap_or_else(|_| panic!("{name}={v:?} is not a number")))
 }
 
-fn verify(seed: u64) -> (usize, usize) {
+fn verify(seed: u64) -> (usize, usize, usize) {
     let report = run(seed);
     if let Err(v) = check(&report) {
         panic!(
@@ -27,7 +27,7 @@ fn verify(seed: u64) -> (usize, usize) {
         );
     }
     let aborted = report.collectives.iter().filter(|c| matches!(c.4, Outcome::Err(_))).count();
-    (report.successes, aborted)
+    (report.successes, aborted, report.syncs)
 }
 
 /// `SHOAL_SIM_SEEDS` seeds (default 1000) from `SHOAL_SIM_FIRST` (default 0).
@@ -35,16 +35,18 @@ fn verify(seed: u64) -> (usize, usize) {
 fn every_seed_keeps_every_invariant() {
     let count = env_u64("SHOAL_SIM_SEEDS").unwrap_or(1000);
     let first = env_u64("SHOAL_SIM_FIRST").unwrap_or(0);
-    let (mut successes, mut aborted) = (0, 0);
+    let (mut successes, mut aborted, mut syncs) = (0, 0, 0);
     for seed in first..first + count {
-        let (s, a) = verify(seed);
+        let (s, a, y) = verify(seed);
         successes += s;
         aborted += a;
+        syncs += y;
     }
-    eprintln!("{count} seeds: {successes} collectives succeeded, {aborted} failed and agreed");
-    // The runs must exercise both paths, or the checks prove nothing.
+    eprintln!("{count} seeds: {successes} collectives succeeded, {aborted} failed and agreed; {syncs} syncs");
+    // The runs must exercise every path, or the checks prove nothing.
     assert!(successes > 100 * count as usize, "too few successes: {successes}");
     assert!(count < 20 || aborted > count as usize / 4, "too few failures: {aborted}");
+    assert!(count < 20 || syncs > 10 * count as usize, "too few syncs: {syncs}");
 }
 
 #[test]
