@@ -58,7 +58,6 @@ def test_every_loop_shape_goes_on_through_joins_kills_and_freezes(shape):
         assert r["steps"][-1]["world"] == 2, r["steps"][-1]
         # A failed call costs at most one retry per loss; no call waits past the heartbeat bound.
         assert len(r["errors"]) <= 2, r["errors"]
-        assert len(r["usage_errors"]) <= 1, r["usage_errors"]
         assert r["longest"][0] < HEARTBEAT_TIMEOUT + 3, r["longest"]
         for s in r["steps"]:
             states.setdefault(s["revision"], set()).add(s["state"])

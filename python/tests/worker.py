@@ -469,7 +469,7 @@ def loop(spec: dict) -> dict:
     print(json.dumps({"ready": comm.peer_id}), flush=True)
     w = np.zeros(1024, np.float32)
     state, shape = shoal.SharedState({"w": w}), spec["shape"]
-    step, steps, errors, usage_errors, longest = 0, [], [], [], [0.0, ""]
+    step, steps, errors, longest = 0, [], [], [0.0, ""]
 
     def timed(name: str, call):
         started = time.time()
@@ -498,14 +498,8 @@ def loop(spec: dict) -> dict:
             errors.append(str(e))
             if shape == "readme":
                 timed("update_topology", comm.update_topology)
-        except shoal.UsageError as e:
-            # A newcomer admitted while a peer is lost can, rarely, find the others gone back to
-            # the top of their loop (docs/protocol.md): PCCL's loop starts over on any error.
-            if shape != "pccl":
-                raise
-            usage_errors.append(str(e))
     comm.close()
-    return {"steps": steps, "errors": errors, "usage_errors": usage_errors, "longest": longest}
+    return {"steps": steps, "errors": errors, "longest": longest}
 
 
 def mismatched_calls(spec: dict) -> dict:

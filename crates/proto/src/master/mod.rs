@@ -602,6 +602,10 @@ impl Master {
             // A topology being connected is re-issued without the peer below instead.
             self.reform_due |= !matches!(self.phase, Phase::AwaitingConnections { .. });
         }
+        // What ends a call because of this loss (an abort, a sync aborted, a vote answered without
+        // the peer) goes out after the topology the loss brings, so that whoever calls again at
+        // once finds it (`docs/protocol.md`, "Retry"): held back until the re-form below.
+        let held = self.outputs.len();
         self.settle_ops_of(peer);
         self.sync_member_removed(peer);
         self.tentative.remove(&peer);
@@ -630,6 +634,9 @@ impl Master {
                 }
             }
         }
+        let ended: Vec<Output> = self.outputs.drain(held..).collect();
+        self.reform_if_due();
+        self.outputs.extend(ended);
         self.arm_heartbeat_check();
     }
 

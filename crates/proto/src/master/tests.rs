@@ -619,3 +619,24 @@ fn a_newcomer_sent_on_to_a_call_the_others_left_tries_again() {
         assert!(sent_to(&out, c).contains(&&Message::PeersPendingResult { pending: false }), "{out:?}");
     }
 }
+
+/// A vote that a member's loss completes is answered after the topology the loss brings: a
+/// voter that calls again at once (a sync, say) then joins that topology first, instead of
+/// crossing it and falling out of step with the others (`docs/protocol.md`, "Retry").
+#[test]
+fn a_vote_a_loss_completes_is_answered_after_the_re_formed_topology() {
+    let (mut h, epoch) = run_with(3);
+    h.send(1, Message::VotePeersPending { collectives: 0 });
+    h.send(3, Message::VotePeersPending { collectives: 0 });
+    h.master.handle_disconnect(h.now, ConnId(2), "killed");
+    let out = h.drain();
+    for c in [1, 3] {
+        let to = sent_to(&out, c);
+        let topology = to.iter().position(|m| matches!(m, Message::Topology { epoch: e, .. } if *e > epoch));
+        let answer = to.iter().position(|m| matches!(m, Message::PeersPendingResult { .. }));
+        match (topology, answer) {
+            (Some(t), Some(a)) => assert!(t < a, "the answer went out before the topology: {to:?}"),
+            other => panic!("expected the re-formed topology and the answer: {other:?} in {to:?}"),
+        }
+    }
+}

@@ -280,11 +280,19 @@ enum Call {
     },
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum SyncStage {
-    Voted,
-    Fetching { round: u64, revision: Revision },
-    Reported { round: u64, revision: Revision },
+    /// This ballot was cast: waiting for the plan. Kept to vote again if the vote crossed a
+    /// topology issued meanwhile.
+    Voted(SyncBallot),
+    Fetching {
+        round: u64,
+        revision: Revision,
+    },
+    Reported {
+        round: u64,
+        revision: Revision,
+    },
 }
 
 /// The peer's side of the protocol (see the module docs).
@@ -542,14 +550,19 @@ impl Peer {
     /// Starts `kind`, joining an issued topology first, or taking up one committed between calls
     /// (we reported ready in a call that then failed: its pools are ours already).
     fn begin(&mut self, kind: CallKind, deadline: Instant) {
-        let committed = self.view.committed.as_ref().map(|(e, _)| *e);
-        if self.view.issued.as_ref().is_some_and(|(e, _)| committed.is_none_or(|c| c < *e)) {
+        if self.topology_issued() {
             let handled = self.view.ready_in;
             self.call = Call::Topology { deadline, purpose: Purpose::Follow(kind), handled, establishing: None };
             return;
         }
         self.take_up();
         self.run(kind, deadline);
+    }
+
+    /// Whether the master issued a topology that is not in force yet.
+    fn topology_issued(&self) -> bool {
+        let committed = self.view.committed.as_ref().map(|(e, _)| *e);
+        self.view.issued.as_ref().is_some_and(|(e, _)| committed.is_none_or(|c| c < *e))
     }
 
     /// Makes the committed topology the one our calls run in, if it is not already.
@@ -582,10 +595,10 @@ impl Peer {
             }
             CallKind::SyncSharedState(ballot) => {
                 let collectives = self.view.cast_vote(Vote::SyncSharedState);
-                let SyncBallot { revision, strategy, override_resume, entries } = ballot;
+                let SyncBallot { revision, strategy, override_resume, entries } = ballot.clone();
                 let vote = Message::SyncVote { revision: revision.0, strategy, override_resume, entries, collectives };
                 self.outbox.push_back(vote);
-                self.call = Call::Sync { deadline, stage: SyncStage::Voted };
+                self.call = Call::Sync { deadline, stage: SyncStage::Voted(ballot) };
             }
             CallKind::Collective => match self.view.start_collective() {
                 // The others failed it before we started it: it fails here too, untouched.
@@ -715,9 +728,16 @@ impl Peer {
 
     fn step_sync(&mut self, deadline: Instant, stage: SyncStage, now: Instant) -> bool {
         match stage {
-            SyncStage::Voted => {
-                if let Some((_, Err(SyncAbort { retryable, reason }))) = self.view.sync_end.take() {
-                    self.finish(Err(CallError::SyncFailed { retryable, reason }));
+            SyncStage::Voted(ballot) => {
+                if let Some((round, Err(SyncAbort { retryable, reason }))) = self.view.sync_end.take() {
+                    if round == 0 && retryable && self.topology_issued() {
+                        // Refused, not counted: the vote crossed a topology issued meanwhile (a
+                        // member was lost). Join it, then vote again, as the other votes do.
+                        log::debug!("sync_shared_state crossed a topology: {reason}; voting again");
+                        self.begin(CallKind::SyncSharedState(ballot), deadline);
+                    } else {
+                        self.finish(Err(CallError::SyncFailed { retryable, reason }));
+                    }
                     return true;
                 }
                 let Some((round, revision, entries)) = self.view.sync_plan.take() else {

@@ -260,3 +260,28 @@ fn an_expelled_peer_says_so_and_refuses_further_calls() {
     assert_eq!(actions(&mut p), vec![Action::Done(Err(CallError::Gone(gone)))]);
     assert!(sent(&mut p).is_empty(), "nothing more to the master");
 }
+
+/// A sync vote that crossed a topology issued meanwhile is refused without being counted: the
+/// call joins that topology and votes again, as the other votes do. Failing it instead sent one
+/// peer back to the top of its loop while the others synced (a usage error in PCCL's loop).
+#[test]
+fn a_sync_that_crossed_a_topology_joins_it_and_votes_again() {
+    let (mut p, t0) = joined(&[0, 1, 2]);
+    let ballot = SyncBallot { revision: Revision(3), strategy: 1, override_resume: false, entries: vec![] };
+    p.call(CallKind::SyncSharedState(ballot), BOUND, t0);
+    assert!(matches!(&sent(&mut p)[..], [Message::SyncVote { .. }]));
+    p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1]) }, t0).unwrap();
+    let refused = Message::SyncAborted { round: 0, retryable: true, reason: "topology 2 was being connected".into() };
+    p.handle_message(refused, t0).unwrap();
+    assert!(matches!(&actions(&mut p)[..], [Action::Establish { position, .. }] if position.epoch == Epoch(2)));
+    p.handle_established(Epoch(2), Established::Ready, t0);
+    p.handle_message(Message::TopologyCommitted { epoch: Epoch(2) }, t0).unwrap();
+    assert!(matches!(&sent(&mut p)[..], [Message::TopologyReady { .. }, Message::SyncVote { revision: 3, .. }]));
+    assert!(matches!(&actions(&mut p)[..], [Action::TakeUp(_)]), "the call goes on");
+    // Refused without a topology to join (a newcomer sent back to the others): the call fails,
+    // retryably, and the application's loop meets the others.
+    let refused = Message::SyncAborted { round: 0, retryable: true, reason: "go back".into() };
+    p.handle_message(refused, t0).unwrap();
+    let failed = CallError::SyncFailed { retryable: true, reason: "go back".into() };
+    assert_eq!(actions(&mut p), vec![Action::Done(Err(failed))]);
+}
