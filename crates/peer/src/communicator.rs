@@ -126,7 +126,7 @@ impl Communicator {
         let control = Control::start(&addr, stream, self.config.heartbeat_timeout)?;
         let group = GroupId(self.config.group);
         let bound = deadline.left("connect")?;
-        control.input(|p, now| p.connect(group, data_addr.clone(), bound, now));
+        control.own_input(|p, now| p.connect(group, data_addr.clone(), bound, now));
         let mut data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
         let mut me = None;
         let joined = self.drive(&control, &listener, &mut data, "connect", |_, action| {
@@ -175,7 +175,7 @@ impl Communicator {
         let c = self.connected()?;
         let operation = kind.name();
         let mut data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
-        c.control.input(|p, now| p.call(kind, bound, now));
+        c.control.own_input(|p, now| p.call(kind, bound, now));
         if operation == "peers_pending" {
             failpoint("peers_pending.after_vote");
         }
@@ -217,7 +217,7 @@ impl Communicator {
         let mut data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
         // Nothing to restore unless the ring runs.
         data.backup.reset(0);
-        c.control.input(|p, now| p.call(CallKind::Collective, bound, now));
+        c.control.own_input(|p, now| p.call(CallKind::Collective, bound, now));
         // What this peer saw of the collective: the ring it ran in, what moved, whether the lap
         // came round, and its own error (which stands where no verdict comes).
         let (mut ring, mut traffic, mut confirmed, mut local) = (None, Traffic::default(), false, None);
@@ -251,7 +251,7 @@ impl Communicator {
                     match ring::run(job, send, recv, deadline, &running, &control.waker) {
                         Ok(moved) => {
                             traffic = moved;
-                            control.input(|p, now| p.handle_collective(id, OpProgress::DataDone, now));
+                            control.own_input(|p, now| p.handle_collective(id, OpProgress::DataDone, now));
                             failpoint("all_reduce.before_confirm");
                             let (send, recv) = (&mut send[0], &mut recv[0]);
                             match ring::confirm(send, recv, rank, world, id.seq.0, deadline, &running, &control.waker) {
@@ -279,7 +279,7 @@ impl Communicator {
                 }
             };
             if let Some(progress) = progress {
-                control.input(|p, now| p.handle_collective(id, progress, now));
+                control.own_input(|p, now| p.handle_collective(id, progress, now));
             }
             None
         });
@@ -347,7 +347,7 @@ impl Communicator {
                             "update_topology.before_ready"
                         });
                     }
-                    control.input(|p, now| p.handle_established(position.epoch, outcome, now));
+                    control.own_input(|p, now| p.handle_established(position.epoch, outcome, now));
                 }
                 Action::TakeUp(position) => take_up(data, &position),
                 action => {

@@ -93,19 +93,41 @@ impl Control {
         self.peer.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Feeds the state machine one input, then sends what it decided to tell the master and wakes
-    /// every thread that waits on it.
+    /// Feeds the state machine one input from a thread other than the calling one (a message, a
+    /// lost connection, `close`), then sends what it decided to tell the master and wakes every
+    /// thread that waits on it: the calling thread, and a collective sleeping in `poll(2)`.
     pub fn input<R>(&self, f: impl FnOnce(&mut Peer, Instant) -> R) -> R {
+        self.feed(f, true)
+    }
+
+    /// Feeds the state machine an input from the calling thread itself (its call, what its data
+    /// plane did). Nobody else waits for those: only the timer thread is woken, and only if the
+    /// state machine's next timeout came earlier. A collective's fast path wakes no thread.
+    pub fn own_input<R>(&self, f: impl FnOnce(&mut Peer, Instant) -> R) -> R {
+        self.feed(f, false)
+    }
+
+    fn feed<R>(&self, f: impl FnOnce(&mut Peer, Instant) -> R, wake: bool) -> R {
         let mut peer = self.lock();
+        let before = peer.poll_timeout();
         let r = f(&mut peer, Instant::now());
-        self.flush(peer);
+        let earlier = peer.poll_timeout().is_some_and(|t| before.is_none_or(|b| t < b));
+        self.flush(peer, wake || earlier);
         r
     }
 
-    /// Sends, in order, what the state machine decided to tell the master. The writer is taken
-    /// before the state is released, so messages leave in the order they were decided.
-    fn flush(&self, mut peer: MutexGuard<'_, Peer>) {
+    /// Sends, in order, what the state machine decided to tell the master; then, if `wake`, wakes
+    /// whoever waits on it. The writer is taken before the state is released, so messages leave
+    /// in the order they were decided.
+    fn flush(&self, mut peer: MutexGuard<'_, Peer>, wake: bool) {
         let messages: Vec<Message> = std::iter::from_fn(|| peer.poll_output()).collect();
+        if messages.is_empty() {
+            drop(peer);
+            if wake {
+                self.wake();
+            }
+            return;
+        }
         let session = peer.registered().map_or(SessionId(0), |(_, s)| s);
         let mut writer = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
         drop(peer);
@@ -123,8 +145,14 @@ impl Control {
         }
         drop(writer);
         if let Some(reason) = failed {
-            self.lose(reason);
+            return self.lose(reason);
         }
+        if wake {
+            self.wake();
+        }
+    }
+
+    fn wake(&self) {
         self.changed.notify_all();
         self.waker.wake();
     }
@@ -156,7 +184,7 @@ impl Control {
                 peer.poll_timeout().map_or(Duration::from_secs(1), |t| t.saturating_duration_since(Instant::now()));
             if wait.is_zero() {
                 peer.handle_timeout(Instant::now());
-                self.flush(peer);
+                self.flush(peer, true);
                 peer = self.lock();
                 continue;
             }
@@ -219,7 +247,7 @@ impl Control {
             let wait = due.saturating_duration_since(Instant::now());
             if wait.is_zero() {
                 peer.handle_timeout(Instant::now());
-                self.flush(peer);
+                self.flush(peer, true);
                 peer = self.lock();
             } else {
                 peer = self.changed.wait_timeout(peer, wait).unwrap_or_else(PoisonError::into_inner).0;

@@ -109,7 +109,7 @@ impl Communicator {
         let bound = self.config.timeout;
         let mut data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
         let ballot = SyncBallot { revision: Revision(revision), strategy: strategy as u8, override_resume, entries };
-        c.control.input(|p, now| p.call(CallKind::SyncSharedState(ballot), bound, now));
+        c.control.own_input(|p, now| p.call(CallKind::SyncSharedState(ballot), bound, now));
         let (sent_bytes, sent_to) = (AtomicU64::new(0), Mutex::new(BTreeSet::new()));
         let mut fetched = None;
         let mut wanted = Vec::new();
@@ -160,7 +160,7 @@ impl Communicator {
                 };
                 let report = result.as_ref().map(drop).map_err(Clone::clone);
                 fetched = Some(result);
-                c.control.input(|p, now| p.handle_fetched(round, report, now));
+                c.control.own_input(|p, now| p.handle_fetched(round, report, now));
                 let ended = match c.control.next_action() {
                     Action::Done(result) => result,
                     action => unreachable!("sync_shared_state asked for {action:?} after its plan"),
