@@ -1,10 +1,14 @@
 //! shoal's IO seam: opening TCP connections the way every shoal socket must be opened
-//! (`TCP_NODELAY` on both ends), reading and writing whole frames, and waiting for readiness on
-//! several sockets at once.
+//! (`TCP_NODELAY` on both ends), reading and writing whole frames, waiting for readiness on
+//! several sockets at once, and [`Lane`]s, the byte streams executors move data over (TCP, or
+//! in memory for deterministic tests).
 //!
 //! This crate knows the frame format but not what any message means.
 #![warn(missing_docs)]
 
+pub mod lane;
+
+pub use lane::Lane;
 use shoal_wire::{FrameHeader, Message, SessionId, WireError, HEADER_BYTES};
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -168,7 +172,12 @@ pub struct PollFd {
 impl PollFd {
     /// An entry for `socket` with no interest yet.
     pub fn new(socket: &impl AsRawFd) -> Self {
-        PollFd { fd: socket.as_raw_fd(), want_read: false, want_write: false, readable: false, writable: false }
+        Self::from_raw(socket.as_raw_fd())
+    }
+
+    /// An entry for descriptor `fd` with no interest yet.
+    pub fn from_raw(fd: std::os::fd::RawFd) -> Self {
+        PollFd { fd, want_read: false, want_write: false, readable: false, writable: false }
     }
 }
 
