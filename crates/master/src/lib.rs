@@ -8,13 +8,13 @@
 #![deny(unsafe_code)]
 
 use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output};
-use shoal_transport::{read_message, write_message};
+use shoal_transport::{read_message, read_message_until, write_message, TransportError};
 use shoal_wire::{Message, SessionId};
 use std::collections::BTreeMap;
 use std::hash::{BuildHasher, RandomState};
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::thread::{self, JoinHandle};
@@ -24,6 +24,11 @@ use std::time::{Duration, Instant};
 pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(15);
 /// Longest a write to one peer may block the driver: a frozen peer must not freeze the run.
 const WRITE_TIMEOUT_MAX: Duration = Duration::from_secs(1);
+/// Connections accepted that have not yet said `Join`: more are closed at once, so strangers
+/// holding connections open cannot exhaust threads and descriptors.
+pub const MAX_PENDING_CONNECTIONS: usize = 256;
+/// The largest first frame a connection may announce: a `Join` is far smaller.
+pub const MAX_GREETING_BODY: u32 = 4 << 10;
 
 /// How to run a master.
 #[derive(Debug, Clone)]
@@ -80,9 +85,11 @@ impl MasterServer {
         let (tx, rx) = mpsc::channel();
         let stop = Arc::new(AtomicBool::new(false));
         let (accept_tx, accept_stop) = (tx.clone(), stop.clone());
+        // A connection must say Join within the time a silent peer is tolerated.
+        let greeting = options.heartbeat_timeout;
         thread::Builder::new()
             .name("shoal-master-accept".into())
-            .spawn(move || accept_loop(listener, accept_tx, accept_stop))?;
+            .spawn(move || accept_loop(listener, accept_tx, accept_stop, greeting))?;
         let config = MasterConfig { session, heartbeat_timeout: options.heartbeat_timeout };
         let write_timeout = (options.heartbeat_timeout / 4).min(WRITE_TIMEOUT_MAX);
         let driver = thread::Builder::new()
@@ -118,9 +125,16 @@ impl Drop for MasterServer {
     }
 }
 
-fn accept_loop(listener: TcpListener, inputs: Sender<Input>, stop: Arc<AtomicBool>) {
+fn accept_loop(listener: TcpListener, inputs: Sender<Input>, stop: Arc<AtomicBool>, greeting: Duration) {
     let mut next_conn = 0u64;
+    let pending = Arc::new(AtomicUsize::new(0));
     let served = shoal_transport::accept_until(&listener, &stop, |stream, from| {
+        if pending.load(Ordering::Relaxed) >= MAX_PENDING_CONNECTIONS {
+            log::warn!(
+                "refused a connection from {from}: {MAX_PENDING_CONNECTIONS} connections have not said Join yet"
+            );
+            return true;
+        }
         let conn = ConnId(next_conn);
         next_conn += 1;
         let reader = match stream.try_clone() {
@@ -134,9 +148,11 @@ fn accept_loop(listener: TcpListener, inputs: Sender<Input>, stop: Arc<AtomicBoo
         if inputs.send(Input::Connected(conn, stream)).is_err() {
             return false;
         }
-        let tx = inputs.clone();
-        let spawned =
-            thread::Builder::new().name("shoal-master-read".into()).spawn(move || read_loop(conn, reader, tx));
+        let (tx, pending) = (inputs.clone(), Arc::clone(&pending));
+        pending.fetch_add(1, Ordering::Relaxed);
+        let spawned = thread::Builder::new()
+            .name("shoal-master-read".into())
+            .spawn(move || read_loop(conn, from, reader, tx, greeting, &pending));
         if let Err(e) = spawned {
             let _ = inputs.send(Input::Closed(conn, format!("cannot spawn reader: {e}")));
         }
@@ -147,14 +163,37 @@ fn accept_loop(listener: TcpListener, inputs: Sender<Input>, stop: Arc<AtomicBoo
     }
 }
 
-fn read_loop(conn: ConnId, mut stream: TcpStream, inputs: Sender<Input>) {
+/// Reads connection `conn` from `from`: first one small frame within `greeting` (a stranger
+/// dripping bytes or announcing a large frame is closed), then every frame as it comes. What
+/// cannot be read is logged with its reason, then the connection is closed.
+fn read_loop(
+    conn: ConnId,
+    from: SocketAddr,
+    mut stream: TcpStream,
+    inputs: Sender<Input>,
+    greeting: Duration,
+    pending: &AtomicUsize,
+) {
+    let first = read_message_until(&mut stream, Instant::now() + greeting, MAX_GREETING_BODY);
+    pending.fetch_sub(1, Ordering::Relaxed);
+    let mut read = Some(first);
     loop {
-        let input = match read_message(&mut stream) {
+        let input = match read.take().unwrap_or_else(|| read_message(&mut stream)) {
             Ok((session, message)) => Input::Message(conn, session, message),
-            Err(e) => Input::Closed(conn, e.to_string()),
+            Err(e) => {
+                match &e {
+                    TransportError::Closed => log::debug!("connection {} from {from} closed", conn.0),
+                    TransportError::TimedOut => {
+                        log::warn!("connection {} from {from}: no Join within {greeting:?}; closing", conn.0)
+                    }
+                    _ => log::warn!("connection {} from {from}: {e}; closing", conn.0),
+                }
+                Input::Closed(conn, e.to_string())
+            }
         };
         let closed = matches!(input, Input::Closed(..));
         if inputs.send(input).is_err() || closed {
+            let _ = stream.shutdown(Shutdown::Both);
             return;
         }
     }

@@ -24,8 +24,10 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
 use std::thread;
 use std::time::{Duration, Instant};
 
-/// How long an accepted stream may take to say hello.
+/// How long an accepted stream may take to say hello, however its bytes trickle in.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+/// The largest hello (`PeerHello` or `FetchRequest`) an accepted stream may announce.
+const MAX_HELLO_BODY: u32 = 1 << 10;
 /// How long one dial may take before the successor is reported unreachable.
 const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often a wait for the predecessor's streams looks at the control state.
@@ -224,7 +226,7 @@ fn accept_loop(
 
 fn greet(mut stream: TcpStream, identity: &OnceLock<(PeerId, SessionId)>, arrivals: &Arrivals) -> Result<(), String> {
     let deadline = Instant::now() + HELLO_TIMEOUT;
-    let (session, message) = read_message_until(&mut stream, deadline).map_err(|e| e.to_string())?;
+    let (session, message) = read_message_until(&mut stream, deadline, MAX_HELLO_BODY).map_err(|e| e.to_string())?;
     // A peer may dial us as soon as the master issues a topology with us in it, which can be
     // before our API thread has woken up to record who we are: wait for it.
     let &(me, our_session) = loop {

@@ -15,7 +15,9 @@ use shoal_collective::DType;
 use shoal_proto::master::Strategy;
 use shoal_proto::peer::{Action, CallKind, Revision, SyncBallot, Value};
 use shoal_transport::{connect, read_message_until, write_message, PollFd};
-use shoal_wire::{truncate, Message, PeerId, PlanEntry, StateDigest, MAX_DIMS, MAX_STATE_ENTRIES, MAX_STRING_BYTES};
+use shoal_wire::{
+    truncate, Message, PeerId, PlanEntry, StateDigest, MAX_BODY_BYTES, MAX_DIMS, MAX_STATE_ENTRIES, MAX_STRING_BYTES,
+};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -272,7 +274,7 @@ fn serve(
             if shoal_transport::poll(&mut [fd], Duration::from_millis(50)).map_err(|e| e.to_string())? == 0 {
                 continue;
             }
-            match read_message_until(&mut stream, Instant::now() + io_timeout) {
+            match read_message_until(&mut stream, Instant::now() + io_timeout, MAX_BODY_BYTES) {
                 Ok((_, Message::FetchRequest { from, round, index, offset, len, .. })) => {
                     request = FetchReq { from, round, index, offset, len };
                     break;

@@ -9,7 +9,7 @@
 pub mod lane;
 
 pub use lane::Lane;
-use shoal_wire::{FrameHeader, Message, SessionId, WireError, HEADER_BYTES};
+use shoal_wire::{FrameHeader, Message, SessionId, WireError, HEADER_BYTES, MAX_BODY_BYTES};
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
@@ -131,28 +131,65 @@ pub fn write_message(stream: &mut impl Write, session: SessionId, message: &Mess
 /// # Errors
 /// [`TransportError::Closed`] at end of stream, [`TransportError::Wire`] for malformed bytes.
 pub fn read_message(stream: &mut impl Read) -> Result<(SessionId, Message), TransportError> {
+    read_message_within(stream, MAX_BODY_BYTES)
+}
+
+/// Reads one framed message whose body may be at most `max_body` bytes: a stranger's first frame
+/// is small, and one announcing more is refused before anything is buffered. The body is read as
+/// it arrives, so memory follows the bytes received, not the length announced.
+///
+/// # Errors
+/// As [`read_message`]; [`WireError::BodyTooLarge`] over `max_body`.
+pub fn read_message_within(stream: &mut impl Read, max_body: u32) -> Result<(SessionId, Message), TransportError> {
     let mut head = [0u8; HEADER_BYTES];
     stream.read_exact(&mut head)?;
     let header = FrameHeader::decode(&head)?;
-    // The length was checked against MAX_BODY_BYTES by `decode`.
-    let mut body = vec![0u8; header.body_len as usize];
-    stream.read_exact(&mut body)?;
+    if header.body_len > max_body {
+        return Err(WireError::BodyTooLarge { len: header.body_len, max: max_body }.into());
+    }
+    let len = header.body_len as usize;
+    let mut body = Vec::with_capacity(len.min(BODY_READ_AHEAD));
+    stream.take(len as u64).read_to_end(&mut body)?;
+    if body.len() < len {
+        return Err(TransportError::Closed);
+    }
     Ok((header.session, shoal_wire::decode_body(&header, &body)?))
 }
 
-/// Reads one framed message from `stream`, waiting at most until `deadline`.
+/// Reads one framed message of at most `max_body` body bytes from `stream`, by `deadline`: the
+/// deadline holds however the bytes trickle in (a stranger sending one byte a second cannot hold
+/// the connection open past it).
 ///
 /// # Errors
-/// As [`read_message`], plus [`TransportError::TimedOut`].
-pub fn read_message_until(stream: &mut TcpStream, deadline: Instant) -> Result<(SessionId, Message), TransportError> {
-    let left = deadline.saturating_duration_since(Instant::now());
-    if left.is_zero() {
-        return Err(TransportError::TimedOut);
-    }
-    stream.set_read_timeout(Some(left))?;
-    let result = read_message(stream);
+/// As [`read_message_within`], plus [`TransportError::TimedOut`].
+pub fn read_message_until(
+    stream: &mut TcpStream,
+    deadline: Instant,
+    max_body: u32,
+) -> Result<(SessionId, Message), TransportError> {
+    let result = read_message_within(&mut Until { stream, deadline }, max_body);
     stream.set_read_timeout(None)?;
     result
+}
+
+/// Bytes of a frame's body buffered before any arrived.
+const BODY_READ_AHEAD: usize = 64 << 10;
+
+/// A reader whose every read waits at most until `deadline`.
+struct Until<'a> {
+    stream: &'a TcpStream,
+    deadline: Instant,
+}
+
+impl Read for Until<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        (&*self.stream).read(buf)
+    }
 }
 
 /// Readiness interest and result for one socket in [`poll`].
@@ -226,9 +263,40 @@ mod tests {
         c.write_all(&[0u8; HEADER_BYTES]).unwrap();
         assert!(matches!(read_message(&mut s), Err(TransportError::Wire(WireError::BadMagic { .. }))));
         let deadline = Instant::now() + Duration::from_millis(50);
-        assert!(matches!(read_message_until(&mut s, deadline), Err(TransportError::TimedOut)));
+        assert!(matches!(read_message_until(&mut s, deadline, MAX_BODY_BYTES), Err(TransportError::TimedOut)));
         drop(c);
         assert!(matches!(read_message(&mut s), Err(TransportError::Closed)));
+    }
+
+    /// A stranger dripping a byte at a time cannot hold a read past its deadline, and a frame
+    /// announcing more than the reader accepts is refused at its header.
+    #[test]
+    fn a_deadline_holds_against_a_drip_and_a_limit_against_a_large_announcement() {
+        let l = listen("127.0.0.1:0").unwrap();
+        let mut c = connect(&l.local_addr().unwrap().to_string(), Duration::from_secs(1)).unwrap();
+        let (mut s, _) = accept(&l).unwrap();
+        let frame = shoal_wire::encode_frame(SessionId(1), &Message::Heartbeat).unwrap();
+        let drip = std::thread::spawn(move || {
+            for b in frame {
+                if c.write_all(&[b]).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(40));
+            }
+        });
+        let started = Instant::now();
+        let read = read_message_until(&mut s, started + Duration::from_millis(300), MAX_BODY_BYTES);
+        assert!(matches!(read, Err(TransportError::TimedOut)), "{read:?}");
+        assert!(started.elapsed() < Duration::from_millis(600), "the drip stretched the deadline");
+        drop(s);
+        drip.join().unwrap();
+
+        let mut c = connect(&l.local_addr().unwrap().to_string(), Duration::from_secs(1)).unwrap();
+        let (mut s, _) = accept(&l).unwrap();
+        let big = Message::Kicked { reason: "x".repeat(200) };
+        write_message(&mut c, SessionId(1), &big).unwrap();
+        let read = read_message_within(&mut s, 64);
+        assert!(matches!(read, Err(TransportError::Wire(WireError::BodyTooLarge { max: 64, .. }))), "{read:?}");
     }
 
     #[test]

@@ -1,0 +1,97 @@
+//! Strangers at the master's port: each attack is closed, logged, and changes nothing for a peer
+//! that joins properly beside it.
+
+use shoal_master::{MasterOptions, MasterServer, MAX_GREETING_BODY, MAX_PENDING_CONNECTIONS};
+use shoal_transport::{connect, read_message, write_message};
+use shoal_wire::{encode_frame, GroupId, Message, SessionId, StateDigest};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+const GREETING: Duration = Duration::from_millis(500);
+
+fn master() -> MasterServer {
+    let options = MasterOptions { listen: "127.0.0.1:0".into(), heartbeat_timeout: GREETING };
+    MasterServer::start(options).unwrap()
+}
+
+fn dial(m: &MasterServer) -> TcpStream {
+    connect(&m.local_addr().to_string(), Duration::from_secs(2)).unwrap()
+}
+
+/// A peer that says Join is registered at once.
+fn joins(m: &MasterServer) {
+    let mut s = dial(m);
+    let join = Message::Join { group: GroupId(0), data_addr: "127.0.0.1:1".into() };
+    write_message(&mut s, SessionId(0), &join).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    assert!(matches!(read_message(&mut s), Ok((_, Message::Registered { .. }))), "a proper peer was refused");
+}
+
+/// Waits until the master closes `s`; returns how long that took.
+fn closed_within(s: &mut TcpStream, bound: Duration) -> Duration {
+    let started = Instant::now();
+    s.set_read_timeout(Some(bound)).unwrap();
+    let mut buf = [0u8; 64];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) if started.elapsed() < bound => return started.elapsed(),
+            Ok(_) => continue,
+            _ => panic!("the master kept the connection open for {bound:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_stranger_dripping_bytes_is_closed_at_the_greeting_deadline() {
+    let m = master();
+    let mut s = dial(&m);
+    let join = encode_frame(SessionId(0), &Message::Join { group: GroupId(0), data_addr: "x".into() }).unwrap();
+    let mut writer = s.try_clone().unwrap();
+    let drip = std::thread::spawn(move || {
+        for b in join {
+            if writer.write_all(&[b]).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    });
+    joins(&m);
+    let took = closed_within(&mut s, GREETING * 4);
+    assert!(took >= GREETING / 2, "closed before its deadline: {took:?}");
+    drip.join().unwrap();
+    joins(&m);
+}
+
+#[test]
+fn a_stranger_announcing_a_large_first_frame_is_closed_at_its_header() {
+    let m = master();
+    let mut s = dial(&m);
+    // A well-formed frame, only far larger than any Join: its header alone is sent, and refused.
+    let entry =
+        |i: usize| StateDigest { name: format!("{i:064}"), dtype: 1, shape: vec![1], hash: [0; 32], may_differ: false };
+    let big = Message::SyncVote {
+        revision: 0,
+        strategy: 1,
+        override_resume: false,
+        entries: (0..100).map(entry).collect(),
+        collectives: 0,
+    };
+    let frame = encode_frame(SessionId(0), &big).unwrap();
+    assert!(frame.len() > MAX_GREETING_BODY as usize);
+    s.write_all(&frame[..32]).unwrap();
+    closed_within(&mut s, GREETING / 2);
+    joins(&m);
+}
+
+#[test]
+fn connections_that_never_say_join_cannot_exhaust_the_master() {
+    let m = master();
+    let idle: Vec<TcpStream> = (0..MAX_PENDING_CONNECTIONS + 8).map(|_| dial(&m)).collect();
+    // Over the limit, connections are closed at once; the rest at the greeting deadline.
+    std::thread::sleep(GREETING * 2);
+    for mut s in idle {
+        closed_within(&mut s, GREETING);
+    }
+    joins(&m);
+}
