@@ -70,14 +70,10 @@ class Communicator:
         heartbeat_timeout: Optional[float] = None,
         timeout: Optional[float] = None,
     ) -> None:
-        if secret is not None:
-            raise ValueError(
-                "secret=: run credentials are not implemented in this version of shoal; "
-                "pass secret=None and keep the master on a trusted network"
-            )
         self._native = _native.Communicator(
             master_addr,
             peer_group=peer_group,
+            secret=secret,
             connections=connections,
             listen_addr=listen_addr,
             advertise_addr=advertise_addr,

@@ -43,6 +43,7 @@ class Communicator:
         master_addr: str,
         *,
         peer_group: int = 0,
+        secret: Optional[str] = None,
         connections: Optional[int] = None,
         listen_addr: Optional[str] = None,
         advertise_addr: Optional[str] = None,
@@ -78,10 +79,14 @@ class Master:
     """The coordinator: admits peers and runs votes; never carries tensor data.
 
     ``Master("0.0.0.0:48148")`` then ``start()``/``stop()``, or use it as a context manager.
-    Port 0 picks a free port; ``address`` gives the real one once started.
+    Port 0 picks a free port; ``address`` gives the real one once started. With ``secret`` (or
+    ``SHOAL_SECRET``) a peer joins only if it proves the same secret; a wrong or missing one gets
+    ``AuthenticationError`` at ``connect()``.
     """
 
-    def __new__(cls, listen: str = "0.0.0.0:48148", *, heartbeat_timeout: Optional[float] = None) -> Self: ...
+    def __new__(
+        cls, listen: str = "0.0.0.0:48148", *, secret: Optional[str] = None, heartbeat_timeout: Optional[float] = None
+    ) -> Self: ...
     def start(self) -> None:
         """Bind the listen address and serve in background threads."""
     def stop(self) -> None:

@@ -22,10 +22,19 @@ def _master(argv: Sequence[str]) -> None:
     parser = argparse.ArgumentParser(prog="shoal master", description="Run a shoal master in the foreground.")
     parser.add_argument("--listen", default="0.0.0.0:48148", help="HOST:PORT to listen on (default 0.0.0.0:48148)")
     parser.add_argument("--heartbeat-timeout", type=float, default=None, help="seconds a silent peer is tolerated")
+    parser.add_argument("--secret-file", default=None,
+                        help="file holding the run's secret (peers pass it as secret= or SHOAL_SECRET)")
     args = parser.parse_args(argv)
     import shoal
 
-    master = shoal.Master(args.listen, heartbeat_timeout=args.heartbeat_timeout)
+    secret = None
+    if args.secret_file is not None:
+        try:
+            with open(args.secret_file, encoding="utf-8") as f:
+                secret = f.read().removesuffix("\n")
+        except OSError as e:
+            raise SystemExit(f"shoal master: cannot read the secret file: {e}") from None
+    master = shoal.Master(args.listen, secret=secret, heartbeat_timeout=args.heartbeat_timeout)
     try:
         master.start()
     except OSError as e:

@@ -53,12 +53,13 @@ struct Communicator {
 #[pymethods]
 impl Communicator {
     #[new]
-    #[pyo3(signature = (master_addr, *, peer_group=0, connections=None, listen_addr=None,
+    #[pyo3(signature = (master_addr, *, peer_group=0, secret=None, connections=None, listen_addr=None,
         advertise_addr=None, chunk_bytes=None, heartbeat_timeout=None, timeout=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         master_addr: &str,
         peer_group: u32,
+        secret: Option<String>,
         connections: Option<usize>,
         listen_addr: Option<String>,
         advertise_addr: Option<String>,
@@ -68,6 +69,9 @@ impl Communicator {
     ) -> PyResult<Self> {
         let mut c = CommunicatorConfig::from_env(master_addr).map_err(to_py)?;
         c.group = peer_group;
+        if let Some(s) = secret {
+            c.secret = Some(s.into_bytes());
+        }
         if connections.is_some() {
             c.connections = connections;
         }
@@ -214,11 +218,17 @@ struct Master {
 #[pymethods]
 impl Master {
     #[new]
-    #[pyo3(signature = (listen="0.0.0.0:48148", *, heartbeat_timeout=None))]
-    fn new(listen: &str, heartbeat_timeout: Option<Bound<'_, PyAny>>) -> PyResult<Self> {
+    #[pyo3(signature = (listen="0.0.0.0:48148", *, secret=None, heartbeat_timeout=None))]
+    fn new(listen: &str, secret: Option<String>, heartbeat_timeout: Option<Bound<'_, PyAny>>) -> PyResult<Self> {
         let mut options = MasterOptions::from_env(listen).map_err(|e| PyValueError::new_err(e.to_string()))?;
         if let Some(s) = heartbeat_timeout {
             options.heartbeat_timeout = seconds("heartbeat_timeout", &s)?;
+        }
+        if let Some(s) = secret {
+            if s.is_empty() {
+                return Err(PyValueError::new_err("secret must not be empty"));
+            }
+            options.secret = Some(s.into_bytes());
         }
         Ok(Master { options, server: Mutex::new(None) })
     }
@@ -302,6 +312,7 @@ fn to_py(e: Error) -> PyErr {
         Error::InvalidArgument(_) => return PyValueError::new_err(e.to_string()),
         Error::MasterUnreachable { .. } => "MasterUnreachableError",
         Error::Kicked { .. } => "KickedError",
+        Error::Authentication { .. } => "AuthenticationError",
         Error::PeerLost { .. } => "PeerLostError",
         Error::Timeout { .. } => "ShoalTimeoutError",
         Error::TooFewPeers { .. } => "TooFewPeersError",

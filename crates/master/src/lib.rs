@@ -7,6 +7,7 @@
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
 
+use shoal_proto::auth::RunKey;
 use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output};
 use shoal_transport::{read_message, read_message_until, write_message, TransportError};
 use shoal_wire::{Message, SessionId};
@@ -37,6 +38,9 @@ pub struct MasterOptions {
     pub listen: String,
     /// How long a silent peer is tolerated (`SHOAL_HEARTBEAT_TIMEOUT`).
     pub heartbeat_timeout: Duration,
+    /// The run's secret (`SHOAL_SECRET`): every peer must prove it to join. `None`: anyone who
+    /// reaches the master may join.
+    pub secret: Option<Vec<u8>>,
 }
 
 impl MasterOptions {
@@ -49,6 +53,7 @@ impl MasterOptions {
             listen: listen.to_string(),
             heartbeat_timeout: shoal_config::env_seconds("SHOAL_HEARTBEAT_TIMEOUT")?
                 .unwrap_or(DEFAULT_HEARTBEAT_TIMEOUT),
+            secret: shoal_config::env_value("SHOAL_SECRET").map(String::into_bytes),
         })
     }
 }
@@ -79,6 +84,9 @@ impl MasterServer {
         if options.heartbeat_timeout.is_zero() {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "heartbeat timeout must be positive"));
         }
+        if options.secret.as_ref().is_some_and(Vec::is_empty) {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "the run's secret is empty"));
+        }
         let listener = shoal_transport::listen(&options.listen)?;
         let addr = listener.local_addr()?;
         let session = SessionId(RandomState::new().hash_one((std::process::id(), Instant::now())));
@@ -90,7 +98,8 @@ impl MasterServer {
         thread::Builder::new()
             .name("shoal-master-accept".into())
             .spawn(move || accept_loop(listener, accept_tx, accept_stop, greeting))?;
-        let config = MasterConfig { session, heartbeat_timeout: options.heartbeat_timeout };
+        let key = options.secret.as_deref().map(RunKey::from_secret);
+        let config = MasterConfig { session, heartbeat_timeout: options.heartbeat_timeout, key };
         let write_timeout = (options.heartbeat_timeout / 4).min(WRITE_TIMEOUT_MAX);
         let driver = thread::Builder::new()
             .name("shoal-master".into())
@@ -209,7 +218,17 @@ fn drive(mut master: Master, inputs: Receiver<Input>, write_timeout: Duration) {
                 if let Err(e) = stream.set_write_timeout(Some(write_timeout)) {
                     log::warn!("connection {}: {e}", conn.0);
                 }
-                streams.insert(conn, stream);
+                let mut nonce = [0u8; 32];
+                match getrandom::fill(&mut nonce) {
+                    Ok(()) => {
+                        streams.insert(conn, stream);
+                        master.handle_connect(Instant::now(), conn, nonce);
+                    }
+                    Err(e) => {
+                        log::error!("connection {}: no randomness for its challenge: {e}; closing", conn.0);
+                        let _ = stream.shutdown(Shutdown::Both);
+                    }
+                }
             }
             Ok(Input::Message(conn, session, message)) => {
                 log::trace!("connection {}: {message:?}", conn.0);

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 const GREETING: Duration = Duration::from_millis(500);
 
 fn master() -> MasterServer {
-    let options = MasterOptions { listen: "127.0.0.1:0".into(), heartbeat_timeout: GREETING };
+    let options = MasterOptions { listen: "127.0.0.1:0".into(), heartbeat_timeout: GREETING, secret: None };
     MasterServer::start(options).unwrap()
 }
 
@@ -22,9 +22,10 @@ fn dial(m: &MasterServer) -> TcpStream {
 /// A peer that says Join is registered at once.
 fn joins(m: &MasterServer) {
     let mut s = dial(m);
-    let join = Message::Join { group: GroupId(0), data_addr: "127.0.0.1:1".into() };
-    write_message(&mut s, SessionId(0), &join).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    assert!(matches!(read_message(&mut s), Ok((_, Message::Challenge { .. }))));
+    let join = Message::Join { group: GroupId(0), data_addr: "127.0.0.1:1".into(), proof: [0; 32] };
+    write_message(&mut s, SessionId(0), &join).unwrap();
     assert!(matches!(read_message(&mut s), Ok((_, Message::Registered { .. }))), "a proper peer was refused");
 }
 
@@ -46,7 +47,8 @@ fn closed_within(s: &mut TcpStream, bound: Duration) -> Duration {
 fn a_stranger_dripping_bytes_is_closed_at_the_greeting_deadline() {
     let m = master();
     let mut s = dial(&m);
-    let join = encode_frame(SessionId(0), &Message::Join { group: GroupId(0), data_addr: "x".into() }).unwrap();
+    let join = encode_frame(SessionId(0), &Message::Join { group: GroupId(0), data_addr: "x".into(), proof: [0; 32] })
+        .unwrap();
     let mut writer = s.try_clone().unwrap();
     let drip = std::thread::spawn(move || {
         for b in join {

@@ -8,6 +8,7 @@ use crate::links::{DataPlane, Listener};
 use crate::ring::{self, RingError, RingJob, Side, Stop, Traffic};
 use crate::Deadline;
 use shoal_collective::{CollectiveKind, DType, ReduceOp};
+use shoal_proto::auth::RunKey;
 use shoal_proto::peer::{Action, CallError, CallKind, Established, OpId, OpProgress, RingPosition, Value};
 use shoal_wire::{FailureKind, GroupId, OpFailure, OpHeader, PeerId, SessionId};
 use std::net::{SocketAddr, TcpStream};
@@ -123,7 +124,8 @@ impl Communicator {
         let stream =
             shoal_transport::connect(&addr, deadline.left("connect")?).map_err(|e| unreachable(e.to_string()))?;
         let data_addr = self.advertised_addr(&stream, listener.port)?;
-        let control = Control::start(&addr, stream, self.config.heartbeat_timeout)?;
+        let key = self.config.secret.as_deref().map(RunKey::from_secret);
+        let control = Control::start(&addr, stream, self.config.heartbeat_timeout, key)?;
         let group = GroupId(self.config.group);
         let bound = deadline.left("connect")?;
         control.own_input(|p, now| p.connect(group, data_addr.clone(), bound, now));

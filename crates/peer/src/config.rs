@@ -29,6 +29,8 @@ pub struct CommunicatorConfig {
     pub heartbeat_timeout: Duration,
     /// Bound on any blocking call (`SHOAL_TIMEOUT`).
     pub timeout: Duration,
+    /// The run's secret (`SHOAL_SECRET`), proved to the master when joining; never sent.
+    pub secret: Option<Vec<u8>>,
 }
 
 /// Default TCP connections to a peer on another host. Parallel streams get past per-flow
@@ -60,6 +62,7 @@ impl CommunicatorConfig {
             chunk_bytes: env_count("SHOAL_CHUNK_BYTES")?.unwrap_or(DEFAULT_CHUNK_BYTES),
             heartbeat_timeout: env_seconds("SHOAL_HEARTBEAT_TIMEOUT")?.unwrap_or(DEFAULT_HEARTBEAT_TIMEOUT),
             timeout: env_seconds("SHOAL_TIMEOUT")?.unwrap_or(DEFAULT_TIMEOUT),
+            secret: env_value("SHOAL_SECRET").map(String::into_bytes),
         };
         if let Some(algo) = env_value("SHOAL_ALGO") {
             if algo != "ring" {
@@ -103,6 +106,9 @@ impl CommunicatorConfig {
         }
         if self.heartbeat_timeout.is_zero() || self.timeout.is_zero() {
             return bad("timeouts must be positive".into());
+        }
+        if self.secret.as_ref().is_some_and(Vec::is_empty) {
+            return bad("secret is empty".into());
         }
         // Sent to the master and every peer as is (with ":port" where it has none): it must fit
         // a message's string, or the join would fail after binding and dialing.

@@ -4,6 +4,7 @@
 //! the state machine's; this module moves bytes and wakes threads.
 
 use crate::error::{Error, Result};
+use shoal_proto::auth::RunKey;
 use shoal_proto::peer::{Action, Gone, Peer, PeerConfig};
 use shoal_transport::{read_message, write_message, TransportError};
 use shoal_wire::{Message, SessionId};
@@ -61,7 +62,12 @@ pub(crate) struct Control {
 
 impl Control {
     /// Starts the reader and timer threads over `stream`.
-    pub fn start(master_addr: &str, stream: TcpStream, heartbeat_timeout: Duration) -> Result<Arc<Self>> {
+    pub fn start(
+        master_addr: &str,
+        stream: TcpStream,
+        heartbeat_timeout: Duration,
+        key: Option<RunKey>,
+    ) -> Result<Arc<Self>> {
         let io_err = |source| Error::Io { context: "configuring the master connection".into(), source };
         // A frozen master must not block a write (and so a call) for longer than it takes to
         // declare the master lost.
@@ -72,7 +78,7 @@ impl Control {
             master_addr: master_addr.to_string(),
             waker,
             writer: Mutex::new(stream),
-            peer: Mutex::new(Peer::new(PeerConfig { heartbeat_timeout }, Instant::now())),
+            peer: Mutex::new(Peer::new(PeerConfig { heartbeat_timeout, key }, Instant::now())),
             changed: Condvar::new(),
         });
         let c = Arc::clone(&control);
@@ -204,6 +210,7 @@ impl Control {
     pub fn gone_error(&self, gone: Gone) -> Error {
         match gone {
             Gone::Kicked(reason) => Error::Kicked { reason },
+            Gone::AuthFailed(reason) => Error::Authentication { reason },
             Gone::MasterLost(reason) => Error::MasterUnreachable { addr: self.master_addr.clone(), reason },
             Gone::Closed => Error::Closed,
         }
@@ -271,6 +278,7 @@ mod tests {
         let addr = listener.local_addr().unwrap().to_string();
         let master = std::thread::spawn(move || {
             let (mut s, _) = shoal_transport::accept(&listener).unwrap();
+            write_message(&mut s, SessionId(0), &Message::Challenge { nonce: [1; 32] }).unwrap();
             // Unread bytes would make the close a reset, which may discard what we send.
             assert!(matches!(read_message(&mut s).unwrap().1, Message::Join { .. }));
             let registered = Message::Registered { peer: PeerId(4), session: SessionId(9), heartbeat_ms: 1000 };
@@ -281,7 +289,7 @@ mod tests {
             s.shutdown(Shutdown::Both).unwrap();
         });
         let stream = shoal_transport::connect(&addr, Duration::from_secs(1)).unwrap();
-        let control = Control::start(&addr, stream, Duration::from_secs(10)).unwrap();
+        let control = Control::start(&addr, stream, Duration::from_secs(10), None).unwrap();
         control.input(|p, now| p.connect(GroupId(0), "127.0.0.1:1".into(), Duration::from_secs(5), now));
         master.join().unwrap();
         let outcome = loop {

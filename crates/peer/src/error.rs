@@ -32,6 +32,13 @@ pub enum Error {
         /// What went wrong.
         reason: String,
     },
+    /// The master refused this peer's proof of the run's secret (wrong, or none where the run
+    /// has one).
+    #[error("the master refused this peer's credentials: {reason}")]
+    Authentication {
+        /// The master's reason.
+        reason: String,
+    },
     /// The master expelled this peer; it must connect again as a new peer.
     #[error("expelled from the run by the master: {reason}")]
     Kicked {

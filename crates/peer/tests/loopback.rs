@@ -7,7 +7,8 @@ use std::thread;
 use std::time::Duration;
 
 fn master() -> MasterServer {
-    let options = MasterOptions { listen: "127.0.0.1:0".into(), heartbeat_timeout: Duration::from_secs(5) };
+    let options =
+        MasterOptions { listen: "127.0.0.1:0".into(), heartbeat_timeout: Duration::from_secs(5), secret: None };
     MasterServer::start(options).unwrap()
 }
 

@@ -12,6 +12,7 @@
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
 
+pub mod auth;
 pub mod ballot;
 pub mod master;
 pub mod peer;

@@ -1,6 +1,7 @@
 //! The simulated run: network, peers, faults, and the checks.
 
 use shoal_collective::ring::{RecvAction, RingAllReduce};
+use shoal_proto::auth::RunKey;
 use shoal_proto::master::Strategy;
 use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output};
 use shoal_proto::peer::{
@@ -262,7 +263,7 @@ impl SimPeer {
             frozen_until: None,
             deferred: Vec::new(),
             gone: None,
-            proto: Peer::new(PeerConfig { heartbeat_timeout: HEARTBEAT_TIMEOUT }, at),
+            proto: Peer::new(PeerConfig { heartbeat_timeout: HEARTBEAT_TIMEOUT, key: Some(run_key()) }, at),
             calling: Some(Next::Connect),
             call_started: now,
             op: None,
@@ -316,7 +317,7 @@ struct Sim {
 /// Runs the scenario of `seed` to its end.
 pub fn run(seed: u64) -> Report {
     let base = Instant::now();
-    let config = MasterConfig { session: SESSION, heartbeat_timeout: HEARTBEAT_TIMEOUT };
+    let config = MasterConfig { session: SESSION, heartbeat_timeout: HEARTBEAT_TIMEOUT, key: Some(run_key()) };
     let mut sim = Sim {
         rng: Rng(seed),
         now: Duration::ZERO,
@@ -387,7 +388,11 @@ impl Sim {
         peer.pending_due = self.shape == Shape::Pccl;
         peer.proto.connect(GroupId(0), format!("sim:{i}"), CALL_TIMEOUT, at);
         self.peers.push(peer);
-        self.flush(i);
+        // The master challenges the new connection; the peer answers with its Join.
+        let mut nonce = [0u8; 32];
+        nonce.iter_mut().for_each(|b| *b = self.rng.next() as u8);
+        self.master.handle_connect(at, ConnId(i as u64), nonce);
+        self.drain_master();
         let first_tick = self.now + self.rng.between(ms(1), TICK);
         self.push(first_tick, Ev::Tick(i));
     }
@@ -676,6 +681,10 @@ impl Sim {
         if let Some(gone) = self.peers[i].proto.gone() {
             let why = match gone {
                 Gone::Kicked(reason) => format!("kicked: {reason}"),
+                Gone::AuthFailed(reason) => {
+                    self.report.violations.push(Violation(format!("peer {i} holds the secret, yet: {reason}")));
+                    format!("refused: {reason}")
+                }
                 Gone::MasterLost(reason) => format!("master lost: {reason}"),
                 Gone::Closed => "closed".into(),
             };
@@ -1078,6 +1087,11 @@ impl Sim {
 
 fn predecessor(op: &Op) -> PeerId {
     op.members[(op.rank + op.members.len() - 1) % op.members.len()]
+}
+
+/// Every simulated run has a secret, which every peer holds.
+fn run_key() -> RunKey {
+    RunKey::from_secret(b"simulated run")
 }
 
 /// The digest of the one-tensor shared state at `revision`: peers at one revision hold the same

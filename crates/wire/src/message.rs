@@ -185,12 +185,26 @@ pub struct PlanEntry {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Message {
-    /// Peer → master, first message on a control connection: asks to join the run.
+    /// Master → peer, first message on a control connection: a fresh nonce the peer's `Join`
+    /// must prove it knows the run's secret with.
+    Challenge {
+        /// Random, never reused.
+        nonce: [u8; 32],
+    },
+    /// Peer → master, the answer to `Challenge`: asks to join the run.
     Join {
         /// The group the peer will run collectives in.
         group: GroupId,
         /// Where other peers should dial this peer (`host:port`).
         data_addr: String,
+        /// Keyed hash of the nonce under the run's key (zeros where the peer has no secret); the
+        /// secret never crosses the wire, and the proof is worthless on another connection.
+        proof: [u8; 32],
+    },
+    /// Master → peer: the proof in `Join` is wrong, or missing where the run has a secret.
+    AuthFailed {
+        /// A human-readable reason.
+        reason: String,
     },
     /// Either direction, on a control connection: I am alive.
     Heartbeat,
@@ -444,6 +458,8 @@ mod kind {
     pub const SYNC_COMPLETE: u16 = 76;
     pub const SYNC_ABORTED: u16 = 77;
     pub const PEERS_PENDING_ABORTED: u16 = 78;
+    pub const CHALLENGE: u16 = 79;
+    pub const AUTH_FAILED: u16 = 80;
     pub const PEER_HELLO: u16 = 128;
     pub const OP: u16 = 129;
     pub const FETCH_REQUEST: u16 = 130;
@@ -454,6 +470,8 @@ impl Message {
     pub fn kind(&self) -> u16 {
         match self {
             Message::Join { .. } => kind::JOIN,
+            Message::Challenge { .. } => kind::CHALLENGE,
+            Message::AuthFailed { .. } => kind::AUTH_FAILED,
             Message::Heartbeat => kind::HEARTBEAT,
             Message::VoteUpdateTopology { .. } => kind::VOTE_UPDATE_TOPOLOGY,
             Message::TopologyReady { .. } => kind::TOPOLOGY_READY,
@@ -490,6 +508,8 @@ impl Message {
     pub fn name(&self) -> &'static str {
         match self {
             Message::Join { .. } => "Join",
+            Message::Challenge { .. } => "Challenge",
+            Message::AuthFailed { .. } => "AuthFailed",
             Message::Heartbeat => "Heartbeat",
             Message::VoteUpdateTopology { .. } => "VoteUpdateTopology",
             Message::TopologyReady { .. } => "TopologyReady",
@@ -525,10 +545,13 @@ impl Message {
     /// Appends the body (everything after the frame header) to `w`.
     pub fn encode_body(&self, w: &mut Writer) {
         match self {
-            Message::Join { group, data_addr } => {
+            Message::Join { group, data_addr, proof } => {
                 w.u32(group.0);
                 w.str(data_addr);
+                w.bytes(proof);
             }
+            Message::Challenge { nonce } => w.bytes(nonce),
+            Message::AuthFailed { reason } => w.str(reason),
             Message::VoteUpdateTopology { collectives } => w.u64(*collectives),
             Message::VoteOpened { vote, epoch, voter, collectives } => {
                 w.u8(*vote as u8);
@@ -660,7 +683,9 @@ impl Message {
     pub fn decode_body(kind: u16, body: &[u8]) -> Result<Message, WireError> {
         let mut r = Reader::new(body);
         let message = match kind {
-            kind::JOIN => Message::Join { group: GroupId(r.u32()?), data_addr: r.str()? },
+            kind::JOIN => Message::Join { group: GroupId(r.u32()?), data_addr: r.str()?, proof: r.hash()? },
+            kind::CHALLENGE => Message::Challenge { nonce: r.hash()? },
+            kind::AUTH_FAILED => Message::AuthFailed { reason: r.str()? },
             kind::HEARTBEAT => Message::Heartbeat,
             kind::VOTE_UPDATE_TOPOLOGY => Message::VoteUpdateTopology { collectives: r.u64()? },
             kind::VOTE_OPENED => Message::VoteOpened {
@@ -846,7 +871,13 @@ mod tests {
     fn message() -> impl Strategy<Value = Message> {
         prop_oneof![
             sync_message(),
-            (any::<u32>(), ".{0,64}").prop_map(|(g, a)| Message::Join { group: GroupId(g), data_addr: a }),
+            (any::<u32>(), ".{0,64}", any::<[u8; 32]>()).prop_map(|(g, a, proof)| Message::Join {
+                group: GroupId(g),
+                data_addr: a,
+                proof
+            }),
+            any::<[u8; 32]>().prop_map(|nonce| Message::Challenge { nonce }),
+            ".{0,100}".prop_map(|reason| Message::AuthFailed { reason }),
             Just(Message::Heartbeat),
             any::<u64>().prop_map(|collectives| Message::VoteUpdateTopology { collectives }),
             (1u8..4, any::<u64>(), any::<u32>(), any::<u64>()).prop_map(|(k, e, v, collectives)| {
@@ -962,10 +993,10 @@ mod tests {
     /// every later call of that peer fail.
     #[test]
     fn an_over_long_string_is_an_encoding_error_not_a_panic() {
-        let m = Message::Join { group: GroupId(0), data_addr: "é".repeat(MAX_STRING_BYTES) };
+        let m = Message::Join { group: GroupId(0), data_addr: "é".repeat(MAX_STRING_BYTES), proof: [0; 32] };
         let want = WireError::StringTooLong { len: 2 * MAX_STRING_BYTES, max: MAX_STRING_BYTES };
         assert_eq!(encode_frame(SessionId(1), &m), Err(want));
-        let fits = Message::Join { group: GroupId(0), data_addr: "é".repeat(MAX_STRING_BYTES / 2) };
+        let fits = Message::Join { group: GroupId(0), data_addr: "é".repeat(MAX_STRING_BYTES / 2), proof: [0; 32] };
         assert!(encode_frame(SessionId(1), &fits).is_ok());
     }
 

@@ -8,10 +8,12 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let mut listen = "0.0.0.0:48148".to_string();
     let mut heartbeat: Option<f64> = None;
+    let mut secret_file: Option<String> = None;
     while let Some(a) = args.next() {
         match (a.as_str(), args.next()) {
             ("--listen", Some(v)) => listen = v,
             ("--heartbeat-timeout", Some(v)) => heartbeat = Some(v.parse().unwrap_or_else(|_| usage(&a))),
+            ("--secret-file", Some(v)) => secret_file = Some(v),
             _ => usage(&a),
         }
     }
@@ -22,6 +24,11 @@ fn main() {
         }
         options.heartbeat_timeout = Duration::from_secs_f64(s);
     }
+    if let Some(path) = secret_file {
+        let secret = std::fs::read(&path).unwrap_or_else(|e| fail(&format!("cannot read the secret file {path}: {e}")));
+        // A trailing newline is an editor's, not the secret's.
+        options.secret = Some(secret.strip_suffix(b"\n").unwrap_or(&secret).to_vec());
+    }
     let server = MasterServer::start(options).unwrap_or_else(|e| fail(&format!("cannot listen on {listen}: {e}")));
     println!("shoal master listening on {}", server.local_addr());
     loop {
@@ -30,7 +37,7 @@ fn main() {
 }
 
 fn usage(at: &str) -> ! {
-    fail(&format!("bad argument {at}\nusage: shoal-master [--listen HOST:PORT] [--heartbeat-timeout SECONDS]"))
+    fail(&format!("bad argument {at}\nusage: shoal-master [--listen HOST:PORT] [--heartbeat-timeout SECONDS] [--secret-file PATH]"))
 }
 
 fn fail(message: &str) -> ! {

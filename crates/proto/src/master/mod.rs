@@ -15,6 +15,7 @@ mod ops;
 mod sync;
 mod timers;
 
+use crate::auth::RunKey;
 use crate::ballot::Ballot;
 pub use ops::MAX_TRACKED_OPS;
 use shoal_wire::{Epoch, GroupId, Member, Message, PeerId, SessionId, Vote};
@@ -22,6 +23,10 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 pub use sync::Strategy;
 pub use timers::{Timer, TimerTable};
+
+/// Peers a run holds at most, registered or accepted: every topology lists every member, and a
+/// peer's decoder refuses a longer list. A `Join` beyond it is refused with `Kicked`.
+pub const MAX_PEERS: usize = shoal_wire::MAX_MEMBERS;
 
 /// A control connection, as numbered by the driver.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -34,6 +39,9 @@ pub struct MasterConfig {
     pub session: SessionId,
     /// How long a peer may stay silent before it is declared dead.
     pub heartbeat_timeout: Duration,
+    /// The key of the run's secret: a `Join` must prove it (`crate::auth`). `None`: anyone who
+    /// reaches the master may join.
+    pub key: Option<RunKey>,
 }
 
 /// What the driver must do.
@@ -168,6 +176,10 @@ pub struct Master {
     /// survivors' next calls need a new topology of the same ring. Issued as soon as no major
     /// operation is open ([`Master::reform_if_due`]), so an application simply retries.
     reform_due: bool,
+    /// The nonce each connection was challenged with, until its `Join`.
+    challenges: BTreeMap<ConnId, [u8; 32]>,
+    /// `Join`s refused for a wrong or missing proof.
+    auth_failures: u64,
     timers: TimerTable,
     outputs: VecDeque<Output>,
 }
@@ -195,6 +207,8 @@ impl Master {
             tentative: BTreeMap::new(),
             sent_on: BTreeSet::new(),
             reform_due: false,
+            challenges: BTreeMap::new(),
+            auth_failures: 0,
             timers,
             outputs: VecDeque::new(),
         }
@@ -205,6 +219,11 @@ impl Master {
     /// The run's session id.
     pub fn session(&self) -> SessionId {
         self.config.session
+    }
+
+    /// `Join`s refused for a wrong or missing proof of the run's secret.
+    pub fn auth_failures(&self) -> u64 {
+        self.auth_failures
     }
 
     /// The current phase.
@@ -228,6 +247,13 @@ impl Master {
     }
 
     // ----- inputs -----
+
+    /// Connection `conn` opened: it is challenged with `nonce`, which must be random and never
+    /// reused (the driver draws it), and must answer with `Join`.
+    pub fn handle_connect(&mut self, _now: Instant, conn: ConnId, nonce: [u8; 32]) {
+        self.challenges.insert(conn, nonce);
+        self.send(conn, Message::Challenge { nonce });
+    }
 
     /// A message arrived on `conn` in a frame stamped with `session`.
     pub fn handle_message(&mut self, now: Instant, conn: ConnId, session: SessionId, message: Message) {
@@ -273,6 +299,7 @@ impl Master {
 
     /// `conn` closed (or its reader failed with `reason`).
     pub fn handle_disconnect(&mut self, _now: Instant, conn: ConnId, reason: &str) {
+        self.challenges.remove(&conn);
         if let Some(peer) = self.conns.get(&conn).copied() {
             self.remove_peer(peer, format!("control connection lost: {reason}"), false);
         }
@@ -326,10 +353,30 @@ impl Master {
     // ----- transitions -----
 
     fn handle_first_message(&mut self, now: Instant, conn: ConnId, message: Message) {
-        let Message::Join { group, data_addr } = message else {
+        let Message::Join { group, data_addr, proof } = message else {
             let reason = format!("expected Join as first message, got {}", message.name());
+            log::warn!("connection {}: {reason}", conn.0);
             return self.outputs.push_back(Output::Close { conn, reason });
         };
+        let Some(nonce) = self.challenges.remove(&conn) else {
+            let reason = "Join on a connection that was not challenged".to_string();
+            log::warn!("connection {}: {reason}", conn.0);
+            return self.outputs.push_back(Output::Close { conn, reason });
+        };
+        if self.config.key.as_ref().is_some_and(|key| !key.verify(&nonce, &proof)) {
+            self.auth_failures += 1;
+            let reason = "authentication failed: the proof of the run's secret is wrong or missing".to_string();
+            log::warn!("connection {} ({data_addr}): {reason} ({} so far)", conn.0, self.auth_failures);
+            self.send(conn, Message::AuthFailed { reason: reason.clone() });
+            return self.outputs.push_back(Output::Close { conn, reason });
+        }
+        if self.peers.len() >= MAX_PEERS {
+            // Every topology lists every member: one more could not be sent to anyone.
+            let reason = format!("the run is full: {MAX_PEERS} peers, the most a topology can list");
+            log::warn!("connection {}: refused: {reason}", conn.0);
+            self.send(conn, Message::Kicked { reason: reason.clone() });
+            return self.outputs.push_back(Output::Close { conn, reason });
+        }
         let peer = PeerId(self.next_peer);
         self.next_peer = self.next_peer.checked_add(1).expect("peer ids exhausted");
         let entry = PeerEntry {

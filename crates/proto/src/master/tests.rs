@@ -1,6 +1,7 @@
 //! Scenario tests of the master state machine: inputs in, outputs checked, no IO.
 
 use super::*;
+use crate::auth::RunKey;
 use shoal_wire::{FailureKind, OpFailure, PlanEntry, StateDigest};
 
 const SESSION: SessionId = SessionId(77);
@@ -12,8 +13,11 @@ struct Harness {
 
 impl Harness {
     fn new() -> Self {
+        Self::with_key(None)
+    }
+    fn with_key(key: Option<RunKey>) -> Self {
         let now = Instant::now();
-        let config = MasterConfig { session: SESSION, heartbeat_timeout: Duration::from_secs(2) };
+        let config = MasterConfig { session: SESSION, heartbeat_timeout: Duration::from_secs(2), key };
         Harness { master: Master::new(config, now), now }
     }
     fn send(&mut self, conn: u64, m: Message) -> Vec<Output> {
@@ -21,8 +25,19 @@ impl Harness {
         self.master.handle_message(self.now, ConnId(conn), session, m);
         self.drain()
     }
+    /// Connection `conn` opens and is challenged; returns the nonce.
+    fn connect(&mut self, conn: u64) -> [u8; 32] {
+        let mut nonce = [0u8; 32];
+        nonce[..8].copy_from_slice(&conn.to_le_bytes());
+        self.master.handle_connect(self.now, ConnId(conn), nonce);
+        let out = self.drain();
+        assert_eq!(sent_to(&out, conn), vec![&Message::Challenge { nonce }]);
+        nonce
+    }
     fn join(&mut self, conn: u64) -> Vec<Output> {
-        self.send(conn, Message::Join { group: GroupId(0), data_addr: format!("127.0.0.1:{conn}") })
+        self.connect(conn);
+        let join = Message::Join { group: GroupId(0), data_addr: format!("127.0.0.1:{conn}"), proof: [0; 32] };
+        self.send(conn, join)
     }
     fn drain(&mut self) -> Vec<Output> {
         std::iter::from_fn(|| self.master.poll_output()).collect()
@@ -639,4 +654,59 @@ fn a_vote_a_loss_completes_is_answered_after_the_re_formed_topology() {
             other => panic!("expected the re-formed topology and the answer: {other:?} in {to:?}"),
         }
     }
+}
+
+/// A run holds at most as many peers as a topology can list: the next `Join` is refused with a
+/// reason, and the run goes on (the encoder never meets a topology it cannot encode).
+#[test]
+fn a_full_run_refuses_the_next_join_and_goes_on() {
+    let mut h = Harness::new();
+    for c in 0..MAX_PEERS as u64 {
+        h.join(c);
+    }
+    let out = h.join(MAX_PEERS as u64);
+    let refused = sent_to(&out, MAX_PEERS as u64);
+    assert!(matches!(refused[..], [Message::Kicked { reason }] if reason.contains("full")), "{refused:?}");
+    assert!(out.iter().any(|o| matches!(o, Output::Close { conn, .. } if conn.0 == MAX_PEERS as u64)));
+    assert_eq!(h.master.peers().count(), MAX_PEERS);
+    // What the run sends its members still encodes.
+    let topology = Message::Topology {
+        epoch: Epoch(9),
+        members: (0..MAX_PEERS as u32)
+            .map(|p| shoal_wire::Member {
+                peer: PeerId(p),
+                group: GroupId(0),
+                addr: "h".repeat(shoal_wire::MAX_STRING_BYTES),
+            })
+            .collect(),
+    };
+    assert!(shoal_wire::encode_frame(SESSION, &topology).is_ok(), "the largest topology must encode");
+}
+
+/// With a secret, a `Join` must prove it on the nonce its connection was challenged with: a wrong
+/// proof, none, or one replayed from another connection is refused with `AuthFailed`, counted,
+/// and changes nothing else; the right one registers.
+#[test]
+fn a_join_without_the_proof_of_the_secret_is_refused_and_counted() {
+    let key = RunKey::from_secret(b"run secret");
+    let mut h = Harness::with_key(Some(key.clone()));
+    let join = |proof| Message::Join { group: GroupId(0), data_addr: "h:1".into(), proof };
+    let first = h.connect(1);
+    let out = h.send(1, join(key.prove(&first)));
+    assert!(matches!(sent_to(&out, 1)[0], Message::Registered { .. }), "{out:?}");
+    let other = h.connect(2);
+    assert_ne!(other, first);
+    for (conn, proof) in [(2, key.prove(&first)), (3, [0; 32]), (4, RunKey::from_secret(b"guess").prove(&[0; 32]))] {
+        if conn != 2 {
+            h.connect(conn);
+        }
+        let out = h.send(conn, join(proof));
+        assert!(matches!(sent_to(&out, conn)[..], [Message::AuthFailed { .. }]), "{out:?}");
+        assert!(out.iter().any(|o| matches!(o, Output::Close { conn: c, .. } if c.0 == conn)));
+    }
+    assert_eq!(h.master.auth_failures(), 3);
+    assert_eq!(h.master.peers().count(), 1, "only the proven peer is in the run");
+    // A Join on a connection that was never challenged is refused too.
+    let out = h.send(9, join([0; 32]));
+    assert!(out.iter().any(|o| matches!(o, Output::Close { conn: ConnId(9), .. })));
 }

@@ -21,6 +21,7 @@ pub use view::{
     VoteAbort, VoteOpen,
 };
 
+use crate::auth::RunKey;
 use crate::master::heartbeat_interval;
 use shoal_wire::{Epoch, FailureKind, GroupId, Message, OpFailure, PeerId, PlanEntry, SessionId, StateDigest, Vote};
 use std::collections::VecDeque;
@@ -50,11 +51,13 @@ impl fmt::Display for OpId {
     }
 }
 
-/// The timing a peer keeps.
-#[derive(Debug, Clone, Copy)]
+/// The timing a peer keeps, and its credentials.
+#[derive(Debug, Clone)]
 pub struct PeerConfig {
     /// A master silent this long is lost; a participant's report or verdict is awaited this long.
     pub heartbeat_timeout: Duration,
+    /// The key of the run's secret, proved in `Join` (`crate::auth`); `None` proves nothing.
+    pub key: Option<RunKey>,
 }
 
 /// A call of the application, after the peer joined ([`Peer::call`]).
@@ -194,6 +197,8 @@ pub enum CallError {
 pub enum Gone {
     /// The master expelled us, saying why.
     Kicked(String),
+    /// The master refused our proof of the run's secret.
+    AuthFailed(String),
     /// The master is lost: silent for a heartbeat timeout, or its connection failed.
     MasterLost(String),
     /// We left ([`Peer::close`]).
@@ -253,9 +258,11 @@ enum Purpose {
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Call {
     Idle,
-    /// `connect` sent `Join`: waiting to be registered.
+    /// `connect`: waiting for the master's challenge to send `Join` (what it carries, until
+    /// sent), then to be registered.
     Registering {
         deadline: Instant,
+        join: Option<(GroupId, String)>,
     },
     Topology {
         deadline: Instant,
@@ -315,7 +322,6 @@ impl Peer {
     /// A peer that has not joined yet.
     pub fn new(config: PeerConfig, now: Instant) -> Self {
         Peer {
-            config,
             view: PeerView::default(),
             call: Call::Idle,
             taken_up: None,
@@ -325,6 +331,7 @@ impl Peer {
             closed: false,
             last_heard: now,
             next_heartbeat: now + heartbeat_interval(config.heartbeat_timeout),
+            config,
         }
     }
 
@@ -343,6 +350,9 @@ impl Peer {
     pub fn gone(&self) -> Option<Gone> {
         if let Some(reason) = &self.view.kicked {
             return Some(Gone::Kicked(reason.clone()));
+        }
+        if let Some(reason) = &self.view.refused {
+            return Some(Gone::AuthFailed(reason.clone()));
         }
         if self.closed {
             return Some(Gone::Closed);
@@ -372,13 +382,13 @@ impl Peer {
         matches!(&self.call, Call::Collective { op: o, stage: OpStage::Running | OpStage::Lap, .. } if *o == op)
     }
 
-    /// Joins the run: sends `Join`; the call is done once the accepted peers admit us.
+    /// Joins the run: answers the master's challenge with `Join`; the call is done once the
+    /// accepted peers admit us.
     pub fn connect(&mut self, group: GroupId, data_addr: String, bound: Duration, now: Instant) {
         if self.busy() || self.view.registered.is_some() {
             return self.actions.push_back(Action::Done(Err(CallError::Busy("connect"))));
         }
-        self.outbox.push_back(Message::Join { group, data_addr });
-        self.call = Call::Registering { deadline: now + bound };
+        self.call = Call::Registering { deadline: now + bound, join: Some((group, data_addr)) };
         self.progress(now);
     }
 
@@ -416,7 +426,8 @@ impl Peer {
 
     /// The connection to the master failed.
     pub fn handle_disconnect(&mut self, reason: String, now: Instant) {
-        if self.lost.is_none() && !self.closed {
+        // Once expelled, refused or closed, the master closing the connection is no news.
+        if self.gone().is_none() {
             log::warn!("master lost: {reason}");
             self.lost = Some(reason);
         }
@@ -445,7 +456,7 @@ impl Peer {
         }
         let deadline = match &self.call {
             Call::Idle => None,
-            Call::Registering { deadline }
+            Call::Registering { deadline, .. }
             | Call::Topology { deadline, .. }
             | Call::Pending { deadline }
             | Call::Sync { deadline, .. } => Some(*deadline),
@@ -671,7 +682,16 @@ impl Peer {
         }
         match self.call.clone() {
             Call::Idle => false,
-            Call::Registering { deadline } => match self.view.registered {
+            Call::Registering { deadline, join: Some((group, data_addr)) } => match self.view.challenge {
+                Some(nonce) => {
+                    let proof = self.config.key.as_ref().map_or([0; 32], |key| key.prove(&nonce));
+                    self.outbox.push_back(Message::Join { group, data_addr, proof });
+                    self.call = Call::Registering { deadline, join: None };
+                    true
+                }
+                None => self.timed_out(deadline, now),
+            },
+            Call::Registering { deadline, join: None } => match self.view.registered {
                 Some((me, session)) => {
                     self.actions.push_back(Action::Registered { me, session });
                     let purpose = Purpose::Connect;

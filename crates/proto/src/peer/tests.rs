@@ -2,6 +2,7 @@
 //! when its calls end. `crates/sim` runs the same machine through thousands of faulty runs.
 
 use super::*;
+use crate::auth::RunKey;
 use shoal_wire::{Member, SessionId};
 
 const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -28,9 +29,11 @@ fn actions(p: &mut Peer) -> Vec<Action> {
 /// Peer 0, joined and accepted in topology 1 of `ring` (peer 0 among them).
 fn joined(ring: &[u32]) -> (Peer, Instant) {
     let t0 = Instant::now();
-    let mut p = Peer::new(PeerConfig { heartbeat_timeout: HEARTBEAT_TIMEOUT }, t0);
+    let mut p = Peer::new(PeerConfig { heartbeat_timeout: HEARTBEAT_TIMEOUT, key: None }, t0);
     p.connect(GroupId(0), "h:0".into(), BOUND, t0);
-    assert_eq!(sent(&mut p), vec![Message::Join { group: GroupId(0), data_addr: "h:0".into() }]);
+    assert!(sent(&mut p).is_empty(), "Join waits for the master's challenge");
+    p.handle_message(Message::Challenge { nonce: [3; 32] }, t0).unwrap();
+    assert_eq!(sent(&mut p), vec![Message::Join { group: GroupId(0), data_addr: "h:0".into(), proof: [0; 32] }]);
     let registered = Message::Registered { peer: PeerId(0), session: SessionId(7), heartbeat_ms: 100 };
     p.handle_message(registered, t0).unwrap();
     p.handle_message(Message::Topology { epoch: Epoch(1), members: members(ring) }, t0).unwrap();
@@ -284,4 +287,24 @@ fn a_sync_that_crossed_a_topology_joins_it_and_votes_again() {
     p.handle_message(refused, t0).unwrap();
     let failed = CallError::SyncFailed { retryable: true, reason: "go back".into() };
     assert_eq!(actions(&mut p), vec![Action::Done(Err(failed))]);
+}
+
+/// A peer with the run's secret proves it on the master's nonce; a refusal ends `connect` with
+/// the reason, and nothing more goes to the master.
+#[test]
+fn a_join_proves_the_secret_on_the_nonce_and_a_refusal_ends_connect() {
+    let t0 = Instant::now();
+    let key = RunKey::from_secret(b"s3cret");
+    let mut p = Peer::new(PeerConfig { heartbeat_timeout: HEARTBEAT_TIMEOUT, key: Some(key.clone()) }, t0);
+    p.handle_message(Message::Challenge { nonce: [9; 32] }, t0).unwrap();
+    p.connect(GroupId(0), "h:0".into(), BOUND, t0);
+    let join = sent(&mut p);
+    assert!(
+        matches!(&join[..], [Message::Join { proof, .. }] if key.verify(&[9; 32], proof)),
+        "the challenge that came first is answered: {join:?}"
+    );
+    p.handle_message(Message::AuthFailed { reason: "authentication failed".into() }, t0).unwrap();
+    let refused = Gone::AuthFailed("authentication failed".into());
+    assert_eq!(actions(&mut p), vec![Action::Done(Err(CallError::Gone(refused)))]);
+    assert!(sent(&mut p).is_empty());
 }

@@ -27,6 +27,10 @@ pub struct PeerView {
     pub pending_result: Option<bool>,
     /// Why the master expelled us, if it did.
     pub kicked: Option<String>,
+    /// The nonce the master challenged us with.
+    pub challenge: Option<[u8; 32]>,
+    /// Why the master refused our proof of the run's secret, if it did.
+    pub refused: Option<String>,
     /// How often the master wants a heartbeat, once registered.
     pub heartbeat_interval: Option<Duration>,
     /// Peers the master reported gone. Ids are never reused, so this only grows.
@@ -333,6 +337,17 @@ impl PeerView {
             }
             Message::Kicked { reason } => {
                 self.kicked = Some(reason);
+                PeerEvent::Kicked
+            }
+            Message::Challenge { nonce } => {
+                if self.challenge.is_some() || self.registered.is_some() {
+                    return unexpected("a second challenge");
+                }
+                self.challenge = Some(nonce);
+                PeerEvent::Nothing
+            }
+            Message::AuthFailed { reason } => {
+                self.refused = Some(reason);
                 PeerEvent::Kicked
             }
             _ => return unexpected("not a master-to-peer message"),
