@@ -7,7 +7,7 @@
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
 
-use shoal_proto::auth::RunKey;
+use shoal_proto::auth::{DataKey, RunKey};
 use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output};
 use shoal_transport::{read_message, read_message_until, write_message, TransportError};
 use shoal_wire::{Message, SessionId};
@@ -99,7 +99,12 @@ impl MasterServer {
             .name("shoal-master-accept".into())
             .spawn(move || accept_loop(listener, accept_tx, accept_stop, greeting))?;
         let key = options.secret.as_deref().map(RunKey::from_secret);
-        let config = MasterConfig { session, heartbeat_timeout: options.heartbeat_timeout, key };
+        // The run's key for data connections: random, handed to every peer the master registers.
+        let mut data_key = [0u8; 32];
+        getrandom::fill(&mut data_key)
+            .map_err(|e| io::Error::other(format!("no randomness for the run's key: {e}")))?;
+        let data_key = DataKey(data_key);
+        let config = MasterConfig { session, heartbeat_timeout: options.heartbeat_timeout, key, data_key };
         let write_timeout = (options.heartbeat_timeout / 4).min(WRITE_TIMEOUT_MAX);
         let driver = thread::Builder::new()
             .name("shoal-master".into())

@@ -8,7 +8,7 @@ use crate::links::{DataPlane, Listener};
 use crate::ring::{self, RingError, RingJob, Side, Stop, Traffic};
 use crate::Deadline;
 use shoal_collective::{CollectiveKind, DType, ReduceOp};
-use shoal_proto::auth::RunKey;
+use shoal_proto::auth::{DataKey, RunKey};
 use shoal_proto::peer::{Action, CallError, CallKind, Established, OpId, OpProgress, RingPosition, Value};
 use shoal_wire::{FailureKind, GroupId, OpFailure, OpHeader, PeerId, SessionId};
 use std::net::{SocketAddr, TcpStream};
@@ -53,6 +53,8 @@ pub(crate) struct Connected {
     pub listener: Listener,
     pub me: PeerId,
     pub session: SessionId,
+    /// The run's key for data connections (`shoal_proto::auth::DataKey`).
+    pub data_key: DataKey,
 }
 
 impl Communicator {
@@ -132,15 +134,17 @@ impl Communicator {
         let mut data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
         let mut me = None;
         let joined = self.drive(&control, &listener, &mut data, "connect", |_, action| {
-            let Action::Registered { me: id, session } = action else { unreachable!("connect moves no data") };
+            let Action::Registered { me: id, session, data_key } = action else {
+                unreachable!("connect moves no data")
+            };
             log::info!("registered as {id} in group {} advertising {data_addr}", group.0);
-            listener.set_identity(id, session, &data_addr);
-            me = Some((id, session));
+            listener.set_identity(id, session, data_key.clone(), &data_addr);
+            me = Some((id, session, data_key));
             None
         });
         match (joined, me) {
-            (Ok(_), Some((me, session))) => {
-                *slot = Some(Arc::new(Connected { control, listener, me, session }));
+            (Ok(_), Some((me, session, data_key))) => {
+                *slot = Some(Arc::new(Connected { control, listener, me, session, data_key }));
                 Ok(())
             }
             (Ok(_), None) => unreachable!("a peer is accepted once registered"),
@@ -234,7 +238,14 @@ impl Communicator {
             ring = Some((world, next, prev));
             log::trace!("all_reduce {id} tag {tag}: {} {} x{count}", op.name(), dtype.name());
             let DataPlane { outgoing, incoming, scratch, backup } = data;
-            let running = || control.lock().running(id);
+            // Asked only before the data plane sleeps: then a removed member or a blocking vote
+            // stops the collective, not while its bytes still flow.
+            let running = || {
+                control.own_input(|p, now| {
+                    p.handle_collective(id, OpProgress::Stalled, now);
+                    p.running(id)
+                })
+            };
             let deadline = Deadline::until(deadline, bound);
             let progress = match (outgoing.get_mut(&next), incoming.get_mut(&prev)) {
                 (Some(send), Some(recv)) => {

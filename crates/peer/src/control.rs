@@ -281,7 +281,8 @@ mod tests {
             write_message(&mut s, SessionId(0), &Message::Challenge { nonce: [1; 32] }).unwrap();
             // Unread bytes would make the close a reset, which may discard what we send.
             assert!(matches!(read_message(&mut s).unwrap().1, Message::Join { .. }));
-            let registered = Message::Registered { peer: PeerId(4), session: SessionId(9), heartbeat_ms: 1000 };
+            let registered =
+                Message::Registered { peer: PeerId(4), session: SessionId(9), heartbeat_ms: 1000, data_key: [1; 32] };
             write_message(&mut s, SessionId(9), &registered).unwrap();
             let kicked = Message::Kicked { reason: "no message for 2.0 s".into() };
             write_message(&mut s, SessionId(9), &kicked).unwrap();

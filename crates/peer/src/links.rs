@@ -14,12 +14,13 @@ use crate::config::CommunicatorConfig;
 use crate::control::Control;
 use crate::error::{Error, Result};
 use crate::Deadline;
+use shoal_proto::auth::DataKey;
 use shoal_proto::peer::{Established, RingPosition};
 use shoal_transport::{connect, read_message_until, write_message};
 use shoal_wire::{Epoch, Message, PeerId, SessionId};
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -33,10 +34,18 @@ const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often a wait for the predecessor's streams looks at the control state.
 const ESTABLISH_POLL: Duration = Duration::from_millis(20);
 
+/// Who we are in the run, once registered: what greetings must be addressed to and tagged with.
+#[derive(Debug)]
+struct Identity {
+    me: PeerId,
+    session: SessionId,
+    key: DataKey,
+}
+
 /// The listening side, shared with its accept thread.
 pub(crate) struct Listener {
     pub port: u16,
-    identity: Arc<OnceLock<(PeerId, SessionId)>>,
+    identity: Arc<OnceLock<Identity>>,
     advertised_ip: OnceLock<Option<IpAddr>>,
     arrivals: Arc<Arrivals>,
     stop: Arc<AtomicBool>,
@@ -48,6 +57,8 @@ pub(crate) struct Listener {
 struct Arrivals {
     streams: Mutex<BTreeMap<PeerId, Pool>>,
     fetches: Mutex<std::collections::VecDeque<(TcpStream, crate::sync::FetchReq)>>,
+    /// Connections refused at their greeting (strangers, forgeries, stale pools).
+    refused: AtomicU64,
     changed: Condvar,
 }
 
@@ -95,9 +106,10 @@ impl Listener {
         Ok(me)
     }
 
-    /// Tells the accept thread who we are, once registered, and the address we advertise.
-    pub fn set_identity(&self, me: PeerId, session: SessionId, advertised: &str) {
-        let _ = self.identity.set((me, session));
+    /// Tells the accept thread who we are, once registered, the run's data key, and the address
+    /// we advertise.
+    pub fn set_identity(&self, me: PeerId, session: SessionId, key: DataKey, advertised: &str) {
+        let _ = self.identity.set(Identity { me, session, key });
         let _ = self.advertised_ip.set(advertised.parse::<SocketAddr>().ok().map(|a| a.ip()));
     }
 
@@ -141,10 +153,11 @@ impl Listener {
         if pos.group_size() == 1 {
             return Established::Ready;
         }
-        let &(me, session) = self.identity.get().expect("identity is set at registration");
+        let id = self.identity.get().expect("identity is set at registration");
+        let me = id.me;
         let next = pos.next();
         let connections = config.pool_size(self.local_ip(), &next.addr);
-        match dial(me, session, next.peer, pos.epoch, &next.addr, connections, deadline, operation) {
+        match dial(id, next.peer, pos.epoch, &next.addr, connections, deadline, operation) {
             Ok(pool) => plane.outgoing.insert(next.peer, pool),
             Err(reason) => {
                 log::warn!("{me}: cannot reach {}: {reason}", next.peer);
@@ -177,10 +190,8 @@ impl Drop for Listener {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 fn dial(
-    me: PeerId,
-    session: SessionId,
+    id: &Identity,
     to: PeerId,
     epoch: Epoch,
     addr: &str,
@@ -192,17 +203,19 @@ fn dial(
     for i in 0..connections {
         let left = deadline.left(operation).map_err(|e| e.to_string())?;
         let mut s = connect(addr, left.min(DIAL_TIMEOUT)).map_err(|e| format!("dialing {to} at {addr}: {e}"))?;
-        let hello = Message::PeerHello { from: me, to, epoch, stream: i as u16, streams: connections as u16 };
-        write_message(&mut s, session, &hello).map_err(|e| format!("greeting {to} at {addr}: {e}"))?;
+        let (stream, streams) = (i as u16, connections as u16);
+        let mac = id.key.hello(id.session, id.me, to, epoch, stream, streams);
+        let hello = Message::PeerHello { from: id.me, to, epoch, stream, streams, mac };
+        write_message(&mut s, id.session, &hello).map_err(|e| format!("greeting {to} at {addr}: {e}"))?;
         pool.push(s);
     }
-    log::debug!("{me} dialed {connections} streams to {to} at {addr}");
+    log::debug!("{} dialed {connections} streams to {to} at {addr}", id.me);
     Ok(pool)
 }
 
 fn accept_loop(
     listener: TcpListener,
-    identity: Arc<OnceLock<(PeerId, SessionId)>>,
+    identity: Arc<OnceLock<Identity>>,
     arrivals: Arc<Arrivals>,
     stop: Arc<AtomicBool>,
 ) {
@@ -211,7 +224,8 @@ fn accept_loop(
         // A slow or silent dialer must not hold up the others: greet each on its own thread.
         let spawned = thread::Builder::new().name("shoal-hello".into()).spawn(move || {
             if let Err(reason) = greet(stream, &identity, &arrivals) {
-                log::warn!("refused data connection from {from}: {reason}");
+                let refused = arrivals.refused.fetch_add(1, Ordering::Relaxed) + 1;
+                log::warn!("refused data connection from {from}: {reason} ({refused} refused so far)");
             }
         });
         if let Err(e) = spawned {
@@ -224,32 +238,39 @@ fn accept_loop(
     }
 }
 
-fn greet(mut stream: TcpStream, identity: &OnceLock<(PeerId, SessionId)>, arrivals: &Arrivals) -> Result<(), String> {
+fn greet(mut stream: TcpStream, identity: &OnceLock<Identity>, arrivals: &Arrivals) -> Result<(), String> {
     let deadline = Instant::now() + HELLO_TIMEOUT;
     let (session, message) = read_message_until(&mut stream, deadline, MAX_HELLO_BODY).map_err(|e| e.to_string())?;
     // A peer may dial us as soon as the master issues a topology with us in it, which can be
     // before our API thread has woken up to record who we are: wait for it.
-    let &(me, our_session) = loop {
+    let id = loop {
         match identity.get() {
             Some(id) => break id,
             None if Instant::now() < deadline => thread::sleep(Duration::from_millis(1)),
             None => return Err("not registered yet".into()),
         }
     };
-    if let Message::FetchRequest { from, to, round, index, offset, len } = message {
+    let (me, our_session) = (id.me, id.session);
+    if let Message::FetchRequest { from, to, round, index, offset, len, mac } = message {
         if session != our_session || to != me {
             return Err(format!("fetch for {to} in {session:?}, we are {me} in {our_session:?}"));
+        }
+        if !DataKey::matches(id.key.fetch(session, from, to, round, index, offset, len), &mac) {
+            return Err(format!("a FetchRequest posing as {from} without the run's data key"));
         }
         let request = crate::sync::FetchReq { from, round, index, offset, len };
         arrivals.fetches.lock().unwrap_or_else(PoisonError::into_inner).push_back((stream, request));
         arrivals.changed.notify_all();
         return Ok(());
     }
-    let Message::PeerHello { from, to, epoch, stream: index, streams } = message else {
+    let Message::PeerHello { from, to, epoch, stream: index, streams, mac } = message else {
         return Err(format!("expected PeerHello or FetchRequest, got {}", message.name()));
     };
     if session != our_session || to != me {
         return Err(format!("hello for {to} in {session:?}, we are {me} in {our_session:?}"));
+    }
+    if !DataKey::matches(id.key.hello(session, from, to, epoch, index, streams), &mac) {
+        return Err(format!("a PeerHello posing as {from} without the run's data key"));
     }
     if streams == 0 || usize::from(streams) > crate::config::MAX_CONNECTIONS || index >= streams {
         return Err(format!("stream {index} of a pool of {streams}"));
@@ -274,6 +295,22 @@ fn greet(mut stream: TcpStream, identity: &OnceLock<(PeerId, SessionId)>, arriva
 mod tests {
     use super::*;
 
+    const KEY: DataKey = DataKey([6; 32]);
+
+    /// A hello from `from` to `to`, tagged under `key`.
+    fn hello(key: &DataKey, session: SessionId, from: PeerId, to: PeerId) -> Message {
+        let mac = key.hello(session, from, to, Epoch(1), 0, 1);
+        Message::PeerHello { from, to, epoch: Epoch(1), stream: 0, streams: 1, mac }
+    }
+
+    /// Sends `message` on a new connection to `listener`; true if the listener closed it.
+    fn refused(listener: &Listener, session: SessionId, message: &Message) -> bool {
+        let mut s = connect(&format!("127.0.0.1:{}", listener.port), Duration::from_secs(1)).unwrap();
+        write_message(&mut s, session, message).unwrap();
+        s.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
+        matches!(std::io::Read::read(&mut s, &mut [0u8; 1]), Ok(0))
+    }
+
     /// A peer may dial a newcomer before the newcomer's API thread has recorded its identity
     /// (the master issues the topology right after registering it). The stream must be kept,
     /// not refused: a refused stream leaves the dialer holding a pool nobody reads, and the
@@ -284,10 +321,9 @@ mod tests {
         let addr = format!("127.0.0.1:{}", listener.port);
         let (me, session) = (PeerId(7), SessionId(42));
         let mut s = connect(&addr, Duration::from_secs(1)).unwrap();
-        let hello = Message::PeerHello { from: PeerId(3), to: me, epoch: Epoch(1), stream: 0, streams: 1 };
-        write_message(&mut s, session, &hello).unwrap();
+        write_message(&mut s, session, &hello(&KEY, session, PeerId(3), me)).unwrap();
         thread::sleep(Duration::from_millis(100));
-        listener.set_identity(me, session, "");
+        listener.set_identity(me, session, KEY, "");
         let deadline = Instant::now() + Duration::from_secs(3);
         loop {
             let arrivals = listener.arrivals.streams.lock().unwrap();
@@ -303,16 +339,42 @@ mod tests {
     #[test]
     fn hello_for_another_session_or_peer_is_refused() {
         let listener = Listener::start("127.0.0.1:0").unwrap();
-        listener.set_identity(PeerId(1), SessionId(5), "127.0.0.1:1");
-        let addr = format!("127.0.0.1:{}", listener.port);
+        listener.set_identity(PeerId(1), SessionId(5), KEY, "127.0.0.1:1");
         for (to, session) in [(PeerId(2), SessionId(5)), (PeerId(1), SessionId(6))] {
-            let mut s = connect(&addr, Duration::from_secs(1)).unwrap();
-            let hello = Message::PeerHello { from: PeerId(9), to, epoch: Epoch(1), stream: 0, streams: 1 };
-            write_message(&mut s, session, &hello).unwrap();
-            // The listener closes a refused stream.
-            s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
-            assert_eq!(std::io::Read::read(&mut s, &mut [0u8; 1]).unwrap(), 0);
+            assert!(refused(&listener, session, &hello(&KEY, session, PeerId(9), to)));
         }
         assert!(listener.arrivals.streams.lock().unwrap().is_empty());
+    }
+
+    /// A stranger who knows the session, every member's id and our address (a `Topology` tells
+    /// all of it) but not the run's data key can neither replace a pool's stream nor fetch our
+    /// shared state: each attempt is refused, logged and counted, and an honest hello still
+    /// lands.
+    #[test]
+    fn a_forged_hello_or_fetch_without_the_data_key_is_refused_and_counted() {
+        let listener = Listener::start("127.0.0.1:0").unwrap();
+        let (me, session) = (PeerId(1), SessionId(5));
+        listener.set_identity(me, session, KEY, "127.0.0.1:1");
+        let guessed = DataKey([0; 32]);
+        assert!(refused(&listener, session, &hello(&guessed, session, PeerId(2), me)));
+        let forged_fetch = Message::FetchRequest {
+            from: PeerId(2),
+            to: me,
+            round: 1,
+            index: 0,
+            offset: 0,
+            len: 8,
+            mac: guessed.fetch(session, PeerId(2), me, 1, 0, 0, 8),
+        };
+        assert!(refused(&listener, session, &forged_fetch));
+        assert!(listener.arrivals.streams.lock().unwrap().is_empty());
+        assert!(listener.take_fetch(Duration::from_millis(50)).is_none(), "a forged fetch reached the sync");
+        assert!(!refused(&listener, session, &hello(&KEY, session, PeerId(2), me)), "the honest hello");
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while listener.arrivals.refused.load(Ordering::Relaxed) < 2 {
+            assert!(Instant::now() < deadline, "refusals are counted");
+            thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(listener.arrivals.streams.lock().unwrap().get(&PeerId(2)).map(|p| p.streams.len()), Some(1));
     }
 }

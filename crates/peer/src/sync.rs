@@ -383,8 +383,9 @@ fn fetch_from(
                 stream = Some(s);
             }
             let s = stream.as_mut().expect("just set");
-            let request =
-                Message::FetchRequest { from: c.me, to: donor, round, index: wanted[i].index as u32, offset, len };
+            let index = wanted[i].index as u32;
+            let mac = c.data_key.fetch(c.session, c.me, donor, round, index, offset, len);
+            let request = Message::FetchRequest { from: c.me, to: donor, round, index, offset, len, mac };
             write_message(s, c.session, &request).map_err(|e| e.to_string())?;
             let mut slot = results[i][(offset / PIECE_BYTES) as usize].lock().unwrap_or_else(PoisonError::into_inner);
             debug_assert_eq!(slot.len() as u64, len);

@@ -6,6 +6,7 @@
 //! any other connection (another nonce), and the comparison takes the same time whatever bytes
 //! differ.
 
+use shoal_wire::{Epoch, PeerId, SessionId};
 use std::fmt;
 
 /// The key a run's secret derives: what the master checks proofs with and a peer makes them with.
@@ -29,6 +30,72 @@ impl RunKey {
     /// Whether `proof` answers `nonce`, in constant time.
     pub fn verify(&self, nonce: &[u8; 32], proof: &[u8; 32]) -> bool {
         blake3::keyed_hash(&self.0, nonce) == blake3::Hash::from_bytes(*proof)
+    }
+}
+
+/// The run's key for data connections, which the master draws for the run and hands each peer
+/// it registers (`Registered`): every connection a peer dials opens with a frame (`PeerHello`,
+/// `FetchRequest`) that carries a keyed hash of its fields and the session under this key. A
+/// stranger who reaches a peer's data port, even one that knows every member's id and address,
+/// cannot make one; with a run secret, no stranger is ever registered to learn the key.
+#[derive(Clone, PartialEq, Eq)]
+pub struct DataKey(pub [u8; 32]);
+
+impl DataKey {
+    /// The tag of a `PeerHello` with these fields.
+    pub fn hello(
+        &self,
+        session: SessionId,
+        from: PeerId,
+        to: PeerId,
+        epoch: Epoch,
+        stream: u16,
+        streams: u16,
+    ) -> [u8; 32] {
+        let mut h = blake3::Hasher::new_keyed(&self.0);
+        h.update(b"PeerHello");
+        h.update(&session.0.to_le_bytes());
+        h.update(&from.0.to_le_bytes());
+        h.update(&to.0.to_le_bytes());
+        h.update(&epoch.0.to_le_bytes());
+        h.update(&stream.to_le_bytes());
+        h.update(&streams.to_le_bytes());
+        *h.finalize().as_bytes()
+    }
+
+    /// The tag of a `FetchRequest` with these fields.
+    #[allow(clippy::too_many_arguments)]
+    pub fn fetch(
+        &self,
+        session: SessionId,
+        from: PeerId,
+        to: PeerId,
+        round: u64,
+        index: u32,
+        offset: u64,
+        len: u64,
+    ) -> [u8; 32] {
+        let mut h = blake3::Hasher::new_keyed(&self.0);
+        h.update(b"FetchRequest");
+        h.update(&session.0.to_le_bytes());
+        h.update(&from.0.to_le_bytes());
+        h.update(&to.0.to_le_bytes());
+        h.update(&round.to_le_bytes());
+        h.update(&index.to_le_bytes());
+        h.update(&offset.to_le_bytes());
+        h.update(&len.to_le_bytes());
+        *h.finalize().as_bytes()
+    }
+
+    /// Whether `mac` equals `expected`, in constant time.
+    pub fn matches(expected: [u8; 32], mac: &[u8; 32]) -> bool {
+        blake3::Hash::from_bytes(expected) == blake3::Hash::from_bytes(*mac)
+    }
+}
+
+impl fmt::Debug for DataKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("DataKey(..)")
     }
 }
 

@@ -1,7 +1,7 @@
 //! The simulated run: network, peers, faults, and the checks.
 
 use shoal_collective::ring::{RecvAction, RingAllReduce};
-use shoal_proto::auth::RunKey;
+use shoal_proto::auth::{DataKey, RunKey};
 use shoal_proto::master::Strategy;
 use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output};
 use shoal_proto::peer::{
@@ -317,7 +317,9 @@ struct Sim {
 /// Runs the scenario of `seed` to its end.
 pub fn run(seed: u64) -> Report {
     let base = Instant::now();
-    let config = MasterConfig { session: SESSION, heartbeat_timeout: HEARTBEAT_TIMEOUT, key: Some(run_key()) };
+    let data_key = DataKey([seed as u8; 32]);
+    let config =
+        MasterConfig { session: SESSION, heartbeat_timeout: HEARTBEAT_TIMEOUT, key: Some(run_key()), data_key };
     let mut sim = Sim {
         rng: Rng(seed),
         now: Duration::ZERO,
@@ -894,7 +896,20 @@ impl Sim {
         true
     }
 
+    /// Moves the collective's data; when nothing can move until the network delivers, tells the
+    /// peer so (as the real driver does before it sleeps), which may stop it.
     fn advance_op(&mut self, i: usize) -> bool {
+        if self.move_data(i) {
+            return true;
+        }
+        let at = self.instant();
+        let p = &mut self.peers[i];
+        let Some(id) = p.op.as_ref().filter(|op| !op.stopped).map(|op| op.id) else { return false };
+        p.proto.handle_collective(id, OpProgress::Stalled, at);
+        !p.proto.running(id)
+    }
+
+    fn move_data(&mut self, i: usize) -> bool {
         let p = &mut self.peers[i];
         let Some(op) = p.op.as_mut() else { return false };
         if op.stopped {

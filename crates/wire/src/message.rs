@@ -287,6 +287,9 @@ pub enum Message {
         session: SessionId,
         /// How often the master wants a sign of life, in milliseconds.
         heartbeat_ms: u32,
+        /// The run's key for data connections: every `PeerHello` and `FetchRequest` carries a
+        /// keyed hash under it, so a stranger who reaches a peer's data port cannot speak there.
+        data_key: [u8; 32],
     },
     /// Master → peer: the members of the run, in ring order; open your data connections.
     Topology {
@@ -410,6 +413,8 @@ pub enum Message {
         offset: u64,
         /// Bytes.
         len: u64,
+        /// Keyed hash of the fields above and the session under the run's data key.
+        mac: [u8; 32],
     },
     /// Peer → peer, first message on a data connection: who dials, whom, for which topology and
     /// stream.
@@ -424,6 +429,8 @@ pub enum Message {
         stream: u16,
         /// Size of the pool the dialer opens to this peer.
         streams: u16,
+        /// Keyed hash of the fields above and the session under the run's data key.
+        mac: [u8; 32],
     },
     /// Peer → peer on a data stream: the collective whose bytes follow.
     Op(OpHeader),
@@ -605,13 +612,14 @@ impl Message {
                 w.bool(*retryable);
                 w.str(reason);
             }
-            Message::FetchRequest { from, to, round, index, offset, len } => {
+            Message::FetchRequest { from, to, round, index, offset, len, mac } => {
                 w.u32(from.0);
                 w.u32(to.0);
                 w.u64(*round);
                 w.u32(*index);
                 w.u64(*offset);
                 w.u64(*len);
+                w.bytes(mac);
             }
             Message::Heartbeat | Message::Leave => {}
             Message::VotePeersPending { collectives } => w.u64(*collectives),
@@ -624,10 +632,11 @@ impl Message {
                 w.u64(epoch.0);
                 w.u32(peer.0);
             }
-            Message::Registered { peer, session, heartbeat_ms } => {
+            Message::Registered { peer, session, heartbeat_ms, data_key } => {
                 w.u32(peer.0);
                 w.u64(session.0);
                 w.u32(*heartbeat_ms);
+                w.bytes(data_key);
             }
             Message::PeerRemoved { peer } => w.u32(peer.0),
             Message::OpDone { epoch, seq, decided } => {
@@ -656,12 +665,13 @@ impl Message {
             }
             Message::PeersPendingResult { pending } => w.bool(*pending),
             Message::Kicked { reason } => w.str(reason),
-            Message::PeerHello { from, to, epoch, stream, streams } => {
+            Message::PeerHello { from, to, epoch, stream, streams, mac } => {
                 w.u32(from.0);
                 w.u32(to.0);
                 w.u64(epoch.0);
                 w.u16(*stream);
                 w.u16(*streams);
+                w.bytes(mac);
             }
             Message::Op(h) => {
                 w.u8(h.collective);
@@ -739,15 +749,19 @@ impl Message {
                 index: r.u32()?,
                 offset: r.u64()?,
                 len: r.u64()?,
+                mac: r.hash()?,
             },
             kind::TOPOLOGY_READY => Message::TopologyReady { epoch: Epoch(r.u64()?) },
             kind::VOTE_PEERS_PENDING => Message::VotePeersPending { collectives: r.u64()? },
             kind::PEERS_PENDING_ABORTED => Message::PeersPendingAborted { retry: r.bool("retry")?, reason: r.str()? },
             kind::LEAVE => Message::Leave,
             kind::PEER_UNREACHABLE => Message::PeerUnreachable { epoch: Epoch(r.u64()?), peer: PeerId(r.u32()?) },
-            kind::REGISTERED => {
-                Message::Registered { peer: PeerId(r.u32()?), session: SessionId(r.u64()?), heartbeat_ms: r.u32()? }
-            }
+            kind::REGISTERED => Message::Registered {
+                peer: PeerId(r.u32()?),
+                session: SessionId(r.u64()?),
+                heartbeat_ms: r.u32()?,
+                data_key: r.hash()?,
+            },
             kind::PEER_REMOVED => Message::PeerRemoved { peer: PeerId(r.u32()?) },
             kind::OP_DONE => Message::OpDone { epoch: Epoch(r.u64()?), seq: r.u64()?, decided: r.bool("decided")? },
             kind::OP_COMMITTED => Message::OpCommitted { epoch: Epoch(r.u64()?), seq: r.u64()? },
@@ -776,6 +790,7 @@ impl Message {
                 epoch: Epoch(r.u64()?),
                 stream: r.u16()?,
                 streams: r.u16()?,
+                mac: r.hash()?,
             },
             kind::OP => Message::Op(OpHeader {
                 collective: r.u8()?,
@@ -857,13 +872,14 @@ mod tests {
                 retryable,
                 reason
             }),
-            any::<(u32, u32, u64, u32, u64, u64)>().prop_map(|t| Message::FetchRequest {
+            (any::<(u32, u32, u64, u32, u64, u64)>(), any::<[u8; 32]>()).prop_map(|(t, mac)| Message::FetchRequest {
                 from: PeerId(t.0),
                 to: PeerId(t.1),
                 round: t.2,
                 index: t.3,
                 offset: t.4,
-                len: t.5
+                len: t.5,
+                mac,
             }),
         ]
     }
@@ -891,10 +907,8 @@ mod tests {
             Just(Message::Leave),
             (any::<u64>(), any::<u32>())
                 .prop_map(|(e, p)| Message::PeerUnreachable { epoch: Epoch(e), peer: PeerId(p) }),
-            (any::<u32>(), any::<u64>(), any::<u32>()).prop_map(|(p, s, h)| Message::Registered {
-                peer: PeerId(p),
-                session: SessionId(s),
-                heartbeat_ms: h,
+            (any::<u32>(), any::<u64>(), any::<u32>(), any::<[u8; 32]>()).prop_map(|(p, s, h, k)| {
+                Message::Registered { peer: PeerId(p), session: SessionId(s), heartbeat_ms: h, data_key: k }
             }),
             any::<u32>().prop_map(|p| Message::PeerRemoved { peer: PeerId(p) }),
             (any::<u64>(), any::<u64>(), any::<bool>())
@@ -910,9 +924,16 @@ mod tests {
             any::<u64>().prop_map(|e| Message::TopologyCommitted { epoch: Epoch(e) }),
             any::<bool>().prop_map(|pending| Message::PeersPendingResult { pending }),
             ".{0,100}".prop_map(|reason| Message::Kicked { reason }),
-            (any::<u32>(), any::<u32>(), any::<u64>(), any::<u16>(), any::<u16>()).prop_map(|(f, t, e, s, n)| {
-                Message::PeerHello { from: PeerId(f), to: PeerId(t), epoch: Epoch(e), stream: s, streams: n }
-            }),
+            (any::<u32>(), any::<u32>(), any::<u64>(), any::<u16>(), any::<u16>(), any::<[u8; 32]>()).prop_map(
+                |(f, t, e, s, n, mac)| Message::PeerHello {
+                    from: PeerId(f),
+                    to: PeerId(t),
+                    epoch: Epoch(e),
+                    stream: s,
+                    streams: n,
+                    mac
+                }
+            ),
             (any::<(u8, u64, u64, u64, u8, u8, u64)>()).prop_map(|t| Message::Op(OpHeader {
                 collective: t.0,
                 epoch: Epoch(t.1),

@@ -15,7 +15,7 @@ mod ops;
 mod sync;
 mod timers;
 
-use crate::auth::RunKey;
+use crate::auth::{DataKey, RunKey};
 use crate::ballot::Ballot;
 pub use ops::MAX_TRACKED_OPS;
 use shoal_wire::{Epoch, GroupId, Member, Message, PeerId, SessionId, Vote};
@@ -42,6 +42,9 @@ pub struct MasterConfig {
     /// The key of the run's secret: a `Join` must prove it (`crate::auth`). `None`: anyone who
     /// reaches the master may join.
     pub key: Option<RunKey>,
+    /// The run's key for data connections, handed to every peer it registers: random, drawn by
+    /// the driver for the run.
+    pub data_key: DataKey,
 }
 
 /// What the driver must do.
@@ -392,7 +395,8 @@ impl Master {
         self.outputs.push_back(Output::Event(MasterEvent::PeerRegistered { peer, group, addr: data_addr }));
         let heartbeat_ms =
             heartbeat_interval(self.config.heartbeat_timeout).as_millis().clamp(1, u32::MAX.into()) as u32;
-        self.send(conn, Message::Registered { peer, session: self.config.session, heartbeat_ms });
+        let data_key = self.config.data_key.0;
+        self.send(conn, Message::Registered { peer, session: self.config.session, heartbeat_ms, data_key });
         self.arm_heartbeat_check();
         self.admit_without_vote_if_alone();
     }

@@ -1,7 +1,7 @@
 //! Scenario tests of the master state machine: inputs in, outputs checked, no IO.
 
 use super::*;
-use crate::auth::RunKey;
+use crate::auth::{DataKey, RunKey};
 use shoal_wire::{FailureKind, OpFailure, PlanEntry, StateDigest};
 
 const SESSION: SessionId = SessionId(77);
@@ -17,7 +17,8 @@ impl Harness {
     }
     fn with_key(key: Option<RunKey>) -> Self {
         let now = Instant::now();
-        let config = MasterConfig { session: SESSION, heartbeat_timeout: Duration::from_secs(2), key };
+        let data_key = DataKey([4; 32]);
+        let config = MasterConfig { session: SESSION, heartbeat_timeout: Duration::from_secs(2), key, data_key };
         Harness { master: Master::new(config, now), now }
     }
     fn send(&mut self, conn: u64, m: Message) -> Vec<Output> {
@@ -87,7 +88,10 @@ fn run_with(n: u64) -> (Harness, Epoch) {
 fn first_peer_is_admitted_without_a_vote() {
     let mut h = Harness::new();
     let out = h.join(1);
-    assert_eq!(sent_to(&out, 1)[0], &Message::Registered { peer: PeerId(0), session: SESSION, heartbeat_ms: 500 });
+    assert_eq!(
+        sent_to(&out, 1)[0],
+        &Message::Registered { peer: PeerId(0), session: SESSION, heartbeat_ms: 500, data_key: [4; 32] }
+    );
     let epoch = issued_epoch(&out, 1).unwrap();
     let out = h.send(1, Message::TopologyReady { epoch });
     assert_eq!(sent_to(&out, 1), vec![&Message::TopologyCommitted { epoch }]);

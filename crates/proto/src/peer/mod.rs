@@ -21,7 +21,7 @@ pub use view::{
     VoteAbort, VoteOpen,
 };
 
-use crate::auth::RunKey;
+use crate::auth::{DataKey, RunKey};
 use crate::master::heartbeat_interval;
 use shoal_wire::{Epoch, FailureKind, GroupId, Message, OpFailure, PeerId, PlanEntry, SessionId, StateDigest, Vote};
 use std::collections::VecDeque;
@@ -107,6 +107,9 @@ pub enum Action {
         me: PeerId,
         /// The run.
         session: SessionId,
+        /// The run's key for data connections: what we dial opens with a frame tagged under
+        /// it, and what we accept must be.
+        data_key: DataKey,
     },
     /// Open the connections of this issued topology, then [`Peer::handle_established`]. Give up
     /// (with [`Established::Superseded`]) once [`Peer::superseded`] says so.
@@ -227,6 +230,10 @@ pub enum OpProgress {
     LapBroken(String),
     /// It failed here: report to the master.
     Failed(OpFailure),
+    /// Nothing moves until the network delivers (the data plane is about to sleep): whatever
+    /// stops the collective short of the master's decision (a removed member, a vote it can never
+    /// complete against) stops it now.
+    Stalled,
 }
 
 /// Where a collective stands.
@@ -377,7 +384,8 @@ impl Peer {
     }
 
     /// Whether collective `op` still wants its data (or, in its lap, its tokens) moved. Once it
-    /// does not, the data plane stops and waits for [`Action::Done`].
+    /// does not, the data plane stops and waits for [`Action::Done`]. A data plane about to sleep
+    /// reports [`OpProgress::Stalled`] first.
     pub fn running(&self, op: OpId) -> bool {
         matches!(&self.call, Call::Collective { op: o, stage: OpStage::Running | OpStage::Lap, .. } if *o == op)
     }
@@ -520,6 +528,10 @@ impl Peer {
             }
             (OpProgress::LapBroken(reason), OpStage::Lap) => self.ask(&reason, now),
             (OpProgress::Failed(failure), OpStage::Running) => self.report(failure, now),
+            (OpProgress::Stalled, stage @ (OpStage::Running | OpStage::Lap)) => {
+                let Call::Collective { deadline, members, .. } = self.call.clone() else { unreachable!() };
+                self.step_collective(deadline, op, &members, stage, now, true);
+            }
             // The peer stopped it already (a verdict, a lost member, the bound): its decision stands.
             _ => {}
         }
@@ -693,7 +705,8 @@ impl Peer {
             },
             Call::Registering { deadline, join: None } => match self.view.registered {
                 Some((me, session)) => {
-                    self.actions.push_back(Action::Registered { me, session });
+                    let data_key = self.view.data_key.clone().expect("registered with the run's data key");
+                    self.actions.push_back(Action::Registered { me, session, data_key });
                     let purpose = Purpose::Connect;
                     self.call = Call::Topology { deadline, purpose, handled: None, establishing: None };
                     true
@@ -741,7 +754,7 @@ impl Peer {
             }
             Call::Sync { deadline, stage } => self.step_sync(deadline, stage, now),
             Call::Collective { deadline, op, members, stage } => {
-                self.step_collective(deadline, op, &members, stage, now)
+                self.step_collective(deadline, op, &members, stage, now, false)
             }
         }
     }
@@ -783,6 +796,11 @@ impl Peer {
         }
     }
 
+    /// One move of collective `op`. The master's decision and the bound stop it at once; a
+    /// removed member or a vote it can never complete against only once the data plane is
+    /// `stalled` (has nothing to move until the network delivers): while bytes still flow the
+    /// collective may complete without the member, whose part may all be in flight.
+    #[allow(clippy::too_many_arguments)]
     fn step_collective(
         &mut self,
         deadline: Instant,
@@ -790,6 +808,7 @@ impl Peer {
         members: &[PeerId],
         stage: OpStage,
         now: Instant,
+        stalled: bool,
     ) -> bool {
         let (epoch, seq) = (op.epoch, op.seq.0);
         match stage {
@@ -800,14 +819,14 @@ impl Peer {
                         self.finish(Err(CallError::Aborted { op, failure }));
                         return true;
                     }
-                    Some(Interrupt::Blocked(why)) => OpFailure::new(FailureKind::Misuse, me, why),
-                    Some(Interrupt::MemberLost(peer)) => {
+                    Some(Interrupt::Blocked(why)) if stalled => OpFailure::new(FailureKind::Misuse, me, why),
+                    Some(Interrupt::MemberLost(peer)) if stalled => {
                         OpFailure::new(FailureKind::PeerLost, peer, "the master removed it from the run")
                     }
-                    None if now >= deadline => {
+                    _ if now >= deadline => {
                         OpFailure::new(FailureKind::Timeout, me, format!("{me}: {op} did not end in time"))
                     }
-                    None => return false,
+                    _ => return false,
                 };
                 self.report(failure, now);
                 true
@@ -815,9 +834,11 @@ impl Peer {
             OpStage::Lap => {
                 match self.view.lap_interrupt(epoch, seq, members) {
                     Some(LapInterrupt::Verdict(v)) => self.verdict(op, v, None),
-                    Some(LapInterrupt::MemberLost(peer)) => self.ask(&format!("the master removed {peer}"), now),
-                    None if now >= deadline => self.ask("its bound passed", now),
-                    None => return false,
+                    Some(LapInterrupt::MemberLost(peer)) if stalled => {
+                        self.ask(&format!("the master removed {peer}"), now)
+                    }
+                    _ if now >= deadline => self.ask("its bound passed", now),
+                    _ => return false,
                 }
                 true
             }

@@ -2,7 +2,7 @@
 //! when its calls end. `crates/sim` runs the same machine through thousands of faulty runs.
 
 use super::*;
-use crate::auth::RunKey;
+use crate::auth::{DataKey, RunKey};
 use shoal_wire::{Member, SessionId};
 
 const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -34,11 +34,14 @@ fn joined(ring: &[u32]) -> (Peer, Instant) {
     assert!(sent(&mut p).is_empty(), "Join waits for the master's challenge");
     p.handle_message(Message::Challenge { nonce: [3; 32] }, t0).unwrap();
     assert_eq!(sent(&mut p), vec![Message::Join { group: GroupId(0), data_addr: "h:0".into(), proof: [0; 32] }]);
-    let registered = Message::Registered { peer: PeerId(0), session: SessionId(7), heartbeat_ms: 100 };
+    let registered =
+        Message::Registered { peer: PeerId(0), session: SessionId(7), heartbeat_ms: 100, data_key: [5; 32] };
     p.handle_message(registered, t0).unwrap();
     p.handle_message(Message::Topology { epoch: Epoch(1), members: members(ring) }, t0).unwrap();
     let position = match &actions(&mut p)[..] {
-        [Action::Registered { me: PeerId(0), session: SessionId(7) }, Action::Establish { position, .. }] => {
+        [Action::Registered { me: PeerId(0), session: SessionId(7), data_key }, Action::Establish { position, .. }]
+            if *data_key == DataKey([5; 32]) =>
+        {
             position.clone()
         }
         other => panic!("expected registration, then establish: {other:?}"),
@@ -85,15 +88,20 @@ fn heartbeats_follow_the_master_and_a_silent_master_ends_the_call() {
     assert_eq!(p.poll_timeout(), None, "nothing more to time");
 }
 
-/// A participant the master removed never closes its streams (frozen, cut off): the collective
-/// stops, the failure is reported, and the verdict ends the call on every participant alike.
+/// A participant the master removed never closes its streams (frozen, cut off): once the data
+/// plane stalls, the collective stops, the failure is reported, and the verdict ends the call on
+/// every participant alike. While bytes still flow it goes on: the removed member's part may all
+/// be in flight, and the collective complete without it.
 #[test]
-fn a_removed_member_stops_the_collective_and_the_verdict_ends_it() {
+fn a_removed_member_stops_the_collective_once_it_stalls_and_the_verdict_ends_it() {
     let (mut p, t0) = joined(&[0, 1, 2]);
     let op = start_collective(&mut p, t0);
     assert_eq!(op, OpId { epoch: Epoch(1), seq: Seq(0) });
     assert!(p.running(op));
     p.handle_message(Message::PeerRemoved { peer: PeerId(2) }, t0).unwrap();
+    assert!(p.running(op), "bytes may still be flowing");
+    assert!(sent(&mut p).is_empty());
+    p.handle_collective(op, OpProgress::Stalled, t0);
     assert!(!p.running(op), "the data plane must stop");
     let failed = sent(&mut p);
     assert!(
@@ -159,6 +167,7 @@ fn without_a_verdict_a_failure_stands_and_a_question_times_out() {
     let op = start_collective(&mut p, after);
     p.handle_collective(op, OpProgress::DataDone, after);
     p.handle_message(Message::PeerRemoved { peer: PeerId(1) }, after).unwrap();
+    p.handle_collective(op, OpProgress::Stalled, after);
     assert_eq!(sent(&mut p).last(), Some(&Message::OpDone { epoch: Epoch(1), seq: 1, decided: false }));
     // Asked at `after`, within the call's bound: the answer may take that bound and a heartbeat
     // timeout more.

@@ -1,5 +1,6 @@
 //! A peer's view of the protocol: what the master has told it, and where it stands in its ring.
 
+use crate::auth::DataKey;
 use shoal_wire::{Epoch, FailureKind, GroupId, Member, Message, OpFailure, PeerId, PlanEntry, SessionId, Vote};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
@@ -27,6 +28,8 @@ pub struct PeerView {
     pub pending_result: Option<bool>,
     /// Why the master expelled us, if it did.
     pub kicked: Option<String>,
+    /// The run's key for data connections, once registered.
+    pub data_key: Option<DataKey>,
     /// The nonce the master challenged us with.
     pub challenge: Option<[u8; 32]>,
     /// Why the master refused our proof of the run's secret, if it did.
@@ -233,11 +236,12 @@ impl PeerView {
         let unexpected = |why| Err(UnexpectedMessage { got: message.name(), why });
         Ok(match message {
             Message::Heartbeat => PeerEvent::Nothing,
-            Message::Registered { peer, session, heartbeat_ms } => {
+            Message::Registered { peer, session, heartbeat_ms, data_key } => {
                 if self.registered.is_some() {
                     return unexpected("already registered");
                 }
                 self.registered = Some((peer, session));
+                self.data_key = Some(DataKey(data_key));
                 self.heartbeat_interval = Some(Duration::from_millis(heartbeat_ms.max(1).into()));
                 PeerEvent::Registered
             }
@@ -597,7 +601,13 @@ mod tests {
     /// Peer 0, registered, in no topology yet.
     fn registered_alone() -> PeerView {
         let mut v = PeerView::default();
-        v.handle_message(Message::Registered { peer: PeerId(0), session: SessionId(1), heartbeat_ms: 100 }).unwrap();
+        v.handle_message(Message::Registered {
+            peer: PeerId(0),
+            session: SessionId(1),
+            heartbeat_ms: 100,
+            data_key: [0; 32],
+        })
+        .unwrap();
         v
     }
 
@@ -614,7 +624,13 @@ mod tests {
     #[test]
     fn ring_position_is_taken_within_our_group() {
         let mut v = PeerView::default();
-        v.handle_message(Message::Registered { peer: PeerId(3), session: SessionId(1), heartbeat_ms: 100 }).unwrap();
+        v.handle_message(Message::Registered {
+            peer: PeerId(3),
+            session: SessionId(1),
+            heartbeat_ms: 100,
+            data_key: [0; 32],
+        })
+        .unwrap();
         let members = vec![member(1, 0), member(2, 1), member(3, 0), member(4, 0)];
         let ev = v.handle_message(Message::Topology { epoch: Epoch(2), members: members.clone() });
         assert_eq!(ev, Ok(PeerEvent::TopologyIssued(Epoch(2))));
