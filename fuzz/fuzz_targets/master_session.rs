@@ -1,0 +1,118 @@
+//! The master state machine driven by many connections at once: connects, every kind of peer
+//! message with small ids and epochs (so that they often fit the state), disconnects and the
+//! passing of time, in any order. It must never panic, whatever a connection sends, and its ring
+//! only ever holds peers it knows.
+#![no_main]
+
+use libfuzzer_sys::arbitrary::{self, Arbitrary};
+use libfuzzer_sys::fuzz_target;
+use shoal_proto::auth::{DataKey, RunKey};
+use shoal_proto::master::{ConnId, Master, MasterConfig};
+use shoal_wire::{Epoch, FailureKind, GroupId, Message, OpFailure, PeerId, SessionId, StateDigest};
+use std::time::{Duration, Instant};
+
+const SESSION: SessionId = SessionId(7);
+
+#[derive(Debug, Arbitrary)]
+enum Step {
+    Connect(u8),
+    Disconnect(u8),
+    Wait(u16),
+    Send { conn: u8, wrong_session: bool, message: Msg },
+}
+
+#[derive(Debug, Arbitrary)]
+enum Msg {
+    Join { group: u8, proven: bool },
+    Heartbeat,
+    VoteUpdateTopology(u8),
+    VotePeersPending(u8),
+    TopologyReady(u8),
+    PeerUnreachable(u8, u8),
+    OpDone(u8, u8, bool),
+    OpFailed(u8, u8, u8, u8),
+    SyncVote { revision: u8, strategy: u8, override_resume: bool, tensors: u8, hash: u8, collectives: u8 },
+    SyncDone(u8),
+    SyncFailed(u8),
+    Leave,
+    Other(u8),
+}
+
+fn message(m: Msg, key: &RunKey, conn: ConnId) -> Message {
+    match m {
+        Msg::Join { group, proven } => {
+            let proof = if proven { key.prove(&nonce(conn)) } else { [0; 32] };
+            Message::Join { group: GroupId(group.into()), data_addr: format!("h:{}", conn.0), proof }
+        }
+        Msg::Heartbeat => Message::Heartbeat,
+        Msg::VoteUpdateTopology(c) => Message::VoteUpdateTopology { collectives: c.into() },
+        Msg::VotePeersPending(c) => Message::VotePeersPending { collectives: c.into() },
+        Msg::TopologyReady(e) => Message::TopologyReady { epoch: Epoch(e.into()) },
+        Msg::PeerUnreachable(e, p) => Message::PeerUnreachable { epoch: Epoch(e.into()), peer: PeerId(p.into()) },
+        Msg::OpDone(e, seq, decided) => Message::OpDone { epoch: Epoch(e.into()), seq: seq.into(), decided },
+        Msg::OpFailed(e, seq, kind, peer) => {
+            let kind = [FailureKind::PeerLost, FailureKind::Mismatch, FailureKind::Timeout, FailureKind::Misuse]
+                [usize::from(kind) % 4];
+            let failure = OpFailure::new(kind, PeerId(peer.into()), "fuzz");
+            Message::OpFailed { epoch: Epoch(e.into()), seq: seq.into(), failure }
+        }
+        Msg::SyncVote { revision, strategy, override_resume, tensors, hash, collectives } => Message::SyncVote {
+            revision: revision.into(),
+            strategy: strategy % 4,
+            override_resume,
+            entries: (0..tensors % 4)
+                .map(|i| StateDigest {
+                    name: format!("t{i}"),
+                    dtype: 1,
+                    shape: vec![u64::from(i)],
+                    hash: [hash.wrapping_add(i); 32],
+                    may_differ: hash % 3 == i,
+                })
+                .collect(),
+            collectives: collectives.into(),
+        },
+        Msg::SyncDone(round) => Message::SyncDone { round: round.into() },
+        Msg::SyncFailed(round) => Message::SyncFailed { round: round.into(), reason: "fuzz".into() },
+        Msg::Leave => Message::Leave,
+        // A master-to-peer message, which a peer never sends.
+        Msg::Other(p) => Message::PeerRemoved { peer: PeerId(p.into()) },
+    }
+}
+
+fn nonce(conn: ConnId) -> [u8; 32] {
+    [conn.0 as u8; 32]
+}
+
+fuzz_target!(|steps: Vec<Step>| {
+    let key = RunKey::from_secret(b"fuzz");
+    let t0 = Instant::now();
+    let config = MasterConfig {
+        session: SESSION,
+        heartbeat_timeout: Duration::from_secs(2),
+        key: Some(key.clone()),
+        data_key: DataKey([1; 32]),
+    };
+    let mut master = Master::new(config, t0);
+    let mut now = t0;
+    for step in steps.into_iter().take(512) {
+        match step {
+            Step::Connect(c) => {
+                let conn = ConnId((c % 16).into());
+                master.handle_connect(now, conn, nonce(conn));
+            }
+            Step::Disconnect(c) => master.handle_disconnect(now, ConnId((c % 16).into()), "fuzz"),
+            Step::Wait(ms) => {
+                now += Duration::from_millis(ms.into());
+                master.handle_timeout(now);
+            }
+            Step::Send { conn, wrong_session, message: m } => {
+                let conn = ConnId((conn % 16).into());
+                let session = if wrong_session { SessionId(8) } else { SESSION };
+                master.handle_message(now, conn, session, message(m, &key, conn));
+            }
+        }
+        while master.poll_output().is_some() {}
+        let known: Vec<PeerId> = master.peers().map(|(p, _)| p).collect();
+        assert!(master.ring().iter().all(|p| known.contains(p)), "the ring holds a peer the master forgot");
+    }
+});
