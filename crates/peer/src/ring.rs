@@ -214,25 +214,19 @@ fn drive<L: Lane>(
         }
         let mut fds: Vec<PollFd> = Vec::with_capacity(send.len() + recv.len() + 1);
         let mut unpollable = false;
-        for (i, lane) in recv.iter().enumerate() {
-            match lane.pollable() {
-                Some(fd) => {
-                    let mut fd = PollFd::from_raw(fd);
-                    fd.want_read = exec.wants_read(i);
-                    fds.push(fd);
-                }
-                None => unpollable = true,
+        let mut watch = |lane: &L, want_read: bool, want_write: bool| match lane.pollable() {
+            Some(fd) => {
+                let mut fd = PollFd::from_raw(fd);
+                (fd.want_read, fd.want_write) = (want_read, want_write);
+                fds.push(fd);
             }
+            None => unpollable = true,
+        };
+        for (i, lane) in recv.iter().enumerate() {
+            watch(lane, exec.wants_read(i), false);
         }
         for (i, lane) in send.iter().enumerate() {
-            match lane.pollable() {
-                Some(fd) => {
-                    let mut fd = PollFd::from_raw(fd);
-                    fd.want_write = exec.wants_write(i);
-                    fds.push(fd);
-                }
-                None => unpollable = true,
-            }
+            watch(lane, false, exec.wants_write(i));
         }
         let mut wake = PollFd::new(waker.fd());
         wake.want_read = true;

@@ -600,14 +600,15 @@ mod tests {
 
     /// Peer 0, registered, in no topology yet.
     fn registered_alone() -> PeerView {
+        registered(0)
+    }
+
+    /// Peer `p`, registered, in no topology yet.
+    fn registered(p: u32) -> PeerView {
         let mut v = PeerView::default();
-        v.handle_message(Message::Registered {
-            peer: PeerId(0),
-            session: SessionId(1),
-            heartbeat_ms: 100,
-            data_key: [0; 32],
-        })
-        .unwrap();
+        let message =
+            Message::Registered { peer: PeerId(p), session: SessionId(1), heartbeat_ms: 100, data_key: [0; 32] };
+        v.handle_message(message).unwrap();
         v
     }
 
@@ -623,14 +624,7 @@ mod tests {
 
     #[test]
     fn ring_position_is_taken_within_our_group() {
-        let mut v = PeerView::default();
-        v.handle_message(Message::Registered {
-            peer: PeerId(3),
-            session: SessionId(1),
-            heartbeat_ms: 100,
-            data_key: [0; 32],
-        })
-        .unwrap();
+        let mut v = registered(3);
         let members = vec![member(1, 0), member(2, 1), member(3, 0), member(4, 0)];
         let ev = v.handle_message(Message::Topology { epoch: Epoch(2), members: members.clone() });
         assert_eq!(ev, Ok(PeerEvent::TopologyIssued(Epoch(2))));
