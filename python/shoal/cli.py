@@ -35,14 +35,15 @@ def _master(argv: Sequence[str]) -> None:
         except OSError as e:
             raise SystemExit(f"shoal master: cannot read the secret file: {e}") from None
     master = shoal.Master(args.listen, secret=secret, heartbeat_timeout=args.heartbeat_timeout)
+    # The handlers come first: whoever reads the line below may signal at once.
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     try:
         master.start()
     except OSError as e:
         raise SystemExit(f"shoal master: {e}")
     print(f"shoal master listening on {master.address}", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(0.5):
         pass
     master.stop()
