@@ -52,15 +52,13 @@ impl DataKey {
         stream: u16,
         streams: u16,
     ) -> [u8; 32] {
-        let mut h = blake3::Hasher::new_keyed(&self.0);
-        h.update(b"PeerHello");
-        h.update(&session.0.to_le_bytes());
-        h.update(&from.0.to_le_bytes());
-        h.update(&to.0.to_le_bytes());
-        h.update(&epoch.0.to_le_bytes());
-        h.update(&stream.to_le_bytes());
-        h.update(&streams.to_le_bytes());
-        *h.finalize().as_bytes()
+        self.tag(
+            b"PeerHello",
+            session,
+            from,
+            to,
+            &[&epoch.0.to_le_bytes(), &stream.to_le_bytes(), &streams.to_le_bytes()],
+        )
     }
 
     /// The tag of a `FetchRequest` with these fields.
@@ -75,15 +73,22 @@ impl DataKey {
         offset: u64,
         len: u64,
     ) -> [u8; 32] {
+        let fields: [&[u8]; 4] =
+            [&round.to_le_bytes(), &index.to_le_bytes(), &offset.to_le_bytes(), &len.to_le_bytes()];
+        self.tag(b"FetchRequest", session, from, to, &fields)
+    }
+
+    /// The keyed hash of a greeting of kind `what` from `from` to `to` in `session`, and its
+    /// other fields (fixed-width, so no two field lists hash alike).
+    fn tag(&self, what: &[u8], session: SessionId, from: PeerId, to: PeerId, fields: &[&[u8]]) -> [u8; 32] {
         let mut h = blake3::Hasher::new_keyed(&self.0);
-        h.update(b"FetchRequest");
+        h.update(what);
         h.update(&session.0.to_le_bytes());
         h.update(&from.0.to_le_bytes());
         h.update(&to.0.to_le_bytes());
-        h.update(&round.to_le_bytes());
-        h.update(&index.to_le_bytes());
-        h.update(&offset.to_le_bytes());
-        h.update(&len.to_le_bytes());
+        for field in fields {
+            h.update(field);
+        }
         *h.finalize().as_bytes()
     }
 

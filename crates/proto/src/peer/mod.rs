@@ -342,11 +342,6 @@ impl Peer {
         }
     }
 
-    /// What the master has told us.
-    pub fn view(&self) -> &PeerView {
-        &self.view
-    }
-
     /// Our id and the run's session, once registered.
     pub fn registered(&self) -> Option<(PeerId, SessionId)> {
         self.view.registered
