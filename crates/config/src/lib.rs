@@ -17,6 +17,7 @@ pub const KNOWN_VARS: &[(&str, &str)] = &[
     ("SHOAL_HEARTBEAT_TIMEOUT", "seconds a silent peer or master is tolerated (float)"),
     ("SHOAL_CONNECTIONS", "TCP connections per peer pair"),
     ("SHOAL_CHUNK_BYTES", "pipeline chunk size of the ring in bytes"),
+    ("SHOAL_MAX_IN_FLIGHT", "most collectives in flight at once per communicator (default 64)"),
     ("SHOAL_ALGO", "force an all-reduce algorithm (ring)"),
     ("SHOAL_ADVERTISE_ADDR", "host[:port] other peers should dial to reach this peer"),
     ("SHOAL_SECRET", "run credentials"),

@@ -31,6 +31,9 @@ pub struct CommunicatorConfig {
     pub timeout: Duration,
     /// The run's secret (`SHOAL_SECRET`), proved to the master when joining; never sent.
     pub secret: Option<Vec<u8>>,
+    /// Most collectives in flight at once (`SHOAL_MAX_IN_FLIGHT`); a call beyond waits for one to
+    /// end.
+    pub max_in_flight: usize,
 }
 
 /// Default TCP connections to a peer on another host. Parallel streams get past per-flow
@@ -44,6 +47,10 @@ pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(15);
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
 /// Most connections per pair: each costs a socket pair and buffers on both ends.
 pub const MAX_CONNECTIONS: usize = 64;
+/// Default for [`CommunicatorConfig::max_in_flight`].
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 64;
+/// Most collectives in flight the setting allows: each holds its scratch and backup.
+pub const MAX_IN_FLIGHT: usize = 1024;
 /// Smallest pipeline chunk: below this, per-chunk overhead dominates.
 pub const MIN_CHUNK_BYTES: usize = 4096;
 
@@ -63,6 +70,7 @@ impl CommunicatorConfig {
             heartbeat_timeout: env_seconds("SHOAL_HEARTBEAT_TIMEOUT")?.unwrap_or(DEFAULT_HEARTBEAT_TIMEOUT),
             timeout: env_seconds("SHOAL_TIMEOUT")?.unwrap_or(DEFAULT_TIMEOUT),
             secret: env_value("SHOAL_SECRET").map(String::into_bytes),
+            max_in_flight: env_count("SHOAL_MAX_IN_FLIGHT")?.unwrap_or(DEFAULT_MAX_IN_FLIGHT),
         };
         if let Some(algo) = env_value("SHOAL_ALGO") {
             if algo != "ring" {
@@ -100,6 +108,9 @@ impl CommunicatorConfig {
         let bad = |s: String| Err(crate::Error::InvalidArgument(s));
         if let Some(n) = self.connections.filter(|n| !(1..=MAX_CONNECTIONS).contains(n)) {
             return bad(format!("connections={n} outside 1..={MAX_CONNECTIONS}"));
+        }
+        if !(1..=MAX_IN_FLIGHT).contains(&self.max_in_flight) {
+            return bad(format!("max_in_flight={} outside 1..={MAX_IN_FLIGHT}", self.max_in_flight));
         }
         if self.chunk_bytes < MIN_CHUNK_BYTES {
             return bad(format!("chunk_bytes={} below {MIN_CHUNK_BYTES}", self.chunk_bytes));

@@ -4,7 +4,6 @@
 //! the state machine's; this module moves bytes and wakes threads.
 
 use crate::error::{Error, Result};
-use shoal_proto::auth::RunKey;
 use shoal_proto::peer::{Action, Gone, Peer, PeerConfig};
 use shoal_transport::{read_message, write_message, TransportError};
 use shoal_wire::{Message, SessionId};
@@ -34,7 +33,7 @@ impl Waker {
         Ok(Waker { rx, tx })
     }
 
-    fn wake(&self) {
+    pub fn wake(&self) {
         // A full pipe already holds a wake-up.
         let _ = (&self.tx).write(&[1]);
     }
@@ -62,12 +61,8 @@ pub(crate) struct Control {
 
 impl Control {
     /// Starts the reader and timer threads over `stream`.
-    pub fn start(
-        master_addr: &str,
-        stream: TcpStream,
-        heartbeat_timeout: Duration,
-        key: Option<RunKey>,
-    ) -> Result<Arc<Self>> {
+    pub fn start(master_addr: &str, stream: TcpStream, config: PeerConfig) -> Result<Arc<Self>> {
+        let heartbeat_timeout = config.heartbeat_timeout;
         let io_err = |source| Error::Io { context: "configuring the master connection".into(), source };
         // A frozen master must not block a write (and so a call) for longer than it takes to
         // declare the master lost.
@@ -78,7 +73,7 @@ impl Control {
             master_addr: master_addr.to_string(),
             waker,
             writer: Mutex::new(stream),
-            peer: Mutex::new(Peer::new(PeerConfig { heartbeat_timeout, key }, Instant::now())),
+            peer: Mutex::new(Peer::new(config, Instant::now())),
             changed: Condvar::new(),
         });
         let c = Arc::clone(&control);
@@ -198,6 +193,11 @@ impl Control {
         }
     }
 
+    /// The state machine's next action, if it has one.
+    pub fn poll_action(&self) -> Option<Action> {
+        self.lock().poll_action()
+    }
+
     /// Fails if the master is lost or has expelled us, or we left.
     pub fn check_connected(&self) -> Result<()> {
         match self.lock().gone() {
@@ -290,12 +290,13 @@ mod tests {
             s.shutdown(Shutdown::Both).unwrap();
         });
         let stream = shoal_transport::connect(&addr, Duration::from_secs(1)).unwrap();
-        let control = Control::start(&addr, stream, Duration::from_secs(10), None).unwrap();
+        let config = PeerConfig { heartbeat_timeout: Duration::from_secs(10), key: None, max_in_flight: 1 };
+        let control = Control::start(&addr, stream, config).unwrap();
         control.input(|p, now| p.connect(GroupId(0), "127.0.0.1:1".into(), Duration::from_secs(5), now));
         master.join().unwrap();
         let outcome = loop {
             match control.next_action() {
-                Action::Done(result) => break result,
+                Action::Done { result, .. } => break result,
                 _ => continue,
             }
         };

@@ -18,10 +18,10 @@ mod communicator;
 mod config;
 mod control;
 mod deadline;
+mod engine;
 mod error;
 mod failpoint;
 mod links;
-mod ring;
 mod sync;
 
 pub use communicator::{Communicator, Info};

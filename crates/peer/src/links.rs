@@ -76,10 +76,10 @@ pub(crate) struct DataPlane {
     pub outgoing: BTreeMap<PeerId, Vec<TcpStream>>,
     /// Streams the peer dialed to us: we receive on them.
     pub incoming: BTreeMap<PeerId, Vec<TcpStream>>,
-    /// Receive buffers of the collectives, kept so that each call does not allocate them.
-    pub scratch: Vec<Vec<u64>>,
-    /// What collectives overwrote, to put back if they fail.
-    pub backup: crate::ring::Backup,
+    /// The engine of the topology our calls run in, over its pools to our ring neighbours.
+    pub exec: Option<crate::engine::Exec<TcpStream>>,
+    /// The collectives called and not yet returned, and how calls ended.
+    pub calls: crate::communicator::Calls,
 }
 
 impl Listener {

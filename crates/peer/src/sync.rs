@@ -109,13 +109,13 @@ impl Communicator {
         tensors.sort_by(|a, b| a.name.cmp(&b.name));
         let entries = digest(tensors)?;
         let bound = self.config.timeout;
-        let mut data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut data = self.lock_data();
         let ballot = SyncBallot { revision: Revision(revision), strategy: strategy as u8, override_resume, entries };
-        c.control.own_input(|p, now| p.call(CallKind::SyncSharedState(ballot), bound, now));
+        let call = c.control.own_input(|p, now| p.call(CallKind::SyncSharedState(ballot), bound, now));
         let (sent_bytes, sent_to) = (AtomicU64::new(0), Mutex::new(BTreeSet::new()));
         let mut fetched = None;
         let mut wanted = Vec::new();
-        let ended = self.drive(&c.control, &c.listener, &mut data, "sync_shared_state", |_, action| {
+        let ended = self.run_call(&c.control, &c.listener, &mut data, call, "sync_shared_state", |_, action| {
             let Action::Fetch { round, entries, .. } = action else {
                 unreachable!("sync_shared_state asked for {action:?}")
             };
@@ -164,7 +164,7 @@ impl Communicator {
                 fetched = Some(result);
                 c.control.own_input(|p, now| p.handle_fetched(round, report, now));
                 let ended = match c.control.next_action() {
-                    Action::Done(result) => result,
+                    Action::Done { call: ended, result } if ended == call => result,
                     action => unreachable!("sync_shared_state asked for {action:?} after its plan"),
                 };
                 stop.store(true, Ordering::Relaxed);
@@ -174,7 +174,7 @@ impl Communicator {
         let revision = match ended {
             Ok(Value::Synced(revision)) => revision.0,
             Ok(other) => unreachable!("sync_shared_state returned {other:?}"),
-            Err(e) => return Err(self.call_error(&c.control, e, "sync_shared_state", bound)),
+            Err(e) => return Err(crate::communicator::call_error(&c.control, e, "sync_shared_state", bound)),
         };
         // The master says every participant holds the elected state: ours too.
         let fetched = fetched

@@ -58,7 +58,14 @@ pub struct PeerConfig {
     pub heartbeat_timeout: Duration,
     /// The key of the run's secret, proved in `Join` (`crate::auth`); `None` proves nothing.
     pub key: Option<RunKey>,
+    /// Most collectives in flight at once; later ones wait in [`Peer::call`]'s queue.
+    pub max_in_flight: usize,
 }
+
+/// A call of the application: [`Peer::connect`] and [`Peer::call`] name each, and
+/// [`Action::Done`] ends it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct CallId(pub u64);
 
 /// A call of the application, after the peer joined ([`Peer::call`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -122,8 +129,10 @@ pub enum Action {
     /// This topology, whose connections were established, is in force: calls run in it now.
     TakeUp(RingPosition),
     /// Move collective `op`'s data with the ring of `position` while [`Peer::running`] says so,
-    /// then report with [`Peer::handle_collective`].
+    /// then report with [`Peer::handle_collective`]. Several may be in flight at once.
     RunCollective {
+        /// The call it belongs to.
+        call: CallId,
         /// The collective.
         op: OpId,
         /// Our place in its ring.
@@ -142,7 +151,12 @@ pub enum Action {
         entries: Vec<PlanEntry>,
     },
     /// The call ended.
-    Done(Result<Value, CallError>),
+    Done {
+        /// Which.
+        call: CallId,
+        /// How.
+        result: Result<Value, CallError>,
+    },
 }
 
 /// What a call that succeeded returns.
@@ -250,6 +264,15 @@ enum OpStage {
     Reporting(Instant, OpFailure),
 }
 
+/// A collective in flight.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct InFlight {
+    call: CallId,
+    deadline: Instant,
+    members: Vec<PeerId>,
+    stage: OpStage,
+}
+
 /// Why a call waits for a topology.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Purpose {
@@ -261,37 +284,31 @@ enum Purpose {
     Follow(CallKind),
 }
 
-/// The call in progress, with what it waits for.
+/// The one call in progress that is not a collective in flight, with what it waits for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Call {
-    Idle,
     /// `connect`: waiting for the master's challenge to send `Join` (what it carries, until
     /// sent), then to be registered.
     Registering {
-        deadline: Instant,
         join: Option<(GroupId, String)>,
     },
     Topology {
-        deadline: Instant,
         purpose: Purpose,
         /// The last topology established (or found unreachable) by this call.
         handled: Option<Epoch>,
         /// The topology the data plane is establishing now.
         establishing: Option<Epoch>,
     },
-    Pending {
-        deadline: Instant,
-    },
-    Sync {
-        deadline: Instant,
-        stage: SyncStage,
-    },
-    Collective {
-        deadline: Instant,
-        op: OpId,
-        members: Vec<PeerId>,
-        stage: OpStage,
-    },
+    Pending,
+    Sync(SyncStage),
+}
+
+/// A call not begun yet: it waits for the calls before it ([`Peer::call`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Queued {
+    id: CallId,
+    kind: CallKind,
+    deadline: Instant,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -310,11 +327,23 @@ enum SyncStage {
 }
 
 /// The peer's side of the protocol (see the module docs).
+///
+/// Calls begin in the order they were made. Collectives run several at once, up to
+/// [`PeerConfig::max_in_flight`]; any other call begins once every collective before it has
+/// ended and runs alone, and so does a collective that must first join a topology issued since
+/// the last call: every member then counts the same collectives in its votes, and a topology
+/// changes only between collectives.
 #[derive(Debug)]
 pub struct Peer {
     config: PeerConfig,
     view: PeerView,
-    call: Call,
+    /// The call that runs alone, with its bound.
+    call: Option<(CallId, Instant, Call)>,
+    /// Collectives in flight, by name.
+    ops: std::collections::BTreeMap<OpId, InFlight>,
+    /// Calls not begun yet, in order.
+    queue: VecDeque<Queued>,
+    next_call: u64,
     /// Our place in the committed topology our calls run in ([`Action::TakeUp`]).
     taken_up: Option<RingPosition>,
     outbox: VecDeque<Message>,
@@ -330,7 +359,10 @@ impl Peer {
     pub fn new(config: PeerConfig, now: Instant) -> Self {
         Peer {
             view: PeerView::default(),
-            call: Call::Idle,
+            call: None,
+            ops: std::collections::BTreeMap::new(),
+            queue: VecDeque::new(),
+            next_call: 0,
             taken_up: None,
             outbox: VecDeque::new(),
             actions: VecDeque::new(),
@@ -362,9 +394,14 @@ impl Peer {
         self.lost.clone().map(Gone::MasterLost)
     }
 
-    /// Whether a call is in progress.
+    /// Whether a call is in progress (running, in flight or waiting to begin).
     pub fn busy(&self) -> bool {
-        self.call != Call::Idle
+        self.call.is_some() || !self.ops.is_empty() || !self.queue.is_empty()
+    }
+
+    /// Collectives in flight.
+    pub fn in_flight(&self) -> usize {
+        self.ops.len()
     }
 
     /// Our place in the topology our calls run in, once accepted.
@@ -379,33 +416,41 @@ impl Peer {
     }
 
     /// Whether collective `op` still wants its data (or, in its lap, its tokens) moved. Once it
-    /// does not, the data plane stops and waits for [`Action::Done`]. A data plane about to sleep
-    /// reports [`OpProgress::Stalled`] first.
+    /// does not, the data plane stops it and waits for its [`Action::Done`]. A data plane about
+    /// to sleep reports [`OpProgress::Stalled`] first.
     pub fn running(&self, op: OpId) -> bool {
-        matches!(&self.call, Call::Collective { op: o, stage: OpStage::Running | OpStage::Lap, .. } if *o == op)
+        self.ops.get(&op).is_some_and(|o| matches!(o.stage, OpStage::Running | OpStage::Lap))
     }
 
     /// Joins the run: answers the master's challenge with `Join`; the call is done once the
     /// accepted peers admit us.
-    pub fn connect(&mut self, group: GroupId, data_addr: String, bound: Duration, now: Instant) {
+    pub fn connect(&mut self, group: GroupId, data_addr: String, bound: Duration, now: Instant) -> CallId {
+        let id = self.next_id();
         if self.busy() || self.view.registered.is_some() {
-            return self.actions.push_back(Action::Done(Err(CallError::Busy("connect"))));
+            self.actions.push_back(Action::Done { call: id, result: Err(CallError::Busy("connect")) });
+            return id;
         }
-        self.call = Call::Registering { deadline: now + bound, join: Some((group, data_addr)) };
+        self.call = Some((id, now + bound, Call::Registering { join: Some((group, data_addr)) }));
         self.progress(now);
+        id
     }
 
-    /// Starts call `kind`, which must end within `bound`. First, as every call does, it joins a
-    /// topology the master issued since the last call (`docs/protocol.md`, "Retry").
-    pub fn call(&mut self, kind: CallKind, bound: Duration, now: Instant) {
+    /// Makes call `kind`, which must end within `bound`. It begins once the calls before it allow
+    /// (see [`Peer`]) and first, as every call does, joins a topology the master issued since
+    /// the last call (`docs/protocol.md`, "Retry").
+    pub fn call(&mut self, kind: CallKind, bound: Duration, now: Instant) -> CallId {
+        let id = self.next_id();
         if let Some(gone) = self.gone() {
-            return self.actions.push_back(Action::Done(Err(CallError::Gone(gone))));
+            self.actions.push_back(Action::Done { call: id, result: Err(CallError::Gone(gone)) });
+            return id;
         }
-        if self.busy() || self.view.committed.is_none() {
-            return self.actions.push_back(Action::Done(Err(CallError::Busy(kind.name()))));
+        if self.view.committed.is_none() {
+            self.actions.push_back(Action::Done { call: id, result: Err(CallError::Busy(kind.name())) });
+            return id;
         }
-        self.begin(kind, now + bound);
+        self.queue.push_back(Queued { id, kind, deadline: now + bound });
         self.progress(now);
+        id
     }
 
     /// Applies one message from the master.
@@ -457,19 +502,14 @@ impl Peer {
         if self.gone().is_some() {
             return None;
         }
-        let deadline = match &self.call {
-            Call::Idle => None,
-            Call::Registering { deadline, .. }
-            | Call::Topology { deadline, .. }
-            | Call::Pending { deadline }
-            | Call::Sync { deadline, .. } => Some(*deadline),
-            Call::Collective { deadline, stage, .. } => Some(match stage {
-                OpStage::Running | OpStage::Lap => *deadline,
-                OpStage::Asking(until) | OpStage::Reporting(until, _) => *until,
-            }),
-        };
+        let call = self.call.as_ref().map(|(_, deadline, _)| *deadline);
+        let queued = self.queue.iter().map(|q| q.deadline);
+        let ops = self.ops.values().map(|o| match &o.stage {
+            OpStage::Running | OpStage::Lap => o.deadline,
+            OpStage::Asking(until) | OpStage::Reporting(until, _) => *until,
+        });
         let silent = self.last_heard + self.config.heartbeat_timeout + Duration::from_millis(1);
-        Some(deadline.into_iter().fold(self.next_heartbeat.min(silent), Instant::min))
+        Some(call.into_iter().chain(queued).chain(ops).fold(self.next_heartbeat.min(silent), Instant::min))
     }
 
     /// The next message for the master, in order.
@@ -478,15 +518,20 @@ impl Peer {
         self.outbox.pop_front()
     }
 
-    /// The next thing the calling thread must do.
+    /// The next thing the driver must do.
     #[must_use]
     pub fn poll_action(&mut self) -> Option<Action> {
         self.actions.pop_front()
     }
 
+    /// Whether [`Peer::poll_action`] has something.
+    pub fn has_action(&self) -> bool {
+        !self.actions.is_empty()
+    }
+
     /// The data plane handled an [`Action::Establish`].
     pub fn handle_established(&mut self, epoch: Epoch, outcome: Established, now: Instant) {
-        let Call::Topology { establishing, handled, .. } = &mut self.call else { return };
+        let Some((_, _, Call::Topology { establishing, handled, .. })) = &mut self.call else { return };
         if *establishing != Some(epoch) {
             return;
         }
@@ -506,12 +551,9 @@ impl Peer {
 
     /// The data plane's news of collective `op`.
     pub fn handle_collective(&mut self, op: OpId, progress: OpProgress, now: Instant) {
-        let Call::Collective { op: current, stage, .. } = &mut self.call else { return };
-        if *current != op {
-            return;
-        }
-        match (progress, stage.clone()) {
-            (OpProgress::DataDone, OpStage::Running) => *stage = OpStage::Lap,
+        let Some(stage) = self.ops.get(&op).map(|o| o.stage.clone()) else { return };
+        match (progress, stage) {
+            (OpProgress::DataDone, OpStage::Running) => self.set_stage(op, OpStage::Lap),
             (OpProgress::Confirmed, OpStage::Lap) => {
                 // Every participant holds the result: committed without the master, which hears
                 // of it only if it asks (to answer a participant that could not tell).
@@ -519,13 +561,12 @@ impl Peer {
                 while let Some(m) = self.view.poll_output() {
                     self.outbox.push_back(m);
                 }
-                self.finish(Ok(Value::Collective(op)));
+                self.end_op(op, Ok(Value::Collective(op)));
             }
-            (OpProgress::LapBroken(reason), OpStage::Lap) => self.ask(&reason, now),
-            (OpProgress::Failed(failure), OpStage::Running) => self.report(failure, now),
-            (OpProgress::Stalled, stage @ (OpStage::Running | OpStage::Lap)) => {
-                let Call::Collective { deadline, members, .. } = self.call.clone() else { unreachable!() };
-                self.step_collective(deadline, op, &members, stage, now, true);
+            (OpProgress::LapBroken(reason), OpStage::Lap) => self.ask(op, &reason, now),
+            (OpProgress::Failed(failure), OpStage::Running) => self.report(op, failure, now),
+            (OpProgress::Stalled, OpStage::Running | OpStage::Lap) => {
+                self.step_op(op, now, true);
             }
             // The peer stopped it already (a verdict, a lost member, the bound): its decision stands.
             _ => {}
@@ -535,7 +576,7 @@ impl Peer {
 
     /// The data plane fetched (or failed to fetch) what sync `round` asked of it.
     pub fn handle_fetched(&mut self, round: u64, fetched: Result<(), String>, now: Instant) {
-        let Call::Sync { stage, .. } = &mut self.call else { return };
+        let Some((_, _, Call::Sync(stage))) = &mut self.call else { return };
         let SyncStage::Fetching { round: r, revision } = *stage else { return };
         if r != round {
             return;
@@ -559,22 +600,29 @@ impl Peer {
         self.progress(now);
     }
 
+    fn next_id(&mut self) -> CallId {
+        self.next_call += 1;
+        CallId(self.next_call)
+    }
+
     fn heartbeat_every(&self) -> Duration {
         // As often as we need to watch the master, or as the master asks, whichever is more.
         let ours = heartbeat_interval(self.config.heartbeat_timeout);
         self.view.heartbeat_interval.map_or(ours, |theirs| theirs.min(ours))
     }
 
-    /// Starts `kind`, joining an issued topology first, or taking up one committed between calls
-    /// (we reported ready in a call that then failed: its pools are ours already).
-    fn begin(&mut self, kind: CallKind, deadline: Instant) {
+    /// Begins call `id`, joining an issued topology first, or taking up one committed between
+    /// calls (we reported ready in a call that then failed: its pools are ours already).
+    fn begin(&mut self, id: CallId, kind: CallKind, deadline: Instant) {
         if self.topology_issued() {
+            debug_assert!(self.ops.is_empty(), "a topology is joined between collectives");
             let handled = self.view.ready_in;
-            self.call = Call::Topology { deadline, purpose: Purpose::Follow(kind), handled, establishing: None };
+            let call = Call::Topology { purpose: Purpose::Follow(kind), handled, establishing: None };
+            self.call = Some((id, deadline, call));
             return;
         }
         self.take_up();
-        self.run(kind, deadline);
+        self.run(id, kind, deadline);
     }
 
     /// Whether the master issued a topology that is not in force yet.
@@ -587,6 +635,7 @@ impl Peer {
     fn take_up(&mut self) {
         let Some((epoch, members)) = self.view.committed.as_ref() else { return };
         if self.taken_up.as_ref().is_none_or(|p| p.epoch != *epoch) {
+            debug_assert!(self.ops.is_empty(), "a topology is taken up between collectives");
             let position = self.view.position(*epoch, members);
             self.taken_up = Some(position.clone());
             self.actions.push_back(Action::TakeUp(position));
@@ -594,167 +643,230 @@ impl Peer {
     }
 
     /// The call itself, once this peer runs in the latest topology.
-    fn run(&mut self, kind: CallKind, deadline: Instant) {
-        match kind {
+    fn run(&mut self, id: CallId, kind: CallKind, deadline: Instant) {
+        let call = match kind {
             CallKind::UpdateTopology => {
                 let collectives = self.view.cast_vote(Vote::UpdateTopology);
                 if !self.view.vote_needed() {
                     log::debug!("update_topology after a failure: the ring re-formed already");
-                    return self.finish(Ok(Value::TopologyInForce));
+                    return self.finish(id, Ok(Value::TopologyInForce));
                 }
                 self.outbox.push_back(Message::VoteUpdateTopology { collectives });
-                let handled = self.view.ready_in;
-                self.call = Call::Topology { deadline, purpose: Purpose::Vote, handled, establishing: None };
+                Call::Topology { purpose: Purpose::Vote, handled: self.view.ready_in, establishing: None }
             }
             CallKind::PeersPending => {
                 let collectives = self.view.cast_vote(Vote::PeersPending);
                 self.outbox.push_back(Message::VotePeersPending { collectives });
-                self.call = Call::Pending { deadline };
+                Call::Pending
             }
             CallKind::SyncSharedState(ballot) => {
                 let collectives = self.view.cast_vote(Vote::SyncSharedState);
                 let SyncBallot { revision, strategy, override_resume, entries } = ballot.clone();
                 let vote = Message::SyncVote { revision: revision.0, strategy, override_resume, entries, collectives };
                 self.outbox.push_back(vote);
-                self.call = Call::Sync { deadline, stage: SyncStage::Voted(ballot) };
+                Call::Sync(SyncStage::Voted(ballot))
             }
-            CallKind::Collective => match self.view.start_collective() {
-                // The others failed it before we started it: it fails here too, untouched.
-                Err((epoch, seq, failure)) => {
-                    self.finish(Err(CallError::Aborted { op: OpId { epoch, seq: Seq(seq) }, failure }))
+            CallKind::Collective => return self.start_collective(id, deadline),
+        };
+        self.call = Some((id, deadline, call));
+    }
+
+    fn start_collective(&mut self, id: CallId, deadline: Instant) {
+        self.call = None;
+        match self.view.start_collective() {
+            // The others failed it before we started it: it fails here too, untouched.
+            Err((epoch, seq, failure)) => {
+                self.finish(id, Err(CallError::Aborted { op: OpId { epoch, seq: Seq(seq) }, failure }))
+            }
+            Ok((epoch, seq)) => {
+                let op = OpId { epoch, seq: Seq(seq) };
+                let position = self.position().expect("a collective runs in the topology taken up");
+                if position.group_size() == 1 {
+                    self.view.collective_ended(epoch, true);
+                    return self.actions.push_back(Action::Done { call: id, result: Ok(Value::Collective(op)) });
                 }
-                Ok((epoch, seq)) => {
-                    let op = OpId { epoch, seq: Seq(seq) };
-                    let position = self.position().expect("a collective runs in the topology taken up");
-                    if position.group_size() == 1 {
-                        return self.finish(Ok(Value::Collective(op)));
-                    }
-                    let members = position.ring.iter().map(|m| m.peer).collect();
-                    self.actions.push_back(Action::RunCollective { op, position, deadline });
-                    self.call = Call::Collective { deadline, op, members, stage: OpStage::Running };
-                }
-            },
+                let members = position.ring.iter().map(|m| m.peer).collect();
+                self.actions.push_back(Action::RunCollective { call: id, op, position, deadline });
+                self.ops.insert(op, InFlight { call: id, deadline, members, stage: OpStage::Running });
+            }
         }
     }
 
-    /// Ends the call: the driver hears of it, and the retry rule of how it ended
-    /// ([`PeerView::vote_needed`]).
-    fn finish(&mut self, result: Result<Value, CallError>) {
+    /// Ends the call that runs alone (or a queued one): the driver hears of it, and the retry
+    /// rule of how it ended ([`PeerView::vote_needed`]).
+    fn finish(&mut self, id: CallId, result: Result<Value, CallError>) {
         match &result {
             Ok(_) => self.view.call_ended(true),
             Err(CallError::Gone(_) | CallError::Busy(_)) => {}
             Err(_) => self.view.call_ended(false),
         }
-        self.call = Call::Idle;
-        self.actions.push_back(Action::Done(result));
+        if self.call.as_ref().is_some_and(|(current, ..)| *current == id) {
+            self.call = None;
+        }
+        self.actions.push_back(Action::Done { call: id, result });
     }
 
-    /// This participant did not finish collective: report, and wait for the verdict naming the
-    /// first failure (another participant's, say a mismatch, rather than the closed stream that
-    /// followed it). An abort already decided is the answer.
-    fn report(&mut self, failure: OpFailure, now: Instant) {
-        let Call::Collective { op, stage, .. } = &mut self.call else { return };
-        let op = *op;
-        if let Some(Verdict::Aborted(f)) = self.view.verdicts.remove(&(op.epoch, op.seq.0)) {
-            return self.finish(Err(CallError::Aborted { op, failure: f }));
+    /// Ends collective `op`.
+    fn end_op(&mut self, op: OpId, result: Result<Value, CallError>) {
+        let Some(o) = self.ops.remove(&op) else { return };
+        match &result {
+            Ok(_) => self.view.collective_ended(op.epoch, true),
+            Err(CallError::Gone(_)) => {}
+            Err(_) => self.view.collective_ended(op.epoch, false),
         }
-        *stage = OpStage::Reporting(now + self.config.heartbeat_timeout, failure.clone());
+        self.actions.push_back(Action::Done { call: o.call, result });
+    }
+
+    fn set_stage(&mut self, op: OpId, stage: OpStage) {
+        if let Some(o) = self.ops.get_mut(&op) {
+            o.stage = stage;
+        }
+    }
+
+    /// Collective `op` did not finish here: report, and wait for the verdict naming the first
+    /// failure (another participant's, say a mismatch, rather than the closed stream that
+    /// followed it). An abort already decided is the answer.
+    fn report(&mut self, op: OpId, failure: OpFailure, now: Instant) {
+        if let Some(Verdict::Aborted(f)) = self.view.verdicts.remove(&(op.epoch, op.seq.0)) {
+            return self.end_op(op, Err(CallError::Aborted { op, failure: f }));
+        }
+        self.set_stage(op, OpStage::Reporting(now + self.config.heartbeat_timeout, failure.clone()));
         self.outbox.push_back(Message::OpFailed { epoch: op.epoch, seq: op.seq.0, failure });
     }
 
-    /// The lap cannot finish: say we hold the result, and wait for the master, which asks the
-    /// others. Every participant still in the run answers within its own bound, so the verdict
-    /// comes within ours and a heartbeat timeout, or the master is as good as lost.
-    fn ask(&mut self, reason: &str, now: Instant) {
-        let timeout = self.config.heartbeat_timeout;
-        let Call::Collective { op, stage, deadline, .. } = &mut self.call else { return };
+    /// The lap of `op` cannot finish: say we hold the result, and wait for the master, which asks
+    /// the others. Every participant still in the run answers within its own bound, so the
+    /// verdict comes within ours and a heartbeat timeout, or the master is as good as lost.
+    fn ask(&mut self, op: OpId, reason: &str, now: Instant) {
+        let Some(deadline) = self.ops.get(&op).map(|o| o.deadline) else { return };
         log::info!("{op} finished here, asking the master ({reason})");
-        *stage = OpStage::Asking((*deadline).max(now) + timeout);
+        self.set_stage(op, OpStage::Asking(deadline.max(now) + self.config.heartbeat_timeout));
         self.outbox.push_back(Message::OpDone { epoch: op.epoch, seq: op.seq.0, decided: false });
     }
 
-    /// Makes every move the call can make now.
+    /// Makes every move the calls can make now.
     fn progress(&mut self, now: Instant) {
-        while self.step(now) {}
+        if let Some(gone) = self.gone() {
+            return self.end_all(gone);
+        }
+        loop {
+            let mut moved = false;
+            while self.step(now) {
+                moved = true;
+            }
+            let ops: Vec<OpId> = self.ops.keys().copied().collect();
+            for op in ops {
+                moved |= self.step_op(op, now, false);
+            }
+            moved |= self.admit(now);
+            if !moved {
+                return;
+            }
+        }
     }
 
-    /// One move of the call in progress; false when it waits for something.
+    /// We are out of the run: every call ends.
+    fn end_all(&mut self, gone: Gone) {
+        let mut ended: Vec<CallId> = self.call.take().map(|(id, ..)| id).into_iter().collect();
+        ended.extend(std::mem::take(&mut self.ops).into_values().map(|o| o.call));
+        ended.extend(self.queue.drain(..).map(|q| q.id));
+        ended.sort();
+        for id in ended {
+            self.actions.push_back(Action::Done { call: id, result: Err(CallError::Gone(gone.clone())) });
+        }
+    }
+
+    /// Begins the next queued call if the calls before it allow; ends queued calls whose bound
+    /// passed. False if nothing changed.
+    fn admit(&mut self, now: Instant) -> bool {
+        if let Some(i) = self.queue.iter().position(|q| now >= q.deadline) {
+            let q = self.queue.remove(i).expect("found");
+            self.finish(q.id, Err(CallError::Timeout));
+            return true;
+        }
+        let Some(next) = self.queue.front() else { return false };
+        let ready = self.call.is_none()
+            && match next.kind {
+                CallKind::Collective => {
+                    self.ops.len() < self.config.max_in_flight.max(1)
+                        && (self.ops.is_empty() || !self.topology_issued())
+                }
+                _ => self.ops.is_empty(),
+            };
+        if ready {
+            let Queued { id, kind, deadline } = self.queue.pop_front().expect("a call waits");
+            self.begin(id, kind, deadline);
+        }
+        ready
+    }
+
+    /// One move of the call that runs alone; false when it waits for something.
     fn step(&mut self, now: Instant) -> bool {
-        if self.call == Call::Idle {
-            return false;
-        }
-        if let Some(gone) = self.gone() {
-            self.finish(Err(CallError::Gone(gone)));
-            return false;
-        }
-        match self.call.clone() {
-            Call::Idle => false,
-            Call::Registering { deadline, join: Some((group, data_addr)) } => match self.view.challenge {
+        let Some((id, deadline, call)) = self.call.clone() else { return false };
+        match call {
+            Call::Registering { join: Some((group, data_addr)) } => match self.view.challenge {
                 Some(nonce) => {
                     let proof = self.config.key.as_ref().map_or([0; 32], |key| key.prove(&nonce));
                     self.outbox.push_back(Message::Join { group, data_addr, proof });
-                    self.call = Call::Registering { deadline, join: None };
+                    self.call = Some((id, deadline, Call::Registering { join: None }));
                     true
                 }
-                None => self.timed_out(deadline, now),
+                None => self.timed_out(id, deadline, now),
             },
-            Call::Registering { deadline, join: None } => match self.view.registered {
+            Call::Registering { join: None } => match self.view.registered {
                 Some((me, session)) => {
                     let data_key = self.view.data_key.clone().expect("registered with the run's data key");
                     self.actions.push_back(Action::Registered { me, session, data_key });
-                    let purpose = Purpose::Connect;
-                    self.call = Call::Topology { deadline, purpose, handled: None, establishing: None };
+                    let call = Call::Topology { purpose: Purpose::Connect, handled: None, establishing: None };
+                    self.call = Some((id, deadline, call));
                     true
                 }
-                None => self.timed_out(deadline, now),
+                None => self.timed_out(id, deadline, now),
             },
-            Call::Topology { deadline, purpose, handled, establishing } => {
+            Call::Topology { purpose, handled, establishing } => {
                 if establishing.is_some() {
-                    return self.timed_out(deadline, now);
+                    return self.timed_out(id, deadline, now);
                 }
                 match self.view.topology_step(handled, purpose == Purpose::Vote) {
                     // Not counted while a topology connected: join it, then vote again.
-                    Some(TopologyStep::VoteRefused) => self.begin(CallKind::UpdateTopology, deadline),
-                    Some(TopologyStep::VoteAbandoned(reason)) => self.finish(Err(CallError::Misuse(reason))),
+                    Some(TopologyStep::VoteRefused) => self.begin(id, CallKind::UpdateTopology, deadline),
+                    Some(TopologyStep::VoteAbandoned(reason)) => self.finish(id, Err(CallError::Misuse(reason))),
                     Some(TopologyStep::Establish(epoch, members)) => {
                         let position = self.view.position(epoch, &members);
                         self.actions.push_back(Action::Establish { position, deadline });
-                        if let Call::Topology { establishing, .. } = &mut self.call {
+                        if let Some((_, _, Call::Topology { establishing, .. })) = &mut self.call {
                             *establishing = Some(epoch);
                         }
                     }
                     Some(TopologyStep::InForce(..)) => {
                         self.take_up();
                         match purpose {
-                            Purpose::Connect => self.finish(Ok(Value::Joined)),
-                            Purpose::Vote => self.finish(Ok(Value::TopologyInForce)),
-                            Purpose::Follow(kind) => self.run(kind, deadline),
+                            Purpose::Connect => self.finish(id, Ok(Value::Joined)),
+                            Purpose::Vote => self.finish(id, Ok(Value::TopologyInForce)),
+                            Purpose::Follow(kind) => self.run(id, kind, deadline),
                         }
                     }
-                    None => return self.timed_out(deadline, now),
+                    None => return self.timed_out(id, deadline, now),
                 }
                 true
             }
-            Call::Pending { deadline } => {
+            Call::Pending => {
                 match self.view.pending_aborted.take() {
                     // Not counted: a topology was issued. Join it, then vote again.
-                    Some(VoteAbort { retry: true, .. }) => self.begin(CallKind::PeersPending, deadline),
-                    Some(VoteAbort { retry: false, reason }) => self.finish(Err(CallError::Misuse(reason))),
+                    Some(VoteAbort { retry: true, .. }) => self.begin(id, CallKind::PeersPending, deadline),
+                    Some(VoteAbort { retry: false, reason }) => self.finish(id, Err(CallError::Misuse(reason))),
                     None => match self.view.pending_result.take() {
-                        Some(pending) => self.finish(Ok(Value::Pending(pending))),
-                        None => return self.timed_out(deadline, now),
+                        Some(pending) => self.finish(id, Ok(Value::Pending(pending))),
+                        None => return self.timed_out(id, deadline, now),
                     },
                 }
                 true
             }
-            Call::Sync { deadline, stage } => self.step_sync(deadline, stage, now),
-            Call::Collective { deadline, op, members, stage } => {
-                self.step_collective(deadline, op, &members, stage, now, false)
-            }
+            Call::Sync(stage) => self.step_sync(id, deadline, stage, now),
         }
     }
 
-    fn step_sync(&mut self, deadline: Instant, stage: SyncStage, now: Instant) -> bool {
+    fn step_sync(&mut self, id: CallId, deadline: Instant, stage: SyncStage, now: Instant) -> bool {
         match stage {
             SyncStage::Voted(ballot) => {
                 if let Some((round, Err(SyncAbort { retryable, reason }))) = self.view.sync_end.take() {
@@ -762,56 +874,52 @@ impl Peer {
                         // Refused, not counted: the vote crossed a topology issued meanwhile (a
                         // member was lost). Join it, then vote again, as the other votes do.
                         log::debug!("sync_shared_state crossed a topology: {reason}; voting again");
-                        self.begin(CallKind::SyncSharedState(ballot), deadline);
+                        self.begin(id, CallKind::SyncSharedState(ballot), deadline);
                     } else {
-                        self.finish(Err(CallError::SyncFailed { retryable, reason }));
+                        self.finish(id, Err(CallError::SyncFailed { retryable, reason }));
                     }
                     return true;
                 }
                 let Some((round, revision, entries)) = self.view.sync_plan.take() else {
-                    return self.timed_out(deadline, now);
+                    return self.timed_out(id, deadline, now);
                 };
                 let revision = Revision(revision);
                 self.actions.push_back(Action::Fetch { round, revision, entries });
-                self.call = Call::Sync { deadline, stage: SyncStage::Fetching { round, revision } };
+                self.call = Some((id, deadline, Call::Sync(SyncStage::Fetching { round, revision })));
                 true
             }
             // What the master says meanwhile waits until the fetch reports.
-            SyncStage::Fetching { .. } => self.timed_out(deadline, now),
+            SyncStage::Fetching { .. } => self.timed_out(id, deadline, now),
             SyncStage::Reported { round, revision } => match self.view.sync_end.take() {
                 Some((r, end)) if r == round => {
-                    self.finish(match end {
-                        Ok(()) => Ok(Value::Synced(revision)),
-                        Err(SyncAbort { retryable, reason }) => Err(CallError::SyncFailed { retryable, reason }),
-                    });
+                    self.finish(
+                        id,
+                        match end {
+                            Ok(()) => Ok(Value::Synced(revision)),
+                            Err(SyncAbort { retryable, reason }) => Err(CallError::SyncFailed { retryable, reason }),
+                        },
+                    );
                     true
                 }
-                _ => self.timed_out(deadline, now),
+                _ => self.timed_out(id, deadline, now),
             },
         }
     }
 
-    /// One move of collective `op`. The master's decision and the bound stop it at once; a
-    /// removed member or a vote it can never complete against only once the data plane is
-    /// `stalled` (has nothing to move until the network delivers): while bytes still flow the
-    /// collective may complete without the member, whose part may all be in flight.
-    #[allow(clippy::too_many_arguments)]
-    fn step_collective(
-        &mut self,
-        deadline: Instant,
-        op: OpId,
-        members: &[PeerId],
-        stage: OpStage,
-        now: Instant,
-        stalled: bool,
-    ) -> bool {
+    /// One move of collective `op`; false when it waits. The master's decision and the bound stop
+    /// it at once; a removed member or a vote it can never complete against only once the data
+    /// plane is `stalled` (has nothing to move until the network delivers): while bytes still
+    /// flow the collective may complete without the member, whose part may all be in flight.
+    fn step_op(&mut self, op: OpId, now: Instant, stalled: bool) -> bool {
+        let Some(InFlight { deadline, members, stage, .. }) = self.ops.get(&op).cloned() else { return false };
         let (epoch, seq) = (op.epoch, op.seq.0);
         match stage {
             OpStage::Running => {
                 let me = self.view.registered.expect("a collective runs once registered").0;
-                let failure = match self.view.interrupt(epoch, seq, members) {
+                let failure = match self.view.interrupt(epoch, seq, &members) {
                     Some(Interrupt::Aborted(failure)) => {
-                        self.finish(Err(CallError::Aborted { op, failure }));
+                        self.view.verdicts.remove(&(epoch, seq));
+                        self.end_op(op, Err(CallError::Aborted { op, failure }));
                         return true;
                     }
                     Some(Interrupt::Blocked(why)) if stalled => OpFailure::new(FailureKind::Misuse, me, why),
@@ -823,16 +931,16 @@ impl Peer {
                     }
                     _ => return false,
                 };
-                self.report(failure, now);
+                self.report(op, failure, now);
                 true
             }
             OpStage::Lap => {
-                match self.view.lap_interrupt(epoch, seq, members) {
+                match self.view.lap_interrupt(epoch, seq, &members) {
                     Some(LapInterrupt::Verdict(v)) => self.verdict(op, v, None),
                     Some(LapInterrupt::MemberLost(peer)) if stalled => {
-                        self.ask(&format!("the master removed {peer}"), now)
+                        self.ask(op, &format!("the master removed {peer}"), now)
                     }
-                    _ if now >= deadline => self.ask("its bound passed", now),
+                    _ if now >= deadline => self.ask(op, "its bound passed", now),
                     _ => return false,
                 }
                 true
@@ -840,7 +948,7 @@ impl Peer {
             OpStage::Asking(until) => {
                 match self.view.verdicts.remove(&(epoch, seq)) {
                     Some(v) => self.verdict(op, v, None),
-                    None if now >= until => self.finish(Err(CallError::Timeout)),
+                    None if now >= until => self.end_op(op, Err(CallError::Timeout)),
                     None => return false,
                 }
                 true
@@ -848,7 +956,7 @@ impl Peer {
             OpStage::Reporting(until, failure) => {
                 match self.view.verdicts.remove(&(epoch, seq)) {
                     Some(v) => self.verdict(op, v, Some(failure)),
-                    None if now >= until => self.finish(Err(CallError::Unconfirmed { op, failure })),
+                    None if now >= until => self.end_op(op, Err(CallError::Unconfirmed { op, failure })),
                     None => return false,
                 }
                 true
@@ -858,18 +966,23 @@ impl Peer {
 
     /// The master's verdict on collective `op`, which failed here with `failed_here`, if it did.
     fn verdict(&mut self, op: OpId, verdict: Verdict, failed_here: Option<OpFailure>) {
-        self.finish(match (verdict, failed_here) {
+        let result = match (verdict, failed_here) {
             // The master never commits a collective a participant failed; the local error stands.
             (Verdict::Committed, Some(failure)) => Err(CallError::Unconfirmed { op, failure }),
-            (Verdict::Committed, None) => Ok(Value::Collective(op)),
+            (Verdict::Committed, None) => {
+                self.view.remember_commit(op.epoch, op.seq.0);
+                Ok(Value::Collective(op))
+            }
             (Verdict::Aborted(failure), _) => Err(CallError::Aborted { op, failure }),
-        });
+        };
+        self.end_op(op, result);
     }
 
-    /// Ends the call with a timeout once `deadline` passed; false (it waits) otherwise.
-    fn timed_out(&mut self, deadline: Instant, now: Instant) -> bool {
+    /// Ends the call that runs alone with a timeout once `deadline` passed; false (it waits)
+    /// otherwise.
+    fn timed_out(&mut self, id: CallId, deadline: Instant, now: Instant) -> bool {
         if now >= deadline {
-            self.finish(Err(CallError::Timeout));
+            self.finish(id, Err(CallError::Timeout));
             return true;
         }
         false

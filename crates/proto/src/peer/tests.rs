@@ -21,15 +21,34 @@ fn sent(p: &mut Peer) -> Vec<Message> {
     std::iter::from_fn(|| p.poll_output()).collect()
 }
 
-/// Drains the actions for the calling thread.
+/// Drains the actions for the driver, with call ids left out (tests that make several calls at
+/// once use [`tagged_actions`]).
 fn actions(p: &mut Peer) -> Vec<Action> {
+    tagged_actions(p)
+        .into_iter()
+        .map(|a| match a {
+            Action::Done { result, .. } => done(result),
+            Action::RunCollective { op, position, deadline, .. } => {
+                Action::RunCollective { call: CallId(0), op, position, deadline }
+            }
+            a => a,
+        })
+        .collect()
+}
+
+fn tagged_actions(p: &mut Peer) -> Vec<Action> {
     std::iter::from_fn(|| p.poll_action()).collect()
+}
+
+/// A call's end, as [`actions`] shows it.
+fn done(result: Result<Value, CallError>) -> Action {
+    Action::Done { call: CallId(0), result }
 }
 
 /// Peer 0, joined and accepted in topology 1 of `ring` (peer 0 among them).
 fn joined(ring: &[u32]) -> (Peer, Instant) {
     let t0 = Instant::now();
-    let mut p = Peer::new(PeerConfig { heartbeat_timeout: HEARTBEAT_TIMEOUT, key: None }, t0);
+    let mut p = Peer::new(PeerConfig { heartbeat_timeout: HEARTBEAT_TIMEOUT, key: None, max_in_flight: 4 }, t0);
     p.connect(GroupId(0), "h:0".into(), BOUND, t0);
     assert!(sent(&mut p).is_empty(), "Join waits for the master's challenge");
     p.handle_message(Message::Challenge { nonce: [3; 32] }, t0).unwrap();
@@ -50,7 +69,7 @@ fn joined(ring: &[u32]) -> (Peer, Instant) {
     p.handle_established(Epoch(1), Established::Ready, t0);
     assert_eq!(sent(&mut p), vec![Message::TopologyReady { epoch: Epoch(1) }]);
     p.handle_message(Message::TopologyCommitted { epoch: Epoch(1) }, t0).unwrap();
-    assert_eq!(actions(&mut p), vec![Action::TakeUp(position), Action::Done(Ok(Value::Joined))]);
+    assert_eq!(actions(&mut p), vec![Action::TakeUp(position), done(Ok(Value::Joined))]);
     assert!(!p.busy());
     (p, t0)
 }
@@ -84,7 +103,7 @@ fn heartbeats_follow_the_master_and_a_silent_master_ends_the_call() {
     let silent = t0 + HEARTBEAT_TIMEOUT + Duration::from_millis(10);
     p.handle_timeout(silent);
     assert!(matches!(p.gone(), Some(Gone::MasterLost(why)) if why.contains("no message")));
-    assert!(matches!(&actions(&mut p)[..], [Action::Done(Err(CallError::Gone(Gone::MasterLost(_))))]));
+    assert!(matches!(&actions(&mut p)[..], [Action::Done { result: Err(CallError::Gone(Gone::MasterLost(_))), .. }]));
     assert_eq!(p.poll_timeout(), None, "nothing more to time");
 }
 
@@ -113,7 +132,7 @@ fn a_removed_member_stops_the_collective_once_it_stalls_and_the_verdict_ends_it(
     assert!(actions(&mut p).is_empty());
     let failure = OpFailure::new(FailureKind::PeerLost, PeerId(2), "gone");
     p.handle_message(Message::OpAborted { epoch: Epoch(1), seq: 0, failure: failure.clone() }, t0).unwrap();
-    assert_eq!(actions(&mut p), vec![Action::Done(Err(CallError::Aborted { op, failure }))]);
+    assert_eq!(actions(&mut p), vec![done(Err(CallError::Aborted { op, failure }))]);
     assert!(!p.busy());
 }
 
@@ -128,7 +147,7 @@ fn a_confirmed_lap_commits_on_its_own_and_answers_the_query_it_had() {
     assert!(p.running(op), "the lap runs");
     p.handle_collective(op, OpProgress::Confirmed, t0);
     assert_eq!(sent(&mut p), vec![Message::OpDone { epoch: Epoch(1), seq: 0, decided: true }]);
-    assert_eq!(actions(&mut p), vec![Action::Done(Ok(Value::Collective(op)))]);
+    assert_eq!(actions(&mut p), vec![done(Ok(Value::Collective(op)))]);
     assert_eq!(start_collective(&mut p, t0), OpId { epoch: Epoch(1), seq: Seq(1) }, "numbered in order");
 }
 
@@ -145,7 +164,7 @@ fn a_broken_lap_asks_the_master_and_takes_its_verdict() {
     p.handle_collective(op, OpProgress::Confirmed, t0);
     assert!(actions(&mut p).is_empty() && sent(&mut p).is_empty());
     p.handle_message(Message::OpCommitted { epoch: Epoch(1), seq: 0 }, t0).unwrap();
-    assert_eq!(actions(&mut p), vec![Action::Done(Ok(Value::Collective(op)))]);
+    assert_eq!(actions(&mut p), vec![done(Ok(Value::Collective(op)))]);
 }
 
 /// A failure reported without a verdict in a heartbeat timeout (the master is cut off from us)
@@ -162,7 +181,7 @@ fn without_a_verdict_a_failure_stands_and_a_question_times_out() {
     assert!(actions(&mut p).is_empty(), "waits for the verdict");
     let after = t0 + HEARTBEAT_TIMEOUT;
     p.handle_timeout(after);
-    assert_eq!(actions(&mut p), vec![Action::Done(Err(CallError::Unconfirmed { op, failure }))]);
+    assert_eq!(actions(&mut p), vec![done(Err(CallError::Unconfirmed { op, failure }))]);
 
     let op = start_collective(&mut p, after);
     p.handle_collective(op, OpProgress::DataDone, after);
@@ -177,7 +196,7 @@ fn without_a_verdict_a_failure_stands_and_a_question_times_out() {
     assert!(actions(&mut p).is_empty());
     p.handle_message(Message::Heartbeat, end).unwrap();
     p.handle_timeout(end);
-    assert_eq!(actions(&mut p), vec![Action::Done(Err(CallError::Timeout))]);
+    assert_eq!(actions(&mut p), vec![done(Err(CallError::Timeout))]);
 }
 
 /// The master refuses a vote while a topology connects: the call joins that topology, then
@@ -197,7 +216,7 @@ fn a_refused_vote_joins_the_issued_topology_and_votes_again() {
     assert!(matches!(&actions(&mut p)[..], [Action::TakeUp(pos)] if pos.epoch == Epoch(2)));
     assert_eq!(sent(&mut p), vec![Message::VoteUpdateTopology { collectives: 0 }], "voted again");
     p.handle_message(Message::TopologyVoteAborted { retry: false, reason: "p1 ran all_reduce".into() }, t0).unwrap();
-    assert_eq!(actions(&mut p), vec![Action::Done(Err(CallError::Misuse("p1 ran all_reduce".into())))]);
+    assert_eq!(actions(&mut p), vec![done(Err(CallError::Misuse("p1 ran all_reduce".into())))]);
 }
 
 /// A collective that the others failed while this peer was between calls (it joined the
@@ -214,28 +233,38 @@ fn a_collective_the_others_failed_first_fails_here_before_it_runs() {
     p.handle_message(Message::TopologyCommitted { epoch: Epoch(2) }, t0).unwrap();
     let op = OpId { epoch: Epoch(1), seq: Seq(0) };
     let ended = actions(&mut p);
-    assert!(matches!(&ended[..], [Action::TakeUp(_), Action::Done(Err(CallError::Aborted { op: o, .. }))] if *o == op));
+    assert!(
+        matches!(&ended[..], [Action::TakeUp(_), Action::Done { result: Err(CallError::Aborted { op: o, .. }), .. }] if *o == op)
+    );
     // update_topology after that failure has nothing to vote on: the ring re-formed already.
     p.call(CallKind::UpdateTopology, BOUND, t0);
-    assert_eq!(actions(&mut p), vec![Action::Done(Ok(Value::TopologyInForce))]);
+    assert_eq!(actions(&mut p), vec![done(Ok(Value::TopologyInForce))]);
     assert!(sent(&mut p).iter().all(|m| !matches!(m, Message::VoteUpdateTopology { .. })));
     assert_eq!(start_collective(&mut p, t0), OpId { epoch: Epoch(2), seq: Seq(0) });
 }
 
-/// A vote nobody answers ends at the call's bound; a second call meanwhile is refused.
+/// A vote nobody answers ends at the call's bound; a collective called meanwhile waits behind
+/// it, then runs within its own bound.
 #[test]
-fn a_call_ends_at_its_bound_and_calls_do_not_overlap() {
+fn a_call_ends_at_its_bound_and_calls_behind_it_wait() {
     let (mut p, t0) = joined(&[0, 1]);
-    p.call(CallKind::PeersPending, BOUND, t0);
-    p.call(CallKind::Collective, BOUND, t0);
-    assert_eq!(actions(&mut p), vec![Action::Done(Err(CallError::Busy("all_reduce")))]);
+    let vote = p.call(CallKind::PeersPending, BOUND, t0);
+    let later = t0 + Duration::from_millis(500);
+    let collective = p.call(CallKind::Collective, BOUND, later);
+    assert!(actions(&mut p).is_empty(), "the collective waits for the vote");
     let mut now = t0;
     while now < t0 + BOUND {
-        now += Duration::from_secs(1);
+        now += Duration::from_millis(250);
         p.handle_message(Message::Heartbeat, now).unwrap();
         p.handle_timeout(now);
     }
-    assert_eq!(actions(&mut p), vec![Action::Done(Err(CallError::Timeout))]);
+    match &tagged_actions(&mut p)[..] {
+        [Action::Done { call, result: Err(CallError::Timeout) }, Action::RunCollective { call: c, deadline, .. }] => {
+            assert_eq!((*call, *c), (vote, collective));
+            assert_eq!(*deadline, later + BOUND);
+        }
+        other => panic!("expected the vote to end, then the collective to run: {other:?}"),
+    }
 }
 
 /// A sync votes, fetches what the plan says, reports, and ends as the master says.
@@ -255,7 +284,7 @@ fn a_sync_votes_fetches_reports_and_ends_with_the_master() {
     assert!(actions(&mut p).is_empty());
     p.handle_fetched(9, Ok(()), t0);
     assert_eq!(sent(&mut p), vec![Message::SyncDone { round: 9 }]);
-    assert_eq!(actions(&mut p), vec![Action::Done(Ok(Value::Synced(Revision(4))))]);
+    assert_eq!(actions(&mut p), vec![done(Ok(Value::Synced(Revision(4))))]);
 }
 
 /// Expulsion is the news, whatever else failed.
@@ -267,9 +296,9 @@ fn an_expelled_peer_says_so_and_refuses_further_calls() {
     p.handle_disconnect("connection reset".into(), t0);
     assert!(!p.running(op));
     let gone = Gone::Kicked("no message for 2.0 s".into());
-    assert_eq!(actions(&mut p), vec![Action::Done(Err(CallError::Gone(gone.clone())))]);
+    assert_eq!(actions(&mut p), vec![done(Err(CallError::Gone(gone.clone())))]);
     p.call(CallKind::PeersPending, BOUND, t0);
-    assert_eq!(actions(&mut p), vec![Action::Done(Err(CallError::Gone(gone)))]);
+    assert_eq!(actions(&mut p), vec![done(Err(CallError::Gone(gone)))]);
     assert!(sent(&mut p).is_empty(), "nothing more to the master");
 }
 
@@ -295,7 +324,7 @@ fn a_sync_that_crossed_a_topology_joins_it_and_votes_again() {
     let refused = Message::SyncAborted { round: 0, retryable: true, reason: "go back".into() };
     p.handle_message(refused, t0).unwrap();
     let failed = CallError::SyncFailed { retryable: true, reason: "go back".into() };
-    assert_eq!(actions(&mut p), vec![Action::Done(Err(failed))]);
+    assert_eq!(actions(&mut p), vec![done(Err(failed))]);
 }
 
 /// A peer with the run's secret proves it on the master's nonce; a refusal ends `connect` with
@@ -304,7 +333,8 @@ fn a_sync_that_crossed_a_topology_joins_it_and_votes_again() {
 fn a_join_proves_the_secret_on_the_nonce_and_a_refusal_ends_connect() {
     let t0 = Instant::now();
     let key = RunKey::from_secret(b"s3cret");
-    let mut p = Peer::new(PeerConfig { heartbeat_timeout: HEARTBEAT_TIMEOUT, key: Some(key.clone()) }, t0);
+    let mut p =
+        Peer::new(PeerConfig { heartbeat_timeout: HEARTBEAT_TIMEOUT, key: Some(key.clone()), max_in_flight: 4 }, t0);
     p.handle_message(Message::Challenge { nonce: [9; 32] }, t0).unwrap();
     p.connect(GroupId(0), "h:0".into(), BOUND, t0);
     let join = sent(&mut p);
@@ -314,6 +344,115 @@ fn a_join_proves_the_secret_on_the_nonce_and_a_refusal_ends_connect() {
     );
     p.handle_message(Message::AuthFailed { reason: "authentication failed".into() }, t0).unwrap();
     let refused = Gone::AuthFailed("authentication failed".into());
-    assert_eq!(actions(&mut p), vec![Action::Done(Err(CallError::Gone(refused)))]);
+    assert_eq!(actions(&mut p), vec![done(Err(CallError::Gone(refused)))]);
     assert!(sent(&mut p).is_empty());
+}
+
+/// Starts `n` collectives at once; returns (call, collective) of each, in call order.
+fn start_many(p: &mut Peer, n: usize, now: Instant) -> Vec<(CallId, OpId)> {
+    let calls: Vec<CallId> = (0..n).map(|_| p.call(CallKind::Collective, BOUND, now)).collect();
+    let started: Vec<(CallId, OpId)> = tagged_actions(p)
+        .into_iter()
+        .map(|a| match a {
+            Action::RunCollective { call, op, .. } => (call, op),
+            other => panic!("expected collectives to run: {other:?}"),
+        })
+        .collect();
+    assert_eq!(started.iter().map(|(c, _)| *c).collect::<Vec<_>>(), calls);
+    started
+}
+
+fn confirm(p: &mut Peer, op: OpId, now: Instant) {
+    p.handle_collective(op, OpProgress::DataDone, now);
+    p.handle_collective(op, OpProgress::Confirmed, now);
+}
+
+/// Collectives run several at once, numbered in call order, and each ends on its own, in any
+/// order; one past the limit waits for a slot; a vote waits until every collective before it
+/// ended, and counts them all.
+#[test]
+fn collectives_overlap_up_to_the_limit_and_a_vote_waits_for_them() {
+    let (mut p, t0) = joined(&[0, 1]);
+    let running = start_many(&mut p, 4, t0);
+    let seqs: Vec<u64> = running.iter().map(|(_, op)| op.seq.0).collect();
+    assert_eq!(seqs, vec![0, 1, 2, 3]);
+    let fifth = p.call(CallKind::Collective, BOUND, t0);
+    assert!(actions(&mut p).is_empty(), "four are in flight already");
+    let vote = p.call(CallKind::PeersPending, BOUND, t0);
+    confirm(&mut p, running[2].1, t0);
+    let ended = tagged_actions(&mut p);
+    assert!(
+        matches!(&ended[..], [Action::Done { call, result: Ok(Value::Collective(op)) }, Action::RunCollective { call: c, op: fifth_op, .. }]
+            if *call == running[2].0 && *op == running[2].1 && *c == fifth && fifth_op.seq == Seq(4)),
+        "{ended:?}"
+    );
+    for (_, op) in [running[3], running[0], running[1]] {
+        confirm(&mut p, op, t0);
+    }
+    assert!(sent(&mut p).is_empty(), "the vote waits for the last collective");
+    confirm(&mut p, OpId { epoch: Epoch(1), seq: Seq(4) }, t0);
+    assert_eq!(sent(&mut p), vec![Message::VotePeersPending { collectives: 5 }]);
+    p.handle_message(Message::PeersPendingResult { pending: false }, t0).unwrap();
+    let ended = tagged_actions(&mut p);
+    assert_eq!(ended.last(), Some(&Action::Done { call: vote, result: Ok(Value::Pending(false)) }));
+    assert!(!p.busy());
+}
+
+/// A collective committed while an earlier one still runs says nothing of the earlier one: the
+/// master's query about it is answered only once it commits here.
+#[test]
+fn a_query_about_a_collective_still_running_waits_though_a_later_one_committed() {
+    let (mut p, t0) = joined(&[0, 1]);
+    let running = start_many(&mut p, 2, t0);
+    confirm(&mut p, running[1].1, t0);
+    p.handle_message(Message::OpQuery { epoch: Epoch(1), seq: 0 }, t0).unwrap();
+    assert!(sent(&mut p).is_empty(), "collective 0 has not committed here");
+    confirm(&mut p, running[0].1, t0);
+    assert_eq!(sent(&mut p), vec![Message::OpDone { epoch: Epoch(1), seq: 0, decided: true }]);
+}
+
+/// A member lost with several collectives in flight: each is reported and aborted on its own;
+/// the next call joins the re-formed ring first, and a collective the others had started
+/// without us fails here too, before any runs, as theirs did.
+#[test]
+fn a_lost_member_aborts_every_collective_in_flight_and_the_missed_ones_fail_alike() {
+    let (mut p, t0) = joined(&[0, 1, 2]);
+    let running = start_many(&mut p, 2, t0);
+    let lost = OpFailure::new(FailureKind::PeerLost, PeerId(2), "gone");
+    // The others had started collectives 2 and 3 too: the master aborted all four.
+    for seq in 0..4 {
+        let abort = Message::OpAborted { epoch: Epoch(1), seq, failure: lost.clone() };
+        p.handle_message(abort, t0).unwrap();
+    }
+    let ended = tagged_actions(&mut p);
+    assert_eq!(ended.len(), 2, "{ended:?}");
+    for (a, (call, op)) in ended.iter().zip(&running) {
+        assert_eq!(
+            *a,
+            Action::Done { call: *call, result: Err(CallError::Aborted { op: *op, failure: lost.clone() }) }
+        );
+    }
+    p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1]) }, t0).unwrap();
+    let retry = p.call(CallKind::Collective, BOUND, t0);
+    let position = match &actions(&mut p)[..] {
+        [Action::Establish { position, .. }] => position.clone(),
+        other => panic!("expected the re-formed ring to be joined first: {other:?}"),
+    };
+    p.handle_established(Epoch(2), Established::Ready, t0);
+    p.handle_message(Message::TopologyCommitted { epoch: Epoch(2) }, t0).unwrap();
+    let missed = OpId { epoch: Epoch(1), seq: Seq(2) };
+    assert_eq!(
+        tagged_actions(&mut p),
+        vec![
+            Action::TakeUp(position),
+            Action::Done { call: retry, result: Err(CallError::Aborted { op: missed, failure: lost.clone() }) }
+        ]
+    );
+    let second = p.call(CallKind::Collective, BOUND, t0);
+    let missed = OpId { epoch: Epoch(1), seq: Seq(3) };
+    assert_eq!(
+        tagged_actions(&mut p),
+        vec![Action::Done { call: second, result: Err(CallError::Aborted { op: missed, failure: lost }) }]
+    );
+    assert_eq!(start_collective(&mut p, t0), OpId { epoch: Epoch(2), seq: Seq(0) });
 }

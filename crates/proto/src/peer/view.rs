@@ -5,6 +5,9 @@ use shoal_wire::{Epoch, FailureKind, GroupId, Member, Message, OpFailure, PeerId
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
+/// Commits a peer remembers to answer the master's queries: far more than may be in flight.
+pub const REMEMBERED_COMMITS: usize = 4096;
+
 /// What the peer has learned from the master.
 #[derive(Debug, Clone, Default)]
 pub struct PeerView {
@@ -19,11 +22,11 @@ pub struct PeerView {
     pub ready_in: Option<Epoch>,
     /// Collectives this peer started in the committed topology: the next one's number there.
     pub started: u64,
-    /// The collective this peer would have run next in the topology it left, which the others
-    /// failed before it started it (it joined the re-formed ring first): (topology, number, why).
-    /// Its next collective call fails the same way, so that every member's k-th call has one
-    /// outcome ([`PeerView::start_collective`]).
-    pub missed: Option<(Epoch, u64, OpFailure)>,
+    /// The collectives this peer would have run next in the topology it left, which the others
+    /// failed before it started them (it joined the re-formed ring first): (topology, number,
+    /// why), in order. Its next collective calls fail the same way, so that every member's k-th
+    /// call has one outcome ([`PeerView::start_collective`]).
+    pub missed: VecDeque<(Epoch, u64, OpFailure)>,
     /// The answer of the last `peers_pending` vote, until consumed.
     pub pending_result: Option<bool>,
     /// Why the master expelled us, if it did.
@@ -42,9 +45,10 @@ pub struct PeerView {
     /// arrive before this peer even starts the collective; verdicts of replaced topologies are
     /// dropped when a new one is committed.
     pub verdicts: BTreeMap<(Epoch, u64), Verdict>,
-    /// The last collective this peer committed on its own, which implies every earlier one of
-    /// that epoch it took part in committed too (a failed one ends the epoch's collectives for it).
-    pub committed_through: Option<(Epoch, u64)>,
+    /// The latest collectives this peer committed (on its own or by verdict), at most
+    /// [`REMEMBERED_COMMITS`]: several may be in flight and commit in any order, and the master
+    /// only ever asks about one a participant still waits on, which is among the latest.
+    pub committed_ops: BTreeSet<(Epoch, u64)>,
     /// Collectives the master asked about that this peer had not committed when asked: it
     /// reports them if it commits them on its own.
     pub queried: BTreeSet<(Epoch, u64)>,
@@ -269,16 +273,24 @@ impl PeerView {
                     // (one connection, in order): an abort of the collective we would have run
                     // next means the others failed it without us. Not for misuse: then we were in
                     // the other call, which failed with the same usage error already.
-                    let next = self.committed.as_ref().map(|(left, _)| (*left, self.started));
-                    self.missed = next.and_then(|(left, seq)| match self.verdicts.get(&(left, seq)) {
-                        Some(Verdict::Aborted(f)) if f.kind != FailureKind::Misuse => Some((left, seq, f.clone())),
-                        _ => None,
-                    });
+                    // So do the collectives after it that the others had started too.
+                    self.missed.clear();
+                    if let Some((left, _)) = self.committed.as_ref() {
+                        for seq in self.started.. {
+                            match self.verdicts.get(&(*left, seq)) {
+                                Some(Verdict::Aborted(f)) if f.kind != FailureKind::Misuse => {
+                                    self.missed.push_back((*left, seq, f.clone()))
+                                }
+                                _ => break,
+                            }
+                        }
+                    }
                     self.committed = Some((epoch, members));
                     self.ready_in = None;
                     self.started = 0;
                     self.verdicts.retain(|(e, _), _| *e >= epoch);
                     self.queried.retain(|(e, _)| *e >= epoch);
+                    self.committed_ops.retain(|(e, _)| *e >= epoch);
                     PeerEvent::TopologyCommitted(epoch)
                 }
                 other => {
@@ -331,7 +343,7 @@ impl PeerView {
             }
             Message::OpQuery { epoch, seq } => {
                 // The master needs the answer to decide for a participant that could not tell.
-                let committed = self.committed_through.is_some_and(|(e, s)| e == epoch && s >= seq);
+                let committed = self.committed_ops.contains(&(epoch, seq));
                 if committed {
                     self.outbox.push_back(Message::OpDone { epoch, seq, decided: true });
                 } else {
@@ -369,7 +381,7 @@ impl PeerView {
     /// # Panics
     /// If no topology is in force: the caller checks that it is connected first.
     pub fn start_collective(&mut self) -> Result<(Epoch, u64), (Epoch, u64, OpFailure)> {
-        if let Some(missed) = self.missed.take() {
+        if let Some(missed) = self.missed.pop_front() {
             // It failed in the topology we left, like the others' calls of it.
             self.failed_in = Some(missed.0);
             return Err(missed);
@@ -384,7 +396,7 @@ impl PeerView {
     /// earlier call of that kind left behind, and the collective it missed (a vote is another
     /// call); returns the count of collectives the vote carries (`VoteOpened`).
     pub fn cast_vote(&mut self, vote: Vote) -> u64 {
-        self.missed = None;
+        self.missed.clear();
         match vote {
             Vote::UpdateTopology => self.vote_aborted = None,
             Vote::PeersPending => self.pending_aborted = None,
@@ -438,13 +450,24 @@ impl PeerView {
         members.iter().find(|p| self.removed.contains(p)).map(|p| LapInterrupt::MemberLost(*p))
     }
 
-    /// Records how this peer's last call ended: a failure remembers the topology it failed in
-    /// (the first since the last success: the ring re-forms after it).
+    /// Records how this peer's last call other than a collective ended: a failure remembers the
+    /// topology it failed in (the first since the last success: the ring re-forms after it).
     pub fn call_ended(&mut self, ok: bool) {
         if ok {
             self.failed_in = None;
         } else if let Some((e, _)) = &self.committed {
             self.failed_in.get_or_insert(*e);
+        }
+    }
+
+    /// Records how a collective of `epoch` ended. Several run at once and end in any order, so
+    /// only a success in a later topology than the failure forgets it: every member then comes
+    /// to the same answer in [`PeerView::vote_needed`], whatever order its collectives ended in.
+    pub fn collective_ended(&mut self, epoch: Epoch, ok: bool) {
+        if !ok {
+            self.failed_in.get_or_insert(epoch);
+        } else if self.failed_in.is_some_and(|failed| failed < epoch) {
+            self.failed_in = None;
         }
     }
 
@@ -464,9 +487,17 @@ impl PeerView {
     /// Records that we committed collective `seq` of `epoch` on our own; if the master asked
     /// about it meanwhile, the answer waits in [`PeerView::poll_output`].
     pub fn commit_on_our_own(&mut self, epoch: Epoch, seq: u64) {
-        self.committed_through = Some((epoch, seq));
+        self.remember_commit(epoch, seq);
         if self.queried.remove(&(epoch, seq)) {
             self.outbox.push_back(Message::OpDone { epoch, seq, decided: true });
+        }
+    }
+
+    /// Records that collective `seq` of `epoch` committed here, to answer a query about it.
+    pub fn remember_commit(&mut self, epoch: Epoch, seq: u64) {
+        self.committed_ops.insert((epoch, seq));
+        if self.committed_ops.len() > REMEMBERED_COMMITS {
+            self.committed_ops.pop_first();
         }
     }
 
