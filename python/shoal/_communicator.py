@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 
 from . import _native
-from .errors import UsageError
+from .errors import PeerLostError, UsageError
 
 if TYPE_CHECKING:
     from ._state import SharedState, SyncInfo
@@ -116,10 +116,56 @@ class Communicator:
         """
         if quantization is not None:
             raise ValueError(f"quantization={quantization!r}: only None is supported so far")
-        if isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:
-            raise ValueError(f"tag must be a non-negative integer, got {tag!r}")
+        _check_tag(tag)
         view, dtype = _byte_view(tensor)
         return self._native.all_reduce_bytes(view, dtype, op, tag)
+
+    def all_reduce_async(self, tensor: Any, *, op: str = "avg", tag: int = 0) -> "Work":
+        """Start reducing ``tensor`` in place like :meth:`all_reduce` and return at once.
+
+        The collective moves while the caller computes (the GIL is released), alongside up to
+        ``SHOAL_MAX_IN_FLIGHT`` others (default 64; more wait for a slot). Every collective in
+        flight needs its own ``tag``: one reused while in flight raises :class:`UsageError` at
+        once. Do not touch ``tensor`` until :meth:`Work.wait` returns. A failure aborts exactly
+        the collectives that involved the lost peer; each restores its tensor.
+        """
+        _check_tag(tag)
+        view, dtype = _byte_view(tensor)
+        return Work(self._native.all_reduce_bytes_async(view, dtype, op, tag))
+
+    def all_reduce_many(
+        self, tensors: "list[Any]", *, op: str = "avg", max_in_flight: int = 8, tag: int = 0
+    ) -> "list[_native.ReduceInfo]":
+        """Reduce every tensor of ``tensors`` in place, ``max_in_flight`` at a time.
+
+        Retries internally after a peer loss: when it returns, every tensor was reduced exactly
+        once in the final world (the inputs are copied first, so that a batch interrupted by a
+        loss starts over from them). Tags ``tag .. tag + len(tensors) - 1`` are used. Other
+        errors propagate as from :meth:`all_reduce`, with every tensor as it was.
+        """
+        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be a positive integer, got {max_in_flight!r}")
+        _check_tag(tag)
+        views = [_byte_view(t) for t in tensors]
+        originals = [view.copy() for view, _ in views]
+        while True:
+            infos: list[Optional[_native.ReduceInfo]] = [None] * len(views)
+            errors: list[BaseException] = []
+            in_flight: list[tuple[int, _native.NativeWork]] = []
+            for i, (view, dtype) in enumerate(views):
+                if len(in_flight) == max_in_flight:
+                    j, work = in_flight.pop(0)
+                    infos[j] = _wait(work, errors)
+                in_flight.append((i, self._native.all_reduce_bytes_async(view, dtype, op, tag + i)))
+            for j, work in in_flight:
+                infos[j] = _wait(work, errors)
+            if not errors:
+                return [info for info in infos if info is not None]
+            # Every survivor sees the same collectives fail: all start over from the inputs.
+            for (view, _), original in zip(views, originals):
+                view[...] = original
+            if not all(isinstance(e, PeerLostError) for e in errors):
+                raise errors[0]
 
     def sync_shared_state(
         self, state: "SharedState", strategy: str = "enforce_popular", *, override_resume: bool = False
@@ -197,6 +243,37 @@ def hash_tensor(tensor: Any) -> str:
     The tensor must be contiguous (shoal never copies silently)."""
     view, dtype = _byte_view(tensor, writable=False)
     return _native.hash_tensor_bytes(view, dtype, [int(d) for d in tensor.shape])
+
+
+class Work:
+    """A collective started with :meth:`Communicator.all_reduce_async`."""
+
+    def __init__(self, native: _native.NativeWork) -> None:
+        self._native = native
+
+    def wait(self, timeout: Optional[float] = None) -> _native.ReduceInfo:
+        """Wait until it ended, at most ``timeout`` seconds (None: its bound); what it did, or
+        its error. :class:`ShoalTimeoutError` if ``timeout`` passed first: it goes on, wait
+        again."""
+        return self._native.wait(timeout)
+
+    def done(self) -> bool:
+        """Whether it ended (then :meth:`wait` returns at once)."""
+        return self._native.done()
+
+
+def _wait(work: _native.NativeWork, errors: "list[BaseException]") -> Optional[_native.ReduceInfo]:
+    """Waits for ``work``; its error goes to ``errors``: every collective ends before one is raised."""
+    try:
+        return work.wait()
+    except Exception as e:  # noqa: BLE001
+        errors.append(e)
+    return None
+
+
+def _check_tag(tag: Any) -> None:
+    if isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:
+        raise ValueError(f"tag must be a non-negative integer, got {tag!r}")
 
 
 def _byte_view(tensor: Any, writable: bool = True) -> tuple[np.ndarray, str]:

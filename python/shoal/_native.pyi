@@ -6,7 +6,9 @@ import numpy as np
 import numpy.typing as npt
 from typing_extensions import Self
 
-__all__ = ["Communicator", "DTYPES", "Master", "OPS", "ReduceInfo", "__version__", "hash_tensor_bytes", "lab_delay"]
+__all__ = [
+    "Communicator", "DTYPES", "Master", "NativeWork", "OPS", "ReduceInfo", "__version__", "hash_tensor_bytes", "lab_delay"
+]
 __version__: str
 DTYPES: list[str]
 OPS: list[str]
@@ -35,6 +37,13 @@ class ReduceInfo:
         """The collective's number within its topology; with ``topology``, the same on every participant."""
 
 @final
+class NativeWork:
+    """A collective in flight; use ``shoal.Work``."""
+
+    def wait(self, timeout: Optional[float] = None) -> ReduceInfo: ...
+    def done(self) -> bool: ...
+
+@final
 class Communicator:
     """Native communicator; use ``shoal.Communicator``, which checks and converts tensors."""
 
@@ -57,6 +66,9 @@ class Communicator:
     def all_reduce_bytes(
         self, buf: npt.NDArray[np.uint8], dtype: str, op: str, tag: int
     ) -> ReduceInfo: ...
+    def all_reduce_bytes_async(
+        self, buf: npt.NDArray[np.uint8], dtype: str, op: str, tag: int
+    ) -> NativeWork: ...
     def sync_shared_state(
         self,
         tensors: list[tuple[str, npt.NDArray[np.uint8], str, list[int], bool]],

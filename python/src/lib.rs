@@ -11,8 +11,8 @@ use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBool;
 use shoal_master::{MasterOptions, MasterServer};
-use shoal_peer::{Communicator as Core, CommunicatorConfig, DType, Error, ReduceOp, StateTensor, Strategy};
-use std::sync::{Mutex, PoisonError};
+use shoal_peer::{Communicator as Core, CommunicatorConfig, DType, Error, Info, ReduceOp, StateTensor, Strategy, Work};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 /// Outcome of a completed collective.
@@ -44,10 +44,98 @@ impl ReduceInfo {
     }
 }
 
+impl From<Info> for ReduceInfo {
+    fn from(info: Info) -> Self {
+        ReduceInfo {
+            world_size: info.world_size,
+            tx_bytes: info.tx_bytes,
+            rx_bytes: info.rx_bytes,
+            elapsed: info.elapsed.as_secs_f64(),
+            topology: info.topology,
+            sequence: info.sequence,
+        }
+    }
+}
+
+/// The dtype and operator named `dtype` and `op`.
+fn reduction(dtype: &str, op: &str) -> PyResult<(DType, ReduceOp)> {
+    let dtype = DType::from_name(dtype).ok_or_else(|| PyTypeError::new_err(format!("unsupported dtype {dtype:?}")))?;
+    let op = ReduceOp::from_name(op)
+        .ok_or_else(|| PyValueError::new_err(format!("unknown op {op:?}: expected one of sum, avg, prod, min, max")))?;
+    Ok((dtype, op))
+}
+
+/// A numpy array's memory lent to a collective in flight. The `NativeWork` holding it also holds
+/// the array, so the memory outlives the collective.
+struct Lent {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the memory is a numpy array's, kept alive by the `NativeWork` that owns this value;
+// only the engine touches it while the collective is in flight.
+#[allow(unsafe_code)]
+unsafe impl Send for Lent {}
+
+impl AsMut<[u8]> for Lent {
+    fn as_mut(&mut self) -> &mut [u8] {
+        if self.len == 0 {
+            return &mut [];
+        }
+        // SAFETY: see `Lent`: the array is alive, and `len` bytes long.
+        #[allow(unsafe_code)]
+        unsafe {
+            std::slice::from_raw_parts_mut(self.ptr, self.len)
+        }
+    }
+}
+
+/// A collective in flight (native part; use `shoal.Work`).
+#[pyclass(frozen, module = "shoal._native")]
+struct NativeWork {
+    comm: Arc<Core>,
+    work: Mutex<Work<Lent>>,
+    /// The uint8 view whose memory the collective uses.
+    _buf: Py<PyArray1<u8>>,
+}
+
+#[pymethods]
+impl NativeWork {
+    /// Waits until the collective ended, at most `timeout` seconds (None: its bound).
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<Bound<'_, PyAny>>) -> PyResult<ReduceInfo> {
+        let timeout = timeout.map(|t| seconds("timeout", &t)).transpose()?;
+        py.detach(|| {
+            let mut work = self.work.lock().unwrap_or_else(PoisonError::into_inner);
+            self.comm.wait(&mut work, timeout)
+        })
+        .map(ReduceInfo::from)
+        .map_err(to_py)
+    }
+
+    /// Whether the collective ended.
+    fn done(&self, py: Python<'_>) -> bool {
+        py.detach(|| {
+            let work = self.work.lock().unwrap_or_else(PoisonError::into_inner);
+            self.comm.done(&work)
+        })
+    }
+}
+
+impl Drop for NativeWork {
+    /// A collective dropped in flight still writes into the array: it is waited for first.
+    fn drop(&mut self) {
+        let work = self.work.get_mut().unwrap_or_else(PoisonError::into_inner);
+        if !self.comm.done(work) {
+            let _ = self.comm.wait(work, None);
+        }
+    }
+}
+
 /// A peer's communicator (native part; use `shoal.Communicator`).
 #[pyclass(frozen, module = "shoal._native")]
 struct Communicator {
-    inner: Core,
+    inner: Arc<Core>,
 }
 
 #[pymethods]
@@ -90,7 +178,7 @@ impl Communicator {
         if let Some(s) = timeout {
             c.timeout = seconds("timeout", &s)?;
         }
-        Ok(Communicator { inner: Core::new(c).map_err(to_py)? })
+        Ok(Communicator { inner: Arc::new(Core::new(c).map_err(to_py)?) })
     }
 
     #[pyo3(signature = (timeout=None, min_world_size=1))]
@@ -117,23 +205,31 @@ impl Communicator {
         op: &str,
         tag: u64,
     ) -> PyResult<ReduceInfo> {
-        let dtype =
-            DType::from_name(dtype).ok_or_else(|| PyTypeError::new_err(format!("unsupported dtype {dtype:?}")))?;
-        let op = ReduceOp::from_name(op).ok_or_else(|| {
-            PyValueError::new_err(format!("unknown op {op:?}: expected one of sum, avg, prod, min, max"))
-        })?;
+        let (dtype, op) = reduction(dtype, op)?;
         let mut view =
             buf.try_readwrite().map_err(|e| PyValueError::new_err(format!("tensor is not writable: {e}")))?;
         let bytes = view.as_slice_mut().map_err(|_| PyValueError::new_err("tensor is not contiguous"))?;
         let info = py.detach(|| self.inner.all_reduce(bytes, dtype, op, tag)).map_err(to_py)?;
-        Ok(ReduceInfo {
-            world_size: info.world_size,
-            tx_bytes: info.tx_bytes,
-            rx_bytes: info.rx_bytes,
-            elapsed: info.elapsed.as_secs_f64(),
-            topology: info.topology,
-            sequence: info.sequence,
-        })
+        Ok(info.into())
+    }
+
+    /// Starts all-reducing `buf` like `all_reduce_bytes` and returns at once; the returned work
+    /// keeps `buf` (and so the tensor it views) alive until the collective ended.
+    fn all_reduce_bytes_async(
+        &self,
+        buf: &Bound<'_, PyArray1<u8>>,
+        dtype: &str,
+        op: &str,
+        tag: u64,
+    ) -> PyResult<NativeWork> {
+        let (dtype, op) = reduction(dtype, op)?;
+        let mut view =
+            buf.try_readwrite().map_err(|e| PyValueError::new_err(format!("tensor is not writable: {e}")))?;
+        let bytes = view.as_slice_mut().map_err(|_| PyValueError::new_err("tensor is not contiguous"))?;
+        let lent = Lent { ptr: bytes.as_mut_ptr(), len: bytes.len() };
+        drop(view);
+        let work = self.inner.all_reduce_async(lent, dtype, op, tag).map_err(to_py)?;
+        Ok(NativeWork { comm: Arc::clone(&self.inner), work: Mutex::new(work), _buf: buf.clone().unbind() })
     }
 
     /// Syncs a shared state. `tensors` are (name, writable uint8 view, dtype, shape, may_differ);
@@ -382,6 +478,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Communicator>()?;
     m.add_class::<Master>()?;
     m.add_class::<ReduceInfo>()?;
+    m.add_class::<NativeWork>()?;
     m.add_function(wrap_pyfunction!(hash_tensor_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(lab_delay, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -94,6 +94,56 @@ def join_late(spec: dict) -> dict:
     return {"seen": seen, "result": x.tolist(), "rank": comm.rank}
 
 
+def overlap(spec: dict) -> dict:
+    """Many all-reduces in flight at once, of mixed sizes and dtypes, while the caller computes;
+    a tag reused in flight is refused at once; then all_reduce_many. Checks every result."""
+    comm = shoal.Communicator(spec["master"], timeout=60)
+    comm.connect(timeout=30)
+    join_all(comm, spec["peers"])
+    rank, n = spec["index"], spec["peers"]
+    sizes = [1, 1000, 1 << 18, 7, 1 << 20, 4096, 33, 1 << 16]
+    tensors = [np.full(size, rank + 1 + i, np.float64) for i, size in enumerate(sizes)]
+    works = [comm.all_reduce_async(t, op="sum", tag=i) for i, t in enumerate(tensors)]
+    try:
+        comm.all_reduce_async(np.ones(4, np.float32), op="sum", tag=3)
+        reused = None
+    except shoal.UsageError as e:
+        reused = str(e)
+    busy = sum(i * i for i in range(200_000))  # the caller's compute, overlapping
+    infos = [w.wait() for w in works]
+    for i, (t, info) in enumerate(zip(tensors, infos)):
+        expected = sum(r + 1 + i for r in range(n))
+        assert (t == expected).all(), (i, t[:3], expected)
+        assert info.world_size == n and w_done(works[i])
+    many = [np.full(1000 * (i + 1), rank + i, np.int64) for i in range(12)]
+    infos = comm.all_reduce_many(many, op="sum", max_in_flight=4, tag=100)
+    for i, t in enumerate(many):
+        assert (t == sum(r + i for r in range(n))).all(), (i, t[:3])
+    return {"reused": reused, "busy": busy > 0, "many": len(infos), "sequences": [i.sequence for i in infos]}
+
+
+def w_done(work: shoal.Work) -> bool:
+    return work.done()
+
+
+def many_survive(spec: dict) -> dict:
+    """all_reduce_many over batches while a peer is killed: every batch returns with every tensor
+    reduced exactly once in the world it returned in."""
+    comm = shoal.Communicator(spec["master"], timeout=60, heartbeat_timeout=spec.get("heartbeat_timeout"))
+    comm.connect(timeout=30)
+    join_all(comm, spec["peers"])
+    print(json.dumps({"ready": comm.peer_id}), flush=True)
+    worlds, deadline = [], time.time() + 60
+    while (not worlds or worlds[-1] == spec["peers"] or len(worlds) < 3) and time.time() < deadline:
+        tensors = [np.ones(1 << 16, np.float32) for _ in range(8)]
+        infos = comm.all_reduce_many(tensors, op="sum", max_in_flight=3)
+        world = infos[0].world_size
+        assert all(i.world_size == world for i in infos), [i.world_size for i in infos]
+        assert all((t == world).all() for t in tensors), [t[:2] for t in tensors]
+        worlds.append(world)
+    return {"worlds": worlds}
+
+
 def survive(spec: dict) -> dict:
     """All-reduce in a loop; on PeerLostError vote update_topology (or, with ``retry_only``, simply
     try again) and go on, until ``steps_after`` all-reduces succeeded in a smaller world. Prints
@@ -550,7 +600,8 @@ def empty(spec: dict) -> dict:
 
 if __name__ == "__main__":
     scenario, spec = sys.argv[1], json.loads(sys.argv[2])
-    scenarios = {"matrix": matrix, "torch": torch_tensors, "join_late": join_late, "survive": survive,
+    scenarios = {"overlap": overlap, "many_survive": many_survive,
+                 "matrix": matrix, "torch": torch_tensors, "join_late": join_late, "survive": survive,
                  "agree": agree, "min_world": min_world, "master_loss": master_loss,
                  "admission_misuse": admission_misuse, "chaos": chaos, "die_at": die_at, "sgd": sgd,
                  "sync_case": sync_case, "mismatch": mismatch, "empty": empty, "loop": loop,

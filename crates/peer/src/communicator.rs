@@ -239,9 +239,10 @@ impl Communicator {
 
     /// Starts reducing `buf` like [`Communicator::all_reduce`] and returns at once: the
     /// collective moves while the caller computes, with up to `SHOAL_MAX_IN_FLIGHT` others
-    /// (more wait for one of them to end), each named by its `tag` among those in flight.
-    /// [`Communicator::wait`] returns what it did, and the buffer, reduced or (after a failure)
-    /// as it was.
+    /// (more wait for one of them to end), each named by its `tag` among those in flight: a tag
+    /// is in flight until [`Communicator::wait`] returned for it. [`Communicator::wait`] returns
+    /// what it did; [`Work::into_buffer`] the buffer, reduced or (after a failure) as it was. A
+    /// work dropped without a wait keeps its tag, and its buffer, for good.
     ///
     /// # Errors
     /// As [`Communicator::all_reduce`] for a bad buffer; [`Error::Misuse`] if a collective with
@@ -281,7 +282,7 @@ impl Communicator {
                 unreachable!("a collective asked for {a:?}")
             });
             match data.calls.finished.remove(&work.call) {
-                Some((result, buf)) => {
+                Some((result, buf, _)) => {
                     work.result = Some(result.as_ref().map(|i| *i).map_err(ToString::to_string));
                     work.buf = buf.map(|b| b.downcast::<B>().expect("the work's own buffer"));
                     return result;
@@ -315,10 +316,12 @@ impl Communicator {
         op: ReduceOp,
         tag: u64,
     ) -> Result<CallId> {
-        if let Some(other) = data.calls.collectives.values().find(|o| o.tag == tag) {
+        // In flight until waited for: whether it ended already depends on timing, which must not
+        // decide whether a call is refused.
+        let waited_for = data.calls.finished.values().any(|f| f.2 == tag);
+        if waited_for || data.calls.collectives.values().any(|o| o.tag == tag) {
             return Err(Error::Misuse(format!(
-                "all_reduce with tag {tag} called while another with that tag is in flight (started {:.3} s ago)",
-                other.started.elapsed().as_secs_f64()
+                "all_reduce with tag {tag} called while another with that tag is in flight (not waited for yet)"
             )));
         }
         let bound = self.config.timeout;
@@ -612,7 +615,7 @@ pub(crate) struct Calls {
     pub taken: HashMap<u64, Taken>,
     /// Collectives that ended: their result and their buffer's owner, until their caller takes
     /// them.
-    pub finished: HashMap<CallId, (Result<Info>, Option<Owner>)>,
+    pub finished: HashMap<CallId, (Result<Info>, Option<Owner>, u64)>,
     /// Other calls that ended, until their caller takes them.
     pub ended: HashMap<CallId, CallResult>,
 }
@@ -921,7 +924,7 @@ impl Driver {
                 })
             }
         };
-        data.calls.finished.insert(call, (outcome, record.owner));
+        data.calls.finished.insert(call, (outcome, record.owner, record.tag));
     }
 }
 

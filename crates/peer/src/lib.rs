@@ -24,7 +24,7 @@ mod failpoint;
 mod links;
 mod sync;
 
-pub use communicator::{Communicator, Info};
+pub use communicator::{Communicator, Info, Work};
 pub use config::{
     CommunicatorConfig, DEFAULT_CHUNK_BYTES, DEFAULT_CONNECTIONS, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_TIMEOUT,
     MAX_CONNECTIONS,
