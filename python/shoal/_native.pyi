@@ -7,7 +7,8 @@ import numpy.typing as npt
 from typing_extensions import Self
 
 __all__ = [
-    "Communicator", "DTYPES", "Master", "NativeWork", "OPS", "ReduceInfo", "__version__", "hash_tensor_bytes", "lab_delay"
+    "Communicator", "DTYPES", "Master", "NativeWork", "OPS", "ReduceInfo", "__version__", "hash_tensor_bytes",
+    "lab_delay",
 ]
 __version__: str
 DTYPES: list[str]
