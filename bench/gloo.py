@@ -32,7 +32,7 @@ def _worker(args: argparse.Namespace) -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=args.peers
     )
     op = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}[args.op]
-    run_loop(lambda x: dist.all_reduce(torch.from_numpy(x), op=op), parse_sizes(args.sizes), args.dtype)
+    run_loop(lambda xs: dist.all_reduce(torch.from_numpy(xs[0]), op=op), parse_sizes(args.sizes), args.dtype)
     dist.destroy_process_group()
 
 

@@ -4,6 +4,9 @@ It starts a master (or joins ``--master``) and ``--peers`` local peer processes,
 by one, then all-reduce every size for a fixed number of iterations. For each iteration the time
 that counts is the slowest peer's; the table gives its median and p99, the algorithm bandwidth
 (bytes / time) and the bus bandwidth (algbw * 2 (n - 1) / n, the bytes each link carries).
+With ``--in-flight N`` each iteration starts N all-reduces of the size at once
+(``all_reduce_async``) and waits for all of them: the time is the batch's, the bandwidths count
+all N buffers.
 
 The iteration policy and the table live here so that other implementations (``bench/gloo.py``)
 are measured exactly the same way.
@@ -52,23 +55,25 @@ def iterations(size_bytes: int, max_iters: int = _MAX_ITERS) -> tuple[int, int]:
 
 
 def run_loop(
-    all_reduce: Callable[[np.ndarray], object], sizes: Sequence[int], dtype: str, out=sys.stdout,
-    max_iters: int = _MAX_ITERS,
+    all_reduce: Callable[[list[np.ndarray]], object], sizes: Sequence[int], dtype: str, out=sys.stdout,
+    max_iters: int = _MAX_ITERS, in_flight: int = 1,
 ) -> None:
-    """The worker side: for each size, warm up, time each iteration, print one JSON line."""
+    """The worker side: for each size, warm up, time each iteration (``all_reduce`` of
+    ``in_flight`` buffers at once), print one JSON line."""
     np_dtype = np.dtype(dtype)
     for size in sizes:
         count = max(1, size // np_dtype.itemsize)
-        x = np.ones(count, dtype=np_dtype)
-        warm, timed = iterations(size, max_iters)
+        xs = [np.ones(count, dtype=np_dtype) for _ in range(in_flight)]
+        warm, timed = iterations(size * in_flight, max_iters)
         for _ in range(warm):
-            all_reduce(x)
+            all_reduce(xs)
         times = []
         for _ in range(timed):
             t0 = time.perf_counter()
-            all_reduce(x)
+            all_reduce(xs)
             times.append(time.perf_counter() - t0)
-        print(json.dumps({"size": count * np_dtype.itemsize, "count": count, "times": times}), file=out, flush=True)
+        line = {"size": count * np_dtype.itemsize, "count": count, "in_flight": in_flight, "times": times}
+        print(json.dumps(line), file=out, flush=True)
 
 
 def summarize(per_peer: Sequence[Sequence[dict]], peers: int) -> list[dict]:
@@ -76,14 +81,15 @@ def summarize(per_peer: Sequence[Sequence[dict]], peers: int) -> list[dict]:
     rows = []
     for results in zip(*per_peer):
         size = results[0]["size"]
+        in_flight = results[0].get("in_flight", 1)
         # An iteration ends when its slowest peer is done.
         slowest = [max(ts) for ts in zip(*(r["times"] for r in results))]
         median = statistics.median(slowest)
         p99 = float(np.percentile(slowest, 99))
-        algbw = size / median / 1e9
+        algbw = size * in_flight / median / 1e9
         rows.append(
             {
-                "op": "all_reduce",
+                "op": "all_reduce" if in_flight == 1 else f"all_reducex{in_flight}",
                 "size": size,
                 "count": results[0]["count"],
                 "peers": peers,
@@ -142,7 +148,15 @@ def _worker(args: argparse.Namespace) -> None:
             comm.update_topology()
         else:
             time.sleep(0.01)
-    run_loop(lambda x: comm.all_reduce(x, op=args.op), parse_sizes(args.sizes), args.dtype, max_iters=args.max_iters)
+    def batch(xs: list[np.ndarray]) -> None:
+        if len(xs) == 1:
+            comm.all_reduce(xs[0], op=args.op)
+            return
+        for work in [comm.all_reduce_async(x, op=args.op, tag=i) for i, x in enumerate(xs)]:
+            work.wait()
+
+    sizes = parse_sizes(args.sizes)
+    run_loop(batch, sizes, args.dtype, max_iters=args.max_iters, in_flight=args.in_flight)
     comm.close()
 
 
@@ -158,6 +172,7 @@ def run(
     lab: Optional[str] = None,
     hosts: Optional[Sequence[str]] = None,
     max_iters: int = _MAX_ITERS,
+    in_flight: int = 1,
 ) -> list[dict]:
     """Runs the benchmark with ``peers`` worker processes and returns its rows. Starts a master
     unless ``master_addr`` is given. With ``lab`` (a lab that is up, see ``shoal lab``), peer i
@@ -181,6 +196,7 @@ def run(
             master_addr = master.address
         argv = [sys.executable, "-m", "shoal.bench", "--worker", "--master", master_addr, "--sizes", sizes]
         argv += ["--dtype", dtype, "--op", op, "--peers", str(peers), "--max-iters", str(max_iters)]
+        argv += ["--in-flight", str(in_flight)]
         if connections is not None:
             argv += ["--connections", str(connections)]
         if chunk_bytes is not None:
@@ -203,17 +219,20 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--lab", help="run the peers (and the master) in the hosts of this lab (shoal lab up)")
     parser.add_argument("--hosts", help="comma-separated lab hosts for the peers, in ring order (default: all)")
     parser.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    parser.add_argument("--in-flight", type=int, default=1,
+                        help="all-reduces of each size started at once per iteration (default 1)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     parse_sizes(args.sizes)
     if args.worker:
         return _worker(args)
-    if args.peers < 1 or args.max_iters < 1:
-        parser.error("--peers and --max-iters must be at least 1")
+    if args.peers < 1 or args.max_iters < 1 or args.in_flight < 1:
+        parser.error("--peers, --max-iters and --in-flight must be at least 1")
 
     rows = run(args.peers, args.sizes, dtype=args.dtype, op=args.op, master_addr=args.master,
                connections=args.connections, chunk_bytes=args.chunk_bytes, lab=args.lab,
-               hosts=args.hosts.split(",") if args.hosts else None, max_iters=args.max_iters)
+               hosts=args.hosts.split(",") if args.hosts else None, max_iters=args.max_iters,
+               in_flight=args.in_flight)
     where = args.master or (f"in lab {args.lab}" if args.lab else "local")
     if args.json:
         print(json.dumps(rows, indent=1))

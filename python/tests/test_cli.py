@@ -51,6 +51,15 @@ def test_bench_prints_json_rows():
         assert r["peers"] == 2 and r["time_us"] > 0 and r["busbw_gbs"] > 0 and r["p99_us"] >= r["time_us"]
 
 
+def test_bench_runs_collectives_in_flight_at_once():
+    out = subprocess.run([*SHOAL, "bench", "--peers", "2", "--sizes", "64K", "--in-flight", "4", "--max-iters", "20",
+                          "--json"], capture_output=True, text=True, timeout=120, check=True).stdout
+    (row,) = json.loads(out)
+    assert row["op"] == "all_reducex4" and row["size"] == 64 << 10 and row["iters"] == 20
+    # The bandwidths count all four buffers.
+    assert abs(row["algbw_gbs"] - 4 * row["size"] / (row["time_us"] * 1e3)) < 1e-6 * row["algbw_gbs"] + 1e-9
+
+
 def test_demo_runs_to_the_end():
     out = subprocess.run([*SHOAL, "demo", "--peers", "3", "--join-interval", "0.3", "--steps", "5"],
                          capture_output=True, text=True, timeout=120)
