@@ -2,7 +2,7 @@
 
 use crate::config::CommunicatorConfig;
 use crate::control::Control;
-use crate::engine::{Exec, OpEvent, OpSpec, Pumped, RawBuf, RingError, Side, Taken};
+use crate::engine::{Backup, Exec, OpEvent, OpSpec, Pumped, RawBuf, RingError, Side, Taken};
 use crate::error::{Error, Result};
 use crate::failpoint::failpoint;
 use crate::links::{DataPlane, Listener};
@@ -335,6 +335,13 @@ impl Communicator {
 
     /// Locks the data plane, asking the progress thread to let go of it first.
     pub(crate) fn lock_data(&self) -> std::sync::MutexGuard<'_, DataPlane> {
+        // Uncontended (no progress thread driving): no wake-up, which would cost a lone
+        // collective system calls.
+        match self.data.try_lock() {
+            Ok(data) => return data,
+            Err(std::sync::TryLockError::Poisoned(e)) => return e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => {}
+        }
         self.progress.waiters.fetch_add(1, Ordering::SeqCst);
         if let Some(control) = self.progress.control.lock().unwrap_or_else(PoisonError::into_inner).as_ref() {
             control.waker.wake();
@@ -802,6 +809,7 @@ impl Driver {
             world,
             rank,
             chunk_bytes: self.config.chunk_bytes,
+            backup: spare_backup(&mut data.spare_backups, record.buf.len()),
         };
         let exec = data.exec.get_or_insert_with(|| Exec::new(id.epoch, Vec::new(), Vec::new()));
         debug_assert_eq!(exec.epoch(), id.epoch, "a collective runs in the topology taken up");
@@ -924,7 +932,19 @@ impl Driver {
                 })
             }
         };
+        if let Some(t) = taken {
+            data.spare_backups.push(t.into_backup());
+        }
         data.calls.finished.insert(call, (outcome, record.owner, record.tag));
+    }
+}
+
+/// The spare backup that fits `len` bytes best: the smallest large enough, or else the largest.
+fn spare_backup(spares: &mut Vec<Backup>, len: usize) -> Backup {
+    spares.sort_by_key(Backup::capacity);
+    match spares.iter().position(|b| b.capacity() >= len) {
+        Some(i) => spares.remove(i),
+        None => spares.pop().unwrap_or_default(),
     }
 }
 

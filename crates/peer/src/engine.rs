@@ -42,6 +42,11 @@ pub(crate) struct Backup {
 }
 
 impl Backup {
+    /// Bytes it can save without growing.
+    pub fn capacity(&self) -> usize {
+        self.words.len() * 8
+    }
+
     /// Forgets what was saved, ready for a buffer of `len` bytes.
     pub fn reset(&mut self, len: usize) {
         self.saved.clear();
@@ -196,6 +201,9 @@ pub(crate) struct OpSpec {
     pub world: usize,
     pub rank: usize,
     pub chunk_bytes: usize,
+    /// Where to save what it overwrites: a spare kept from an earlier collective, so that a
+    /// large one does not allocate (and fault in) a copy of its buffer every time.
+    pub backup: Backup,
 }
 
 /// What happened to a collective ([`Exec::pump`]).
@@ -224,6 +232,11 @@ impl Taken {
     pub fn restore(&self) {
         // SAFETY: the buffer is still lent to us: its caller waits for this collective's end.
         self.backup.restore(unsafe { self.buf.slice() });
+    }
+
+    /// The backup, to lend to a later collective.
+    pub fn into_backup(self) -> Backup {
+        self.backup
     }
 }
 
@@ -255,14 +268,14 @@ struct OpExec {
 }
 
 impl OpExec {
-    fn new(spec: OpSpec) -> Self {
+    fn new(mut spec: OpSpec) -> Self {
         let elem = spec.dtype.size();
         let chunk_elems = (spec.chunk_bytes / elem).max(1);
         let plan = RingAllReduce::new(spec.rank, spec.world, spec.buf.len / elem, chunk_elems);
         let mut first_of_range = std::collections::HashMap::with_capacity(plan.recvs.len());
         let first_unit: Vec<usize> =
             plan.recvs.iter().enumerate().map(|(i, u)| *first_of_range.entry(u.range.start).or_insert(i)).collect();
-        let mut backup = Backup::default();
+        let mut backup = std::mem::take(&mut spec.backup);
         backup.reset(spec.buf.len);
         OpExec {
             saved: vec![false; plan.recvs.len()],
@@ -971,6 +984,7 @@ mod tests {
                             world,
                             rank,
                             chunk_bytes,
+                            backup: Backup::default(),
                         });
                         moved = true;
                     }
@@ -1106,6 +1120,7 @@ mod tests {
                     world: 2,
                     rank,
                     chunk_bytes: 64 << 10,
+                    backup: Backup::default(),
                 });
             }
         }
@@ -1147,6 +1162,7 @@ mod tests {
             world: 2,
             rank: 1,
             chunk_bytes: 4096,
+            backup: Backup::default(),
         });
         for _ in 0..10 {
             exec.pump();

@@ -80,6 +80,8 @@ pub(crate) struct DataPlane {
     pub exec: Option<crate::engine::Exec<TcpStream>>,
     /// The collectives called and not yet returned, and how calls ended.
     pub calls: crate::communicator::Calls,
+    /// Backups of collectives that ended, to lend to the next ones.
+    pub spare_backups: Vec<crate::engine::Backup>,
 }
 
 impl Listener {
