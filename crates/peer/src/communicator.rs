@@ -892,6 +892,14 @@ impl Driver {
             data.calls.by_seq.remove(&seq);
             data.exec.as_mut().and_then(|e| e.take(seq)).or_else(|| data.calls.taken.remove(&seq))
         });
+        // Failed streams close once every collective over them has its verdict, as the old
+        // ring did: the first failure reached the master before the neighbours see them close
+        // (a mismatch, not the "connection closed" that follows it).
+        if data.calls.by_seq.is_empty() {
+            if let Some(exec) = data.exec.as_mut() {
+                exec.release_if_broken();
+            }
+        }
         let traffic = taken.as_ref().map(|t| t.traffic).unwrap_or_default();
         let outcome = match result {
             Ok(Value::Collective(id)) => {

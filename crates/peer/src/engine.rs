@@ -106,6 +106,8 @@ pub(crate) const FRAME_BYTES: usize = 56;
 const FRAME_MAGIC: u32 = u32::from_le_bytes(*b"SHF1");
 const KIND_CHUNK: u8 = 1;
 const KIND_TOKEN: u8 = 2;
+/// Buffers of early frames kept for reuse: a fresh one per chunk would fault in a chunk's pages.
+const SPARE_BODIES: usize = 64;
 /// Most bytes of frames kept for collectives not posted yet, over all lanes of a pool.
 pub(crate) const MAX_EARLY_BYTES: usize = 256 << 20;
 
@@ -436,6 +438,8 @@ pub(crate) struct Exec<L> {
     posted: Option<u64>,
     early: BTreeMap<u64, Vec<Early>>,
     early_bytes: usize,
+    /// Buffers of early frames applied, to receive the next ones without allocating.
+    spare_bodies: Vec<Vec<u8>>,
     /// The collective the last free lane took a frame of: the next lane starts after it.
     turn: u64,
     /// Why the pools failed, once they did: nothing more moves.
@@ -471,6 +475,7 @@ impl<L: Lane> Exec<L> {
             posted: None,
             early: BTreeMap::new(),
             early_bytes: 0,
+            spare_bodies: Vec::new(),
             turn: 0,
             broken: None,
         }
@@ -497,16 +502,20 @@ impl<L: Lane> Exec<L> {
             op.events.push(OpEvent::Failed(e.clone()));
             op.finished = true;
         } else if self.send.is_empty() || self.recv.is_empty() {
+            // A group of one never posts: no lanes means the pools were not established.
             let reason = "no data connection: a collective failed before and the ring has not re-formed yet";
             op.events.push(OpEvent::Failed(RingError::Lost { side: Side::Next, reason: reason.into() }));
             op.finished = true;
         } else {
             for early in self.early.remove(&seq).unwrap_or_default() {
                 self.early_bytes -= early.body.len();
-                if let Err(e) = apply_early(&mut op, early) {
-                    op.events.push(OpEvent::Failed(e));
-                    op.finished = true;
-                    break;
+                match apply_early(&mut op, early) {
+                    Ok(body) => self.spare_body(body),
+                    Err(e) => {
+                        op.events.push(OpEvent::Failed(e));
+                        op.finished = true;
+                        break;
+                    }
                 }
             }
         }
@@ -556,10 +565,11 @@ impl<L: Lane> Exec<L> {
 
     /// The lanes to poll: (lane, wants to read, wants to write).
     pub fn interest(&self) -> impl Iterator<Item = (&L, bool, bool)> {
+        let lanes = if self.broken.is_some() { 0 } else { usize::MAX };
         let reading = self.early_bytes < MAX_EARLY_BYTES || self.ops.values().any(|o| !o.finished);
         let writing = self.ops.values().any(|o| !o.outbox.is_empty() || o.sendable().is_some());
-        let recv = self.recv.iter().map(move |l| (&l.lane, reading || l.receiving.is_some(), false));
-        let send = self.send.iter().map(move |l| (&l.lane, false, l.sending.is_some() || writing));
+        let recv = self.recv.iter().take(lanes).map(move |l| (&l.lane, reading || l.receiving.is_some(), false));
+        let send = self.send.iter().take(lanes).map(move |l| (&l.lane, false, l.sending.is_some() || writing));
         recv.chain(send)
     }
 
@@ -623,10 +633,18 @@ impl<L: Lane> Exec<L> {
                 OpEvent::Failed(e.clone())
             });
         }
-        self.send.clear();
-        self.recv.clear();
         self.early.clear();
         self.early_bytes = 0;
+    }
+
+    /// Closes the lanes once they failed. The driver calls it once every collective over them
+    /// has its verdict: the first failure must reach the master before the closed streams make
+    /// the neighbours report theirs (a mismatch, not the "connection closed" that follows it).
+    pub fn release_if_broken(&mut self) {
+        if self.broken.is_some() {
+            self.send.clear();
+            self.recv.clear();
+        }
     }
 
     /// Reads what lane `i` has; `Err((collective, why))` on failure.
@@ -702,7 +720,10 @@ impl<L: Lane> Exec<L> {
                     self.early_bytes -= early.body.len();
                     // Posted while its chunk arrived: applied now.
                     match self.ops.get_mut(&seq) {
-                        Some(op) => apply_early(op, early).map_err(|e| (Some(seq), e))?,
+                        Some(op) => {
+                            let body = apply_early(op, early).map_err(|e| (Some(seq), e))?;
+                            self.spare_body(body);
+                        }
                         None => {
                             self.early_bytes += early.body.len();
                             self.early.entry(seq).or_default().push(early);
@@ -731,7 +752,10 @@ impl<L: Lane> Exec<L> {
                     return Err((None, RingError::Malformed(format!("a chunk of {} bytes", frame.len))));
                 }
                 self.early_bytes += frame.len as usize;
-                vec![0; frame.len as usize]
+                let mut body = self.spare_bodies.pop().unwrap_or_default();
+                body.clear();
+                body.resize(frame.len as usize, 0);
+                body
             } else {
                 Vec::new()
             };
@@ -841,6 +865,13 @@ impl<L: Lane> Exec<L> {
         true
     }
 
+    /// Keeps an early frame's buffer for the next one (a few chunks' worth at most).
+    fn spare_body(&mut self, body: Vec<u8>) {
+        if self.spare_bodies.len() < SPARE_BODIES && body.capacity() > 0 {
+            self.spare_bodies.push(body);
+        }
+    }
+
     /// Where each lane stands, for a failure's log.
     pub fn describe(&self) -> String {
         let ops: Vec<String> = self
@@ -880,13 +911,13 @@ fn chunk_dest(op: &mut OpExec, frame: &Frame) -> Result<Dest, RingError> {
     })
 }
 
-/// Applies a frame that came before its collective was posted.
-fn apply_early(op: &mut OpExec, early: Early) -> Result<(), RingError> {
+/// Applies a frame that came before its collective was posted; returns its body's buffer.
+fn apply_early(op: &mut OpExec, early: Early) -> Result<Vec<u8>, RingError> {
     if early.frame.op != op.spec.header {
         return Err(RingError::Mismatch { theirs: early.frame.op });
     }
     if early.frame.kind == KIND_TOKEN {
-        return op.token(early.frame.unit);
+        return op.token(early.frame.unit).map(|()| early.body);
     }
     match chunk_dest(op, &early.frame)? {
         Dest::Buf(start) => {
@@ -901,7 +932,7 @@ fn apply_early(op: &mut OpExec, early: Early) -> Result<(), RingError> {
             op.complete_recv(early.frame.unit as usize, Some(&early.body));
         }
     }
-    Ok(())
+    Ok(early.body)
 }
 
 #[cfg(test)]
@@ -1002,6 +1033,7 @@ mod tests {
                     run.taken = exec.take(seq);
                     moved = true;
                 }
+                exec.release_if_broken();
             }
             if runs.iter().flatten().all(|r| r.ended.is_some()) {
                 return runs;
