@@ -649,7 +649,6 @@ impl<L: Lane> Exec<L> {
 
     /// Reads what lane `i` has; `Err((collective, why))` on failure.
     fn pump_recv(&mut self, i: usize) -> Result<bool, (Option<u64>, RingError)> {
-        let lost = |reason: String| (None, RingError::Lost { side: Side::Prev, reason });
         let mut progress = false;
         loop {
             let lane = &mut self.recv[i];
@@ -657,12 +656,8 @@ impl<L: Lane> Exec<L> {
                 if self.early_bytes >= MAX_EARLY_BYTES && self.ops.values().all(|o| o.finished) {
                     return Ok(progress);
                 }
-                let n = match lane.lane.read(&mut lane.header[lane.header_got..]) {
-                    Ok(0) => return Err(lost("connection closed".into())),
-                    Ok(n) => n,
-                    Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(progress),
-                    Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                    Err(e) => return Err(lost(e.to_string())),
+                let Some(n) = read_some(&mut lane.lane, &mut lane.header[lane.header_got..])? else {
+                    return Ok(progress);
                 };
                 progress = true;
                 lane.header_got += n;
@@ -691,13 +686,8 @@ impl<L: Lane> Exec<L> {
             let n = if target.is_empty() {
                 0
             } else {
-                match lane.lane.read(target) {
-                    Ok(0) => return Err(lost("connection closed".into())),
-                    Ok(n) => n,
-                    Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(progress),
-                    Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                    Err(e) => return Err(lost(e.to_string())),
-                }
+                let Some(n) = read_some(&mut lane.lane, target)? else { return Ok(progress) };
+                n
             };
             progress = true;
             rx.got += n;
@@ -884,6 +874,21 @@ impl<L: Lane> Exec<L> {
         let send = self.send.iter().map(|l| l.lane.describe());
         let lanes: Vec<String> = send.chain(self.recv.iter().map(|l| l.lane.describe())).collect();
         format!("collectives [{}] over {lanes:?}", ops.join("; "))
+    }
+}
+
+/// Reads what `lane` has into `buf`: `None` if nothing yet; the end of the stream or an error
+/// loses the predecessor.
+fn read_some(lane: &mut impl Lane, buf: &mut [u8]) -> Result<Option<usize>, (Option<u64>, RingError)> {
+    let lost = |reason: String| (None, RingError::Lost { side: Side::Prev, reason });
+    loop {
+        return match lane.read(buf) {
+            Ok(0) => Err(lost("connection closed".into())),
+            Ok(n) => Ok(Some(n)),
+            Err(e) if e.kind() == ErrorKind::WouldBlock => Ok(None),
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) => Err(lost(e.to_string())),
+        };
     }
 }
 
