@@ -60,7 +60,8 @@ pub struct Communicator {
     connected: Mutex<Option<Arc<Connected>>>,
     /// The data plane: whoever holds it drives every collective in flight.
     pub(crate) data: Arc<Mutex<DataPlane>>,
-    progress: Arc<Progress>,
+    /// Drives the state machine and the engine, for whichever thread holds the data plane.
+    driver: Arc<Driver>,
 }
 
 pub(crate) struct Connected {
@@ -81,10 +82,10 @@ impl Communicator {
         config.validate()?;
         shoal_config::init_logging();
         Ok(Communicator {
-            config,
             connected: Mutex::new(None),
             data: Arc::new(Mutex::new(DataPlane::default())),
-            progress: Arc::new(Progress::default()),
+            driver: Arc::new(Driver { config: config.clone(), progress: Progress::default() }),
+            config,
         })
     }
 
@@ -169,7 +170,8 @@ impl Communicator {
         });
         match (joined, me) {
             (Ok(_), Some((me, session, data_key))) => {
-                *self.progress.control.lock().unwrap_or_else(PoisonError::into_inner) = Some(Arc::clone(&control));
+                *self.driver.progress.control.lock().unwrap_or_else(PoisonError::into_inner) =
+                    Some(Arc::clone(&control));
                 *slot = Some(Arc::new(Connected { control, listener, me, session, data_key }));
                 Ok(())
             }
@@ -231,7 +233,7 @@ impl Communicator {
         let mut data = self.lock_data();
         let call = self.start_collective(&c, &mut data, RawBuf::new(buf), None, dtype, op, tag)?;
         // The buffer is borrowed for this call only: it must be out of the engine when we return.
-        self.drive(&c.control, &c.listener, &mut data, Some(call), None, "all_reduce", |_, a| {
+        self.driver.drive(&c.control, &c.listener, &mut data, Some(call), None, "all_reduce", |_, a| {
             unreachable!("all_reduce asked for {a:?}")
         });
         data.calls.finished.remove(&call).expect("driven until it ended").0
@@ -258,12 +260,12 @@ impl Communicator {
         let mut data = self.lock_data();
         let call = self.start_collective(&c, &mut data, raw, Some(owned), dtype, op, tag)?;
         // Post it now if it may run: the progress thread drives it from there.
-        self.drive(&c.control, &c.listener, &mut data, None, Some(Instant::now()), "all_reduce", |_, a| {
+        self.driver.drive(&c.control, &c.listener, &mut data, None, Some(Instant::now()), "all_reduce", |_, a| {
             unreachable!("all_reduce asked for {a:?}")
         });
         drop(data);
         self.progress_thread(&c).unpark();
-        Ok(Work { call, buf: None, result: None, _buf: std::marker::PhantomData })
+        Ok(Work { call, buf: None, result: None })
     }
 
     /// Waits until `work` ended, at most `timeout` (default: as long as its bound): what it did,
@@ -278,7 +280,7 @@ impl Communicator {
             let c = self.connected()?;
             let until = timeout.map(|t| Instant::now() + t);
             let mut data = self.lock_data();
-            self.drive(&c.control, &c.listener, &mut data, Some(work.call), until, "wait", |_, a| {
+            self.driver.drive(&c.control, &c.listener, &mut data, Some(work.call), until, "wait", |_, a| {
                 unreachable!("a collective asked for {a:?}")
             });
             match data.calls.finished.remove(&work.call) {
@@ -342,25 +344,25 @@ impl Communicator {
             Err(std::sync::TryLockError::Poisoned(e)) => return e.into_inner(),
             Err(std::sync::TryLockError::WouldBlock) => {}
         }
-        self.progress.waiters.fetch_add(1, Ordering::SeqCst);
-        if let Some(control) = self.progress.control.lock().unwrap_or_else(PoisonError::into_inner).as_ref() {
+        self.driver.progress.waiters.fetch_add(1, Ordering::SeqCst);
+        if let Some(control) = self.driver.progress.control.lock().unwrap_or_else(PoisonError::into_inner).as_ref() {
             control.waker.wake();
         }
         let data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
-        self.progress.waiters.fetch_sub(1, Ordering::SeqCst);
+        self.driver.progress.waiters.fetch_sub(1, Ordering::SeqCst);
         data
     }
 
     /// The thread that drives collectives in flight while no caller waits, started once.
     fn progress_thread(&self, c: &Arc<Connected>) -> std::thread::Thread {
-        self.progress
+        self.driver
+            .progress
             .thread
             .get_or_init(|| {
-                let (data, progress, c) = (Arc::clone(&self.data), Arc::clone(&self.progress), Arc::clone(c));
-                let driver = Driver { config: self.config.clone() };
+                let (data, driver, c) = (Arc::clone(&self.data), Arc::clone(&self.driver), Arc::clone(c));
                 std::thread::Builder::new()
                     .name("shoal-progress".into())
-                    .spawn(move || driver.progress_loop(&data, &progress, &c))
+                    .spawn(move || driver.progress_loop(&data, &c))
                     .expect("spawning the progress thread")
                     .thread()
                     .clone()
@@ -368,26 +370,7 @@ impl Communicator {
             .clone()
     }
 
-    /// Carries out what the state machine asks until call `call` ended (or, without one, until
-    /// no collective is in flight, or `until`, or a caller wants the data plane): opens and
-    /// takes up topologies, moves every collective in flight, and hands what only this call
-    /// does (fetching state) to `own`, which may end the call early with its result.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn drive(
-        &self,
-        control: &Control,
-        listener: &Listener,
-        data: &mut DataPlane,
-        call: Option<CallId>,
-        until: Option<Instant>,
-        operation: &'static str,
-        own: impl FnMut(&mut DataPlane, Action) -> Option<CallResult>,
-    ) {
-        let driver = Driver { config: self.config.clone() };
-        driver.drive(control, listener, data, call, until, &self.progress.waiters, operation, own);
-    }
-
-    /// Runs call `call` (a vote, a sync, connect) to its end; see [`Communicator::drive`].
+    /// Runs call `call` (a vote, a sync, connect) to its end; see [`Driver::drive`].
     pub(crate) fn run_call(
         &self,
         control: &Control,
@@ -397,7 +380,7 @@ impl Communicator {
         operation: &'static str,
         own: impl FnMut(&mut DataPlane, Action) -> Option<CallResult>,
     ) -> CallResult {
-        self.drive(control, listener, data, Some(call), None, operation, own);
+        self.driver.drive(control, listener, data, Some(call), None, operation, own);
         data.calls.ended.remove(&call).expect("driven until it ended")
     }
 
@@ -427,9 +410,9 @@ impl Communicator {
         if let Some(c) = self.connected.lock().unwrap_or_else(PoisonError::into_inner).take() {
             c.control.close();
         }
-        self.progress.control.lock().unwrap_or_else(PoisonError::into_inner).take();
-        self.progress.stop.store(true, Ordering::SeqCst);
-        if let Some(thread) = self.progress.thread.get() {
+        self.driver.progress.control.lock().unwrap_or_else(PoisonError::into_inner).take();
+        self.driver.progress.stop.store(true, Ordering::SeqCst);
+        if let Some(thread) = self.driver.progress.thread.get() {
             thread.unpark();
         }
         *self.lock_data() = DataPlane::default();
@@ -581,7 +564,6 @@ pub struct Work<B> {
     buf: Option<Box<B>>,
     /// How it ended, once waited for.
     result: Option<std::result::Result<Info, String>>,
-    _buf: std::marker::PhantomData<B>,
 }
 
 impl<B> Work<B> {
@@ -641,10 +623,14 @@ pub(crate) struct Progress {
 /// Drives the state machine's actions and the engine, on whichever thread holds the data plane.
 struct Driver {
     config: CommunicatorConfig,
+    progress: Progress,
 }
 
 impl Driver {
-    /// See [`Communicator::drive`].
+    /// Carries out what the state machine asks until call `call` ended (or, without one, until
+    /// no collective is in flight, or `until`, or a caller wants the data plane): opens and
+    /// takes up topologies, moves every collective in flight, and hands what only this call
+    /// does (fetching state) to `own`, which may end the call early with its result.
     #[allow(clippy::too_many_arguments)]
     fn drive(
         &self,
@@ -653,7 +639,6 @@ impl Driver {
         data: &mut DataPlane,
         call: Option<CallId>,
         until: Option<Instant>,
-        waiters: &AtomicUsize,
         operation: &'static str,
         mut own: impl FnMut(&mut DataPlane, Action) -> Option<CallResult>,
     ) {
@@ -703,13 +688,15 @@ impl Driver {
             let moved = exec.pump() == Pumped::Progress;
             let events = exec.events();
             let news = !events.is_empty();
-            self.report(control, data, events);
-            self.take_stopped(control, data);
+            if news {
+                self.report(control, data, events);
+                self.take_stopped(control, data);
+            }
             if moved || news {
                 idle_since = None;
                 continue;
             }
-            if call.is_none() && waiters.load(Ordering::SeqCst) > 0 {
+            if call.is_none() && self.progress.waiters.load(Ordering::SeqCst) > 0 {
                 return;
             }
             if until.is_some_and(|u| Instant::now() >= u) {
@@ -757,23 +744,17 @@ impl Driver {
     }
 
     /// The progress thread: drives collectives in flight whenever no caller holds the data plane.
-    fn progress_loop(&self, data: &Mutex<DataPlane>, progress: &Progress, c: &Connected) {
+    fn progress_loop(&self, data: &Mutex<DataPlane>, c: &Connected) {
+        let progress = &self.progress;
         while !progress.stop.load(Ordering::SeqCst) {
             let busy = progress.waiters.load(Ordering::SeqCst) == 0 && {
                 let mut data = data.lock().unwrap_or_else(PoisonError::into_inner);
                 let in_flight = !data.calls.collectives.is_empty();
                 if in_flight {
                     let until = Some(Instant::now() + POLL_SLICE);
-                    self.drive(
-                        &c.control,
-                        &c.listener,
-                        &mut data,
-                        None,
-                        until,
-                        &progress.waiters,
-                        "all_reduce",
-                        |_, a| unreachable!("a collective asked for {a:?}"),
-                    );
+                    self.drive(&c.control, &c.listener, &mut data, None, until, "all_reduce", |_, a| {
+                        unreachable!("a collective asked for {a:?}")
+                    });
                 }
                 in_flight
             };
