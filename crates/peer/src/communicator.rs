@@ -346,7 +346,7 @@ impl Communicator {
         }
         self.driver.progress.waiters.fetch_add(1, Ordering::SeqCst);
         if let Some(control) = self.driver.progress.control.lock().unwrap_or_else(PoisonError::into_inner).as_ref() {
-            control.waker.wake();
+            control.interrupt();
         }
         let data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
         self.driver.progress.waiters.fetch_sub(1, Ordering::SeqCst);
@@ -651,7 +651,14 @@ impl Driver {
                 return;
             }
             let in_flight = data.exec.as_ref().is_some_and(|e| e.in_flight() > 0);
-            let action = if in_flight || call.is_none() { control.poll_action() } else { Some(control.next_action()) };
+            // Nothing in the engine: sleep until the state machine has something (a verdict,
+            // a topology), within `until`; a call without a bound of its own ends within the
+            // state machine's.
+            let action = match (in_flight, call, until) {
+                (true, ..) => control.poll_action(),
+                (false, Some(_), None) => Some(control.next_action()),
+                (false, _, until) => control.wait_action(until.unwrap_or_else(Instant::now)),
+            };
             if let Some(action) = action {
                 idle_since = None;
                 match action {
@@ -680,7 +687,9 @@ impl Driver {
                 continue;
             }
             let Some(exec) = data.exec.as_mut().filter(|e| e.in_flight() > 0) else {
-                if call.is_none() || until.is_some_and(|u| Instant::now() >= u) {
+                let waited_out = until.is_none_or(|u| Instant::now() >= u);
+                let wanted = self.progress.waiters.load(Ordering::SeqCst) > 0;
+                if (call.is_none() && (waited_out || wanted)) || (call.is_some() && until.is_some() && waited_out) {
                     return;
                 }
                 continue;

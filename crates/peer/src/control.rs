@@ -33,7 +33,7 @@ impl Waker {
         Ok(Waker { rx, tx })
     }
 
-    pub fn wake(&self) {
+    fn wake(&self) {
         // A full pipe already holds a wake-up.
         let _ = (&self.tx).write(&[1]);
     }
@@ -196,6 +196,25 @@ impl Control {
     /// The state machine's next action, if it has one.
     pub fn poll_action(&self) -> Option<Action> {
         self.lock().poll_action()
+    }
+
+    /// The state machine's next action, waiting for one until `deadline` at most, or until
+    /// [`Control::interrupt`] is called.
+    pub fn wait_action(&self, deadline: Instant) -> Option<Action> {
+        let mut peer = self.lock();
+        if let Some(action) = peer.poll_action() {
+            return Some(action);
+        }
+        let wait = deadline.saturating_duration_since(Instant::now());
+        if !wait.is_zero() {
+            peer = self.changed.wait_timeout(peer, wait).unwrap_or_else(PoisonError::into_inner).0;
+        }
+        peer.poll_action()
+    }
+
+    /// Wakes whoever waits on the state machine or sleeps on the data streams, to look around.
+    pub fn interrupt(&self) {
+        self.wake();
     }
 
     /// Fails if the master is lost or has expelled us, or we left.
