@@ -108,19 +108,25 @@ class Communicator:
         op: str = "avg",
         tag: int = 0,
         quantization: Optional[str] = None,
+        algorithm: Optional[str] = None,
     ) -> _native.ReduceInfo:
         """Reduce ``tensor`` in place with every peer of the group (ops: sum, avg, prod, min, max).
 
         On success every peer holds bit-identical values. On :class:`PeerLostError` the call did
         not happen (the tensor is as it was) and the ring re-forms by itself: retry it as is.
+        ``algorithm`` forces ``"ring"`` or ``"oneshot"`` (every peer must pass the same); by
+        default (``SHOAL_ALGO``, else ``"auto"``) buffers up to ``SHOAL_ONESHOT_MAX_BYTES`` run
+        one-shot and larger ones around the ring. ``ReduceInfo.algorithm`` says which ran.
         """
         if quantization is not None:
             raise ValueError(f"quantization={quantization!r}: only None is supported so far")
         _check_tag(tag)
         view, dtype = _byte_view(tensor)
-        return self._native.all_reduce_bytes(view, dtype, op, tag)
+        return self._native.all_reduce_bytes(view, dtype, op, tag, algorithm)
 
-    def all_reduce_async(self, tensor: Any, *, op: str = "avg", tag: int = 0) -> "Work":
+    def all_reduce_async(
+        self, tensor: Any, *, op: str = "avg", tag: int = 0, algorithm: Optional[str] = None
+    ) -> "Work":
         """Start reducing ``tensor`` in place like :meth:`all_reduce` and return at once.
 
         The collective moves while the caller computes (the GIL is released), alongside up to
@@ -131,7 +137,7 @@ class Communicator:
         """
         _check_tag(tag)
         view, dtype = _byte_view(tensor)
-        return Work(self._native.all_reduce_bytes_async(view, dtype, op, tag))
+        return Work(self._native.all_reduce_bytes_async(view, dtype, op, tag, algorithm))
 
     def all_reduce_many(
         self, tensors: "list[Any]", *, op: str = "avg", max_in_flight: int = 8, tag: int = 0
@@ -166,6 +172,17 @@ class Communicator:
                 view[...] = original
             if not all(isinstance(e, PeerLostError) for e in errors):
                 raise errors[0]
+
+    def links(self) -> "list[dict[str, int]]":
+        """Our links in the topology in force: one per member we exchanged data with, opened
+        when a collective first needed it and reused by the later ones.
+
+        Each is ``{"peer", "rank", "streams_out", "streams_in", "tx_bytes", "rx_bytes"}``: the
+        member's id and rank, the streams we send and receive on, and the bytes moved over them
+        in this topology.
+        """
+        keys = ("peer", "rank", "streams_out", "streams_in", "tx_bytes", "rx_bytes")
+        return [dict(zip(keys, link)) for link in self._native.links()]
 
     def sync_shared_state(
         self, state: "SharedState", strategy: str = "enforce_popular", *, override_resume: bool = False

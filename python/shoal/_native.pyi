@@ -36,6 +36,9 @@ class ReduceInfo:
     @property
     def sequence(self) -> int:
         """The collective's number within its topology; with ``topology``, the same on every participant."""
+    @property
+    def algorithm(self) -> str:
+        """How it moved its data: "ring" or "oneshot"."""
 
 @final
 class NativeWork:
@@ -65,11 +68,12 @@ class Communicator:
     def update_topology(self) -> None: ...
     def peers_pending(self) -> bool: ...
     def all_reduce_bytes(
-        self, buf: npt.NDArray[np.uint8], dtype: str, op: str, tag: int
+        self, buf: npt.NDArray[np.uint8], dtype: str, op: str, tag: int, algorithm: Optional[str] = None
     ) -> ReduceInfo: ...
     def all_reduce_bytes_async(
-        self, buf: npt.NDArray[np.uint8], dtype: str, op: str, tag: int
+        self, buf: npt.NDArray[np.uint8], dtype: str, op: str, tag: int, algorithm: Optional[str] = None
     ) -> NativeWork: ...
+    def links(self) -> list[tuple[int, int, int, int, int, int]]: ...
     def sync_shared_state(
         self,
         tensors: list[tuple[str, npt.NDArray[np.uint8], str, list[int], bool]],

@@ -6,7 +6,8 @@ that counts is the slowest peer's; the table gives its median and p99, the algor
 (bytes / time) and the bus bandwidth (algbw * 2 (n - 1) / n, the bytes each link carries).
 With ``--in-flight N`` each iteration starts N all-reduces of the size at once
 (``all_reduce_async``) and waits for all of them: the time is the batch's, the bandwidths count
-all N buffers.
+all N buffers. ``--algorithm`` forces ``ring`` or ``oneshot`` (default: chosen per size, as
+``SHOAL_ALGO``); the table names the algorithm that ran.
 
 The iteration policy and the table live here so that other implementations (``bench/gloo.py``)
 are measured exactly the same way.
@@ -59,20 +60,24 @@ def run_loop(
     max_iters: int = _MAX_ITERS, in_flight: int = 1,
 ) -> None:
     """The worker side: for each size, warm up, time each iteration (``all_reduce`` of
-    ``in_flight`` buffers at once), print one JSON line."""
+    ``in_flight`` buffers at once, which may return the name of the algorithm that ran), print
+    one JSON line."""
     np_dtype = np.dtype(dtype)
     for size in sizes:
         count = max(1, size // np_dtype.itemsize)
         xs = [np.ones(count, dtype=np_dtype) for _ in range(in_flight)]
         warm, timed = iterations(size * in_flight, max_iters)
+        algorithm = None
         for _ in range(warm):
-            all_reduce(xs)
+            algorithm = all_reduce(xs)
         times = []
         for _ in range(timed):
             t0 = time.perf_counter()
             all_reduce(xs)
             times.append(time.perf_counter() - t0)
         line = {"size": count * np_dtype.itemsize, "count": count, "in_flight": in_flight, "times": times}
+        if isinstance(algorithm, str):
+            line["algorithm"] = algorithm
         print(json.dumps(line), file=out, flush=True)
 
 
@@ -87,9 +92,11 @@ def summarize(per_peer: Sequence[Sequence[dict]], peers: int) -> list[dict]:
         median = statistics.median(slowest)
         p99 = float(np.percentile(slowest, 99))
         algbw = size * in_flight / median / 1e9
+        op = "all_reduce" if in_flight == 1 else f"all_reducex{in_flight}"
+        algorithm = results[0].get("algorithm")
         rows.append(
             {
-                "op": "all_reduce" if in_flight == 1 else f"all_reducex{in_flight}",
+                "op": f"{op}/{algorithm}" if algorithm else op,
                 "size": size,
                 "count": results[0]["count"],
                 "peers": peers,
@@ -106,12 +113,12 @@ def summarize(per_peer: Sequence[Sequence[dict]], peers: int) -> list[dict]:
 def format_table(rows: Iterable[dict], title: str) -> str:
     lines = [
         f"# {title}",
-        f"# {'op':>10} {'size(B)':>11} {'count':>10} {'iters':>6} {'time(us)':>10} {'p99(us)':>10} "
+        f"# {'op':>22} {'size(B)':>11} {'count':>10} {'iters':>6} {'time(us)':>10} {'p99(us)':>10} "
         f"{'algbw(GB/s)':>12} {'busbw(GB/s)':>12}",
     ]
     for r in rows:
         lines.append(
-            f"  {r['op']:>10} {r['size']:>11} {r['count']:>10} {r['iters']:>6} {r['time_us']:>10.1f} "
+            f"  {r['op']:>22} {r['size']:>11} {r['count']:>10} {r['iters']:>6} {r['time_us']:>10.1f} "
             f"{r['p99_us']:>10.1f} {r['algbw_gbs']:>12.3f} {r['busbw_gbs']:>12.3f}"
         )
     return "\n".join(lines)
@@ -148,12 +155,11 @@ def _worker(args: argparse.Namespace) -> None:
             comm.update_topology()
         else:
             time.sleep(0.01)
-    def batch(xs: list[np.ndarray]) -> None:
+    def batch(xs: list[np.ndarray]) -> str:
         if len(xs) == 1:
-            comm.all_reduce(xs[0], op=args.op)
-            return
-        for work in [comm.all_reduce_async(x, op=args.op, tag=i) for i, x in enumerate(xs)]:
-            work.wait()
+            return comm.all_reduce(xs[0], op=args.op, algorithm=args.algorithm).algorithm
+        works = [comm.all_reduce_async(x, op=args.op, tag=i, algorithm=args.algorithm) for i, x in enumerate(xs)]
+        return [work.wait() for work in works][-1].algorithm
 
     sizes = parse_sizes(args.sizes)
     run_loop(batch, sizes, args.dtype, max_iters=args.max_iters, in_flight=args.in_flight)
@@ -173,6 +179,7 @@ def run(
     hosts: Optional[Sequence[str]] = None,
     max_iters: int = _MAX_ITERS,
     in_flight: int = 1,
+    algorithm: Optional[str] = None,
 ) -> list[dict]:
     """Runs the benchmark with ``peers`` worker processes and returns its rows. Starts a master
     unless ``master_addr`` is given. With ``lab`` (a lab that is up, see ``shoal lab``), peer i
@@ -197,6 +204,8 @@ def run(
         argv = [sys.executable, "-m", "shoal.bench", "--worker", "--master", master_addr, "--sizes", sizes]
         argv += ["--dtype", dtype, "--op", op, "--peers", str(peers), "--max-iters", str(max_iters)]
         argv += ["--in-flight", str(in_flight)]
+        if algorithm is not None:
+            argv += ["--algorithm", algorithm]
         if connections is not None:
             argv += ["--connections", str(connections)]
         if chunk_bytes is not None:
@@ -221,6 +230,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     parser.add_argument("--in-flight", type=int, default=1,
                         help="all-reduces of each size started at once per iteration (default 1)")
+    parser.add_argument("--algorithm", choices=["auto", "ring", "oneshot"], default=None,
+                        help="all-reduce algorithm (default: chosen per size)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     parse_sizes(args.sizes)
@@ -232,7 +243,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     rows = run(args.peers, args.sizes, dtype=args.dtype, op=args.op, master_addr=args.master,
                connections=args.connections, chunk_bytes=args.chunk_bytes, lab=args.lab,
                hosts=args.hosts.split(",") if args.hosts else None, max_iters=args.max_iters,
-               in_flight=args.in_flight)
+               in_flight=args.in_flight, algorithm=args.algorithm)
     where = args.master or (f"in lab {args.lab}" if args.lab else "local")
     if args.json:
         print(json.dumps(rows, indent=1))

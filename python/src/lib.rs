@@ -11,7 +11,9 @@ use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBool;
 use shoal_master::{MasterOptions, MasterServer};
-use shoal_peer::{Communicator as Core, CommunicatorConfig, DType, Error, Info, ReduceOp, StateTensor, Strategy, Work};
+use shoal_peer::{
+    Algorithm, Communicator as Core, CommunicatorConfig, DType, Error, Info, ReduceOp, StateTensor, Strategy, Work,
+};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -32,14 +34,17 @@ struct ReduceInfo {
     /// The collective's number within its topology: with `topology`, the same on every
     /// participant.
     sequence: u64,
+    /// How it moved its data: "ring" or "oneshot".
+    algorithm: &'static str,
 }
 
 #[pymethods]
 impl ReduceInfo {
     fn __repr__(&self) -> String {
         format!(
-            "ReduceInfo(world_size={}, tx_bytes={}, rx_bytes={}, elapsed={:.6}, topology={}, sequence={})",
-            self.world_size, self.tx_bytes, self.rx_bytes, self.elapsed, self.topology, self.sequence
+            "ReduceInfo(world_size={}, tx_bytes={}, rx_bytes={}, elapsed={:.6}, topology={}, sequence={}, \
+             algorithm={:?})",
+            self.world_size, self.tx_bytes, self.rx_bytes, self.elapsed, self.topology, self.sequence, self.algorithm
         )
     }
 }
@@ -53,16 +58,23 @@ impl From<Info> for ReduceInfo {
             elapsed: info.elapsed.as_secs_f64(),
             topology: info.topology,
             sequence: info.sequence,
+            algorithm: info.algorithm.name(),
         }
     }
 }
 
-/// The dtype and operator named `dtype` and `op`.
-fn reduction(dtype: &str, op: &str) -> PyResult<(DType, ReduceOp)> {
+/// The dtype, operator and algorithm named `dtype`, `op` and `algorithm` (`None`: chosen).
+fn reduction(dtype: &str, op: &str, algorithm: Option<&str>) -> PyResult<(DType, ReduceOp, Option<Algorithm>)> {
     let dtype = DType::from_name(dtype).ok_or_else(|| PyTypeError::new_err(format!("unsupported dtype {dtype:?}")))?;
     let op = ReduceOp::from_name(op)
         .ok_or_else(|| PyValueError::new_err(format!("unknown op {op:?}: expected one of sum, avg, prod, min, max")))?;
-    Ok((dtype, op))
+    let algorithm = match algorithm {
+        None | Some("auto") => None,
+        Some(name) => Some(Algorithm::from_name(name).ok_or_else(|| {
+            PyValueError::new_err(format!("unknown algorithm {name:?}: expected auto, ring or oneshot"))
+        })?),
+    };
+    Ok((dtype, op, algorithm))
 }
 
 /// A numpy array's memory lent to a collective in flight. The `NativeWork` holding it also holds
@@ -197,6 +209,7 @@ impl Communicator {
 
     /// All-reduces `buf`, a writable contiguous uint8 view of the tensor, as elements of
     /// `dtype`. The caller (shoal.Communicator) has checked the tensor.
+    #[pyo3(signature = (buf, dtype, op, tag, algorithm=None))]
     fn all_reduce_bytes(
         &self,
         py: Python<'_>,
@@ -204,31 +217,34 @@ impl Communicator {
         dtype: &str,
         op: &str,
         tag: u64,
+        algorithm: Option<&str>,
     ) -> PyResult<ReduceInfo> {
-        let (dtype, op) = reduction(dtype, op)?;
+        let (dtype, op, algorithm) = reduction(dtype, op, algorithm)?;
         let mut view =
             buf.try_readwrite().map_err(|e| PyValueError::new_err(format!("tensor is not writable: {e}")))?;
         let bytes = view.as_slice_mut().map_err(|_| PyValueError::new_err("tensor is not contiguous"))?;
-        let info = py.detach(|| self.inner.all_reduce(bytes, dtype, op, tag)).map_err(to_py)?;
+        let info = py.detach(|| self.inner.all_reduce(bytes, dtype, op, tag, algorithm)).map_err(to_py)?;
         Ok(info.into())
     }
 
     /// Starts all-reducing `buf` like `all_reduce_bytes` and returns at once; the returned work
     /// keeps `buf` (and so the tensor it views) alive until the collective ended.
+    #[pyo3(signature = (buf, dtype, op, tag, algorithm=None))]
     fn all_reduce_bytes_async(
         &self,
         buf: &Bound<'_, PyArray1<u8>>,
         dtype: &str,
         op: &str,
         tag: u64,
+        algorithm: Option<&str>,
     ) -> PyResult<NativeWork> {
-        let (dtype, op) = reduction(dtype, op)?;
+        let (dtype, op, algorithm) = reduction(dtype, op, algorithm)?;
         let mut view =
             buf.try_readwrite().map_err(|e| PyValueError::new_err(format!("tensor is not writable: {e}")))?;
         let bytes = view.as_slice_mut().map_err(|_| PyValueError::new_err("tensor is not contiguous"))?;
         let lent = Lent { ptr: bytes.as_mut_ptr(), len: bytes.len() };
         drop(view);
-        let work = self.inner.all_reduce_async(lent, dtype, op, tag).map_err(to_py)?;
+        let work = self.inner.all_reduce_async(lent, dtype, op, tag, algorithm).map_err(to_py)?;
         Ok(NativeWork { comm: Arc::clone(&self.inner), work: Mutex::new(work), _buf: buf.clone().unbind() })
     }
 
@@ -277,6 +293,13 @@ impl Communicator {
             info.received.into_iter().map(|(n, d, b)| (n, d.into_iter().map(|p| p.0).collect(), b)).collect();
         let sent_to = info.sent_to.into_iter().map(|p| p.0).collect();
         Ok((info.revision, received, sent_to, info.sent_bytes, info.elapsed.as_secs_f64()))
+    }
+
+    /// Our links in the topology in force: (peer id, rank, streams out, streams in, bytes sent,
+    /// bytes received) for every member we exchanged data with.
+    fn links(&self) -> Vec<(u32, usize, usize, usize, u64, u64)> {
+        let links = self.inner.links().into_iter();
+        links.map(|l| (l.peer.0, l.rank, l.streams_out, l.streams_in, l.tx_bytes, l.rx_bytes)).collect()
     }
 
     #[getter]

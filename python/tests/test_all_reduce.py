@@ -23,11 +23,38 @@ def expected(dtype: str, op: str, peers: int) -> np.ndarray:
     return np.minimum.reduce(xs) if op == "min" else np.maximum.reduce(xs)
 
 
-@pytest.mark.parametrize("peers", [1, 2, 3, 5, 8])
-def test_every_dtype_and_op_matches_numpy_on_every_peer(master, tmp_path, peers):
+@pytest.mark.parametrize("peers,algorithm", [(1, None), (2, "ring"), (2, "oneshot"), (3, "ring"), (3, "oneshot"),
+                                             (5, None), (8, "ring")])
+def test_every_dtype_and_op_matches_numpy_on_every_peer(master, tmp_path, peers, algorithm):
     # Small chunks and 3 connections so that even 1 KiB buffers cross several chunks and lanes.
-    infos = run_peers(master, tmp_path, "matrix", peers, connections=3, chunk_bytes=4096)
+    infos = run_peers(master, tmp_path, "matrix", peers, connections=3, chunk_bytes=4096, algorithm=algorithm)
     check_matrix(infos, tmp_path)
+    # Left to choose, buffers this small run one-shot among three or more.
+    chosen = algorithm or ("oneshot" if peers > 2 else "ring")
+    assert all(i["algorithms"] == [chosen] for i in infos), infos
+
+
+def test_links_open_when_a_schedule_needs_them_and_are_reused(master, tmp_path):
+    peers = 4
+    out = run_peers(master, tmp_path, "links", peers)
+    for o in out:
+        rank = o["rank"]
+        nxt, prev = (rank + 1) % peers, (rank - 1) % peers
+        assert o["ring"] == "ring"
+        # The ring links only to its neighbours: streams out to the next, in from the previous.
+        by_rank = {link["rank"]: link for link in o["after_ring"]}
+        assert set(by_rank) == {nxt, prev}, o["after_ring"]
+        assert by_rank[nxt]["streams_out"] >= 1 and by_rank[nxt]["tx_bytes"] > 0
+        assert by_rank[prev]["streams_in"] >= 1 and by_rank[prev]["rx_bytes"] > 0
+        # One-shot links to every other member, both ways; the second one opens nothing new.
+        (first, links1), (second, links2) = o["after_oneshot"]
+        assert first == second == "oneshot"
+        assert {link["rank"] for link in links1} == set(range(peers)) - {rank}, links1
+        assert all(link["streams_out"] >= 1 and link["streams_in"] >= 1 for link in links1), links1
+        streams = lambda links: {(k["rank"], k["streams_out"], k["streams_in"]) for k in links}  # noqa: E731
+        assert streams(links1) == streams(links2)
+        far = next(k for k in links2 if k["rank"] == (rank + 2) % peers)
+        assert far["tx_bytes"] == far["rx_bytes"] == 2 * 64 * 4, far
 
 
 def check_matrix(infos: list[dict], tmp_path) -> None:

@@ -39,25 +39,34 @@ def test_master_command_serves_until_terminated():
 def test_bench_joins_a_given_master(master):
     out = subprocess.run([*SHOAL, "bench", "--master", master.address, "--peers", "2", "--sizes", "4K"],
                          capture_output=True, text=True, timeout=120, check=True).stdout
-    assert f"master {master.address}" in out and "all_reduce        4096" in out
+    assert f"master {master.address}" in out and "all_reduce/ring        4096" in out
 
 
 def test_bench_prints_json_rows():
-    out = subprocess.run([*SHOAL, "bench", "--peers", "2", "--sizes", "4K,1M", "--json"], capture_output=True,
+    out = subprocess.run([*SHOAL, "bench", "--peers", "3", "--sizes", "4K,1M", "--json"], capture_output=True,
                          text=True, timeout=120, check=True).stdout
     rows = json.loads(out)
     assert [r["size"] for r in rows] == [4096, 1 << 20]
+    # Left to choose: one-shot for the small buffer, the ring for the large one.
+    assert [r["op"] for r in rows] == ["all_reduce/oneshot", "all_reduce/ring"]
     for r in rows:
-        assert r["peers"] == 2 and r["time_us"] > 0 and r["busbw_gbs"] > 0 and r["p99_us"] >= r["time_us"]
+        assert r["peers"] == 3 and r["time_us"] > 0 and r["busbw_gbs"] > 0 and r["p99_us"] >= r["time_us"]
 
 
 def test_bench_runs_collectives_in_flight_at_once():
     out = subprocess.run([*SHOAL, "bench", "--peers", "2", "--sizes", "64K", "--in-flight", "4", "--max-iters", "20",
                           "--json"], capture_output=True, text=True, timeout=120, check=True).stdout
     (row,) = json.loads(out)
-    assert row["op"] == "all_reducex4" and row["size"] == 64 << 10 and row["iters"] == 20
+    assert row["op"] == "all_reducex4/ring" and row["size"] == 64 << 10 and row["iters"] == 20
     # The bandwidths count all four buffers.
     assert abs(row["algbw_gbs"] - 4 * row["size"] / (row["time_us"] * 1e3)) < 1e-6 * row["algbw_gbs"] + 1e-9
+
+
+def test_bench_runs_the_algorithm_asked_for():
+    out = subprocess.run([*SHOAL, "bench", "--peers", "2", "--sizes", "4K", "--algorithm", "oneshot", "--max-iters",
+                          "20", "--json"], capture_output=True, text=True, timeout=120, check=True).stdout
+    (row,) = json.loads(out)
+    assert row["op"] == "all_reduce/oneshot", row
 
 
 def test_demo_runs_to_the_end():

@@ -46,14 +46,17 @@ def matrix(spec: dict) -> dict:
     comm.connect(timeout=30)
     join_all(comm, spec["peers"])
     results = {}
+    algorithms = set()
     for dtype in DTYPES:
         for op in OPS:
             x = inputs(dtype, op, spec["index"])
-            info = comm.all_reduce(x, op=op)
+            info = comm.all_reduce(x, op=op, algorithm=spec.get("algorithm"))
             assert info.world_size == spec["peers"]
             results[f"{dtype}/{op}"] = x
+            algorithms.add(info.algorithm)
     np.savez(spec["out"] + ".npz", **results)
-    return {"rank": comm.rank, "peer_id": comm.peer_id, "world_size": comm.world_size}
+    return {"rank": comm.rank, "peer_id": comm.peer_id, "world_size": comm.world_size,
+            "algorithms": sorted(algorithms)}
 
 
 def torch_tensors(spec: dict) -> dict:
@@ -381,19 +384,20 @@ def die_at(spec: dict) -> dict:
         if victim:
             os.environ["SHOAL_FAILPOINT"] = point
     calls = []
-    x = np.arange(100_000, dtype=np.float32)
+    size = spec.get("size", 100_000)
+    x = np.arange(size, dtype=np.float32)
     started = time.time()
     first = point.split(".")[0]
     try:
         if first == "all_reduce":
-            comm.all_reduce(x, op="sum")
+            comm.all_reduce(x, op="sum", algorithm=spec.get("algorithm"))
         elif first == "peers_pending":
             comm.peers_pending()
         else:
             comm.update_topology()
         calls.append({"call": first, "ok": True})
     except shoal.PeerLostError as e:
-        restored = bool((x == np.arange(100_000, dtype=np.float32)).all())
+        restored = bool((x == np.arange(size, dtype=np.float32)).all())
         calls.append({"call": first, "error": str(e), "restored": restored})
     calls[-1]["seconds"] = time.time() - started
     assert not victim, "the failpoint did not fire"
@@ -587,6 +591,27 @@ def mismatched_calls(spec: dict) -> dict:
     return {"call": call, "error": error, "took": took, "after": float(y[0])}
 
 
+def links(spec: dict) -> dict:
+    """The links ring all-reduces and then one-shot ones open, as ``links()`` shows them."""
+    os.environ["SHOAL_ALGO"] = "ring"  # calls that name no algorithm, as while joining
+    comm = shoal.Communicator(spec["master"], timeout=30)
+    comm.connect(timeout=30)
+    join_all(comm, spec["peers"])
+    big = np.ones(1 << 18, np.float32)
+    ring = comm.all_reduce(big, op="sum", tag=1)
+    assert big[0] == spec["peers"], big[0]
+    after_ring = comm.links()
+    seen = []
+    for i in range(2):
+        y = np.full(64, comm.rank + 1.0, np.float32)
+        info = comm.all_reduce(y, op="sum", tag=2 + i, algorithm="oneshot")
+        assert y[0] == sum(range(1, spec["peers"] + 1)), y[0]
+        seen.append((info.algorithm, comm.links()))
+    # Nobody leaves (closing its streams) before everyone looked.
+    comm.all_reduce(np.ones(1, np.float32), op="sum", tag=9)
+    return {"rank": comm.rank, "ring": ring.algorithm, "after_ring": after_ring, "after_oneshot": seen}
+
+
 def empty(spec: dict) -> dict:
     """A zero-element all-reduce across peers, then an ordinary one."""
     comm = shoal.Communicator(spec["master"], timeout=30)
@@ -605,6 +630,6 @@ if __name__ == "__main__":
                  "agree": agree, "min_world": min_world, "master_loss": master_loss,
                  "admission_misuse": admission_misuse, "chaos": chaos, "die_at": die_at, "sgd": sgd,
                  "sync_case": sync_case, "mismatch": mismatch, "empty": empty, "loop": loop,
-                 "mismatched_calls": mismatched_calls}
+                 "mismatched_calls": mismatched_calls, "links": links}
     result = scenarios[scenario](spec)
     print(json.dumps(result), flush=True)

@@ -9,7 +9,9 @@
 
 mod dtype;
 mod kernels;
+pub mod oneshot;
 pub mod ring;
+pub mod schedule;
 
 pub use dtype::{CollectiveKind, DType, ReduceOp};
 pub use kernels::{finish_avg, reduce_into, KernelError};

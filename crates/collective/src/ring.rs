@@ -18,94 +18,52 @@
 //!
 //! Each rank sends and receives `2 * (world - 1) / world * len` elements.
 
+use crate::schedule::{chunks, Confirm, RecvAction, RecvUnit, Schedule, SendUnit};
 use std::ops::Range;
 
-/// The complete plan of one rank for one ring all-reduce.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RingAllReduce {
-    /// What this rank sends to its successor, in stream order.
-    pub sends: Vec<SendUnit>,
-    /// What this rank receives from its predecessor, in stream order. The predecessor's
-    /// `sends` list has the same ranges in the same order.
-    pub recvs: Vec<RecvUnit>,
-}
-
-/// One chunk this rank sends.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SendUnit {
-    /// Elements of the buffer to send.
-    pub range: Range<usize>,
-    /// Index into `recvs` of the unit that must be complete before this one is sent.
-    pub after_recv: Option<usize>,
-}
-
-/// One chunk this rank receives.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RecvUnit {
-    /// Elements of the buffer the chunk belongs to.
-    pub range: Range<usize>,
-    /// What to do with the received elements.
-    pub action: RecvAction,
-}
-
-/// What to do with a received chunk.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RecvAction {
-    /// Reduce into the local buffer. `last` marks the final reduce-scatter step, after which
-    /// the chunk holds the complete reduction (and an average is divided).
-    Reduce {
-        /// Whether this completes the chunk's reduction.
-        last: bool,
-    },
-    /// Copy into the local buffer (all-gather).
-    Copy,
-}
-
-impl RingAllReduce {
-    /// The schedule of `rank` in a ring of `world` ranks over `len` elements, in chunks of at
-    /// most `chunk_elems` elements.
-    ///
-    /// # Panics
-    /// If `world` is zero, `rank >= world`, or `chunk_elems` is zero.
-    ///
-    /// # Examples
-    /// ```
-    /// use shoal_collective::ring::RingAllReduce;
-    /// let plan = RingAllReduce::new(0, 3, 9, 2);
-    /// // 2 * (world - 1) steps of one 3-element segment each, in chunks of 2 and 1 elements.
-    /// assert_eq!(plan.sends.len(), 4 * 2);
-    /// assert_eq!(plan.sends[0].range, 0..2);
-    /// ```
-    pub fn new(rank: usize, world: usize, len: usize, chunk_elems: usize) -> Self {
-        assert!(world > 0 && rank < world, "rank {rank} outside a ring of {world}");
-        assert!(chunk_elems > 0, "chunk size of zero elements");
-        let steps = 2 * (world - 1);
-        let segment = |s: isize| -> Range<usize> {
-            let j = (rank as isize - s).rem_euclid(world as isize) as usize;
-            segment_range(j, world, len)
-        };
-        let mut sends = Vec::new();
-        let mut recvs = Vec::new();
-        // Index in `recvs` where each step's units start, to resolve the pipeline dependency.
-        let mut recv_step_start = Vec::with_capacity(steps);
-        for s in 0..steps {
-            recv_step_start.push(recvs.len());
-            let action = if s + 1 < world { RecvAction::Reduce { last: s + 2 == world } } else { RecvAction::Copy };
-            for range in chunks(segment(s as isize + 1), chunk_elems) {
-                recvs.push(RecvUnit { range, action });
-            }
+/// The schedule of `rank` in a ring of `world` ranks over `len` elements, in chunks of at most
+/// `chunk_elems` elements.
+///
+/// # Panics
+/// If `world` is zero, `rank >= world`, or `chunk_elems` is zero.
+///
+/// # Examples
+/// ```
+/// let plan = shoal_collective::ring::all_reduce(0, 3, 9, 2);
+/// // 2 * (world - 1) steps of one 3-element segment each, in chunks of 2 and 1 elements.
+/// assert_eq!(plan.sends.len(), 4 * 2);
+/// assert_eq!(plan.sends[0].range, 0..2);
+/// ```
+pub fn all_reduce(rank: usize, world: usize, len: usize, chunk_elems: usize) -> Schedule {
+    assert!(world > 0 && rank < world, "rank {rank} outside a ring of {world}");
+    assert!(chunk_elems > 0, "chunk size of zero elements");
+    let steps = 2 * (world - 1);
+    let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+    let segment = |s: isize| -> Range<usize> {
+        let j = (rank as isize - s).rem_euclid(world as isize) as usize;
+        segment_range(j, world, len)
+    };
+    let mut sends = Vec::new();
+    let mut recvs = Vec::new();
+    // Index in `recvs` where each step's units start, to resolve the pipeline dependency.
+    let mut recv_step_start = Vec::with_capacity(steps);
+    for s in 0..steps {
+        recv_step_start.push(recvs.len());
+        let action = if s + 1 < world { RecvAction::Reduce { last: s + 2 == world } } else { RecvAction::Copy };
+        for range in chunks(segment(s as isize + 1), chunk_elems) {
+            recvs.push(RecvUnit { from: prev, range, action });
         }
-        for s in 0..steps {
-            for (c, range) in chunks(segment(s as isize), chunk_elems).enumerate() {
-                let after_recv = s.checked_sub(1).map(|prev| recv_step_start[prev] + c);
-                if let Some(i) = after_recv {
-                    debug_assert_eq!(recvs[i].range, range, "pipeline dependency on another chunk");
-                }
-                sends.push(SendUnit { range, after_recv });
-            }
-        }
-        RingAllReduce { sends, recvs }
     }
+    for s in 0..steps {
+        for (c, range) in chunks(segment(s as isize), chunk_elems).enumerate() {
+            let after_recv = s.checked_sub(1).map(|prev| recv_step_start[prev] + c);
+            if let Some(i) = after_recv {
+                debug_assert_eq!(recvs[i].range, range, "pipeline dependency on another chunk");
+            }
+            sends.push(SendUnit { to: next, range, after_recv });
+        }
+    }
+    Schedule { world, rank, sends, recvs, confirm: Confirm::Ring }
 }
 
 /// The elements of segment `j` when `len` elements are cut into `world` nearly equal segments:
@@ -117,100 +75,23 @@ pub fn segment_range(j: usize, world: usize, len: usize) -> Range<usize> {
     start..start + base + usize::from(j < extra)
 }
 
-fn chunks(range: Range<usize>, chunk_elems: usize) -> impl Iterator<Item = Range<usize>> {
-    let end = range.end;
-    range.clone().step_by(chunk_elems).map(move |start| start..(start + chunk_elems).min(end))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{finish_avg, reduce_into, DType, ReduceOp};
+    use crate::schedule::testing::{inputs, naive, run, xorshift};
+    use crate::ReduceOp;
     use proptest::prelude::*;
 
-    /// Runs every rank's schedule in memory. `pick` chooses which ready action runs next, so a
-    /// test can explore any interleaving the dependencies allow. Returns every rank's buffer.
+    /// Runs every rank's ring schedule in memory, in the interleaving `pick` chooses.
     fn run_ring(
         inputs: &[Vec<i64>],
         op: ReduceOp,
         chunk_elems: usize,
-        mut pick: impl FnMut(usize) -> usize,
+        pick: impl FnMut(usize) -> usize,
     ) -> Vec<Vec<i64>> {
-        let world = inputs.len();
-        let len = inputs[0].len();
-        let plans: Vec<_> = (0..world).map(|r| RingAllReduce::new(r, world, len, chunk_elems)).collect();
-        let mut bufs: Vec<Vec<i64>> = inputs.to_vec();
-        // In-flight chunks on the link from rank r to r+1, in order.
-        let mut links: Vec<std::collections::VecDeque<Vec<i64>>> = vec![Default::default(); world];
-        let (mut sent, mut received) = (vec![0usize; world], vec![0usize; world]);
-        loop {
-            // Ready actions: (rank, is_send).
-            let mut ready = Vec::new();
-            for r in 0..world {
-                if let Some(u) = plans[r].sends.get(sent[r]) {
-                    if u.after_recv.is_none_or(|i| i < received[r]) {
-                        ready.push((r, true));
-                    }
-                }
-                let prev = (r + world - 1) % world;
-                if received[r] < plans[r].recvs.len() && !links[prev].is_empty() {
-                    ready.push((r, false));
-                }
-            }
-            if ready.is_empty() {
-                break;
-            }
-            let (r, is_send) = ready[pick(ready.len())];
-            if is_send {
-                let u = &plans[r].sends[sent[r]];
-                links[r].push_back(bufs[r][u.range.clone()].to_vec());
-                sent[r] += 1;
-            } else {
-                let prev = (r + world - 1) % world;
-                let data = links[prev].pop_front().unwrap();
-                let u = &plans[r].recvs[received[r]];
-                assert_eq!(data.len(), u.range.len(), "stream desynchronised");
-                let dst = &mut bufs[r][u.range.clone()];
-                match u.action {
-                    RecvAction::Copy => dst.copy_from_slice(&data),
-                    RecvAction::Reduce { last } => {
-                        let d: &mut [u8] = bytemuck::cast_slice_mut(dst);
-                        reduce_into(DType::I64, op, d, bytemuck::cast_slice(&data)).unwrap();
-                        if last && op == ReduceOp::Avg {
-                            finish_avg(DType::I64, d, world).unwrap();
-                        }
-                    }
-                }
-                received[r] += 1;
-            }
-        }
-        for r in 0..world {
-            assert_eq!(sent[r], plans[r].sends.len(), "rank {r} stalled");
-            assert_eq!(received[r], plans[r].recvs.len(), "rank {r} stalled");
-        }
-        bufs
-    }
-
-    fn naive(inputs: &[Vec<i64>], op: ReduceOp) -> Vec<i64> {
-        let world = inputs.len();
-        (0..inputs[0].len())
-            .map(|i| {
-                let mut acc = inputs[0][i];
-                for x in &inputs[1..] {
-                    acc = match op {
-                        ReduceOp::Sum | ReduceOp::Avg => acc.wrapping_add(x[i]),
-                        ReduceOp::Prod => acc.wrapping_mul(x[i]),
-                        ReduceOp::Min => acc.min(x[i]),
-                        ReduceOp::Max => acc.max(x[i]),
-                    };
-                }
-                if op == ReduceOp::Avg {
-                    acc / world as i64
-                } else {
-                    acc
-                }
-            })
-            .collect()
+        let (world, len) = (inputs.len(), inputs[0].len());
+        let plans: Vec<_> = (0..world).map(|r| all_reduce(r, world, len, chunk_elems)).collect();
+        run(&plans, inputs, op, pick)
     }
 
     proptest! {
@@ -224,9 +105,7 @@ mod tests {
             seed in any::<u64>(),
         ) {
             let mut rng = seed | 1;
-            let inputs: Vec<Vec<i64>> = (0..world)
-                .map(|_| (0..len).map(|_| { rng = xorshift(rng); (rng % 2001) as i64 - 1000 }).collect())
-                .collect();
+            let inputs = inputs(world, len, &mut rng);
             let out = run_ring(&inputs, op, chunk, |n| { rng = xorshift(rng); (rng % n as u64) as usize });
             let want = naive(&inputs, op);
             for (r, buf) in out.iter().enumerate() {
@@ -251,7 +130,7 @@ mod tests {
         // Each rank sends 2 (world - 1) / world of the buffer, exactly when world divides len.
         for world in 1..=9 {
             let len = world * 60;
-            let plan = RingAllReduce::new(world / 2, world, len, 7);
+            let plan = all_reduce(world / 2, world, len, 7);
             let sent: usize = plan.sends.iter().map(|u| u.range.len()).sum();
             let received: usize = plan.recvs.iter().map(|u| u.range.len()).sum();
             assert_eq!(sent, 2 * (world - 1) * len / world);
@@ -272,12 +151,5 @@ mod tests {
                 assert_eq!(next, len);
             }
         }
-    }
-
-    fn xorshift(mut x: u64) -> u64 {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
     }
 }

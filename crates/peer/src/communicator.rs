@@ -2,11 +2,12 @@
 
 use crate::config::CommunicatorConfig;
 use crate::control::Control;
-use crate::engine::{Backup, Exec, OpEvent, OpSpec, Pumped, RawBuf, RingError, Side, Taken};
+use crate::engine::{Backup, Exec, LinkError, LinkStats, OpEvent, OpSpec, Pumped, RawBuf, Taken};
 use crate::error::{Error, Result};
 use crate::failpoint::failpoint;
 use crate::links::{DataPlane, Listener};
 use crate::Deadline;
+use shoal_collective::schedule::Algorithm;
 use shoal_collective::{CollectiveKind, DType, ReduceOp};
 use shoal_proto::auth::{DataKey, RunKey};
 use shoal_proto::peer::{
@@ -47,6 +48,26 @@ pub struct Info {
     /// The collective's number within its topology: with `topology`, it names the collective
     /// on every participant.
     pub sequence: u64,
+    /// How it moved its data.
+    pub algorithm: Algorithm,
+}
+
+/// A link to another member of our group in the topology in force, and what moved over it
+/// ([`Communicator::links`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinkInfo {
+    /// The member.
+    pub peer: PeerId,
+    /// Its rank in the group.
+    pub rank: usize,
+    /// Streams we send on.
+    pub streams_out: usize,
+    /// Streams we receive on.
+    pub streams_in: usize,
+    /// Chunk bytes sent to it in this topology.
+    pub tx_bytes: u64,
+    /// Chunk bytes received from it in this topology.
+    pub rx_bytes: u64,
 }
 
 /// One peer's membership in a run: joins through the master, is admitted by the accepted
@@ -227,11 +248,18 @@ impl Communicator {
     /// [`Error::InvalidArgument`] (nothing sent) if `buf` is not a whole number of aligned
     /// elements; [`Error::PeerLost`] if a neighbour fails; [`Error::CollectiveMismatch`] if a
     /// peer called another collective; [`Error::Timeout`].
-    pub fn all_reduce(&self, buf: &mut [u8], dtype: DType, op: ReduceOp, tag: u64) -> Result<Info> {
+    pub fn all_reduce(
+        &self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        tag: u64,
+        algorithm: Option<Algorithm>,
+    ) -> Result<Info> {
         let c = self.connected()?;
         check_buffer(buf, dtype)?;
         let mut data = self.lock_data();
-        let call = self.start_collective(&c, &mut data, RawBuf::new(buf), None, dtype, op, tag)?;
+        let call = self.start_collective(&c, &mut data, RawBuf::new(buf), None, (dtype, op, tag, algorithm))?;
         // The buffer is borrowed for this call only: it must be out of the engine when we return.
         self.driver.drive(&c.control, &c.listener, &mut data, Some(call), None, "all_reduce", |_, a| {
             unreachable!("all_reduce asked for {a:?}")
@@ -249,7 +277,14 @@ impl Communicator {
     /// # Errors
     /// As [`Communicator::all_reduce`] for a bad buffer; [`Error::Misuse`] if a collective with
     /// `tag` is in flight already.
-    pub fn all_reduce_async<B>(&self, mut buf: B, dtype: DType, op: ReduceOp, tag: u64) -> Result<Work<B>>
+    pub fn all_reduce_async<B>(
+        &self,
+        mut buf: B,
+        dtype: DType,
+        op: ReduceOp,
+        tag: u64,
+        algorithm: Option<Algorithm>,
+    ) -> Result<Work<B>>
     where
         B: AsMut<[u8]> + Send + 'static,
     {
@@ -258,7 +293,7 @@ impl Communicator {
         let mut owned: Box<B> = Box::new(buf);
         let raw = RawBuf::new((*owned).as_mut());
         let mut data = self.lock_data();
-        let call = self.start_collective(&c, &mut data, raw, Some(owned), dtype, op, tag)?;
+        let call = self.start_collective(&c, &mut data, raw, Some(owned), (dtype, op, tag, algorithm))?;
         // Post it now if it may run: the progress thread drives it from there.
         self.driver.drive(&c.control, &c.listener, &mut data, None, Some(Instant::now()), "all_reduce", |_, a| {
             unreachable!("all_reduce asked for {a:?}")
@@ -301,22 +336,34 @@ impl Communicator {
         }
     }
 
+    /// Our links in the topology in force: to every member we exchanged data with, by rank.
+    pub fn links(&self) -> Vec<LinkInfo> {
+        let data = self.lock_data();
+        let (Some(exec), Some(position)) = (data.exec.as_ref(), data.position.as_ref()) else { return Vec::new() };
+        let info = |(&rank, s): (&usize, &LinkStats)| LinkInfo {
+            peer: position.ring[rank].peer,
+            rank,
+            streams_out: s.lanes_out,
+            streams_in: s.lanes_in,
+            tx_bytes: s.tx_bytes,
+            rx_bytes: s.rx_bytes,
+        };
+        exec.stats().iter().map(info).collect()
+    }
+
     /// Whether `work` ended (then [`Communicator::wait`] returns at once).
     pub fn done<B: 'static>(&self, work: &Work<B>) -> bool {
         work.result.is_some() || self.lock_data().calls.finished.contains_key(&work.call)
     }
 
     /// Registers collective call of `buf`, owned by `owner` if the caller does not wait for it.
-    #[allow(clippy::too_many_arguments)]
     fn start_collective(
         &self,
         c: &Connected,
         data: &mut DataPlane,
         buf: RawBuf,
         owner: Option<Owner>,
-        dtype: DType,
-        op: ReduceOp,
-        tag: u64,
+        (dtype, op, tag, algorithm): (DType, ReduceOp, u64, Option<Algorithm>),
     ) -> Result<CallId> {
         // In flight until waited for: whether it ended already depends on timing, which must not
         // decide whether a call is refused.
@@ -329,8 +376,18 @@ impl Communicator {
         let bound = self.config.timeout;
         let call = c.control.own_input(|p, now| p.call(CallKind::Collective, bound, now));
         let count = (buf.len() / dtype.size()) as u64;
-        let record =
-            Collective { buf, owner, dtype, op, tag, count, started: Instant::now(), posted: None, local: None };
+        let record = Collective {
+            buf,
+            owner,
+            dtype,
+            op,
+            tag,
+            count,
+            algorithm,
+            started: Instant::now(),
+            posted: None,
+            local: None,
+        };
         data.calls.collectives.insert(call, record);
         Ok(call)
     }
@@ -470,24 +527,35 @@ pub(crate) fn call_error(control: &Control, e: CallError, operation: &'static st
 pub(crate) type CallResult = std::result::Result<Value, CallError>;
 
 /// Topology `position.epoch`, in force with our pools established, is the one our calls run in:
-/// its engine takes the pools to our ring neighbours, driven without blocking. A stream that
-/// cannot be is dropped with its pool, and the next collective fails over it and is retried in a
-/// re-formed ring.
+/// its engine takes the links to our ring neighbours, driven without blocking; it links to other
+/// members when a schedule first needs them.
 fn take_up(data: &mut DataPlane, position: &RingPosition) {
-    let me = position.ring[position.rank].peer;
-    let (next, prev) = (position.next().peer, position.prev().peer);
-    let pool = |pools: &mut std::collections::BTreeMap<PeerId, Vec<TcpStream>>, peer: PeerId| {
-        let pool = if peer == me { Vec::new() } else { pools.remove(&peer).unwrap_or_default() };
-        match pool.iter().try_for_each(|s| s.set_nonblocking(true)) {
-            Ok(()) => pool,
-            Err(e) => {
-                log::warn!("dropping the streams of {peer}: configuring a data stream: {e}");
-                Vec::new()
+    let (rank, world) = (position.rank, position.group_size());
+    let me = position.ring[rank].peer;
+    let mut exec = Exec::new(position.epoch, rank, world);
+    if world > 1 {
+        let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+        let pool = |pools: &mut std::collections::BTreeMap<PeerId, Vec<TcpStream>>, peer: PeerId| {
+            let pool = pools.remove(&peer).unwrap_or_default();
+            match pool.iter().try_for_each(|s| s.set_nonblocking(true)) {
+                Ok(()) => pool,
+                Err(e) => {
+                    log::warn!("dropping the streams of {peer}: configuring a data stream: {e}");
+                    Vec::new()
+                }
             }
+        };
+        let send = pool(&mut data.outgoing, position.ring[next].peer);
+        if !send.is_empty() {
+            exec.add_send(next, send);
         }
-    };
-    let (send, recv) = (pool(&mut data.outgoing, next), pool(&mut data.incoming, prev));
-    data.exec = Some(Exec::new(position.epoch, send, recv));
+        let recv = pool(&mut data.incoming, position.ring[prev].peer);
+        if !recv.is_empty() {
+            exec.add_recv(prev, recv);
+        }
+    }
+    data.exec = Some(exec);
+    data.position = Some(position.clone());
     data.calls.taken.clear();
     log::info!(
         "{me}: topology {} in force: rank {} of {} (run of {})",
@@ -504,24 +572,24 @@ impl Drop for Communicator {
     }
 }
 
-/// What a failed ring run means for the caller, and the failure to report to the master.
-fn ring_error(e: RingError, header: &OpHeader, me: PeerId, next: PeerId, prev: PeerId) -> (Error, OpFailure) {
+/// What a collective's failure over the link to `them` means for the caller, and the failure
+/// to report to the master.
+fn link_error(e: LinkError, header: &OpHeader, me: PeerId, them: PeerId) -> (Error, OpFailure) {
     match e {
-        RingError::Lost { side, reason } => {
-            let peer = if side == Side::Next { next } else { prev };
-            let failure = OpFailure::new(FailureKind::PeerLost, peer, format!("{me} lost {peer}: {reason}"));
-            (Error::PeerLost { peer, operation: "all_reduce", reason }, failure)
+        LinkError::Lost { reason, .. } => {
+            let failure = OpFailure::new(FailureKind::PeerLost, them, format!("{me} lost {them}: {reason}"));
+            (Error::PeerLost { peer: them, operation: "all_reduce", reason }, failure)
         }
-        RingError::Mismatch { theirs } => {
+        LinkError::Mismatch { theirs, .. } => {
             // The verdict carries both calls with their peers: a participant that did not see the
-            // difference itself (the predecessor, say) must not read either as its own.
-            let (ours, theirs) = (describe(header), format!("{prev} called {}", describe(&theirs)));
-            let failure = OpFailure::new(FailureKind::Mismatch, prev, format!("{me} called {ours}; {theirs}"));
-            (Error::CollectiveMismatch { peer: prev, ours, theirs }, failure)
+            // difference itself must not read either as its own.
+            let (ours, theirs) = (describe(header), format!("{them} called {}", describe(&theirs)));
+            let failure = OpFailure::new(FailureKind::Mismatch, them, format!("{me} called {ours}; {theirs}"));
+            (Error::CollectiveMismatch { peer: them, ours, theirs }, failure)
         }
-        RingError::Malformed(reason) => {
-            let failure = OpFailure::new(FailureKind::Protocol, prev, format!("{prev} sent {me} {reason}"));
-            (Error::Protocol(format!("from {prev}: {reason}")), failure)
+        LinkError::Malformed { reason, .. } => {
+            let failure = OpFailure::new(FailureKind::Protocol, them, format!("{them} sent {me} {reason}"));
+            (Error::Protocol(format!("from {them}: {reason}")), failure)
         }
     }
 }
@@ -535,9 +603,10 @@ fn op_error(f: OpFailure, header: &OpHeader) -> Error {
     }
 }
 
-fn all_reduce_header(id: OpId, tag: u64, dtype: DType, op: ReduceOp, count: u64) -> OpHeader {
+fn all_reduce_header(id: OpId, algorithm: Algorithm, tag: u64, dtype: DType, op: ReduceOp, count: u64) -> OpHeader {
     OpHeader {
         collective: CollectiveKind::AllReduce.code(),
+        algorithm: algorithm.code(),
         epoch: id.epoch,
         seq: id.seq.0,
         tag,
@@ -551,8 +620,9 @@ fn describe(h: &OpHeader) -> String {
     let dtype = DType::from_code(h.dtype).map_or("?", DType::name);
     let op = ReduceOp::from_code(h.op).map_or("?", ReduceOp::name);
     let kind = if h.collective == CollectiveKind::AllReduce.code() { "all_reduce" } else { "collective" };
+    let algorithm = Algorithm::from_code(h.algorithm).map_or("?", Algorithm::name);
     format!(
-        "{kind}(count={}, dtype={dtype}, op={op}, tag={}, topology={}, number={})",
+        "{kind}(count={}, dtype={dtype}, op={op}, tag={}, algorithm={algorithm}, topology={}, number={})",
         h.count, h.tag, h.epoch.0, h.seq
     )
 }
@@ -587,10 +657,21 @@ pub(crate) struct Collective {
     tag: u64,
     count: u64,
     started: Instant,
-    /// Once it runs: its name, its header, and its ring (size, successor, predecessor).
-    posted: Option<(OpId, OpHeader, usize, PeerId, PeerId)>,
+    /// The algorithm asked for, if any.
+    algorithm: Option<Algorithm>,
+    /// Once it runs: how.
+    posted: Option<Posted>,
     /// Our own error for it, which stands where no verdict comes.
     local: Option<Error>,
+}
+
+/// A collective in the engine: its name, its header, its group's size and how it runs.
+#[derive(Debug, Clone, Copy)]
+struct Posted {
+    id: OpId,
+    header: OpHeader,
+    world: usize,
+    algorithm: Algorithm,
 }
 
 /// What the driver tracks of the calls of a communicator.
@@ -676,7 +757,9 @@ impl Driver {
                         control.own_input(|p, now| p.handle_established(position.epoch, outcome, now));
                     }
                     Action::TakeUp(position) => take_up(data, &position),
-                    Action::RunCollective { call: c, op, position, .. } => self.post(control, data, c, op, &position),
+                    Action::RunCollective { call: c, op, position, .. } => {
+                        self.post(control, listener, data, c, op, &position)
+                    }
                     action => {
                         if let Some(result) = own(data, action) {
                             let call = call.expect("only a call's own driver is asked for its actions");
@@ -685,6 +768,9 @@ impl Driver {
                     }
                 }
                 continue;
+            }
+            if data.exec.as_ref().is_some_and(|e| e.awaiting()) {
+                self.link(listener, data);
             }
             let Some(exec) = data.exec.as_mut().filter(|e| e.in_flight() > 0) else {
                 let waited_out = until.is_none_or(|u| Instant::now() >= u);
@@ -724,7 +810,7 @@ impl Driver {
             }
             // About to sleep: whatever stops a collective short of the master's decision (a removed
             // member, a vote it can never complete against) stops it now.
-            let ids: Vec<OpId> = data.calls.collectives.values().filter_map(|c| c.posted.map(|p| p.0)).collect();
+            let ids: Vec<OpId> = data.calls.collectives.values().filter_map(|c| c.posted.map(|p| p.id)).collect();
             control.own_input(|p, now| {
                 for id in &ids {
                     p.handle_collective(*id, OpProgress::Stalled, now);
@@ -745,6 +831,13 @@ impl Driver {
             wake.want_read = true;
             fds.push(wake);
             control.waker.drain();
+            // Waiting for a member to link to us: its pool's arrival wakes us.
+            if exec.awaiting() {
+                let mut arrived = PollFd::new(listener.arrived().fd());
+                arrived.want_read = true;
+                fds.push(arrived);
+                listener.arrived().drain();
+            }
             let slice = until.map_or(POLL_SLICE, |u| u.saturating_duration_since(Instant::now()).min(POLL_SLICE));
             if let Err(e) = shoal_transport::poll(&mut fds, slice) {
                 log::warn!("poll over the data streams: {e}");
@@ -777,36 +870,78 @@ impl Driver {
         }
     }
 
-    /// Posts collective `id` of call `call` to the engine.
-    fn post(&self, control: &Control, data: &mut DataPlane, call: CallId, id: OpId, position: &RingPosition) {
+    /// Posts collective `id` of call `call` to the engine, and links to the members it needs.
+    fn post(
+        &self,
+        control: &Control,
+        listener: &Listener,
+        data: &mut DataPlane,
+        call: CallId,
+        id: OpId,
+        position: &RingPosition,
+    ) {
         let record = data.calls.collectives.get_mut(&call).expect("a collective called here");
-        let header = all_reduce_header(id, record.tag, record.dtype, record.op, record.count);
-        let (world, rank, next, prev) =
-            (position.group_size(), position.rank, position.next().peer, position.prev().peer);
-        record.posted = Some((id, header, world, next, prev));
+        let world = position.group_size();
+        let algorithm = self.config.algorithm_for(record.algorithm, record.buf.len(), world);
+        let header = all_reduce_header(id, algorithm, record.tag, record.dtype, record.op, record.count);
+        record.posted = Some(Posted { id, header, world, algorithm });
         log::trace!(
-            "all_reduce {id} tag {}: {} {} x{}",
+            "all_reduce {id} tag {}: {} {} x{} ({})",
             record.tag,
             record.op.name(),
             record.dtype.name(),
-            record.count
+            record.count,
+            algorithm.name()
         );
         let spec = OpSpec {
             header,
             buf: record.buf,
             dtype: record.dtype,
             op: record.op,
-            world,
-            rank,
+            algorithm,
             chunk_bytes: self.config.chunk_bytes,
             backup: spare_backup(&mut data.spare_backups, record.buf.len()),
         };
-        let exec = data.exec.get_or_insert_with(|| Exec::new(id.epoch, Vec::new(), Vec::new()));
+        let exec = data.exec.get_or_insert_with(|| Exec::new(id.epoch, position.rank, world));
         debug_assert_eq!(exec.epoch(), id.epoch, "a collective runs in the topology taken up");
         exec.post(spec);
         data.calls.by_seq.insert(id.seq.0, call);
-        let events = exec.events();
+        self.link(listener, data);
+        let events = data.exec.as_mut().expect("posted").events();
         self.report(control, data, events);
+    }
+
+    /// Opens our half of every link the collectives in flight need and lack, and takes the
+    /// other half of each where its member opened it already. A member we cannot reach fails
+    /// them, as a lost one would.
+    fn link(&self, listener: &Listener, data: &mut DataPlane) {
+        let (Some(exec), Some(position)) = (data.exec.as_mut(), data.position.as_ref()) else { return };
+        if position.epoch != exec.epoch() {
+            return;
+        }
+        let missing = exec.missing();
+        let me = position.ring[position.rank].peer;
+        for to in missing.to {
+            let member = &position.ring[to];
+            let deadline = Deadline::after(self.config.timeout);
+            match listener.open(member, position.epoch, &self.config, deadline) {
+                Ok(pool) => {
+                    log::info!("{me}: linked to {} (rank {to}) over {} streams", member.peer, pool.len());
+                    exec.add_send(to, pool);
+                }
+                Err(reason) => {
+                    log::warn!("{me}: cannot link to {} (rank {to}): {reason}", member.peer);
+                    exec.unreachable(to, reason);
+                }
+            }
+        }
+        for from in missing.from {
+            let peer = position.ring[from].peer;
+            if let Some(pool) = listener.take_pool(peer, position.epoch) {
+                log::info!("{me}: {peer} (rank {from}) linked to us over {} streams", pool.len());
+                exec.add_recv(from, pool);
+            }
+        }
     }
 
     /// Tells the state machine what the engine did.
@@ -820,7 +955,7 @@ impl Driver {
             let Some(record) = data.calls.by_seq.get(&seq).and_then(|c| data.calls.collectives.get_mut(c)) else {
                 continue;
             };
-            let (id, header, _, next, prev) = record.posted.expect("posted");
+            let Posted { id, header, .. } = record.posted.expect("posted");
             news.push((
                 id,
                 match event {
@@ -837,7 +972,8 @@ impl Driver {
                             "{id} failed ({e:?}): {}",
                             data.exec.as_ref().map_or(String::new(), |x| x.describe())
                         );
-                        let (error, failure) = ring_error(e, &header, me, next, prev);
+                        let them = data.position.as_ref().map_or(PeerId(0), |p| p.ring[e.rank()].peer);
+                        let (error, failure) = link_error(e, &header, me, them);
                         record.local = Some(error);
                         OpProgress::Failed(failure)
                     }
@@ -859,7 +995,7 @@ impl Driver {
             .calls
             .by_seq
             .iter()
-            .filter_map(|(seq, call)| data.calls.collectives.get(call).and_then(|c| c.posted).map(|p| (*seq, p.0)))
+            .filter_map(|(seq, call)| data.calls.collectives.get(call).and_then(|c| c.posted).map(|p| (*seq, p.id)))
             .collect();
         let peer = control.lock();
         let stopped: Vec<u64> = posted.into_iter().filter(|(_, id)| !peer.running(*id)).map(|(s, _)| s).collect();
@@ -877,7 +1013,7 @@ impl Driver {
             data.calls.ended.insert(call, result);
             return;
         };
-        let seq = record.posted.map(|p| p.0.seq.0);
+        let seq = record.posted.map(|p| p.id.seq.0);
         let taken = seq.and_then(|seq| {
             data.calls.by_seq.remove(&seq);
             data.exec.as_mut().and_then(|e| e.take(seq)).or_else(|| data.calls.taken.remove(&seq))
@@ -895,12 +1031,17 @@ impl Driver {
             Ok(Value::Collective(id)) => {
                 failpoint("all_reduce.after_commit");
                 Ok(Info {
-                    world_size: record.posted.map_or(1, |p| p.2),
+                    world_size: record.posted.map_or(1, |p| p.world),
                     tx_bytes: traffic.tx_bytes,
                     rx_bytes: traffic.rx_bytes,
                     elapsed: record.started.elapsed(),
                     topology: id.epoch.0,
                     sequence: id.seq.0,
+                    // A group of one posts nothing: what it would have run.
+                    algorithm: record.posted.map_or_else(
+                        || self.config.algorithm_for(record.algorithm, record.buf.len(), 1),
+                        |p| p.algorithm,
+                    ),
                 })
             }
             Ok(other) => unreachable!("all_reduce returned {other:?}"),
@@ -909,7 +1050,9 @@ impl Driver {
                 if let Some(t) = &taken {
                     t.restore();
                 }
-                let header = |id: OpId| all_reduce_header(id, record.tag, record.dtype, record.op, record.count);
+                let algorithm = record.posted.map_or(Algorithm::Ring, |p| p.algorithm);
+                let header =
+                    |id: OpId| all_reduce_header(id, algorithm, record.tag, record.dtype, record.op, record.count);
                 let bound = self.config.timeout;
                 // If the master expelled us (we were frozen, say) or is gone, that is the news,
                 // not the closed stream that made us notice.

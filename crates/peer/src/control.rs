@@ -26,14 +26,14 @@ pub(crate) struct Waker {
 }
 
 impl Waker {
-    fn new() -> std::io::Result<Self> {
+    pub fn new() -> std::io::Result<Self> {
         let (rx, tx) = UnixStream::pair()?;
         rx.set_nonblocking(true)?;
         tx.set_nonblocking(true)?;
         Ok(Waker { rx, tx })
     }
 
-    fn wake(&self) {
+    pub fn wake(&self) {
         // A full pipe already holds a wake-up.
         let _ = (&self.tx).write(&[1]);
     }

@@ -1,12 +1,15 @@
-//! The progress engine's core: many ring all-reduces in flight over one ring's lanes.
+//! The progress engine's core: many collectives in flight over one topology's links.
 //!
-//! [`Exec`] owns the pool of [`Lane`]s to our ring successor and the pool from our predecessor
-//! for one topology, and advances every collective posted to it. Their chunks travel as frames
-//! ([`FRAME_BYTES`] of header, then the chunk): the header names the collective (its whole
-//! [`OpHeader`]: a predecessor that runs another collective is caught at its first frame) and the
-//! chunk's unit in the schedule, so any lane carries any collective's chunk, and a free lane takes
-//! the next chunk of the next collective in turn (round-robin: a large collective cannot starve a
-//! small one). The confirmation lap's tokens are frames too.
+//! [`Exec`] owns, for one topology, a *link* to each member it exchanges data with: a pool of
+//! [`Lane`]s to it and a pool from it (the ring's two neighbours are linked before the topology
+//! is in force; others when a schedule first needs them, see [`Exec::missing`]). It advances
+//! every collective posted to it, each a [`Schedule`] of sends, receives and reductions. Their
+//! chunks travel as frames ([`FRAME_BYTES`] of header, then the chunk): the header names the
+//! collective (its whole [`OpHeader`]: a peer that runs another collective is caught at its first
+//! frame) and the chunk's unit in the receiver's schedule, so any lane of a link carries any
+//! collective's chunk, and a free lane takes the next chunk for its member of the next collective
+//! in turn (round-robin: a large collective cannot starve a small one). The confirmation tokens
+//! are frames too.
 //!
 //! A frame may arrive before its collective is posted here (the predecessor's caller was quicker):
 //! it is kept aside and applied when the collective is posted. Past [`MAX_EARLY_BYTES`] kept, the
@@ -19,10 +22,10 @@
 //! lanes, and the communicator drives it with `poll(2)` from whichever thread waits.
 //!
 //! A lane that fails (the peer died, a reset, a malformed frame) fails every collective in flight
-//! over the pool: their streams may hold half a frame and can never be used again.
+//! over the links: their streams may hold half a frame and can never be used again.
 #![allow(unsafe_code)]
 
-use shoal_collective::ring::{RecvAction, RingAllReduce};
+use shoal_collective::schedule::{Algorithm, RecvAction, Schedule};
 use shoal_collective::{finish_avg, reduce_into, DType, ReduceOp};
 use shoal_transport::Lane;
 use shoal_wire::{Epoch, OpHeader};
@@ -84,21 +87,26 @@ pub(crate) struct Traffic {
     pub rx_bytes: u64,
 }
 
-/// Which neighbour a failure concerns.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Side {
-    Next,
-    Prev,
+/// Why a collective failed here; `rank` is the member at the other end of the link concerned.
+#[derive(Debug, Clone)]
+pub(crate) enum LinkError {
+    /// A stream to or from `rank` failed.
+    Lost { rank: usize, reason: String },
+    /// `rank` started another collective.
+    Mismatch { rank: usize, theirs: OpHeader },
+    /// `rank` sent bytes that are not a frame of a collective here.
+    Malformed { rank: usize, reason: String },
 }
 
-#[derive(Debug, Clone)]
-pub(crate) enum RingError {
-    /// A stream to or from a neighbour failed.
-    Lost { side: Side, reason: String },
-    /// The predecessor started another collective.
-    Mismatch { theirs: OpHeader },
-    /// The predecessor sent bytes that are not an operation header.
-    Malformed(String),
+impl LinkError {
+    /// The member at the other end.
+    pub fn rank(&self) -> usize {
+        match self {
+            LinkError::Lost { rank, .. } | LinkError::Mismatch { rank, .. } | LinkError::Malformed { rank, .. } => {
+                *rank
+            }
+        }
+    }
 }
 
 /// Bytes of a frame's header.
@@ -108,8 +116,10 @@ const KIND_CHUNK: u8 = 1;
 const KIND_TOKEN: u8 = 2;
 /// Buffers of early frames kept for reuse: a fresh one per chunk would fault in a chunk's pages.
 const SPARE_BODIES: usize = 64;
-/// Most bytes of frames kept for collectives not posted yet, over all lanes of a pool.
+/// Most bytes of frames kept for collectives not posted yet, over all lanes.
 pub(crate) const MAX_EARLY_BYTES: usize = 256 << 20;
+/// Most bytes a one-shot collective keeps of the other members' inputs: past it, the ring.
+pub(crate) const MAX_STASH_BYTES: usize = 256 << 20;
 
 /// A caller's buffer, lent to the engine for one collective: whoever posts it keeps the memory
 /// alive and untouched until the collective is taken back ([`Exec::take`]).
@@ -168,6 +178,7 @@ impl Frame {
         b[24..32].copy_from_slice(&self.op.seq.to_le_bytes());
         b[32..40].copy_from_slice(&self.op.tag.to_le_bytes());
         b[40..48].copy_from_slice(&self.op.count.to_le_bytes());
+        b[48] = self.op.algorithm;
         b
     }
 
@@ -183,6 +194,7 @@ impl Frame {
         }
         let op = OpHeader {
             collective: b[5],
+            algorithm: b[48],
             epoch: Epoch(u64_at(16)),
             seq: u64_at(24),
             tag: u64_at(32),
@@ -194,14 +206,13 @@ impl Frame {
     }
 }
 
-/// One ring all-reduce to post.
+/// One all-reduce to post.
 pub(crate) struct OpSpec {
     pub header: OpHeader,
     pub buf: RawBuf,
     pub dtype: DType,
     pub op: ReduceOp,
-    pub world: usize,
-    pub rank: usize,
+    pub algorithm: Algorithm,
     pub chunk_bytes: usize,
     /// Where to save what it overwrites: a spare kept from an earlier collective, so that a
     /// large one does not allocate (and fault in) a copy of its buffer every time.
@@ -216,7 +227,7 @@ pub(crate) enum OpEvent {
     /// Its lap came round: every participant holds the result.
     Confirmed,
     /// It failed here.
-    Failed(RingError),
+    Failed(LinkError),
     /// Its lap cannot finish (a lane failed after its data moved).
     LapBroken(String),
 }
@@ -244,10 +255,14 @@ impl Taken {
 
 struct OpExec {
     spec: OpSpec,
-    plan: RingAllReduce,
+    plan: Schedule,
     elem: usize,
-    /// The next send unit to hand to a lane, and units whose bytes all left.
-    next_send: usize,
+    /// For each member, the indices of the units we send it in order, and how many left.
+    sends_to: Vec<Vec<usize>>,
+    next_send: Vec<usize>,
+    /// For each member, the indices of the units we receive from it in order: a frame names
+    /// its place in this order.
+    recvs_from: Vec<Vec<usize>>,
     sent: usize,
     recv_done: Vec<bool>,
     received: usize,
@@ -255,13 +270,20 @@ struct OpExec {
     first_unit: Vec<usize>,
     saved: Vec<bool>,
     save_cursor: usize,
+    /// Whether the whole buffer is saved (a schedule that combines overwrites all of it).
+    saved_all: bool,
     backup: Backup,
+    /// The other members' inputs, one slot of the buffer's size each, for a schedule that
+    /// combines them (empty otherwise).
+    stash: Vec<u64>,
     traffic: Traffic,
     data_done: bool,
-    /// Tokens received, and those to send (ours first once the data moved, then forwards).
+    /// Tokens received, in all and from each member, and those to send: (to whom, whose), ours
+    /// first once the data moved.
     tokens_in: usize,
+    tokens_from: Vec<usize>,
     tokens_out: usize,
-    outbox: VecDeque<u32>,
+    outbox: VecDeque<(usize, u32)>,
     /// Tokens received before the data moved: forwarded after ours.
     held: Vec<u32>,
     /// Events not returned yet.
@@ -270,30 +292,44 @@ struct OpExec {
 }
 
 impl OpExec {
-    fn new(mut spec: OpSpec) -> Self {
+    fn new(mut spec: OpSpec, rank: usize, world: usize) -> Self {
         let elem = spec.dtype.size();
         let chunk_elems = (spec.chunk_bytes / elem).max(1);
-        let plan = RingAllReduce::new(spec.rank, spec.world, spec.buf.len / elem, chunk_elems);
+        let plan = spec.algorithm.all_reduce(rank, world, spec.buf.len / elem, chunk_elems);
         let mut first_of_range = std::collections::HashMap::with_capacity(plan.recvs.len());
         let first_unit: Vec<usize> =
             plan.recvs.iter().enumerate().map(|(i, u)| *first_of_range.entry(u.range.start).or_insert(i)).collect();
+        let mut sends_to = vec![Vec::new(); world];
+        for (i, u) in plan.sends.iter().enumerate() {
+            sends_to[u.to].push(i);
+        }
+        let mut recvs_from = vec![Vec::new(); world];
+        for (i, u) in plan.recvs.iter().enumerate() {
+            recvs_from[u.from].push(i);
+        }
         let mut backup = std::mem::take(&mut spec.backup);
         backup.reset(spec.buf.len);
+        let stash = if plan.combines() { vec![0u64; (world * spec.buf.len).div_ceil(8)] } else { Vec::new() };
         OpExec {
             saved: vec![false; plan.recvs.len()],
             recv_done: vec![false; plan.recvs.len()],
             first_unit,
+            sends_to,
+            recvs_from,
+            next_send: vec![0; world],
             plan,
             elem,
             spec,
-            next_send: 0,
             sent: 0,
             received: 0,
             save_cursor: 0,
+            saved_all: false,
             backup,
+            stash,
             traffic: Traffic::default(),
             data_done: false,
             tokens_in: 0,
+            tokens_from: vec![0; world],
             tokens_out: 0,
             outbox: VecDeque::new(),
             held: Vec::new(),
@@ -309,7 +345,7 @@ impl OpExec {
     /// Saves the original bytes of receive unit `unit`'s range unless already saved.
     fn save_before_change(&mut self, unit: usize) {
         let first = self.first_unit[unit];
-        if !self.saved[first] {
+        if !self.saved[first] && !self.saved_all {
             self.saved[first] = true;
             let r = self.bytes(&self.plan.recvs[unit].range);
             // SAFETY: lent to the engine; the only slice of it in use.
@@ -317,10 +353,24 @@ impl OpExec {
         }
     }
 
-    /// The next send unit, if it may leave now.
-    fn sendable(&self) -> Option<usize> {
-        let u = self.plan.sends.get(self.next_send)?;
-        u.after_recv.is_none_or(|j| self.recv_done[j]).then_some(self.next_send)
+    /// Saves the whole buffer unless saved (a schedule that combines changes it all at once).
+    fn save_all(&mut self) {
+        if !self.saved_all {
+            self.saved_all = true;
+            // SAFETY: lent to the engine; the only slice of it in use.
+            self.backup.save(unsafe { self.spec.buf.slice() }, 0..self.spec.buf.len);
+        }
+    }
+
+    /// The next unit for member `to`, if it may leave now.
+    fn sendable(&self, to: usize) -> Option<usize> {
+        let i = *self.sends_to[to].get(self.next_send[to])?;
+        self.plan.sends[i].after_recv.is_none_or(|j| self.recv_done[j]).then_some(i)
+    }
+
+    /// Whether a frame for member `to` may leave now.
+    fn has_frame_for(&self, to: usize) -> bool {
+        !self.finished && (self.outbox.iter().any(|(t, _)| *t == to) || self.sendable(to).is_some())
     }
 
     /// Applies received unit `unit` whose bytes are in `src` (for a reduction) or in place.
@@ -334,7 +384,7 @@ impl OpExec {
             // Lengths match and both buffers are aligned: checked at the API boundary and here.
             reduce_into(self.spec.dtype, self.spec.op, dst, src).expect("aligned buffers");
             if last && self.spec.op == ReduceOp::Avg {
-                finish_avg(self.spec.dtype, dst, self.spec.world).expect("aligned buffer");
+                finish_avg(self.spec.dtype, dst, self.plan.world).expect("aligned buffer");
             }
         }
         if unit == 0 {
@@ -348,21 +398,74 @@ impl OpExec {
         self.received += 1;
     }
 
-    /// A token of `origin`'s arrived.
-    fn token(&mut self, origin: u32) -> Result<(), RingError> {
-        let world = self.spec.world as u32;
-        if origin >= world || origin as usize == self.spec.rank {
-            return Err(RingError::Malformed(format!("a token of rank {origin} in a ring of {world}")));
+    /// Where in the stash the chunk of unit `unit` goes.
+    fn stash_offset(&self, unit: usize) -> usize {
+        let u = &self.plan.recvs[unit];
+        u.from * self.spec.buf.len + self.bytes(&u.range).start
+    }
+
+    /// Every input moved: the buffer becomes all of them reduced in rank order, the same fold on
+    /// every member (see `shoal_collective::oneshot`).
+    fn combine(&mut self) {
+        self.save_all();
+        let (len, world, rank) = (self.spec.buf.len, self.plan.world, self.plan.rank);
+        let (dtype, op) = (self.spec.dtype, self.spec.op);
+        // SAFETY: lent to the engine; the only slice of it in use.
+        let buf = unsafe { self.spec.buf.slice() };
+        let stash: &mut [u8] = &mut bytemuck::cast_slice_mut(&mut self.stash)[..world * len];
+        let (first, rest) = stash.split_at_mut(len);
+        let other = |k: usize| (k - 1) * len..k * len;
+        if rank == 0 {
+            for k in 1..world {
+                reduce_into(dtype, op, buf, &rest[other(k)]).expect("aligned buffers");
+            }
+        } else {
+            // Fold into rank 0's input, then take the result.
+            for k in 1..world {
+                let src: &[u8] = if k == rank { buf } else { &rest[other(k)] };
+                reduce_into(dtype, op, first, src).expect("aligned buffers");
+            }
+            buf.copy_from_slice(first);
+        }
+        if op == ReduceOp::Avg {
+            finish_avg(dtype, buf, world).expect("aligned buffer");
+        }
+    }
+
+    /// A token of `origin`'s arrived from member `from`.
+    fn token(&mut self, from: usize, origin: u32) -> Result<(), LinkError> {
+        let world = self.plan.world as u32;
+        let o = origin as usize;
+        let expected = self.tokens_expected(from);
+        if origin >= world
+            || o == self.plan.rank
+            || self.plan.token_from(o) != from
+            || self.tokens_from[from] == expected
+        {
+            let reason = format!("a token of rank {origin} from rank {from} in a group of {world}");
+            return Err(LinkError::Malformed { rank: from, reason });
         }
         self.tokens_in += 1;
-        if origin != (self.spec.rank as u32 + 1) % world {
-            if self.data_done {
-                self.outbox.push_back(origin);
-            } else {
-                self.held.push(origin);
-            }
+        self.tokens_from[from] += 1;
+        if self.data_done {
+            self.outbox.extend(self.plan.forward_token(o).map(|to| (to, origin)));
+        } else {
+            self.held.push(origin);
         }
         Ok(())
+    }
+
+    /// How many tokens come from member `from`.
+    fn tokens_expected(&self, from: usize) -> usize {
+        let (world, rank) = (self.plan.world, self.plan.rank);
+        (0..world).filter(|&o| o != rank && self.plan.token_from(o) == from).count()
+    }
+
+    /// Whether anything more of it is to come from member `from`.
+    fn expects_from(&self, from: usize) -> bool {
+        !self.finished
+            && (self.recvs_from[from].iter().any(|&u| !self.recv_done[u])
+                || self.tokens_from[from] < self.tokens_expected(from))
     }
 
     /// Records what the latest moves completed.
@@ -371,13 +474,19 @@ impl OpExec {
             return;
         }
         if !self.data_done && self.sent == self.plan.sends.len() && self.received == self.plan.recvs.len() {
+            if self.plan.combines() {
+                self.combine();
+            }
             self.data_done = true;
             self.events.push(OpEvent::DataDone);
-            self.outbox.push_back(self.spec.rank as u32);
-            self.outbox.extend(self.held.drain(..));
+            let me = self.plan.rank as u32;
+            self.outbox.extend(self.plan.token_targets().into_iter().map(|to| (to, me)));
+            for origin in std::mem::take(&mut self.held) {
+                self.outbox.extend(self.plan.forward_token(origin as usize).map(|to| (to, origin)));
+            }
         }
-        let laps = self.spec.world - 1;
-        if self.data_done && self.tokens_in == laps && self.tokens_out == laps {
+        let others = self.plan.world - 1;
+        if self.data_done && self.tokens_in == others && self.tokens_out == others {
             self.finished = true;
             self.events.push(OpEvent::Confirmed);
         }
@@ -392,6 +501,8 @@ enum Sending {
 
 struct SendLane<L> {
     lane: L,
+    /// The member it leads to.
+    to: usize,
     frame: [u8; FRAME_BYTES],
     /// Bytes of the frame (header, then chunk) written.
     written: usize,
@@ -404,18 +515,26 @@ enum Dest {
     Buf(usize),
     /// Into the lane's scratch, to reduce once complete.
     Scratch,
+    /// Into the collective's stash at this byte offset, to combine once everything moved.
+    Stash(usize),
     /// Kept aside: the collective is not posted yet.
     Early(Vec<u8>),
 }
 
 struct Receiving {
     frame: Frame,
+    /// The unit of our schedule it is (an early frame's is found once its collective is posted).
+    unit: usize,
     got: usize,
     dest: Dest,
 }
 
 struct RecvLane<L> {
     lane: L,
+    /// The member it comes from.
+    from: usize,
+    /// The member closed it between frames: nothing more comes on it.
+    closed: bool,
     header: [u8; FRAME_BYTES],
     header_got: usize,
     receiving: Option<Receiving>,
@@ -424,15 +543,33 @@ struct RecvLane<L> {
 
 /// A frame that arrived before its collective was posted.
 struct Early {
+    from: usize,
     frame: Frame,
     body: Vec<u8>,
 }
 
-/// The engine over one topology's pools to our successor and from our predecessor.
+/// What moved over the link with one member, for stats and logs.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LinkStats {
+    /// Lanes to it.
+    pub lanes_out: usize,
+    /// Lanes from it.
+    pub lanes_in: usize,
+    /// Chunk bytes sent to it, frame headers not counted.
+    pub tx_bytes: u64,
+    /// Chunk bytes received from it, frame headers not counted.
+    pub rx_bytes: u64,
+}
+
+/// The engine over one topology's links.
 pub(crate) struct Exec<L> {
     epoch: Epoch,
+    rank: usize,
+    world: usize,
     send: Vec<SendLane<L>>,
     recv: Vec<RecvLane<L>>,
+    /// By member.
+    stats: BTreeMap<usize, LinkStats>,
     ops: BTreeMap<u64, OpExec>,
     /// The highest number posted so far: frames of lower numbers not in `ops` are stale.
     posted: Option<u64>,
@@ -442,8 +579,10 @@ pub(crate) struct Exec<L> {
     spare_bodies: Vec<Vec<u8>>,
     /// The collective the last free lane took a frame of: the next lane starts after it.
     turn: u64,
-    /// Why the pools failed, once they did: nothing more moves.
-    broken: Option<RingError>,
+    /// Why the links failed, once they did: nothing more moves.
+    broken: Option<LinkError>,
+    /// Whether a collective in flight lacks a link ([`Exec::missing`]).
+    awaiting: bool,
 }
 
 /// What one [`Exec::pump`] did.
@@ -455,22 +594,31 @@ pub(crate) enum Pumped {
     Idle,
 }
 
+/// The links a collective lacks ([`Exec::missing`]).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct Missing {
+    /// Members it sends to with no lanes to them: dial them.
+    pub to: Vec<usize>,
+    /// Members it receives from with no lanes from them: take their pools when they arrive.
+    pub from: Vec<usize>,
+}
+
+impl Missing {
+    pub fn is_empty(&self) -> bool {
+        self.to.is_empty() && self.from.is_empty()
+    }
+}
+
 impl<L: Lane> Exec<L> {
-    /// The engine of topology `epoch` over `send` (to our successor) and `recv` (from our
-    /// predecessor).
-    pub fn new(epoch: Epoch, send: Vec<L>, recv: Vec<L>) -> Self {
-        let send = send.into_iter().map(|lane| SendLane { lane, frame: [0; FRAME_BYTES], written: 0, sending: None });
-        let recv = recv.into_iter().map(|lane| RecvLane {
-            lane,
-            header: [0; FRAME_BYTES],
-            header_got: 0,
-            receiving: None,
-            scratch: Vec::new(),
-        });
+    /// The engine of topology `epoch`, where we are `rank` of `world`, with no links yet.
+    pub fn new(epoch: Epoch, rank: usize, world: usize) -> Self {
         Exec {
             epoch,
-            send: send.collect(),
-            recv: recv.collect(),
+            rank,
+            world,
+            send: Vec::new(),
+            recv: Vec::new(),
+            stats: BTreeMap::new(),
             ops: BTreeMap::new(),
             posted: None,
             early: BTreeMap::new(),
@@ -478,7 +626,35 @@ impl<L: Lane> Exec<L> {
             spare_bodies: Vec::new(),
             turn: 0,
             broken: None,
+            awaiting: false,
         }
+    }
+
+    /// Adds a pool of lanes to member `to`.
+    pub fn add_send(&mut self, to: usize, lanes: Vec<L>) {
+        debug_assert!(to < self.world && to != self.rank);
+        self.stats.entry(to).or_default().lanes_out += lanes.len();
+        let new =
+            lanes.into_iter().map(|lane| SendLane { lane, to, frame: [0; FRAME_BYTES], written: 0, sending: None });
+        self.send.extend(new);
+        self.awaiting = !self.missing().is_empty();
+    }
+
+    /// Adds a pool of lanes from member `from`.
+    pub fn add_recv(&mut self, from: usize, lanes: Vec<L>) {
+        debug_assert!(from < self.world && from != self.rank);
+        self.stats.entry(from).or_default().lanes_in += lanes.len();
+        let new = lanes.into_iter().map(|lane| RecvLane {
+            lane,
+            from,
+            closed: false,
+            header: [0; FRAME_BYTES],
+            header_got: 0,
+            receiving: None,
+            scratch: Vec::new(),
+        });
+        self.recv.extend(new);
+        self.awaiting = !self.missing().is_empty();
     }
 
     /// The topology this engine runs in.
@@ -491,20 +667,62 @@ impl<L: Lane> Exec<L> {
         self.ops.len()
     }
 
+    /// What moved over each link, by member.
+    pub fn stats(&self) -> &BTreeMap<usize, LinkStats> {
+        &self.stats
+    }
+
+    /// Whether a collective in flight lacks a link: cheap, unlike [`Exec::missing`].
+    pub fn awaiting(&self) -> bool {
+        self.awaiting
+    }
+
+    /// The links the collectives in flight need and that are not here.
+    pub fn missing(&self) -> Missing {
+        let mut missing = Missing::default();
+        if self.broken.is_some() {
+            return missing;
+        }
+        for op in self.ops.values() {
+            self.missing_for(op, &mut missing);
+        }
+        missing
+    }
+
+    /// Adds to `missing` the links `op` needs and lacks.
+    fn missing_for(&self, op: &OpExec, missing: &mut Missing) {
+        if op.finished {
+            return;
+        }
+        let lanes = |r: usize| self.stats.get(&r).copied().unwrap_or_default();
+        for to in op.plan.peers_to() {
+            if lanes(to).lanes_out == 0 && !missing.to.contains(&to) {
+                missing.to.push(to);
+            }
+        }
+        for from in op.plan.peers_from() {
+            if lanes(from).lanes_in == 0 && !missing.from.contains(&from) && !self.gone(from) {
+                missing.from.push(from);
+            }
+        }
+    }
+
+    /// Whether every lane from member `from` was closed: it left.
+    fn gone(&self, from: usize) -> bool {
+        let mut lanes = self.recv.iter().filter(|l| l.from == from).peekable();
+        lanes.peek().is_some() && lanes.all(|l| l.closed)
+    }
+
     /// Starts collective `spec`, numbered `spec.header.seq` (above every number posted before):
-    /// frames that came early for it are applied now.
+    /// frames that came early for it are applied now. Lanes it needs and that are not here yet
+    /// ([`Exec::missing`]) may be added while it runs.
     pub fn post(&mut self, spec: OpSpec) {
         let seq = spec.header.seq;
         debug_assert!(self.posted.is_none_or(|p| p < seq), "collectives are posted in order");
         self.posted = Some(seq);
-        let mut op = OpExec::new(spec);
+        let mut op = OpExec::new(spec, self.rank, self.world);
         if let Some(e) = &self.broken {
             op.events.push(OpEvent::Failed(e.clone()));
-            op.finished = true;
-        } else if self.send.is_empty() || self.recv.is_empty() {
-            // A group of one never posts: no lanes means the pools were not established.
-            let reason = "no data connection: a collective failed before and the ring has not re-formed yet";
-            op.events.push(OpEvent::Failed(RingError::Lost { side: Side::Next, reason: reason.into() }));
             op.finished = true;
         } else {
             for early in self.early.remove(&seq).unwrap_or_default() {
@@ -519,12 +737,30 @@ impl<L: Lane> Exec<L> {
                 }
             }
         }
+        if let Some(gone) = op.plan.peers_from().into_iter().find(|&r| !op.finished && self.gone(r)) {
+            let reason = "connection closed: it left after an earlier collective".to_string();
+            op.events.push(OpEvent::Failed(LinkError::Lost { rank: gone, reason }));
+            op.finished = true;
+        }
         let failed = self.broken.is_none() && op.finished;
         self.ops.insert(seq, op);
         if failed {
             let reason = format!("collective {seq} failed over these streams");
-            self.break_lanes(RingError::Lost { side: Side::Prev, reason });
+            self.break_lanes(LinkError::Lost { rank: self.rank, reason });
         }
+        // A group of one moves nothing: done at once.
+        let op = self.ops.get_mut(&seq).expect("posted");
+        op.check();
+        if self.broken.is_none() && !self.awaiting {
+            let mut missing = Missing::default();
+            self.missing_for(&self.ops[&seq], &mut missing);
+            self.awaiting = !missing.is_empty();
+        }
+    }
+
+    /// Fails every collective in flight: the link to `rank` cannot be had.
+    pub fn unreachable(&mut self, rank: usize, reason: String) {
+        self.break_lanes(LinkError::Lost { rank, reason });
     }
 
     /// Takes collective `seq` out: done, failed, or stopped by the peer. One that had not
@@ -533,7 +769,10 @@ impl<L: Lane> Exec<L> {
         let op = self.ops.remove(&seq)?;
         if !op.finished {
             let reason = format!("collective {seq} stopped mid-flight");
-            self.break_lanes(RingError::Lost { side: Side::Next, reason });
+            self.break_lanes(LinkError::Lost { rank: self.rank, reason });
+        }
+        if self.awaiting {
+            self.awaiting = !self.missing().is_empty();
         }
         Some(Taken { traffic: op.traffic, backup: op.backup, buf: op.spec.buf })
     }
@@ -551,6 +790,13 @@ impl<L: Lane> Exec<L> {
     /// once every range is saved.
     pub fn save_ahead(&mut self) -> bool {
         for op in self.ops.values_mut().filter(|o| !o.finished) {
+            if op.plan.combines() {
+                if !op.saved_all {
+                    op.save_all();
+                    return true;
+                }
+                continue;
+            }
             while op.save_cursor < op.plan.recvs.len() {
                 let unit = op.save_cursor;
                 op.save_cursor += 1;
@@ -567,9 +813,10 @@ impl<L: Lane> Exec<L> {
     pub fn interest(&self) -> impl Iterator<Item = (&L, bool, bool)> {
         let lanes = if self.broken.is_some() { 0 } else { usize::MAX };
         let reading = self.early_bytes < MAX_EARLY_BYTES || self.ops.values().any(|o| !o.finished);
-        let writing = self.ops.values().any(|o| !o.outbox.is_empty() || o.sendable().is_some());
-        let recv = self.recv.iter().take(lanes).map(move |l| (&l.lane, reading || l.receiving.is_some(), false));
-        let send = self.send.iter().take(lanes).map(move |l| (&l.lane, false, l.sending.is_some() || writing));
+        let wanted: Vec<bool> = (0..self.world).map(|to| self.ops.values().any(|o| o.has_frame_for(to))).collect();
+        let recv = self.recv.iter().take(lanes).filter(|l| !l.closed);
+        let recv = recv.map(move |l| (&l.lane, reading || l.receiving.is_some(), false));
+        let send = self.send.iter().take(lanes).map(move |l| (&l.lane, false, l.sending.is_some() || wanted[l.to]));
         recv.chain(send)
     }
 
@@ -592,7 +839,8 @@ impl<L: Lane> Exec<L> {
             match self.pump_send(i) {
                 Ok(p) => progress |= p,
                 Err(reason) => {
-                    self.break_lanes(RingError::Lost { side: Side::Next, reason });
+                    let rank = self.send[i].to;
+                    self.break_lanes(LinkError::Lost { rank, reason });
                     return Pumped::Progress;
                 }
             }
@@ -609,13 +857,13 @@ impl<L: Lane> Exec<L> {
 
     /// A failure `e` of collective `seq` (or, without one, of the lanes): every collective fails,
     /// the others as lost over the lanes `e` broke.
-    fn fail(&mut self, seq: Option<u64>, e: RingError) {
+    fn fail(&mut self, seq: Option<u64>, e: LinkError) {
         match seq.and_then(|s| self.ops.get_mut(&s)).filter(|o| !o.finished) {
             Some(op) => {
                 op.events.push(OpEvent::Failed(e.clone()));
                 op.finished = true;
                 let reason = format!("collective {} failed over these streams: {e:?}", seq.expect("found"));
-                self.break_lanes(RingError::Lost { side: Side::Prev, reason });
+                self.break_lanes(LinkError::Lost { rank: e.rank(), reason });
             }
             None => self.break_lanes(e),
         }
@@ -623,8 +871,12 @@ impl<L: Lane> Exec<L> {
 
     /// The lanes failed with `e`: every collective still in flight fails with it, or asks, once
     /// its data moved.
-    fn break_lanes(&mut self, e: RingError) {
+    fn break_lanes(&mut self, e: LinkError) {
+        if self.broken.is_none() {
+            log::debug!("the links of topology {} failed: {e:?}", self.epoch.0);
+        }
         let e = self.broken.get_or_insert(e).clone();
+        self.awaiting = false;
         for op in self.ops.values_mut().filter(|o| !o.finished) {
             op.finished = true;
             op.events.push(if op.data_done {
@@ -639,31 +891,48 @@ impl<L: Lane> Exec<L> {
 
     /// Closes the lanes once they failed. The driver calls it once every collective over them
     /// has its verdict: the first failure must reach the master before the closed streams make
-    /// the neighbours report theirs (a mismatch, not the "connection closed" that follows it).
+    /// the others report theirs (a mismatch, not the "connection closed" that follows it).
     pub fn release_if_broken(&mut self) {
         if self.broken.is_some() {
             self.send.clear();
             self.recv.clear();
+            for s in self.stats.values_mut() {
+                (s.lanes_out, s.lanes_in) = (0, 0);
+            }
         }
     }
 
     /// Reads what lane `i` has; `Err((collective, why))` on failure.
-    fn pump_recv(&mut self, i: usize) -> Result<bool, (Option<u64>, RingError)> {
+    fn pump_recv(&mut self, i: usize) -> Result<bool, (Option<u64>, LinkError)> {
         let mut progress = false;
+        let from = self.recv[i].from;
+        if self.recv[i].closed {
+            return Ok(false);
+        }
         loop {
             let lane = &mut self.recv[i];
             let Some(rx) = lane.receiving.as_mut() else {
                 if self.early_bytes >= MAX_EARLY_BYTES && self.ops.values().all(|o| o.finished) {
                     return Ok(progress);
                 }
-                let Some(n) = read_some(&mut lane.lane, &mut lane.header[lane.header_got..])? else {
+                let Some(n) = read_some(&mut lane.lane, &mut lane.header[lane.header_got..], from)? else {
                     return Ok(progress);
                 };
+                if n == 0 {
+                    if lane.header_got > 0 {
+                        return Err((
+                            None,
+                            LinkError::Lost { rank: from, reason: "connection closed mid-frame".into() },
+                        ));
+                    }
+                    return self.closed(i).map(|()| true);
+                }
                 progress = true;
                 lane.header_got += n;
                 if lane.header_got == FRAME_BYTES {
                     lane.header_got = 0;
-                    let frame = Frame::decode(&lane.header).map_err(|e| (None, RingError::Malformed(e)))?;
+                    let frame = Frame::decode(&lane.header)
+                        .map_err(|reason| (None, LinkError::Malformed { rank: from, reason }))?;
                     self.begin_frame(i, frame)?;
                 }
                 continue;
@@ -677,6 +946,11 @@ impl<L: Lane> Exec<L> {
                     let whole = unsafe { op.spec.buf.slice() };
                     &mut whole[*start + rx.got..*start + len]
                 }
+                Dest::Stash(start) => {
+                    let op = self.ops.get_mut(&seq).expect("a frame into a stash has its collective");
+                    let stash: &mut [u8] = bytemuck::cast_slice_mut(&mut op.stash);
+                    &mut stash[*start + rx.got..*start + len]
+                }
                 Dest::Scratch => {
                     let s: &mut [u8] = bytemuck::cast_slice_mut(&mut lane.scratch);
                     &mut s[rx.got..len]
@@ -686,27 +960,31 @@ impl<L: Lane> Exec<L> {
             let n = if target.is_empty() {
                 0
             } else {
-                let Some(n) = read_some(&mut lane.lane, target)? else { return Ok(progress) };
-                n
+                match read_some(&mut lane.lane, target, from)? {
+                    None => return Ok(progress),
+                    Some(0) => return Err((None, LinkError::Lost { rank: from, reason: "connection closed".into() })),
+                    Some(n) => n,
+                }
             };
             progress = true;
             rx.got += n;
             if let Some(op) = self.ops.get_mut(&seq) {
                 op.traffic.rx_bytes += n as u64;
             }
+            self.stats.entry(from).or_default().rx_bytes += n as u64;
             if rx.got < len {
                 continue;
             }
             let rx = lane.receiving.take().expect("receiving");
-            let unit = rx.frame.unit as usize;
+            let unit = rx.unit;
             match rx.dest {
-                Dest::Buf(_) => self.ops.get_mut(&seq).expect("posted").complete_recv(unit, None),
+                Dest::Buf(_) | Dest::Stash(_) => self.ops.get_mut(&seq).expect("posted").complete_recv(unit, None),
                 Dest::Scratch => {
                     let src: &[u8] = bytemuck::cast_slice(&lane.scratch);
                     self.ops.get_mut(&seq).expect("posted").complete_recv(unit, Some(&src[..len]));
                 }
                 Dest::Early(body) => {
-                    let early = Early { frame: rx.frame, body };
+                    let early = Early { from, frame: rx.frame, body };
                     self.early_bytes -= early.body.len();
                     // Posted while its chunk arrived: applied now.
                     match self.ops.get_mut(&seq) {
@@ -724,22 +1002,39 @@ impl<L: Lane> Exec<L> {
         }
     }
 
+    /// Member `from` closed lane `i` between two frames (it left, having sent all it had): only
+    /// a collective that still expects something from it fails, as lost.
+    fn closed(&mut self, i: usize) -> Result<(), (Option<u64>, LinkError)> {
+        let from = self.recv[i].from;
+        self.recv[i].closed = true;
+        let stats = self.stats.entry(from).or_default();
+        stats.lanes_in -= 1;
+        log::debug!("rank {from} closed a stream to us in topology {}", self.epoch.0);
+        if stats.lanes_in > 0 {
+            return Ok(());
+        }
+        match self.ops.iter().find(|(_, o)| o.expects_from(from)) {
+            Some((&seq, _)) => Err((Some(seq), LinkError::Lost { rank: from, reason: "connection closed".into() })),
+            None => Ok(()),
+        }
+    }
+
     /// A frame's header arrived on receiving lane `i`: decides where its chunk goes.
-    fn begin_frame(&mut self, i: usize, frame: Frame) -> Result<(), (Option<u64>, RingError)> {
+    fn begin_frame(&mut self, i: usize, frame: Frame) -> Result<(), (Option<u64>, LinkError)> {
         let seq = frame.op.seq;
+        let from = self.recv[i].from;
+        let malformed = |reason: String| (None, LinkError::Malformed { rank: from, reason });
         if frame.op.epoch != self.epoch {
-            let why = format!("a frame of topology {} in topology {}", frame.op.epoch.0, self.epoch.0);
-            return Err((None, RingError::Malformed(why)));
+            return Err(malformed(format!("a frame of topology {} in topology {}", frame.op.epoch.0, self.epoch.0)));
         }
         let Some(op) = self.ops.get_mut(&seq) else {
             if self.posted.is_some_and(|p| seq <= p) {
-                let why = format!("a frame of collective {seq}, which ended here");
-                return Err((None, RingError::Malformed(why)));
+                return Err(malformed(format!("a frame of collective {seq}, which ended here")));
             }
             // Early: keep it until the collective is posted here.
             let body = if frame.kind == KIND_CHUNK {
                 if frame.len as usize > MAX_EARLY_BYTES {
-                    return Err((None, RingError::Malformed(format!("a chunk of {} bytes", frame.len))));
+                    return Err(malformed(format!("a chunk of {} bytes", frame.len)));
                 }
                 self.early_bytes += frame.len as usize;
                 let mut body = self.spare_bodies.pop().unwrap_or_default();
@@ -750,19 +1045,19 @@ impl<L: Lane> Exec<L> {
                 Vec::new()
             };
             if frame.kind == KIND_TOKEN || frame.len == 0 {
-                self.early.entry(seq).or_default().push(Early { frame, body });
+                self.early.entry(seq).or_default().push(Early { from, frame, body });
             } else {
-                self.recv[i].receiving = Some(Receiving { frame, got: 0, dest: Dest::Early(body) });
+                self.recv[i].receiving = Some(Receiving { frame, unit: 0, got: 0, dest: Dest::Early(body) });
             }
             return Ok(());
         };
         if frame.op != op.spec.header {
-            return Err((Some(seq), RingError::Mismatch { theirs: frame.op }));
+            return Err((Some(seq), LinkError::Mismatch { rank: from, theirs: frame.op }));
         }
         if frame.kind == KIND_TOKEN {
-            return op.token(frame.unit).map_err(|e| (Some(seq), e));
+            return op.token(from, frame.unit).map_err(|e| (Some(seq), e));
         }
-        let dest = chunk_dest(op, &frame).map_err(|e| (Some(seq), e))?;
+        let (unit, dest) = chunk_dest(op, &frame, from).map_err(|e| (Some(seq), e))?;
         if let Dest::Scratch = dest {
             let words = (frame.len as usize).div_ceil(8);
             let scratch = &mut self.recv[i].scratch;
@@ -771,10 +1066,10 @@ impl<L: Lane> Exec<L> {
             }
         }
         if frame.len == 0 {
-            op.complete_recv(frame.unit as usize, Some(&[]));
+            op.complete_recv(unit, Some(&[]));
             return Ok(());
         }
-        self.recv[i].receiving = Some(Receiving { frame, got: 0, dest });
+        self.recv[i].receiving = Some(Receiving { frame, unit, got: 0, dest });
         Ok(())
     }
 
@@ -814,6 +1109,7 @@ impl<L: Lane> Exec<L> {
             progress = true;
             let body = n.saturating_sub(header_left.len());
             lane.written += n;
+            self.stats.entry(lane.to).or_default().tx_bytes += body as u64;
             let op = self.ops.get_mut(&seq).expect("a frame of a collective in flight");
             op.traffic.tx_bytes += body as u64;
             if lane.written == FRAME_BYTES + payload.len() {
@@ -827,25 +1123,25 @@ impl<L: Lane> Exec<L> {
         }
     }
 
-    /// Gives free lane `i` the next frame: the next collective in turn with a token or a chunk
-    /// that may leave. False if none has.
+    /// Gives free lane `i` the next frame for its member: the next collective in turn with a
+    /// token or a chunk for it that may leave. False if none has.
     fn next_frame(&mut self, i: usize) -> bool {
-        let turn = self.turn;
+        let (turn, to) = (self.turn, self.send[i].to);
         let order = self.ops.range(turn + 1..).chain(self.ops.range(..=turn)).map(|(s, _)| *s);
-        let pick = order.into_iter().find(|s| {
-            let op = &self.ops[s];
-            !op.finished && (!op.outbox.is_empty() || op.sendable().is_some())
-        });
+        let pick = order.into_iter().find(|s| self.ops[s].has_frame_for(to));
         let Some(seq) = pick else { return false };
         self.turn = seq;
         let op = self.ops.get_mut(&seq).expect("picked");
-        let (frame, sending) = if let Some(origin) = op.outbox.pop_front() {
+        let token = op.outbox.iter().position(|(t, _)| *t == to);
+        let (frame, sending) = if let Some(origin) = token.and_then(|k| op.outbox.remove(k)).map(|(_, o)| o) {
             (Frame { kind: KIND_TOKEN, len: 0, unit: origin, op: op.spec.header }, Sending::Token { seq })
         } else {
-            let unit = op.sendable().expect("picked");
-            op.next_send += 1;
+            let unit = op.sendable(to).expect("picked");
+            // Its place among our units for `to`: the receiver's among its units from us.
+            let place = op.next_send[to] as u32;
+            op.next_send[to] += 1;
             let r = op.bytes(&op.plan.sends[unit].range);
-            let frame = Frame { kind: KIND_CHUNK, len: r.len() as u32, unit: unit as u32, op: op.spec.header };
+            let frame = Frame { kind: KIND_CHUNK, len: r.len() as u32, unit: place, op: op.spec.header };
             (frame, Sending::Chunk { seq, start: r.start, len: r.len() })
         };
         let lane = &mut self.send[i];
@@ -871,19 +1167,19 @@ impl<L: Lane> Exec<L> {
                 format!("#{s}: sent {}/{}, received {}/{}", o.sent, o.plan.sends.len(), o.received, o.plan.recvs.len())
             })
             .collect();
-        let send = self.send.iter().map(|l| l.lane.describe());
-        let lanes: Vec<String> = send.chain(self.recv.iter().map(|l| l.lane.describe())).collect();
+        let send = self.send.iter().map(|l| format!("to {}: {}", l.to, l.lane.describe()));
+        let lanes: Vec<String> =
+            send.chain(self.recv.iter().map(|l| format!("from {}: {}", l.from, l.lane.describe()))).collect();
         format!("collectives [{}] over {lanes:?}", ops.join("; "))
     }
 }
 
-/// Reads what `lane` has into `buf`: `None` if nothing yet; the end of the stream or an error
-/// loses the predecessor.
-fn read_some(lane: &mut impl Lane, buf: &mut [u8]) -> Result<Option<usize>, (Option<u64>, RingError)> {
-    let lost = |reason: String| (None, RingError::Lost { side: Side::Prev, reason });
+/// Reads what `lane` (from member `from`) has into `buf` (not empty): `None` if nothing yet,
+/// `Some(0)` at the end of the stream; an error loses the member.
+fn read_some(lane: &mut impl Lane, buf: &mut [u8], from: usize) -> Result<Option<usize>, (Option<u64>, LinkError)> {
+    let lost = |reason: String| (None, LinkError::Lost { rank: from, reason });
     loop {
         return match lane.read(buf) {
-            Ok(0) => Err(lost("connection closed".into())),
             Ok(n) => Ok(Some(n)),
             Err(e) if e.kind() == ErrorKind::WouldBlock => Ok(None),
             Err(e) if e.kind() == ErrorKind::Interrupted => continue,
@@ -892,50 +1188,59 @@ fn read_some(lane: &mut impl Lane, buf: &mut [u8]) -> Result<Option<usize>, (Opt
     }
 }
 
-/// Where the chunk of `frame` (a frame of `op`) goes, checked against the schedule.
-fn chunk_dest(op: &mut OpExec, frame: &Frame) -> Result<Dest, RingError> {
-    let unit = frame.unit as usize;
-    let Some(u) = op.plan.recvs.get(unit) else {
-        return Err(RingError::Malformed(format!("chunk {unit} of a schedule of {}", op.plan.recvs.len())));
+/// Where the chunk of `frame` (a frame of `op` from member `from`) goes, checked against the
+/// schedule.
+fn chunk_dest(op: &mut OpExec, frame: &Frame, from: usize) -> Result<(usize, Dest), LinkError> {
+    let place = frame.unit as usize;
+    let malformed = |reason: String| LinkError::Malformed { rank: from, reason };
+    let Some(&unit) = op.recvs_from[from].get(place) else {
+        let expected = op.recvs_from[from].len();
+        return Err(malformed(format!("chunk {place} from rank {from}, which sends {expected}")));
     };
+    let u = &op.plan.recvs[unit];
     let r = op.bytes(&u.range);
     if op.recv_done[unit] || frame.len as usize != r.len() {
-        return Err(RingError::Malformed(format!(
-            "chunk {unit} of {} bytes (expected {}{})",
+        return Err(malformed(format!(
+            "chunk {place} of {} bytes from rank {from} (expected {}{})",
             frame.len,
             r.len(),
             if op.recv_done[unit] { ", once" } else { "" }
         )));
     }
-    Ok(match u.action {
+    let dest = match u.action {
         RecvAction::Copy => {
             op.save_before_change(unit);
             Dest::Buf(r.start)
         }
         RecvAction::Reduce { .. } => Dest::Scratch,
-    })
+        RecvAction::Stash => Dest::Stash(op.stash_offset(unit)),
+    };
+    Ok((unit, dest))
 }
 
 /// Applies a frame that came before its collective was posted; returns its body's buffer.
-fn apply_early(op: &mut OpExec, early: Early) -> Result<Vec<u8>, RingError> {
+fn apply_early(op: &mut OpExec, early: Early) -> Result<Vec<u8>, LinkError> {
     if early.frame.op != op.spec.header {
-        return Err(RingError::Mismatch { theirs: early.frame.op });
+        return Err(LinkError::Mismatch { rank: early.from, theirs: early.frame.op });
     }
     if early.frame.kind == KIND_TOKEN {
-        return op.token(early.frame.unit).map(|()| early.body);
+        return op.token(early.from, early.frame.unit).map(|()| early.body);
     }
-    match chunk_dest(op, &early.frame)? {
+    op.traffic.rx_bytes += early.body.len() as u64;
+    let (unit, dest) = chunk_dest(op, &early.frame, early.from)?;
+    match dest {
         Dest::Buf(start) => {
             // SAFETY: lent to the engine; the only slice of it in use.
             let whole = unsafe { op.spec.buf.slice() };
             whole[start..start + early.body.len()].copy_from_slice(&early.body);
-            op.traffic.rx_bytes += early.body.len() as u64;
-            op.complete_recv(early.frame.unit as usize, None);
+            op.complete_recv(unit, None);
         }
-        _ => {
-            op.traffic.rx_bytes += early.body.len() as u64;
-            op.complete_recv(early.frame.unit as usize, Some(&early.body));
+        Dest::Stash(start) => {
+            let stash: &mut [u8] = bytemuck::cast_slice_mut(&mut op.stash);
+            stash[start..start + early.body.len()].copy_from_slice(&early.body);
+            op.complete_recv(unit, None);
         }
+        _ => op.complete_recv(unit, Some(&early.body)),
     }
     Ok(early.body)
 }
@@ -946,27 +1251,60 @@ mod tests {
     use shoal_collective::CollectiveKind;
     use shoal_transport::lane::mem::{self, Control, Faults, MemLane};
 
-    /// `world` engines whose link from rank r to r + 1 is a pool of `pool` in-memory connections
-    /// shaped by `faults`.
-    fn ring(world: usize, pool: usize, faults: Faults) -> (Vec<Exec<MemLane>>, Vec<Vec<Control>>) {
-        let mut lanes: Vec<(Vec<MemLane>, Vec<MemLane>)> = (0..world).map(|_| (Vec::new(), Vec::new())).collect();
-        let mut controls = Vec::new();
-        for r in 0..world {
-            let mut link = Vec::new();
-            for i in 0..pool {
-                let (tx, rx, control) = mem::pair(&format!("{r}->{}#{i}", (r + 1) % world), faults);
-                lanes[r].0.push(tx);
-                lanes[(r + 1) % world].1.push(rx);
-                link.push(control);
-            }
-            controls.push(link);
+    /// Links rank `from` to rank `to` with a pool of `pool` in-memory connections shaped by
+    /// `faults`.
+    fn link(execs: &mut [Exec<MemLane>], from: usize, to: usize, pool: usize, faults: Faults) -> Vec<Control> {
+        let (mut send, mut recv, mut controls) = (Vec::new(), Vec::new(), Vec::new());
+        for i in 0..pool {
+            let (tx, rx, control) = mem::pair(&format!("{from}->{to}#{i}"), faults);
+            send.push(tx);
+            recv.push(rx);
+            controls.push(control);
         }
-        (lanes.into_iter().map(|(s, r)| Exec::new(Epoch(1), s, r)).collect(), controls)
+        execs[from].add_send(to, send);
+        execs[to].add_recv(from, recv);
+        controls
     }
 
-    fn header(seq: u64, count: usize, tag: u64) -> OpHeader {
+    fn engines(world: usize) -> Vec<Exec<MemLane>> {
+        (0..world).map(|r| Exec::new(Epoch(1), r, world)).collect()
+    }
+
+    /// `world` engines whose link from rank r to r + 1 is a pool of `pool` connections.
+    fn ring(world: usize, pool: usize, faults: Faults) -> (Vec<Exec<MemLane>>, Vec<Vec<Control>>) {
+        let mut execs = engines(world);
+        let controls = (0..world).map(|r| link(&mut execs, r, (r + 1) % world, pool, faults)).collect();
+        (execs, controls)
+    }
+
+    /// `world` engines linked each to every other.
+    fn mesh(world: usize, pool: usize, faults: Faults) -> Vec<Exec<MemLane>> {
+        let mut execs = engines(world);
+        for from in 0..world {
+            for to in (0..world).filter(|&t| t != from) {
+                link(&mut execs, from, to, pool, faults);
+            }
+        }
+        execs
+    }
+
+    /// A u64 sum over `buf`: collective `seq` with `tag`, run by `algorithm`.
+    fn sum_spec(buf: &mut [u64], seq: u64, tag: u64, algorithm: Algorithm, chunk_bytes: usize) -> OpSpec {
+        OpSpec {
+            header: header_of(seq, buf.len(), tag, algorithm),
+            buf: RawBuf::new(bytemuck::cast_slice_mut(buf)),
+            dtype: DType::U64,
+            op: ReduceOp::Sum,
+            algorithm,
+            chunk_bytes,
+            backup: Backup::default(),
+        }
+    }
+
+    fn header_of(seq: u64, count: usize, tag: u64, algorithm: Algorithm) -> OpHeader {
         OpHeader {
             collective: CollectiveKind::AllReduce.code(),
+            algorithm: algorithm.code(),
             epoch: Epoch(1),
             seq,
             tag,
@@ -990,11 +1328,25 @@ mod tests {
 
     /// Posts collectives `seqs[r]` of `sizes` words on every rank `r` at round `posted_at[r][i]`,
     /// steps every engine in turn in one thread, `between(round)` first, until every collective
-    /// is confirmed or failed; returns each rank's runs.
+    /// is confirmed or failed; returns each rank's runs. Ring all-reduces.
     fn run_all(
         execs: &mut [Exec<MemLane>],
         sizes: &[usize],
         tags: &[Vec<u64>],
+        posted_at: &[Vec<usize>],
+        chunk_bytes: usize,
+        between: impl FnMut(usize),
+    ) -> Vec<Vec<Run>> {
+        let algorithms = vec![vec![Algorithm::Ring; sizes.len()]; execs.len()];
+        run_mixed(execs, sizes, tags, &algorithms, posted_at, chunk_bytes, between)
+    }
+
+    /// [`run_all`] with the algorithm of each collective on each rank.
+    fn run_mixed(
+        execs: &mut [Exec<MemLane>],
+        sizes: &[usize],
+        tags: &[Vec<u64>],
+        algorithms: &[Vec<Algorithm>],
         posted_at: &[Vec<usize>],
         chunk_bytes: usize,
         mut between: impl FnMut(usize),
@@ -1011,17 +1363,7 @@ mod tests {
             for (rank, exec) in execs.iter_mut().enumerate() {
                 for (i, run) in runs[rank].iter_mut().enumerate() {
                     if posted_at[rank][i] == round {
-                        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut run.buf);
-                        exec.post(OpSpec {
-                            header: header(i as u64, sizes[i], tags[rank][i]),
-                            buf: RawBuf::new(bytes),
-                            dtype: DType::U64,
-                            op: ReduceOp::Sum,
-                            world,
-                            rank,
-                            chunk_bytes,
-                            backup: Backup::default(),
-                        });
+                        exec.post(sum_spec(&mut run.buf, i as u64, tags[rank][i], algorithms[rank][i], chunk_bytes));
                         moved = true;
                     }
                 }
@@ -1147,18 +1489,7 @@ mod tests {
         let mut runs: Vec<Vec<Vec<u64>>> = (0..2).map(|r| vec![input(r, 0, sizes[0]), input(r, 1, sizes[1])]).collect();
         for (rank, exec) in execs.iter_mut().enumerate() {
             for (i, buf) in runs[rank].iter_mut().enumerate() {
-                let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf);
-                let header = header(i as u64, sizes[i], tags[rank][i]);
-                exec.post(OpSpec {
-                    header,
-                    buf: RawBuf::new(bytes),
-                    dtype: DType::U64,
-                    op: ReduceOp::Sum,
-                    world: 2,
-                    rank,
-                    chunk_bytes: 64 << 10,
-                    backup: Backup::default(),
-                });
+                exec.post(sum_spec(buf, i as u64, tags[rank][i], Algorithm::Ring, 64 << 10));
             }
         }
         for round in 0..100_000 {
@@ -1186,35 +1517,225 @@ mod tests {
     fn garbage_on_a_lane_fails_every_collective_in_flight() {
         let (tx, rx, _) = mem::pair("0->1", Faults::default());
         let (tx2, rx2, _) = mem::pair("1->0", Faults::default());
-        let mut exec = Exec::new(Epoch(1), vec![tx2], vec![rx]);
+        let mut exec = Exec::new(Epoch(1), 1, 2);
+        exec.add_send(0, vec![tx2]);
+        exec.add_recv(0, vec![rx]);
         let mut stranger = tx;
         std::io::Write::write_all(&mut stranger, &[0xab; FRAME_BYTES]).unwrap();
         let mut buf = vec![0u64; 64];
-        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut buf);
-        exec.post(OpSpec {
-            header: header(0, 64, 1),
-            buf: RawBuf::new(bytes),
-            dtype: DType::U64,
-            op: ReduceOp::Sum,
-            world: 2,
-            rank: 1,
-            chunk_bytes: 4096,
-            backup: Backup::default(),
-        });
+        exec.post(sum_spec(&mut buf, 0, 1, Algorithm::Ring, 4096));
         for _ in 0..10 {
             exec.pump();
         }
         let events = exec.events();
         assert!(
-            matches!(&events[..], [(0, OpEvent::Failed(RingError::Malformed(why)))] if why.contains("magic")),
+            matches!(&events[..], [(0, OpEvent::Failed(LinkError::Malformed { reason, .. }))] if reason.contains("magic")),
             "{events:?}"
         );
         drop((rx2, stranger));
     }
 
+    /// One-shot and ring collectives in flight together over every link, posted at different
+    /// moments, over lanes that fragment every read and write: every peer ends with every sum,
+    /// bit for bit.
+    #[test]
+    fn one_shot_and_ring_collectives_share_the_links() {
+        for (world, pool, max_io) in [(2, 1, 7), (3, 2, 13), (5, 1, 4096)] {
+            let sizes = [100, 1500, 1, 0, 700];
+            let faults = Faults { capacity: 3 * max_io, max_io, reset_after: None };
+            let mut execs = mesh(world, pool, faults);
+            let tags: Vec<Vec<u64>> = (0..world).map(|_| vec![1, 2, 3, 4, 5]).collect();
+            let kinds = [Algorithm::OneShot, Algorithm::Ring, Algorithm::OneShot, Algorithm::OneShot, Algorithm::Ring];
+            let algorithms = vec![kinds.to_vec(); world];
+            let posted_at: Vec<Vec<usize>> = (0..world).map(|r| (0..5).map(|i| 30 * r * i).collect()).collect();
+            let runs = run_mixed(&mut execs, &sizes, &tags, &algorithms, &posted_at, 4096, |_| {});
+            for (rank, runs) in runs.iter().enumerate() {
+                for (i, run) in runs.iter().enumerate() {
+                    assert_eq!(run.ended, Some(Ok(())), "world {world}, rank {rank}, collective {i}");
+                    assert_eq!(run.buf, sum(world, i as u64, sizes[i]), "world {world}, rank {rank}, collective {i}");
+                }
+            }
+            // Each one-shot sent its buffer to every other member: the links' counts show it.
+            let stats = execs[0].stats();
+            assert_eq!(stats.len(), world - 1, "a link to every other member");
+            if world > 2 {
+                // Collectives 0, 2 and 3 (of 100, 1 and 0 words) ran one-shot.
+                let oneshot_bytes = 8 * (100 + 1) as u64;
+                assert_eq!(stats[&2].tx_bytes, oneshot_bytes, "only one-shots use a link off the ring");
+            }
+        }
+    }
+
+    /// Engines linked only around the ring: a one-shot collective asks for links to the other
+    /// members ([`Exec::missing`]), waits for them (the driver dials them and takes the pools
+    /// that arrive), then completes over them, and a later one reuses them.
+    #[test]
+    fn links_off_the_ring_are_opened_when_a_schedule_needs_them_and_reused() {
+        let world = 4;
+        let (mut execs, _) = ring(world, 1, Faults::default());
+        let mut bufs: Vec<Vec<Vec<u64>>> = (0..world).map(|r| vec![input(r, 0, 64), input(r, 1, 64)]).collect();
+        let post = |exec: &mut Exec<MemLane>, buf: &mut Vec<u64>, seq: u64| {
+            exec.post(sum_spec(buf, seq, 1 + seq, Algorithm::OneShot, 4096));
+        };
+        for (rank, exec) in execs.iter_mut().enumerate() {
+            assert!(!exec.awaiting());
+            post(exec, &mut bufs[rank][0], 0);
+            assert!(exec.awaiting());
+            // Rank r sends only to r + 1 and receives only from r - 1 around the ring.
+            let others = |skip: usize| (0..world).filter(|&o| o != rank && o != skip).collect();
+            let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+            assert_eq!(exec.missing(), Missing { to: others(next), from: others(prev) });
+        }
+        for _ in 0..100 {
+            for exec in &mut execs {
+                exec.pump();
+            }
+        }
+        assert!(
+            execs.iter_mut().all(|e| e.events().iter().all(|(_, ev)| matches!(ev, OpEvent::DataDone))),
+            "no link, no result"
+        );
+        // The driver's part: dial what is missing, take what arrives.
+        for from in 0..world {
+            for to in execs[from].missing().to {
+                link(&mut execs, from, to, 2, Faults::default());
+            }
+        }
+        assert!(execs.iter().all(|e| !e.awaiting() && e.missing().is_empty()));
+        let mut confirmed = 0;
+        for round in 0..10_000 {
+            if round == 50 {
+                for (rank, exec) in execs.iter_mut().enumerate() {
+                    post(exec, &mut bufs[rank][1], 1);
+                    assert!(!exec.awaiting(), "the second collective reuses the links");
+                }
+            }
+            for exec in &mut execs {
+                exec.pump();
+                for (seq, event) in exec.events() {
+                    assert!(!matches!(event, OpEvent::Failed(_) | OpEvent::LapBroken(_)), "{event:?}");
+                    if matches!(event, OpEvent::Confirmed) {
+                        confirmed += 1;
+                        exec.take(seq);
+                    }
+                }
+            }
+            if confirmed == 2 * world {
+                break;
+            }
+        }
+        assert_eq!(confirmed, 2 * world);
+        for buf in &bufs {
+            assert_eq!(buf[0], sum(world, 0, 64));
+            assert_eq!(buf[1], sum(world, 1, 64));
+        }
+        assert_eq!(execs[0].stats()[&2].lanes_out, 2, "the link opened on demand");
+    }
+
+    /// A member that leaves right after its collective confirmed (its process exits) closes its
+    /// streams: the others, still waiting for another member's token, confirm all the same; a
+    /// later collective that needs the member fails at once, naming it.
+    #[test]
+    fn a_member_leaving_after_its_collective_fails_only_what_needs_it() {
+        let world = 3;
+        let mut linked = engines(world);
+        let mut slow = Vec::new();
+        for from in 0..world {
+            for to in (0..world).filter(|&t| t != from) {
+                let controls = link(&mut linked, from, to, 1, Faults::default());
+                if (from, to) == (2, 0) {
+                    slow = controls;
+                }
+            }
+        }
+        // Rank 2's token to rank 0 (the frame after its data) arrives only once rank 1 left.
+        let got_data_of_2 =
+            |exec: &Exec<MemLane>| exec.ops.get(&0).is_some_and(|o| o.recvs_from[2].iter().all(|&u| o.recv_done[u]));
+        let mut execs: Vec<Option<Exec<MemLane>>> = linked.into_iter().map(Some).collect();
+        let mut bufs: Vec<Vec<u64>> = (0..world).map(|r| input(r, 0, 32)).collect();
+        let spec = |buf: &mut Vec<u64>, seq: u64| sum_spec(buf, seq, 1 + seq, Algorithm::OneShot, 4096);
+        for (exec, buf) in execs.iter_mut().zip(&mut bufs) {
+            exec.as_mut().unwrap().post(spec(buf, 0));
+        }
+        let mut confirmed = [false; 3];
+        for _ in 0..1000 {
+            for rank in [1, 0, 2] {
+                let Some(exec) = execs[rank].as_mut() else { continue };
+                exec.pump();
+                let hold = execs[1].is_some() && execs[0].as_ref().is_some_and(got_data_of_2);
+                slow[0].stall(hold);
+                let Some(exec) = execs[rank].as_mut() else { continue };
+                for (seq, event) in exec.events() {
+                    assert!(!matches!(event, OpEvent::Failed(_) | OpEvent::LapBroken(_)), "rank {rank}: {event:?}");
+                    if matches!(event, OpEvent::Confirmed) {
+                        confirmed[rank] = true;
+                        exec.take(seq);
+                    }
+                }
+                if rank == 1 && confirmed[1] && execs[1].is_some() {
+                    assert!(!confirmed[0], "rank 0 still waits for rank 2's token");
+                    execs[1] = None;
+                }
+            }
+            if confirmed.iter().all(|&c| c) {
+                break;
+            }
+        }
+        assert_eq!(confirmed, [true; 3]);
+        assert_eq!(bufs[0], sum(world, 0, 32));
+        assert_eq!(bufs[2], sum(world, 0, 32));
+        let mut next = input(0, 1, 32);
+        let exec = execs[0].as_mut().unwrap();
+        for _ in 0..10 {
+            exec.pump();
+        }
+        exec.post(spec(&mut next, 1));
+        let events = exec.events();
+        assert!(matches!(&events[..], [(1, OpEvent::Failed(LinkError::Lost { rank: 1, .. }))]), "{events:?}");
+        assert_eq!(exec.stats()[&1].lanes_in, 0);
+    }
+
+    /// Members that chose different algorithms (different settings) find out at the first
+    /// frame: a mismatch naming the algorithm, never misread chunks.
+    #[test]
+    fn members_running_different_algorithms_is_a_mismatch() {
+        let mut execs = mesh(2, 1, Faults::default());
+        let algorithms = vec![vec![Algorithm::Ring], vec![Algorithm::OneShot]];
+        let runs = run_mixed(&mut execs, &[64], &[vec![1], vec![1]], &algorithms, &[vec![0], vec![0]], 4096, |_| {});
+        assert!(runs.iter().flatten().all(|r| r.ended.as_ref().is_some_and(Result::is_err)));
+        let mismatch = |r: &&Run| r.ended.as_ref().is_some_and(|e| e.as_ref().is_err_and(|e| e.contains("Mismatch")));
+        assert!(runs.iter().flatten().any(|r| mismatch(&r)), "{:?}", runs[0][0].ended);
+    }
+
+    /// A one-shot collective that fails after combining puts the whole buffer back.
+    #[test]
+    fn a_failed_one_shot_restores_its_buffer() {
+        let faults = Faults { capacity: 1024, max_io: 512, reset_after: None };
+        let mut execs = engines(3);
+        let c01 = link(&mut execs, 0, 1, 1, faults);
+        for (from, to) in [(0, 2), (1, 0), (1, 2), (2, 0), (2, 1)] {
+            link(&mut execs, from, to, 1, faults);
+        }
+        let algorithms = vec![vec![Algorithm::OneShot]; 3];
+        // Rank 0's frames to rank 1 get through, and then the link resets before the tokens.
+        let runs = run_mixed(&mut execs, &[300], &vec![vec![1]; 3], &algorithms, &vec![vec![0]; 3], 4096, |_| {
+            if c01[0].carried() >= 8 * 300 {
+                c01[0].reset();
+            }
+        });
+        for (rank, run) in runs.iter().map(|r| &r[0]).enumerate() {
+            if run.ended.as_ref().is_some_and(Result::is_err) {
+                let mut buf = run.buf.clone();
+                run.taken.as_ref().expect("taken").backup.restore(bytemuck::cast_slice_mut(&mut buf));
+                assert_eq!(buf, input(rank, 0, 300), "rank {rank}'s buffer is not restored");
+            }
+        }
+        assert!(runs.iter().any(|r| r[0].ended.as_ref().is_some_and(Result::is_err)), "the reset failed someone");
+    }
+
     #[test]
     fn frames_round_trip() {
-        let f = Frame { kind: KIND_CHUNK, len: 4096, unit: 7, op: header(3, 100, 9) };
+        let f = Frame { kind: KIND_CHUNK, len: 4096, unit: 7, op: header_of(3, 100, 9, Algorithm::OneShot) };
         assert_eq!(Frame::decode(&f.encode()), Ok(f));
         let mut bad = f.encode();
         bad[4] = 9;

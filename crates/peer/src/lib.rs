@@ -24,13 +24,14 @@ mod failpoint;
 mod links;
 mod sync;
 
-pub use communicator::{Communicator, Info, Work};
+pub use communicator::{Communicator, Info, LinkInfo, Work};
 pub use config::{
     CommunicatorConfig, DEFAULT_CHUNK_BYTES, DEFAULT_CONNECTIONS, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_TIMEOUT,
     MAX_CONNECTIONS,
 };
 pub use deadline::Deadline;
 pub use error::{Error, Result};
+pub use shoal_collective::schedule::Algorithm;
 pub use shoal_collective::{DType, ReduceOp};
 pub use shoal_proto::master::Strategy;
 pub use shoal_wire::PeerId;

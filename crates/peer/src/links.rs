@@ -1,23 +1,28 @@
 //! Data connections between peers.
 //!
-//! Each peer listens on one port. For every topology it dials a pool of streams to its ring
-//! successor and waits for its predecessor's pool, both for that topology alone: a collective
-//! that failed leaves half-sent chunks in its streams, and a member that never ran it (it joined
-//! the re-formed ring first) cannot tell, so no pool outlives its topology. A dialed stream
-//! carries data one way only, from dialer to acceptor.
+//! Each peer listens on one port. A *link* to another member of the group is a pool of streams
+//! we dialed (we send on them) and a pool it dialed (we receive on them): a dialed stream carries
+//! data one way only, from dialer to acceptor, so each side opens its half when it first has
+//! something to send, and neither waits for the other to decide. Before a topology is in force
+//! a peer links to its ring successor and predecessor ([`Listener::establish`]); a schedule that
+//! exchanges data with other members links to them when first posted ([`Listener::open`],
+//! [`Listener::take_pool`]), and every later collective of the topology reuses the link. Links
+//! are for one topology alone: a collective that failed leaves half-sent chunks in its streams,
+//! and a member that never ran it (it joined the re-formed ring first) cannot tell, so no pool
+//! outlives its topology.
 //!
 //! A stream opens with `PeerHello`, which names the run's session, both peers and the topology,
 //! so a stranger, a process of an earlier run or a pool of a replaced topology cannot feed bytes
 //! into a collective.
 
 use crate::config::CommunicatorConfig;
-use crate::control::Control;
+use crate::control::{Control, Waker};
 use crate::error::{Error, Result};
 use crate::Deadline;
 use shoal_proto::auth::DataKey;
 use shoal_proto::peer::{Established, RingPosition};
 use shoal_transport::{connect, read_message_until, write_message};
-use shoal_wire::{Epoch, Message, PeerId, SessionId};
+use shoal_wire::{Epoch, Member, Message, PeerId, SessionId};
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -53,13 +58,14 @@ pub(crate) struct Listener {
 
 /// Streams accepted and greeted, not yet taken into a [`DataPlane`] (or, for shared-state
 /// fetches, by the sync that serves them).
-#[derive(Default)]
 struct Arrivals {
     streams: Mutex<BTreeMap<PeerId, Pool>>,
     fetches: Mutex<std::collections::VecDeque<(TcpStream, crate::sync::FetchReq)>>,
     /// Connections refused at their greeting (strangers, forgeries, stale pools).
     refused: AtomicU64,
     changed: Condvar,
+    /// Woken when a pool is complete: a driver waiting for a link polls it.
+    arrived: Waker,
 }
 
 /// A pool being filled: `size` streams announced for topology `epoch`, those arrived by index.
@@ -76,8 +82,10 @@ pub(crate) struct DataPlane {
     pub outgoing: BTreeMap<PeerId, Vec<TcpStream>>,
     /// Streams the peer dialed to us: we receive on them.
     pub incoming: BTreeMap<PeerId, Vec<TcpStream>>,
-    /// The engine of the topology our calls run in, over its pools to our ring neighbours.
+    /// The engine of the topology our calls run in, over its links.
     pub exec: Option<crate::engine::Exec<TcpStream>>,
+    /// That topology: who each rank is, and where to dial it.
+    pub position: Option<RingPosition>,
     /// The collectives called and not yet returned, and how calls ended.
     pub calls: crate::communicator::Calls,
     /// Backups of collectives that ended, to lend to the next ones.
@@ -92,12 +100,20 @@ impl Listener {
             move |source| Error::Io { context, source }
         };
         let listener = shoal_transport::listen(addr).map_err(io("binding the data listener on"))?;
+        let arrived = Waker::new().map_err(io("creating a wake-up pipe for"))?;
+        let arrivals = Arrivals {
+            streams: Mutex::default(),
+            fetches: Mutex::default(),
+            refused: AtomicU64::new(0),
+            changed: Condvar::new(),
+            arrived,
+        };
         let port = listener.local_addr().map_err(io("reading the address of"))?.port();
         let me = Listener {
             port,
             identity: Arc::new(OnceLock::new()),
             advertised_ip: OnceLock::new(),
-            arrivals: Arc::new(Arrivals::default()),
+            arrivals: Arc::new(arrivals),
             stop: Arc::new(AtomicBool::new(false)),
         };
         let (identity, arrivals, stop) = (me.identity.clone(), me.arrivals.clone(), me.stop.clone());
@@ -130,6 +146,45 @@ impl Listener {
 
     fn local_ip(&self) -> Option<IpAddr> {
         self.advertised_ip.get().copied().flatten()
+    }
+
+    /// Polled for reading, it wakes when a pool arrived.
+    pub fn arrived(&self) -> &Waker {
+        &self.arrivals.arrived
+    }
+
+    /// Dials a pool to `member` for topology `epoch`, made non-blocking: our half of a link a
+    /// schedule needs.
+    pub fn open(
+        &self,
+        member: &Member,
+        epoch: Epoch,
+        config: &CommunicatorConfig,
+        deadline: Deadline,
+    ) -> std::result::Result<Vec<TcpStream>, String> {
+        let id = self.identity.get().expect("identity is set at registration");
+        let connections = config.pool_size(self.local_ip(), &member.addr);
+        let pool = dial(id, member.peer, epoch, &member.addr, connections, deadline, "all_reduce")?;
+        for s in &pool {
+            s.set_nonblocking(true).map_err(|e| format!("configuring a stream to {}: {e}", member.peer))?;
+        }
+        Ok(pool)
+    }
+
+    /// The pool `from` dialed to us for topology `epoch`, if it is complete, made non-blocking:
+    /// its half of a link.
+    pub fn take_pool(&self, from: PeerId, epoch: Epoch) -> Option<Vec<TcpStream>> {
+        let mut arrivals = self.arrivals.streams.lock().unwrap_or_else(PoisonError::into_inner);
+        let complete = arrivals.get(&from).is_some_and(|p| p.epoch == epoch && p.streams.len() == p.size);
+        let pool: Vec<TcpStream> = complete.then(|| arrivals.remove(&from)).flatten()?.streams.into_values().collect();
+        drop(arrivals);
+        match pool.iter().try_for_each(|s| s.set_nonblocking(true)) {
+            Ok(()) => Some(pool),
+            Err(e) => {
+                log::warn!("dropping the streams of {from}: configuring a data stream: {e}");
+                None
+            }
+        }
     }
 
     /// Makes `plane` hold a pool to our successor and one from our predecessor for the topology
@@ -288,8 +343,12 @@ fn greet(mut stream: TcpStream, identity: &OnceLock<Identity>, arrivals: &Arriva
         *pool = fresh();
     }
     pool.streams.insert(index, stream);
+    let complete = pool.streams.len() == pool.size;
     drop(all);
     arrivals.changed.notify_all();
+    if complete {
+        arrivals.arrived.wake();
+    }
     Ok(())
 }
 

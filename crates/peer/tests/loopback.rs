@@ -76,7 +76,7 @@ fn peers_join_one_by_one_and_all_reduce() {
                     let n = comm.group_world_size().unwrap();
                     let len = 1001;
                     let mut buf = f32_bytes(&vec![1.0f32; len]);
-                    let info = comm.all_reduce(&mut buf, DType::F32, ReduceOp::Sum, 0).unwrap();
+                    let info = comm.all_reduce(&mut buf, DType::F32, ReduceOp::Sum, 0, None).unwrap();
                     assert_eq!(info.world_size, n);
                     assert!(buf == f32_bytes(&vec![n as f32; len]), "wrong sum at world {n}");
                     sizes.push(n);
@@ -112,7 +112,7 @@ fn unreachable_master_is_named() {
     let err = comm.connect(Some(Duration::from_secs(2))).unwrap_err();
     assert!(matches!(err, shoal_peer::Error::MasterUnreachable { .. }), "{err}");
     assert!(matches!(
-        comm.all_reduce(&mut [0u8; 4], DType::F32, ReduceOp::Sum, 0),
+        comm.all_reduce(&mut [0u8; 4], DType::F32, ReduceOp::Sum, 0, None),
         Err(shoal_peer::Error::NotConnected)
     ));
 }
@@ -130,7 +130,7 @@ fn two_peers_with_default_settings() {
         .collect();
     with_peers(configs, |_, comm| {
         let mut buf = f32_bytes(&vec![1.5f32; 1 << 18]);
-        comm.all_reduce(&mut buf, DType::F32, ReduceOp::Avg, 0).unwrap();
+        comm.all_reduce(&mut buf, DType::F32, ReduceOp::Avg, 0, None).unwrap();
         assert!(buf == f32_bytes(&vec![1.5f32; 1 << 18]));
     });
 }
@@ -151,7 +151,7 @@ fn back_to_back_collectives_of_changing_sizes() {
         for (bytes, iters) in [(4096, 3100), (65536, 300), (1 << 20, 300), (16 << 20, 3)] {
             let mut buf = vec![0u8; bytes];
             for it in 0..iters {
-                comm.all_reduce(&mut buf, DType::F32, ReduceOp::Sum, 0)
+                comm.all_reduce(&mut buf, DType::F32, ReduceOp::Sum, 0, None)
                     .unwrap_or_else(|e| panic!("size {bytes} iteration {it}: {e}"));
             }
         }
@@ -176,7 +176,7 @@ fn large_buffers_striped_over_pools_of_different_sizes() {
         let len = (3 << 20) / 4 + 7;
         let mine: Vec<f32> = (0..len).map(|k| (k % 1000) as f32 * (i + 1) as f32).collect();
         let mut buf = f32_bytes(&mine);
-        let info = comm.all_reduce(&mut buf, DType::F32, ReduceOp::Sum, 3).unwrap();
+        let info = comm.all_reduce(&mut buf, DType::F32, ReduceOp::Sum, 3, None).unwrap();
         let want: Vec<f32> = (0..len).map(|k| (k % 1000) as f32 * 6.0).collect();
         assert!(buf == f32_bytes(&want), "peer {i}: wrong sum");
         // Each peer sends 2 (n - 1) / n of the buffer, give or take a segment's rounding.

@@ -6,7 +6,7 @@
 //! reporting failures and asking for verdicts, retrying refused votes, heartbeats, declaring a
 //! silent master lost) is the shipped code's. The simulation drives it as `crates/peer` does and
 //! models only what moves bytes: opening a topology's connections, the real ring schedule
-//! ([`shoal_collective::ring::RingAllReduce`], one element per segment, values summed) and the
+//! ([`shoal_collective::ring::all_reduce`], one element per segment, values summed) and the
 //! confirmation lap of tokens, and fetching shared state (which fails from a dead donor). The seed
 //! picks the application's loop for every peer: the README's (`update_topology` after a failure),
 //! retry-only, or PCCL's (`peers_pending` at the top of every iteration; a newcomer starts there),

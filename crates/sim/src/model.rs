@@ -1,6 +1,6 @@
 //! The simulated run: network, peers, faults, and the checks.
 
-use shoal_collective::ring::{RecvAction, RingAllReduce};
+use shoal_collective::schedule::{RecvAction, Schedule};
 use shoal_proto::auth::{DataKey, RunKey};
 use shoal_proto::master::Strategy;
 use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output};
@@ -214,7 +214,7 @@ struct Op {
     /// Simulation indices of the ring members, in ring order.
     ring: Vec<usize>,
     rank: usize,
-    plan: RingAllReduce,
+    plan: Schedule,
     buf: Vec<i64>,
     sent: usize,
     received: usize,
@@ -936,7 +936,7 @@ impl Sim {
                 members,
                 ring: p.ring.clone(),
                 rank: position.rank,
-                plan: RingAllReduce::new(position.rank, world, world, 1),
+                plan: shoal_collective::ring::all_reduce(position.rank, world, world, 1),
                 buf,
                 sent: 0,
                 received: 0,
@@ -1038,6 +1038,7 @@ impl Sim {
                                 op.buf[r.range.start] = op.buf[r.range.start].wrapping_add(value)
                             }
                             RecvAction::Copy => op.buf[r.range.start] = value,
+                            RecvAction::Stash => unreachable!("the ring keeps nothing aside"),
                         }
                         op.received += 1;
                     }

@@ -8,8 +8,8 @@
 //! Every message travels in a frame: a fixed 32-byte [`FrameHeader`] (magic, protocol version,
 //! kind, body length, session id, and separate CRC-32 checksums of the header and of the body)
 //! followed by the body. Kind codes are never renumbered; retired ones stay reserved. Tensor
-//! bytes are *not* framed: after an [`OpHeader`] a data stream carries the raw elements of the
-//! collective's schedule (see `docs/wire.md`), so the data path pays for no second checksum.
+//! bytes travel in the engine's own data frames, whose header carries an [`OpHeader`] and no
+//! checksum (see `docs/wire.md`), so the data path pays for no second checksum.
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
 

@@ -32,12 +32,15 @@ pub struct Member {
     pub addr: String,
 }
 
-/// Opens one collective on a data stream: both ends send it and compare, so peers that called
-/// different collectives find out before any tensor byte is misread.
+/// Names one collective in every frame of its data: the receiver compares it with its own call,
+/// so peers that called different collectives find out before any tensor byte is misread.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OpHeader {
     /// Which collective (a code of the collective crate).
     pub collective: u8,
+    /// Which algorithm runs it (a code of the collective crate): peers that chose differently
+    /// would read each other's chunks wrongly.
+    pub algorithm: u8,
     /// The topology the sender runs it in.
     pub epoch: Epoch,
     /// The sender's count of collectives started on this communicator.
@@ -432,8 +435,6 @@ pub enum Message {
         /// Keyed hash of the fields above and the session under the run's data key.
         mac: [u8; 32],
     },
-    /// Peer → peer on a data stream: the collective whose bytes follow.
-    Op(OpHeader),
 }
 
 /// Kind codes. Never renumber; retire a code by commenting it out and leaving it reserved.
@@ -468,7 +469,7 @@ mod kind {
     pub const CHALLENGE: u16 = 79;
     pub const AUTH_FAILED: u16 = 80;
     pub const PEER_HELLO: u16 = 128;
-    pub const OP: u16 = 129;
+    // 129 was `Op`: a collective's header on a stream of its own, before data frames.
     pub const FETCH_REQUEST: u16 = 130;
 }
 
@@ -507,7 +508,6 @@ impl Message {
             Message::PeersPendingAborted { .. } => kind::PEERS_PENDING_ABORTED,
             Message::TopologyVoteAborted { .. } => kind::TOPOLOGY_VOTE_ABORTED,
             Message::PeerHello { .. } => kind::PEER_HELLO,
-            Message::Op(_) => kind::OP,
         }
     }
 
@@ -545,7 +545,6 @@ impl Message {
             Message::PeersPendingAborted { .. } => "PeersPendingAborted",
             Message::TopologyVoteAborted { .. } => "TopologyVoteAborted",
             Message::PeerHello { .. } => "PeerHello",
-            Message::Op(_) => "Op",
         }
     }
 
@@ -673,15 +672,6 @@ impl Message {
                 w.u16(*streams);
                 w.bytes(mac);
             }
-            Message::Op(h) => {
-                w.u8(h.collective);
-                w.u64(h.epoch.0);
-                w.u64(h.seq);
-                w.u64(h.tag);
-                w.u8(h.dtype);
-                w.u8(h.op);
-                w.u64(h.count);
-            }
         }
     }
 
@@ -792,15 +782,6 @@ impl Message {
                 streams: r.u16()?,
                 mac: r.hash()?,
             },
-            kind::OP => Message::Op(OpHeader {
-                collective: r.u8()?,
-                epoch: Epoch(r.u64()?),
-                seq: r.u64()?,
-                tag: r.u64()?,
-                dtype: r.u8()?,
-                op: r.u8()?,
-                count: r.u64()?,
-            }),
             other => return Err(WireError::UnknownKind(other)),
         };
         r.finish()?;
@@ -934,15 +915,6 @@ mod tests {
                     mac
                 }
             ),
-            (any::<(u8, u64, u64, u64, u8, u8, u64)>()).prop_map(|t| Message::Op(OpHeader {
-                collective: t.0,
-                epoch: Epoch(t.1),
-                seq: t.2,
-                tag: t.3,
-                dtype: t.4,
-                op: t.5,
-                count: t.6,
-            })),
         ]
     }
 
