@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 
 from . import _native
-from .errors import PeerLostError, UsageError
+from .errors import UsageError
 
 if TYPE_CHECKING:
     from ._state import SharedState, SyncInfo
@@ -153,25 +153,7 @@ class Communicator:
             raise ValueError(f"max_in_flight must be a positive integer, got {max_in_flight!r}")
         _check_tag(tag)
         views = [_byte_view(t) for t in tensors]
-        originals = [view.copy() for view, _ in views]
-        while True:
-            infos: list[Optional[_native.ReduceInfo]] = [None] * len(views)
-            errors: list[BaseException] = []
-            in_flight: list[tuple[int, _native.NativeWork]] = []
-            for i, (view, dtype) in enumerate(views):
-                if len(in_flight) == max_in_flight:
-                    j, work = in_flight.pop(0)
-                    infos[j] = _wait(work, errors)
-                in_flight.append((i, self._native.all_reduce_bytes_async(view, dtype, op, tag + i)))
-            for j, work in in_flight:
-                infos[j] = _wait(work, errors)
-            if not errors:
-                return [info for info in infos if info is not None]
-            # Every survivor sees the same collectives fail: all start over from the inputs.
-            for (view, _), original in zip(views, originals):
-                view[...] = original
-            if not all(isinstance(e, PeerLostError) for e in errors):
-                raise errors[0]
+        return self._native.all_reduce_many_bytes(views, op, max_in_flight, tag)
 
     def links(self) -> "list[dict[str, int]]":
         """Our links in the topology in force: one per member we exchanged data with, opened
@@ -277,15 +259,6 @@ class Work:
     def done(self) -> bool:
         """Whether it ended (then :meth:`wait` returns at once)."""
         return self._native.done()
-
-
-def _wait(work: _native.NativeWork, errors: "list[BaseException]") -> Optional[_native.ReduceInfo]:
-    """Waits for ``work``; its error goes to ``errors``: every collective ends before one is raised."""
-    try:
-        return work.wait()
-    except Exception as e:  # noqa: BLE001
-        errors.append(e)
-    return None
 
 
 def _check_tag(tag: Any) -> None:

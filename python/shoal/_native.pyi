@@ -73,6 +73,9 @@ class Communicator:
     def all_reduce_bytes_async(
         self, buf: npt.NDArray[np.uint8], dtype: str, op: str, tag: int, algorithm: Optional[str] = None
     ) -> NativeWork: ...
+    def all_reduce_many_bytes(
+        self, bufs: list[tuple[npt.NDArray[np.uint8], str]], op: str, max_in_flight: int, tag: int
+    ) -> list[ReduceInfo]: ...
     def links(self) -> list[tuple[int, int, int, int, int, int]]: ...
     def sync_shared_state(
         self,

@@ -65,9 +65,7 @@ impl From<Info> for ReduceInfo {
 
 /// The dtype, operator and algorithm named `dtype`, `op` and `algorithm` (`None`: chosen).
 fn reduction(dtype: &str, op: &str, algorithm: Option<&str>) -> PyResult<(DType, ReduceOp, Option<Algorithm>)> {
-    let dtype = DType::from_name(dtype).ok_or_else(|| PyTypeError::new_err(format!("unsupported dtype {dtype:?}")))?;
-    let op = ReduceOp::from_name(op)
-        .ok_or_else(|| PyValueError::new_err(format!("unknown op {op:?}: expected one of sum, avg, prod, min, max")))?;
+    let (dtype, op) = (element_type(dtype)?, reduce_op(op)?);
     let algorithm = match algorithm {
         None | Some("auto") => None,
         Some(name) => Some(Algorithm::from_name(name).ok_or_else(|| {
@@ -75,6 +73,17 @@ fn reduction(dtype: &str, op: &str, algorithm: Option<&str>) -> PyResult<(DType,
         })?),
     };
     Ok((dtype, op, algorithm))
+}
+
+/// The element type named `dtype`.
+fn element_type(dtype: &str) -> PyResult<DType> {
+    DType::from_name(dtype).ok_or_else(|| PyTypeError::new_err(format!("unsupported dtype {dtype:?}")))
+}
+
+/// The operator named `op`.
+fn reduce_op(op: &str) -> PyResult<ReduceOp> {
+    ReduceOp::from_name(op)
+        .ok_or_else(|| PyValueError::new_err(format!("unknown op {op:?}: expected one of sum, avg, prod, min, max")))
 }
 
 /// A numpy array's memory lent to a collective in flight. The `NativeWork` holding it also holds
@@ -246,6 +255,36 @@ impl Communicator {
         drop(view);
         let work = self.inner.all_reduce_async(lent, dtype, op, tag, algorithm).map_err(to_py)?;
         Ok(NativeWork { comm: Arc::clone(&self.inner), work: Mutex::new(work), _buf: buf.clone().unbind() })
+    }
+
+    /// All-reduces every `(buf, dtype)` of `bufs` like `all_reduce_bytes`, `max_in_flight` at a
+    /// time, retrying after a peer loss (`Communicator::all_reduce_many`).
+    fn all_reduce_many_bytes(
+        &self,
+        py: Python<'_>,
+        bufs: Vec<(Bound<'_, PyArray1<u8>>, String)>,
+        op: &str,
+        max_in_flight: usize,
+        tag: u64,
+    ) -> PyResult<Vec<ReduceInfo>> {
+        let mut views = Vec::with_capacity(bufs.len());
+        let mut dtypes = Vec::with_capacity(bufs.len());
+        for (i, (buf, dtype)) in bufs.iter().enumerate() {
+            dtypes.push(element_type(dtype)?);
+            views.push(
+                buf.try_readwrite()
+                    .map_err(|e| PyValueError::new_err(format!("tensor {i} is not writable (or given twice): {e}")))?,
+            );
+        }
+        let op = reduce_op(op)?;
+        let mut lent: Vec<(&mut [u8], DType)> = Vec::with_capacity(views.len());
+        for (i, (view, dtype)) in views.iter_mut().zip(dtypes).enumerate() {
+            let bytes =
+                view.as_slice_mut().map_err(|_| PyValueError::new_err(format!("tensor {i} is not contiguous")))?;
+            lent.push((bytes, dtype));
+        }
+        let infos = py.detach(|| self.inner.all_reduce_many(&mut lent, op, max_in_flight, tag)).map_err(to_py)?;
+        Ok(infos.into_iter().map(ReduceInfo::from).collect())
     }
 
     /// Syncs a shared state. `tensors` are (name, writable uint8 view, dtype, shape, may_differ);

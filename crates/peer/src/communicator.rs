@@ -336,6 +336,89 @@ impl Communicator {
         }
     }
 
+    /// Reduces every buffer of `bufs` (each with its element type) in place, up to
+    /// `max_in_flight` at a time, tagged `tag`, `tag + 1`, ... Retries after a peer loss: when it
+    /// returns, every buffer was reduced exactly once in the final world (the inputs are copied
+    /// first, so that a batch cut by a loss starts over from them on every survivor alike).
+    ///
+    /// # Errors
+    /// As [`Communicator::all_reduce`], other than [`Error::PeerLost`], with every buffer as it
+    /// was; [`Error::InvalidArgument`] if `max_in_flight` is zero.
+    pub fn all_reduce_many(
+        &self,
+        bufs: &mut [(&mut [u8], DType)],
+        op: ReduceOp,
+        max_in_flight: usize,
+        tag: u64,
+    ) -> Result<Vec<Info>> {
+        if max_in_flight == 0 {
+            return Err(Error::InvalidArgument("max_in_flight must be at least 1".into()));
+        }
+        let c = self.connected()?;
+        for (buf, dtype) in bufs.iter() {
+            check_buffer(buf, *dtype)?;
+        }
+        let originals: Vec<Vec<u8>> = bufs.iter().map(|(b, _)| b.to_vec()).collect();
+        loop {
+            let results = self.reduce_batch(&c, bufs, op, max_in_flight, tag);
+            if results.iter().all(Result::is_ok) {
+                return results.into_iter().collect();
+            }
+            // Every survivor sees the same collectives fail: all start over from the inputs.
+            for ((buf, _), original) in bufs.iter_mut().zip(&originals) {
+                buf.copy_from_slice(original);
+            }
+            let retry = results.iter().all(|r| matches!(r, Ok(_) | Err(Error::PeerLost { .. })));
+            if !retry {
+                let other = results.into_iter().filter_map(Result::err).find(|e| !matches!(e, Error::PeerLost { .. }));
+                return Err(other.expect("an error other than a loss"));
+            }
+        }
+    }
+
+    /// One pass of [`Communicator::all_reduce_many`]: every buffer's collective, each waited
+    /// for (the buffers are borrowed); one that could not start ends the pass with its error.
+    fn reduce_batch(
+        &self,
+        c: &Connected,
+        bufs: &mut [(&mut [u8], DType)],
+        op: ReduceOp,
+        max_in_flight: usize,
+        tag: u64,
+    ) -> Vec<Result<Info>> {
+        let wait = |call: CallId| {
+            let mut data = self.lock_data();
+            self.driver.drive(&c.control, &c.listener, &mut data, Some(call), None, "all_reduce", |_, a| {
+                unreachable!("a collective asked for {a:?}")
+            });
+            data.calls.finished.remove(&call).expect("driven until it ended").0
+        };
+        let (mut infos, mut refused) = (Vec::with_capacity(bufs.len()), None);
+        let mut in_flight = std::collections::VecDeque::new();
+        for (i, (buf, dtype)) in bufs.iter_mut().enumerate() {
+            if in_flight.len() == max_in_flight {
+                infos.push(wait(in_flight.pop_front().expect("full")));
+            }
+            let mut data = self.lock_data();
+            let what = (*dtype, op, tag.wrapping_add(i as u64), None);
+            match self.start_collective(c, &mut data, RawBuf::new(buf), None, what) {
+                Ok(call) => in_flight.push_back(call),
+                Err(e) => {
+                    refused = Some(e);
+                    break;
+                }
+            }
+            // Post it now if it may run: the next wait drives it with the others.
+            self.driver.drive(&c.control, &c.listener, &mut data, None, Some(Instant::now()), "all_reduce", |_, a| {
+                unreachable!("all_reduce asked for {a:?}")
+            });
+        }
+        // Every buffer must be out of the engine before we return.
+        infos.extend(in_flight.into_iter().map(wait));
+        infos.extend(refused.map(Err));
+        infos
+    }
+
     /// Our links in the topology in force: to every member we exchanged data with, by rank.
     pub fn links(&self) -> Vec<LinkInfo> {
         let data = self.lock_data();

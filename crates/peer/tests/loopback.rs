@@ -183,3 +183,28 @@ fn large_buffers_striped_over_pools_of_different_sizes() {
         assert!(info.tx_bytes.abs_diff((len * 4) as u64 * 4 / 3) <= 8, "tx {}", info.tx_bytes);
     });
 }
+
+/// `all_reduce_many` over buffers of mixed types and sizes, two at a time: every one reduced,
+/// each by the algorithm its size calls for, with consecutive tags; zero in flight is refused.
+#[test]
+fn all_reduce_many_reduces_every_buffer() {
+    let m = master();
+    let world = 3;
+    let out = with_peers((0..world).map(|_| config(&m, 2)).collect(), move |i, comm| {
+        let mut a = f32_bytes(&[i as f32 + 1.0; 1000]);
+        let mut b: Vec<u8> = (0..5u64).flat_map(|k| (k * 10 + i as u64).to_le_bytes()).collect();
+        let mut c = f32_bytes(&vec![1.0f32; 1 << 16]);
+        let mut bufs = [(&mut a[..], DType::F32), (&mut b[..], DType::U64), (&mut c[..], DType::F32)];
+        assert!(comm.all_reduce_many(&mut bufs, ReduceOp::Sum, 0, 0).is_err());
+        let infos = comm.all_reduce_many(&mut bufs, ReduceOp::Sum, 2, 10).unwrap();
+        let algorithms: Vec<&str> = infos.iter().map(|i| i.algorithm.name()).collect();
+        (a, b, c, algorithms)
+    });
+    for (a, b, c, algorithms) in out {
+        assert!(a == f32_bytes(&[6.0; 1000]));
+        let want: Vec<u8> = (0..5u64).flat_map(|k| (3 * k * 10 + 3).to_le_bytes()).collect();
+        assert_eq!(b, want);
+        assert!(c == f32_bytes(&vec![3.0; 1 << 16]));
+        assert_eq!(algorithms, ["oneshot", "oneshot", "ring"]);
+    }
+}
