@@ -155,6 +155,42 @@ class Communicator:
         views = [_byte_view(t) for t in tensors]
         return self._native.all_reduce_many_bytes(views, op, max_in_flight, tag)
 
+    def all_gather(self, out: Any, inp: Any, *, tag: int = 0) -> _native.ReduceInfo:
+        """Gather every peer's ``inp`` into ``out`` in rank order: ``out`` holds world times
+        ``inp``'s elements, of the same dtype. On :class:`PeerLostError` ``out`` is as it was;
+        retry it with ``out`` sized for the new world (a misfit raises :class:`UsageError` on
+        every peer)."""
+        _check_tag(tag)
+        (out_view, dtype), (inp_view, inp_dtype) = _byte_view(out), _byte_view(inp, writable=False)
+        _same_dtype(dtype, inp_dtype)
+        return self._native.all_gather_bytes(out_view, inp_view, dtype, tag)
+
+    def reduce_scatter(self, out: Any, inp: Any, *, op: str = "sum", tag: int = 0) -> _native.ReduceInfo:
+        """Reduce every peer's ``inp`` block by block and leave block ``rank`` in ``out``:
+        ``inp`` holds world times ``out``'s elements, of the same dtype, and is left as it was.
+        Failures as :meth:`all_gather`."""
+        _check_tag(tag)
+        (out_view, dtype), (inp_view, inp_dtype) = _byte_view(out), _byte_view(inp, writable=False)
+        _same_dtype(dtype, inp_dtype)
+        return self._native.reduce_scatter_bytes(out_view, inp_view, dtype, op, tag)
+
+    def broadcast(
+        self, tensor: Any, *, root: int = 0, tag: int = 0, algorithm: Optional[str] = None
+    ) -> _native.ReduceInfo:
+        """Copy rank ``root``'s ``tensor`` into every other peer's, in place. Small tensors go
+        straight from the root to every peer among three or more (``algorithm="oneshot"``),
+        larger ones around the ring. On :class:`PeerLostError` every tensor is as it was."""
+        _check_tag(tag)
+        if isinstance(root, bool) or not isinstance(root, int) or root < 0:
+            raise ValueError(f"root must be a rank, got {root!r}")
+        view, dtype = _byte_view(tensor)
+        return self._native.broadcast_bytes(view, dtype, root, tag, algorithm)
+
+    def barrier(self, *, tag: int = 0) -> _native.ReduceInfo:
+        """Return once every peer of the group called it: one hop of tokens among them."""
+        _check_tag(tag)
+        return self._native.barrier(tag)
+
     def links(self) -> "list[dict[str, int]]":
         """Our links in the topology in force: one per member we exchanged data with, opened
         when a collective first needed it and reused by the later ones.
@@ -259,6 +295,11 @@ class Work:
     def done(self) -> bool:
         """Whether it ended (then :meth:`wait` returns at once)."""
         return self._native.done()
+
+
+def _same_dtype(out: str, inp: str) -> None:
+    if out != inp:
+        raise TypeError(f"out holds {out} and inp {inp}: both must be of one dtype")
 
 
 def _check_tag(tag: Any) -> None:

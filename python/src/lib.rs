@@ -6,7 +6,7 @@
 //! torch) and the documented signatures.
 #![deny(unsafe_code)]
 
-use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
+use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1, PyReadwriteArray1};
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBool;
@@ -84,6 +84,25 @@ fn element_type(dtype: &str) -> PyResult<DType> {
 fn reduce_op(op: &str) -> PyResult<ReduceOp> {
     ReduceOp::from_name(op)
         .ok_or_else(|| PyValueError::new_err(format!("unknown op {op:?}: expected one of sum, avg, prod, min, max")))
+}
+
+/// `buf`, borrowed for writing.
+fn writable<'py>(buf: &Bound<'py, PyArray1<u8>>, name: &str) -> PyResult<PyReadwriteArray1<'py, u8>> {
+    buf.try_readwrite().map_err(|e| PyValueError::new_err(format!("{name} is not writable: {e}")))
+}
+
+/// `buf`, borrowed for reading: not while it is borrowed for writing (the output, say).
+fn readable<'py>(buf: &Bound<'py, PyArray1<u8>>, name: &str) -> PyResult<PyReadonlyArray1<'py, u8>> {
+    buf.try_readonly().map_err(|e| PyValueError::new_err(format!("{name} overlaps the output: {e}")))
+}
+
+/// The bytes of `view`, which must be contiguous.
+fn contiguous_mut<'a>(view: &'a mut PyReadwriteArray1<'_, u8>, name: &str) -> PyResult<&'a mut [u8]> {
+    view.as_slice_mut().map_err(|_| not_contiguous(name))
+}
+
+fn not_contiguous(name: &str) -> PyErr {
+    PyValueError::new_err(format!("{name} is not contiguous"))
 }
 
 /// A numpy array's memory lent to a collective in flight. The `NativeWork` holding it also holds
@@ -229,11 +248,63 @@ impl Communicator {
         algorithm: Option<&str>,
     ) -> PyResult<ReduceInfo> {
         let (dtype, op, algorithm) = reduction(dtype, op, algorithm)?;
-        let mut view =
-            buf.try_readwrite().map_err(|e| PyValueError::new_err(format!("tensor is not writable: {e}")))?;
-        let bytes = view.as_slice_mut().map_err(|_| PyValueError::new_err("tensor is not contiguous"))?;
+        let mut view = writable(buf, "tensor")?;
+        let bytes = contiguous_mut(&mut view, "tensor")?;
         let info = py.detach(|| self.inner.all_reduce(bytes, dtype, op, tag, algorithm)).map_err(to_py)?;
         Ok(info.into())
+    }
+
+    /// All-gathers `inp` into `out` (views of tensors of `dtype`, checked by the caller).
+    fn all_gather_bytes(
+        &self,
+        py: Python<'_>,
+        out: &Bound<'_, PyArray1<u8>>,
+        inp: &Bound<'_, PyArray1<u8>>,
+        dtype: &str,
+        tag: u64,
+    ) -> PyResult<ReduceInfo> {
+        let dtype = element_type(dtype)?;
+        let (mut out, inp) = (writable(out, "out")?, readable(inp, "inp")?);
+        let (out, inp) = (contiguous_mut(&mut out, "out")?, inp.as_slice().map_err(|_| not_contiguous("inp"))?);
+        Ok(py.detach(|| self.inner.all_gather(out, inp, dtype, tag)).map_err(to_py)?.into())
+    }
+
+    /// Reduce-scatters `inp` into `out` (views of tensors of `dtype`, checked by the caller).
+    fn reduce_scatter_bytes(
+        &self,
+        py: Python<'_>,
+        out: &Bound<'_, PyArray1<u8>>,
+        inp: &Bound<'_, PyArray1<u8>>,
+        dtype: &str,
+        op: &str,
+        tag: u64,
+    ) -> PyResult<ReduceInfo> {
+        let (dtype, op) = (element_type(dtype)?, reduce_op(op)?);
+        let (mut out, inp) = (writable(out, "out")?, readable(inp, "inp")?);
+        let (out, inp) = (contiguous_mut(&mut out, "out")?, inp.as_slice().map_err(|_| not_contiguous("inp"))?);
+        Ok(py.detach(|| self.inner.reduce_scatter(out, inp, dtype, op, tag)).map_err(to_py)?.into())
+    }
+
+    /// Broadcasts `buf` (a view of a tensor of `dtype`) from rank `root`.
+    #[pyo3(signature = (buf, dtype, root, tag, algorithm=None))]
+    fn broadcast_bytes(
+        &self,
+        py: Python<'_>,
+        buf: &Bound<'_, PyArray1<u8>>,
+        dtype: &str,
+        root: usize,
+        tag: u64,
+        algorithm: Option<&str>,
+    ) -> PyResult<ReduceInfo> {
+        let (dtype, _, algorithm) = reduction(dtype, "sum", algorithm)?;
+        let mut view = writable(buf, "tensor")?;
+        let bytes = contiguous_mut(&mut view, "tensor")?;
+        Ok(py.detach(|| self.inner.broadcast(bytes, dtype, root, tag, algorithm)).map_err(to_py)?.into())
+    }
+
+    /// Returns once every member of the group called it.
+    fn barrier(&self, py: Python<'_>, tag: u64) -> PyResult<ReduceInfo> {
+        Ok(py.detach(|| self.inner.barrier(tag)).map_err(to_py)?.into())
     }
 
     /// Starts all-reducing `buf` like `all_reduce_bytes` and returns at once; the returned work
@@ -248,9 +319,8 @@ impl Communicator {
         algorithm: Option<&str>,
     ) -> PyResult<NativeWork> {
         let (dtype, op, algorithm) = reduction(dtype, op, algorithm)?;
-        let mut view =
-            buf.try_readwrite().map_err(|e| PyValueError::new_err(format!("tensor is not writable: {e}")))?;
-        let bytes = view.as_slice_mut().map_err(|_| PyValueError::new_err("tensor is not contiguous"))?;
+        let mut view = writable(buf, "tensor")?;
+        let bytes = contiguous_mut(&mut view, "tensor")?;
         let lent = Lent { ptr: bytes.as_mut_ptr(), len: bytes.len() };
         drop(view);
         let work = self.inner.all_reduce_async(lent, dtype, op, tag, algorithm).map_err(to_py)?;

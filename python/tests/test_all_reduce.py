@@ -34,6 +34,43 @@ def test_every_dtype_and_op_matches_numpy_on_every_peer(master, tmp_path, peers,
     assert all(i["algorithms"] == [chosen] for i in infos), infos
 
 
+def test_all_gather_reduce_scatter_and_broadcast_match_numpy_on_every_peer(master, tmp_path):
+    peers = 3
+    infos = run_peers(master, tmp_path, "verbs", peers, timeout=120)
+    by_rank = {i["rank"]: np.load(tmp_path / f"peer{k}.npz") for k, i in enumerate(infos)}
+    for dtype in DTYPES:
+        gathered = np.concatenate([inputs(dtype, "sum", r) for r in range(peers)])
+        for r in range(peers):
+            assert by_rank[r][f"gather/{dtype}"].tobytes() == gathered.tobytes(), (dtype, r)
+            for algorithm in ("ring", "oneshot"):
+                got = by_rank[r][f"broadcast/{dtype}/{algorithm}"]
+                assert got.tobytes() == inputs(dtype, "sum", peers - 1).tobytes(), (dtype, algorithm, r)
+        for op in OPS:
+            for r in range(peers):
+                # Rank r's block: block r of every peer's input, reduced.
+                blocks = [inputs(dtype, op, p * peers + r) for p in range(peers)]
+                want = _reduce(blocks, dtype, op)
+                got = by_rank[r][f"scatter/{dtype}/{op}"]
+                if op == "avg" and np.dtype(dtype).kind == "f":
+                    np.testing.assert_allclose(got, want, rtol=2e-3 if dtype == "float16" else 1e-6)
+                else:
+                    assert got.tobytes() == want.tobytes(), (dtype, op, r)
+
+
+def _reduce(xs: list, dtype: str, op: str) -> np.ndarray:
+    peers = len(xs)
+    if op in ("sum", "avg", "prod"):
+        acc = xs[0].copy()
+        for x in xs[1:]:
+            acc = acc + x if op != "prod" else acc * x
+        if op == "avg":
+            if np.dtype(dtype).kind == "f":
+                return (acc.astype(np.float64) / peers).astype(dtype)
+            return (acc.astype(np.float64) / peers).astype(np.int64).astype(dtype)
+        return acc
+    return np.minimum.reduce(xs) if op == "min" else np.maximum.reduce(xs)
+
+
 def test_links_open_when_a_schedule_needs_them_and_are_reused(master, tmp_path):
     peers = 4
     out = run_peers(master, tmp_path, "links", peers)

@@ -139,11 +139,13 @@ def test_a_cut_off_peer_is_expelled_and_the_others_carry_on():
     assert "master_unreachable" in cut_off or "kicked" in cut_off, cut_off
 
 
-@pytest.mark.parametrize("point,algorithm", [
-    ("connect.before_ready", None), ("update_topology.before_ready", None), ("peers_pending.after_vote", None),
-    ("all_reduce.reduce_scatter", "ring"), ("all_reduce.all_gather", "ring"), ("all_reduce.reduce_scatter", "oneshot"),
+@pytest.mark.parametrize("point,algorithm,verb", [
+    ("connect.before_ready", None, None), ("update_topology.before_ready", None, None),
+    ("peers_pending.after_vote", None, None), ("all_reduce.reduce_scatter", "ring", None),
+    ("all_reduce.all_gather", "ring", None), ("all_reduce.reduce_scatter", "oneshot", None),
+    ("all_reduce.reduce_scatter", "ring", "broadcast"),
 ])
-def test_a_peer_dying_at_any_step_ends_every_call_and_the_run_goes_on(point, algorithm):
+def test_a_peer_dying_at_any_step_ends_every_call_and_the_run_goes_on(point, algorithm, verb):
     # Admission calls complete without the dead peer (they never need its data); a collective
     # fails on every survivor with its buffer restored. Either way the next all-reduce succeeds
     # in the smaller world.
@@ -152,9 +154,12 @@ def test_a_peer_dying_at_any_step_ends_every_call_and_the_run_goes_on(point, alg
         victim = 3
         procs = []
         for i in range(4):
-            # One-shot sends its whole buffer at once: a large one, so the victim dies mid-way.
+            # One-shot sends its whole buffer at once, a broadcast passes it on whole: a large one
+            # (in small chunks), so that the victim dies with most of it still to move.
+            large = algorithm == "oneshot" or verb == "broadcast"
             spec = {"master": master.address, "index": i, "peers": 4, "victim": victim, "failpoint": point,
-                    "algorithm": algorithm, "size": 4_000_000 if algorithm == "oneshot" else 100_000}
+                    "algorithm": algorithm, "verb": verb, "size": 4_000_000 if large else 100_000,
+                    "chunk_bytes": 65536 if verb == "broadcast" else None}
             procs.append(subprocess.Popen(worker_argv("die_at", spec),
                                           stdout=subprocess.PIPE, text=True, env=env))
             if point.startswith("connect") and i == victim - 1:

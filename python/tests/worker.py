@@ -59,6 +59,35 @@ def matrix(spec: dict) -> dict:
             "algorithms": sorted(algorithms)}
 
 
+def verbs(spec: dict) -> dict:
+    """all_gather, reduce_scatter (every op), broadcast (both algorithms) and barrier over every
+    dtype; results saved for the test to compare."""
+    comm = shoal.Communicator(spec["master"], connections=2, chunk_bytes=4096)
+    comm.connect(timeout=30)
+    join_all(comm, spec["peers"])
+    rank, n, results = comm.rank, spec["peers"], {}
+    for dtype in DTYPES:
+        x = inputs(dtype, "sum", rank)
+        out = np.zeros(LEN * n, dtype)
+        assert comm.all_gather(out, x, tag=1).world_size == n
+        results[f"gather/{dtype}"] = out
+        for op in OPS:
+            inp = np.concatenate([inputs(dtype, op, rank * n + b) for b in range(n)])
+            before = inp.copy()
+            block = np.zeros(LEN, dtype)
+            comm.reduce_scatter(block, inp, op=op, tag=2)
+            assert inp.tobytes() == before.tobytes(), "reduce_scatter changed its input"
+            results[f"scatter/{dtype}/{op}"] = block
+        for algorithm in ("ring", "oneshot"):
+            t = inputs(dtype, "sum", rank)
+            info = comm.broadcast(t, root=n - 1, tag=3, algorithm=algorithm)
+            assert info.algorithm == algorithm, info
+            results[f"broadcast/{dtype}/{algorithm}"] = t
+    comm.barrier(tag=4)
+    np.savez(spec["out"] + ".npz", **results)
+    return {"rank": rank}
+
+
 def torch_tensors(spec: dict) -> dict:
     import torch
 
@@ -365,7 +394,7 @@ def die_at(spec: dict) -> dict:
     """The peer of index ``victim`` dies at ``failpoint``; the others make the call it names and
     then all-reduce until they succeed in the smaller world. Records what every call did."""
     point, victim = spec["failpoint"], spec["index"] == spec["victim"]
-    comm = shoal.Communicator(spec["master"], timeout=30)
+    comm = shoal.Communicator(spec["master"], timeout=30, chunk_bytes=spec.get("chunk_bytes"))
     if point.startswith("connect"):
         # The victim arrives last and dies while being admitted.
         if victim:
@@ -389,7 +418,9 @@ def die_at(spec: dict) -> dict:
     started = time.time()
     first = point.split(".")[0]
     try:
-        if first == "all_reduce":
+        if first == "all_reduce" and spec.get("verb") == "broadcast":
+            comm.broadcast(x, root=0, algorithm=spec.get("algorithm"))
+        elif first == "all_reduce":
             comm.all_reduce(x, op="sum", algorithm=spec.get("algorithm"))
         elif first == "peers_pending":
             comm.peers_pending()
@@ -630,6 +661,6 @@ if __name__ == "__main__":
                  "agree": agree, "min_world": min_world, "master_loss": master_loss,
                  "admission_misuse": admission_misuse, "chaos": chaos, "die_at": die_at, "sgd": sgd,
                  "sync_case": sync_case, "mismatch": mismatch, "empty": empty, "loop": loop,
-                 "mismatched_calls": mismatched_calls, "links": links}
+                 "mismatched_calls": mismatched_calls, "links": links, "verbs": verbs}
     result = scenarios[scenario](spec)
     print(json.dumps(result), flush=True)

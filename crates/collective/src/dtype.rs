@@ -144,22 +144,52 @@ impl ReduceOp {
 /// Which collective an operation is. Codes are part of the wire format: never renumber.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum CollectiveKind {
-    /// Ring all-reduce.
+    /// Every member ends with the reduction of every member's buffer.
     AllReduce,
+    /// Every member ends with every member's block, in rank order.
+    AllGather,
+    /// Member `r` ends with the reduction of every member's block `r`.
+    ReduceScatter,
+    /// Every member ends with the root's buffer.
+    Broadcast,
+    /// No data: every member has called it.
+    Barrier,
 }
 
 impl CollectiveKind {
+    /// Every kind.
+    pub const ALL: [CollectiveKind; 5] = [
+        CollectiveKind::AllReduce,
+        CollectiveKind::AllGather,
+        CollectiveKind::ReduceScatter,
+        CollectiveKind::Broadcast,
+        CollectiveKind::Barrier,
+    ];
+
     /// Wire code.
     pub fn code(self) -> u8 {
         match self {
             CollectiveKind::AllReduce => 1,
+            CollectiveKind::AllGather => 2,
+            CollectiveKind::ReduceScatter => 3,
+            CollectiveKind::Broadcast => 4,
+            CollectiveKind::Barrier => 5,
         }
+    }
+
+    /// The kind of wire code `code`.
+    pub fn from_code(code: u8) -> Option<Self> {
+        Self::ALL.into_iter().find(|k| k.code() == code)
     }
 
     /// Name for errors and logs.
     pub fn name(self) -> &'static str {
         match self {
             CollectiveKind::AllReduce => "all_reduce",
+            CollectiveKind::AllGather => "all_gather",
+            CollectiveKind::ReduceScatter => "reduce_scatter",
+            CollectiveKind::Broadcast => "broadcast",
+            CollectiveKind::Barrier => "barrier",
         }
     }
 }
@@ -181,5 +211,8 @@ mod tests {
         assert_eq!(DType::from_code(0), None);
         assert_eq!(DType::from_code(13), None);
         assert_eq!(ReduceOp::from_code(6), None);
+        for k in CollectiveKind::ALL {
+            assert_eq!(CollectiveKind::from_code(k.code()), Some(k));
+        }
     }
 }

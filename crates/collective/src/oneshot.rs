@@ -43,6 +43,23 @@ pub fn all_reduce(rank: usize, world: usize, len: usize, chunk_elems: usize) -> 
     Schedule { world, rank, sends, recvs, confirm: Confirm::Direct }
 }
 
+/// The direct broadcast of `root`'s `len` elements: the root sends them straight to every other
+/// rank, which copies them into place, and every rank sends its token straight to every other.
+pub fn broadcast(rank: usize, world: usize, root: usize, len: usize, chunk_elems: usize) -> Schedule {
+    assert!(world > 0 && rank < world && root < world, "rank {rank} or root {root} outside a group of {world}");
+    assert!(chunk_elems > 0, "chunk size of zero elements");
+    let mut schedule = Schedule { world, rank, sends: Vec::new(), recvs: Vec::new(), confirm: Confirm::Direct };
+    for range in chunks(0..len, chunk_elems) {
+        if rank == root {
+            let to = (1..world).map(|k| (rank + k) % world);
+            schedule.sends.extend(to.map(|to| SendUnit { to, range: range.clone(), after_recv: None }));
+        } else {
+            schedule.recvs.push(RecvUnit { from: root, range, action: RecvAction::Copy });
+        }
+    }
+    schedule
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -66,6 +66,85 @@ pub fn all_reduce(rank: usize, world: usize, len: usize, chunk_elems: usize) -> 
     Schedule { world, rank, sends, recvs, confirm: Confirm::Ring }
 }
 
+/// The ring all-gather of `rank` among `world` ranks over a buffer of `world` blocks of `block`
+/// elements, rank `r`'s own in block `r`: at step `s` (of `world - 1`) rank `r` sends block
+/// `(r - s) mod world` to its successor and copies block `(r - s - 1) mod world` from its
+/// predecessor into place, pipelined in chunks as the all-reduce's second half.
+pub fn all_gather(rank: usize, world: usize, block: usize, chunk_elems: usize) -> Schedule {
+    steps(rank, world, chunk_elems, world.saturating_sub(1), |s| {
+        let j = |k: isize| (rank as isize - k).rem_euclid(world as isize) as usize * block;
+        (j(s as isize)..j(s as isize) + block, j(s as isize + 1)..j(s as isize + 1) + block, RecvAction::Copy)
+    })
+}
+
+/// The ring reduce-scatter of `rank` among `world` ranks over a buffer of `world` blocks of
+/// `block` elements: at step `s` (of `world - 1`) rank `r` sends block `(r - s - 1) mod world`
+/// and reduces block `(r - s - 2) mod world` from its predecessor into its own, so that after
+/// the last step block `r` holds the reduction of every rank's block `r` (accumulated from rank
+/// `r + 1`'s around the ring, and divided once for an average). The other blocks hold partial
+/// sums: the caller keeps only block `r`.
+pub fn reduce_scatter(rank: usize, world: usize, block: usize, chunk_elems: usize) -> Schedule {
+    steps(rank, world, chunk_elems, world.saturating_sub(1), |s| {
+        let j = |k: isize| (rank as isize - k).rem_euclid(world as isize) as usize * block;
+        let last = s + 2 == world;
+        (
+            j(s as isize + 1)..j(s as isize + 1) + block,
+            j(s as isize + 2)..j(s as isize + 2) + block,
+            RecvAction::Reduce { last },
+        )
+    })
+}
+
+/// The ring broadcast of `root`'s `len` elements: the root sends every chunk to its successor,
+/// and every other rank copies each chunk from its predecessor into place and passes it on,
+/// unless its successor is the root. Every rank receives `len` elements (the root none).
+pub fn broadcast(rank: usize, world: usize, root: usize, len: usize, chunk_elems: usize) -> Schedule {
+    assert!(world > 0 && rank < world && root < world, "rank {rank} or root {root} outside a ring of {world}");
+    assert!(chunk_elems > 0, "chunk size of zero elements");
+    let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+    let mut schedule = Schedule { world, rank, sends: Vec::new(), recvs: Vec::new(), confirm: Confirm::Ring };
+    if world == 1 {
+        return schedule;
+    }
+    for (c, range) in chunks(0..len, chunk_elems).enumerate() {
+        if rank != root {
+            schedule.recvs.push(RecvUnit { from: prev, range: range.clone(), action: RecvAction::Copy });
+        }
+        if next != root {
+            let after_recv = (rank != root).then_some(c);
+            schedule.sends.push(SendUnit { to: next, range, after_recv });
+        }
+    }
+    schedule
+}
+
+/// Steps of a ring phase: step `s` sends `step(s).0` to the successor and receives `step(s).1`
+/// from the predecessor, doing `step(s).2` with it; chunk `c` of step `s + 1` is sent once
+/// chunk `c` of step `s` arrived (the block received at one step is the one sent at the next).
+fn steps(
+    rank: usize,
+    world: usize,
+    chunk_elems: usize,
+    count: usize,
+    step: impl Fn(usize) -> (Range<usize>, Range<usize>, RecvAction),
+) -> Schedule {
+    assert!(world > 0 && rank < world, "rank {rank} outside a ring of {world}");
+    assert!(chunk_elems > 0, "chunk size of zero elements");
+    let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+    let (mut sends, mut recvs) = (Vec::new(), Vec::new());
+    let mut recv_step_start = Vec::with_capacity(count);
+    for s in 0..count {
+        let (send, recv, action) = step(s);
+        recv_step_start.push(recvs.len());
+        recvs.extend(chunks(recv, chunk_elems).map(|range| RecvUnit { from: prev, range, action }));
+        for (c, range) in chunks(send, chunk_elems).enumerate() {
+            let after_recv = s.checked_sub(1).map(|p| recv_step_start[p] + c);
+            sends.push(SendUnit { to: next, range, after_recv });
+        }
+    }
+    Schedule { world, rank, sends, recvs, confirm: Confirm::Ring }
+}
+
 /// The elements of segment `j` when `len` elements are cut into `world` nearly equal segments:
 /// the first `len % world` segments hold one element more.
 pub fn segment_range(j: usize, world: usize, len: usize) -> Range<usize> {
@@ -135,6 +214,55 @@ mod tests {
             let received: usize = plan.recvs.iter().map(|u| u.range.len()).sum();
             assert_eq!(sent, 2 * (world - 1) * len / world);
             assert_eq!(received, sent);
+        }
+    }
+
+    /// Runs every rank's schedule of `plan` over `inputs`, in a random interleaving.
+    fn run_plans(inputs: &[Vec<i64>], op: ReduceOp, seed: u64, plan: impl Fn(usize) -> Schedule) -> Vec<Vec<i64>> {
+        let plans: Vec<_> = (0..inputs.len()).map(plan).collect();
+        let mut rng = seed | 1;
+        run(&plans, inputs, op, |n| {
+            rng = xorshift(rng);
+            (rng % n as u64) as usize
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(150))]
+        #[test]
+        fn all_gather_reduce_scatter_and_broadcast_match_their_definitions(
+            world in 1usize..=7,
+            block in 0usize..12,
+            chunk in 1usize..5,
+            root in 0usize..7,
+            op in prop::sample::select(ReduceOp::ALL.to_vec()),
+            seed in any::<u64>(),
+        ) {
+            let root = root % world;
+            let mut rng = seed | 1;
+            let len = world * block;
+            let inputs = inputs(world, len, &mut rng);
+            // All-gather: rank r contributes block r; everyone ends with every block.
+            let out = run_plans(&inputs, op, seed, |r| all_gather(r, world, block, chunk));
+            let gathered: Vec<i64> = (0..world).flat_map(|r| inputs[r][r * block..(r + 1) * block].to_vec()).collect();
+            for buf in &out {
+                prop_assert_eq!(buf, &gathered);
+            }
+            // Reduce-scatter: rank r's block r is every rank's block r reduced.
+            let out = run_plans(&inputs, op, seed, |r| reduce_scatter(r, world, block, chunk));
+            let want = naive(&inputs, op);
+            for (r, buf) in out.iter().enumerate() {
+                prop_assert_eq!(&buf[r * block..(r + 1) * block], &want[r * block..(r + 1) * block], "rank {}", r);
+            }
+            // Broadcast, around the ring and straight from the root.
+            for out in [
+                run_plans(&inputs, op, seed, |r| broadcast(r, world, root, len, chunk)),
+                run_plans(&inputs, op, seed, |r| crate::oneshot::broadcast(r, world, root, len, chunk)),
+            ] {
+                for buf in &out {
+                    prop_assert_eq!(buf, &inputs[root]);
+                }
+            }
         }
     }
 

@@ -7,6 +7,7 @@
 //! and with the same ranges: a frame on the wire names its unit, so the two sides agree on which
 //! bytes a chunk carries whatever lane carried it.
 
+use crate::CollectiveKind;
 use std::collections::BTreeSet;
 use std::ops::Range;
 
@@ -158,12 +159,42 @@ impl Algorithm {
         Self::ALL.into_iter().find(|a| a.name() == name)
     }
 
-    /// The schedule of `rank` among `world` ranks over `len` elements, in chunks of at most
-    /// `chunk_elems` elements.
-    pub fn all_reduce(self, rank: usize, world: usize, len: usize, chunk_elems: usize) -> Schedule {
-        match self {
-            Algorithm::Ring => crate::ring::all_reduce(rank, world, len, chunk_elems),
-            Algorithm::OneShot => crate::oneshot::all_reduce(rank, world, len, chunk_elems),
+    /// Whether it runs collectives of `kind`.
+    pub fn runs(self, kind: CollectiveKind) -> bool {
+        match kind {
+            CollectiveKind::AllReduce | CollectiveKind::Broadcast => true,
+            CollectiveKind::AllGather | CollectiveKind::ReduceScatter => self == Algorithm::Ring,
+            CollectiveKind::Barrier => self == Algorithm::OneShot,
+        }
+    }
+
+    /// The schedule of `rank` among `world` ranks for a collective of `kind` over a buffer of
+    /// `len` elements (all-gather and reduce-scatter: `world` blocks of `len / world`), from
+    /// `root` for a broadcast, in chunks of at most `chunk_elems` elements.
+    ///
+    /// # Panics
+    /// If the algorithm does not run `kind` ([`Algorithm::runs`]).
+    pub fn schedule(
+        self,
+        kind: CollectiveKind,
+        (rank, world): (usize, usize),
+        len: usize,
+        root: usize,
+        chunk_elems: usize,
+    ) -> Schedule {
+        assert!(self.runs(kind), "{} does not run {}", self.name(), kind.name());
+        match (kind, self) {
+            (CollectiveKind::AllReduce, Algorithm::Ring) => crate::ring::all_reduce(rank, world, len, chunk_elems),
+            (CollectiveKind::AllReduce, Algorithm::OneShot) => {
+                crate::oneshot::all_reduce(rank, world, len, chunk_elems)
+            }
+            (CollectiveKind::AllGather, _) => crate::ring::all_gather(rank, world, len / world, chunk_elems),
+            (CollectiveKind::ReduceScatter, _) => crate::ring::reduce_scatter(rank, world, len / world, chunk_elems),
+            (CollectiveKind::Broadcast, Algorithm::Ring) => crate::ring::broadcast(rank, world, root, len, chunk_elems),
+            (CollectiveKind::Broadcast, Algorithm::OneShot) => {
+                crate::oneshot::broadcast(rank, world, root, len, chunk_elems)
+            }
+            (CollectiveKind::Barrier, _) => crate::oneshot::all_reduce(rank, world, 0, chunk_elems),
         }
     }
 }

@@ -256,13 +256,87 @@ impl Communicator {
         tag: u64,
         algorithm: Option<Algorithm>,
     ) -> Result<Info> {
-        let c = self.connected()?;
         check_buffer(buf, dtype)?;
+        let request = Request { kind: CollectiveKind::AllReduce, dtype, op, tag, root: 0, algorithm };
+        self.collective(RawBuf::new(buf), request, Extra::None)
+    }
+
+    /// Gathers every member's `inp` into `out`, in rank order: `out` holds `world` times `inp`'s
+    /// elements, and ends with member `r`'s `inp` at block `r` on every member.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_reduce`]; [`Error::Misuse`] on every member if `out` is not
+    /// `world` times `inp` in the group the collective runs in (a member was lost since the
+    /// call was written, say).
+    pub fn all_gather(&self, out: &mut [u8], inp: &[u8], dtype: DType, tag: u64) -> Result<Info> {
+        check_buffer(out, dtype)?;
+        check_buffer(inp, dtype)?;
+        let request =
+            Request { kind: CollectiveKind::AllGather, dtype, op: ReduceOp::Sum, tag, root: 0, algorithm: None };
+        let inp = RawBuf::new_shared(inp);
+        self.collective(RawBuf::new(out), request, Extra::Gather { inp, before: None })
+    }
+
+    /// Reduces every member's `inp` block by block and leaves block `r` in member `r`'s `out`:
+    /// `inp` holds `world` times `out`'s elements; `inp` is left as it was.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_gather`].
+    pub fn reduce_scatter(&self, out: &mut [u8], inp: &[u8], dtype: DType, op: ReduceOp, tag: u64) -> Result<Info> {
+        check_buffer(out, dtype)?;
+        check_buffer(inp, dtype)?;
+        let request = Request { kind: CollectiveKind::ReduceScatter, dtype, op, tag, root: 0, algorithm: None };
+        // The schedule reduces into its buffer: a copy of the input, whose block goes to `out`.
+        let mut work = AlignedBytes::copy_of(inp);
+        let buf = RawBuf::new(work.as_mut());
+        let extra = Extra::Scatter { out: RawBuf::new(out), _work: work };
+        self.collective(buf, request, extra)
+    }
+
+    /// Copies member `root`'s `buf` into every other member's `buf`.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_reduce`]; [`Error::Misuse`] on every member if `root` is not a
+    /// rank of the group the collective runs in.
+    pub fn broadcast(
+        &self,
+        buf: &mut [u8],
+        dtype: DType,
+        root: usize,
+        tag: u64,
+        algorithm: Option<Algorithm>,
+    ) -> Result<Info> {
+        check_buffer(buf, dtype)?;
+        let request = Request { kind: CollectiveKind::Broadcast, dtype, op: ReduceOp::Sum, tag, root, algorithm };
+        self.collective(RawBuf::new(buf), request, Extra::None)
+    }
+
+    /// Returns once every member of the group called it (or with the error of a lost member).
+    ///
+    /// # Errors
+    /// As [`Communicator::all_reduce`].
+    pub fn barrier(&self, tag: u64) -> Result<Info> {
+        let request = Request {
+            kind: CollectiveKind::Barrier,
+            dtype: DType::U8,
+            op: ReduceOp::Sum,
+            tag,
+            root: 0,
+            algorithm: None,
+        };
+        self.collective(RawBuf::new(&mut []), request, Extra::None)
+    }
+
+    /// Runs collective `request` over `buf` and waits for it.
+    fn collective(&self, buf: RawBuf, request: Request, extra: Extra) -> Result<Info> {
+        let c = self.connected()?;
         let mut data = self.lock_data();
-        let call = self.start_collective(&c, &mut data, RawBuf::new(buf), None, (dtype, op, tag, algorithm))?;
-        // The buffer is borrowed for this call only: it must be out of the engine when we return.
-        self.driver.drive(&c.control, &c.listener, &mut data, Some(call), None, "all_reduce", |_, a| {
-            unreachable!("all_reduce asked for {a:?}")
+        let call = self.start_collective(&c, &mut data, buf, None, request, extra)?;
+        // The buffers are borrowed for this call only: they must be out of the engine when we
+        // return.
+        let operation = request.kind.name();
+        self.driver.drive(&c.control, &c.listener, &mut data, Some(call), None, operation, |_, a| {
+            unreachable!("a collective asked for {a:?}")
         });
         data.calls.finished.remove(&call).expect("driven until it ended").0
     }
@@ -293,7 +367,8 @@ impl Communicator {
         let mut owned: Box<B> = Box::new(buf);
         let raw = RawBuf::new((*owned).as_mut());
         let mut data = self.lock_data();
-        let call = self.start_collective(&c, &mut data, raw, Some(owned), (dtype, op, tag, algorithm))?;
+        let request = Request { kind: CollectiveKind::AllReduce, dtype, op, tag, root: 0, algorithm };
+        let call = self.start_collective(&c, &mut data, raw, Some(owned), request, Extra::None)?;
         // Post it now if it may run: the progress thread drives it from there.
         self.driver.drive(&c.control, &c.listener, &mut data, None, Some(Instant::now()), "all_reduce", |_, a| {
             unreachable!("all_reduce asked for {a:?}")
@@ -400,8 +475,15 @@ impl Communicator {
                 infos.push(wait(in_flight.pop_front().expect("full")));
             }
             let mut data = self.lock_data();
-            let what = (*dtype, op, tag.wrapping_add(i as u64), None);
-            match self.start_collective(c, &mut data, RawBuf::new(buf), None, what) {
+            let request = Request {
+                kind: CollectiveKind::AllReduce,
+                dtype: *dtype,
+                op,
+                tag: tag.wrapping_add(i as u64),
+                root: 0,
+                algorithm: None,
+            };
+            match self.start_collective(c, &mut data, RawBuf::new(buf), None, request, Extra::None) {
                 Ok(call) => in_flight.push_back(call),
                 Err(e) => {
                     refused = Some(e);
@@ -439,38 +521,35 @@ impl Communicator {
         work.result.is_some() || self.lock_data().calls.finished.contains_key(&work.call)
     }
 
-    /// Registers collective call of `buf`, owned by `owner` if the caller does not wait for it.
+    /// Registers collective call `request` over `buf`, owned by `owner` if the caller does not
+    /// wait for it.
     fn start_collective(
         &self,
         c: &Connected,
         data: &mut DataPlane,
         buf: RawBuf,
         owner: Option<Owner>,
-        (dtype, op, tag, algorithm): (DType, ReduceOp, u64, Option<Algorithm>),
+        request: Request,
+        extra: Extra,
     ) -> Result<CallId> {
+        let Request { kind, dtype, tag, algorithm, .. } = request;
+        if let Some(a) = algorithm.filter(|a| !a.runs(kind)) {
+            return Err(Error::InvalidArgument(format!("{} does not run {}", a.name(), kind.name())));
+        }
         // In flight until waited for: whether it ended already depends on timing, which must not
         // decide whether a call is refused.
         let waited_for = data.calls.finished.values().any(|f| f.2 == tag);
-        if waited_for || data.calls.collectives.values().any(|o| o.tag == tag) {
+        if waited_for || data.calls.collectives.values().any(|o| o.request.tag == tag) {
             return Err(Error::Misuse(format!(
-                "all_reduce with tag {tag} called while another with that tag is in flight (not waited for yet)"
+                "{} with tag {tag} called while another collective with that tag is in flight (not waited for yet)",
+                kind.name()
             )));
         }
         let bound = self.config.timeout;
         let call = c.control.own_input(|p, now| p.call(CallKind::Collective, bound, now));
         let count = (buf.len() / dtype.size()) as u64;
-        let record = Collective {
-            buf,
-            owner,
-            dtype,
-            op,
-            tag,
-            count,
-            algorithm,
-            started: Instant::now(),
-            posted: None,
-            local: None,
-        };
+        let record =
+            Collective { buf, owner, request, extra, count, started: Instant::now(), posted: None, local: None };
         data.calls.collectives.insert(call, record);
         Ok(call)
     }
@@ -661,7 +740,7 @@ fn link_error(e: LinkError, header: &OpHeader, me: PeerId, them: PeerId) -> (Err
     match e {
         LinkError::Lost { reason, .. } => {
             let failure = OpFailure::new(FailureKind::PeerLost, them, format!("{me} lost {them}: {reason}"));
-            (Error::PeerLost { peer: them, operation: "all_reduce", reason }, failure)
+            (Error::PeerLost { peer: them, operation: operation(header), reason }, failure)
         }
         LinkError::Mismatch { theirs, .. } => {
             // The verdict carries both calls with their peers: a participant that did not see the
@@ -682,30 +761,60 @@ fn op_error(f: OpFailure, header: &OpHeader) -> Error {
     match f.kind {
         FailureKind::Mismatch => Error::CollectiveMismatch { peer: f.peer, ours: describe(header), theirs: f.reason },
         FailureKind::Misuse => Error::Misuse(f.reason),
-        _ => Error::PeerLost { peer: f.peer, operation: "all_reduce", reason: f.reason },
+        _ => Error::PeerLost { peer: f.peer, operation: operation(header), reason: f.reason },
     }
 }
 
-fn all_reduce_header(id: OpId, algorithm: Algorithm, tag: u64, dtype: DType, op: ReduceOp, count: u64) -> OpHeader {
+/// The name of the collective `header` names.
+fn operation(header: &OpHeader) -> &'static str {
+    CollectiveKind::from_code(header.collective).map_or("collective", CollectiveKind::name)
+}
+
+fn op_header(id: OpId, request: &Request, algorithm: Algorithm, count: u64) -> OpHeader {
     OpHeader {
-        collective: CollectiveKind::AllReduce.code(),
+        collective: request.kind.code(),
         algorithm: algorithm.code(),
         epoch: id.epoch,
         seq: id.seq.0,
-        tag,
-        dtype: dtype.code(),
-        op: op.code(),
+        tag: request.tag,
+        dtype: request.dtype.code(),
+        op: request.op.code(),
         count,
+        root: request.root as u32,
     }
+}
+
+/// Whether a collective's buffers fit a group of `world`: an all-gather's output (a
+/// reduce-scatter's input) holds `world` blocks of its other buffer; a broadcast's root is a
+/// member.
+fn fits(record: &Collective, world: usize) -> std::result::Result<(), String> {
+    let kind = record.request.kind.name();
+    let (whole, block) = match &record.extra {
+        Extra::Gather { inp, .. } => (record.buf.len(), inp.len()),
+        Extra::Scatter { out, .. } => (record.buf.len(), out.len()),
+        Extra::None if record.request.kind == CollectiveKind::Broadcast && record.request.root >= world => {
+            return Err(format!("{kind} from root {} in a group of {world}", record.request.root));
+        }
+        Extra::None => return Ok(()),
+    };
+    if whole != world * block {
+        let what = if matches!(record.extra, Extra::Gather { .. }) { "output" } else { "input" };
+        return Err(format!(
+            "{kind}'s {what} holds {whole} bytes, not {world} blocks of {block} bytes: the group has {world} members"
+        ));
+    }
+    Ok(())
 }
 
 fn describe(h: &OpHeader) -> String {
     let dtype = DType::from_code(h.dtype).map_or("?", DType::name);
     let op = ReduceOp::from_code(h.op).map_or("?", ReduceOp::name);
-    let kind = if h.collective == CollectiveKind::AllReduce.code() { "all_reduce" } else { "collective" };
+    let kind = CollectiveKind::from_code(h.collective).map_or("collective", CollectiveKind::name);
     let algorithm = Algorithm::from_code(h.algorithm).map_or("?", Algorithm::name);
+    let root =
+        if h.collective == CollectiveKind::Broadcast.code() { format!(", root={}", h.root) } else { String::new() };
     format!(
-        "{kind}(count={}, dtype={dtype}, op={op}, tag={}, algorithm={algorithm}, topology={}, number={})",
+        "{kind}(count={}, dtype={dtype}, op={op}{root}, tag={}, algorithm={algorithm}, topology={}, number={})",
         h.count, h.tag, h.epoch.0, h.seq
     )
 }
@@ -732,28 +841,75 @@ type Owner = Box<dyn Any + Send>;
 
 /// A collective called and not yet returned.
 pub(crate) struct Collective {
+    /// The buffer its schedule works on.
     buf: RawBuf,
     /// What keeps the buffer alive where the caller does not wait ([`Work`]).
     owner: Option<Owner>,
-    dtype: DType,
-    op: ReduceOp,
-    tag: u64,
+    request: Request,
+    extra: Extra,
     count: u64,
     started: Instant,
-    /// The algorithm asked for, if any.
-    algorithm: Option<Algorithm>,
     /// Once it runs: how.
     posted: Option<Posted>,
     /// Our own error for it, which stands where no verdict comes.
     local: Option<Error>,
 }
 
-/// A collective in the engine: its name, its header, its group's size and how it runs.
+/// What a collective call asks for, besides its buffer.
+#[derive(Debug, Clone, Copy)]
+struct Request {
+    kind: CollectiveKind,
+    dtype: DType,
+    op: ReduceOp,
+    tag: u64,
+    /// A broadcast's root rank.
+    root: usize,
+    /// The algorithm asked for, if any.
+    algorithm: Option<Algorithm>,
+}
+
+/// What a collective does with the caller's buffers besides its schedule's.
+enum Extra {
+    None,
+    /// All-gather: the caller's input, copied into its block of the output when posted, and
+    /// what that block held, put back if it fails.
+    Gather {
+        inp: RawBuf,
+        before: Option<Vec<u8>>,
+    },
+    /// Reduce-scatter: where our block of the reduced copy of the input goes on success; the
+    /// copy.
+    Scatter {
+        out: RawBuf,
+        _work: AlignedBytes,
+    },
+}
+
+/// Bytes aligned for every element type.
+struct AlignedBytes {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl AlignedBytes {
+    fn copy_of(bytes: &[u8]) -> Self {
+        let mut words = vec![0u64; bytes.len().div_ceil(8)];
+        bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..bytes.len()].copy_from_slice(bytes);
+        AlignedBytes { words, len: bytes.len() }
+    }
+
+    fn as_mut(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+    }
+}
+
+/// A collective in the engine: its name, its header, where it runs and how.
 #[derive(Debug, Clone, Copy)]
 struct Posted {
     id: OpId,
     header: OpHeader,
     world: usize,
+    rank: usize,
     algorithm: Algorithm,
 }
 
@@ -964,28 +1120,38 @@ impl Driver {
         position: &RingPosition,
     ) {
         let record = data.calls.collectives.get_mut(&call).expect("a collective called here");
-        let world = position.group_size();
-        let algorithm = self.config.algorithm_for(record.algorithm, record.buf.len(), world);
-        let header = all_reduce_header(id, algorithm, record.tag, record.dtype, record.op, record.count);
-        record.posted = Some(Posted { id, header, world, algorithm });
-        log::trace!(
-            "all_reduce {id} tag {}: {} {} x{} ({})",
-            record.tag,
-            record.op.name(),
-            record.dtype.name(),
-            record.count,
-            algorithm.name()
-        );
+        let (world, rank) = (position.group_size(), position.rank);
+        let request = record.request;
+        let algorithm = self.config.algorithm_for(request.kind, request.algorithm, record.buf.len(), world);
+        let header = op_header(id, &request, algorithm, record.count);
+        record.posted = Some(Posted { id, header, world, rank, algorithm });
+        log::trace!("{}", describe(&header));
+        // Buffers shaped for another group (it changed since the call) fail on every member alike.
+        if let Err(why) = fits(record, world) {
+            let me = position.ring[rank].peer;
+            record.local = Some(Error::Misuse(why.clone()));
+            data.calls.by_seq.insert(id.seq.0, call);
+            let failure = OpFailure::new(FailureKind::Misuse, me, why);
+            control.own_input(|p, now| p.handle_collective(id, OpProgress::Failed(failure), now));
+            return;
+        }
+        if let Extra::Gather { inp, before } = &mut record.extra {
+            let block = rank * inp.len()..(rank + 1) * inp.len();
+            *before = Some(record.buf.read(block.clone()));
+            record.buf.write(block.start, &inp.read(0..inp.len()));
+        }
         let spec = OpSpec {
             header,
+            kind: request.kind,
             buf: record.buf,
-            dtype: record.dtype,
-            op: record.op,
+            dtype: request.dtype,
+            op: request.op,
             algorithm,
+            root: request.root,
             chunk_bytes: self.config.chunk_bytes,
             backup: spare_backup(&mut data.spare_backups, record.buf.len()),
         };
-        let exec = data.exec.get_or_insert_with(|| Exec::new(id.epoch, position.rank, world));
+        let exec = data.exec.get_or_insert_with(|| Exec::new(id.epoch, rank, world));
         debug_assert_eq!(exec.epoch(), id.epoch, "a collective runs in the topology taken up");
         exec.post(spec);
         data.calls.by_seq.insert(id.seq.0, call);
@@ -1110,9 +1276,14 @@ impl Driver {
             }
         }
         let traffic = taken.as_ref().map(|t| t.traffic).unwrap_or_default();
+        let (request, operation) = (record.request, record.request.kind.name());
         let outcome = match result {
             Ok(Value::Collective(id)) => {
                 failpoint("all_reduce.after_commit");
+                if let (Extra::Scatter { out, .. }, Some(posted)) = (&record.extra, record.posted) {
+                    let block = posted.rank * out.len()..(posted.rank + 1) * out.len();
+                    out.write(0, &record.buf.read(block));
+                }
                 Ok(Info {
                     world_size: record.posted.map_or(1, |p| p.world),
                     tx_bytes: traffic.tx_bytes,
@@ -1122,20 +1293,22 @@ impl Driver {
                     sequence: id.seq.0,
                     // A group of one posts nothing: what it would have run.
                     algorithm: record.posted.map_or_else(
-                        || self.config.algorithm_for(record.algorithm, record.buf.len(), 1),
+                        || self.config.algorithm_for(request.kind, request.algorithm, record.buf.len(), 1),
                         |p| p.algorithm,
                     ),
                 })
             }
-            Ok(other) => unreachable!("all_reduce returned {other:?}"),
+            Ok(other) => unreachable!("{operation} returned {other:?}"),
             Err(e) => {
                 // Every participant restores its buffer: the collective never happened.
                 if let Some(t) = &taken {
                     t.restore();
                 }
+                if let (Extra::Gather { inp, before: Some(before) }, Some(posted)) = (&record.extra, record.posted) {
+                    record.buf.write(posted.rank * inp.len(), before);
+                }
                 let algorithm = record.posted.map_or(Algorithm::Ring, |p| p.algorithm);
-                let header =
-                    |id: OpId| all_reduce_header(id, algorithm, record.tag, record.dtype, record.op, record.count);
+                let header = |id: OpId| op_header(id, &request, algorithm, record.count);
                 let bound = self.config.timeout;
                 // If the master expelled us (we were frozen, say) or is gone, that is the news,
                 // not the closed stream that made us notice.
@@ -1147,11 +1320,11 @@ impl Driver {
                         // removed member, a blocking vote, the bound), the failure it reported.
                         CallError::Unconfirmed { op: id, failure } => {
                             record.local.unwrap_or_else(|| match failure.kind {
-                                FailureKind::Timeout => Error::Timeout { operation: "all_reduce", after: bound },
+                                FailureKind::Timeout => Error::Timeout { operation, after: bound },
                                 _ => op_error(failure, &header(id)),
                             })
                         }
-                        e => call_error(control, e, "all_reduce", bound),
+                        e => call_error(control, e, operation, bound),
                     },
                 })
             }
@@ -1159,7 +1332,7 @@ impl Driver {
         if let Some(t) = taken {
             data.spare_backups.push(t.into_backup());
         }
-        data.calls.finished.insert(call, (outcome, record.owner, record.tag));
+        data.calls.finished.insert(call, (outcome, record.owner, request.tag));
     }
 }
 

@@ -4,6 +4,7 @@
 use crate::engine::MAX_STASH_BYTES;
 use crate::error::Result;
 use shoal_collective::schedule::Algorithm;
+use shoal_collective::CollectiveKind;
 use shoal_config::{env_count, env_seconds, env_value};
 use shoal_wire::MAX_STRING_BYTES;
 use std::net::{IpAddr, SocketAddr};
@@ -104,7 +105,21 @@ impl CommunicatorConfig {
     /// member's input: past [`MAX_STASH_BYTES`] of them, the ring runs whatever was asked. Every
     /// member decides alike from the same settings; members whose settings differ may choose
     /// differently, which their first frame shows as a mismatch.
-    pub fn algorithm_for(&self, requested: Option<Algorithm>, bytes: usize, world: usize) -> Algorithm {
+    ///
+    /// All-gather and reduce-scatter run around the ring, a barrier one-shot; a broadcast
+    /// chooses as an all-reduce (one-shot: straight from the root).
+    pub fn algorithm_for(
+        &self,
+        kind: CollectiveKind,
+        requested: Option<Algorithm>,
+        bytes: usize,
+        world: usize,
+    ) -> Algorithm {
+        match kind {
+            CollectiveKind::AllGather | CollectiveKind::ReduceScatter => return Algorithm::Ring,
+            CollectiveKind::Barrier => return Algorithm::OneShot,
+            CollectiveKind::AllReduce | CollectiveKind::Broadcast => {}
+        }
         let oneshot_fits = bytes.saturating_mul(world) <= MAX_STASH_BYTES;
         match requested.or(self.algorithm) {
             Some(Algorithm::OneShot) if !oneshot_fits => Algorithm::Ring,
@@ -173,15 +188,18 @@ mod tests {
         let mut c = CommunicatorConfig::from_env("127.0.0.1:1").unwrap();
         c.algorithm = None;
         let small = c.oneshot_max_bytes;
-        assert_eq!(c.algorithm_for(None, small, 3), Algorithm::OneShot);
-        assert_eq!(c.algorithm_for(None, small + 1, 3), Algorithm::Ring);
-        assert_eq!(c.algorithm_for(None, small, 2), Algorithm::Ring);
-        assert_eq!(c.algorithm_for(Some(Algorithm::Ring), 8, 8), Algorithm::Ring);
-        assert_eq!(c.algorithm_for(Some(Algorithm::OneShot), 8, 2), Algorithm::OneShot);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, small, 3), Algorithm::OneShot);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, small + 1, 3), Algorithm::Ring);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, small, 2), Algorithm::Ring);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, Some(Algorithm::Ring), 8, 8), Algorithm::Ring);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, Some(Algorithm::OneShot), 8, 2), Algorithm::OneShot);
         // Asked for one-shot, a buffer whose copies would not fit runs around the ring.
-        assert_eq!(c.algorithm_for(Some(Algorithm::OneShot), MAX_STASH_BYTES / 4 + 1, 4), Algorithm::Ring);
+        assert_eq!(
+            c.algorithm_for(CollectiveKind::AllReduce, Some(Algorithm::OneShot), MAX_STASH_BYTES / 4 + 1, 4),
+            Algorithm::Ring
+        );
         c.algorithm = Some(Algorithm::OneShot);
-        assert_eq!(c.algorithm_for(None, 1 << 20, 2), Algorithm::OneShot);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, 1 << 20, 2), Algorithm::OneShot);
     }
 
     #[test]

@@ -26,7 +26,7 @@
 #![allow(unsafe_code)]
 
 use shoal_collective::schedule::{Algorithm, RecvAction, Schedule};
-use shoal_collective::{finish_avg, reduce_into, DType, ReduceOp};
+use shoal_collective::{finish_avg, reduce_into, CollectiveKind, DType, ReduceOp};
 use shoal_transport::Lane;
 use shoal_wire::{Epoch, OpHeader};
 use std::collections::{BTreeMap, VecDeque};
@@ -138,8 +138,29 @@ impl RawBuf {
         RawBuf { ptr: NonNull::new(buf.as_mut_ptr()).unwrap_or(NonNull::dangling()), len: buf.len() }
     }
 
+    /// A buffer the engine only reads (a caller's input, copied out of it).
+    pub fn new_shared(buf: &[u8]) -> Self {
+        RawBuf { ptr: NonNull::new(buf.as_ptr().cast_mut()).unwrap_or(NonNull::dangling()), len: buf.len() }
+    }
+
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// A copy of `range` of the buffer, which must still be lent and not in the engine's use
+    /// (the call is not posted yet, or has been taken out).
+    pub fn read(&self, range: std::ops::Range<usize>) -> Vec<u8> {
+        // SAFETY: the caller's promise, as above.
+        let whole = unsafe { self.slice() };
+        whole[range].to_vec()
+    }
+
+    /// Writes `bytes` at `at`, under the promise of [`RawBuf::read`]; never to a buffer made
+    /// with [`RawBuf::new_shared`].
+    pub fn write(&self, at: usize, bytes: &[u8]) {
+        // SAFETY: the caller's promise, as above.
+        let whole = unsafe { self.slice() };
+        whole[at..at + bytes.len()].copy_from_slice(bytes);
     }
 
     /// The buffer.
@@ -179,6 +200,7 @@ impl Frame {
         b[32..40].copy_from_slice(&self.op.tag.to_le_bytes());
         b[40..48].copy_from_slice(&self.op.count.to_le_bytes());
         b[48] = self.op.algorithm;
+        b[52..56].copy_from_slice(&self.op.root.to_le_bytes());
         b
     }
 
@@ -201,18 +223,22 @@ impl Frame {
             dtype: b[6],
             op: b[7],
             count: u64_at(40),
+            root: u32_at(52),
         };
         Ok(Frame { kind, len: u32_at(8), unit: u32_at(12), op })
     }
 }
 
-/// One all-reduce to post.
+/// One collective to post: `buf` is the whole buffer its schedule works on.
 pub(crate) struct OpSpec {
     pub header: OpHeader,
+    pub kind: CollectiveKind,
     pub buf: RawBuf,
     pub dtype: DType,
     pub op: ReduceOp,
     pub algorithm: Algorithm,
+    /// A broadcast's root.
+    pub root: usize,
     pub chunk_bytes: usize,
     /// Where to save what it overwrites: a spare kept from an earlier collective, so that a
     /// large one does not allocate (and fault in) a copy of its buffer every time.
@@ -295,7 +321,7 @@ impl OpExec {
     fn new(mut spec: OpSpec, rank: usize, world: usize) -> Self {
         let elem = spec.dtype.size();
         let chunk_elems = (spec.chunk_bytes / elem).max(1);
-        let plan = spec.algorithm.all_reduce(rank, world, spec.buf.len / elem, chunk_elems);
+        let plan = spec.algorithm.schedule(spec.kind, (rank, world), spec.buf.len / elem, spec.root, chunk_elems);
         let mut first_of_range = std::collections::HashMap::with_capacity(plan.recvs.len());
         let first_unit: Vec<usize> =
             plan.recvs.iter().enumerate().map(|(i, u)| *first_of_range.entry(u.range.start).or_insert(i)).collect();
@@ -1248,7 +1274,6 @@ fn apply_early(op: &mut OpExec, early: Early) -> Result<Vec<u8>, LinkError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use shoal_collective::CollectiveKind;
     use shoal_transport::lane::mem::{self, Control, Faults, MemLane};
 
     /// Links rank `from` to rank `to` with a pool of `pool` in-memory connections shaped by
@@ -1292,6 +1317,8 @@ mod tests {
     fn sum_spec(buf: &mut [u64], seq: u64, tag: u64, algorithm: Algorithm, chunk_bytes: usize) -> OpSpec {
         OpSpec {
             header: header_of(seq, buf.len(), tag, algorithm),
+            kind: CollectiveKind::AllReduce,
+            root: 0,
             buf: RawBuf::new(bytemuck::cast_slice_mut(buf)),
             dtype: DType::U64,
             op: ReduceOp::Sum,
@@ -1311,6 +1338,7 @@ mod tests {
             dtype: DType::U64.code(),
             op: ReduceOp::Sum.code(),
             count: count as u64,
+            root: 0,
         }
     }
 

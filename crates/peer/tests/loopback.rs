@@ -208,3 +208,46 @@ fn all_reduce_many_reduces_every_buffer() {
         assert_eq!(algorithms, ["oneshot", "oneshot", "ring"]);
     }
 }
+
+/// Every verb among three peers: all-gather in rank order, reduce-scatter's block per rank
+/// (its input left as it was), broadcast from a root around the ring and straight from it, and
+/// a barrier; buffers shaped for another group size fail on every peer, naming the shapes.
+#[test]
+fn all_gather_reduce_scatter_broadcast_and_barrier() {
+    use shoal_peer::Algorithm;
+    let m = master();
+    let world = 3;
+    let out = with_peers((0..world).map(|_| config(&m, 1)).collect(), move |_, comm| {
+        let rank = comm.rank().unwrap() as u64;
+        let words = |v: &[u64]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+        let inp = words(&[rank * 10, rank * 10 + 1]);
+        let mut gathered = vec![0u8; inp.len() * world];
+        comm.all_gather(&mut gathered, &inp, DType::U64, 1).unwrap();
+        let scatter_in = words(&(0..6).map(|k| k + rank).collect::<Vec<_>>());
+        let mut scattered = vec![0u8; 16];
+        comm.reduce_scatter(&mut scattered, &scatter_in, DType::U64, ReduceOp::Sum, 2).unwrap();
+        assert_eq!(scatter_in, words(&(0..6).map(|k| k + rank).collect::<Vec<_>>()), "input untouched");
+        let mut casts = Vec::new();
+        for algorithm in [Algorithm::Ring, Algorithm::OneShot] {
+            let mut b = words(&[rank + 100; 700]);
+            let info = comm.broadcast(&mut b, DType::U64, 1, 3, Some(algorithm)).unwrap();
+            assert_eq!(info.algorithm, algorithm);
+            casts.push(b);
+        }
+        comm.barrier(4).unwrap();
+        let mut wrong = vec![0u8; inp.len() * (world + 1)];
+        let misfit = comm.all_gather(&mut wrong, &inp, DType::U64, 5).unwrap_err().to_string();
+        (rank, gathered, scattered, casts, misfit)
+    });
+    let words = |v: &[u64]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+    for (rank, gathered, scattered, casts, misfit) in out {
+        assert_eq!(gathered, words(&[0, 1, 10, 11, 20, 21]));
+        // Block r of every input, summed: (2r + k) + (2r + k + 1) + (2r + k + 2) for k = 0, 1.
+        let r = rank;
+        assert_eq!(scattered, words(&[3 * (2 * r) + 3, 3 * (2 * r + 1) + 3]));
+        for b in casts {
+            assert_eq!(b, words(&[101; 700]));
+        }
+        assert!(misfit.contains("all_gather") && misfit.contains("3 members"), "{misfit}");
+    }
+}

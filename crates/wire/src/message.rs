@@ -53,6 +53,8 @@ pub struct OpHeader {
     pub op: u8,
     /// Number of elements.
     pub count: u64,
+    /// A broadcast's root rank (0 for other collectives).
+    pub root: u32,
 }
 
 /// Why a collective failed, as one peer saw it and as the master then tells every participant.
