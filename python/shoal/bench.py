@@ -1,9 +1,12 @@
-"""``shoal bench``: an nccl-tests style table of all-reduce time and bandwidth over a size sweep.
+"""``shoal bench``: an nccl-tests style table of a collective's time and bandwidth over a size sweep.
 
 It starts a master (or joins ``--master``) and ``--peers`` local peer processes, which join one
 by one, then all-reduce every size for a fixed number of iterations. For each iteration the time
 that counts is the slowest peer's; the table gives its median and p99, the algorithm bandwidth
-(bytes / time) and the bus bandwidth (algbw * 2 (n - 1) / n, the bytes each link carries).
+(bytes / time) and the bus bandwidth, nccl-tests' measure of what each link carries: algbw times
+2 (n - 1) / n for all_reduce, (n - 1) / n for all_gather and reduce_scatter (whose size is the
+whole of ``world`` blocks: the output, respectively the input), 1 for broadcast. ``--op`` picks
+the collective (default all_reduce), ``--reduction`` the operator.
 With ``--in-flight N`` each iteration starts N all-reduces of the size at once
 (``all_reduce_async``) and waits for all of them: the time is the batch's, the bandwidths count
 all N buffers. ``--algorithm`` forces ``ring`` or ``oneshot`` (default: chosen per size, as
@@ -33,6 +36,14 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 # Each size runs for about this many bytes, within the iteration bounds below.
 _BUDGET_BYTES = 2 << 30
 _MIN_ITERS, _MAX_ITERS = 8, 1000
+# Bus bandwidth over algorithm bandwidth, per collective, for n peers (nccl-tests' factors).
+BUS_FACTOR: dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+}
+REDUCTIONS = ("sum", "avg", "prod", "min", "max")
 
 
 def parse_sizes(spec: str) -> list[int]:
@@ -81,7 +92,7 @@ def run_loop(
         print(json.dumps(line), file=out, flush=True)
 
 
-def summarize(per_peer: Sequence[Sequence[dict]], peers: int) -> list[dict]:
+def summarize(per_peer: Sequence[Sequence[dict]], peers: int, collective: str = "all_reduce") -> list[dict]:
     """Combine every peer's JSON lines into one row per size."""
     rows = []
     for results in zip(*per_peer):
@@ -92,7 +103,7 @@ def summarize(per_peer: Sequence[Sequence[dict]], peers: int) -> list[dict]:
         median = statistics.median(slowest)
         p99 = float(np.percentile(slowest, 99))
         algbw = size * in_flight / median / 1e9
-        op = "all_reduce" if in_flight == 1 else f"all_reducex{in_flight}"
+        op = collective if in_flight == 1 else f"{collective}x{in_flight}"
         algorithm = results[0].get("algorithm")
         rows.append(
             {
@@ -104,7 +115,7 @@ def summarize(per_peer: Sequence[Sequence[dict]], peers: int) -> list[dict]:
                 "time_us": median * 1e6,
                 "p99_us": p99 * 1e6,
                 "algbw_gbs": algbw,
-                "busbw_gbs": algbw * 2 * (peers - 1) / peers if peers > 1 else 0.0,
+                "busbw_gbs": algbw * BUS_FACTOR[collective](peers) if peers > 1 else 0.0,
             }
         )
     return rows
@@ -155,13 +166,30 @@ def _worker(args: argparse.Namespace) -> None:
             comm.update_topology()
         else:
             time.sleep(0.01)
+    world = comm.group_world_size
+    # The other buffer of an all_gather (its input) or reduce_scatter (its output), per buffer.
+    blocks: dict[int, np.ndarray] = {}
+
+    def block_of(x: np.ndarray) -> np.ndarray:
+        return blocks.setdefault(id(x), np.ones(len(x) // world, x.dtype))
+
     def batch(xs: list[np.ndarray]) -> str:
+        if args.op == "all_gather":
+            return comm.all_gather(xs[0], block_of(xs[0])).algorithm
+        if args.op == "reduce_scatter":
+            return comm.reduce_scatter(block_of(xs[0]), xs[0], op=args.reduction).algorithm
+        if args.op == "broadcast":
+            return comm.broadcast(xs[0], root=0, algorithm=args.algorithm).algorithm
         if len(xs) == 1:
-            return comm.all_reduce(xs[0], op=args.op, algorithm=args.algorithm).algorithm
-        works = [comm.all_reduce_async(x, op=args.op, tag=i, algorithm=args.algorithm) for i, x in enumerate(xs)]
+            return comm.all_reduce(xs[0], op=args.reduction, algorithm=args.algorithm).algorithm
+        works = [comm.all_reduce_async(x, op=args.reduction, tag=i, algorithm=args.algorithm) for i, x in enumerate(xs)]
         return [work.wait() for work in works][-1].algorithm
 
     sizes = parse_sizes(args.sizes)
+    if args.op in ("all_gather", "reduce_scatter"):
+        # Whole blocks: a multiple of the world's size in elements.
+        item = np.dtype(args.dtype).itemsize
+        sizes = [max(1, size // item // world) * world * item for size in sizes]
     run_loop(batch, sizes, args.dtype, max_iters=args.max_iters, in_flight=args.in_flight)
     comm.close()
 
@@ -171,7 +199,8 @@ def run(
     sizes: str,
     *,
     dtype: str = "float32",
-    op: str = "sum",
+    op: str = "all_reduce",
+    reduction: str = "sum",
     master_addr: Optional[str] = None,
     connections: Optional[int] = None,
     chunk_bytes: Optional[int] = None,
@@ -202,7 +231,8 @@ def run(
             master = stack.enter_context(shoal.Master("127.0.0.1:0"))
             master_addr = master.address
         argv = [sys.executable, "-m", "shoal.bench", "--worker", "--master", master_addr, "--sizes", sizes]
-        argv += ["--dtype", dtype, "--op", op, "--peers", str(peers), "--max-iters", str(max_iters)]
+        argv += ["--dtype", dtype, "--op", op, "--reduction", reduction, "--peers", str(peers)]
+        argv += ["--max-iters", str(max_iters)]
         argv += ["--in-flight", str(in_flight)]
         if algorithm is not None:
             argv += ["--algorithm", algorithm]
@@ -211,7 +241,7 @@ def run(
         if chunk_bytes is not None:
             argv += ["--chunk-bytes", str(chunk_bytes)]
         outputs = spawn_workers(lambda i: place(i, argv), peers)
-    return summarize(outputs, peers)
+    return summarize(outputs, peers, op)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -220,7 +250,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--master", help="join this master instead of starting one")
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help=f"bytes per all-reduce (default {DEFAULT_SIZES})")
     parser.add_argument("--dtype", default="float32", help="numpy dtype (default float32)")
-    parser.add_argument("--op", default="sum", help="reduction (default sum)")
+    parser.add_argument("--op", default="all_reduce",
+                        help=f"collective: {', '.join(BUS_FACTOR)} (default all_reduce)")
+    parser.add_argument("--reduction", default="sum", choices=REDUCTIONS, help="reduction operator (default sum)")
     parser.add_argument("--connections", type=int, default=None, help="TCP connections per peer pair")
     parser.add_argument("--chunk-bytes", type=int, default=None, help="ring pipeline chunk")
     parser.add_argument("--max-iters", type=int, default=_MAX_ITERS,
@@ -237,10 +269,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parse_sizes(args.sizes)
     if args.worker:
         return _worker(args)
+    if args.op in REDUCTIONS:  # the flag's earlier meaning: all_reduce with that operator
+        args.op, args.reduction = "all_reduce", args.op
+    if args.op not in BUS_FACTOR:
+        parser.error(f"--op {args.op}: expected one of {', '.join(BUS_FACTOR)}")
     if args.peers < 1 or args.max_iters < 1 or args.in_flight < 1:
         parser.error("--peers, --max-iters and --in-flight must be at least 1")
+    if args.in_flight > 1 and args.op != "all_reduce":
+        parser.error("--in-flight runs all_reduce_async: only with --op all_reduce")
 
-    rows = run(args.peers, args.sizes, dtype=args.dtype, op=args.op, master_addr=args.master,
+    rows = run(args.peers, args.sizes, dtype=args.dtype, op=args.op, reduction=args.reduction, master_addr=args.master,
                connections=args.connections, chunk_bytes=args.chunk_bytes, lab=args.lab,
                hosts=args.hosts.split(",") if args.hosts else None, max_iters=args.max_iters,
                in_flight=args.in_flight, algorithm=args.algorithm)
@@ -248,7 +286,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print(format_table(rows, f"shoal all_reduce, {args.peers} peers, {args.dtype} {args.op}, master {where}"))
+        title = f"shoal {args.op}, {args.peers} peers, {args.dtype} {args.reduction}, master {where}"
+        print(format_table(rows, title))
 
 
 if __name__ == "__main__":

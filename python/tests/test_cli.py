@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import shoal
 
@@ -67,6 +68,17 @@ def test_bench_runs_the_algorithm_asked_for():
                           "20", "--json"], capture_output=True, text=True, timeout=120, check=True).stdout
     (row,) = json.loads(out)
     assert row["op"] == "all_reduce/oneshot", row
+
+
+@pytest.mark.parametrize("op,factor", [("all_gather", 2 / 3), ("reduce_scatter", 2 / 3), ("broadcast", 1.0)])
+def test_bench_runs_every_collective_with_its_bus_bandwidth(op, factor):
+    out = subprocess.run([*SHOAL, "bench", "--peers", "3", "--sizes", "64K", "--op", op, "--max-iters", "10",
+                          "--json"], capture_output=True, text=True, timeout=120, check=True).stdout
+    (row,) = json.loads(out)
+    assert row["op"].startswith(op + "/") and row["peers"] == 3, row
+    assert abs(row["busbw_gbs"] - factor * row["algbw_gbs"]) < 1e-9 + 1e-6 * row["algbw_gbs"], row
+    # all_gather and reduce_scatter move whole blocks: a multiple of the world's size.
+    assert row["count"] % 3 == 0 or op == "broadcast", row
 
 
 def test_demo_runs_to_the_end():
