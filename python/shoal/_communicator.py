@@ -181,8 +181,7 @@ class Communicator:
         straight from the root to every peer among three or more (``algorithm="oneshot"``),
         larger ones around the ring. On :class:`PeerLostError` every tensor is as it was."""
         _check_tag(tag)
-        if isinstance(root, bool) or not isinstance(root, int) or root < 0:
-            raise ValueError(f"root must be a rank, got {root!r}")
+        _check_root(root)
         view, dtype = _byte_view(tensor)
         return self._native.broadcast_bytes(view, dtype, root, tag, algorithm)
 
@@ -190,6 +189,33 @@ class Communicator:
         """Return once every peer of the group called it: one hop of tokens among them."""
         _check_tag(tag)
         return self._native.barrier(tag)
+
+    def all_gather_async(self, out: Any, inp: Any, *, tag: int = 0) -> "Work":
+        """Start :meth:`all_gather` and return at once (``inp`` is copied first); see
+        :meth:`all_reduce_async` for tags and what not to touch until :meth:`Work.wait`."""
+        _check_tag(tag)
+        (out_view, dtype), (inp_view, inp_dtype) = _byte_view(out), _byte_view(inp, writable=False)
+        _same_dtype(dtype, inp_dtype)
+        return Work(self._native.all_gather_bytes_async(out_view, inp_view, dtype, tag))
+
+    def reduce_scatter_async(self, out: Any, inp: Any, *, op: str = "sum", tag: int = 0) -> "Work":
+        """Start :meth:`reduce_scatter` and return at once (``inp`` is copied first)."""
+        _check_tag(tag)
+        (out_view, dtype), (inp_view, inp_dtype) = _byte_view(out), _byte_view(inp, writable=False)
+        _same_dtype(dtype, inp_dtype)
+        return Work(self._native.reduce_scatter_bytes_async(out_view, inp_view, dtype, op, tag))
+
+    def broadcast_async(self, tensor: Any, *, root: int = 0, tag: int = 0, algorithm: Optional[str] = None) -> "Work":
+        """Start :meth:`broadcast` and return at once."""
+        _check_tag(tag)
+        _check_root(root)
+        view, dtype = _byte_view(tensor)
+        return Work(self._native.broadcast_bytes_async(view, dtype, root, tag, algorithm))
+
+    def barrier_async(self, *, tag: int = 0) -> "Work":
+        """Start :meth:`barrier` and return at once."""
+        _check_tag(tag)
+        return Work(self._native.barrier_async(tag))
 
     def links(self) -> "list[dict[str, int]]":
         """Our links in the topology in force: one per member we exchanged data with, opened
@@ -300,6 +326,11 @@ class Work:
 def _same_dtype(out: str, inp: str) -> None:
     if out != inp:
         raise TypeError(f"out holds {out} and inp {inp}: both must be of one dtype")
+
+
+def _check_root(root: Any) -> None:
+    if isinstance(root, bool) or not isinstance(root, int) or root < 0:
+        raise ValueError(f"root must be a rank, got {root!r}")
 
 
 def _check_tag(tag: Any) -> None:

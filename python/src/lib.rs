@@ -105,6 +105,13 @@ fn not_contiguous(name: &str) -> PyErr {
     PyValueError::new_err(format!("{name} is not contiguous"))
 }
 
+/// `buf`'s memory, to lend to a collective in flight (the `NativeWork` keeps `buf` alive).
+fn lend(buf: &Bound<'_, PyArray1<u8>>, name: &str) -> PyResult<Lent> {
+    let mut view = writable(buf, name)?;
+    let bytes = contiguous_mut(&mut view, name)?;
+    Ok(Lent { ptr: bytes.as_mut_ptr(), len: bytes.len() })
+}
+
 /// A numpy array's memory lent to a collective in flight. The `NativeWork` holding it also holds
 /// the array, so the memory outlives the collective.
 struct Lent {
@@ -134,9 +141,32 @@ impl AsMut<[u8]> for Lent {
 #[pyclass(frozen, module = "shoal._native")]
 struct NativeWork {
     comm: Arc<Core>,
-    work: Mutex<Work<Lent>>,
-    /// The uint8 view whose memory the collective uses.
-    _buf: Py<PyArray1<u8>>,
+    work: Mutex<Box<dyn Pending>>,
+    /// The uint8 view whose memory the collective uses, if it uses one.
+    _buf: Option<Py<PyArray1<u8>>>,
+}
+
+/// A collective in flight, whatever buffer it holds.
+trait Pending: Send {
+    fn wait(&mut self, comm: &Core, timeout: Option<Duration>) -> Result<Info, Error>;
+    fn done(&self, comm: &Core) -> bool;
+}
+
+impl<B: Send + 'static> Pending for Work<B> {
+    fn wait(&mut self, comm: &Core, timeout: Option<Duration>) -> Result<Info, Error> {
+        comm.wait(self, timeout)
+    }
+
+    fn done(&self, comm: &Core) -> bool {
+        comm.done(self)
+    }
+}
+
+impl NativeWork {
+    fn new(comm: &Arc<Core>, work: impl Pending + 'static, buf: Option<&Bound<'_, PyArray1<u8>>>) -> Self {
+        let buf = buf.map(|b| b.clone().unbind());
+        NativeWork { comm: Arc::clone(comm), work: Mutex::new(Box::new(work)), _buf: buf }
+    }
 }
 
 #[pymethods]
@@ -147,7 +177,7 @@ impl NativeWork {
         let timeout = timeout.map(|t| seconds("timeout", &t)).transpose()?;
         py.detach(|| {
             let mut work = self.work.lock().unwrap_or_else(PoisonError::into_inner);
-            self.comm.wait(&mut work, timeout)
+            work.wait(&self.comm, timeout)
         })
         .map(ReduceInfo::from)
         .map_err(to_py)
@@ -157,7 +187,7 @@ impl NativeWork {
     fn done(&self, py: Python<'_>) -> bool {
         py.detach(|| {
             let work = self.work.lock().unwrap_or_else(PoisonError::into_inner);
-            self.comm.done(&work)
+            work.done(&self.comm)
         })
     }
 }
@@ -166,8 +196,8 @@ impl Drop for NativeWork {
     /// A collective dropped in flight still writes into the array: it is waited for first.
     fn drop(&mut self) {
         let work = self.work.get_mut().unwrap_or_else(PoisonError::into_inner);
-        if !self.comm.done(work) {
-            let _ = self.comm.wait(work, None);
+        if !work.done(&self.comm) {
+            let _ = work.wait(&self.comm, None);
         }
     }
 }
@@ -319,12 +349,62 @@ impl Communicator {
         algorithm: Option<&str>,
     ) -> PyResult<NativeWork> {
         let (dtype, op, algorithm) = reduction(dtype, op, algorithm)?;
-        let mut view = writable(buf, "tensor")?;
-        let bytes = contiguous_mut(&mut view, "tensor")?;
-        let lent = Lent { ptr: bytes.as_mut_ptr(), len: bytes.len() };
-        drop(view);
-        let work = self.inner.all_reduce_async(lent, dtype, op, tag, algorithm).map_err(to_py)?;
-        Ok(NativeWork { comm: Arc::clone(&self.inner), work: Mutex::new(work), _buf: buf.clone().unbind() })
+        let work = self.inner.all_reduce_async(lend(buf, "tensor")?, dtype, op, tag, algorithm).map_err(to_py)?;
+        Ok(NativeWork::new(&self.inner, work, Some(buf)))
+    }
+
+    /// Starts `all_gather_bytes` and returns at once; `inp` is copied first.
+    fn all_gather_bytes_async(
+        &self,
+        out: &Bound<'_, PyArray1<u8>>,
+        inp: &Bound<'_, PyArray1<u8>>,
+        dtype: &str,
+        tag: u64,
+    ) -> PyResult<NativeWork> {
+        let dtype = element_type(dtype)?;
+        let lent = lend(out, "out")?;
+        let inp = readable(inp, "inp")?;
+        let inp = inp.as_slice().map_err(|_| not_contiguous("inp"))?;
+        let work = self.inner.all_gather_async(lent, inp, dtype, tag).map_err(to_py)?;
+        Ok(NativeWork::new(&self.inner, work, Some(out)))
+    }
+
+    /// Starts `reduce_scatter_bytes` and returns at once; `inp` is copied first.
+    fn reduce_scatter_bytes_async(
+        &self,
+        out: &Bound<'_, PyArray1<u8>>,
+        inp: &Bound<'_, PyArray1<u8>>,
+        dtype: &str,
+        op: &str,
+        tag: u64,
+    ) -> PyResult<NativeWork> {
+        let (dtype, op) = (element_type(dtype)?, reduce_op(op)?);
+        let lent = lend(out, "out")?;
+        let inp = readable(inp, "inp")?;
+        let inp = inp.as_slice().map_err(|_| not_contiguous("inp"))?;
+        let work = self.inner.reduce_scatter_async(lent, inp, dtype, op, tag).map_err(to_py)?;
+        Ok(NativeWork::new(&self.inner, work, Some(out)))
+    }
+
+    /// Starts `broadcast_bytes` and returns at once.
+    #[pyo3(signature = (buf, dtype, root, tag, algorithm=None))]
+    fn broadcast_bytes_async(
+        &self,
+        buf: &Bound<'_, PyArray1<u8>>,
+        dtype: &str,
+        root: usize,
+        tag: u64,
+        algorithm: Option<&str>,
+    ) -> PyResult<NativeWork> {
+        let (dtype, _, algorithm) = reduction(dtype, "sum", algorithm)?;
+        let work = self.inner.broadcast_async(lend(buf, "tensor")?, dtype, root, tag, algorithm).map_err(to_py)?;
+        Ok(NativeWork::new(&self.inner, work, Some(buf)))
+    }
+
+    /// Starts `barrier` and returns at once.
+    fn barrier_async(&self, tag: u64) -> PyResult<NativeWork> {
+        let work = self.inner.barrier_async(tag).map_err(to_py)?;
+        Ok(NativeWork::new(&self.inner, work, None))
     }
 
     /// All-reduces every `(buf, dtype)` of `bufs` like `all_reduce_bytes`, `max_in_flight` at a

@@ -55,6 +55,11 @@ def test_all_gather_reduce_scatter_and_broadcast_match_numpy_on_every_peer(maste
                     np.testing.assert_allclose(got, want, rtol=2e-3 if dtype == "float16" else 1e-6)
                 else:
                     assert got.tobytes() == want.tobytes(), (dtype, op, r)
+    # The verbs in flight together (checked by each worker against its own results) and an
+    # all-reduce among them.
+    want = _reduce([inputs("float32", "sum", r) for r in range(peers)], "float32", "sum")
+    for r in range(peers):
+        assert by_rank[r]["async/all_reduce"].tobytes() == want.tobytes()
 
 
 def _reduce(xs: list, dtype: str, op: str) -> np.ndarray:

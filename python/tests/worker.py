@@ -84,6 +84,19 @@ def verbs(spec: dict) -> dict:
             assert info.algorithm == algorithm, info
             results[f"broadcast/{dtype}/{algorithm}"] = t
     comm.barrier(tag=4)
+    # Every verb in flight at once, with an all-reduce: the same results as one by one.
+    dtype = "float32"
+    x, out, block = inputs(dtype, "sum", rank), np.zeros(LEN * n, dtype), np.zeros(LEN, dtype)
+    inp = np.concatenate([inputs(dtype, "max", rank * n + b) for b in range(n)])
+    t, r = inputs(dtype, "sum", rank), inputs(dtype, "sum", rank)
+    works = [comm.all_gather_async(out, x, tag=10), comm.reduce_scatter_async(block, inp, op="max", tag=11),
+             comm.broadcast_async(t, root=n - 1, tag=12), comm.barrier_async(tag=13),
+             comm.all_reduce_async(r, op="sum", tag=14)]
+    assert all(w.wait(timeout=60).world_size == n for w in works)
+    assert out.tobytes() == results[f"gather/{dtype}"].tobytes()
+    assert block.tobytes() == results[f"scatter/{dtype}/max"].tobytes()
+    assert t.tobytes() == results[f"broadcast/{dtype}/ring"].tobytes()
+    results["async/all_reduce"] = r
     np.savez(spec["out"] + ".npz", **results)
     return {"rank": rank}
 

@@ -271,10 +271,7 @@ impl Communicator {
     pub fn all_gather(&self, out: &mut [u8], inp: &[u8], dtype: DType, tag: u64) -> Result<Info> {
         check_buffer(out, dtype)?;
         check_buffer(inp, dtype)?;
-        let request =
-            Request { kind: CollectiveKind::AllGather, dtype, op: ReduceOp::Sum, tag, root: 0, algorithm: None };
-        let inp = RawBuf::new_shared(inp);
-        self.collective(RawBuf::new(out), request, Extra::Gather { inp, before: None })
+        self.collective(RawBuf::new(out), gather_request(dtype, tag), Extra::Gather { inp: inp.to_vec(), before: None })
     }
 
     /// Reduces every member's `inp` block by block and leaves block `r` in member `r`'s `out`:
@@ -285,12 +282,8 @@ impl Communicator {
     pub fn reduce_scatter(&self, out: &mut [u8], inp: &[u8], dtype: DType, op: ReduceOp, tag: u64) -> Result<Info> {
         check_buffer(out, dtype)?;
         check_buffer(inp, dtype)?;
-        let request = Request { kind: CollectiveKind::ReduceScatter, dtype, op, tag, root: 0, algorithm: None };
-        // The schedule reduces into its buffer: a copy of the input, whose block goes to `out`.
-        let mut work = AlignedBytes::copy_of(inp);
-        let buf = RawBuf::new(work.as_mut());
-        let extra = Extra::Scatter { out: RawBuf::new(out), _work: work };
-        self.collective(buf, request, extra)
+        let (buf, extra) = scatter_work(out, inp);
+        self.collective(buf, scatter_request(dtype, op, tag), extra)
     }
 
     /// Copies member `root`'s `buf` into every other member's `buf`.
@@ -316,15 +309,7 @@ impl Communicator {
     /// # Errors
     /// As [`Communicator::all_reduce`].
     pub fn barrier(&self, tag: u64) -> Result<Info> {
-        let request = Request {
-            kind: CollectiveKind::Barrier,
-            dtype: DType::U8,
-            op: ReduceOp::Sum,
-            tag,
-            root: 0,
-            algorithm: None,
-        };
-        self.collective(RawBuf::new(&mut []), request, Extra::None)
+        self.collective(RawBuf::new(&mut []), barrier_request(tag), Extra::None)
     }
 
     /// Runs collective `request` over `buf` and waits for it.
@@ -362,16 +347,94 @@ impl Communicator {
     where
         B: AsMut<[u8]> + Send + 'static,
     {
-        let c = self.connected()?;
         check_buffer(buf.as_mut(), dtype)?;
-        let mut owned: Box<B> = Box::new(buf);
-        let raw = RawBuf::new((*owned).as_mut());
-        let mut data = self.lock_data();
         let request = Request { kind: CollectiveKind::AllReduce, dtype, op, tag, root: 0, algorithm };
-        let call = self.start_collective(&c, &mut data, raw, Some(owned), request, Extra::None)?;
+        self.start_async(buf, request, |b| (RawBuf::new(b.as_mut()), Extra::None))
+    }
+
+    /// Starts [`Communicator::all_gather`] into `out` and returns at once, like
+    /// [`Communicator::all_reduce_async`]; `inp` is copied before it returns.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_reduce_async`].
+    pub fn all_gather_async<B>(&self, mut out: B, inp: &[u8], dtype: DType, tag: u64) -> Result<Work<B>>
+    where
+        B: AsMut<[u8]> + Send + 'static,
+    {
+        check_buffer(out.as_mut(), dtype)?;
+        check_buffer(inp, dtype)?;
+        let extra = Extra::Gather { inp: inp.to_vec(), before: None };
+        self.start_async(out, gather_request(dtype, tag), |b| (RawBuf::new(b.as_mut()), extra))
+    }
+
+    /// Starts [`Communicator::reduce_scatter`] into `out` and returns at once, like
+    /// [`Communicator::all_reduce_async`]; `inp` is copied before it returns.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_reduce_async`].
+    pub fn reduce_scatter_async<B>(
+        &self,
+        mut out: B,
+        inp: &[u8],
+        dtype: DType,
+        op: ReduceOp,
+        tag: u64,
+    ) -> Result<Work<B>>
+    where
+        B: AsMut<[u8]> + Send + 'static,
+    {
+        check_buffer(out.as_mut(), dtype)?;
+        check_buffer(inp, dtype)?;
+        self.start_async(out, scatter_request(dtype, op, tag), |b| scatter_work(b.as_mut(), inp))
+    }
+
+    /// Starts [`Communicator::broadcast`] of `buf` and returns at once, like
+    /// [`Communicator::all_reduce_async`].
+    ///
+    /// # Errors
+    /// As [`Communicator::all_reduce_async`].
+    pub fn broadcast_async<B>(
+        &self,
+        mut buf: B,
+        dtype: DType,
+        root: usize,
+        tag: u64,
+        algorithm: Option<Algorithm>,
+    ) -> Result<Work<B>>
+    where
+        B: AsMut<[u8]> + Send + 'static,
+    {
+        check_buffer(buf.as_mut(), dtype)?;
+        let request = Request { kind: CollectiveKind::Broadcast, dtype, op: ReduceOp::Sum, tag, root, algorithm };
+        self.start_async(buf, request, |b| (RawBuf::new(b.as_mut()), Extra::None))
+    }
+
+    /// Starts [`Communicator::barrier`] and returns at once.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_reduce_async`].
+    pub fn barrier_async(&self, tag: u64) -> Result<Work<()>> {
+        self.start_async((), barrier_request(tag), |_| (RawBuf::new(&mut []), Extra::None))
+    }
+
+    /// Registers collective `request` over `buf`, which the engine keeps until it ended
+    /// (`lend` says which memory of it the schedule works on), posts it if it may run, and
+    /// leaves it to the progress thread.
+    fn start_async<B: Send + 'static>(
+        &self,
+        buf: B,
+        request: Request,
+        lend: impl FnOnce(&mut B) -> (RawBuf, Extra),
+    ) -> Result<Work<B>> {
+        let c = self.connected()?;
+        let mut owned: Box<B> = Box::new(buf);
+        let (raw, extra) = lend(&mut owned);
+        let mut data = self.lock_data();
+        let call = self.start_collective(&c, &mut data, raw, Some(owned), request, extra)?;
         // Post it now if it may run: the progress thread drives it from there.
-        self.driver.drive(&c.control, &c.listener, &mut data, None, Some(Instant::now()), "all_reduce", |_, a| {
-            unreachable!("all_reduce asked for {a:?}")
+        let operation = request.kind.name();
+        self.driver.drive(&c.control, &c.listener, &mut data, None, Some(Instant::now()), operation, |_, a| {
+            unreachable!("{operation} asked for {a:?}")
         });
         drop(data);
         self.progress_thread(&c).unpark();
@@ -800,7 +863,8 @@ fn fits(record: &Collective, world: usize) -> std::result::Result<(), String> {
     if whole != world * block {
         let what = if matches!(record.extra, Extra::Gather { .. }) { "output" } else { "input" };
         return Err(format!(
-            "{kind}'s {what} holds {whole} bytes, not {world} blocks of {block} bytes: the group has {world} members"
+            "{kind}'s {what} holds {whole} bytes, not {world} blocks of {block} bytes: the group has {world} member{}",
+            if world == 1 { "" } else { "s" }
         ));
     }
     Ok(())
@@ -871,10 +935,10 @@ struct Request {
 /// What a collective does with the caller's buffers besides its schedule's.
 enum Extra {
     None,
-    /// All-gather: the caller's input, copied into its block of the output when posted, and
-    /// what that block held, put back if it fails.
+    /// All-gather: a copy of the caller's input, copied into its block of the output when
+    /// posted, and what that block held, put back if it fails.
     Gather {
-        inp: RawBuf,
+        inp: Vec<u8>,
         before: Option<Vec<u8>>,
     },
     /// Reduce-scatter: where our block of the reduced copy of the input goes on success; the
@@ -883,6 +947,26 @@ enum Extra {
         out: RawBuf,
         _work: AlignedBytes,
     },
+}
+
+fn gather_request(dtype: DType, tag: u64) -> Request {
+    Request { kind: CollectiveKind::AllGather, dtype, op: ReduceOp::Sum, tag, root: 0, algorithm: None }
+}
+
+fn scatter_request(dtype: DType, op: ReduceOp, tag: u64) -> Request {
+    Request { kind: CollectiveKind::ReduceScatter, dtype, op, tag, root: 0, algorithm: None }
+}
+
+fn barrier_request(tag: u64) -> Request {
+    Request { kind: CollectiveKind::Barrier, dtype: DType::U8, op: ReduceOp::Sum, tag, root: 0, algorithm: None }
+}
+
+/// A reduce-scatter's buffers: the schedule reduces into a copy of the input, whose block goes
+/// to `out` on success.
+fn scatter_work(out: &mut [u8], inp: &[u8]) -> (RawBuf, Extra) {
+    let mut work = AlignedBytes::copy_of(inp);
+    let buf = RawBuf::new(work.as_mut());
+    (buf, Extra::Scatter { out: RawBuf::new(out), _work: work })
 }
 
 /// Bytes aligned for every element type.
@@ -1138,7 +1222,7 @@ impl Driver {
         if let Extra::Gather { inp, before } = &mut record.extra {
             let block = rank * inp.len()..(rank + 1) * inp.len();
             *before = Some(record.buf.read(block.clone()));
-            record.buf.write(block.start, &inp.read(0..inp.len()));
+            record.buf.write(block.start, inp);
         }
         let spec = OpSpec {
             header,
@@ -1278,11 +1362,20 @@ impl Driver {
         let traffic = taken.as_ref().map(|t| t.traffic).unwrap_or_default();
         let (request, operation) = (record.request, record.request.kind.name());
         let outcome = match result {
+            // A group of one posts nothing: its buffers must fit it all the same.
+            Ok(Value::Collective(_)) if record.posted.is_none() && fits(&record, 1).is_err() => {
+                Err(Error::Misuse(fits(&record, 1).expect_err("checked")))
+            }
             Ok(Value::Collective(id)) => {
                 failpoint("all_reduce.after_commit");
-                if let (Extra::Scatter { out, .. }, Some(posted)) = (&record.extra, record.posted) {
-                    let block = posted.rank * out.len()..(posted.rank + 1) * out.len();
-                    out.write(0, &record.buf.read(block));
+                let rank = record.posted.map_or(0, |p| p.rank);
+                match &record.extra {
+                    Extra::Scatter { out, .. } => {
+                        out.write(0, &record.buf.read(rank * out.len()..(rank + 1) * out.len()))
+                    }
+                    // Posted, the input went into place then; alone, it is all there is.
+                    Extra::Gather { inp, .. } if record.posted.is_none() => record.buf.write(0, inp),
+                    _ => {}
                 }
                 Ok(Info {
                     world_size: record.posted.map_or(1, |p| p.world),

@@ -138,11 +138,6 @@ impl RawBuf {
         RawBuf { ptr: NonNull::new(buf.as_mut_ptr()).unwrap_or(NonNull::dangling()), len: buf.len() }
     }
 
-    /// A buffer the engine only reads (a caller's input, copied out of it).
-    pub fn new_shared(buf: &[u8]) -> Self {
-        RawBuf { ptr: NonNull::new(buf.as_ptr().cast_mut()).unwrap_or(NonNull::dangling()), len: buf.len() }
-    }
-
     pub fn len(&self) -> usize {
         self.len
     }
@@ -155,8 +150,7 @@ impl RawBuf {
         whole[range].to_vec()
     }
 
-    /// Writes `bytes` at `at`, under the promise of [`RawBuf::read`]; never to a buffer made
-    /// with [`RawBuf::new_shared`].
+    /// Writes `bytes` at `at`, under the promise of [`RawBuf::read`].
     pub fn write(&self, at: usize, bytes: &[u8]) {
         // SAFETY: the caller's promise, as above.
         let whole = unsafe { self.slice() };
