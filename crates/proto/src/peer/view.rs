@@ -383,7 +383,7 @@ impl PeerView {
     pub fn start_collective(&mut self) -> Result<(Epoch, u64), (Epoch, u64, OpFailure)> {
         if let Some(missed) = self.missed.pop_front() {
             // It failed in the topology we left, like the others' calls of it.
-            self.failed_in = Some(missed.0);
+            self.failed_in = self.failed_in.max(Some(missed.0));
             return Err(missed);
         }
         let (epoch, _) = self.committed.as_ref().expect("a collective needs a topology in force");
@@ -461,11 +461,13 @@ impl PeerView {
     }
 
     /// Records how a collective of `epoch` ended. Several run at once and end in any order, so
-    /// only a success in a later topology than the failure forgets it: every member then comes
-    /// to the same answer in [`PeerView::vote_needed`], whatever order its collectives ended in.
+    /// only a success in a later topology than the latest failure forgets it: every member then
+    /// comes to the same answer in [`PeerView::vote_needed`], whatever order its collectives
+    /// ended in (a failure in topology 5, then one in 6 and a success in 6 leave the failure in 6
+    /// standing: the ring re-forms after it).
     pub fn collective_ended(&mut self, epoch: Epoch, ok: bool) {
         if !ok {
-            self.failed_in.get_or_insert(epoch);
+            self.failed_in = self.failed_in.max(Some(epoch));
         } else if self.failed_in.is_some_and(|failed| failed < epoch) {
             self.failed_in = None;
         }
@@ -561,6 +563,32 @@ mod tests {
         v.call_ended(true);
         commit(&mut v, 3);
         assert!(v.vote_needed(), "a success since the failure: a real vote");
+    }
+
+    /// Collectives end in any order: a failure in topology 1, then one in 2 and a success in 2
+    /// (the batch of a failed iteration ran on in the re-formed ring, half of it failed again)
+    /// leave the failure in 2 standing, so that an `update_topology` once the ring re-formed
+    /// after it is a no-op here as on the members whose collectives ended in another order
+    /// (simulated seed 944 found a member voting in the ring the others had already left).
+    #[test]
+    fn a_success_forgets_only_failures_of_earlier_topologies() {
+        let mut v = registered_alone();
+        commit(&mut v, 1);
+        v.collective_ended(Epoch(1), false);
+        commit(&mut v, 2);
+        v.collective_ended(Epoch(2), false);
+        v.collective_ended(Epoch(2), true);
+        commit(&mut v, 3);
+        assert!(!v.vote_needed(), "re-formed after the failure in 2: nothing to vote on");
+        // In the other order the answer is the same.
+        let mut w = registered_alone();
+        commit(&mut w, 1);
+        w.collective_ended(Epoch(1), false);
+        commit(&mut w, 2);
+        w.collective_ended(Epoch(2), true);
+        w.collective_ended(Epoch(2), false);
+        commit(&mut w, 3);
+        assert!(!w.vote_needed());
     }
 
     /// A member that had not started the collective the others failed (it joined the re-formed
