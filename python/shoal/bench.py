@@ -262,7 +262,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     parser.add_argument("--in-flight", type=int, default=1,
                         help="all-reduces of each size started at once per iteration (default 1)")
-    parser.add_argument("--algorithm", choices=["auto", "ring", "oneshot"], default=None,
+    parser.add_argument("--algorithm", choices=["auto", "ring", "oneshot", "twoshot"], default=None,
                         help="all-reduce algorithm (default: chosen per size)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -12,6 +12,7 @@ mod kernels;
 pub mod oneshot;
 pub mod ring;
 pub mod schedule;
+pub mod twoshot;
 
 pub use dtype::{CollectiveKind, DType, ReduceOp};
 pub use kernels::{finish_avg, reduce_into, KernelError};

@@ -60,10 +60,10 @@ pub fn all_reduce(rank: usize, world: usize, len: usize, chunk_elems: usize) -> 
             if let Some(i) = after_recv {
                 debug_assert_eq!(recvs[i].range, range, "pipeline dependency on another chunk");
             }
-            sends.push(SendUnit { to: next, range, after_recv });
+            sends.push(SendUnit { to: next, range, after_recv, after_combine: false });
         }
     }
-    Schedule { world, rank, sends, recvs, confirm: Confirm::Ring }
+    Schedule { world, rank, sends, recvs, confirm: Confirm::Ring, combine: None }
 }
 
 /// The ring all-gather of `rank` among `world` ranks over a buffer of `world` blocks of `block`
@@ -102,7 +102,8 @@ pub fn broadcast(rank: usize, world: usize, root: usize, len: usize, chunk_elems
     assert!(world > 0 && rank < world && root < world, "rank {rank} or root {root} outside a ring of {world}");
     assert!(chunk_elems > 0, "chunk size of zero elements");
     let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
-    let mut schedule = Schedule { world, rank, sends: Vec::new(), recvs: Vec::new(), confirm: Confirm::Ring };
+    let mut schedule =
+        Schedule { world, rank, sends: Vec::new(), recvs: Vec::new(), confirm: Confirm::Ring, combine: None };
     if world == 1 {
         return schedule;
     }
@@ -112,7 +113,7 @@ pub fn broadcast(rank: usize, world: usize, root: usize, len: usize, chunk_elems
         }
         if next != root {
             let after_recv = (rank != root).then_some(c);
-            schedule.sends.push(SendUnit { to: next, range, after_recv });
+            schedule.sends.push(SendUnit { to: next, range, after_recv, after_combine: false });
         }
     }
     schedule
@@ -139,10 +140,10 @@ fn steps(
         recvs.extend(chunks(recv, chunk_elems).map(|range| RecvUnit { from: prev, range, action }));
         for (c, range) in chunks(send, chunk_elems).enumerate() {
             let after_recv = s.checked_sub(1).map(|p| recv_step_start[p] + c);
-            sends.push(SendUnit { to: next, range, after_recv });
+            sends.push(SendUnit { to: next, range, after_recv, after_combine: false });
         }
     }
-    Schedule { world, rank, sends, recvs, confirm: Confirm::Ring }
+    Schedule { world, rank, sends, recvs, confirm: Confirm::Ring, combine: None }
 }
 
 /// The elements of segment `j` when `len` elements are cut into `world` nearly equal segments:

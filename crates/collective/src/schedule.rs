@@ -24,6 +24,20 @@ pub struct Schedule {
     pub recvs: Vec<RecvUnit>,
     /// How the participants confirm that each holds the result, once its data moved.
     pub confirm: Confirm,
+    /// Where the inputs kept aside are folded into the buffer, if anywhere.
+    pub combine: Option<Combine>,
+}
+
+/// The fold of every rank's input over `range` (elements), in rank order: this rank's own from
+/// its buffer, the others' from what it kept aside ([`RecvAction::Stash`]). It runs once every
+/// unit to keep aside arrived and at least `after_sends` of this rank's sends left (those that
+/// read the range); sends marked [`SendUnit::after_combine`] wait for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Combine {
+    /// Elements folded.
+    pub range: Range<usize>,
+    /// Sends that must have left first.
+    pub after_sends: usize,
 }
 
 /// One chunk this rank sends.
@@ -35,6 +49,8 @@ pub struct SendUnit {
     pub range: Range<usize>,
     /// Index into `recvs` of the unit that must be complete before this one is sent.
     pub after_recv: Option<usize>,
+    /// Whether it waits for the fold ([`Schedule::combine`]): it sends folded elements.
+    pub after_combine: bool,
 }
 
 /// One chunk this rank receives.
@@ -59,8 +75,7 @@ pub enum RecvAction {
     },
     /// Copy into the local buffer.
     Copy,
-    /// Keep aside as the sender's input: once every unit moved, the buffer becomes every rank's
-    /// input reduced in rank order ([`Schedule::combines`]).
+    /// Keep aside as the sender's input, for the fold ([`Schedule::combine`]).
     Stash,
 }
 
@@ -74,10 +89,9 @@ pub enum Confirm {
 }
 
 impl Schedule {
-    /// Whether the result is every rank's input reduced in rank order once everything moved
-    /// (the schedule stashes what it receives).
+    /// Whether part of the result is every rank's input folded in rank order.
     pub fn combines(&self) -> bool {
-        self.recvs.iter().any(|u| u.action == RecvAction::Stash)
+        self.combine.is_some()
     }
 
     /// The ranks this rank sends chunks or tokens to.
@@ -127,17 +141,21 @@ pub enum Algorithm {
     Ring,
     /// Every rank's buffer to every other ([`crate::oneshot`]): one round trip.
     OneShot,
+    /// Every block straight to its owner, then every owner's result straight to every other
+    /// ([`crate::twoshot`]): two hops, the ring's bytes.
+    TwoShot,
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 2] = [Algorithm::Ring, Algorithm::OneShot];
+    pub const ALL: [Algorithm; 3] = [Algorithm::Ring, Algorithm::OneShot, Algorithm::TwoShot];
 
     /// Wire code.
     pub fn code(self) -> u8 {
         match self {
             Algorithm::Ring => 1,
             Algorithm::OneShot => 2,
+            Algorithm::TwoShot => 3,
         }
     }
 
@@ -151,6 +169,7 @@ impl Algorithm {
         match self {
             Algorithm::Ring => "ring",
             Algorithm::OneShot => "oneshot",
+            Algorithm::TwoShot => "twoshot",
         }
     }
 
@@ -162,7 +181,8 @@ impl Algorithm {
     /// Whether it runs collectives of `kind`.
     pub fn runs(self, kind: CollectiveKind) -> bool {
         match kind {
-            CollectiveKind::AllReduce | CollectiveKind::Broadcast => true,
+            CollectiveKind::AllReduce => true,
+            CollectiveKind::Broadcast => self != Algorithm::TwoShot,
             CollectiveKind::AllGather | CollectiveKind::ReduceScatter => self == Algorithm::Ring,
             CollectiveKind::Barrier => self == Algorithm::OneShot,
         }
@@ -188,12 +208,13 @@ impl Algorithm {
             (CollectiveKind::AllReduce, Algorithm::OneShot) => {
                 crate::oneshot::all_reduce(rank, world, len, chunk_elems)
             }
+            (CollectiveKind::AllReduce, Algorithm::TwoShot) => {
+                crate::twoshot::all_reduce(rank, world, len, chunk_elems)
+            }
             (CollectiveKind::AllGather, _) => crate::ring::all_gather(rank, world, len / world, chunk_elems),
             (CollectiveKind::ReduceScatter, _) => crate::ring::reduce_scatter(rank, world, len / world, chunk_elems),
             (CollectiveKind::Broadcast, Algorithm::Ring) => crate::ring::broadcast(rank, world, root, len, chunk_elems),
-            (CollectiveKind::Broadcast, Algorithm::OneShot) => {
-                crate::oneshot::broadcast(rank, world, root, len, chunk_elems)
-            }
+            (CollectiveKind::Broadcast, _) => crate::oneshot::broadcast(rank, world, root, len, chunk_elems),
             (CollectiveKind::Barrier, _) => crate::oneshot::all_reduce(rank, world, 0, chunk_elems),
         }
     }
@@ -203,6 +224,31 @@ impl Algorithm {
 pub(crate) fn chunks(range: Range<usize>, chunk_elems: usize) -> impl Iterator<Item = Range<usize>> {
     let end = range.end;
     range.clone().step_by(chunk_elems).map(move |start| start..(start + chunk_elems).min(end))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testing::all_reduce_differs;
+    use super::*;
+    use crate::ReduceOp;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+        /// Every algorithm's all-reduce, in every interleaving its dependencies allow.
+        #[test]
+        fn every_algorithm_matches_a_naive_reduction(
+            algorithm in prop::sample::select(Algorithm::ALL.to_vec()),
+            world in 1usize..=8,
+            len in 0usize..40,
+            chunk in 1usize..9,
+            op in prop::sample::select(ReduceOp::ALL.to_vec()),
+            seed in any::<u64>(),
+        ) {
+            let plan = |rank, world, len, chunk| algorithm.schedule(CollectiveKind::AllReduce, (rank, world), len, 0, chunk);
+            prop_assert_eq!(all_reduce_differs(plan, (world, len, chunk), op, seed), None);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -229,14 +275,22 @@ pub(crate) mod testing {
         for (r, p) in plans.iter().enumerate() {
             received[r] = vec![false; p.recvs.len()];
         }
+        let mut combined = vec![false; world];
         // The next unit each rank expects from each sender, in order.
         let next_from =
             |p: &Schedule, got: &[bool], from: usize| (0..p.recvs.len()).find(|&i| p.recvs[i].from == from && !got[i]);
         loop {
             let mut ready = Vec::new();
             for (r, p) in plans.iter().enumerate() {
+                if let Some(c) = p.combine.as_ref().filter(|_| !combined[r]) {
+                    let stashed = (0..p.recvs.len()).all(|k| p.recvs[k].action != RecvAction::Stash || received[r][k]);
+                    if stashed && sent[r] >= c.after_sends {
+                        fold(&mut bufs[r], &stash[r], c.range.clone(), r, world, op);
+                        combined[r] = true;
+                    }
+                }
                 if let Some(u) = p.sends.get(sent[r]) {
-                    if u.after_recv.is_none_or(|i| received[r][i]) {
+                    if u.after_recv.is_none_or(|i| received[r][i]) && (!u.after_combine || combined[r]) {
                         ready.push((r, None));
                     }
                 }
@@ -281,20 +335,52 @@ pub(crate) mod testing {
         for (r, p) in plans.iter().enumerate() {
             assert_eq!(sent[r], p.sends.len(), "rank {r} stalled");
             assert!(received[r].iter().all(|&g| g), "rank {r} stalled");
-            if p.combines() {
-                stash[r].insert(r, bufs[r].clone());
-                let mut acc = stash[r][&0].clone();
-                for k in 1..world {
-                    let d: &mut [u8] = bytemuck::cast_slice_mut(&mut acc);
-                    reduce_into(DType::I64, op, d, bytemuck::cast_slice(&stash[r][&k])).unwrap();
-                }
-                if op == ReduceOp::Avg {
-                    finish_avg(DType::I64, bytemuck::cast_slice_mut(&mut acc), world).unwrap();
-                }
-                bufs[r] = acc;
-            }
+            assert_eq!(combined[r], p.combines(), "rank {r} never folded");
         }
         bufs
+    }
+
+    /// Runs every rank's all-reduce schedule from `plan(rank, world, len, chunk)` over random
+    /// inputs in a random interleaving; the first rank whose result differs from a naive
+    /// reduction, if any.
+    pub fn all_reduce_differs(
+        plan: impl Fn(usize, usize, usize, usize) -> Schedule,
+        (world, len, chunk): (usize, usize, usize),
+        op: ReduceOp,
+        seed: u64,
+    ) -> Option<usize> {
+        let mut rng = seed | 1;
+        let inputs = inputs(world, len, &mut rng);
+        let plans: Vec<_> = (0..world).map(|r| plan(r, world, len, chunk)).collect();
+        let out = run(&plans, &inputs, op, |n| {
+            rng = xorshift(rng);
+            (rng % n as u64) as usize
+        });
+        let want = naive(&inputs, op);
+        out.iter().position(|buf| buf != &want)
+    }
+
+    /// Folds every rank's input over `range` into `buf` in rank order, as the engine does.
+    fn fold(
+        buf: &mut [i64],
+        stash: &BTreeMap<usize, Vec<i64>>,
+        range: Range<usize>,
+        rank: usize,
+        world: usize,
+        op: ReduceOp,
+    ) {
+        for e in range {
+            let value = |k: usize| if k == rank { buf[e] } else { stash[&k][e] };
+            let mut acc = vec![value(0)];
+            for k in 1..world {
+                let d: &mut [u8] = bytemuck::cast_slice_mut(&mut acc);
+                reduce_into(DType::I64, op, d, bytemuck::cast_slice(&[value(k)])).unwrap();
+            }
+            if op == ReduceOp::Avg {
+                finish_avg(DType::I64, bytemuck::cast_slice_mut(&mut acc), world).unwrap();
+            }
+            buf[e] = acc[0];
+        }
     }
 
     /// The reduction of `inputs` element by element, in rank order.

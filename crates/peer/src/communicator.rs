@@ -828,6 +828,18 @@ fn op_error(f: OpFailure, header: &OpHeader) -> Error {
     }
 }
 
+/// Whether the members of `position`'s group live on more than one host, as their advertised
+/// addresses say (every member sees the same ones, so decides alike).
+fn spans_hosts(position: &RingPosition) -> bool {
+    let host = |addr: &str| match addr.parse::<SocketAddr>() {
+        Ok(a) => a.ip().to_string(),
+        Err(_) => addr.rsplit_once(':').map_or(addr, |(h, _)| h).to_string(),
+    };
+    let mut hosts = position.ring.iter().map(|m| host(&m.addr));
+    let first = hosts.next();
+    hosts.any(|h| Some(h) != first)
+}
+
 /// The name of the collective `header` names.
 fn operation(header: &OpHeader) -> &'static str {
     CollectiveKind::from_code(header.collective).map_or("collective", CollectiveKind::name)
@@ -1206,7 +1218,8 @@ impl Driver {
         let record = data.calls.collectives.get_mut(&call).expect("a collective called here");
         let (world, rank) = (position.group_size(), position.rank);
         let request = record.request;
-        let algorithm = self.config.algorithm_for(request.kind, request.algorithm, record.buf.len(), world);
+        let group = (world, spans_hosts(position));
+        let algorithm = self.config.algorithm_for(request.kind, request.algorithm, record.buf.len(), group);
         let header = op_header(id, &request, algorithm, record.count);
         record.posted = Some(Posted { id, header, world, rank, algorithm });
         log::trace!("{}", describe(&header));
@@ -1386,7 +1399,7 @@ impl Driver {
                     sequence: id.seq.0,
                     // A group of one posts nothing: what it would have run.
                     algorithm: record.posted.map_or_else(
-                        || self.config.algorithm_for(request.kind, request.algorithm, record.buf.len(), 1),
+                        || self.config.algorithm_for(request.kind, request.algorithm, record.buf.len(), (1, false)),
                         |p| p.algorithm,
                     ),
                 })

@@ -43,6 +43,10 @@ pub struct CommunicatorConfig {
     /// Largest buffer, in bytes, that an all-reduce left to choose runs one-shot
     /// (`SHOAL_ONESHOT_MAX_BYTES`).
     pub oneshot_max_bytes: usize,
+    /// Largest buffer, in bytes, that an all-reduce left to choose runs two-shot, above
+    /// [`CommunicatorConfig::oneshot_max_bytes`], in a group that spans hosts
+    /// (`SHOAL_TWOSHOT_MAX_BYTES`).
+    pub twoshot_max_bytes: usize,
 }
 
 /// Default TCP connections to a peer on another host. Parallel streams get past per-flow
@@ -62,6 +66,8 @@ pub const DEFAULT_MAX_IN_FLIGHT: usize = 64;
 pub const MAX_IN_FLIGHT: usize = 1024;
 /// Default for [`CommunicatorConfig::oneshot_max_bytes`].
 pub const DEFAULT_ONESHOT_MAX_BYTES: usize = 64 << 10;
+/// Default for [`CommunicatorConfig::twoshot_max_bytes`].
+pub const DEFAULT_TWOSHOT_MAX_BYTES: usize = 4 << 20;
 /// Smallest pipeline chunk: below this, per-chunk overhead dominates.
 pub const MIN_CHUNK_BYTES: usize = 4096;
 
@@ -84,10 +90,11 @@ impl CommunicatorConfig {
             max_in_flight: env_count("SHOAL_MAX_IN_FLIGHT")?.unwrap_or(DEFAULT_MAX_IN_FLIGHT),
             algorithm: None,
             oneshot_max_bytes: env_count("SHOAL_ONESHOT_MAX_BYTES")?.unwrap_or(DEFAULT_ONESHOT_MAX_BYTES),
+            twoshot_max_bytes: env_count("SHOAL_TWOSHOT_MAX_BYTES")?.unwrap_or(DEFAULT_TWOSHOT_MAX_BYTES),
         };
         if let Some(name) = env_value("SHOAL_ALGO").filter(|a| a != "auto") {
             let Some(algorithm) = Algorithm::from_name(&name) else {
-                let expected = "auto, ring or oneshot";
+                let expected = "auto, ring, oneshot or twoshot";
                 return Err(shoal_config::ConfigError { name: "SHOAL_ALGO", value: name, expected }.into());
             };
             return Ok(CommunicatorConfig { algorithm: Some(algorithm), ..config });
@@ -95,25 +102,31 @@ impl CommunicatorConfig {
         Ok(config)
     }
 
-    /// The algorithm of an all-reduce of `bytes` in a group of `world`, asked for `requested`:
-    /// what it (or else [`CommunicatorConfig::algorithm`]) names; otherwise one-shot up to
-    /// [`CommunicatorConfig::oneshot_max_bytes`] in groups of three or more, and the ring above
+    /// The algorithm of a collective of `kind` over `bytes` in a group of `world` (which
+    /// `spans_hosts` or not), asked for `requested`: what it (or else
+    /// [`CommunicatorConfig::algorithm`]) names; otherwise, in groups of three or more, one-shot
+    /// up to [`CommunicatorConfig::oneshot_max_bytes`], then two-shot up to
+    /// [`CommunicatorConfig::twoshot_max_bytes`] where the group spans hosts, and the ring above
     /// and between two, where the ring's two hops cost no more than one-shot's one and each
     /// member reduces half the buffer, not all of it (loopback, 2 cores: one-shot takes 0.43× the
-    /// ring's time at 4 KiB with 4 peers, 0.94× at 256 KiB, and 1.15× at 4 KiB with 2). One-shot
-    /// keeps every
-    /// member's input: past [`MAX_STASH_BYTES`] of them, the ring runs whatever was asked. Every
+    /// ring's time at 4 KiB with 4 peers, 0.94× at 256 KiB, and 1.15× at 4 KiB with 2). On one
+    /// host a hop costs little and the ring's pipeline wins above one-shot's sizes (two-shot took
+    /// 2.0× the ring's time at 1 MiB with 4 peers on loopback); across a WAN every hop costs a
+    /// one-way delay (the lab's `two-sites`, 4 peers: two-shot 0.75× the ring's time at 1 MiB,
+    /// 0.87× at 4 MiB). One-shot
+    /// and two-shot keep the members' inputs aside: past [`MAX_STASH_BYTES`] of them, the ring
+    /// runs whatever was asked. Every
     /// member decides alike from the same settings; members whose settings differ may choose
     /// differently, which their first frame shows as a mismatch.
     ///
     /// All-gather and reduce-scatter run around the ring, a barrier one-shot; a broadcast
-    /// chooses as an all-reduce (one-shot: straight from the root).
+    /// chooses as an all-reduce (one-shot, or two-shot, straight from the root).
     pub fn algorithm_for(
         &self,
         kind: CollectiveKind,
         requested: Option<Algorithm>,
         bytes: usize,
-        world: usize,
+        (world, spans_hosts): (usize, bool),
     ) -> Algorithm {
         match kind {
             CollectiveKind::AllGather | CollectiveKind::ReduceScatter => return Algorithm::Ring,
@@ -121,11 +134,18 @@ impl CommunicatorConfig {
             CollectiveKind::AllReduce | CollectiveKind::Broadcast => {}
         }
         let oneshot_fits = bytes.saturating_mul(world) <= MAX_STASH_BYTES;
-        match requested.or(self.algorithm) {
-            Some(Algorithm::OneShot) if !oneshot_fits => Algorithm::Ring,
+        let chosen = match requested.or(self.algorithm) {
+            Some(Algorithm::OneShot | Algorithm::TwoShot) if !oneshot_fits => Algorithm::Ring,
             Some(algorithm) => algorithm,
             None if world > 2 && bytes <= self.oneshot_max_bytes && oneshot_fits => Algorithm::OneShot,
+            None if spans_hosts && world > 2 && bytes <= self.twoshot_max_bytes && oneshot_fits => Algorithm::TwoShot,
             None => Algorithm::Ring,
+        };
+        // A broadcast has no two-shot form: the ring's pipeline moves it as fast.
+        if chosen.runs(kind) {
+            chosen
+        } else {
+            Algorithm::Ring
         }
     }
 
@@ -188,18 +208,31 @@ mod tests {
         let mut c = CommunicatorConfig::from_env("127.0.0.1:1").unwrap();
         c.algorithm = None;
         let small = c.oneshot_max_bytes;
-        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, small, 3), Algorithm::OneShot);
-        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, small + 1, 3), Algorithm::Ring);
-        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, small, 2), Algorithm::Ring);
-        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, Some(Algorithm::Ring), 8, 8), Algorithm::Ring);
-        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, Some(Algorithm::OneShot), 8, 2), Algorithm::OneShot);
-        // Asked for one-shot, a buffer whose copies would not fit runs around the ring.
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, small, (3, true)), Algorithm::OneShot);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, small + 1, (3, true)), Algorithm::TwoShot);
         assert_eq!(
-            c.algorithm_for(CollectiveKind::AllReduce, Some(Algorithm::OneShot), MAX_STASH_BYTES / 4 + 1, 4),
+            c.algorithm_for(CollectiveKind::AllReduce, None, small + 1, (3, false)),
+            Algorithm::Ring,
+            "one host"
+        );
+        assert_eq!(
+            c.algorithm_for(CollectiveKind::AllReduce, None, c.twoshot_max_bytes + 1, (3, true)),
             Algorithm::Ring
         );
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, small, (2, true)), Algorithm::Ring);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, Some(Algorithm::Ring), 8, (8, true)), Algorithm::Ring);
+        assert_eq!(
+            c.algorithm_for(CollectiveKind::AllReduce, Some(Algorithm::OneShot), 8, (2, true)),
+            Algorithm::OneShot
+        );
+        // Asked for one-shot, a buffer whose copies would not fit runs around the ring.
+        assert_eq!(
+            c.algorithm_for(CollectiveKind::AllReduce, Some(Algorithm::OneShot), MAX_STASH_BYTES / 4 + 1, (4, true)),
+            Algorithm::Ring
+        );
+        assert_eq!(c.algorithm_for(CollectiveKind::Broadcast, None, small + 1, (3, true)), Algorithm::Ring);
         c.algorithm = Some(Algorithm::OneShot);
-        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, 1 << 20, 2), Algorithm::OneShot);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, 1 << 20, (2, true)), Algorithm::OneShot);
     }
 
     #[test]

@@ -273,3 +273,30 @@ fn a_group_of_one_gathers_and_scatters_its_own_input() {
     assert!(e.contains("has 1 member"), "{e}");
     assert!(wrong.iter().all(|&b| b == 0), "a misfit changes nothing");
 }
+
+/// Peers that name different roots for one broadcast are told so, with both calls, and their
+/// buffers are as before; the next broadcast with one root goes through.
+#[test]
+fn a_broadcast_with_different_roots_is_a_mismatch() {
+    let m = master();
+    let out = with_peers((0..2).map(|_| config(&m, 1)).collect(), move |_, comm| {
+        let rank = comm.rank().unwrap();
+        let mut buf = f32_bytes(&[rank as f32; 100]);
+        let before = buf.clone();
+        let e = comm.broadcast(&mut buf, DType::F32, rank, 1, None).unwrap_err();
+        assert_eq!(buf, before, "restored");
+        let mut ok = false;
+        for _ in 0..100 {
+            if comm.broadcast(&mut buf, DType::F32, 1, 1, None).is_ok() {
+                ok = true;
+                break;
+            }
+        }
+        assert!(ok, "the matching broadcast never went through");
+        (e.to_string(), buf)
+    });
+    for (e, buf) in out {
+        assert!(e.contains("root=0") && e.contains("root=1"), "{e}");
+        assert_eq!(buf, f32_bytes(&[1.0; 100]));
+    }
+}

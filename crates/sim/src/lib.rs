@@ -5,9 +5,11 @@
 //! (joining re-formed topologies before every call, numbering collectives, when a collective stops,
 //! reporting failures and asking for verdicts, retrying refused votes, heartbeats, declaring a
 //! silent master lost) is the shipped code's. The simulation drives it as `crates/peer` does and
-//! models only what moves bytes: opening a topology's connections, the real ring schedule
-//! ([`shoal_collective::ring::all_reduce`], one element per segment, values summed) and the
-//! confirmation lap of tokens, and fetching shared state (which fails from a dead donor). The seed
+//! models only what moves bytes: opening a topology's connections, the real schedules (a third of
+//! the collectives around the ring, [`shoal_collective::ring::all_reduce`], a third one-shot,
+//! [`shoal_collective::oneshot::all_reduce`], a third two-shot,
+//! [`shoal_collective::twoshot::all_reduce`]; one element per segment, values summed) and their
+//! confirmation tokens (around the ring, or straight to every member), and fetching shared state (which fails from a dead donor). The seed
 //! picks the application's loop for every peer: the README's (`update_topology` after a failure),
 //! retry-only, or PCCL's (`peers_pending` at the top of every iteration; a newcomer starts there),
 //! and whether every iteration syncs its shared state before its collective, as the README's

@@ -1,6 +1,7 @@
 //! The simulated run: network, peers, faults, and the checks.
 
-use shoal_collective::schedule::{RecvAction, Schedule};
+use shoal_collective::schedule::{Algorithm, RecvAction, Schedule};
+use shoal_collective::CollectiveKind;
 use shoal_proto::auth::{DataKey, RunKey};
 use shoal_proto::master::Strategy;
 use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output};
@@ -203,9 +204,10 @@ enum Next {
     Collective,
 }
 
-/// The data plane of a collective in flight: the real ring schedule over simulated streams,
-/// then the confirmation lap. Several run at once over the same streams, each item naming its
-/// collective, as the engine's frames do.
+/// The data plane of a collective in flight: the real schedule (around the ring or one-shot,
+/// as every member picks alike from its number) over simulated streams, then the confirmation
+/// tokens. Several run at once over the same streams, each item naming its collective and its
+/// place among the sender's items for the receiver, as the engine's frames do.
 #[derive(Debug)]
 struct Op {
     id: OpId,
@@ -216,13 +218,21 @@ struct Op {
     rank: usize,
     plan: Schedule,
     buf: Vec<i64>,
+    /// One-shot and two-shot: the other members' inputs, by rank, and whether they were folded.
+    stash: Vec<i64>,
+    folded: bool,
     sent: usize,
-    received: usize,
-    /// The data moved: the lap runs.
+    /// Items sent to each rank so far (the next one's place), and units received.
+    sent_to: Vec<usize>,
+    received: Vec<bool>,
+    /// The data moved: the tokens go.
     lap: bool,
     tokens_in: usize,
+    tokens_from: Vec<usize>,
     tokens_out: usize,
-    /// The lap came round.
+    /// Tokens to send: (to rank, whose).
+    outbox: VecDeque<(usize, usize)>,
+    /// Every other member's token came.
     confirmed: bool,
     /// The peer stopped it: nothing more moves.
     stopped: bool,
@@ -928,6 +938,11 @@ impl Sim {
         let me = p.me().expect("registered");
         let buf: Vec<i64> = (0..world).map(|k| input(me, id.seq.0, k)).collect();
         let next = members[(position.rank + 1) % world];
+        // Every member picks the same algorithm for the same collective.
+        let algorithm =
+            [Algorithm::Ring, Algorithm::OneShot, Algorithm::TwoShot][((id.epoch.0 + id.seq.0) % 3) as usize];
+        let plan = algorithm.schedule(CollectiveKind::AllReduce, (position.rank, world), world, 0, 1);
+        let received = vec![false; plan.recvs.len()];
         p.ops.insert(
             id,
             Op {
@@ -936,13 +951,18 @@ impl Sim {
                 members,
                 ring: p.ring.clone(),
                 rank: position.rank,
-                plan: shoal_collective::ring::all_reduce(position.rank, world, world, 1),
+                stash: vec![0; world * world],
+                folded: false,
+                plan,
                 buf,
                 sent: 0,
-                received: 0,
+                sent_to: vec![0; world],
+                received,
                 lap: false,
                 tokens_in: 0,
+                tokens_from: vec![0; world],
                 tokens_out: 0,
+                outbox: VecDeque::new(),
                 confirmed: false,
                 stopped: false,
             },
@@ -999,7 +1019,6 @@ impl Sim {
             return true;
         }
         let world = op.ring.len();
-        let (next, prev) = (op.ring[(op.rank + 1) % world], op.ring[(op.rank + world - 1) % world]);
         let (epoch, seq) = (op.id.epoch, op.id.seq.0);
         if p.broken {
             // Another collective failed and dropped the streams this one shares: it fails too.
@@ -1012,55 +1031,71 @@ impl Sim {
             return self.progress(i, id, progress);
         }
         if !op.lap {
-            // Send what the schedule allows.
-            if op.sent < op.plan.sends.len() {
-                let u = &op.plan.sends[op.sent];
-                if u.after_recv.is_none_or(|j| j < op.received) {
-                    if p.out_closed.contains(&next) {
-                        let lost = op.members[(op.rank + 1) % world];
-                        let failure = OpFailure::new(FailureKind::PeerLost, lost, "send failed");
-                        return self.progress(i, id, OpProgress::Failed(failure));
+            // Fold what was kept aside once it all came (and the sends that read it left).
+            let rank = op.rank;
+            if let Some(c) = op.plan.combine.clone().filter(|_| !op.folded) {
+                let stashed =
+                    (0..op.received.len()).all(|k| op.received[k] || op.plan.recvs[k].action != RecvAction::Stash);
+                if stashed && op.sent >= c.after_sends {
+                    for k in c.range {
+                        op.buf[k] = (0..world)
+                            .map(|r| if r == rank { op.buf[k] } else { op.stash[r * world + k] })
+                            .fold(0i64, i64::wrapping_add);
                     }
-                    let item = Item::Chunk { epoch, seq, unit: op.sent, value: op.buf[u.range.start] };
-                    op.sent += 1;
-                    self.send_data(i, next, item);
+                    op.folded = true;
                     return true;
                 }
             }
-            if op.received < op.plan.recvs.len() {
-                let expect = op.received;
-                let Some(item) = p.inbox.get_mut(&prev).and_then(|q| take(q, epoch, seq)) else { return false };
+            // Send what the schedule allows.
+            if let Some(u) = op.plan.sends.get(op.sent) {
+                if u.after_recv.is_none_or(|j| op.received[j]) && (!u.after_combine || op.folded) {
+                    let to = op.ring[u.to];
+                    if p.out_closed.contains(&to) {
+                        let failure = OpFailure::new(FailureKind::PeerLost, op.members[u.to], "send failed");
+                        return self.progress(i, id, OpProgress::Failed(failure));
+                    }
+                    let place = op.sent_to[u.to];
+                    op.sent_to[u.to] += 1;
+                    let item = Item::Chunk { epoch, seq, unit: place, value: op.buf[u.range.start] };
+                    op.sent += 1;
+                    self.send_data(i, to, item);
+                    return true;
+                }
+            }
+            // Receive from every member that still owes us something.
+            for from in op.plan.peers_from() {
+                let mine: Vec<usize> = (0..op.plan.recvs.len()).filter(|&k| op.plan.recvs[k].from == from).collect();
+                let Some(place) = mine.iter().position(|&k| !op.received[k]) else { continue };
+                let Some(item) = p.inbox.get_mut(&op.ring[from]).and_then(|q| take(q, epoch, seq)) else { continue };
                 match item {
-                    Item::Chunk { epoch: e, seq: s, unit, value } if e == epoch && s == seq && unit == expect => {
-                        let r = &op.plan.recvs[unit];
+                    Item::Chunk { epoch: e, seq: s, unit, value } if e == epoch && s == seq && unit == place => {
+                        let r = &op.plan.recvs[mine[place]];
+                        let at = r.range.start;
                         match r.action {
-                            RecvAction::Reduce { .. } => {
-                                op.buf[r.range.start] = op.buf[r.range.start].wrapping_add(value)
-                            }
-                            RecvAction::Copy => op.buf[r.range.start] = value,
-                            RecvAction::Stash => unreachable!("the ring keeps nothing aside"),
+                            RecvAction::Reduce { .. } => op.buf[at] = op.buf[at].wrapping_add(value),
+                            RecvAction::Copy => op.buf[at] = value,
+                            RecvAction::Stash => op.stash[from * world + at] = value,
                         }
-                        op.received += 1;
+                        op.received[mine[place]] = true;
                     }
                     Item::Closed => {
-                        let failure = OpFailure::new(FailureKind::PeerLost, predecessor(op), "connection closed");
+                        let failure = OpFailure::new(FailureKind::PeerLost, op.members[from], "connection closed");
                         return self.progress(i, id, OpProgress::Failed(failure));
                     }
                     other => {
                         self.report.violations.push(Violation(format!(
-                            "peer {i} in ({epoch:?}, {seq}) expected chunk {expect}, got {other:?}"
+                            "peer {i} (rank {rank}) in ({epoch:?}, {seq}) expected chunk {place} from rank {from}, got {other:?}"
                         )));
-                        let failure = OpFailure::new(FailureKind::Protocol, predecessor(op), "desynchronised");
+                        let failure = OpFailure::new(FailureKind::Protocol, op.members[from], "desynchronised");
                         return self.progress(i, id, OpProgress::Failed(failure));
                     }
                 }
                 return true;
             }
-            if op.sent == op.plan.sends.len() {
+            let folded = op.folded || !op.plan.combines();
+            if folded && op.sent == op.plan.sends.len() && op.received.iter().all(|&r| r) {
                 op.lap = true;
-                op.tokens_out = 1;
-                let item = Item::Token { epoch, seq, origin: op.rank };
-                self.send_data(i, next, item);
+                op.outbox.extend(op.plan.token_targets().into_iter().map(|to| (to, rank)));
                 return self.progress(i, id, OpProgress::DataDone);
             }
             return false;
@@ -1069,27 +1104,40 @@ impl Sim {
             op.confirmed = true;
             return self.progress(i, id, OpProgress::Confirmed);
         }
-        if p.out_closed.contains(&next) && op.tokens_out < world - 1 {
-            return self.progress(i, id, OpProgress::LapBroken("successor closed the stream".into()));
+        if let Some((to, origin)) = op.outbox.pop_front() {
+            let dest = op.ring[to];
+            if p.out_closed.contains(&dest) {
+                return self.progress(i, id, OpProgress::LapBroken("a member closed the stream".into()));
+            }
+            op.tokens_out += 1;
+            self.send_data(i, dest, Item::Token { epoch, seq, origin });
+            return true;
         }
         let rank = op.rank;
-        let Some(item) = p.inbox.get_mut(&prev).and_then(|q| take(q, epoch, seq)) else { return false };
-        match item {
-            Item::Token { epoch: e, seq: s, origin } if e == epoch && s == seq && origin != rank => {
-                op.tokens_in += 1;
-                if origin != (rank + 1) % world {
-                    op.tokens_out += 1;
-                    self.send_data(i, next, Item::Token { epoch, seq, origin });
+        // A token from a member that still owes us one: one that sent all it owed us may close
+        // its streams (its process ended), which breaks nothing.
+        for from in op.plan.peers_from() {
+            let owed = (0..world).filter(|&o| o != rank && op.plan.token_from(o) == from).count();
+            if op.tokens_from[from] == owed {
+                continue;
+            }
+            let Some(item) = p.inbox.get_mut(&op.ring[from]).and_then(|q| take(q, epoch, seq)) else { continue };
+            return match item {
+                Item::Token { epoch: e, seq: s, origin } if e == epoch && s == seq && origin != rank => {
+                    op.tokens_in += 1;
+                    op.tokens_from[from] += 1;
+                    op.outbox.extend(op.plan.forward_token(origin).map(|to| (to, origin)));
+                    true
                 }
-                true
-            }
-            Item::Closed => self.progress(i, id, OpProgress::LapBroken("predecessor closed the stream".into())),
-            other => {
-                let v = format!("peer {i} in the lap of ({epoch:?}, {seq}) got {other:?}");
-                self.report.violations.push(Violation(v));
-                self.progress(i, id, OpProgress::LapBroken("bad token".into()))
-            }
+                Item::Closed => self.progress(i, id, OpProgress::LapBroken("a member closed the stream".into())),
+                other => {
+                    let v = format!("peer {i} in the confirmation of ({epoch:?}, {seq}) got {other:?}");
+                    self.report.violations.push(Violation(v));
+                    self.progress(i, id, OpProgress::LapBroken("bad token".into()))
+                }
+            };
         }
+        false
     }
 
     fn drop_streams(&mut self, i: usize) {
@@ -1098,18 +1146,22 @@ impl Sim {
             return;
         }
         p.broken = true;
-        let world = p.ring.len();
-        let (next, prev) = (p.ring[(p.rank + 1) % world], p.ring[(p.rank + world - 1) % world]);
-        p.inbox.remove(&prev);
-        self.send_data(i, next, Item::Closed);
-        self.send(Node::Peer(i), Node::Peer(prev), Ev::OutClosed { from: i, to: prev });
+        // Its links to every member (one-shot links them all) close both ways.
+        let others: Vec<usize> = p.ring.iter().copied().filter(|&j| j != i).collect();
+        for &j in &others {
+            self.peers[i].inbox.remove(&j);
+            self.send_data(i, j, Item::Closed);
+            self.send(Node::Peer(i), Node::Peer(j), Ev::OutClosed { from: i, to: j });
+        }
     }
 
     /// Peer `i`'s collective ended: record it; the application goes on.
     fn end_op(&mut self, i: usize, op: Option<Op>, result: Result<Value, CallError>) {
         let me = self.peers[i].me().expect("registered");
-        // Whatever the lap did not confirm leaves its streams unusable (the real peer drops them).
-        if op.as_ref().is_some_and(|op| !op.confirmed) {
+        // Whatever the lap did not confirm leaves its streams unusable (the real peer drops them);
+        // those of a topology left already are gone with it, and the new ones stand.
+        let current = self.peers[i].epoch;
+        if op.as_ref().is_some_and(|op| !op.confirmed && Some(op.id.epoch) == current) {
             self.drop_streams(i);
         }
         let (id, members, outcome) = match (result, op) {
@@ -1188,10 +1240,6 @@ fn take(queue: &mut VecDeque<Item>, epoch: Epoch, seq: u64) -> Option<Item> {
         Item::Closed => Some(Item::Closed),
         _ => queue.remove(at),
     }
-}
-
-fn predecessor(op: &Op) -> PeerId {
-    op.members[(op.rank + op.members.len() - 1) % op.members.len()]
 }
 
 /// Every simulated run has a secret, which every peer holds.

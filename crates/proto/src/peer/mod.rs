@@ -565,6 +565,12 @@ impl Peer {
             }
             (OpProgress::LapBroken(reason), OpStage::Lap) => self.ask(op, &reason, now),
             (OpProgress::Failed(failure), OpStage::Running) => self.report(op, failure, now),
+            // A member that called another collective can be noticed only once our data moved
+            // (it sent what we never expect: a broadcast from another root, say). Nobody counts
+            // the tokens of a member whose collective differs, so nobody committed: it fails.
+            (OpProgress::Failed(failure), OpStage::Lap) if failure.kind == FailureKind::Mismatch => {
+                self.report(op, failure, now)
+            }
             (OpProgress::Stalled, OpStage::Running | OpStage::Lap) => {
                 self.step_op(op, now, true);
             }
