@@ -144,6 +144,7 @@ def test_a_cut_off_peer_is_expelled_and_the_others_carry_on():
     ("peers_pending.after_vote", None, None), ("all_reduce.reduce_scatter", "ring", None),
     ("all_reduce.all_gather", "ring", None), ("all_reduce.reduce_scatter", "oneshot", None),
     ("all_reduce.reduce_scatter", "ring", "broadcast"), ("all_reduce.reduce_scatter", "twoshot", None),
+    ("all_reduce.reduce_scatter", "ring", "all_gather"), ("all_reduce.reduce_scatter", "ring", "reduce_scatter"),
 ])
 def test_a_peer_dying_at_any_step_ends_every_call_and_the_run_goes_on(point, algorithm, verb):
     # Admission calls complete without the dead peer (they never need its data); a collective
@@ -156,10 +157,10 @@ def test_a_peer_dying_at_any_step_ends_every_call_and_the_run_goes_on(point, alg
         for i in range(4):
             # One-shot sends its whole buffer at once, a broadcast passes it on whole: a large one
             # (in small chunks), so that the victim dies with most of it still to move.
-            large = algorithm in ("oneshot", "twoshot") or verb == "broadcast"
+            large = algorithm in ("oneshot", "twoshot") or verb is not None
             spec = {"master": master.address, "index": i, "peers": 4, "victim": victim, "failpoint": point,
                     "algorithm": algorithm, "verb": verb, "size": 4_000_000 if large else 100_000,
-                    "chunk_bytes": 65536 if verb == "broadcast" else None}
+                    "chunk_bytes": 65536 if verb is not None else None}
             procs.append(subprocess.Popen(worker_argv("die_at", spec),
                                           stdout=subprocess.PIPE, text=True, env=env))
             if point.startswith("connect") and i == victim - 1:

@@ -422,17 +422,30 @@ def die_at(spec: dict) -> dict:
     else:
         comm.connect(timeout=30)
         join_all(comm, spec["peers"])
+        # A broadcast's root receives nothing, so never reaches a receiving failpoint: every peer
+        # learns who the victim is and broadcasts from another.
+        victims = np.zeros(spec["peers"], np.float32)
+        comm.all_gather(victims, np.array([float(victim)], np.float32))
+        root = int(np.flatnonzero(victims == 0)[0])
         print(json.dumps({"ready": comm.peer_id}), flush=True)
         if victim:
             os.environ["SHOAL_FAILPOINT"] = point
     calls = []
-    size = spec.get("size", 100_000)
-    x = np.arange(size, dtype=np.float32)
+    size, verb = spec.get("size", 100_000), spec.get("verb")
+    n = comm.group_world_size
+    # The buffer the call writes: an all-gather's output, a reduce-scatter's, or the tensor itself.
+    x = np.arange(size * n if verb == "all_gather" else size // n if verb == "reduce_scatter" else size,
+                  dtype=np.float32)
+    original = x.copy()
     started = time.time()
     first = point.split(".")[0]
     try:
-        if first == "all_reduce" and spec.get("verb") == "broadcast":
-            comm.broadcast(x, root=0, algorithm=spec.get("algorithm"))
+        if first == "all_reduce" and verb == "broadcast":
+            comm.broadcast(x, root=root, algorithm=spec.get("algorithm"))
+        elif first == "all_reduce" and verb == "all_gather":
+            comm.all_gather(x, np.ones(size, np.float32))
+        elif first == "all_reduce" and verb == "reduce_scatter":
+            comm.reduce_scatter(x, np.ones(size, np.float32))
         elif first == "all_reduce":
             comm.all_reduce(x, op="sum", algorithm=spec.get("algorithm"))
         elif first == "peers_pending":
@@ -441,7 +454,7 @@ def die_at(spec: dict) -> dict:
             comm.update_topology()
         calls.append({"call": first, "ok": True})
     except shoal.PeerLostError as e:
-        restored = bool((x == np.arange(size, dtype=np.float32)).all())
+        restored = x.tobytes() == original.tobytes()
         calls.append({"call": first, "error": str(e), "restored": restored})
     calls[-1]["seconds"] = time.time() - started
     assert not victim, "the failpoint did not fire"
