@@ -167,6 +167,29 @@ fn a_broken_lap_asks_the_master_and_takes_its_verdict() {
     assert_eq!(actions(&mut p), vec![done(Ok(Value::Collective(op)))]);
 }
 
+/// A member that called another collective can show only once our data moved (a broadcast
+/// from another root): the mismatch fails the collective, reported to the master, rather than
+/// being dropped until the bound (when the master, asked, would commit it).
+#[test]
+fn a_mismatch_after_the_data_moved_is_reported_and_other_failures_then_ask() {
+    let (mut p, t0) = joined(&[0, 1]);
+    let op = start_collective(&mut p, t0);
+    p.handle_collective(op, OpProgress::DataDone, t0);
+    let mismatch = OpFailure::new(FailureKind::Mismatch, PeerId(1), "broadcast from root 1");
+    p.handle_collective(op, OpProgress::Failed(mismatch.clone()), t0);
+    assert!(!p.running(op));
+    assert_eq!(sent(&mut p), vec![Message::OpFailed { epoch: Epoch(1), seq: 0, failure: mismatch.clone() }]);
+    p.handle_message(Message::OpAborted { epoch: Epoch(1), seq: 0, failure: mismatch.clone() }, t0).unwrap();
+    let ended = actions(&mut p);
+    assert!(
+        matches!(
+            &ended[..],
+            [Action::Done { result: Err(CallError::Unconfirmed { .. } | CallError::Aborted { .. }), .. }]
+        ),
+        "{ended:?}"
+    );
+}
+
 /// A failure reported without a verdict in a heartbeat timeout (the master is cut off from us)
 /// leaves the driver's own error; a question without an answer ends in a timeout.
 #[test]
