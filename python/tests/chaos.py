@@ -104,7 +104,10 @@ def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive
                 start(len(procs))
                 actions.append(f"{time.time():.2f} start peer{len(procs) - 1}")
             elif action != "join" and len(running) > min_alive:
-                v = rng.choice(running)
+                # A peer that has run collectives, so that the fault lands in the run, not in a
+                # newcomer's admission (on a loaded machine every kill could miss otherwise).
+                busy = [i for i in running if '"key"' in _log(workdir, i)] or running
+                v = rng.choice(busy)
                 if action == "kill":
                     procs[v].kill()
                     actions.append(f"{time.time():.2f} SIGKILL peer{v}")
@@ -127,6 +130,12 @@ def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive
             if p.returncode not in (0, -signal.SIGKILL):
                 raise AssertionError(f"peer{i} exited {p.returncode}:\n{err.decode()[-3000:]}")
     return analyse(workdir, len(procs), actions, ever_cut)
+
+
+def _log(workdir: Path, i: int) -> str:
+    """What peer ``i`` recorded so far."""
+    path = workdir / f"peer{i}.jsonl"
+    return path.read_text() if path.exists() else ""
 
 
 def analyse(workdir: Path, peers: int, actions: list[str], ever_cut: set[int] = frozenset()) -> dict:
