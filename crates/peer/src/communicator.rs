@@ -752,30 +752,19 @@ pub(crate) fn call_error(control: &Control, e: CallError, operation: &'static st
 pub(crate) type CallResult = std::result::Result<Value, CallError>;
 
 /// Topology `position.epoch`, in force with our pools established, is the one our calls run in:
-/// its engine takes the links to our ring neighbours, driven without blocking; it links to other
-/// members when a schedule first needs them.
+/// its engine takes the links to our ring neighbours; it links to other members when a schedule
+/// first needs them.
 fn take_up(data: &mut DataPlane, position: &RingPosition) {
     let (rank, world) = (position.rank, position.group_size());
     let me = position.ring[rank].peer;
     let mut exec = Exec::new(position.epoch, rank, world);
     if world > 1 {
         let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
-        let pool = |pools: &mut std::collections::BTreeMap<PeerId, Vec<TcpStream>>, peer: PeerId| {
-            let pool = pools.remove(&peer).unwrap_or_default();
-            match pool.iter().try_for_each(|s| s.set_nonblocking(true)) {
-                Ok(()) => pool,
-                Err(e) => {
-                    log::warn!("dropping the streams of {peer}: configuring a data stream: {e}");
-                    Vec::new()
-                }
-            }
-        };
-        let send = pool(&mut data.outgoing, position.ring[next].peer);
-        if !send.is_empty() {
+        // Both halves come non-blocking from the listener (`links.rs`).
+        if let Some(send) = data.outgoing.remove(&position.ring[next].peer).filter(|p| !p.is_empty()) {
             exec.add_send(next, send);
         }
-        let recv = pool(&mut data.incoming, position.ring[prev].peer);
-        if !recv.is_empty() {
+        if let Some(recv) = data.incoming.remove(&position.ring[prev].peer).filter(|p| !p.is_empty()) {
             exec.add_recv(prev, recv);
         }
     }

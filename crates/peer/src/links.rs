@@ -164,27 +164,13 @@ impl Listener {
     ) -> std::result::Result<Vec<TcpStream>, String> {
         let id = self.identity.get().expect("identity is set at registration");
         let connections = config.pool_size(self.local_ip(), &member.addr);
-        let pool = dial(id, member.peer, epoch, &member.addr, connections, deadline, "all_reduce")?;
-        for s in &pool {
-            s.set_nonblocking(true).map_err(|e| format!("configuring a stream to {}: {e}", member.peer))?;
-        }
-        Ok(pool)
+        dial(id, member.peer, epoch, &member.addr, connections, deadline, "all_reduce")
     }
 
     /// The pool `from` dialed to us for topology `epoch`, if it is complete, made non-blocking:
     /// its half of a link.
     pub fn take_pool(&self, from: PeerId, epoch: Epoch) -> Option<Vec<TcpStream>> {
-        let mut arrivals = self.arrivals.streams.lock().unwrap_or_else(PoisonError::into_inner);
-        let complete = arrivals.get(&from).is_some_and(|p| p.epoch == epoch && p.streams.len() == p.size);
-        let pool: Vec<TcpStream> = complete.then(|| arrivals.remove(&from)).flatten()?.streams.into_values().collect();
-        drop(arrivals);
-        match pool.iter().try_for_each(|s| s.set_nonblocking(true)) {
-            Ok(()) => Some(pool),
-            Err(e) => {
-                log::warn!("dropping the streams of {from}: configuring a data stream: {e}");
-                None
-            }
-        }
+        take_complete(&mut self.arrivals.streams.lock().unwrap_or_else(PoisonError::into_inner), from, epoch)
     }
 
     /// Makes `plane` hold a pool to our successor and one from our predecessor for the topology
@@ -225,10 +211,8 @@ impl Listener {
         loop {
             {
                 let mut arrivals = self.arrivals.streams.lock().unwrap_or_else(PoisonError::into_inner);
-                let complete = arrivals.get(&prev).is_some_and(|p| p.epoch == pos.epoch && p.streams.len() == p.size);
-                if complete {
-                    let pool = arrivals.remove(&prev).expect("checked above");
-                    plane.incoming.insert(prev, pool.streams.into_values().collect());
+                if let Some(pool) = take_complete(&mut arrivals, prev, pos.epoch) {
+                    plane.incoming.insert(prev, pool);
                     return Established::Ready;
                 }
                 let Ok(wait) = deadline.left(operation) else { return Established::Superseded };
@@ -264,10 +248,26 @@ fn dial(
         let mac = id.key.hello(id.session, id.me, to, epoch, stream, streams);
         let hello = Message::PeerHello { from: id.me, to, epoch, stream, streams, mac };
         write_message(&mut s, id.session, &hello).map_err(|e| format!("greeting {to} at {addr}: {e}"))?;
+        // From here the engine drives it, without blocking.
+        s.set_nonblocking(true).map_err(|e| format!("configuring a stream to {to}: {e}"))?;
         pool.push(s);
     }
     log::debug!("{} dialed {connections} streams to {to} at {addr}", id.me);
     Ok(pool)
+}
+
+/// The pool `from` dialed to us for topology `epoch`, out of `arrivals` if it is complete, made
+/// non-blocking for the engine (a stream that cannot be drops its pool).
+fn take_complete(arrivals: &mut BTreeMap<PeerId, Pool>, from: PeerId, epoch: Epoch) -> Option<Vec<TcpStream>> {
+    let complete = arrivals.get(&from).is_some_and(|p| p.epoch == epoch && p.streams.len() == p.size);
+    let pool: Vec<TcpStream> = complete.then(|| arrivals.remove(&from)).flatten()?.streams.into_values().collect();
+    match pool.iter().try_for_each(|s| s.set_nonblocking(true)) {
+        Ok(()) => Some(pool),
+        Err(e) => {
+            log::warn!("dropping the streams of {from}: configuring a data stream: {e}");
+            None
+        }
+    }
 }
 
 fn accept_loop(
