@@ -218,6 +218,41 @@ class Communicator:
         _check_tag(tag)
         return Work(self._native.barrier_async(tag))
 
+    def send(self, tensor: Any, *, peer: int, tag: int = 0) -> _native.ReduceInfo:
+        """Send ``tensor`` to rank ``peer`` of the group, matched there by a :meth:`recv` from us
+        with the same ``tag``, in any order with other sends, receives and collectives. Returns
+        once every byte left. A receive of another size or dtype fails both ends with
+        :class:`CollectiveMismatchError`; a lost peer (or a new topology) raises
+        :class:`PeerLostError`."""
+        _check_tag(tag)
+        _check_rank("peer", peer)
+        view, dtype = _byte_view(tensor, writable=False)
+        return self._native.send_bytes(view, dtype, peer, tag)
+
+    def recv(self, tensor: Any, *, peer: int, tag: int = 0) -> _native.ReduceInfo:
+        """Receive into ``tensor`` what rank ``peer`` sends us with ``tag`` (same size and dtype),
+        straight into its memory. On an error the tensor may be partly written."""
+        _check_tag(tag)
+        _check_rank("peer", peer)
+        view, dtype = _byte_view(tensor)
+        return self._native.recv_bytes(view, dtype, peer, tag)
+
+    def isend(self, tensor: Any, *, peer: int, tag: int = 0) -> "Work":
+        """Start :meth:`send` and return at once; do not change ``tensor`` until
+        :meth:`Work.wait` returned. One send per (peer, tag) may be in flight."""
+        _check_tag(tag)
+        _check_rank("peer", peer)
+        view, dtype = _byte_view(tensor, writable=False)
+        return Work(self._native.isend_bytes(view, dtype, peer, tag))
+
+    def irecv(self, tensor: Any, *, peer: int, tag: int = 0) -> "Work":
+        """Start :meth:`recv` and return at once; ``tensor`` holds the data once
+        :meth:`Work.wait` returned."""
+        _check_tag(tag)
+        _check_rank("peer", peer)
+        view, dtype = _byte_view(tensor)
+        return Work(self._native.irecv_bytes(view, dtype, peer, tag))
+
     def links(self) -> "list[dict[str, int]]":
         """Our links in the topology in force: one per member we exchanged data with, opened
         when a collective first needed it and reused by the later ones.
@@ -330,8 +365,12 @@ def _same_dtype(out: str, inp: str) -> None:
 
 
 def _check_root(root: Any) -> None:
-    if isinstance(root, bool) or not isinstance(root, int) or root < 0:
-        raise ValueError(f"root must be a rank, got {root!r}")
+    _check_rank("root", root)
+
+
+def _check_rank(name: str, rank: Any) -> None:
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"{name} must be a rank, got {rank!r}")
 
 
 def _check_tag(tag: Any) -> None:

@@ -112,6 +112,14 @@ fn lend(buf: &Bound<'_, PyArray1<u8>>, name: &str) -> PyResult<Lent> {
     Ok(Lent { ptr: bytes.as_mut_ptr(), len: bytes.len() })
 }
 
+/// `buf`'s memory, to lend to a send in flight, which only reads it (the `NativeWork` keeps
+/// `buf` alive).
+fn lend_shared(buf: &Bound<'_, PyArray1<u8>>, name: &str) -> PyResult<Lent> {
+    let view = readable(buf, name)?;
+    let bytes = view.as_slice().map_err(|_| not_contiguous(name))?;
+    Ok(Lent { ptr: bytes.as_ptr().cast_mut(), len: bytes.len() })
+}
+
 /// A numpy array's memory lent to a collective in flight. The `NativeWork` holding it also holds
 /// the array, so the memory outlives the collective.
 struct Lent {
@@ -123,6 +131,19 @@ struct Lent {
 // only the engine touches it while the collective is in flight.
 #[allow(unsafe_code)]
 unsafe impl Send for Lent {}
+
+impl AsRef<[u8]> for Lent {
+    fn as_ref(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: see `Lent`: the array is alive, and `len` bytes long.
+        #[allow(unsafe_code)]
+        unsafe {
+            std::slice::from_raw_parts(self.ptr, self.len)
+        }
+    }
+}
 
 impl AsMut<[u8]> for Lent {
     fn as_mut(&mut self) -> &mut [u8] {
@@ -398,6 +419,50 @@ impl Communicator {
     ) -> PyResult<NativeWork> {
         let (dtype, _, algorithm) = reduction(dtype, "sum", algorithm)?;
         let work = self.inner.broadcast_async(lend(buf, "tensor")?, dtype, root, tag, algorithm).map_err(to_py)?;
+        Ok(NativeWork::new(&self.inner, work, Some(buf)))
+    }
+
+    /// Sends `buf` (a view of a tensor of `dtype`) to rank `peer`, matched there by tag.
+    fn send_bytes(
+        &self,
+        py: Python<'_>,
+        buf: &Bound<'_, PyArray1<u8>>,
+        dtype: &str,
+        peer: usize,
+        tag: u64,
+    ) -> PyResult<ReduceInfo> {
+        let dtype = element_type(dtype)?;
+        let view = readable(buf, "tensor")?;
+        let bytes = view.as_slice().map_err(|_| not_contiguous("tensor"))?;
+        Ok(py.detach(|| self.inner.send(bytes, dtype, peer, tag)).map_err(to_py)?.into())
+    }
+
+    /// Receives into `buf` what rank `peer` sends with `tag`.
+    fn recv_bytes(
+        &self,
+        py: Python<'_>,
+        buf: &Bound<'_, PyArray1<u8>>,
+        dtype: &str,
+        peer: usize,
+        tag: u64,
+    ) -> PyResult<ReduceInfo> {
+        let dtype = element_type(dtype)?;
+        let mut view = writable(buf, "tensor")?;
+        let bytes = contiguous_mut(&mut view, "tensor")?;
+        Ok(py.detach(|| self.inner.recv(bytes, dtype, peer, tag)).map_err(to_py)?.into())
+    }
+
+    /// Starts `send_bytes` and returns at once; the work keeps `buf` alive until it ended.
+    fn isend_bytes(&self, buf: &Bound<'_, PyArray1<u8>>, dtype: &str, peer: usize, tag: u64) -> PyResult<NativeWork> {
+        let dtype = element_type(dtype)?;
+        let work = self.inner.isend(lend_shared(buf, "tensor")?, dtype, peer, tag).map_err(to_py)?;
+        Ok(NativeWork::new(&self.inner, work, Some(buf)))
+    }
+
+    /// Starts `recv_bytes` and returns at once; the work keeps `buf` alive until it ended.
+    fn irecv_bytes(&self, buf: &Bound<'_, PyArray1<u8>>, dtype: &str, peer: usize, tag: u64) -> PyResult<NativeWork> {
+        let dtype = element_type(dtype)?;
+        let work = self.inner.irecv(lend(buf, "tensor")?, dtype, peer, tag).map_err(to_py)?;
         Ok(NativeWork::new(&self.inner, work, Some(buf)))
     }
 

@@ -680,6 +680,105 @@ def empty(spec: dict) -> dict:
     return {"world": info.world_size, "after": float(y[0])}
 
 
+def p2p(spec: dict) -> dict:
+    """Tagged sends and receives around the ring in every dtype, posted in opposite orders on
+    the two ends, beside collectives; then mismatched and misused calls."""
+    comm = shoal.Communicator(spec["master"], connections=3, chunk_bytes=4096, timeout=30)
+    comm.connect(timeout=30)
+    join_all(comm, spec["peers"])
+    rank, n = comm.rank, spec["peers"]
+    succ, pred = (rank + 1) % n, (rank - 1) % n
+    sends = [comm.isend(inputs(dtype, "sum", rank), peer=succ, tag=i) for i, dtype in enumerate(DTYPES)]
+    got = {dtype: np.zeros(LEN, dtype) for dtype in DTYPES}
+    # Receives in reverse tag order, the first blocking while every send waits to be matched.
+    for i, dtype in reversed(list(enumerate(DTYPES))):
+        info = comm.recv(got[dtype], peer=pred, tag=i)
+        assert info.algorithm == "direct" and info.rx_bytes == got[dtype].nbytes, info
+    for w, dtype in zip(sends, DTYPES):
+        assert w.wait(timeout=30).tx_bytes == got[dtype].nbytes
+    ok = all(got[d].tobytes() == inputs(d, "sum", pred).tobytes() for d in DTYPES)
+    # A large transfer both ways at once, with an all-reduce in flight beside it.
+    big = np.arange(3_000_000, dtype=np.float32) + rank
+    into = np.zeros_like(big)
+    r = np.full(1000, rank + 1.0)
+    works = [comm.all_reduce_async(r, op="sum", tag=7), comm.irecv(into, peer=pred, tag=100),
+             comm.isend(big, peer=succ, tag=100)]
+    for w in works:
+        w.wait(timeout=60)
+    ok = ok and (into == np.arange(3_000_000, dtype=np.float32) + pred).all() and r[0] == n * (n + 1) / 2
+    # Mismatches fail both ends; the link carries on.
+    errors = {}
+    try:
+        if rank == 0:
+            comm.send(np.ones(10, np.float32), peer=1, tag=200)
+        elif rank == 1:
+            comm.recv(np.zeros(12, np.float32), peer=0, tag=200)
+    except shoal.CollectiveMismatchError as e:
+        errors["size"] = str(e)
+    try:
+        if rank == 0:
+            comm.send(np.ones(10, np.float32), peer=1, tag=201)
+        elif rank == 1:
+            comm.recv(np.zeros(10, np.int32), peer=0, tag=201)
+    except shoal.CollectiveMismatchError as e:
+        errors["dtype"] = str(e)
+    w = comm.isend(np.ones(3, np.int64), peer=succ, tag=300)
+    try:
+        comm.isend(np.ones(3, np.int64), peer=succ, tag=300)
+    except shoal.UsageError as e:
+        errors["reused"] = str(e)
+    try:
+        comm.send(np.ones(3, np.int64), peer=rank, tag=301)
+    except ValueError as e:
+        errors["self"] = str(e)
+    back = np.zeros(3, np.int64)
+    comm.recv(back, peer=pred, tag=300)
+    w.wait(timeout=30)
+    # Nobody leaves (closing its streams) before everyone is done.
+    comm.barrier(tag=9)
+    return {"rank": rank, "ok": bool(ok), "errors": errors, "back": back.tolist()}
+
+
+def p2p_ring(spec: dict) -> dict:
+    """Sends to the next rank and receives from the previous one, step after step, until a
+    transfer fails (a peer is killed or frozen); then all-reduces until the smaller world forms,
+    and runs ``steps_after`` more steps of transfers in it."""
+    comm = shoal.Communicator(spec["master"], timeout=60, heartbeat_timeout=spec.get("heartbeat_timeout"))
+    comm.connect(timeout=30)
+    join_all(comm, spec["peers"])
+    print(json.dumps({"ready": comm.peer_id}), flush=True)
+
+    def step(tag: int) -> list:
+        rank, n = comm.rank, comm.group_world_size
+        out = np.full(1 << 16, float(rank), np.float32)
+        into = np.zeros_like(out)
+        works = [comm.isend(out, peer=(rank + 1) % n, tag=tag), comm.irecv(into, peer=(rank - 1) % n, tag=tag)]
+        errors = []
+        for w in works:
+            try:
+                w.wait()
+            except shoal.PeerLostError as e:
+                errors.append({"at": time.time(), "error": str(e)})
+        if not errors:
+            assert (into == float((rank - 1) % n)).all(), into[:3]
+        return errors
+
+    errors, tag, deadline = [], 0, time.time() + 60
+    while not errors and time.time() < deadline:
+        errors = step(tag)
+        tag += 1
+    while time.time() < deadline:
+        try:
+            if comm.all_reduce(np.ones(1, np.float32), op="sum").world_size < spec["peers"]:
+                break
+        except shoal.PeerLostError:
+            pass
+    for k in range(spec["steps_after"]):
+        assert not step(1000 + k), "a transfer failed in the smaller world"
+    comm.barrier(tag=5)
+    return {"errors": errors, "world": comm.group_world_size, "steps": tag}
+
+
 if __name__ == "__main__":
     scenario, spec = sys.argv[1], json.loads(sys.argv[2])
     scenarios = {"overlap": overlap, "many_survive": many_survive,
@@ -687,6 +786,7 @@ if __name__ == "__main__":
                  "agree": agree, "min_world": min_world, "master_loss": master_loss,
                  "admission_misuse": admission_misuse, "chaos": chaos, "die_at": die_at, "sgd": sgd,
                  "sync_case": sync_case, "mismatch": mismatch, "empty": empty, "loop": loop,
-                 "mismatched_calls": mismatched_calls, "links": links, "verbs": verbs}
+                 "mismatched_calls": mismatched_calls, "links": links, "verbs": verbs,
+                 "p2p": p2p, "p2p_ring": p2p_ring}
     result = scenarios[scenario](spec)
     print(json.dumps(result), flush=True)

@@ -144,10 +144,13 @@ pub enum Algorithm {
     /// Every block straight to its owner, then every owner's result straight to every other
     /// ([`crate::twoshot`]): two hops, the ring's bytes.
     TwoShot,
+    /// Straight from one member to another: a tagged point-to-point send and receive. It runs
+    /// no collective.
+    Direct,
 }
 
 impl Algorithm {
-    /// Every algorithm.
+    /// Every algorithm of collectives.
     pub const ALL: [Algorithm; 3] = [Algorithm::Ring, Algorithm::OneShot, Algorithm::TwoShot];
 
     /// Wire code.
@@ -156,6 +159,7 @@ impl Algorithm {
             Algorithm::Ring => 1,
             Algorithm::OneShot => 2,
             Algorithm::TwoShot => 3,
+            Algorithm::Direct => 4,
         }
     }
 
@@ -170,6 +174,7 @@ impl Algorithm {
             Algorithm::Ring => "ring",
             Algorithm::OneShot => "oneshot",
             Algorithm::TwoShot => "twoshot",
+            Algorithm::Direct => "direct",
         }
     }
 
@@ -180,6 +185,9 @@ impl Algorithm {
 
     /// Whether it runs collectives of `kind`.
     pub fn runs(self, kind: CollectiveKind) -> bool {
+        if self == Algorithm::Direct {
+            return false;
+        }
         match kind {
             CollectiveKind::AllReduce => true,
             CollectiveKind::Broadcast => self != Algorithm::TwoShot,
@@ -204,6 +212,7 @@ impl Algorithm {
     ) -> Schedule {
         assert!(self.runs(kind), "{} does not run {}", self.name(), kind.name());
         match (kind, self) {
+            (_, Algorithm::Direct) => unreachable!("asserted above"),
             (CollectiveKind::AllReduce, Algorithm::Ring) => crate::ring::all_reduce(rank, world, len, chunk_elems),
             (CollectiveKind::AllReduce, Algorithm::OneShot) => {
                 crate::oneshot::all_reduce(rank, world, len, chunk_elems)

@@ -2,7 +2,7 @@
 
 use crate::config::CommunicatorConfig;
 use crate::control::Control;
-use crate::engine::{Backup, Exec, LinkError, LinkStats, OpEvent, OpSpec, Pumped, RawBuf, Taken};
+use crate::engine::{Backup, Direction, Exec, LinkError, LinkStats, OpEvent, OpSpec, Pumped, RawBuf, Taken};
 use crate::error::{Error, Result};
 use crate::failpoint::failpoint;
 use crate::links::{DataPlane, Listener};
@@ -319,11 +319,37 @@ impl Communicator {
         let call = self.start_collective(&c, &mut data, buf, None, request, extra)?;
         // The buffers are borrowed for this call only: they must be out of the engine when we
         // return.
-        let operation = request.kind.name();
+        self.finish_call(&c, data, call, request.kind.name())
+    }
+
+    /// Drives collective or transfer `call` (with every other in flight) until it ended.
+    pub(crate) fn finish_call(
+        &self,
+        c: &Connected,
+        mut data: std::sync::MutexGuard<'_, DataPlane>,
+        call: CallId,
+        operation: &'static str,
+    ) -> Result<Info> {
         self.driver.drive(&c.control, &c.listener, &mut data, Some(call), None, operation, |_, a| {
-            unreachable!("a collective asked for {a:?}")
+            unreachable!("{operation} asked for {a:?}")
         });
         data.calls.finished.remove(&call).expect("driven until it ended").0
+    }
+
+    /// Posts collective or transfer `call` if it may run, and leaves it to the progress thread.
+    pub(crate) fn leave_running<B>(
+        &self,
+        c: &Arc<Connected>,
+        mut data: std::sync::MutexGuard<'_, DataPlane>,
+        call: CallId,
+        operation: &'static str,
+    ) -> Work<B> {
+        self.driver.drive(&c.control, &c.listener, &mut data, None, Some(Instant::now()), operation, |_, a| {
+            unreachable!("{operation} asked for {a:?}")
+        });
+        drop(data);
+        self.progress_thread(c).unpark();
+        Work { call, buf: None, result: None }
     }
 
     /// Starts reducing `buf` like [`Communicator::all_reduce`] and returns at once: the
@@ -431,14 +457,7 @@ impl Communicator {
         let (raw, extra) = lend(&mut owned);
         let mut data = self.lock_data();
         let call = self.start_collective(&c, &mut data, raw, Some(owned), request, extra)?;
-        // Post it now if it may run: the progress thread drives it from there.
-        let operation = request.kind.name();
-        self.driver.drive(&c.control, &c.listener, &mut data, None, Some(Instant::now()), operation, |_, a| {
-            unreachable!("{operation} asked for {a:?}")
-        });
-        drop(data);
-        self.progress_thread(&c).unpark();
-        Ok(Work { call, buf: None, result: None })
+        Ok(self.leave_running(&c, data, call, request.kind.name()))
     }
 
     /// Waits until `work` ended, at most `timeout` (default: as long as its bound): what it did,
@@ -599,10 +618,7 @@ impl Communicator {
         if let Some(a) = algorithm.filter(|a| !a.runs(kind)) {
             return Err(Error::InvalidArgument(format!("{} does not run {}", a.name(), kind.name())));
         }
-        // In flight until waited for: whether it ended already depends on timing, which must not
-        // decide whether a call is refused.
-        let waited_for = data.calls.finished.values().any(|f| f.2 == tag);
-        if waited_for || data.calls.collectives.values().any(|o| o.request.tag == tag) {
+        if data.calls.in_use(TagUse::Collective(tag)) {
             return Err(Error::Misuse(format!(
                 "{} with tag {tag} called while another collective with that tag is in flight (not waited for yet)",
                 kind.name()
@@ -755,6 +771,7 @@ pub(crate) type CallResult = std::result::Result<Value, CallError>;
 /// its engine takes the links to our ring neighbours; it links to other members when a schedule
 /// first needs them.
 fn take_up(data: &mut DataPlane, position: &RingPosition) {
+    crate::transfer::superseded(data, position.epoch.0);
     let (rank, world) = (position.rank, position.group_size());
     let me = position.ring[rank].peer;
     let mut exec = Exec::new(position.epoch, rank, world);
@@ -902,7 +919,7 @@ impl<B> Work<B> {
 }
 
 /// What owns a buffer lent to the engine: a [`Work`]'s, until its caller takes it back.
-type Owner = Box<dyn Any + Send>;
+pub(crate) type Owner = Box<dyn Any + Send>;
 
 /// A collective called and not yet returned.
 pub(crate) struct Collective {
@@ -1007,11 +1024,41 @@ pub(crate) struct Calls {
     /// Collectives taken out of the engine before they ended, by number, with what the caller
     /// gets back of them.
     pub taken: HashMap<u64, Taken>,
-    /// Collectives that ended: their result and their buffer's owner, until their caller takes
-    /// them.
-    pub finished: HashMap<CallId, (Result<Info>, Option<Owner>, u64)>,
+    /// Tagged transfers called and not yet ended.
+    pub transfers: HashMap<CallId, crate::transfer::TransferCall>,
+    /// Collectives and transfers that ended: their result, their buffer's owner, and what their
+    /// tag is in use for, until their caller takes them.
+    pub finished: HashMap<CallId, (Result<Info>, Option<Owner>, TagUse)>,
     /// Other calls that ended, until their caller takes them.
     pub ended: HashMap<CallId, CallResult>,
+}
+
+impl Calls {
+    /// Whether a call with `tag` is in flight for `what`, or ended and not waited for yet (in
+    /// flight until waited for: whether it ended already depends on timing, which must not
+    /// decide whether a call is refused).
+    pub fn in_use(&self, what: TagUse) -> bool {
+        self.finished.values().any(|f| f.2 == what)
+            || match what {
+                TagUse::Collective(tag) => self.collectives.values().any(|o| o.request.tag == tag),
+                TagUse::Transfer(direction, peer, tag) => {
+                    self.transfers.values().any(|t| t.uses() == (direction, peer, tag))
+                }
+            }
+    }
+
+    /// Whether a collective or transfer is in flight.
+    fn busy(&self) -> bool {
+        !self.collectives.is_empty() || !self.transfers.is_empty()
+    }
+}
+
+/// What a call's tag is in use for: collectives share one space of tags, transfers one per
+/// direction and member.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TagUse {
+    Collective(u64),
+    Transfer(Direction, PeerId, u64),
 }
 
 /// The progress thread's state, shared with the callers.
@@ -1106,8 +1153,10 @@ impl Driver {
             };
             let moved = exec.pump() == Pumped::Progress;
             let events = exec.events();
-            let news = !events.is_empty();
-            if news {
+            let transfers = exec.transfer_events();
+            let news = !events.is_empty() || !transfers.is_empty();
+            crate::transfer::engine_ended(data, transfers);
+            if !events.is_empty() {
                 self.report(control, data, events);
                 self.take_stopped(control, data);
             }
@@ -1132,8 +1181,18 @@ impl Driver {
                 std::thread::yield_now();
                 continue;
             }
-            // About to sleep: whatever stops a collective short of the master's decision (a removed
-            // member, a vote it can never complete against) stops it now.
+            // About to sleep. A wake-up from here on (an action, a caller that wants the data
+            // plane) interrupts the poll below: what came before is seen by the checks that follow.
+            control.waker.drain();
+            if call.is_none() && self.progress.waiters.load(Ordering::SeqCst) > 0 {
+                return;
+            }
+            if data.exec.as_ref().is_some_and(|e| e.awaiting()) {
+                listener.arrived().drain();
+                self.link(listener, data);
+            }
+            // Whatever stops a collective short of the master's decision (a removed member, a vote
+            // it can never complete against) stops it now.
             let ids: Vec<OpId> = data.calls.collectives.values().filter_map(|c| c.posted.map(|p| p.id)).collect();
             control.own_input(|p, now| {
                 for id in &ids {
@@ -1141,7 +1200,8 @@ impl Driver {
                 }
             });
             self.take_stopped(control, data);
-            if control.lock().has_action() {
+            crate::transfer::stop_stalled(&control.lock(), data, self.config.timeout);
+            if control.lock().has_action() || call.is_some_and(|call| ended(data, call)) {
                 continue;
             }
             let Some(exec) = data.exec.as_ref().filter(|e| e.in_flight() > 0) else { continue };
@@ -1154,13 +1214,11 @@ impl Driver {
             let mut wake = PollFd::new(control.waker.fd());
             wake.want_read = true;
             fds.push(wake);
-            control.waker.drain();
             // Waiting for a member to link to us: its pool's arrival wakes us.
             if exec.awaiting() {
                 let mut arrived = PollFd::new(listener.arrived().fd());
                 arrived.want_read = true;
                 fds.push(arrived);
-                listener.arrived().drain();
             }
             let slice = until.map_or(POLL_SLICE, |u| u.saturating_duration_since(Instant::now()).min(POLL_SLICE));
             if let Err(e) = shoal_transport::poll(&mut fds, slice) {
@@ -1175,7 +1233,7 @@ impl Driver {
         while !progress.stop.load(Ordering::SeqCst) {
             let busy = progress.waiters.load(Ordering::SeqCst) == 0 && {
                 let mut data = data.lock().unwrap_or_else(PoisonError::into_inner);
-                let in_flight = !data.calls.collectives.is_empty();
+                let in_flight = data.calls.busy();
                 if in_flight {
                     let until = Some(Instant::now() + POLL_SLICE);
                     self.drive(&c.control, &c.listener, &mut data, None, until, "all_reduce", |_, a| {
@@ -1427,7 +1485,7 @@ impl Driver {
         if let Some(t) = taken {
             data.spare_backups.push(t.into_backup());
         }
-        data.calls.finished.insert(call, (outcome, record.owner, request.tag));
+        data.calls.finished.insert(call, (outcome, record.owner, TagUse::Collective(request.tag)));
     }
 }
 
@@ -1441,7 +1499,7 @@ fn spare_backup(spares: &mut Vec<Backup>, len: usize) -> Backup {
 }
 
 /// Checks that `buf` holds whole, aligned elements of `dtype`.
-fn check_buffer(buf: &[u8], dtype: DType) -> Result<()> {
+pub(crate) fn check_buffer(buf: &[u8], dtype: DType) -> Result<()> {
     let elem = dtype.size();
     if !buf.len().is_multiple_of(elem) {
         return Err(Error::InvalidArgument(format!(

@@ -23,6 +23,7 @@ mod error;
 mod failpoint;
 mod links;
 mod sync;
+mod transfer;
 
 pub use communicator::{Communicator, Info, LinkInfo, Work};
 pub use config::{

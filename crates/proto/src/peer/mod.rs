@@ -422,6 +422,19 @@ impl Peer {
         self.ops.get(&op).is_some_and(|o| matches!(o.stage, OpStage::Running | OpStage::Lap))
     }
 
+    /// A call id for a call the data plane runs on its own, outside the state machine: a tagged
+    /// point-to-point transfer, which concerns two members and no agreement. Unique among every
+    /// call's.
+    pub fn reserve_call(&mut self) -> CallId {
+        self.next_id()
+    }
+
+    /// Whether the master removed `peer` from the run (it died, froze or was cut off): a
+    /// transfer with it cannot complete.
+    pub fn removed(&self, peer: PeerId) -> bool {
+        self.view.removed.contains(&peer)
+    }
+
     /// Joins the run: answers the master's challenge with `Join`; the call is done once the
     /// accepted peers admit us.
     pub fn connect(&mut self, group: GroupId, data_addr: String, bound: Duration, now: Instant) -> CallId {

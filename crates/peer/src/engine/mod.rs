@@ -25,6 +25,10 @@
 //! over the links: their streams may hold half a frame and can never be used again.
 #![allow(unsafe_code)]
 
+mod p2p;
+
+pub(crate) use p2p::{Direction, TransferSpec};
+
 use shoal_collective::schedule::{Algorithm, RecvAction, Schedule};
 use shoal_collective::{finish_avg, reduce_into, CollectiveKind, DType, ReduceOp};
 use shoal_transport::Lane;
@@ -142,6 +146,11 @@ impl RawBuf {
         self.len
     }
 
+    /// A buffer the engine only reads (a send's), under the same promise.
+    pub fn of_shared(buf: &[u8]) -> Self {
+        RawBuf { ptr: NonNull::new(buf.as_ptr().cast_mut()).unwrap_or(NonNull::dangling()), len: buf.len() }
+    }
+
     /// A copy of `range` of the buffer, which must still be lent and not in the engine's use
     /// (the call is not posted yet, or has been taken out).
     pub fn read(&self, range: std::ops::Range<usize>) -> Vec<u8> {
@@ -205,7 +214,7 @@ impl Frame {
             return Err(format!("a frame without its magic ({:#010x})", u32_at(0)));
         }
         let kind = b[4];
-        if kind != KIND_CHUNK && kind != KIND_TOKEN {
+        if !(KIND_CHUNK..=p2p::KIND_WITHDRAW).contains(&kind) {
             return Err(format!("a frame of unknown kind {kind}"));
         }
         let op = OpHeader {
@@ -533,8 +542,22 @@ impl OpExec {
 
 /// What a sending lane is writing.
 enum Sending {
-    Chunk { seq: u64, start: usize, len: usize },
-    Token { seq: u64 },
+    Chunk {
+        seq: u64,
+        start: usize,
+        len: usize,
+    },
+    Token {
+        seq: u64,
+    },
+    /// A part of transfer `id`.
+    Part {
+        id: u64,
+        start: usize,
+        len: usize,
+    },
+    /// A transfer's offer, answer or withdrawal.
+    Control,
 }
 
 struct SendLane<L> {
@@ -557,6 +580,8 @@ enum Dest {
     Stash(usize),
     /// Kept aside: the collective is not posted yet.
     Early(Vec<u8>),
+    /// Into a receive's buffer (a tagged transfer).
+    Part(p2p::PartDest),
 }
 
 struct Receiving {
@@ -609,6 +634,11 @@ pub(crate) struct Exec<L> {
     /// By member.
     stats: BTreeMap<usize, LinkStats>,
     ops: BTreeMap<u64, OpExec>,
+    /// The tagged point-to-point transfers in flight.
+    p2p: p2p::Transfers,
+    /// Whether the next free lane looks at the transfers before the collectives: they take
+    /// turns.
+    p2p_turn: bool,
     /// The highest number posted so far: frames of lower numbers not in `ops` are stale.
     posted: Option<u64>,
     early: BTreeMap<u64, Vec<Early>>,
@@ -658,6 +688,8 @@ impl<L: Lane> Exec<L> {
             recv: Vec::new(),
             stats: BTreeMap::new(),
             ops: BTreeMap::new(),
+            p2p: p2p::Transfers::new(epoch, world),
+            p2p_turn: false,
             posted: None,
             early: BTreeMap::new(),
             early_bytes: 0,
@@ -700,9 +732,9 @@ impl<L: Lane> Exec<L> {
         self.epoch
     }
 
-    /// Collectives posted and not taken.
+    /// Collectives and transfers posted and not taken.
     pub fn in_flight(&self) -> usize {
-        self.ops.len()
+        self.ops.len() + self.p2p.len()
     }
 
     /// What moved over each link, by member.
@@ -724,7 +756,22 @@ impl<L: Lane> Exec<L> {
         for op in self.ops.values() {
             self.missing_for(op, &mut missing);
         }
+        self.missing_for_transfers(&mut missing);
         missing
+    }
+
+    /// Adds to `missing` the links the transfers still moving need (both ways: the receiver
+    /// answers) and lack.
+    fn missing_for_transfers(&self, missing: &mut Missing) {
+        let lanes = |r: usize| self.stats.get(&r).copied().unwrap_or_default();
+        for peer in self.p2p.peers() {
+            if lanes(peer).lanes_out == 0 && !missing.to.contains(&peer) {
+                missing.to.push(peer);
+            }
+            if lanes(peer).lanes_in == 0 && !missing.from.contains(&peer) && !self.gone(peer) {
+                missing.from.push(peer);
+            }
+        }
     }
 
     /// Adds to `missing` the links `op` needs and lacks.
@@ -796,6 +843,41 @@ impl<L: Lane> Exec<L> {
         }
     }
 
+    /// Starts tagged transfer `id` (a number of the caller's, unique among those in flight)
+    /// with member `spec.peer`, alongside the collectives.
+    pub fn post_transfer(&mut self, id: u64, spec: TransferSpec) {
+        let peer = spec.peer;
+        self.p2p.post(id, spec);
+        if let Some(e) = &self.broken {
+            self.p2p.fail(id, e.clone());
+        } else if self.gone(peer) {
+            let reason = "connection closed: it left earlier".to_string();
+            self.p2p.fail(id, LinkError::Lost { rank: peer, reason });
+        } else if !self.awaiting {
+            let mut missing = Missing::default();
+            self.missing_for_transfers(&mut missing);
+            self.awaiting = !missing.is_empty();
+        }
+    }
+
+    /// Takes transfer `id` out, ended or not: what it moved. One stopped with parts on the
+    /// lanes leaves them unusable for every other operation.
+    pub fn take_transfer(&mut self, id: u64) -> Option<Traffic> {
+        let (traffic, torn) = self.p2p.take(id)?;
+        if torn {
+            self.break_lanes(LinkError::Lost { rank: self.rank, reason: format!("transfer {id} stopped mid-flight") });
+        }
+        if self.awaiting {
+            self.awaiting = !self.missing().is_empty();
+        }
+        Some(traffic)
+    }
+
+    /// How transfers ended since the last call.
+    pub fn transfer_events(&mut self) -> Vec<(u64, Result<(), LinkError>)> {
+        self.p2p.events()
+    }
+
     /// Fails every collective in flight: the link to `rank` cannot be had.
     pub fn unreachable(&mut self, rank: usize, reason: String) {
         self.break_lanes(LinkError::Lost { rank, reason });
@@ -847,8 +929,10 @@ impl<L: Lane> Exec<L> {
     /// The lanes to poll: (lane, wants to read, wants to write).
     pub fn interest(&self) -> impl Iterator<Item = (&L, bool, bool)> {
         let lanes = if self.broken.is_some() { 0 } else { usize::MAX };
-        let reading = self.early_bytes < MAX_EARLY_BYTES || self.ops.values().any(|o| !o.finished);
-        let wanted: Vec<bool> = (0..self.world).map(|to| self.ops.values().any(|o| o.has_frame_for(to))).collect();
+        let reading = self.early_bytes < MAX_EARLY_BYTES || self.ops.values().any(|o| !o.finished) || self.p2p.busy();
+        let wanted: Vec<bool> = (0..self.world)
+            .map(|to| self.ops.values().any(|o| o.has_frame_for(to)) || self.p2p.has_frame_for(to))
+            .collect();
         let recv = self.recv.iter().take(lanes).filter(|l| !l.closed);
         let recv = recv.map(move |l| (&l.lane, reading || l.receiving.is_some(), false));
         let send = self.send.iter().take(lanes).map(move |l| (&l.lane, false, l.sending.is_some() || wanted[l.to]));
@@ -928,6 +1012,7 @@ impl<L: Lane> Exec<L> {
                 OpEvent::Failed(e.clone())
             });
         }
+        self.p2p.fail_all(&e);
         self.early.clear();
         self.early_bytes = 0;
     }
@@ -955,7 +1040,7 @@ impl<L: Lane> Exec<L> {
         loop {
             let lane = &mut self.recv[i];
             let Some(rx) = lane.receiving.as_mut() else {
-                if self.early_bytes >= MAX_EARLY_BYTES && self.ops.values().all(|o| o.finished) {
+                if self.early_bytes >= MAX_EARLY_BYTES && self.ops.values().all(|o| o.finished) && !self.p2p.busy() {
                     return Ok(progress);
                 }
                 let Some(n) = read_some(&mut lane.lane, &mut lane.header[lane.header_got..], from)? else {
@@ -999,6 +1084,11 @@ impl<L: Lane> Exec<L> {
                     &mut s[rx.got..len]
                 }
                 Dest::Early(body) => &mut body[rx.got..len],
+                Dest::Part(p) => {
+                    // SAFETY: lent to the engine; the only slice of it in use until the read ends.
+                    let whole = unsafe { self.p2p.buf(p.id).slice() };
+                    &mut whole[p.start + rx.got..p.start + len]
+                }
             };
             let n = if target.is_empty() {
                 0
@@ -1011,8 +1101,13 @@ impl<L: Lane> Exec<L> {
             };
             progress = true;
             rx.got += n;
-            if let Some(op) = self.ops.get_mut(&seq) {
-                op.traffic.rx_bytes += n as u64;
+            match &rx.dest {
+                Dest::Part(p) => self.p2p.count(p.id, n, false),
+                _ => {
+                    if let Some(op) = self.ops.get_mut(&seq) {
+                        op.traffic.rx_bytes += n as u64;
+                    }
+                }
             }
             self.stats.entry(from).or_default().rx_bytes += n as u64;
             if rx.got < len {
@@ -1022,6 +1117,7 @@ impl<L: Lane> Exec<L> {
             let unit = rx.unit;
             match rx.dest {
                 Dest::Buf(_) | Dest::Stash(_) => self.ops.get_mut(&seq).expect("posted").complete_recv(unit, None),
+                Dest::Part(p) => self.p2p.part_done(p.id),
                 Dest::Scratch => {
                     let src: &[u8] = bytemuck::cast_slice(&lane.scratch);
                     self.ops.get_mut(&seq).expect("posted").complete_recv(unit, Some(&src[..len]));
@@ -1056,9 +1152,14 @@ impl<L: Lane> Exec<L> {
         if stats.lanes_in > 0 {
             return Ok(());
         }
+        let lost = LinkError::Lost { rank: from, reason: "connection closed".into() };
         match self.ops.iter().find(|(_, o)| o.expects_from(from)) {
-            Some((&seq, _)) => Err((Some(seq), LinkError::Lost { rank: from, reason: "connection closed".into() })),
-            None => Ok(()),
+            Some((&seq, _)) => Err((Some(seq), lost)),
+            // Closed between frames: the other links hold no half frame, and go on.
+            None => {
+                self.p2p.fail_peer(from, &lost);
+                Ok(())
+            }
         }
     }
 
@@ -1069,6 +1170,12 @@ impl<L: Lane> Exec<L> {
         let malformed = |reason: String| (None, LinkError::Malformed { rank: from, reason });
         if frame.op.epoch != self.epoch {
             return Err(malformed(format!("a frame of topology {} in topology {}", frame.op.epoch.0, self.epoch.0)));
+        }
+        if frame.kind >= p2p::KIND_OFFER {
+            if let Some(dest) = self.p2p.on_frame(from, &frame).map_err(|e| (None, e))? {
+                self.recv[i].receiving = Some(Receiving { frame, unit: 0, got: 0, dest: Dest::Part(dest) });
+            }
+            return Ok(());
         }
         let Some(op) = self.ops.get_mut(&seq) else {
             if self.posted.is_some_and(|p| seq <= p) {
@@ -1124,13 +1231,18 @@ impl<L: Lane> Exec<L> {
                 return Ok(progress);
             }
             let lane = &mut self.send[i];
-            let (seq, payload): (u64, &[u8]) = match lane.sending.as_ref().expect("a frame") {
+            let payload: &[u8] = match lane.sending.as_ref().expect("a frame") {
                 Sending::Chunk { seq, start, len, .. } => {
                     // SAFETY: lent to the engine; the only slice of it in use until the write ends.
                     let whole: &[u8] = unsafe { self.ops[seq].spec.buf.slice() };
-                    (*seq, &whole[*start..*start + *len])
+                    &whole[*start..*start + *len]
                 }
-                Sending::Token { seq } => (*seq, &[]),
+                Sending::Part { id, start, len } => {
+                    // SAFETY: as above.
+                    let whole: &[u8] = unsafe { self.p2p.buf(*id).slice() };
+                    &whole[*start..*start + *len]
+                }
+                Sending::Token { .. } | Sending::Control => &[],
             };
             let (header_left, body_done) = if lane.written < FRAME_BYTES {
                 (&lane.frame[lane.written..], 0)
@@ -1153,22 +1265,65 @@ impl<L: Lane> Exec<L> {
             let body = n.saturating_sub(header_left.len());
             lane.written += n;
             self.stats.entry(lane.to).or_default().tx_bytes += body as u64;
-            let op = self.ops.get_mut(&seq).expect("a frame of a collective in flight");
-            op.traffic.tx_bytes += body as u64;
-            if lane.written == FRAME_BYTES + payload.len() {
+            let whole = lane.written == FRAME_BYTES + payload.len();
+            match *lane.sending.as_ref().expect("a frame") {
+                Sending::Chunk { seq, .. } | Sending::Token { seq } => {
+                    let op = self.ops.get_mut(&seq).expect("a frame of a collective in flight");
+                    op.traffic.tx_bytes += body as u64;
+                }
+                Sending::Part { id, .. } => self.p2p.count(id, body, true),
+                Sending::Control => {}
+            }
+            if whole {
                 lane.written = 0;
                 match lane.sending.take().expect("a frame") {
-                    Sending::Chunk { .. } => op.sent += 1,
-                    Sending::Token { .. } => op.tokens_out += 1,
+                    Sending::Chunk { seq, .. } => {
+                        let op = self.ops.get_mut(&seq).expect("in flight");
+                        op.sent += 1;
+                        op.check();
+                    }
+                    Sending::Token { seq } => {
+                        let op = self.ops.get_mut(&seq).expect("in flight");
+                        op.tokens_out += 1;
+                        op.check();
+                    }
+                    Sending::Part { id, .. } => self.p2p.part_done(id),
+                    Sending::Control => {}
                 }
-                op.check();
             }
         }
     }
 
-    /// Gives free lane `i` the next frame for its member: the next collective in turn with a
-    /// token or a chunk for it that may leave. False if none has.
+    /// Gives free lane `i` the next frame for its member: collectives and transfers take turns,
+    /// and within each the next one in turn with a frame for it that may leave. False if none
+    /// has.
     fn next_frame(&mut self, i: usize) -> bool {
+        self.p2p_turn = !self.p2p_turn;
+        let transfers_first = self.p2p_turn;
+        [transfers_first, !transfers_first].into_iter().any(|transfers| {
+            if transfers {
+                self.next_transfer_frame(i)
+            } else {
+                self.next_collective_frame(i)
+            }
+        })
+    }
+
+    /// Gives free lane `i` the next transfer frame for its member; false if none has.
+    fn next_transfer_frame(&mut self, i: usize) -> bool {
+        let Some((frame, part)) = self.p2p.next_frame(self.send[i].to) else { return false };
+        let lane = &mut self.send[i];
+        lane.frame = frame.encode();
+        lane.written = 0;
+        lane.sending = Some(match part {
+            Some((id, start, len)) => Sending::Part { id, start, len },
+            None => Sending::Control,
+        });
+        true
+    }
+
+    /// Gives free lane `i` the next collective frame in turn for its member; false if none has.
+    fn next_collective_frame(&mut self, i: usize) -> bool {
         let (turn, to) = (self.turn, self.send[i].to);
         let order = self.ops.range(turn + 1..).chain(self.ops.range(..=turn)).map(|(s, _)| *s);
         let pick = order.into_iter().find(|s| self.ops[s].has_frame_for(to));
@@ -1213,7 +1368,7 @@ impl<L: Lane> Exec<L> {
         let send = self.send.iter().map(|l| format!("to {}: {}", l.to, l.lane.describe()));
         let lanes: Vec<String> =
             send.chain(self.recv.iter().map(|l| format!("from {}: {}", l.from, l.lane.describe()))).collect();
-        format!("collectives [{}] over {lanes:?}", ops.join("; "))
+        format!("collectives [{}], {} over {lanes:?}", ops.join("; "), self.p2p.describe())
     }
 }
 
@@ -1804,6 +1959,157 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A transfer of rank `peer`'s.
+    fn transfer(direction: Direction, peer: usize, tag: u64, buf: &mut [u64]) -> TransferSpec {
+        let buf = RawBuf::new(bytemuck::cast_slice_mut(buf));
+        TransferSpec { direction, peer, tag, dtype: DType::U64, buf, chunk_bytes: 1000 }
+    }
+
+    /// Pumps every engine until `done` holds of the transfers' ends, by (rank, id); takes each
+    /// ended transfer out.
+    fn pump_transfers(
+        execs: &mut [Exec<MemLane>],
+        ended: &mut BTreeMap<(usize, u64), Result<(), String>>,
+        done: impl Fn(&BTreeMap<(usize, u64), Result<(), String>>) -> bool,
+    ) {
+        for _ in 0..100_000 {
+            for (rank, exec) in execs.iter_mut().enumerate() {
+                exec.pump();
+                for (id, result) in exec.transfer_events() {
+                    exec.take_transfer(id).expect("in flight");
+                    ended.insert((rank, id), result.map_err(|e| format!("{e:?}")));
+                }
+            }
+            if done(ended) {
+                return;
+            }
+        }
+        let states: Vec<String> = execs.iter().map(|e| e.describe()).collect();
+        panic!("transfers stuck: {ended:?}, {states:#?}");
+    }
+
+    #[test]
+    fn tagged_transfers_match_by_tag_in_any_order_beside_a_collective() {
+        let faults = Faults { capacity: 1500, max_io: 300, reset_after: None };
+        let mut execs = mesh(2, 3, faults);
+        // Sizes: empty, under one part, several parts with a short last one; tag 9 twice.
+        let sizes = [0usize, 17, 1000, 333, 250];
+        let tags = [1u64, 2, 9, 9, 3];
+        let mut sent: Vec<Vec<u64>> = sizes.iter().enumerate().map(|(i, &n)| input(0, i as u64, n)).collect();
+        let mut got: Vec<Vec<u64>> = sizes.iter().map(|&n| vec![0; n]).collect();
+        let mut reduce = [input(0, 7, 3000), input(1, 7, 3000)];
+        for (rank, buf) in reduce.iter_mut().enumerate() {
+            execs[rank].post(sum_spec(buf, 0, 99, Algorithm::Ring, 1024));
+        }
+        for (i, buf) in sent.iter_mut().enumerate() {
+            execs[0].post_transfer(i as u64, transfer(Direction::Send, 1, tags[i], buf));
+        }
+        let mut ended = BTreeMap::new();
+        // Every offer arrives before any receive is posted: none moves data yet.
+        pump_transfers(&mut execs, &mut ended, |_| true);
+        for _ in 0..200 {
+            execs.iter_mut().for_each(|e| _ = e.pump());
+        }
+        assert!(execs[0].transfer_events().is_empty(), "a send ended before its receive was posted");
+        // Receives in another order; the first receive for tag 9 gets the first send with it.
+        for i in [4usize, 2, 0, 3, 1] {
+            execs[1].post_transfer(10 + i as u64, transfer(Direction::Recv, 0, tags[i], &mut got[i]));
+        }
+        pump_transfers(&mut execs, &mut ended, |e| e.len() == 2 * sizes.len());
+        assert!(ended.values().all(Result::is_ok), "{ended:?}");
+        assert_eq!(got, sent);
+        // The collective ran alongside over the same lanes.
+        let mut confirmed = 0;
+        for _ in 0..10_000 {
+            for exec in execs.iter_mut() {
+                exec.pump();
+                confirmed += exec.events().iter().filter(|(_, e)| matches!(e, OpEvent::Confirmed)).count();
+            }
+        }
+        assert_eq!(confirmed, 2);
+        assert_eq!(reduce[0], sum(2, 7, 3000));
+        assert_eq!(reduce[0], reduce[1]);
+    }
+
+    #[test]
+    fn a_size_or_dtype_mismatch_fails_both_ends_and_the_link_carries_on() {
+        let mut execs = mesh(2, 2, Faults::default());
+        let (mut a, mut b) = (vec![5u64; 10], vec![0u64; 12]);
+        execs[0].post_transfer(1, transfer(Direction::Send, 1, 4, &mut a));
+        execs[1].post_transfer(2, transfer(Direction::Recv, 0, 4, &mut b));
+        let mut ended = BTreeMap::new();
+        pump_transfers(&mut execs, &mut ended, |e| e.len() == 2);
+        for end in [(0, 1), (1, 2)] {
+            assert!(ended[&end].as_ref().is_err_and(|e| e.contains("Mismatch")), "{end:?}: {ended:?}");
+        }
+        assert_eq!(b, vec![0; 12], "a refused transfer moves no data");
+        // A dtype mismatch: same bytes, another type.
+        let mut c = vec![0u64; 10];
+        execs[0].post_transfer(3, transfer(Direction::Send, 1, 5, &mut a));
+        let mut wrong = transfer(Direction::Recv, 0, 5, &mut c);
+        wrong.dtype = DType::F64;
+        execs[1].post_transfer(4, wrong);
+        pump_transfers(&mut execs, &mut ended, |e| e.len() == 4);
+        assert!(ended[&(0, 3)].is_err() && ended[&(1, 4)].is_err(), "{ended:?}");
+        // The lanes hold no half transfer: the next one moves.
+        execs[0].post_transfer(5, transfer(Direction::Send, 1, 4, &mut a));
+        execs[1].post_transfer(6, transfer(Direction::Recv, 0, 4, &mut c));
+        pump_transfers(&mut execs, &mut ended, |e| e.len() == 6);
+        assert!(ended[&(0, 5)].is_ok() && ended[&(1, 6)].is_ok(), "{ended:?}");
+        assert_eq!(c, a);
+    }
+
+    #[test]
+    fn a_transfer_with_a_member_that_left_fails_alone() {
+        let mut execs = mesh(3, 1, Faults::default());
+        // Rank 1 leaves, closing its streams; rank 2 notices.
+        execs.remove(1);
+        for _ in 0..10 {
+            execs.iter_mut().for_each(|e| _ = e.pump());
+        }
+        let (mut a, mut b, mut c) = (input(2, 0, 100), vec![0u64; 100], vec![0u64; 100]);
+        // Ranks 0 and 2 are now engines 0 and 1.
+        execs[1].post_transfer(1, transfer(Direction::Send, 0, 3, &mut a));
+        execs[1].post_transfer(2, transfer(Direction::Recv, 1, 3, &mut c));
+        execs[0].post_transfer(3, transfer(Direction::Recv, 2, 3, &mut b));
+        let mut ended = BTreeMap::new();
+        pump_transfers(&mut execs, &mut ended, |e| e.len() == 3);
+        assert!(ended[&(1, 2)].as_ref().is_err_and(|e| e.contains("rank: 1")), "{ended:?}");
+        assert!(ended[&(1, 1)].is_ok() && ended[&(0, 3)].is_ok(), "{ended:?}");
+        assert_eq!(b, a);
+    }
+
+    #[test]
+    fn a_withdrawn_send_is_never_received_and_a_reset_fails_both_ends() {
+        let faults = Faults { capacity: 4096, max_io: 512, reset_after: None };
+        let mut execs = engines(2);
+        let to_1 = link(&mut execs, 0, 1, 1, faults);
+        link(&mut execs, 1, 0, 1, faults);
+        let (mut a, mut b) = (input(0, 1, 5000), vec![0u64; 5000]);
+        execs[0].post_transfer(1, transfer(Direction::Send, 1, 8, &mut a));
+        for _ in 0..50 {
+            execs.iter_mut().for_each(|e| _ = e.pump());
+        }
+        // The sender gives up before the receive is posted (its bound passed).
+        assert!(execs[0].take_transfer(1).is_some());
+        execs[1].post_transfer(2, transfer(Direction::Recv, 0, 8, &mut b));
+        let mut ended = BTreeMap::new();
+        for _ in 0..200 {
+            pump_transfers(&mut execs, &mut ended, |_| true);
+        }
+        assert!(ended.is_empty(), "the withdrawn offer matched: {ended:?}");
+        // A new send matches the waiting receive; the link resets mid-way: both ends fail.
+        execs[0].post_transfer(3, transfer(Direction::Send, 1, 8, &mut a));
+        for _ in 0..100 {
+            execs.iter_mut().for_each(|e| _ = e.pump());
+            if to_1[0].carried() > 10_000 {
+                to_1[0].reset();
+            }
+        }
+        pump_transfers(&mut execs, &mut ended, |e| e.len() == 2);
+        assert!(ended[&(0, 3)].is_err() && ended[&(1, 2)].is_err(), "{ended:?}");
     }
 
     #[test]

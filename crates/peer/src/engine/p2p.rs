@@ -1,0 +1,451 @@
+//! Tagged point-to-point transfers: a send to one member, matched there with a receive from us
+//! by tag, in any order of calls on either side.
+//!
+//! A transfer is a rendezvous over the link's lanes, beside the collectives:
+//!
+//! ```text
+//!  sender                               receiver
+//!  send(tag 7) ── Offer #n (tag, dtype, count) ──▶ kept until a receive from us with tag 7
+//!                                                   is posted (the earliest such, if several)
+//!              ◀──────── Accept #n ──────────────  dtype and count match
+//!              ── Part #n/0, Part #n/1, ... ────▶  straight into the receive's buffer
+//!  done once every part is written                  done once every part arrived
+//!
+//!              ◀──────── Refuse #n (its dtype, count) ─  they differ: both ends fail with a
+//!                                                         mismatch that names both calls
+//!  (timed out before an answer)
+//!              ── Withdraw #n ─────────────────▶  the offer goes; a receive that took it
+//!                                                   waits for another send
+//! ```
+//!
+//! `#n` numbers the sender's transfers to that member, so parts of two transfers with one tag
+//! never mix, whatever lane each part takes. No data moves before its receive is posted: calls in
+//! any order need no buffer beyond a few bytes per waiting offer ([`MAX_WAITING_OFFERS`]), and a
+//! lane never carries bytes nobody asked for ahead of those somebody waits for.
+
+use super::{Frame, LinkError, RawBuf, Traffic};
+use shoal_collective::schedule::Algorithm;
+use shoal_collective::DType;
+use shoal_wire::{Epoch, OpHeader};
+use std::collections::{BTreeMap, VecDeque};
+
+/// Frame kinds of transfers (collectives use 1 and 2).
+pub(super) const KIND_OFFER: u8 = 3;
+pub(super) const KIND_ACCEPT: u8 = 4;
+pub(super) const KIND_REFUSE: u8 = 5;
+pub(super) const KIND_PART: u8 = 6;
+pub(super) const KIND_WITHDRAW: u8 = 7;
+
+/// Most offers kept waiting for their receive, from all members together: past it, the member
+/// whose offer overflows is malformed (an application with that many sends unanswered has lost
+/// track of its tags).
+pub(crate) const MAX_WAITING_OFFERS: usize = 4096;
+
+/// Which end of a transfer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Direction {
+    Send,
+    Recv,
+}
+
+impl Direction {
+    pub fn name(self) -> &'static str {
+        match self {
+            Direction::Send => "send",
+            Direction::Recv => "recv",
+        }
+    }
+}
+
+/// A transfer to post: `buf` is sent to, or received from, member `peer`.
+pub(crate) struct TransferSpec {
+    pub direction: Direction,
+    pub peer: usize,
+    pub tag: u64,
+    pub dtype: DType,
+    pub buf: RawBuf,
+    pub chunk_bytes: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    /// A send whose offer is not on a lane yet.
+    Offering,
+    /// A send waiting for the receiver's answer.
+    Offered,
+    /// A receive waiting for an offer.
+    Waiting,
+    /// Parts move.
+    Moving,
+}
+
+struct Transfer {
+    spec: TransferSpec,
+    /// The sender's number of it among its transfers to the receiver, once known here.
+    number: Option<u64>,
+    stage: Stage,
+    part_bytes: usize,
+    parts: usize,
+    /// Parts handed to lanes (a send).
+    next_part: usize,
+    /// Parts written (a send) or received (a receive).
+    done_parts: usize,
+    /// Which parts arrived (a receive).
+    got: Vec<bool>,
+    traffic: Traffic,
+    finished: bool,
+}
+
+/// The bytes of an outgoing part: (transfer, start, length) in its buffer.
+pub(super) type PartRange = (u64, usize, usize);
+
+/// Where an arriving part goes: into transfer `id`'s buffer at `start`.
+pub(super) struct PartDest {
+    pub id: u64,
+    pub start: usize,
+}
+
+/// The transfers of one topology's engine, by the id the caller gave them.
+pub(super) struct Transfers {
+    epoch: Epoch,
+    ops: BTreeMap<u64, Transfer>,
+    /// Per member: the number of our next send to it.
+    next_number: Vec<u64>,
+    /// Offers no receive matched yet: (member, its offer).
+    offers: Vec<(usize, OpHeader)>,
+    /// Answers and withdrawals to send, by member; they outlive the transfer they concern.
+    control: VecDeque<(usize, Frame)>,
+    events: Vec<(u64, Result<(), LinkError>)>,
+    /// The transfer the last free lane took a part of: the next lane starts after it.
+    turn: u64,
+}
+
+impl Transfers {
+    pub fn new(epoch: Epoch, world: usize) -> Self {
+        Transfers {
+            epoch,
+            ops: BTreeMap::new(),
+            next_number: vec![0; world],
+            offers: Vec::new(),
+            control: VecDeque::new(),
+            events: Vec::new(),
+            turn: 0,
+        }
+    }
+
+    /// Transfers posted and not taken.
+    pub fn len(&self) -> usize {
+        self.ops.len()
+    }
+
+    /// Whether a transfer still moves.
+    pub fn busy(&self) -> bool {
+        self.ops.values().any(|t| !t.finished)
+    }
+
+    /// The members the transfers still moving exchange frames with (both ways: answers go back).
+    pub fn peers(&self) -> impl Iterator<Item = usize> + '_ {
+        self.ops.values().filter(|t| !t.finished).map(|t| t.spec.peer)
+    }
+
+    /// Starts transfer `id`. A receive takes the earliest waiting offer that fits it.
+    pub fn post(&mut self, id: u64, spec: TransferSpec) {
+        debug_assert!(!self.ops.contains_key(&id), "transfer ids are unique");
+        let elem = spec.dtype.size();
+        let part_bytes = (spec.chunk_bytes / elem).max(1) * elem;
+        let parts = spec.buf.len().div_ceil(part_bytes);
+        let (number, stage) = match spec.direction {
+            Direction::Send => {
+                let n = &mut self.next_number[spec.peer];
+                *n += 1;
+                (Some(*n - 1), Stage::Offering)
+            }
+            Direction::Recv => (None, Stage::Waiting),
+        };
+        let got = if spec.direction == Direction::Recv { vec![false; parts] } else { Vec::new() };
+        let (peer, tag, direction) = (spec.peer, spec.tag, spec.direction);
+        let transfer = Transfer {
+            spec,
+            number,
+            stage,
+            part_bytes,
+            parts,
+            next_part: 0,
+            done_parts: 0,
+            got,
+            traffic: Traffic::default(),
+            finished: false,
+        };
+        self.ops.insert(id, transfer);
+        if direction == Direction::Recv {
+            self.match_waiting(id, peer, tag);
+        }
+    }
+
+    /// Receive `id` (from `peer` with `tag`) takes the earliest waiting offer that fits it.
+    fn match_waiting(&mut self, id: u64, peer: usize, tag: u64) {
+        if let Some(k) = self.offers.iter().position(|(from, o)| *from == peer && o.tag == tag) {
+            let (from, offer) = self.offers.remove(k);
+            self.answer(id, from, offer);
+        }
+    }
+
+    /// Receive `id` answers `offer` from member `from`.
+    fn answer(&mut self, id: u64, from: usize, offer: OpHeader) {
+        let t = self.ops.get_mut(&id).expect("posted");
+        let ours = header(self.epoch, &t.spec, offer.seq);
+        if offer.dtype != ours.dtype || offer.count != ours.count {
+            self.control.push_back((from, control_frame(KIND_REFUSE, ours)));
+            self.end(id, Err(LinkError::Mismatch { rank: from, theirs: offer }));
+            return;
+        }
+        self.control.push_back((from, control_frame(KIND_ACCEPT, ours)));
+        t.number = Some(offer.seq);
+        t.stage = Stage::Moving;
+        self.check(id);
+    }
+
+    /// Transfer `id` ended with `result` (once).
+    fn end(&mut self, id: u64, result: Result<(), LinkError>) {
+        let t = self.ops.get_mut(&id).expect("posted");
+        if !t.finished {
+            t.finished = true;
+            self.events.push((id, result));
+        }
+    }
+
+    /// Ends transfer `id` if every part moved.
+    fn check(&mut self, id: u64) {
+        let t = &self.ops[&id];
+        if !t.finished && t.stage == Stage::Moving && t.done_parts == t.parts {
+            self.end(id, Ok(()));
+        }
+    }
+
+    /// A transfer frame from member `from`: the destination of its bytes, if it is a part.
+    pub fn on_frame(&mut self, from: usize, frame: &Frame) -> Result<Option<PartDest>, LinkError> {
+        let malformed = |reason: String| LinkError::Malformed { rank: from, reason };
+        let n = frame.op.seq;
+        // Our send to `from` numbered `n`, still waiting for its answer.
+        let offered = |ops: &BTreeMap<u64, Transfer>| {
+            ops.iter()
+                .find(|(_, t)| {
+                    t.spec.direction == Direction::Send
+                        && t.spec.peer == from
+                        && t.number == Some(n)
+                        && t.stage == Stage::Offered
+                        && !t.finished
+                })
+                .map(|(id, _)| *id)
+        };
+        // An answer to a send we gave up (withdrew) or one we never made.
+        let stale = |next: u64| if n < next { Ok(None) } else { Err(malformed(format!("an answer to send {n}"))) };
+        match frame.kind {
+            KIND_OFFER => {
+                let waiting = self.ops.iter().find(|(_, t)| {
+                    t.spec.direction == Direction::Recv
+                        && t.spec.peer == from
+                        && t.spec.tag == frame.op.tag
+                        && t.stage == Stage::Waiting
+                });
+                match waiting.map(|(id, _)| *id) {
+                    Some(id) => self.answer(id, from, frame.op),
+                    None if self.offers.len() >= MAX_WAITING_OFFERS => {
+                        return Err(malformed(format!("more than {MAX_WAITING_OFFERS} sends waiting for receives")));
+                    }
+                    None => self.offers.push((from, frame.op)),
+                }
+                Ok(None)
+            }
+            KIND_ACCEPT => {
+                let Some(id) = offered(&self.ops) else { return stale(self.next_number[from]) };
+                self.ops.get_mut(&id).expect("found").stage = Stage::Moving;
+                self.check(id);
+                Ok(None)
+            }
+            KIND_REFUSE => {
+                let Some(id) = offered(&self.ops) else { return stale(self.next_number[from]) };
+                self.end(id, Err(LinkError::Mismatch { rank: from, theirs: frame.op }));
+                Ok(None)
+            }
+            KIND_WITHDRAW => {
+                self.offers.retain(|(f, o)| !(*f == from && o.seq == n));
+                // A receive that took the offer got nothing yet (no part leaves before our answer
+                // arrives, and the sender withdraws only before): it waits for another send.
+                let matched = self.ops.iter_mut().find(|(_, t)| {
+                    t.spec.direction == Direction::Recv && t.spec.peer == from && t.number == Some(n) && !t.finished
+                });
+                if let Some((&id, t)) = matched {
+                    (t.number, t.stage) = (None, Stage::Waiting);
+                    let tag = t.spec.tag;
+                    self.match_waiting(id, from, tag);
+                }
+                Ok(None)
+            }
+            _ => {
+                let part = frame.unit as usize;
+                let found = self.ops.iter_mut().find(|(_, t)| {
+                    t.spec.direction == Direction::Recv
+                        && t.spec.peer == from
+                        && t.number == Some(n)
+                        && t.stage == Stage::Moving
+                        && !t.finished
+                });
+                let Some((&id, t)) = found else {
+                    return Err(malformed(format!("a part of transfer {n}, which is not accepted here")));
+                };
+                let start = part * t.part_bytes;
+                let expected = t.part_bytes.min(t.spec.buf.len().saturating_sub(start));
+                if part >= t.parts || t.got[part] || frame.len as usize != expected {
+                    let reason = format!("part {part} of {} bytes of transfer {n} (expected {expected})", frame.len);
+                    return Err(malformed(reason));
+                }
+                t.got[part] = true;
+                Ok(Some(PartDest { id, start }))
+            }
+        }
+    }
+
+    /// Transfer `id`'s buffer.
+    pub fn buf(&self, id: u64) -> RawBuf {
+        self.ops[&id].spec.buf
+    }
+
+    /// `n` bytes of transfer `id` moved (in or out).
+    pub fn count(&mut self, id: u64, n: usize, outgoing: bool) {
+        let t = &mut self.ops.get_mut(&id).expect("in flight").traffic;
+        if outgoing {
+            t.tx_bytes += n as u64;
+        } else {
+            t.rx_bytes += n as u64;
+        }
+    }
+
+    /// A part of transfer `id` was written, or received whole.
+    pub fn part_done(&mut self, id: u64) {
+        self.ops.get_mut(&id).expect("in flight").done_parts += 1;
+        self.check(id);
+    }
+
+    /// Whether a frame for member `to` may leave now.
+    pub fn has_frame_for(&self, to: usize) -> bool {
+        self.control.iter().any(|(t, _)| *t == to) || self.ops.values().any(|t| t.sendable(to))
+    }
+
+    /// The next frame for member `to`: answers first, then the next transfer in turn's offer or
+    /// part (with its bytes' transfer and range).
+    pub fn next_frame(&mut self, to: usize) -> Option<(Frame, Option<PartRange>)> {
+        if let Some(k) = self.control.iter().position(|(t, _)| *t == to) {
+            return self.control.remove(k).map(|(_, f)| (f, None));
+        }
+        let turn = self.turn;
+        let order = self.ops.range(turn + 1..).chain(self.ops.range(..=turn)).map(|(id, _)| *id);
+        let id = order.into_iter().find(|id| self.ops[id].sendable(to))?;
+        self.turn = id;
+        let epoch = self.epoch;
+        let t = self.ops.get_mut(&id).expect("picked");
+        let h = header(epoch, &t.spec, t.number.expect("a send is numbered"));
+        if t.stage == Stage::Offering {
+            t.stage = Stage::Offered;
+            return Some((control_frame(KIND_OFFER, h), None));
+        }
+        let part = t.next_part;
+        t.next_part += 1;
+        let start = part * t.part_bytes;
+        let len = t.part_bytes.min(t.spec.buf.len() - start);
+        Some((Frame { kind: KIND_PART, len: len as u32, unit: part as u32, op: h }, Some((id, start, len))))
+    }
+
+    /// Every transfer still moving with member `peer` fails with `e`: its streams closed.
+    pub fn fail_peer(&mut self, peer: usize, e: &LinkError) {
+        let ids: Vec<u64> =
+            self.ops.iter().filter(|(_, t)| !t.finished && t.spec.peer == peer).map(|(id, _)| *id).collect();
+        for id in ids {
+            self.end(id, Err(e.clone()));
+        }
+        self.offers.retain(|(from, _)| *from != peer);
+    }
+
+    /// Transfer `id` fails with `e`, unless it ended.
+    pub fn fail(&mut self, id: u64, e: LinkError) {
+        self.end(id, Err(e));
+    }
+
+    /// Every transfer still moving fails with `e`; answers not sent are dropped.
+    pub fn fail_all(&mut self, e: &LinkError) {
+        let ids: Vec<u64> = self.ops.iter().filter(|(_, t)| !t.finished).map(|(id, _)| *id).collect();
+        for id in ids {
+            self.end(id, Err(e.clone()));
+        }
+        self.control.clear();
+        self.offers.clear();
+    }
+
+    /// What happened to transfers since the last call.
+    pub fn events(&mut self) -> Vec<(u64, Result<(), LinkError>)> {
+        std::mem::take(&mut self.events)
+    }
+
+    /// Takes transfer `id` out, ended or not: what it moved, and whether the lanes are broken
+    /// (it stopped with parts on them). A send the receiver had not answered is withdrawn.
+    pub fn take(&mut self, id: u64) -> Option<(Traffic, bool)> {
+        let t = self.ops.remove(&id)?;
+        let torn = !t.finished && t.stage == Stage::Moving;
+        if !t.finished && t.stage == Stage::Offered {
+            let h = header(self.epoch, &t.spec, t.number.expect("a send is numbered"));
+            self.control.push_back((t.spec.peer, control_frame(KIND_WITHDRAW, h)));
+        }
+        self.events.retain(|(e, _)| *e != id);
+        Some((t.traffic, torn))
+    }
+
+    /// Where each transfer stands, for a failure's log.
+    pub fn describe(&self) -> String {
+        let ops: Vec<String> = self
+            .ops
+            .iter()
+            .map(|(id, t)| {
+                format!(
+                    "{} {id} (tag {}, rank {}): {:?}, {}/{} parts",
+                    t.spec.direction.name(),
+                    t.spec.tag,
+                    t.spec.peer,
+                    t.stage,
+                    t.done_parts,
+                    t.parts
+                )
+            })
+            .collect();
+        format!("transfers [{}], {} offers waiting", ops.join("; "), self.offers.len())
+    }
+}
+
+impl Transfer {
+    /// Whether a frame of this send may leave for member `to` now.
+    fn sendable(&self, to: usize) -> bool {
+        !self.finished
+            && self.spec.direction == Direction::Send
+            && self.spec.peer == to
+            && (self.stage == Stage::Offering || (self.stage == Stage::Moving && self.next_part < self.parts))
+    }
+}
+
+/// The header of the transfer `spec` numbered `number`, as its sender's frames carry it (a
+/// receiver's answers carry its own dtype and count).
+fn header(epoch: Epoch, spec: &TransferSpec, number: u64) -> OpHeader {
+    OpHeader {
+        collective: 0,
+        algorithm: Algorithm::Direct.code(),
+        epoch,
+        seq: number,
+        tag: spec.tag,
+        dtype: spec.dtype.code(),
+        op: 0,
+        count: (spec.buf.len() / spec.dtype.size()) as u64,
+        root: 0,
+    }
+}
+
+fn control_frame(kind: u8, op: OpHeader) -> Frame {
+    Frame { kind, len: 0, unit: 0, op }
+}

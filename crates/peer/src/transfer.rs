@@ -1,0 +1,295 @@
+//! Tagged point-to-point transfers: [`Communicator::send`], [`Communicator::recv`] and their
+//! non-blocking forms, matched by (member, tag) in any order, beside the collectives.
+//!
+//! A transfer concerns two members and needs no agreement: the master plays no part. The engine
+//! runs it over the link to its member (`engine/p2p.rs`: offer, answer, parts straight into the
+//! receiver's buffer); this module registers it, and ends it where the engine cannot tell: its
+//! bound passed, the master removed the member (frozen or cut off: its streams never close), or a
+//! new topology replaced the one it runs in.
+
+use crate::communicator::{Connected, Owner, TagUse, Work};
+use crate::engine::{Direction, LinkError, RawBuf, TransferSpec};
+use crate::error::{Error, Result};
+use crate::links::DataPlane;
+use crate::{Communicator, Info};
+use shoal_collective::schedule::Algorithm;
+use shoal_collective::DType;
+use shoal_proto::peer::{CallId, Peer};
+use shoal_wire::{Epoch, OpHeader, PeerId};
+use std::time::Instant;
+
+/// A transfer called and not yet ended.
+pub(crate) struct TransferCall {
+    buf: RawBuf,
+    owner: Option<Owner>,
+    direction: Direction,
+    /// The member at the other end, and its rank in `epoch`.
+    peer: PeerId,
+    rank: usize,
+    tag: u64,
+    dtype: DType,
+    epoch: u64,
+    world: usize,
+    started: Instant,
+    deadline: Instant,
+}
+
+impl TransferCall {
+    /// What its tag is in use for.
+    pub fn uses(&self) -> (Direction, PeerId, u64) {
+        (self.direction, self.peer, self.tag)
+    }
+
+    fn operation(&self) -> &'static str {
+        self.direction.name()
+    }
+
+    fn describe(&self) -> String {
+        let count = self.buf.len() / self.dtype.size();
+        let (verb, to) = match self.direction {
+            Direction::Send => ("send", "to"),
+            Direction::Recv => ("recv", "from"),
+        };
+        format!("{verb}(count={count}, dtype={}, tag={}) {to} rank {}", self.dtype.name(), self.tag, self.rank)
+    }
+}
+
+impl Communicator {
+    /// Sends `buf` (elements of `dtype`) to member `peer` of our group, matched there by a
+    /// [`Communicator::recv`] from us with the same `tag`, in any order with other transfers
+    /// and collectives. Returns once every byte left (the receiver took the offer).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] (nothing sent) for a bad buffer or rank; [`Error::Misuse`] if a
+    /// send to `peer` with `tag` is in flight; [`Error::CollectiveMismatch`] on both ends if the
+    /// receive's count or dtype differs; [`Error::PeerLost`] if `peer` dies, freezes or leaves,
+    /// or the topology changes, first (retryable: ranks may have changed); [`Error::Timeout`].
+    pub fn send(&self, buf: &[u8], dtype: DType, peer: usize, tag: u64) -> Result<Info> {
+        crate::communicator::check_buffer(buf, dtype)?;
+        // The engine only reads a send's buffer.
+        let raw = RawBuf::of_shared(buf);
+        self.transfer(raw, None, Direction::Send, dtype, peer, tag)
+    }
+
+    /// Receives into `buf` what member `peer` sends us with [`Communicator::send`] with `tag`:
+    /// the same count and dtype, or both ends fail. The bytes go straight into `buf`.
+    ///
+    /// # Errors
+    /// As [`Communicator::send`]. A failed receive may leave `buf` partly written.
+    pub fn recv(&self, buf: &mut [u8], dtype: DType, peer: usize, tag: u64) -> Result<Info> {
+        crate::communicator::check_buffer(buf, dtype)?;
+        self.transfer(RawBuf::new(buf), None, Direction::Recv, dtype, peer, tag)
+    }
+
+    /// Starts [`Communicator::send`] and returns at once: [`Communicator::wait`] for it. Up to
+    /// any number of transfers move at once, each to a member with a tag of its own.
+    ///
+    /// # Errors
+    /// As [`Communicator::send`] for a bad buffer, rank or tag.
+    pub fn isend<B>(&self, buf: B, dtype: DType, peer: usize, tag: u64) -> Result<Work<B>>
+    where
+        B: AsRef<[u8]> + Send + 'static,
+    {
+        crate::communicator::check_buffer(buf.as_ref(), dtype)?;
+        let owned = Box::new(buf);
+        let raw = RawBuf::of_shared((*owned).as_ref());
+        self.start_transfer(raw, owned, Direction::Send, dtype, peer, tag)
+    }
+
+    /// Starts [`Communicator::recv`] into `buf` and returns at once: [`Communicator::wait`] for
+    /// it, then [`Work::into_buffer`] gives the buffer back.
+    ///
+    /// # Errors
+    /// As [`Communicator::isend`].
+    pub fn irecv<B>(&self, buf: B, dtype: DType, peer: usize, tag: u64) -> Result<Work<B>>
+    where
+        B: AsMut<[u8]> + Send + 'static,
+    {
+        let mut owned = Box::new(buf);
+        crate::communicator::check_buffer((*owned).as_mut(), dtype)?;
+        let raw = RawBuf::new((*owned).as_mut());
+        self.start_transfer(raw, owned, Direction::Recv, dtype, peer, tag)
+    }
+
+    fn transfer(
+        &self,
+        buf: RawBuf,
+        owner: Option<Owner>,
+        direction: Direction,
+        dtype: DType,
+        peer: usize,
+        tag: u64,
+    ) -> Result<Info> {
+        let c = self.connected()?;
+        let mut data = self.lock_data();
+        let call = self.post_transfer(&c, &mut data, buf, owner, direction, dtype, peer, tag)?;
+        // The buffer is borrowed for this call only: it must be out of the engine when we return.
+        self.finish_call(&c, data, call, direction.name())
+    }
+
+    fn start_transfer<B: Send + 'static>(
+        &self,
+        buf: RawBuf,
+        owned: Box<B>,
+        direction: Direction,
+        dtype: DType,
+        peer: usize,
+        tag: u64,
+    ) -> Result<Work<B>> {
+        let c = self.connected()?;
+        let mut data = self.lock_data();
+        let call = self.post_transfer(&c, &mut data, buf, Some(owned), direction, dtype, peer, tag)?;
+        Ok(self.leave_running(&c, data, call, direction.name()))
+    }
+
+    /// Registers a transfer with member `rank` and posts it to the engine of the topology in
+    /// force.
+    #[allow(clippy::too_many_arguments)]
+    fn post_transfer(
+        &self,
+        c: &Connected,
+        data: &mut DataPlane,
+        buf: RawBuf,
+        owner: Option<Owner>,
+        direction: Direction,
+        dtype: DType,
+        rank: usize,
+        tag: u64,
+    ) -> Result<CallId> {
+        let (Some(position), Some(exec)) = (data.position.as_ref(), data.exec.as_mut()) else {
+            return Err(Error::NotConnected);
+        };
+        let (ours, world) = (position.rank, position.group_size());
+        if rank >= world || rank == ours {
+            return Err(Error::InvalidArgument(format!(
+                "{} with rank {rank}: the group's ranks are 0..{world}, and {ours} is ours",
+                direction.name()
+            )));
+        }
+        let peer = position.ring[rank].peer;
+        if data.calls.in_use(TagUse::Transfer(direction, peer, tag)) {
+            return Err(Error::Misuse(format!(
+                "{} with rank {rank} and tag {tag} called while another with them is in flight (not waited for yet)",
+                direction.name()
+            )));
+        }
+        let call = c.control.own_input(|p, _| p.reserve_call());
+        let chunk_bytes = self.config.chunk_bytes;
+        exec.post_transfer(call.0, TransferSpec { direction, peer: rank, tag, dtype, buf, chunk_bytes });
+        let now = Instant::now();
+        let transfer = TransferCall {
+            buf,
+            owner,
+            direction,
+            peer,
+            rank,
+            tag,
+            dtype,
+            epoch: position.epoch.0,
+            world,
+            started: now,
+            deadline: now + self.config.timeout,
+        };
+        data.calls.transfers.insert(call, transfer);
+        Ok(call)
+    }
+}
+
+/// Ends the transfers the engine ended.
+pub(crate) fn engine_ended(data: &mut DataPlane, events: Vec<(u64, std::result::Result<(), LinkError>)>) {
+    for (id, result) in events {
+        let call = CallId(id);
+        let Some(t) = data.calls.transfers.get(&call) else { continue };
+        let result = result.map_err(|e| link_error(t, e));
+        end(data, call, result);
+    }
+}
+
+/// Ends, before the driver sleeps, the transfers that cannot end otherwise: their bound passed,
+/// the master removed their member (frozen or cut off, it never closes its streams), or it
+/// issued a new topology (whose members stop answering in this one).
+pub(crate) fn stop_stalled(peer: &Peer, data: &mut DataPlane, bound: std::time::Duration) {
+    let now = Instant::now();
+    let stopped: Vec<(CallId, Error)> = data
+        .calls
+        .transfers
+        .iter()
+        .filter_map(|(call, t)| {
+            let lost =
+                |reason: String| Some((*call, Error::PeerLost { peer: t.peer, operation: t.operation(), reason }));
+            if peer.removed(t.peer) {
+                lost("the master removed it from the run".into())
+            } else if peer.superseded(Epoch(t.epoch)) {
+                // The members take up the new topology rather than answer: ranks may change.
+                lost(format!("the master replaces topology {} (a member was lost or admitted)", t.epoch))
+            } else if now >= t.deadline {
+                Some((*call, Error::Timeout { operation: t.operation(), after: bound }))
+            } else {
+                None
+            }
+        })
+        .collect();
+    for (call, e) in stopped {
+        end(data, call, Err(e));
+    }
+}
+
+/// Topology `epoch` replaces the one the transfers in flight run in: its links close, and ranks
+/// may name other members now; each ends with a retryable error.
+pub(crate) fn superseded(data: &mut DataPlane, epoch: u64) {
+    let calls: Vec<CallId> = data.calls.transfers.keys().copied().collect();
+    for call in calls {
+        let t = &data.calls.transfers[&call];
+        let reason = format!("topology {epoch} replaced topology {} while it was in flight", t.epoch);
+        let e = Error::PeerLost { peer: t.peer, operation: t.operation(), reason };
+        end(data, call, Err(e));
+    }
+}
+
+/// Transfer `call` ended with `result`: out of the engine, its end kept for its caller.
+fn end(data: &mut DataPlane, call: CallId, result: Result<()>) {
+    let Some(t) = data.calls.transfers.remove(&call) else { return };
+    let traffic = data.exec.as_mut().and_then(|e| e.take_transfer(call.0)).unwrap_or_default();
+    let outcome = result.map(|()| Info {
+        world_size: t.world,
+        tx_bytes: traffic.tx_bytes,
+        rx_bytes: traffic.rx_bytes,
+        elapsed: t.started.elapsed(),
+        topology: t.epoch,
+        sequence: 0,
+        algorithm: Algorithm::Direct,
+    });
+    if let Err(e) = &outcome {
+        log::debug!("{} failed: {e}", t.describe());
+    }
+    data.calls.finished.insert(call, (outcome, t.owner, TagUse::Transfer(t.direction, t.peer, t.tag)));
+}
+
+/// What the engine's failure of transfer `t` means for its caller.
+fn link_error(t: &TransferCall, e: LinkError) -> Error {
+    match e {
+        LinkError::Lost { rank, reason } if rank == t.rank => {
+            Error::PeerLost { peer: t.peer, operation: t.operation(), reason }
+        }
+        // Another link failed, and took the streams with it.
+        LinkError::Lost { rank, reason } => Error::PeerLost {
+            peer: t.peer,
+            operation: t.operation(),
+            reason: format!("the streams failed over rank {rank}: {reason}"),
+        },
+        LinkError::Mismatch { theirs, .. } => {
+            Error::CollectiveMismatch { peer: t.peer, ours: t.describe(), theirs: theirs_call(t, &theirs) }
+        }
+        LinkError::Malformed { reason, .. } => Error::Protocol(format!("from {}: {reason}", t.peer)),
+    }
+}
+
+/// The call at the other end of `t`, from its frame `h`.
+fn theirs_call(t: &TransferCall, h: &OpHeader) -> String {
+    let dtype = DType::from_code(h.dtype).map_or("?", DType::name);
+    let verb = match t.direction {
+        Direction::Send => "recv",
+        Direction::Recv => "send",
+    };
+    format!("{} called {verb}(count={}, dtype={dtype}, tag={})", t.peer, h.count, h.tag)
+}

@@ -1,0 +1,90 @@
+"""Tagged point-to-point transfers: matched by (peer, tag) in any order, every dtype, beside
+collectives; mismatches fail both ends; a killed or frozen partner fails the other end within
+the heartbeat bound, and transfers go on in the smaller world."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import clean_env, run_peers, worker_argv
+
+import shoal
+
+HEARTBEAT_TIMEOUT = 2.0
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def test_tagged_transfers_match_in_any_order_and_mismatches_fail_both_ends(master: shoal.Master,
+                                                                            tmp_path: Path) -> None:
+    results = sorted(run_peers(master, tmp_path, "p2p", 3, timeout=120), key=lambda r: r["rank"])
+    for r in results:
+        assert r["ok"], r
+        assert r["back"] == [1, 1, 1]
+        assert "tag 300" in r["errors"]["reused"] and "in flight" in r["errors"]["reused"], r
+        assert "ranks are 0..3" in r["errors"]["self"], r
+    # Both ends name both calls.
+    sender, receiver = results[0]["errors"], results[1]["errors"]
+    for errors in (sender, receiver):
+        assert "send(count=10, dtype=f32, tag=200)" in errors["size"], errors
+        assert "recv(count=12, dtype=f32, tag=200)" in errors["size"], errors
+        assert "recv(count=10, dtype=i32, tag=201)" in errors["dtype"], errors
+    assert "size" not in results[2]["errors"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+def test_a_lost_partner_fails_the_other_end_within_the_heartbeat_bound(sig) -> None:
+    with shoal.Master("127.0.0.1:0", heartbeat_timeout=HEARTBEAT_TIMEOUT) as master:
+        procs = []
+        for i in range(3):
+            spec = {"master": master.address, "index": i, "peers": 3, "steps_after": 3,
+                    "heartbeat_timeout": HEARTBEAT_TIMEOUT}
+            procs.append(subprocess.Popen(worker_argv("p2p_ring", spec), stdout=subprocess.PIPE, text=True,
+                                          env=clean_env()))
+            time.sleep(0.2)
+        for p in procs:
+            assert p.stdout is not None and "ready" in p.stdout.readline(), "a peer did not join"
+        time.sleep(0.3)
+        lost_at = time.time()
+        procs[1].send_signal(sig)
+        try:
+            for p in (procs[0], procs[2]):
+                out, _ = p.communicate(timeout=90)
+                assert p.returncode == 0, out
+                r = json.loads(out.strip().splitlines()[-1])
+                assert r["world"] == 2 and r["errors"], r
+                # Bounded by the closed streams (killed) or the heartbeat timeout (frozen), not
+                # by the 60 s call timeout; generous, as the machine is shared.
+                assert r["errors"][0]["at"] - lost_at < HEARTBEAT_TIMEOUT + 4, r
+        finally:
+            if sig == signal.SIGSTOP:
+                procs[1].send_signal(signal.SIGCONT)
+            procs[1].kill()
+            procs[1].communicate(timeout=10)
+
+
+def test_the_pipeline_example_trains_four_stages_with_micro_batches(master: shoal.Master) -> None:
+    procs = [subprocess.Popen([sys.executable, str(EXAMPLES / "pipeline_1f1b.py"), "--master", master.address,
+                               "--stages", "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=clean_env()) for _ in range(4)]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outputs):
+        assert p.returncode == 0, err
+    assert sum("matches the unpipelined model" in out for out, _ in outputs) == 4, outputs
+
+
+def test_transfers_check_their_arguments(master: shoal.Master) -> None:
+    with shoal.Communicator(master.address) as comm:
+        comm.connect(timeout=10)
+        with pytest.raises(ValueError, match="peer must be a rank"):
+            comm.send(np.ones(3, np.float32), peer=-1)
+        with pytest.raises(ValueError, match="ranks are 0..1"):
+            comm.recv(np.ones(3, np.float32), peer=0)
+        with pytest.raises(ValueError, match="tag must be"):
+            comm.isend(np.ones(3, np.float32), peer=1, tag=-2)
