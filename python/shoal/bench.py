@@ -5,8 +5,10 @@ by one, then all-reduce every size for a fixed number of iterations. For each it
 that counts is the slowest peer's; the table gives its median and p99, the algorithm bandwidth
 (bytes / time) and the bus bandwidth, nccl-tests' measure of what each link carries: algbw times
 2 (n - 1) / n for all_reduce, (n - 1) / n for all_gather and reduce_scatter (whose size is the
-whole of ``world`` blocks: the output, respectively the input), 1 for broadcast. ``--op`` picks
-the collective (default all_reduce), ``--reduction`` the operator.
+whole of ``world`` blocks: the output, respectively the input), 1 for broadcast and sendrecv
+(each peer sends the size to the next rank while it receives as much from the previous one, with
+tagged ``isend``/``recv``). ``--op`` picks the operation (default all_reduce), ``--reduction`` the
+operator.
 With ``--in-flight N`` each iteration starts N all-reduces of the size at once
 (``all_reduce_async``) and waits for all of them: the time is the batch's, the bandwidths count
 all N buffers. ``--algorithm`` forces ``ring`` or ``oneshot`` (default: chosen per size, as
@@ -42,6 +44,7 @@ BUS_FACTOR: dict[str, Callable[[int], float]] = {
     "all_gather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
+    "sendrecv": lambda n: 1.0,
 }
 REDUCTIONS = ("sum", "avg", "prod", "min", "max")
 
@@ -178,6 +181,12 @@ def _worker(args: argparse.Namespace) -> None:
             return comm.all_gather(xs[0], block_of(xs[0])).algorithm
         if args.op == "reduce_scatter":
             return comm.reduce_scatter(block_of(xs[0]), xs[0], op=args.reduction).algorithm
+        if args.op == "sendrecv":
+            rank = comm.rank
+            into = blocks.setdefault(id(xs[0]), np.empty_like(xs[0]))
+            work = comm.isend(xs[0], peer=(rank + 1) % world)
+            comm.recv(into, peer=(rank - 1) % world)
+            return work.wait().algorithm
         if args.op == "broadcast":
             return comm.broadcast(xs[0], root=0, algorithm=args.algorithm).algorithm
         if len(xs) == 1:
