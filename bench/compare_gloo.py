@@ -1,6 +1,9 @@
 """shoal and torch.distributed Gloo, side by side in one run, with ratios.
 
-    python bench/compare_gloo.py --peers 2 4 --sizes 4K,64M,256M
+    python bench/compare_gloo.py --peers 2 4 --sizes 4K,64M,256M --ops all_reduce sendrecv
+
+Every op of ``shoal bench --op`` by default (all_reduce, all_gather, reduce_scatter, broadcast,
+sendrecv).
 
 Both are measured by the same code (shoal.bench): same sizes, iteration counts and statistics.
 The machine is shared and noisy: trust the ratios more than the absolute figures.
@@ -23,22 +26,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--sizes", default="4K,64M,256M")
+    parser.add_argument("--ops", nargs="+", default=list(bench.BUS_FACTOR), choices=list(bench.BUS_FACTOR))
     parser.add_argument("--json", help="also write all rows to this file")
     args = parser.parse_args()
     everything = []
     for peers in args.peers:
-        ours = bench.run(peers, args.sizes)
-        theirs = gloo.run(peers, args.sizes)
-        print(bench.format_table(ours, f"shoal, {peers} peers"))
-        print(bench.format_table(theirs, f"gloo, {peers} peers"))
-        print(f"# ratios, {peers} peers: shoal busbw / gloo busbw, gloo time / shoal time (higher is better for shoal)")
-        for a, b in zip(ours, theirs):
-            print(
-                f"  {a['size']:>11} B  busbw x{a['busbw_gbs'] / b['busbw_gbs']:5.2f}  "
-                f"p50 x{b['time_us'] / a['time_us']:5.2f}  shoal p99/p50 {a['p99_us'] / a['time_us']:4.2f}"
-            )
-        print(flush=True)
-        everything.append({"peers": peers, "shoal": ours, "gloo": theirs})
+        for op in args.ops:
+            ours = bench.run(peers, args.sizes, op=op)
+            theirs = gloo.run(peers, args.sizes, op=op)
+            print(bench.format_table(ours, f"shoal {op}, {peers} peers"))
+            print(bench.format_table(theirs, f"gloo {op}, {peers} peers"))
+            print(f"# ratios, {op}, {peers} peers: shoal busbw / gloo busbw, gloo time / shoal time "
+                  "(higher is better for shoal)")
+            for a, b in zip(ours, theirs):
+                print(
+                    f"  {a['size']:>11} B  busbw x{a['busbw_gbs'] / max(b['busbw_gbs'], 1e-12):5.2f}  "
+                    f"p50 x{b['time_us'] / a['time_us']:5.2f}  shoal p99/p50 {a['p99_us'] / a['time_us']:4.2f}"
+                )
+            print(flush=True)
+            everything.append({"peers": peers, "op": op, "shoal": ours, "gloo": theirs})
     if args.json:
         with open(args.json, "w") as f:
             json.dump(everything, f, indent=1)

@@ -1,6 +1,11 @@
-"""The same all-reduce benchmark as ``shoal bench``, run by torch.distributed's Gloo backend.
+"""The same benchmark as ``shoal bench``, run by torch.distributed's Gloo backend.
 
-    python bench/gloo.py --peers 4 --sizes 4K,64M,256M
+    python bench/gloo.py --peers 4 --sizes 4K,64M,256M --op all_reduce
+
+``--op`` is ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``broadcast`` or ``sendrecv``, with
+the sizes meaning what they mean to ``shoal bench`` (the whole output of an all-gather, the whole
+input of a reduce-scatter; what each peer sends to the next for sendrecv, with ``isend`` and
+``recv``).
 
 Iteration counts, timing and the table come from ``shoal.bench``, so the two are measured the
 same way. Needs torch (``pip install torch``; scripts/env installs it).
@@ -14,6 +19,7 @@ import socket
 import sys
 
 from shoal.bench import (
+    BUS_FACTOR,
     DEFAULT_SIZES,
     format_table,
     parse_sizes,
@@ -31,20 +37,46 @@ def _worker(args: argparse.Namespace) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=args.peers
     )
-    op = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}[args.op]
-    run_loop(lambda xs: dist.all_reduce(torch.from_numpy(xs[0]), op=op), parse_sizes(args.sizes), args.dtype)
+    reduction = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}[args.reduction]
+    world, rank = args.peers, args.rank
+    blocks: dict[int, torch.Tensor] = {}
+
+    def block_of(t: torch.Tensor, rows: int) -> torch.Tensor:
+        return blocks.setdefault(id(t), torch.ones(rows, dtype=t.dtype))
+
+    def batch(xs: list) -> str:
+        t = torch.from_numpy(xs[0])
+        if args.op == "all_gather":
+            dist.all_gather_into_tensor(t, block_of(t, len(t) // world))
+        elif args.op == "reduce_scatter":
+            dist.reduce_scatter_tensor(block_of(t, len(t) // world), t, op=reduction)
+        elif args.op == "broadcast":
+            dist.broadcast(t, src=0)
+        elif args.op == "sendrecv":
+            work = dist.isend(t, dst=(rank + 1) % world)
+            dist.recv(block_of(t, len(t)), src=(rank - 1) % world)
+            work.wait()
+        else:
+            dist.all_reduce(t, op=reduction)
+        return ""
+
+    sizes = parse_sizes(args.sizes)
+    if args.op in ("all_gather", "reduce_scatter"):
+        item = torch.tensor([], dtype=getattr(torch, args.dtype)).element_size()
+        sizes = [max(1, size // item // world) * world * item for size in sizes]
+    run_loop(batch, sizes, args.dtype)
     dist.destroy_process_group()
 
 
-def run(peers: int, sizes: str, dtype: str = "float32", op: str = "sum") -> list[dict]:
-    """Runs the benchmark and returns its rows."""
+def run(peers: int, sizes: str, dtype: str = "float32", op: str = "all_reduce", reduction: str = "sum") -> list[dict]:
+    """Runs the benchmark of ``op`` and returns its rows."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--peers", str(peers), "--sizes", sizes]
-    argv += ["--dtype", dtype, "--op", op, "--port", str(port)]
+    argv += ["--dtype", dtype, "--op", op, "--reduction", reduction, "--port", str(port)]
     outputs = spawn_workers(lambda i: [*argv, "--rank", str(i)], peers)
-    return summarize(outputs, peers)
+    return summarize(outputs, peers, op)
 
 
 def main() -> None:
@@ -52,15 +84,16 @@ def main() -> None:
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--sizes", default=DEFAULT_SIZES)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--op", default="sum")
+    parser.add_argument("--op", default="all_reduce", choices=list(BUS_FACTOR))
+    parser.add_argument("--reduction", default="sum", choices=["sum", "avg", "max"])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return _worker(args)
-    rows = run(args.peers, args.sizes, args.dtype, args.op)
-    print(format_table(rows, f"torch.distributed gloo all_reduce, {args.peers} peers, {args.dtype} {args.op}"))
+    rows = run(args.peers, args.sizes, args.dtype, args.op, args.reduction)
+    print(format_table(rows, f"torch.distributed gloo {args.op}, {args.peers} peers, {args.dtype} {args.reduction}"))
 
 
 if __name__ == "__main__":

@@ -1109,7 +1109,10 @@ impl Driver {
             let action = match (in_flight, call, until) {
                 (true, ..) => control.poll_action(),
                 (false, Some(_), None) => Some(control.next_action()),
-                (false, _, until) => control.wait_action(until.unwrap_or_else(Instant::now)),
+                (false, _, until) => {
+                    let wanted = || call.is_none() && self.progress.waiters.load(Ordering::SeqCst) > 0;
+                    control.wait_action(until.unwrap_or_else(Instant::now), wanted)
+                }
             };
             if let Some(action) = action {
                 idle_since = None;

@@ -208,6 +208,7 @@ impl Transfers {
     /// Transfer `id` ended with `result` (once).
     fn end(&mut self, id: u64, result: Result<(), LinkError>) {
         let t = self.ops.get_mut(&id).expect("posted");
+        log::trace!("transfer {id} ended: {result:?}");
         if !t.finished {
             t.finished = true;
             self.events.push((id, result));
@@ -226,6 +227,7 @@ impl Transfers {
     pub fn on_frame(&mut self, from: usize, frame: &Frame) -> Result<Option<PartDest>, LinkError> {
         let malformed = |reason: String| LinkError::Malformed { rank: from, reason };
         let n = frame.op.seq;
+        log::trace!("transfer frame {} #{n} (tag {}) from rank {from}", frame.kind, frame.op.tag);
         // Our send to `from` numbered `n`, still waiting for its answer.
         let offered = |ops: &BTreeMap<u64, Transfer>| {
             ops.iter()
@@ -336,6 +338,7 @@ impl Transfers {
     /// part (with its bytes' transfer and range).
     pub fn next_frame(&mut self, to: usize) -> Option<(Frame, Option<PartRange>)> {
         if let Some(k) = self.control.iter().position(|(t, _)| *t == to) {
+            log::trace!("transfer frame {} #{} to rank {to}", self.control[k].1.kind, self.control[k].1.op.seq);
             return self.control.remove(k).map(|(_, f)| (f, None));
         }
         let turn = self.turn;
@@ -345,6 +348,7 @@ impl Transfers {
         let epoch = self.epoch;
         let t = self.ops.get_mut(&id).expect("picked");
         let h = header(epoch, &t.spec, t.number.expect("a send is numbered"));
+        log::trace!("transfer {id} #{} to rank {to}: {:?}, part {}", h.seq, t.stage, t.next_part);
         if t.stage == Stage::Offering {
             t.stage = Stage::Offered;
             return Some((control_frame(KIND_OFFER, h), None));
