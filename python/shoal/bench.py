@@ -200,6 +200,9 @@ def _worker(args: argparse.Namespace) -> None:
         item = np.dtype(args.dtype).itemsize
         sizes = [max(1, size // item // world) * world * item for size in sizes]
     run_loop(batch, sizes, args.dtype, max_iters=args.max_iters, in_flight=args.in_flight)
+    # Nobody leaves while another still moves data: a member leaving replaces the topology, which
+    # fails every transfer still in flight (sendrecv has no collective to hold the peers in step).
+    comm.barrier()
     comm.close()
 
 

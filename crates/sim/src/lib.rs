@@ -5,10 +5,10 @@
 //! (joining re-formed topologies before every call, numbering collectives, when a collective stops,
 //! reporting failures and asking for verdicts, retrying refused votes, heartbeats, declaring a
 //! silent master lost) is the shipped code's. The simulation drives it as `crates/peer` does and
-//! models only what moves bytes: opening a topology's connections, the real schedules (a third of
-//! the collectives around the ring, [`shoal_collective::ring::all_reduce`], a third one-shot,
-//! [`shoal_collective::oneshot::all_reduce`], a third two-shot,
-//! [`shoal_collective::twoshot::all_reduce`]; one element per segment, values summed) and their
+//! models only what moves bytes: opening a topology's connections, the real schedules (every
+//! collective and algorithm in turn: all-reduce around the ring, one-shot and two-shot, all-gather,
+//! reduce-scatter, broadcast around the ring and one-shot from a root that varies; one element per
+//! block or segment, values summed) and their
 //! confirmation tokens (around the ring, or straight to every member), and fetching shared state (which fails from a dead donor). The seed
 //! picks the application's loop for every peer: the README's (`update_topology` after a failure),
 //! retry-only, or PCCL's (`peers_pending` at the top of every iteration; a newcomer starts there),
@@ -19,7 +19,8 @@
 //!
 //! Checked after every run ([`check`]):
 //! - **agreement**: for every collective, every participant still in the run at the end returned
-//!   the same outcome, and every success holds the sum of exactly the participants' inputs;
+//!   the same outcome, and every success holds what its collective makes of exactly the
+//!   participants' inputs (their sum; the inputs in rank order; its own block's sum; the root's);
 //! - **bounded calls**: no call outlived its bound (the model enforces bounds and records any
 //!   call that ends by its deadline; a timeout is allowed only where a peer was cut off), and no
 //!   vote or `peers_pending` ran to its whole bound in a run without a frozen or cut-off peer;

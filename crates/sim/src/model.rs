@@ -7,7 +7,7 @@ use shoal_proto::master::Strategy;
 use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output};
 use shoal_proto::peer::{
     Action, CallError, CallId, CallKind, Established, Gone, OpId, OpProgress, Peer, PeerConfig, Revision, RingPosition,
-    SyncBallot, Value,
+    Seq, SyncBallot, Value,
 };
 use shoal_wire::{Epoch, FailureKind, GroupId, Message, OpFailure, PeerId, SessionId, StateDigest};
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
@@ -136,8 +136,8 @@ impl Ord for Queued {
 /// How a call ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
-    /// The all-reduce succeeded with these values.
-    Ok(Vec<i64>),
+    /// The collective succeeded: the peer's rank in it, and its buffer after it.
+    Ok { rank: usize, values: Vec<i64> },
     /// It failed.
     Err(String),
 }
@@ -151,7 +151,7 @@ pub struct Violation(pub String);
 pub struct Report {
     /// The seed.
     pub seed: u64,
-    /// (peer index, epoch, seq, members, outcome) of every all-reduce that ended.
+    /// (peer index, epoch, seq, members, outcome) of every collective that ended.
     pub collectives: Vec<(usize, Epoch, u64, Vec<PeerId>, Outcome)>,
     /// Violations the model itself detected while running (desynchronised streams, hangs).
     pub violations: Vec<Violation>,
@@ -938,10 +938,9 @@ impl Sim {
         let me = p.me().expect("registered");
         let buf: Vec<i64> = (0..world).map(|k| input(me, id.seq.0, k)).collect();
         let next = members[(position.rank + 1) % world];
-        // Every member picks the same algorithm for the same collective.
-        let algorithm =
-            [Algorithm::Ring, Algorithm::OneShot, Algorithm::TwoShot][((id.epoch.0 + id.seq.0) % 3) as usize];
-        let plan = algorithm.schedule(CollectiveKind::AllReduce, (position.rank, world), world, 0, 1);
+        // Every member runs the same collective, by the same algorithm.
+        let (kind, algorithm, root) = collective_of(id, world);
+        let plan = algorithm.schedule(kind, (position.rank, world), world, root, 1);
         let received = vec![false; plan.recvs.len()];
         p.ops.insert(
             id,
@@ -1165,9 +1164,11 @@ impl Sim {
             self.drop_streams(i);
         }
         let (id, members, outcome) = match (result, op) {
-            (Ok(Value::Collective(id)), Some(op)) => (id, op.members, Outcome::Ok(op.buf)),
+            (Ok(Value::Collective(id)), Some(op)) => (id, op.members, Outcome::Ok { rank: op.rank, values: op.buf }),
             // Alone in its group: nothing moved.
-            (Ok(Value::Collective(id)), None) => (id, vec![me], Outcome::Ok(vec![input(me, id.seq.0, 0)])),
+            (Ok(Value::Collective(id)), None) => {
+                (id, vec![me], Outcome::Ok { rank: 0, values: vec![input(me, id.seq.0, 0)] })
+            }
             (Ok(other), _) => {
                 self.report.violations.push(Violation(format!("peer {i}: a collective returned {other:?}")));
                 return;
@@ -1189,7 +1190,7 @@ impl Sim {
                 }
             }
         };
-        let ok = matches!(outcome, Outcome::Ok(_));
+        let ok = matches!(outcome, Outcome::Ok { .. });
         let p = &mut self.peers[i];
         // Every iteration syncs again before its collectives, a retried one too.
         p.synced = false;
@@ -1255,6 +1256,24 @@ fn state_digest(revision: u64) -> StateDigest {
     StateDigest { name: "w".into(), dtype: 0, shape: vec![1], hash, may_differ: false }
 }
 
+/// What collective `id` of a group of `world` is, the same on every member: every kind in turn,
+/// an all-reduce by each algorithm and a broadcast by both of its, from a root that varies. Each
+/// works on a buffer of `world` elements (an all-gather's and reduce-scatter's blocks are one
+/// element each).
+fn collective_of(id: OpId, world: usize) -> (CollectiveKind, Algorithm, usize) {
+    const ALL: [(CollectiveKind, Algorithm); 7] = [
+        (CollectiveKind::AllReduce, Algorithm::Ring),
+        (CollectiveKind::AllReduce, Algorithm::OneShot),
+        (CollectiveKind::AllReduce, Algorithm::TwoShot),
+        (CollectiveKind::AllGather, Algorithm::Ring),
+        (CollectiveKind::ReduceScatter, Algorithm::Ring),
+        (CollectiveKind::Broadcast, Algorithm::Ring),
+        (CollectiveKind::Broadcast, Algorithm::OneShot),
+    ];
+    let (kind, algorithm) = ALL[((id.epoch.0 + id.seq.0) % ALL.len() as u64) as usize];
+    (kind, algorithm, (id.seq.0 as usize) % world.max(1))
+}
+
 /// Peer `me`'s input at index `k` of its collective `seq`.
 fn input(me: PeerId, seq: u64, k: usize) -> i64 {
     i64::from(me.0) * 1_000_000 + seq as i64 * 1_000 + k as i64
@@ -1279,20 +1298,34 @@ pub fn check(r: &Report) -> Result<(), Violation> {
         by_op.entry((*e, *s)).or_default().push((*i, members, o));
     }
     for ((e, s), results) in &by_op {
-        // Every success holds the sum of exactly the participants' inputs.
+        // Every success holds what its collective makes of exactly the participants' inputs.
         for (i, members, o) in results {
-            if let Outcome::Ok(v) = o {
-                let expected: Vec<i64> = (0..members.len())
-                    .map(|k| members.iter().fold(0i64, |a, m| a.wrapping_add(input(*m, *s, k))))
-                    .collect();
-                if *v != expected {
-                    return Err(Violation(format!("peer {i}: ({e:?}, {s}) returned {v:?}, expected {expected:?}")));
+            if let Outcome::Ok { rank, values } = o {
+                let world = members.len();
+                let sum = |k: usize| members.iter().fold(0i64, |a, m| a.wrapping_add(input(*m, *s, k)));
+                let (kind, _, root) = collective_of(OpId { epoch: *e, seq: Seq(*s) }, world);
+                let (got, expected): (Vec<i64>, Vec<i64>) = match kind {
+                    CollectiveKind::AllGather => {
+                        (values.clone(), (0..world).map(|k| input(members[k], *s, k)).collect())
+                    }
+                    // Only the member's own block is defined.
+                    CollectiveKind::ReduceScatter => (vec![values[*rank]], vec![sum(*rank)]),
+                    CollectiveKind::Broadcast => {
+                        (values.clone(), (0..world).map(|k| input(members[root], *s, k)).collect())
+                    }
+                    _ => (values.clone(), (0..world).map(sum).collect()),
+                };
+                if got != expected {
+                    return Err(Violation(format!(
+                        "peer {i}: {} ({e:?}, {s}) returned {got:?}, expected {expected:?}",
+                        kind.name()
+                    )));
                 }
             }
         }
         // Participants still in the run at the end all returned the same outcome.
         let staying: Vec<_> = results.iter().filter(|(i, _, _)| r.live_index.contains(i)).collect();
-        let ok = staying.iter().filter(|(_, _, o)| matches!(o, Outcome::Ok(_))).count();
+        let ok = staying.iter().filter(|(_, _, o)| matches!(o, Outcome::Ok { .. })).count();
         if ok > 0 && ok < staying.len() {
             let all: Vec<String> = staying.iter().map(|(i, _, o)| format!("peer {i}: {o:?}")).collect();
             return Err(Violation(format!("({e:?}, {s}): survivors disagree: {}", all.join("; "))));

@@ -265,6 +265,13 @@ impl PeerView {
                 }
                 self.issued = Some((epoch, members.clone()));
                 self.vote_open = None;
+                // Queries about collectives we will now never start: answered.
+                let never: Vec<(Epoch, u64)> =
+                    self.queried.iter().copied().filter(|&(e, s)| self.never_starts(e, s)).collect();
+                for (e, s) in never {
+                    self.queried.remove(&(e, s));
+                    self.never_started(e, s);
+                }
                 PeerEvent::TopologyIssued(epoch)
             }
             Message::TopologyCommitted { epoch } => match self.issued.take() {
@@ -346,6 +353,8 @@ impl PeerView {
                 let committed = self.committed_ops.contains(&(epoch, seq));
                 if committed {
                     self.outbox.push_back(Message::OpDone { epoch, seq, decided: true });
+                } else if self.never_starts(epoch, seq) {
+                    self.never_started(epoch, seq);
                 } else {
                     self.queried.insert((epoch, seq));
                 }
@@ -486,6 +495,24 @@ impl PeerView {
         true
     }
 
+    /// Whether collective `seq` of `epoch` will never start here: it is beyond those we started
+    /// in the topology in force, and a newer one was issued (our next call joins it first).
+    fn never_starts(&self, epoch: Epoch, seq: u64) -> bool {
+        let in_force = self.committed.as_ref().is_some_and(|(e, _)| *e == epoch);
+        let newer = self.issued.as_ref().is_some_and(|(e, _)| *e > epoch);
+        in_force && newer && seq >= self.started
+    }
+
+    /// Tells the master that we never started collective `seq` of `epoch` and never will: we
+    /// sent no token of it, so nobody committed it, and the master may abort it for the members
+    /// that wait for its verdict (they would otherwise wait out their bound).
+    fn never_started(&mut self, epoch: Epoch, seq: u64) {
+        let me = self.registered.map_or(PeerId(0), |(me, _)| me);
+        let reason = format!("{me} never started it: a newer topology was issued first");
+        let failure = OpFailure::new(FailureKind::Superseded, me, reason);
+        self.outbox.push_back(Message::OpFailed { epoch, seq, failure });
+    }
+
     /// Records that we committed collective `seq` of `epoch` on our own; if the master asked
     /// about it meanwhile, the answer waits in [`PeerView::poll_output`].
     pub fn commit_on_our_own(&mut self, epoch: Epoch, seq: u64) {
@@ -589,6 +616,29 @@ mod tests {
         w.collective_ended(Epoch(2), false);
         commit(&mut w, 3);
         assert!(!w.vote_needed());
+    }
+
+    /// Members that finished a collective ask the master, which queries the others; one that
+    /// never started it (a newer topology came first, so its next call joins that) says so, and
+    /// the master aborts it rather than leave the askers waiting out their bound (sim seed 866).
+    #[test]
+    fn a_query_about_a_collective_we_will_never_start_is_answered_with_a_failure() {
+        let mut v = registered_alone();
+        commit(&mut v, 1);
+        assert_eq!(v.start_collective(), Ok((Epoch(1), 0)));
+        let query = |seq| Message::OpQuery { epoch: Epoch(1), seq };
+        v.handle_message(query(1)).unwrap();
+        assert_eq!(v.poll_output(), None, "we may yet start it");
+        v.handle_message(query(0)).unwrap();
+        v.handle_message(Message::Topology { epoch: Epoch(2), members: vec![member(0, 0)] }).unwrap();
+        assert!(
+            matches!(v.poll_output(), Some(Message::OpFailed { epoch: Epoch(1), seq: 1, failure })
+                if failure.kind == FailureKind::Superseded),
+            "a newer topology was issued: we never will"
+        );
+        assert_eq!(v.poll_output(), None, "collective 0 is ours: it reports on its own");
+        v.handle_message(query(2)).unwrap();
+        assert!(matches!(v.poll_output(), Some(Message::OpFailed { epoch: Epoch(1), seq: 2, .. })), "asked later");
     }
 
     /// A member that had not started the collective the others failed (it joined the re-formed
