@@ -39,24 +39,23 @@ def _worker(args: argparse.Namespace) -> None:
     )
     reduction = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}[args.reduction]
     world, rank = args.peers, args.rank
-    blocks: dict[int, torch.Tensor] = {}
+    blocks: dict[tuple[int, int], torch.Tensor] = {}
 
-    def block_of(x, t: torch.Tensor, rows: int) -> torch.Tensor:
-        # By the numpy array, which lives as long as its size runs (a tensor made of it per call
-        # does not, and its id comes back).
-        return blocks.setdefault(id(x), torch.ones(rows, dtype=t.dtype))
+    def block_of(t: torch.Tensor, rows: int) -> torch.Tensor:
+        # By shape: an object's id comes back once it is freed.
+        return blocks.setdefault((len(t), rows), torch.ones(rows, dtype=t.dtype))
 
     def batch(xs: list) -> str:
         t = torch.from_numpy(xs[0])
         if args.op == "all_gather":
-            dist.all_gather_into_tensor(t, block_of(xs[0], t, len(t) // world))
+            dist.all_gather_into_tensor(t, block_of(t, len(t) // world))
         elif args.op == "reduce_scatter":
-            dist.reduce_scatter_tensor(block_of(xs[0], t, len(t) // world), t, op=reduction)
+            dist.reduce_scatter_tensor(block_of(t, len(t) // world), t, op=reduction)
         elif args.op == "broadcast":
             dist.broadcast(t, src=0)
         elif args.op == "sendrecv":
             work = dist.isend(t, dst=(rank + 1) % world)
-            dist.recv(block_of(xs[0], t, len(t)), src=(rank - 1) % world)
+            dist.recv(block_of(t, len(t)), src=(rank - 1) % world)
             work.wait()
         else:
             dist.all_reduce(t, op=reduction)

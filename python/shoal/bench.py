@@ -172,9 +172,11 @@ def _worker(args: argparse.Namespace) -> None:
     world = comm.group_world_size
     # The other buffer of an all_gather (its input) or reduce_scatter (its output), per buffer.
     blocks: dict[int, np.ndarray] = {}
+    received: dict[int, np.ndarray] = {}
 
     def block_of(x: np.ndarray) -> np.ndarray:
-        return blocks.setdefault(id(x), np.ones(len(x) // world, x.dtype))
+        # By length: an array's id comes back once it is freed.
+        return blocks.setdefault(len(x), np.ones(len(x) // world, x.dtype))
 
     def batch(xs: list[np.ndarray]) -> str:
         if args.op == "all_gather":
@@ -183,7 +185,7 @@ def _worker(args: argparse.Namespace) -> None:
             return comm.reduce_scatter(block_of(xs[0]), xs[0], op=args.reduction).algorithm
         if args.op == "sendrecv":
             rank = comm.rank
-            into = blocks.setdefault(id(xs[0]), np.empty_like(xs[0]))
+            into = received.setdefault(len(xs[0]), np.empty_like(xs[0]))
             work = comm.isend(xs[0], peer=(rank + 1) % world)
             comm.recv(into, peer=(rank - 1) % world)
             return work.wait().algorithm

@@ -139,6 +139,36 @@ def test_a_cut_off_peer_is_expelled_and_the_others_carry_on():
     assert "master_unreachable" in cut_off or "kicked" in cut_off, cut_off
 
 
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+def test_a_barrier_fails_fast_when_a_member_dies_or_freezes_before_it(sig):
+    """The victim never enters the barrier (no failpoint fires in one): the survivors fail, not
+    pass it, since the victim's byte never reached them (it once passed: a barrier moved no data,
+    so its lap, broken by the loss, committed like a collective whose data had all moved)."""
+    with shoal.Master("127.0.0.1:0", heartbeat_timeout=HEARTBEAT_TIMEOUT) as master:
+        procs = []
+        for i in range(3):
+            spec = {"master": master.address, "index": i, "peers": 3, "victim": 1,
+                    "heartbeat_timeout": HEARTBEAT_TIMEOUT}
+            procs.append(subprocess.Popen(worker_argv("barrier_lost", spec), stdout=subprocess.PIPE, text=True,
+                                          env=clean_env()))
+            time.sleep(0.2)
+        for p in procs:
+            assert p.stdout is not None and "ready" in p.stdout.readline(), "a peer did not join"
+        time.sleep(0.3)  # the survivors wait in the barrier
+        lost_at = time.time()
+        procs[1].send_signal(sig)
+        try:
+            for p in (procs[0], procs[2]):
+                r = result(p)
+                assert "at" in r and r["at"] - lost_at < HEARTBEAT_TIMEOUT + 4, r
+                assert r["world"] == 2, r
+        finally:
+            if sig == signal.SIGSTOP:
+                procs[1].send_signal(signal.SIGCONT)
+            procs[1].kill()
+            procs[1].communicate(timeout=10)
+
+
 @pytest.mark.parametrize("point,algorithm,verb", [
     ("connect.before_ready", None, None), ("update_topology.before_ready", None, None),
     ("peers_pending.after_vote", None, None), ("all_reduce.reduce_scatter", "ring", None),

@@ -779,6 +779,30 @@ def p2p_ring(spec: dict) -> dict:
     return {"errors": errors, "world": comm.group_world_size, "steps": tag}
 
 
+def barrier_lost(spec: dict) -> dict:
+    """Every peer but the victim waits in a barrier the victim never enters (the test kills or
+    freezes it); then all-reduces until it succeeds in the smaller world."""
+    comm = shoal.Communicator(spec["master"], timeout=60, heartbeat_timeout=spec.get("heartbeat_timeout"))
+    comm.connect(timeout=30)
+    join_all(comm, spec["peers"])
+    print(json.dumps({"ready": comm.peer_id}), flush=True)
+    if spec["index"] == spec["victim"]:
+        time.sleep(120)
+        raise AssertionError("the victim was not killed")
+    try:
+        comm.barrier(tag=3)
+        outcome = {"barrier": "ok"}
+    except shoal.PeerLostError as e:
+        outcome = {"barrier": str(e), "at": time.time()}
+    for _ in range(5):
+        try:
+            info = comm.all_reduce(np.ones(4, np.float32), op="sum")
+            return {**outcome, "world": info.world_size}
+        except shoal.PeerLostError:
+            pass
+    return {**outcome, "world": None}
+
+
 if __name__ == "__main__":
     scenario, spec = sys.argv[1], json.loads(sys.argv[2])
     scenarios = {"overlap": overlap, "many_survive": many_survive,
@@ -787,6 +811,7 @@ if __name__ == "__main__":
                  "admission_misuse": admission_misuse, "chaos": chaos, "die_at": die_at, "sgd": sgd,
                  "sync_case": sync_case, "mismatch": mismatch, "empty": empty, "loop": loop,
                  "mismatched_calls": mismatched_calls, "links": links, "verbs": verbs,
-                 "p2p": p2p, "p2p_ring": p2p_ring}
+                 "p2p": p2p, "p2p_ring": p2p_ring,
+                 "barrier_lost": barrier_lost}
     result = scenarios[scenario](spec)
     print(json.dumps(result), flush=True)

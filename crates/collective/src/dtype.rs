@@ -152,7 +152,8 @@ pub enum CollectiveKind {
     ReduceScatter,
     /// Every member ends with the root's buffer.
     Broadcast,
-    /// No data: every member has called it.
+    /// Every member has called it: each member's one byte reached every other (which shows it
+    /// called), so a member lost before it called fails the barrier on every survivor.
     Barrier,
 }
 

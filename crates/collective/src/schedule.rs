@@ -224,7 +224,8 @@ impl Algorithm {
             (CollectiveKind::ReduceScatter, _) => crate::ring::reduce_scatter(rank, world, len / world, chunk_elems),
             (CollectiveKind::Broadcast, Algorithm::Ring) => crate::ring::broadcast(rank, world, root, len, chunk_elems),
             (CollectiveKind::Broadcast, _) => crate::oneshot::broadcast(rank, world, root, len, chunk_elems),
-            (CollectiveKind::Barrier, _) => crate::oneshot::all_reduce(rank, world, 0, chunk_elems),
+            // Each member's byte (see `CollectiveKind::Barrier`) straight to every other.
+            (CollectiveKind::Barrier, _) => crate::oneshot::all_reduce(rank, world, len, chunk_elems),
         }
     }
 }

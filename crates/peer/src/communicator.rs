@@ -309,7 +309,8 @@ impl Communicator {
     /// # Errors
     /// As [`Communicator::all_reduce`].
     pub fn barrier(&self, tag: u64) -> Result<Info> {
-        self.collective(RawBuf::new(&mut []), barrier_request(tag), Extra::None)
+        let (buf, extra) = barrier_work();
+        self.collective(buf, barrier_request(tag), extra)
     }
 
     /// Runs collective `request` over `buf` and waits for it.
@@ -440,7 +441,7 @@ impl Communicator {
     /// # Errors
     /// As [`Communicator::all_reduce_async`].
     pub fn barrier_async(&self, tag: u64) -> Result<Work<()>> {
-        self.start_async((), barrier_request(tag), |_| (RawBuf::new(&mut []), Extra::None))
+        self.start_async((), barrier_request(tag), |_| barrier_work())
     }
 
     /// Registers collective `request` over `buf`, which the engine keeps until it ended
@@ -876,7 +877,7 @@ fn fits(record: &Collective, world: usize) -> std::result::Result<(), String> {
         Extra::None if record.request.kind == CollectiveKind::Broadcast && record.request.root >= world => {
             return Err(format!("{kind} from root {} in a group of {world}", record.request.root));
         }
-        Extra::None => return Ok(()),
+        Extra::None | Extra::Arrived { .. } => return Ok(()),
     };
     if whole != world * block {
         let what = if matches!(record.extra, Extra::Gather { .. }) { "output" } else { "input" };
@@ -965,6 +966,10 @@ enum Extra {
         out: RawBuf,
         _work: AlignedBytes,
     },
+    /// Barrier: the byte its schedule moves (see [`barrier_work`]).
+    Arrived {
+        _byte: Box<[u8; 1]>,
+    },
 }
 
 fn gather_request(dtype: DType, tag: u64) -> Request {
@@ -977,6 +982,12 @@ fn scatter_request(dtype: DType, op: ReduceOp, tag: u64) -> Request {
 
 fn barrier_request(tag: u64) -> Request {
     Request { kind: CollectiveKind::Barrier, dtype: DType::U8, op: ReduceOp::Sum, tag, root: 0, algorithm: None }
+}
+
+/// A barrier's buffer: one byte each member sends every other, which proves that it called.
+fn barrier_work() -> (RawBuf, Extra) {
+    let mut byte = Box::new([1u8]);
+    (RawBuf::new(&mut byte[..]), Extra::Arrived { _byte: byte })
 }
 
 /// A reduce-scatter's buffers: the schedule reduces into a copy of the input, whose block goes
