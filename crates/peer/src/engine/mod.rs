@@ -1187,8 +1187,8 @@ impl<L: Lane> Exec<L> {
                     return Err(malformed(format!("a chunk of {} bytes", frame.len)));
                 }
                 self.early_bytes += frame.len as usize;
+                // A spare's bytes are overwritten by the read: only new ones need zeroing.
                 let mut body = self.spare_bodies.pop().unwrap_or_default();
-                body.clear();
                 body.resize(frame.len as usize, 0);
                 body
             } else {
