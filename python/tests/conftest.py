@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Iterator, Union
 
@@ -29,6 +31,27 @@ def clean_env() -> dict[str, str]:
 
 def worker_argv(scenario: str, spec: dict) -> list[str]:
     return [sys.executable, str(WORKER), scenario, json.dumps(spec)]
+
+
+def start_ready(scenario: str, specs: list[dict]) -> list[subprocess.Popen]:
+    """Starts one ``worker.py SCENARIO`` per spec, a moment apart (so that they join in order), and
+    returns once every one printed that it is ready."""
+    procs = []
+    for spec in specs:
+        procs.append(subprocess.Popen(worker_argv(scenario, spec), stdout=subprocess.PIPE, text=True,
+                                      env=clean_env()))
+        time.sleep(0.2)
+    for p in procs:
+        assert p.stdout is not None and "ready" in p.stdout.readline(), "a peer did not join"
+    return procs
+
+
+def release(victim: subprocess.Popen, sig: int) -> None:
+    """Ends a victim that got ``sig`` (woken first if it was frozen) and reaps it."""
+    if sig == signal.SIGSTOP:
+        victim.send_signal(signal.SIGCONT)
+    victim.kill()
+    victim.communicate(timeout=10)
 
 
 def need_lab(toxiproxy: bool = False) -> None:

@@ -13,7 +13,7 @@ import time
 from typing import Callable, Optional, Union
 
 import pytest
-from conftest import clean_env, worker_argv
+from conftest import clean_env, release, start_ready, worker_argv
 from proxy import Proxy
 
 import shoal
@@ -145,15 +145,9 @@ def test_a_barrier_fails_fast_when_a_member_dies_or_freezes_before_it(sig):
     pass it, since the victim's byte never reached them (it once passed: a barrier moved no data,
     so its lap, broken by the loss, committed like a collective whose data had all moved)."""
     with shoal.Master("127.0.0.1:0", heartbeat_timeout=HEARTBEAT_TIMEOUT) as master:
-        procs = []
-        for i in range(3):
-            spec = {"master": master.address, "index": i, "peers": 3, "victim": 1,
-                    "heartbeat_timeout": HEARTBEAT_TIMEOUT}
-            procs.append(subprocess.Popen(worker_argv("barrier_lost", spec), stdout=subprocess.PIPE, text=True,
-                                          env=clean_env()))
-            time.sleep(0.2)
-        for p in procs:
-            assert p.stdout is not None and "ready" in p.stdout.readline(), "a peer did not join"
+        specs = [{"master": master.address, "index": i, "peers": 3, "victim": 1,
+                  "heartbeat_timeout": HEARTBEAT_TIMEOUT} for i in range(3)]
+        procs = start_ready("barrier_lost", specs)
         time.sleep(0.3)  # the survivors wait in the barrier
         lost_at = time.time()
         procs[1].send_signal(sig)
@@ -163,10 +157,7 @@ def test_a_barrier_fails_fast_when_a_member_dies_or_freezes_before_it(sig):
                 assert "at" in r and r["at"] - lost_at < HEARTBEAT_TIMEOUT + 4, r
                 assert r["world"] == 2, r
         finally:
-            if sig == signal.SIGSTOP:
-                procs[1].send_signal(signal.SIGCONT)
-            procs[1].kill()
-            procs[1].communicate(timeout=10)
+            release(procs[1], sig)
 
 
 @pytest.mark.parametrize("point,algorithm,verb", [

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import clean_env, run_peers, worker_argv
+from conftest import clean_env, release, run_peers, start_ready
 
 import shoal
 
@@ -41,15 +41,9 @@ def test_tagged_transfers_match_in_any_order_and_mismatches_fail_both_ends(maste
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
 def test_a_lost_partner_fails_the_other_end_within_the_heartbeat_bound(sig) -> None:
     with shoal.Master("127.0.0.1:0", heartbeat_timeout=HEARTBEAT_TIMEOUT) as master:
-        procs = []
-        for i in range(3):
-            spec = {"master": master.address, "index": i, "peers": 3, "steps_after": 3,
-                    "heartbeat_timeout": HEARTBEAT_TIMEOUT}
-            procs.append(subprocess.Popen(worker_argv("p2p_ring", spec), stdout=subprocess.PIPE, text=True,
-                                          env=clean_env()))
-            time.sleep(0.2)
-        for p in procs:
-            assert p.stdout is not None and "ready" in p.stdout.readline(), "a peer did not join"
+        specs = [{"master": master.address, "index": i, "peers": 3, "steps_after": 3,
+                  "heartbeat_timeout": HEARTBEAT_TIMEOUT} for i in range(3)]
+        procs = start_ready("p2p_ring", specs)
         time.sleep(0.3)
         lost_at = time.time()
         procs[1].send_signal(sig)
@@ -63,10 +57,7 @@ def test_a_lost_partner_fails_the_other_end_within_the_heartbeat_bound(sig) -> N
                 # by the 60 s call timeout; generous, as the machine is shared.
                 assert r["errors"][0]["at"] - lost_at < HEARTBEAT_TIMEOUT + 4, r
         finally:
-            if sig == signal.SIGSTOP:
-                procs[1].send_signal(signal.SIGCONT)
-            procs[1].kill()
-            procs[1].communicate(timeout=10)
+            release(procs[1], sig)
 
 
 def test_the_pipeline_example_trains_four_stages_with_micro_batches(master: shoal.Master) -> None:

@@ -708,20 +708,14 @@ def p2p(spec: dict) -> dict:
     ok = ok and (into == np.arange(3_000_000, dtype=np.float32) + pred).all() and r[0] == n * (n + 1) / 2
     # Mismatches fail both ends; the link carries on.
     errors = {}
-    try:
-        if rank == 0:
-            comm.send(np.ones(10, np.float32), peer=1, tag=200)
-        elif rank == 1:
-            comm.recv(np.zeros(12, np.float32), peer=0, tag=200)
-    except shoal.CollectiveMismatchError as e:
-        errors["size"] = str(e)
-    try:
-        if rank == 0:
-            comm.send(np.ones(10, np.float32), peer=1, tag=201)
-        elif rank == 1:
-            comm.recv(np.zeros(10, np.int32), peer=0, tag=201)
-    except shoal.CollectiveMismatchError as e:
-        errors["dtype"] = str(e)
+    for case, tag, wrong in [("size", 200, np.zeros(12, np.float32)), ("dtype", 201, np.zeros(10, np.int32))]:
+        try:
+            if rank == 0:
+                comm.send(np.ones(10, np.float32), peer=1, tag=tag)
+            elif rank == 1:
+                comm.recv(wrong, peer=0, tag=tag)
+        except shoal.CollectiveMismatchError as e:
+            errors[case] = str(e)
     w = comm.isend(np.ones(3, np.int64), peer=succ, tag=300)
     try:
         comm.isend(np.ones(3, np.int64), peer=succ, tag=300)
