@@ -1214,7 +1214,9 @@ impl Driver {
                 }
             });
             self.take_stopped(control, data);
-            crate::transfer::stop_stalled(&control.lock(), data, self.config.timeout);
+            if !data.calls.transfers.is_empty() {
+                crate::transfer::stop_stalled(&control.lock(), data, self.config.timeout);
+            }
             if control.lock().has_action() || call.is_some_and(|call| ended(data, call)) {
                 continue;
             }

@@ -763,29 +763,32 @@ impl<L: Lane> Exec<L> {
     /// Adds to `missing` the links the transfers still moving need (both ways: the receiver
     /// answers) and lack.
     fn missing_for_transfers(&self, missing: &mut Missing) {
-        let lanes = |r: usize| self.stats.get(&r).copied().unwrap_or_default();
-        for peer in self.p2p.peers() {
-            if lanes(peer).lanes_out == 0 && !missing.to.contains(&peer) {
-                missing.to.push(peer);
-            }
-            if lanes(peer).lanes_in == 0 && !missing.from.contains(&peer) && !self.gone(peer) {
-                missing.from.push(peer);
-            }
-        }
+        let peers: Vec<usize> = self.p2p.peers().collect();
+        self.want_links(peers.iter().copied(), peers.iter().copied(), missing);
     }
 
     /// Adds to `missing` the links `op` needs and lacks.
     fn missing_for(&self, op: &OpExec, missing: &mut Missing) {
-        if op.finished {
-            return;
+        if !op.finished {
+            self.want_links(op.plan.peers_to(), op.plan.peers_from(), missing);
         }
+    }
+
+    /// Adds to `missing` the links to members `to` and from members `from` that are not here
+    /// (from a member that left, none is coming).
+    fn want_links(
+        &self,
+        to: impl IntoIterator<Item = usize>,
+        from: impl IntoIterator<Item = usize>,
+        missing: &mut Missing,
+    ) {
         let lanes = |r: usize| self.stats.get(&r).copied().unwrap_or_default();
-        for to in op.plan.peers_to() {
+        for to in to {
             if lanes(to).lanes_out == 0 && !missing.to.contains(&to) {
                 missing.to.push(to);
             }
         }
-        for from in op.plan.peers_from() {
+        for from in from {
             if lanes(from).lanes_in == 0 && !missing.from.contains(&from) && !self.gone(from) {
                 missing.from.push(from);
             }

@@ -362,11 +362,7 @@ impl Transfers {
 
     /// Every transfer still moving with member `peer` fails with `e`: its streams closed.
     pub fn fail_peer(&mut self, peer: usize, e: &LinkError) {
-        let ids: Vec<u64> =
-            self.ops.iter().filter(|(_, t)| !t.finished && t.spec.peer == peer).map(|(id, _)| *id).collect();
-        for id in ids {
-            self.end(id, Err(e.clone()));
-        }
+        self.fail_where(e, |t| t.spec.peer == peer);
         self.offers.retain(|(from, _)| *from != peer);
     }
 
@@ -377,12 +373,17 @@ impl Transfers {
 
     /// Every transfer still moving fails with `e`; answers not sent are dropped.
     pub fn fail_all(&mut self, e: &LinkError) {
-        let ids: Vec<u64> = self.ops.iter().filter(|(_, t)| !t.finished).map(|(id, _)| *id).collect();
+        self.fail_where(e, |_| true);
+        self.control.clear();
+        self.offers.clear();
+    }
+
+    /// Every transfer still moving that `which` picks fails with `e`.
+    fn fail_where(&mut self, e: &LinkError, which: impl Fn(&Transfer) -> bool) {
+        let ids: Vec<u64> = self.ops.iter().filter(|(_, t)| !t.finished && which(t)).map(|(id, _)| *id).collect();
         for id in ids {
             self.end(id, Err(e.clone()));
         }
-        self.control.clear();
-        self.offers.clear();
     }
 
     /// What happened to transfers since the last call.
