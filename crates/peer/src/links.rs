@@ -21,7 +21,7 @@ use crate::error::{Error, Result};
 use crate::Deadline;
 use shoal_proto::auth::DataKey;
 use shoal_proto::peer::{Established, RingPosition};
-use shoal_transport::{connect, read_message_until, write_message};
+use shoal_transport::{connect, limit_unsent, read_message_until, write_message};
 use shoal_wire::{Epoch, Member, Message, PeerId, SessionId};
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
@@ -36,6 +36,11 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_HELLO_BODY: u32 = 1 << 10;
 /// How long one dial may take before the successor is reported unreachable.
 const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
+/// The most a dialed stream holds written but unsent: the engine gives a pool's streams data
+/// as each drains, so no window-bound stream queues what the others could have carried (in the
+/// lab's long-fat pipe, 8 concurrent 8 MiB all-reduces over 8 streams took 807 ms without it,
+/// 717 ms with it), and a frame waits behind at most this much of its stream.
+const UNSENT_LIMIT: u32 = 256 << 10;
 /// How often a wait for the predecessor's streams looks at the control state.
 const ESTABLISH_POLL: Duration = Duration::from_millis(20);
 
@@ -250,6 +255,7 @@ fn dial(
         write_message(&mut s, id.session, &hello).map_err(|e| format!("greeting {to} at {addr}: {e}"))?;
         // From here the engine drives it, without blocking.
         s.set_nonblocking(true).map_err(|e| format!("configuring a stream to {to}: {e}"))?;
+        limit_unsent(&s, UNSENT_LIMIT).map_err(|e| format!("configuring a stream to {to}: {e}"))?;
         pool.push(s);
     }
     log::debug!("{} dialed {connections} streams to {to} at {addr}", id.me);

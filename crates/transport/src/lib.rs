@@ -66,6 +66,32 @@ pub fn connect(addr: &str, timeout: Duration) -> io::Result<TcpStream> {
     Err(last)
 }
 
+/// Caps the bytes a stream holds written but not yet sent (`TCP_NOTSENT_LOWAT`): past it, the
+/// stream stops taking writes and stops polling writable. A pool of window-bound streams then
+/// takes data only as fast as each drains, instead of one stream queueing megabytes that only
+/// it can carry.
+///
+/// # Errors
+/// `setsockopt` errors.
+pub fn limit_unsent(s: &TcpStream, bytes: u32) -> io::Result<()> {
+    let v = bytes as libc::c_int;
+    // SAFETY: a valid socket and an option value of the size passed.
+    let rc = unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_NOTSENT_LOWAT,
+            (&v as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
 /// Binds a listener on `addr` (`host:port`, port 0 for an ephemeral one).
 ///
 /// # Errors
@@ -250,6 +276,33 @@ pub fn poll(fds: &mut [PollFd], timeout: Duration) -> io::Result<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Bytes a stream takes before a write would block, with its peer not reading.
+    fn taken_until_full(limit: Option<u32>) -> usize {
+        let l = listen("127.0.0.1:0").unwrap();
+        let c = connect(&l.local_addr().unwrap().to_string(), Duration::from_secs(1)).unwrap();
+        let (_s, _) = accept(&l).unwrap();
+        if let Some(bytes) = limit {
+            limit_unsent(&c, bytes).unwrap();
+        }
+        c.set_nonblocking(true).unwrap();
+        let (chunk, mut taken) = (vec![0u8; 4096], 0);
+        loop {
+            match (&c).write(&chunk) {
+                Ok(n) => taken += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return taken,
+                Err(e) => panic!("{e}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_stream_with_an_unsent_limit_stops_taking_writes_sooner() {
+        // Loopback delivers into the peer's receive buffer first, so both take that much.
+        let (limited, unlimited) = (taken_until_full(Some(16 << 10)), taken_until_full(None));
+        assert!(limited < unlimited, "{limited} bytes with a 16 KiB limit, {unlimited} without");
+        assert!(unlimited - limited >= 64 << 10, "{limited} bytes with a 16 KiB limit, {unlimited} without");
+    }
 
     #[test]
     fn frames_cross_a_real_socket_and_garbage_is_named() {
