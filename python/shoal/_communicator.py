@@ -253,15 +253,16 @@ class Communicator:
         view, dtype = _byte_view(tensor)
         return Work(self._native.irecv_bytes(view, dtype, peer, tag))
 
-    def links(self) -> "list[dict[str, int]]":
+    def links(self) -> "list[dict[str, int | str]]":
         """Our links in the topology in force: one per member we exchanged data with, opened
         when a collective first needed it and reused by the later ones.
 
-        Each is ``{"peer", "rank", "streams_out", "streams_in", "tx_bytes", "rx_bytes"}``: the
-        member's id and rank, the streams we send and receive on, and the bytes moved over them
-        in this topology.
+        Each is ``{"peer", "rank", "streams_out", "streams_in", "tx_bytes", "rx_bytes",
+        "transport"}``: the member's id and rank, the streams we send and receive on, the bytes
+        moved over them in this topology, and what carries them (``"shm"``: shared memory to a
+        member on this host; ``"tcp"``).
         """
-        keys = ("peer", "rank", "streams_out", "streams_in", "tx_bytes", "rx_bytes")
+        keys = ("peer", "rank", "streams_out", "streams_in", "tx_bytes", "rx_bytes", "transport")
         return [dict(zip(keys, link)) for link in self._native.links()]
 
     def sync_shared_state(

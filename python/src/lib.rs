@@ -550,10 +550,10 @@ impl Communicator {
     }
 
     /// Our links in the topology in force: (peer id, rank, streams out, streams in, bytes sent,
-    /// bytes received) for every member we exchanged data with.
-    fn links(&self) -> Vec<(u32, usize, usize, usize, u64, u64)> {
+    /// bytes received, transport) for every member we exchanged data with.
+    fn links(&self) -> Vec<(u32, usize, usize, usize, u64, u64, &'static str)> {
         let links = self.inner.links().into_iter();
-        links.map(|l| (l.peer.0, l.rank, l.streams_out, l.streams_in, l.tx_bytes, l.rx_bytes)).collect()
+        links.map(|l| (l.peer.0, l.rank, l.streams_out, l.streams_in, l.tx_bytes, l.rx_bytes, l.transport)).collect()
     }
 
     #[getter]

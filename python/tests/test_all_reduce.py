@@ -93,6 +93,8 @@ def test_links_open_when_a_schedule_needs_them_and_are_reused(master, tmp_path):
         assert first == second == "oneshot"
         assert {link["rank"] for link in links1} == set(range(peers)) - {rank}, links1
         assert all(link["streams_out"] >= 1 and link["streams_in"] >= 1 for link in links1), links1
+        # Peers on one host: shared memory.
+        assert all(link["transport"] == "shm" for link in links1), links1
         streams = lambda links: {(k["rank"], k["streams_out"], k["streams_in"]) for k in links}  # noqa: E731
         assert streams(links1) == streams(links2)
         far = next(k for k in links2 if k["rank"] == (rank + 2) % peers)

@@ -24,10 +24,11 @@ HEARTBEAT_TIMEOUT = 2.0
 
 
 def start_survivors(master: Union[shoal.Master, str], peers: int, special: Optional[dict] = None,
-                    launch: Callable[[int, list[str]], list[str]] = lambda i, argv: argv,
+                    launch: Callable[[int, list[str]], list[str]] = lambda i, argv: argv, transport: str = "auto",
                     **params) -> list[subprocess.Popen]:
     """Starts ``peers`` survive workers (``launch`` may wrap peer i's command, ``params`` go into
-    every spec); peer 1 gets ``special`` merged into its spec."""
+    every spec) linked by ``transport`` (``SHOAL_TRANSPORT``); peer 1 gets ``special`` merged
+    into its spec."""
     address = master if isinstance(master, str) else master.address
     procs = []
     for i in range(peers):
@@ -35,7 +36,7 @@ def start_survivors(master: Union[shoal.Master, str], peers: int, special: Optio
         if i == 1 and special:
             spec.update(special)
         procs.append(subprocess.Popen(launch(i, worker_argv("survive", spec)), stdout=subprocess.PIPE, text=True,
-                                      env=clean_env()))
+                                      env={**clean_env(), "SHOAL_TRANSPORT": transport}))
         time.sleep(0.2)
     for p in procs:
         assert "ready" in p.stdout.readline(), "a peer did not join"
@@ -49,13 +50,15 @@ def result(p: subprocess.Popen, timeout: float = 60) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.mark.parametrize("transport", ["auto", "tcp"], ids=["shm", "tcp"])
 @pytest.mark.parametrize("retry_only", [False, True], ids=["update_topology", "retry_only"])
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
-def test_survivors_fail_fast_and_carry_on_without_the_lost_peer(sig, retry_only):
+def test_survivors_fail_fast_and_carry_on_without_the_lost_peer(sig, retry_only, transport):
     """Both loop shapes recover: one that votes update_topology after the error, and one that
-    simply retries (the master re-forms the ring by itself; a retry once failed forever)."""
+    simply retries (the master re-forms the ring by itself; a retry once failed forever). Over
+    shared memory (peers on one host) and over TCP."""
     with shoal.Master("127.0.0.1:0", heartbeat_timeout=HEARTBEAT_TIMEOUT) as master:
-        procs = start_survivors(master, 3, retry_only=retry_only)
+        procs = start_survivors(master, 3, retry_only=retry_only, transport=transport)
         victim, survivors = procs[1], [procs[0], procs[2]]
         lost_at = time.time()
         victim.send_signal(sig)

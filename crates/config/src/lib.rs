@@ -21,6 +21,7 @@ pub const KNOWN_VARS: &[(&str, &str)] = &[
     ("SHOAL_ALGO", "all-reduce algorithm of calls that name none: auto (default), ring, oneshot or twoshot"),
     ("SHOAL_ONESHOT_MAX_BYTES", "largest all-reduce in bytes that auto runs one-shot (default 65536)"),
     ("SHOAL_TWOSHOT_MAX_BYTES", "largest all-reduce in bytes that auto runs two-shot between hosts (default 4194304)"),
+    ("SHOAL_TRANSPORT", "streams to peers on the same host: auto (shared memory, default) or tcp"),
     ("SHOAL_ADVERTISE_ADDR", "host[:port] other peers should dial to reach this peer"),
     ("SHOAL_SECRET", "run credentials"),
     ("SHOAL_TIMEOUT", "bound in seconds on any blocking call (float)"),

@@ -68,6 +68,8 @@ pub struct LinkInfo {
     pub tx_bytes: u64,
     /// Chunk bytes received from it in this topology.
     pub rx_bytes: u64,
+    /// What carries the streams: `"shm"` (shared memory, a member on this host) or `"tcp"`.
+    pub transport: &'static str,
 }
 
 /// One peer's membership in a run: joins through the master, is admitted by the accepted
@@ -595,6 +597,7 @@ impl Communicator {
             streams_in: s.lanes_in,
             tx_bytes: s.tx_bytes,
             rx_bytes: s.rx_bytes,
+            transport: s.transport,
         };
         exec.stats().iter().map(info).collect()
     }
@@ -1223,8 +1226,8 @@ impl Driver {
             let Some(exec) = data.exec.as_ref().filter(|e| e.in_flight() > 0) else { continue };
             let mut fds: Vec<PollFd> = Vec::new();
             for (lane, read, write) in exec.interest() {
-                let mut fd = PollFd::from_raw(lane.pollable().expect("TCP lanes poll"));
-                (fd.want_read, fd.want_write) = (read, write);
+                let mut fd = PollFd::from_raw(lane.pollable().expect("TCP and shared-memory lanes poll"));
+                (fd.want_read, fd.want_write) = lane.poll_events(read, write);
                 fds.push(fd);
             }
             let mut wake = PollFd::new(control.waker.fd());

@@ -47,6 +47,10 @@ pub struct CommunicatorConfig {
     /// [`CommunicatorConfig::oneshot_max_bytes`], in a group that spans hosts
     /// (`SHOAL_TWOSHOT_MAX_BYTES`).
     pub twoshot_max_bytes: usize,
+    /// Whether streams to a member on the same host (the same machine and network namespace)
+    /// are shared-memory lanes (`SHOAL_TRANSPORT=auto`, the default) or TCP like every other
+    /// (`SHOAL_TRANSPORT=tcp`, which keeps the network path testable on one host).
+    pub shared_memory: bool,
 }
 
 /// Default TCP connections to a peer on another host. Parallel streams get past per-flow
@@ -91,6 +95,14 @@ impl CommunicatorConfig {
             algorithm: None,
             oneshot_max_bytes: env_count("SHOAL_ONESHOT_MAX_BYTES")?.unwrap_or(DEFAULT_ONESHOT_MAX_BYTES),
             twoshot_max_bytes: env_count("SHOAL_TWOSHOT_MAX_BYTES")?.unwrap_or(DEFAULT_TWOSHOT_MAX_BYTES),
+            shared_memory: match env_value("SHOAL_TRANSPORT").as_deref() {
+                None | Some("auto") => true,
+                Some("tcp") => false,
+                Some(other) => {
+                    let (name, value, expected) = ("SHOAL_TRANSPORT", other.to_string(), "auto or tcp");
+                    return Err(shoal_config::ConfigError { name, value, expected }.into());
+                }
+            },
         };
         if let Some(name) = env_value("SHOAL_ALGO").filter(|a| a != "auto") {
             let Some(algorithm) = Algorithm::from_name(&name) else {

@@ -21,10 +21,13 @@ use crate::error::{Error, Result};
 use crate::Deadline;
 use shoal_proto::auth::DataKey;
 use shoal_proto::peer::{Established, RingPosition};
-use shoal_transport::{connect, limit_unsent, read_message_until, write_message};
+use shoal_transport::shm::{ShmLane, RING_BYTES};
+use shoal_transport::{connect, limit_unsent, read_message_until, write_message, Stream};
 use shoal_wire::{Epoch, Member, Message, PeerId, SessionId};
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
 use std::thread;
@@ -77,18 +80,18 @@ struct Arrivals {
 struct Pool {
     epoch: Epoch,
     size: usize,
-    streams: BTreeMap<u16, TcpStream>,
+    streams: BTreeMap<u16, Stream>,
 }
 
 /// The pools a peer holds, owned by whoever runs collectives.
 #[derive(Default)]
 pub(crate) struct DataPlane {
     /// Streams we dialed, by the peer they reach: we send on them.
-    pub outgoing: BTreeMap<PeerId, Vec<TcpStream>>,
+    pub outgoing: BTreeMap<PeerId, Vec<Stream>>,
     /// Streams the peer dialed to us: we receive on them.
-    pub incoming: BTreeMap<PeerId, Vec<TcpStream>>,
+    pub incoming: BTreeMap<PeerId, Vec<Stream>>,
     /// The engine of the topology our calls run in, over its links.
-    pub exec: Option<crate::engine::Exec<TcpStream>>,
+    pub exec: Option<crate::engine::Exec<Stream>>,
     /// That topology: who each rank is, and where to dial it.
     pub position: Option<RingPosition>,
     /// The collectives called and not yet returned, and how calls ended.
@@ -126,6 +129,19 @@ impl Listener {
             .name("shoal-accept".into())
             .spawn(move || accept_loop(listener, identity, arrivals, stop))
             .map_err(io("spawning the accept thread for"))?;
+        // Members in this network namespace reach us here for shared-memory lanes. Without it
+        // (the name is taken: another process bound our port on another address) they dial TCP.
+        let name = std::os::unix::net::SocketAddr::from_abstract_name(local_name(port));
+        match name.and_then(|n| UnixListener::bind_addr(&n)) {
+            Ok(local) => {
+                let (identity, arrivals, stop) = (me.identity.clone(), me.arrivals.clone(), me.stop.clone());
+                thread::Builder::new()
+                    .name("shoal-accept-local".into())
+                    .spawn(move || accept_local_loop(local, identity, arrivals, stop))
+                    .map_err(io("spawning the local accept thread for"))?;
+            }
+            Err(e) => log::info!("no shared-memory lanes to the listener on {addr}: local socket: {e}"),
+        }
         Ok(me)
     }
 
@@ -166,15 +182,15 @@ impl Listener {
         epoch: Epoch,
         config: &CommunicatorConfig,
         deadline: Deadline,
-    ) -> std::result::Result<Vec<TcpStream>, String> {
+    ) -> std::result::Result<Vec<Stream>, String> {
         let id = self.identity.get().expect("identity is set at registration");
         let connections = config.pool_size(self.local_ip(), &member.addr);
-        dial(id, member.peer, epoch, &member.addr, connections, deadline, "all_reduce")
+        dial(id, member.peer, epoch, &member.addr, connections, config.shared_memory, deadline, "all_reduce")
     }
 
     /// The pool `from` dialed to us for topology `epoch`, if it is complete, made non-blocking:
     /// its half of a link.
-    pub fn take_pool(&self, from: PeerId, epoch: Epoch) -> Option<Vec<TcpStream>> {
+    pub fn take_pool(&self, from: PeerId, epoch: Epoch) -> Option<Vec<Stream>> {
         take_complete(&mut self.arrivals.streams.lock().unwrap_or_else(PoisonError::into_inner), from, epoch)
     }
 
@@ -205,7 +221,7 @@ impl Listener {
         let me = id.me;
         let next = pos.next();
         let connections = config.pool_size(self.local_ip(), &next.addr);
-        match dial(id, next.peer, pos.epoch, &next.addr, connections, deadline, operation) {
+        match dial(id, next.peer, pos.epoch, &next.addr, connections, config.shared_memory, deadline, operation) {
             Ok(pool) => plane.outgoing.insert(next.peer, pool),
             Err(reason) => {
                 log::warn!("{me}: cannot reach {}: {reason}", next.peer);
@@ -236,38 +252,81 @@ impl Drop for Listener {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn dial(
     id: &Identity,
     to: PeerId,
     epoch: Epoch,
     addr: &str,
     connections: usize,
+    shared_memory: bool,
     deadline: Deadline,
     operation: &'static str,
-) -> Result<Vec<TcpStream>, String> {
+) -> Result<Vec<Stream>, String> {
     let mut pool = Vec::with_capacity(connections);
+    let configuring = |e: std::io::Error| format!("configuring a stream to {to}: {e}");
     for i in 0..connections {
-        let left = deadline.left(operation).map_err(|e| e.to_string())?;
-        let mut s = connect(addr, left.min(DIAL_TIMEOUT)).map_err(|e| format!("dialing {to} at {addr}: {e}"))?;
         let (stream, streams) = (i as u16, connections as u16);
         let mac = id.key.hello(id.session, id.me, to, epoch, stream, streams);
         let hello = Message::PeerHello { from: id.me, to, epoch, stream, streams, mac };
-        write_message(&mut s, id.session, &hello).map_err(|e| format!("greeting {to} at {addr}: {e}"))?;
+        // The same machine and network namespace: the member's local socket answers there.
+        let local = if shared_memory { dial_local(id, addr, &hello) } else { None };
+        let s = match local {
+            Some(lane) => Stream::Shm(lane),
+            None => {
+                let left = deadline.left(operation).map_err(|e| e.to_string())?;
+                let mut s =
+                    connect(addr, left.min(DIAL_TIMEOUT)).map_err(|e| format!("dialing {to} at {addr}: {e}"))?;
+                write_message(&mut s, id.session, &hello).map_err(|e| format!("greeting {to} at {addr}: {e}"))?;
+                limit_unsent(&s, UNSENT_LIMIT).map_err(configuring)?;
+                Stream::Tcp(s)
+            }
+        };
         // From here the engine drives it, without blocking.
-        s.set_nonblocking(true).map_err(|e| format!("configuring a stream to {to}: {e}"))?;
-        limit_unsent(&s, UNSENT_LIMIT).map_err(|e| format!("configuring a stream to {to}: {e}"))?;
+        s.set_nonblocking().map_err(configuring)?;
         pool.push(s);
     }
-    log::debug!("{} dialed {connections} streams to {to} at {addr}", id.me);
+    let kind = if matches!(pool.first(), Some(Stream::Shm(_))) { "shared-memory" } else { "TCP" };
+    log::debug!("{} dialed {connections} {kind} streams to {to} at {addr}", id.me);
     Ok(pool)
+}
+
+/// The name of the local socket of the member listening on `port` in this network namespace.
+fn local_name(port: u16) -> String {
+    format!("shoal-data-{port}")
+}
+
+/// A shared-memory lane to the member at `addr`, if its local socket answers here and it takes
+/// our `hello`; `None` sends the stream over TCP (another host or namespace, or another process
+/// that holds the name).
+fn dial_local(id: &Identity, addr: &str, hello: &Message) -> Option<ShmLane> {
+    let port: u16 = addr.rsplit_once(':')?.1.parse().ok()?;
+    let name = std::os::unix::net::SocketAddr::from_abstract_name(local_name(port)).ok()?;
+    let mut s = UnixStream::connect_addr(&name).ok()?;
+    let mut attempt = || -> std::io::Result<ShmLane> {
+        s.set_read_timeout(Some(HELLO_TIMEOUT))?;
+        write_message(&mut s, id.session, hello).map_err(std::io::Error::other)?;
+        let lane = ShmLane::offer(s.try_clone()?, RING_BYTES)?;
+        // The acceptor's one byte: it took the hello and mapped the ring.
+        let mut ack = [0u8; 1];
+        std::io::Read::read_exact(&mut s, &mut ack)?;
+        Ok(lane)
+    };
+    match attempt() {
+        Ok(lane) => Some(lane),
+        Err(e) => {
+            log::debug!("{}: no shared-memory lane to {addr} ({e}): dialing TCP", id.me);
+            None
+        }
+    }
 }
 
 /// The pool `from` dialed to us for topology `epoch`, out of `arrivals` if it is complete, made
 /// non-blocking for the engine (a stream that cannot be drops its pool).
-fn take_complete(arrivals: &mut BTreeMap<PeerId, Pool>, from: PeerId, epoch: Epoch) -> Option<Vec<TcpStream>> {
+fn take_complete(arrivals: &mut BTreeMap<PeerId, Pool>, from: PeerId, epoch: Epoch) -> Option<Vec<Stream>> {
     let complete = arrivals.get(&from).is_some_and(|p| p.epoch == epoch && p.streams.len() == p.size);
-    let pool: Vec<TcpStream> = complete.then(|| arrivals.remove(&from)).flatten()?.streams.into_values().collect();
-    match pool.iter().try_for_each(|s| s.set_nonblocking(true)) {
+    let pool: Vec<Stream> = complete.then(|| arrivals.remove(&from)).flatten()?.streams.into_values().collect();
+    match pool.iter().try_for_each(Stream::set_nonblocking) {
         Ok(()) => Some(pool),
         Err(e) => {
             log::warn!("dropping the streams of {from}: configuring a data stream: {e}");
@@ -283,17 +342,7 @@ fn accept_loop(
     stop: Arc<AtomicBool>,
 ) {
     let served = shoal_transport::accept_until(&listener, &stop, |stream, from| {
-        let (identity, arrivals) = (identity.clone(), arrivals.clone());
-        // A slow or silent dialer must not hold up the others: greet each on its own thread.
-        let spawned = thread::Builder::new().name("shoal-hello".into()).spawn(move || {
-            if let Err(reason) = greet(stream, &identity, &arrivals) {
-                let refused = arrivals.refused.fetch_add(1, Ordering::Relaxed) + 1;
-                log::warn!("refused data connection from {from}: {reason} ({refused} refused so far)");
-            }
-        });
-        if let Err(e) = spawned {
-            log::warn!("cannot spawn a greeting thread: {e}");
-        }
+        spawn_greeting(&identity, &arrivals, from.to_string(), move |id, a| greet(stream, id, a));
         true
     });
     if let Err(e) = served {
@@ -301,18 +350,59 @@ fn accept_loop(
     }
 }
 
-fn greet(mut stream: TcpStream, identity: &OnceLock<Identity>, arrivals: &Arrivals) -> Result<(), String> {
-    let deadline = Instant::now() + HELLO_TIMEOUT;
-    let (session, message) = read_message_until(&mut stream, deadline, MAX_HELLO_BODY).map_err(|e| e.to_string())?;
-    // A peer may dial us as soon as the master issues a topology with us in it, which can be
-    // before our API thread has woken up to record who we are: wait for it.
-    let id = loop {
+fn accept_local_loop(
+    listener: UnixListener,
+    identity: Arc<OnceLock<Identity>>,
+    arrivals: Arc<Arrivals>,
+    stop: Arc<AtomicBool>,
+) {
+    let served = shoal_transport::accept_local_until(&listener, &stop, |stream| {
+        spawn_greeting(&identity, &arrivals, "this host".into(), move |id, a| greet_local(stream, id, a));
+        true
+    });
+    if let Err(e) = served {
+        log::error!("local data listener stopped: {e}");
+    }
+}
+
+/// Runs `greet` on a thread of its own: a slow or silent dialer must not hold up the others.
+fn spawn_greeting(
+    identity: &Arc<OnceLock<Identity>>,
+    arrivals: &Arc<Arrivals>,
+    from: String,
+    greet: impl FnOnce(&OnceLock<Identity>, &Arrivals) -> Result<(), String> + Send + 'static,
+) {
+    let (identity, arrivals) = (identity.clone(), arrivals.clone());
+    let spawned = thread::Builder::new().name("shoal-hello".into()).spawn(move || {
+        if let Err(reason) = greet(&identity, &arrivals) {
+            let refused = arrivals.refused.fetch_add(1, Ordering::Relaxed) + 1;
+            log::warn!("refused data connection from {from}: {reason} ({refused} refused so far)");
+        }
+    });
+    if let Err(e) = spawned {
+        log::warn!("cannot spawn a greeting thread: {e}");
+    }
+}
+
+/// Who we are, once the API thread recorded it: a peer may dial us as soon as the master issues
+/// a topology with us in it, which can be before that thread has woken up.
+fn identity_by(identity: &OnceLock<Identity>, deadline: Instant) -> Result<&Identity, String> {
+    loop {
         match identity.get() {
-            Some(id) => break id,
+            Some(id) => return Ok(id),
             None if Instant::now() < deadline => thread::sleep(Duration::from_millis(1)),
             None => return Err("not registered yet".into()),
         }
-    };
+    }
+}
+
+/// The place a greeted stream takes: (dialer, topology, index, pool size).
+type Place = (PeerId, Epoch, u16, u16);
+
+fn greet(mut stream: TcpStream, identity: &OnceLock<Identity>, arrivals: &Arrivals) -> Result<(), String> {
+    let deadline = Instant::now() + HELLO_TIMEOUT;
+    let (session, message) = read_message_until(&mut stream, deadline, MAX_HELLO_BODY).map_err(|e| e.to_string())?;
+    let id = identity_by(identity, deadline)?;
     let (me, our_session) = (id.me, id.session);
     if let Message::FetchRequest { from, to, round, index, offset, len, mac } = message {
         if session != our_session || to != me {
@@ -326,6 +416,28 @@ fn greet(mut stream: TcpStream, identity: &OnceLock<Identity>, arrivals: &Arriva
         arrivals.changed.notify_all();
         return Ok(());
     }
+    let place = check_hello(id, session, message)?;
+    add_stream(arrivals, place, Stream::Tcp(stream))
+}
+
+/// Greets a member on this host: its hello, then its ring's descriptor, mapped and acknowledged
+/// with one byte.
+fn greet_local(mut stream: UnixStream, identity: &OnceLock<Identity>, arrivals: &Arrivals) -> Result<(), String> {
+    let deadline = Instant::now() + HELLO_TIMEOUT;
+    let (session, message) = read_message_until(&mut stream, deadline, MAX_HELLO_BODY).map_err(|e| e.to_string())?;
+    let place = check_hello(identity_by(identity, deadline)?, session, message)?;
+    let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+    let lane = stream
+        .set_read_timeout(Some(left))
+        .and_then(|()| ShmLane::accept(stream.try_clone()?))
+        .and_then(|lane| std::io::Write::write_all(&mut stream, &[1]).map(|()| lane))
+        .map_err(|e| format!("opening a shared-memory lane: {e}"))?;
+    add_stream(arrivals, place, Stream::Shm(lane))
+}
+
+/// Checks a dialer's first message: a `PeerHello` to us in our session, under the run's key.
+fn check_hello(id: &Identity, session: SessionId, message: Message) -> Result<Place, String> {
+    let (me, our_session) = (id.me, id.session);
     let Message::PeerHello { from, to, epoch, stream: index, streams, mac } = message else {
         return Err(format!("expected PeerHello or FetchRequest, got {}", message.name()));
     };
@@ -338,6 +450,11 @@ fn greet(mut stream: TcpStream, identity: &OnceLock<Identity>, arrivals: &Arriva
     if streams == 0 || usize::from(streams) > crate::config::MAX_CONNECTIONS || index >= streams {
         return Err(format!("stream {index} of a pool of {streams}"));
     }
+    Ok((from, epoch, index, streams))
+}
+
+/// Puts a greeted stream in its pool, and says when the pool is complete.
+fn add_stream(arrivals: &Arrivals, (from, epoch, index, streams): Place, stream: Stream) -> Result<(), String> {
     let mut all = arrivals.streams.lock().unwrap_or_else(PoisonError::into_inner);
     let fresh = || Pool { epoch, size: streams.into(), streams: BTreeMap::new() };
     let pool = all.entry(from).or_insert_with(fresh);

@@ -184,6 +184,39 @@ fn large_buffers_striped_over_pools_of_different_sizes() {
     });
 }
 
+/// Peers on one host link over shared memory, or over TCP where told to (`SHOAL_TRANSPORT=tcp`),
+/// and a pair mixing both (each dialer chooses for the streams it sends on) reduces alike.
+#[test]
+fn peers_on_one_host_link_over_shared_memory_unless_told_tcp() {
+    let cases: [(&[bool], &str); 3] = [(&[true; 3], "shm"), (&[false; 3], "tcp"), (&[true, false], "mixed")];
+    for (shared, transport) in cases {
+        let m = master();
+        let configs = shared
+            .iter()
+            .map(|&on| {
+                let mut cfg = config(&m, 2);
+                cfg.chunk_bytes = 64 << 10;
+                cfg.shared_memory = on;
+                cfg
+            })
+            .collect();
+        let world = shared.len();
+        let links = with_peers(configs, move |i, comm| {
+            let len = (1 << 20) + 3;
+            let mut buf = f32_bytes(&(0..len).map(|k| (k % 977) as f32 * (i + 1) as f32).collect::<Vec<_>>());
+            comm.all_reduce(&mut buf, DType::F32, ReduceOp::Sum, 1, None).unwrap();
+            let total = (1..=world).sum::<usize>() as f32;
+            let want: Vec<f32> = (0..len).map(|k| (k % 977) as f32 * total).collect();
+            assert!(buf == f32_bytes(&want), "peer {i}: wrong sum");
+            comm.links().iter().map(|l| l.transport).collect::<Vec<_>>()
+        });
+        let links: Vec<_> = links.into_iter().flatten().collect();
+        // A ring of three: a link to each neighbour; of two: one link, both ways.
+        assert_eq!(links.len(), if world == 3 { 6 } else { 2 }, "{links:?}");
+        assert!(links.iter().all(|&t| t == transport), "{links:?}, expected {transport}");
+    }
+}
+
 /// `all_reduce_many` over buffers of mixed types and sizes, two at a time: every one reduced,
 /// each by the algorithm its size calls for, with consecutive tags; zero in flight is refused.
 #[test]

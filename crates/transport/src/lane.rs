@@ -16,8 +16,16 @@ pub trait Lane: Read + Write + Send {
     /// The descriptor to `poll(2)` for this lane's readiness, or `None` where progress comes
     /// only from someone stepping the other end (in-memory lanes): the driver then retries.
     fn pollable(&self) -> Option<RawFd>;
+    /// The `poll(2)` events (readable, writable) that say the lane may move, when the driver
+    /// wants to `read` and to `write` it: the same by default; a lane woken by doorbells maps
+    /// both to readable.
+    fn poll_events(&self, read: bool, write: bool) -> (bool, bool) {
+        (read, write)
+    }
     /// Both ends, for logs.
     fn describe(&self) -> String;
+    /// What carries it, for stats: `"tcp"`, `"shm"` or `"memory"`.
+    fn kind(&self) -> &'static str;
 }
 
 impl Lane for TcpStream {
@@ -28,6 +36,90 @@ impl Lane for TcpStream {
     fn describe(&self) -> String {
         let addr = |a: io::Result<std::net::SocketAddr>| a.map_or_else(|_| "?".to_string(), |a| a.to_string());
         format!("{}->{}", addr(self.local_addr()), addr(self.peer_addr()))
+    }
+
+    fn kind(&self) -> &'static str {
+        "tcp"
+    }
+}
+
+/// A data stream as the peer holds it: TCP, or shared memory to a process on the same host.
+pub enum Stream {
+    /// A TCP connection.
+    Tcp(TcpStream),
+    /// One end of a shared-memory lane.
+    Shm(crate::shm::ShmLane),
+}
+
+impl Stream {
+    /// Makes it non-blocking, for the engine.
+    ///
+    /// # Errors
+    /// `fcntl` errors.
+    pub fn set_nonblocking(&self) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.set_nonblocking(true),
+            Stream::Shm(s) => s.set_nonblocking(),
+        }
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.read(buf),
+            Stream::Shm(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.write(buf),
+            Stream::Shm(s) => s.write(buf),
+        }
+    }
+
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.write_vectored(bufs),
+            Stream::Shm(s) => s.write_vectored(bufs),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Lane for Stream {
+    fn pollable(&self) -> Option<RawFd> {
+        match self {
+            Stream::Tcp(s) => s.pollable(),
+            Stream::Shm(s) => s.pollable(),
+        }
+    }
+
+    fn poll_events(&self, read: bool, write: bool) -> (bool, bool) {
+        match self {
+            Stream::Tcp(s) => s.poll_events(read, write),
+            Stream::Shm(s) => s.poll_events(read, write),
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            Stream::Tcp(s) => s.describe(),
+            Stream::Shm(s) => s.describe(),
+        }
+    }
+
+    fn kind(&self) -> &'static str {
+        match self {
+            Stream::Tcp(s) => s.kind(),
+            Stream::Shm(s) => s.kind(),
+        }
     }
 }
 
@@ -205,6 +297,10 @@ pub mod mem {
 
         fn describe(&self) -> String {
             self.name.clone()
+        }
+
+        fn kind(&self) -> &'static str {
+            "memory"
         }
     }
 

@@ -7,12 +7,14 @@
 #![warn(missing_docs)]
 
 pub mod lane;
+pub mod shm;
 
-pub use lane::Lane;
+pub use lane::{Lane, Stream};
 use shoal_wire::{FrameHeader, Message, SessionId, WireError, HEADER_BYTES, MAX_BODY_BYTES};
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -122,16 +124,39 @@ pub fn accept_until(
     mut handle: impl FnMut(TcpStream, SocketAddr) -> bool,
 ) -> io::Result<()> {
     listener.set_nonblocking(true)?;
+    let accept = |l: &TcpListener| accept(l).and_then(|(s, a)| s.set_nonblocking(false).map(|()| (s, a)));
+    serve(listener, stop, accept, |(s, a)| handle(s, a))
+}
+
+/// As [`accept_until`], for a Unix listener (peers on the same host).
+///
+/// # Errors
+/// If the listener cannot be switched to non-blocking mode.
+pub fn accept_local_until(
+    listener: &UnixListener,
+    stop: &AtomicBool,
+    handle: impl FnMut(UnixStream) -> bool,
+) -> io::Result<()> {
+    listener.set_nonblocking(true)?;
+    let accept = |l: &UnixListener| l.accept().and_then(|(s, _)| s.set_nonblocking(false).map(|()| s));
+    serve(listener, stop, accept, handle)
+}
+
+fn serve<L: AsRawFd, S>(
+    listener: &L,
+    stop: &AtomicBool,
+    accept: impl Fn(&L) -> io::Result<S>,
+    mut handle: impl FnMut(S) -> bool,
+) -> io::Result<()> {
     while !stop.load(Ordering::Relaxed) {
         let mut fds = [PollFd::new(listener)];
         fds[0].want_read = true;
         if poll(&mut fds, Duration::from_millis(100)).unwrap_or(0) == 0 {
             continue;
         }
-        let accepted = accept(listener).and_then(|(s, a)| s.set_nonblocking(false).map(|()| (s, a)));
-        match accepted {
-            Ok((stream, from)) => {
-                if !handle(stream, from) {
+        match accept(listener) {
+            Ok(stream) => {
+                if !handle(stream) {
                     break;
                 }
             }
@@ -188,33 +213,67 @@ pub fn read_message_within(stream: &mut impl Read, max_body: u32) -> Result<(Ses
 ///
 /// # Errors
 /// As [`read_message_within`], plus [`TransportError::TimedOut`].
-pub fn read_message_until(
-    stream: &mut TcpStream,
+pub fn read_message_until<S: TimedStream>(
+    stream: &mut S,
     deadline: Instant,
     max_body: u32,
 ) -> Result<(SessionId, Message), TransportError> {
-    let result = read_message_within(&mut Until { stream, deadline }, max_body);
+    let result = read_message_within(&mut Until { stream: &*stream, deadline }, max_body);
     stream.set_read_timeout(None)?;
     result
+}
+
+/// A socket whose reads can be given a timeout (TCP, or Unix to a peer on the same host).
+pub trait TimedStream {
+    /// Sets the longest a read waits; `None` for no limit.
+    ///
+    /// # Errors
+    /// `setsockopt` errors.
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()>;
+    /// Reads without needing `&mut` (sockets read through shared references).
+    ///
+    /// # Errors
+    /// As `read(2)`.
+    fn read_shared(&self, buf: &mut [u8]) -> io::Result<usize>;
+}
+
+impl TimedStream for TcpStream {
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        TcpStream::set_read_timeout(self, timeout)
+    }
+
+    fn read_shared(&self, buf: &mut [u8]) -> io::Result<usize> {
+        (&*self).read(buf)
+    }
+}
+
+impl TimedStream for std::os::unix::net::UnixStream {
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        std::os::unix::net::UnixStream::set_read_timeout(self, timeout)
+    }
+
+    fn read_shared(&self, buf: &mut [u8]) -> io::Result<usize> {
+        (&*self).read(buf)
+    }
 }
 
 /// Bytes of a frame's body buffered before any arrived.
 const BODY_READ_AHEAD: usize = 64 << 10;
 
 /// A reader whose every read waits at most until `deadline`.
-struct Until<'a> {
-    stream: &'a TcpStream,
+struct Until<'a, S> {
+    stream: &'a S,
     deadline: Instant,
 }
 
-impl Read for Until<'_> {
+impl<S: TimedStream> Read for Until<'_, S> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let left = self.deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(io::ErrorKind::TimedOut.into());
         }
         self.stream.set_read_timeout(Some(left))?;
-        (&*self.stream).read(buf)
+        self.stream.read_shared(buf)
     }
 }
 

@@ -622,6 +622,20 @@ pub(crate) struct LinkStats {
     pub tx_bytes: u64,
     /// Chunk bytes received from it, frame headers not counted.
     pub rx_bytes: u64,
+    /// What carries its lanes (`Lane::kind`), `"mixed"` if they differ.
+    pub transport: &'static str,
+}
+
+impl LinkStats {
+    fn carried_by<L: Lane>(&mut self, lanes: &[L]) {
+        for lane in lanes {
+            self.transport = match self.transport {
+                "" => lane.kind(),
+                same if same == lane.kind() => same,
+                _ => "mixed",
+            };
+        }
+    }
 }
 
 /// The engine over one topology's links.
@@ -703,7 +717,9 @@ impl<L: Lane> Exec<L> {
     /// Adds a pool of lanes to member `to`.
     pub fn add_send(&mut self, to: usize, lanes: Vec<L>) {
         debug_assert!(to < self.world && to != self.rank);
-        self.stats.entry(to).or_default().lanes_out += lanes.len();
+        let stats = self.stats.entry(to).or_default();
+        stats.lanes_out += lanes.len();
+        stats.carried_by(&lanes);
         let new =
             lanes.into_iter().map(|lane| SendLane { lane, to, frame: [0; FRAME_BYTES], written: 0, sending: None });
         self.send.extend(new);
@@ -713,7 +729,9 @@ impl<L: Lane> Exec<L> {
     /// Adds a pool of lanes from member `from`.
     pub fn add_recv(&mut self, from: usize, lanes: Vec<L>) {
         debug_assert!(from < self.world && from != self.rank);
-        self.stats.entry(from).or_default().lanes_in += lanes.len();
+        let stats = self.stats.entry(from).or_default();
+        stats.lanes_in += lanes.len();
+        stats.carried_by(&lanes);
         let new = lanes.into_iter().map(|lane| RecvLane {
             lane,
             from,

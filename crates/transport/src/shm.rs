@@ -1,0 +1,502 @@
+//! Shared-memory lanes between processes on one host.
+//!
+//! A shared-memory lane carries bytes one way, like every data stream shoal dials: the dialer
+//! writes, the acceptor reads. Its bytes go through a ring in a `memfd` segment both processes
+//! map; a Unix stream socket between them carries the segment's descriptor once (`SCM_RIGHTS`)
+//! and then only *doorbells*, single bytes that wake a sleeping end. The socket is what makes the
+//! lane safe to block on:
+//!
+//! - **Wake-ups.** An end that finds nothing to do sets its `sleeping` flag, looks once more, and
+//!   polls the socket; the other end, after moving the ring's cursor, swaps the flag off and
+//!   rings if it was on (both sides order the flag against the cursor with `SeqCst` fences, so
+//!   one of them always sees the other).
+//! - **A dead partner.** The kernel closes a killed process's socket: the reader then sees end
+//!   of stream once it has read every byte the writer put in the ring, and the writer gets
+//!   `BrokenPipe` at its next wait for room. Nobody spins on a dead peer's memory: every wait is
+//!   a `poll(2)` on the socket.
+//! - **Clean-up.** The segment has no name: it lives while a process maps it or holds its
+//!   descriptor, so a crashed run leaves nothing behind in `/dev/shm`.
+//!
+//! Layout of a segment: one page of header (the writer's cursor, the reader's cursor and each
+//! end's `sleeping` flag, each on its own cache line, then a magic and the ring's capacity),
+//! then the ring. Cursors count bytes since the lane opened; the ring position is the cursor
+//! modulo the capacity.
+
+use crate::lane::Lane;
+use std::io::{self, IoSlice, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+
+/// Bytes of a lane's ring.
+pub const RING_BYTES: usize = 4 << 20;
+const HEADER_BYTES: usize = 4096;
+const MAGIC: u64 = u64::from_le_bytes(*b"SHOALSHM");
+
+#[repr(C, align(64))]
+struct Line<T>(T);
+
+/// The header at the start of a segment.
+#[repr(C)]
+struct Header {
+    /// Bytes the writer put in the ring, in all.
+    head: Line<AtomicU64>,
+    /// Bytes the reader took out, in all.
+    tail: Line<AtomicU64>,
+    reader_sleeping: Line<AtomicU32>,
+    writer_sleeping: Line<AtomicU32>,
+    magic: Line<AtomicU64>,
+    capacity: AtomicU64,
+}
+
+const _: () = assert!(std::mem::size_of::<Header>() <= HEADER_BYTES);
+
+/// A mapped segment.
+struct Segment {
+    base: *mut u8,
+    len: usize,
+    capacity: usize,
+}
+
+// SAFETY: the mapping is shared memory accessed only through atomics (header) or by the one
+// writer and the one reader of disjoint ring ranges, which the cursors hand over.
+unsafe impl Send for Segment {}
+
+impl Segment {
+    fn map(fd: &OwnedFd, len: usize) -> io::Result<Segment> {
+        // SAFETY: a fresh shared mapping of a descriptor we own; checked for failure.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Segment { base: base.cast(), len, capacity: len - HEADER_BYTES })
+    }
+
+    fn header(&self) -> &Header {
+        // SAFETY: the mapping starts with a page for the header, aligned to the page.
+        unsafe { &*self.base.cast::<Header>() }
+    }
+
+    fn ring(&self) -> *mut u8 {
+        // SAFETY: within the mapping.
+        unsafe { self.base.add(HEADER_BYTES) }
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly what `map` mapped.
+        unsafe { libc::munmap(self.base.cast(), self.len) };
+    }
+}
+
+/// One end of a shared-memory lane: the writer (the dialer) or the reader (the acceptor).
+pub struct ShmLane {
+    seg: Segment,
+    bell: UnixStream,
+    writer: bool,
+    /// Our cursor (head for the writer, tail for the reader), which only we move.
+    cursor: u64,
+    /// The other end closed its socket.
+    closed: bool,
+}
+
+impl ShmLane {
+    /// Makes a segment with a ring of `capacity` bytes and sends its descriptor over `bell`
+    /// (blocking, with one byte of data): the writer's end.
+    ///
+    /// # Errors
+    /// Creating, sizing, mapping or sending the segment.
+    pub fn offer(bell: UnixStream, capacity: usize) -> io::Result<ShmLane> {
+        // SAFETY: a C string literal; the call has no other inputs.
+        let raw = unsafe { libc::memfd_create(c"shoal-lane".as_ptr(), libc::MFD_CLOEXEC) };
+        if raw < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a descriptor just created and owned by nobody else.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let len = HEADER_BYTES + capacity;
+        // SAFETY: a valid descriptor.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let seg = Segment::map(&fd, len)?;
+        seg.header().capacity.store(capacity as u64, Ordering::Relaxed);
+        seg.header().magic.0.store(MAGIC, Ordering::Release);
+        send_fd(&bell, &fd)?;
+        Ok(ShmLane { seg, bell, writer: true, cursor: 0, closed: false })
+    }
+
+    /// Receives the segment the other end offered over `bell` and maps it: the reader's end.
+    /// `bell` should have a read timeout set: this blocks until the descriptor arrives.
+    ///
+    /// # Errors
+    /// No descriptor, or one that is not a lane's segment.
+    pub fn accept(bell: UnixStream) -> io::Result<ShmLane> {
+        let fd = recv_fd(&bell)?;
+        let invalid = |what: String| io::Error::new(io::ErrorKind::InvalidData, what);
+        // SAFETY: fstat into a zeroed struct.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let len = st.st_size as usize;
+        if len <= HEADER_BYTES || len > HEADER_BYTES + (1 << 30) {
+            return Err(invalid(format!("a shared-memory segment of {len} bytes")));
+        }
+        let seg = Segment::map(&fd, len)?;
+        let h = seg.header();
+        let capacity = h.capacity.load(Ordering::Relaxed);
+        if h.magic.0.load(Ordering::Acquire) != MAGIC || capacity != seg.capacity as u64 {
+            return Err(invalid(format!("a segment that is no lane's ring (capacity {capacity}, {len} bytes)")));
+        }
+        if h.head.0.load(Ordering::Relaxed) != 0 || h.tail.0.load(Ordering::Relaxed) != 0 {
+            return Err(invalid("a lane's ring that was used before".into()));
+        }
+        Ok(ShmLane { seg, bell, writer: false, cursor: 0, closed: false })
+    }
+
+    /// Switches the doorbell socket to non-blocking, for the engine.
+    ///
+    /// # Errors
+    /// `fcntl` errors.
+    pub fn set_nonblocking(&self) -> io::Result<()> {
+        self.bell.set_nonblocking(true)
+    }
+
+    /// Reads every doorbell rung so far; notes whether the other end closed.
+    fn drain(&mut self) -> io::Result<()> {
+        let mut sink = [0u8; 64];
+        while !self.closed {
+            match (&self.bell).read(&mut sink) {
+                Ok(0) => self.closed = true,
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::ConnectionReset => self.closed = true,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Wakes the other end if it sleeps.
+    fn ring_if_sleeping(&mut self, flag: &AtomicU32) -> io::Result<()> {
+        fence(Ordering::SeqCst);
+        if flag.load(Ordering::SeqCst) == 1 && flag.swap(0, Ordering::SeqCst) == 1 {
+            match (&self.bell).write(&[1]) {
+                // A full socket already holds a doorbell the other end has not read.
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) if matches!(e.kind(), io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset) => {
+                    self.closed = true;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Room in the ring for the writer, waiting on the socket (flag set) if there is none.
+    fn room(&mut self) -> io::Result<usize> {
+        let h = self.seg.header();
+        let cap = self.seg.capacity as u64;
+        let free = cap - (self.cursor - h.tail.0.load(Ordering::Acquire));
+        if free > 0 {
+            return Ok(free as usize);
+        }
+        self.drain()?;
+        if self.closed {
+            return Err(io::ErrorKind::BrokenPipe.into());
+        }
+        let h = self.seg.header();
+        h.writer_sleeping.0.store(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        let free = cap - (self.cursor - h.tail.0.load(Ordering::SeqCst));
+        if free == 0 {
+            return Err(io::ErrorKind::WouldBlock.into());
+        }
+        h.writer_sleeping.0.store(0, Ordering::Relaxed);
+        Ok(free as usize)
+    }
+
+    /// Copies `bufs` into the ring as far as there is room; the bytes written.
+    fn put(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        assert!(self.writer, "a shared-memory lane's reader end cannot write");
+        if bufs.iter().all(|b| b.is_empty()) {
+            return Ok(0);
+        }
+        let mut free = self.room()?;
+        let cap = self.seg.capacity;
+        let mut written = 0;
+        for b in bufs {
+            let n = b.len().min(free);
+            copy_ring(self.seg.ring(), cap, (self.cursor as usize + written) % cap, b[..n].as_ptr(), n, true);
+            written += n;
+            free -= n;
+            if free == 0 {
+                break;
+            }
+        }
+        self.cursor += written as u64;
+        self.seg.header().head.0.store(self.cursor, Ordering::Release);
+        let h = self.seg.header() as *const Header;
+        // SAFETY: the header outlives this call; split from `self` for the borrow checker.
+        self.ring_if_sleeping(unsafe { &(*h).reader_sleeping.0 })?;
+        Ok(written)
+    }
+}
+
+/// Copies `n` bytes between `ptr` and the ring at position `at`, wrapping: into the ring if
+/// `into`, else out of it.
+fn copy_ring(ring: *mut u8, cap: usize, at: usize, ptr: *const u8, n: usize, into: bool) {
+    let first = n.min(cap - at);
+    // SAFETY: `at + first <= cap` and `n - first <= cap`; the ring range is ours to touch until
+    // the cursor hands it over, and `ptr` is a caller's buffer of `n` bytes.
+    unsafe {
+        if into {
+            std::ptr::copy_nonoverlapping(ptr, ring.add(at), first);
+            std::ptr::copy_nonoverlapping(ptr.add(first), ring, n - first);
+        } else {
+            std::ptr::copy_nonoverlapping(ring.add(at), ptr.cast_mut(), first);
+            std::ptr::copy_nonoverlapping(ring, ptr.cast_mut().add(first), n - first);
+        }
+    }
+}
+
+impl Read for ShmLane {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        assert!(!self.writer, "a shared-memory lane's writer end cannot read");
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        let h = self.seg.header();
+        let mut avail = h.head.0.load(Ordering::Acquire) - self.cursor;
+        if avail == 0 {
+            self.drain()?;
+            let h = self.seg.header();
+            h.reader_sleeping.0.store(1, Ordering::SeqCst);
+            fence(Ordering::SeqCst);
+            avail = h.head.0.load(Ordering::SeqCst) - self.cursor;
+            if avail == 0 {
+                // Everything the writer sent is read: a closed socket is the end of the lane.
+                return if self.closed { Ok(0) } else { Err(io::ErrorKind::WouldBlock.into()) };
+            }
+            h.reader_sleeping.0.store(0, Ordering::Relaxed);
+        }
+        let cap = self.seg.capacity;
+        let n = buf.len().min(avail as usize);
+        copy_ring(self.seg.ring(), cap, self.cursor as usize % cap, buf.as_ptr(), n, false);
+        self.cursor += n as u64;
+        self.seg.header().tail.0.store(self.cursor, Ordering::Release);
+        let h = self.seg.header() as *const Header;
+        // SAFETY: as in `put`.
+        self.ring_if_sleeping(unsafe { &(*h).writer_sleeping.0 })?;
+        Ok(n)
+    }
+}
+
+impl Write for ShmLane {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.put(&[IoSlice::new(buf)])
+    }
+
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        self.put(bufs)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Lane for ShmLane {
+    fn pollable(&self) -> Option<RawFd> {
+        Some(self.bell.as_raw_fd())
+    }
+
+    fn poll_events(&self, read: bool, write: bool) -> (bool, bool) {
+        // Both ends wait for a doorbell, which arrives as bytes to read.
+        (read || write, false)
+    }
+
+    fn describe(&self) -> String {
+        format!("shared memory ({}, {} KiB ring)", if self.writer { "out" } else { "in" }, self.seg.capacity >> 10)
+    }
+
+    fn kind(&self) -> &'static str {
+        "shm"
+    }
+}
+
+/// Sends `fd` over `s` with one byte of data.
+fn send_fd(s: &UnixStream, fd: &OwnedFd) -> io::Result<()> {
+    let mut byte = [0u8; 1];
+    let mut iov = libc::iovec { iov_base: byte.as_mut_ptr().cast(), iov_len: 1 };
+    // SAFETY: CMSG_SPACE of an int is a constant; the buffer is sized and aligned for it.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    let mut control = vec![0u64; space.div_ceil(8)];
+    // SAFETY: a zeroed msghdr pointing at live buffers, filled with the CMSG macros.
+    unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = space as _;
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        (*cmsg).cmsg_level = libc::SOL_SOCKET;
+        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
+        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), fd.as_raw_fd());
+        if libc::sendmsg(s.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) != 1 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// Receives one byte and the descriptor sent with it over `s`.
+fn recv_fd(s: &UnixStream) -> io::Result<OwnedFd> {
+    let mut byte = [0u8; 1];
+    let mut iov = libc::iovec { iov_base: byte.as_mut_ptr().cast(), iov_len: 1 };
+    // SAFETY: as in `send_fd`.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    let mut control = vec![0u64; space.div_ceil(8)];
+    // SAFETY: a zeroed msghdr pointing at live buffers; the descriptor is read only from a
+    // control message of the kernel's own making.
+    unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = space as _;
+        let n = libc::recvmsg(s.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC);
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        if n == 0 || cmsg.is_null() || (*cmsg).cmsg_level != libc::SOL_SOCKET || (*cmsg).cmsg_type != libc::SCM_RIGHTS {
+            let what = if n == 0 { "the connection closed" } else { "no descriptor came" };
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("expected a shared-memory segment: {what}"),
+            ));
+        }
+        Ok(OwnedFd::from_raw_fd(std::ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>())))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn pair(capacity: usize) -> (ShmLane, ShmLane) {
+        let (a, b) = UnixStream::pair().unwrap();
+        let w = ShmLane::offer(a, capacity).unwrap();
+        b.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let r = ShmLane::accept(b).unwrap();
+        w.set_nonblocking().unwrap();
+        r.set_nonblocking().unwrap();
+        (w, r)
+    }
+
+    fn readable(fd: RawFd, ms: i32) -> bool {
+        let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd.
+        unsafe { libc::poll(&mut p, 1, ms) == 1 }
+    }
+
+    #[test]
+    fn bytes_cross_the_ring_in_order_through_every_wrap() {
+        let (mut w, mut r) = pair(4096);
+        let data: Vec<u8> = (0..100_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
+        let (mut sent, mut got) = (0, Vec::new());
+        let mut buf = [0u8; 3000];
+        while got.len() < data.len() {
+            let end = (sent + 1234).min(data.len());
+            // The header of a frame and its body in one call, as the engine writes them.
+            let (a, b) = data[sent..end].split_at((end - sent) / 3);
+            match w.write_vectored(&[IoSlice::new(a), IoSlice::new(b)]) {
+                Ok(n) => sent += n,
+                Err(e) => assert_eq!(e.kind(), io::ErrorKind::WouldBlock),
+            }
+            match r.read(&mut buf) {
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(e) => assert_eq!(e.kind(), io::ErrorKind::WouldBlock),
+            }
+        }
+        assert!(got == data);
+    }
+
+    #[test]
+    fn a_sleeping_end_is_rung_and_a_busy_one_is_not() {
+        let (mut w, mut r) = pair(4096);
+        assert_eq!(r.read(&mut [0u8; 16]).unwrap_err().kind(), io::ErrorKind::WouldBlock);
+        assert!(!readable(r.pollable().unwrap(), 0));
+        w.write_all(&[5u8; 10]).unwrap();
+        assert!(readable(r.pollable().unwrap(), 1000), "the reader slept: the write rings");
+        assert_eq!(r.read(&mut [0u8; 4]).unwrap(), 4);
+        w.write_all(&[5u8; 10]).unwrap();
+        // A full ring: the writer sleeps, and a read that makes room rings it.
+        let mut filled = 0;
+        loop {
+            match w.write(&[1u8; 1000]) {
+                Ok(n) => filled += n,
+                Err(e) => {
+                    assert_eq!(e.kind(), io::ErrorKind::WouldBlock);
+                    break;
+                }
+            }
+        }
+        assert_eq!(filled, 4096 - 16);
+        assert!(!readable(w.pollable().unwrap(), 0));
+        assert_eq!(r.read(&mut [0u8; 100]).unwrap(), 100);
+        assert!(readable(w.pollable().unwrap(), 1000), "the writer slept: the read rings");
+        assert_eq!(w.write(&[1u8; 1000]).unwrap(), 100);
+    }
+
+    #[test]
+    fn a_closed_writer_ends_the_lane_after_its_last_byte_and_a_closed_reader_breaks_writes() {
+        let (mut w, mut r) = pair(4096);
+        w.write_all(&[9u8; 300]).unwrap();
+        drop(w);
+        assert!(readable(r.pollable().unwrap(), 1000));
+        let mut buf = [0u8; 1000];
+        assert_eq!(r.read(&mut buf).unwrap(), 300);
+        assert_eq!(r.read(&mut buf).unwrap(), 0);
+
+        let (mut w, r) = pair(4096);
+        drop(r);
+        let mut result = Ok(0);
+        for _ in 0..10 {
+            result = w.write(&[1u8; 1000]);
+            if result.is_err() {
+                break;
+            }
+        }
+        assert_eq!(result.unwrap_err().kind(), io::ErrorKind::BrokenPipe);
+    }
+
+    #[test]
+    fn a_descriptor_that_is_no_lane_is_refused() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let file = std::fs::File::open("/proc/self/stat").unwrap();
+        send_fd(&a, &OwnedFd::from(file)).unwrap();
+        let err = ShmLane::accept(b).err().expect("refused");
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{err}");
+        let (a, b) = UnixStream::pair().unwrap();
+        (&a).write_all(&[0]).unwrap();
+        let err = ShmLane::accept(b).err().expect("refused");
+        assert!(err.to_string().contains("no descriptor"), "{err}");
+    }
+}
