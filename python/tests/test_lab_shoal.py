@@ -34,6 +34,20 @@ def test_all_reduce_across_sites_matches_numpy_on_every_peer(sites, tmp_path):
     check_matrix(infos, tmp_path)
 
 
+def test_two_hosts_with_two_peers_each_link_over_shared_memory_inside_and_tcp_between(sites, tmp_path):
+    hosts = ["a1", "a1", "b1", "b1"]
+    with sites.master("a1") as master:
+        out = run_peers(master, tmp_path, "links", 4, timeout=120, launch=lambda i, argv: sites.argv(hosts[i], argv))
+    host_of = {o["rank"]: hosts[o["index"]] for o in out}
+    for o in out:
+        # One-shot links every member to every other: the kernel, not the address, says which
+        # share a host (each lab host is a network namespace of its own).
+        (_, links), _ = o["after_oneshot"]
+        got = {link["rank"]: link["transport"] for link in links}
+        want = {r: "shm" if host_of[r] == hosts[o["index"]] else "tcp" for r in host_of if r != o["rank"]}
+        assert got == want, (o["rank"], got, want)
+
+
 def test_bench_runs_in_the_lab_and_sees_the_wan(sites):
     rows = bench.run(4, "4K,4M", lab=sites.name, max_iters=4)
     assert [r["size"] for r in rows] == [4096, 4 << 20]

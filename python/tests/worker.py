@@ -666,7 +666,8 @@ def links(spec: dict) -> dict:
         seen.append((info.algorithm, comm.links()))
     # Nobody leaves (closing its streams) before everyone looked.
     comm.all_reduce(np.ones(1, np.float32), op="sum", tag=9)
-    return {"rank": comm.rank, "ring": ring.algorithm, "after_ring": after_ring, "after_oneshot": seen}
+    return {"rank": comm.rank, "index": spec["index"], "ring": ring.algorithm, "after_ring": after_ring,
+            "after_oneshot": seen}
 
 
 def empty(spec: dict) -> dict:

@@ -26,6 +26,25 @@ pub trait Lane: Read + Write + Send {
     fn describe(&self) -> String;
     /// What carries it, for stats: `"tcp"`, `"shm"` or `"memory"`.
     fn kind(&self) -> &'static str;
+    /// Lends the next `len` bytes where they lie, without copying them out, once all of them
+    /// arrived: `Ok(Some(bytes))`, after which [`Lane::consume`] takes them; `Ok(None)` while
+    /// some have not (a wake-up comes as for `read`). `Unsupported` where the lane cannot lend
+    /// (read it with `read`), `UnexpectedEof` if it ended first.
+    ///
+    /// # Errors
+    /// As above, or the lane failed.
+    fn peek(&mut self, len: usize) -> io::Result<Option<&[u8]>> {
+        let _ = len;
+        Err(io::ErrorKind::Unsupported.into())
+    }
+    /// Takes the `len` bytes [`Lane::peek`] lent.
+    ///
+    /// # Errors
+    /// The lane failed.
+    fn consume(&mut self, len: usize) -> io::Result<()> {
+        let _ = len;
+        Err(io::ErrorKind::Unsupported.into())
+    }
 }
 
 impl Lane for TcpStream {
@@ -119,6 +138,20 @@ impl Lane for Stream {
         match self {
             Stream::Tcp(s) => s.kind(),
             Stream::Shm(s) => s.kind(),
+        }
+    }
+
+    fn peek(&mut self, len: usize) -> io::Result<Option<&[u8]>> {
+        match self {
+            Stream::Tcp(s) => Lane::peek(s, len),
+            Stream::Shm(s) => s.peek(len),
+        }
+    }
+
+    fn consume(&mut self, len: usize) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => Lane::consume(s, len),
+            Stream::Shm(s) => s.consume(len),
         }
     }
 }

@@ -51,10 +51,13 @@ struct Header {
 
 const _: () = assert!(std::mem::size_of::<Header>() <= HEADER_BYTES);
 
-/// A mapped segment.
+/// A mapped segment: the header and the ring, then the ring again right after it, so that any
+/// range of up to the ring's capacity is contiguous from any position (a copy never wraps, and
+/// a chunk can be lent in place).
 struct Segment {
     base: *mut u8,
-    len: usize,
+    /// Bytes of address space reserved: the header and two views of the ring.
+    reserved: usize,
     capacity: usize,
 }
 
@@ -64,21 +67,28 @@ unsafe impl Send for Segment {}
 
 impl Segment {
     fn map(fd: &OwnedFd, len: usize) -> io::Result<Segment> {
-        // SAFETY: a fresh shared mapping of a descriptor we own; checked for failure.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
+        let capacity = len - HEADER_BYTES;
+        let reserved = HEADER_BYTES + 2 * capacity;
+        let failed = |p: *mut libc::c_void| p == libc::MAP_FAILED;
+        let (rw, shared) = (libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_FIXED);
+        // SAFETY: reserves fresh address space, then maps the descriptor twice into exactly
+        // that space (MAP_FIXED over our own reservation); every result is checked, and a
+        // failure unmaps the whole reservation.
+        unsafe {
+            let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
+            let base = libc::mmap(std::ptr::null_mut(), reserved, libc::PROT_NONE, flags, -1, 0);
+            if failed(base) {
+                return Err(io::Error::last_os_error());
+            }
+            let seg = Segment { base: base.cast(), reserved, capacity };
+            let fd = fd.as_raw_fd();
+            if failed(libc::mmap(base, len, rw, shared, fd, 0))
+                || failed(libc::mmap(seg.ring().add(capacity).cast(), capacity, rw, shared, fd, HEADER_BYTES as i64))
+            {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(seg)
         }
-        Ok(Segment { base: base.cast(), len, capacity: len - HEADER_BYTES })
     }
 
     fn header(&self) -> &Header {
@@ -90,12 +100,19 @@ impl Segment {
         // SAFETY: within the mapping.
         unsafe { self.base.add(HEADER_BYTES) }
     }
+
+    /// The ring's bytes from `cursor` on, `n` of them (at most the capacity).
+    fn at(&self, cursor: u64, n: usize) -> *mut u8 {
+        debug_assert!(n <= self.capacity);
+        // SAFETY: position + n < 2 * capacity: inside the two views.
+        unsafe { self.ring().add(cursor as usize % self.capacity) }
+    }
 }
 
 impl Drop for Segment {
     fn drop(&mut self) {
-        // SAFETY: unmaps exactly what `map` mapped.
-        unsafe { libc::munmap(self.base.cast(), self.len) };
+        // SAFETY: unmaps exactly what `map` reserved.
+        unsafe { libc::munmap(self.base.cast(), self.reserved) };
     }
 }
 
@@ -144,13 +161,14 @@ impl ShmLane {
     pub fn accept(bell: UnixStream) -> io::Result<ShmLane> {
         let fd = recv_fd(&bell)?;
         let invalid = |what: String| io::Error::new(io::ErrorKind::InvalidData, what);
+        let page = HEADER_BYTES;
         // SAFETY: fstat into a zeroed struct.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
             return Err(io::Error::last_os_error());
         }
         let len = st.st_size as usize;
-        if len <= HEADER_BYTES || len > HEADER_BYTES + (1 << 30) {
+        if len <= HEADER_BYTES || len > HEADER_BYTES + (1 << 30) || !len.is_multiple_of(page) {
             return Err(invalid(format!("a shared-memory segment of {len} bytes")));
         }
         let seg = Segment::map(&fd, len)?;
@@ -236,11 +254,11 @@ impl ShmLane {
             return Ok(0);
         }
         let mut free = self.room()?;
-        let cap = self.seg.capacity;
         let mut written = 0;
         for b in bufs {
             let n = b.len().min(free);
-            copy_ring(self.seg.ring(), cap, (self.cursor as usize + written) % cap, b[..n].as_ptr(), n, true);
+            // SAFETY: `n` bytes of room from our cursor on are ours until we publish them.
+            unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), self.seg.at(self.cursor + written as u64, n), n) };
             written += n;
             free -= n;
             if free == 0 {
@@ -250,57 +268,53 @@ impl ShmLane {
         self.cursor += written as u64;
         self.seg.header().head.0.store(self.cursor, Ordering::Release);
         let h = self.seg.header() as *const Header;
-        // SAFETY: the header outlives this call; split from `self` for the borrow checker.
+        // SAFETY: as in `take`.
         self.ring_if_sleeping(unsafe { &(*h).reader_sleeping.0 })?;
         Ok(written)
     }
 }
 
-/// Copies `n` bytes between `ptr` and the ring at position `at`, wrapping: into the ring if
-/// `into`, else out of it.
-fn copy_ring(ring: *mut u8, cap: usize, at: usize, ptr: *const u8, n: usize, into: bool) {
-    let first = n.min(cap - at);
-    // SAFETY: `at + first <= cap` and `n - first <= cap`; the ring range is ours to touch until
-    // the cursor hands it over, and `ptr` is a caller's buffer of `n` bytes.
-    unsafe {
-        if into {
-            std::ptr::copy_nonoverlapping(ptr, ring.add(at), first);
-            std::ptr::copy_nonoverlapping(ptr.add(first), ring, n - first);
-        } else {
-            std::ptr::copy_nonoverlapping(ring.add(at), ptr.cast_mut(), first);
-            std::ptr::copy_nonoverlapping(ring, ptr.cast_mut().add(first), n - first);
+impl ShmLane {
+    /// Bytes the writer put in the ring that we have not taken, waiting on the socket (flag set)
+    /// if there are none; `Ok(0)` once there are none and the writer closed.
+    fn available(&mut self) -> io::Result<usize> {
+        assert!(!self.writer, "a shared-memory lane's writer end cannot read");
+        let avail = self.seg.header().head.0.load(Ordering::Acquire) - self.cursor;
+        if avail > 0 {
+            return Ok(avail as usize);
         }
+        self.drain()?;
+        let h = self.seg.header();
+        h.reader_sleeping.0.store(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        let avail = h.head.0.load(Ordering::SeqCst) - self.cursor;
+        if avail == 0 {
+            // Everything the writer sent is read: a closed socket is the end of the lane.
+            return if self.closed { Ok(0) } else { Err(io::ErrorKind::WouldBlock.into()) };
+        }
+        h.reader_sleeping.0.store(0, Ordering::Relaxed);
+        Ok(avail as usize)
+    }
+
+    /// Gives `n` bytes back to the writer.
+    fn take(&mut self, n: usize) -> io::Result<()> {
+        self.cursor += n as u64;
+        self.seg.header().tail.0.store(self.cursor, Ordering::Release);
+        let h = self.seg.header() as *const Header;
+        // SAFETY: the header outlives this call; split from `self` for the borrow checker.
+        self.ring_if_sleeping(unsafe { &(*h).writer_sleeping.0 })
     }
 }
 
 impl Read for ShmLane {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        assert!(!self.writer, "a shared-memory lane's writer end cannot read");
         if buf.is_empty() {
             return Ok(0);
         }
-        let h = self.seg.header();
-        let mut avail = h.head.0.load(Ordering::Acquire) - self.cursor;
-        if avail == 0 {
-            self.drain()?;
-            let h = self.seg.header();
-            h.reader_sleeping.0.store(1, Ordering::SeqCst);
-            fence(Ordering::SeqCst);
-            avail = h.head.0.load(Ordering::SeqCst) - self.cursor;
-            if avail == 0 {
-                // Everything the writer sent is read: a closed socket is the end of the lane.
-                return if self.closed { Ok(0) } else { Err(io::ErrorKind::WouldBlock.into()) };
-            }
-            h.reader_sleeping.0.store(0, Ordering::Relaxed);
-        }
-        let cap = self.seg.capacity;
-        let n = buf.len().min(avail as usize);
-        copy_ring(self.seg.ring(), cap, self.cursor as usize % cap, buf.as_ptr(), n, false);
-        self.cursor += n as u64;
-        self.seg.header().tail.0.store(self.cursor, Ordering::Release);
-        let h = self.seg.header() as *const Header;
-        // SAFETY: as in `put`.
-        self.ring_if_sleeping(unsafe { &(*h).writer_sleeping.0 })?;
+        let n = buf.len().min(self.available()?);
+        // SAFETY: `n` bytes the writer published and we have not given back.
+        unsafe { std::ptr::copy_nonoverlapping(self.seg.at(self.cursor, n), buf.as_mut_ptr(), n) };
+        self.take(n)?;
         Ok(n)
     }
 }
@@ -335,6 +349,37 @@ impl Lane for ShmLane {
 
     fn kind(&self) -> &'static str {
         "shm"
+    }
+
+    fn peek(&mut self, len: usize) -> io::Result<Option<&[u8]>> {
+        if len > self.seg.capacity {
+            return Err(io::ErrorKind::Unsupported.into());
+        }
+        match self.available() {
+            Ok(0) => Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) if n >= len => {
+                // SAFETY: `len` bytes the writer published, which it may not touch until we
+                // give them back; contiguous in the ring's second view.
+                Ok(Some(unsafe { std::slice::from_raw_parts(self.seg.at(self.cursor, len), len) }))
+            }
+            Ok(_) => {
+                // Part of it came: sleep until more does (the writer rings on its next write).
+                self.seg.header().reader_sleeping.0.store(1, Ordering::SeqCst);
+                fence(Ordering::SeqCst);
+                let avail = self.seg.header().head.0.load(Ordering::SeqCst) - self.cursor;
+                if avail as usize >= len {
+                    self.seg.header().reader_sleeping.0.store(0, Ordering::Relaxed);
+                    return self.peek(len);
+                }
+                Ok(None)
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn consume(&mut self, len: usize) -> io::Result<()> {
+        self.take(len)
     }
 }
 
@@ -463,6 +508,30 @@ mod tests {
         assert_eq!(r.read(&mut [0u8; 100]).unwrap(), 100);
         assert!(readable(w.pollable().unwrap(), 1000), "the writer slept: the read rings");
         assert_eq!(w.write(&[1u8; 1000]).unwrap(), 100);
+    }
+
+    #[test]
+    fn a_chunk_is_lent_in_place_once_whole_even_across_the_ring_end() {
+        let (mut w, mut r) = pair(4096);
+        w.write_all(&[0u8; 3000]).unwrap();
+        r.read_exact(&mut [0u8; 3000]).unwrap();
+        // The next 3000 bytes run from position 3000 past the end of the ring.
+        let data: Vec<u8> = (0..3000u32).map(|i| (i % 253) as u8).collect();
+        w.write_all(&data[..1000]).unwrap();
+        assert!(r.peek(3000).unwrap().is_none(), "a third of it came");
+        assert!(readable_after(&mut w, &data[1000..], &r));
+        assert_eq!(r.peek(3000).unwrap().expect("all of it came"), &data[..]);
+        r.consume(3000).unwrap();
+        assert_eq!(r.read(&mut [0u8; 1]).unwrap_err().kind(), io::ErrorKind::WouldBlock);
+        assert_eq!(r.peek(5000).unwrap_err().kind(), io::ErrorKind::Unsupported);
+        drop(w);
+        assert_eq!(r.peek(10).unwrap_err().kind(), io::ErrorKind::UnexpectedEof);
+    }
+
+    /// Writes `bytes` and says whether the sleeping reader `r` was rung.
+    fn readable_after(w: &mut ShmLane, bytes: &[u8], r: &ShmLane) -> bool {
+        w.write_all(bytes).unwrap();
+        readable(r.pollable().unwrap(), 1000)
     }
 
     #[test]

@@ -65,7 +65,7 @@ impl Backup {
 
     fn save(&mut self, buf: &[u8], range: std::ops::Range<usize>) {
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut self.words);
-        bytes[range.clone()].copy_from_slice(&buf[range.clone()]);
+        copy_past_cache(&mut bytes[range.clone()], &buf[range.clone()]);
         self.saved.push(range);
     }
 
@@ -82,6 +82,35 @@ impl Backup {
     fn saved_bytes(&self) -> usize {
         self.saved.iter().map(|r| r.len()).sum()
     }
+}
+
+/// Copies `src` into `dst`; a large copy with non-temporal stores on x86-64. A backup is
+/// written once and read only if its collective fails: stores that bypass the cache skip
+/// reading each destination line first and leave the cache to the bytes the collective moves
+/// next (2 peers on one host, 64 MiB all-reduce: the backup's copies were 45% of the time).
+fn copy_past_cache(dst: &mut [u8], src: &[u8]) {
+    const STREAM_FROM: usize = 64 << 10;
+    assert_eq!(dst.len(), src.len());
+    #[cfg(target_arch = "x86_64")]
+    if dst.len() >= STREAM_FROM {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+        let head = dst.as_ptr().align_offset(16).min(dst.len());
+        dst[..head].copy_from_slice(&src[..head]);
+        let blocks = (dst.len() - head) / 16;
+        // SAFETY: SSE2 is part of x86-64; `dst[head..]` is 16-byte aligned and both slices
+        // hold `blocks` whole 16-byte blocks from `head` on; unaligned loads from `src`.
+        unsafe {
+            let (d, s) = (dst.as_mut_ptr().add(head).cast::<__m128i>(), src.as_ptr().add(head).cast::<__m128i>());
+            for i in 0..blocks {
+                _mm_stream_si128(d.add(i), _mm_loadu_si128(s.add(i)));
+            }
+            _mm_sfence();
+        }
+        let done = head + blocks * 16;
+        dst[done..].copy_from_slice(&src[done..]);
+        return;
+    }
+    dst.copy_from_slice(src);
 }
 
 /// Bytes moved by one collective.
@@ -1088,6 +1117,30 @@ impl<L: Lane> Exec<L> {
             };
             let seq = rx.frame.op.seq;
             let len = rx.frame.len as usize;
+            if matches!(rx.dest, Dest::Scratch) && rx.got == 0 && len > 0 {
+                // A lane that can lend the chunk where it lies (shared memory) is reduced from
+                // there: one copy fewer than reading it into the scratch buffer first.
+                let elem = self.ops.get(&seq).expect("posted").elem;
+                match lane.lane.peek(len) {
+                    // The chunk lies where the stream put it: reduced there if aligned for its
+                    // dtype (frames of other sizes before it may shift it), else read aside.
+                    Ok(Some(src)) if src.as_ptr().align_offset(elem) == 0 => {
+                        let op = self.ops.get_mut(&seq).expect("posted");
+                        op.traffic.rx_bytes += len as u64;
+                        op.complete_recv(rx.unit, Some(src));
+                        self.stats.entry(from).or_default().rx_bytes += len as u64;
+                        lane.receiving = None;
+                        let lost = |e: std::io::Error| (None, LinkError::Lost { rank: from, reason: e.to_string() });
+                        lane.lane.consume(len).map_err(lost)?;
+                        progress = true;
+                        continue;
+                    }
+                    Ok(Some(_)) => {}
+                    Ok(None) => return Ok(progress),
+                    Err(e) if e.kind() == ErrorKind::Unsupported => {}
+                    Err(e) => return Err((None, LinkError::Lost { rank: from, reason: e.to_string() })),
+                }
+            }
             let target: &mut [u8] = match &mut rx.dest {
                 Dest::Buf(start) => {
                     let op = self.ops.get(&seq).expect("a frame into a buffer has its collective");
@@ -2160,5 +2213,19 @@ mod tests {
         buf[0] = 7;
         backup.restore(&mut buf);
         assert_eq!(buf[0], 7);
+    }
+
+    #[test]
+    fn large_saves_at_any_alignment_put_back_every_byte() {
+        let original: Vec<u8> = (0..300_017u32).map(|i| (i * 31 + i / 97) as u8).collect();
+        for (start, end) in [(0, 300_017), (3, 200_000), (70_001, 300_000), (5, 70_000)] {
+            let mut buf = original.clone();
+            let mut backup = Backup::default();
+            backup.reset(buf.len());
+            backup.save(&buf, start..end);
+            buf[start..end].fill(0);
+            backup.restore(&mut buf);
+            assert!(buf == original, "{start}..{end}");
+        }
     }
 }
