@@ -76,6 +76,9 @@ def test_survivors_fail_fast_and_carry_on_without_the_lost_peer(sig, retry_only,
             assert o["recovered_at"] - lost_at < HEARTBEAT_TIMEOUT + 4, o
             # At most one failed collective, then the smaller world: no error storm.
             assert len(o["errors"]) <= 1, o["errors"]
+            # The lanes of the lost topology are unmapped: one out and one in, to the other
+            # survivor, over shared memory (their memory is freed once nobody maps it).
+            assert o["lane_segments"] == (2 if transport == "auto" else 0), o
         if sig == signal.SIGSTOP:
             woken = result(victim)
             assert "kicked" in woken and "no message for 2.0 s" in woken["kicked"], woken

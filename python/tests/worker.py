@@ -218,7 +218,14 @@ def survive(spec: dict) -> dict:
         return {"kicked": str(e)}
     except shoal.MasterUnreachableError as e:
         return {"master_unreachable": str(e)}
-    return {"errors": errors, "world": comm.group_world_size, "smaller": smaller, "recovered_at": recovered_at}
+    return {"errors": errors, "world": comm.group_world_size, "smaller": smaller, "recovered_at": recovered_at,
+            "lane_segments": lane_segments()}
+
+
+def lane_segments() -> int:
+    """How many shared-memory lane segments this process maps (distinct memfd inodes)."""
+    with open("/proc/self/maps") as maps:
+        return len({line.split()[4] for line in maps if "memfd:shoal-lane" in line})
 
 
 def agree(spec: dict) -> dict:

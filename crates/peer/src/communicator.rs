@@ -1223,7 +1223,10 @@ impl Driver {
             if control.lock().has_action() || call.is_some_and(|call| ended(data, call)) {
                 continue;
             }
-            let Some(exec) = data.exec.as_ref().filter(|e| e.in_flight() > 0) else { continue };
+            let Some(exec) = data.exec.as_mut().filter(|e| e.in_flight() > 0) else { continue };
+            if !exec.arm() {
+                continue;
+            }
             let mut fds: Vec<PollFd> = Vec::new();
             for (lane, read, write) in exec.interest() {
                 let mut fd = PollFd::from_raw(lane.pollable().expect("TCP and shared-memory lanes poll"));

@@ -37,6 +37,15 @@ pub trait Lane: Read + Write + Send {
         let _ = len;
         Err(io::ErrorKind::Unsupported.into())
     }
+    /// Called before the driver sleeps on [`Lane::pollable`] because the lane would block: makes
+    /// sure the other end's next move wakes it. `Ok(false)` if the lane can move already (do
+    /// not sleep). Lanes whose descriptor wakes by itself (TCP) have nothing to do.
+    ///
+    /// # Errors
+    /// The lane failed.
+    fn arm(&mut self) -> io::Result<bool> {
+        Ok(true)
+    }
     /// Takes the `len` bytes [`Lane::peek`] lent.
     ///
     /// # Errors
@@ -145,6 +154,13 @@ impl Lane for Stream {
         match self {
             Stream::Tcp(s) => Lane::peek(s, len),
             Stream::Shm(s) => s.peek(len),
+        }
+    }
+
+    fn arm(&mut self) -> io::Result<bool> {
+        match self {
+            Stream::Tcp(s) => Lane::arm(s),
+            Stream::Shm(s) => s.arm(),
         }
     }
 

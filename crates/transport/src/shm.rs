@@ -125,6 +125,9 @@ pub struct ShmLane {
     cursor: u64,
     /// The other end closed its socket.
     closed: bool,
+    /// Bytes the reader waits for before it can move: more than one while a chunk it wants
+    /// whole has partly arrived.
+    want: u64,
 }
 
 impl ShmLane {
@@ -150,7 +153,7 @@ impl ShmLane {
         seg.header().capacity.store(capacity as u64, Ordering::Relaxed);
         seg.header().magic.0.store(MAGIC, Ordering::Release);
         send_fd(&bell, &fd)?;
-        Ok(ShmLane { seg, bell, writer: true, cursor: 0, closed: false })
+        Ok(ShmLane { seg, bell, writer: true, cursor: 0, closed: false, want: 1 })
     }
 
     /// Receives the segment the other end offered over `bell` and maps it: the reader's end.
@@ -180,7 +183,7 @@ impl ShmLane {
         if h.head.0.load(Ordering::Relaxed) != 0 || h.tail.0.load(Ordering::Relaxed) != 0 {
             return Err(invalid("a lane's ring that was used before".into()));
         }
-        Ok(ShmLane { seg, bell, writer: false, cursor: 0, closed: false })
+        Ok(ShmLane { seg, bell, writer: false, cursor: 0, closed: false, want: 1 })
     }
 
     /// Switches the doorbell socket to non-blocking, for the engine.
@@ -224,27 +227,28 @@ impl ShmLane {
         Ok(())
     }
 
-    /// Room in the ring for the writer, waiting on the socket (flag set) if there is none.
-    fn room(&mut self) -> io::Result<usize> {
-        let h = self.seg.header();
+    /// Room in the ring for the writer; `WouldBlock` if there is none (no system call: the
+    /// driver may spin on it), `BrokenPipe` once the reader is known to be gone.
+    fn room(&self, order: Ordering) -> io::Result<usize> {
         let cap = self.seg.capacity as u64;
-        let free = cap - (self.cursor - h.tail.0.load(Ordering::Acquire));
-        if free > 0 {
-            return Ok(free as usize);
+        let free = cap - (self.cursor - self.seg.header().tail.0.load(order));
+        match free {
+            0 if self.closed => Err(io::ErrorKind::BrokenPipe.into()),
+            0 => Err(io::ErrorKind::WouldBlock.into()),
+            n => Ok(n as usize),
         }
-        self.drain()?;
-        if self.closed {
-            return Err(io::ErrorKind::BrokenPipe.into());
+    }
+
+    /// Bytes the writer put in the ring that we have not taken; `Ok(0)` once there are none
+    /// and the writer is known to be gone, `WouldBlock` before (no system call).
+    fn available(&self, order: Ordering) -> io::Result<usize> {
+        assert!(!self.writer, "a shared-memory lane's writer end cannot read");
+        match self.seg.header().head.0.load(order) - self.cursor {
+            // Everything the writer sent is read: a closed socket is the end of the lane.
+            0 if self.closed => Ok(0),
+            0 => Err(io::ErrorKind::WouldBlock.into()),
+            n => Ok(n as usize),
         }
-        let h = self.seg.header();
-        h.writer_sleeping.0.store(1, Ordering::SeqCst);
-        fence(Ordering::SeqCst);
-        let free = cap - (self.cursor - h.tail.0.load(Ordering::SeqCst));
-        if free == 0 {
-            return Err(io::ErrorKind::WouldBlock.into());
-        }
-        h.writer_sleeping.0.store(0, Ordering::Relaxed);
-        Ok(free as usize)
     }
 
     /// Copies `bufs` into the ring as far as there is room; the bytes written.
@@ -253,7 +257,7 @@ impl ShmLane {
         if bufs.iter().all(|b| b.is_empty()) {
             return Ok(0);
         }
-        let mut free = self.room()?;
+        let mut free = self.room(Ordering::Acquire)?;
         let mut written = 0;
         for b in bufs {
             let n = b.len().min(free);
@@ -275,27 +279,6 @@ impl ShmLane {
 }
 
 impl ShmLane {
-    /// Bytes the writer put in the ring that we have not taken, waiting on the socket (flag set)
-    /// if there are none; `Ok(0)` once there are none and the writer closed.
-    fn available(&mut self) -> io::Result<usize> {
-        assert!(!self.writer, "a shared-memory lane's writer end cannot read");
-        let avail = self.seg.header().head.0.load(Ordering::Acquire) - self.cursor;
-        if avail > 0 {
-            return Ok(avail as usize);
-        }
-        self.drain()?;
-        let h = self.seg.header();
-        h.reader_sleeping.0.store(1, Ordering::SeqCst);
-        fence(Ordering::SeqCst);
-        let avail = h.head.0.load(Ordering::SeqCst) - self.cursor;
-        if avail == 0 {
-            // Everything the writer sent is read: a closed socket is the end of the lane.
-            return if self.closed { Ok(0) } else { Err(io::ErrorKind::WouldBlock.into()) };
-        }
-        h.reader_sleeping.0.store(0, Ordering::Relaxed);
-        Ok(avail as usize)
-    }
-
     /// Gives `n` bytes back to the writer.
     fn take(&mut self, n: usize) -> io::Result<()> {
         self.cursor += n as u64;
@@ -311,7 +294,7 @@ impl Read for ShmLane {
         if buf.is_empty() {
             return Ok(0);
         }
-        let n = buf.len().min(self.available()?);
+        let n = buf.len().min(self.available(Ordering::Acquire)?);
         // SAFETY: `n` bytes the writer published and we have not given back.
         unsafe { std::ptr::copy_nonoverlapping(self.seg.at(self.cursor, n), buf.as_mut_ptr(), n) };
         self.take(n)?;
@@ -355,27 +338,45 @@ impl Lane for ShmLane {
         if len > self.seg.capacity {
             return Err(io::ErrorKind::Unsupported.into());
         }
-        match self.available() {
+        match self.available(Ordering::Acquire) {
             Ok(0) => Err(io::ErrorKind::UnexpectedEof.into()),
             Ok(n) if n >= len => {
+                self.want = 1;
                 // SAFETY: `len` bytes the writer published, which it may not touch until we
                 // give them back; contiguous in the ring's second view.
                 Ok(Some(unsafe { std::slice::from_raw_parts(self.seg.at(self.cursor, len), len) }))
             }
+            Ok(_) if self.closed => Err(io::ErrorKind::UnexpectedEof.into()),
+            // Part of it came: a sleep waits for all of it (the writer rings at each write).
             Ok(_) => {
-                // Part of it came: sleep until more does (the writer rings on its next write).
-                self.seg.header().reader_sleeping.0.store(1, Ordering::SeqCst);
-                fence(Ordering::SeqCst);
-                let avail = self.seg.header().head.0.load(Ordering::SeqCst) - self.cursor;
-                if avail as usize >= len {
-                    self.seg.header().reader_sleeping.0.store(0, Ordering::Relaxed);
-                    return self.peek(len);
-                }
+                self.want = len as u64;
                 Ok(None)
             }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                self.want = len as u64;
+                Ok(None)
+            }
             Err(e) => Err(e),
         }
+    }
+
+    fn arm(&mut self) -> io::Result<bool> {
+        self.drain()?;
+        let h = self.seg.header() as *const Header;
+        // SAFETY: the header outlives this call; split from `self` for the borrow checker.
+        let h = unsafe { &*h };
+        let flag = if self.writer { &h.writer_sleeping.0 } else { &h.reader_sleeping.0 };
+        flag.store(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        let blocked = if self.writer {
+            matches!(self.room(Ordering::SeqCst), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+        } else {
+            !self.closed && h.head.0.load(Ordering::SeqCst) - self.cursor < self.want
+        };
+        if !blocked {
+            flag.store(0, Ordering::Relaxed);
+        }
+        Ok(blocked)
     }
 
     fn consume(&mut self, len: usize) -> io::Result<()> {
@@ -484,14 +485,19 @@ mod tests {
     }
 
     #[test]
-    fn a_sleeping_end_is_rung_and_a_busy_one_is_not() {
+    fn an_armed_end_is_rung_and_one_that_is_not_armed_is_not() {
         let (mut w, mut r) = pair(4096);
+        // Spinning costs no system call and sets nothing: the writer does not ring.
         assert_eq!(r.read(&mut [0u8; 16]).unwrap_err().kind(), io::ErrorKind::WouldBlock);
+        w.write_all(&[5u8; 10]).unwrap();
+        assert!(!readable(r.pollable().unwrap(), 0), "not armed: no doorbell");
+        assert!(!r.arm().unwrap(), "bytes are there: no sleep");
+        assert_eq!(r.read(&mut [0u8; 100]).unwrap(), 10);
+        assert!(r.arm().unwrap());
         assert!(!readable(r.pollable().unwrap(), 0));
         w.write_all(&[5u8; 10]).unwrap();
         assert!(readable(r.pollable().unwrap(), 1000), "the reader slept: the write rings");
         assert_eq!(r.read(&mut [0u8; 4]).unwrap(), 4);
-        w.write_all(&[5u8; 10]).unwrap();
         // A full ring: the writer sleeps, and a read that makes room rings it.
         let mut filled = 0;
         loop {
@@ -503,10 +509,12 @@ mod tests {
                 }
             }
         }
-        assert_eq!(filled, 4096 - 16);
+        assert_eq!(filled, 4096 - 6);
+        assert!(w.arm().unwrap());
         assert!(!readable(w.pollable().unwrap(), 0));
         assert_eq!(r.read(&mut [0u8; 100]).unwrap(), 100);
         assert!(readable(w.pollable().unwrap(), 1000), "the writer slept: the read rings");
+        assert!(!w.arm().unwrap(), "room came: no sleep");
         assert_eq!(w.write(&[1u8; 1000]).unwrap(), 100);
     }
 
@@ -519,13 +527,17 @@ mod tests {
         let data: Vec<u8> = (0..3000u32).map(|i| (i % 253) as u8).collect();
         w.write_all(&data[..1000]).unwrap();
         assert!(r.peek(3000).unwrap().is_none(), "a third of it came");
+        assert!(r.arm().unwrap(), "a sleep waits for the rest");
         assert!(readable_after(&mut w, &data[1000..], &r));
         assert_eq!(r.peek(3000).unwrap().expect("all of it came"), &data[..]);
         r.consume(3000).unwrap();
         assert_eq!(r.read(&mut [0u8; 1]).unwrap_err().kind(), io::ErrorKind::WouldBlock);
         assert_eq!(r.peek(5000).unwrap_err().kind(), io::ErrorKind::Unsupported);
+        w.write_all(&[1u8; 5]).unwrap();
         drop(w);
-        assert_eq!(r.peek(10).unwrap_err().kind(), io::ErrorKind::UnexpectedEof);
+        assert!(r.peek(10).unwrap().is_none());
+        assert!(!r.arm().unwrap());
+        assert_eq!(r.peek(10).unwrap_err().kind(), io::ErrorKind::UnexpectedEof, "5 of 10 bytes, then the end");
     }
 
     /// Writes `bytes` and says whether the sleeping reader `r` was rung.
@@ -542,18 +554,15 @@ mod tests {
         assert!(readable(r.pollable().unwrap(), 1000));
         let mut buf = [0u8; 1000];
         assert_eq!(r.read(&mut buf).unwrap(), 300);
+        assert_eq!(r.read(&mut buf).unwrap_err().kind(), io::ErrorKind::WouldBlock, "not known yet");
+        assert!(!r.arm().unwrap(), "arming finds the closed socket: no sleep");
         assert_eq!(r.read(&mut buf).unwrap(), 0);
 
         let (mut w, r) = pair(4096);
         drop(r);
-        let mut result = Ok(0);
-        for _ in 0..10 {
-            result = w.write(&[1u8; 1000]);
-            if result.is_err() {
-                break;
-            }
-        }
-        assert_eq!(result.unwrap_err().kind(), io::ErrorKind::BrokenPipe);
+        while w.write(&[1u8; 1000]).is_ok() {}
+        assert!(!w.arm().unwrap(), "arming finds the closed socket: no sleep");
+        assert_eq!(w.write(&[1u8; 1000]).unwrap_err().kind(), io::ErrorKind::BrokenPipe);
     }
 
     #[test]

@@ -978,15 +978,34 @@ impl<L: Lane> Exec<L> {
 
     /// The lanes to poll: (lane, wants to read, wants to write).
     pub fn interest(&self) -> impl Iterator<Item = (&L, bool, bool)> {
-        let lanes = if self.broken.is_some() { 0 } else { usize::MAX };
+        self.waits().into_iter().map(|(recv, i, read, write)| {
+            let lane = if recv { &self.recv[i].lane } else { &self.send[i].lane };
+            (lane, read, write)
+        })
+    }
+
+    /// Readies every lane the driver is about to poll ([`Lane::arm`]); false if one can move
+    /// now or failed (the next pump finds out): then the driver must not sleep.
+    pub fn arm(&mut self) -> bool {
+        self.waits().into_iter().all(|(recv, i, _, _)| {
+            let lane = if recv { &mut self.recv[i].lane } else { &mut self.send[i].lane };
+            lane.arm().unwrap_or(false)
+        })
+    }
+
+    /// The lanes waited on: (a receiving lane?, its index, wants to read, wants to write).
+    fn waits(&self) -> Vec<(bool, usize, bool, bool)> {
+        if self.broken.is_some() {
+            return Vec::new();
+        }
         let reading = self.early_bytes < MAX_EARLY_BYTES || self.ops.values().any(|o| !o.finished) || self.p2p.busy();
         let wanted: Vec<bool> = (0..self.world)
             .map(|to| self.ops.values().any(|o| o.has_frame_for(to)) || self.p2p.has_frame_for(to))
             .collect();
-        let recv = self.recv.iter().take(lanes).filter(|l| !l.closed);
-        let recv = recv.map(move |l| (&l.lane, reading || l.receiving.is_some(), false));
-        let send = self.send.iter().take(lanes).map(move |l| (&l.lane, false, l.sending.is_some() || wanted[l.to]));
-        recv.chain(send)
+        let recv = self.recv.iter().enumerate().filter(|(_, l)| !l.closed);
+        let recv = recv.map(|(i, l)| (true, i, reading || l.receiving.is_some(), false));
+        let send = self.send.iter().enumerate().map(|(i, l)| (false, i, false, l.sending.is_some() || wanted[l.to]));
+        recv.chain(send).collect()
     }
 
     /// Moves every byte that can move now, without blocking.
