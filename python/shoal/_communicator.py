@@ -114,10 +114,12 @@ class Communicator:
 
         On success every peer holds bit-identical values. On :class:`PeerLostError` the call did
         not happen (the tensor is as it was) and the ring re-forms by itself: retry it as is.
-        ``algorithm`` forces ``"ring"``, ``"oneshot"`` or ``"twoshot"`` (every peer must pass the
-        same); by default (``SHOAL_ALGO``, else ``"auto"``) among three or more peers buffers up
-        to ``SHOAL_ONESHOT_MAX_BYTES`` run one-shot, up to ``SHOAL_TWOSHOT_MAX_BYTES`` two-shot
-        where the group spans hosts, larger ones around the ring. ``ReduceInfo.algorithm`` says which ran.
+        ``algorithm`` forces ``"ring"``, ``"oneshot"``, ``"twoshot"`` or ``"hierarchical"`` (every
+        peer must pass the same); by default (``SHOAL_ALGO``, else ``"auto"``) among three or more
+        peers buffers up to ``SHOAL_ONESHOT_MAX_BYTES`` run one-shot, up to
+        ``SHOAL_TWOSHOT_MAX_BYTES`` two-shot where the group spans hosts; larger ones run
+        hierarchical where the group spans hosts and some share one (within each host, then one
+        leader per host across), else around the ring. ``ReduceInfo.algorithm`` says which ran.
         """
         if quantization is not None:
             raise ValueError(f"quantization={quantization!r}: only None is supported so far")

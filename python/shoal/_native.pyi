@@ -38,7 +38,7 @@ class ReduceInfo:
         """The collective's number within its topology; with ``topology``, the same on every participant."""
     @property
     def algorithm(self) -> str:
-        """How it moved its data: "ring", "oneshot" or "twoshot"."""
+        """How it moved its data: "ring", "oneshot", "twoshot", "hierarchical" or "direct"."""
 
 @final
 class NativeWork:

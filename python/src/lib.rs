@@ -34,7 +34,7 @@ struct ReduceInfo {
     /// The collective's number within its topology: with `topology`, the same on every
     /// participant.
     sequence: u64,
-    /// How it moved its data: "ring", "oneshot" or "twoshot".
+    /// How it moved its data: "ring", "oneshot", "twoshot", "hierarchical" or "direct".
     algorithm: &'static str,
 }
 
@@ -69,7 +69,9 @@ fn reduction(dtype: &str, op: &str, algorithm: Option<&str>) -> PyResult<(DType,
     let algorithm = match algorithm {
         None | Some("auto") => None,
         Some(name) => Some(Algorithm::from_name(name).ok_or_else(|| {
-            PyValueError::new_err(format!("unknown algorithm {name:?}: expected auto, ring, oneshot or twoshot"))
+            PyValueError::new_err(format!(
+                "unknown algorithm {name:?}: expected auto, ring, oneshot, twoshot or hierarchical"
+            ))
         })?),
     };
     Ok((dtype, op, algorithm))

@@ -48,6 +48,15 @@ def test_two_hosts_with_two_peers_each_link_over_shared_memory_inside_and_tcp_be
         assert got == want, (o["rank"], got, want)
 
 
+def test_hierarchical_all_reduce_across_two_hosts_of_two_peers_matches_numpy(sites, tmp_path):
+    hosts = ["a1", "b1", "a1", "b1"]
+    with sites.master("a1") as master:
+        infos = run_peers(master, tmp_path, "matrix", 4, timeout=180, launch=lambda i, argv: sites.argv(hosts[i], argv),
+                          chunk_bytes=4096, algorithm="hierarchical")
+    check_matrix(infos, tmp_path)
+    assert all(i["algorithms"] == ["hierarchical"] for i in infos), infos
+
+
 def test_bench_runs_in_the_lab_and_sees_the_wan(sites):
     rows = bench.run(4, "4K,4M", lab=sites.name, max_iters=4)
     assert [r["size"] for r in rows] == [4096, 4 << 20]

@@ -8,6 +8,7 @@
 #![deny(unsafe_code)]
 
 mod dtype;
+pub mod hier;
 mod kernels;
 pub mod oneshot;
 pub mod ring;

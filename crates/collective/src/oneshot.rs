@@ -33,7 +33,7 @@ pub fn all_reduce(rank: usize, world: usize, len: usize, chunk_elems: usize) -> 
     let mut sends = Vec::new();
     // Chunk by chunk to every other rank, so that every one of them starts receiving at once.
     for range in chunks(0..len, chunk_elems) {
-        sends.extend(others().map(|to| SendUnit { to, range: range.clone(), after_recv: None, after_combine: false }));
+        sends.extend(others().map(|to| SendUnit::new(to, range.clone())));
     }
     let recvs = others()
         .flat_map(|from| {
@@ -59,6 +59,7 @@ pub fn broadcast(rank: usize, world: usize, root: usize, len: usize, chunk_elems
                 to,
                 range: range.clone(),
                 after_recv: None,
+                and_after_recv: None,
                 after_combine: false,
             }));
         } else {

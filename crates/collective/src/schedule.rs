@@ -8,7 +8,7 @@
 //! bytes a chunk carries whatever lane carried it.
 
 use crate::CollectiveKind;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 
 /// The complete plan of one rank for one collective.
@@ -49,8 +49,25 @@ pub struct SendUnit {
     pub range: Range<usize>,
     /// Index into `recvs` of the unit that must be complete before this one is sent.
     pub after_recv: Option<usize>,
+    /// A second unit it waits for: a hierarchical leader forwards a chunk once both its ring
+    /// predecessor's part and its own host's sum arrived.
+    pub and_after_recv: Option<usize>,
     /// Whether it waits for the fold ([`Schedule::combine`]): it sends folded elements.
     pub after_combine: bool,
+}
+
+impl SendUnit {
+    /// A unit to `to` over `range` that waits for nothing.
+    pub fn new(to: usize, range: Range<usize>) -> Self {
+        SendUnit { to, range, after_recv: None, and_after_recv: None, after_combine: false }
+    }
+
+    /// Whether it may leave, given which receive units are complete and whether the fold ran.
+    pub fn ready(&self, received: impl Fn(usize) -> bool, combined: bool) -> bool {
+        self.after_recv.is_none_or(&received)
+            && self.and_after_recv.is_none_or(&received)
+            && (!self.after_combine || combined)
+    }
 }
 
 /// One chunk this rank receives.
@@ -67,8 +84,10 @@ pub struct RecvUnit {
 /// What to do with a received chunk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RecvAction {
-    /// Reduce into the local buffer. `last` marks the final reduction of these elements, after
-    /// which they hold the complete result (and an average is divided).
+    /// Reduce into the local buffer. `last` marks a final reduction of these elements: once
+    /// every receive of the same elements marked `last` is applied (one, except at a
+    /// hierarchical leader, [`crate::hier`]), they hold the complete result and an average is
+    /// divided.
     Reduce {
         /// Whether this completes the elements' reduction.
         last: bool,
@@ -92,6 +111,17 @@ impl Schedule {
     /// Whether part of the result is every rank's input folded in rank order.
     pub fn combines(&self) -> bool {
         self.combine.is_some()
+    }
+
+    /// How many final reductions (`Reduce { last: true }`) each range has, by its first element.
+    pub fn final_reductions(&self) -> BTreeMap<usize, usize> {
+        let mut lasts = BTreeMap::new();
+        for u in &self.recvs {
+            if u.action == (RecvAction::Reduce { last: true }) {
+                *lasts.entry(u.range.start).or_default() += 1;
+            }
+        }
+        lasts
     }
 
     /// The ranks this rank sends chunks or tokens to.
@@ -144,6 +174,9 @@ pub enum Algorithm {
     /// Every block straight to its owner, then every owner's result straight to every other
     /// ([`crate::twoshot`]): two hops, the ring's bytes.
     TwoShot,
+    /// Within each host along a chain, between hosts around a ring of one leader per host
+    /// ([`crate::hier`]): only leaders cross hosts.
+    Hierarchical,
     /// Straight from one member to another: a tagged point-to-point send and receive. It runs
     /// no collective.
     Direct,
@@ -151,7 +184,7 @@ pub enum Algorithm {
 
 impl Algorithm {
     /// Every algorithm of collectives.
-    pub const ALL: [Algorithm; 3] = [Algorithm::Ring, Algorithm::OneShot, Algorithm::TwoShot];
+    pub const ALL: [Algorithm; 4] = [Algorithm::Ring, Algorithm::OneShot, Algorithm::TwoShot, Algorithm::Hierarchical];
 
     /// Wire code.
     pub fn code(self) -> u8 {
@@ -160,6 +193,7 @@ impl Algorithm {
             Algorithm::OneShot => 2,
             Algorithm::TwoShot => 3,
             Algorithm::Direct => 4,
+            Algorithm::Hierarchical => 5,
         }
     }
 
@@ -175,6 +209,7 @@ impl Algorithm {
             Algorithm::OneShot => "oneshot",
             Algorithm::TwoShot => "twoshot",
             Algorithm::Direct => "direct",
+            Algorithm::Hierarchical => "hierarchical",
         }
     }
 
@@ -190,7 +225,7 @@ impl Algorithm {
         }
         match kind {
             CollectiveKind::AllReduce => true,
-            CollectiveKind::Broadcast => self != Algorithm::TwoShot,
+            CollectiveKind::Broadcast => matches!(self, Algorithm::Ring | Algorithm::OneShot),
             CollectiveKind::AllGather | CollectiveKind::ReduceScatter => self == Algorithm::Ring,
             CollectiveKind::Barrier => self == Algorithm::OneShot,
         }
@@ -198,7 +233,8 @@ impl Algorithm {
 
     /// The schedule of `rank` among `world` ranks for a collective of `kind` over a buffer of
     /// `len` elements (all-gather and reduce-scatter: `world` blocks of `len / world`), from
-    /// `root` for a broadcast, in chunks of at most `chunk_elems` elements.
+    /// `root` for a broadcast, in chunks of at most `chunk_elems` elements. `hosts` places each
+    /// rank on a host, for the hierarchical all-reduce (empty: each on its own).
     ///
     /// # Panics
     /// If the algorithm does not run `kind` ([`Algorithm::runs`]).
@@ -206,6 +242,7 @@ impl Algorithm {
         self,
         kind: CollectiveKind,
         (rank, world): (usize, usize),
+        hosts: &[usize],
         len: usize,
         root: usize,
         chunk_elems: usize,
@@ -219,6 +256,9 @@ impl Algorithm {
             }
             (CollectiveKind::AllReduce, Algorithm::TwoShot) => {
                 crate::twoshot::all_reduce(rank, world, len, chunk_elems)
+            }
+            (CollectiveKind::AllReduce, Algorithm::Hierarchical) => {
+                crate::hier::all_reduce(rank, world, hosts, len, chunk_elems)
             }
             (CollectiveKind::AllGather, _) => crate::ring::all_gather(rank, world, len / world, chunk_elems),
             (CollectiveKind::ReduceScatter, _) => crate::ring::reduce_scatter(rank, world, len / world, chunk_elems),
@@ -255,7 +295,7 @@ mod tests {
             op in prop::sample::select(ReduceOp::ALL.to_vec()),
             seed in any::<u64>(),
         ) {
-            let plan = |rank, world, len, chunk| algorithm.schedule(CollectiveKind::AllReduce, (rank, world), len, 0, chunk);
+            let plan = |rank, world, len, chunk| algorithm.schedule(CollectiveKind::AllReduce, (rank, world), &[], len, 0, chunk);
             prop_assert_eq!(all_reduce_differs(plan, (world, len, chunk), op, seed), None);
         }
     }
@@ -286,6 +326,8 @@ pub(crate) mod testing {
             received[r] = vec![false; p.recvs.len()];
         }
         let mut combined = vec![false; world];
+        // Final reductions still to come, by rank and first element.
+        let mut lasts: Vec<BTreeMap<usize, usize>> = plans.iter().map(Schedule::final_reductions).collect();
         // The next unit each rank expects from each sender, in order.
         let next_from =
             |p: &Schedule, got: &[bool], from: usize| (0..p.recvs.len()).find(|&i| p.recvs[i].from == from && !got[i]);
@@ -300,7 +342,7 @@ pub(crate) mod testing {
                     }
                 }
                 if let Some(u) = p.sends.get(sent[r]) {
-                    if u.after_recv.is_none_or(|i| received[r][i]) && (!u.after_combine || combined[r]) {
+                    if u.ready(|i| received[r][i], combined[r]) {
                         ready.push((r, None));
                     }
                 }
@@ -331,7 +373,9 @@ pub(crate) mod testing {
                 RecvAction::Reduce { last } => {
                     let d: &mut [u8] = bytemuck::cast_slice_mut(dst);
                     reduce_into(DType::I64, op, d, bytemuck::cast_slice(&data)).unwrap();
-                    if last && op == ReduceOp::Avg {
+                    let left = lasts[r].entry(u.range.start).or_default();
+                    *left = left.saturating_sub(usize::from(last));
+                    if last && *left == 0 && op == ReduceOp::Avg {
                         finish_avg(DType::I64, d, world).unwrap();
                     }
                 }

@@ -38,6 +38,7 @@ pub fn all_reduce(rank: usize, world: usize, len: usize, chunk_elems: usize) -> 
                 to,
                 range,
                 after_recv: None,
+                and_after_recv: None,
                 after_combine: false,
             })
         })
@@ -48,7 +49,13 @@ pub fn all_reduce(rank: usize, world: usize, len: usize, chunk_elems: usize) -> 
         })
         .collect();
     for range in chunks(block(rank), chunk_elems) {
-        sends.extend(others().map(|to| SendUnit { to, range: range.clone(), after_recv: None, after_combine: true }));
+        sends.extend(others().map(|to| SendUnit {
+            to,
+            range: range.clone(),
+            after_recv: None,
+            and_after_recv: None,
+            after_combine: true,
+        }));
     }
     recvs.extend(others().flat_map(|from| {
         chunks(block(from), chunk_elems).map(move |range| RecvUnit { from, range, action: RecvAction::Copy })

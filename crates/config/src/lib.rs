@@ -18,7 +18,10 @@ pub const KNOWN_VARS: &[(&str, &str)] = &[
     ("SHOAL_CONNECTIONS", "TCP connections per peer pair"),
     ("SHOAL_CHUNK_BYTES", "pipeline chunk size of the ring in bytes"),
     ("SHOAL_MAX_IN_FLIGHT", "most collectives in flight at once per communicator (default 64)"),
-    ("SHOAL_ALGO", "all-reduce algorithm of calls that name none: auto (default), ring, oneshot or twoshot"),
+    (
+        "SHOAL_ALGO",
+        "all-reduce algorithm of calls that name none: auto (default), ring, oneshot, twoshot or hierarchical",
+    ),
     ("SHOAL_ONESHOT_MAX_BYTES", "largest all-reduce in bytes that auto runs one-shot (default 65536)"),
     ("SHOAL_TWOSHOT_MAX_BYTES", "largest all-reduce in bytes that auto runs two-shot between hosts (default 4194304)"),
     ("SHOAL_TRANSPORT", "streams to peers on the same host: auto (shared memory, default) or tcp"),

@@ -838,16 +838,26 @@ fn op_error(f: OpFailure, header: &OpHeader) -> Error {
     }
 }
 
-/// Whether the members of `position`'s group live on more than one host, as their advertised
-/// addresses say (every member sees the same ones, so decides alike).
-fn spans_hosts(position: &RingPosition) -> bool {
+/// The host of each member of `position`'s group, numbered in order of first appearance, as
+/// their advertised addresses say: every member sees the same ones, so decides alike (members of
+/// one host that advertise different addresses count as two, which costs speed, not results).
+fn hosts_of(position: &RingPosition) -> Vec<usize> {
     let host = |addr: &str| match addr.parse::<SocketAddr>() {
         Ok(a) => a.ip().to_string(),
         Err(_) => addr.rsplit_once(':').map_or(addr, |(h, _)| h).to_string(),
     };
-    let mut hosts = position.ring.iter().map(|m| host(&m.addr));
-    let first = hosts.next();
-    hosts.any(|h| Some(h) != first)
+    let mut seen: Vec<String> = Vec::new();
+    position
+        .ring
+        .iter()
+        .map(|m| {
+            let h = host(&m.addr);
+            seen.iter().position(|s| *s == h).unwrap_or_else(|| {
+                seen.push(h);
+                seen.len() - 1
+            })
+        })
+        .collect()
 }
 
 /// The name of the collective `header` names.
@@ -1287,7 +1297,8 @@ impl Driver {
         let record = data.calls.collectives.get_mut(&call).expect("a collective called here");
         let (world, rank) = (position.group_size(), position.rank);
         let request = record.request;
-        let group = (world, spans_hosts(position));
+        let hosts = hosts_of(position);
+        let group = (world, hosts.iter().max().map_or(1, |h| h + 1));
         let algorithm = self.config.algorithm_for(request.kind, request.algorithm, record.buf.len(), group);
         let header = op_header(id, &request, algorithm, record.count);
         record.posted = Some(Posted { id, header, world, rank, algorithm });
@@ -1314,6 +1325,7 @@ impl Driver {
             op: request.op,
             algorithm,
             root: request.root,
+            hosts: if algorithm == Algorithm::Hierarchical { hosts } else { Vec::new() },
             chunk_bytes: self.config.chunk_bytes,
             backup: spare_backup(&mut data.spare_backups, record.buf.len()),
         };
@@ -1468,7 +1480,7 @@ impl Driver {
                     sequence: id.seq.0,
                     // A group of one posts nothing: what it would have run.
                     algorithm: record.posted.map_or_else(
-                        || self.config.algorithm_for(request.kind, request.algorithm, record.buf.len(), (1, false)),
+                        || self.config.algorithm_for(request.kind, request.algorithm, record.buf.len(), (1, 1)),
                         |p| p.algorithm,
                     ),
                 })

@@ -106,7 +106,7 @@ impl CommunicatorConfig {
         };
         if let Some(name) = env_value("SHOAL_ALGO").filter(|a| a != "auto") {
             let Some(algorithm) = Algorithm::from_name(&name) else {
-                let expected = "auto, ring, oneshot or twoshot";
+                let expected = "auto, ring, oneshot, twoshot or hierarchical";
                 return Err(shoal_config::ConfigError { name: "SHOAL_ALGO", value: name, expected }.into());
             };
             return Ok(CommunicatorConfig { algorithm: Some(algorithm), ..config });
@@ -114,12 +114,14 @@ impl CommunicatorConfig {
         Ok(config)
     }
 
-    /// The algorithm of a collective of `kind` over `bytes` in a group of `world` (which
-    /// `spans_hosts` or not), asked for `requested`: what it (or else
+    /// The algorithm of a collective of `kind` over `bytes` in a group of `world` members on
+    /// `hosts` hosts, asked for `requested`: what it (or else
     /// [`CommunicatorConfig::algorithm`]) names; otherwise, in groups of three or more, one-shot
     /// up to [`CommunicatorConfig::oneshot_max_bytes`], then two-shot up to
-    /// [`CommunicatorConfig::twoshot_max_bytes`] where the group spans hosts, and the ring above
-    /// and between two, where the ring's two hops cost no more than one-shot's one and each
+    /// [`CommunicatorConfig::twoshot_max_bytes`] where the group spans hosts; above, the
+    /// hierarchical all-reduce where the group spans hosts and some share one (only one leader
+    /// per host crosses hosts: `2 (H - 1) / H` of the buffer for `H` hosts instead of the ring's
+    /// `2 (n - 1) / n`, in fewer long hops), and the ring otherwise and between two, where the ring's two hops cost no more than one-shot's one and each
     /// member reduces half the buffer, not all of it (loopback, 2 cores: one-shot takes 0.43× the
     /// ring's time at 4 KiB with 4 peers, 0.94× at 256 KiB, and 1.15× at 4 KiB with 2). On one
     /// host a hop costs little and the ring's pipeline wins above one-shot's sizes (two-shot took
@@ -138,8 +140,9 @@ impl CommunicatorConfig {
         kind: CollectiveKind,
         requested: Option<Algorithm>,
         bytes: usize,
-        (world, spans_hosts): (usize, bool),
+        (world, hosts): (usize, usize),
     ) -> Algorithm {
+        let spans_hosts = hosts > 1;
         match kind {
             CollectiveKind::AllGather | CollectiveKind::ReduceScatter => return Algorithm::Ring,
             CollectiveKind::Barrier => return Algorithm::OneShot,
@@ -151,6 +154,7 @@ impl CommunicatorConfig {
             Some(algorithm) => algorithm,
             None if world > 2 && bytes <= self.oneshot_max_bytes && oneshot_fits => Algorithm::OneShot,
             None if spans_hosts && world > 2 && bytes <= self.twoshot_max_bytes && oneshot_fits => Algorithm::TwoShot,
+            None if spans_hosts && hosts < world => Algorithm::Hierarchical,
             None => Algorithm::Ring,
         };
         // A broadcast has no two-shot form: the ring's pipeline moves it as fast.
@@ -220,31 +224,26 @@ mod tests {
         let mut c = CommunicatorConfig::from_env("127.0.0.1:1").unwrap();
         c.algorithm = None;
         let small = c.oneshot_max_bytes;
-        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, small, (3, true)), Algorithm::OneShot);
-        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, small + 1, (3, true)), Algorithm::TwoShot);
-        assert_eq!(
-            c.algorithm_for(CollectiveKind::AllReduce, None, small + 1, (3, false)),
-            Algorithm::Ring,
-            "one host"
-        );
-        assert_eq!(
-            c.algorithm_for(CollectiveKind::AllReduce, None, c.twoshot_max_bytes + 1, (3, true)),
-            Algorithm::Ring
-        );
-        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, small, (2, true)), Algorithm::Ring);
-        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, Some(Algorithm::Ring), 8, (8, true)), Algorithm::Ring);
-        assert_eq!(
-            c.algorithm_for(CollectiveKind::AllReduce, Some(Algorithm::OneShot), 8, (2, true)),
-            Algorithm::OneShot
-        );
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, small, (3, 3)), Algorithm::OneShot);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, small + 1, (3, 3)), Algorithm::TwoShot);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, small + 1, (3, 1)), Algorithm::Ring, "one host");
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, c.twoshot_max_bytes + 1, (3, 3)), Algorithm::Ring);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, small, (2, 2)), Algorithm::Ring);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, Some(Algorithm::Ring), 8, (8, 8)), Algorithm::Ring);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, Some(Algorithm::OneShot), 8, (2, 2)), Algorithm::OneShot);
         // Asked for one-shot, a buffer whose copies would not fit runs around the ring.
         assert_eq!(
-            c.algorithm_for(CollectiveKind::AllReduce, Some(Algorithm::OneShot), MAX_STASH_BYTES / 4 + 1, (4, true)),
+            c.algorithm_for(CollectiveKind::AllReduce, Some(Algorithm::OneShot), MAX_STASH_BYTES / 4 + 1, (4, 4)),
             Algorithm::Ring
         );
-        assert_eq!(c.algorithm_for(CollectiveKind::Broadcast, None, small + 1, (3, true)), Algorithm::Ring);
+        assert_eq!(c.algorithm_for(CollectiveKind::Broadcast, None, small + 1, (3, 3)), Algorithm::Ring);
+        // Large buffers across hosts that some members share: hierarchical, all-reduce only.
+        let large = c.twoshot_max_bytes + 1;
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, large, (4, 2)), Algorithm::Hierarchical);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, large, (4, 4)), Algorithm::Ring);
+        assert_eq!(c.algorithm_for(CollectiveKind::Broadcast, None, large, (4, 2)), Algorithm::Ring);
         c.algorithm = Some(Algorithm::OneShot);
-        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, 1 << 20, (2, true)), Algorithm::OneShot);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, 1 << 20, (2, 2)), Algorithm::OneShot);
     }
 
     #[test]

@@ -940,7 +940,8 @@ impl Sim {
         let next = members[(position.rank + 1) % world];
         // Every member runs the same collective, by the same algorithm.
         let (kind, algorithm, root) = collective_of(id, world);
-        let plan = algorithm.schedule(kind, (position.rank, world), world, root, 1);
+        let hosts: Vec<usize> = (0..world).map(host_of).collect();
+        let plan = algorithm.schedule(kind, (position.rank, world), &hosts, world, root, 1);
         let received = vec![false; plan.recvs.len()];
         p.ops.insert(
             id,
@@ -1047,7 +1048,7 @@ impl Sim {
             }
             // Send what the schedule allows.
             if let Some(u) = op.plan.sends.get(op.sent) {
-                if u.after_recv.is_none_or(|j| op.received[j]) && (!u.after_combine || op.folded) {
+                if u.ready(|j| op.received[j], op.folded) {
                     let to = op.ring[u.to];
                     if p.out_closed.contains(&to) {
                         let failure = OpFailure::new(FailureKind::PeerLost, op.members[u.to], "send failed");
@@ -1257,14 +1258,16 @@ fn state_digest(revision: u64) -> StateDigest {
 }
 
 /// What collective `id` of a group of `world` is, the same on every member: every kind in turn,
-/// an all-reduce by each algorithm and a broadcast by both of its, from a root that varies. Each
+/// an all-reduce by each algorithm (hierarchical with two members per host, [`host_of`]) and a
+/// broadcast by both of its, from a root that varies. Each
 /// works on a buffer of `world` elements (an all-gather's and reduce-scatter's blocks are one
 /// element each).
 fn collective_of(id: OpId, world: usize) -> (CollectiveKind, Algorithm, usize) {
-    const ALL: [(CollectiveKind, Algorithm); 7] = [
+    const ALL: [(CollectiveKind, Algorithm); 8] = [
         (CollectiveKind::AllReduce, Algorithm::Ring),
         (CollectiveKind::AllReduce, Algorithm::OneShot),
         (CollectiveKind::AllReduce, Algorithm::TwoShot),
+        (CollectiveKind::AllReduce, Algorithm::Hierarchical),
         (CollectiveKind::AllGather, Algorithm::Ring),
         (CollectiveKind::ReduceScatter, Algorithm::Ring),
         (CollectiveKind::Broadcast, Algorithm::Ring),
@@ -1272,6 +1275,11 @@ fn collective_of(id: OpId, world: usize) -> (CollectiveKind, Algorithm, usize) {
     ];
     let (kind, algorithm) = ALL[((id.epoch.0 + id.seq.0) % ALL.len() as u64) as usize];
     (kind, algorithm, (id.seq.0 as usize) % world.max(1))
+}
+
+/// The host of `rank` for the hierarchical all-reduce: two ranks per host.
+fn host_of(rank: usize) -> usize {
+    rank / 2
 }
 
 /// Peer `me`'s input at index `k` of its collective `seq`.

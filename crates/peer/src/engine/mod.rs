@@ -271,6 +271,8 @@ pub(crate) struct OpSpec {
     pub algorithm: Algorithm,
     /// A broadcast's root.
     pub root: usize,
+    /// The host of each rank, for a hierarchical all-reduce (else empty).
+    pub hosts: Vec<usize>,
     pub chunk_bytes: usize,
     /// Where to save what it overwrites: a spare kept from an earlier collective, so that a
     /// large one does not allocate (and fault in) a copy of its buffer every time.
@@ -326,6 +328,9 @@ struct OpExec {
     received: usize,
     /// Units over the same elements share one save: the first unit with each range.
     first_unit: Vec<usize>,
+    /// Final reductions still to come, by the first element of their range: an average is
+    /// divided after the last of them.
+    lasts: std::collections::BTreeMap<usize, usize>,
     saved: Vec<bool>,
     save_cursor: usize,
     /// Whether the range the schedule folds is saved, and whether it was folded.
@@ -356,7 +361,9 @@ impl OpExec {
     fn new(mut spec: OpSpec, rank: usize, world: usize) -> Self {
         let elem = spec.dtype.size();
         let chunk_elems = (spec.chunk_bytes / elem).max(1);
-        let plan = spec.algorithm.schedule(spec.kind, (rank, world), spec.buf.len / elem, spec.root, chunk_elems);
+        let len = spec.buf.len / elem;
+        let plan = spec.algorithm.schedule(spec.kind, (rank, world), &spec.hosts, len, spec.root, chunk_elems);
+        let lasts = plan.final_reductions();
         let mut first_of_range = std::collections::HashMap::with_capacity(plan.recvs.len());
         let first_unit: Vec<usize> =
             plan.recvs.iter().enumerate().map(|(i, u)| *first_of_range.entry(u.range.start).or_insert(i)).collect();
@@ -376,6 +383,7 @@ impl OpExec {
             saved: vec![false; plan.recvs.len()],
             recv_done: vec![false; plan.recvs.len()],
             first_unit,
+            lasts,
             sends_to,
             recvs_from,
             next_send: vec![0; world],
@@ -432,7 +440,7 @@ impl OpExec {
     fn sendable(&self, to: usize) -> Option<usize> {
         let i = *self.sends_to[to].get(self.next_send[to])?;
         let u = &self.plan.sends[i];
-        (u.after_recv.is_none_or(|j| self.recv_done[j]) && (!u.after_combine || self.folded)).then_some(i)
+        u.ready(|j| self.recv_done[j], self.folded).then_some(i)
     }
 
     /// Whether a frame for member `to` may leave now.
@@ -450,7 +458,9 @@ impl OpExec {
             let dst = &mut unsafe { self.spec.buf.slice() }[r];
             // Lengths match and both buffers are aligned: checked at the API boundary and here.
             reduce_into(self.spec.dtype, self.spec.op, dst, src).expect("aligned buffers");
-            if last && self.spec.op == ReduceOp::Avg {
+            let left = self.lasts.entry(self.plan.recvs[unit].range.start).or_default();
+            *left = left.saturating_sub(usize::from(last));
+            if last && *left == 0 && self.spec.op == ReduceOp::Avg {
                 finish_avg(self.spec.dtype, dst, self.plan.world).expect("aligned buffer");
             }
         }
@@ -1584,6 +1594,7 @@ mod tests {
             header: header_of(seq, buf.len(), tag, algorithm),
             kind: CollectiveKind::AllReduce,
             root: 0,
+            hosts: Vec::new(),
             buf: RawBuf::new(bytemuck::cast_slice_mut(buf)),
             dtype: DType::U64,
             op: ReduceOp::Sum,
@@ -1656,7 +1667,13 @@ mod tests {
             for (rank, exec) in execs.iter_mut().enumerate() {
                 for (i, run) in runs[rank].iter_mut().enumerate() {
                     if posted_at[rank][i] == round {
-                        exec.post(sum_spec(&mut run.buf, i as u64, tags[rank][i], algorithms[rank][i], chunk_bytes));
+                        let mut spec =
+                            sum_spec(&mut run.buf, i as u64, tags[rank][i], algorithms[rank][i], chunk_bytes);
+                        if spec.algorithm == Algorithm::Hierarchical {
+                            // Two hosts, ranks alternating between them.
+                            spec.hosts = (0..world).map(|r| r % 2).collect();
+                        }
+                        exec.post(spec);
                         moved = true;
                     }
                 }
@@ -2045,6 +2062,26 @@ mod tests {
             let posted_at: Vec<Vec<usize>> = (0..world).map(|r| (0..5).map(|i| 20 * r * i).collect()).collect();
             let tags = vec![vec![1, 2, 3, 4, 5]; world];
             let runs = run_mixed(&mut execs, &sizes, &tags, &vec![kinds.to_vec(); world], &posted_at, 4096, |_| {});
+            for (rank, runs) in runs.iter().enumerate() {
+                for (i, run) in runs.iter().enumerate() {
+                    assert_eq!(run.ended, Some(Ok(())), "world {world}, rank {rank}, collective {i}");
+                    assert_eq!(run.buf, sum(world, i as u64, sizes[i]), "world {world}, rank {rank}, collective {i}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn hierarchical_collectives_hold_their_sums_beside_the_ring() {
+        for (world, max_io) in [(2, 7), (3, 13), (5, 4096)] {
+            let sizes = [100, 1, 0, 777, 50];
+            let faults = Faults { capacity: 3 * max_io, max_io, reset_after: None };
+            let mut execs = mesh(world, 2, faults);
+            let mut kinds = [Algorithm::Hierarchical; 5];
+            kinds[4] = Algorithm::Ring;
+            let posted_at: Vec<Vec<usize>> = (0..world).map(|r| (0..5).map(|i| 20 * r * i).collect()).collect();
+            let tags = vec![vec![1, 2, 3, 4, 5]; world];
+            let runs = run_mixed(&mut execs, &sizes, &tags, &vec![kinds.to_vec(); world], &posted_at, 64, |_| {});
             for (rank, runs) in runs.iter().enumerate() {
                 for (i, run) in runs.iter().enumerate() {
                     assert_eq!(run.ended, Some(Ok(())), "world {world}, rank {rank}, collective {i}");
