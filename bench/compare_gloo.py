@@ -34,16 +34,7 @@ def main() -> None:
         for op in args.ops:
             ours = bench.run(peers, args.sizes, op=op)
             theirs = gloo.run(peers, args.sizes, op=op)
-            print(bench.format_table(ours, f"shoal {op}, {peers} peers"))
-            print(bench.format_table(theirs, f"gloo {op}, {peers} peers"))
-            print(f"# ratios, {op}, {peers} peers: shoal busbw / gloo busbw, gloo time / shoal time "
-                  "(higher is better for shoal)")
-            for a, b in zip(ours, theirs):
-                print(
-                    f"  {a['size']:>11} B  busbw x{a['busbw_gbs'] / max(b['busbw_gbs'], 1e-12):5.2f}  "
-                    f"p50 x{b['time_us'] / a['time_us']:5.2f}  shoal p99/p50 {a['p99_us'] / a['time_us']:4.2f}"
-                )
-            print(flush=True)
+            print(bench.format_comparison(ours, theirs, op, peers, "gloo"), flush=True)
             everything.append({"peers": peers, "op": op, "shoal": ours, "gloo": theirs})
     if args.json:
         with open(args.json, "w") as f:

@@ -71,13 +71,7 @@ def main() -> None:
         for op in args.ops:
             ours = bench.run(peers, args.sizes, op=op)
             theirs = run_mpi(binary, peers, args.sizes, op)
-            print(bench.format_table(ours, f"shoal {op}, {peers} peers"))
-            print(bench.format_table(theirs, f"open mpi (vader) {op}, {peers} peers"))
-            print(f"# ratios, {op}, {peers} peers: shoal busbw / open mpi busbw (higher is better for shoal)")
-            for a, b in zip(ours, theirs):
-                print(f"  {a['size']:>11} B  busbw x{a['busbw_gbs'] / max(b['busbw_gbs'], 1e-12):5.2f}  "
-                      f"p50 x{b['time_us'] / a['time_us']:5.2f}")
-            print(flush=True)
+            print(bench.format_comparison(ours, theirs, op, peers, "mpi"), flush=True)
             everything.append({"peers": peers, "op": op, "shoal": ours, "mpi": theirs})
     if args.json:
         with open(args.json, "w") as f:

@@ -124,6 +124,17 @@ def summarize(per_peer: Sequence[Sequence[dict]], peers: int, collective: str = 
     return rows
 
 
+def format_comparison(ours: Sequence[dict], theirs: Sequence[dict], op: str, peers: int, name: str) -> str:
+    """shoal's rows and another library's (``name``) for the same sizes, then their ratios."""
+    lines = [format_table(ours, f"shoal {op}, {peers} peers"), format_table(theirs, f"{name} {op}, {peers} peers"),
+             f"# ratios, {op}, {peers} peers: shoal busbw / {name} busbw, {name} time / shoal time "
+             "(higher is better for shoal)"]
+    for a, b in zip(ours, theirs):
+        lines.append(f"  {a['size']:>11} B  busbw x{a['busbw_gbs'] / max(b['busbw_gbs'], 1e-12):5.2f}  "
+                     f"p50 x{b['time_us'] / a['time_us']:5.2f}  shoal p99/p50 {a['p99_us'] / a['time_us']:4.2f}")
+    return "\n".join(lines) + "\n"
+
+
 def format_table(rows: Iterable[dict], title: str) -> str:
     lines = [
         f"# {title}",
@@ -276,7 +287,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     parser.add_argument("--in-flight", type=int, default=1,
                         help="all-reduces of each size started at once per iteration (default 1)")
-    parser.add_argument("--algorithm", choices=["auto", "ring", "oneshot", "twoshot"], default=None,
+    parser.add_argument("--algorithm", choices=["auto", "ring", "oneshot", "twoshot", "hierarchical"], default=None,
                         help="all-reduce algorithm (default: chosen per size)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

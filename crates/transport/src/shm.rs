@@ -384,61 +384,63 @@ impl Lane for ShmLane {
     }
 }
 
-/// Sends `fd` over `s` with one byte of data.
-fn send_fd(s: &UnixStream, fd: &OwnedFd) -> io::Result<()> {
+/// Runs `f` over a message of one byte with room for one descriptor (`SCM_RIGHTS`).
+fn one_byte_and_a_descriptor<R>(f: impl FnOnce(&mut libc::msghdr) -> io::Result<R>) -> io::Result<R> {
     let mut byte = [0u8; 1];
     let mut iov = libc::iovec { iov_base: byte.as_mut_ptr().cast(), iov_len: 1 };
-    // SAFETY: CMSG_SPACE of an int is a constant; the buffer is sized and aligned for it.
+    // SAFETY: CMSG_SPACE of an int is a constant computation.
     let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
     let mut control = vec![0u64; space.div_ceil(8)];
-    // SAFETY: a zeroed msghdr pointing at live buffers, filled with the CMSG macros.
-    unsafe {
-        let mut msg: libc::msghdr = std::mem::zeroed();
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = control.as_mut_ptr().cast();
-        msg.msg_controllen = space as _;
-        let cmsg = libc::CMSG_FIRSTHDR(&msg);
-        (*cmsg).cmsg_level = libc::SOL_SOCKET;
-        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
-        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), fd.as_raw_fd());
-        if libc::sendmsg(s.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) != 1 {
-            return Err(io::Error::last_os_error());
+    // SAFETY: a zeroed msghdr is valid; it points at buffers that outlive `f`.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    f(&mut msg)
+}
+
+/// Sends `fd` over `s` with one byte of data.
+fn send_fd(s: &UnixStream, fd: &OwnedFd) -> io::Result<()> {
+    one_byte_and_a_descriptor(|msg| {
+        // SAFETY: the message has room for one descriptor's control message, filled with the
+        // CMSG macros.
+        unsafe {
+            let cmsg = libc::CMSG_FIRSTHDR(msg);
+            (*cmsg).cmsg_level = libc::SOL_SOCKET;
+            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+            (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
+            std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), fd.as_raw_fd());
+            if libc::sendmsg(s.as_raw_fd(), msg, libc::MSG_NOSIGNAL) != 1 {
+                return Err(io::Error::last_os_error());
+            }
         }
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 /// Receives one byte and the descriptor sent with it over `s`.
 fn recv_fd(s: &UnixStream) -> io::Result<OwnedFd> {
-    let mut byte = [0u8; 1];
-    let mut iov = libc::iovec { iov_base: byte.as_mut_ptr().cast(), iov_len: 1 };
-    // SAFETY: as in `send_fd`.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-    let mut control = vec![0u64; space.div_ceil(8)];
-    // SAFETY: a zeroed msghdr pointing at live buffers; the descriptor is read only from a
-    // control message of the kernel's own making.
-    unsafe {
-        let mut msg: libc::msghdr = std::mem::zeroed();
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = control.as_mut_ptr().cast();
-        msg.msg_controllen = space as _;
-        let n = libc::recvmsg(s.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC);
-        if n < 0 {
-            return Err(io::Error::last_os_error());
+    one_byte_and_a_descriptor(|msg| {
+        // SAFETY: the descriptor is read only from a control message of the kernel's making.
+        unsafe {
+            let n = libc::recvmsg(s.as_raw_fd(), msg, libc::MSG_CMSG_CLOEXEC);
+            if n < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            let cmsg = libc::CMSG_FIRSTHDR(msg);
+            if n == 0
+                || cmsg.is_null()
+                || (*cmsg).cmsg_level != libc::SOL_SOCKET
+                || (*cmsg).cmsg_type != libc::SCM_RIGHTS
+            {
+                let what = if n == 0 { "the connection closed" } else { "no descriptor came" };
+                let why = format!("expected a shared-memory segment: {what}");
+                return Err(io::Error::new(io::ErrorKind::InvalidData, why));
+            }
+            Ok(OwnedFd::from_raw_fd(std::ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>())))
         }
-        let cmsg = libc::CMSG_FIRSTHDR(&msg);
-        if n == 0 || cmsg.is_null() || (*cmsg).cmsg_level != libc::SOL_SOCKET || (*cmsg).cmsg_type != libc::SCM_RIGHTS {
-            let what = if n == 0 { "the connection closed" } else { "no descriptor came" };
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("expected a shared-memory segment: {what}"),
-            ));
-        }
-        Ok(OwnedFd::from_raw_fd(std::ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>())))
-    }
+    })
 }
 
 #[cfg(test)]
