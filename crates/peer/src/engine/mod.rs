@@ -8,8 +8,9 @@
 //! collective (its whole [`OpHeader`]: a peer that runs another collective is caught at its first
 //! frame) and the chunk's unit in the receiver's schedule, so any lane of a link carries any
 //! collective's chunk, and a free lane takes the next chunk for its member of the next collective
-//! in turn (round-robin: a large collective cannot starve a small one). The confirmation tokens
-//! are frames too.
+//! in turn (round-robin: a large collective cannot starve a small one), every other time of the
+//! collective whose chunk arrived last instead (what it forwards was just reduced and is still
+//! in the cache). The confirmation tokens are frames too.
 //!
 //! A frame may arrive before its collective is posted here (the predecessor's caller was quicker):
 //! it is kept aside and applied when the collective is posted. Past [`MAX_EARLY_BYTES`] kept, the
@@ -700,6 +701,11 @@ pub(crate) struct Exec<L> {
     spare_bodies: Vec<Vec<u8>>,
     /// The collective the last free lane took a frame of: the next lane starts after it.
     turn: u64,
+    /// The collective whose chunk arrived last, and whether the next free lane looks at it
+    /// first: what it forwards next was just reduced, and is still in the cache. Every other
+    /// frame goes round-robin, so it cannot starve the others.
+    hot: Option<u64>,
+    hot_turn: bool,
     /// Why the links failed, once they did: nothing more moves.
     broken: Option<LinkError>,
     /// Whether a collective in flight lacks a link ([`Exec::missing`]).
@@ -748,6 +754,8 @@ impl<L: Lane> Exec<L> {
             early_bytes: 0,
             spare_bodies: Vec::new(),
             turn: 0,
+            hot: None,
+            hot_turn: false,
             broken: None,
             awaiting: false,
         }
@@ -1157,6 +1165,7 @@ impl<L: Lane> Exec<L> {
                         let op = self.ops.get_mut(&seq).expect("posted");
                         op.traffic.rx_bytes += len as u64;
                         op.complete_recv(rx.unit, Some(src));
+                        self.hot = Some(seq);
                         self.stats.entry(from).or_default().rx_bytes += len as u64;
                         lane.receiving = None;
                         let lost = |e: std::io::Error| (None, LinkError::Lost { rank: from, reason: e.to_string() });
@@ -1219,11 +1228,15 @@ impl<L: Lane> Exec<L> {
             let rx = lane.receiving.take().expect("receiving");
             let unit = rx.unit;
             match rx.dest {
-                Dest::Buf(_) | Dest::Stash(_) => self.ops.get_mut(&seq).expect("posted").complete_recv(unit, None),
+                Dest::Buf(_) | Dest::Stash(_) => {
+                    self.ops.get_mut(&seq).expect("posted").complete_recv(unit, None);
+                    self.hot = Some(seq);
+                }
                 Dest::Part(p) => self.p2p.part_done(p.id),
                 Dest::Scratch => {
                     let src: &[u8] = bytemuck::cast_slice(&lane.scratch);
                     self.ops.get_mut(&seq).expect("posted").complete_recv(unit, Some(&src[..len]));
+                    self.hot = Some(seq);
                 }
                 Dest::Early(body) => {
                     let early = Early { from, frame: rx.frame, body };
@@ -1428,10 +1441,16 @@ impl<L: Lane> Exec<L> {
     /// Gives free lane `i` the next collective frame in turn for its member; false if none has.
     fn next_collective_frame(&mut self, i: usize) -> bool {
         let (turn, to) = (self.turn, self.send[i].to);
-        let order = self.ops.range(turn + 1..).chain(self.ops.range(..=turn)).map(|(s, _)| *s);
-        let pick = order.into_iter().find(|s| self.ops[s].has_frame_for(to));
+        self.hot_turn = !self.hot_turn;
+        let hot = self.hot.filter(|s| self.hot_turn && self.ops.get(s).is_some_and(|o| o.has_frame_for(to)));
+        let pick = hot.or_else(|| {
+            let mut order = self.ops.range(turn + 1..).chain(self.ops.range(..=turn)).map(|(s, _)| *s);
+            order.find(|s| self.ops[s].has_frame_for(to))
+        });
         let Some(seq) = pick else { return false };
-        self.turn = seq;
+        if hot.is_none() {
+            self.turn = seq;
+        }
         let op = self.ops.get_mut(&seq).expect("picked");
         let token = op.outbox.iter().position(|(t, _)| *t == to);
         let (frame, sending) = if let Some(origin) = token.and_then(|k| op.outbox.remove(k)).map(|(_, o)| o) {
