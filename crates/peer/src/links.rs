@@ -270,7 +270,8 @@ fn dial(
         let mac = id.key.hello(id.session, id.me, to, epoch, stream, streams);
         let hello = Message::PeerHello { from: id.me, to, epoch, stream, streams, mac };
         // The same machine and network namespace: the member's local socket answers there.
-        let local = if shared_memory { dial_local(id, addr, &hello) } else { None };
+        let left = deadline.left(operation).map_err(|e| e.to_string())?;
+        let local = if shared_memory { dial_local(id, addr, &hello, left.min(HELLO_TIMEOUT)) } else { None };
         let s = match local {
             Some(lane) => Stream::Shm(lane),
             None => {
@@ -297,14 +298,14 @@ fn local_name(port: u16) -> String {
 }
 
 /// A shared-memory lane to the member at `addr`, if its local socket answers here and it takes
-/// our `hello`; `None` sends the stream over TCP (another host or namespace, or another process
-/// that holds the name).
-fn dial_local(id: &Identity, addr: &str, hello: &Message) -> Option<ShmLane> {
+/// our `hello` within `wait`; `None` sends the stream over TCP (another host or namespace, or
+/// another process that holds the name).
+fn dial_local(id: &Identity, addr: &str, hello: &Message, wait: Duration) -> Option<ShmLane> {
     let port: u16 = addr.rsplit_once(':')?.1.parse().ok()?;
     let name = std::os::unix::net::SocketAddr::from_abstract_name(local_name(port)).ok()?;
     let mut s = UnixStream::connect_addr(&name).ok()?;
     let mut attempt = || -> std::io::Result<ShmLane> {
-        s.set_read_timeout(Some(HELLO_TIMEOUT))?;
+        s.set_read_timeout(Some(wait.max(Duration::from_millis(1))))?;
         write_message(&mut s, id.session, hello).map_err(std::io::Error::other)?;
         let lane = ShmLane::offer(s.try_clone()?, RING_BYTES)?;
         // The acceptor's one byte: it took the hello and mapped the ring.
