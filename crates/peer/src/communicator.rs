@@ -68,7 +68,8 @@ pub struct LinkInfo {
     pub tx_bytes: u64,
     /// Chunk bytes received from it in this topology.
     pub rx_bytes: u64,
-    /// What carries the streams: `"shm"` (shared memory, a member on this host) or `"tcp"`.
+    /// What carries the streams: `"shm"` (shared memory, a member on this host), `"tcp"`, or
+    /// `"mixed"` where the two ends chose differently (`SHOAL_TRANSPORT`).
     pub transport: &'static str,
 }
 

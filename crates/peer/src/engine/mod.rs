@@ -1158,6 +1158,11 @@ impl<L: Lane> Exec<L> {
                 // A lane that can lend the chunk where it lies (shared memory) is reduced from
                 // there: one copy fewer than reading it into the scratch buffer first.
                 let elem = self.ops.get(&seq).expect("posted").elem;
+                let lost = |e: std::io::Error| {
+                    let closed = e.kind() == ErrorKind::UnexpectedEof;
+                    let reason = if closed { "connection closed mid-frame".into() } else { e.to_string() };
+                    (None, LinkError::Lost { rank: from, reason })
+                };
                 match lane.lane.peek(len) {
                     // The chunk lies where the stream put it: reduced there if aligned for its
                     // dtype (frames of other sizes before it may shift it), else read aside.
@@ -1168,7 +1173,6 @@ impl<L: Lane> Exec<L> {
                         self.hot = Some(seq);
                         self.stats.entry(from).or_default().rx_bytes += len as u64;
                         lane.receiving = None;
-                        let lost = |e: std::io::Error| (None, LinkError::Lost { rank: from, reason: e.to_string() });
                         lane.lane.consume(len).map_err(lost)?;
                         progress = true;
                         continue;
@@ -1176,7 +1180,7 @@ impl<L: Lane> Exec<L> {
                     Ok(Some(_)) => {}
                     Ok(None) => return Ok(progress),
                     Err(e) if e.kind() == ErrorKind::Unsupported => {}
-                    Err(e) => return Err((None, LinkError::Lost { rank: from, reason: e.to_string() })),
+                    Err(e) => return Err(lost(e)),
                 }
             }
             let target: &mut [u8] = match &mut rx.dest {
