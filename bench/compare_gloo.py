@@ -11,8 +11,6 @@ The machine is shared and noisy: trust the ratios more than the absolute figures
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
@@ -23,22 +21,8 @@ from shoal import bench
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--peers", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--sizes", default="4K,64M,256M")
-    parser.add_argument("--ops", nargs="+", default=list(bench.BUS_FACTOR), choices=list(bench.BUS_FACTOR))
-    parser.add_argument("--json", help="also write all rows to this file")
-    args = parser.parse_args()
-    everything = []
-    for peers in args.peers:
-        for op in args.ops:
-            ours = bench.run(peers, args.sizes, op=op)
-            theirs = gloo.run(peers, args.sizes, op=op)
-            print(bench.format_comparison(ours, theirs, op, peers, "gloo"), flush=True)
-            everything.append({"peers": peers, "op": op, "shoal": ours, "gloo": theirs})
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(everything, f, indent=1)
+    bench.compare("gloo", lambda peers, sizes, op: gloo.run(peers, sizes, op=op), list(bench.BUS_FACTOR),
+                  "4K,64M,256M", __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ shared and noisy: trust the ratios more than the absolute figures.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -59,23 +58,9 @@ def run_mpi(binary: Path, peers: int, sizes: str, op: str) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--peers", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--sizes", default="64M,256M")
-    parser.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
-    parser.add_argument("--json", help="also write all rows to this file")
-    args = parser.parse_args()
-    binary = ensure_mpi()
-    everything = []
-    for peers in args.peers:
-        for op in args.ops:
-            ours = bench.run(peers, args.sizes, op=op)
-            theirs = run_mpi(binary, peers, args.sizes, op)
-            print(bench.format_comparison(ours, theirs, op, peers, "mpi"), flush=True)
-            everything.append({"peers": peers, "op": op, "shoal": ours, "mpi": theirs})
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(everything, f, indent=1)
+    # Open MPI is installed and the binary built at the first comparison, not for --help.
+    bench.compare("mpi", lambda peers, sizes, op: run_mpi(ensure_mpi(), peers, sizes, op), OPS, "64M,256M",
+                  __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

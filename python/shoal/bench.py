@@ -124,6 +124,29 @@ def summarize(per_peer: Sequence[Sequence[dict]], peers: int, collective: str = 
     return rows
 
 
+def compare(name: str, theirs: Callable[[int, str, str], list[dict]], ops: Sequence[str], sizes: str,
+            description: str) -> None:
+    """The command line of a side-by-side comparison (``bench/compare_*.py``): for each peer
+    count and op, shoal's rows and ``theirs(peers, sizes, op)``, then the ratios; ``--json``
+    also writes every row."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--peers", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--sizes", default=sizes)
+    parser.add_argument("--ops", nargs="+", default=list(ops), choices=list(ops))
+    parser.add_argument("--json", help="also write all rows to this file")
+    args = parser.parse_args()
+    everything = []
+    for peers in args.peers:
+        for op in args.ops:
+            ours = run(peers, args.sizes, op=op)
+            other = theirs(peers, args.sizes, op)
+            print(format_comparison(ours, other, op, peers, name), flush=True)
+            everything.append({"peers": peers, "op": op, "shoal": ours, name: other})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(everything, f, indent=1)
+
+
 def format_comparison(ours: Sequence[dict], theirs: Sequence[dict], op: str, peers: int, name: str) -> str:
     """shoal's rows and another library's (``name``) for the same sizes, then their ratios."""
     lines = [format_table(ours, f"shoal {op}, {peers} peers"), format_table(theirs, f"{name} {op}, {peers} peers"),

@@ -2076,35 +2076,27 @@ mod tests {
     /// ring ones over fragmenting lanes: every peer ends with every sum.
     #[test]
     fn two_shot_collectives_hold_their_sums() {
-        for (world, max_io) in [(2, 7), (3, 13), (4, 4096)] {
-            let sizes = [100, 1, 0, 777, 50];
-            let faults = Faults { capacity: 3 * max_io, max_io, reset_after: None };
-            let mut execs = mesh(world, 2, faults);
-            let kinds =
-                [Algorithm::TwoShot, Algorithm::TwoShot, Algorithm::TwoShot, Algorithm::TwoShot, Algorithm::Ring];
-            let posted_at: Vec<Vec<usize>> = (0..world).map(|r| (0..5).map(|i| 20 * r * i).collect()).collect();
-            let tags = vec![vec![1, 2, 3, 4, 5]; world];
-            let runs = run_mixed(&mut execs, &sizes, &tags, &vec![kinds.to_vec(); world], &posted_at, 4096, |_| {});
-            for (rank, runs) in runs.iter().enumerate() {
-                for (i, run) in runs.iter().enumerate() {
-                    assert_eq!(run.ended, Some(Ok(())), "world {world}, rank {rank}, collective {i}");
-                    assert_eq!(run.buf, sum(world, i as u64, sizes[i]), "world {world}, rank {rank}, collective {i}");
-                }
-            }
-        }
+        beside_a_ring_every_sum_holds(Algorithm::TwoShot, [(2, 7), (3, 13), (4, 4096)], 4096);
     }
 
     #[test]
     fn hierarchical_collectives_hold_their_sums_beside_the_ring() {
-        for (world, max_io) in [(2, 7), (3, 13), (5, 4096)] {
+        beside_a_ring_every_sum_holds(Algorithm::Hierarchical, [(2, 7), (3, 13), (5, 4096)], 64);
+    }
+
+    /// Four collectives by `algorithm` and one around the ring, for each (world, largest IO of
+    /// the lanes), posted at different times over a mesh of fragmenting lanes: every peer ends
+    /// with every sum.
+    fn beside_a_ring_every_sum_holds(algorithm: Algorithm, cases: [(usize, usize); 3], chunk_bytes: usize) {
+        for (world, max_io) in cases {
             let sizes = [100, 1, 0, 777, 50];
             let faults = Faults { capacity: 3 * max_io, max_io, reset_after: None };
             let mut execs = mesh(world, 2, faults);
-            let mut kinds = [Algorithm::Hierarchical; 5];
-            kinds[4] = Algorithm::Ring;
+            let kinds = [algorithm, algorithm, algorithm, algorithm, Algorithm::Ring];
             let posted_at: Vec<Vec<usize>> = (0..world).map(|r| (0..5).map(|i| 20 * r * i).collect()).collect();
             let tags = vec![vec![1, 2, 3, 4, 5]; world];
-            let runs = run_mixed(&mut execs, &sizes, &tags, &vec![kinds.to_vec(); world], &posted_at, 64, |_| {});
+            let runs =
+                run_mixed(&mut execs, &sizes, &tags, &vec![kinds.to_vec(); world], &posted_at, chunk_bytes, |_| {});
             for (rank, runs) in runs.iter().enumerate() {
                 for (i, run) in runs.iter().enumerate() {
                     assert_eq!(run.ended, Some(Ok(())), "world {world}, rank {rank}, collective {i}");
