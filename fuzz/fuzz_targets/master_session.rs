@@ -8,7 +8,7 @@ use libfuzzer_sys::arbitrary::{self, Arbitrary};
 use libfuzzer_sys::fuzz_target;
 use shoal_proto::auth::{DataKey, RunKey};
 use shoal_proto::master::{ConnId, Master, MasterConfig};
-use shoal_wire::{Epoch, FailureKind, GroupId, Message, OpFailure, PeerId, SessionId, StateDigest};
+use shoal_wire::{Epoch, FailureKind, GroupId, Measured, Message, OpFailure, PeerId, SessionId, StateDigest};
 use std::time::{Duration, Instant};
 
 const SESSION: SessionId = SessionId(7);
@@ -26,6 +26,7 @@ enum Msg {
     Join { group: u8, proven: bool },
     Heartbeat,
     VoteUpdateTopology(u8),
+    VoteOptimizeTopology(u8, Vec<(u8, u16, u16)>),
     VotePeersPending(u8),
     TopologyReady(u8),
     PeerUnreachable(u8, u8),
@@ -45,7 +46,16 @@ fn message(m: Msg, key: &RunKey, conn: ConnId) -> Message {
             Message::Join { group: GroupId(group.into()), data_addr: format!("h:{}", conn.0), proof }
         }
         Msg::Heartbeat => Message::Heartbeat,
-        Msg::VoteUpdateTopology(c) => Message::VoteUpdateTopology { collectives: c.into() },
+        Msg::VoteUpdateTopology(c) => Message::VoteUpdateTopology { collectives: c.into(), measured: None },
+        Msg::VoteOptimizeTopology(c, links) => Message::VoteUpdateTopology {
+            collectives: c.into(),
+            measured: Some(
+                links
+                    .into_iter()
+                    .map(|(p, rtt, rate)| Measured { peer: PeerId(p.into()), rtt_us: rtt.into(), bytes_per_s: rate.into() })
+                    .collect(),
+            ),
+        },
         Msg::VotePeersPending(c) => Message::VotePeersPending { collectives: c.into() },
         Msg::TopologyReady(e) => Message::TopologyReady { epoch: Epoch(e.into()) },
         Msg::PeerUnreachable(e, p) => Message::PeerUnreachable { epoch: Epoch(e.into()), peer: PeerId(p.into()) },

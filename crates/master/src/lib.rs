@@ -288,6 +288,13 @@ fn log_event(event: &MasterEvent) {
         MasterEvent::TopologyIssued { epoch, members } => {
             log::debug!("topology {} issued: {members:?}", epoch.0)
         }
+        MasterEvent::RingPlanned { members, cost_us, before_us } => {
+            let ids: Vec<String> = members.iter().map(ToString::to_string).collect();
+            log::info!(
+                "ring ordered by measured links: [{}], {cost_us} µs per round of steps ({before_us} µs before)",
+                ids.join(" -> ")
+            )
+        }
         MasterEvent::TopologyCommitted { epoch, members } => {
             let ids: Vec<String> = members.iter().map(ToString::to_string).collect();
             log::info!("topology {} committed: ring [{}]", epoch.0, ids.join(" -> "))

@@ -9,7 +9,7 @@ use shoal_proto::peer::{
     Action, CallError, CallId, CallKind, Established, Gone, OpId, OpProgress, Peer, PeerConfig, Revision, RingPosition,
     Seq, SyncBallot, Value,
 };
-use shoal_wire::{Epoch, FailureKind, GroupId, Message, OpFailure, PeerId, SessionId, StateDigest};
+use shoal_wire::{Epoch, FailureKind, GroupId, Measured, Message, OpFailure, PeerId, SessionId, StateDigest};
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
 use std::time::{Duration, Instant};
 
@@ -339,6 +339,9 @@ struct Sim {
     batch: usize,
     /// The peers' limit on collectives in flight: a batch beyond it queues.
     max_in_flight: usize,
+    /// Whether every other vote of a peer is `optimize_topology`'s, with links measured as if
+    /// even and odd peers sat on two sites 40 ms apart.
+    optimizes: bool,
     /// Print every event (`SHOAL_SIM_TRACE`).
     trace: bool,
 }
@@ -367,6 +370,7 @@ pub fn run(seed: u64) -> Report {
         syncs: false,
         batch: 1,
         max_in_flight: 1,
+        optimizes: false,
         trace: std::env::var_os("SHOAL_SIM_TRACE").is_some(),
     };
     sim.shape = [Shape::Readme, Shape::RetryOnly, Shape::Pccl][sim.rng.below(3) as usize];
@@ -374,6 +378,7 @@ pub fn run(seed: u64) -> Report {
     // A third of the runs make one call at a time; the others overlap up to four collectives.
     sim.batch = if sim.rng.chance(33) { 1 } else { 2 + sim.rng.below(3) as usize };
     sim.max_in_flight = 1 + sim.rng.below(4) as usize;
+    sim.optimizes = sim.rng.chance(50);
     if sim.shape == Shape::Pccl {
         // A newcomer's first `peers_pending` is cast tentatively (`proto::master::calls`): with a
         // batch queued beyond the limit, the others' failed iteration may end in a collective
@@ -381,9 +386,10 @@ pub fn run(seed: u64) -> Report {
         sim.max_in_flight = sim.max_in_flight.max(sim.batch);
     }
     sim.report.shape = format!(
-        "{:?}{}, batches of {} with at most {} in flight",
+        "{:?}{}{}, batches of {} with at most {} in flight",
         sim.shape,
         if sim.syncs { " with syncs" } else { "" },
+        if sim.optimizes { " optimizing" } else { "" },
         sim.batch,
         sim.max_in_flight
     );
@@ -784,6 +790,8 @@ impl Sim {
     /// The application's call `next`: for a collective, a batch of them at once.
     fn call(&mut self, i: usize, next: Next) -> bool {
         let at = self.instant();
+        let optimize = next == Next::Vote && self.optimizes && self.peers[i].revision % 2 == 1;
+        let measured = if optimize { Some(self.measured_by(i)) } else { None };
         let p = &mut self.peers[i];
         p.calling = Some(next);
         p.call_started = self.now;
@@ -796,7 +804,7 @@ impl Sim {
             return true;
         }
         let kind = match next {
-            Next::Vote => CallKind::UpdateTopology,
+            Next::Vote => measured.map_or(CallKind::UpdateTopology, CallKind::OptimizeTopology),
             Next::Pending => CallKind::PeersPending,
             Next::Sync => CallKind::SyncSharedState(SyncBallot {
                 revision: Revision(p.revision),
@@ -809,6 +817,23 @@ impl Sim {
         };
         p.proto.call(kind, CALL_TIMEOUT, at);
         true
+    }
+
+    /// What peer `i` measures of its links to the other members of its ring: even and odd peers
+    /// sit on two sites.
+    fn measured_by(&self, i: usize) -> Vec<Measured> {
+        let Some(position) = self.peers[i].proto.position() else { return Vec::new() };
+        let me = position.ring[position.rank].peer;
+        position
+            .ring
+            .iter()
+            .filter(|m| m.peer != me)
+            .map(|m| {
+                let near = self.index_of.get(&m.peer).is_some_and(|&j| j % 2 == i % 2);
+                let (rtt_us, bytes_per_s) = if near { (500, 1 << 30) } else { (40_000, 50 << 20) };
+                Measured { peer: m.peer, rtt_us, bytes_per_s }
+            })
+            .collect()
     }
 
     /// A call ended: the application goes on.

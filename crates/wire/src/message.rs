@@ -30,6 +30,23 @@ pub struct Member {
     pub group: GroupId,
     /// The `host:port` other peers dial for data connections.
     pub addr: String,
+    /// Its site, where `optimize_topology` measured it: members of a site have short round trips
+    /// to each other (`docs/topology.md`). `None` for a member nobody measured.
+    pub site: Option<u16>,
+}
+
+/// The code of [`Member::site`]'s `None` on the wire.
+const NO_SITE: u16 = u16::MAX;
+
+/// What a peer measured of its link to another member (`optimize_topology`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Measured {
+    /// The member at the other end.
+    pub peer: PeerId,
+    /// The round trip, microseconds.
+    pub rtt_us: u32,
+    /// Bytes per second from the measuring peer to `peer`.
+    pub bytes_per_s: u64,
 }
 
 /// Names one collective in every frame of its data: the receiver compares it with its own call,
@@ -213,11 +230,15 @@ pub enum Message {
     },
     /// Either direction, on a control connection: I am alive.
     Heartbeat,
-    /// Peer → master: this accepted peer calls `update_topology`.
+    /// Peer → master: this accepted peer calls `update_topology`, or `optimize_topology` with
+    /// what it measured.
     VoteUpdateTopology {
         /// How many collectives the peer started in the current topology: a member still running
         /// a collective with a number at least this knows the voter will never join it.
         collectives: u64,
+        /// `optimize_topology`: the voter's link to every other member of the ring
+        /// (`update_topology`: `None`). The master orders the next ring by them.
+        measured: Option<Vec<Measured>>,
     },
     /// Peer → master: this peer holds every data connection `epoch` asks of it.
     TopologyReady {
@@ -560,7 +581,18 @@ impl Message {
             }
             Message::Challenge { nonce } => w.bytes(nonce),
             Message::AuthFailed { reason } => w.str(reason),
-            Message::VoteUpdateTopology { collectives } => w.u64(*collectives),
+            Message::VoteUpdateTopology { collectives, measured } => {
+                w.u64(*collectives);
+                w.bool(measured.is_some());
+                let measured = measured.as_deref().unwrap_or_default();
+                assert!(measured.len() <= MAX_MEMBERS, "measurements exceed MAX_MEMBERS: a bug");
+                w.u32(measured.len() as u32);
+                for m in measured {
+                    w.u32(m.peer.0);
+                    w.u32(m.rtt_us);
+                    w.u64(m.bytes_per_s);
+                }
+            }
             Message::VoteOpened { vote, epoch, voter, collectives } => {
                 w.u8(*vote as u8);
                 w.u64(epoch.0);
@@ -662,6 +694,10 @@ impl Message {
                     w.u32(m.peer.0);
                     w.u32(m.group.0);
                     w.str(&m.addr);
+                    w.u16(m.site.map_or(NO_SITE, |s| {
+                        assert!(s != NO_SITE, "site {NO_SITE} is reserved: a bug");
+                        s
+                    }));
                 }
             }
             Message::PeersPendingResult { pending } => w.bool(*pending),
@@ -689,7 +725,21 @@ impl Message {
             kind::CHALLENGE => Message::Challenge { nonce: r.hash()? },
             kind::AUTH_FAILED => Message::AuthFailed { reason: r.str()? },
             kind::HEARTBEAT => Message::Heartbeat,
-            kind::VOTE_UPDATE_TOPOLOGY => Message::VoteUpdateTopology { collectives: r.u64()? },
+            kind::VOTE_UPDATE_TOPOLOGY => {
+                let (collectives, optimize) = (r.u64()?, r.bool("optimize")?);
+                let count = r.count(MAX_MEMBERS, 4 + 4 + 8)?;
+                let mut measured = Vec::with_capacity(count);
+                for _ in 0..count {
+                    measured.push(Measured { peer: PeerId(r.u32()?), rtt_us: r.u32()?, bytes_per_s: r.u64()? });
+                }
+                if !optimize && count > 0 {
+                    return Err(WireError::InvalidValue {
+                        field: "measurements of update_topology",
+                        value: count as u64,
+                    });
+                }
+                Message::VoteUpdateTopology { collectives, measured: optimize.then_some(measured) }
+            }
             kind::VOTE_OPENED => Message::VoteOpened {
                 vote: Vote::from_code(r.u8()?)?,
                 epoch: Epoch(r.u64()?),
@@ -766,10 +816,12 @@ impl Message {
             }
             kind::TOPOLOGY => {
                 let epoch = Epoch(r.u64()?);
-                let count = r.count(MAX_MEMBERS, 4 + 4 + 2)?;
+                let count = r.count(MAX_MEMBERS, 4 + 4 + 2 + 2)?;
                 let mut members = Vec::with_capacity(count);
                 for _ in 0..count {
-                    members.push(Member { peer: PeerId(r.u32()?), group: GroupId(r.u32()?), addr: r.str()? });
+                    let (peer, group, addr) = (PeerId(r.u32()?), GroupId(r.u32()?), r.str()?);
+                    let site = Some(r.u16()?).filter(|s| *s != NO_SITE);
+                    members.push(Member { peer, group, addr, site });
                 }
                 Message::Topology { epoch, members }
             }
@@ -798,11 +850,8 @@ mod tests {
     use proptest::prelude::*;
 
     fn member() -> impl Strategy<Value = Member> {
-        (any::<u32>(), any::<u32>(), "[a-z0-9.:]{0,40}").prop_map(|(p, g, addr)| Member {
-            peer: PeerId(p),
-            group: GroupId(g),
-            addr,
-        })
+        (any::<u32>(), any::<u32>(), "[a-z0-9.:]{0,40}", proptest::option::of(0u16..u16::MAX))
+            .prop_map(|(p, g, addr, site)| Member { peer: PeerId(p), group: GroupId(g), addr, site })
     }
 
     fn failure() -> impl Strategy<Value = OpFailure> {
@@ -878,7 +927,18 @@ mod tests {
             any::<[u8; 32]>().prop_map(|nonce| Message::Challenge { nonce }),
             ".{0,100}".prop_map(|reason| Message::AuthFailed { reason }),
             Just(Message::Heartbeat),
-            any::<u64>().prop_map(|collectives| Message::VoteUpdateTopology { collectives }),
+            (
+                any::<u64>(),
+                proptest::option::of(proptest::collection::vec((any::<u32>(), any::<u32>(), any::<u64>()), 0..5))
+            )
+                .prop_map(|(collectives, m)| Message::VoteUpdateTopology {
+                    collectives,
+                    measured: m.map(|m| {
+                        m.into_iter()
+                            .map(|(p, rtt_us, bytes_per_s)| Measured { peer: PeerId(p), rtt_us, bytes_per_s })
+                            .collect()
+                    }),
+                }),
             (1u8..4, any::<u64>(), any::<u32>(), any::<u64>()).prop_map(|(k, e, v, collectives)| {
                 let vote = Vote::from_code(k).expect("a vote code");
                 Message::VoteOpened { vote, epoch: Epoch(e), voter: PeerId(v), collectives }

@@ -12,12 +12,14 @@
 
 mod calls;
 mod ops;
+mod plan;
 mod sync;
 mod timers;
 
 use crate::auth::{DataKey, RunKey};
 use crate::ballot::Ballot;
 pub use ops::MAX_TRACKED_OPS;
+pub use plan::Plan;
 use shoal_wire::{Epoch, GroupId, Member, Message, PeerId, SessionId, Vote};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
@@ -94,6 +96,15 @@ pub enum MasterEvent {
         epoch: Epoch,
         /// Its members in ring order.
         members: Vec<PeerId>,
+    },
+    /// `optimize_topology` passed: the ring is ordered by what its members measured.
+    RingPlanned {
+        /// The measured members in the planned order.
+        members: Vec<PeerId>,
+        /// The planned ring's cost (`shoal_topology::Costs`), microseconds per round of steps.
+        cost_us: u64,
+        /// The cost of the order before.
+        before_us: u64,
     },
     /// A topology came into force.
     TopologyCommitted {
@@ -179,6 +190,11 @@ pub struct Master {
     /// survivors' next calls need a new topology of the same ring. Issued as soon as no major
     /// operation is open ([`Master::reform_if_due`]), so an application simply retries.
     reform_due: bool,
+    /// What each voter of the open `update_topology` ballot measured, if it called
+    /// `optimize_topology` (`plan.rs`).
+    measured: BTreeMap<PeerId, Option<Vec<shoal_wire::Measured>>>,
+    /// The ring's order from the last `optimize_topology`.
+    plan: Option<Plan>,
     /// The nonce each connection was challenged with, until its `Join`.
     challenges: BTreeMap<ConnId, [u8; 32]>,
     /// `Join`s refused for a wrong or missing proof.
@@ -210,6 +226,8 @@ impl Master {
             tentative: BTreeMap::new(),
             sent_on: BTreeSet::new(),
             reform_due: false,
+            measured: BTreeMap::new(),
+            plan: None,
             challenges: BTreeMap::new(),
             auth_failures: 0,
             timers,
@@ -273,8 +291,8 @@ impl Master {
         let accepted = self.peers.get(&peer).is_some_and(|e| e.status == Status::Accepted);
         match message {
             Message::Heartbeat => {}
-            Message::VoteUpdateTopology { collectives } if accepted => {
-                self.vote_update_topology(now, peer, collectives)
+            Message::VoteUpdateTopology { collectives, measured } if accepted => {
+                self.vote_update_topology(now, peer, collectives, measured)
             }
             Message::VotePeersPending { collectives } if accepted => self.vote_peers_pending(now, peer, collectives),
             Message::TopologyReady { epoch } => self.topology_ready(now, peer, epoch),
@@ -325,6 +343,7 @@ impl Master {
                 Timer::CheckHeartbeats => {}
                 Timer::NewcomersReady => self.drop_late_newcomers(now),
                 Timer::TentativeVotes => self.answer_tentative_votes(now),
+                Timer::ImprovePlan => self.improve_plan(now),
             }
         }
         let timeout = self.config.heartbeat_timeout;
@@ -422,7 +441,13 @@ impl Master {
         }
     }
 
-    fn vote_update_topology(&mut self, now: Instant, peer: PeerId, collectives: u64) {
+    fn vote_update_topology(
+        &mut self,
+        now: Instant,
+        peer: PeerId,
+        collectives: u64,
+        measured: Option<Vec<shoal_wire::Measured>>,
+    ) {
         if let Phase::AwaitingConnections { epoch, .. } = self.phase {
             // A retry that crossed a topology issued meanwhile (a member was lost): not counted;
             // the voter joins that topology and votes again.
@@ -432,6 +457,9 @@ impl Master {
         }
         if !self.admit_vote(now, peer, Vote::UpdateTopology, collectives) {
             return;
+        }
+        if let Err(reason) = self.record_measured(peer, measured) {
+            return self.violation(peer, reason);
         }
         let group = self.peers[&peer].group;
         let fewer = match &mut self.phase {
@@ -489,12 +517,19 @@ impl Master {
         }
         let Some(quorum) = ballot.tally() else { return };
         let mut members: Vec<PeerId> = self.ring.iter().copied().filter(|p| quorum.voters().contains(p)).collect();
-        members.extend(self.registered());
+        if self.every_voter_measured(&members) {
+            // optimize_topology: the ring re-ordered; newcomers wait for update_topology.
+            self.make_plan(&members);
+        } else {
+            members.extend(self.registered());
+        }
         self.issue_topology(members);
     }
 
     fn issue_topology(&mut self, members: Vec<PeerId>) {
         assert!(!members.is_empty(), "issuing an empty topology");
+        let members = self.planned(members);
+        self.arm_plan_slice(Instant::now());
         debug_assert!(members.iter().all(|p| self.peers.contains_key(p)), "unknown member");
         self.epoch = Epoch(self.epoch.0 + 1);
         let epoch = self.epoch;
@@ -510,11 +545,12 @@ impl Master {
                 self.send_to_peer(p, Message::PeersPendingAborted { retry: true, reason: reason.clone() });
             }
         }
+        let sites = self.sites();
         let wire_members: Vec<Member> = members
             .iter()
             .map(|p| {
                 let e = &self.peers[p];
-                Member { peer: *p, group: e.group, addr: e.addr.clone() }
+                Member { peer: *p, group: e.group, addr: e.addr.clone(), site: sites.get(p).copied() }
             })
             .collect();
         for p in &members {
@@ -708,6 +744,9 @@ impl Master {
         );
         assert!(legal, "illegal phase transition {:?} -> {:?}", self.phase, next);
         log::debug!("phase {} -> {}", phase_name(&self.phase), phase_name(&next));
+        if !matches!(next, Phase::AwaitingTopologyVotes { .. }) {
+            self.measured.clear();
+        }
         self.phase = next;
     }
 

@@ -72,7 +72,7 @@ fn run_with(n: u64) -> (Harness, Epoch) {
         h.join(c);
         let mut out = Vec::new();
         for voter in 1..c {
-            out = h.send(voter, Message::VoteUpdateTopology { collectives: 0 });
+            out = h.send(voter, Message::VoteUpdateTopology { collectives: 0, measured: None });
         }
         epoch = issued_epoch(&out, c).expect("the vote issues a topology");
         for member in 1..=c {
@@ -109,8 +109,8 @@ fn newcomer_waits_until_every_accepted_peer_votes() {
     for c in [1, 2] {
         assert_eq!(sent_to(&out, c), vec![&Message::PeersPendingResult { pending: true }]);
     }
-    assert_eq!(issued_epoch(&h.send(1, Message::VoteUpdateTopology { collectives: 0 }), 3), None);
-    let out = h.send(2, Message::VoteUpdateTopology { collectives: 0 });
+    assert_eq!(issued_epoch(&h.send(1, Message::VoteUpdateTopology { collectives: 0, measured: None }), 3), None);
+    let out = h.send(2, Message::VoteUpdateTopology { collectives: 0, measured: None });
     let epoch = issued_epoch(&out, 3).unwrap();
     assert_eq!(issued_epoch(&out, 1), Some(epoch));
     h.send(1, Message::TopologyReady { epoch });
@@ -124,8 +124,8 @@ fn newcomer_waits_until_every_accepted_peer_votes() {
 fn peer_lost_during_vote_lets_the_others_finish() {
     let (mut h, _) = run_with(3);
     h.join(4);
-    h.send(1, Message::VoteUpdateTopology { collectives: 0 });
-    h.send(2, Message::VoteUpdateTopology { collectives: 0 });
+    h.send(1, Message::VoteUpdateTopology { collectives: 0, measured: None });
+    h.send(2, Message::VoteUpdateTopology { collectives: 0, measured: None });
     h.master.handle_disconnect(h.now, ConnId(3), "reset");
     let out = h.drain();
     let epoch = issued_epoch(&out, 4).expect("the tally ran again without the lost voter");
@@ -143,8 +143,8 @@ fn peer_lost_during_vote_lets_the_others_finish() {
 fn member_lost_while_connecting_reissues_the_topology() {
     let (mut h, _) = run_with(2);
     h.join(3);
-    h.send(1, Message::VoteUpdateTopology { collectives: 0 });
-    let out = h.send(2, Message::VoteUpdateTopology { collectives: 0 });
+    h.send(1, Message::VoteUpdateTopology { collectives: 0, measured: None });
+    let out = h.send(2, Message::VoteUpdateTopology { collectives: 0, measured: None });
     let first = issued_epoch(&out, 3).unwrap();
     h.send(1, Message::TopologyReady { epoch: first });
     h.master.handle_disconnect(h.now, ConnId(3), "eof");
@@ -183,7 +183,7 @@ fn protocol_violations_expel_only_the_offender() {
     let (mut h, _) = run_with(2);
     h.join(3);
     // A registered peer may not vote.
-    let out = h.send(3, Message::VoteUpdateTopology { collectives: 0 });
+    let out = h.send(3, Message::VoteUpdateTopology { collectives: 0, measured: None });
     assert!(matches!(sent_to(&out, 3)[0], Message::Kicked { .. }));
     assert!(out.iter().any(|o| matches!(o, Output::Close { conn: ConnId(3), .. })));
     // A frame of another session is refused.
@@ -284,12 +284,12 @@ fn an_undecided_collective_aborts_when_the_ring_is_replaced() {
     let (mut h, epoch) = run_with(3);
     h.send(1, done(epoch, 0, false));
     h.join(4);
-    h.send(2, Message::VoteUpdateTopology { collectives: 0 });
-    h.send(3, Message::VoteUpdateTopology { collectives: 0 });
+    h.send(2, Message::VoteUpdateTopology { collectives: 0, measured: None });
+    h.send(3, Message::VoteUpdateTopology { collectives: 0, measured: None });
     // Peer 0 votes without having reported its part: a bug of its own, but the others must not
     // wait forever for a ring that no longer exists. The old ring's records are settled when the
     // new topology comes into force (members may still report on them until then).
-    let out = h.send(1, Message::VoteUpdateTopology { collectives: 0 });
+    let out = h.send(1, Message::VoteUpdateTopology { collectives: 0, measured: None });
     let next = issued_epoch(&out, 4).expect("the vote passed");
     let mut out = Vec::new();
     for c in 1..=4 {
@@ -346,7 +346,7 @@ fn a_vote_while_a_topology_connects_is_refused_not_expelled() {
     let (mut h, _) = run_with(3);
     h.master.handle_disconnect(h.now, ConnId(3), "eof");
     h.drain();
-    let out = h.send(1, Message::VoteUpdateTopology { collectives: 0 });
+    let out = h.send(1, Message::VoteUpdateTopology { collectives: 0, measured: None });
     assert!(matches!(sent_to(&out, 1)[..], [Message::TopologyVoteAborted { retry: true, .. }]), "{out:?}");
     assert!(h.master.peers().any(|(p, _)| p == PeerId(0)), "still in the run");
 }
@@ -354,7 +354,7 @@ fn a_vote_while_a_topology_connects_is_refused_not_expelled() {
 #[test]
 fn a_collective_run_during_an_admission_vote_abandons_the_vote() {
     let (mut h, epoch) = run_with(3);
-    let out = h.send(1, Message::VoteUpdateTopology { collectives: 7 });
+    let out = h.send(1, Message::VoteUpdateTopology { collectives: 7, measured: None });
     let opened = Message::VoteOpened { vote: Vote::UpdateTopology, epoch, voter: PeerId(0), collectives: 7 };
     assert_eq!((sent_to(&out, 2), sent_to(&out, 3)), (vec![&opened], vec![&opened]));
     // Peer 1 was running collective 7, which the voter never started.
@@ -465,7 +465,7 @@ fn a_late_report_about_the_old_ring_never_decides_the_same_number_in_the_new_one
     let (mut h, old) = run_with(3);
     h.join(4);
     for c in 1..=3 {
-        h.send(c, Message::VoteUpdateTopology { collectives: 13 });
+        h.send(c, Message::VoteUpdateTopology { collectives: 13, measured: None });
     }
     let new = h.master.epoch();
     // The late answer arrives while the new ring connects.
@@ -549,8 +549,8 @@ fn a_vote_is_announced_to_the_group_and_a_collective_it_blocks_abandons_it() {
 fn a_newcomer_that_never_reports_ready_is_dropped_and_the_rest_go_on() {
     let (mut h, _) = run_with(2);
     h.join(3);
-    h.send(1, Message::VoteUpdateTopology { collectives: 0 });
-    let out = h.send(2, Message::VoteUpdateTopology { collectives: 0 });
+    h.send(1, Message::VoteUpdateTopology { collectives: 0, measured: None });
+    let out = h.send(2, Message::VoteUpdateTopology { collectives: 0, measured: None });
     let epoch = issued_epoch(&out, 3).unwrap();
     h.send(1, Message::TopologyReady { epoch });
     h.send(2, Message::TopologyReady { epoch });
@@ -681,6 +681,7 @@ fn a_full_run_refuses_the_next_join_and_goes_on() {
                 peer: PeerId(p),
                 group: GroupId(0),
                 addr: "h".repeat(shoal_wire::MAX_STRING_BYTES),
+                site: Some(1),
             })
             .collect(),
     };
@@ -713,4 +714,87 @@ fn a_join_without_the_proof_of_the_secret_is_refused_and_counted() {
     // A Join on a connection that was never challenged is refused too.
     let out = h.send(9, join([0; 32]));
     assert!(out.iter().any(|o| matches!(o, Output::Close { conn: ConnId(9), .. })));
+}
+
+/// What conn `c`'s peer measured when peers sit on two sites by the parity of their conn: fast
+/// and close inside a site, slow and far between.
+fn two_site_links(c: u64, n: u64) -> Vec<shoal_wire::Measured> {
+    (1..=n)
+        .filter(|&o| o != c)
+        .map(|o| {
+            let near = o % 2 == c % 2;
+            let (rtt_us, bytes_per_s) = if near { (500, 1_000_000_000) } else { (40_000, 50_000_000) };
+            shoal_wire::Measured { peer: PeerId(o as u32 - 1), rtt_us, bytes_per_s }
+        })
+        .collect()
+}
+
+fn topology_members(outputs: &[Output], conn: u64) -> Vec<PeerId> {
+    sent_to(outputs, conn)
+        .into_iter()
+        .find_map(|m| match m {
+            Message::Topology { members, .. } => Some(members.iter().map(|m| m.peer).collect()),
+            _ => None,
+        })
+        .expect("a topology")
+}
+
+#[test]
+fn optimize_orders_the_ring_by_measured_links_and_admits_nobody() {
+    let (mut h, _) = run_with(6);
+    h.join(7);
+    let mut out = Vec::new();
+    for c in 1..=6 {
+        out = h.send(c, Message::VoteUpdateTopology { collectives: 0, measured: Some(two_site_links(c, 6)) });
+    }
+    let ring = topology_members(&out, 1);
+    assert_eq!(ring.len(), 6, "the newcomer waits for update_topology: {ring:?}");
+    let crossings = (0..6).filter(|&i| ring[i].0 % 2 != ring[(i + 1) % 6].0 % 2).count();
+    assert_eq!(crossings, 2, "each site's members side by side: {ring:?}");
+    let Some(Message::Topology { members, .. }) =
+        sent_to(&out, 1).into_iter().find(|m| matches!(m, Message::Topology { .. }))
+    else {
+        unreachable!()
+    };
+    for m in members {
+        assert_eq!(m.site, Some(m.peer.0 as u16 % 2), "{members:?}");
+    }
+    assert!(out.iter().any(|o| matches!(o, Output::Event(MasterEvent::RingPlanned { .. }))));
+    let epoch = issued_epoch(&out, 1).unwrap();
+    for c in 1..=6 {
+        h.send(c, Message::TopologyReady { epoch });
+    }
+    assert_eq!(h.master.ring(), ring.as_slice());
+    let link = h.master.plan().unwrap().link(PeerId(0), PeerId(1)).unwrap();
+    assert_eq!((link.rtt_us, link.bytes_per_s), (40_000, 50_000_000));
+
+    // The admission vote keeps the planned order and puts the newcomer last.
+    for c in 1..=6 {
+        out = h.send(c, Message::VoteUpdateTopology { collectives: 0, measured: None });
+    }
+    let next = topology_members(&out, 7);
+    assert_eq!(&next[..6], ring.as_slice());
+    assert_eq!(next[6], PeerId(6));
+    for c in 1..=7 {
+        h.send(c, Message::TopologyReady { epoch: issued_epoch(&out, 1).unwrap() });
+    }
+
+    // A member lost: the ring re-forms over the others, still crossing between sites twice.
+    h.master.handle_disconnect(h.now, ConnId(2), "reset");
+    let out = h.drain();
+    let reformed = topology_members(&out, 1);
+    assert_eq!(reformed.len(), 6);
+    let planned: Vec<PeerId> = reformed.iter().copied().filter(|p| p.0 != 6).collect();
+    let crossings = (0..5).filter(|&i| planned[i].0 % 2 != planned[(i + 1) % 5].0 % 2).count();
+    assert_eq!(crossings, 2, "{reformed:?}");
+}
+
+#[test]
+fn a_measurement_naming_a_member_twice_is_a_violation() {
+    let (mut h, _) = run_with(3);
+    let mut links = two_site_links(1, 3);
+    links.push(links[0]);
+    let out = h.send(1, Message::VoteUpdateTopology { collectives: 0, measured: Some(links) });
+    assert!(sent_to(&out, 1).iter().any(|m| matches!(m, Message::Kicked { reason } if reason.contains("twice"))));
+    assert_eq!(h.master.ring().len(), 2);
 }

@@ -15,6 +15,8 @@ pub enum Timer {
     NewcomersReady,
     /// A newcomer's first `peers_pending`, cast tentatively, is due its answer (`calls.rs`).
     TentativeVotes,
+    /// A slice of the background search for a better ring is due (`plan.rs`).
+    ImprovePlan,
 }
 
 /// Deadlines indexed by [`Timer`]; at most one per timer.

@@ -23,7 +23,9 @@ pub use view::{
 
 use crate::auth::{DataKey, RunKey};
 use crate::master::heartbeat_interval;
-use shoal_wire::{Epoch, FailureKind, GroupId, Message, OpFailure, PeerId, PlanEntry, SessionId, StateDigest, Vote};
+use shoal_wire::{
+    Epoch, FailureKind, GroupId, Measured, Message, OpFailure, PeerId, PlanEntry, SessionId, StateDigest, Vote,
+};
 use std::collections::VecDeque;
 use std::fmt;
 use std::time::{Duration, Instant};
@@ -72,6 +74,9 @@ pub struct CallId(pub u64);
 pub enum CallKind {
     /// `update_topology`: the admission vote.
     UpdateTopology,
+    /// `optimize_topology`, once this peer measured its links to the ring's other members: a
+    /// vote like `update_topology`'s that re-orders the ring and admits nobody.
+    OptimizeTopology(Vec<Measured>),
     /// `peers_pending`: whether newcomers wait.
     PeersPending,
     /// `sync_shared_state` with this peer's ballot.
@@ -85,6 +90,7 @@ impl CallKind {
     pub fn name(&self) -> &'static str {
         match self {
             CallKind::UpdateTopology => "update_topology",
+            CallKind::OptimizeTopology(_) => "optimize_topology",
             CallKind::PeersPending => "peers_pending",
             CallKind::SyncSharedState(_) => "sync_shared_state",
             CallKind::Collective => "all_reduce",
@@ -278,8 +284,8 @@ struct InFlight {
 enum Purpose {
     /// `connect`: a newcomer waits to be admitted.
     Connect,
-    /// Our `update_topology` vote.
-    Vote,
+    /// Our `update_topology` vote (or `optimize_topology`'s), cast again if it is not counted.
+    Vote(CallKind),
     /// Another call joins a topology issued without a vote (a re-formed ring), then runs.
     Follow(CallKind),
 }
@@ -670,8 +676,17 @@ impl Peer {
                     log::debug!("update_topology after a failure: the ring re-formed already");
                     return self.finish(id, Ok(Value::TopologyInForce));
                 }
-                self.outbox.push_back(Message::VoteUpdateTopology { collectives });
-                Call::Topology { purpose: Purpose::Vote, handled: self.view.ready_in, establishing: None }
+                self.outbox.push_back(Message::VoteUpdateTopology { collectives, measured: None });
+                let purpose = Purpose::Vote(CallKind::UpdateTopology);
+                Call::Topology { purpose, handled: self.view.ready_in, establishing: None }
+            }
+            CallKind::OptimizeTopology(measured) => {
+                // Always a vote: a ring re-formed after a failure is not the ordered one.
+                let collectives = self.view.cast_vote(Vote::UpdateTopology);
+                let vote = Message::VoteUpdateTopology { collectives, measured: Some(measured.clone()) };
+                self.outbox.push_back(vote);
+                let purpose = Purpose::Vote(CallKind::OptimizeTopology(measured));
+                Call::Topology { purpose, handled: self.view.ready_in, establishing: None }
             }
             CallKind::PeersPending => {
                 let collectives = self.view.cast_vote(Vote::PeersPending);
@@ -846,9 +861,13 @@ impl Peer {
                 if establishing.is_some() {
                     return self.timed_out(id, deadline, now);
                 }
-                match self.view.topology_step(handled, purpose == Purpose::Vote) {
+                let voting = matches!(purpose, Purpose::Vote(_));
+                match self.view.topology_step(handled, voting) {
                     // Not counted while a topology connected: join it, then vote again.
-                    Some(TopologyStep::VoteRefused) => self.begin(id, CallKind::UpdateTopology, deadline),
+                    Some(TopologyStep::VoteRefused) => {
+                        let Purpose::Vote(kind) = purpose else { unreachable!("only a vote is refused") };
+                        self.begin(id, kind, deadline)
+                    }
                     Some(TopologyStep::VoteAbandoned(reason)) => self.finish(id, Err(CallError::Misuse(reason))),
                     Some(TopologyStep::Establish(epoch, members)) => {
                         let position = self.view.position(epoch, &members);
@@ -861,7 +880,7 @@ impl Peer {
                         self.take_up();
                         match purpose {
                             Purpose::Connect => self.finish(id, Ok(Value::Joined)),
-                            Purpose::Vote => self.finish(id, Ok(Value::TopologyInForce)),
+                            Purpose::Vote(_) => self.finish(id, Ok(Value::TopologyInForce)),
                             Purpose::Follow(kind) => self.run(id, kind, deadline),
                         }
                     }

@@ -9,7 +9,7 @@ const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(2);
 const BOUND: Duration = Duration::from_secs(10);
 
 fn member(p: u32) -> Member {
-    Member { peer: PeerId(p), group: GroupId(0), addr: format!("h:{p}") }
+    Member { peer: PeerId(p), group: GroupId(0), addr: format!("h:{p}"), site: None }
 }
 
 fn members(ids: &[u32]) -> Vec<Member> {
@@ -228,7 +228,7 @@ fn without_a_verdict_a_failure_stands_and_a_question_times_out() {
 fn a_refused_vote_joins_the_issued_topology_and_votes_again() {
     let (mut p, t0) = joined(&[0, 1]);
     p.call(CallKind::UpdateTopology, BOUND, t0);
-    assert_eq!(sent(&mut p), vec![Message::VoteUpdateTopology { collectives: 0 }]);
+    assert_eq!(sent(&mut p), vec![Message::VoteUpdateTopology { collectives: 0, measured: None }]);
     p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1, 2]) }, t0).unwrap();
     p.handle_message(Message::TopologyVoteAborted { retry: true, reason: "a topology connects".into() }, t0).unwrap();
     let establish = actions(&mut p);
@@ -237,7 +237,7 @@ fn a_refused_vote_joins_the_issued_topology_and_votes_again() {
     assert_eq!(sent(&mut p), vec![Message::TopologyReady { epoch: Epoch(2) }]);
     p.handle_message(Message::TopologyCommitted { epoch: Epoch(2) }, t0).unwrap();
     assert!(matches!(&actions(&mut p)[..], [Action::TakeUp(pos)] if pos.epoch == Epoch(2)));
-    assert_eq!(sent(&mut p), vec![Message::VoteUpdateTopology { collectives: 0 }], "voted again");
+    assert_eq!(sent(&mut p), vec![Message::VoteUpdateTopology { collectives: 0, measured: None }], "voted again");
     p.handle_message(Message::TopologyVoteAborted { retry: false, reason: "p1 ran all_reduce".into() }, t0).unwrap();
     assert_eq!(actions(&mut p), vec![done(Err(CallError::Misuse("p1 ran all_reduce".into())))]);
 }

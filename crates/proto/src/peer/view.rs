@@ -728,7 +728,7 @@ mod tests {
     }
 
     fn member(p: u32, g: u32) -> Member {
-        Member { peer: PeerId(p), group: GroupId(g), addr: format!("h:{p}") }
+        Member { peer: PeerId(p), group: GroupId(g), addr: format!("h:{p}"), site: None }
     }
 
     #[test]

@@ -1,0 +1,188 @@
+//! The ring's order (`optimize_topology`, `docs/topology.md`).
+//!
+//! Every accepted peer measures its links to the others and votes `update_topology` with them.
+//! When the vote passes and every voter measured, the master solves the asymmetric
+//! travelling-salesman problem over the costs of those links (`shoal_topology`): exactly up to
+//! [`EXACT_MAX`] members, else a heuristic within [`FIRST_ANSWER`]. The answer is the
+//! [`Plan`]: every topology issued from then on lists its measured members in the plan's order,
+//! those that left dropped and the order re-solved (within [`REPLAN`] for a large group), and
+//! members nobody measured after them in their usual order. A large group's plan keeps improving
+//! in slices of [`SLICE`] while the run goes on, applied at the next topology.
+
+use super::{Master, MasterEvent, Output, Timer};
+use shoal_topology::{solve, tour_cost, Costs, Link, Links, Search, EXACT_MAX};
+use shoal_wire::{Measured, PeerId};
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+/// The heuristic's budget for a new plan.
+pub const FIRST_ANSWER: Duration = Duration::from_secs(1);
+/// Its budget to re-solve after the group changed (a member left).
+pub const REPLAN: Duration = Duration::from_millis(100);
+/// One slice of improvement in the background, and the pause between two.
+pub const SLICE: Duration = Duration::from_millis(10);
+const SLICE_EVERY: Duration = Duration::from_millis(100);
+/// Slices in a row without improvement after which the background search stops.
+const FRUITLESS_SLICES: u32 = 100;
+
+/// The last measured links and the best ring over them.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// The measured members, indexing `links`.
+    members: Vec<PeerId>,
+    links: Links,
+    /// The best ring found over `members`.
+    order: Vec<PeerId>,
+    /// The background search, for a large group, while it still finds better.
+    search: Option<Search>,
+    fruitless: u32,
+}
+
+impl Plan {
+    /// The measured members.
+    pub fn members(&self) -> &[PeerId] {
+        &self.members
+    }
+
+    /// What `from` measured towards `to`.
+    pub fn link(&self, from: PeerId, to: PeerId) -> Option<Link> {
+        let at = |p| self.members.iter().position(|m| *m == p);
+        self.links.get(at(from)?, at(to)?)
+    }
+
+    /// The best ring found over the measured members.
+    pub fn order(&self) -> &[PeerId] {
+        &self.order
+    }
+}
+
+impl Master {
+    /// The plan of the last `optimize_topology`, if one passed.
+    pub fn plan(&self) -> Option<&Plan> {
+        self.plan.as_ref()
+    }
+
+    /// Checks what `voter` measured (links to members of the ring, each at most once, none to
+    /// itself) and keeps it for the tally. An `Err` names the violation.
+    pub(super) fn record_measured(&mut self, voter: PeerId, measured: Option<Vec<Measured>>) -> Result<(), String> {
+        if let Some(links) = &measured {
+            let mut seen = std::collections::BTreeSet::new();
+            for l in links {
+                if l.peer == voter || !seen.insert(l.peer) {
+                    return Err(format!("{voter} measured its link to {} twice, or to itself", l.peer));
+                }
+            }
+        }
+        self.measured.insert(voter, measured);
+        Ok(())
+    }
+
+    /// Whether every voter of the passed ballot measured: the vote was `optimize_topology`'s.
+    pub(super) fn every_voter_measured(&self, voters: &[PeerId]) -> bool {
+        voters.iter().all(|v| self.measured.get(v).is_some_and(Option::is_some))
+    }
+
+    /// A new plan over `voters` (in ring order) from what they measured; links to members that
+    /// are gone are ignored.
+    pub(super) fn make_plan(&mut self, voters: &[PeerId]) {
+        let mut links = Links::new(voters.len());
+        for (i, v) in voters.iter().enumerate() {
+            for m in self.measured.get(v).cloned().flatten().unwrap_or_default() {
+                if let Some(j) = voters.iter().position(|p| *p == m.peer) {
+                    links.set(i, j, Link { rtt_us: m.rtt_us, bytes_per_s: m.bytes_per_s });
+                }
+            }
+        }
+        let costs = Costs::from_links(&links);
+        let before = tour_cost(&costs, &(0..voters.len()).collect::<Vec<_>>());
+        let tour = solve(&costs, None, Instant::now() + FIRST_ANSWER, None);
+        let after = tour_cost(&costs, &tour);
+        let order: Vec<PeerId> = tour.iter().map(|&i| voters[i]).collect();
+        log::info!("measured links (from -> to: round trip, rate):\n{}", describe(voters, &links));
+        let search = (voters.len() > EXACT_MAX).then(|| Search::new(costs, Some(tour), voters.len() as u64));
+        self.plan = Some(Plan { members: voters.to_vec(), links, order: order.clone(), search, fruitless: 0 });
+        self.outputs.push_back(Output::Event(MasterEvent::RingPlanned {
+            members: order,
+            cost_us: after,
+            before_us: before,
+        }));
+    }
+
+    /// `members` in the order a topology lists them: the planned ones in the plan's order, then
+    /// the others as given.
+    pub(super) fn planned(&mut self, members: Vec<PeerId>) -> Vec<PeerId> {
+        let Some(plan) = &mut self.plan else { return members };
+        let kept: Vec<usize> =
+            plan.order.iter().filter(|p| members.contains(p)).map(|p| index(&plan.members, *p)).collect();
+        if kept.len() < 2 {
+            return members;
+        }
+        let mut order: Vec<PeerId> = if kept.len() == plan.members.len() {
+            plan.order.clone()
+        } else {
+            // Members left: the order without them, improved over the links among those that stay.
+            let costs = Costs::from_links(&plan.links.subset(&kept));
+            let start = (0..kept.len()).collect();
+            let tour = solve(&costs, Some(start), Instant::now() + REPLAN, None);
+            tour.iter().map(|&i| plan.members[kept[i]]).collect()
+        };
+        order.extend(members.iter().filter(|p| !plan.members.contains(p)));
+        order
+    }
+
+    /// A slice of the background search, when one runs: a better ring is kept for the next
+    /// topology.
+    pub(super) fn improve_plan(&mut self, now: Instant) {
+        let Some(plan) = &mut self.plan else { return };
+        let Some(search) = &mut plan.search else { return };
+        if search.run(Instant::now() + SLICE, None) {
+            let (tour, cost) = search.best();
+            plan.order = tour.iter().map(|&i| plan.members[i]).collect();
+            plan.fruitless = 0;
+            log::info!("ring plan improved in the background: cost {cost} µs, applied at the next topology");
+        } else {
+            plan.fruitless += 1;
+        }
+        if plan.fruitless >= FRUITLESS_SLICES {
+            plan.search = None;
+        }
+        self.arm_plan_slice(now);
+    }
+
+    /// Each planned member's site (`shoal_topology::sites`).
+    pub(super) fn sites(&self) -> BTreeMap<PeerId, u16> {
+        let Some(plan) = &self.plan else { return BTreeMap::new() };
+        let sites = shoal_topology::sites(&plan.links, shoal_topology::sites::DEFAULT_NEAR_US);
+        plan.members.iter().zip(sites).map(|(p, s)| (*p, s as u16)).collect()
+    }
+
+    pub(super) fn arm_plan_slice(&mut self, now: Instant) {
+        match self.plan.as_ref().and_then(|p| p.search.as_ref()) {
+            Some(_) => self.timers.set(Timer::ImprovePlan, now + SLICE_EVERY),
+            None => self.timers.clear(Timer::ImprovePlan),
+        }
+    }
+}
+
+fn index(members: &[PeerId], p: PeerId) -> usize {
+    members.iter().position(|m| *m == p).expect("a planned member")
+}
+
+/// The links as lines for the log.
+fn describe(members: &[PeerId], links: &Links) -> String {
+    let mut by_pair = BTreeMap::new();
+    for (i, a) in members.iter().enumerate() {
+        for (j, b) in members.iter().enumerate() {
+            if let Some(l) = (i != j).then(|| links.get(i, j)).flatten() {
+                by_pair.insert((a, b), l);
+            }
+        }
+    }
+    let lines: Vec<String> = by_pair
+        .iter()
+        .map(|((a, b), l)| {
+            format!("  {a} -> {b}: {:.2} ms, {:.1} Mbit/s", l.rtt_us as f64 / 1e3, l.bytes_per_s as f64 * 8.0 / 1e6)
+        })
+        .collect();
+    lines.join("\n")
+}
