@@ -97,6 +97,24 @@ class Communicator:
         """Vote with every accepted peer to admit the pending ones; return once in force."""
         self._native.update_topology()
 
+    def optimize_topology(self) -> None:
+        """Measure the links between the group's members and re-order the ring by them; a major
+        operation every accepted peer must call (pending peers stay pending). The master solves
+        the asymmetric travelling-salesman problem over the measured costs, so the ring crosses
+        slow links as few times as possible, and places members in sites (short mutual round
+        trips), which the hierarchical all-reduce follows. Raises ``PeerLostError`` (retryable)
+        if a member is lost meanwhile."""
+        self._native.optimize_topology()
+
+    def bandwidth_matrix(self) -> "list[list[dict[str, float] | None]]":
+        """What the last ``optimize_topology()`` measured, by rank in the topology in force:
+        ``m[a][b]`` is ``{"bytes_per_s", "rtt_s"}`` of the link from rank ``a`` to rank ``b``, or
+        ``None`` on the diagonal and for members not measured together (admitted since)."""
+        return [
+            [None if e is None else {"bytes_per_s": float(e[1]), "rtt_s": e[0] / 1e6} for e in row]
+            for row in self._native.bandwidth_matrix()
+        ]
+
     def peers_pending(self) -> bool:
         """Whether peers wait for admission; a vote every accepted peer must call."""
         return self._native.peers_pending()

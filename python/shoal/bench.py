@@ -172,15 +172,19 @@ def format_table(rows: Iterable[dict], title: str) -> str:
     return "\n".join(lines)
 
 
-def spawn_workers(argv_for: Callable[[int], list[str]], peers: int) -> list[list[dict]]:
-    """Runs ``peers`` worker processes and returns each one's JSON lines.
+def spawn_workers(argv_for: Callable[[int], list[str]], peers: int, stagger: float = 0.0) -> list[list[dict]]:
+    """Runs ``peers`` worker processes, ``stagger`` seconds apart (so that they join, and stand
+    in the ring, in order), and returns each one's JSON lines.
 
     Output goes to files, not pipes: a worker blocked on a full pipe would stall the collective
     every other worker is in.
     """
     with tempfile.TemporaryDirectory(prefix="shoal-bench-") as tmp:
         files = [open(os.path.join(tmp, f"worker{i}.jsonl"), "w+") for i in range(peers)]
-        procs = [subprocess.Popen(argv_for(i), stdout=f, text=True) for i, f in enumerate(files)]
+        procs = []
+        for i, f in enumerate(files):
+            procs.append(subprocess.Popen(argv_for(i), stdout=f, text=True))
+            time.sleep(stagger)
         codes = [p.wait() for p in procs]
         outputs = []
         for f in files:
@@ -203,6 +207,8 @@ def _worker(args: argparse.Namespace) -> None:
             comm.update_topology()
         else:
             time.sleep(0.01)
+    if args.optimize:
+        comm.optimize_topology()
     world = comm.group_world_size
     # The other buffer of an all_gather (its input) or reduce_scatter (its output), per buffer.
     blocks: dict[int, np.ndarray] = {}
@@ -257,6 +263,7 @@ def run(
     max_iters: int = _MAX_ITERS,
     in_flight: int = 1,
     algorithm: Optional[str] = None,
+    optimize: bool = False,
 ) -> list[dict]:
     """Runs the benchmark with ``peers`` worker processes and returns its rows. Starts a master
     unless ``master_addr`` is given. With ``lab`` (a lab that is up, see ``shoal lab``), peer i
@@ -284,11 +291,14 @@ def run(
         argv += ["--in-flight", str(in_flight)]
         if algorithm is not None:
             argv += ["--algorithm", algorithm]
+        if optimize:
+            argv += ["--optimize"]
         if connections is not None:
             argv += ["--connections", str(connections)]
         if chunk_bytes is not None:
             argv += ["--chunk-bytes", str(chunk_bytes)]
-        outputs = spawn_workers(lambda i: place(i, argv), peers)
+        # In a lab, the hosts' order is the ring's (until optimize_topology re-orders it).
+        outputs = spawn_workers(lambda i: place(i, argv), peers, stagger=0.3 if the_lab else 0.0)
     return summarize(outputs, peers, op)
 
 
@@ -312,6 +322,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         help="all-reduces of each size started at once per iteration (default 1)")
     parser.add_argument("--algorithm", choices=["auto", "ring", "oneshot", "twoshot", "hierarchical"], default=None,
                         help="all-reduce algorithm (default: chosen per size)")
+    parser.add_argument("--optimize", action="store_true",
+                        help="order the ring by measured links (optimize_topology) before timing")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     parse_sizes(args.sizes)
@@ -329,7 +341,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     rows = run(args.peers, args.sizes, dtype=args.dtype, op=args.op, reduction=args.reduction, master_addr=args.master,
                connections=args.connections, chunk_bytes=args.chunk_bytes, lab=args.lab,
                hosts=args.hosts.split(",") if args.hosts else None, max_iters=args.max_iters,
-               in_flight=args.in_flight, algorithm=args.algorithm)
+               in_flight=args.in_flight, algorithm=args.algorithm, optimize=args.optimize)
     where = args.master or (f"in lab {args.lab}" if args.lab else "local")
     if args.json:
         print(json.dumps(rows, indent=1))

@@ -284,6 +284,16 @@ impl Communicator {
         py.detach(|| self.inner.update_topology()).map_err(to_py)
     }
 
+    fn optimize_topology(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.optimize_topology()).map_err(to_py)
+    }
+
+    /// `[from][to]`: `(round trip µs, bytes per second)` or `None`.
+    fn bandwidth_matrix(&self) -> Vec<Vec<Option<(u32, u64)>>> {
+        let matrix = self.inner.bandwidth_matrix();
+        matrix.into_iter().map(|row| row.into_iter().map(|l| l.map(|l| (l.rtt_us, l.bytes_per_s))).collect()).collect()
+    }
+
     fn peers_pending(&self, py: Python<'_>) -> PyResult<bool> {
         py.detach(|| self.inner.peers_pending()).map_err(to_py)
     }

@@ -138,3 +138,25 @@ def test_peers_join_one_by_one_while_the_others_run(master, tmp_path):
     assert sorted(o["rank"] for o in out) == [0, 1, 2, 3]
     # The first peer started alone and saw the world grow.
     assert out[0]["seen"][0] == 1 and out[0]["seen"][-1] == 4
+
+
+def test_optimize_topology_measures_every_link_and_the_run_goes_on(master, tmp_path):
+    results = run_peers(master, tmp_path, "optimize", 4)
+    rings = {tuple(r["ring"]) for r in results}
+    assert len(rings) == 1, rings
+    (ring,) = rings
+    assert sorted(ring) == sorted(r["peer_id"] for r in results), ring
+    assert all(ring[r["rank"]] == r["peer_id"] for r in results), (ring, results)
+    for r in results:
+        assert r["sum"] == 4.0 and r["world"] == 4, r
+        assert r["algorithm"] == "ring", "one host is one site"
+        m = r["matrix"]
+        assert len(m) == 4 and all(len(row) == 4 for row in m), m
+        for a in range(4):
+            for b in range(4):
+                if a == b:
+                    assert m[a][b] is None
+                else:
+                    assert m[a][b]["bytes_per_s"] > 1e6 and 0 < m[a][b]["rtt_s"] < 1.0, m[a][b]
+    # Every member holds the same matrix, in the ranks of the topology in force.
+    assert all(r["matrix"] == results[0]["matrix"] for r in results)

@@ -172,6 +172,7 @@ def test_a_barrier_fails_fast_when_a_member_dies_or_freezes_before_it(sig):
     ("all_reduce.all_gather", "ring", None), ("all_reduce.reduce_scatter", "oneshot", None),
     ("all_reduce.reduce_scatter", "ring", "broadcast"), ("all_reduce.reduce_scatter", "twoshot", None),
     ("all_reduce.reduce_scatter", "ring", "all_gather"), ("all_reduce.reduce_scatter", "ring", "reduce_scatter"),
+    ("optimize_topology.probe", None, None), ("optimize_topology.before_vote", None, None),
 ])
 def test_a_peer_dying_at_any_step_ends_every_call_and_the_run_goes_on(point, algorithm, verb):
     # Admission calls complete without the dead peer (they never need its data); a collective
@@ -201,5 +202,7 @@ def test_a_peer_dying_at_any_step_ends_every_call_and_the_run_goes_on(point, alg
         assert first["seconds"] < HEARTBEAT_TIMEOUT + 4, first
         if point.startswith("all_reduce"):
             assert "error" in first and first["restored"], first
+        if point == "optimize_topology.probe":
+            assert "error" in first, first
         final = rest[-1]
         assert final.get("ok") and final["world"] == 3 and final["sum"] == 3.0, s

@@ -57,6 +57,25 @@ def test_hierarchical_all_reduce_across_two_hosts_of_two_peers_matches_numpy(sit
     assert all(i["algorithms"] == ["hierarchical"] for i in infos), infos
 
 
+def test_optimize_topology_puts_each_site_together_and_all_reduce_goes_hierarchical(sites, tmp_path):
+    hosts = ["a1", "b1", "a2", "b2"]  # joined in the worst order: the ring crosses the 40 ms path four times
+    with sites.master("a1") as master:
+        out = run_peers(master, tmp_path, "optimize", 4, timeout=180, launch=lambda i, argv: sites.argv(hosts[i], argv))
+    (ring,) = {tuple(o["ring"]) for o in out}
+    site = {o["peer_id"]: hosts[o["index"]][0] for o in out}
+    crossings = sum(site[ring[i]] != site[ring[(i + 1) % 4]] for i in range(4))
+    assert crossings == 2, (ring, site)
+    for o in out:
+        assert o["sum"] == 4.0 and o["algorithm"] == "hierarchical", o
+        # What it measured: about 40 ms between the sites, a few inside.
+        m, me = o["matrix"], o["rank"]
+        for other in range(4):
+            if other != me:
+                near = site[ring[other]] == site[ring[me]]
+                rtt = m[me][other]["rtt_s"]
+                assert (rtt < 0.02) if near else (0.03 < rtt < 0.2), (me, other, m[me][other])
+
+
 def test_bench_runs_in_the_lab_and_sees_the_wan(sites):
     rows = bench.run(4, "4K,4M", lab=sites.name, max_iters=4)
     assert [r["size"] for r in rows] == [4096, 4 << 20]

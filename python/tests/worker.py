@@ -457,6 +457,8 @@ def die_at(spec: dict) -> dict:
             comm.all_reduce(x, op="sum", algorithm=spec.get("algorithm"))
         elif first == "peers_pending":
             comm.peers_pending()
+        elif first == "optimize_topology":
+            comm.optimize_topology()
         else:
             comm.update_topology()
         calls.append({"call": first, "ok": True})
@@ -781,6 +783,24 @@ def p2p_ring(spec: dict) -> dict:
     return {"errors": errors, "world": comm.group_world_size, "steps": tag}
 
 
+def optimize(spec: dict) -> dict:
+    """Joins, re-orders the ring by measured links, then all-reduces: reports the ring (peer ids
+    by rank), the measured matrix and the sum."""
+    comm = shoal.Communicator(spec["master"], timeout=60)
+    comm.connect(timeout=30)
+    join_all(comm, spec["peers"])
+    before = comm.rank
+    comm.optimize_topology()
+    ranks = np.zeros(comm.group_world_size, np.float32)
+    comm.all_gather(ranks, np.array([float(comm.peer_id)], np.float32))
+    x = np.ones(2 << 20, np.float32)  # 8 MiB: above two-shot's sizes
+    info = comm.all_reduce(x, op="sum")
+    assert (x == info.world_size).all()
+    return {"index": spec["index"], "before": before, "rank": comm.rank, "peer_id": comm.peer_id,
+            "ring": [int(r) for r in ranks], "matrix": comm.bandwidth_matrix(),
+            "sum": float(x[0]), "world": info.world_size, "algorithm": info.algorithm}
+
+
 def barrier_lost(spec: dict) -> dict:
     """Every peer but the victim waits in a barrier the victim never enters (the test kills or
     freezes it); then all-reduces until it succeeds in the smaller world."""
@@ -814,6 +834,6 @@ if __name__ == "__main__":
                  "sync_case": sync_case, "mismatch": mismatch, "empty": empty, "loop": loop,
                  "mismatched_calls": mismatched_calls, "links": links, "verbs": verbs,
                  "p2p": p2p, "p2p_ring": p2p_ring,
-                 "barrier_lost": barrier_lost}
+                 "barrier_lost": barrier_lost, "optimize": optimize}
     result = scenarios[scenario](spec)
     print(json.dumps(result), flush=True)

@@ -86,6 +86,8 @@ pub struct Communicator {
     pub(crate) data: Arc<Mutex<DataPlane>>,
     /// Drives the state machine and the engine, for whichever thread holds the data plane.
     driver: Arc<Driver>,
+    /// What the last `optimize_topology` measured.
+    pub(crate) measured: Mutex<Option<crate::topology::Measurements>>,
 }
 
 pub(crate) struct Connected {
@@ -109,6 +111,7 @@ impl Communicator {
             connected: Mutex::new(None),
             data: Arc::new(Mutex::new(DataPlane::default())),
             driver: Arc::new(Driver { config: config.clone(), progress: Progress::default() }),
+            measured: Mutex::new(None),
             config,
         })
     }
@@ -229,7 +232,7 @@ impl Communicator {
     }
 
     /// A call that moves no data of its own: `update_topology` or `peers_pending`.
-    fn vote(&self, kind: CallKind, bound: Duration) -> Result<Value> {
+    pub(crate) fn vote(&self, kind: CallKind, bound: Duration) -> Result<Value> {
         let c = self.connected()?;
         let operation = kind.name();
         let mut data = self.lock_data();
@@ -839,22 +842,29 @@ fn op_error(f: OpFailure, header: &OpHeader) -> Error {
     }
 }
 
-/// The host of each member of `position`'s group, numbered in order of first appearance, as
-/// their advertised addresses say: every member sees the same ones, so decides alike (members of
-/// one host that advertise different addresses count as two, which costs speed, not results).
+/// The host of each member of `position`'s group, numbered in order of first appearance: its
+/// site where the master placed every member in one (`optimize_topology`), else as their
+/// advertised addresses say. Every member sees the same ones, so decides alike (members of one
+/// host that advertise different addresses count as two, which costs speed, not results).
 fn hosts_of(position: &RingPosition) -> Vec<usize> {
     let host = |addr: &str| match addr.parse::<SocketAddr>() {
         Ok(a) => a.ip().to_string(),
         Err(_) => addr.rsplit_once(':').map_or(addr, |(h, _)| h).to_string(),
     };
-    let mut seen: Vec<String> = Vec::new();
-    position
-        .ring
-        .iter()
-        .map(|m| {
-            let h = host(&m.addr);
-            seen.iter().position(|s| *s == h).unwrap_or_else(|| {
-                seen.push(h);
+    match position.ring.iter().map(|m| m.site).collect::<Option<Vec<u16>>>() {
+        Some(sites) => numbered(sites),
+        None => numbered(position.ring.iter().map(|m| host(&m.addr))),
+    }
+}
+
+/// Each item's number among the distinct items, numbered in order of first appearance.
+fn numbered<T: PartialEq>(items: impl IntoIterator<Item = T>) -> Vec<usize> {
+    let mut seen: Vec<T> = Vec::new();
+    items
+        .into_iter()
+        .map(|item| {
+            seen.iter().position(|s| *s == item).unwrap_or_else(|| {
+                seen.push(item);
                 seen.len() - 1
             })
         })

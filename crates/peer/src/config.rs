@@ -51,6 +51,10 @@ pub struct CommunicatorConfig {
     /// are shared-memory lanes (`SHOAL_TRANSPORT=auto`, the default) or TCP like every other
     /// (`SHOAL_TRANSPORT=tcp`, which keeps the network path testable on one host).
     pub shared_memory: bool,
+    /// Bytes each member sends each other member when `optimize_topology` measures their link
+    /// (`SHOAL_PROBE_BYTES`): enough for a long path's window to open, and each of the
+    /// `world - 1` rounds takes about this over the slowest link.
+    pub probe_bytes: usize,
 }
 
 /// Default TCP connections to a peer on another host. Parallel streams get past per-flow
@@ -72,6 +76,10 @@ pub const MAX_IN_FLIGHT: usize = 1024;
 pub const DEFAULT_ONESHOT_MAX_BYTES: usize = 64 << 10;
 /// Default for [`CommunicatorConfig::twoshot_max_bytes`].
 pub const DEFAULT_TWOSHOT_MAX_BYTES: usize = 4 << 20;
+/// Default for [`CommunicatorConfig::probe_bytes`].
+pub const DEFAULT_PROBE_BYTES: usize = 4 << 20;
+/// Largest [`CommunicatorConfig::probe_bytes`]: two such buffers are allocated per round.
+pub const MAX_PROBE_BYTES: usize = 1 << 30;
 /// Smallest pipeline chunk: below this, per-chunk overhead dominates.
 pub const MIN_CHUNK_BYTES: usize = 4096;
 
@@ -95,6 +103,7 @@ impl CommunicatorConfig {
             algorithm: None,
             oneshot_max_bytes: env_count("SHOAL_ONESHOT_MAX_BYTES")?.unwrap_or(DEFAULT_ONESHOT_MAX_BYTES),
             twoshot_max_bytes: env_count("SHOAL_TWOSHOT_MAX_BYTES")?.unwrap_or(DEFAULT_TWOSHOT_MAX_BYTES),
+            probe_bytes: env_count("SHOAL_PROBE_BYTES")?.unwrap_or(DEFAULT_PROBE_BYTES),
             shared_memory: match env_value("SHOAL_TRANSPORT").as_deref() {
                 None | Some("auto") => true,
                 Some("tcp") => false,
@@ -194,6 +203,9 @@ impl CommunicatorConfig {
         }
         if self.chunk_bytes < MIN_CHUNK_BYTES {
             return bad(format!("chunk_bytes={} below {MIN_CHUNK_BYTES}", self.chunk_bytes));
+        }
+        if !(1..=MAX_PROBE_BYTES).contains(&self.probe_bytes) {
+            return bad(format!("probe_bytes={} outside 1..={MAX_PROBE_BYTES}", self.probe_bytes));
         }
         if self.heartbeat_timeout.is_zero() || self.timeout.is_zero() {
             return bad("timeouts must be positive".into());

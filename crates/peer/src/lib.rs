@@ -23,6 +23,7 @@ mod error;
 mod failpoint;
 mod links;
 mod sync;
+mod topology;
 mod transfer;
 
 pub use communicator::{Communicator, Info, LinkInfo, Work};
@@ -35,5 +36,7 @@ pub use error::{Error, Result};
 pub use shoal_collective::schedule::Algorithm;
 pub use shoal_collective::{DType, ReduceOp};
 pub use shoal_proto::master::Strategy;
+pub use shoal_topology::Link;
 pub use shoal_wire::PeerId;
 pub use sync::{StateTensor, SyncInfo};
+pub use topology::PROBE_TAGS;

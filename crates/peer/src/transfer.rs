@@ -65,6 +65,7 @@ impl Communicator {
     /// receive's count or dtype differs; [`Error::PeerLost`] if `peer` dies, freezes or leaves,
     /// or the topology changes, first (retryable: ranks may have changed); [`Error::Timeout`].
     pub fn send(&self, buf: &[u8], dtype: DType, peer: usize, tag: u64) -> Result<Info> {
+        user_tag(tag)?;
         crate::communicator::check_buffer(buf, dtype)?;
         // The engine only reads a send's buffer.
         let raw = RawBuf::of_shared(buf);
@@ -77,6 +78,7 @@ impl Communicator {
     /// # Errors
     /// As [`Communicator::send`]. A failed receive may leave `buf` partly written.
     pub fn recv(&self, buf: &mut [u8], dtype: DType, peer: usize, tag: u64) -> Result<Info> {
+        user_tag(tag)?;
         crate::communicator::check_buffer(buf, dtype)?;
         self.transfer(RawBuf::new(buf), None, Direction::Recv, dtype, peer, tag)
     }
@@ -90,6 +92,7 @@ impl Communicator {
     where
         B: AsRef<[u8]> + Send + 'static,
     {
+        user_tag(tag)?;
         crate::communicator::check_buffer(buf.as_ref(), dtype)?;
         let owned = Box::new(buf);
         let raw = RawBuf::of_shared((*owned).as_ref());
@@ -105,13 +108,14 @@ impl Communicator {
     where
         B: AsMut<[u8]> + Send + 'static,
     {
+        user_tag(tag)?;
         let mut owned = Box::new(buf);
         crate::communicator::check_buffer((*owned).as_mut(), dtype)?;
         let raw = RawBuf::new((*owned).as_mut());
         self.start_transfer(raw, owned, Direction::Recv, dtype, peer, tag)
     }
 
-    fn transfer(
+    pub(crate) fn transfer(
         &self,
         buf: RawBuf,
         owner: Option<Owner>,
@@ -127,7 +131,7 @@ impl Communicator {
         self.finish_call(&c, data, call, direction.name())
     }
 
-    fn start_transfer<B: Send + 'static>(
+    pub(crate) fn start_transfer<B: Send + 'static>(
         &self,
         buf: RawBuf,
         owned: Box<B>,
@@ -263,6 +267,14 @@ fn end(data: &mut DataPlane, call: CallId, result: Result<()>) {
         log::debug!("{} failed: {e}", t.describe());
     }
     data.calls.finished.insert(call, (outcome, t.owner, TagUse::Transfer(t.direction, t.peer, t.tag)));
+}
+
+/// Refuses a tag of the library's own range ([`crate::PROBE_TAGS`]) in an application's transfer.
+fn user_tag(tag: u64) -> Result<()> {
+    if tag >= crate::PROBE_TAGS {
+        return Err(Error::InvalidArgument(format!("tag {tag}: tags from 2**63 up are reserved for shoal itself")));
+    }
+    Ok(())
 }
 
 /// What the engine's failure of transfer `t` means for its caller.
