@@ -57,8 +57,14 @@ def test_hierarchical_all_reduce_across_two_hosts_of_two_peers_matches_numpy(sit
     assert all(i["algorithms"] == ["hierarchical"] for i in infos), infos
 
 
-def test_optimize_topology_puts_each_site_together_and_all_reduce_goes_hierarchical(sites, tmp_path):
-    hosts = ["a1", "b1", "a2", "b2"]  # joined in the worst order: the ring crosses the 40 ms path four times
+@pytest.mark.parametrize("hosts,algorithm", [
+    # Joined in the worst order: the ring crosses the 40 ms path four times. Every link runs at
+    # 1 Gbit/s, so grouping by site would not pay (a leader's uplink carries its site's bytes too).
+    (["a1", "b1", "a2", "b2"], "ring"),
+    # Two peers per host: shared memory inside, so the hierarchy pays.
+    (["a1", "b1", "a1", "b1"], "hierarchical"),
+])
+def test_optimize_topology_puts_each_site_together_and_groups_where_it_pays(sites, tmp_path, hosts, algorithm):
     with sites.master("a1") as master:
         out = run_peers(master, tmp_path, "optimize", 4, timeout=180, launch=lambda i, argv: sites.argv(hosts[i], argv))
     (ring,) = {tuple(o["ring"]) for o in out}
@@ -66,7 +72,7 @@ def test_optimize_topology_puts_each_site_together_and_all_reduce_goes_hierarchi
     crossings = sum(site[ring[i]] != site[ring[(i + 1) % 4]] for i in range(4))
     assert crossings == 2, (ring, site)
     for o in out:
-        assert o["sum"] == 4.0 and o["algorithm"] == "hierarchical", o
+        assert o["sum"] == 4.0 and o["algorithm"] == algorithm, o
         # What it measured: about 40 ms between the sites, a few inside.
         m, me = o["matrix"], o["rank"]
         for other in range(4):
@@ -74,6 +80,20 @@ def test_optimize_topology_puts_each_site_together_and_all_reduce_goes_hierarchi
                 near = site[ring[other]] == site[ring[me]]
                 rtt = m[me][other]["rtt_s"]
                 assert (rtt < 0.02) if near else (0.03 < rtt < 0.2), (me, other, m[me][other])
+
+
+def test_optimize_topology_grows_the_pool_of_a_window_bound_path(tmp_path):
+    need_lab()
+    with Lab.up(PROFILES["long-fat-pipe"], name=f"t{os.getpid()}w", subnet="10.208.0.0/24", ttl=600) as lab:
+        with lab.master("x") as master:
+            out = run_peers(master, tmp_path, "optimize", 2, timeout=180,
+                            launch=lambda i, argv: lab.argv("xy"[i], argv))
+    for o in out:
+        # 640 KiB windows over 40 ms: four streams carry about 400 Mbit/s; the pools double while
+        # a window holds their streams back, and the rate follows.
+        other = 1 - o["rank"]
+        assert o["streams_out"][str(other)] > 4, o["streams_out"]
+        assert o["matrix"][o["rank"]][other]["bytes_per_s"] * 8 > 600e6, o["matrix"]
 
 
 def test_bench_runs_in_the_lab_and_sees_the_wan(sites):

@@ -798,6 +798,7 @@ def optimize(spec: dict) -> dict:
     assert (x == info.world_size).all()
     return {"index": spec["index"], "before": before, "rank": comm.rank, "peer_id": comm.peer_id,
             "ring": [int(r) for r in ranks], "matrix": comm.bandwidth_matrix(),
+            "streams_out": {link["rank"]: link["streams_out"] for link in comm.links()},
             "sum": float(x[0]), "world": info.world_size, "algorithm": info.algorithm}
 
 

@@ -18,8 +18,11 @@ pub struct CommunicatorConfig {
     /// The peer group to run collectives in.
     pub group: u32,
     /// TCP connections per peer pair (`SHOAL_CONNECTIONS`); `None` chooses per peer (see
-    /// [`CommunicatorConfig::pool_size`]).
+    /// [`CommunicatorConfig::pool_size`]), and `optimize_topology` grows a pool whose streams a
+    /// window holds back.
     pub connections: Option<usize>,
+    /// The most streams `optimize_topology` grows a pool to (`SHOAL_CONNECTIONS_MAX`).
+    pub connections_max: usize,
     /// Local address to listen on for data connections (port 0: ephemeral).
     pub listen_addr: String,
     /// `host` or `host:port` other peers dial (`SHOAL_ADVERTISE_ADDR`); by default the local
@@ -51,15 +54,17 @@ pub struct CommunicatorConfig {
     /// are shared-memory lanes (`SHOAL_TRANSPORT=auto`, the default) or TCP like every other
     /// (`SHOAL_TRANSPORT=tcp`, which keeps the network path testable on one host).
     pub shared_memory: bool,
-    /// Bytes each member sends each other member when `optimize_topology` measures their link
-    /// (`SHOAL_PROBE_BYTES`): enough for a long path's window to open, and each of the
-    /// `world - 1` rounds takes about this over the slowest link.
+    /// Most bytes one exchange of `optimize_topology`'s measurement sends each way
+    /// (`SHOAL_PROBE_BYTES`): exchanges grow from 256 KiB until one lasts 30 round trips (past
+    /// TCP's slow start) or reaches this.
     pub probe_bytes: usize,
 }
 
 /// Default TCP connections to a peer on another host. Parallel streams get past per-flow
 /// window limits and fair queuing on long paths.
 pub const DEFAULT_CONNECTIONS: usize = 4;
+/// Default for [`CommunicatorConfig::connections_max`].
+pub const DEFAULT_CONNECTIONS_MAX: usize = 16;
 /// Default pipeline chunk.
 pub const DEFAULT_CHUNK_BYTES: usize = 1 << 20;
 /// Default heartbeat timeout: long enough for a congested intercontinental path.
@@ -77,7 +82,7 @@ pub const DEFAULT_ONESHOT_MAX_BYTES: usize = 64 << 10;
 /// Default for [`CommunicatorConfig::twoshot_max_bytes`].
 pub const DEFAULT_TWOSHOT_MAX_BYTES: usize = 4 << 20;
 /// Default for [`CommunicatorConfig::probe_bytes`].
-pub const DEFAULT_PROBE_BYTES: usize = 4 << 20;
+pub const DEFAULT_PROBE_BYTES: usize = 64 << 20;
 /// Largest [`CommunicatorConfig::probe_bytes`]: two such buffers are allocated per round.
 pub const MAX_PROBE_BYTES: usize = 1 << 30;
 /// Smallest pipeline chunk: below this, per-chunk overhead dominates.
@@ -93,6 +98,7 @@ impl CommunicatorConfig {
             master_addr: master_addr.to_string(),
             group: 0,
             connections: env_count("SHOAL_CONNECTIONS")?,
+            connections_max: env_count("SHOAL_CONNECTIONS_MAX")?.unwrap_or(DEFAULT_CONNECTIONS_MAX),
             listen_addr: "0.0.0.0:0".to_string(),
             advertise_addr: env_value("SHOAL_ADVERTISE_ADDR"),
             chunk_bytes: env_count("SHOAL_CHUNK_BYTES")?.unwrap_or(DEFAULT_CHUNK_BYTES),
@@ -197,6 +203,9 @@ impl CommunicatorConfig {
         let bad = |s: String| Err(crate::Error::InvalidArgument(s));
         if let Some(n) = self.connections.filter(|n| !(1..=MAX_CONNECTIONS).contains(n)) {
             return bad(format!("connections={n} outside 1..={MAX_CONNECTIONS}"));
+        }
+        if !(1..=MAX_CONNECTIONS).contains(&self.connections_max) {
+            return bad(format!("connections_max={} outside 1..={MAX_CONNECTIONS}", self.connections_max));
         }
         if !(1..=MAX_IN_FLIGHT).contains(&self.max_in_flight) {
             return bad(format!("max_in_flight={} outside 1..={MAX_IN_FLIGHT}", self.max_in_flight));

@@ -62,6 +62,8 @@ pub(crate) struct Listener {
     advertised_ip: OnceLock<Option<IpAddr>>,
     arrivals: Arc<Arrivals>,
     stop: Arc<AtomicBool>,
+    /// Streams to dial per member where `optimize_topology` sized the pool.
+    sized: Mutex<BTreeMap<PeerId, usize>>,
 }
 
 /// Streams accepted and greeted, not yet taken into a [`DataPlane`] (or, for shared-state
@@ -123,6 +125,7 @@ impl Listener {
             advertised_ip: OnceLock::new(),
             arrivals: Arc::new(arrivals),
             stop: Arc::new(AtomicBool::new(false)),
+            sized: Mutex::new(BTreeMap::new()),
         };
         let (identity, arrivals, stop) = (me.identity.clone(), me.arrivals.clone(), me.stop.clone());
         thread::Builder::new()
@@ -169,6 +172,19 @@ impl Listener {
         self.advertised_ip.get().copied().flatten()
     }
 
+    /// Streams to dial to `member`: as sized by `optimize_topology`, else as configured.
+    fn connections(&self, config: &CommunicatorConfig, member: &Member) -> usize {
+        let sized = self.sized.lock().unwrap_or_else(PoisonError::into_inner).get(&member.peer).copied();
+        sized
+            .filter(|_| config.connections.is_none())
+            .unwrap_or_else(|| config.pool_size(self.local_ip(), &member.addr))
+    }
+
+    /// From the next topology on, pools we dial to `peer` hold `streams` streams.
+    pub fn size_pool(&self, peer: PeerId, streams: usize) {
+        self.sized.lock().unwrap_or_else(PoisonError::into_inner).insert(peer, streams);
+    }
+
     /// Polled for reading, it wakes when a pool arrived.
     pub fn arrived(&self) -> &Waker {
         &self.arrivals.arrived
@@ -184,7 +200,7 @@ impl Listener {
         deadline: Deadline,
     ) -> std::result::Result<Vec<Stream>, String> {
         let id = self.identity.get().expect("identity is set at registration");
-        let connections = config.pool_size(self.local_ip(), &member.addr);
+        let connections = self.connections(config, member);
         dial(id, member.peer, epoch, &member.addr, connections, config.shared_memory, deadline, "all_reduce")
     }
 
@@ -220,7 +236,7 @@ impl Listener {
         let id = self.identity.get().expect("identity is set at registration");
         let me = id.me;
         let next = pos.next();
-        let connections = config.pool_size(self.local_ip(), &next.addr);
+        let connections = self.connections(config, next);
         match dial(id, next.peer, pos.epoch, &next.addr, connections, config.shared_memory, deadline, operation) {
             Ok(pool) => plane.outgoing.insert(next.peer, pool),
             Err(reason) => {

@@ -6,13 +6,16 @@
 //! tournament: `world - 1` rounds, one partner each, so no member's uplink is shared by two
 //! measurements), and in each round the two partners:
 //!
-//! 1. time a ping and a pong; a transfer takes one and a half round trips (offer, accept,
-//!    part: `engine/p2p.rs`), so the round trip is a third of the exchange. The lower rank
-//!    measures and tells the other.
-//! 2. send each other [`CommunicatorConfig::probe_bytes`] at once, each acknowledging with one
-//!    byte once all arrived. The sender's rate is `bytes / (T - 3 rtt)`, `T` from posting its
-//!    send to the partner's acknowledgement: each direction is timed at its sender, so the two
-//!    clocks never meet.
+//! 1. ping once untimed (it opens the link: dialing, greetings), then time three pings and
+//!    pongs; a transfer takes one and a half round trips (offer, accept, part:
+//!    `engine/p2p.rs`), so the round trip is a third of the fastest. The lower rank measures and
+//!    tells the other.
+//! 2. send each other the same number of bytes at once, each acknowledging with one byte once
+//!    all arrived; the sender's rate is `bytes / (T - 3 rtt)`, `T` from posting its send to the
+//!    partner's acknowledgement: each direction is timed at its sender, so the two clocks never
+//!    meet. Exchanges grow from 256 KiB, four times each, until one lasts 30 round trips (and
+//!    50 ms), by when a fresh connection left TCP's slow start behind, or reaches
+//!    [`crate::CommunicatorConfig::probe_bytes`]; the last one's rate counts.
 //!
 //! The rows are then gathered on every member ([`Communicator::bandwidth_matrix`]) and each
 //! member votes `update_topology` with its own row ([`CallKind::OptimizeTopology`]).
@@ -24,6 +27,7 @@ use crate::failpoint::failpoint;
 use crate::{Communicator, DType, PeerId};
 use shoal_proto::peer::{CallKind, RingPosition};
 use shoal_topology::Link;
+use shoal_transport::SendTimes;
 use shoal_wire::Measured;
 use std::time::Duration;
 
@@ -33,8 +37,23 @@ pub const PROBE_TAGS: u64 = 1 << 63;
 /// that shares every member's row.
 const BARRIER_TAG: u64 = u64::MAX - 1;
 const GATHER_TAG: u64 = u64::MAX;
-/// Bytes of one row entry: round trip (`u32`, µs) and rate (`u64`, bytes per second).
-const ENTRY_BYTES: usize = 12;
+/// Tags one round may use.
+const TAGS_PER_ROUND: u64 = 64;
+/// Timed ping-pongs per round: the round trip is the fastest.
+const PINGS: usize = 3;
+/// The first exchange's size; each next is four times larger, up to `probe_bytes`.
+const PROBE_START_BYTES: usize = 256 << 10;
+/// An exchange long enough to measure a rate lasts this many round trips (slow start takes a
+/// handful), and at least [`PROBE_MIN_TIME`].
+const PROBE_RTTS: u32 = 30;
+const PROBE_MIN_TIME: Duration = Duration::from_millis(50);
+/// Bytes of one row entry: round trip (`u32`, µs), rate (`u64`, bytes per second), and whether
+/// the pool grows (`u8`).
+const ENTRY_BYTES: usize = 13;
+/// A pool whose streams a window held back this fraction of their sending time grows.
+const WINDOW_LIMITED: f64 = 0.25;
+/// Measurements one `optimize_topology` runs at most: each after pools grew.
+const SIZING_ROUNDS: usize = 3;
 
 /// What the members of one ring measured of their links to each other.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,6 +62,16 @@ pub(crate) struct Measurements {
     members: Vec<PeerId>,
     /// `links[i][j]`: what `members[i]` measured towards `members[j]`.
     links: Vec<Vec<Option<Link>>>,
+    /// Whether some member grew a pool.
+    grew: bool,
+}
+
+/// What one round measured of the link to the partner.
+#[derive(Debug, Clone, Copy)]
+struct Probed {
+    link: Link,
+    /// The size our pool to it grows to, if it grows.
+    grow_to: Option<usize>,
 }
 
 impl Communicator {
@@ -57,23 +86,38 @@ impl Communicator {
     /// [`Error::PeerLost`] (retryable) if a member dies, freezes or leaves meanwhile; as
     /// [`Communicator::update_topology`] otherwise.
     pub fn optimize_topology(&self) -> Result<()> {
+        for round in 1..=SIZING_ROUNDS {
+            let grew = self.measure_and_vote()?;
+            if !grew {
+                break;
+            }
+            log::info!("pools grew in measuring round {round}: measuring again over the larger pools");
+        }
+        Ok(())
+    }
+
+    /// One measurement and its vote; whether some member grew a pool for the new topology (every
+    /// member sees the same answer: it is in the gathered rows).
+    fn measure_and_vote(&self) -> Result<bool> {
         // A collective first: it joins a topology issued since the last call, and every member
         // starts measuring at about the same moment.
         self.barrier(BARRIER_TAG)?;
         let position = self.position().ok_or(Error::NotConnected)?;
         let row = self.measure(&position)?;
         let measurements = self.gather_rows(&position, &row)?;
+        let grew = measurements.grew;
         *self.measured.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(measurements);
         let measured = row
             .iter()
             .enumerate()
-            .filter_map(|(rank, link)| {
-                let l = (*link)?;
+            .filter_map(|(rank, probe)| {
+                let l = probe.as_ref()?.link;
                 Some(Measured { peer: position.ring[rank].peer, rtt_us: l.rtt_us, bytes_per_s: l.bytes_per_s })
             })
             .collect();
         failpoint("optimize_topology.before_vote");
-        self.vote(CallKind::OptimizeTopology(measured), self.config.timeout).map(drop)
+        self.vote(CallKind::OptimizeTopology(measured), self.config.timeout)?;
+        Ok(grew)
     }
 
     /// What the last [`Communicator::optimize_topology`] measured, by rank in the topology in
@@ -92,50 +136,120 @@ impl Communicator {
     }
 
     /// This member's row: its link to every other member of the group, by rank.
-    fn measure(&self, position: &RingPosition) -> Result<Vec<Option<Link>>> {
+    fn measure(&self, position: &RingPosition) -> Result<Vec<Option<Probed>>> {
         let (me, world) = (position.rank, position.group_size());
-        let mut row = vec![None; world];
+        let mut row: Vec<Option<Probed>> = vec![None; world];
         for round in 0..rounds(world) {
             if let Some(partner) = partner(me, world, round) {
-                row[partner] = Some(self.probe(partner, me < partner, round as u64)?);
+                let probed = self.probe(partner, me < partner, round as u64)?;
+                let peer = position.ring[partner].peer;
+                if let Some(streams) = probed.grow_to {
+                    self.connected()?.listener.size_pool(peer, streams);
+                }
+                row[partner] = Some(probed);
             }
         }
         Ok(row)
     }
 
-    /// One round against `partner`; the `lead` times the round trip.
-    fn probe(&self, partner: usize, lead: bool, round: u64) -> Result<Link> {
-        let tag = |k: u64| PROBE_TAGS + round * 8 + k;
-        let mut word = [0u8; 8];
-        let rtt = if lead {
-            let started = std::time::Instant::now();
-            self.internal(&mut word[..1], Direction::Send, partner, tag(0))?;
-            self.internal(&mut word[..1], Direction::Recv, partner, tag(1))?;
-            let rtt = started.elapsed() / 3;
-            word = (rtt.as_micros() as u64).to_le_bytes();
-            self.internal(&mut word, Direction::Send, partner, tag(2))?;
-            rtt
-        } else {
-            self.internal(&mut word[..1], Direction::Recv, partner, tag(0))?;
-            self.internal(&mut word[..1], Direction::Send, partner, tag(1))?;
-            self.internal(&mut word, Direction::Recv, partner, tag(2))?;
-            Duration::from_micros(u64::from_le_bytes(word))
+    /// One round against `partner`; the `lead` times the round trip and decides how long the
+    /// exchanges go on.
+    fn probe(&self, partner: usize, lead: bool, round: u64) -> Result<Probed> {
+        let mut taken = 0;
+        let mut tag = || {
+            taken += 1;
+            debug_assert!(taken < TAGS_PER_ROUND);
+            PROBE_TAGS + round * TAGS_PER_ROUND + taken
         };
+        // The first ping opens the link both ways (dialing, greeting): it is not timed.
+        self.ping(partner, lead, tag(), tag())?;
+        let mut rtt = Duration::MAX;
+        for _ in 0..PINGS {
+            let started = std::time::Instant::now();
+            self.ping(partner, lead, tag(), tag())?;
+            rtt = rtt.min(started.elapsed() / 3);
+        }
+        let rtt = Duration::from_micros(self.tell(partner, lead, rtt.as_micros() as u64, tag())?);
         failpoint("optimize_topology.probe");
-        let bytes = self.config.probe_bytes;
-        let mut incoming = self.start_internal(vec![0u8; bytes], Direction::Recv, partner, tag(3))?;
-        let mut ack = self.start_internal(vec![0u8; 1], Direction::Recv, partner, tag(4))?;
-        let mut outgoing = self.start_internal(vec![0u8; bytes], Direction::Send, partner, tag(3))?;
+        // Exchanges grow until one lasts long enough to leave TCP's slow start behind.
+        let (mut bytes, most) = (PROBE_START_BYTES.min(self.config.probe_bytes), self.config.probe_bytes);
+        loop {
+            let before = self.send_times(partner);
+            let elapsed = self.exchange(partner, bytes, tag(), tag())?;
+            let enough = elapsed >= (rtt * PROBE_RTTS).max(PROBE_MIN_TIME) || bytes >= most;
+            if self.tell(partner, lead, u64::from(enough), tag())? == 1 {
+                let moving = elapsed.saturating_sub(rtt * 3).max(elapsed / 4);
+                let bytes_per_s = (bytes as f64 / moving.as_secs_f64().max(1e-9)) as u64;
+                let rtt_us = rtt.as_micros().clamp(1, u32::MAX.into()) as u32;
+                let link = Link { rtt_us, bytes_per_s };
+                return Ok(Probed { link, grow_to: self.grow_to(partner, &before, &link) });
+            }
+            bytes = (bytes * 4).min(most);
+        }
+    }
+
+    /// The send times of our TCP lanes to `partner`.
+    fn send_times(&self, partner: usize) -> Vec<SendTimes> {
+        let fds = self.lock_data().exec.as_ref().map(|e| e.tcp_lanes_to(partner)).unwrap_or_default();
+        fds.into_iter().map(|fd| shoal_transport::send_times(fd).unwrap_or_default()).collect()
+    }
+
+    /// How many streams our pool to `partner` should hold from the next topology on, if more than
+    /// now: twice as many (up to [`crate::CommunicatorConfig::connections_max`]) when a window
+    /// held its streams back for most of the last exchange (since `before`), unless the pool's
+    /// size is configured.
+    fn grow_to(&self, partner: usize, before: &[SendTimes], link: &Link) -> Option<usize> {
+        let after = self.send_times(partner);
+        let streams = after.len();
+        let limited =
+            after.iter().zip(before).map(|(a, b)| a.window_limited_since(b)).sum::<f64>() / streams.max(1) as f64;
+        log::info!(
+            "link to rank {partner}: {streams} TCP streams, {:.1} Mbit/s, round trip {:.2} ms, held back by a window {:.0}% of the time",
+            link.bytes_per_s as f64 * 8e-6,
+            link.rtt_us as f64 / 1e3,
+            limited * 100.0
+        );
+        let grow = self.config.connections.is_none()
+            && streams > 0
+            && streams < self.config.connections_max
+            && after.len() == before.len()
+            && limited >= WINDOW_LIMITED;
+        grow.then(|| (streams * 2).min(self.config.connections_max))
+    }
+
+    /// A byte from the lead to the partner and back.
+    fn ping(&self, partner: usize, lead: bool, there: u64, back: u64) -> Result<()> {
+        let mut byte = [0u8; 1];
+        let order = if lead {
+            [(Direction::Send, there), (Direction::Recv, back)]
+        } else {
+            [(Direction::Recv, there), (Direction::Send, back)]
+        };
+        for (direction, tag) in order {
+            self.internal(&mut byte, direction, partner, tag)?;
+        }
+        Ok(())
+    }
+
+    /// The lead's `value`, on both ends.
+    fn tell(&self, partner: usize, lead: bool, value: u64, tag: u64) -> Result<u64> {
+        let mut word = value.to_le_bytes();
+        self.internal(&mut word, if lead { Direction::Send } else { Direction::Recv }, partner, tag)?;
+        Ok(u64::from_le_bytes(word))
+    }
+
+    /// Sends `bytes` to the partner while it sends as many to us; returns how long after our send
+    /// was posted the partner acknowledged receiving all of it.
+    fn exchange(&self, partner: usize, bytes: usize, data: u64, ack: u64) -> Result<Duration> {
+        let mut incoming = self.start_internal(vec![0u8; bytes], Direction::Recv, partner, data)?;
+        let mut acked = self.start_internal(vec![0u8; 1], Direction::Recv, partner, ack)?;
+        let mut outgoing = self.start_internal(vec![0u8; bytes], Direction::Send, partner, data)?;
         self.wait(&mut incoming, None)?;
-        self.internal(&mut [1], Direction::Send, partner, tag(4))?;
-        // From just before our send was posted to the partner's acknowledgement, as the engine
-        // saw it complete (whatever we were blocked in meanwhile).
-        let elapsed = self.wait(&mut ack, None)?.elapsed;
+        self.internal(&mut [1], Direction::Send, partner, ack)?;
+        // As the engine saw the acknowledgement complete, whatever we were blocked in meanwhile.
+        let elapsed = self.wait(&mut acked, None)?.elapsed;
         self.wait(&mut outgoing, None)?;
-        let moving = elapsed.saturating_sub(rtt * 3).max(elapsed / 4);
-        let bytes_per_s = (bytes as f64 / moving.as_secs_f64().max(1e-9)) as u64;
-        let rtt_us = rtt.as_micros().clamp(1, u32::MAX.into()) as u32;
-        Ok(Link { rtt_us, bytes_per_s })
+        Ok(elapsed)
     }
 
     /// A blocking transfer of ours, in the probe's tag range.
@@ -156,13 +270,14 @@ impl Communicator {
     }
 
     /// Every member's row, gathered on every member.
-    fn gather_rows(&self, position: &RingPosition, row: &[Option<Link>]) -> Result<Measurements> {
+    fn gather_rows(&self, position: &RingPosition, row: &[Option<Probed>]) -> Result<Measurements> {
         let world = position.group_size();
         let mut inp = Vec::with_capacity(world * ENTRY_BYTES);
-        for link in row {
-            let l = link.unwrap_or_default();
+        for probed in row {
+            let l = probed.as_ref().map(|p| p.link).unwrap_or_default();
             inp.extend_from_slice(&l.rtt_us.to_le_bytes());
             inp.extend_from_slice(&l.bytes_per_s.to_le_bytes());
+            inp.push(u8::from(probed.as_ref().is_some_and(|p| p.grow_to.is_some())));
         }
         let mut out = vec![0u8; world * inp.len()];
         check_buffer(&out, DType::U8)?;
@@ -173,13 +288,14 @@ impl Communicator {
                 row.chunks_exact(ENTRY_BYTES)
                     .map(|e| {
                         let rtt_us = u32::from_le_bytes(e[..4].try_into().expect("4 bytes"));
-                        let bytes_per_s = u64::from_le_bytes(e[4..].try_into().expect("8 bytes"));
+                        let bytes_per_s = u64::from_le_bytes(e[4..12].try_into().expect("8 bytes"));
                         (bytes_per_s > 0).then_some(Link { rtt_us, bytes_per_s })
                     })
                     .collect()
             })
             .collect();
-        Ok(Measurements { members: position.ring.iter().map(|m| m.peer).collect(), links })
+        let grew = out.chunks_exact(ENTRY_BYTES).any(|e| e[12] != 0);
+        Ok(Measurements { members: position.ring.iter().map(|m| m.peer).collect(), links, grew })
     }
 }
 

@@ -14,7 +14,7 @@ pub mod atsp;
 pub mod sites;
 
 pub use atsp::{exact, lower_bound, solve, tour_cost, Search, EXACT_MAX};
-pub use sites::sites;
+pub use sites::{grouping_pays, sites};
 
 /// What one peer measured of its link to another: its round trip and the rate its bytes reached
 /// the other end at.

@@ -94,6 +94,50 @@ pub fn limit_unsent(s: &TcpStream, bytes: u32) -> io::Result<()> {
     }
 }
 
+/// How long a TCP socket has been sending, and how much of that its send was held back by a
+/// window: the receiver's advertised one or its own send buffer (`TCP_INFO`'s
+/// `tcpi_busy_time`, `tcpi_rwnd_limited` and `tcpi_sndbuf_limited`, microseconds since it
+/// opened). A stream held back most of the time would have sent more beside other streams: a
+/// long fat pipe wants more of them.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct SendTimes {
+    /// Microseconds with data to send.
+    pub busy_us: u64,
+    /// Of those, microseconds held back by a window rather than by the network.
+    pub window_limited_us: u64,
+}
+
+impl SendTimes {
+    /// The fraction of the busy time between `before` and `self` that a window held back.
+    pub fn window_limited_since(&self, before: &SendTimes) -> f64 {
+        let busy = self.busy_us.saturating_sub(before.busy_us);
+        let limited = self.window_limited_us.saturating_sub(before.window_limited_us);
+        if busy == 0 {
+            0.0
+        } else {
+            limited as f64 / busy as f64
+        }
+    }
+}
+
+/// The [`SendTimes`] of TCP socket `fd`.
+///
+/// # Errors
+/// The `getsockopt` error, for a socket that is not TCP say.
+pub fn send_times(fd: std::os::fd::RawFd) -> io::Result<SendTimes> {
+    // SAFETY: `tcp_info` is plain old data; the kernel fills at most `len` bytes of it.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: a buffer of `len` bytes for the option, and its length.
+    let rc = unsafe {
+        libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_INFO, (&mut info as *mut libc::tcp_info).cast(), &mut len)
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(SendTimes { busy_us: info.tcpi_busy_time, window_limited_us: info.tcpi_rwnd_limited + info.tcpi_sndbuf_limited })
+}
+
 /// Binds a listener on `addr` (`host:port`, port 0 for an ephemeral one).
 ///
 /// # Errors

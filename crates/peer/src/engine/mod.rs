@@ -773,6 +773,12 @@ impl<L: Lane> Exec<L> {
         self.awaiting = !self.missing().is_empty();
     }
 
+    /// The TCP sockets of our lanes to member `to` (none for shared-memory lanes).
+    pub fn tcp_lanes_to(&self, to: usize) -> Vec<std::os::fd::RawFd> {
+        let tcp = self.send.iter().filter(|s| s.to == to && s.lane.kind() == "tcp");
+        tcp.filter_map(|s| s.lane.pollable()).collect()
+    }
+
     /// Adds a pool of lanes from member `from`.
     pub fn add_recv(&mut self, from: usize, lanes: Vec<L>) {
         debug_assert!(from < self.world && from != self.rank);

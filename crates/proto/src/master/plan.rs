@@ -149,10 +149,16 @@ impl Master {
         self.arm_plan_slice(now);
     }
 
-    /// Each planned member's site (`shoal_topology::sites`).
+    /// Each planned member's site (`shoal_topology::sites`), where grouping by them pays
+    /// (`shoal_topology::grouping_pays`): the hierarchical all-reduce follows them. Empty
+    /// otherwise, and members are grouped by host as their addresses say.
     pub(super) fn sites(&self) -> BTreeMap<PeerId, u16> {
         let Some(plan) = &self.plan else { return BTreeMap::new() };
         let sites = shoal_topology::sites(&plan.links, shoal_topology::sites::DEFAULT_NEAR_US);
+        let order: Vec<usize> = plan.order.iter().map(|p| index(&plan.members, *p)).collect();
+        if !shoal_topology::grouping_pays(&plan.links, &order, &sites) {
+            return BTreeMap::new();
+        }
         plan.members.iter().zip(sites).map(|(p, s)| (*p, s as u16)).collect()
     }
 
