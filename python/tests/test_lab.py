@@ -58,6 +58,8 @@ def test_specs_are_checked_before_anything_is_built():
         ({"hosts": {"a": {"site": "x-y"}}}, "bad site 'x-y'"),
         ({"hosts": {"a": {"window": "lots"}}}, "bad size 'lots'"),
         ({"hosts": {"a": {}}, "speed": 1}, "unknown spec keys: speed"),
+        ({"hosts": {"a": {"site": "x"}}, "uplink": {"y": "1gbit"}}, "uplink names sites y this lab lacks"),
+        ({"hosts": {"a": {}}, "uplink": "quick"}, "bad rate 'quick'"),
     ]
     for raw, message in bad:
         with pytest.raises(SpecError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
@@ -110,6 +112,16 @@ def test_link_caps_hold_within_10_percent_in_both_directions(lab_ok):
     with Lab.up(spec, name=f"t{os.getpid()}r", subnet="10.203.0.0/24", ttl=600) as lab:
         # slow's upload and download caps, and a faster link.
         for a, b, rate in [("fast", "other", 200e6), ("slow", "fast", 50e6), ("fast", "slow", 50e6)]:
+            got = lab.measure_throughput(a, b, streams=1, seconds=1.5, warmup=0.5)["bits_per_s"]
+            assert abs(got / (rate * GOODPUT) - 1) <= 0.1, (a, b, rate, got)
+
+
+def test_a_site_uplink_caps_what_leaves_the_site_and_not_what_stays(lab_ok):
+    spec = {"hosts": {"a1": {"site": "a"}, "a2": {"site": "a"}, "b1": {"site": "b"}},
+            "rate": "200mbit", "uplink": {"a": "50mbit"}}
+    with Lab.up(spec, name=f"t{os.getpid()}u", subnet="10.210.0.0/24", ttl=600) as lab:
+        assert lab.status()["uplinks"] == {"a": 50_000_000, "b": None}
+        for a, b, rate in [("a1", "a2", 200e6), ("a1", "b1", 50e6), ("b1", "a2", 50e6)]:
             got = lab.measure_throughput(a, b, streams=1, seconds=1.5, warmup=0.5)["bits_per_s"]
             assert abs(got / (rate * GOODPUT) - 1) <= 0.1, (a, b, rate, got)
 

@@ -15,7 +15,9 @@ use std::time::{Duration, Instant};
 pub const KNOWN_VARS: &[(&str, &str)] = &[
     ("SHOAL_LOG", "log filter: a level (error, warn, info, debug, trace) or target=level list"),
     ("SHOAL_HEARTBEAT_TIMEOUT", "seconds a silent peer or master is tolerated (float)"),
-    ("SHOAL_CONNECTIONS", "TCP connections per peer pair"),
+    ("SHOAL_CONNECTIONS", "TCP connections per peer pair (fixed: optimize_topology does not size pools)"),
+    ("SHOAL_CONNECTIONS_MAX", "most TCP connections optimize_topology grows a pool to (default 16)"),
+    ("SHOAL_PROBE_BYTES", "most bytes one exchange of optimize_topology's measurement sends (default 64 MiB)"),
     ("SHOAL_CHUNK_BYTES", "pipeline chunk size of the ring in bytes"),
     ("SHOAL_MAX_IN_FLIGHT", "most collectives in flight at once per communicator (default 64)"),
     (

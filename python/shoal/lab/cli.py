@@ -36,6 +36,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     up.add_argument("--subnet", default="10.77.0.0/24", help="IPv4 subnet for the hosts (default 10.77.0.0/24)")
     up.add_argument("--rate", help="every host's link cap, both directions, e.g. 100mbit, 1gbit")
     up.add_argument("--window", help="TCP receive-buffer cap inside every host, e.g. 640K")
+    up.add_argument("--uplink", help="every site's link to the others, both directions, shared by all its flows, "
+                                     "e.g. 300mbit")
     up.add_argument("--loss", type=float, help="probability each packet a host receives is dropped")
     up.add_argument("--rtt", type=float, help="round-trip ms between every two sites")
     up.add_argument("--ttl", type=float, default=DEFAULT_TTL_S, help=f"helpers end after this many seconds "
@@ -87,7 +89,7 @@ def _dispatch(args: argparse.Namespace) -> None:
             print(f"{name:18} {p['description']}")
     elif args.command == "up":
         lab = Lab.up(load(args.spec), name=args.name, subnet=args.subnet, ttl=args.ttl, rate=args.rate,
-                     window=args.window, loss=args.loss, rtt=args.rtt)
+                     window=args.window, loss=args.loss, rtt=args.rtt, uplink=args.uplink)
         _print_status(lab)
         print(f"\nrun in a host: shoal lab exec{_flag(args.name)} {lab.hosts[0]} CMD...    remove: shoal lab down"
               f"{_flag(args.name)}")
@@ -146,6 +148,9 @@ def _print_status(lab: Lab) -> None:
         print(f"  {name:10} {h['site']:6} {h['address']:15} {rate:>10} {h['window'] or '-':>9} {h['loss'] or '-':>6}")
     print("  rtt (ms): " + "  ".join(f"{a}-{b} {ms:g}" for i, a in enumerate(lab.hosts) for b in lab.hosts[i + 1:]
                                       if (ms := lab.spec.rtt(a, b))))
+    if st["uplinks"]:
+        caps = (f"{site} {bits / 1e6:g}Mbit" if bits else f"{site} -" for site, bits in st["uplinks"].items())
+        print("  site uplinks: " + "  ".join(caps))
     for f in st["faults"]:
         print(f"  fault: {f['kind']} {f['a']} {f['b']}" + (f" p={f['probability']}" if f["probability"] else ""))
     dead = [f"{h['kind']} in {h['host']}" for h in st["helpers"] if not h["alive"]]

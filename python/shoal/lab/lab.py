@@ -2,7 +2,10 @@
 a WAN (see ``docs/lab.md``).
 
 Layout of a lab called NAME: a namespace ``NAME-switch`` holding a bridge, and one namespace
-``NAME-HOST`` per host whose ``eth0`` is a veth into the bridge. Inside each host:
+``NAME-HOST`` per host whose ``eth0`` is a veth into the bridge. With site uplinks, each site's
+hosts plug into a bridge of their own (``b-SITE``), joined to the core bridge by a veth pair
+(``u-SITE`` on the site's side, ``d-SITE`` on the core's) whose htb caps every flow leaving and
+entering the site together, as a datacenter's WAN link does. Inside each host:
 
 - htb on ``eth0`` caps what the host sends; htb on the switch's end caps what it receives;
 - ``net.ipv4.tcp_rmem`` caps TCP receive windows (the per-flow limit of long fat pipes);
@@ -370,6 +373,7 @@ class Lab:
             "name": self.name,
             "hosts": self.spec.to_dict()["hosts"],
             "rtt_ms": {a: {b: self.spec.rtt(a, b) for b in hosts if b != a} for a in hosts},
+            "uplinks": self.spec.uplinks,
             "faults": self.state["faults"],
             "helpers": alive,
             "expires": self.state["created"] + self.state["ttl"],
@@ -457,12 +461,23 @@ def _build(name: str, spec: Spec, state: dict, ttl: float) -> None:
     _run(["ip", "-n", sw, "link", "add", "br0", "type", "bridge"], "creating the bridge")
     _run(["ip", "-n", sw, "link", "set", "br0", "up"], "starting the bridge")
     plen = state["subnet"].split("/")[1]
+    for site, bits in spec.uplinks.items():
+        bridge, up, down = f"b-{site}", f"u-{site}", f"d-{site}"
+        _run(["ip", "-n", sw, "link", "add", bridge, "type", "bridge"], f"creating site {site}'s bridge")
+        _run(["ip", "-n", sw, "link", "set", bridge, "up"], f"starting site {site}'s bridge")
+        _run(["ip", "-n", sw, "link", "add", up, "type", "veth", "peer", "name", down], f"cabling site {site}")
+        _run(["ip", "-n", sw, "link", "set", up, "master", bridge, "up"], f"plugging site {site} in")
+        _run(["ip", "-n", sw, "link", "set", down, "master", "br0", "up"], f"plugging site {site} in")
+        if bits:
+            _cap(sw, up, bits)  # what the site sends to the others
+            _cap(sw, down, bits)  # what it receives from them
     for h in spec.hosts:
         n, port = ns[h.name], f"h-{h.name}"
+        bridge = f"b-{h.site}" if spec.uplinks else "br0"
         _run(["ip", "netns", "add", n], f"creating host {h.name}")
         _run(["ip", "-n", sw, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", n],
              f"cabling {h.name}")
-        _run(["ip", "-n", sw, "link", "set", port, "master", "br0", "up"], f"plugging {h.name} in")
+        _run(["ip", "-n", sw, "link", "set", port, "master", bridge, "up"], f"plugging {h.name} in")
         _run(["ip", "-n", n, "addr", "add", f"{h.address}/{plen}", "dev", "eth0"], f"addressing {h.name}")
         _run(["ip", "-n", n, "link", "set", "eth0", "up"], f"starting {h.name}'s link")
         _run(["ip", "-n", n, "link", "set", "lo", "up"], f"starting {h.name}'s loopback")

@@ -7,7 +7,9 @@ A spec is written as a small dict (a JSON file for ``shoal lab up FILE``, or a n
       "rtt": {"a": 1, "b": 1, "a-b": 40, "a2-b1": 60},   # ms: inside a site, between sites, pairs
       "rate": "1gbit",        # every host's link, both directions (htb); a host's own wins
       "window": 655360,       # TCP receive-buffer cap (bytes) inside every host; ditto
-      "loss": 0.0             # probability each packet a host receives is dropped; ditto
+      "loss": 0.0,            # probability each packet a host receives is dropped; ditto
+      "uplink": "300mbit"     # or {"a": "300mbit", ...}: each site's link to the others (htb both
+                              # ways), shared by every flow leaving or entering the site
     }
 
 A pair of hosts gets the RTT named for the pair, else the one between (or inside) their sites,
@@ -74,6 +76,7 @@ class Host:
 class Spec:
     hosts: list[Host]
     rtt_ms: dict[frozenset, float] = field(default_factory=dict)  # {a, b} or {a} (same host/site)
+    uplinks: dict[str, Optional[int]] = field(default_factory=dict)  # site -> bits/s; empty: one bridge
 
     def host(self, name: str) -> Host:
         for h in self.hosts:
@@ -96,6 +99,7 @@ class Spec:
             "hosts": {h.name: {"site": h.site, "address": h.address, "rate": h.rate, "window": h.window, "loss": h.loss,
                                "rtt": h.rtt} for h in self.hosts},
             "rtt": {"-".join(sorted(k)): v for k, v in self.rtt_ms.items()},
+            "uplink": self.uplinks,
         }
 
 
@@ -104,10 +108,10 @@ def build(raw: dict[str, Any], subnet: str = "10.77.0.0/24", **overrides: Any) -
     ``overrides`` (``rate``, ``window``, ``loss``, ``rtt`` between sites) win over the dict's
     lab-wide values."""
     raw = json.loads(json.dumps(raw))  # a deep copy that also proves it is plain data
-    unknown = set(raw) - {"hosts", "rtt", "rate", "window", "loss", "description"}
+    unknown = set(raw) - {"hosts", "rtt", "rate", "window", "loss", "uplink", "description"}
     if unknown:
         raise SpecError(f"unknown spec keys: {', '.join(sorted(unknown))}")
-    for key in ("rate", "window", "loss"):
+    for key in ("rate", "window", "loss", "uplink"):
         if overrides.get(key) is not None:
             raw[key] = overrides[key]
     hosts_raw = raw.get("hosts")
@@ -144,6 +148,13 @@ def build(raw: dict[str, Any], subnet: str = "10.77.0.0/24", **overrides: Any) -
                           parse_size(window) if window is not None else None, float(loss),
                           _ms(f"host {name}: rtt", h.get("rtt", 0))))
     spec = Spec(hosts)
+    uplink = raw.get("uplink")
+    if uplink is not None:
+        sites = sorted({h.site for h in hosts})
+        named = uplink if isinstance(uplink, dict) else {s: uplink for s in sites}
+        if not set(named) <= set(sites):
+            raise SpecError(f"uplink names sites {', '.join(sorted(set(named) - set(sites)))} this lab lacks")
+        spec.uplinks = {s: parse_rate(named[s]) if named.get(s) is not None else None for s in sites}
 
     names = {h.name for h in hosts} | {h.site for h in hosts}
     rtts = dict(raw.get("rtt") or {})
