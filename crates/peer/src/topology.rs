@@ -15,7 +15,8 @@
 //!    partner's acknowledgement: each direction is timed at its sender, so the two clocks never
 //!    meet. Exchanges grow from 256 KiB, four times each, until one lasts 30 round trips (and
 //!    50 ms), by when a fresh connection left TCP's slow start behind, or reaches
-//!    [`crate::CommunicatorConfig::probe_bytes`]; the last one's rate counts.
+//!    [`crate::CommunicatorConfig::probe_bytes`]; the rate is the best of the last and of those
+//!    that lasted at least 15 round trips.
 //!
 //! The rows are then gathered on every member ([`Communicator::bandwidth_matrix`]) and each
 //! member votes `update_topology` with its own row ([`CallKind::OptimizeTopology`]).
@@ -171,17 +172,25 @@ impl Communicator {
         }
         let rtt = Duration::from_micros(self.tell(partner, lead, rtt.as_micros() as u64, tag())?);
         failpoint("optimize_topology.probe");
-        // Exchanges grow until one lasts long enough to leave TCP's slow start behind.
+        // Exchanges grow until one lasts long enough to leave TCP's slow start behind. The rate
+        // is the best of those long enough for the round-trip correction to matter little (the
+        // last always counts): a stall of the partner's or of this machine in one exchange
+        // does not pass for the link's rate.
         let (mut bytes, most) = (PROBE_START_BYTES.min(self.config.probe_bytes), self.config.probe_bytes);
+        let mut best = 0u64;
         loop {
             let before = self.send_times(partner);
             let elapsed = self.exchange(partner, bytes, tag(), tag())?;
+            let moving = elapsed.saturating_sub(rtt * 3).max(elapsed / 4);
+            let rate = (bytes as f64 / moving.as_secs_f64().max(1e-9)) as u64;
             let enough = elapsed >= (rtt * PROBE_RTTS).max(PROBE_MIN_TIME) || bytes >= most;
-            if self.tell(partner, lead, u64::from(enough), tag())? == 1 {
-                let moving = elapsed.saturating_sub(rtt * 3).max(elapsed / 4);
-                let bytes_per_s = (bytes as f64 / moving.as_secs_f64().max(1e-9)) as u64;
+            let last = self.tell(partner, lead, u64::from(enough), tag())? == 1;
+            if last || elapsed >= rtt * PROBE_RTTS / 2 {
+                best = best.max(rate);
+            }
+            if last {
                 let rtt_us = rtt.as_micros().clamp(1, u32::MAX.into()) as u32;
-                let link = Link { rtt_us, bytes_per_s };
+                let link = Link { rtt_us, bytes_per_s: best };
                 return Ok(Probed { link, grow_to: self.grow_to(partner, &before, &link) });
             }
             bytes = (bytes * 4).min(most);

@@ -22,6 +22,8 @@ pub const REPLAN: Duration = Duration::from_millis(100);
 /// One slice of improvement in the background, and the pause between two.
 pub const SLICE: Duration = Duration::from_millis(10);
 const SLICE_EVERY: Duration = Duration::from_millis(100);
+/// Groups up to this size have their measured matrix logged at info level.
+const LOGGED_MATRIX: usize = 16;
 /// Slices in a row without improvement after which the background search stops.
 const FRUITLESS_SLICES: u32 = 100;
 
@@ -98,7 +100,9 @@ impl Master {
         let tour = solve(&costs, None, Instant::now() + FIRST_ANSWER, None);
         let after = tour_cost(&costs, &tour);
         let order: Vec<PeerId> = tour.iter().map(|&i| voters[i]).collect();
-        log::info!("measured links (from -> to: round trip, rate):\n{}", describe(voters, &links));
+        // A large group's matrix would flood the log: its lines at debug level.
+        let level = if voters.len() <= LOGGED_MATRIX { log::Level::Info } else { log::Level::Debug };
+        log::log!(level, "measured links (from -> to: round trip, rate):\n{}", describe(voters, &links));
         let search = (voters.len() > EXACT_MAX).then(|| Search::new(costs, Some(tour), voters.len() as u64));
         self.plan = Some(Plan { members: voters.to_vec(), links, order: order.clone(), search, fruitless: 0 });
         self.outputs.push_back(Output::Event(MasterEvent::RingPlanned {
