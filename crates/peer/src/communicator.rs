@@ -1310,7 +1310,8 @@ impl Driver {
         let request = record.request;
         let hosts = hosts_of(position);
         let group = (world, hosts.iter().max().map_or(1, |h| h + 1));
-        let algorithm = self.config.algorithm_for(request.kind, request.algorithm, record.buf.len(), group);
+        let algorithm =
+            self.config.algorithm_for(request.kind, request.algorithm, record.buf.len(), group, position.limits);
         let header = op_header(id, &request, algorithm, record.count);
         record.posted = Some(Posted { id, header, world, rank, algorithm });
         log::trace!("{}", describe(&header));
@@ -1491,7 +1492,7 @@ impl Driver {
                     sequence: id.seq.0,
                     // A group of one posts nothing: what it would have run.
                     algorithm: record.posted.map_or_else(
-                        || self.config.algorithm_for(request.kind, request.algorithm, record.buf.len(), (1, 1)),
+                        || self.config.algorithm_for(request.kind, request.algorithm, record.buf.len(), (1, 1), None),
                         |p| p.algorithm,
                     ),
                 })

@@ -6,7 +6,7 @@ use crate::error::Result;
 use shoal_collective::schedule::Algorithm;
 use shoal_collective::CollectiveKind;
 use shoal_config::{env_count, env_seconds, env_value};
-use shoal_wire::MAX_STRING_BYTES;
+use shoal_wire::{AlgorithmLimits, MAX_STRING_BYTES};
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
@@ -156,6 +156,7 @@ impl CommunicatorConfig {
         requested: Option<Algorithm>,
         bytes: usize,
         (world, hosts): (usize, usize),
+        limits: Option<AlgorithmLimits>,
     ) -> Algorithm {
         let spans_hosts = hosts > 1;
         match kind {
@@ -167,8 +168,18 @@ impl CommunicatorConfig {
         let chosen = match requested.or(self.algorithm) {
             Some(Algorithm::OneShot | Algorithm::TwoShot) if !oneshot_fits => Algorithm::Ring,
             Some(algorithm) => algorithm,
-            None if world > 2 && bytes <= self.oneshot_max_bytes && oneshot_fits => Algorithm::OneShot,
-            None if spans_hosts && world > 2 && bytes <= self.twoshot_max_bytes && oneshot_fits => Algorithm::TwoShot,
+            // The master's limits from measured links (a group across a WAN): what its cost
+            // model says is fastest, between two members too.
+            None if limits.is_some_and(|l| bytes as u64 <= l.oneshot_max) && oneshot_fits => Algorithm::OneShot,
+            None if limits.is_some_and(|l| bytes as u64 <= l.twoshot_max) && world > 2 && oneshot_fits => {
+                Algorithm::TwoShot
+            }
+            None if limits.is_none() && world > 2 && bytes <= self.oneshot_max_bytes && oneshot_fits => {
+                Algorithm::OneShot
+            }
+            None if limits.is_none() && spans_hosts && world > 2 && bytes <= self.twoshot_max_bytes && oneshot_fits => {
+                Algorithm::TwoShot
+            }
             None if spans_hosts && hosts < world => Algorithm::Hierarchical,
             None => Algorithm::Ring,
         };
@@ -245,26 +256,44 @@ mod tests {
         let mut c = CommunicatorConfig::from_env("127.0.0.1:1").unwrap();
         c.algorithm = None;
         let small = c.oneshot_max_bytes;
-        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, small, (3, 3)), Algorithm::OneShot);
-        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, small + 1, (3, 3)), Algorithm::TwoShot);
-        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, small + 1, (3, 1)), Algorithm::Ring, "one host");
-        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, c.twoshot_max_bytes + 1, (3, 3)), Algorithm::Ring);
-        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, small, (2, 2)), Algorithm::Ring);
-        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, Some(Algorithm::Ring), 8, (8, 8)), Algorithm::Ring);
-        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, Some(Algorithm::OneShot), 8, (2, 2)), Algorithm::OneShot);
-        // Asked for one-shot, a buffer whose copies would not fit runs around the ring.
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, small, (3, 3), None), Algorithm::OneShot);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, small + 1, (3, 3), None), Algorithm::TwoShot);
         assert_eq!(
-            c.algorithm_for(CollectiveKind::AllReduce, Some(Algorithm::OneShot), MAX_STASH_BYTES / 4 + 1, (4, 4)),
+            c.algorithm_for(CollectiveKind::AllReduce, None, small + 1, (3, 1), None),
+            Algorithm::Ring,
+            "one host"
+        );
+        assert_eq!(
+            c.algorithm_for(CollectiveKind::AllReduce, None, c.twoshot_max_bytes + 1, (3, 3), None),
             Algorithm::Ring
         );
-        assert_eq!(c.algorithm_for(CollectiveKind::Broadcast, None, small + 1, (3, 3)), Algorithm::Ring);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, small, (2, 2), None), Algorithm::Ring);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, Some(Algorithm::Ring), 8, (8, 8), None), Algorithm::Ring);
+        assert_eq!(
+            c.algorithm_for(CollectiveKind::AllReduce, Some(Algorithm::OneShot), 8, (2, 2), None),
+            Algorithm::OneShot
+        );
+        // Asked for one-shot, a buffer whose copies would not fit runs around the ring.
+        assert_eq!(
+            c.algorithm_for(CollectiveKind::AllReduce, Some(Algorithm::OneShot), MAX_STASH_BYTES / 4 + 1, (4, 4), None),
+            Algorithm::Ring
+        );
+        assert_eq!(c.algorithm_for(CollectiveKind::Broadcast, None, small + 1, (3, 3), None), Algorithm::Ring);
         // Large buffers across hosts that some members share: hierarchical, all-reduce only.
         let large = c.twoshot_max_bytes + 1;
-        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, large, (4, 2)), Algorithm::Hierarchical);
-        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, large, (4, 4)), Algorithm::Ring);
-        assert_eq!(c.algorithm_for(CollectiveKind::Broadcast, None, large, (4, 2)), Algorithm::Ring);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, large, (4, 2), None), Algorithm::Hierarchical);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, large, (4, 4), None), Algorithm::Ring);
+        assert_eq!(c.algorithm_for(CollectiveKind::Broadcast, None, large, (4, 2), None), Algorithm::Ring);
         c.algorithm = Some(Algorithm::OneShot);
-        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, 1 << 20, (2, 2)), Algorithm::OneShot);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, 1 << 20, (2, 2), None), Algorithm::OneShot);
+        // The master's limits from measured links win over the settings, between two members too.
+        c.algorithm = None;
+        let wan = Some(AlgorithmLimits { oneshot_max: 2 << 20, twoshot_max: 32 << 20 });
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, 1 << 20, (2, 2), wan), Algorithm::OneShot);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, 8 << 20, (4, 4), wan), Algorithm::TwoShot);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, 8 << 20, (2, 2), wan), Algorithm::Ring);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, 64 << 20, (4, 4), wan), Algorithm::Ring);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, Some(Algorithm::Ring), 8, (4, 4), wan), Algorithm::Ring);
     }
 
     #[test]

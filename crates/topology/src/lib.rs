@@ -11,9 +11,11 @@
 //! Pure code: no IO, no threads, and time only where a caller passes a deadline.
 
 pub mod atsp;
+pub mod choice;
 pub mod sites;
 
 pub use atsp::{exact, lower_bound, solve, tour_cost, Search, EXACT_MAX};
+pub use choice::{limits, Limits};
 pub use sites::{grouping_pays, sites};
 
 /// What one peer measured of its link to another: its round trip and the rate its bytes reached

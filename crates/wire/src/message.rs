@@ -35,6 +35,16 @@ pub struct Member {
     pub site: Option<u16>,
 }
 
+/// The largest all-reduces that run one-shot and two-shot in a topology, derived by the master
+/// from measured links (`optimize_topology`); they replace the members' own settings there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AlgorithmLimits {
+    /// One-shot up to this many bytes.
+    pub oneshot_max: u64,
+    /// Two-shot above `oneshot_max`, up to this.
+    pub twoshot_max: u64,
+}
+
 /// The code of [`Member::site`]'s `None` on the wire.
 const NO_SITE: u16 = u16::MAX;
 
@@ -323,6 +333,8 @@ pub enum Message {
         epoch: Epoch,
         /// Every member; a group's ring is its members in this order.
         members: Vec<Member>,
+        /// Where the small-message all-reduces stop, if the master derived it from measured links.
+        limits: Option<AlgorithmLimits>,
     },
     /// Master → peer: every member of `epoch` is connected; the topology is in force.
     TopologyCommitted {
@@ -686,7 +698,7 @@ impl Message {
                 w.u64(*seq);
                 failure.encode(w);
             }
-            Message::Topology { epoch, members } => {
+            Message::Topology { epoch, members, limits } => {
                 assert!(members.len() <= MAX_MEMBERS, "topology exceeds MAX_MEMBERS: a bug");
                 w.u64(epoch.0);
                 w.u32(members.len() as u32);
@@ -699,6 +711,10 @@ impl Message {
                         s
                     }));
                 }
+                w.bool(limits.is_some());
+                let l = limits.unwrap_or(AlgorithmLimits { oneshot_max: 0, twoshot_max: 0 });
+                w.u64(l.oneshot_max);
+                w.u64(l.twoshot_max);
             }
             Message::PeersPendingResult { pending } => w.bool(*pending),
             Message::Kicked { reason } => w.str(reason),
@@ -823,7 +839,9 @@ impl Message {
                     let site = Some(r.u16()?).filter(|s| *s != NO_SITE);
                     members.push(Member { peer, group, addr, site });
                 }
-                Message::Topology { epoch, members }
+                let (known, oneshot_max, twoshot_max) = (r.bool("limits")?, r.u64()?, r.u64()?);
+                let limits = known.then_some(AlgorithmLimits { oneshot_max, twoshot_max });
+                Message::Topology { epoch, members, limits }
             }
             kind::TOPOLOGY_COMMITTED => Message::TopologyCommitted { epoch: Epoch(r.u64()?) },
             kind::PEERS_PENDING_RESULT => Message::PeersPendingResult { pending: r.bool("pending")? },
@@ -962,8 +980,12 @@ mod tests {
                 .prop_map(|(e, seq, failure)| { Message::OpFailed { epoch: Epoch(e), seq, failure } }),
             (any::<u64>(), any::<u64>(), failure())
                 .prop_map(|(e, seq, failure)| { Message::OpAborted { epoch: Epoch(e), seq, failure } }),
-            (any::<u64>(), prop::collection::vec(member(), 0..20))
-                .prop_map(|(e, members)| { Message::Topology { epoch: Epoch(e), members } }),
+            (any::<u64>(), prop::collection::vec(member(), 0..20), proptest::option::of((any::<u64>(), any::<u64>())))
+                .prop_map(|(e, members, limits)| Message::Topology {
+                    epoch: Epoch(e),
+                    members,
+                    limits: limits.map(|(oneshot_max, twoshot_max)| AlgorithmLimits { oneshot_max, twoshot_max }),
+                }),
             any::<u64>().prop_map(|e| Message::TopologyCommitted { epoch: Epoch(e) }),
             any::<bool>().prop_map(|pending| Message::PeersPendingResult { pending }),
             ".{0,100}".prop_map(|reason| Message::Kicked { reason }),

@@ -546,6 +546,7 @@ impl Master {
             }
         }
         let sites = self.sites();
+        let limits = self.limits(&members);
         let wire_members: Vec<Member> = members
             .iter()
             .map(|p| {
@@ -555,7 +556,7 @@ impl Master {
             .collect();
         for p in &members {
             let conn = self.peers[p].conn;
-            self.send(conn, Message::Topology { epoch, members: wire_members.clone() });
+            self.send(conn, Message::Topology { epoch, members: wire_members.clone(), limits });
         }
         self.outputs.push_back(Output::Event(MasterEvent::TopologyIssued { epoch, members: members.clone() }));
         self.set_phase(Phase::AwaitingConnections { epoch, members, ready: BTreeSet::new(), newcomers_by: None });

@@ -11,7 +11,7 @@
 
 use super::{Master, MasterEvent, Output, Timer};
 use shoal_topology::{solve, tour_cost, Costs, Link, Links, Search, EXACT_MAX};
-use shoal_wire::{Measured, PeerId};
+use shoal_wire::{AlgorithmLimits, Measured, PeerId};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -164,6 +164,16 @@ impl Master {
             return BTreeMap::new();
         }
         plan.members.iter().zip(sites).map(|(p, s)| (*p, s as u16)).collect()
+    }
+
+    /// The small-message limits of a ring of `members` in this order
+    /// (`shoal_topology::limits`), where every one of them was measured.
+    pub(super) fn limits(&self, members: &[PeerId]) -> Option<AlgorithmLimits> {
+        let plan = self.plan.as_ref()?;
+        let order: Vec<usize> =
+            members.iter().map(|p| plan.members.iter().position(|m| m == p)).collect::<Option<_>>()?;
+        let l = shoal_topology::limits(&plan.links, &order)?;
+        Some(AlgorithmLimits { oneshot_max: l.oneshot_max, twoshot_max: l.twoshot_max })
     }
 
     pub(super) fn arm_plan_slice(&mut self, now: Instant) {

@@ -684,6 +684,7 @@ fn a_full_run_refuses_the_next_join_and_goes_on() {
                 site: Some(1),
             })
             .collect(),
+        limits: Some(shoal_wire::AlgorithmLimits { oneshot_max: u64::MAX, twoshot_max: u64::MAX }),
     };
     assert!(shoal_wire::encode_frame(SESSION, &topology).is_ok(), "the largest topology must encode");
 }
@@ -751,11 +752,13 @@ fn optimize_orders_the_ring_by_measured_links_and_admits_nobody() {
     assert_eq!(ring.len(), 6, "the newcomer waits for update_topology: {ring:?}");
     let crossings = (0..6).filter(|&i| ring[i].0 % 2 != ring[(i + 1) % 6].0 % 2).count();
     assert_eq!(crossings, 2, "each site's members side by side: {ring:?}");
-    let Some(Message::Topology { members, .. }) =
+    let Some(Message::Topology { members, limits, .. }) =
         sent_to(&out, 1).into_iter().find(|m| matches!(m, Message::Topology { .. }))
     else {
         unreachable!()
     };
+    // Across 40 ms, small all-reduces run one-shot up to megabytes (`shoal_topology::limits`).
+    assert!(limits.is_some_and(|l| l.oneshot_max > 64 << 10), "{limits:?}");
     for m in members {
         assert_eq!(m.site, Some(m.peer.0 as u16 % 2), "{members:?}");
     }
@@ -774,6 +777,8 @@ fn optimize_orders_the_ring_by_measured_links_and_admits_nobody() {
     }
     let next = topology_members(&out, 7);
     assert_eq!(&next[..6], ring.as_slice());
+    let newcomer_in = sent_to(&out, 7).into_iter().any(|m| matches!(m, Message::Topology { limits: None, .. }));
+    assert!(newcomer_in, "a member nobody measured: no limits");
     assert_eq!(next[6], PeerId(6));
     for c in 1..=7 {
         h.send(c, Message::TopologyReady { epoch: issued_epoch(&out, 1).unwrap() });

@@ -56,7 +56,7 @@ fn joined(ring: &[u32]) -> (Peer, Instant) {
     let registered =
         Message::Registered { peer: PeerId(0), session: SessionId(7), heartbeat_ms: 100, data_key: [5; 32] };
     p.handle_message(registered, t0).unwrap();
-    p.handle_message(Message::Topology { epoch: Epoch(1), members: members(ring) }, t0).unwrap();
+    p.handle_message(Message::Topology { epoch: Epoch(1), members: members(ring), limits: None }, t0).unwrap();
     let position = match &actions(&mut p)[..] {
         [Action::Registered { me: PeerId(0), session: SessionId(7), data_key }, Action::Establish { position, .. }]
             if *data_key == DataKey([5; 32]) =>
@@ -229,7 +229,7 @@ fn a_refused_vote_joins_the_issued_topology_and_votes_again() {
     let (mut p, t0) = joined(&[0, 1]);
     p.call(CallKind::UpdateTopology, BOUND, t0);
     assert_eq!(sent(&mut p), vec![Message::VoteUpdateTopology { collectives: 0, measured: None }]);
-    p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1, 2]) }, t0).unwrap();
+    p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1, 2]), limits: None }, t0).unwrap();
     p.handle_message(Message::TopologyVoteAborted { retry: true, reason: "a topology connects".into() }, t0).unwrap();
     let establish = actions(&mut p);
     assert!(matches!(&establish[..], [Action::Establish { position, .. }] if position.epoch == Epoch(2)));
@@ -249,7 +249,7 @@ fn a_collective_the_others_failed_first_fails_here_before_it_runs() {
     let (mut p, t0) = joined(&[0, 1, 2]);
     let failure = OpFailure::new(FailureKind::PeerLost, PeerId(2), "gone");
     p.handle_message(Message::OpAborted { epoch: Epoch(1), seq: 0, failure: failure.clone() }, t0).unwrap();
-    p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1]) }, t0).unwrap();
+    p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1]), limits: None }, t0).unwrap();
     p.call(CallKind::Collective, BOUND, t0);
     assert!(matches!(&actions(&mut p)[..], [Action::Establish { .. }]), "first it follows the re-formed ring");
     p.handle_established(Epoch(2), Established::Ready, t0);
@@ -334,7 +334,7 @@ fn a_sync_that_crossed_a_topology_joins_it_and_votes_again() {
     let ballot = SyncBallot { revision: Revision(3), strategy: 1, override_resume: false, entries: vec![] };
     p.call(CallKind::SyncSharedState(ballot), BOUND, t0);
     assert!(matches!(&sent(&mut p)[..], [Message::SyncVote { .. }]));
-    p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1]) }, t0).unwrap();
+    p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1]), limits: None }, t0).unwrap();
     let refused = Message::SyncAborted { round: 0, retryable: true, reason: "topology 2 was being connected".into() };
     p.handle_message(refused, t0).unwrap();
     assert!(matches!(&actions(&mut p)[..], [Action::Establish { position, .. }] if position.epoch == Epoch(2)));
@@ -455,7 +455,7 @@ fn a_lost_member_aborts_every_collective_in_flight_and_the_missed_ones_fail_alik
             Action::Done { call: *call, result: Err(CallError::Aborted { op: *op, failure: lost.clone() }) }
         );
     }
-    p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1]) }, t0).unwrap();
+    p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1]), limits: None }, t0).unwrap();
     let retry = p.call(CallKind::Collective, BOUND, t0);
     let position = match &actions(&mut p)[..] {
         [Action::Establish { position, .. }] => position.clone(),

@@ -1,7 +1,9 @@
 //! A peer's view of the protocol: what the master has told it, and where it stands in its ring.
 
 use crate::auth::DataKey;
-use shoal_wire::{Epoch, FailureKind, GroupId, Member, Message, OpFailure, PeerId, PlanEntry, SessionId, Vote};
+use shoal_wire::{
+    AlgorithmLimits, Epoch, FailureKind, GroupId, Member, Message, OpFailure, PeerId, PlanEntry, SessionId, Vote,
+};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
@@ -17,6 +19,8 @@ pub struct PeerView {
     pub issued: Option<(Epoch, Vec<Member>)>,
     /// The topology in force for us.
     pub committed: Option<(Epoch, Vec<Member>)>,
+    /// The master's small-message limits of the topologies issued since the one in force.
+    pub limits: BTreeMap<Epoch, AlgorithmLimits>,
     /// The issued topology this peer established and reported ready in, until it commits: a
     /// later call does not establish it again.
     pub ready_in: Option<Epoch>,
@@ -214,6 +218,8 @@ pub struct RingPosition {
     pub ring: Vec<Member>,
     /// Members of the whole run.
     pub world_size: usize,
+    /// Where the master says the small-message all-reduces stop in this topology, if it does.
+    pub limits: Option<AlgorithmLimits>,
 }
 
 impl RingPosition {
@@ -253,7 +259,7 @@ impl PeerView {
                 self.removed.insert(peer);
                 PeerEvent::PeerRemoved(peer)
             }
-            Message::Topology { epoch, ref members } => {
+            Message::Topology { epoch, ref members, limits } => {
                 let Some((me, _)) = self.registered else {
                     return unexpected("not registered");
                 };
@@ -264,6 +270,10 @@ impl PeerView {
                     return unexpected("topology epoch went backwards");
                 }
                 self.issued = Some((epoch, members.clone()));
+                self.limits.retain(|e, _| *e >= self.committed.as_ref().map_or(Epoch(0), |(c, _)| *c));
+                if let Some(l) = limits {
+                    self.limits.insert(epoch, l);
+                }
                 self.vote_open = None;
                 // Queries about collectives we will now never start: answered.
                 let never: Vec<(Epoch, u64)> =
@@ -547,7 +557,7 @@ impl PeerView {
         let group: GroupId = members.iter().find(|m| m.peer == me).expect("we are a member").group;
         let ring: Vec<Member> = members.iter().filter(|m| m.group == group).cloned().collect();
         let rank = ring.iter().position(|m| m.peer == me).expect("we are in our group's ring");
-        RingPosition { epoch, rank, ring, world_size: members.len() }
+        RingPosition { epoch, rank, ring, world_size: members.len(), limits: self.limits.get(&epoch).copied() }
     }
 }
 
@@ -630,7 +640,7 @@ mod tests {
         v.handle_message(query(1)).unwrap();
         assert_eq!(v.poll_output(), None, "we may yet start it");
         v.handle_message(query(0)).unwrap();
-        v.handle_message(Message::Topology { epoch: Epoch(2), members: vec![member(0, 0)] }).unwrap();
+        v.handle_message(Message::Topology { epoch: Epoch(2), members: vec![member(0, 0)], limits: None }).unwrap();
         assert!(
             matches!(v.poll_output(), Some(Message::OpFailed { epoch: Epoch(1), seq: 1, failure })
                 if failure.kind == FailureKind::Superseded),
@@ -695,7 +705,7 @@ mod tests {
         let mut v = registered_alone();
         assert_eq!(v.topology_step(None, false), None);
         let members = vec![member(0, 0)];
-        v.handle_message(Message::Topology { epoch: Epoch(1), members: members.clone() }).unwrap();
+        v.handle_message(Message::Topology { epoch: Epoch(1), members: members.clone(), limits: None }).unwrap();
         assert_eq!(v.topology_step(None, false), Some(TopologyStep::Establish(Epoch(1), members.clone())));
         assert_eq!(v.topology_step(Some(Epoch(1)), false), None, "established: wait for the commit");
         v.handle_message(Message::TopologyCommitted { epoch: Epoch(1) }).unwrap();
@@ -723,7 +733,7 @@ mod tests {
 
     /// Topology `e` with peer 0 alone is issued and comes into force.
     fn commit(v: &mut PeerView, e: u64) {
-        v.handle_message(Message::Topology { epoch: Epoch(e), members: vec![member(0, 0)] }).unwrap();
+        v.handle_message(Message::Topology { epoch: Epoch(e), members: vec![member(0, 0)], limits: None }).unwrap();
         v.handle_message(Message::TopologyCommitted { epoch: Epoch(e) }).unwrap();
     }
 
@@ -735,7 +745,7 @@ mod tests {
     fn ring_position_is_taken_within_our_group() {
         let mut v = registered(3);
         let members = vec![member(1, 0), member(2, 1), member(3, 0), member(4, 0)];
-        let ev = v.handle_message(Message::Topology { epoch: Epoch(2), members: members.clone() });
+        let ev = v.handle_message(Message::Topology { epoch: Epoch(2), members: members.clone(), limits: None });
         assert_eq!(ev, Ok(PeerEvent::TopologyIssued(Epoch(2))));
         let pos = v.position(Epoch(2), &members);
         assert_eq!((pos.rank, pos.group_size(), pos.world_size), (1, 3, 4));
@@ -745,7 +755,7 @@ mod tests {
             v.handle_message(Message::TopologyCommitted { epoch: Epoch(2) }),
             Ok(PeerEvent::TopologyCommitted(Epoch(2)))
         );
-        assert!(v.handle_message(Message::Topology { epoch: Epoch(2), members }).is_err());
+        assert!(v.handle_message(Message::Topology { epoch: Epoch(2), members, limits: None }).is_err());
         assert!(v.handle_message(Message::VotePeersPending { collectives: 0 }).is_err());
     }
 }

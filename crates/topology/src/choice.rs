@@ -1,0 +1,125 @@
+//! Where the small-message all-reduces stop paying, from measured links: the largest buffers
+//! one-shot and two-shot should take over the ring (`docs/algorithms.md`, `docs/topology.md`).
+//!
+//! Each algorithm's time is a latency plus bytes over the slowest rate, for `n` members and `S`
+//! bytes (one-way delays are half the measured round trips):
+//!
+//! - one-shot: every input straight to every member, then a token straight back: the largest
+//!   round trip, plus `(n - 1) S` through each member's uplink;
+//! - two-shot: two direct hops and a token: one and a half of the largest round trip, plus
+//!   `2 (n - 1) / n S` per member;
+//! - the ring: `2 (n - 1)` steps in which each chunk travels `n - 1` consecutive edges per phase,
+//!   then the confirmation lap: three times `(n - 1) / n` of the ring's summed one-way delay, plus
+//!   `2 (n - 1) / n S` over its slowest edge.
+//!
+//! The direct algorithms' byte terms carry [`DIRECT_PENALTY`]: sending to every member at once
+//! moved bytes that much slower than the ring's one neighbour in the lab (`two-sites`, 4 peers,
+//! 4 to 64 MiB: 21.5 ms per MB for two-shot and 40 for one-shot's 1.5× the bytes, against the
+//! ring's 13.6). The crossovers of these lines are the limits. On one machine (a largest round trip under
+//! [`WAN_RTT_US`]) the model does not hold (the reduction's work, not the wire, decides there) and
+//! there are no limits from it.
+
+use crate::Links;
+
+/// How much slower per byte the direct algorithms move their bytes than the ring.
+pub const DIRECT_PENALTY: f64 = 1.5;
+/// Round trips below this are one machine's or one rack's: no limits are derived.
+pub const WAN_RTT_US: u32 = 1_000;
+/// The most bytes the limits allow one-shot and two-shot, whatever the model says: they keep
+/// every member's input aside.
+pub const MOST_ONESHOT_BYTES: u64 = 16 << 20;
+pub const MOST_TWOSHOT_BYTES: u64 = 64 << 20;
+
+/// The largest all-reduce, in bytes, that runs one-shot, and two-shot above that.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// One-shot up to this.
+    pub oneshot_max: u64,
+    /// Two-shot above `oneshot_max`, up to this.
+    pub twoshot_max: u64,
+}
+
+/// The limits for the ring `order` (indices into `links`), if every link it needs was measured
+/// and the group spans a wide-area path.
+pub fn limits(links: &Links, order: &[usize]) -> Option<Limits> {
+    let n = order.len();
+    if n < 2 {
+        return None;
+    }
+    let mut max_rtt = 0u32;
+    let mut min_rate = f64::INFINITY;
+    for &a in order {
+        for &b in order {
+            if a != b {
+                let l = links.get(a, b)?;
+                max_rtt = max_rtt.max(l.rtt_us);
+                min_rate = min_rate.min(l.bytes_per_s.max(1) as f64);
+            }
+        }
+    }
+    if max_rtt < WAN_RTT_US {
+        return None;
+    }
+    let (mut ring_delay, mut ring_rate) = (0.0, f64::INFINITY);
+    for k in 0..n {
+        let l = links.get(order[k], order[(k + 1) % n])?;
+        ring_delay += l.rtt_us as f64 / 2e6;
+        ring_rate = ring_rate.min(l.bytes_per_s.max(1) as f64);
+    }
+    let (nf, rtt) = (n as f64, max_rtt as f64 / 1e6);
+    // (latency s, seconds per byte)
+    let oneshot = (rtt, DIRECT_PENALTY * (nf - 1.0) / min_rate);
+    let twoshot = (1.5 * rtt, DIRECT_PENALTY * 2.0 * (nf - 1.0) / nf / min_rate);
+    let ring = (3.0 * (nf - 1.0) / nf * ring_delay, 2.0 * (nf - 1.0) / nf / ring_rate);
+    // The largest size at which `a` takes no longer than `b`.
+    let up_to = |a: (f64, f64), b: (f64, f64)| -> f64 {
+        if a.1 <= b.1 {
+            if a.0 <= b.0 {
+                f64::INFINITY
+            } else {
+                0.0
+            }
+        } else {
+            ((b.0 - a.0) / (a.1 - b.1)).max(0.0)
+        }
+    };
+    let bytes = |s: f64, most: u64| if s.is_finite() { (s as u64).min(most) } else { most };
+    let oneshot_max = bytes(up_to(oneshot, twoshot).min(up_to(oneshot, ring)), MOST_ONESHOT_BYTES);
+    let twoshot_max = bytes(up_to(twoshot, ring), MOST_TWOSHOT_BYTES).max(oneshot_max);
+    Some(Limits { oneshot_max, twoshot_max })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Link;
+
+    fn two_sites(inside_rtt: u32, between_rtt: u32, rate: u64) -> Links {
+        let mut links = Links::new(4);
+        for a in 0..4 {
+            for b in 0..4 {
+                if a != b {
+                    let rtt_us = if a / 2 == b / 2 { inside_rtt } else { between_rtt };
+                    links.set(a, b, Link { rtt_us, bytes_per_s: rate });
+                }
+            }
+        }
+        links
+    }
+
+    #[test]
+    fn across_a_wan_one_shot_runs_up_to_megabytes() {
+        // The lab's two-sites: 1 ms inside, 40 ms between, ~120 MB/s. Measured there (4 peers):
+        // one-shot fastest to 1 MiB (67 ms against 85 two-shot, 109 ring), two-shot at 4 MiB
+        // (120 against 137 ring, 169 one-shot), the ring at 16 MiB (289 against 319 two-shot).
+        let l = limits(&two_sites(1_000, 40_000, 120_000_000), &[0, 1, 2, 3]).unwrap();
+        assert!((512 << 10..4 << 20).contains(&l.oneshot_max), "{l:?}");
+        assert!((4 << 20..16 << 20).contains(&l.twoshot_max), "{l:?}");
+    }
+
+    #[test]
+    fn on_one_machine_there_are_no_limits() {
+        assert_eq!(limits(&two_sites(50, 80, 2_000_000_000), &[0, 1, 2, 3]), None);
+        assert_eq!(limits(&Links::new(4), &[0, 1, 2, 3]), None, "nothing measured");
+    }
+}
