@@ -19,7 +19,7 @@
 //! [`WAN_RTT_US`]) the model does not hold (the reduction's work, not the wire, decides there) and
 //! there are no limits from it.
 
-use crate::Links;
+use crate::{ring_edges, Links};
 
 /// How much slower per byte the direct algorithms move their bytes than the ring.
 pub const DIRECT_PENALTY: f64 = 1.5;
@@ -46,26 +46,15 @@ pub fn limits(links: &Links, order: &[usize]) -> Option<Limits> {
     if n < 2 {
         return None;
     }
-    let mut max_rtt = 0u32;
-    let mut min_rate = f64::INFINITY;
-    for &a in order {
-        for &b in order {
-            if a != b {
-                let l = links.get(a, b)?;
-                max_rtt = max_rtt.max(l.rtt_us);
-                min_rate = min_rate.min(l.bytes_per_s.max(1) as f64);
-            }
-        }
-    }
+    let pairs = || order.iter().flat_map(|&a| order.iter().filter(move |&&b| b != a).map(move |&b| (a, b)));
+    let max_rtt =
+        pairs().map(|(a, b)| links.get(a, b).map(|l| l.rtt_us)).try_fold(0, |most, rtt| Some(most.max(rtt?)))?;
     if max_rtt < WAN_RTT_US {
         return None;
     }
-    let (mut ring_delay, mut ring_rate) = (0.0, f64::INFINITY);
-    for k in 0..n {
-        let l = links.get(order[k], order[(k + 1) % n])?;
-        ring_delay += l.rtt_us as f64 / 2e6;
-        ring_rate = ring_rate.min(l.bytes_per_s.max(1) as f64);
-    }
+    let min_rate = links.slowest(pairs())?;
+    let ring_rate = links.slowest(ring_edges(order))?;
+    let ring_delay: f64 = ring_edges(order).map(|(a, b)| links.get(a, b).map_or(0, |l| l.rtt_us) as f64 / 2e6).sum();
     let (nf, rtt) = (n as f64, max_rtt as f64 / 1e6);
     // (latency s, seconds per byte)
     let oneshot = (rtt, DIRECT_PENALTY * (nf - 1.0) / min_rate);

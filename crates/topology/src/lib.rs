@@ -69,6 +69,15 @@ impl Links {
         self.links[from * self.n + to] = Some(link);
     }
 
+    /// The slowest rate, in bytes per second, over the links `pairs` names, if every one was
+    /// measured at a rate.
+    pub fn slowest(&self, pairs: impl IntoIterator<Item = (usize, usize)>) -> Option<f64> {
+        pairs.into_iter().try_fold(f64::INFINITY, |least, (a, b)| {
+            let rate = self.get(a, b)?.bytes_per_s;
+            (rate > 0).then(|| least.min(rate as f64))
+        })
+    }
+
     /// The same links among the members `keep` names, in that order.
     pub fn subset(&self, keep: &[usize]) -> Links {
         let mut sub = Links::new(keep.len());
@@ -79,6 +88,11 @@ impl Links {
         }
         sub
     }
+}
+
+/// The edges of the ring `order`, from each member to the next, the closing one included.
+pub fn ring_edges(order: &[usize]) -> impl Iterator<Item = (usize, usize)> + '_ {
+    (0..order.len()).map(move |k| (order[k], order[(k + 1) % order.len()]))
 }
 
 /// The cost of every directed edge, in microseconds: what one ring step of

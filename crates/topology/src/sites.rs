@@ -4,7 +4,7 @@
 //! site is a connected group of near members (so a site's diameter may exceed `near_us`, as a
 //! region's does). Sites are numbered in the order of their first member.
 
-use crate::Links;
+use crate::{ring_edges, Links};
 
 /// The round trip under which two members share a site, unless configured: well above a
 /// datacenter's or a metro region's, well below the 20 ms or more between regions.
@@ -65,24 +65,17 @@ pub fn grouping_pays(links: &Links, order: &[usize], sites: &[usize]) -> bool {
     if n < 3 || h < 2 || h == n {
         return false;
     }
-    let rate = |a: usize, b: usize| links.get(a, b).map(|l| l.bytes_per_s as f64).filter(|r| *r > 0.0);
-    let slowest = |pairs: Vec<(usize, usize)>| -> Option<f64> {
-        pairs.into_iter().try_fold(f64::INFINITY, |least, (a, b)| Some(least.min(rate(a, b)?)))
-    };
-    let ring: Vec<(usize, usize)> = (0..n).map(|k| (order[k], order[(k + 1) % n])).collect();
-    let Some(ring_rate) = slowest(ring.clone()) else { return false };
+    let Some(ring_rate) = links.slowest(ring_edges(order)) else { return false };
     // Chains run both ways: down to the leader, then back up.
-    let chain = ring.into_iter().filter(|&(a, b)| sites[a] == sites[b]).flat_map(|(a, b)| [(a, b), (b, a)]);
-    let Some(chain_rate) = slowest(chain.collect()) else { return false };
+    let chain = ring_edges(order).filter(|&(a, b)| sites[a] == sites[b]).flat_map(|(a, b)| [(a, b), (b, a)]);
+    let Some(chain_rate) = links.slowest(chain) else { return false };
     let mut leaders: Vec<usize> = Vec::new();
     for &m in order {
         if leaders.iter().all(|&l| sites[l] != sites[m]) {
             leaders.push(m);
         }
     }
-    let Some(leader_rate) = slowest((0..h).map(|k| (leaders[k], leaders[(k + 1) % h])).collect()) else {
-        return false;
-    };
+    let Some(leader_rate) = links.slowest(ring_edges(&leaders)) else { return false };
     let ring_time = 2.0 * (n - 1) as f64 / n as f64 / ring_rate;
     let hier_time = 1.0 / chain_rate + 2.0 * (h - 1) as f64 / h as f64 / leader_rate;
     hier_time * HIERARCHY_MARGIN < ring_time
