@@ -101,9 +101,11 @@ class Communicator:
         """Measure the links between the group's members and re-order the ring by them; a major
         operation every accepted peer must call (pending peers stay pending). The master solves
         the asymmetric travelling-salesman problem over the measured costs, so the ring crosses
-        slow links as few times as possible, and places members in sites (short mutual round
-        trips), which the hierarchical all-reduce follows. Raises ``PeerLostError`` (retryable)
-        if a member is lost meanwhile."""
+        slow links as few times as possible, places members in sites (short mutual round trips)
+        where the hierarchical all-reduce pays, and, across a WAN, sets where one-shot and two-shot
+        stop paying; pools of TCP streams that a window held back grow (``SHOAL_CONNECTIONS_MAX``),
+        and the measurement repeats over them. Raises ``PeerLostError`` (retryable) if a member is
+        lost meanwhile (see ``docs/topology.md``)."""
         self._native.optimize_topology()
 
     def bandwidth_matrix(self) -> "list[list[dict[str, float] | None]]":
@@ -137,7 +139,9 @@ class Communicator:
         peers buffers up to ``SHOAL_ONESHOT_MAX_BYTES`` run one-shot, up to
         ``SHOAL_TWOSHOT_MAX_BYTES`` two-shot where the group spans hosts; larger ones run
         hierarchical where the group spans hosts and some share one (within each host, then one
-        leader per host across), else around the ring. ``ReduceInfo.algorithm`` says which ran.
+        leader per host across), else around the ring. After ``optimize_topology()`` across a WAN,
+        the limits the master derives from the measured round trips replace the two settings, and
+        the master's sites (where grouping pays) replace hosts. ``ReduceInfo.algorithm`` says which ran.
         """
         if quantization is not None:
             raise ValueError(f"quantization={quantization!r}: only None is supported so far")
