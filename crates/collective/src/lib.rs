@@ -11,9 +11,11 @@ mod dtype;
 pub mod hier;
 mod kernels;
 pub mod oneshot;
+pub mod quant;
 pub mod ring;
 pub mod schedule;
 pub mod twoshot;
 
 pub use dtype::{CollectiveKind, DType, ReduceOp};
 pub use kernels::{finish_avg, reduce_into, KernelError};
+pub use quant::{Codec, Format, QuantError, Quantization};
