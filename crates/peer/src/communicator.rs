@@ -8,7 +8,7 @@ use crate::failpoint::failpoint;
 use crate::links::{DataPlane, Listener};
 use crate::Deadline;
 use shoal_collective::schedule::Algorithm;
-use shoal_collective::{CollectiveKind, DType, ReduceOp};
+use shoal_collective::{Codec, CollectiveKind, DType, Quantization, ReduceOp};
 use shoal_proto::auth::{DataKey, RunKey};
 use shoal_proto::peer::{
     Action, CallError, CallId, CallKind, Established, OpId, OpProgress, PeerConfig, RingPosition, Value,
@@ -248,12 +248,15 @@ impl Communicator {
 
     /// Reduces `buf` (elements of `dtype`, as bytes) with every peer of the group, in place:
     /// on success every peer holds the same bytes. Collectives started with
-    /// [`Communicator::all_reduce_async`] before it move while it runs.
+    /// [`Communicator::all_reduce_async`] before it move while it runs. With `quantization`
+    /// its chunks travel in that format, each encoded once by the peer that sends it first and
+    /// decoded alike everywhere (that peer too), so every peer still ends bit-identical.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] (nothing sent) if `buf` is not a whole number of aligned
-    /// elements; [`Error::PeerLost`] if a neighbour fails; [`Error::CollectiveMismatch`] if a
-    /// peer called another collective; [`Error::Timeout`].
+    /// elements, or `quantization` does not apply to `dtype` and `op`; [`Error::PeerLost`] if a
+    /// neighbour fails; [`Error::CollectiveMismatch`] if a peer called another collective;
+    /// [`Error::Timeout`].
     pub fn all_reduce(
         &self,
         buf: &mut [u8],
@@ -261,9 +264,10 @@ impl Communicator {
         op: ReduceOp,
         tag: u64,
         algorithm: Option<Algorithm>,
+        quantization: Option<Quantization>,
     ) -> Result<Info> {
         check_buffer(buf, dtype)?;
-        let request = Request { kind: CollectiveKind::AllReduce, dtype, op, tag, root: 0, algorithm };
+        let request = Request { kind: CollectiveKind::AllReduce, dtype, op, tag, root: 0, algorithm, quantization };
         self.collective(RawBuf::new(buf), request, Extra::None)
     }
 
@@ -274,10 +278,18 @@ impl Communicator {
     /// As [`Communicator::all_reduce`]; [`Error::Misuse`] on every member if `out` is not
     /// `world` times `inp` in the group the collective runs in (a member was lost since the
     /// call was written, say).
-    pub fn all_gather(&self, out: &mut [u8], inp: &[u8], dtype: DType, tag: u64) -> Result<Info> {
+    pub fn all_gather(
+        &self,
+        out: &mut [u8],
+        inp: &[u8],
+        dtype: DType,
+        tag: u64,
+        quantization: Option<Quantization>,
+    ) -> Result<Info> {
         check_buffer(out, dtype)?;
         check_buffer(inp, dtype)?;
-        self.collective(RawBuf::new(out), gather_request(dtype, tag), Extra::Gather { inp: inp.to_vec(), before: None })
+        let extra = Extra::Gather { inp: inp.to_vec(), before: None };
+        self.collective(RawBuf::new(out), gather_request(dtype, tag, quantization), extra)
     }
 
     /// Reduces every member's `inp` block by block and leaves block `r` in member `r`'s `out`:
@@ -285,11 +297,19 @@ impl Communicator {
     ///
     /// # Errors
     /// As [`Communicator::all_gather`].
-    pub fn reduce_scatter(&self, out: &mut [u8], inp: &[u8], dtype: DType, op: ReduceOp, tag: u64) -> Result<Info> {
+    pub fn reduce_scatter(
+        &self,
+        out: &mut [u8],
+        inp: &[u8],
+        dtype: DType,
+        op: ReduceOp,
+        tag: u64,
+        quantization: Option<Quantization>,
+    ) -> Result<Info> {
         check_buffer(out, dtype)?;
         check_buffer(inp, dtype)?;
         let (buf, extra) = scatter_work(out, inp);
-        self.collective(buf, scatter_request(dtype, op, tag), extra)
+        self.collective(buf, scatter_request(dtype, op, tag, quantization), extra)
     }
 
     /// Copies member `root`'s `buf` into every other member's `buf`.
@@ -306,7 +326,8 @@ impl Communicator {
         algorithm: Option<Algorithm>,
     ) -> Result<Info> {
         check_buffer(buf, dtype)?;
-        let request = Request { kind: CollectiveKind::Broadcast, dtype, op: ReduceOp::Sum, tag, root, algorithm };
+        let (kind, op) = (CollectiveKind::Broadcast, ReduceOp::Sum);
+        let request = Request { kind, dtype, op, tag, root, algorithm, quantization: None };
         self.collective(RawBuf::new(buf), request, Extra::None)
     }
 
@@ -376,12 +397,13 @@ impl Communicator {
         op: ReduceOp,
         tag: u64,
         algorithm: Option<Algorithm>,
+        quantization: Option<Quantization>,
     ) -> Result<Work<B>>
     where
         B: AsMut<[u8]> + Send + 'static,
     {
         check_buffer(buf.as_mut(), dtype)?;
-        let request = Request { kind: CollectiveKind::AllReduce, dtype, op, tag, root: 0, algorithm };
+        let request = Request { kind: CollectiveKind::AllReduce, dtype, op, tag, root: 0, algorithm, quantization };
         self.start_async(buf, request, |b| (RawBuf::new(b.as_mut()), Extra::None))
     }
 
@@ -390,14 +412,21 @@ impl Communicator {
     ///
     /// # Errors
     /// As [`Communicator::all_reduce_async`].
-    pub fn all_gather_async<B>(&self, mut out: B, inp: &[u8], dtype: DType, tag: u64) -> Result<Work<B>>
+    pub fn all_gather_async<B>(
+        &self,
+        mut out: B,
+        inp: &[u8],
+        dtype: DType,
+        tag: u64,
+        quantization: Option<Quantization>,
+    ) -> Result<Work<B>>
     where
         B: AsMut<[u8]> + Send + 'static,
     {
         check_buffer(out.as_mut(), dtype)?;
         check_buffer(inp, dtype)?;
         let extra = Extra::Gather { inp: inp.to_vec(), before: None };
-        self.start_async(out, gather_request(dtype, tag), |b| (RawBuf::new(b.as_mut()), extra))
+        self.start_async(out, gather_request(dtype, tag, quantization), |b| (RawBuf::new(b.as_mut()), extra))
     }
 
     /// Starts [`Communicator::reduce_scatter`] into `out` and returns at once, like
@@ -412,13 +441,15 @@ impl Communicator {
         dtype: DType,
         op: ReduceOp,
         tag: u64,
+        quantization: Option<Quantization>,
     ) -> Result<Work<B>>
     where
         B: AsMut<[u8]> + Send + 'static,
     {
         check_buffer(out.as_mut(), dtype)?;
         check_buffer(inp, dtype)?;
-        self.start_async(out, scatter_request(dtype, op, tag), |b| scatter_work(b.as_mut(), inp))
+        let request = scatter_request(dtype, op, tag, quantization);
+        self.start_async(out, request, |b| scatter_work(b.as_mut(), inp))
     }
 
     /// Starts [`Communicator::broadcast`] of `buf` and returns at once, like
@@ -438,7 +469,8 @@ impl Communicator {
         B: AsMut<[u8]> + Send + 'static,
     {
         check_buffer(buf.as_mut(), dtype)?;
-        let request = Request { kind: CollectiveKind::Broadcast, dtype, op: ReduceOp::Sum, tag, root, algorithm };
+        let (kind, op) = (CollectiveKind::Broadcast, ReduceOp::Sum);
+        let request = Request { kind, dtype, op, tag, root, algorithm, quantization: None };
         self.start_async(buf, request, |b| (RawBuf::new(b.as_mut()), Extra::None))
     }
 
@@ -514,6 +546,7 @@ impl Communicator {
         op: ReduceOp,
         max_in_flight: usize,
         tag: u64,
+        quantization: Option<Quantization>,
     ) -> Result<Vec<Info>> {
         if max_in_flight == 0 {
             return Err(Error::InvalidArgument("max_in_flight must be at least 1".into()));
@@ -524,7 +557,7 @@ impl Communicator {
         }
         let originals: Vec<Vec<u8>> = bufs.iter().map(|(b, _)| b.to_vec()).collect();
         loop {
-            let results = self.reduce_batch(&c, bufs, op, max_in_flight, tag);
+            let results = self.reduce_batch(&c, bufs, (op, quantization), max_in_flight, tag);
             if results.iter().all(Result::is_ok) {
                 return results.into_iter().collect();
             }
@@ -546,7 +579,7 @@ impl Communicator {
         &self,
         c: &Connected,
         bufs: &mut [(&mut [u8], DType)],
-        op: ReduceOp,
+        (op, quantization): (ReduceOp, Option<Quantization>),
         max_in_flight: usize,
         tag: u64,
     ) -> Vec<Result<Info>> {
@@ -571,6 +604,7 @@ impl Communicator {
                 tag: tag.wrapping_add(i as u64),
                 root: 0,
                 algorithm: None,
+                quantization,
             };
             match self.start_collective(c, &mut data, RawBuf::new(buf), None, request, Extra::None) {
                 Ok(call) => in_flight.push_back(call),
@@ -625,6 +659,11 @@ impl Communicator {
         let Request { kind, dtype, tag, algorithm, .. } = request;
         if let Some(a) = algorithm.filter(|a| !a.runs(kind)) {
             return Err(Error::InvalidArgument(format!("{} does not run {}", a.name(), kind.name())));
+        }
+        let mut request = request;
+        if request.codec()?.is_none() {
+            // Quantizing changes nothing here (fp16 of an f16 tensor): it runs as it is.
+            request.quantization = None;
         }
         if data.calls.in_use(TagUse::Collective(tag)) {
             return Err(Error::Misuse(format!(
@@ -877,6 +916,7 @@ fn operation(header: &OpHeader) -> &'static str {
 }
 
 fn op_header(id: OpId, request: &Request, algorithm: Algorithm, count: u64) -> OpHeader {
+    let (quantization, block) = Quantization::to_wire(request.quantization);
     OpHeader {
         collective: request.kind.code(),
         algorithm: algorithm.code(),
@@ -887,6 +927,8 @@ fn op_header(id: OpId, request: &Request, algorithm: Algorithm, count: u64) -> O
         op: request.op.code(),
         count,
         root: request.root as u32,
+        quantization,
+        block,
     }
 }
 
@@ -920,8 +962,14 @@ fn describe(h: &OpHeader) -> String {
     let algorithm = Algorithm::from_code(h.algorithm).map_or("?", Algorithm::name);
     let root =
         if h.collective == CollectiveKind::Broadcast.code() { format!(", root={}", h.root) } else { String::new() };
+    let quantization = match shoal_collective::Format::from_code(h.quantization) {
+        None => String::new(),
+        Some(f) if f.is_blockwise() => format!(", quantization={}/{}", f.name(), h.block),
+        Some(f) => format!(", quantization={}", f.name()),
+    };
     format!(
-        "{kind}(count={}, dtype={dtype}, op={op}{root}, tag={}, algorithm={algorithm}, topology={}, number={})",
+        "{kind}(count={}, dtype={dtype}, op={op}{root}{quantization}, tag={}, algorithm={algorithm}, topology={}, \
+         number={})",
         h.count, h.tag, h.epoch.0, h.seq
     )
 }
@@ -973,6 +1021,26 @@ struct Request {
     root: usize,
     /// The algorithm asked for, if any.
     algorithm: Option<Algorithm>,
+    /// How its chunks are quantized, if at all.
+    quantization: Option<Quantization>,
+}
+
+impl Request {
+    /// The codec of its chunks; `Ok(None)` unquantized (or where quantizing changes nothing).
+    fn codec(&self) -> Result<Option<Codec>> {
+        let Some(q) = self.quantization else { return Ok(None) };
+        let op = match self.kind {
+            CollectiveKind::AllReduce | CollectiveKind::ReduceScatter => Some(self.op),
+            CollectiveKind::AllGather => None,
+            CollectiveKind::Broadcast | CollectiveKind::Barrier => {
+                return Err(Error::InvalidArgument(format!(
+                    "quantization applies to all_reduce, reduce_scatter and all_gather, not {}",
+                    self.kind.name()
+                )))
+            }
+        };
+        q.codec(self.dtype, op).map_err(|e| Error::InvalidArgument(e.to_string()))
+    }
 }
 
 /// What a collective does with the caller's buffers besides its schedule's.
@@ -996,16 +1064,18 @@ enum Extra {
     },
 }
 
-fn gather_request(dtype: DType, tag: u64) -> Request {
-    Request { kind: CollectiveKind::AllGather, dtype, op: ReduceOp::Sum, tag, root: 0, algorithm: None }
+fn gather_request(dtype: DType, tag: u64, quantization: Option<Quantization>) -> Request {
+    let kind = CollectiveKind::AllGather;
+    Request { kind, dtype, op: ReduceOp::Sum, tag, root: 0, algorithm: None, quantization }
 }
 
-fn scatter_request(dtype: DType, op: ReduceOp, tag: u64) -> Request {
-    Request { kind: CollectiveKind::ReduceScatter, dtype, op, tag, root: 0, algorithm: None }
+fn scatter_request(dtype: DType, op: ReduceOp, tag: u64, quantization: Option<Quantization>) -> Request {
+    Request { kind: CollectiveKind::ReduceScatter, dtype, op, tag, root: 0, algorithm: None, quantization }
 }
 
 fn barrier_request(tag: u64) -> Request {
-    Request { kind: CollectiveKind::Barrier, dtype: DType::U8, op: ReduceOp::Sum, tag, root: 0, algorithm: None }
+    let kind = CollectiveKind::Barrier;
+    Request { kind, dtype: DType::U8, op: ReduceOp::Sum, tag, root: 0, algorithm: None, quantization: None }
 }
 
 /// A barrier's buffer: one byte each member sends every other, which proves that it called.
@@ -1310,8 +1380,10 @@ impl Driver {
         let request = record.request;
         let hosts = hosts_of(position);
         let group = (world, hosts.iter().max().map_or(1, |h| h + 1));
-        let algorithm =
-            self.config.algorithm_for(request.kind, request.algorithm, record.buf.len(), group, position.limits);
+        let codec = request.codec().expect("checked when called");
+        // What travels decides: a quantized buffer is as small as its encoding.
+        let wire = codec.map_or(record.buf.len(), |c| c.encoded_len(record.count as usize));
+        let algorithm = self.config.algorithm_for(request.kind, request.algorithm, wire, group, position.limits);
         let header = op_header(id, &request, algorithm, record.count);
         record.posted = Some(Posted { id, header, world, rank, algorithm });
         log::trace!("{}", describe(&header));
@@ -1339,6 +1411,7 @@ impl Driver {
             root: request.root,
             hosts: if algorithm == Algorithm::Hierarchical { hosts } else { Vec::new() },
             chunk_bytes: self.config.chunk_bytes,
+            codec,
             backup: spare_backup(&mut data.spare_backups, record.buf.len()),
         };
         let exec = data.exec.get_or_insert_with(|| Exec::new(id.epoch, rank, world));

@@ -290,7 +290,7 @@ impl Communicator {
         }
         let mut out = vec![0u8; world * inp.len()];
         check_buffer(&out, DType::U8)?;
-        self.all_gather(&mut out, &inp, DType::U8, GATHER_TAG)?;
+        self.all_gather(&mut out, &inp, DType::U8, GATHER_TAG, None)?;
         let links = out
             .chunks_exact(inp.len())
             .map(|row| {

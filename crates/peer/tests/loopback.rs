@@ -76,7 +76,7 @@ fn peers_join_one_by_one_and_all_reduce() {
                     let n = comm.group_world_size().unwrap();
                     let len = 1001;
                     let mut buf = f32_bytes(&vec![1.0f32; len]);
-                    let info = comm.all_reduce(&mut buf, DType::F32, ReduceOp::Sum, 0, None).unwrap();
+                    let info = comm.all_reduce(&mut buf, DType::F32, ReduceOp::Sum, 0, None, None).unwrap();
                     assert_eq!(info.world_size, n);
                     assert!(buf == f32_bytes(&vec![n as f32; len]), "wrong sum at world {n}");
                     sizes.push(n);
@@ -112,7 +112,7 @@ fn unreachable_master_is_named() {
     let err = comm.connect(Some(Duration::from_secs(2))).unwrap_err();
     assert!(matches!(err, shoal_peer::Error::MasterUnreachable { .. }), "{err}");
     assert!(matches!(
-        comm.all_reduce(&mut [0u8; 4], DType::F32, ReduceOp::Sum, 0, None),
+        comm.all_reduce(&mut [0u8; 4], DType::F32, ReduceOp::Sum, 0, None, None),
         Err(shoal_peer::Error::NotConnected)
     ));
 }
@@ -130,7 +130,7 @@ fn two_peers_with_default_settings() {
         .collect();
     with_peers(configs, |_, comm| {
         let mut buf = f32_bytes(&vec![1.5f32; 1 << 18]);
-        comm.all_reduce(&mut buf, DType::F32, ReduceOp::Avg, 0, None).unwrap();
+        comm.all_reduce(&mut buf, DType::F32, ReduceOp::Avg, 0, None, None).unwrap();
         assert!(buf == f32_bytes(&vec![1.5f32; 1 << 18]));
     });
 }
@@ -151,7 +151,7 @@ fn back_to_back_collectives_of_changing_sizes() {
         for (bytes, iters) in [(4096, 3100), (65536, 300), (1 << 20, 300), (16 << 20, 3)] {
             let mut buf = vec![0u8; bytes];
             for it in 0..iters {
-                comm.all_reduce(&mut buf, DType::F32, ReduceOp::Sum, 0, None)
+                comm.all_reduce(&mut buf, DType::F32, ReduceOp::Sum, 0, None, None)
                     .unwrap_or_else(|e| panic!("size {bytes} iteration {it}: {e}"));
             }
         }
@@ -176,7 +176,7 @@ fn large_buffers_striped_over_pools_of_different_sizes() {
         let len = (3 << 20) / 4 + 7;
         let mine: Vec<f32> = (0..len).map(|k| (k % 1000) as f32 * (i + 1) as f32).collect();
         let mut buf = f32_bytes(&mine);
-        let info = comm.all_reduce(&mut buf, DType::F32, ReduceOp::Sum, 3, None).unwrap();
+        let info = comm.all_reduce(&mut buf, DType::F32, ReduceOp::Sum, 3, None, None).unwrap();
         let want: Vec<f32> = (0..len).map(|k| (k % 1000) as f32 * 6.0).collect();
         assert!(buf == f32_bytes(&want), "peer {i}: wrong sum");
         // Each peer sends 2 (n - 1) / n of the buffer, give or take a segment's rounding.
@@ -204,7 +204,7 @@ fn peers_on_one_host_link_over_shared_memory_unless_told_tcp() {
         let links = with_peers(configs, move |i, comm| {
             let len = (1 << 20) + 3;
             let mut buf = f32_bytes(&(0..len).map(|k| (k % 977) as f32 * (i + 1) as f32).collect::<Vec<_>>());
-            comm.all_reduce(&mut buf, DType::F32, ReduceOp::Sum, 1, None).unwrap();
+            comm.all_reduce(&mut buf, DType::F32, ReduceOp::Sum, 1, None, None).unwrap();
             let total = (1..=world).sum::<usize>() as f32;
             let want: Vec<f32> = (0..len).map(|k| (k % 977) as f32 * total).collect();
             assert!(buf == f32_bytes(&want), "peer {i}: wrong sum");
@@ -228,8 +228,8 @@ fn all_reduce_many_reduces_every_buffer() {
         let mut b: Vec<u8> = (0..5u64).flat_map(|k| (k * 10 + i as u64).to_le_bytes()).collect();
         let mut c = f32_bytes(&vec![1.0f32; 1 << 16]);
         let mut bufs = [(&mut a[..], DType::F32), (&mut b[..], DType::U64), (&mut c[..], DType::F32)];
-        assert!(comm.all_reduce_many(&mut bufs, ReduceOp::Sum, 0, 0).is_err());
-        let infos = comm.all_reduce_many(&mut bufs, ReduceOp::Sum, 2, 10).unwrap();
+        assert!(comm.all_reduce_many(&mut bufs, ReduceOp::Sum, 0, 0, None).is_err());
+        let infos = comm.all_reduce_many(&mut bufs, ReduceOp::Sum, 2, 10, None).unwrap();
         let algorithms: Vec<&str> = infos.iter().map(|i| i.algorithm.name()).collect();
         (a, b, c, algorithms)
     });
@@ -255,10 +255,10 @@ fn all_gather_reduce_scatter_broadcast_and_barrier() {
         let words = |v: &[u64]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
         let inp = words(&[rank * 10, rank * 10 + 1]);
         let mut gathered = vec![0u8; inp.len() * world];
-        comm.all_gather(&mut gathered, &inp, DType::U64, 1).unwrap();
+        comm.all_gather(&mut gathered, &inp, DType::U64, 1, None).unwrap();
         let scatter_in = words(&(0..6).map(|k| k + rank).collect::<Vec<_>>());
         let mut scattered = vec![0u8; 16];
-        comm.reduce_scatter(&mut scattered, &scatter_in, DType::U64, ReduceOp::Sum, 2).unwrap();
+        comm.reduce_scatter(&mut scattered, &scatter_in, DType::U64, ReduceOp::Sum, 2, None).unwrap();
         assert_eq!(scatter_in, words(&(0..6).map(|k| k + rank).collect::<Vec<_>>()), "input untouched");
         let mut casts = Vec::new();
         for algorithm in [Algorithm::Ring, Algorithm::OneShot] {
@@ -269,7 +269,7 @@ fn all_gather_reduce_scatter_broadcast_and_barrier() {
         }
         comm.barrier(4).unwrap();
         let mut wrong = vec![0u8; inp.len() * (world + 1)];
-        let misfit = comm.all_gather(&mut wrong, &inp, DType::U64, 5).unwrap_err().to_string();
+        let misfit = comm.all_gather(&mut wrong, &inp, DType::U64, 5, None).unwrap_err().to_string();
         // Nobody leaves before everyone saw the misfit in the group of three. A collective
         // called before the ring re-formed after the failure fails alike: retried.
         assert!((0..100).any(|_| comm.barrier(6).is_ok()), "the barrier never went through");
@@ -296,13 +296,13 @@ fn a_group_of_one_gathers_and_scatters_its_own_input() {
     comm.connect(None).unwrap();
     let inp = f32_bytes(&[1.5, 2.5, 3.5]);
     let mut out = vec![0u8; inp.len()];
-    comm.all_gather(&mut out, &inp, DType::F32, 1).unwrap();
+    comm.all_gather(&mut out, &inp, DType::F32, 1, None).unwrap();
     assert_eq!(out, inp);
     let mut block = vec![0u8; inp.len()];
-    comm.reduce_scatter(&mut block, &inp, DType::F32, ReduceOp::Avg, 2).unwrap();
+    comm.reduce_scatter(&mut block, &inp, DType::F32, ReduceOp::Avg, 2, None).unwrap();
     assert_eq!(block, inp);
     let mut wrong = vec![0u8; 2 * inp.len()];
-    let e = comm.all_gather(&mut wrong, &inp, DType::F32, 3).unwrap_err().to_string();
+    let e = comm.all_gather(&mut wrong, &inp, DType::F32, 3, None).unwrap_err().to_string();
     assert!(e.contains("has 1 member"), "{e}");
     assert!(wrong.iter().all(|&b| b == 0), "a misfit changes nothing");
 }

@@ -82,6 +82,10 @@ pub struct OpHeader {
     pub count: u64,
     /// A broadcast's root rank (0 for other collectives).
     pub root: u32,
+    /// The format its chunks travel in (a code of the collective crate; 0: as they are).
+    pub quantization: u8,
+    /// Elements per block of a block-wise quantization (else 0).
+    pub block: u16,
 }
 
 /// Why a collective failed, as one peer saw it and as the master then tells every participant.

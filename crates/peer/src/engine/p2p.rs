@@ -448,6 +448,8 @@ fn header(epoch: Epoch, spec: &TransferSpec, number: u64) -> OpHeader {
         op: 0,
         count: (spec.buf.len() / spec.dtype.size()) as u64,
         root: 0,
+        quantization: 0,
+        block: 0,
     }
 }
 
