@@ -129,6 +129,7 @@ class Communicator:
         tag: int = 0,
         quantization: Optional[str] = None,
         algorithm: Optional[str] = None,
+        quantization_block: Optional[int] = None,
     ) -> _native.ReduceInfo:
         """Reduce ``tensor`` in place with every peer of the group (ops: sum, avg, prod, min, max).
 
@@ -142,15 +143,30 @@ class Communicator:
         leader per host across), else around the ring. After ``optimize_topology()`` across a WAN,
         the limits the master derives from the measured round trips replace the two settings, and
         the master's sites (where grouping pays) replace hosts. ``ReduceInfo.algorithm`` says which ran.
+
+        ``quantization`` (op sum or avg, float tensors) sends every chunk in fewer bytes:
+        ``"fp16"``, ``"bf16"`` (each element cast), ``"int8"``, ``"int4"`` (block-wise min-max,
+        round to nearest; ``quantization_block`` elements a block, default 128 and 256). Each chunk
+        is encoded once by the peer that sends it first, which keeps the decoded values itself, and
+        is passed on as it came: every peer still ends bit-identical. Partial sums are quantized at
+        each hop; accumulation runs in float32 (float64 for float64 tensors). Every peer must pass
+        the same quantization; combinations that make no sense (an integer tensor, prod/min/max)
+        raise ``ValueError`` before any traffic. ``ReduceInfo.tx_bytes`` counts what was sent.
+        See :class:`ErrorFeedback` to carry the error into the next step.
         """
-        if quantization is not None:
-            raise ValueError(f"quantization={quantization!r}: only None is supported so far")
         _check_tag(tag)
         view, dtype = _byte_view(tensor)
-        return self._native.all_reduce_bytes(view, dtype, op, tag, algorithm)
+        return self._native.all_reduce_bytes(view, dtype, op, tag, algorithm, _quant(quantization, quantization_block))
 
     def all_reduce_async(
-        self, tensor: Any, *, op: str = "avg", tag: int = 0, algorithm: Optional[str] = None
+        self,
+        tensor: Any,
+        *,
+        op: str = "avg",
+        tag: int = 0,
+        algorithm: Optional[str] = None,
+        quantization: Optional[str] = None,
+        quantization_block: Optional[int] = None,
     ) -> "Work":
         """Start reducing ``tensor`` in place like :meth:`all_reduce` and return at once.
 
@@ -162,10 +178,18 @@ class Communicator:
         """
         _check_tag(tag)
         view, dtype = _byte_view(tensor)
-        return Work(self._native.all_reduce_bytes_async(view, dtype, op, tag, algorithm))
+        quant = _quant(quantization, quantization_block)
+        return Work(self._native.all_reduce_bytes_async(view, dtype, op, tag, algorithm, quant))
 
     def all_reduce_many(
-        self, tensors: "list[Any]", *, op: str = "avg", max_in_flight: int = 8, tag: int = 0
+        self,
+        tensors: "list[Any]",
+        *,
+        op: str = "avg",
+        max_in_flight: int = 8,
+        tag: int = 0,
+        quantization: Optional[str] = None,
+        quantization_block: Optional[int] = None,
     ) -> "list[_native.ReduceInfo]":
         """Reduce every tensor of ``tensors`` in place, ``max_in_flight`` at a time.
 
@@ -178,26 +202,46 @@ class Communicator:
             raise ValueError(f"max_in_flight must be a positive integer, got {max_in_flight!r}")
         _check_tag(tag)
         views = [_byte_view(t) for t in tensors]
-        return self._native.all_reduce_many_bytes(views, op, max_in_flight, tag)
+        quant = _quant(quantization, quantization_block)
+        return self._native.all_reduce_many_bytes(views, op, max_in_flight, tag, quant)
 
-    def all_gather(self, out: Any, inp: Any, *, tag: int = 0) -> _native.ReduceInfo:
+    def all_gather(
+        self,
+        out: Any,
+        inp: Any,
+        *,
+        tag: int = 0,
+        quantization: Optional[str] = None,
+        quantization_block: Optional[int] = None,
+    ) -> _native.ReduceInfo:
         """Gather every peer's ``inp`` into ``out`` in rank order: ``out`` holds world times
         ``inp``'s elements, of the same dtype. On :class:`PeerLostError` ``out`` is as it was;
         retry it with ``out`` sized for the new world (a misfit raises :class:`UsageError` on
-        every peer)."""
+        every peer). With ``quantization`` (as :meth:`all_reduce`) each block travels encoded
+        by its owner, and every peer (the owner too) holds its decoded values."""
         _check_tag(tag)
         (out_view, dtype), (inp_view, inp_dtype) = _byte_view(out), _byte_view(inp, writable=False)
         _same_dtype(dtype, inp_dtype)
-        return self._native.all_gather_bytes(out_view, inp_view, dtype, tag)
+        return self._native.all_gather_bytes(out_view, inp_view, dtype, tag, _quant(quantization, quantization_block))
 
-    def reduce_scatter(self, out: Any, inp: Any, *, op: str = "sum", tag: int = 0) -> _native.ReduceInfo:
+    def reduce_scatter(
+        self,
+        out: Any,
+        inp: Any,
+        *,
+        op: str = "sum",
+        tag: int = 0,
+        quantization: Optional[str] = None,
+        quantization_block: Optional[int] = None,
+    ) -> _native.ReduceInfo:
         """Reduce every peer's ``inp`` block by block and leave block ``rank`` in ``out``:
         ``inp`` holds world times ``out``'s elements, of the same dtype, and is left as it was.
-        Failures as :meth:`all_gather`."""
+        Failures as :meth:`all_gather`; ``quantization`` as :meth:`all_reduce`."""
         _check_tag(tag)
         (out_view, dtype), (inp_view, inp_dtype) = _byte_view(out), _byte_view(inp, writable=False)
         _same_dtype(dtype, inp_dtype)
-        return self._native.reduce_scatter_bytes(out_view, inp_view, dtype, op, tag)
+        quant = _quant(quantization, quantization_block)
+        return self._native.reduce_scatter_bytes(out_view, inp_view, dtype, op, tag, quant)
 
     def broadcast(
         self, tensor: Any, *, root: int = 0, tag: int = 0, algorithm: Optional[str] = None
@@ -215,20 +259,39 @@ class Communicator:
         _check_tag(tag)
         return self._native.barrier(tag)
 
-    def all_gather_async(self, out: Any, inp: Any, *, tag: int = 0) -> "Work":
+    def all_gather_async(
+        self,
+        out: Any,
+        inp: Any,
+        *,
+        tag: int = 0,
+        quantization: Optional[str] = None,
+        quantization_block: Optional[int] = None,
+    ) -> "Work":
         """Start :meth:`all_gather` and return at once (``inp`` is copied first); see
         :meth:`all_reduce_async` for tags and what not to touch until :meth:`Work.wait`."""
         _check_tag(tag)
         (out_view, dtype), (inp_view, inp_dtype) = _byte_view(out), _byte_view(inp, writable=False)
         _same_dtype(dtype, inp_dtype)
-        return Work(self._native.all_gather_bytes_async(out_view, inp_view, dtype, tag))
+        quant = _quant(quantization, quantization_block)
+        return Work(self._native.all_gather_bytes_async(out_view, inp_view, dtype, tag, quant))
 
-    def reduce_scatter_async(self, out: Any, inp: Any, *, op: str = "sum", tag: int = 0) -> "Work":
+    def reduce_scatter_async(
+        self,
+        out: Any,
+        inp: Any,
+        *,
+        op: str = "sum",
+        tag: int = 0,
+        quantization: Optional[str] = None,
+        quantization_block: Optional[int] = None,
+    ) -> "Work":
         """Start :meth:`reduce_scatter` and return at once (``inp`` is copied first)."""
         _check_tag(tag)
         (out_view, dtype), (inp_view, inp_dtype) = _byte_view(out), _byte_view(inp, writable=False)
         _same_dtype(dtype, inp_dtype)
-        return Work(self._native.reduce_scatter_bytes_async(out_view, inp_view, dtype, op, tag))
+        quant = _quant(quantization, quantization_block)
+        return Work(self._native.reduce_scatter_bytes_async(out_view, inp_view, dtype, op, tag, quant))
 
     def broadcast_async(self, tensor: Any, *, root: int = 0, tag: int = 0, algorithm: Optional[str] = None) -> "Work":
         """Start :meth:`broadcast` and return at once."""
@@ -356,6 +419,72 @@ def _accepted(value: Optional[int]) -> int:
     if value is None:
         raise UsageError("the communicator is not connected: call connect() first")
     return value
+
+
+def _quant(quantization: Optional[str], block: Optional[int]) -> "Optional[tuple[str, Optional[int]]]":
+    """The native form of ``quantization=``, ``quantization_block=`` (checked natively)."""
+    if quantization is None:
+        if block is not None:
+            raise ValueError(f"quantization_block={block!r} without a quantization")
+        return None
+    if not isinstance(quantization, str):
+        raise TypeError(f"quantization must be a string or None, got {quantization!r}")
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
+        raise ValueError(f"quantization_block must be a positive integer, got {block!r}")
+    return (quantization, block)
+
+
+class ErrorFeedback:
+    """Carries each tensor's quantization error into its next all-reduce (error feedback), so
+    that the error of a quantized average does not accumulate over steps (outer gradients in
+    DiLoCo, say).
+
+    ``ef.all_reduce(comm, tensor, key="w")`` adds the residual kept for ``key`` to ``tensor``,
+    all-reduces it with this quantization, and keeps as the new residual what the tensor's own
+    encoding lost (its input minus the decoded values it sends; the error of partial sums further
+    along the ring belongs to no one peer). A call that raises keeps the old residual and leaves
+    ``tensor`` as it was, so a retry is the same call. Residuals live as long as this object:
+    one per key, of the tensor's shape and dtype.
+    """
+
+    def __init__(self, quantization: str = "int8", *, quantization_block: Optional[int] = None) -> None:
+        self._quant = _quant(quantization, quantization_block)
+        assert self._quant is not None
+        self.quantization, self.quantization_block = quantization, quantization_block
+        self._residuals: dict[str, Any] = {}
+
+    def residual(self, key: str) -> Any:
+        """The residual kept for ``key`` (None before its first all-reduce)."""
+        return self._residuals.get(key)
+
+    def all_reduce(self, comm: "Communicator", tensor: Any, *, key: str, op: str = "avg", tag: int = 0,
+                   algorithm: Optional[str] = None) -> _native.ReduceInfo:
+        """All-reduce ``tensor`` in place like :meth:`Communicator.all_reduce` with this
+        quantization, its residual for ``key`` added first and the new one kept."""
+        original = _copy(tensor)
+        residual = self._residuals.get(key)
+        if residual is not None:
+            if residual.shape != tensor.shape or residual.dtype != tensor.dtype:
+                raise ValueError(f"key {key!r} was a tensor of {residual.dtype} {tuple(residual.shape)}, now "
+                                 f"{tensor.dtype} {tuple(tensor.shape)}")
+            tensor += residual
+        compensated, decoded = _copy(tensor), _copy(tensor)
+        view, dtype = _byte_view(decoded)
+        _native.quantize_bytes(view, dtype, self._quant)
+        try:
+            info = comm.all_reduce(tensor, op=op, tag=tag, algorithm=algorithm, quantization=self._quant[0],
+                                   quantization_block=self._quant[1])
+        except BaseException:
+            tensor[...] = original
+            raise
+        compensated -= decoded
+        self._residuals[key] = compensated
+        return info
+
+
+def _copy(tensor: Any) -> Any:
+    """A contiguous copy of a numpy array or torch tensor."""
+    return tensor.clone() if hasattr(tensor, "clone") else tensor.copy()
 
 
 def hash_tensor(tensor: Any) -> str:

@@ -8,8 +8,9 @@ from typing_extensions import Self
 
 __all__ = [
     "Communicator", "DTYPES", "Master", "NativeWork", "OPS", "ReduceInfo", "__version__", "hash_tensor_bytes",
-    "lab_delay",
+    "lab_delay", "quantize_bytes",
 ]
+Quant = Optional[tuple[str, Optional[int]]]
 __version__: str
 DTYPES: list[str]
 OPS: list[str]
@@ -70,29 +71,34 @@ class Communicator:
     def bandwidth_matrix(self) -> list[list[Optional[tuple[int, int]]]]: ...
     def peers_pending(self) -> bool: ...
     def all_reduce_bytes(
-        self, buf: npt.NDArray[np.uint8], dtype: str, op: str, tag: int, algorithm: Optional[str] = None
+        self, buf: npt.NDArray[np.uint8], dtype: str, op: str, tag: int, algorithm: Optional[str] = None,
+        quant: Quant = None,
     ) -> ReduceInfo: ...
     def all_reduce_bytes_async(
-        self, buf: npt.NDArray[np.uint8], dtype: str, op: str, tag: int, algorithm: Optional[str] = None
+        self, buf: npt.NDArray[np.uint8], dtype: str, op: str, tag: int, algorithm: Optional[str] = None,
+        quant: Quant = None,
     ) -> NativeWork: ...
     def all_reduce_many_bytes(
-        self, bufs: list[tuple[npt.NDArray[np.uint8], str]], op: str, max_in_flight: int, tag: int
+        self, bufs: list[tuple[npt.NDArray[np.uint8], str]], op: str, max_in_flight: int, tag: int,
+        quant: Quant = None,
     ) -> list[ReduceInfo]: ...
     def all_gather_bytes(
-        self, out: npt.NDArray[np.uint8], inp: npt.NDArray[np.uint8], dtype: str, tag: int
+        self, out: npt.NDArray[np.uint8], inp: npt.NDArray[np.uint8], dtype: str, tag: int, quant: Quant = None
     ) -> ReduceInfo: ...
     def reduce_scatter_bytes(
-        self, out: npt.NDArray[np.uint8], inp: npt.NDArray[np.uint8], dtype: str, op: str, tag: int
+        self, out: npt.NDArray[np.uint8], inp: npt.NDArray[np.uint8], dtype: str, op: str, tag: int,
+        quant: Quant = None,
     ) -> ReduceInfo: ...
     def broadcast_bytes(
         self, buf: npt.NDArray[np.uint8], dtype: str, root: int, tag: int, algorithm: Optional[str] = None
     ) -> ReduceInfo: ...
     def barrier(self, tag: int) -> ReduceInfo: ...
     def all_gather_bytes_async(
-        self, out: npt.NDArray[np.uint8], inp: npt.NDArray[np.uint8], dtype: str, tag: int
+        self, out: npt.NDArray[np.uint8], inp: npt.NDArray[np.uint8], dtype: str, tag: int, quant: Quant = None
     ) -> NativeWork: ...
     def reduce_scatter_bytes_async(
-        self, out: npt.NDArray[np.uint8], inp: npt.NDArray[np.uint8], dtype: str, op: str, tag: int
+        self, out: npt.NDArray[np.uint8], inp: npt.NDArray[np.uint8], dtype: str, op: str, tag: int,
+        quant: Quant = None,
     ) -> NativeWork: ...
     def broadcast_bytes_async(
         self, buf: npt.NDArray[np.uint8], dtype: str, root: int, tag: int, algorithm: Optional[str] = None
@@ -146,4 +152,5 @@ class Master:
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None: ...
 
 def hash_tensor_bytes(buf: npt.NDArray[np.uint8], dtype: str, shape: list[int]) -> str: ...
+def quantize_bytes(buf: npt.NDArray[np.uint8], dtype: str, quant: tuple[str, Optional[int]]) -> int: ...
 def lab_delay(queues: list[tuple[int, float]], ttl: float, max_len: int) -> tuple[int, int]: ...

@@ -12,7 +12,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyBool;
 use shoal_master::{MasterOptions, MasterServer};
 use shoal_peer::{
-    Algorithm, Communicator as Core, CommunicatorConfig, DType, Error, Info, ReduceOp, StateTensor, Strategy, Work,
+    Algorithm, Communicator as Core, CommunicatorConfig, DType, Error, Info, Quantization, ReduceOp, StateTensor,
+    Strategy, Work,
 };
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -80,6 +81,14 @@ fn reduction(dtype: &str, op: &str, algorithm: Option<&str>) -> PyResult<(DType,
 /// The element type named `dtype`.
 fn element_type(dtype: &str) -> PyResult<DType> {
     DType::from_name(dtype).ok_or_else(|| PyTypeError::new_err(format!("unsupported dtype {dtype:?}")))
+}
+
+/// The quantization named by the API's `(quantization, quantization_block)`.
+type QuantArg = Option<(String, Option<usize>)>;
+
+fn quantization(q: QuantArg) -> PyResult<Option<Quantization>> {
+    q.map(|(name, block)| Quantization::parse(&name, block).map_err(|e| PyValueError::new_err(e.to_string())))
+        .transpose()
 }
 
 /// The operator named `op`.
@@ -300,7 +309,8 @@ impl Communicator {
 
     /// All-reduces `buf`, a writable contiguous uint8 view of the tensor, as elements of
     /// `dtype`. The caller (shoal.Communicator) has checked the tensor.
-    #[pyo3(signature = (buf, dtype, op, tag, algorithm=None))]
+    #[pyo3(signature = (buf, dtype, op, tag, algorithm=None, quant=None))]
+    #[allow(clippy::too_many_arguments)] // The Python call's arguments, one for one.
     fn all_reduce_bytes(
         &self,
         py: Python<'_>,
@@ -309,15 +319,18 @@ impl Communicator {
         op: &str,
         tag: u64,
         algorithm: Option<&str>,
+        quant: QuantArg,
     ) -> PyResult<ReduceInfo> {
         let (dtype, op, algorithm) = reduction(dtype, op, algorithm)?;
+        let q = quantization(quant)?;
         let mut view = writable(buf, "tensor")?;
         let bytes = contiguous_mut(&mut view, "tensor")?;
-        let info = py.detach(|| self.inner.all_reduce(bytes, dtype, op, tag, algorithm)).map_err(to_py)?;
+        let info = py.detach(|| self.inner.all_reduce(bytes, dtype, op, tag, algorithm, q)).map_err(to_py)?;
         Ok(info.into())
     }
 
     /// All-gathers `inp` into `out` (views of tensors of `dtype`, checked by the caller).
+    #[pyo3(signature = (out, inp, dtype, tag, quant=None))]
     fn all_gather_bytes(
         &self,
         py: Python<'_>,
@@ -325,14 +338,17 @@ impl Communicator {
         inp: &Bound<'_, PyArray1<u8>>,
         dtype: &str,
         tag: u64,
+        quant: QuantArg,
     ) -> PyResult<ReduceInfo> {
-        let dtype = element_type(dtype)?;
+        let (dtype, q) = (element_type(dtype)?, quantization(quant)?);
         let (mut out, inp) = (writable(out, "out")?, readable(inp, "inp")?);
         let (out, inp) = (contiguous_mut(&mut out, "out")?, inp.as_slice().map_err(|_| not_contiguous("inp"))?);
-        Ok(py.detach(|| self.inner.all_gather(out, inp, dtype, tag)).map_err(to_py)?.into())
+        Ok(py.detach(|| self.inner.all_gather(out, inp, dtype, tag, q)).map_err(to_py)?.into())
     }
 
     /// Reduce-scatters `inp` into `out` (views of tensors of `dtype`, checked by the caller).
+    #[pyo3(signature = (out, inp, dtype, op, tag, quant=None))]
+    #[allow(clippy::too_many_arguments)] // The Python call's arguments, one for one.
     fn reduce_scatter_bytes(
         &self,
         py: Python<'_>,
@@ -341,11 +357,12 @@ impl Communicator {
         dtype: &str,
         op: &str,
         tag: u64,
+        quant: QuantArg,
     ) -> PyResult<ReduceInfo> {
-        let (dtype, op) = (element_type(dtype)?, reduce_op(op)?);
+        let (dtype, op, q) = (element_type(dtype)?, reduce_op(op)?, quantization(quant)?);
         let (mut out, inp) = (writable(out, "out")?, readable(inp, "inp")?);
         let (out, inp) = (contiguous_mut(&mut out, "out")?, inp.as_slice().map_err(|_| not_contiguous("inp"))?);
-        Ok(py.detach(|| self.inner.reduce_scatter(out, inp, dtype, op, tag)).map_err(to_py)?.into())
+        Ok(py.detach(|| self.inner.reduce_scatter(out, inp, dtype, op, tag, q)).map_err(to_py)?.into())
     }
 
     /// Broadcasts `buf` (a view of a tensor of `dtype`) from rank `root`.
@@ -372,7 +389,7 @@ impl Communicator {
 
     /// Starts all-reducing `buf` like `all_reduce_bytes` and returns at once; the returned work
     /// keeps `buf` (and so the tensor it views) alive until the collective ended.
-    #[pyo3(signature = (buf, dtype, op, tag, algorithm=None))]
+    #[pyo3(signature = (buf, dtype, op, tag, algorithm=None, quant=None))]
     fn all_reduce_bytes_async(
         &self,
         buf: &Bound<'_, PyArray1<u8>>,
@@ -380,29 +397,34 @@ impl Communicator {
         op: &str,
         tag: u64,
         algorithm: Option<&str>,
+        quant: QuantArg,
     ) -> PyResult<NativeWork> {
         let (dtype, op, algorithm) = reduction(dtype, op, algorithm)?;
-        let work = self.inner.all_reduce_async(lend(buf, "tensor")?, dtype, op, tag, algorithm).map_err(to_py)?;
+        let q = quantization(quant)?;
+        let work = self.inner.all_reduce_async(lend(buf, "tensor")?, dtype, op, tag, algorithm, q).map_err(to_py)?;
         Ok(NativeWork::new(&self.inner, work, Some(buf)))
     }
 
     /// Starts `all_gather_bytes` and returns at once; `inp` is copied first.
+    #[pyo3(signature = (out, inp, dtype, tag, quant=None))]
     fn all_gather_bytes_async(
         &self,
         out: &Bound<'_, PyArray1<u8>>,
         inp: &Bound<'_, PyArray1<u8>>,
         dtype: &str,
         tag: u64,
+        quant: QuantArg,
     ) -> PyResult<NativeWork> {
-        let dtype = element_type(dtype)?;
+        let (dtype, q) = (element_type(dtype)?, quantization(quant)?);
         let lent = lend(out, "out")?;
         let inp = readable(inp, "inp")?;
         let inp = inp.as_slice().map_err(|_| not_contiguous("inp"))?;
-        let work = self.inner.all_gather_async(lent, inp, dtype, tag).map_err(to_py)?;
+        let work = self.inner.all_gather_async(lent, inp, dtype, tag, q).map_err(to_py)?;
         Ok(NativeWork::new(&self.inner, work, Some(out)))
     }
 
     /// Starts `reduce_scatter_bytes` and returns at once; `inp` is copied first.
+    #[pyo3(signature = (out, inp, dtype, op, tag, quant=None))]
     fn reduce_scatter_bytes_async(
         &self,
         out: &Bound<'_, PyArray1<u8>>,
@@ -410,12 +432,13 @@ impl Communicator {
         dtype: &str,
         op: &str,
         tag: u64,
+        quant: QuantArg,
     ) -> PyResult<NativeWork> {
-        let (dtype, op) = (element_type(dtype)?, reduce_op(op)?);
+        let (dtype, op, q) = (element_type(dtype)?, reduce_op(op)?, quantization(quant)?);
         let lent = lend(out, "out")?;
         let inp = readable(inp, "inp")?;
         let inp = inp.as_slice().map_err(|_| not_contiguous("inp"))?;
-        let work = self.inner.reduce_scatter_async(lent, inp, dtype, op, tag).map_err(to_py)?;
+        let work = self.inner.reduce_scatter_async(lent, inp, dtype, op, tag, q).map_err(to_py)?;
         Ok(NativeWork::new(&self.inner, work, Some(out)))
     }
 
@@ -486,6 +509,7 @@ impl Communicator {
 
     /// All-reduces every `(buf, dtype)` of `bufs` like `all_reduce_bytes`, `max_in_flight` at a
     /// time, retrying after a peer loss (`Communicator::all_reduce_many`).
+    #[pyo3(signature = (bufs, op, max_in_flight, tag, quant=None))]
     fn all_reduce_many_bytes(
         &self,
         py: Python<'_>,
@@ -493,7 +517,9 @@ impl Communicator {
         op: &str,
         max_in_flight: usize,
         tag: u64,
+        quant: QuantArg,
     ) -> PyResult<Vec<ReduceInfo>> {
+        let q = quantization(quant)?;
         let mut views = Vec::with_capacity(bufs.len());
         let mut dtypes = Vec::with_capacity(bufs.len());
         for (i, (buf, dtype)) in bufs.iter().enumerate() {
@@ -510,7 +536,7 @@ impl Communicator {
                 view.as_slice_mut().map_err(|_| PyValueError::new_err(format!("tensor {i} is not contiguous")))?;
             lent.push((bytes, dtype));
         }
-        let infos = py.detach(|| self.inner.all_reduce_many(&mut lent, op, max_in_flight, tag)).map_err(to_py)?;
+        let infos = py.detach(|| self.inner.all_reduce_many(&mut lent, op, max_in_flight, tag, q)).map_err(to_py)?;
         Ok(infos.into_iter().map(ReduceInfo::from).collect())
     }
 
@@ -735,6 +761,27 @@ fn hash_tensor_bytes(py: Python<'_>, buf: PyReadonlyArray1<'_, u8>, dtype: &str,
     hash.map(|h| h.to_string()).map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
+/// Replaces `buf` (a writable view of a tensor of `dtype`) by what it decodes to once encoded
+/// with quantization `quant` (blocks counted from its first element), as a collective's peers
+/// would hold it; returns the encoded size in bytes. For `shoal.ErrorFeedback`.
+#[pyfunction]
+fn quantize_bytes(
+    py: Python<'_>,
+    buf: &Bound<'_, PyArray1<u8>>,
+    dtype: &str,
+    quant: (String, Option<usize>),
+) -> PyResult<usize> {
+    let dtype = element_type(dtype)?;
+    let q = quantization(Some(quant))?.expect("given");
+    let codec = q.codec(dtype, None).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let mut view = writable(buf, "tensor")?;
+    let bytes = contiguous_mut(&mut view, "tensor")?;
+    let Some(codec) = codec else { return Ok(bytes.len()) };
+    let mut encoded = vec![0u8; codec.encoded_len(bytes.len() / dtype.size())];
+    py.detach(|| codec.round_trip(bytes, &mut encoded)).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    Ok(encoded.len())
+}
+
 /// The WAN lab's delay program: holds the packets of each netfilter queue `(number, delay in
 /// seconds)` of this network namespace for its delay, for `ttl` seconds; returns (packets held,
 /// most held at once). Linux only.
@@ -769,6 +816,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ReduceInfo>()?;
     m.add_class::<NativeWork>()?;
     m.add_function(wrap_pyfunction!(hash_tensor_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(quantize_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(lab_delay, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("DTYPES", DType::ALL.map(DType::name).to_vec())?;

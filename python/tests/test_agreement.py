@@ -76,7 +76,7 @@ def test_a_participant_dying_once_it_holds_the_result_does_not_split_the_survivo
     assert_smaller_world_after(results, 1)
 
 
-@pytest.mark.parametrize("vary", ["count", "dtype", "op", "tag"])
+@pytest.mark.parametrize("vary", ["count", "dtype", "op", "tag", "quantization"])
 def test_mismatched_calls_fail_on_every_peer(master, tmp_path, vary):
     """Every peer that took part in the mismatched collective gets CollectiveMismatchError with its
     buffer restored (the odd one and its successor always do: the successor reads its header),

@@ -61,8 +61,16 @@ def test_bad_options_name_the_problem(solo, master):
         solo.all_reduce(np.zeros(2, np.float32), op="mean")
     with pytest.raises(ValueError, match="tag"):
         solo.all_reduce(np.zeros(2, np.float32), tag=-1)
-    with pytest.raises(ValueError, match="quantization"):
-        solo.all_reduce(np.zeros(2, np.float32), quantization="int8")
+    with pytest.raises(ValueError, match='unknown quantization "int9"'):
+        solo.all_reduce(np.zeros(2, np.float32), quantization="int9")
+    with pytest.raises(ValueError, match="quantization_block=4: expected 8 to 32768"):
+        solo.all_reduce(np.zeros(2, np.float32), quantization="int8", quantization_block=4)
+    with pytest.raises(ValueError, match="without a quantization"):
+        solo.all_reduce(np.zeros(2, np.float32), quantization_block=64)
+    with pytest.raises(ValueError, match="casts every element"):
+        solo.all_reduce(np.zeros(2, np.float32), quantization="fp16", quantization_block=64)
+    with pytest.raises(ValueError, match="applies to float tensors"):
+        solo.all_reduce(np.zeros(2, np.int64), op="sum", quantization="int8")
     with pytest.raises(ValueError, match="connections"):
         shoal.Communicator(master.address, connections=0)
     with pytest.raises(ValueError, match="timeout"):

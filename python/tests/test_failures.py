@@ -178,6 +178,23 @@ def test_a_peer_dying_at_any_step_ends_every_call_and_the_run_goes_on(point, alg
     # Admission calls complete without the dead peer (they never need its data); a collective
     # fails on every survivor with its buffer restored. Either way the next all-reduce succeeds
     # in the smaller world.
+    die_at(point, algorithm, verb)
+
+
+@pytest.mark.parametrize("point,algorithm", [
+    ("all_reduce.reduce_scatter", "ring"), ("all_reduce.all_gather", "ring"), ("all_reduce.reduce_scatter", "oneshot"),
+    ("all_reduce.reduce_scatter", "twoshot"),
+])
+def test_a_quantized_collective_cut_by_a_death_restores_every_input(point, algorithm):
+    # A quantized collective also replaces what it sent by its decoded values: its input still
+    # comes back whole.
+    die_at(point, algorithm, None, quantization="int8")
+
+
+def die_at(point: str, algorithm: Optional[str], verb: Optional[str], quantization: Optional[str] = None) -> None:
+    """Four peers; the last dies at ``point`` of a call made with ``algorithm`` (a collective:
+    ``verb``, else an all-reduce, with ``quantization``): every survivor's call ends within the
+    heartbeat timeout (a collective's with its buffer restored), and the next succeeds."""
     env = clean_env()
     with shoal.Master("127.0.0.1:0", heartbeat_timeout=HEARTBEAT_TIMEOUT) as master:
         victim = 3
@@ -188,6 +205,7 @@ def test_a_peer_dying_at_any_step_ends_every_call_and_the_run_goes_on(point, alg
             large = algorithm in ("oneshot", "twoshot") or verb is not None
             spec = {"master": master.address, "index": i, "peers": 4, "victim": victim, "failpoint": point,
                     "algorithm": algorithm, "verb": verb, "size": 4_000_000 if large else 100_000,
+                    "quantization": quantization,
                     "chunk_bytes": 65536 if verb is not None else None}
             procs.append(subprocess.Popen(worker_argv("die_at", spec),
                                           stdout=subprocess.PIPE, text=True, env=env))

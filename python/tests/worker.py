@@ -454,7 +454,7 @@ def die_at(spec: dict) -> dict:
         elif first == "all_reduce" and verb == "reduce_scatter":
             comm.reduce_scatter(x, np.ones(size, np.float32))
         elif first == "all_reduce":
-            comm.all_reduce(x, op="sum", algorithm=spec.get("algorithm"))
+            comm.all_reduce(x, op="sum", algorithm=spec.get("algorithm"), quantization=spec.get("quantization"))
         elif first == "peers_pending":
             comm.peers_pending()
         elif first == "optimize_topology":
@@ -549,8 +549,8 @@ def sync_case(spec: dict) -> dict:
 
 
 def mismatch(spec: dict) -> dict:
-    """The peer of index 1 first calls all_reduce with another count (or dtype, op or tag, as
-    ``vary`` says); every peer retries its call until it succeeds (the odd one now matching),
+    """The peer of index 1 first calls all_reduce with another count (or dtype, op, tag or
+    quantization, as ``vary`` says); every peer retries its call until it succeeds (the odd one now matching),
     then all run one more. A peer that had not started the mismatched collective when it was
     aborted joins the re-formed ring directly and sees no error: the call did not happen."""
     comm = shoal.Communicator(spec["master"], timeout=30)
@@ -566,7 +566,7 @@ def mismatch(spec: dict) -> dict:
         tag = 1 if spec["vary"] == "tag" and odd else 0
         attempt += 1
         try:
-            comm.all_reduce(x, op=op, tag=tag)
+            comm.all_reduce(x, op=op, tag=tag, quantization="int8" if spec["vary"] == "quantization" and odd else None)
             break
         except shoal.ShoalError as e:
             error = {"type": type(e).__name__, "msg": str(e), "restored": x.tobytes() == before, "count": len(x)}
@@ -826,6 +826,83 @@ def barrier_lost(spec: dict) -> dict:
     return {**outcome, "world": None}
 
 
+QUANTIZATIONS = ["fp16", "bf16", "int8", "int4"]
+
+
+def normal(dtype: str, rank: int, seed: int, n: int = 8 * LEN) -> np.ndarray:
+    """Rank ``rank``'s normally distributed input number ``seed``."""
+    return np.random.default_rng(1000 * rank + seed).standard_normal(n).astype(dtype)
+
+
+def quantized(spec: dict) -> dict:
+    """Quantized all-reduces in every mode, float dtype and algorithm, then the async, many,
+    gather and scatter variants; results saved for the test to compare across peers. Reports the
+    bytes sent (and those of the same call unquantized), each result's error against the exact
+    average of every peer's input, the refusals, and error feedback's accumulated error."""
+    comm = shoal.Communicator(spec["master"], connections=2, chunk_bytes=16384)
+    comm.connect(timeout=30)
+    join_all(comm, spec["peers"])
+    rank, n = comm.rank, spec["peers"]
+    results, sent, errors = {}, {}, {}
+
+    def record(key: str, x: np.ndarray, exact: np.ndarray, info: "shoal.ReduceInfo") -> None:
+        results[key], sent[key] = x, info.tx_bytes
+        err = x.astype(np.float64) - exact
+        errors[key] = {"max": float(np.abs(err).max()), "mean": float(err.mean()),
+                       "mean_abs": float(np.abs(err).mean())}
+
+    for seed, (q, dtype, algorithm) in enumerate(
+            (q, d, a) for q in QUANTIZATIONS for d in ["float16", "float32", "float64"]
+            for a in ["ring", "oneshot", "twoshot", "hierarchical"]):
+        if (q, dtype) == ("bf16", "float16"):
+            continue
+        exact = sum(normal(dtype, r, seed).astype(np.float64) for r in range(n)) / n
+        plain = normal(dtype, rank, seed)
+        sent[f"none/{dtype}/{algorithm}"] = comm.all_reduce(plain, op="avg", algorithm=algorithm).tx_bytes
+        x = normal(dtype, rank, seed)
+        record(f"{q}/{dtype}/{algorithm}", x, exact, comm.all_reduce(x, op="avg", quantization=q, algorithm=algorithm))
+    # The async, many, gather and scatter variants, int8 with blocks of 64.
+    exact = sum(normal("float32", r, 1).astype(np.float64) for r in range(n))
+    x = normal("float32", rank, 1)
+    record("async", x, exact, comm.all_reduce_async(x, op="sum", tag=3, quantization="int8",
+                                                    quantization_block=64).wait())
+    many = [normal("float32", rank, 1), normal("float64", rank, 1)]
+    infos = comm.all_reduce_many(many, op="sum", quantization="int8", quantization_block=64)
+    record("many0", many[0], exact, infos[0])
+    record("many1", many[1], sum(normal("float64", r, 1) for r in range(n)), infos[1])
+    out = np.zeros(n * 8 * LEN, np.float32)
+    record("gather", out, np.concatenate([normal("float32", r, 2) for r in range(n)]),
+           comm.all_gather(out, normal("float32", rank, 2), quantization="int8"))
+    block = np.zeros(8 * LEN, np.float32)
+    scatter_exact = sum(normal("float32", r, 3, n * 8 * LEN).astype(np.float64) for r in range(n))
+    record("scatter", block, scatter_exact[rank * 8 * LEN:(rank + 1) * 8 * LEN],
+           comm.reduce_scatter(block, normal("float32", rank, 3, n * 8 * LEN), quantization="int8"))
+    refused = []
+    for tensor, op, q in [(np.ones(4, np.int32), "sum", "int8"), (np.ones(4, np.float32), "max", "int8"),
+                          (np.ones(4, np.float32), "sum", "int3"), (np.ones(4, np.float32), "prod", "fp16")]:
+        try:
+            comm.all_reduce(tensor, op=op, quantization=q)
+        except ValueError as e:
+            refused.append(str(e))
+    # Error feedback: the same outer gradient averaged for 30 steps; the sum of the results
+    # drifts from 30 times the exact average without it, and stays within a step with it.
+    g = normal("float32", rank, 4)
+    g_exact = sum(normal("float32", r, 4).astype(np.float64) for r in range(n)) / n
+    ef, drift = shoal.ErrorFeedback("int4"), {}
+    for name in ("plain", "feedback"):
+        total = np.zeros_like(g_exact)
+        for _ in range(30):
+            x = g.copy()
+            if name == "plain":
+                comm.all_reduce(x, op="avg", quantization="int4")
+            else:
+                ef.all_reduce(comm, x, key="g")
+            total += x
+        drift[name] = float(np.abs(total - 30 * g_exact).mean())
+    np.savez(spec["out"] + ".npz", **results)
+    return {"rank": rank, "sent": sent, "errors": errors, "refused": refused, "drift": drift}
+
+
 if __name__ == "__main__":
     scenario, spec = sys.argv[1], json.loads(sys.argv[2])
     scenarios = {"overlap": overlap, "many_survive": many_survive,
@@ -835,6 +912,6 @@ if __name__ == "__main__":
                  "sync_case": sync_case, "mismatch": mismatch, "empty": empty, "loop": loop,
                  "mismatched_calls": mismatched_calls, "links": links, "verbs": verbs,
                  "p2p": p2p, "p2p_ring": p2p_ring,
-                 "barrier_lost": barrier_lost, "optimize": optimize}
+                 "barrier_lost": barrier_lost, "optimize": optimize, "quantized": quantized}
     result = scenarios[scenario](spec)
     print(json.dumps(result), flush=True)
