@@ -218,11 +218,13 @@ def _worker(args: argparse.Namespace) -> None:
         # By length: an array's id comes back once it is freed.
         return blocks.setdefault(len(x), np.ones(len(x) // world, x.dtype))
 
+    q = None if args.quantization in (None, "none") else args.quantization
+
     def batch(xs: list[np.ndarray]) -> str:
         if args.op == "all_gather":
-            return comm.all_gather(xs[0], block_of(xs[0])).algorithm
+            return comm.all_gather(xs[0], block_of(xs[0]), quantization=q).algorithm
         if args.op == "reduce_scatter":
-            return comm.reduce_scatter(block_of(xs[0]), xs[0], op=args.reduction).algorithm
+            return comm.reduce_scatter(block_of(xs[0]), xs[0], op=args.reduction, quantization=q).algorithm
         if args.op == "sendrecv":
             rank = comm.rank
             into = received.setdefault(len(xs[0]), np.empty_like(xs[0]))
@@ -232,8 +234,9 @@ def _worker(args: argparse.Namespace) -> None:
         if args.op == "broadcast":
             return comm.broadcast(xs[0], root=0, algorithm=args.algorithm).algorithm
         if len(xs) == 1:
-            return comm.all_reduce(xs[0], op=args.reduction, algorithm=args.algorithm).algorithm
-        works = [comm.all_reduce_async(x, op=args.reduction, tag=i, algorithm=args.algorithm) for i, x in enumerate(xs)]
+            return comm.all_reduce(xs[0], op=args.reduction, algorithm=args.algorithm, quantization=q).algorithm
+        works = [comm.all_reduce_async(x, op=args.reduction, tag=i, algorithm=args.algorithm, quantization=q)
+                 for i, x in enumerate(xs)]
         return [work.wait() for work in works][-1].algorithm
 
     sizes = parse_sizes(args.sizes)
@@ -264,6 +267,7 @@ def run(
     in_flight: int = 1,
     algorithm: Optional[str] = None,
     optimize: bool = False,
+    quantization: Optional[str] = None,
 ) -> list[dict]:
     """Runs the benchmark with ``peers`` worker processes and returns its rows. Starts a master
     unless ``master_addr`` is given. With ``lab`` (a lab that is up, see ``shoal lab``), peer i
@@ -293,13 +297,41 @@ def run(
             argv += ["--algorithm", algorithm]
         if optimize:
             argv += ["--optimize"]
+        if quantization is not None:
+            argv += ["--quantization", quantization]
         if connections is not None:
             argv += ["--connections", str(connections)]
         if chunk_bytes is not None:
             argv += ["--chunk-bytes", str(chunk_bytes)]
         # In a lab, the hosts' order is the ring's (until optimize_topology re-orders it).
         outputs = spawn_workers(lambda i: place(i, argv), peers, stagger=0.3 if the_lab else 0.0)
-    return summarize(outputs, peers, op)
+    rows = summarize(outputs, peers, op)
+    for row in rows:
+        row["quantization"] = quantization or "none"
+    return rows
+
+
+def accuracy(elements: int = 1 << 22, seed: int = 0) -> list[dict]:
+    """How far each quantization's decoded values lie from the originals, on normally
+    distributed data and on heavy-tailed data (Student's t, 2 degrees of freedom): one row per
+    format and block size, as one peer's encoding of its tensor (what the first hop of an
+    all-reduce loses)."""
+    from . import _native
+
+    rng = np.random.default_rng(seed)
+    data = {"normal": rng.standard_normal(elements).astype(np.float32),
+            "heavy": rng.standard_t(2, elements).astype(np.float32)}
+    cases = [("fp16", None), ("bf16", None)] + [(q, b) for q in ("int8", "int4") for b in (32, 64, 128, 256, 1024)]
+    rows = []
+    for q, block in cases:
+        for name, x in data.items():
+            y = x.copy()
+            encoded = _native.quantize_bytes(y.view(np.uint8), "f32", (q, block))
+            err = y.astype(np.float64) - x
+            rows.append({"quantization": q, "block": block or "-", "data": name, "ratio": x.nbytes / encoded,
+                         "mean": float(err.mean()), "mean_abs": float(np.abs(err).mean()),
+                         "max": float(np.abs(err).max()), "rms": float(np.sqrt((err ** 2).mean()))})
+    return rows
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -324,11 +356,27 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         help="all-reduce algorithm (default: chosen per size)")
     parser.add_argument("--optimize", action="store_true",
                         help="order the ring by measured links (optimize_topology) before timing")
+    parser.add_argument("--quantization", nargs="+", default=None,
+                        choices=["none", "fp16", "bf16", "int8", "int4"],
+                        help="quantize the chunks (several: each in turn, with each one's time over the first's)")
+    parser.add_argument("--accuracy", action="store_true",
+                        help="print each quantization's error on normal and heavy-tailed data, and exit")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     parse_sizes(args.sizes)
     if args.worker:
+        args.quantization = args.quantization[0] if args.quantization else None
         return _worker(args)
+    if args.accuracy:
+        rows = accuracy()
+        if args.json:
+            print(json.dumps(rows, indent=1))
+        else:
+            print(f"{'format':>6} {'block':>5} {'data':>6} {'ratio':>5} {'mean':>10} {'mean |e|':>9} {'max |e|':>9}")
+            for r in rows:
+                print(f"{r['quantization']:>6} {r['block']:>5} {r['data']:>6} {r['ratio']:>5.2f} {r['mean']:>10.2e} "
+                      f"{r['mean_abs']:>9.2e} {r['max']:>9.2e}")
+        return None
     if args.op in REDUCTIONS:  # the flag's earlier meaning: all_reduce with that operator
         args.op, args.reduction = "all_reduce", args.op
     if args.op not in BUS_FACTOR:
@@ -338,16 +386,29 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.in_flight > 1 and args.op != "all_reduce":
         parser.error("--in-flight runs all_reduce_async: only with --op all_reduce")
 
-    rows = run(args.peers, args.sizes, dtype=args.dtype, op=args.op, reduction=args.reduction, master_addr=args.master,
-               connections=args.connections, chunk_bytes=args.chunk_bytes, lab=args.lab,
-               hosts=args.hosts.split(",") if args.hosts else None, max_iters=args.max_iters,
-               in_flight=args.in_flight, algorithm=args.algorithm, optimize=args.optimize)
+    rows = []
+    for q in args.quantization or [None]:
+        rows += run(args.peers, args.sizes, dtype=args.dtype, op=args.op, reduction=args.reduction,
+                    master_addr=args.master, connections=args.connections, chunk_bytes=args.chunk_bytes, lab=args.lab,
+                    hosts=args.hosts.split(",") if args.hosts else None, max_iters=args.max_iters,
+                    in_flight=args.in_flight, algorithm=args.algorithm, optimize=args.optimize,
+                    quantization=None if q == "none" else q)
     where = args.master or (f"in lab {args.lab}" if args.lab else "local")
     if args.json:
         print(json.dumps(rows, indent=1))
-    else:
-        title = f"shoal {args.op}, {args.peers} peers, {args.dtype} {args.reduction}, master {where}"
+        return None
+    title = f"shoal {args.op}, {args.peers} peers, {args.dtype} {args.reduction}, master {where}"
+    if not args.quantization:
         print(format_table(rows, title))
+        return None
+    for q in args.quantization:
+        print(format_table([r for r in rows if r["quantization"] == q], f"{title}, quantization {q}"))
+    first = {r["size"]: r["time_us"] for r in rows if r["quantization"] == args.quantization[0]}
+    for r in rows:
+        if r["quantization"] != args.quantization[0]:
+            print(f"{r['quantization']} at {r['size']} B: {first[r['size']] / r['time_us']:.2f}x faster than "
+                  f"{args.quantization[0]}")
+    return None
 
 
 if __name__ == "__main__":
