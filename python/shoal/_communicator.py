@@ -219,10 +219,8 @@ class Communicator:
         retry it with ``out`` sized for the new world (a misfit raises :class:`UsageError` on
         every peer). With ``quantization`` (as :meth:`all_reduce`) each block travels encoded
         by its owner, and every peer (the owner too) holds its decoded values."""
-        _check_tag(tag)
-        (out_view, dtype), (inp_view, inp_dtype) = _byte_view(out), _byte_view(inp, writable=False)
-        _same_dtype(dtype, inp_dtype)
-        return self._native.all_gather_bytes(out_view, inp_view, dtype, tag, _quant(quantization, quantization_block))
+        out_view, inp_view, dtype, quant = _out_and_in(out, inp, tag, quantization, quantization_block)
+        return self._native.all_gather_bytes(out_view, inp_view, dtype, tag, quant)
 
     def reduce_scatter(
         self,
@@ -237,10 +235,7 @@ class Communicator:
         """Reduce every peer's ``inp`` block by block and leave block ``rank`` in ``out``:
         ``inp`` holds world times ``out``'s elements, of the same dtype, and is left as it was.
         Failures as :meth:`all_gather`; ``quantization`` as :meth:`all_reduce`."""
-        _check_tag(tag)
-        (out_view, dtype), (inp_view, inp_dtype) = _byte_view(out), _byte_view(inp, writable=False)
-        _same_dtype(dtype, inp_dtype)
-        quant = _quant(quantization, quantization_block)
+        out_view, inp_view, dtype, quant = _out_and_in(out, inp, tag, quantization, quantization_block)
         return self._native.reduce_scatter_bytes(out_view, inp_view, dtype, op, tag, quant)
 
     def broadcast(
@@ -270,10 +265,7 @@ class Communicator:
     ) -> "Work":
         """Start :meth:`all_gather` and return at once (``inp`` is copied first); see
         :meth:`all_reduce_async` for tags and what not to touch until :meth:`Work.wait`."""
-        _check_tag(tag)
-        (out_view, dtype), (inp_view, inp_dtype) = _byte_view(out), _byte_view(inp, writable=False)
-        _same_dtype(dtype, inp_dtype)
-        quant = _quant(quantization, quantization_block)
+        out_view, inp_view, dtype, quant = _out_and_in(out, inp, tag, quantization, quantization_block)
         return Work(self._native.all_gather_bytes_async(out_view, inp_view, dtype, tag, quant))
 
     def reduce_scatter_async(
@@ -287,10 +279,7 @@ class Communicator:
         quantization_block: Optional[int] = None,
     ) -> "Work":
         """Start :meth:`reduce_scatter` and return at once (``inp`` is copied first)."""
-        _check_tag(tag)
-        (out_view, dtype), (inp_view, inp_dtype) = _byte_view(out), _byte_view(inp, writable=False)
-        _same_dtype(dtype, inp_dtype)
-        quant = _quant(quantization, quantization_block)
+        out_view, inp_view, dtype, quant = _out_and_in(out, inp, tag, quantization, quantization_block)
         return Work(self._native.reduce_scatter_bytes_async(out_view, inp_view, dtype, op, tag, quant))
 
     def broadcast_async(self, tensor: Any, *, root: int = 0, tag: int = 0, algorithm: Optional[str] = None) -> "Work":
@@ -419,6 +408,15 @@ def _accepted(value: Optional[int]) -> int:
     if value is None:
         raise UsageError("the communicator is not connected: call connect() first")
     return value
+
+
+def _out_and_in(out: Any, inp: Any, tag: int, quantization: Optional[str], block: Optional[int]) -> tuple:
+    """The checked arguments of an all-gather or reduce-scatter: byte views of ``out`` and
+    ``inp`` (of one dtype), the dtype, and the native quantization."""
+    _check_tag(tag)
+    (out_view, dtype), (inp_view, inp_dtype) = _byte_view(out), _byte_view(inp, writable=False)
+    _same_dtype(dtype, inp_dtype)
+    return out_view, inp_view, dtype, _quant(quantization, block)
 
 
 def _quant(quantization: Optional[str], block: Optional[int]) -> "Optional[tuple[str, Optional[int]]]":

@@ -406,7 +406,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     first = {r["size"]: r["time_us"] for r in rows if r["quantization"] == args.quantization[0]}
     for r in rows:
         if r["quantization"] != args.quantization[0]:
-            print(f"{r['quantization']} at {r['size']} B: {first[r['size']] / r['time_us']:.2f}x faster than "
+            print(f"{r['quantization']} at {r['size']} B: {first[r['size']] / r['time_us']:.2f}x the speed of "
                   f"{args.quantization[0]}")
     return None
 

@@ -2230,15 +2230,20 @@ mod tests {
                     c01[0].reset();
                 }
             });
-            for (rank, run) in runs.iter().map(|r| &r[0]).enumerate() {
-                if run.ended.as_ref().is_some_and(Result::is_err) {
-                    let mut buf = run.buf.clone();
-                    run.taken.as_ref().expect("taken").backup.restore(bytemuck::cast_slice_mut(&mut buf));
-                    assert_eq!(buf, input(rank, 0, 300), "{algorithm:?}: rank {rank}'s buffer is not restored");
-                }
-            }
-            assert!(runs.iter().any(|r| r[0].ended.as_ref().is_some_and(Result::is_err)), "the reset failed someone");
+            assert_failed_and_restored(&runs, |rank| input(rank, 0, 300), algorithm);
         }
+    }
+
+    /// Someone's only collective failed, and every failed one's backup restores `input(rank)`.
+    fn assert_failed_and_restored(runs: &[Vec<Run>], input: impl Fn(usize) -> Vec<u64>, algorithm: Algorithm) {
+        for (rank, run) in runs.iter().map(|r| &r[0]).enumerate() {
+            if run.ended.as_ref().is_some_and(Result::is_err) {
+                let mut buf = run.buf.clone();
+                run.taken.as_ref().expect("taken").backup.restore(bytemuck::cast_slice_mut(&mut buf));
+                assert_eq!(buf, input(rank), "{algorithm:?}: rank {rank}'s buffer is not restored");
+            }
+        }
+        assert!(runs.iter().any(|r| r[0].ended.as_ref().is_some_and(Result::is_err)), "the reset failed someone");
     }
 
     /// Two-shot collectives (each block to its owner, folded, then to everyone) in flight with
@@ -2347,14 +2352,7 @@ mod tests {
                     }
                 },
             );
-            for (rank, run) in runs.iter().map(|r| &r[0]).enumerate() {
-                if run.ended.as_ref().is_some_and(Result::is_err) {
-                    let mut buf = run.buf.clone();
-                    run.taken.as_ref().expect("taken").backup.restore(bytemuck::cast_slice_mut(&mut buf));
-                    assert_eq!(buf, float_input(rank, 0, 3000), "{algorithm:?}: rank {rank}'s buffer is not restored");
-                }
-            }
-            assert!(runs.iter().any(|r| r[0].ended.as_ref().is_some_and(Result::is_err)), "the reset failed someone");
+            assert_failed_and_restored(&runs, |rank| float_input(rank, 0, 3000), algorithm);
         }
     }
 
