@@ -128,6 +128,12 @@ def test_torch_cpu_tensors_are_reduced_in_place(master, tmp_path):
         for dtype in ["torch.float32", "torch.bfloat16", "torch.float16", "torch.int64", "torch.uint8"]:
             assert result[dtype] == [3.0, 3.0, 3.0], dtype
         assert result["requires_grad"] == [1.0, 1.0]
+        # Quantized, bit-identical on both, near the exact average (1.5 times a ramp).
+        for key, bound in [("bf16_int8", 0.03), ("ef_int4", 0.2)]:
+            assert result[key] == out[0][key], key
+            assert np.abs(np.array(result[key]) - 1.5 * np.linspace(-1, 1, 1000)).max() <= bound, key
+        # The residual is what the peer's own encoding lost: at most half an int4 step of its block.
+        assert 0 < result["ef_residual"] <= 0.5 * 4 / 15 * 1.01, result["ef_residual"]
 
 
 def test_peers_join_one_by_one_while_the_others_run(master, tmp_path):

@@ -118,6 +118,13 @@ def torch_tensors(spec: dict) -> dict:
     w = torch.ones(10, requires_grad=True)
     comm.all_reduce(w, op="avg")
     out["requires_grad"] = w.detach().tolist()[:2]
+    # Quantized: a bfloat16 tensor in int8, and a float32 one through error feedback.
+    g = torch.linspace(-1, 1, 1000, dtype=torch.bfloat16) * (spec["index"] + 1)
+    comm.all_reduce(g, op="avg", quantization="int8")
+    out["bf16_int8"] = g.float().tolist()
+    ef, h = shoal.ErrorFeedback("int4"), torch.linspace(-1, 1, 1000) * (spec["index"] + 1)
+    ef.all_reduce(comm, h, key="h")
+    out["ef_int4"], out["ef_residual"] = h.tolist(), float(ef.residual("h").abs().max())
     return out
 
 
