@@ -22,8 +22,6 @@ fn main() {
         .collect();
     let plain: &[u8] = bytemuck::cast_slice(&x);
     let mut out = vec![0f32; elems];
-    println!("{mib} MiB of float32, best of {rounds}: GB/s of float32 on one core");
-    println!("{:>6} {:>8} {:>8} {:>8} {:>10} {:>6}", "format", "encode", "decode", "add", "enc+dec", "ratio");
     let mut copy = vec![0u8; plain.len()];
     let t = (0..rounds)
         .map(|_| {
@@ -32,10 +30,14 @@ fn main() {
             t.elapsed().as_secs_f64()
         })
         .fold(f64::INFINITY, f64::min);
+    println!("{mib} MiB of float32, best of {rounds}: GB/s of float32 on one core");
     println!("(a plain copy of the buffer: {:.2} GB/s)", plain.len() as f64 / 1e9 / t);
+    println!("{:>6} {:>8} {:>8} {:>8} {:>10} {:>6}", "format", "encode", "decode", "add", "enc+dec", "ratio");
     for name in ["fp16", "bf16", "int8", "int4"] {
         let codec = Quantization::parse(name, None).unwrap().codec(DType::F32, Some(ReduceOp::Sum)).unwrap().unwrap();
-        let mut enc = vec![0u8; codec.encoded_len(elems)];
+        // Aligned, as the engine's buffers are.
+        let mut words = vec![0u64; codec.encoded_len(elems).div_ceil(8)];
+        let enc = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..codec.encoded_len(elems)];
         let best = |f: &mut dyn FnMut()| {
             (0..rounds)
                 .map(|_| {
@@ -45,9 +47,9 @@ fn main() {
                 })
                 .fold(f64::INFINITY, f64::min)
         };
-        let e = best(&mut || codec.encode(plain, &mut enc).unwrap());
-        let d = best(&mut || codec.decode(&enc, bytemuck::cast_slice_mut(&mut out)).unwrap());
-        let a = best(&mut || codec.add_decoded(&enc, bytemuck::cast_slice_mut(&mut out)).unwrap());
+        let e = best(&mut || codec.encode(plain, enc).unwrap());
+        let d = best(&mut || codec.decode(enc, bytemuck::cast_slice_mut(&mut out)).unwrap());
+        let a = best(&mut || codec.add_decoded(enc, bytemuck::cast_slice_mut(&mut out)).unwrap());
         let gb = plain.len() as f64 / 1e9;
         let ratio = plain.len() as f64 / enc.len() as f64;
         println!("{name:>6} {:>8.2} {:>8.2} {:>8.2} {:>10.2} {ratio:>6.2}", gb / e, gb / d, gb / a, gb / (e + d));

@@ -336,6 +336,10 @@ const BATCH: usize = 256;
 
 /// Casts `src` to 16-bit floats with `convert` (in f32), into `dst` as little-endian bytes.
 fn cast_out<T: Value, H: bytemuck::Pod + Default>(src: &[T], dst: &mut [u8], convert: fn(&[f32], &mut [H])) {
+    // Float32 into an aligned buffer (as the engine's are): converted in place, no batches.
+    if let (Some(s), Ok(d)) = (T::as_f32(src), bytemuck::try_cast_slice_mut::<u8, H>(dst)) {
+        return convert(s, d);
+    }
     let (mut wide, mut narrow) = ([0f32; BATCH], [H::default(); BATCH]);
     for (s, d) in src.chunks(BATCH).zip(dst.chunks_mut(2 * BATCH)) {
         let n = s.len();
@@ -348,6 +352,11 @@ fn cast_out<T: Value, H: bytemuck::Pod + Default>(src: &[T], dst: &mut [u8], con
 /// Casts 16-bit floats in `src` (little-endian bytes) to f32 with `convert`, then stores (or
 /// adds) them into `dst`.
 fn cast_in<T: Value, H: bytemuck::Pod + Default>(src: &[u8], dst: &mut [T], add: bool, convert: fn(&[H], &mut [f32])) {
+    if let (false, Ok(s)) = (add, bytemuck::try_cast_slice::<u8, H>(src)) {
+        if let Some(d) = T::as_f32_mut(dst) {
+            return convert(s, d);
+        }
+    }
     let (mut wide, mut narrow) = ([0f32; BATCH], [H::default(); BATCH]);
     for (s, d) in src.chunks(2 * BATCH).zip(dst.chunks_mut(BATCH)) {
         let n = d.len();
@@ -452,6 +461,14 @@ trait Value: bytemuck::Pod {
     fn widen(src: &[Self], dst: &mut [f32]);
     /// Stores (or adds) f32 values `src` into `dst`.
     fn store(src: &[f32], dst: &mut [Self], add: bool);
+    /// The slice as f32, if it is.
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+    /// The slice as f32, if it is.
+    fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
+        None
+    }
 }
 
 /// The arithmetic of a codec, spelled out so that the order of operations is fixed.
@@ -533,6 +550,12 @@ impl Value for f32 {
     }
     fn widen(src: &[f32], dst: &mut [f32]) {
         dst.copy_from_slice(src);
+    }
+    fn as_f32(s: &[f32]) -> Option<&[f32]> {
+        Some(s)
+    }
+    fn as_f32_mut(s: &mut [f32]) -> Option<&mut [f32]> {
+        Some(s)
     }
     fn store(src: &[f32], dst: &mut [f32], add: bool) {
         if add {
@@ -705,6 +728,10 @@ mod tests {
                 };
                 let mut enc = vec![0u8; c.encoded_len(x.len())];
                 c.encode(&plain, &mut enc).unwrap();
+                // A misaligned encoded buffer takes the batched path, to the same bytes.
+                let mut shifted = vec![0u8; enc.len() + 1];
+                c.encode(&plain, &mut shifted[1..]).unwrap();
+                assert_eq!(&shifted[1..], &enc[..], "{name} of {}", dtype.name());
                 let mut words = vec![0u64; plain.len() / 8];
                 let out: &mut [u8] = bytemuck::cast_slice_mut(&mut words);
                 c.decode(&enc, out).unwrap();
