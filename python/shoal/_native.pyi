@@ -10,7 +10,7 @@ __all__ = [
     "Communicator", "DTYPES", "Master", "NativeWork", "OPS", "ReduceInfo", "__version__", "hash_tensor_bytes",
     "lab_delay", "quantize_bytes",
 ]
-Quant = Optional[tuple[str, Optional[int]]]
+_Quant = Optional[tuple[str, Optional[int]]]
 __version__: str
 DTYPES: list[str]
 OPS: list[str]
@@ -72,33 +72,33 @@ class Communicator:
     def peers_pending(self) -> bool: ...
     def all_reduce_bytes(
         self, buf: npt.NDArray[np.uint8], dtype: str, op: str, tag: int, algorithm: Optional[str] = None,
-        quant: Quant = None,
+        quant: _Quant = None,
     ) -> ReduceInfo: ...
     def all_reduce_bytes_async(
         self, buf: npt.NDArray[np.uint8], dtype: str, op: str, tag: int, algorithm: Optional[str] = None,
-        quant: Quant = None,
+        quant: _Quant = None,
     ) -> NativeWork: ...
     def all_reduce_many_bytes(
         self, bufs: list[tuple[npt.NDArray[np.uint8], str]], op: str, max_in_flight: int, tag: int,
-        quant: Quant = None,
+        quant: _Quant = None,
     ) -> list[ReduceInfo]: ...
     def all_gather_bytes(
-        self, out: npt.NDArray[np.uint8], inp: npt.NDArray[np.uint8], dtype: str, tag: int, quant: Quant = None
+        self, out: npt.NDArray[np.uint8], inp: npt.NDArray[np.uint8], dtype: str, tag: int, quant: _Quant = None
     ) -> ReduceInfo: ...
     def reduce_scatter_bytes(
         self, out: npt.NDArray[np.uint8], inp: npt.NDArray[np.uint8], dtype: str, op: str, tag: int,
-        quant: Quant = None,
+        quant: _Quant = None,
     ) -> ReduceInfo: ...
     def broadcast_bytes(
         self, buf: npt.NDArray[np.uint8], dtype: str, root: int, tag: int, algorithm: Optional[str] = None
     ) -> ReduceInfo: ...
     def barrier(self, tag: int) -> ReduceInfo: ...
     def all_gather_bytes_async(
-        self, out: npt.NDArray[np.uint8], inp: npt.NDArray[np.uint8], dtype: str, tag: int, quant: Quant = None
+        self, out: npt.NDArray[np.uint8], inp: npt.NDArray[np.uint8], dtype: str, tag: int, quant: _Quant = None
     ) -> NativeWork: ...
     def reduce_scatter_bytes_async(
         self, out: npt.NDArray[np.uint8], inp: npt.NDArray[np.uint8], dtype: str, op: str, tag: int,
-        quant: Quant = None,
+        quant: _Quant = None,
     ) -> NativeWork: ...
     def broadcast_bytes_async(
         self, buf: npt.NDArray[np.uint8], dtype: str, root: int, tag: int, algorithm: Optional[str] = None
