@@ -653,14 +653,13 @@ impl Communicator {
         data: &mut DataPlane,
         buf: RawBuf,
         owner: Option<Owner>,
-        request: Request,
+        mut request: Request,
         extra: Extra,
     ) -> Result<CallId> {
         let Request { kind, dtype, tag, algorithm, .. } = request;
         if let Some(a) = algorithm.filter(|a| !a.runs(kind)) {
             return Err(Error::InvalidArgument(format!("{} does not run {}", a.name(), kind.name())));
         }
-        let mut request = request;
         if request.codec()?.is_none() {
             // Quantizing changes nothing here (fp16 of an f16 tensor): it runs as it is.
             request.quantization = None;

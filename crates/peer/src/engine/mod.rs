@@ -367,8 +367,12 @@ struct OpExec {
     /// (with its end): each is what the buffer holds over that range (its decoded values), so
     /// what we send is what we hold. A chunk is encoded once, when first sent, and its decoded
     /// values replace the buffer's; a chunk copied into place keeps its bytes to be forwarded as
-    /// they came, never re-encoded; a reduction or the fold over a range drops its entry.
+    /// they came (where it forwards them), never re-encoded; a reduction or the fold over a
+    /// range drops its entry.
     encoded: BTreeMap<usize, (usize, Arc<[u8]>)>,
+    /// For each receive unit of a quantized collective, whether a send waits for it (forwards
+    /// it): only those chunks are kept.
+    forwarded: Vec<bool>,
 }
 
 impl OpExec {
@@ -399,6 +403,12 @@ impl OpExec {
             backup.save(unsafe { spec.buf.slice() }, 0..spec.buf.len);
         }
         let stash = if plan.combines() { vec![0u64; (world * spec.buf.len).div_ceil(8)] } else { Vec::new() };
+        let mut forwarded = vec![false; if quantized { plan.recvs.len() } else { 0 }];
+        for u in plan.sends.iter().filter(|_| quantized) {
+            for i in [u.after_recv, u.and_after_recv].into_iter().flatten() {
+                forwarded[i] = true;
+            }
+        }
         let to_stash = plan.recvs.iter().filter(|u| u.action == RecvAction::Stash).count();
         OpExec {
             saved: vec![quantized; plan.recvs.len()],
@@ -429,6 +439,7 @@ impl OpExec {
             events: Vec::new(),
             finished: false,
             encoded: BTreeMap::new(),
+            forwarded,
         }
     }
 
@@ -484,7 +495,9 @@ impl OpExec {
                 let dst = &mut unsafe { self.spec.buf.slice() }[r];
                 codec.decode(src, dst).expect("aligned buffers");
                 self.forget_encoded(&range);
-                self.encoded.insert(range.start, (range.end, src.into()));
+                if self.forwarded[unit] {
+                    self.encoded.insert(range.start, (range.end, src.into()));
+                }
             }
             RecvAction::Stash => {
                 let at = self.stash_offset(unit);
