@@ -29,6 +29,7 @@ pub const KNOWN_VARS: &[(&str, &str)] = &[
     ("SHOAL_TRANSPORT", "streams to peers on the same host: auto (shared memory, default) or tcp"),
     ("SHOAL_ADVERTISE_ADDR", "host[:port] other peers should dial to reach this peer"),
     ("SHOAL_SECRET", "run credentials"),
+    ("SHOAL_HTTP_ADDR", "where the master serves /metrics, /status and its status page"),
     ("SHOAL_TIMEOUT", "bound in seconds on any blocking call (float)"),
     (
         "SHOAL_FAILPOINT",

@@ -7,8 +7,10 @@
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
 
+mod http;
+
 use shoal_proto::auth::{DataKey, RunKey};
-use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output};
+use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output, RunStatus};
 use shoal_transport::{read_message, read_message_until, write_message, TransportError};
 use shoal_wire::{Message, SessionId};
 use std::collections::BTreeMap;
@@ -28,6 +30,8 @@ const WRITE_TIMEOUT_MAX: Duration = Duration::from_secs(1);
 /// Connections accepted that have not yet said `Join`: more are closed at once, so strangers
 /// holding connections open cannot exhaust threads and descriptors.
 pub const MAX_PENDING_CONNECTIONS: usize = 256;
+/// Longest a status request waits for the driver.
+const STATUS_WAIT: Duration = Duration::from_secs(2);
 /// The largest first frame a connection may announce: a `Join` is far smaller.
 pub const MAX_GREETING_BODY: u32 = 4 << 10;
 
@@ -41,6 +45,9 @@ pub struct MasterOptions {
     /// The run's secret (`SHOAL_SECRET`): every peer must prove it to join. `None`: anyone who
     /// reaches the master may join.
     pub secret: Option<Vec<u8>>,
+    /// `host:port` to serve `/metrics`, `/status` and the status page on (`SHOAL_HTTP_ADDR`);
+    /// `None`: no HTTP.
+    pub http: Option<String>,
 }
 
 impl MasterOptions {
@@ -54,6 +61,7 @@ impl MasterOptions {
             heartbeat_timeout: shoal_config::env_seconds("SHOAL_HEARTBEAT_TIMEOUT")?
                 .unwrap_or(DEFAULT_HEARTBEAT_TIMEOUT),
             secret: shoal_config::env_value("SHOAL_SECRET").map(String::into_bytes),
+            http: shoal_config::env_value("SHOAL_HTTP_ADDR"),
         })
     }
 }
@@ -61,6 +69,7 @@ impl MasterOptions {
 /// A running master. Stops when [`MasterServer::stop`] is called or it is dropped.
 pub struct MasterServer {
     addr: SocketAddr,
+    http_addr: Option<SocketAddr>,
     session: SessionId,
     inputs: Sender<Input>,
     stop: Arc<AtomicBool>,
@@ -71,6 +80,8 @@ enum Input {
     Connected(ConnId, TcpStream),
     Message(ConnId, SessionId, Message),
     Closed(ConnId, String),
+    /// Wants the run's status.
+    Status(Sender<RunStatus>),
     Stop,
 }
 
@@ -89,6 +100,11 @@ impl MasterServer {
         }
         let listener = shoal_transport::listen(&options.listen)?;
         let addr = listener.local_addr()?;
+        let http = match &options.http {
+            Some(a) => Some(tiny_http::Server::http(a).map_err(|e| io::Error::other(format!("HTTP on {a}: {e}")))?),
+            None => None,
+        };
+        let http_addr = http.as_ref().and_then(|h| h.server_addr().to_ip());
         let session = SessionId(RandomState::new().hash_one((std::process::id(), Instant::now())));
         let (tx, rx) = mpsc::channel();
         let stop = Arc::new(AtomicBool::new(false));
@@ -109,8 +125,32 @@ impl MasterServer {
         let driver = thread::Builder::new()
             .name("shoal-master".into())
             .spawn(move || drive(Master::new(config, Instant::now()), rx, write_timeout))?;
+        if let Some(server) = http {
+            let (inputs, stop) = (tx.clone(), stop.clone());
+            thread::Builder::new()
+                .name("shoal-master-http".into())
+                .spawn(move || http::serve(server, stop, || ask_status(&inputs)))?;
+        }
         log::info!("master listening on {addr} (session {:016x})", session.0);
-        Ok(MasterServer { addr, session, inputs: tx, stop, driver: Some(driver) })
+        if let Some(a) = http_addr {
+            log::info!("status page on http://{a}/ (metrics on /metrics, JSON on /status)");
+        }
+        Ok(MasterServer { addr, http_addr, session, inputs: tx, stop, driver: Some(driver) })
+    }
+
+    /// The address of the HTTP endpoints, if they are served.
+    pub fn http_addr(&self) -> Option<SocketAddr> {
+        self.http_addr
+    }
+
+    /// The run as it stands (`None` once the master stopped).
+    pub fn status(&self) -> Option<RunStatus> {
+        ask_status(&self.inputs)
+    }
+
+    /// The run as JSON, as `/status` serves it.
+    pub fn status_json(&self) -> Option<String> {
+        self.status().map(|s| http::status_json(&s).to_string())
     }
 
     /// The address the master listens on.
@@ -137,6 +177,13 @@ impl Drop for MasterServer {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// Asks the driver for the run's status.
+fn ask_status(inputs: &Sender<Input>) -> Option<RunStatus> {
+    let (tx, rx) = mpsc::channel();
+    inputs.send(Input::Status(tx)).ok()?;
+    rx.recv_timeout(STATUS_WAIT).ok()
 }
 
 fn accept_loop(listener: TcpListener, inputs: Sender<Input>, stop: Arc<AtomicBool>, greeting: Duration) {
@@ -242,6 +289,9 @@ fn drive(mut master: Master, inputs: Receiver<Input>, write_timeout: Duration) {
             Ok(Input::Closed(conn, reason)) => {
                 master.handle_disconnect(Instant::now(), conn, &reason);
                 streams.remove(&conn);
+            }
+            Ok(Input::Status(reply)) => {
+                let _ = reply.send(master.status(Instant::now()));
             }
             Ok(Input::Stop) | Err(RecvTimeoutError::Disconnected) => break,
             Err(RecvTimeoutError::Timeout) => {}

@@ -2,10 +2,11 @@
 
 use crate::config::CommunicatorConfig;
 use crate::control::Control;
-use crate::engine::{Backup, Direction, Exec, LinkError, LinkStats, OpEvent, OpSpec, Pumped, RawBuf, Taken};
+use crate::engine::{Backup, Direction, Exec, LinkError, OpEvent, OpSpec, Pumped, RawBuf, Taken};
 use crate::error::{Error, Result};
 use crate::failpoint::failpoint;
 use crate::links::{DataPlane, Listener};
+use crate::stats::Stats;
 use crate::Deadline;
 use shoal_collective::schedule::Algorithm;
 use shoal_collective::{Codec, CollectiveKind, DType, Quantization, ReduceOp};
@@ -14,6 +15,7 @@ use shoal_proto::peer::{
     Action, CallError, CallId, CallKind, Established, OpId, OpProgress, PeerConfig, RingPosition, Value,
 };
 use shoal_transport::{Lane, PollFd};
+use shoal_wire::PeerReport;
 use shoal_wire::{FailureKind, GroupId, OpFailure, OpHeader, PeerId, SessionId};
 use std::any::Any;
 use std::collections::HashMap;
@@ -88,6 +90,8 @@ pub struct Communicator {
     driver: Arc<Driver>,
     /// What the last `optimize_topology` measured.
     pub(crate) measured: Mutex<Option<crate::topology::Measurements>>,
+    /// The counters, shared with the data plane and the timer thread.
+    stats: Arc<Stats>,
 }
 
 pub(crate) struct Connected {
@@ -107,9 +111,11 @@ impl Communicator {
     pub fn new(config: CommunicatorConfig) -> Result<Self> {
         config.validate()?;
         shoal_config::init_logging();
+        let stats = Arc::new(Stats::default());
         Ok(Communicator {
             connected: Mutex::new(None),
-            data: Arc::new(Mutex::new(DataPlane::default())),
+            data: Arc::new(Mutex::new(DataPlane { stats: Arc::clone(&stats), ..DataPlane::default() })),
+            stats,
             driver: Arc::new(Driver { config: config.clone(), progress: Progress::default() }),
             measured: Mutex::new(None),
             config,
@@ -180,7 +186,7 @@ impl Communicator {
             key,
             max_in_flight: self.config.max_in_flight,
         };
-        let control = Control::start(&addr, stream, peer_config)?;
+        let control = Control::start(&addr, stream, peer_config, Arc::clone(&self.stats))?;
         let group = GroupId(self.config.group);
         let bound = deadline.left("connect")?;
         let call = control.own_input(|p, now| p.connect(group, data_addr.clone(), bound, now));
@@ -626,18 +632,15 @@ impl Communicator {
 
     /// Our links in the topology in force: to every member we exchanged data with, by rank.
     pub fn links(&self) -> Vec<LinkInfo> {
-        let data = self.lock_data();
-        let (Some(exec), Some(position)) = (data.exec.as_ref(), data.position.as_ref()) else { return Vec::new() };
-        let info = |(&rank, s): (&usize, &LinkStats)| LinkInfo {
-            peer: position.ring[rank].peer,
-            rank,
-            streams_out: s.lanes_out,
-            streams_in: s.lanes_in,
-            tx_bytes: s.tx_bytes,
-            rx_bytes: s.rx_bytes,
-            transport: s.transport,
-        };
-        exec.stats().iter().map(info).collect()
+        self.lock_data().links()
+    }
+
+    /// This communicator's counters since it was created: operations by kind (started,
+    /// succeeded, failed, bytes, durations), failures by cause, the operations in flight, and its
+    /// links in the topology in force with the rate each carried while operations ran. The master
+    /// receives the same with every heartbeat, for its metrics and status page.
+    pub fn stats(&self) -> PeerReport {
+        self.stats.report()
     }
 
     /// Whether `work` ended (then [`Communicator::wait`] returns at once).
@@ -673,6 +676,7 @@ impl Communicator {
         let bound = self.config.timeout;
         let call = c.control.own_input(|p, now| p.call(CallKind::Collective, bound, now));
         let count = (buf.len() / dtype.size()) as u64;
+        data.stats.started(call, kind.name(), buf.len() as u64);
         let record =
             Collective { buf, owner, request, extra, count, started: Instant::now(), posted: None, local: None };
         data.calls.collectives.insert(call, record);
@@ -1603,6 +1607,7 @@ impl Driver {
         if let Some(t) = taken {
             data.spare_backups.push(t.into_backup());
         }
+        data.record_end(call, &outcome);
         data.calls.finished.insert(call, (outcome, record.owner, TagUse::Collective(request.tag)));
     }
 }

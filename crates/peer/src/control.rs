@@ -4,6 +4,7 @@
 //! the state machine's; this module moves bytes and wakes threads.
 
 use crate::error::{Error, Result};
+use crate::stats::Stats;
 use shoal_proto::peer::{Action, Gone, Peer, PeerConfig};
 use shoal_transport::{read_message, write_message, TransportError};
 use shoal_wire::{Message, SessionId};
@@ -57,11 +58,13 @@ pub(crate) struct Control {
     writer: Mutex<TcpStream>,
     peer: Mutex<Peer>,
     changed: Condvar,
+    /// The counters sent in place of heartbeats.
+    stats: Arc<Stats>,
 }
 
 impl Control {
     /// Starts the reader and timer threads over `stream`.
-    pub fn start(master_addr: &str, stream: TcpStream, config: PeerConfig) -> Result<Arc<Self>> {
+    pub fn start(master_addr: &str, stream: TcpStream, config: PeerConfig, stats: Arc<Stats>) -> Result<Arc<Self>> {
         let heartbeat_timeout = config.heartbeat_timeout;
         let io_err = |source| Error::Io { context: "configuring the master connection".into(), source };
         // A frozen master must not block a write (and so a call) for longer than it takes to
@@ -75,6 +78,7 @@ impl Control {
             writer: Mutex::new(stream),
             peer: Mutex::new(Peer::new(config, Instant::now())),
             changed: Condvar::new(),
+            stats,
         });
         let c = Arc::clone(&control);
         thread::Builder::new()
@@ -184,7 +188,7 @@ impl Control {
             let wait =
                 peer.poll_timeout().map_or(Duration::from_secs(1), |t| t.saturating_duration_since(Instant::now()));
             if wait.is_zero() {
-                peer.handle_timeout(Instant::now());
+                self.tick(&mut peer);
                 self.flush(peer, true);
                 peer = self.lock();
                 continue;
@@ -262,6 +266,15 @@ impl Control {
         }
     }
 
+    /// Feeds the state machine the time that passed; a heartbeat due carries our counters.
+    fn tick(&self, peer: &mut Peer) {
+        let now = Instant::now();
+        if peer.heartbeat_due(now) {
+            peer.attach_report(self.stats.report());
+        }
+        peer.handle_timeout(now);
+    }
+
     /// Feeds the state machine the passing of time: heartbeats, a silent master, bounds.
     fn timer_loop(&self) {
         let mut peer = self.lock();
@@ -276,7 +289,7 @@ impl Control {
             };
             let wait = due.saturating_duration_since(Instant::now());
             if wait.is_zero() {
-                peer.handle_timeout(Instant::now());
+                self.tick(&mut peer);
                 self.flush(peer, true);
                 peer = self.lock();
             } else {
@@ -306,7 +319,7 @@ mod tests {
         });
         let stream = shoal_transport::connect(&addr, Duration::from_secs(1)).unwrap();
         let config = PeerConfig { heartbeat_timeout: Duration::from_secs(60), key: None, max_in_flight: 1 };
-        let control = Control::start(&addr, stream, config).unwrap();
+        let control = Control::start(&addr, stream, config, Arc::default()).unwrap();
         let _master = master.join().unwrap();
         let started = Instant::now();
         let action = control.wait_action(started + Duration::from_secs(20), || {
@@ -351,7 +364,7 @@ mod tests {
         });
         let stream = shoal_transport::connect(&addr, Duration::from_secs(1)).unwrap();
         let config = PeerConfig { heartbeat_timeout: Duration::from_secs(10), key: None, max_in_flight: 1 };
-        let control = Control::start(&addr, stream, config).unwrap();
+        let control = Control::start(&addr, stream, config, Arc::default()).unwrap();
         control.input(|p, now| p.connect(GroupId(0), "127.0.0.1:1".into(), Duration::from_secs(5), now));
         master.join().unwrap();
         let outcome = loop {

@@ -109,5 +109,27 @@ pub enum Error {
     },
 }
 
+impl Error {
+    /// A short name of what went wrong, for counters and metrics: `"peer_lost"`, `"timeout"`,
+    /// `"mismatch"`, ...
+    pub fn cause(&self) -> &'static str {
+        match self {
+            Error::NotConnected | Error::AlreadyConnected | Error::Closed | Error::Misuse(_) => "misuse",
+            Error::InvalidArgument(_) => "invalid_argument",
+            Error::MasterUnreachable { .. } => "master_unreachable",
+            Error::Authentication { .. } => "authentication",
+            Error::Kicked { .. } => "kicked",
+            Error::PeerLost { .. } => "peer_lost",
+            Error::SyncFailed { .. } => "sync_failed",
+            Error::TooFewPeers { .. } => "too_few_peers",
+            Error::Timeout { .. } => "timeout",
+            Error::CollectiveMismatch { .. } => "mismatch",
+            Error::Protocol(_) => "protocol",
+            Error::Config(_) => "config",
+            Error::Io { .. } => "io",
+        }
+    }
+}
+
 /// Shorthand for results of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

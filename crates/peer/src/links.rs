@@ -100,6 +100,31 @@ pub(crate) struct DataPlane {
     pub calls: crate::communicator::Calls,
     /// Backups of collectives that ended, to lend to the next ones.
     pub spare_backups: Vec<crate::engine::Backup>,
+    /// The communicator's counters.
+    pub stats: Arc<crate::stats::Stats>,
+}
+
+impl DataPlane {
+    /// Our links in the topology in force, by rank.
+    pub fn links(&self) -> Vec<crate::LinkInfo> {
+        let (Some(exec), Some(position)) = (self.exec.as_ref(), self.position.as_ref()) else { return Vec::new() };
+        let info = |(&rank, s): (&usize, &crate::engine::LinkStats)| crate::LinkInfo {
+            peer: position.ring[rank].peer,
+            rank,
+            streams_out: s.lanes_out,
+            streams_in: s.lanes_in,
+            tx_bytes: s.tx_bytes,
+            rx_bytes: s.rx_bytes,
+            transport: s.transport,
+        };
+        exec.stats().iter().map(info).collect()
+    }
+
+    /// Counts call `call`, which ended with `outcome`.
+    pub fn record_end(&self, call: shoal_proto::peer::CallId, outcome: &crate::Result<crate::Info>) {
+        let epoch = self.position.as_ref().map_or(0, |p| p.epoch.0);
+        self.stats.ended(call, outcome, epoch, self.links());
+    }
 }
 
 impl Listener {

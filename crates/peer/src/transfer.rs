@@ -179,6 +179,7 @@ impl Communicator {
         }
         let call = c.control.own_input(|p, _| p.reserve_call());
         let chunk_bytes = self.config.chunk_bytes;
+        data.stats.started(call, direction.name(), buf.len() as u64);
         exec.post_transfer(call.0, TransferSpec { direction, peer: rank, tag, dtype, buf, chunk_bytes });
         let now = Instant::now();
         let transfer = TransferCall {
@@ -266,6 +267,7 @@ fn end(data: &mut DataPlane, call: CallId, result: Result<()>) {
     if let Err(e) = &outcome {
         log::debug!("{} failed: {e}", t.describe());
     }
+    data.record_end(call, &outcome);
     data.calls.finished.insert(call, (outcome, t.owner, TagUse::Transfer(t.direction, t.peer, t.tag)));
 }
 

@@ -7,8 +7,12 @@ use std::thread;
 use std::time::Duration;
 
 fn master() -> MasterServer {
-    let options =
-        MasterOptions { listen: "127.0.0.1:0".into(), heartbeat_timeout: Duration::from_secs(5), secret: None };
+    let options = MasterOptions {
+        listen: "127.0.0.1:0".into(),
+        heartbeat_timeout: Duration::from_secs(5),
+        secret: None,
+        http: None,
+    };
     MasterServer::start(options).unwrap()
 }
 

@@ -15,9 +15,11 @@
 
 mod codec;
 mod message;
+mod report;
 
 pub use codec::{Reader, Writer};
 pub use message::*;
+pub use report::*;
 
 /// The protocol version this build speaks. Peers and masters of different versions refuse to
 /// talk to each other with [`WireError::VersionMismatch`].

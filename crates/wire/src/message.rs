@@ -1,6 +1,7 @@
 //! The messages of the protocol and their body encodings. `docs/wire.md` has the table.
 
 use crate::codec::{Reader, Writer};
+use crate::report::PeerReport;
 use crate::{SessionId, WireError, MAX_DIMS, MAX_MEMBERS, MAX_STATE_ENTRIES};
 
 /// A peer's identity within one run of the master, assigned at registration and never reused.
@@ -244,6 +245,12 @@ pub enum Message {
     },
     /// Either direction, on a control connection: I am alive.
     Heartbeat,
+    /// Peer → master, in place of some heartbeats: its counters and what it runs now, for the
+    /// master's metrics and status. Counts as a heartbeat.
+    Report {
+        /// The counters.
+        report: PeerReport,
+    },
     /// Peer → master: this accepted peer calls `update_topology`, or `optimize_topology` with
     /// what it measured.
     VoteUpdateTopology {
@@ -490,6 +497,7 @@ mod kind {
     pub const SYNC_VOTE: u16 = 10;
     pub const SYNC_DONE: u16 = 11;
     pub const SYNC_FAILED: u16 = 12;
+    pub const REPORT: u16 = 13;
     pub const REGISTERED: u16 = 64;
     pub const TOPOLOGY: u16 = 65;
     pub const TOPOLOGY_COMMITTED: u16 = 66;
@@ -520,6 +528,7 @@ impl Message {
             Message::Challenge { .. } => kind::CHALLENGE,
             Message::AuthFailed { .. } => kind::AUTH_FAILED,
             Message::Heartbeat => kind::HEARTBEAT,
+            Message::Report { .. } => kind::REPORT,
             Message::VoteUpdateTopology { .. } => kind::VOTE_UPDATE_TOPOLOGY,
             Message::TopologyReady { .. } => kind::TOPOLOGY_READY,
             Message::VotePeersPending { .. } => kind::VOTE_PEERS_PENDING,
@@ -557,6 +566,7 @@ impl Message {
             Message::Challenge { .. } => "Challenge",
             Message::AuthFailed { .. } => "AuthFailed",
             Message::Heartbeat => "Heartbeat",
+            Message::Report { .. } => "Report",
             Message::VoteUpdateTopology { .. } => "VoteUpdateTopology",
             Message::TopologyReady { .. } => "TopologyReady",
             Message::VotePeersPending { .. } => "VotePeersPending",
@@ -671,6 +681,7 @@ impl Message {
                 w.bytes(mac);
             }
             Message::Heartbeat | Message::Leave => {}
+            Message::Report { report } => report.encode(w),
             Message::VotePeersPending { collectives } => w.u64(*collectives),
             Message::PeersPendingAborted { retry, reason } => {
                 w.bool(*retry);
@@ -745,6 +756,7 @@ impl Message {
             kind::CHALLENGE => Message::Challenge { nonce: r.hash()? },
             kind::AUTH_FAILED => Message::AuthFailed { reason: r.str()? },
             kind::HEARTBEAT => Message::Heartbeat,
+            kind::REPORT => Message::Report { report: PeerReport::decode(&mut r)? },
             kind::VOTE_UPDATE_TOPOLOGY => {
                 let (collectives, optimize) = (r.u64()?, r.bool("optimize")?);
                 let count = r.count(MAX_MEMBERS, 4 + 4 + 8)?;
@@ -949,6 +961,7 @@ mod tests {
             any::<[u8; 32]>().prop_map(|nonce| Message::Challenge { nonce }),
             ".{0,100}".prop_map(|reason| Message::AuthFailed { reason }),
             Just(Message::Heartbeat),
+            crate::report::strategy::report().prop_map(|report| Message::Report { report }),
             (
                 any::<u64>(),
                 proptest::option::of(proptest::collection::vec((any::<u32>(), any::<u32>(), any::<u64>()), 0..5))

@@ -13,6 +13,7 @@
 mod calls;
 mod ops;
 mod plan;
+mod status;
 mod sync;
 mod timers;
 
@@ -20,7 +21,8 @@ use crate::auth::{DataKey, RunKey};
 use crate::ballot::Ballot;
 pub use ops::MAX_TRACKED_OPS;
 pub use plan::Plan;
-use shoal_wire::{Epoch, GroupId, Member, Message, PeerId, SessionId, Vote};
+use shoal_wire::{Epoch, GroupId, Member, Message, PeerId, PeerReport, SessionId, Vote};
+pub use status::{Counters, GroupStatus, Matrix, PeerStatus, RunStatus, Totals};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 pub use sync::Strategy;
@@ -115,6 +117,17 @@ pub enum MasterEvent {
     },
 }
 
+/// How a peer leaves the run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Removal {
+    /// It said `Leave`.
+    Left,
+    /// Its control connection closed.
+    Lost,
+    /// The master expels it: silent, unreachable, late or misbehaving.
+    Expelled,
+}
+
 /// What the run as a whole is doing.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Phase {
@@ -197,8 +210,11 @@ pub struct Master {
     plan: Option<Plan>,
     /// The nonce each connection was challenged with, until its `Join`.
     challenges: BTreeMap<ConnId, [u8; 32]>,
-    /// `Join`s refused for a wrong or missing proof.
-    auth_failures: u64,
+    /// What each peer last reported of its work (`Message::Report`).
+    reports: BTreeMap<PeerId, PeerReport>,
+    /// What peers that left had reported: the run's totals never go down.
+    retired: Totals,
+    counters: Counters,
     timers: TimerTable,
     outputs: VecDeque<Output>,
 }
@@ -229,7 +245,9 @@ impl Master {
             measured: BTreeMap::new(),
             plan: None,
             challenges: BTreeMap::new(),
-            auth_failures: 0,
+            reports: BTreeMap::new(),
+            retired: Totals::default(),
+            counters: Counters::default(),
             timers,
             outputs: VecDeque::new(),
         }
@@ -244,7 +262,7 @@ impl Master {
 
     /// `Join`s refused for a wrong or missing proof of the run's secret.
     pub fn auth_failures(&self) -> u64 {
-        self.auth_failures
+        self.counters.auth_failures
     }
 
     /// The current phase.
@@ -291,6 +309,9 @@ impl Master {
         let accepted = self.peers.get(&peer).is_some_and(|e| e.status == Status::Accepted);
         match message {
             Message::Heartbeat => {}
+            Message::Report { report } => {
+                self.reports.insert(peer, report);
+            }
             Message::VoteUpdateTopology { collectives, measured } if accepted => {
                 self.vote_update_topology(now, peer, collectives, measured)
             }
@@ -311,7 +332,7 @@ impl Master {
             Message::SyncDone { round } if accepted => self.sync_done(peer, round),
             Message::SyncFailed { round, reason } if accepted => self.sync_failed(peer, round, reason),
             Message::Leave => {
-                self.remove_peer(peer, "left the run".into(), false);
+                self.remove_peer(peer, "left the run".into(), Removal::Left);
             }
             other => self.violation(peer, format!("unexpected {} from {peer}", other.name())),
         }
@@ -322,7 +343,7 @@ impl Master {
     pub fn handle_disconnect(&mut self, _now: Instant, conn: ConnId, reason: &str) {
         self.challenges.remove(&conn);
         if let Some(peer) = self.conns.get(&conn).copied() {
-            self.remove_peer(peer, format!("control connection lost: {reason}"), false);
+            self.remove_peer(peer, format!("control connection lost: {reason}"), Removal::Lost);
         }
         self.reform_if_due();
     }
@@ -354,7 +375,7 @@ impl Master {
             .map(|(id, _)| *id)
             .collect();
         for peer in silent {
-            self.remove_peer(peer, format!("no message for {:.1} s", timeout.as_secs_f64()), true);
+            self.remove_peer(peer, format!("no message for {:.1} s", timeout.as_secs_f64()), Removal::Expelled);
         }
         self.arm_heartbeat_check();
         self.reform_if_due();
@@ -386,14 +407,15 @@ impl Master {
             return self.outputs.push_back(Output::Close { conn, reason });
         };
         if self.config.key.as_ref().is_some_and(|key| !key.verify(&nonce, &proof)) {
-            self.auth_failures += 1;
+            self.counters.auth_failures += 1;
             let reason = "authentication failed: the proof of the run's secret is wrong or missing".to_string();
-            log::warn!("connection {} ({data_addr}): {reason} ({} so far)", conn.0, self.auth_failures);
+            log::warn!("connection {} ({data_addr}): {reason} ({} so far)", conn.0, self.counters.auth_failures);
             self.send(conn, Message::AuthFailed { reason: reason.clone() });
             return self.outputs.push_back(Output::Close { conn, reason });
         }
         if self.peers.len() >= MAX_PEERS {
             // Every topology lists every member: one more could not be sent to anyone.
+            self.counters.refused_full += 1;
             let reason = format!("the run is full: {MAX_PEERS} peers, the most a topology can list");
             log::warn!("connection {}: refused: {reason}", conn.0);
             self.send(conn, Message::Kicked { reason: reason.clone() });
@@ -411,6 +433,7 @@ impl Master {
         };
         self.peers.insert(peer, entry);
         self.conns.insert(conn, peer);
+        self.counters.joins += 1;
         self.outputs.push_back(Output::Event(MasterEvent::PeerRegistered { peer, group, addr: data_addr }));
         let heartbeat_ms =
             heartbeat_interval(self.config.heartbeat_timeout).as_millis().clamp(1, u32::MAX.into()) as u32;
@@ -495,7 +518,7 @@ impl Master {
         let late: Vec<PeerId> = members.iter().copied().filter(|p| !ready.contains(p)).collect();
         for p in late {
             let reason = format!("not ready in topology {} {bound:.1} s after the accepted peers", epoch.0);
-            self.remove_peer(p, reason, true);
+            self.remove_peer(p, reason, Removal::Expelled);
         }
     }
 
@@ -516,6 +539,7 @@ impl Master {
             return self.admit_without_vote_if_alone();
         }
         let Some(quorum) = ballot.tally() else { return };
+        self.counters.topology_votes += 1;
         let mut members: Vec<PeerId> = self.ring.iter().copied().filter(|p| quorum.voters().contains(p)).collect();
         if self.every_voter_measured(&members) {
             // optimize_topology: the ring re-ordered; newcomers wait for update_topology.
@@ -532,6 +556,7 @@ impl Master {
         self.arm_plan_slice(Instant::now());
         debug_assert!(members.iter().all(|p| self.peers.contains_key(p)), "unknown member");
         self.epoch = Epoch(self.epoch.0 + 1);
+        self.counters.topologies += 1;
         let epoch = self.epoch;
         // The ring's collectives stay open until this topology commits: members still running
         // one (the ring re-forms without waiting for anyone's call) may yet report on it.
@@ -617,7 +642,7 @@ impl Master {
         // A newcomer that an accepted peer cannot reach is rejected; between two accepted
         // peers we cannot tell who is at fault, and drop the one that was reported.
         log::warn!("{reporter} cannot reach {target}; removing {target} from the run");
-        self.remove_peer(target, format!("{reporter} could not connect to it"), true);
+        self.remove_peer(target, format!("{reporter} could not connect to it"), Removal::Expelled);
     }
 
     fn vote_peers_pending(&mut self, now: Instant, peer: PeerId, collectives: u64) {
@@ -655,6 +680,7 @@ impl Master {
             return;
         };
         self.pending_vote = None;
+        self.counters.pending_votes += 1;
         self.tentative.clear();
         let pending = !self.registered().is_empty();
         self.sent_on.retain(|p| !quorum.voters().contains(p));
@@ -664,14 +690,22 @@ impl Master {
         }
     }
 
-    /// Removes `peer` from the run. `expel` tells it why first (it may be alive: frozen,
-    /// misbehaving, unreachable), where it did not leave or hang up by itself.
-    fn remove_peer(&mut self, peer: PeerId, reason: String, expel: bool) {
+    /// Removes `peer` from the run. An expelled peer is told why first (it may be alive: frozen,
+    /// misbehaving, unreachable); one that left or hung up by itself is not.
+    fn remove_peer(&mut self, peer: PeerId, reason: String, how: Removal) {
         let Some(entry) = self.peers.remove(&peer) else {
             return;
         };
         self.conns.remove(&entry.conn);
-        if expel {
+        if let Some(report) = self.reports.remove(&peer) {
+            self.retired.add(&report);
+        }
+        match how {
+            Removal::Left => self.counters.left += 1,
+            Removal::Lost => self.counters.lost += 1,
+            Removal::Expelled => self.counters.expelled += 1,
+        }
+        if how == Removal::Expelled {
             // A frozen peer finds this when it wakes up.
             self.send(entry.conn, Message::Kicked { reason: reason.clone() });
         }
@@ -730,7 +764,7 @@ impl Master {
 
     fn violation(&mut self, peer: PeerId, reason: String) {
         log::warn!("protocol violation by {peer}: {reason}");
-        self.remove_peer(peer, format!("protocol violation: {reason}"), true);
+        self.remove_peer(peer, format!("protocol violation: {reason}"), Removal::Expelled);
     }
 
     fn set_phase(&mut self, next: Phase) {

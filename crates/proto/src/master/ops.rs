@@ -78,6 +78,7 @@ impl Master {
         match &record.outcome {
             None => {
                 log::info!("collective {seq} of topology {} failed at {peer}: {}", epoch.0, failure.reason);
+                self.counters.collectives_aborted += 1;
                 // What ends a call goes out after the new topology, so that whoever calls again at
                 // once finds it: the votes abandoned for misuse are held back until it is issued.
                 let held = self.outputs.len();

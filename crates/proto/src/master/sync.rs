@@ -55,6 +55,11 @@ impl SyncRound {
     pub(super) fn voting(&self) -> Option<&Ballot> {
         self.transfer.is_none().then_some(&self.ballot)
     }
+
+    /// Its number.
+    pub(super) fn round(&self) -> u64 {
+        self.round
+    }
 }
 
 #[derive(Debug)]
@@ -72,6 +77,16 @@ pub(super) struct GroupState {
     hashes: BTreeMap<String, [u8; 32]>,
     /// Peers that took part in a completed sync: they are not newcomers.
     synced: BTreeSet<PeerId>,
+}
+
+impl GroupState {
+    pub(super) fn revision(&self) -> u64 {
+        self.revision
+    }
+
+    pub(super) fn hashes(&self) -> &BTreeMap<String, [u8; 32]> {
+        &self.hashes
+    }
 }
 
 impl Master {
@@ -160,6 +175,7 @@ impl Master {
     /// Ends every sync of `group` (or of every group) with an error for its voters.
     pub(super) fn abort_sync(&mut self, group: GroupId, retryable: bool, reason: String) {
         let Some(sync) = self.syncs.remove(&group) else { return };
+        self.counters.syncs_aborted += 1;
         log::warn!("sync {} aborted: {reason}", sync.round);
         let reason = truncate(reason, MAX_STRING_BYTES);
         // While voting, every member of the group hears of it: the vote was announced to them.
@@ -214,6 +230,7 @@ impl Master {
             return;
         }
         let sync = self.syncs.remove(&group).expect("present");
+        self.counters.syncs_completed += 1;
         let t = sync.transfer.expect("checked");
         let state = self.group_states.entry(group).or_insert_with(|| GroupState {
             revision: t.revision,

@@ -803,3 +803,31 @@ fn a_measurement_naming_a_member_twice_is_a_violation() {
     assert!(sent_to(&out, 1).iter().any(|m| matches!(m, Message::Kicked { reason } if reason.contains("twice"))));
     assert_eq!(h.master.ring().len(), 2);
 }
+
+/// What peers report is summed in the run's status, and what a peer that left reported stays in
+/// the totals: counters never go down.
+#[test]
+fn reports_are_summed_and_outlive_the_peers_that_sent_them() {
+    let (mut h, _) = run_with(2);
+    let report = |n: u64| {
+        let mut ops =
+            shoal_wire::OpCounters { kind: "all_reduce".into(), started: n, succeeded: n, ..Default::default() };
+        ops.observe(2_000);
+        PeerReport { ops: vec![ops], failures: vec![("peer_lost".into(), 1)], ..Default::default() }
+    };
+    h.send(1, Message::Report { report: report(3) });
+    h.send(2, Message::Report { report: report(4) });
+    let status = h.master.status(h.now);
+    assert_eq!(status.totals.ops["all_reduce"].succeeded, 7);
+    assert_eq!(status.totals.ops["all_reduce"].durations.iter().sum::<u64>(), 2);
+    assert_eq!(status.totals.failures["peer_lost"], 2);
+    assert_eq!(status.peers.iter().filter(|p| p.report.is_some()).count(), 2);
+    assert_eq!(status.ring.len(), 2);
+    assert_eq!(status.peers.iter().map(|p| p.rank).collect::<Vec<_>>(), vec![Some(0), Some(1)]);
+
+    h.send(2, Message::Leave);
+    let status = h.master.status(h.now);
+    assert_eq!(status.peers.len(), 1);
+    assert_eq!(status.totals.ops["all_reduce"].succeeded, 7, "the leaver's counts stay");
+    assert_eq!((status.counters.joins, status.counters.left, status.counters.topology_votes), (2, 1, 1));
+}

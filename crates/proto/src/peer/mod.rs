@@ -24,7 +24,8 @@ pub use view::{
 use crate::auth::{DataKey, RunKey};
 use crate::master::heartbeat_interval;
 use shoal_wire::{
-    Epoch, FailureKind, GroupId, Measured, Message, OpFailure, PeerId, PlanEntry, SessionId, StateDigest, Vote,
+    Epoch, FailureKind, GroupId, Measured, Message, OpFailure, PeerId, PeerReport, PlanEntry, SessionId, StateDigest,
+    Vote,
 };
 use std::collections::VecDeque;
 use std::fmt;
@@ -358,6 +359,8 @@ pub struct Peer {
     closed: bool,
     last_heard: Instant,
     next_heartbeat: Instant,
+    /// Counters the driver attached, sent at the next heartbeat in its place.
+    report: Option<PeerReport>,
 }
 
 impl Peer {
@@ -376,8 +379,20 @@ impl Peer {
             closed: false,
             last_heard: now,
             next_heartbeat: now + heartbeat_interval(config.heartbeat_timeout),
+            report: None,
             config,
         }
+    }
+
+    /// Whether [`Peer::handle_timeout`] at `now` sends a heartbeat: the moment for the driver
+    /// to [`Peer::attach_report`].
+    pub fn heartbeat_due(&self, now: Instant) -> bool {
+        self.gone().is_none() && self.view.registered.is_some() && now >= self.next_heartbeat
+    }
+
+    /// Sends `report` to the master at the next heartbeat, in its place (`Message::Report`).
+    pub fn attach_report(&mut self, report: PeerReport) {
+        self.report = Some(report);
     }
 
     /// Our id and the run's session, once registered.
@@ -509,7 +524,8 @@ impl Peer {
                 return self.handle_disconnect(format!("no message for {:.1} s", silent.as_secs_f64()), now);
             }
             if now >= self.next_heartbeat {
-                self.outbox.push_back(Message::Heartbeat);
+                let report = self.report.take().filter(|_| self.view.registered.is_some());
+                self.outbox.push_back(report.map_or(Message::Heartbeat, |report| Message::Report { report }));
                 self.next_heartbeat = now + self.heartbeat_every();
             }
         }

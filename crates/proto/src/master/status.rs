@@ -1,0 +1,211 @@
+//! What the master knows of the run, for its metrics, its status page and `shoal status`: its own
+//! counters, and what every peer reported of its work (`Message::Report`). The master never sees
+//! a collective that went well, so the data plane's counters are the peers'; those of peers that
+//! left are kept, so that the run's totals never go down.
+
+use super::{Master, Phase, Status};
+use shoal_topology::Link;
+use shoal_wire::{Epoch, GroupId, OpCounters, PeerId, PeerReport, SessionId};
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+/// The master's own counters since it started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Peers registered.
+    pub joins: u64,
+    /// `Join`s refused for a wrong or missing proof of the run's secret.
+    pub auth_failures: u64,
+    /// `Join`s refused because the run was full.
+    pub refused_full: u64,
+    /// Peers that left on purpose.
+    pub left: u64,
+    /// Peers whose control connection was lost.
+    pub lost: u64,
+    /// Peers expelled: silent, unreachable, late or misbehaving.
+    pub expelled: u64,
+    /// Topologies issued.
+    pub topologies: u64,
+    /// `update_topology` / `optimize_topology` votes that passed.
+    pub topology_votes: u64,
+    /// `peers_pending` votes that passed.
+    pub pending_votes: u64,
+    /// Shared-state syncs that completed.
+    pub syncs_completed: u64,
+    /// Shared-state syncs that were aborted.
+    pub syncs_aborted: u64,
+    /// Collectives the master aborted (a participant reported a failure).
+    pub collectives_aborted: u64,
+}
+
+/// What peers reported, summed over the run: those in it now and those that left.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Totals {
+    /// Counters per kind of operation.
+    pub ops: BTreeMap<String, OpCounters>,
+    /// Failed operations by cause.
+    pub failures: BTreeMap<String, u64>,
+}
+
+impl Totals {
+    /// Adds `report`'s counters.
+    pub fn add(&mut self, report: &PeerReport) {
+        for o in &report.ops {
+            self.ops
+                .entry(o.kind.clone())
+                .or_insert_with(|| OpCounters { kind: o.kind.clone(), ..Default::default() })
+                .add(o);
+        }
+        for (cause, n) in &report.failures {
+            *self.failures.entry(cause.clone()).or_default() += n;
+        }
+    }
+}
+
+/// One peer, as the master sees it.
+#[derive(Debug, Clone)]
+pub struct PeerStatus {
+    /// Its id.
+    pub peer: PeerId,
+    /// Its group.
+    pub group: GroupId,
+    /// The address it advertises for data connections.
+    pub addr: String,
+    /// Registered or accepted.
+    pub status: Status,
+    /// Its site, where `optimize_topology` found sites worth scheduling by.
+    pub site: Option<u16>,
+    /// Its rank in the committed ring.
+    pub rank: Option<usize>,
+    /// Since its last message.
+    pub silent: Duration,
+    /// Its last report, if it sent one.
+    pub report: Option<PeerReport>,
+}
+
+/// One group.
+#[derive(Debug, Clone)]
+pub struct GroupStatus {
+    /// The group.
+    pub group: GroupId,
+    /// Its members in the committed ring, in ring order.
+    pub ring: Vec<PeerId>,
+    /// The revision of its last completed shared-state sync.
+    pub revision: Option<u64>,
+    /// The elected hash of every tensor at that sync, by name.
+    pub hashes: BTreeMap<String, [u8; 32]>,
+    /// The round of a sync in progress.
+    pub syncing: Option<u64>,
+}
+
+/// What the last `optimize_topology` measured.
+#[derive(Debug, Clone)]
+pub struct Matrix {
+    /// The measured members.
+    pub members: Vec<PeerId>,
+    /// `links[i][j]`: what `members[i]` measured towards `members[j]`.
+    pub links: Vec<Vec<Option<Link>>>,
+}
+
+/// The whole run at one instant.
+#[derive(Debug, Clone)]
+pub struct RunStatus {
+    /// The run's session.
+    pub session: SessionId,
+    /// The last topology issued.
+    pub epoch: Epoch,
+    /// The committed topology.
+    pub ring_epoch: Epoch,
+    /// `"idle"`, `"voting"` (an `update_topology` vote is open) or `"connecting"` (a topology
+    /// was issued and its members connect).
+    pub phase: &'static str,
+    /// The committed ring, every group's members in ring order.
+    pub ring: Vec<PeerId>,
+    /// Every peer, registered or accepted, by id.
+    pub peers: Vec<PeerStatus>,
+    /// Every group with a member.
+    pub groups: Vec<GroupStatus>,
+    /// The measured links, once `optimize_topology` passed.
+    pub matrix: Option<Matrix>,
+    /// Collectives that some participant reported trouble with, not yet settled.
+    pub open_collectives: usize,
+    /// The master's counters.
+    pub counters: Counters,
+    /// What peers reported, summed over the run.
+    pub totals: Totals,
+}
+
+impl Master {
+    /// The master's counters.
+    pub fn counters(&self) -> Counters {
+        self.counters
+    }
+
+    /// The whole run as it stands at `now`.
+    pub fn status(&self, now: Instant) -> RunStatus {
+        let sites = self.sites();
+        let mut ranks: BTreeMap<PeerId, usize> = BTreeMap::new();
+        let mut next: BTreeMap<GroupId, usize> = BTreeMap::new();
+        for p in &self.ring {
+            let n = next.entry(self.peers[p].group).or_default();
+            ranks.insert(*p, *n);
+            *n += 1;
+        }
+        let peers = self
+            .peers
+            .iter()
+            .map(|(id, e)| PeerStatus {
+                peer: *id,
+                group: e.group,
+                addr: e.addr.clone(),
+                status: e.status,
+                site: sites.get(id).copied(),
+                rank: ranks.get(id).copied(),
+                silent: now.saturating_duration_since(e.last_heard),
+                report: self.reports.get(id).cloned(),
+            })
+            .collect();
+        let mut groups: Vec<GroupId> = self.peers.values().map(|e| e.group).collect();
+        groups.sort_unstable();
+        groups.dedup();
+        let groups = groups
+            .into_iter()
+            .map(|g| {
+                let state = self.group_states.get(&g);
+                GroupStatus {
+                    group: g,
+                    ring: self.group_ring(g),
+                    revision: state.map(|s| s.revision()),
+                    hashes: state.map(|s| s.hashes().clone()).unwrap_or_default(),
+                    syncing: self.syncs.get(&g).map(|s| s.round()),
+                }
+            })
+            .collect();
+        let matrix = self.plan.as_ref().map(|plan| {
+            let members = plan.members().to_vec();
+            let links = members.iter().map(|a| members.iter().map(|b| plan.link(*a, *b)).collect()).collect();
+            Matrix { members, links }
+        });
+        let mut totals = self.retired.clone();
+        for report in self.reports.values() {
+            totals.add(report);
+        }
+        RunStatus {
+            session: self.config.session,
+            epoch: self.epoch,
+            ring_epoch: self.ring_epoch,
+            phase: match self.phase {
+                Phase::Idle => "idle",
+                Phase::AwaitingTopologyVotes { .. } => "voting",
+                Phase::AwaitingConnections { .. } => "connecting",
+            },
+            ring: self.ring.clone(),
+            peers,
+            groups,
+            matrix,
+            open_collectives: self.ops.len(),
+            counters: self.counters,
+            totals,
+        }
+    }
+}

@@ -1,0 +1,223 @@
+//! What a peer tells the master about its own work ([`crate::Message::Report`]): the counters
+//! behind the master's metrics and status page. The master never sees a collective that went
+//! well (`docs/protocol.md`, "Agreement"), so its view of the data plane is what peers report.
+
+use crate::codec::{Reader, Writer};
+use crate::{PeerId, WireError, MAX_MEMBERS};
+
+/// Upper bounds of the buckets of [`OpCounters::durations`], microseconds; a last bucket holds
+/// the longer ones.
+pub const DURATION_BOUNDS_US: [u64; 12] =
+    [100, 300, 1_000, 3_000, 10_000, 30_000, 100_000, 300_000, 1_000_000, 3_000_000, 10_000_000, 30_000_000];
+/// Buckets of a duration histogram: one per bound, and one above the last.
+pub const DURATION_BUCKETS: usize = DURATION_BOUNDS_US.len() + 1;
+/// Most kinds of operation, and most causes of failure, one report lists.
+pub const MAX_REPORT_KINDS: usize = 32;
+/// Most operations in flight one report lists.
+pub const MAX_REPORT_RUNNING: usize = 256;
+
+/// A peer's counters since it joined, and what it does now.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PeerReport {
+    /// Counters per kind of operation.
+    pub ops: Vec<OpCounters>,
+    /// Failed operations by cause (`"peer_lost"`, `"timeout"`, ...).
+    pub failures: Vec<(String, u64)>,
+    /// Operations in flight, longest running first.
+    pub running: Vec<RunningOp>,
+    /// Its links in the topology in force.
+    pub links: Vec<LinkReport>,
+}
+
+/// The counters of one kind of operation.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct OpCounters {
+    /// `"all_reduce"`, `"all_gather"`, `"reduce_scatter"`, `"broadcast"`, `"barrier"`, `"send"`,
+    /// `"recv"`.
+    pub kind: String,
+    /// Calls started.
+    pub started: u64,
+    /// Calls that returned success.
+    pub succeeded: u64,
+    /// Calls that returned an error.
+    pub failed: u64,
+    /// Bytes sent by calls that succeeded.
+    pub tx_bytes: u64,
+    /// Bytes received by calls that succeeded.
+    pub rx_bytes: u64,
+    /// How long the calls that ended took, counted per bucket of [`DURATION_BOUNDS_US`]
+    /// (not cumulative).
+    pub durations: [u64; DURATION_BUCKETS],
+    /// Their total duration, microseconds.
+    pub duration_sum_us: u64,
+}
+
+impl OpCounters {
+    /// Counts one call that ended after `micros`.
+    pub fn observe(&mut self, micros: u64) {
+        let bucket = DURATION_BOUNDS_US.iter().position(|b| micros <= *b).unwrap_or(DURATION_BUCKETS - 1);
+        self.durations[bucket] += 1;
+        self.duration_sum_us = self.duration_sum_us.saturating_add(micros);
+    }
+
+    /// Adds `other`'s counts to these.
+    pub fn add(&mut self, other: &OpCounters) {
+        self.started += other.started;
+        self.succeeded += other.succeeded;
+        self.failed += other.failed;
+        self.tx_bytes += other.tx_bytes;
+        self.rx_bytes += other.rx_bytes;
+        for (a, b) in self.durations.iter_mut().zip(other.durations) {
+            *a += b;
+        }
+        self.duration_sum_us = self.duration_sum_us.saturating_add(other.duration_sum_us);
+    }
+}
+
+/// An operation in flight.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunningOp {
+    /// Its kind, as in [`OpCounters::kind`].
+    pub kind: String,
+    /// Its buffer's bytes.
+    pub bytes: u64,
+    /// How long it has run, milliseconds.
+    pub elapsed_ms: u64,
+}
+
+/// A link to another member of the group, and what moved over it in the topology in force.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinkReport {
+    /// The member.
+    pub peer: PeerId,
+    /// Bytes sent to it.
+    pub tx_bytes: u64,
+    /// Bytes received from it.
+    pub rx_bytes: u64,
+    /// Bytes per second sent to it while operations ran (0: nothing sent yet).
+    pub tx_rate: u64,
+    /// `"tcp"`, `"shm"` or `"mixed"`.
+    pub transport: String,
+}
+
+impl PeerReport {
+    pub(crate) fn encode(&self, w: &mut Writer) {
+        assert!(self.ops.len() <= MAX_REPORT_KINDS, "report lists too many kinds: a bug");
+        assert!(self.failures.len() <= MAX_REPORT_KINDS, "report lists too many causes: a bug");
+        assert!(self.running.len() <= MAX_REPORT_RUNNING, "report lists too many operations: a bug");
+        assert!(self.links.len() <= MAX_MEMBERS, "report lists too many links: a bug");
+        w.u32(self.ops.len() as u32);
+        for o in &self.ops {
+            w.str(&o.kind);
+            for v in [o.started, o.succeeded, o.failed, o.tx_bytes, o.rx_bytes] {
+                w.u64(v);
+            }
+            for v in o.durations {
+                w.u64(v);
+            }
+            w.u64(o.duration_sum_us);
+        }
+        w.u32(self.failures.len() as u32);
+        for (cause, n) in &self.failures {
+            w.str(cause);
+            w.u64(*n);
+        }
+        w.u32(self.running.len() as u32);
+        for r in &self.running {
+            w.str(&r.kind);
+            w.u64(r.bytes);
+            w.u64(r.elapsed_ms);
+        }
+        w.u32(self.links.len() as u32);
+        for l in &self.links {
+            w.u32(l.peer.0);
+            w.u64(l.tx_bytes);
+            w.u64(l.rx_bytes);
+            w.u64(l.tx_rate);
+            w.str(&l.transport);
+        }
+    }
+
+    pub(crate) fn decode(r: &mut Reader<'_>) -> Result<Self, WireError> {
+        let count = r.count(MAX_REPORT_KINDS, 2 + 8 * (6 + DURATION_BUCKETS))?;
+        let mut ops = Vec::with_capacity(count);
+        for _ in 0..count {
+            let kind = r.str()?;
+            let (started, succeeded, failed, tx_bytes, rx_bytes) = (r.u64()?, r.u64()?, r.u64()?, r.u64()?, r.u64()?);
+            let mut durations = [0; DURATION_BUCKETS];
+            for d in &mut durations {
+                *d = r.u64()?;
+            }
+            let duration_sum_us = r.u64()?;
+            ops.push(OpCounters { kind, started, succeeded, failed, tx_bytes, rx_bytes, durations, duration_sum_us });
+        }
+        let count = r.count(MAX_REPORT_KINDS, 2 + 8)?;
+        let failures = (0..count).map(|_| Ok((r.str()?, r.u64()?))).collect::<Result<Vec<_>, WireError>>()?;
+        let count = r.count(MAX_REPORT_RUNNING, 2 + 8 + 8)?;
+        let running = (0..count)
+            .map(|_| Ok(RunningOp { kind: r.str()?, bytes: r.u64()?, elapsed_ms: r.u64()? }))
+            .collect::<Result<Vec<_>, WireError>>()?;
+        let count = r.count(MAX_MEMBERS, 4 + 8 * 3 + 2)?;
+        let links = (0..count)
+            .map(|_| {
+                Ok(LinkReport {
+                    peer: PeerId(r.u32()?),
+                    tx_bytes: r.u64()?,
+                    rx_bytes: r.u64()?,
+                    tx_rate: r.u64()?,
+                    transport: r.str()?,
+                })
+            })
+            .collect::<Result<Vec<_>, WireError>>()?;
+        Ok(PeerReport { ops, failures, running, links })
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod strategy {
+    use super::*;
+    use proptest::prelude::*;
+
+    pub fn report() -> impl Strategy<Value = PeerReport> {
+        let ops = prop::collection::vec(
+            ("[a-z_]{0,14}", any::<[u64; 5]>(), any::<[u64; DURATION_BUCKETS]>(), any::<u64>()).prop_map(
+                |(kind, c, durations, duration_sum_us)| OpCounters {
+                    kind,
+                    started: c[0],
+                    succeeded: c[1],
+                    failed: c[2],
+                    tx_bytes: c[3],
+                    rx_bytes: c[4],
+                    durations,
+                    duration_sum_us,
+                },
+            ),
+            0..4,
+        );
+        let failures = prop::collection::vec(("[a-z_]{0,20}", any::<u64>()), 0..4);
+        let running = prop::collection::vec(
+            (".{0,10}", any::<u64>(), any::<u64>()).prop_map(|(kind, bytes, elapsed_ms)| RunningOp {
+                kind,
+                bytes,
+                elapsed_ms,
+            }),
+            0..4,
+        );
+        let links = prop::collection::vec(
+            (any::<u32>(), any::<[u64; 3]>(), "tcp|shm|mixed").prop_map(|(p, c, transport)| LinkReport {
+                peer: PeerId(p),
+                tx_bytes: c[0],
+                rx_bytes: c[1],
+                tx_rate: c[2],
+                transport,
+            }),
+            0..4,
+        );
+        (ops, failures, running, links).prop_map(|(ops, failures, running, links)| PeerReport {
+            ops,
+            failures,
+            running,
+            links,
+        })
+    }
+}
