@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
@@ -328,6 +329,22 @@ class Communicator:
         _check_rank("peer", peer)
         view, dtype = _byte_view(tensor)
         return Work(self._native.irecv_bytes(view, dtype, peer, tag))
+
+    def stats(self) -> "dict[str, Any]":
+        """This communicator's counters since it was created; the master receives the same with
+        every heartbeat, for its ``/metrics`` and status page.
+
+        ``{"operations": {kind: {"started", "succeeded", "failed", "tx_bytes", "rx_bytes",
+        "seconds"}}, "failures": {cause: count}, "running": [{"kind", "bytes", "elapsed_s"}],
+        "links": [{"peer", "tx_bytes", "rx_bytes", "tx_bytes_per_s", "transport"}]}``. Kinds are
+        ``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"``, ``"broadcast"``, ``"barrier"``,
+        ``"send"``, ``"recv"``, and ``"probe"`` for what ``optimize_topology()`` runs to measure
+        the links; causes ``"peer_lost"``, ``"timeout"``, ``"mismatch"``,
+        ``"misuse"``, ... Bytes count calls that succeeded; ``seconds`` sums every call that
+        ended. A link's rate is what it carried while operations ran in the topology in force.
+        """
+        result: dict[str, Any] = json.loads(self._native.stats_json())
+        return result
 
     def links(self) -> "list[dict[str, int | str]]":
         """Our links in the topology in force: one per member we exchanged data with, opened

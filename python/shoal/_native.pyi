@@ -1,6 +1,6 @@
 """Type stubs of the native extension. Users import these names from ``shoal``."""
 
-from typing import Optional, final
+from typing import Any, Optional, final
 
 import numpy as np
 import numpy.typing as npt
@@ -109,6 +109,7 @@ class Communicator:
     def isend_bytes(self, buf: npt.NDArray[np.uint8], dtype: str, peer: int, tag: int) -> NativeWork: ...
     def irecv_bytes(self, buf: npt.NDArray[np.uint8], dtype: str, peer: int, tag: int) -> NativeWork: ...
     def links(self) -> list[tuple[int, int, int, int, int, int, str]]: ...
+    def stats_json(self) -> str: ...
     def sync_shared_state(
         self,
         tensors: list[tuple[str, npt.NDArray[np.uint8], str, list[int], bool]],
@@ -134,10 +135,18 @@ class Master:
     Port 0 picks a free port; ``address`` gives the real one once started. With ``secret`` (or
     ``SHOAL_SECRET``) a peer joins only if it proves the same secret; a wrong or missing one gets
     ``AuthenticationError`` at ``connect()``.
+
+    With ``http_addr`` (or ``SHOAL_HTTP_ADDR``) it serves ``/metrics`` (Prometheus), ``/status``
+    (the run as JSON) and ``/`` (a status page) there.
     """
 
     def __new__(
-        cls, listen: str = "0.0.0.0:48148", *, secret: Optional[str] = None, heartbeat_timeout: Optional[float] = None
+        cls,
+        listen: str = "0.0.0.0:48148",
+        *,
+        secret: Optional[str] = None,
+        heartbeat_timeout: Optional[float] = None,
+        http_addr: Optional[str] = None,
     ) -> Self: ...
     def start(self) -> None:
         """Bind the listen address and serve in background threads."""
@@ -148,6 +157,12 @@ class Master:
         """``host:port`` the master listens on."""
     @property
     def running(self) -> bool: ...
+    @property
+    def http_address(self) -> Optional[str]:
+        """``host:port`` of ``/metrics``, ``/status`` and the status page, once started with ``http_addr``."""
+    def status(self) -> Optional[dict[str, Any]]:
+        """The run as ``/status`` serves it (peers, groups, ring, link matrix, running operations,
+        counters); ``None`` unless running."""
     def __enter__(self) -> Self: ...
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None: ...
 

@@ -1,4 +1,4 @@
-"""The ``shoal`` command: ``shoal master``, ``shoal bench``, ``shoal demo``, ``shoal lab``."""
+"""The ``shoal`` command: ``shoal master``, ``shoal status``, ``shoal bench``, ``shoal demo``, ``shoal lab``."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Optional, Sequence
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"master": _master, "bench": _bench, "demo": _demo, "lab": _lab}
+    commands = {"master": _master, "status": _status, "bench": _bench, "demo": _demo, "lab": _lab}
     if not argv or argv[0] not in commands:
-        print("usage: shoal {master,bench,demo,lab} [options]   (shoal COMMAND --help for more)", file=sys.stderr)
+        print("usage: shoal {master,status,bench,demo,lab} [options]  (shoal COMMAND --help for more)", file=sys.stderr)
         raise SystemExit(0 if argv[:1] in (["-h"], ["--help"]) else 2)
     commands[argv[0]](argv[1:])
 
@@ -24,6 +24,8 @@ def _master(argv: Sequence[str]) -> None:
     parser.add_argument("--heartbeat-timeout", type=float, default=None, help="seconds a silent peer is tolerated")
     parser.add_argument("--secret-file", default=None,
                         help="file holding the run's secret (peers pass it as secret= or SHOAL_SECRET)")
+    parser.add_argument("--http", default=None, metavar="ADDR",
+                        help="HOST:PORT to serve /metrics, /status and the status page on (SHOAL_HTTP_ADDR)")
     args = parser.parse_args(argv)
     import shoal
 
@@ -34,7 +36,7 @@ def _master(argv: Sequence[str]) -> None:
                 secret = f.read().removesuffix("\n")
         except OSError as e:
             raise SystemExit(f"shoal master: cannot read the secret file: {e}") from None
-    master = shoal.Master(args.listen, secret=secret, heartbeat_timeout=args.heartbeat_timeout)
+    master = shoal.Master(args.listen, secret=secret, heartbeat_timeout=args.heartbeat_timeout, http_addr=args.http)
     # The handlers come first: whoever reads the line below may signal at once.
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -44,9 +46,17 @@ def _master(argv: Sequence[str]) -> None:
     except OSError as e:
         raise SystemExit(f"shoal master: {e}")
     print(f"shoal master listening on {master.address}", flush=True)
+    if master.http_address is not None:
+        print(f"status page on http://{master.http_address}/ (metrics: /metrics, JSON: /status)", flush=True)
     while not stop.wait(0.5):
         pass
     master.stop()
+
+
+def _status(argv: Sequence[str]) -> None:
+    from . import status
+
+    status.main(argv)
 
 
 def _bench(argv: Sequence[str]) -> None:

@@ -587,6 +587,11 @@ impl Communicator {
         Ok((info.revision, received, sent_to, info.sent_bytes, info.elapsed.as_secs_f64()))
     }
 
+    /// This communicator's counters as JSON (`shoal_master::report_json`).
+    fn stats_json(&self) -> String {
+        shoal_master::report_json(&self.inner.stats()).to_string()
+    }
+
     /// Our links in the topology in force: (peer id, rank, streams out, streams in, bytes sent,
     /// bytes received, transport) for every member we exchanged data with.
     fn links(&self) -> Vec<(u32, usize, usize, usize, u64, u64, &'static str)> {
@@ -629,9 +634,17 @@ struct Master {
 #[pymethods]
 impl Master {
     #[new]
-    #[pyo3(signature = (listen="0.0.0.0:48148", *, secret=None, heartbeat_timeout=None))]
-    fn new(listen: &str, secret: Option<String>, heartbeat_timeout: Option<Bound<'_, PyAny>>) -> PyResult<Self> {
+    #[pyo3(signature = (listen="0.0.0.0:48148", *, secret=None, heartbeat_timeout=None, http_addr=None))]
+    fn new(
+        listen: &str,
+        secret: Option<String>,
+        heartbeat_timeout: Option<Bound<'_, PyAny>>,
+        http_addr: Option<String>,
+    ) -> PyResult<Self> {
         let mut options = MasterOptions::from_env(listen).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        if http_addr.is_some() {
+            options.http = http_addr;
+        }
         if let Some(s) = heartbeat_timeout {
             options.heartbeat_timeout = seconds("heartbeat_timeout", &s)?;
         }
@@ -651,7 +664,7 @@ impl Master {
             return Err(usage_error("the master is already running"));
         }
         let started = MasterServer::start(self.options.clone()).map_err(|e| {
-            pyo3::exceptions::PyOSError::new_err(format!("cannot listen on {}: {e}", self.options.listen))
+            pyo3::exceptions::PyOSError::new_err(format!("cannot start the master on {}: {e}", self.options.listen))
         })?;
         *server = Some(started);
         Ok(())
@@ -677,6 +690,25 @@ impl Master {
     #[getter]
     fn running(&self) -> bool {
         self.server.lock().unwrap_or_else(PoisonError::into_inner).is_some()
+    }
+
+    /// `host:port` of `/metrics`, `/status` and the status page, once started with `http_addr`.
+    #[getter]
+    fn http_address(&self) -> Option<String> {
+        let server = self.server.lock().unwrap_or_else(PoisonError::into_inner);
+        server.as_ref().and_then(MasterServer::http_addr).map(|a| a.to_string())
+    }
+
+    /// The run as `/status` serves it, parsed; `None` unless running.
+    fn status<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let json = {
+            let server = self.server.lock().unwrap_or_else(PoisonError::into_inner);
+            match server.as_ref() {
+                Some(server) => py.detach(|| server.status_json()),
+                None => None,
+            }
+        };
+        json.map(|j| py.import("json")?.call_method1("loads", (j,))).transpose()
     }
 
     fn __enter__(slf: Bound<'_, Self>) -> PyResult<Bound<'_, Self>> {

@@ -809,6 +809,27 @@ def optimize(spec: dict) -> dict:
             "sum": float(x[0]), "world": info.world_size, "algorithm": info.algorithm}
 
 
+def watched(spec: dict) -> dict:
+    """Joins, measures the links, syncs a shared state and all-reduces ``rounds`` times, then
+    stays in the run (the test reads the master's status) until the file ``stop`` appears;
+    reports ``stats()``."""
+    comm = shoal.Communicator(spec["master"], timeout=60, heartbeat_timeout=spec["heartbeat"])
+    comm.connect(timeout=30)
+    join_all(comm, spec["peers"])
+    comm.optimize_topology()
+    comm.sync_shared_state(shoal.SharedState({"w": np.arange(16, dtype=np.float32)}, revision=7))
+    x = np.ones(64 << 10, np.float32)
+    for _ in range(spec["rounds"]):
+        comm.all_reduce(x, op="avg")
+    with open(spec["out"] + ".done", "w") as f:
+        json.dump({"peer": comm.peer_id, "all_reduce": comm.stats()["operations"]["all_reduce"]["succeeded"]}, f)
+    while not os.path.exists(spec["stop"]):
+        time.sleep(0.05)
+    result = {"rank": comm.rank, "stats": comm.stats()}
+    comm.close()
+    return result
+
+
 def barrier_lost(spec: dict) -> dict:
     """Every peer but the victim waits in a barrier the victim never enters (the test kills or
     freezes it); then all-reduces until it succeeds in the smaller world."""
@@ -919,6 +940,6 @@ if __name__ == "__main__":
                  "sync_case": sync_case, "mismatch": mismatch, "empty": empty, "loop": loop,
                  "mismatched_calls": mismatched_calls, "links": links, "verbs": verbs,
                  "p2p": p2p, "p2p_ring": p2p_ring,
-                 "barrier_lost": barrier_lost, "optimize": optimize, "quantized": quantized}
+                 "barrier_lost": barrier_lost, "optimize": optimize, "quantized": quantized, "watched": watched}
     result = scenarios[scenario](spec)
     print(json.dumps(result), flush=True)

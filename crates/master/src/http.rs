@@ -14,7 +14,7 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 use serde_json::{json, Value};
 use shoal_proto::master::{RunStatus, Status};
-use shoal_wire::{PeerId, DURATION_BOUNDS_US};
+use shoal_wire::{OpCounters, PeerId, PeerReport, DURATION_BOUNDS_US};
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -64,8 +64,7 @@ pub fn status_json(s: &RunStatus) -> Value {
         .peers
         .iter()
         .map(|p| {
-            let report = p.report.as_ref();
-            json!({
+            let mut peer = json!({
                 "id": p.peer.0,
                 "group": p.group.0,
                 "addr": p.addr,
@@ -73,27 +72,12 @@ pub fn status_json(s: &RunStatus) -> Value {
                 "rank": p.rank,
                 "site": p.site,
                 "silent_s": p.silent.as_secs_f64(),
-                "ops": report.map(|r| r.ops.iter().map(|o| json!({
-                    "kind": o.kind,
-                    "started": o.started,
-                    "succeeded": o.succeeded,
-                    "failed": o.failed,
-                    "tx_bytes": o.tx_bytes,
-                    "rx_bytes": o.rx_bytes,
-                    "seconds": o.duration_sum_us as f64 / 1e6,
-                })).collect::<Vec<_>>()),
-                "failures": report.map(|r| r.failures.iter().map(|(c, n)| (c.clone(), json!(n))).collect::<serde_json::Map<_, _>>()),
-                "running": report.map(|r| r.running.iter().map(|o| json!({
-                    "kind": o.kind, "bytes": o.bytes, "elapsed_s": o.elapsed_ms as f64 / 1e3,
-                })).collect::<Vec<_>>()),
-                "links": report.map(|r| r.links.iter().map(|l| json!({
-                    "peer": l.peer.0,
-                    "tx_bytes": l.tx_bytes,
-                    "rx_bytes": l.rx_bytes,
-                    "tx_rate": l.tx_rate,
-                    "transport": l.transport,
-                })).collect::<Vec<_>>()),
-            })
+            });
+            if let (Some(r), Value::Object(fields)) = (&p.report, &mut peer) {
+                let Value::Object(report) = report_json(r) else { unreachable!("an object") };
+                fields.extend(report);
+            }
+            peer
         })
         .collect();
     let groups: Vec<Value> = s
@@ -141,12 +125,43 @@ pub fn status_json(s: &RunStatus) -> Value {
             "syncs_completed": c.syncs_completed, "syncs_aborted": c.syncs_aborted,
             "collectives_aborted": c.collectives_aborted,
         },
-        "operations": s.totals.ops.values().map(|o| (o.kind.clone(), json!({
-            "started": o.started, "succeeded": o.succeeded, "failed": o.failed,
-            "tx_bytes": o.tx_bytes, "rx_bytes": o.rx_bytes, "seconds": o.duration_sum_us as f64 / 1e6,
-        }))).collect::<serde_json::Map<_, _>>(),
+        "operations": operations_json(s.totals.ops.values()),
         "failures": s.totals.failures.iter().map(|(c, n)| (c.clone(), json!(n))).collect::<serde_json::Map<_, _>>(),
     })
+}
+
+/// One peer's counters as JSON: what `Communicator.stats()` returns, and each peer's entry of
+/// `/status` holds.
+pub fn report_json(r: &PeerReport) -> Value {
+    json!({
+        "operations": operations_json(r.ops.iter()),
+        "failures": r.failures.iter().map(|(c, n)| (c.clone(), json!(n))).collect::<serde_json::Map<_, _>>(),
+        "running": r.running.iter().map(|o| json!({
+            "kind": o.kind, "bytes": o.bytes, "elapsed_s": o.elapsed_ms as f64 / 1e3,
+        })).collect::<Vec<_>>(),
+        "links": r.links.iter().map(|l| json!({
+            "peer": l.peer.0,
+            "tx_bytes": l.tx_bytes,
+            "rx_bytes": l.rx_bytes,
+            "tx_bytes_per_s": l.tx_rate,
+            "transport": l.transport,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+/// Counters by kind of operation.
+fn operations_json<'a>(ops: impl Iterator<Item = &'a OpCounters>) -> Value {
+    let entry = |o: &OpCounters| {
+        json!({
+            "started": o.started,
+            "succeeded": o.succeeded,
+            "failed": o.failed,
+            "tx_bytes": o.tx_bytes,
+            "rx_bytes": o.rx_bytes,
+            "seconds": o.duration_sum_us as f64 / 1e6,
+        })
+    };
+    Value::Object(ops.map(|o| (o.kind.clone(), entry(o))).collect())
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -261,7 +276,7 @@ impl Collector for Run {
             [(none(), counter(c.collectives_aborted))],
         )?;
         let ops = &s.totals.ops;
-        let by_kind = |f: fn(&shoal_wire::OpCounters) -> u64| {
+        let by_kind = |f: fn(&OpCounters) -> u64| {
             ops.values().map(move |o| (vec![("kind", o.kind.clone())], counter(f(o)))).collect::<Vec<_>>()
         };
         family(&mut e, "operations_started", "Operations peers started, by kind", None, by_kind(|o| o.started))?;
@@ -347,7 +362,7 @@ impl Collector for Run {
 
 /// A histogram of counts the peers made: encoded as it is, never observed here.
 #[derive(Debug)]
-struct Histogram(shoal_wire::OpCounters);
+struct Histogram(OpCounters);
 
 impl EncodeMetric for Histogram {
     fn encode(&self, mut encoder: prometheus_client::encoding::MetricEncoder) -> std::fmt::Result {

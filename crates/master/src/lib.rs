@@ -9,6 +9,8 @@
 
 mod http;
 
+pub use http::{report_json, status_json};
+
 use shoal_proto::auth::{DataKey, RunKey};
 use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output, RunStatus};
 use shoal_transport::{read_message, read_message_until, write_message, TransportError};

@@ -676,7 +676,7 @@ impl Communicator {
         let bound = self.config.timeout;
         let call = c.control.own_input(|p, now| p.call(CallKind::Collective, bound, now));
         let count = (buf.len() / dtype.size()) as u64;
-        data.stats.started(call, kind.name(), buf.len() as u64);
+        data.stats.started(call, kind.name(), tag, buf.len() as u64);
         let record =
             Collective { buf, owner, request, extra, count, started: Instant::now(), posted: None, local: None };
         data.calls.collectives.insert(call, record);

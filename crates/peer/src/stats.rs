@@ -32,8 +32,11 @@ struct Inner {
 }
 
 impl Stats {
-    /// Call `call`, a `kind` over `bytes`, started.
-    pub fn started(&self, call: CallId, kind: &'static str, bytes: u64) {
+    /// Call `call`, a `kind` with `tag` over `bytes`, started. What `optimize_topology` runs to
+    /// measure the links (tags of [`crate::PROBE_TAGS`]) counts as `"probe"`, not as the
+    /// application's.
+    pub fn started(&self, call: CallId, kind: &'static str, tag: u64, bytes: u64) {
+        let kind = if tag >= crate::PROBE_TAGS { "probe" } else { kind };
         let mut s = self.lock();
         let now = Instant::now();
         s.busy_since.get_or_insert(now);

@@ -33,7 +33,7 @@ pub struct PeerReport {
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct OpCounters {
     /// `"all_reduce"`, `"all_gather"`, `"reduce_scatter"`, `"broadcast"`, `"barrier"`, `"send"`,
-    /// `"recv"`.
+    /// `"recv"`, or `"probe"` (what `optimize_topology` runs to measure links).
     pub kind: String,
     /// Calls started.
     pub started: u64,
