@@ -1,5 +1,6 @@
 """Type stubs of the native extension. Users import these names from ``shoal``."""
 
+import os
 from typing import Any, Optional, final
 
 import numpy as np
@@ -137,7 +138,9 @@ class Master:
     ``AuthenticationError`` at ``connect()``.
 
     With ``http_addr`` (or ``SHOAL_HTTP_ADDR``) it serves ``/metrics`` (Prometheus), ``/status``
-    (the run as JSON) and ``/`` (a status page) there.
+    (the run as JSON) and ``/`` (a status page) there. With ``state_dir`` it keeps what a restarted
+    master needs there; a master started on a directory that holds a run carries it on, and the
+    peers rejoin it if it is back on the same address within their heartbeat timeout.
     """
 
     def __new__(
@@ -147,6 +150,7 @@ class Master:
         secret: Optional[str] = None,
         heartbeat_timeout: Optional[float] = None,
         http_addr: Optional[str] = None,
+        state_dir: Optional[str | os.PathLike[str]] = None,
     ) -> Self: ...
     def start(self) -> None:
         """Bind the listen address and serve in background threads."""

@@ -26,6 +26,8 @@ def _master(argv: Sequence[str]) -> None:
                         help="file holding the run's secret (peers pass it as secret= or SHOAL_SECRET)")
     parser.add_argument("--http", default=None, metavar="ADDR",
                         help="HOST:PORT to serve /metrics, /status and the status page on (SHOAL_HTTP_ADDR)")
+    parser.add_argument("--state-dir", default=None, metavar="DIR",
+                        help="keep the run here; a master started on it again carries the run on")
     args = parser.parse_args(argv)
     import shoal
 
@@ -36,7 +38,8 @@ def _master(argv: Sequence[str]) -> None:
                 secret = f.read().removesuffix("\n")
         except OSError as e:
             raise SystemExit(f"shoal master: cannot read the secret file: {e}") from None
-    master = shoal.Master(args.listen, secret=secret, heartbeat_timeout=args.heartbeat_timeout, http_addr=args.http)
+    master = shoal.Master(args.listen, secret=secret, heartbeat_timeout=args.heartbeat_timeout, http_addr=args.http,
+                          state_dir=args.state_dir)
     # The handlers come first: whoever reads the line below may signal at once.
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

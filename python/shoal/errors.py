@@ -10,6 +10,7 @@ __all__ = [
     "ShoalError",
     "UsageError",
     "PeerLostError",
+    "MasterInterruptedError",
     "TooFewPeersError",
     "MasterUnreachableError",
     "KickedError",
@@ -30,6 +31,12 @@ class UsageError(ShoalError, RuntimeError):
 
 class PeerLostError(ShoalError, ConnectionError):
     """A peer taking part in the operation was lost. Retryable: retry with the smaller world."""
+
+
+class MasterInterruptedError(PeerLostError):
+    """The connection to the master broke during a call that needs it (a vote, a sync); the peer
+    dials the master again, which a master restarted with ``state_dir`` on the same address lets
+    it rejoin. Retryable: call again."""
 
 
 class TooFewPeersError(ShoalError):

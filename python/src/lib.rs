@@ -634,17 +634,19 @@ struct Master {
 #[pymethods]
 impl Master {
     #[new]
-    #[pyo3(signature = (listen="0.0.0.0:48148", *, secret=None, heartbeat_timeout=None, http_addr=None))]
+    #[pyo3(signature = (listen="0.0.0.0:48148", *, secret=None, heartbeat_timeout=None, http_addr=None, state_dir=None))]
     fn new(
         listen: &str,
         secret: Option<String>,
         heartbeat_timeout: Option<Bound<'_, PyAny>>,
         http_addr: Option<String>,
+        state_dir: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
         let mut options = MasterOptions::from_env(listen).map_err(|e| PyValueError::new_err(e.to_string()))?;
         if http_addr.is_some() {
             options.http = http_addr;
         }
+        options.state_dir = state_dir;
         if let Some(s) = heartbeat_timeout {
             options.heartbeat_timeout = seconds("heartbeat_timeout", &s)?;
         }
@@ -757,6 +759,7 @@ fn to_py(e: Error) -> PyErr {
         Error::Kicked { .. } => "KickedError",
         Error::Authentication { .. } => "AuthenticationError",
         Error::PeerLost { .. } => "PeerLostError",
+        Error::MasterInterrupted { .. } => "MasterInterruptedError",
         Error::Timeout { .. } => "ShoalTimeoutError",
         Error::TooFewPeers { .. } => "TooFewPeersError",
         Error::SyncFailed { retryable: true, .. } => "PeerLostError",

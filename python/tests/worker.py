@@ -523,6 +523,42 @@ def sgd(spec: dict) -> dict:
     return {"records": records, "loss": float(((x_all @ w - y_all) ** 2).mean())}
 
 
+def restart_loop(spec: dict) -> dict:
+    """The training loop users write, retrying what a lost peer or master interrupts: every step
+    syncs the shared state at its revision, all-reduces this shard's gradient and updates. Writes
+    each step's revision to ``out.step`` (the test kills the master partway); records each
+    step's state hash and wall time, and every error."""
+    rng = np.random.default_rng(0)
+    x_all = rng.standard_normal((300, 16)).astype(np.float32)
+    y_all = x_all @ np.arange(16, dtype=np.float32)
+    w = np.zeros(16, np.float32)
+    state = shoal.SharedState({"w": w}, revision=0)
+    comm = shoal.Communicator(spec["master"], timeout=30, heartbeat_timeout=spec["heartbeat"])
+    comm.connect(timeout=30)
+    while comm.world_size < spec["peers"]:
+        if comm.peers_pending():
+            comm.update_topology()
+    records, errors = [], []
+    while state.revision < spec["steps"]:
+        state.revision += 1
+        shard = slice(comm.rank * 100, comm.rank * 100 + 100)
+        grad = (x_all[shard].T @ (x_all[shard] @ w - y_all[shard]) / 100).astype(np.float32)
+        try:
+            comm.sync_shared_state(state)
+            comm.all_reduce(grad, op="avg")
+        except shoal.PeerLostError as e:
+            errors.append({"type": type(e).__name__, "at": state.revision, "t": time.time(), "what": str(e)})
+            state.revision -= 1
+            continue
+        w -= 0.02 * grad
+        records.append({"revision": state.revision, "hash": shoal.hash_tensor(w), "world": comm.world_size,
+                        "t": time.time()})
+        with open(spec["out"] + ".step", "w") as f:
+            f.write(str(state.revision))
+        time.sleep(0.01)
+    return {"peer_id": comm.peer_id, "records": records, "errors": errors}
+
+
 def sync_case(spec: dict) -> dict:
     """One sync among ``peers`` peers whose states and strategies ``case`` sets by index."""
     case, i = spec["case"], spec["index"]
@@ -940,6 +976,7 @@ if __name__ == "__main__":
                  "sync_case": sync_case, "mismatch": mismatch, "empty": empty, "loop": loop,
                  "mismatched_calls": mismatched_calls, "links": links, "verbs": verbs,
                  "p2p": p2p, "p2p_ring": p2p_ring,
-                 "barrier_lost": barrier_lost, "optimize": optimize, "quantized": quantized, "watched": watched}
+                 "barrier_lost": barrier_lost, "optimize": optimize, "quantized": quantized, "watched": watched,
+                 "restart_loop": restart_loop}
     result = scenarios[scenario](spec)
     print(json.dumps(result), flush=True)

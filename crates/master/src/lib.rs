@@ -8,6 +8,7 @@
 #![deny(unsafe_code)]
 
 mod http;
+mod state;
 
 pub use http::{report_json, status_json};
 
@@ -15,6 +16,7 @@ use shoal_proto::auth::{DataKey, RunKey};
 use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output, RunStatus};
 use shoal_transport::{read_message, read_message_until, write_message, TransportError};
 use shoal_wire::{Message, SessionId};
+use state::StateDir;
 use std::collections::BTreeMap;
 use std::hash::{BuildHasher, RandomState};
 use std::io;
@@ -50,6 +52,9 @@ pub struct MasterOptions {
     /// `host:port` to serve `/metrics`, `/status` and the status page on (`SHOAL_HTTP_ADDR`);
     /// `None`: no HTTP.
     pub http: Option<String>,
+    /// Where to keep what a restarted master needs (`--state-dir`): a master started on a
+    /// directory that holds a run carries it on. `None`: a run ends with its master.
+    pub state_dir: Option<std::path::PathBuf>,
 }
 
 impl MasterOptions {
@@ -64,6 +69,7 @@ impl MasterOptions {
                 .unwrap_or(DEFAULT_HEARTBEAT_TIMEOUT),
             secret: shoal_config::env_value("SHOAL_SECRET").map(String::into_bytes),
             http: shoal_config::env_value("SHOAL_HTTP_ADDR"),
+            state_dir: None,
         })
     }
 }
@@ -117,16 +123,29 @@ impl MasterServer {
             .name("shoal-master-accept".into())
             .spawn(move || accept_loop(listener, accept_tx, accept_stop, greeting))?;
         let key = options.secret.as_deref().map(RunKey::from_secret);
-        // The run's key for data connections: random, handed to every peer the master registers.
-        let mut data_key = [0u8; 32];
-        getrandom::fill(&mut data_key)
-            .map_err(|e| io::Error::other(format!("no randomness for the run's key: {e}")))?;
-        let data_key = DataKey(data_key);
+        let state = options.state_dir.as_deref().map(StateDir::open).transpose()?;
+        let kept = state.as_ref().map(StateDir::load).transpose()?.flatten();
+        let (session, data_key) = match &kept {
+            Some(run) => (run.session, DataKey(run.data_key)),
+            // The run's key for data connections: random, handed to every peer the master
+            // registers.
+            None => {
+                let mut data_key = [0u8; 32];
+                getrandom::fill(&mut data_key)
+                    .map_err(|e| io::Error::other(format!("no randomness for the run's key: {e}")))?;
+                (session, DataKey(data_key))
+            }
+        };
         let config = MasterConfig { session, heartbeat_timeout: options.heartbeat_timeout, key, data_key };
+        let master = match kept {
+            Some(run) => Master::restore(config, run, Instant::now())
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("the kept run: {e}")))?,
+            None => Master::new(config, Instant::now()),
+        };
         let write_timeout = (options.heartbeat_timeout / 4).min(WRITE_TIMEOUT_MAX);
         let driver = thread::Builder::new()
             .name("shoal-master".into())
-            .spawn(move || drive(Master::new(config, Instant::now()), rx, write_timeout))?;
+            .spawn(move || drive(master, rx, write_timeout, state))?;
         if let Some(server) = http {
             let (inputs, stop) = (tx.clone(), stop.clone());
             thread::Builder::new()
@@ -262,8 +281,10 @@ fn read_loop(
     }
 }
 
-fn drive(mut master: Master, inputs: Receiver<Input>, write_timeout: Duration) {
+fn drive(mut master: Master, inputs: Receiver<Input>, write_timeout: Duration, state: Option<StateDir>) {
     let mut streams: BTreeMap<ConnId, TcpStream> = BTreeMap::new();
+    // A new run is kept at once (the first pass below), so that a restart finds its session.
+    let mut saved = None;
     loop {
         let wait =
             master.poll_timeout().map_or(Duration::from_secs(1), |t| t.saturating_duration_since(Instant::now()));
@@ -301,6 +322,14 @@ fn drive(mut master: Master, inputs: Receiver<Input>, write_timeout: Duration) {
         let now = Instant::now();
         if master.poll_timeout().is_some_and(|t| t <= now) {
             master.handle_timeout(now);
+        }
+        if let (Some(state), false) = (&state, saved == Some(master.generation())) {
+            // Before what changed it is told to anyone: a peer told it was admitted must find
+            // itself in the state a restarted master reads.
+            match state.save(&master.durable()) {
+                Ok(()) => saved = Some(master.generation()),
+                Err(e) => log::error!("cannot keep the run's state: {e}; a restarted master would lose the run"),
+            }
         }
         while let Some(output) = master.poll_output() {
             match output {

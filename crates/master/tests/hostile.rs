@@ -11,7 +11,13 @@ use std::time::{Duration, Instant};
 const GREETING: Duration = Duration::from_millis(500);
 
 fn master() -> MasterServer {
-    let options = MasterOptions { listen: "127.0.0.1:0".into(), heartbeat_timeout: GREETING, secret: None, http: None };
+    let options = MasterOptions {
+        listen: "127.0.0.1:0".into(),
+        heartbeat_timeout: GREETING,
+        secret: None,
+        http: None,
+        state_dir: None,
+    };
     MasterServer::start(options).unwrap()
 }
 

@@ -185,6 +185,7 @@ impl Communicator {
             heartbeat_timeout: self.config.heartbeat_timeout,
             key,
             max_in_flight: self.config.max_in_flight,
+            reconnect: true,
         };
         let control = Control::start(&addr, stream, peer_config, Arc::clone(&self.stats))?;
         let group = GroupId(self.config.group);
@@ -811,6 +812,7 @@ pub(crate) fn call_error(control: &Control, e: CallError, operation: &'static st
             Error::Protocol(format!("{operation} ended by an abort of {op}: {}", failure.reason))
         }
         CallError::Unconfirmed { op, .. } => Error::Protocol(format!("{operation} ended by {op}")),
+        CallError::Interrupted(reason) => Error::MasterInterrupted { operation, reason },
     }
 }
 

@@ -17,6 +17,16 @@ use std::time::{Duration, Instant};
 
 /// How long a failed send waits for the reader to deliver what the master sent before closing.
 const READER_DRAIN: Duration = Duration::from_millis(500);
+/// How often a broken control connection is dialed again.
+const REDIAL_EVERY: Duration = Duration::from_millis(50);
+
+/// Readies a control connection: a frozen master must not block a write (and so a call) for
+/// longer than it takes to declare the master lost. Returns its reading half.
+fn split(stream: &TcpStream, heartbeat_timeout: Duration) -> std::io::Result<TcpStream> {
+    stream.set_write_timeout(Some(heartbeat_timeout))?;
+    stream.set_read_timeout(None)?;
+    stream.try_clone()
+}
 
 /// Wakes a collective sleeping in `poll(2)` on its data streams when the state machine may have
 /// stopped it (a verdict, a removed peer, an opened vote, expulsion, loss, its bound). Without it
@@ -55,7 +65,9 @@ impl Waker {
 pub(crate) struct Control {
     master_addr: String,
     pub waker: Waker,
-    writer: Mutex<TcpStream>,
+    /// The control connection's writing half, and how many times it was dialed again: a failed
+    /// write of an old connection is no news about the new one.
+    writer: Mutex<(TcpStream, u64)>,
     peer: Mutex<Peer>,
     changed: Condvar,
     /// The counters sent in place of heartbeats.
@@ -65,17 +77,13 @@ pub(crate) struct Control {
 impl Control {
     /// Starts the reader and timer threads over `stream`.
     pub fn start(master_addr: &str, stream: TcpStream, config: PeerConfig, stats: Arc<Stats>) -> Result<Arc<Self>> {
-        let heartbeat_timeout = config.heartbeat_timeout;
         let io_err = |source| Error::Io { context: "configuring the master connection".into(), source };
-        // A frozen master must not block a write (and so a call) for longer than it takes to
-        // declare the master lost.
-        stream.set_write_timeout(Some(heartbeat_timeout)).map_err(io_err)?;
-        let reader = stream.try_clone().map_err(io_err)?;
+        let reader = split(&stream, config.heartbeat_timeout).map_err(io_err)?;
         let waker = Waker::new().map_err(|source| Error::Io { context: "creating a wake-up pipe".into(), source })?;
         let control = Arc::new(Control {
             master_addr: master_addr.to_string(),
             waker,
-            writer: Mutex::new(stream),
+            writer: Mutex::new((stream, 0)),
             peer: Mutex::new(Peer::new(config, Instant::now())),
             changed: Condvar::new(),
             stats,
@@ -138,7 +146,7 @@ impl Control {
         drop(peer);
         let mut failed = None;
         for message in &messages {
-            match write_message(&mut *writer, session, message) {
+            match write_message(&mut writer.0, session, message) {
                 Ok(()) => {}
                 // The state machine's messages hold only what was checked before it took them.
                 Err(TransportError::Wire(e)) => log::error!("{} cannot be sent: {e}", message.name()),
@@ -148,9 +156,14 @@ impl Control {
                 }
             }
         }
+        if failed.is_some() {
+            // The reader sees it closed, and dials again if the state machine wants.
+            let _ = writer.0.shutdown(Shutdown::Both);
+        }
+        let dialed = writer.1;
         drop(writer);
         if let Some(reason) = failed {
-            return self.lose(reason);
+            return self.lose(reason, dialed);
         }
         if wake {
             self.wake();
@@ -165,16 +178,17 @@ impl Control {
     /// The connection to the master failed. It may have said why before it closed (an expelled
     /// peer that was frozen finds Kicked waiting when it wakes): the reader gets a moment to
     /// deliver what is buffered, so that the caller learns that rather than "connection closed".
-    fn lose(&self, reason: String) {
+    fn lose(&self, reason: String, dialed: u64) {
         let peer = self.lock();
         let peer = self
             .changed
-            .wait_timeout_while(peer, READER_DRAIN, |p| p.gone().is_none())
+            .wait_timeout_while(peer, READER_DRAIN, |p| p.gone().is_none() && p.reconnecting().is_none())
             .unwrap_or_else(PoisonError::into_inner)
             .0;
         drop(peer);
-        self.input(|p, now| p.handle_disconnect(reason, now));
-        let _ = self.writer.lock().unwrap_or_else(PoisonError::into_inner).shutdown(Shutdown::Both);
+        if self.writer.lock().unwrap_or_else(PoisonError::into_inner).1 == dialed {
+            self.input(|p, now| p.handle_disconnect(reason, now));
+        }
     }
 
     /// Waits for the state machine's next action for the calling thread. Every call ends (its
@@ -249,14 +263,23 @@ impl Control {
             return;
         }
         self.input(|p, now| p.close(now));
-        let _ = self.writer.lock().unwrap_or_else(PoisonError::into_inner).shutdown(Shutdown::Both);
+        let _ = self.writer.lock().unwrap_or_else(PoisonError::into_inner).0.shutdown(Shutdown::Both);
     }
 
     fn read_loop(&self, mut stream: TcpStream) {
         loop {
             let message = match read_message(&mut stream) {
                 Ok((_, m)) => m,
-                Err(e) => return self.input(|p, now| p.handle_disconnect(format!("control connection: {e}"), now)),
+                Err(e) => {
+                    self.input(|p, now| p.handle_disconnect(format!("control connection: {e}"), now));
+                    match self.redial() {
+                        Some(next) => {
+                            stream = next;
+                            continue;
+                        }
+                        None => return,
+                    }
+                }
             };
             let event = self.input(|p, now| p.handle_message(message, now));
             match event {
@@ -264,6 +287,52 @@ impl Control {
                 Err(e) => return log::warn!("master {}: {e}", self.master_addr),
             }
         }
+    }
+
+    /// Dials the master again for as long as the state machine wants ([`Peer::reconnecting`]):
+    /// once a new connection is challenged, it replaces the old one and `Rejoin` goes out on it.
+    /// Returns its reading half; `None` once the state machine gave up (the master is lost).
+    fn redial(&self) -> Option<TcpStream> {
+        let mut tries = 0u32;
+        loop {
+            let until = self.lock().reconnecting()?;
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                // The timer thread declares the master lost.
+                thread::sleep(REDIAL_EVERY);
+                continue;
+            }
+            tries += 1;
+            match self.dial(left) {
+                Ok((reader, nonce)) => {
+                    log::debug!("master {} answered dial {tries}", self.master_addr);
+                    self.input(|p, now| p.handle_reconnected(nonce, now));
+                    return Some(reader);
+                }
+                Err(e) => {
+                    log::debug!("dialing master {} again (try {tries}): {e}", self.master_addr);
+                    thread::sleep(REDIAL_EVERY.min(left));
+                }
+            }
+        }
+    }
+
+    /// One dial of the master: a connection whose challenge arrived within `left`, in place of
+    /// the old one; its reading half and the challenge's nonce.
+    fn dial(&self, left: Duration) -> std::result::Result<(TcpStream, [u8; 32]), String> {
+        let mut stream = shoal_transport::connect(&self.master_addr, left).map_err(|e| e.to_string())?;
+        let deadline = Instant::now() + left;
+        let nonce = match shoal_transport::read_message_until(&mut stream, deadline, shoal_wire::MAX_BODY_BYTES) {
+            Ok((_, Message::Challenge { nonce })) => nonce,
+            Ok((_, other)) => return Err(format!("it opened with {} instead of a challenge", other.name())),
+            Err(e) => return Err(e.to_string()),
+        };
+        let heartbeat_timeout = self.lock().heartbeat_timeout();
+        let reader = split(&stream, heartbeat_timeout).map_err(|e| e.to_string())?;
+        let mut writer = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
+        let dialed = writer.1 + 1;
+        *writer = (stream, dialed);
+        Ok((reader, nonce))
     }
 
     /// Feeds the state machine the time that passed; a heartbeat due carries our counters.
@@ -283,7 +352,7 @@ impl Control {
                 // Out of the run: a lost master's connection is shut, so nothing blocks on it.
                 if matches!(peer.gone(), Some(Gone::MasterLost(_))) {
                     drop(peer);
-                    let _ = self.writer.lock().unwrap_or_else(PoisonError::into_inner).shutdown(Shutdown::Both);
+                    let _ = self.writer.lock().unwrap_or_else(PoisonError::into_inner).0.shutdown(Shutdown::Both);
                 }
                 return;
             };
@@ -318,7 +387,8 @@ mod tests {
             s
         });
         let stream = shoal_transport::connect(&addr, Duration::from_secs(1)).unwrap();
-        let config = PeerConfig { heartbeat_timeout: Duration::from_secs(60), key: None, max_in_flight: 1 };
+        let config =
+            PeerConfig { heartbeat_timeout: Duration::from_secs(60), key: None, max_in_flight: 1, reconnect: false };
         let control = Control::start(&addr, stream, config, Arc::default()).unwrap();
         let _master = master.join().unwrap();
         let started = Instant::now();
@@ -363,7 +433,8 @@ mod tests {
             s.shutdown(Shutdown::Both).unwrap();
         });
         let stream = shoal_transport::connect(&addr, Duration::from_secs(1)).unwrap();
-        let config = PeerConfig { heartbeat_timeout: Duration::from_secs(10), key: None, max_in_flight: 1 };
+        let config =
+            PeerConfig { heartbeat_timeout: Duration::from_secs(10), key: None, max_in_flight: 1, reconnect: false };
         let control = Control::start(&addr, stream, config, Arc::default()).unwrap();
         control.input(|p, now| p.connect(GroupId(0), "127.0.0.1:1".into(), Duration::from_secs(5), now));
         master.join().unwrap();

@@ -55,6 +55,17 @@ pub enum Error {
         /// What was observed.
         reason: String,
     },
+    /// The connection to the master broke during a call that counts on the master (a vote, a
+    /// sync); the peer dials it again, as a master restarted from its state directory expects.
+    /// What the call did is lost with the master: call again (retryable, like
+    /// [`Error::PeerLost`]).
+    #[error("{operation} interrupted: {reason}")]
+    MasterInterrupted {
+        /// The call.
+        operation: &'static str,
+        /// What happened.
+        reason: String,
+    },
     /// A shared-state sync ended without effect: every participant gets this error.
     #[error("sync_shared_state failed: {reason}")]
     SyncFailed {
@@ -120,6 +131,7 @@ impl Error {
             Error::Authentication { .. } => "authentication",
             Error::Kicked { .. } => "kicked",
             Error::PeerLost { .. } => "peer_lost",
+            Error::MasterInterrupted { .. } => "master_interrupted",
             Error::SyncFailed { .. } => "sync_failed",
             Error::TooFewPeers { .. } => "too_few_peers",
             Error::Timeout { .. } => "timeout",

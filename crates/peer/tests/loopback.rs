@@ -12,6 +12,7 @@ fn master() -> MasterServer {
         heartbeat_timeout: Duration::from_secs(5),
         secret: None,
         http: None,
+        state_dir: None,
     };
     MasterServer::start(options).unwrap()
 }

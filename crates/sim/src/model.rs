@@ -283,7 +283,12 @@ impl SimPeer {
             deferred: Vec::new(),
             gone: None,
             proto: Peer::new(
-                PeerConfig { heartbeat_timeout: HEARTBEAT_TIMEOUT, key: Some(run_key()), max_in_flight },
+                PeerConfig {
+                    heartbeat_timeout: HEARTBEAT_TIMEOUT,
+                    key: Some(run_key()),
+                    max_in_flight,
+                    reconnect: false,
+                },
                 at,
             ),
             calling: Some(Next::Connect),

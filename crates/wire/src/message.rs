@@ -238,6 +238,16 @@ pub enum Message {
         /// secret never crosses the wire, and the proof is worthless on another connection.
         proof: [u8; 32],
     },
+    /// Peer → master, in place of `Join` on a new control connection: this peer, registered in
+    /// `session`, lost its connection (the master restarted, say) and is back.
+    Rejoin {
+        /// Its id.
+        peer: PeerId,
+        /// The run it was registered in.
+        session: SessionId,
+        /// As `Join`'s: the keyed hash of this connection's nonce under the run's key.
+        proof: [u8; 32],
+    },
     /// Master → peer: the proof in `Join` is wrong, or missing where the run has a secret.
     AuthFailed {
         /// A human-readable reason.
@@ -498,6 +508,7 @@ mod kind {
     pub const SYNC_DONE: u16 = 11;
     pub const SYNC_FAILED: u16 = 12;
     pub const REPORT: u16 = 13;
+    pub const REJOIN: u16 = 14;
     pub const REGISTERED: u16 = 64;
     pub const TOPOLOGY: u16 = 65;
     pub const TOPOLOGY_COMMITTED: u16 = 66;
@@ -529,6 +540,7 @@ impl Message {
             Message::AuthFailed { .. } => kind::AUTH_FAILED,
             Message::Heartbeat => kind::HEARTBEAT,
             Message::Report { .. } => kind::REPORT,
+            Message::Rejoin { .. } => kind::REJOIN,
             Message::VoteUpdateTopology { .. } => kind::VOTE_UPDATE_TOPOLOGY,
             Message::TopologyReady { .. } => kind::TOPOLOGY_READY,
             Message::VotePeersPending { .. } => kind::VOTE_PEERS_PENDING,
@@ -567,6 +579,7 @@ impl Message {
             Message::AuthFailed { .. } => "AuthFailed",
             Message::Heartbeat => "Heartbeat",
             Message::Report { .. } => "Report",
+            Message::Rejoin { .. } => "Rejoin",
             Message::VoteUpdateTopology { .. } => "VoteUpdateTopology",
             Message::TopologyReady { .. } => "TopologyReady",
             Message::VotePeersPending { .. } => "VotePeersPending",
@@ -682,6 +695,11 @@ impl Message {
             }
             Message::Heartbeat | Message::Leave => {}
             Message::Report { report } => report.encode(w),
+            Message::Rejoin { peer, session, proof } => {
+                w.u32(peer.0);
+                w.u64(session.0);
+                w.bytes(proof);
+            }
             Message::VotePeersPending { collectives } => w.u64(*collectives),
             Message::PeersPendingAborted { retry, reason } => {
                 w.bool(*retry);
@@ -757,6 +775,7 @@ impl Message {
             kind::AUTH_FAILED => Message::AuthFailed { reason: r.str()? },
             kind::HEARTBEAT => Message::Heartbeat,
             kind::REPORT => Message::Report { report: PeerReport::decode(&mut r)? },
+            kind::REJOIN => Message::Rejoin { peer: PeerId(r.u32()?), session: SessionId(r.u64()?), proof: r.hash()? },
             kind::VOTE_UPDATE_TOPOLOGY => {
                 let (collectives, optimize) = (r.u64()?, r.bool("optimize")?);
                 let count = r.count(MAX_MEMBERS, 4 + 4 + 8)?;
@@ -962,6 +981,11 @@ mod tests {
             ".{0,100}".prop_map(|reason| Message::AuthFailed { reason }),
             Just(Message::Heartbeat),
             crate::report::strategy::report().prop_map(|report| Message::Report { report }),
+            (any::<u32>(), any::<u64>(), any::<[u8; 32]>()).prop_map(|(p, s, proof)| Message::Rejoin {
+                peer: PeerId(p),
+                session: SessionId(s),
+                proof
+            }),
             (
                 any::<u64>(),
                 proptest::option::of(proptest::collection::vec((any::<u32>(), any::<u32>(), any::<u64>()), 0..5))

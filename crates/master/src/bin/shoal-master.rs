@@ -1,4 +1,5 @@
-//! `shoal-master --listen HOST:PORT`: runs a master in the foreground until killed.
+//! `shoal-master --listen HOST:PORT [--http HOST:PORT] [--state-dir DIR]`: runs a master in the
+//! foreground until killed.
 //! The Python package's `shoal master` does the same; this binary needs no Python.
 
 use shoal_master::{MasterOptions, MasterServer};
@@ -9,11 +10,15 @@ fn main() {
     let mut listen = "0.0.0.0:48148".to_string();
     let mut heartbeat: Option<f64> = None;
     let mut secret_file: Option<String> = None;
+    let mut http: Option<String> = None;
+    let mut state_dir: Option<std::path::PathBuf> = None;
     while let Some(a) = args.next() {
         match (a.as_str(), args.next()) {
             ("--listen", Some(v)) => listen = v,
             ("--heartbeat-timeout", Some(v)) => heartbeat = Some(v.parse().unwrap_or_else(|_| usage(&a))),
             ("--secret-file", Some(v)) => secret_file = Some(v),
+            ("--http", Some(v)) => http = Some(v),
+            ("--state-dir", Some(v)) => state_dir = Some(v.into()),
             _ => usage(&a),
         }
     }
@@ -29,15 +34,22 @@ fn main() {
         // A trailing newline is an editor's, not the secret's.
         options.secret = Some(secret.strip_suffix(b"\n").unwrap_or(&secret).to_vec());
     }
+    if http.is_some() {
+        options.http = http;
+    }
+    options.state_dir = state_dir;
     let server = MasterServer::start(options).unwrap_or_else(|e| fail(&format!("cannot listen on {listen}: {e}")));
     println!("shoal master listening on {}", server.local_addr());
+    if let Some(a) = server.http_addr() {
+        println!("status page on http://{a}/ (metrics: /metrics, JSON: /status)");
+    }
     loop {
         std::thread::park();
     }
 }
 
 fn usage(at: &str) -> ! {
-    fail(&format!("bad argument {at}\nusage: shoal-master [--listen HOST:PORT] [--heartbeat-timeout SECONDS] [--secret-file PATH]"))
+    fail(&format!("bad argument {at}\nusage: shoal-master [--listen HOST:PORT] [--heartbeat-timeout SECONDS] [--secret-file PATH] [--http HOST:PORT] [--state-dir DIR]"))
 }
 
 fn fail(message: &str) -> ! {

@@ -11,6 +11,7 @@
 //! The run has one [`Phase`] at a time. `peers_pending` votes are independent of the phase.
 
 mod calls;
+mod durable;
 mod ops;
 mod plan;
 mod status;
@@ -19,6 +20,7 @@ mod timers;
 
 use crate::auth::{DataKey, RunKey};
 use crate::ballot::Ballot;
+pub use durable::{Durable, DurableGroup, DurablePeer};
 pub use ops::MAX_TRACKED_OPS;
 pub use plan::Plan;
 use shoal_wire::{Epoch, GroupId, Member, Message, PeerId, PeerReport, SessionId, Vote};
@@ -163,7 +165,9 @@ pub enum Status {
 
 #[derive(Debug, Clone)]
 struct PeerEntry {
-    conn: ConnId,
+    /// Its control connection; `None` for a peer restored from the state directory that has not
+    /// rejoined yet (`durable.rs`).
+    conn: Option<ConnId>,
     group: GroupId,
     addr: String,
     status: Status,
@@ -215,6 +219,8 @@ pub struct Master {
     /// What peers that left had reported: the run's totals never go down.
     retired: Totals,
     counters: Counters,
+    /// Counts changes of what a restarted master needs (`durable.rs`).
+    generation: u64,
     timers: TimerTable,
     outputs: VecDeque<Output>,
 }
@@ -248,6 +254,7 @@ impl Master {
             reports: BTreeMap::new(),
             retired: Totals::default(),
             counters: Counters::default(),
+            generation: 0,
             timers,
             outputs: VecDeque::new(),
         }
@@ -353,7 +360,7 @@ impl Master {
         while let Some(timer) = self.timers.pop_due(now) {
             match timer {
                 Timer::SendHeartbeats => {
-                    let conns: Vec<ConnId> = self.peers.values().map(|e| e.conn).collect();
+                    let conns: Vec<ConnId> = self.peers.values().filter_map(|e| e.conn).collect();
                     for conn in conns {
                         self.send(conn, Message::Heartbeat);
                     }
@@ -396,6 +403,9 @@ impl Master {
     // ----- transitions -----
 
     fn handle_first_message(&mut self, now: Instant, conn: ConnId, message: Message) {
+        if let Message::Rejoin { peer, session, proof } = message {
+            return self.rejoin(now, conn, peer, session, proof);
+        }
         let Message::Join { group, data_addr, proof } = message else {
             let reason = format!("expected Join as first message, got {}", message.name());
             log::warn!("connection {}: {reason}", conn.0);
@@ -424,7 +434,7 @@ impl Master {
         let peer = PeerId(self.next_peer);
         self.next_peer = self.next_peer.checked_add(1).expect("peer ids exhausted");
         let entry = PeerEntry {
-            conn,
+            conn: Some(conn),
             group,
             addr: data_addr.clone(),
             status: Status::Registered,
@@ -434,6 +444,7 @@ impl Master {
         self.peers.insert(peer, entry);
         self.conns.insert(conn, peer);
         self.counters.joins += 1;
+        self.touch();
         self.outputs.push_back(Output::Event(MasterEvent::PeerRegistered { peer, group, addr: data_addr }));
         let heartbeat_ms =
             heartbeat_interval(self.config.heartbeat_timeout).as_millis().clamp(1, u32::MAX.into()) as u32;
@@ -458,7 +469,8 @@ impl Master {
     /// the survivors' next calls run in it, whatever they are (`docs/protocol.md`, "Retry").
     /// Newcomers wait for the admission vote.
     pub(super) fn reform_if_due(&mut self) {
-        if self.reform_due && self.phase == Phase::Idle && self.syncs.is_empty() && !self.ring.is_empty() {
+        let back = self.peers.values().all(|e| e.conn.is_some());
+        if self.reform_due && back && self.phase == Phase::Idle && self.syncs.is_empty() && !self.ring.is_empty() {
             log::info!("re-forming the ring of {} peers after a failure", self.ring.len());
             self.issue_topology(self.ring.clone());
         }
@@ -557,6 +569,7 @@ impl Master {
         debug_assert!(members.iter().all(|p| self.peers.contains_key(p)), "unknown member");
         self.epoch = Epoch(self.epoch.0 + 1);
         self.counters.topologies += 1;
+        self.touch();
         let epoch = self.epoch;
         // The ring's collectives stay open until this topology commits: members still running
         // one (the ring re-forms without waiting for anyone's call) may yet report on it.
@@ -580,8 +593,7 @@ impl Master {
             })
             .collect();
         for p in &members {
-            let conn = self.peers[p].conn;
-            self.send(conn, Message::Topology { epoch, members: wire_members.clone(), limits });
+            self.send_to_peer(*p, Message::Topology { epoch, members: wire_members.clone(), limits });
         }
         self.outputs.push_back(Output::Event(MasterEvent::TopologyIssued { epoch, members: members.clone() }));
         self.set_phase(Phase::AwaitingConnections { epoch, members, ready: BTreeSet::new(), newcomers_by: None });
@@ -621,10 +633,10 @@ impl Master {
                 e.fresh = by_vote;
             }
             e.status = Status::Accepted;
-            let conn = e.conn;
-            self.send(conn, Message::TopologyCommitted { epoch });
+            self.send_to_peer(*p, Message::TopologyCommitted { epoch });
         }
         self.ring = members.clone();
+        self.touch();
         // Reports about the old ring that arrived while this one connected are settled now.
         self.close_ops(epoch);
         self.ring_epoch = epoch;
@@ -685,8 +697,7 @@ impl Master {
         let pending = !self.registered().is_empty();
         self.sent_on.retain(|p| !quorum.voters().contains(p));
         for p in quorum.voters() {
-            let conn = self.peers[p].conn;
-            self.send(conn, Message::PeersPendingResult { pending });
+            self.send_to_peer(*p, Message::PeersPendingResult { pending });
         }
     }
 
@@ -696,7 +707,10 @@ impl Master {
         let Some(entry) = self.peers.remove(&peer) else {
             return;
         };
-        self.conns.remove(&entry.conn);
+        if let Some(conn) = entry.conn {
+            self.conns.remove(&conn);
+        }
+        self.touch();
         if let Some(report) = self.reports.remove(&peer) {
             self.retired.add(&report);
         }
@@ -705,17 +719,19 @@ impl Master {
             Removal::Lost => self.counters.lost += 1,
             Removal::Expelled => self.counters.expelled += 1,
         }
-        if how == Removal::Expelled {
-            // A frozen peer finds this when it wakes up.
-            self.send(entry.conn, Message::Kicked { reason: reason.clone() });
+        if let Some(conn) = entry.conn {
+            if how == Removal::Expelled {
+                // A frozen peer finds this when it wakes up.
+                self.send(conn, Message::Kicked { reason: reason.clone() });
+            }
+            self.outputs.push_back(Output::Close { conn, reason: reason.clone() });
         }
-        self.outputs.push_back(Output::Close { conn: entry.conn, reason: reason.clone() });
         self.outputs.push_back(Output::Event(MasterEvent::PeerRemoved { peer, reason: reason.clone() }));
         // The others must hear of it: an expelled peer may still hold its data streams open
         // (frozen, cut off), and participants of a collective that wait on tokens routed
         // through a dead peer ask the master once they know it is gone. Nobody can still need
         // a peer that left on purpose: it left after its collectives were committed.
-        let conns: Vec<ConnId> = self.peers.values().map(|e| e.conn).collect();
+        let conns: Vec<ConnId> = self.peers.values().filter_map(|e| e.conn).collect();
         for conn in conns {
             self.send(conn, Message::PeerRemoved { peer });
         }

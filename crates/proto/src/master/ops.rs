@@ -214,7 +214,7 @@ impl Master {
     }
 
     pub(super) fn send_to_peer(&mut self, peer: PeerId, message: Message) {
-        if let Some(conn) = self.peers.get(&peer).map(|e| e.conn) {
+        if let Some(conn) = self.peers.get(&peer).and_then(|e| e.conn) {
             self.send(conn, message);
         }
     }

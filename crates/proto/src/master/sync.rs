@@ -73,10 +73,10 @@ struct Transfer {
 /// What the master remembers of a group's last completed sync: the resume rule needs it.
 #[derive(Debug, Clone)]
 pub(super) struct GroupState {
-    revision: u64,
-    hashes: BTreeMap<String, [u8; 32]>,
+    pub(super) revision: u64,
+    pub(super) hashes: BTreeMap<String, [u8; 32]>,
     /// Peers that took part in a completed sync: they are not newcomers.
-    synced: BTreeSet<PeerId>,
+    pub(super) synced: BTreeSet<PeerId>,
 }
 
 impl GroupState {
@@ -240,6 +240,7 @@ impl Master {
         state.revision = t.revision;
         state.hashes = t.hashes;
         state.synced.extend(t.participants.iter().copied());
+        self.touch();
         for p in t.participants {
             self.send_to_peer(p, Message::SyncComplete { round: sync.round });
         }

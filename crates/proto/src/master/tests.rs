@@ -831,3 +831,68 @@ fn reports_are_summed_and_outlive_the_peers_that_sent_them() {
     assert_eq!(status.totals.ops["all_reduce"].succeeded, 7, "the leaver's counts stay");
     assert_eq!((status.counters.joins, status.counters.left, status.counters.topology_votes), (2, 1, 1));
 }
+
+/// A master restored from what its predecessor kept holds the same run: the peers that rejoin
+/// are taken back under their ids, one that never does is removed after a heartbeat timeout (and
+/// the ring re-formed without it), and strangers' or old runs' `Rejoin`s are refused.
+#[test]
+fn a_restored_master_takes_back_the_peers_that_rejoin() {
+    let (h, epoch) = run_with(3);
+    let durable = h.master.durable();
+    assert_eq!((durable.ring.len(), durable.ring_epoch, durable.epoch), (3, epoch, epoch));
+    let config = h.master.config.clone();
+    let now = h.now;
+    let mut h = Harness { master: Master::restore(config, durable.clone(), now).unwrap(), now };
+    assert_eq!(h.master.durable(), durable, "restoring loses nothing");
+    let rejoin = |h: &mut Harness, conn: u64, peer: u32, session: SessionId| {
+        h.connect(conn);
+        h.send(conn, Message::Rejoin { peer: PeerId(peer), session, proof: [0; 32] })
+    };
+    let out = rejoin(&mut h, 10, 0, SESSION);
+    assert!(
+        matches!(sent_to(&out, 10)[..], [Message::Registered { peer: PeerId(0), session: SESSION, .. }]),
+        "{out:?}"
+    );
+    let out = rejoin(&mut h, 11, 1, SESSION);
+    assert!(matches!(sent_to(&out, 11)[..], [Message::Registered { peer: PeerId(1), .. }]), "{out:?}");
+    let out = rejoin(&mut h, 12, 9, SESSION);
+    assert!(matches!(sent_to(&out, 12)[..], [Message::Kicked { .. }]), "an unknown peer: {out:?}");
+    let out = rejoin(&mut h, 13, 2, SessionId(5));
+    assert!(matches!(sent_to(&out, 13)[..], [Message::Kicked { .. }]), "another run: {out:?}");
+    // The rejoined peers carry on; peer 2 never comes back.
+    h.now += Duration::from_millis(1500);
+    h.send(10, Message::Heartbeat);
+    h.send(11, Message::Heartbeat);
+    h.now += Duration::from_millis(600);
+    h.master.handle_timeout(h.now);
+    let out = h.drain();
+    assert!(h.master.peers().all(|(p, _)| p != PeerId(2)), "peer 2 removed as silent");
+    let next = issued_epoch(&out, 10).expect("the ring re-forms without it");
+    assert_eq!(next, Epoch(epoch.0 + 1));
+    assert_eq!(issued_epoch(&out, 11), Some(next));
+}
+
+/// A master that stopped while a topology was being connected issues one again once every peer
+/// is back: that phase was not kept.
+#[test]
+fn a_topology_lost_with_the_master_is_issued_again_once_everyone_rejoined() {
+    let (mut h, epoch) = run_with(2);
+    h.join(3);
+    h.send(1, Message::VoteUpdateTopology { collectives: 0, measured: None });
+    let out = h.send(2, Message::VoteUpdateTopology { collectives: 0, measured: None });
+    let issued = issued_epoch(&out, 3).expect("the vote issued a topology");
+    let durable = h.master.durable();
+    assert_eq!((durable.epoch, durable.ring_epoch), (issued, epoch));
+    let (config, now) = (h.master.config.clone(), h.now);
+    let mut h = Harness { master: Master::restore(config, durable, now).unwrap(), now };
+    for (conn, peer) in [(10, 0), (11, 1)] {
+        h.connect(conn);
+        let out = h.send(conn, Message::Rejoin { peer: PeerId(peer), session: SESSION, proof: [0; 32] });
+        assert_eq!(issued_epoch(&out, 10), None, "not before everyone is back");
+    }
+    h.connect(12);
+    let out = h.send(12, Message::Rejoin { peer: PeerId(2), session: SESSION, proof: [0; 32] });
+    // The newcomer was not admitted yet: the ring of the accepted peers re-forms, it waits.
+    assert_eq!(issued_epoch(&out, 10), Some(Epoch(issued.0 + 1)));
+    assert_eq!(issued_epoch(&out, 12), None);
+}

@@ -63,6 +63,10 @@ pub struct PeerConfig {
     pub key: Option<RunKey>,
     /// Most collectives in flight at once; later ones wait in [`Peer::call`]'s queue.
     pub max_in_flight: usize,
+    /// A broken control connection is not the end: the driver dials the master again for up to
+    /// a heartbeat timeout ([`Peer::reconnecting`]), as a master restarted from its state
+    /// directory expects. Otherwise the master is lost at once.
+    pub reconnect: bool,
 }
 
 /// A call of the application: [`Peer::connect`] and [`Peer::call`] name each, and
@@ -212,6 +216,10 @@ pub enum CallError {
     },
     /// We left the run, or lost the master.
     Gone(Gone),
+    /// The connection to the master broke during this call, which needs the master (a vote, a
+    /// sync): whatever the master counted of it is lost with the master. Calling again can
+    /// succeed once the connection is back.
+    Interrupted(String),
     /// A call was made while another was in progress, or before joining.
     Busy(&'static str),
 }
@@ -361,6 +369,17 @@ pub struct Peer {
     next_heartbeat: Instant,
     /// Counters the driver attached, sent at the next heartbeat in its place.
     report: Option<PeerReport>,
+    /// The control connection broke: until when the driver may dial again, why it broke, and
+    /// whether the new connection was challenged (then `Rejoin` went out).
+    reconnecting: Option<Reconnecting>,
+}
+
+/// A broken control connection, being dialed again.
+#[derive(Debug, Clone)]
+struct Reconnecting {
+    until: Instant,
+    reason: String,
+    rejoined: bool,
 }
 
 impl Peer {
@@ -380,8 +399,31 @@ impl Peer {
             last_heard: now,
             next_heartbeat: now + heartbeat_interval(config.heartbeat_timeout),
             report: None,
+            reconnecting: None,
             config,
         }
+    }
+
+    /// How long a silent master is tolerated.
+    pub fn heartbeat_timeout(&self) -> Duration {
+        self.config.heartbeat_timeout
+    }
+
+    /// Whether the driver must dial the master again: until when it may try, if it must.
+    pub fn reconnecting(&self) -> Option<Instant> {
+        self.reconnecting.as_ref().filter(|r| !r.rejoined && self.gone().is_none()).map(|r| r.until)
+    }
+
+    /// A new control connection was challenged with `nonce`: `Rejoin` goes out on it first, then
+    /// whatever waited for the connection.
+    pub fn handle_reconnected(&mut self, nonce: [u8; 32], now: Instant) {
+        let (Some(r), Some((peer, session))) = (self.reconnecting.as_mut(), self.view.registered) else { return };
+        log::info!("control connection back ({}); rejoining as {peer}", r.reason);
+        r.rejoined = true;
+        let proof = self.config.key.as_ref().map_or([0; 32], |key| key.prove(&nonce));
+        self.outbox.push_front(Message::Rejoin { peer, session, proof });
+        self.last_heard = now;
+        self.progress(now);
     }
 
     /// Whether [`Peer::handle_timeout`] at `now` sends a heartbeat: the moment for the driver
@@ -500,30 +542,110 @@ impl Peer {
             self.outbox.push_back(m);
         }
         match &event {
+            Ok(PeerEvent::Rejoined) => {
+                self.rejoined(now);
+                self.progress(now)
+            }
             Ok(_) => self.progress(now),
-            Err(e) => self.handle_disconnect(e.to_string(), now),
+            Err(e) => {
+                // The master broke the protocol: no new connection mends that.
+                log::warn!("master lost: {e}");
+                self.lost = Some(e.to_string());
+                self.progress(now)
+            }
         }
         event
     }
 
-    /// The connection to the master failed.
+    /// The connection to the master failed. Where [`PeerConfig::reconnect`] allows and we are
+    /// registered, the driver dials again ([`Peer::reconnecting`]); otherwise the master is lost.
     pub fn handle_disconnect(&mut self, reason: String, now: Instant) {
         // Once expelled, refused or closed, the master closing the connection is no news.
-        if self.gone().is_none() {
+        if self.gone().is_some() {
+            return self.progress(now);
+        }
+        let until = match &self.reconnecting {
+            // The new connection broke too: the first break's time still counts.
+            Some(r) => r.until,
+            None => now + self.config.heartbeat_timeout,
+        };
+        if !self.config.reconnect || self.view.registered.is_none() || self.closed || now >= until {
             log::warn!("master lost: {reason}");
             self.lost = Some(reason);
+            return self.progress(now);
         }
+        log::warn!(
+            "control connection lost ({reason}); dialing the master again for {:.1} s",
+            until.saturating_duration_since(now).as_secs_f64()
+        );
+        self.reconnecting = Some(Reconnecting { until, reason: reason.clone(), rejoined: false });
+        self.interrupt_master_calls(&reason);
         self.progress(now);
+    }
+
+    /// The call in progress that counts on what the master holds (a vote, a sync) ends: that is
+    /// lost with the connection. Collectives run on; those that await a verdict ask again once
+    /// rejoined.
+    fn interrupt_master_calls(&mut self, reason: &str) {
+        let Some((id, _, call)) = &self.call else { return };
+        let interrupted = match call {
+            Call::Topology { purpose: Purpose::Vote(kind), .. } => Some(kind.name()),
+            Call::Pending => Some("peers_pending"),
+            Call::Sync(_) => Some("sync_shared_state"),
+            Call::Registering { .. } | Call::Topology { .. } => None,
+        };
+        if let Some(name) = interrupted {
+            let id = *id;
+            // Not sent yet: it goes nowhere now.
+            self.outbox.retain(|m| {
+                !matches!(
+                    m,
+                    Message::VoteUpdateTopology { .. } | Message::VotePeersPending { .. } | Message::SyncVote { .. }
+                )
+            });
+            let why = format!("the connection to the master broke during {name} ({reason}); call it again");
+            self.finish(id, Err(CallError::Interrupted(why)));
+        }
+    }
+
+    /// The master took us back after a broken connection: what awaited its answer asks again.
+    fn rejoined(&mut self, now: Instant) {
+        self.reconnecting = None;
+        let asking: Vec<(OpId, OpStage)> = self
+            .ops
+            .iter()
+            .filter(|(_, o)| matches!(o.stage, OpStage::Asking(_) | OpStage::Reporting(..)))
+            .map(|(id, o)| (*id, o.stage.clone()))
+            .collect();
+        for (op, stage) in asking {
+            match stage {
+                OpStage::Reporting(_, failure) => self.report(op, failure, now),
+                _ => self.ask(op, "the master restarted", now),
+            }
+        }
     }
 
     /// Time passed: heartbeats fall due, a silent master is lost, bounds end.
     pub fn handle_timeout(&mut self, now: Instant) {
         if self.gone().is_none() {
             let silent = now.saturating_duration_since(self.last_heard);
-            if silent > self.config.heartbeat_timeout {
-                return self.handle_disconnect(format!("no message for {:.1} s", silent.as_secs_f64()), now);
+            if silent > self.config.heartbeat_timeout && self.reconnecting.is_none() {
+                // A silent master may be frozen: dialing it again would not help.
+                log::warn!("master lost: no message for {:.1} s", silent.as_secs_f64());
+                self.lost = Some(format!("no message for {:.1} s", silent.as_secs_f64()));
+                return self.progress(now);
             }
-            if now >= self.next_heartbeat {
+            if self.reconnecting.is_some() {
+                // Nothing goes out until the master took us back; a connection not back in time
+                // is the master lost.
+                if self.reconnecting.as_ref().is_some_and(|r| now >= r.until) {
+                    let reason = self.reconnecting.take().map(|r| r.reason).unwrap_or_default();
+                    let bound = self.config.heartbeat_timeout.as_secs_f64();
+                    log::warn!("master lost: {reason}; not back within {bound:.1} s");
+                    self.lost = Some(format!("{reason}; the master was not back within {bound:.1} s"));
+                    return self.progress(now);
+                }
+            } else if now >= self.next_heartbeat {
                 let report = self.report.take().filter(|_| self.view.registered.is_some());
                 self.outbox.push_back(report.map_or(Message::Heartbeat, |report| Message::Report { report }));
                 self.next_heartbeat = now + self.heartbeat_every();
@@ -543,13 +665,20 @@ impl Peer {
             OpStage::Running | OpStage::Lap => o.deadline,
             OpStage::Asking(until) | OpStage::Reporting(until, _) => *until,
         });
-        let silent = self.last_heard + self.config.heartbeat_timeout + Duration::from_millis(1);
-        Some(call.into_iter().chain(queued).chain(ops).fold(self.next_heartbeat.min(silent), Instant::min))
+        let master = match &self.reconnecting {
+            Some(r) => r.until,
+            None => self.next_heartbeat.min(self.last_heard + self.config.heartbeat_timeout + Duration::from_millis(1)),
+        };
+        Some(call.into_iter().chain(queued).chain(ops).fold(master, Instant::min))
     }
 
-    /// The next message for the master, in order.
+    /// The next message for the master, in order. Nothing while the control connection is
+    /// being dialed again: what waits goes out after `Rejoin`.
     #[must_use]
     pub fn poll_output(&mut self) -> Option<Message> {
+        if self.reconnecting.as_ref().is_some_and(|r| !r.rejoined) {
+            return None;
+        }
         self.outbox.pop_front()
     }
 

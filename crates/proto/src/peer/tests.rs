@@ -47,8 +47,14 @@ fn done(result: Result<Value, CallError>) -> Action {
 
 /// Peer 0, joined and accepted in topology 1 of `ring` (peer 0 among them).
 fn joined(ring: &[u32]) -> (Peer, Instant) {
+    joined_with(ring, false)
+}
+
+/// As [`joined`]; `reconnect`: a broken control connection is dialed again.
+fn joined_with(ring: &[u32], reconnect: bool) -> (Peer, Instant) {
     let t0 = Instant::now();
-    let mut p = Peer::new(PeerConfig { heartbeat_timeout: HEARTBEAT_TIMEOUT, key: None, max_in_flight: 4 }, t0);
+    let mut p =
+        Peer::new(PeerConfig { heartbeat_timeout: HEARTBEAT_TIMEOUT, key: None, max_in_flight: 4, reconnect }, t0);
     p.connect(GroupId(0), "h:0".into(), BOUND, t0);
     assert!(sent(&mut p).is_empty(), "Join waits for the master's challenge");
     p.handle_message(Message::Challenge { nonce: [3; 32] }, t0).unwrap();
@@ -356,8 +362,10 @@ fn a_sync_that_crossed_a_topology_joins_it_and_votes_again() {
 fn a_join_proves_the_secret_on_the_nonce_and_a_refusal_ends_connect() {
     let t0 = Instant::now();
     let key = RunKey::from_secret(b"s3cret");
-    let mut p =
-        Peer::new(PeerConfig { heartbeat_timeout: HEARTBEAT_TIMEOUT, key: Some(key.clone()), max_in_flight: 4 }, t0);
+    let mut p = Peer::new(
+        PeerConfig { heartbeat_timeout: HEARTBEAT_TIMEOUT, key: Some(key.clone()), max_in_flight: 4, reconnect: false },
+        t0,
+    );
     p.handle_message(Message::Challenge { nonce: [9; 32] }, t0).unwrap();
     p.connect(GroupId(0), "h:0".into(), BOUND, t0);
     let join = sent(&mut p);
@@ -478,4 +486,80 @@ fn a_lost_member_aborts_every_collective_in_flight_and_the_missed_ones_fail_alik
         vec![Action::Done { call: second, result: Err(CallError::Aborted { op: missed, failure: lost }) }]
     );
     assert_eq!(start_collective(&mut p, t0), OpId { epoch: Epoch(2), seq: Seq(0) });
+}
+
+/// A broken control connection is dialed again: the vote in progress ends with a retryable error
+/// (the master's count of it is lost), nothing goes out until the new connection is challenged,
+/// then `Rejoin` goes first; once the master took us back, calls work as before.
+#[test]
+fn a_broken_connection_interrupts_the_vote_and_the_peer_rejoins() {
+    let (mut p, t0) = joined_with(&[0, 1], true);
+    p.call(CallKind::PeersPending, BOUND, t0);
+    assert_eq!(sent(&mut p), vec![Message::VotePeersPending { collectives: 0 }]);
+    let t1 = t0 + Duration::from_millis(100);
+    p.handle_disconnect("reset by peer".into(), t1);
+    match &actions(&mut p)[..] {
+        [Action::Done { result: Err(CallError::Interrupted(why)), .. }] => {
+            assert!(why.contains("peers_pending"), "{why}")
+        }
+        other => panic!("expected the vote to be interrupted: {other:?}"),
+    }
+    assert_eq!(p.reconnecting(), Some(t1 + HEARTBEAT_TIMEOUT));
+    assert_eq!(p.gone(), None);
+    // Calls made meanwhile wait for the connection; no heartbeat goes out on none.
+    p.call(CallKind::PeersPending, BOUND, t1);
+    p.handle_timeout(t1 + Duration::from_secs(1));
+    assert!(sent(&mut p).is_empty());
+    let t2 = t1 + Duration::from_millis(1500);
+    p.handle_reconnected([9; 32], t2);
+    assert_eq!(p.reconnecting(), None, "dialed: the driver stops");
+    assert_eq!(
+        sent(&mut p),
+        vec![
+            Message::Rejoin { peer: PeerId(0), session: SessionId(7), proof: [0; 32] },
+            Message::VotePeersPending { collectives: 0 }
+        ]
+    );
+    let back = Message::Registered { peer: PeerId(0), session: SessionId(7), heartbeat_ms: 100, data_key: [5; 32] };
+    assert_eq!(p.handle_message(back, t2), Ok(PeerEvent::Rejoined));
+    p.handle_message(Message::PeersPendingResult { pending: false }, t2).unwrap();
+    assert_eq!(actions(&mut p), vec![done(Ok(Value::Pending(false)))]);
+    // The bound of the old connection no longer applies.
+    p.handle_timeout(t1 + HEARTBEAT_TIMEOUT + Duration::from_millis(10));
+    assert_eq!(p.gone(), None);
+}
+
+/// A collective that finished here and asked the master for its verdict asks the restarted master
+/// again once rejoined; a master not back within a heartbeat timeout is lost, and every call
+/// ends.
+#[test]
+fn a_collective_asks_again_after_a_rejoin_and_a_master_not_back_is_lost() {
+    let (mut p, t0) = joined_with(&[0, 1], true);
+    let op = start_collective(&mut p, t0);
+    p.handle_collective(op, OpProgress::DataDone, t0);
+    p.handle_collective(op, OpProgress::LapBroken("stream closed".into()), t0);
+    let asking = Message::OpDone { epoch: op.epoch, seq: op.seq.0, decided: false };
+    assert_eq!(sent(&mut p), vec![asking.clone()]);
+    p.handle_disconnect("reset by peer".into(), t0);
+    p.handle_reconnected([9; 32], t0 + Duration::from_millis(300));
+    let back = Message::Registered { peer: PeerId(0), session: SessionId(7), heartbeat_ms: 100, data_key: [5; 32] };
+    p.handle_message(back, t0 + Duration::from_millis(300)).unwrap();
+    let out = sent(&mut p);
+    assert_eq!(out.last(), Some(&asking), "asked again: {out:?}");
+    assert!(matches!(out[0], Message::Rejoin { .. }));
+
+    p.handle_disconnect("reset again".into(), t0 + Duration::from_secs(1));
+    let until = p.reconnecting().expect("dialing");
+    p.handle_timeout(until);
+    assert!(matches!(p.gone(), Some(Gone::MasterLost(why)) if why.contains("not back within")));
+    assert!(matches!(&actions(&mut p)[..], [Action::Done { result: Err(CallError::Gone(Gone::MasterLost(_))), .. }]));
+}
+
+/// Without `reconnect` (the simulation's peers), a broken connection loses the master at once.
+#[test]
+fn without_reconnect_a_broken_connection_loses_the_master() {
+    let (mut p, t0) = joined(&[0]);
+    p.handle_disconnect("reset by peer".into(), t0);
+    assert_eq!(p.reconnecting(), None);
+    assert!(matches!(p.gone(), Some(Gone::MasterLost(_))));
 }

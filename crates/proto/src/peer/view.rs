@@ -173,6 +173,8 @@ pub enum PeerEvent {
     Nothing,
     /// We are registered.
     Registered,
+    /// The master took us back after a broken connection (`Rejoin`).
+    Rejoined,
     /// A topology was issued: open its connections.
     TopologyIssued(Epoch),
     /// A topology is in force.
@@ -247,8 +249,13 @@ impl PeerView {
         Ok(match message {
             Message::Heartbeat => PeerEvent::Nothing,
             Message::Registered { peer, session, heartbeat_ms, data_key } => {
+                if self.registered == Some((peer, session)) && self.data_key == Some(DataKey(data_key)) {
+                    // The answer to `Rejoin`.
+                    self.heartbeat_interval = Some(Duration::from_millis(heartbeat_ms.max(1).into()));
+                    return Ok(PeerEvent::Rejoined);
+                }
                 if self.registered.is_some() {
-                    return unexpected("already registered");
+                    return unexpected("already registered as someone else");
                 }
                 self.registered = Some((peer, session));
                 self.data_key = Some(DataKey(data_key));

@@ -1,0 +1,205 @@
+//! What a restarted master needs to carry on the run (`docs/protocol.md`, "Master restart"): the
+//! session and its data key, who is in the run and where, the committed ring, the last epoch,
+//! and every group's last synced revision and elected hashes. The driver writes it to its state
+//! directory whenever it changes ([`Master::generation`]) and starts from it again
+//! ([`Master::restore`]).
+//!
+//! A restored master holds every peer detached until it rejoins (`Rejoin` on a new connection)
+//! within a heartbeat timeout; one that does not is removed as a silent peer is. What was in
+//! progress (votes, syncs, collectives awaiting a verdict) is not kept: peers end their votes and
+//! syncs with a retryable error when the connection breaks, and ask again about collectives once
+//! rejoined. A topology being connected when the master stopped is issued again once every peer
+//! is back.
+
+use super::sync::GroupState;
+use super::{ConnId, Master, MasterConfig, Message, PeerEntry, Status};
+use shoal_wire::{Epoch, GroupId, PeerId, SessionId};
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Instant;
+
+/// A peer of the run, as kept.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DurablePeer {
+    /// Its id.
+    pub peer: PeerId,
+    /// Its group.
+    pub group: GroupId,
+    /// Where other peers dial it.
+    pub addr: String,
+    /// Whether it is a member of the committed ring (else it awaits admission).
+    pub accepted: bool,
+}
+
+/// A group's last completed sync, as kept.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DurableGroup {
+    /// The group.
+    pub group: GroupId,
+    /// Its revision.
+    pub revision: u64,
+    /// The elected hash of every tensor.
+    pub hashes: BTreeMap<String, [u8; 32]>,
+    /// Peers that took part in a completed sync.
+    pub synced: BTreeSet<PeerId>,
+}
+
+/// Everything a restarted master needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Durable {
+    /// The run's session.
+    pub session: SessionId,
+    /// The run's key for data connections: peers' streams keep using it.
+    pub data_key: [u8; 32],
+    /// The next peer id to hand out: ids are never reused.
+    pub next_peer: u32,
+    /// The last topology issued.
+    pub epoch: Epoch,
+    /// The committed topology.
+    pub ring_epoch: Epoch,
+    /// The committed ring, every group's members in ring order.
+    pub ring: Vec<PeerId>,
+    /// Every peer.
+    pub peers: Vec<DurablePeer>,
+    /// Every group's last completed sync.
+    pub groups: Vec<DurableGroup>,
+}
+
+impl Master {
+    /// Grows whenever what [`Master::durable`] returns changed: the driver saves it then.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// What a restarted master needs.
+    pub fn durable(&self) -> Durable {
+        Durable {
+            session: self.config.session,
+            data_key: self.config.data_key.0,
+            next_peer: self.next_peer,
+            epoch: self.epoch,
+            ring_epoch: self.ring_epoch,
+            ring: self.ring.clone(),
+            peers: self
+                .peers
+                .iter()
+                .map(|(id, e)| DurablePeer {
+                    peer: *id,
+                    group: e.group,
+                    addr: e.addr.clone(),
+                    accepted: e.status == Status::Accepted,
+                })
+                .collect(),
+            groups: self
+                .group_states
+                .iter()
+                .map(|(g, s)| DurableGroup {
+                    group: *g,
+                    revision: s.revision,
+                    hashes: s.hashes.clone(),
+                    synced: s.synced.clone(),
+                })
+                .collect(),
+        }
+    }
+
+    /// A master that carries on the run `durable` describes, under `config` (whose session and
+    /// data key must be `durable`'s). Every peer must rejoin within a heartbeat timeout.
+    ///
+    /// # Errors
+    /// If `durable` does not hold together (a ring member that is not an accepted peer, a peer id
+    /// not below `next_peer`, another session): a state file written by no master.
+    pub fn restore(config: MasterConfig, durable: Durable, now: Instant) -> Result<Master, String> {
+        if durable.session != config.session || durable.data_key != config.data_key.0 {
+            return Err("the state is of another session than the configuration".into());
+        }
+        let accepted: BTreeSet<PeerId> = durable.peers.iter().filter(|p| p.accepted).map(|p| p.peer).collect();
+        let ring: BTreeSet<PeerId> = durable.ring.iter().copied().collect();
+        if ring != accepted || ring.len() != durable.ring.len() {
+            return Err("the ring is not the set of accepted peers".into());
+        }
+        if let Some(p) = durable.peers.iter().find(|p| p.peer.0 >= durable.next_peer) {
+            return Err(format!("{} was never handed out (next id {})", p.peer, durable.next_peer));
+        }
+        if durable.ring_epoch > durable.epoch {
+            return Err("the committed topology is newer than the last issued".into());
+        }
+        let mut master = Master::new(config, now);
+        for p in durable.peers {
+            let status = if p.accepted { Status::Accepted } else { Status::Registered };
+            let entry = PeerEntry { conn: None, group: p.group, addr: p.addr, status, last_heard: now, fresh: false };
+            if master.peers.insert(p.peer, entry).is_some() {
+                return Err(format!("{} is listed twice", p.peer));
+            }
+        }
+        master.next_peer = durable.next_peer;
+        master.epoch = durable.epoch;
+        master.ring_epoch = durable.ring_epoch;
+        master.ring = durable.ring;
+        for g in durable.groups {
+            master
+                .group_states
+                .insert(g.group, GroupState { revision: g.revision, hashes: g.hashes, synced: g.synced });
+        }
+        // A topology issued and not committed was lost with its phase: issue one again once
+        // every peer is back.
+        master.reform_due = master.epoch != master.ring_epoch;
+        master.arm_heartbeat_check();
+        log::info!(
+            "restored the run: {} peers ({} in the ring of topology {}); waiting for them to rejoin",
+            master.peers.len(),
+            master.ring.len(),
+            master.ring_epoch.0
+        );
+        Ok(master)
+    }
+
+    /// Connection `conn`'s first message is `Rejoin`: `peer`, registered in `session`, is back.
+    pub(super) fn rejoin(&mut self, now: Instant, conn: ConnId, peer: PeerId, session: SessionId, proof: [u8; 32]) {
+        let Some(nonce) = self.challenges.remove(&conn) else {
+            return self.refuse_rejoin(conn, "Rejoin on a connection that was not challenged".into(), false);
+        };
+        if self.config.key.as_ref().is_some_and(|key| !key.verify(&nonce, &proof)) {
+            self.counters.auth_failures += 1;
+            let reason = "authentication failed: the proof of the run's secret is wrong or missing".to_string();
+            self.send(conn, Message::AuthFailed { reason: reason.clone() });
+            return self.outputs.push_back(super::Output::Close { conn, reason });
+        }
+        if session != self.config.session {
+            let reason = format!("{peer} was registered in another run (session {:016x})", session.0);
+            return self.refuse_rejoin(conn, reason, true);
+        }
+        let Some(entry) = self.peers.get_mut(&peer) else {
+            return self.refuse_rejoin(conn, format!("{peer} is not in the run any more"), true);
+        };
+        // Its old connection, if the master still holds one, is dead: the peer dialed anew.
+        let old = entry.conn.replace(conn);
+        entry.last_heard = now;
+        if let Some(old) = old {
+            self.conns.remove(&old);
+            let reason = format!("{peer} rejoined on another connection");
+            self.outputs.push_back(super::Output::Close { conn: old, reason });
+        }
+        self.conns.insert(conn, peer);
+        log::info!("{peer} rejoined");
+        let heartbeat_ms =
+            super::heartbeat_interval(self.config.heartbeat_timeout).as_millis().clamp(1, u32::MAX.into()) as u32;
+        let data_key = self.config.data_key.0;
+        self.send(conn, Message::Registered { peer, session, heartbeat_ms, data_key });
+        self.reform_if_due();
+    }
+
+    /// Refuses connection `conn` for `reason`; `kick` tells the peer (a registered peer that
+    /// must not come back).
+    fn refuse_rejoin(&mut self, conn: ConnId, reason: String, kick: bool) {
+        log::warn!("connection {}: refused: {reason}", conn.0);
+        if kick {
+            self.send(conn, Message::Kicked { reason: reason.clone() });
+        }
+        self.outputs.push_back(super::Output::Close { conn, reason });
+    }
+
+    /// Counts a change of what [`Master::durable`] returns.
+    pub(super) fn touch(&mut self) {
+        self.generation += 1;
+    }
+}
