@@ -83,6 +83,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--steps", type=int, default=8, help="steps once everyone is in")
     parser.add_argument("--elements", type=int, default=1 << 18)
     parser.add_argument("--no-death", action="store_true", help="nobody dies")
+    parser.add_argument("--http", default="127.0.0.1:0", metavar="ADDR",
+                        help="where the master serves its status page (default: a free port on 127.0.0.1)")
     parser.add_argument("--peer", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--master", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -93,8 +95,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     os.environ.setdefault("SHOAL_LOG", "info")  # the master's log shows membership changes
     import shoal
 
-    with shoal.Master("127.0.0.1:0") as master:
-        print(f"[demo] master listening on {master.address}", flush=True)
+    from .status import render
+
+    with shoal.Master("127.0.0.1:0", http_addr=args.http) as master:
+        print(f"[demo] master listening on {master.address}; watch the run at http://{master.http_address}/",
+              flush=True)
         env = {k: v for k, v in os.environ.items() if k != "SHOAL_LOG"}
         procs = []
         for i in range(args.peers):
@@ -105,6 +110,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             procs.append(subprocess.Popen(cmd, env=env))
             time.sleep(args.join_interval)
         codes = [p.wait(timeout=300) for p in procs]
+        status = master.status()
+        if status is not None:
+            print("[demo] the master's view at the end (shoal status):\n" + render(status), flush=True)
     # The peer that crashed on purpose ends with SIGKILL; every other must end cleanly.
     expected = [0] * args.peers
     if not args.no_death and args.peers > 1:

@@ -262,7 +262,11 @@ impl Control {
         if matches!(self.lock().gone(), Some(Gone::Closed)) {
             return;
         }
-        self.input(|p, now| p.close(now));
+        let report = self.stats.report();
+        self.input(|p, now| {
+            p.attach_report(report);
+            p.close(now)
+        });
         let _ = self.writer.lock().unwrap_or_else(PoisonError::into_inner).0.shutdown(Shutdown::Both);
     }
 

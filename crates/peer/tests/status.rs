@@ -116,6 +116,7 @@ fn the_master_serves_what_peers_did() {
     done.wait();
     for p in peers {
         let (stats, cause) = p.join().unwrap();
+        // Joined: its communicator was dropped, and left the run.
         assert_eq!(cause, "mismatch");
         let ops = stats.ops.iter().find(|o| o.kind == "all_reduce").unwrap();
         assert_eq!((ops.started, ops.succeeded, ops.failed), (21, 20, 1));
@@ -124,4 +125,14 @@ fn the_master_serves_what_peers_did() {
         assert!(stats.links.iter().any(|l| l.tx_bytes > 0 && l.tx_rate > 0), "{:?}", stats.links);
         assert!(stats.running.is_empty());
     }
+    // A peer that leaves sends its last counts first: the totals keep them.
+    let deadline = Instant::now() + 5 * HEARTBEAT;
+    while !m.status().unwrap().peers.is_empty() && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(20));
+    }
+    let status = m.status().unwrap();
+    assert!(status.peers.is_empty());
+    let ops = &status.totals.ops["all_reduce"];
+    assert_eq!((ops.started, ops.succeeded, ops.failed), (63, 60, 3), "{ops:?}");
+    assert_eq!(status.counters.left, 3);
 }

@@ -432,7 +432,8 @@ impl Peer {
         self.gone().is_none() && self.view.registered.is_some() && now >= self.next_heartbeat
     }
 
-    /// Sends `report` to the master at the next heartbeat, in its place (`Message::Report`).
+    /// Sends `report` to the master at the next heartbeat, in its place (`Message::Report`), or
+    /// before `Leave` if [`Peer::close`] comes first.
     pub fn attach_report(&mut self, report: PeerReport) {
         self.report = Some(report);
     }
@@ -765,6 +766,10 @@ impl Peer {
     pub fn close(&mut self, now: Instant) {
         if !self.closed {
             self.closed = true;
+            // The last counts go first: the master keeps them in its totals.
+            if let Some(report) = self.report.take().filter(|_| self.view.registered.is_some()) {
+                self.outbox.push_back(Message::Report { report });
+            }
             self.outbox.push_back(Message::Leave);
         }
         self.progress(now);
