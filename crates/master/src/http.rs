@@ -215,6 +215,11 @@ fn gauge(v: i64) -> ConstGauge<i64> {
     ConstGauge::new(v)
 }
 
+/// Counters, one per value of `label`.
+fn by<const N: usize>(label: &'static str, counts: [(&str, u64); N]) -> [(Labels, ConstCounter<u64>); N] {
+    counts.map(|(value, n)| (vec![(label, value.to_string())], counter(n)))
+}
+
 impl Collector for Run {
     fn encode(&self, mut e: DescriptorEncoder) -> std::fmt::Result {
         let s = &self.0;
@@ -240,16 +245,14 @@ impl Collector for Run {
             "peers_removed",
             "Peers that left the run, by how",
             None,
-            [("left", c.left), ("lost", c.lost), ("expelled", c.expelled)]
-                .map(|(how, n)| (vec![("how", how.to_string())], counter(n))),
+            by("how", [("left", c.left), ("lost", c.lost), ("expelled", c.expelled)]),
         )?;
         family(
             &mut e,
             "joins_refused",
             "Joins refused, by reason",
             None,
-            [("authentication", c.auth_failures), ("full", c.refused_full)]
-                .map(|(why, n)| (vec![("reason", why.to_string())], counter(n))),
+            by("reason", [("authentication", c.auth_failures), ("full", c.refused_full)]),
         )?;
         family(&mut e, "topologies", "Topologies issued", None, [(none(), counter(c.topologies))])?;
         family(
@@ -257,16 +260,14 @@ impl Collector for Run {
             "votes",
             "Votes that passed, by kind",
             None,
-            [("update_topology", c.topology_votes), ("peers_pending", c.pending_votes)]
-                .map(|(vote, n)| (vec![("vote", vote.to_string())], counter(n))),
+            by("vote", [("update_topology", c.topology_votes), ("peers_pending", c.pending_votes)]),
         )?;
         family(
             &mut e,
             "syncs",
             "Shared-state syncs, by outcome",
             None,
-            [("completed", c.syncs_completed), ("aborted", c.syncs_aborted)]
-                .map(|(o, n)| (vec![("outcome", o.to_string())], counter(n))),
+            by("outcome", [("completed", c.syncs_completed), ("aborted", c.syncs_aborted)]),
         )?;
         family(
             &mut e,
