@@ -38,6 +38,7 @@ pub const KNOWN_VARS: &[(&str, &str)] = &[
     ("SHOAL_VENV", "scripts: where the cached Python environment lives"),
     ("SHOAL_SKIP_BUILD", "scripts: 1 to skip rebuilding the native module"),
     ("SHOAL_LAB_REQUIRED", "tests: 1 to fail, not skip, the lab's tests where no lab can be built"),
+    ("SHOAL_BLESS", "tests: 1 to rewrite generated files (crates/ffi/include/shoal.h) instead of checking them"),
     ("SHOAL_BROWSER_REQUIRED", "tests: 1 to fail, not skip, the status page's test where there is no chromium"),
 ];
 
