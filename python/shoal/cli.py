@@ -11,6 +11,11 @@ from typing import Optional, Sequence
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--version"], ["-V"]):
+        from . import __version__
+
+        print(f"shoal {__version__}")
+        return
     commands = {"master": _master, "status": _status, "bench": _bench, "demo": _demo, "lab": _lab}
     if not argv or argv[0] not in commands:
         print("usage: shoal {master,status,bench,demo,lab} [options]  (shoal COMMAND --help for more)", file=sys.stderr)

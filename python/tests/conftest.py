@@ -71,10 +71,12 @@ def need_lab(toxiproxy: bool = False) -> None:
 
 
 def run_peers(master: Union[shoal.Master, str], tmp_path: Path, scenario: str, peers: int, timeout: float = 90,
-              launch: Callable[[int, list[str]], list[str]] = lambda i, argv: argv, **params) -> list[dict]:
+              launch: Callable[[int, list[str]], list[str]] = lambda i, argv: argv,
+              expect_killed: frozenset = frozenset(), **params) -> list[dict]:
     """Runs ``peers`` processes of ``worker.py SCENARIO`` against ``master`` (or its address);
     ``launch(i, argv)`` may wrap peer i's command (to run it in a lab host). Returns each one's
-    JSON result, in launch order. Fails the test with every worker's stderr if one fails."""
+    JSON result, in launch order (None for those of ``expect_killed``, which must end by SIGKILL). Fails
+    the test with every worker's stderr if one fails."""
     address = master if isinstance(master, str) else master.address
     procs = []
     for i in range(peers):
@@ -90,7 +92,9 @@ def run_peers(master: Union[shoal.Master, str], tmp_path: Path, scenario: str, p
                 q.kill()
             pytest.fail(f"{scenario}: a peer did not finish within {timeout} s")
         outputs.append((p.returncode, out, err))
-    failed = [(i, rc, err) for i, (rc, _, err) in enumerate(outputs) if rc != 0]
+    expected = [-signal.SIGKILL if i in expect_killed else 0 for i in range(peers)]
+    failed = [(i, rc, err) for i, (rc, _, err) in enumerate(outputs) if rc != expected[i]]
     if failed:
         pytest.fail("\n".join(f"peer {i} exited {rc}:\n{err}" for i, rc, err in failed))
-    return [json.loads(out.strip().splitlines()[-1]) for _, out, _ in outputs]
+    return [None if i in expect_killed else json.loads(out.strip().splitlines()[-1])
+            for i, (_, out, _) in enumerate(outputs)]

@@ -37,6 +37,12 @@ def test_master_command_serves_until_terminated():
     assert "registered" in err  # SHOAL_LOG=info shows membership
 
 
+def test_version():
+    out = subprocess.run([*SHOAL, "--version"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout == f"shoal {shoal.__version__}\n"
+    assert shoal.__version__.count(".") == 2
+
+
 def test_bench_joins_a_given_master(master):
     out = subprocess.run([*SHOAL, "bench", "--master", master.address, "--peers", "2", "--sizes", "4K"],
                          capture_output=True, text=True, timeout=120, check=True).stdout

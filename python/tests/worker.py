@@ -559,6 +559,68 @@ def restart_loop(spec: dict) -> dict:
     return {"peer_id": comm.peer_id, "records": records, "errors": errors}
 
 
+def diloco(spec: dict) -> dict:
+    """DiLoCo (or, with ``async``, AsyncDiLoCo) on a linear regression, each peer on its own
+    shard: records the anchor's hash and the world at every outer step, the errors retried, and
+    the loss of the anchor on a common set before and after. The peer of index ``victim`` kills
+    itself at outer step 3."""
+    import signal
+
+    import torch
+
+    from shoal.torch import AsyncDiLoCo, DiLoCo
+
+    torch.manual_seed(0)  # the same initial model everywhere
+    model = torch.nn.Linear(8, 1)
+    truth = torch.arange(8, dtype=torch.float32)
+    g = torch.Generator().manual_seed(100 + spec["index"])
+    x = torch.randn(256, 8, generator=g)
+    y = x @ truth + 0.5
+    x_eval = torch.randn(512, 8, generator=torch.Generator().manual_seed(7))
+    y_eval = x_eval @ truth + 0.5
+    comm = shoal.Communicator(spec["master"], timeout=30)
+    comm.connect(timeout=30)
+    while comm.world_size < spec["peers"]:
+        if comm.peers_pending():
+            comm.update_topology()
+    kind = AsyncDiLoCo if spec["async"] else DiLoCo
+    recipe = kind(comm, model.parameters(), inner_steps=5, outer_lr=0.7, outer_momentum=0.5)
+    recipe.join()
+
+    def anchor_loss() -> float:
+        w, b = recipe.anchor[:8], recipe.anchor[8:]
+        return float(((x_eval @ w + b - y_eval) ** 2).mean())
+
+    before = anchor_loss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    records, errors, i = [], [], 0
+    while recipe.outer_steps < spec["outer"]:
+        batch = slice(i * 32 % 256, i * 32 % 256 + 32)
+        i += 1
+        opt.zero_grad()
+        loss = ((model(x[batch]).squeeze(-1) - y[batch]) ** 2).mean()
+        loss.backward()
+        opt.step()
+        if spec.get("victim") == spec["index"] and recipe.outer_steps == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        while True:
+            try:
+                if recipe.step():
+                    records.append({"outer": recipe.outer_steps, "hash": shoal.hash_tensor(recipe.anchor),
+                                    "world": comm.world_size})
+                break
+            except shoal.PeerLostError as e:
+                errors.append(type(e).__name__)
+    while True:
+        try:
+            recipe.finish()
+            break
+        except shoal.PeerLostError as e:
+            errors.append(type(e).__name__)
+    records.append({"outer": "final", "hash": shoal.hash_tensor(recipe.anchor), "world": comm.world_size})
+    return {"records": records, "errors": errors, "before": before, "after": anchor_loss()}
+
+
 def sync_case(spec: dict) -> dict:
     """One sync among ``peers`` peers whose states and strategies ``case`` sets by index."""
     case, i = spec["case"], spec["index"]
@@ -977,6 +1039,6 @@ if __name__ == "__main__":
                  "mismatched_calls": mismatched_calls, "links": links, "verbs": verbs,
                  "p2p": p2p, "p2p_ring": p2p_ring,
                  "barrier_lost": barrier_lost, "optimize": optimize, "quantized": quantized, "watched": watched,
-                 "restart_loop": restart_loop}
+                 "restart_loop": restart_loop, "diloco": diloco}
     result = scenarios[scenario](spec)
     print(json.dumps(result), flush=True)

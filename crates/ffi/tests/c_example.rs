@@ -15,6 +15,14 @@ fn target_dir() -> PathBuf {
 #[test]
 fn four_peers_in_c_all_reduce_gather_and_broadcast() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    // `cargo test` builds the library as Rust needs it, not the C archive: build that, with
+    // this build's profile, so that it shares what is compiled already.
+    let built = Command::new(env!("CARGO"))
+        .args(["build", "--quiet", "--profile", "test", "-p", "shoal-ffi", "--lib"])
+        .current_dir(&root)
+        .status()
+        .expect("cargo");
+    assert!(built.success(), "building libshoal.a failed");
     let lib = target_dir().join("libshoal.a");
     assert!(lib.exists(), "{} was not built", lib.display());
     let exe = target_dir().join("shoal-c-allreduce");

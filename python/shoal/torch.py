@@ -1,0 +1,207 @@
+"""PyTorch recipes over a :class:`shoal.Communicator`: DiLoCo, synchronous and asynchronous.
+
+DiLoCo (Douillard et al., 2023): every peer takes ``inner_steps`` steps of its own optimizer on its
+own data, then the peers average their *pseudo-gradients* (how far each moved from the shared
+anchor) and an outer optimizer (SGD with Nesterov momentum) moves the anchor by the average. Only
+the outer step communicates: one all-reduce of the model's size every ``inner_steps`` steps.
+
+The anchor and the outer momentum are a :class:`shoal.SharedState` synced at every outer step, so
+a peer that joins receives them and starts from the run's anchor, and peers stay bit-identical
+whoever dies: an outer step interrupted by a lost peer raises :class:`shoal.PeerLostError` having
+changed nothing, and is simply called again.
+
+``AsyncDiLoCo`` overlaps the outer all-reduce with the next inner steps: the average of outer step
+``k`` is applied at outer step ``k + 1`` (one step late), which hides the communication behind
+compute over slow links.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, Optional
+
+from ._state import SharedState
+
+if TYPE_CHECKING:
+    import torch
+
+    from ._communicator import Communicator, ErrorFeedback, Work
+
+
+def _flat(params: "list[torch.Tensor]") -> "torch.Tensor":
+    import torch
+
+    return torch.cat([p.detach().reshape(-1) for p in params]).contiguous()
+
+
+def _assign(params: "list[torch.Tensor]", flat: "torch.Tensor") -> None:
+    import torch
+
+    with torch.no_grad():
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.copy_(flat[offset:offset + n].view_as(p))
+            offset += n
+
+
+class DiLoCo:
+    """DiLoCo over ``comm`` for ``params`` (a model's parameters, CPU tensors of one float dtype).
+
+    Call :meth:`step` after every inner optimizer step; every ``inner_steps`` calls it runs the
+    outer step (a sync of the anchor, an all-reduce of the pseudo-gradients, the outer update) and
+    returns True. ``quantization`` ("fp16", "bf16", "int8", "int4") compresses the all-reduce,
+    with error feedback carrying each peer's quantization error into its next outer step.
+    """
+
+    def __init__(
+        self,
+        comm: "Communicator",
+        params: "Iterable[torch.Tensor]",
+        *,
+        inner_steps: int = 50,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        quantization: Optional[str] = None,
+        tag: int = 1 << 40,
+    ) -> None:
+        import torch
+
+        self.params = [p for p in params]
+        if not self.params:
+            raise ValueError("DiLoCo needs at least one parameter")
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+            raise TypeError(f"DiLoCo needs parameters of one float dtype, got {sorted(map(str, dtypes))}")
+        if any(p.device.type != "cpu" for p in self.params):
+            raise ValueError("DiLoCo keeps CPU parameters so far: move the model to the CPU")
+        if inner_steps < 1:
+            raise ValueError(f"inner_steps must be at least 1, got {inner_steps}")
+        self.comm, self.inner_steps, self.tag = comm, inner_steps, tag
+        self.outer_lr, self.outer_momentum, self.nesterov = outer_lr, outer_momentum, nesterov
+        self.anchor = _flat(self.params).clone()
+        self.momentum = torch.zeros_like(self.anchor)
+        # Where the inner steps since the last outer step began: the anchor, or (AsyncDiLoCo)
+        # the anchor moved by the late update with the progress not yet averaged kept.
+        self.origin = self.anchor.clone()
+        self.state = SharedState({"anchor": self.anchor, "momentum": self.momentum}, revision=0)
+        self.inner = 0
+        self._feedback: "Optional[ErrorFeedback]" = None
+        if quantization is not None:
+            from ._communicator import ErrorFeedback
+
+            self._feedback = ErrorFeedback(quantization)
+
+    @property
+    def outer_steps(self) -> int:
+        """Outer steps the run has taken (the shared state's revision)."""
+        return self.state.revision
+
+    def join(self) -> None:
+        """Takes up the run's anchor (a newcomer receives it) and sets the model to it. Call once
+        after ``connect()``, and again after ``update_topology()`` admitted newcomers."""
+        self.comm.sync_shared_state(self.state)
+        _assign(self.params, self.anchor)
+        self.origin.copy_(self.anchor)
+        self.inner = 0
+
+    def step(self) -> bool:
+        """Counts an inner step; every ``inner_steps``-th runs the outer step (True)."""
+        self.inner += 1
+        if self.inner < self.inner_steps:
+            return False
+        self.outer_step()
+        return True
+
+    def finish(self) -> None:
+        """Ends training: the model takes up the anchor. Nothing is in flight in this variant."""
+        _assign(self.params, self.anchor)
+
+    def _pseudo_gradient(self) -> "torch.Tensor":
+        """How far the inner steps moved the model since they began."""
+        return (self.origin - _flat(self.params)).contiguous()
+
+    def _reduce(self, delta: "torch.Tensor") -> None:
+        if self._feedback is not None:
+            self._feedback.all_reduce(self.comm, delta, key="diloco", op="avg", tag=self.tag)
+        else:
+            self.comm.all_reduce(delta, op="avg", tag=self.tag)
+
+    def _apply(self, delta: "torch.Tensor") -> None:
+        """The outer optimizer: SGD with (Nesterov) momentum on the anchor, then the model takes
+        the anchor up."""
+        self.momentum.mul_(self.outer_momentum).add_(delta)
+        update = delta + self.outer_momentum * self.momentum if self.nesterov else self.momentum
+        self.anchor.sub_(self.outer_lr * update)
+        _assign(self.params, self.anchor)
+        self.origin.copy_(self.anchor)
+
+    def outer_step(self) -> None:
+        """Sync the anchor, average the pseudo-gradients, move the anchor, restart the inner
+        steps from it. Raises :class:`shoal.PeerLostError` having changed nothing (the model
+        keeps its inner progress): call it again."""
+        delta = self._pseudo_gradient()
+        self.comm.sync_shared_state(self.state)
+        self._reduce(delta)
+        self._apply(delta)
+        self.state.revision += 1
+        self.inner = 0
+
+
+class AsyncDiLoCo(DiLoCo):
+    """DiLoCo whose outer all-reduce overlaps the next ``inner_steps`` inner steps: outer step
+    ``k`` starts the all-reduce of its pseudo-gradients and applies the average that outer step
+    ``k - 1`` started (one step late). The anchor stays identical on every peer. With the delay,
+    a lower outer momentum converges where DiLoCo's usual 0.9 oscillates: on the tests'
+    regression (3 peers, 5 inner steps) 0.5 reaches a loss of 0.01 in 12 outer steps, 0.9 is
+    still at 31. Call :meth:`finish` after the last step to apply the all-reduce in flight."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        if self._feedback is not None:
+            raise ValueError("AsyncDiLoCo does not quantize yet: error feedback needs the result at once")
+        self._pending: "Optional[tuple[Work, torch.Tensor]]" = None
+
+    def outer_step(self) -> None:
+        from .errors import PeerLostError
+
+        delta = self._pseudo_gradient()
+        if self._pending is not None:
+            work, previous = self._pending
+            try:
+                work.wait()
+            except PeerLostError:
+                # It did not happen (its buffer is as before): start it again, then let the
+                # caller retry this step.
+                self._pending = (self.comm.all_reduce_async(previous, op="avg", tag=self.tag), previous)
+                raise
+            self._pending = None
+            self._apply(previous)
+            # The inner steps since went on from the old anchor: keep what they learned (it is
+            # averaged next, from here on).
+            _assign(self.params, self.anchor - delta)
+        # After the late update: a newcomer receives the anchor every peer holds now (a peer that
+        # joined during the all-reduce in flight was admitted after it ended).
+        self.comm.sync_shared_state(self.state)
+        self._pending = (self.comm.all_reduce_async(delta, op="avg", tag=self.tag), delta)
+        # That progress is being averaged: the next pseudo-gradient counts from here.
+        self.origin.copy_(_flat(self.params))
+        self.state.revision += 1
+        self.inner = 0
+
+    def finish(self) -> None:
+        """Ends training: waits for the all-reduce in flight, applies it, and the model takes up
+        the anchor. Raises :class:`shoal.PeerLostError` as :meth:`outer_step` does: call it
+        again."""
+        from .errors import PeerLostError
+
+        if self._pending is not None:
+            work, previous = self._pending
+            try:
+                work.wait()
+            except PeerLostError:
+                self._pending = (self.comm.all_reduce_async(previous, op="avg", tag=self.tag), previous)
+                raise
+            self._pending = None
+            self._apply(previous)
+        _assign(self.params, self.anchor)

@@ -1,0 +1,35 @@
+"""shoal.torch's DiLoCo recipes among peer processes: every peer's anchor is bit-identical after
+every outer step, the model learns, and a peer killed mid-run costs the others a retry."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import run_peers
+
+pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize("variant", ["sync", "async"])
+def test_diloco_peers_share_one_anchor_and_learn(master, tmp_path, variant):
+    results = run_peers(master, tmp_path, "diloco", 3, outer=12, **{"async": variant == "async"})
+    for outer in [*range(1, 13), "final"]:
+        hashes = {rec["hash"] for r in results for rec in r["records"] if rec["outer"] == outer}
+        assert len(hashes) == 1, f"outer step {outer}: anchors differ"
+    for r in results:
+        assert r["errors"] == [] and [rec["world"] for rec in r["records"]] == [3] * 13
+        assert r["after"] < 0.05 * r["before"], r
+
+
+@pytest.mark.parametrize("variant", ["sync", "async"])
+def test_diloco_goes_on_when_a_peer_dies(master, tmp_path, variant):
+    spec = {"outer": 10, "victim": 2, "async": variant == "async"}
+    results = run_peers(master, tmp_path, "diloco", 3, expect_killed={2}, **spec)
+    survivors = [r for r in results if r is not None]
+    assert len(survivors) == 2
+    for outer in [*range(1, 11), "final"]:
+        hashes = {rec["hash"] for r in survivors for rec in r["records"] if rec["outer"] == outer}
+        assert len(hashes) == 1, f"outer step {outer}: anchors differ"
+    for r in survivors:
+        assert set(r["errors"]) <= {"PeerLostError"}
+        assert r["records"][-1]["world"] == 2
+        assert r["after"] < 0.05 * r["before"], r
