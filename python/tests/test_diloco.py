@@ -9,9 +9,11 @@ from conftest import run_peers
 pytest.importorskip("torch")
 
 
-@pytest.mark.parametrize("variant", ["sync", "async"])
+@pytest.mark.parametrize("variant", ["sync", "async", "int8"])
 def test_diloco_peers_share_one_anchor_and_learn(master, tmp_path, variant):
-    results = run_peers(master, tmp_path, "diloco", 3, outer=12, **{"async": variant == "async"})
+    quantization = "int8" if variant == "int8" else None
+    results = run_peers(master, tmp_path, "diloco", 3, outer=12, quantization=quantization,
+                        **{"async": variant == "async"})
     for outer in [*range(1, 13), "final"]:
         hashes = {rec["hash"] for r in results for rec in r["records"] if rec["outer"] == outer}
         assert len(hashes) == 1, f"outer step {outer}: anchors differ"

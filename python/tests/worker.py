@@ -584,7 +584,8 @@ def diloco(spec: dict) -> dict:
         if comm.peers_pending():
             comm.update_topology()
     kind = AsyncDiLoCo if spec["async"] else DiLoCo
-    recipe = kind(comm, model.parameters(), inner_steps=5, outer_lr=0.7, outer_momentum=0.5)
+    recipe = kind(comm, model.parameters(), inner_steps=5, outer_lr=0.7, outer_momentum=0.5,
+                  quantization=spec.get("quantization"))
     recipe.join()
 
     def anchor_loss() -> float:
