@@ -1,4 +1,11 @@
-"""PyTorch recipes over a :class:`shoal.Communicator`: DiLoCo, synchronous and asynchronous.
+"""PyTorch recipes over a :class:`shoal.Communicator`: a DDP communication hook, and DiLoCo,
+synchronous and asynchronous.
+
+``DDPHook`` averages a ``DistributedDataParallel`` model's gradient buckets across the peers
+through shoal, each bucket's all-reduce starting as soon as backward fills it, so it overlaps the
+rest of the backward pass. DDP itself only needs a process group to exist: a one-process gloo
+group per peer does (``init_process_group("gloo", store=HashStore(), rank=0, world_size=1)``);
+shoal moves the data, with its admission, fault tolerance and retry.
 
 DiLoCo (Douillard et al., 2023): every peer takes ``inner_steps`` steps of its own optimizer on its
 own data, then the peers average their *pseudo-gradients* (how far each moved from the shared
@@ -17,9 +24,12 @@ compute over slow links.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Optional
+import queue
+import threading
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from ._state import SharedState
+from .errors import ShoalError
 
 if TYPE_CHECKING:
     import torch
@@ -42,6 +52,65 @@ def _assign(params: "list[torch.Tensor]", flat: "torch.Tensor") -> None:
             n = p.numel()
             p.copy_(flat[offset:offset + n].view_as(p))
             offset += n
+
+
+class DDPHook:
+    """A DDP communication hook that averages every gradient bucket across ``comm``'s group:
+    ``hook = DDPHook(comm); hook.register(ddp)``.
+
+    A bucket's average that fails (a peer was lost) cannot fail DDP's backward in a way a loop can
+    retry, so the hook hands DDP the bucket as it is and remembers the error: call :meth:`check`
+    after ``backward()`` and before ``optimizer.step()``. It raises that error (a
+    :class:`shoal.PeerLostError`: the gradients then mix averaged and local values), and the loop
+    redoes the step: ``zero_grad()``, forward, backward, ``check()`` again.
+    """
+
+    def __init__(self, comm: "Communicator", *, tag: int = 1 << 41) -> None:
+        self.comm, self.tag = comm, tag
+        self._failed: Optional[BaseException] = None
+        self._lock = threading.Lock()
+        self._works: "queue.Queue[tuple[Work, Any, torch.Tensor]]" = queue.Queue()
+        threading.Thread(target=self._complete, name="shoal-ddp-hook", daemon=True).start()
+
+    def register(self, ddp: Any) -> None:
+        """Makes this the communication hook of ``ddp``, a ``DistributedDataParallel`` model."""
+        ddp.register_comm_hook(None, self._hook)
+
+    # Unannotated: DDP checks a hook's annotations, and this module's are strings.
+    def _hook(self, state, bucket):  # type: ignore[no-untyped-def]
+        import torch
+
+        buffer = bucket.buffer()
+        future: "torch.futures.Future[torch.Tensor]" = torch.futures.Future()
+        try:
+            work = self.comm.all_reduce_async(buffer, op="avg", tag=self.tag + bucket.index())
+        except ShoalError as e:
+            self._fail(e)
+            future.set_result(buffer)
+            return future
+        self._works.put((work, future, buffer))
+        return future
+
+    def _complete(self) -> None:
+        while True:
+            work, future, buffer = self._works.get()
+            try:
+                work.wait()
+            except ShoalError as e:
+                self._fail(e)
+            future.set_result(buffer)
+
+    def _fail(self, e: BaseException) -> None:
+        with self._lock:
+            if self._failed is None:
+                self._failed = e
+
+    def check(self) -> None:
+        """Raises the error of a bucket whose average failed since the last call, if one did."""
+        with self._lock:
+            failed, self._failed = self._failed, None
+        if failed is not None:
+            raise failed
 
 
 class DiLoCo:

@@ -1,5 +1,6 @@
-"""shoal.torch's DiLoCo recipes among peer processes: every peer's anchor is bit-identical after
-every outer step, the model learns, and a peer killed mid-run costs the others a retry."""
+"""shoal.torch among peer processes: DDP through DDPHook and the DiLoCo recipes keep every peer's
+model (or anchor) bit-identical after every step, the model learns, and a peer killed mid-run
+costs the others a retry."""
 
 from __future__ import annotations
 
@@ -35,3 +36,17 @@ def test_diloco_goes_on_when_a_peer_dies(master, tmp_path, variant):
         assert set(r["errors"]) <= {"PeerLostError"}
         assert r["records"][-1]["world"] == 2
         assert r["after"] < 0.05 * r["before"], r
+
+
+@pytest.mark.parametrize("victim", [None, 2])
+def test_ddp_through_the_hook_keeps_replicas_identical(master, tmp_path, victim):
+    killed = {victim} if victim is not None else set()
+    results = run_peers(master, tmp_path, "ddp", 3, expect_killed=killed, steps=30, victim=victim)
+    survivors = [r for r in results if r is not None]
+    for step in range(30):
+        hashes = {rec["hash"] for r in survivors for rec in r["records"] if rec["step"] == step}
+        assert len(hashes) == 1, f"step {step}: replicas differ"
+    for r in survivors:
+        assert set(r["errors"]) <= {"PeerLostError"} and (victim is not None or not r["errors"])
+        assert r["records"][-1]["world"] == 3 - len(killed)
+        assert r["last"] < 0.5 * r["first"], r

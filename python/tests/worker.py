@@ -622,6 +622,54 @@ def diloco(spec: dict) -> dict:
     return {"records": records, "errors": errors, "before": before, "after": anchor_loss()}
 
 
+def ddp(spec: dict) -> dict:
+    """A DistributedDataParallel MLP whose buckets shoal.torch.DDPHook averages: each peer on its
+    own shard, records the parameters' hash after every step and the errors retried; the peer of
+    index ``victim`` kills itself at step 5."""
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    from shoal.torch import DDPHook
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)  # several buckets
+    g = torch.Generator().manual_seed(100 + spec["index"])
+    x = torch.randn(256, 8, generator=g)
+    y = 0.5 * x[:, 0] - 0.25 * x[:, 1]
+    comm = shoal.Communicator(spec["master"], timeout=30)
+    comm.connect(timeout=30)
+    while comm.world_size < spec["peers"]:
+        if comm.peers_pending():
+            comm.update_topology()
+    hook = DDPHook(comm)
+    hook.register(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    records, errors, losses = [], [], []
+    for step in range(spec["steps"]):
+        if spec.get("victim") == spec["index"] and step == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+        batch = slice(step * 32 % 256, step * 32 % 256 + 32)
+        while True:
+            opt.zero_grad()
+            loss = ((net(x[batch]).squeeze(-1) - y[batch]) ** 2).mean()
+            loss.backward()
+            try:
+                hook.check()
+                break
+            except shoal.PeerLostError as e:
+                errors.append(type(e).__name__)
+        opt.step()
+        losses.append(float(loss))
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        records.append({"step": step, "hash": shoal.hash_tensor(flat), "world": comm.world_size})
+    dist.destroy_process_group()
+    return {"records": records, "errors": errors, "first": losses[0], "last": sum(losses[-5:]) / 5}
+
+
 def sync_case(spec: dict) -> dict:
     """One sync among ``peers`` peers whose states and strategies ``case`` sets by index."""
     case, i = spec["case"], spec["index"]
@@ -1040,6 +1088,7 @@ if __name__ == "__main__":
                  "mismatched_calls": mismatched_calls, "links": links, "verbs": verbs,
                  "p2p": p2p, "p2p_ring": p2p_ring,
                  "barrier_lost": barrier_lost, "optimize": optimize, "quantized": quantized, "watched": watched,
-                 "restart_loop": restart_loop, "diloco": diloco}
+                 "restart_loop": restart_loop, "diloco": diloco,
+                 "ddp": ddp}
     result = scenarios[scenario](spec)
     print(json.dumps(result), flush=True)
