@@ -231,21 +231,27 @@ class AsyncDiLoCo(DiLoCo):
             raise ValueError("AsyncDiLoCo does not quantize yet: error feedback needs the result at once")
         self._pending: "Optional[tuple[Work, torch.Tensor]]" = None
 
-    def outer_step(self) -> None:
+    def _land(self) -> bool:
+        """Waits for the all-reduce in flight and applies its average; False if none was.
+        Raises :class:`shoal.PeerLostError` if it failed, having started it again (its buffer
+        is as before): the caller's retry waits for that one."""
         from .errors import PeerLostError
 
+        if self._pending is None:
+            return False
+        work, previous = self._pending
+        try:
+            work.wait()
+        except PeerLostError:
+            self._pending = (self.comm.all_reduce_async(previous, op="avg", tag=self.tag), previous)
+            raise
+        self._pending = None
+        self._apply(previous)
+        return True
+
+    def outer_step(self) -> None:
         delta = self._pseudo_gradient()
-        if self._pending is not None:
-            work, previous = self._pending
-            try:
-                work.wait()
-            except PeerLostError:
-                # It did not happen (its buffer is as before): start it again, then let the
-                # caller retry this step.
-                self._pending = (self.comm.all_reduce_async(previous, op="avg", tag=self.tag), previous)
-                raise
-            self._pending = None
-            self._apply(previous)
+        if self._land():
             # The inner steps since went on from the old anchor: keep what they learned (it is
             # averaged next, from here on).
             _assign(self.params, self.anchor - delta)
@@ -262,15 +268,5 @@ class AsyncDiLoCo(DiLoCo):
         """Ends training: waits for the all-reduce in flight, applies it, and the model takes up
         the anchor. Raises :class:`shoal.PeerLostError` as :meth:`outer_step` does: call it
         again."""
-        from .errors import PeerLostError
-
-        if self._pending is not None:
-            work, previous = self._pending
-            try:
-                work.wait()
-            except PeerLostError:
-                self._pending = (self.comm.all_reduce_async(previous, op="avg", tag=self.tag), previous)
-                raise
-            self._pending = None
-            self._apply(previous)
+        self._land()
         _assign(self.params, self.anchor)
