@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 from conftest import run_peers
 
+# torch is the optional `shoal[torch]` extra, which shoal.torch needs; scripts/env installs it,
+# so these run in CI and skip only where someone runs the suite without it.
 pytest.importorskip("torch")
 
 

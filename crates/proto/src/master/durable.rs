@@ -155,21 +155,15 @@ impl Master {
 
     /// Connection `conn`'s first message is `Rejoin`: `peer`, registered in `session`, is back.
     pub(super) fn rejoin(&mut self, now: Instant, conn: ConnId, peer: PeerId, session: SessionId, proof: [u8; 32]) {
-        let Some(nonce) = self.challenges.remove(&conn) else {
-            return self.refuse_rejoin(conn, "Rejoin on a connection that was not challenged".into(), false);
-        };
-        if self.config.key.as_ref().is_some_and(|key| !key.verify(&nonce, &proof)) {
-            self.counters.auth_failures += 1;
-            let reason = "authentication failed: the proof of the run's secret is wrong or missing".to_string();
-            self.send(conn, Message::AuthFailed { reason: reason.clone() });
-            return self.outputs.push_back(super::Output::Close { conn, reason });
+        if !self.proven(conn, "Rejoin", &peer.to_string(), &proof) {
+            return;
         }
         if session != self.config.session {
             let reason = format!("{peer} was registered in another run (session {:016x})", session.0);
-            return self.refuse_rejoin(conn, reason, true);
+            return self.refuse_rejoin(conn, reason);
         }
         let Some(entry) = self.peers.get_mut(&peer) else {
-            return self.refuse_rejoin(conn, format!("{peer} is not in the run any more"), true);
+            return self.refuse_rejoin(conn, format!("{peer} is not in the run any more"));
         };
         // Its old connection, if the master still holds one, is dead: the peer dialed anew.
         let old = entry.conn.replace(conn);
@@ -181,20 +175,15 @@ impl Master {
         }
         self.conns.insert(conn, peer);
         log::info!("{peer} rejoined");
-        let heartbeat_ms =
-            super::heartbeat_interval(self.config.heartbeat_timeout).as_millis().clamp(1, u32::MAX.into()) as u32;
-        let data_key = self.config.data_key.0;
-        self.send(conn, Message::Registered { peer, session, heartbeat_ms, data_key });
+        self.send(conn, self.registered_message(peer));
         self.reform_if_due();
     }
 
-    /// Refuses connection `conn` for `reason`; `kick` tells the peer (a registered peer that
-    /// must not come back).
-    fn refuse_rejoin(&mut self, conn: ConnId, reason: String, kick: bool) {
+    /// Refuses connection `conn`'s `Rejoin` for `reason`, telling the peer: it must not come
+    /// back.
+    fn refuse_rejoin(&mut self, conn: ConnId, reason: String) {
         log::warn!("connection {}: refused: {reason}", conn.0);
-        if kick {
-            self.send(conn, Message::Kicked { reason: reason.clone() });
-        }
+        self.send(conn, Message::Kicked { reason: reason.clone() });
         self.outputs.push_back(super::Output::Close { conn, reason });
     }
 

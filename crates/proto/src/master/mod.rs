@@ -411,17 +411,8 @@ impl Master {
             log::warn!("connection {}: {reason}", conn.0);
             return self.outputs.push_back(Output::Close { conn, reason });
         };
-        let Some(nonce) = self.challenges.remove(&conn) else {
-            let reason = "Join on a connection that was not challenged".to_string();
-            log::warn!("connection {}: {reason}", conn.0);
-            return self.outputs.push_back(Output::Close { conn, reason });
-        };
-        if self.config.key.as_ref().is_some_and(|key| !key.verify(&nonce, &proof)) {
-            self.counters.auth_failures += 1;
-            let reason = "authentication failed: the proof of the run's secret is wrong or missing".to_string();
-            log::warn!("connection {} ({data_addr}): {reason} ({} so far)", conn.0, self.counters.auth_failures);
-            self.send(conn, Message::AuthFailed { reason: reason.clone() });
-            return self.outputs.push_back(Output::Close { conn, reason });
+        if !self.proven(conn, "Join", &data_addr, &proof) {
+            return;
         }
         if self.peers.len() >= MAX_PEERS {
             // Every topology lists every member: one more could not be sent to anyone.
@@ -446,12 +437,38 @@ impl Master {
         self.counters.joins += 1;
         self.touch();
         self.outputs.push_back(Output::Event(MasterEvent::PeerRegistered { peer, group, addr: data_addr }));
-        let heartbeat_ms =
-            heartbeat_interval(self.config.heartbeat_timeout).as_millis().clamp(1, u32::MAX.into()) as u32;
-        let data_key = self.config.data_key.0;
-        self.send(conn, Message::Registered { peer, session: self.config.session, heartbeat_ms, data_key });
+        self.send(conn, self.registered_message(peer));
         self.arm_heartbeat_check();
         self.admit_without_vote_if_alone();
+    }
+
+    /// Whether connection `conn`, whose first message (`first`, from `who`) carries `proof`, was
+    /// challenged and proves the run's secret. If not, it is answered, closed, logged and
+    /// counted.
+    fn proven(&mut self, conn: ConnId, first: &str, who: &str, proof: &[u8; 32]) -> bool {
+        let Some(nonce) = self.challenges.remove(&conn) else {
+            let reason = format!("{first} on a connection that was not challenged");
+            log::warn!("connection {}: {reason}", conn.0);
+            self.outputs.push_back(Output::Close { conn, reason });
+            return false;
+        };
+        if self.config.key.as_ref().is_some_and(|key| !key.verify(&nonce, proof)) {
+            self.counters.auth_failures += 1;
+            let reason = "authentication failed: the proof of the run's secret is wrong or missing".to_string();
+            log::warn!("connection {} ({who}): {reason} ({} so far)", conn.0, self.counters.auth_failures);
+            self.send(conn, Message::AuthFailed { reason: reason.clone() });
+            self.outputs.push_back(Output::Close { conn, reason });
+            return false;
+        }
+        true
+    }
+
+    /// What tells `peer` it is registered (or taken back): its id, the run, how often to send
+    /// heartbeats, the run's data key.
+    fn registered_message(&self, peer: PeerId) -> Message {
+        let heartbeat_ms =
+            heartbeat_interval(self.config.heartbeat_timeout).as_millis().clamp(1, u32::MAX.into()) as u32;
+        Message::Registered { peer, session: self.config.session, heartbeat_ms, data_key: self.config.data_key.0 }
     }
 
     /// The first peers of a run (or the first after every accepted peer left) have nobody to
