@@ -37,21 +37,19 @@ if TYPE_CHECKING:
     from ._communicator import Communicator, ErrorFeedback, Work
 
 
-def _flat(params: "list[torch.Tensor]") -> "torch.Tensor":
+def _flatten(params: "list[torch.Tensor]") -> "torch.Tensor":
+    """One contiguous buffer holding ``params``, which become views into it: the model reads and
+    writes it where it is, so taking its pseudo-gradient or setting it to the anchor is one pass
+    over one buffer, not a gather and a scatter."""
     import torch
 
-    return torch.cat([p.detach().reshape(-1) for p in params]).contiguous()
-
-
-def _assign(params: "list[torch.Tensor]", flat: "torch.Tensor") -> None:
-    import torch
-
-    with torch.no_grad():
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.copy_(flat[offset:offset + n].view_as(p))
-            offset += n
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.data = flat[offset:offset + n].view_as(p)
+        offset += n
+    return flat
 
 
 class DDPHook:
@@ -117,9 +115,21 @@ class DiLoCo:
     """DiLoCo over ``comm`` for ``params`` (a model's parameters, CPU tensors of one float dtype).
 
     Call :meth:`step` after every inner optimizer step; every ``inner_steps`` calls it runs the
-    outer step (a sync of the anchor, an all-reduce of the pseudo-gradients, the outer update) and
-    returns True. ``quantization`` ("fp16", "bf16", "int8", "int4") compresses the all-reduce,
-    with error feedback carrying each peer's quantization error into its next outer step.
+    outer step (an all-reduce of the pseudo-gradients, the outer update) and returns True.
+    ``quantization`` ("fp16", "bf16", "int8", "int4") compresses the all-reduce, with error
+    feedback carrying each peer's quantization error into its next outer step.
+
+    The parameters become views into one flat buffer (``p.data`` is replaced, the parameter
+    objects stay, so an optimizer made before keeps working).
+
+    **Admission.** An outer step first asks whether peers wait to join (``peers_pending()``, a
+    vote with one answer everywhere). If some do, it admits them (``update_topology()``) and syncs
+    the anchor, the outer momentum and the outer step count with them instead of averaging:
+    the newcomers' :meth:`join` is the other half of that sync, and everyone then takes
+    ``inner_steps`` inner steps (the accepted peers keep theirs, averaged at the next outer
+    step) before averaging together. Outer steps without newcomers move only the all-reduce's
+    bytes: the anchor is identical everywhere by construction (every peer applies the same
+    bit-identical average), so it is not hashed again.
     """
 
     def __init__(
@@ -148,13 +158,17 @@ class DiLoCo:
             raise ValueError(f"inner_steps must be at least 1, got {inner_steps}")
         self.comm, self.inner_steps, self.tag = comm, inner_steps, tag
         self.outer_lr, self.outer_momentum, self.nesterov = outer_lr, outer_momentum, nesterov
-        self.anchor = _flat(self.params).clone()
+        self.flat = _flatten(self.params)
+        self.anchor = self.flat.clone()
         self.momentum = torch.zeros_like(self.anchor)
+        self._outer = torch.zeros(1, dtype=torch.int64)
         # Where the inner steps since the last outer step began: the anchor, or (AsyncDiLoCo)
-        # the anchor moved by the late update with the progress not yet averaged kept.
+        # the model as it was when the all-reduce in flight started.
         self.origin = self.anchor.clone()
-        self.state = SharedState({"anchor": self.anchor, "momentum": self.momentum}, revision=0)
+        # Its revision counts the syncs (joins and admissions), not the outer steps.
+        self.state = SharedState({"anchor": self.anchor, "momentum": self.momentum, "outer": self._outer})
         self.inner = 0
+        self._admitting = False
         self._feedback: "Optional[ErrorFeedback]" = None
         if quantization is not None:
             from ._communicator import ErrorFeedback
@@ -163,32 +177,45 @@ class DiLoCo:
 
     @property
     def outer_steps(self) -> int:
-        """Outer steps the run has taken (the shared state's revision)."""
-        return self.state.revision
+        """Outer steps the run has taken (a newcomer receives the count)."""
+        return int(self._outer[0])
 
     def join(self) -> None:
-        """Takes up the run's anchor (a newcomer receives it) and sets the model to it. Call once
-        after ``connect()``, and again after ``update_topology()`` admitted newcomers."""
+        """Takes up the run's anchor and sets the model to it: call once after ``connect()``,
+        every peer, founders and newcomers alike (a newcomer's is the other half of the sync in
+        the accepted peers' outer step that admitted it). Raises :class:`shoal.PeerLostError`
+        having changed nothing: call it again."""
         self.comm.sync_shared_state(self.state)
-        _assign(self.params, self.anchor)
+        self.flat.copy_(self.anchor)
         self.origin.copy_(self.anchor)
         self.inner = 0
 
     def step(self) -> bool:
-        """Counts an inner step; every ``inner_steps``-th runs the outer step (True)."""
+        """Counts an inner step; every ``inner_steps``-th runs the outer step: True if it
+        averaged, False if it admitted newcomers instead."""
         self.inner += 1
         if self.inner < self.inner_steps:
             return False
-        self.outer_step()
-        return True
+        return self.outer_step()
 
     def finish(self) -> None:
         """Ends training: the model takes up the anchor. Nothing is in flight in this variant."""
-        _assign(self.params, self.anchor)
+        self.flat.copy_(self.anchor)
 
-    def _pseudo_gradient(self) -> "torch.Tensor":
-        """How far the inner steps moved the model since they began."""
-        return (self.origin - _flat(self.params)).contiguous()
+    def _admit(self) -> bool:
+        """Admits the peers waiting to join, if any, and syncs the state with them (True).
+        Raises :class:`shoal.PeerLostError` having changed nothing but its own progress: the
+        retry goes on where it stopped, as every accepted peer's does (the vote is agreed)."""
+        if not self._admitting:
+            if not self.comm.peers_pending():
+                return False
+            self.comm.update_topology()
+            self._admitting = True
+            self.state.revision += 1
+        self.comm.sync_shared_state(self.state)
+        self._admitting = False
+        self.inner = 0
+        return True
 
     def _reduce(self, delta: "torch.Tensor") -> None:
         if self._feedback is not None:
@@ -197,24 +224,28 @@ class DiLoCo:
             self.comm.all_reduce(delta, op="avg", tag=self.tag)
 
     def _apply(self, delta: "torch.Tensor") -> None:
-        """The outer optimizer: SGD with (Nesterov) momentum on the anchor, then the model takes
-        the anchor up."""
+        """The outer optimizer on the anchor: SGD with (Nesterov) momentum."""
         self.momentum.mul_(self.outer_momentum).add_(delta)
-        update = delta + self.outer_momentum * self.momentum if self.nesterov else self.momentum
-        self.anchor.sub_(self.outer_lr * update)
-        _assign(self.params, self.anchor)
-        self.origin.copy_(self.anchor)
+        if self.nesterov:
+            self.anchor.add_(delta, alpha=-self.outer_lr)
+            self.anchor.add_(self.momentum, alpha=-self.outer_lr * self.outer_momentum)
+        else:
+            self.anchor.add_(self.momentum, alpha=-self.outer_lr)
 
-    def outer_step(self) -> None:
-        """Sync the anchor, average the pseudo-gradients, move the anchor, restart the inner
-        steps from it. Raises :class:`shoal.PeerLostError` having changed nothing (the model
-        keeps its inner progress): call it again."""
-        delta = self._pseudo_gradient()
-        self.comm.sync_shared_state(self.state)
+    def outer_step(self) -> bool:
+        """Admits newcomers (False), or averages the pseudo-gradients, moves the anchor and
+        restarts the inner steps from it (True). Raises :class:`shoal.PeerLostError` having
+        changed nothing (the model keeps its inner progress): call it again."""
+        if self._admit():
+            return False
+        delta = self.origin - self.flat
         self._reduce(delta)
         self._apply(delta)
-        self.state.revision += 1
+        self._outer += 1
+        self.flat.copy_(self.anchor)
+        self.origin.copy_(self.anchor)
         self.inner = 0
+        return True
 
 
 class AsyncDiLoCo(DiLoCo):
@@ -231,14 +262,17 @@ class AsyncDiLoCo(DiLoCo):
             raise ValueError("AsyncDiLoCo does not quantize yet: error feedback needs the result at once")
         self._pending: "Optional[tuple[Work, torch.Tensor]]" = None
 
-    def _land(self) -> bool:
-        """Waits for the all-reduce in flight and applies its average; False if none was.
-        Raises :class:`shoal.PeerLostError` if it failed, having started it again (its buffer
-        is as before): the caller's retry waits for that one."""
+    def _land(self) -> None:
+        """Waits for the all-reduce in flight, if any, and applies its average; the model keeps
+        the progress made since it started (averaged next). Raises :class:`shoal.PeerLostError`
+        if it failed, having started it again (its buffer is as before): the caller's retry
+        waits for that one."""
+        import torch
+
         from .errors import PeerLostError
 
         if self._pending is None:
-            return False
+            return
         work, previous = self._pending
         try:
             work.wait()
@@ -246,27 +280,28 @@ class AsyncDiLoCo(DiLoCo):
             self._pending = (self.comm.all_reduce_async(previous, op="avg", tag=self.tag), previous)
             raise
         self._pending = None
+        progress = self.origin - self.flat
         self._apply(previous)
-        return True
+        torch.sub(self.anchor, progress, out=self.flat)
+        self.origin.copy_(self.anchor)
 
-    def outer_step(self) -> None:
-        delta = self._pseudo_gradient()
-        if self._land():
-            # The inner steps since went on from the old anchor: keep what they learned (it is
-            # averaged next, from here on).
-            _assign(self.params, self.anchor - delta)
-        # After the late update: a newcomer receives the anchor every peer holds now (a peer that
-        # joined during the all-reduce in flight was admitted after it ended).
-        self.comm.sync_shared_state(self.state)
+    def outer_step(self) -> bool:
+        self._land()
+        # After the late update: newcomers receive the anchor every peer holds now.
+        if self._admit():
+            return False
+        delta = self.origin - self.flat
         self._pending = (self.comm.all_reduce_async(delta, op="avg", tag=self.tag), delta)
         # That progress is being averaged: the next pseudo-gradient counts from here.
-        self.origin.copy_(_flat(self.params))
-        self.state.revision += 1
+        self.origin.copy_(self.flat)
+        self._outer += 1
         self.inner = 0
+        return True
 
     def finish(self) -> None:
         """Ends training: waits for the all-reduce in flight, applies it, and the model takes up
         the anchor. Raises :class:`shoal.PeerLostError` as :meth:`outer_step` does: call it
         again."""
         self._land()
-        _assign(self.params, self.anchor)
+        self.flat.copy_(self.anchor)
+

@@ -52,3 +52,18 @@ def test_ddp_through_the_hook_keeps_replicas_identical(master, tmp_path, victim)
         assert set(r["errors"]) <= {"PeerLostError"} and (victim is not None or not r["errors"])
         assert r["records"][-1]["world"] == 3 - len(killed)
         assert r["last"] < 0.5 * r["first"], r
+
+
+@pytest.mark.parametrize("variant", ["sync", "async"])
+def test_a_newcomer_is_admitted_at_an_outer_step_and_takes_up_the_anchor(master, tmp_path, variant):
+    # Peers 0 and 1 found the run; peer 2 connects after their outer step 4 and their next outer
+    # step admits it (peers_pending, update_topology, a sync of anchor, momentum and count).
+    results = run_peers(master, tmp_path, "diloco", 3, outer=14, late=2, pause=0.05, **{"async": variant == "async"})
+    newcomer = results[2]["records"]
+    joined_at = newcomer[0]["outer"]
+    assert 4 < joined_at < 14 and newcomer[-1]["world"] == 3
+    for outer in [*range(joined_at, 15), "final"]:
+        hashes = {rec["hash"] for r in results for rec in r["records"] if rec["outer"] == outer}
+        assert len(hashes) == 1, f"outer step {outer}: anchors differ"
+    for r in results:
+        assert r["errors"] == [] and r["after"] < 0.05 * r["before"], r

@@ -578,15 +578,26 @@ def diloco(spec: dict) -> dict:
     y = x @ truth + 0.5
     x_eval = torch.randn(512, 8, generator=torch.Generator().manual_seed(7))
     y_eval = x_eval @ truth + 0.5
+    errors: list = []
     comm = shoal.Communicator(spec["master"], timeout=30)
+    late = spec.get("late") == spec["index"]
+    if late:  # connects once the founders are past outer step 3; their next outer step admits it
+        while not os.path.exists(spec["out"].replace(f"peer{spec['index']}", "peer0") + ".outer4"):
+            time.sleep(0.01)
     comm.connect(timeout=30)
-    while comm.world_size < spec["peers"]:
+    founders = spec["peers"] - ("late" in spec)
+    while not late and comm.world_size < founders:
         if comm.peers_pending():
             comm.update_topology()
     kind = AsyncDiLoCo if spec["async"] else DiLoCo
     recipe = kind(comm, model.parameters(), inner_steps=5, outer_lr=0.7, outer_momentum=0.5,
                   quantization=spec.get("quantization"))
-    recipe.join()
+    while True:
+        try:
+            recipe.join()
+            break
+        except shoal.PeerLostError as e:
+            errors.append(type(e).__name__)
 
     def anchor_loss() -> float:
         w, b = recipe.anchor[:8], recipe.anchor[8:]
@@ -594,7 +605,7 @@ def diloco(spec: dict) -> dict:
 
     before = anchor_loss()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    records, errors, i = [], [], 0
+    records, i = [], 0
     while recipe.outer_steps < spec["outer"]:
         batch = slice(i * 32 % 256, i * 32 % 256 + 32)
         i += 1
@@ -609,6 +620,8 @@ def diloco(spec: dict) -> dict:
                 if recipe.step():
                     records.append({"outer": recipe.outer_steps, "hash": shoal.hash_tensor(recipe.anchor),
                                     "world": comm.world_size})
+                    open(f"{spec['out']}.outer{recipe.outer_steps}", "w").close()
+                    time.sleep(spec.get("pause", 0))
                 break
             except shoal.PeerLostError as e:
                 errors.append(type(e).__name__)
