@@ -77,7 +77,14 @@ def _peer(master: str, name: int, peers: int, steps_after_full: int, elements: i
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--train" in argv:
+        from . import train
+
+        return train.main([a for a in argv if a != "--train"])
     parser = argparse.ArgumentParser(prog="shoal demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--train", action="store_true",
+                        help="instead: DiLoCo training an MLP on real data with churn (shoal demo --train --help)")
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--join-interval", type=float, default=1.0, help="seconds between joins")
     parser.add_argument("--steps", type=int, default=8, help="steps once everyone is in")
