@@ -1,11 +1,23 @@
-"""What DiLoCo's outer step costs in communication next to a bare all-reduce of the same bytes.
+"""What DiLoCo's outer step costs in communication next to a bare all-reduce of the same bytes,
+and how much of it AsyncDiLoCo hides behind compute.
 
 Peers hold a float32 model of ``--mib`` MiB; each round, every peer times (a) a bare
-``all_reduce(avg)`` of a buffer of the model's size and (b) ``DiLoCo.outer_step()`` (the sync of
-the anchor and outer momentum, which hashes both, then the all-reduce of the pseudo-gradients and
-the outer update). Prints the medians of peer 0 and their ratio.
+``all_reduce(avg)`` of a buffer of the model's size and (b) ``DiLoCo.outer_step()``: the
+``peers_pending()`` vote, the all-reduce of the pseudo-gradients and the outer update (Nesterov
+SGD on the anchor, the model set to it). Its communication is the time inside the vote and the
+all-reduce. Prints the medians of peer 0 and the ratios.
+
+With ``--async``, (b) is ``--compute`` seconds of inner steps, then ``AsyncDiLoCo.outer_step()``,
+which waits for the all-reduce started one outer step earlier (it ran during the compute) and
+starts the next. The time the loop is blocked there, next to the bare all-reduce, says how much
+of the all-reduce the compute hid. The compute is a sleep: a GPU's work, which leaves the host's
+cores to shoal (on this 2-core machine, 4 peers computing on the CPU would measure the CPU).
+
+``--lab PROFILE`` runs the master on the lab's first host and a peer on each host
+(``docs/lab.md``; root), e.g. on two sites 40 ms apart at 100 Mbit/s:
 
     python bench/diloco.py --peers 3 --mib 16 --rounds 10
+    python bench/diloco.py --lab two-sites --rate 100mbit --peers 4 --mib 16 --async --compute 4
 """
 
 from __future__ import annotations
@@ -19,35 +31,56 @@ import time
 import shoal
 
 
-def worker(master: str, peers: int, mib: int, rounds: int) -> None:
+def worker(master: str, args: argparse.Namespace) -> None:
     import torch
-    from shoal.torch import DiLoCo
+    from shoal.torch import AsyncDiLoCo, DiLoCo
 
-    comm = shoal.Communicator(master, timeout=120)
-    comm.connect(timeout=60)
-    while comm.group_world_size < peers:
-        if comm.peers_pending():
-            comm.update_topology()
-    n = mib << 18
+    comm = shoal.Communicator(master, timeout=300)
+    comm.connect(timeout=120, min_world_size=args.peers)
+    n = args.mib << 18
     torch.manual_seed(0)
     weight = torch.nn.Parameter(torch.zeros(n))
-    diloco = DiLoCo(comm, [weight], inner_steps=1)
+    diloco = (AsyncDiLoCo if args.async_ else DiLoCo)(comm, [weight], inner_steps=1)
     diloco.join()
-    bare, outer = [], []
+    bare, outer, talk = [], [], []
+    inside = [0.0]
+
+    def timed(call):  # the communicator's calls, timed where DiLoCo makes them
+        def run(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return call(*a, **kw)
+            finally:
+                inside[0] += time.perf_counter() - t
+        return run
+
+    comm.all_reduce, comm.peers_pending = timed(comm.all_reduce), timed(comm.peers_pending)
     buffer = torch.ones(n)
-    for _ in range(rounds):
+    for _ in range(args.rounds):  # first, alone: the async all-reduce would share the links
         t = time.perf_counter()
         comm.all_reduce(buffer, op="avg")
         bare.append(time.perf_counter() - t)
+    for i in range(args.rounds + args.async_):
         with torch.no_grad():
             weight.add_(0.001)
+        time.sleep(args.compute)
+        inside[0] = 0.0
         t = time.perf_counter()
         diloco.outer_step()
-        outer.append(time.perf_counter() - t)
+        if i or not args.async_:  # the first async outer step has nothing in flight to wait for
+            outer.append(time.perf_counter() - t)
+            talk.append(inside[0])
+    diloco.finish()
     if comm.rank == 0:
-        b, o = statistics.median(bare), statistics.median(outer)
-        print(f"{peers} peers, {mib} MiB: bare all_reduce {b * 1e3:.1f} ms, DiLoCo outer step {o * 1e3:.1f} ms, "
-              f"ratio {o / b:.2f}", flush=True)
+        b, o, c = statistics.median(bare), statistics.median(outer), statistics.median(talk)
+        where = f"lab {args.lab}" + (f" at {args.rate}" if args.rate else "") if args.lab else "loopback"
+        head = f"{where}, {args.peers} peers, {args.mib} MiB: bare all_reduce {b * 1e3:.1f} ms; "
+        if args.async_:
+            print(head + f"after {args.compute:g} s of compute, AsyncDiLoCo's outer step blocks {o * 1e3:.1f} ms: "
+                  f"{1 - o / b:.1%} of the all-reduce hidden", flush=True)
+        else:
+            print(head + f"DiLoCo outer step {o * 1e3:.1f} ms ({o / b:.2f}x), of which communication "
+                  f"{c * 1e3:.1f} ms ({c / b:.2f}x)", flush=True)
 
 
 def main() -> None:
@@ -55,16 +88,31 @@ def main() -> None:
     parser.add_argument("--peers", type=int, default=3)
     parser.add_argument("--mib", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--async", dest="async_", action="store_true", help="AsyncDiLoCo behind --compute")
+    parser.add_argument("--compute", type=float, default=0.0, help="seconds of inner steps per outer step")
+    parser.add_argument("--lab", help="a lab profile: master and peers on its hosts")
+    parser.add_argument("--rate", help="the lab's link cap, e.g. 100mbit")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker(args.worker, args.peers, args.mib, args.rounds)
-    with shoal.Master("127.0.0.1:0") as master:
-        cmd = [sys.executable, __file__, "--worker", master.address, "--peers", str(args.peers),
-               "--mib", str(args.mib), "--rounds", str(args.rounds)]
-        procs = [subprocess.Popen(cmd) for _ in range(args.peers)]
-        if any(p.wait(timeout=600) != 0 for p in procs):
-            raise SystemExit("a peer failed")
+        return worker(args.worker, args)
+    argv = [a for a in sys.argv[1:]]
+    if args.lab is None:
+        with shoal.Master("127.0.0.1:0") as master:
+            procs = [subprocess.Popen([sys.executable, __file__, "--worker", master.address, *argv])
+                     for _ in range(args.peers)]
+            codes = [p.wait(timeout=900) for p in procs]
+    else:
+        from shoal.lab import PROFILES, Lab
+
+        with Lab.up(PROFILES[args.lab], name="bench-diloco", subnet="10.209.0.0/24", ttl=1200,
+                    **({"rate": args.rate} if args.rate else {})) as lab:
+            hosts = [lab.hosts[i % len(lab.hosts)] for i in range(args.peers)]
+            with lab.master(hosts[0]) as master:
+                procs = [lab.popen(h, [sys.executable, __file__, "--worker", master, *argv]) for h in hosts]
+                codes = [p.wait(timeout=900) for p in procs]
+    if any(codes):
+        raise SystemExit(f"a peer failed: {codes}")
 
 
 if __name__ == "__main__":
