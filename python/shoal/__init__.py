@@ -8,7 +8,7 @@ and torch CPU tensors in place with the other peers of its group.
 from __future__ import annotations
 
 from . import _native, errors
-from ._communicator import Communicator, ErrorFeedback, Work, hash_tensor
+from ._communicator import Communicator, ErrorFeedback, Vote, Work, hash_tensor
 from ._native import Master, ReduceInfo
 from ._state import SharedState, SyncInfo
 from .errors import *  # noqa: F403 - the exception tree, listed in errors.__all__
@@ -17,5 +17,5 @@ __version__: str = _native.__version__
 DTYPES: tuple[str, ...] = tuple(_native.DTYPES)
 OPS: tuple[str, ...] = tuple(_native.OPS)
 
-__all__ = ["Master", "Communicator", "ErrorFeedback", "Work", "ReduceInfo", "SharedState", "SyncInfo", "hash_tensor",
-           "DTYPES", "OPS", *errors.__all__]
+__all__ = ["Master", "Communicator", "ErrorFeedback", "Vote", "Work", "ReduceInfo", "SharedState", "SyncInfo",
+           "hash_tensor", "DTYPES", "OPS", *errors.__all__]

@@ -122,6 +122,14 @@ class Communicator:
         """Whether peers wait for admission; a vote every accepted peer must call."""
         return self._native.peers_pending()
 
+    def peers_pending_async(self) -> "Vote":
+        """Casts the :meth:`peers_pending` vote and returns at once: ``vote.wait()`` gives the
+        answer, the same on every peer. The vote takes its place among this peer's calls now (it
+        begins once the collectives started before it ended, and collectives started after it
+        wait for it), so peers that cast it at the same point of their calls agree, and its round
+        trip to the master overlaps the caller's compute. Wait for every vote cast."""
+        return Vote(self._native.peers_pending_async())
+
     def all_reduce(
         self,
         tensor: Any,
@@ -509,6 +517,21 @@ def hash_tensor(tensor: Any) -> str:
     The tensor must be contiguous (shoal never copies silently)."""
     view, dtype = _byte_view(tensor, writable=False)
     return _native.hash_tensor_bytes(view, dtype, [int(d) for d in tensor.shape])
+
+
+class Vote:
+    """A :meth:`Communicator.peers_pending` vote cast with :meth:`Communicator.peers_pending_async`."""
+
+    def __init__(self, native: _native.NativeVote) -> None:
+        self._native = native
+
+    def wait(self) -> bool:
+        """The vote's answer (within ``SHOAL_TIMEOUT``), or its error, as ``peers_pending``'s."""
+        return self._native.wait()
+
+    def done(self) -> bool:
+        """Whether the answer is in (then :meth:`wait` returns at once)."""
+        return self._native.done()
 
 
 class Work:

@@ -8,7 +8,7 @@ import numpy.typing as npt
 from typing_extensions import Self
 
 __all__ = [
-    "Communicator", "DTYPES", "Master", "NativeWork", "OPS", "ReduceInfo", "__version__", "hash_tensor_bytes",
+    "Communicator", "DTYPES", "Master", "NativeVote", "NativeWork", "OPS", "ReduceInfo", "__version__", "hash_tensor_bytes",
     "lab_delay", "quantize_bytes",
 ]
 _Quant = Optional[tuple[str, Optional[int]]]
@@ -50,6 +50,13 @@ class NativeWork:
     def done(self) -> bool: ...
 
 @final
+class NativeVote:
+    """A peers_pending vote cast ahead; use ``shoal.Communicator.peers_pending_async``."""
+
+    def wait(self) -> bool: ...
+    def done(self) -> bool: ...
+
+@final
 class Communicator:
     """Native communicator; use ``shoal.Communicator``, which checks and converts tensors."""
 
@@ -71,6 +78,7 @@ class Communicator:
     def optimize_topology(self) -> None: ...
     def bandwidth_matrix(self) -> list[list[Optional[tuple[int, int]]]]: ...
     def peers_pending(self) -> bool: ...
+    def peers_pending_async(self) -> NativeVote: ...
     def all_reduce_bytes(
         self, buf: npt.NDArray[np.uint8], dtype: str, op: str, tag: int, algorithm: Optional[str] = None,
         quant: _Quant = None,

@@ -34,7 +34,7 @@ from .errors import ShoalError
 if TYPE_CHECKING:
     import torch
 
-    from ._communicator import Communicator, ErrorFeedback, Work
+    from ._communicator import Communicator, ErrorFeedback, Vote, Work
 
 
 def _flatten(params: "list[torch.Tensor]") -> "torch.Tensor":
@@ -162,13 +162,16 @@ class DiLoCo:
         self.anchor = self.flat.clone()
         self.momentum = torch.zeros_like(self.anchor)
         self._outer = torch.zeros(1, dtype=torch.int64)
-        # Where the inner steps since the last outer step began: the anchor, or (AsyncDiLoCo)
-        # the model as it was when the all-reduce in flight started.
-        self.origin = self.anchor.clone()
+        # Where the inner steps since the last outer step began: the anchor itself here;
+        # AsyncDiLoCo's is the model as it was when the all-reduce in flight started.
+        self.origin = self.anchor
+        self._delta = torch.empty_like(self.anchor)
         # Its revision counts the syncs (joins and admissions), not the outer steps.
         self.state = SharedState({"anchor": self.anchor, "momentum": self.momentum, "outer": self._outer})
         self.inner = 0
         self._admitting = False
+        # The next outer step's peers_pending vote, cast ahead (_vote_ahead).
+        self._vote: "Optional[Vote]" = None
         self._feedback: "Optional[ErrorFeedback]" = None
         if quantization is not None:
             from ._communicator import ErrorFeedback
@@ -187,8 +190,10 @@ class DiLoCo:
         having changed nothing: call it again."""
         self.comm.sync_shared_state(self.state)
         self.flat.copy_(self.anchor)
-        self.origin.copy_(self.anchor)
+        if self.origin is not self.anchor:
+            self.origin.copy_(self.anchor)
         self.inner = 0
+        self._vote_ahead()
 
     def step(self) -> bool:
         """Counts an inner step; every ``inner_steps``-th runs the outer step: True if it
@@ -199,7 +204,8 @@ class DiLoCo:
         return self.outer_step()
 
     def finish(self) -> None:
-        """Ends training: the model takes up the anchor. Nothing is in flight in this variant."""
+        """Ends training: the model takes up the anchor."""
+        self._vote_done()
         self.flat.copy_(self.anchor)
 
     def _admit(self) -> bool:
@@ -207,7 +213,7 @@ class DiLoCo:
         Raises :class:`shoal.PeerLostError` having changed nothing but its own progress: the
         retry goes on where it stopped, as every accepted peer's does (the vote is agreed)."""
         if not self._admitting:
-            if not self.comm.peers_pending():
+            if not self._peers_pending():
                 return False
             self.comm.update_topology()
             self._admitting = True
@@ -215,7 +221,25 @@ class DiLoCo:
         self.comm.sync_shared_state(self.state)
         self._admitting = False
         self.inner = 0
+        self._vote_ahead()
         return True
+
+    def _vote_ahead(self) -> None:
+        """Casts the next outer step's peers_pending vote now (every peer at the same point of
+        its calls: after the same sync or outer step), so that its round trip to the master
+        overlaps the inner steps."""
+        self._vote = self.comm.peers_pending_async()
+
+    def _peers_pending(self) -> bool:
+        """The answer of the vote cast ahead, or of one cast now where none was."""
+        vote, self._vote = self._vote, None
+        return vote.wait() if vote is not None else self.comm.peers_pending()
+
+    def _vote_done(self) -> None:
+        """Waits for the vote cast ahead, whose answer nobody needs any more."""
+        vote, self._vote = self._vote, None
+        if vote is not None:
+            vote.wait()
 
     def _reduce(self, delta: "torch.Tensor") -> None:
         if self._feedback is not None:
@@ -225,7 +249,9 @@ class DiLoCo:
 
     def _apply(self, delta: "torch.Tensor") -> None:
         """The outer optimizer on the anchor: SGD with (Nesterov) momentum."""
-        self.momentum.mul_(self.outer_momentum).add_(delta)
+        import torch
+
+        torch.add(delta, self.momentum, alpha=self.outer_momentum, out=self.momentum)
         if self.nesterov:
             self.anchor.add_(delta, alpha=-self.outer_lr)
             self.anchor.add_(self.momentum, alpha=-self.outer_lr * self.outer_momentum)
@@ -236,15 +262,17 @@ class DiLoCo:
         """Admits newcomers (False), or averages the pseudo-gradients, moves the anchor and
         restarts the inner steps from it (True). Raises :class:`shoal.PeerLostError` having
         changed nothing (the model keeps its inner progress): call it again."""
+        import torch
+
+        delta = torch.sub(self.anchor, self.flat, out=self._delta)
         if self._admit():
             return False
-        delta = self.origin - self.flat
         self._reduce(delta)
         self._apply(delta)
         self._outer += 1
         self.flat.copy_(self.anchor)
-        self.origin.copy_(self.anchor)
         self.inner = 0
+        self._vote_ahead()
         return True
 
 
@@ -257,10 +285,15 @@ class AsyncDiLoCo(DiLoCo):
     still at 31. Call :meth:`finish` after the last step to apply the all-reduce in flight."""
 
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        import torch
+
         super().__init__(*args, **kwargs)
         if self._feedback is not None:
             raise ValueError("AsyncDiLoCo does not quantize yet: error feedback needs the result at once")
         self._pending: "Optional[tuple[Work, torch.Tensor]]" = None
+        self.origin = self.anchor.clone()
+        # The all-reduce in flight holds _delta; landing it takes the progress since in _spare.
+        self._spare = torch.empty_like(self._delta)
 
     def _land(self) -> None:
         """Waits for the all-reduce in flight, if any, and applies its average; the model keeps
@@ -280,18 +313,21 @@ class AsyncDiLoCo(DiLoCo):
             self._pending = (self.comm.all_reduce_async(previous, op="avg", tag=self.tag), previous)
             raise
         self._pending = None
-        progress = self.origin - self.flat
+        progress = torch.sub(self.origin, self.flat, out=self._spare)
         self._apply(previous)
         torch.sub(self.anchor, progress, out=self.flat)
         self.origin.copy_(self.anchor)
 
     def outer_step(self) -> bool:
+        import torch
+
         self._land()
         # After the late update: newcomers receive the anchor every peer holds now.
         if self._admit():
             return False
-        delta = self.origin - self.flat
+        delta = torch.sub(self.origin, self.flat, out=self._delta)
         self._pending = (self.comm.all_reduce_async(delta, op="avg", tag=self.tag), delta)
+        self._vote_ahead()
         # That progress is being averaged: the next pseudo-gradient counts from here.
         self.origin.copy_(self.flat)
         self._outer += 1
@@ -303,5 +339,6 @@ class AsyncDiLoCo(DiLoCo):
         the anchor. Raises :class:`shoal.PeerLostError` as :meth:`outer_step` does: call it
         again."""
         self._land()
+        self._vote_done()
         self.flat.copy_(self.anchor)
 

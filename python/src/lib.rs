@@ -13,7 +13,7 @@ use pyo3::types::PyBool;
 use shoal_master::{MasterOptions, MasterServer};
 use shoal_peer::{
     Algorithm, Communicator as Core, CommunicatorConfig, DType, Error, Info, Quantization, ReduceOp, StateTensor,
-    Strategy, Work,
+    Strategy, Vote, Work,
 };
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -224,6 +224,61 @@ impl NativeWork {
     }
 }
 
+/// A `peers_pending` vote cast ahead (`Communicator.peers_pending_async`).
+#[pyclass(module = "shoal._native")]
+struct NativeVote {
+    comm: Arc<Core>,
+    /// Until waited for; then its answer.
+    state: Mutex<VoteState>,
+}
+
+enum VoteState {
+    Cast(Option<Vote>),
+    Answered(Result<bool, String>),
+}
+
+#[pymethods]
+impl NativeVote {
+    /// Waits for the vote's answer (within the communicator's bound).
+    fn wait(&self, py: Python<'_>) -> PyResult<bool> {
+        py.detach(|| {
+            let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            match &mut *state {
+                VoteState::Cast(vote) => {
+                    let vote = vote.take().expect("a vote cast is waited for once");
+                    let answer = self.comm.wait_vote(vote);
+                    *state = VoteState::Answered(answer.as_ref().map(|p| *p).map_err(ToString::to_string));
+                    answer
+                }
+                VoteState::Answered(Ok(pending)) => Ok(*pending),
+                VoteState::Answered(Err(e)) => {
+                    Err(Error::Misuse(format!("this vote was waited for already, and failed: {e}")))
+                }
+            }
+        })
+        .map_err(to_py)
+    }
+
+    /// Whether the vote has its answer.
+    fn done(&self, py: Python<'_>) -> bool {
+        py.detach(|| match &*self.state.lock().unwrap_or_else(PoisonError::into_inner) {
+            VoteState::Cast(Some(vote)) => self.comm.vote_done(vote),
+            _ => true,
+        })
+    }
+}
+
+impl Drop for NativeVote {
+    /// Its answer is kept until it is waited for.
+    fn drop(&mut self) {
+        if let VoteState::Cast(vote) = &mut *self.state.get_mut().unwrap_or_else(PoisonError::into_inner) {
+            if let Some(vote) = vote.take() {
+                let _ = self.comm.wait_vote(vote);
+            }
+        }
+    }
+}
+
 impl Drop for NativeWork {
     /// A collective dropped in flight still writes into the array: it is waited for first.
     fn drop(&mut self) {
@@ -305,6 +360,11 @@ impl Communicator {
 
     fn peers_pending(&self, py: Python<'_>) -> PyResult<bool> {
         py.detach(|| self.inner.peers_pending()).map_err(to_py)
+    }
+
+    fn peers_pending_async(&self, py: Python<'_>) -> PyResult<NativeVote> {
+        let vote = py.detach(|| self.inner.peers_pending_async()).map_err(to_py)?;
+        Ok(NativeVote { comm: Arc::clone(&self.inner), state: Mutex::new(VoteState::Cast(Some(vote))) })
     }
 
     /// All-reduces `buf`, a writable contiguous uint8 view of the tensor, as elements of
@@ -850,6 +910,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Master>()?;
     m.add_class::<ReduceInfo>()?;
     m.add_class::<NativeWork>()?;
+    m.add_class::<NativeVote>()?;
     m.add_function(wrap_pyfunction!(hash_tensor_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(quantize_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(lab_delay, m)?)?;

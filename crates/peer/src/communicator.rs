@@ -238,6 +238,44 @@ impl Communicator {
         }
     }
 
+    /// Casts the `peers_pending` vote and returns at once; [`Communicator::wait_vote`] gives its
+    /// answer. The vote takes its place among this peer's calls now: it begins once the
+    /// collectives started before it ended, and collectives started after it wait for it, as if
+    /// `peers_pending` had been called here, so every peer that casts it at the same point of its
+    /// calls gets the same answer. Meanwhile the caller computes: the round trip to the master
+    /// costs it nothing. Wait for every vote cast (its answer is kept until then).
+    ///
+    /// # Errors
+    /// [`Error::NotConnected`]; the vote's own errors come from [`Communicator::wait_vote`].
+    pub fn peers_pending_async(&self) -> Result<Vote> {
+        let c = self.connected()?;
+        let _data = self.lock_data(); // in order with the collectives this thread starts
+        let call = c.control.own_input(|p, now| p.call(CallKind::PeersPending, self.config.timeout, now));
+        Ok(Vote { call })
+    }
+
+    /// Waits for the answer of a vote [`Communicator::peers_pending_async`] cast, driving the
+    /// collectives in flight meanwhile.
+    ///
+    /// # Errors
+    /// As [`Communicator::peers_pending`].
+    pub fn wait_vote(&self, vote: Vote) -> Result<bool> {
+        let c = self.connected()?;
+        let mut data = self.lock_data();
+        let result = self.run_call(&c.control, &c.listener, &mut data, vote.call, "peers_pending", |_, action| {
+            unreachable!("peers_pending moves no data, yet the peer asked for {action:?}")
+        });
+        match result.map_err(|e| call_error(&c.control, e, "peers_pending", self.config.timeout))? {
+            Value::Pending(pending) => Ok(pending),
+            other => unreachable!("peers_pending returned {other:?}"),
+        }
+    }
+
+    /// Whether a vote [`Communicator::peers_pending_async`] cast has its answer.
+    pub fn vote_done(&self, vote: &Vote) -> bool {
+        self.lock_data().calls.ended.contains_key(&vote.call)
+    }
+
     /// A call that moves no data of its own: `update_topology` or `peers_pending`.
     pub(crate) fn vote(&self, kind: CallKind, bound: Duration) -> Result<Value> {
         let c = self.connected()?;
@@ -977,6 +1015,14 @@ fn describe(h: &OpHeader) -> String {
          number={})",
         h.count, h.tag, h.epoch.0, h.seq
     )
+}
+
+/// A `peers_pending` vote cast with [`Communicator::peers_pending_async`]: wait for it with
+/// [`Communicator::wait_vote`].
+#[derive(Debug)]
+#[must_use = "a vote's answer is kept until it is waited for"]
+pub struct Vote {
+    call: CallId,
 }
 
 /// A collective started with [`Communicator::all_reduce_async`]: [`Communicator::wait`] for it,

@@ -27,7 +27,7 @@ mod sync;
 mod topology;
 mod transfer;
 
-pub use communicator::{Communicator, Info, LinkInfo, Work};
+pub use communicator::{Communicator, Info, LinkInfo, Vote, Work};
 pub use config::{
     CommunicatorConfig, DEFAULT_CHUNK_BYTES, DEFAULT_CONNECTIONS, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_TIMEOUT,
     MAX_CONNECTIONS,

@@ -338,3 +338,47 @@ fn a_broadcast_with_different_roots_is_a_mismatch() {
         assert_eq!(buf, f32_bytes(&[1.0; 100]));
     }
 }
+
+/// A vote cast ahead takes its place among the caller's calls at once: collectives started right
+/// after it (and one in flight before it) never cross it at the master, every peer gets the same
+/// answer, and a newcomer registered meanwhile is seen by all and admitted.
+#[test]
+fn a_vote_cast_ahead_keeps_its_place_among_collectives() {
+    let m = master();
+    let configs: Vec<_> = (0..2).map(|_| config(&m, 2)).collect();
+    let newcomer_cfg = config(&m, 2);
+    let answers = with_peers(configs, move |_, comm| {
+        let mut answers = Vec::new();
+        for _ in 0..20 {
+            let before = f32_bytes(&[1.0; 4096]);
+            let mut work = comm.all_reduce_async(before, DType::F32, ReduceOp::Sum, 1, None, None).unwrap();
+            let vote = comm.peers_pending_async().unwrap();
+            let mut after = f32_bytes(&[2.0; 1000]);
+            comm.all_reduce(&mut after, DType::F32, ReduceOp::Sum, 2, None, None).unwrap();
+            assert!(after == f32_bytes(&[4.0; 1000]));
+            comm.wait(&mut work, None).unwrap();
+            assert!(work.into_buffer().unwrap() == f32_bytes(&[2.0; 4096]));
+            answers.push(comm.wait_vote(vote).unwrap());
+        }
+        assert!(answers.iter().all(|pending| !pending), "nobody was pending: {answers:?}");
+        // Now a newcomer registers; votes cast ahead from then on see it.
+        if comm.rank() == Some(0) {
+            let cfg = newcomer_cfg.clone();
+            thread::spawn(move || {
+                let comm = Communicator::new(cfg).unwrap();
+                comm.connect(None).unwrap();
+                comm.group_world_size()
+            });
+        }
+        loop {
+            let vote = comm.peers_pending_async().unwrap();
+            let mut buf = f32_bytes(&[1.0; 16]);
+            comm.all_reduce(&mut buf, DType::F32, ReduceOp::Sum, 3, None, None).unwrap();
+            if comm.wait_vote(vote).unwrap() {
+                comm.update_topology().unwrap();
+                return comm.group_world_size();
+            }
+        }
+    });
+    assert_eq!(answers, vec![Some(3), Some(3)]);
+}
