@@ -1,0 +1,249 @@
+//! The peer state machine driven by a master that says anything, in any order: every kind of
+//! master message with small ids, epochs and rounds (so that they often fit the state), the
+//! application's calls, the data plane's answers to what the peer asked of it, a broken control
+//! connection and the passing of time. It must never panic, and it ends every call at most once.
+#![no_main]
+
+use libfuzzer_sys::arbitrary::{self, Arbitrary};
+use libfuzzer_sys::fuzz_target;
+use shoal_proto::auth::RunKey;
+use shoal_proto::peer::{
+    Action, CallId, CallKind, Established, OpId, OpProgress, Peer, PeerConfig, Revision, SyncBallot,
+};
+use shoal_wire::{
+    AlgorithmLimits, Epoch, FailureKind, GroupId, Measured, Member, Message, OpFailure, PeerId, PlanEntry, SessionId,
+    StateDigest, Vote,
+};
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Arbitrary)]
+struct Session {
+    reconnect: bool,
+    secret: bool,
+    steps: Vec<Step>,
+}
+
+#[derive(Debug, Arbitrary)]
+enum Step {
+    Connect(u8),
+    Call(CallMsg),
+    Master(Msg),
+    Wait(u16),
+    Disconnect,
+    Reconnected(u8),
+    Established(u8, u8),
+    Progress(u8, u8),
+    Fetched(bool),
+    Close,
+}
+
+#[derive(Debug, Arbitrary)]
+enum CallMsg {
+    UpdateTopology,
+    OptimizeTopology(Vec<(u8, u16, u16)>),
+    PeersPending,
+    Sync { revision: u8, strategy: u8, tensors: u8, hash: u8 },
+    Collective,
+}
+
+#[derive(Debug, Arbitrary)]
+enum Msg {
+    Challenge(u8),
+    Registered { peer: u8, session: u8, heartbeat_ms: u16 },
+    AuthFailed,
+    Heartbeat,
+    Topology { epoch: u8, members: Vec<(u8, u8, Option<u16>)>, limits: Option<(u16, u16)> },
+    TopologyCommitted(u8),
+    PeersPendingResult(bool),
+    PeerRemoved(u8),
+    Kicked,
+    OpCommitted(u8, u8),
+    OpAborted(u8, u8, u8, u8),
+    OpQuery(u8, u8),
+    VoteOpened { vote: u8, epoch: u8, voter: u8, collectives: u8 },
+    PeersPendingAborted(bool),
+    TopologyVoteAborted(bool),
+    SyncPlan { round: u8, revision: u8, entries: Vec<(u8, Vec<u8>)> },
+    SyncComplete(u8),
+    SyncAborted(u8, bool),
+    // A peer-to-master message, which a master never sends.
+    Other(u8),
+}
+
+fn failure(kind: u8, peer: u8) -> OpFailure {
+    let kind = [FailureKind::PeerLost, FailureKind::Mismatch, FailureKind::Timeout, FailureKind::Misuse]
+        [usize::from(kind) % 4];
+    OpFailure::new(kind, PeerId(peer.into()), "fuzz")
+}
+
+fn call(c: CallMsg) -> CallKind {
+    match c {
+        CallMsg::UpdateTopology => CallKind::UpdateTopology,
+        CallMsg::OptimizeTopology(links) => CallKind::OptimizeTopology(
+            links
+                .into_iter()
+                .map(|(p, rtt, rate)| Measured { peer: PeerId(p.into()), rtt_us: rtt.into(), bytes_per_s: rate.into() })
+                .collect(),
+        ),
+        CallMsg::PeersPending => CallKind::PeersPending,
+        CallMsg::Sync { revision, strategy, tensors, hash } => CallKind::SyncSharedState(SyncBallot {
+            revision: Revision(revision.into()),
+            strategy: strategy % 4,
+            override_resume: hash % 2 == 0,
+            entries: (0..tensors % 4)
+                .map(|i| StateDigest {
+                    name: format!("t{i}"),
+                    dtype: 1,
+                    shape: vec![u64::from(i)],
+                    hash: [hash.wrapping_add(i); 32],
+                    may_differ: hash % 3 == i,
+                })
+                .collect(),
+        }),
+        CallMsg::Collective => CallKind::Collective,
+    }
+}
+
+fn message(m: Msg) -> Message {
+    match m {
+        Msg::Challenge(n) => Message::Challenge { nonce: [n; 32] },
+        Msg::Registered { peer, session, heartbeat_ms } => Message::Registered {
+            peer: PeerId(peer.into()),
+            session: SessionId(session.into()),
+            heartbeat_ms: heartbeat_ms.into(),
+            data_key: [session; 32],
+        },
+        Msg::AuthFailed => Message::AuthFailed { reason: "fuzz".into() },
+        Msg::Heartbeat => Message::Heartbeat,
+        Msg::Topology { epoch, members, limits } => Message::Topology {
+            epoch: Epoch(epoch.into()),
+            members: members
+                .into_iter()
+                .take(8)
+                .map(|(p, g, site)| Member {
+                    peer: PeerId(p.into()),
+                    group: GroupId((g % 2).into()),
+                    addr: format!("h:{p}"),
+                    site,
+                })
+                .collect(),
+            limits: limits.map(|(one, two)| AlgorithmLimits { oneshot_max: one.into(), twoshot_max: two.into() }),
+        },
+        Msg::TopologyCommitted(e) => Message::TopologyCommitted { epoch: Epoch(e.into()) },
+        Msg::PeersPendingResult(pending) => Message::PeersPendingResult { pending },
+        Msg::PeerRemoved(p) => Message::PeerRemoved { peer: PeerId(p.into()) },
+        Msg::Kicked => Message::Kicked { reason: "fuzz".into() },
+        Msg::OpCommitted(e, seq) => Message::OpCommitted { epoch: Epoch(e.into()), seq: seq.into() },
+        Msg::OpAborted(e, seq, kind, peer) => {
+            Message::OpAborted { epoch: Epoch(e.into()), seq: seq.into(), failure: failure(kind, peer) }
+        }
+        Msg::OpQuery(e, seq) => Message::OpQuery { epoch: Epoch(e.into()), seq: seq.into() },
+        Msg::VoteOpened { vote, epoch, voter, collectives } => Message::VoteOpened {
+            vote: [Vote::UpdateTopology, Vote::PeersPending, Vote::SyncSharedState][usize::from(vote) % 3],
+            epoch: Epoch(epoch.into()),
+            voter: PeerId(voter.into()),
+            collectives: collectives.into(),
+        },
+        Msg::PeersPendingAborted(retry) => Message::PeersPendingAborted { retry, reason: "fuzz".into() },
+        Msg::TopologyVoteAborted(retry) => Message::TopologyVoteAborted { retry, reason: "fuzz".into() },
+        Msg::SyncPlan { round, revision, entries } => Message::SyncPlan {
+            round: round.into(),
+            revision: revision.into(),
+            entries: entries
+                .into_iter()
+                .take(4)
+                .map(|(hash, donors)| PlanEntry {
+                    hash: [hash; 32],
+                    donors: donors.into_iter().take(4).map(|d| PeerId(d.into())).collect(),
+                })
+                .collect(),
+        },
+        Msg::SyncComplete(round) => Message::SyncComplete { round: round.into() },
+        Msg::SyncAborted(round, retryable) => {
+            Message::SyncAborted { round: round.into(), retryable, reason: "fuzz".into() }
+        }
+        Msg::Other(p) => Message::PeerUnreachable { epoch: Epoch(0), peer: PeerId(p.into()) },
+    }
+}
+
+fuzz_target!(|session: Session| {
+    let t0 = Instant::now();
+    let config = PeerConfig {
+        heartbeat_timeout: Duration::from_secs(2),
+        key: session.secret.then(|| RunKey::from_secret(b"fuzz")),
+        max_in_flight: 4,
+        reconnect: session.reconnect,
+    };
+    let mut peer = Peer::new(config, t0);
+    let mut now = t0;
+    let bound = Duration::from_secs(5);
+    // What the peer asked of its data plane, for the data plane's answers.
+    let mut establishing: Option<Epoch> = None;
+    let mut running: Vec<OpId> = Vec::new();
+    let mut fetching: Option<u64> = None;
+    let mut ended: BTreeSet<CallId> = BTreeSet::new();
+    for step in session.steps.into_iter().take(512) {
+        match step {
+            Step::Connect(g) => {
+                peer.connect(GroupId((g % 2).into()), "h:me".into(), bound, now);
+            }
+            Step::Call(c) => {
+                peer.call(call(c), bound, now);
+            }
+            Step::Master(m) => {
+                let _ = peer.handle_message(message(m), now);
+            }
+            Step::Wait(ms) => {
+                now += Duration::from_millis(ms.into());
+                peer.handle_timeout(now);
+            }
+            Step::Disconnect => peer.handle_disconnect("fuzz".into(), now),
+            Step::Reconnected(n) => {
+                if peer.reconnecting().is_some() {
+                    peer.handle_reconnected([n; 32], now);
+                }
+            }
+            Step::Established(outcome, p) => {
+                if let Some(epoch) = establishing.take() {
+                    let outcome = match outcome % 3 {
+                        0 => Established::Ready,
+                        1 => Established::Unreachable(PeerId(p.into())),
+                        _ => Established::Superseded,
+                    };
+                    peer.handle_established(epoch, outcome, now);
+                }
+            }
+            Step::Progress(i, what) => {
+                if !running.is_empty() {
+                    let op = running[usize::from(i) % running.len()];
+                    let progress = match what % 5 {
+                        0 => OpProgress::DataDone,
+                        1 => OpProgress::Confirmed,
+                        2 => OpProgress::LapBroken("fuzz".into()),
+                        3 => OpProgress::Failed(failure(what, i)),
+                        _ => OpProgress::Stalled,
+                    };
+                    peer.handle_collective(op, progress, now);
+                }
+            }
+            Step::Fetched(ok) => {
+                if let Some(round) = fetching.take() {
+                    peer.handle_fetched(round, if ok { Ok(()) } else { Err("fuzz".into()) }, now);
+                }
+            }
+            Step::Close => peer.close(now),
+        }
+        while peer.poll_output().is_some() {}
+        while let Some(action) = peer.poll_action() {
+            match action {
+                Action::Establish { position, .. } => establishing = Some(position.epoch),
+                Action::RunCollective { op, .. } => running.push(op),
+                Action::Fetch { round, .. } => fetching = Some(round),
+                Action::Done { call, .. } => assert!(ended.insert(call), "call {call:?} ended twice"),
+                Action::Registered { .. } | Action::TakeUp(_) => {}
+            }
+        }
+        running.retain(|&op| peer.running(op));
+    }
+});
