@@ -8,8 +8,8 @@ import numpy.typing as npt
 from typing_extensions import Self
 
 __all__ = [
-    "Communicator", "DTYPES", "Master", "NativeVote", "NativeWork", "OPS", "ReduceInfo", "__version__", "hash_tensor_bytes",
-    "lab_delay", "quantize_bytes",
+    "Communicator", "DTYPES", "Master", "NativeVote", "NativeWork", "OPS", "ReduceInfo", "__version__",
+    "hash_tensor_bytes", "lab_delay", "quantize_bytes",
 ]
 _Quant = Optional[tuple[str, Optional[int]]]
 __version__: str

@@ -12,10 +12,10 @@ own data, then the peers average their *pseudo-gradients* (how far each moved fr
 anchor) and an outer optimizer (SGD with Nesterov momentum) moves the anchor by the average. Only
 the outer step communicates: one all-reduce of the model's size every ``inner_steps`` steps.
 
-The anchor and the outer momentum are a :class:`shoal.SharedState` synced at every outer step, so
-a peer that joins receives them and starts from the run's anchor, and peers stay bit-identical
-whoever dies: an outer step interrupted by a lost peer raises :class:`shoal.PeerLostError` having
-changed nothing, and is simply called again.
+The anchor, the outer momentum and the outer step count are a :class:`shoal.SharedState`, synced
+when peers join: the outer step that admits them syncs it with them, so a newcomer starts from the
+run's anchor. Peers stay bit-identical whoever dies: an outer step interrupted by a lost peer
+raises :class:`shoal.PeerLostError` having changed nothing, and is simply called again.
 
 ``AsyncDiLoCo`` overlaps the outer all-reduce with the next inner steps: the average of outer step
 ``k`` is applied at outer step ``k + 1`` (one step late), which hides the communication behind
@@ -122,8 +122,9 @@ class DiLoCo:
     The parameters become views into one flat buffer (``p.data`` is replaced, the parameter
     objects stay, so an optimizer made before keeps working).
 
-    **Admission.** An outer step first asks whether peers wait to join (``peers_pending()``, a
-    vote with one answer everywhere). If some do, it admits them (``update_topology()``) and syncs
+    **Admission.** An outer step first takes the answer of the ``peers_pending`` vote the last
+    one cast ahead (``peers_pending_async``: one answer everywhere, its round trip overlapping
+    the inner steps). If peers wait to join, it admits them (``update_topology()``) and syncs
     the anchor, the outer momentum and the outer step count with them instead of averaging:
     the newcomers' :meth:`join` is the other half of that sync, and everyone then takes
     ``inner_steps`` inner steps (the accepted peers keep theirs, averaged at the next outer
