@@ -6,9 +6,10 @@
 
 use libfuzzer_sys::arbitrary::{self, Arbitrary};
 use libfuzzer_sys::fuzz_target;
+use shoal_fuzz::{digests, failure};
 use shoal_proto::auth::{DataKey, RunKey};
 use shoal_proto::master::{ConnId, Master, MasterConfig};
-use shoal_wire::{Epoch, FailureKind, GroupId, Measured, Message, OpFailure, PeerId, SessionId, StateDigest};
+use shoal_wire::{Epoch, GroupId, Measured, Message, PeerId, SessionId};
 use std::time::{Duration, Instant};
 
 const SESSION: SessionId = SessionId(7);
@@ -52,7 +53,11 @@ fn message(m: Msg, key: &RunKey, conn: ConnId) -> Message {
             measured: Some(
                 links
                     .into_iter()
-                    .map(|(p, rtt, rate)| Measured { peer: PeerId(p.into()), rtt_us: rtt.into(), bytes_per_s: rate.into() })
+                    .map(|(p, rtt, rate)| Measured {
+                        peer: PeerId(p.into()),
+                        rtt_us: rtt.into(),
+                        bytes_per_s: rate.into(),
+                    })
                     .collect(),
             ),
         },
@@ -61,24 +66,13 @@ fn message(m: Msg, key: &RunKey, conn: ConnId) -> Message {
         Msg::PeerUnreachable(e, p) => Message::PeerUnreachable { epoch: Epoch(e.into()), peer: PeerId(p.into()) },
         Msg::OpDone(e, seq, decided) => Message::OpDone { epoch: Epoch(e.into()), seq: seq.into(), decided },
         Msg::OpFailed(e, seq, kind, peer) => {
-            let kind = [FailureKind::PeerLost, FailureKind::Mismatch, FailureKind::Timeout, FailureKind::Misuse]
-                [usize::from(kind) % 4];
-            let failure = OpFailure::new(kind, PeerId(peer.into()), "fuzz");
-            Message::OpFailed { epoch: Epoch(e.into()), seq: seq.into(), failure }
+            Message::OpFailed { epoch: Epoch(e.into()), seq: seq.into(), failure: failure(kind, peer) }
         }
         Msg::SyncVote { revision, strategy, override_resume, tensors, hash, collectives } => Message::SyncVote {
             revision: revision.into(),
             strategy: strategy % 4,
             override_resume,
-            entries: (0..tensors % 4)
-                .map(|i| StateDigest {
-                    name: format!("t{i}"),
-                    dtype: 1,
-                    shape: vec![u64::from(i)],
-                    hash: [hash.wrapping_add(i); 32],
-                    may_differ: hash % 3 == i,
-                })
-                .collect(),
+            entries: digests(tensors, hash),
             collectives: collectives.into(),
         },
         Msg::SyncDone(round) => Message::SyncDone { round: round.into() },

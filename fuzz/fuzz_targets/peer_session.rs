@@ -6,14 +6,12 @@
 
 use libfuzzer_sys::arbitrary::{self, Arbitrary};
 use libfuzzer_sys::fuzz_target;
+use shoal_fuzz::{digests, failure};
 use shoal_proto::auth::RunKey;
 use shoal_proto::peer::{
     Action, CallId, CallKind, Established, OpId, OpProgress, Peer, PeerConfig, Revision, SyncBallot,
 };
-use shoal_wire::{
-    AlgorithmLimits, Epoch, FailureKind, GroupId, Measured, Member, Message, OpFailure, PeerId, PlanEntry, SessionId,
-    StateDigest, Vote,
-};
+use shoal_wire::{AlgorithmLimits, Epoch, GroupId, Measured, Member, Message, PeerId, PlanEntry, SessionId, Vote};
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
@@ -71,12 +69,6 @@ enum Msg {
     Other(u8),
 }
 
-fn failure(kind: u8, peer: u8) -> OpFailure {
-    let kind = [FailureKind::PeerLost, FailureKind::Mismatch, FailureKind::Timeout, FailureKind::Misuse]
-        [usize::from(kind) % 4];
-    OpFailure::new(kind, PeerId(peer.into()), "fuzz")
-}
-
 fn call(c: CallMsg) -> CallKind {
     match c {
         CallMsg::UpdateTopology => CallKind::UpdateTopology,
@@ -91,15 +83,7 @@ fn call(c: CallMsg) -> CallKind {
             revision: Revision(revision.into()),
             strategy: strategy % 4,
             override_resume: hash % 2 == 0,
-            entries: (0..tensors % 4)
-                .map(|i| StateDigest {
-                    name: format!("t{i}"),
-                    dtype: 1,
-                    shape: vec![u64::from(i)],
-                    hash: [hash.wrapping_add(i); 32],
-                    may_differ: hash % 3 == i,
-                })
-                .collect(),
+            entries: digests(tensors, hash),
         }),
         CallMsg::Collective => CallKind::Collective,
     }

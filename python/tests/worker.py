@@ -592,12 +592,14 @@ def diloco(spec: dict) -> dict:
     kind = AsyncDiLoCo if spec["async"] else DiLoCo
     recipe = kind(comm, model.parameters(), inner_steps=5, outer_lr=0.7, outer_momentum=0.5,
                   quantization=spec.get("quantization"))
-    while True:
-        try:
-            recipe.join()
-            break
-        except shoal.PeerLostError as e:
-            errors.append(type(e).__name__)
+    def retried(call):  # a lost peer: the call changed nothing, and is made again
+        while True:
+            try:
+                return call()
+            except shoal.PeerLostError as e:
+                errors.append(type(e).__name__)
+
+    retried(recipe.join)
 
     def anchor_loss() -> float:
         w, b = recipe.anchor[:8], recipe.anchor[8:]
@@ -615,22 +617,12 @@ def diloco(spec: dict) -> dict:
         opt.step()
         if spec.get("victim") == spec["index"] and recipe.outer_steps == 3:
             os.kill(os.getpid(), signal.SIGKILL)
-        while True:
-            try:
-                if recipe.step():
-                    records.append({"outer": recipe.outer_steps, "hash": shoal.hash_tensor(recipe.anchor),
-                                    "world": comm.world_size})
-                    open(f"{spec['out']}.outer{recipe.outer_steps}", "w").close()
-                    time.sleep(spec.get("pause", 0))
-                break
-            except shoal.PeerLostError as e:
-                errors.append(type(e).__name__)
-    while True:
-        try:
-            recipe.finish()
-            break
-        except shoal.PeerLostError as e:
-            errors.append(type(e).__name__)
+        if retried(recipe.step):
+            records.append({"outer": recipe.outer_steps, "hash": shoal.hash_tensor(recipe.anchor),
+                            "world": comm.world_size})
+            open(f"{spec['out']}.outer{recipe.outer_steps}", "w").close()
+            time.sleep(spec.get("pause", 0))
+    retried(recipe.finish)
     records.append({"outer": "final", "hash": shoal.hash_tensor(recipe.anchor), "world": comm.world_size})
     return {"records": records, "errors": errors, "before": before, "after": anchor_loss()}
 
