@@ -81,6 +81,7 @@ def _peer(master: str, name: int, founders: int, outer_steps: int, inner_steps: 
     say(event="joined", outer=diloco.outer_steps, world=comm.group_world_size)
     opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
     draw = torch.Generator().manual_seed(100 + name)  # each peer its own batches
+    anchor = model()  # the anchor as a model, to score it on the held-out images
     while diloco.outer_steps < outer_steps:
         batch = torch.randint(len(x), (32,), generator=draw)
         opt.zero_grad()
@@ -88,7 +89,6 @@ def _peer(master: str, name: int, founders: int, outer_steps: int, inner_steps: 
         opt.step()
         if _retry(diloco.step):
             with torch.no_grad():
-                anchor = model()
                 torch.nn.utils.vector_to_parameters(diloco.anchor, anchor.parameters())
                 out = anchor(x_test)
                 loss = float(torch.nn.functional.cross_entropy(out, y_test))
@@ -96,7 +96,7 @@ def _peer(master: str, name: int, founders: int, outer_steps: int, inner_steps: 
             say(event="outer", outer=diloco.outer_steps, loss=loss, accuracy=accuracy,
                 world=comm.group_world_size, hash=shoal.hash_tensor(diloco.anchor))
             time.sleep(pause)
-    diloco.finish()
+    _retry(diloco.finish)
     comm.close()
     say(event="done", outer=diloco.outer_steps)
 

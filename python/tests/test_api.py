@@ -27,6 +27,9 @@ def test_a_single_peer_is_accepted_at_once_and_reduces_alone(solo):
     info = solo.all_reduce(x, op="avg")
     assert x.tolist() == [0, 1, 2, 3, 4] and info.world_size == 1 and info.tx_bytes == 0
     assert solo.peers_pending() is False
+    vote = solo.peers_pending_async()  # cast ahead of a collective, answered after it
+    solo.all_reduce(x)
+    assert vote.wait() is False and vote.done() and vote.wait() is False
     solo.update_topology()  # a vote of one, admitting nobody
 
 
