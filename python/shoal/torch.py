@@ -120,7 +120,8 @@ class DiLoCo:
     feedback carrying each peer's quantization error into its next outer step.
 
     The parameters become views into one flat buffer (``p.data`` is replaced, the parameter
-    objects stay, so an optimizer made before keeps working).
+    objects stay, so an optimizer made before keeps working; a view of a parameter's old storage
+    taken before does not follow).
 
     **Admission.** An outer step first takes the answer of the ``peers_pending`` vote the last
     one cast ahead (``peers_pending_async``: one answer everywhere, its round trip overlapping
