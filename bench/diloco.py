@@ -48,26 +48,26 @@ def worker(master: str, args: argparse.Namespace) -> None:
     bare, outer, talk, votes = [], [], [], []
     inside = [0.0, 0.0]  # all communication, of which votes
 
-    def timed(call):  # the communicator's calls, timed where they block the training loop
+    def timed(call, vote=False):  # the communicator's calls, timed where they block the training loop
         def run(*a, **kw):
             t = time.perf_counter()
             try:
                 return call(*a, **kw)
             finally:
                 inside[0] += time.perf_counter() - t
-                if "vote" in call.__qualname__.lower() or "pending" in call.__qualname__:
-                    inside[1] += time.perf_counter() - t
+                inside[1] += (time.perf_counter() - t) * vote
         return run
 
-    def started(call):  # all_reduce_async, peers_pending_async: the start, and the wait
+    def started(call, vote=False):  # all_reduce_async, peers_pending_async: the start, and the wait
         def run(*a, **kw):
-            work = timed(call)(*a, **kw)
-            work.wait = timed(work.wait)
+            work = timed(call, vote)(*a, **kw)
+            work.wait = timed(work.wait, vote)
             return work
         return run
 
-    comm.all_reduce, comm.peers_pending = timed(comm.all_reduce), timed(comm.peers_pending)
-    comm.all_reduce_async, comm.peers_pending_async = started(comm.all_reduce_async), started(comm.peers_pending_async)
+    comm.all_reduce, comm.all_reduce_async = timed(comm.all_reduce), started(comm.all_reduce_async)
+    comm.peers_pending = timed(comm.peers_pending, vote=True)
+    comm.peers_pending_async = started(comm.peers_pending_async, vote=True)
     buffer = torch.ones(n)
 
     scratch = torch.empty(n)
@@ -127,7 +127,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, args)
-    argv = [a for a in sys.argv[1:]]
+    argv = sys.argv[1:]
     if args.lab is None:
         with shoal.Master("127.0.0.1:0") as master:
             procs = [subprocess.Popen([sys.executable, __file__, "--worker", master.address, *argv])
