@@ -29,6 +29,9 @@ pub const KNOWN_VARS: &[(&str, &str)] = &[
     ("SHOAL_TRANSPORT", "streams to peers on the same host: auto (shared memory, default) or tcp"),
     ("SHOAL_ADVERTISE_ADDR", "host[:port] other peers should dial to reach this peer"),
     ("SHOAL_SECRET", "run credentials"),
+    ("SHOAL_TLS_CERT", "TLS: this process's certificate (PEM); with SHOAL_TLS_KEY and SHOAL_TLS_CA"),
+    ("SHOAL_TLS_KEY", "TLS: this process's private key (PEM)"),
+    ("SHOAL_TLS_CA", "TLS: the run's CA certificate (PEM) that every other end's certificate must chain to"),
     ("SHOAL_HTTP_ADDR", "where the master serves /metrics, /status and its status page"),
     ("SHOAL_TIMEOUT", "bound in seconds on any blocking call (float)"),
     (

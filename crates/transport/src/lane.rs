@@ -77,6 +77,8 @@ pub enum Stream {
     Tcp(TcpStream),
     /// One end of a shared-memory lane.
     Shm(crate::shm::ShmLane),
+    /// A TCP connection carrying TLS.
+    Tls(crate::Conn),
 }
 
 impl Stream {
@@ -84,10 +86,11 @@ impl Stream {
     ///
     /// # Errors
     /// `fcntl` errors.
-    pub fn set_nonblocking(&self) -> io::Result<()> {
+    pub fn set_nonblocking(&mut self) -> io::Result<()> {
         match self {
             Stream::Tcp(s) => s.set_nonblocking(true),
             Stream::Shm(s) => s.set_nonblocking(),
+            Stream::Tls(s) => s.set_nonblocking(true),
         }
     }
 }
@@ -97,6 +100,7 @@ impl Read for Stream {
         match self {
             Stream::Tcp(s) => s.read(buf),
             Stream::Shm(s) => s.read(buf),
+            Stream::Tls(s) => s.read(buf),
         }
     }
 }
@@ -106,6 +110,7 @@ impl Write for Stream {
         match self {
             Stream::Tcp(s) => s.write(buf),
             Stream::Shm(s) => s.write(buf),
+            Stream::Tls(s) => s.write(buf),
         }
     }
 
@@ -113,6 +118,7 @@ impl Write for Stream {
         match self {
             Stream::Tcp(s) => s.write_vectored(bufs),
             Stream::Shm(s) => s.write_vectored(bufs),
+            Stream::Tls(s) => s.write_vectored(bufs),
         }
     }
 
@@ -126,6 +132,7 @@ impl Lane for Stream {
         match self {
             Stream::Tcp(s) => s.pollable(),
             Stream::Shm(s) => s.pollable(),
+            Stream::Tls(s) => s.pollable(),
         }
     }
 
@@ -133,6 +140,7 @@ impl Lane for Stream {
         match self {
             Stream::Tcp(s) => s.poll_events(read, write),
             Stream::Shm(s) => s.poll_events(read, write),
+            Stream::Tls(s) => s.poll_events(read, write),
         }
     }
 
@@ -140,6 +148,7 @@ impl Lane for Stream {
         match self {
             Stream::Tcp(s) => s.describe(),
             Stream::Shm(s) => s.describe(),
+            Stream::Tls(s) => s.describe(),
         }
     }
 
@@ -147,6 +156,7 @@ impl Lane for Stream {
         match self {
             Stream::Tcp(s) => s.kind(),
             Stream::Shm(s) => s.kind(),
+            Stream::Tls(s) => s.kind(),
         }
     }
 
@@ -154,6 +164,7 @@ impl Lane for Stream {
         match self {
             Stream::Tcp(s) => Lane::peek(s, len),
             Stream::Shm(s) => s.peek(len),
+            Stream::Tls(s) => Lane::peek(s, len),
         }
     }
 
@@ -161,6 +172,7 @@ impl Lane for Stream {
         match self {
             Stream::Tcp(s) => Lane::arm(s),
             Stream::Shm(s) => s.arm(),
+            Stream::Tls(s) => Lane::arm(s),
         }
     }
 
@@ -168,6 +180,7 @@ impl Lane for Stream {
         match self {
             Stream::Tcp(s) => Lane::consume(s, len),
             Stream::Shm(s) => s.consume(len),
+            Stream::Tls(s) => Lane::consume(s, len),
         }
     }
 }

@@ -8,6 +8,7 @@
 
 pub mod lane;
 pub mod shm;
+pub mod tls;
 
 pub use lane::{Lane, Stream};
 use shoal_wire::{FrameHeader, Message, SessionId, WireError, HEADER_BYTES, MAX_BODY_BYTES};
@@ -17,6 +18,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
+pub use tls::{Conn, TlsConfig, TlsFiles};
 
 /// What can go wrong reading or writing frames.
 #[derive(Debug, thiserror::Error)]
@@ -262,7 +264,7 @@ pub fn read_message_until<S: TimedStream>(
     deadline: Instant,
     max_body: u32,
 ) -> Result<(SessionId, Message), TransportError> {
-    let result = read_message_within(&mut Until { stream: &*stream, deadline }, max_body);
+    let result = read_message_within(&mut Until { stream: &mut *stream, deadline }, max_body);
     stream.set_read_timeout(None)?;
     result
 }
@@ -274,11 +276,11 @@ pub trait TimedStream {
     /// # Errors
     /// `setsockopt` errors.
     fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()>;
-    /// Reads without needing `&mut` (sockets read through shared references).
+    /// Reads, waiting at most the read timeout.
     ///
     /// # Errors
     /// As `read(2)`.
-    fn read_shared(&self, buf: &mut [u8]) -> io::Result<usize>;
+    fn read_timed(&mut self, buf: &mut [u8]) -> io::Result<usize>;
 }
 
 impl TimedStream for TcpStream {
@@ -286,8 +288,8 @@ impl TimedStream for TcpStream {
         TcpStream::set_read_timeout(self, timeout)
     }
 
-    fn read_shared(&self, buf: &mut [u8]) -> io::Result<usize> {
-        (&*self).read(buf)
+    fn read_timed(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.read(buf)
     }
 }
 
@@ -296,8 +298,8 @@ impl TimedStream for std::os::unix::net::UnixStream {
         std::os::unix::net::UnixStream::set_read_timeout(self, timeout)
     }
 
-    fn read_shared(&self, buf: &mut [u8]) -> io::Result<usize> {
-        (&*self).read(buf)
+    fn read_timed(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.read(buf)
     }
 }
 
@@ -306,7 +308,7 @@ const BODY_READ_AHEAD: usize = 64 << 10;
 
 /// A reader whose every read waits at most until `deadline`.
 struct Until<'a, S> {
-    stream: &'a S,
+    stream: &'a mut S,
     deadline: Instant,
 }
 
@@ -317,7 +319,7 @@ impl<S: TimedStream> Read for Until<'_, S> {
             return Err(io::ErrorKind::TimedOut.into());
         }
         self.stream.set_read_timeout(Some(left))?;
-        self.stream.read_shared(buf)
+        self.stream.read_timed(buf)
     }
 }
 
