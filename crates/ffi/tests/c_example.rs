@@ -43,6 +43,7 @@ fn four_peers_in_c_all_reduce_gather_and_broadcast() {
         secret: None,
         http: None,
         state_dir: None,
+        tls: None,
     };
     let master = MasterServer::start(options).unwrap();
     let peers = 4;

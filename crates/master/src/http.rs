@@ -120,6 +120,7 @@ pub fn status_json(s: &RunStatus) -> Value {
         "open_collectives": s.open_collectives,
         "counters": {
             "joins": c.joins, "auth_failures": c.auth_failures, "refused_full": c.refused_full,
+            "tls_failures": c.tls_failures,
             "left": c.left, "lost": c.lost, "expelled": c.expelled, "topologies": c.topologies,
             "topology_votes": c.topology_votes, "pending_votes": c.pending_votes,
             "syncs_completed": c.syncs_completed, "syncs_aborted": c.syncs_aborted,
@@ -252,7 +253,7 @@ impl Collector for Run {
             "joins_refused",
             "Joins refused, by reason",
             None,
-            by("reason", [("authentication", c.auth_failures), ("full", c.refused_full)]),
+            by("reason", [("authentication", c.auth_failures), ("tls", c.tls_failures), ("full", c.refused_full)]),
         )?;
         family(&mut e, "topologies", "Topologies issued", None, [(none(), counter(c.topologies))])?;
         family(

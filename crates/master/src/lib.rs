@@ -14,13 +14,13 @@ pub use http::{report_json, status_json};
 
 use shoal_proto::auth::{DataKey, RunKey};
 use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output, RunStatus};
-use shoal_transport::{read_message, read_message_until, write_message, TransportError};
+use shoal_transport::{read_message, read_message_until, write_message, Conn, TlsConfig, TransportError};
 use shoal_wire::{Message, SessionId};
 use state::StateDir;
 use std::collections::BTreeMap;
 use std::hash::{BuildHasher, RandomState};
 use std::io;
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{Shutdown, SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
@@ -55,6 +55,9 @@ pub struct MasterOptions {
     /// Where to keep what a restarted master needs (`--state-dir`): a master started on a
     /// directory that holds a run carries it on. `None`: a run ends with its master.
     pub state_dir: Option<std::path::PathBuf>,
+    /// TLS for every connection (`SHOAL_TLS_CERT`, `SHOAL_TLS_KEY`, `SHOAL_TLS_CA`): peers must
+    /// present a certificate of the run's CA. `None`: plaintext.
+    pub tls: Option<shoal_transport::TlsFiles>,
 }
 
 impl MasterOptions {
@@ -70,6 +73,7 @@ impl MasterOptions {
             secret: shoal_config::env_value("SHOAL_SECRET").map(String::into_bytes),
             http: shoal_config::env_value("SHOAL_HTTP_ADDR"),
             state_dir: None,
+            tls: shoal_transport::TlsFiles::from_env()?,
         })
     }
 }
@@ -85,7 +89,9 @@ pub struct MasterServer {
 }
 
 enum Input {
-    Connected(ConnId, TcpStream),
+    Connected(ConnId, Conn),
+    /// A connection's TLS handshake failed (logged where it happened).
+    TlsRefused,
     Message(ConnId, SessionId, Message),
     Closed(ConnId, String),
     /// Wants the run's status.
@@ -106,6 +112,7 @@ impl MasterServer {
         if options.secret.as_ref().is_some_and(Vec::is_empty) {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "the run's secret is empty"));
         }
+        let tls = options.tls.as_ref().map(TlsConfig::load).transpose().map_err(io::Error::other)?;
         let listener = shoal_transport::listen(&options.listen)?;
         let addr = listener.local_addr()?;
         let http = match &options.http {
@@ -121,7 +128,7 @@ impl MasterServer {
         let greeting = options.heartbeat_timeout;
         thread::Builder::new()
             .name("shoal-master-accept".into())
-            .spawn(move || accept_loop(listener, accept_tx, accept_stop, greeting))?;
+            .spawn(move || accept_loop(listener, tls, accept_tx, accept_stop, greeting))?;
         let key = options.secret.as_deref().map(RunKey::from_secret);
         let state = options.state_dir.as_deref().map(StateDir::open).transpose()?;
         let kept = state.as_ref().map(StateDir::load).transpose()?.flatten();
@@ -207,7 +214,13 @@ fn ask_status(inputs: &Sender<Input>) -> Option<RunStatus> {
     rx.recv_timeout(STATUS_WAIT).ok()
 }
 
-fn accept_loop(listener: TcpListener, inputs: Sender<Input>, stop: Arc<AtomicBool>, greeting: Duration) {
+fn accept_loop(
+    listener: TcpListener,
+    tls: Option<TlsConfig>,
+    inputs: Sender<Input>,
+    stop: Arc<AtomicBool>,
+    greeting: Duration,
+) {
     let mut next_conn = 0u64;
     let pending = Arc::new(AtomicUsize::new(0));
     let served = shoal_transport::accept_until(&listener, &stop, |stream, from| {
@@ -219,24 +232,31 @@ fn accept_loop(listener: TcpListener, inputs: Sender<Input>, stop: Arc<AtomicBoo
         }
         let conn = ConnId(next_conn);
         next_conn += 1;
-        let reader = match stream.try_clone() {
-            Ok(r) => r,
-            Err(e) => {
-                log::warn!("dropping connection from {from}: {e}");
-                return true;
-            }
-        };
         log::debug!("connection {} from {from}", conn.0);
-        if inputs.send(Input::Connected(conn, stream)).is_err() {
-            return false;
-        }
-        let (tx, pending) = (inputs.clone(), Arc::clone(&pending));
+        let (tx, pending, tls) = (inputs.clone(), Arc::clone(&pending), tls.clone());
         pending.fetch_add(1, Ordering::Relaxed);
-        let spawned = thread::Builder::new()
-            .name("shoal-master-read".into())
-            .spawn(move || read_loop(conn, from, reader, tx, greeting, &pending));
+        let spawned = thread::Builder::new().name("shoal-master-read".into()).spawn(move || {
+            // The handshake counts against the greeting's deadline, on this thread: a stranger
+            // who stalls it holds up no one else.
+            let deadline = Instant::now() + greeting;
+            let opened = Conn::accept(stream, tls.as_ref(), deadline).and_then(|c| Ok((c.try_clone()?, c)));
+            match opened {
+                Ok((reader, writer)) => {
+                    if tx.send(Input::Connected(conn, writer)).is_ok() {
+                        read_loop(conn, from, reader, tx, deadline, &pending)
+                    }
+                }
+                Err(e) => {
+                    pending.fetch_sub(1, Ordering::Relaxed);
+                    log::warn!("connection {} from {from}: {e}; closing", conn.0);
+                    if shoal_transport::tls::is_tls_error(&e) {
+                        let _ = tx.send(Input::TlsRefused);
+                    }
+                }
+            }
+        });
         if let Err(e) = spawned {
-            let _ = inputs.send(Input::Closed(conn, format!("cannot spawn reader: {e}")));
+            log::warn!("dropping connection from {from}: cannot spawn its reader: {e}");
         }
         true
     });
@@ -245,18 +265,18 @@ fn accept_loop(listener: TcpListener, inputs: Sender<Input>, stop: Arc<AtomicBoo
     }
 }
 
-/// Reads connection `conn` from `from`: first one small frame within `greeting` (a stranger
+/// Reads connection `conn` from `from`: first one small frame by `greeting` (a stranger
 /// dripping bytes or announcing a large frame is closed), then every frame as it comes. What
 /// cannot be read is logged with its reason, then the connection is closed.
 fn read_loop(
     conn: ConnId,
     from: SocketAddr,
-    mut stream: TcpStream,
+    mut stream: Conn,
     inputs: Sender<Input>,
-    greeting: Duration,
+    greeting: Instant,
     pending: &AtomicUsize,
 ) {
-    let first = read_message_until(&mut stream, Instant::now() + greeting, MAX_GREETING_BODY);
+    let first = read_message_until(&mut stream, greeting, MAX_GREETING_BODY);
     pending.fetch_sub(1, Ordering::Relaxed);
     let mut read = Some(first);
     loop {
@@ -266,7 +286,7 @@ fn read_loop(
                 match &e {
                     TransportError::Closed => log::debug!("connection {} from {from} closed", conn.0),
                     TransportError::TimedOut => {
-                        log::warn!("connection {} from {from}: no Join within {greeting:?}; closing", conn.0)
+                        log::warn!("connection {} from {from}: no Join in time; closing", conn.0)
                     }
                     _ => log::warn!("connection {} from {from}: {e}; closing", conn.0),
                 }
@@ -282,7 +302,7 @@ fn read_loop(
 }
 
 fn drive(mut master: Master, inputs: Receiver<Input>, write_timeout: Duration, state: Option<StateDir>) {
-    let mut streams: BTreeMap<ConnId, TcpStream> = BTreeMap::new();
+    let mut streams: BTreeMap<ConnId, Conn> = BTreeMap::new();
     // A new run is kept at once (the first pass below), so that a restart finds its session.
     let mut saved = None;
     loop {
@@ -305,6 +325,7 @@ fn drive(mut master: Master, inputs: Receiver<Input>, write_timeout: Duration, s
                     }
                 }
             }
+            Ok(Input::TlsRefused) => master.count_tls_failure(),
             Ok(Input::Message(conn, session, message)) => {
                 log::trace!("connection {}: {message:?}", conn.0);
                 master.handle_message(Instant::now(), conn, session, message);

@@ -17,6 +17,7 @@ fn master() -> MasterServer {
         secret: None,
         http: None,
         state_dir: None,
+        tls: None,
     };
     MasterServer::start(options).unwrap()
 }

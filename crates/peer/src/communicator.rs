@@ -14,12 +14,12 @@ use shoal_proto::auth::{DataKey, RunKey};
 use shoal_proto::peer::{
     Action, CallError, CallId, CallKind, Established, OpId, OpProgress, PeerConfig, RingPosition, Value,
 };
-use shoal_transport::{Lane, PollFd};
+use shoal_transport::{Conn, Lane, PollFd, TlsConfig};
 use shoal_wire::PeerReport;
 use shoal_wire::{FailureKind, GroupId, OpFailure, OpHeader, PeerId, SessionId};
 use std::any::Any;
 use std::collections::HashMap;
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
@@ -70,8 +70,9 @@ pub struct LinkInfo {
     pub tx_bytes: u64,
     /// Chunk bytes received from it in this topology.
     pub rx_bytes: u64,
-    /// What carries the streams: `"shm"` (shared memory, a member on this host), `"tcp"`, or
-    /// `"mixed"` where the two ends chose differently (`SHOAL_TRANSPORT`).
+    /// What carries the streams: `"shm"` (shared memory, a member on this host), `"tcp"`,
+    /// `"tls"` (TCP with TLS), or `"mixed"` where the two ends chose differently
+    /// (`SHOAL_TRANSPORT`).
     pub transport: &'static str,
 }
 
@@ -92,6 +93,8 @@ pub struct Communicator {
     pub(crate) measured: Mutex<Option<crate::topology::Measurements>>,
     /// The counters, shared with the data plane and the timer thread.
     stats: Arc<Stats>,
+    /// TLS for every connection, loaded from `config.tls`.
+    tls: Option<TlsConfig>,
 }
 
 pub(crate) struct Connected {
@@ -104,13 +107,15 @@ pub(crate) struct Connected {
 }
 
 impl Communicator {
-    /// A communicator that will join the run at `config.master_addr`. Does no IO.
+    /// A communicator that will join the run at `config.master_addr`. Touches no network; reads
+    /// the TLS files if `config.tls` names them.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] if a setting is out of range.
+    /// [`Error::InvalidArgument`] if a setting is out of range or a TLS file unusable.
     pub fn new(config: CommunicatorConfig) -> Result<Self> {
         config.validate()?;
         shoal_config::init_logging();
+        let tls = config.tls.as_ref().map(TlsConfig::load).transpose().map_err(Error::InvalidArgument)?;
         let stats = Arc::new(Stats::default());
         Ok(Communicator {
             connected: Mutex::new(None),
@@ -119,6 +124,7 @@ impl Communicator {
             driver: Arc::new(Driver { config: config.clone(), progress: Progress::default() }),
             measured: Mutex::new(None),
             config,
+            tls,
         })
     }
 
@@ -174,11 +180,10 @@ impl Communicator {
         if slot.is_some() {
             return Err(Error::AlreadyConnected);
         }
-        let listener = Listener::start(&self.config.listen_addr)?;
+        let listener = Listener::start(&self.config.listen_addr, self.tls.clone())?;
         let addr = self.config.master_addr.clone();
-        let unreachable = |reason: String| Error::MasterUnreachable { addr: addr.clone(), reason };
         let stream =
-            shoal_transport::connect(&addr, deadline.left("connect")?).map_err(|e| unreachable(e.to_string()))?;
+            Conn::dial(&addr, deadline.left("connect")?, self.tls.as_ref()).map_err(|e| dial_error(&addr, e))?;
         let data_addr = self.advertised_addr(&stream, listener.port)?;
         let key = self.config.secret.as_deref().map(RunKey::from_secret);
         let peer_config = PeerConfig {
@@ -187,7 +192,7 @@ impl Communicator {
             max_in_flight: self.config.max_in_flight,
             reconnect: true,
         };
-        let control = Control::start(&addr, stream, peer_config, Arc::clone(&self.stats))?;
+        let control = Control::start(&addr, stream, self.tls.clone(), peer_config, Arc::clone(&self.stats))?;
         let group = GroupId(self.config.group);
         let bound = deadline.left("connect")?;
         let call = control.own_input(|p, now| p.connect(group, data_addr.clone(), bound, now));
@@ -817,7 +822,7 @@ impl Communicator {
         Ok(c)
     }
 
-    fn advertised_addr(&self, master: &TcpStream, port: u16) -> Result<String> {
+    fn advertised_addr(&self, master: &Conn, port: u16) -> Result<String> {
         let Some(addr) = &self.config.advertise_addr else {
             let local = master.local_addr().map_err(|source| Error::Io {
                 context: "reading the local address of the master connection".into(),
@@ -834,6 +839,15 @@ impl Communicator {
             _ => Ok(format!("{addr}:{port}")),
         }
     }
+}
+
+/// The error of a failed dial of the master at `addr`: a TLS handshake refused (a certificate of
+/// another CA, or one end without TLS) is a matter of credentials, which no retry mends.
+pub(crate) fn dial_error(addr: &str, e: std::io::Error) -> Error {
+    if shoal_transport::tls::is_tls_error(&e) {
+        return Error::Authentication { reason: crate::control::tls_refusal(&e) };
+    }
+    Error::MasterUnreachable { addr: addr.to_string(), reason: e.to_string() }
 }
 
 /// The error a call returns for how the state machine ended it.

@@ -58,6 +58,9 @@ pub struct CommunicatorConfig {
     /// (`SHOAL_PROBE_BYTES`): exchanges grow from 256 KiB until one lasts 30 round trips (past
     /// TCP's slow start) or reaches this.
     pub probe_bytes: usize,
+    /// TLS for every connection, to the master and between peers (`SHOAL_TLS_CERT`,
+    /// `SHOAL_TLS_KEY`, `SHOAL_TLS_CA`); `None` for plaintext.
+    pub tls: Option<shoal_transport::TlsFiles>,
 }
 
 /// Default TCP connections to a peer on another host. Parallel streams get past per-flow
@@ -110,6 +113,7 @@ impl CommunicatorConfig {
             oneshot_max_bytes: env_count("SHOAL_ONESHOT_MAX_BYTES")?.unwrap_or(DEFAULT_ONESHOT_MAX_BYTES),
             twoshot_max_bytes: env_count("SHOAL_TWOSHOT_MAX_BYTES")?.unwrap_or(DEFAULT_TWOSHOT_MAX_BYTES),
             probe_bytes: env_count("SHOAL_PROBE_BYTES")?.unwrap_or(DEFAULT_PROBE_BYTES),
+            tls: shoal_transport::TlsFiles::from_env()?,
             shared_memory: match env_value("SHOAL_TRANSPORT").as_deref() {
                 None | Some("auto") => true,
                 Some("tcp") => false,

@@ -6,10 +6,10 @@
 use crate::error::{Error, Result};
 use crate::stats::Stats;
 use shoal_proto::peer::{Action, Gone, Peer, PeerConfig};
-use shoal_transport::{read_message, write_message, TransportError};
+use shoal_transport::{read_message, write_message, Conn, TlsConfig, TransportError};
 use shoal_wire::{Message, SessionId};
 use std::io::{Read, Write};
-use std::net::{Shutdown, TcpStream};
+use std::net::Shutdown;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread;
@@ -22,10 +22,18 @@ const REDIAL_EVERY: Duration = Duration::from_millis(50);
 
 /// Readies a control connection: a frozen master must not block a write (and so a call) for
 /// longer than it takes to declare the master lost. Returns its reading half.
-fn split(stream: &TcpStream, heartbeat_timeout: Duration) -> std::io::Result<TcpStream> {
+fn split(stream: &Conn, heartbeat_timeout: Duration) -> std::io::Result<Conn> {
     stream.set_write_timeout(Some(heartbeat_timeout))?;
     stream.set_read_timeout(None)?;
     stream.try_clone()
+}
+
+/// Why a TLS session with the master failed, and what to check.
+pub(crate) fn tls_refusal(e: &dyn std::fmt::Display) -> String {
+    format!(
+        "{e} (the master and every peer need TLS, with certificates of the same run's CA: SHOAL_TLS_CERT, \
+         SHOAL_TLS_KEY, SHOAL_TLS_CA)"
+    )
 }
 
 /// Wakes a collective sleeping in `poll(2)` on its data streams when the state machine may have
@@ -67,7 +75,9 @@ pub(crate) struct Control {
     pub waker: Waker,
     /// The control connection's writing half, and how many times it was dialed again: a failed
     /// write of an old connection is no news about the new one.
-    writer: Mutex<(TcpStream, u64)>,
+    writer: Mutex<(Conn, u64)>,
+    /// TLS for the connection, when dialed again.
+    tls: Option<TlsConfig>,
     peer: Mutex<Peer>,
     changed: Condvar,
     /// The counters sent in place of heartbeats.
@@ -76,7 +86,13 @@ pub(crate) struct Control {
 
 impl Control {
     /// Starts the reader and timer threads over `stream`.
-    pub fn start(master_addr: &str, stream: TcpStream, config: PeerConfig, stats: Arc<Stats>) -> Result<Arc<Self>> {
+    pub fn start(
+        master_addr: &str,
+        stream: Conn,
+        tls: Option<TlsConfig>,
+        config: PeerConfig,
+        stats: Arc<Stats>,
+    ) -> Result<Arc<Self>> {
         let io_err = |source| Error::Io { context: "configuring the master connection".into(), source };
         let reader = split(&stream, config.heartbeat_timeout).map_err(io_err)?;
         let waker = Waker::new().map_err(|source| Error::Io { context: "creating a wake-up pipe".into(), source })?;
@@ -84,6 +100,7 @@ impl Control {
             master_addr: master_addr.to_string(),
             waker,
             writer: Mutex::new((stream, 0)),
+            tls,
             peer: Mutex::new(Peer::new(config, Instant::now())),
             changed: Condvar::new(),
             stats,
@@ -270,10 +287,20 @@ impl Control {
         let _ = self.writer.lock().unwrap_or_else(PoisonError::into_inner).0.shutdown(Shutdown::Both);
     }
 
-    fn read_loop(&self, mut stream: TcpStream) {
+    fn read_loop(&self, mut stream: Conn) {
         loop {
             let message = match read_message(&mut stream) {
                 Ok((_, m)) => m,
+                // In TLS 1.3 the master checks our certificate after our handshake ended: its
+                // refusal arrives as the first thing we read. Before we are registered that is
+                // a refusal of our credentials, not a lost master.
+                Err(TransportError::Io(e))
+                    if shoal_transport::tls::is_tls_error(&e) && self.lock().registered().is_none() =>
+                {
+                    let reason = tls_refusal(&e);
+                    self.input(|p, now| p.handle_message(Message::AuthFailed { reason }, now)).ok();
+                    return;
+                }
                 Err(e) => {
                     self.input(|p, now| p.handle_disconnect(format!("control connection: {e}"), now));
                     match self.redial() {
@@ -296,7 +323,7 @@ impl Control {
     /// Dials the master again for as long as the state machine wants ([`Peer::reconnecting`]):
     /// once a new connection is challenged, it replaces the old one and `Rejoin` goes out on it.
     /// Returns its reading half; `None` once the state machine gave up (the master is lost).
-    fn redial(&self) -> Option<TcpStream> {
+    fn redial(&self) -> Option<Conn> {
         let mut tries = 0u32;
         loop {
             let until = self.lock().reconnecting()?;
@@ -323,8 +350,8 @@ impl Control {
 
     /// One dial of the master: a connection whose challenge arrived within `left`, in place of
     /// the old one; its reading half and the challenge's nonce.
-    fn dial(&self, left: Duration) -> std::result::Result<(TcpStream, [u8; 32]), String> {
-        let mut stream = shoal_transport::connect(&self.master_addr, left).map_err(|e| e.to_string())?;
+    fn dial(&self, left: Duration) -> std::result::Result<(Conn, [u8; 32]), String> {
+        let mut stream = Conn::dial(&self.master_addr, left, self.tls.as_ref()).map_err(|e| e.to_string())?;
         let deadline = Instant::now() + left;
         let nonce = match shoal_transport::read_message_until(&mut stream, deadline, shoal_wire::MAX_BODY_BYTES) {
             Ok((_, Message::Challenge { nonce })) => nonce,
@@ -390,10 +417,10 @@ mod tests {
             write_message(&mut s, SessionId(0), &Message::Challenge { nonce: [1; 32] }).unwrap();
             s
         });
-        let stream = shoal_transport::connect(&addr, Duration::from_secs(1)).unwrap();
+        let stream = Conn::dial(&addr, Duration::from_secs(1), None).unwrap();
         let config =
             PeerConfig { heartbeat_timeout: Duration::from_secs(60), key: None, max_in_flight: 1, reconnect: false };
-        let control = Control::start(&addr, stream, config, Arc::default()).unwrap();
+        let control = Control::start(&addr, stream, None, config, Arc::default()).unwrap();
         let _master = master.join().unwrap();
         let started = Instant::now();
         let action = control.wait_action(started + Duration::from_secs(20), || {
@@ -436,10 +463,10 @@ mod tests {
             // Closing with unread data resets the connection: the peer's writes fail.
             s.shutdown(Shutdown::Both).unwrap();
         });
-        let stream = shoal_transport::connect(&addr, Duration::from_secs(1)).unwrap();
+        let stream = Conn::dial(&addr, Duration::from_secs(1), None).unwrap();
         let config =
             PeerConfig { heartbeat_timeout: Duration::from_secs(10), key: None, max_in_flight: 1, reconnect: false };
-        let control = Control::start(&addr, stream, config, Arc::default()).unwrap();
+        let control = Control::start(&addr, stream, None, config, Arc::default()).unwrap();
         control.input(|p, now| p.connect(GroupId(0), "127.0.0.1:1".into(), Duration::from_secs(5), now));
         master.join().unwrap();
         let outcome = loop {

@@ -22,10 +22,10 @@ use crate::Deadline;
 use shoal_proto::auth::DataKey;
 use shoal_proto::peer::{Established, RingPosition};
 use shoal_transport::shm::{ShmLane, RING_BYTES};
-use shoal_transport::{connect, limit_unsent, read_message_until, write_message, Stream};
+use shoal_transport::{limit_unsent, read_message_until, write_message, Conn, Stream, TlsConfig};
 use shoal_wire::{Epoch, Member, Message, PeerId, SessionId};
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -64,13 +64,15 @@ pub(crate) struct Listener {
     stop: Arc<AtomicBool>,
     /// Streams to dial per member where `optimize_topology` sized the pool.
     sized: Mutex<BTreeMap<PeerId, usize>>,
+    /// TLS for every data connection, dialed or accepted.
+    pub tls: Option<TlsConfig>,
 }
 
 /// Streams accepted and greeted, not yet taken into a [`DataPlane`] (or, for shared-state
 /// fetches, by the sync that serves them).
 struct Arrivals {
     streams: Mutex<BTreeMap<PeerId, Pool>>,
-    fetches: Mutex<std::collections::VecDeque<(TcpStream, crate::sync::FetchReq)>>,
+    fetches: Mutex<std::collections::VecDeque<(Conn, crate::sync::FetchReq)>>,
     /// Connections refused at their greeting (strangers, forgeries, stale pools).
     refused: AtomicU64,
     changed: Condvar,
@@ -128,8 +130,8 @@ impl DataPlane {
 }
 
 impl Listener {
-    /// Binds `addr` and starts accepting.
-    pub fn start(addr: &str) -> Result<Self> {
+    /// Binds `addr` and starts accepting, with TLS if `tls` is given.
+    pub fn start(addr: &str, tls: Option<TlsConfig>) -> Result<Self> {
         let io = |context: &str| {
             let context = format!("{context} {addr}");
             move |source| Error::Io { context, source }
@@ -151,11 +153,13 @@ impl Listener {
             arrivals: Arc::new(arrivals),
             stop: Arc::new(AtomicBool::new(false)),
             sized: Mutex::new(BTreeMap::new()),
+            tls,
         };
-        let (identity, arrivals, stop) = (me.identity.clone(), me.arrivals.clone(), me.stop.clone());
+        let (identity, arrivals, stop, tls) =
+            (me.identity.clone(), me.arrivals.clone(), me.stop.clone(), me.tls.clone());
         thread::Builder::new()
             .name("shoal-accept".into())
-            .spawn(move || accept_loop(listener, identity, arrivals, stop))
+            .spawn(move || accept_loop(listener, tls, identity, arrivals, stop))
             .map_err(io("spawning the accept thread for"))?;
         // Members in this network namespace reach us here for shared-memory lanes. Without it
         // (the name is taken: another process bound our port on another address) they dial TCP.
@@ -182,7 +186,7 @@ impl Listener {
 
     /// The next connection a peer opened to fetch shared state from us, with its first request;
     /// waits up to `wait`.
-    pub fn take_fetch(&self, wait: Duration) -> Option<(TcpStream, crate::sync::FetchReq)> {
+    pub fn take_fetch(&self, wait: Duration) -> Option<(Conn, crate::sync::FetchReq)> {
         let fetches = self.arrivals.fetches.lock().unwrap_or_else(PoisonError::into_inner);
         let mut fetches = self
             .arrivals
@@ -226,7 +230,8 @@ impl Listener {
     ) -> std::result::Result<Vec<Stream>, String> {
         let id = self.identity.get().expect("identity is set at registration");
         let connections = self.connections(config, member);
-        dial(id, member.peer, epoch, &member.addr, connections, config.shared_memory, deadline, "all_reduce")
+        let tls = self.tls.as_ref();
+        dial(id, member.peer, epoch, &member.addr, connections, config.shared_memory, tls, deadline, "all_reduce")
     }
 
     /// The pool `from` dialed to us for topology `epoch`, if it is complete, made non-blocking:
@@ -262,7 +267,8 @@ impl Listener {
         let me = id.me;
         let next = pos.next();
         let connections = self.connections(config, next);
-        match dial(id, next.peer, pos.epoch, &next.addr, connections, config.shared_memory, deadline, operation) {
+        let tls = self.tls.as_ref();
+        match dial(id, next.peer, pos.epoch, &next.addr, connections, config.shared_memory, tls, deadline, operation) {
             Ok(pool) => plane.outgoing.insert(next.peer, pool),
             Err(reason) => {
                 log::warn!("{me}: cannot reach {}: {reason}", next.peer);
@@ -301,6 +307,7 @@ fn dial(
     addr: &str,
     connections: usize,
     shared_memory: bool,
+    tls: Option<&TlsConfig>,
     deadline: Deadline,
     operation: &'static str,
 ) -> Result<Vec<Stream>, String> {
@@ -313,22 +320,26 @@ fn dial(
         // The same machine and network namespace: the member's local socket answers there.
         let left = deadline.left(operation).map_err(|e| e.to_string())?;
         let local = if shared_memory { dial_local(id, addr, &hello, left.min(HELLO_TIMEOUT)) } else { None };
-        let s = match local {
+        let mut s = match local {
             Some(lane) => Stream::Shm(lane),
             None => {
                 let left = deadline.left(operation).map_err(|e| e.to_string())?;
-                let mut s =
-                    connect(addr, left.min(DIAL_TIMEOUT)).map_err(|e| format!("dialing {to} at {addr}: {e}"))?;
+                let mut s = Conn::dial(addr, left.min(DIAL_TIMEOUT), tls)
+                    .map_err(|e| format!("dialing {to} at {addr}: {e}"))?;
                 write_message(&mut s, id.session, &hello).map_err(|e| format!("greeting {to} at {addr}: {e}"))?;
-                limit_unsent(&s, UNSENT_LIMIT).map_err(configuring)?;
-                Stream::Tcp(s)
+                limit_unsent(s.tcp(), UNSENT_LIMIT).map_err(configuring)?;
+                Stream::from(s)
             }
         };
         // From here the engine drives it, without blocking.
         s.set_nonblocking().map_err(configuring)?;
         pool.push(s);
     }
-    let kind = if matches!(pool.first(), Some(Stream::Shm(_))) { "shared-memory" } else { "TCP" };
+    let kind = match pool.first() {
+        Some(Stream::Shm(_)) => "shared-memory",
+        Some(Stream::Tls(_)) => "TLS",
+        _ => "TCP",
+    };
     log::debug!("{} dialed {connections} {kind} streams to {to} at {addr}", id.me);
     Ok(pool)
 }
@@ -367,8 +378,8 @@ fn dial_local(id: &Identity, addr: &str, hello: &Message, wait: Duration) -> Opt
 /// non-blocking for the engine (a stream that cannot be drops its pool).
 fn take_complete(arrivals: &mut BTreeMap<PeerId, Pool>, from: PeerId, epoch: Epoch) -> Option<Vec<Stream>> {
     let complete = arrivals.get(&from).is_some_and(|p| p.epoch == epoch && p.streams.len() == p.size);
-    let pool: Vec<Stream> = complete.then(|| arrivals.remove(&from)).flatten()?.streams.into_values().collect();
-    match pool.iter().try_for_each(Stream::set_nonblocking) {
+    let mut pool: Vec<Stream> = complete.then(|| arrivals.remove(&from)).flatten()?.streams.into_values().collect();
+    match pool.iter_mut().try_for_each(Stream::set_nonblocking) {
         Ok(()) => Some(pool),
         Err(e) => {
             log::warn!("dropping the streams of {from}: configuring a data stream: {e}");
@@ -379,12 +390,14 @@ fn take_complete(arrivals: &mut BTreeMap<PeerId, Pool>, from: PeerId, epoch: Epo
 
 fn accept_loop(
     listener: TcpListener,
+    tls: Option<TlsConfig>,
     identity: Arc<OnceLock<Identity>>,
     arrivals: Arc<Arrivals>,
     stop: Arc<AtomicBool>,
 ) {
     let served = shoal_transport::accept_until(&listener, &stop, |stream, from| {
-        spawn_greeting(&identity, &arrivals, from.to_string(), move |id, a| greet(stream, id, a));
+        let tls = tls.clone();
+        spawn_greeting(&identity, &arrivals, from.to_string(), move |id, a| greet(stream, tls.as_ref(), id, a));
         true
     });
     if let Err(e) = served {
@@ -441,8 +454,16 @@ fn identity_by(identity: &OnceLock<Identity>, deadline: Instant) -> Result<&Iden
 /// The place a greeted stream takes: (dialer, topology, index, pool size).
 type Place = (PeerId, Epoch, u16, u16);
 
-fn greet(mut stream: TcpStream, identity: &OnceLock<Identity>, arrivals: &Arrivals) -> Result<(), String> {
+/// Greets a dialer: its TLS handshake if the run has TLS, then its hello, all within
+/// [`HELLO_TIMEOUT`].
+fn greet(
+    tcp: std::net::TcpStream,
+    tls: Option<&TlsConfig>,
+    identity: &OnceLock<Identity>,
+    arrivals: &Arrivals,
+) -> Result<(), String> {
     let deadline = Instant::now() + HELLO_TIMEOUT;
+    let mut stream = Conn::accept(tcp, tls, deadline).map_err(|e| e.to_string())?;
     let (session, message) = read_message_until(&mut stream, deadline, MAX_HELLO_BODY).map_err(|e| e.to_string())?;
     let id = identity_by(identity, deadline)?;
     let (me, our_session) = (id.me, id.session);
@@ -459,7 +480,7 @@ fn greet(mut stream: TcpStream, identity: &OnceLock<Identity>, arrivals: &Arriva
         return Ok(());
     }
     let place = check_hello(id, session, message)?;
-    add_stream(arrivals, place, Stream::Tcp(stream))
+    add_stream(arrivals, place, Stream::from(stream))
 }
 
 /// Greets a member on this host: its hello, then its ring's descriptor, mapped and acknowledged
@@ -531,7 +552,7 @@ mod tests {
 
     /// Sends `message` on a new connection to `listener`; true if the listener closed it.
     fn refused(listener: &Listener, session: SessionId, message: &Message) -> bool {
-        let mut s = connect(&format!("127.0.0.1:{}", listener.port), Duration::from_secs(1)).unwrap();
+        let mut s = Conn::dial(&format!("127.0.0.1:{}", listener.port), Duration::from_secs(1), None).unwrap();
         write_message(&mut s, session, message).unwrap();
         s.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
         matches!(std::io::Read::read(&mut s, &mut [0u8; 1]), Ok(0))
@@ -543,10 +564,10 @@ mod tests {
     /// newcomer waiting for one that never comes.
     #[test]
     fn hello_before_identity_is_known_is_kept() {
-        let listener = Listener::start("127.0.0.1:0").unwrap();
+        let listener = Listener::start("127.0.0.1:0", None).unwrap();
         let addr = format!("127.0.0.1:{}", listener.port);
         let (me, session) = (PeerId(7), SessionId(42));
-        let mut s = connect(&addr, Duration::from_secs(1)).unwrap();
+        let mut s = Conn::dial(&addr, Duration::from_secs(1), None).unwrap();
         write_message(&mut s, session, &hello(&KEY, session, PeerId(3), me)).unwrap();
         thread::sleep(Duration::from_millis(100));
         listener.set_identity(me, session, KEY, "");
@@ -564,12 +585,69 @@ mod tests {
 
     #[test]
     fn hello_for_another_session_or_peer_is_refused() {
-        let listener = Listener::start("127.0.0.1:0").unwrap();
+        let listener = Listener::start("127.0.0.1:0", None).unwrap();
         listener.set_identity(PeerId(1), SessionId(5), KEY, "127.0.0.1:1");
         for (to, session) in [(PeerId(2), SessionId(5)), (PeerId(1), SessionId(6))] {
             assert!(refused(&listener, session, &hello(&KEY, session, PeerId(9), to)));
         }
         assert!(listener.arrivals.streams.lock().unwrap().is_empty());
+    }
+
+    /// With TLS, a dialer without a certificate of the run's CA (no TLS, or another CA's) is
+    /// refused at its handshake, logged and counted, and never reaches the pools; a member's
+    /// TLS stream lands.
+    #[test]
+    fn without_the_runs_certificate_a_data_connection_is_refused() {
+        let dir = std::env::temp_dir().join(format!("shoal-links-tls-{}", std::process::id()));
+        let load = |dir: &std::path::Path| {
+            let made = shoal_transport::tls::make_certs(dir, &["127.0.0.1".into()]).unwrap();
+            let (_, cert, key) = made.hosts[0].clone();
+            TlsConfig::load(&shoal_transport::TlsFiles { cert, key, ca: made.ca }).unwrap()
+        };
+        let _ = std::fs::remove_dir_all(&dir);
+        let (ours, theirs) = (load(&dir.join("run")), load(&dir.join("other")));
+        let listener = Listener::start("127.0.0.1:0", Some(ours.clone())).unwrap();
+        let (me, session) = (PeerId(1), SessionId(5));
+        listener.set_identity(me, session, KEY, "127.0.0.1:1");
+        let addr = format!("127.0.0.1:{}", listener.port);
+        // The acceptor hangs up (after a TLS alert, perhaps) rather than keep the stream.
+        let hung_up = |mut s: Conn| {
+            s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            loop {
+                match std::io::Read::read(&mut s, &mut [0u8; 64]) {
+                    Ok(0) => return true,
+                    Ok(_) => continue,
+                    Err(e) => return e.kind() != std::io::ErrorKind::WouldBlock,
+                }
+            }
+        };
+        let hello = hello(&KEY, session, PeerId(2), me);
+        // In plaintext, even with the run's data key.
+        let mut s = Conn::dial(&addr, Duration::from_secs(2), None).unwrap();
+        write_message(&mut s, session, &hello).unwrap();
+        assert!(hung_up(s), "a plaintext stream was kept");
+        // Another run's CA: the dialer refuses the acceptor's certificate, or its handshake ends
+        // and the acceptor's refusal arrives.
+        match Conn::dial(&addr, Duration::from_secs(2), Some(&theirs)) {
+            Ok(mut s) => {
+                let _ = write_message(&mut s, session, &hello);
+                assert!(hung_up(s), "another CA's stream was kept");
+            }
+            Err(e) => assert!(shoal_transport::tls::is_tls_error(&e), "{e}"),
+        }
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while listener.arrivals.refused.load(Ordering::Relaxed) < 2 {
+            assert!(Instant::now() < deadline, "refusals are counted");
+            thread::sleep(Duration::from_millis(5));
+        }
+        assert!(listener.arrivals.streams.lock().unwrap().is_empty());
+        let mut s = Conn::dial(&addr, Duration::from_secs(2), Some(&ours)).unwrap();
+        write_message(&mut s, session, &hello).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while listener.arrivals.streams.lock().unwrap().get(&PeerId(2)).is_none() {
+            assert!(Instant::now() < deadline, "the member's TLS stream did not land");
+            thread::sleep(Duration::from_millis(5));
+        }
     }
 
     /// A stranger who knows the session, every member's id and our address (a `Topology` tells
@@ -578,7 +656,7 @@ mod tests {
     /// lands.
     #[test]
     fn a_forged_hello_or_fetch_without_the_data_key_is_refused_and_counted() {
-        let listener = Listener::start("127.0.0.1:0").unwrap();
+        let listener = Listener::start("127.0.0.1:0", None).unwrap();
         let (me, session) = (PeerId(1), SessionId(5));
         listener.set_identity(me, session, KEY, "127.0.0.1:1");
         let guessed = DataKey([0; 32]);

@@ -14,13 +14,12 @@ use crate::failpoint::failpoint;
 use shoal_collective::DType;
 use shoal_proto::master::Strategy;
 use shoal_proto::peer::{Action, CallKind, Revision, SyncBallot, Value};
-use shoal_transport::{connect, read_message_until, write_message, PollFd};
+use shoal_transport::{read_message_until, write_message, Conn, PollFd};
 use shoal_wire::{
     truncate, Message, PeerId, PlanEntry, StateDigest, MAX_BODY_BYTES, MAX_DIMS, MAX_STATE_ENTRIES, MAX_STRING_BYTES,
 };
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -243,7 +242,7 @@ fn digest(tensors: &[StateTensor<'_>]) -> Result<Vec<StateDigest>> {
 /// Answers one fetcher's requests from our tensors until it hangs up or the sync ends.
 #[allow(clippy::too_many_arguments)]
 fn serve(
-    mut stream: TcpStream,
+    mut stream: Conn,
     first: FetchReq,
     round: u64,
     views: &[&[u8]],
@@ -269,10 +268,13 @@ fn serve(
             if stop.load(Ordering::Relaxed) {
                 return Ok(());
             }
-            let mut fd = PollFd::new(&stream);
-            fd.want_read = true;
-            if shoal_transport::poll(&mut [fd], Duration::from_millis(50)).map_err(|e| e.to_string())? == 0 {
-                continue;
+            // A request may wait in the TLS session already, where no poll sees it.
+            if !stream.has_buffered_input() {
+                let mut fd = PollFd::new(&stream);
+                fd.want_read = true;
+                if shoal_transport::poll(&mut [fd], Duration::from_millis(50)).map_err(|e| e.to_string())? == 0 {
+                    continue;
+                }
             }
             match read_message_until(&mut stream, Instant::now() + io_timeout, MAX_BODY_BYTES) {
                 Ok((_, Message::FetchRequest { from, round, index, offset, len, .. })) => {
@@ -360,7 +362,7 @@ fn fetch_from(
     io_timeout: Duration,
 ) -> std::result::Result<(), String> {
     let addr = addr.ok_or("not in our topology")?;
-    let mut stream: Option<TcpStream> = None;
+    let mut stream: Option<Conn> = None;
     loop {
         // Take a piece of one of our tensors; wait while others' pieces are in flight (a donor
         // that fails puts its piece back); stop when all of ours are in place.
@@ -378,7 +380,8 @@ fn fetch_from(
         };
         let fetched = (|| -> std::result::Result<(), String> {
             if stream.is_none() {
-                let s = connect(&addr, io_timeout).map_err(|e| format!("dialing {addr}: {e}"))?;
+                let s = Conn::dial(&addr, io_timeout, c.listener.tls.as_ref())
+                    .map_err(|e| format!("dialing {addr}: {e}"))?;
                 s.set_read_timeout(Some(io_timeout)).map_err(|e| e.to_string())?;
                 stream = Some(s);
             }

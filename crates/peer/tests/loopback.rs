@@ -13,6 +13,7 @@ fn master() -> MasterServer {
         secret: None,
         http: None,
         state_dir: None,
+        tls: None,
     };
     MasterServer::start(options).unwrap()
 }

@@ -38,6 +38,7 @@ fn the_master_serves_what_peers_did() {
         secret: None,
         http: Some("127.0.0.1:0".into()),
         state_dir: None,
+        tls: None,
     };
     let m = MasterServer::start(options).unwrap();
     let http = m.http_addr().expect("HTTP served");

@@ -96,7 +96,7 @@ pub struct LinkReport {
     pub rx_bytes: u64,
     /// Bytes per second sent to it while operations ran (0: nothing sent yet).
     pub tx_rate: u64,
-    /// `"tcp"`, `"shm"` or `"mixed"`.
+    /// `"tcp"`, `"tls"`, `"shm"` or `"mixed"`.
     pub transport: String,
 }
 

@@ -1,5 +1,5 @@
-//! `shoal-master --listen HOST:PORT [--http HOST:PORT] [--state-dir DIR]`: runs a master in the
-//! foreground until killed.
+//! `shoal-master --listen HOST:PORT [--http HOST:PORT] [--state-dir DIR] [--tls-cert PEM --tls-key PEM
+//! --tls-ca PEM]`: runs a master in the foreground until killed.
 //! The Python package's `shoal master` does the same; this binary needs no Python.
 
 use shoal_master::{MasterOptions, MasterServer};
@@ -12,6 +12,7 @@ fn main() {
     let mut secret_file: Option<String> = None;
     let mut http: Option<String> = None;
     let mut state_dir: Option<std::path::PathBuf> = None;
+    let mut tls: [Option<std::path::PathBuf>; 3] = [None, None, None];
     while let Some(a) = args.next() {
         match (a.as_str(), args.next()) {
             ("--listen", Some(v)) => listen = v,
@@ -19,6 +20,9 @@ fn main() {
             ("--secret-file", Some(v)) => secret_file = Some(v),
             ("--http", Some(v)) => http = Some(v),
             ("--state-dir", Some(v)) => state_dir = Some(v.into()),
+            ("--tls-cert", Some(v)) => tls[0] = Some(v.into()),
+            ("--tls-key", Some(v)) => tls[1] = Some(v.into()),
+            ("--tls-ca", Some(v)) => tls[2] = Some(v.into()),
             _ => usage(&a),
         }
     }
@@ -38,6 +42,10 @@ fn main() {
         options.http = http;
     }
     options.state_dir = state_dir;
+    if tls.iter().any(Option::is_some) {
+        let [cert, key, ca] = tls;
+        options.tls = shoal_transport::TlsFiles::from_parts(cert, key, ca).unwrap_or_else(|e| fail(&e));
+    }
     let server = MasterServer::start(options).unwrap_or_else(|e| fail(&format!("cannot listen on {listen}: {e}")));
     println!("shoal master listening on {}", server.local_addr());
     if let Some(a) = server.http_addr() {
@@ -49,7 +57,7 @@ fn main() {
 }
 
 fn usage(at: &str) -> ! {
-    fail(&format!("bad argument {at}\nusage: shoal-master [--listen HOST:PORT] [--heartbeat-timeout SECONDS] [--secret-file PATH] [--http HOST:PORT] [--state-dir DIR]"))
+    fail(&format!("bad argument {at}\nusage: shoal-master [--listen HOST:PORT] [--heartbeat-timeout SECONDS] [--secret-file PATH] [--http HOST:PORT] [--state-dir DIR] [--tls-cert PEM --tls-key PEM --tls-ca PEM]"))
 }
 
 fn fail(message: &str) -> ! {

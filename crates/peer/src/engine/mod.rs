@@ -888,9 +888,9 @@ impl<L: Lane> Exec<L> {
         self.awaiting = !self.missing().is_empty();
     }
 
-    /// The TCP sockets of our lanes to member `to` (none for shared-memory lanes).
+    /// The TCP sockets of our lanes to member `to`, TLS or not (none for shared-memory lanes).
     pub fn tcp_lanes_to(&self, to: usize) -> Vec<std::os::fd::RawFd> {
-        let tcp = self.send.iter().filter(|s| s.to == to && s.lane.kind() == "tcp");
+        let tcp = self.send.iter().filter(|s| s.to == to && matches!(s.lane.kind(), "tcp" | "tls"));
         tcp.filter_map(|s| s.lane.pollable()).collect()
     }
 
@@ -1123,10 +1123,11 @@ impl<L: Lane> Exec<L> {
         })
     }
 
-    /// Readies every lane the driver is about to poll ([`Lane::arm`]); false if one can move
-    /// now or failed (the next pump finds out): then the driver must not sleep.
+    /// Readies every lane the driver is about to poll for something ([`Lane::arm`]); false if
+    /// one can move now or failed (the next pump finds out): then the driver must not sleep. A
+    /// lane held back (no interest) is not asked: bytes it holds ready wait for the engine.
     pub fn arm(&mut self) -> bool {
-        self.waits().into_iter().all(|(recv, i, _, _)| {
+        self.waits().into_iter().filter(|&(_, _, read, write)| read || write).all(|(recv, i, _, _)| {
             let lane = if recv { &mut self.recv[i].lane } else { &mut self.send[i].lane };
             lane.arm().unwrap_or(false)
         })

@@ -272,6 +272,12 @@ impl Master {
         self.counters.auth_failures
     }
 
+    /// Counts a connection whose TLS handshake failed: it never reached the state machine, but
+    /// the run's counters tell of it.
+    pub fn count_tls_failure(&mut self) {
+        self.counters.tls_failures += 1;
+    }
+
     /// The current phase.
     pub fn phase(&self) -> &Phase {
         &self.phase

@@ -18,6 +18,8 @@ pub struct Counters {
     pub auth_failures: u64,
     /// `Join`s refused because the run was full.
     pub refused_full: u64,
+    /// Connections whose TLS handshake failed (no certificate of the run's CA, or no TLS).
+    pub tls_failures: u64,
     /// Peers that left on purpose.
     pub left: u64,
     /// Peers whose control connection was lost.
