@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
@@ -55,7 +56,10 @@ class Communicator:
     Options are keyword-only; timeouts are float seconds. ``None`` means: the ``SHOAL_*``
     environment variable, else the built-in default. ``connections`` is the number of TCP
     streams per peer pair; by default one to a peer on the same host and four to a peer
-    elsewhere.
+    elsewhere. ``tls_cert``, ``tls_key`` and ``tls_ca`` (or ``SHOAL_TLS_CERT``, ``SHOAL_TLS_KEY``,
+    ``SHOAL_TLS_CA``; ``shoal certs`` makes them) put every connection, to the master and to other
+    peers, under mutual TLS; a peer without a certificate of the run's CA gets
+    :class:`AuthenticationError` at ``connect()``.
     """
 
     def __init__(
@@ -70,6 +74,9 @@ class Communicator:
         chunk_bytes: Optional[int] = None,
         heartbeat_timeout: Optional[float] = None,
         timeout: Optional[float] = None,
+        tls_cert: Optional[str | os.PathLike[str]] = None,
+        tls_key: Optional[str | os.PathLike[str]] = None,
+        tls_ca: Optional[str | os.PathLike[str]] = None,
     ) -> None:
         self._native = _native.Communicator(
             master_addr,
@@ -81,6 +88,9 @@ class Communicator:
             chunk_bytes=chunk_bytes,
             heartbeat_timeout=heartbeat_timeout,
             timeout=timeout,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            tls_ca=tls_ca,
         )
 
     def connect(self, timeout: Optional[float] = None, *, min_world_size: int = 1) -> None:
@@ -361,7 +371,7 @@ class Communicator:
         Each is ``{"peer", "rank", "streams_out", "streams_in", "tx_bytes", "rx_bytes",
         "transport"}``: the member's id and rank, the streams we send and receive on, the bytes
         moved over them in this topology, and what carries them (``"shm"``: shared memory to a
-        member on this host; ``"tcp"``).
+        member on this host; ``"tcp"``; ``"tls"``: TCP under TLS).
         """
         keys = ("peer", "rank", "streams_out", "streams_in", "tx_bytes", "rx_bytes", "transport")
         return [dict(zip(keys, link)) for link in self._native.links()]

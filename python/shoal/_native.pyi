@@ -1,6 +1,7 @@
 """Type stubs of the native extension. Users import these names from ``shoal``."""
 
 import os
+import pathlib
 from typing import Any, Optional, final
 
 import numpy as np
@@ -9,7 +10,7 @@ from typing_extensions import Self
 
 __all__ = [
     "Communicator", "DTYPES", "Master", "NativeVote", "NativeWork", "OPS", "ReduceInfo", "__version__",
-    "hash_tensor_bytes", "lab_delay", "quantize_bytes",
+    "hash_tensor_bytes", "lab_delay", "make_certs", "quantize_bytes",
 ]
 _Quant = Optional[tuple[str, Optional[int]]]
 __version__: str
@@ -72,6 +73,9 @@ class Communicator:
         chunk_bytes: Optional[int] = None,
         heartbeat_timeout: Optional[float] = None,
         timeout: Optional[float] = None,
+        tls_cert: Optional[str | os.PathLike[str]] = None,
+        tls_key: Optional[str | os.PathLike[str]] = None,
+        tls_ca: Optional[str | os.PathLike[str]] = None,
     ) -> Self: ...
     def connect(self, timeout: Optional[float] = None, min_world_size: int = 1) -> None: ...
     def update_topology(self) -> None: ...
@@ -148,7 +152,9 @@ class Master:
     With ``http_addr`` (or ``SHOAL_HTTP_ADDR``) it serves ``/metrics`` (Prometheus), ``/status``
     (the run as JSON) and ``/`` (a status page) there. With ``state_dir`` it keeps what a restarted
     master needs there; a master started on a directory that holds a run carries it on, and the
-    peers rejoin it if it is back on the same address within their heartbeat timeout.
+    peers rejoin it if it is back on the same address within their heartbeat timeout. With
+    ``tls_cert``, ``tls_key`` and ``tls_ca`` (or ``SHOAL_TLS_*``) every connection is under mutual
+    TLS: a peer must present a certificate of the run's CA.
     """
 
     def __new__(
@@ -159,6 +165,9 @@ class Master:
         heartbeat_timeout: Optional[float] = None,
         http_addr: Optional[str] = None,
         state_dir: Optional[str | os.PathLike[str]] = None,
+        tls_cert: Optional[str | os.PathLike[str]] = None,
+        tls_key: Optional[str | os.PathLike[str]] = None,
+        tls_ca: Optional[str | os.PathLike[str]] = None,
     ) -> Self: ...
     def start(self) -> None:
         """Bind the listen address and serve in background threads."""
@@ -181,3 +190,8 @@ class Master:
 def hash_tensor_bytes(buf: npt.NDArray[np.uint8], dtype: str, shape: list[int]) -> str: ...
 def quantize_bytes(buf: npt.NDArray[np.uint8], dtype: str, quant: tuple[str, Optional[int]]) -> int: ...
 def lab_delay(queues: list[tuple[int, float]], ttl: float, max_len: int) -> tuple[int, int]: ...
+def make_certs(
+    out_dir: str | os.PathLike[str], hosts: list[str]
+) -> tuple[pathlib.Path, bool, list[tuple[str, pathlib.Path, pathlib.Path]]]:
+    """Make a run's TLS certificates in ``out_dir`` (``shoal certs``): the CA's file, whether it was made
+    now (else the CA there signed them), and each host's (host, certificate file, key file)."""

@@ -268,26 +268,40 @@ def run(
     algorithm: Optional[str] = None,
     optimize: bool = False,
     quantization: Optional[str] = None,
+    tls: bool = False,
 ) -> list[dict]:
     """Runs the benchmark with ``peers`` worker processes and returns its rows. Starts a master
     unless ``master_addr`` is given. With ``lab`` (a lab that is up, see ``shoal lab``), peer i
     runs in lab host ``hosts[i % len(hosts)]`` (default: all the lab's hosts) and the master in
-    the first of them."""
+    the first of them. With ``tls``, every connection is under TLS, with certificates made for
+    the run (each host's for its address)."""
     import shoal
 
+    from . import _native
     from .lab import Lab
 
     the_lab = Lab(lab) if lab is not None else None
     places = list(hosts or the_lab.hosts) if the_lab else []
 
-    def place(i: int, argv: list[str]) -> list[str]:
-        return the_lab.argv(places[i % len(places)], argv) if the_lab else argv
+    def address(i: int) -> str:
+        return the_lab.address(places[i % len(places)]) if the_lab else "127.0.0.1"
 
     with contextlib.ExitStack() as stack:
+        certs: dict[str, dict[str, str]] = {}
+        if tls:
+            out = stack.enter_context(tempfile.TemporaryDirectory(prefix="shoal-bench-certs-"))
+            ca, _, made = _native.make_certs(out, sorted({address(i) for i in range(max(peers, 1))}))
+            certs = {host: {"tls_cert": str(cert), "tls_key": str(key), "tls_ca": str(ca)} for host, cert, key in made}
+
+        def place(i: int, argv: list[str]) -> list[str]:
+            if tls:
+                argv = ["env", *(f"SHOAL_{k.upper()}={v}" for k, v in certs[address(i)].items()), *argv]
+            return the_lab.argv(places[i % len(places)], argv) if the_lab else argv
+
         if the_lab and master_addr is None:
-            master_addr = stack.enter_context(the_lab.master(places[0]))
+            master_addr = stack.enter_context(the_lab.master(places[0], tls=certs.get(address(0))))
         if master_addr is None:
-            master = stack.enter_context(shoal.Master("127.0.0.1:0"))
+            master = stack.enter_context(shoal.Master("127.0.0.1:0", **certs.get("127.0.0.1", {})))
             master_addr = master.address
         argv = [sys.executable, "-m", "shoal.bench", "--worker", "--master", master_addr, "--sizes", sizes]
         argv += ["--dtype", dtype, "--op", op, "--reduction", reduction, "--peers", str(peers)]
@@ -308,6 +322,7 @@ def run(
     rows = summarize(outputs, peers, op)
     for row in rows:
         row["quantization"] = quantization or "none"
+        row["tls"] = tls
     return rows
 
 
@@ -361,6 +376,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         help="quantize the chunks (several: each in turn, with each one's time over the first's)")
     parser.add_argument("--accuracy", action="store_true",
                         help="print each quantization's error on normal and heavy-tailed data, and exit")
+    parser.add_argument("--tls", nargs="+", default=None, choices=["off", "on"],
+                        help="every connection in plaintext or under TLS (both: each in turn, with TLS's throughput "
+                             "over plaintext's)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     parse_sizes(args.sizes)
@@ -386,18 +404,30 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.in_flight > 1 and args.op != "all_reduce":
         parser.error("--in-flight runs all_reduce_async: only with --op all_reduce")
 
+    if args.tls and args.quantization and len(args.tls) * len(args.quantization) > 1:
+        parser.error("compare either TLS modes or quantizations, not both at once")
+
     rows = []
-    for q in args.quantization or [None]:
-        rows += run(args.peers, args.sizes, dtype=args.dtype, op=args.op, reduction=args.reduction,
-                    master_addr=args.master, connections=args.connections, chunk_bytes=args.chunk_bytes, lab=args.lab,
-                    hosts=args.hosts.split(",") if args.hosts else None, max_iters=args.max_iters,
-                    in_flight=args.in_flight, algorithm=args.algorithm, optimize=args.optimize,
-                    quantization=None if q == "none" else q)
+    for tls in args.tls or ["off"]:
+        for q in args.quantization or [None]:
+            rows += run(args.peers, args.sizes, dtype=args.dtype, op=args.op, reduction=args.reduction,
+                        master_addr=args.master, connections=args.connections, chunk_bytes=args.chunk_bytes,
+                        lab=args.lab, hosts=args.hosts.split(",") if args.hosts else None, max_iters=args.max_iters,
+                        in_flight=args.in_flight, algorithm=args.algorithm, optimize=args.optimize,
+                        quantization=None if q == "none" else q, tls=tls == "on")
     where = args.master or (f"in lab {args.lab}" if args.lab else "local")
     if args.json:
         print(json.dumps(rows, indent=1))
         return None
     title = f"shoal {args.op}, {args.peers} peers, {args.dtype} {args.reduction}, master {where}"
+    if args.tls and len(args.tls) > 1:
+        for tls in (False, True):
+            print(format_table([r for r in rows if r["tls"] == tls], f"{title}, {'TLS' if tls else 'plaintext'}"))
+        plain = {r["size"]: r["time_us"] for r in rows if not r["tls"]}
+        for r in rows:
+            if r["tls"]:
+                print(f"TLS at {r['size']} B: {plain[r['size']] / r['time_us']:.2f}x the throughput of plaintext")
+        return None
     if not args.quantization:
         print(format_table(rows, title))
         return None

@@ -1,4 +1,5 @@
-"""The ``shoal`` command: ``shoal master``, ``shoal status``, ``shoal bench``, ``shoal demo``, ``shoal lab``."""
+"""The ``shoal`` command: ``shoal master``, ``shoal status``, ``shoal bench``, ``shoal demo``, ``shoal lab``,
+``shoal certs``."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
         print(f"shoal {__version__}")
         return
-    commands = {"master": _master, "status": _status, "bench": _bench, "demo": _demo, "lab": _lab}
+    commands = {"master": _master, "status": _status, "bench": _bench, "demo": _demo, "lab": _lab, "certs": _certs}
     if not argv or argv[0] not in commands:
-        print("usage: shoal {master,status,bench,demo,lab} [options]  (shoal COMMAND --help for more)", file=sys.stderr)
+        print("usage: shoal {master,status,bench,demo,lab,certs} [options]  (shoal COMMAND --help for more)",
+              file=sys.stderr)
         raise SystemExit(0 if argv[:1] in (["-h"], ["--help"]) else 2)
     commands[argv[0]](argv[1:])
 
@@ -33,6 +35,11 @@ def _master(argv: Sequence[str]) -> None:
                         help="HOST:PORT to serve /metrics, /status and the status page on (SHOAL_HTTP_ADDR)")
     parser.add_argument("--state-dir", default=None, metavar="DIR",
                         help="keep the run here; a master started on it again carries the run on")
+    parser.add_argument("--tls-cert", default=None, metavar="PEM",
+                        help="the master's certificate: every connection under mutual TLS (SHOAL_TLS_CERT)")
+    parser.add_argument("--tls-key", default=None, metavar="PEM", help="its private key (SHOAL_TLS_KEY)")
+    parser.add_argument("--tls-ca", default=None, metavar="PEM",
+                        help="the run's CA: peers must present a certificate it signed (SHOAL_TLS_CA)")
     args = parser.parse_args(argv)
     import shoal
 
@@ -43,8 +50,12 @@ def _master(argv: Sequence[str]) -> None:
                 secret = f.read().removesuffix("\n")
         except OSError as e:
             raise SystemExit(f"shoal master: cannot read the secret file: {e}") from None
-    master = shoal.Master(args.listen, secret=secret, heartbeat_timeout=args.heartbeat_timeout, http_addr=args.http,
-                          state_dir=args.state_dir)
+    try:
+        master = shoal.Master(args.listen, secret=secret, heartbeat_timeout=args.heartbeat_timeout,
+                              http_addr=args.http, state_dir=args.state_dir, tls_cert=args.tls_cert,
+                              tls_key=args.tls_key, tls_ca=args.tls_ca)
+    except ValueError as e:
+        raise SystemExit(f"shoal master: {e}") from None
     # The handlers come first: whoever reads the line below may signal at once.
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -85,5 +96,27 @@ def _lab(argv: Sequence[str]) -> None:
     cli.main(argv)
 
 
+def _certs(argv: Sequence[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="shoal certs",
+        description="Make a run's TLS certificates: its CA (ca.pem, ca.key) and, for each host, HOST.pem and "
+                    "HOST.key signed by it. A CA already in the directory signs the new hosts' certificates.")
+    parser.add_argument("--out", required=True, metavar="DIR", help="directory to write them to")
+    parser.add_argument("--host", action="append", default=[], metavar="HOST", required=True,
+                        help="an IP address or DNS name the master or a peer is dialed at (repeat per host)")
+    args = parser.parse_args(argv)
+    from . import _native
+
+    try:
+        ca, new_ca, hosts = _native.make_certs(args.out, args.host)
+    except ValueError as e:
+        raise SystemExit(f"shoal certs: {e}") from None
+    print(f"{'made' if new_ca else 'kept'} the run's CA: {ca}  (give it to every process as SHOAL_TLS_CA; "
+          f"keep ca.key private)")
+    for host, cert, key in hosts:
+        print(f"{host}: SHOAL_TLS_CERT={cert} SHOAL_TLS_KEY={key}")
+
+
 if __name__ == "__main__":
     main()
+

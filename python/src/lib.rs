@@ -15,6 +15,8 @@ use shoal_peer::{
     Algorithm, Communicator as Core, CommunicatorConfig, DType, Error, Info, Quantization, ReduceOp, StateTensor,
     Strategy, Vote, Work,
 };
+use shoal_transport::TlsFiles;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -299,7 +301,8 @@ struct Communicator {
 impl Communicator {
     #[new]
     #[pyo3(signature = (master_addr, *, peer_group=0, secret=None, connections=None, listen_addr=None,
-        advertise_addr=None, chunk_bytes=None, heartbeat_timeout=None, timeout=None))]
+        advertise_addr=None, chunk_bytes=None, heartbeat_timeout=None, timeout=None, tls_cert=None, tls_key=None,
+        tls_ca=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         master_addr: &str,
@@ -311,8 +314,12 @@ impl Communicator {
         chunk_bytes: Option<usize>,
         heartbeat_timeout: Option<Bound<'_, PyAny>>,
         timeout: Option<Bound<'_, PyAny>>,
+        tls_cert: Option<PathBuf>,
+        tls_key: Option<PathBuf>,
+        tls_ca: Option<PathBuf>,
     ) -> PyResult<Self> {
         let mut c = CommunicatorConfig::from_env(master_addr).map_err(to_py)?;
+        c.tls = tls_files([tls_cert, tls_key, tls_ca], c.tls)?;
         c.group = peer_group;
         if let Some(s) = secret {
             c.secret = Some(s.into_bytes());
@@ -694,15 +701,21 @@ struct Master {
 #[pymethods]
 impl Master {
     #[new]
-    #[pyo3(signature = (listen="0.0.0.0:48148", *, secret=None, heartbeat_timeout=None, http_addr=None, state_dir=None))]
+    #[pyo3(signature = (listen="0.0.0.0:48148", *, secret=None, heartbeat_timeout=None, http_addr=None, state_dir=None,
+        tls_cert=None, tls_key=None, tls_ca=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         listen: &str,
         secret: Option<String>,
         heartbeat_timeout: Option<Bound<'_, PyAny>>,
         http_addr: Option<String>,
-        state_dir: Option<std::path::PathBuf>,
+        state_dir: Option<PathBuf>,
+        tls_cert: Option<PathBuf>,
+        tls_key: Option<PathBuf>,
+        tls_ca: Option<PathBuf>,
     ) -> PyResult<Self> {
         let mut options = MasterOptions::from_env(listen).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        options.tls = tls_files([tls_cert, tls_key, tls_ca], options.tls)?;
         if http_addr.is_some() {
             options.http = http_addr;
         }
@@ -847,6 +860,28 @@ fn raise(class: &str, message: String) -> PyErr {
     })
 }
 
+/// The TLS files: those given (`[cert, key, ca]`) over those of the environment (`env`); all
+/// three, or none.
+fn tls_files(given: [Option<PathBuf>; 3], env: Option<TlsFiles>) -> PyResult<Option<TlsFiles>> {
+    let [cert, key, ca] = given;
+    if cert.is_none() && key.is_none() && ca.is_none() {
+        return Ok(env);
+    }
+    let (env_cert, env_key, env_ca) = env.map_or((None, None, None), |f| (Some(f.cert), Some(f.key), Some(f.ca)));
+    TlsFiles::from_parts(cert.or(env_cert), key.or(env_key), ca.or(env_ca)).map_err(PyValueError::new_err)
+}
+
+/// A host's certificate, as `make_certs` made it: (host, certificate file, key file).
+type HostCert = (String, PathBuf, PathBuf);
+
+/// Makes a run's TLS certificates in `out_dir` (see `shoal certs`): returns the CA's path, whether
+/// it was made now, and each host's (host, certificate, key).
+#[pyfunction]
+fn make_certs(out_dir: PathBuf, hosts: Vec<String>) -> PyResult<(PathBuf, bool, Vec<HostCert>)> {
+    let made = shoal_transport::tls::make_certs(&out_dir, &hosts).map_err(PyValueError::new_err)?;
+    Ok((made.ca, made.new_ca, made.hosts))
+}
+
 /// BLAKE3 content hash of a tensor given as its bytes, dtype name and shape; 64 hex digits.
 #[pyfunction]
 fn hash_tensor_bytes(py: Python<'_>, buf: PyReadonlyArray1<'_, u8>, dtype: &str, shape: Vec<u64>) -> PyResult<String> {
@@ -914,6 +949,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hash_tensor_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(quantize_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(lab_delay, m)?)?;
+    m.add_function(wrap_pyfunction!(make_certs, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("DTYPES", DType::ALL.map(DType::name).to_vec())?;
     m.add("OPS", ReduceOp::ALL.map(ReduceOp::name).to_vec())?;

@@ -1,8 +1,10 @@
-"""Run credentials: only a peer that proves the run's secret joins (docs/protocol.md, "Joining").
+"""Run credentials: only a peer that proves the run's secret joins (docs/protocol.md, "Joining"); with
+TLS, only a peer with a certificate of the run's CA (docs/security.md).
 
 The secret never crosses the wire: the master challenges every connection with a fresh nonce and
 the peer's Join carries a keyed hash of it (crates/proto/src/auth.rs; a replayed proof is refused
-in crates/proto/src/master/tests.rs)."""
+in crates/proto/src/master/tests.rs). That TLS encrypts what crosses the wire is checked by a relay
+that records it (crates/transport/src/tls.rs)."""
 
 from __future__ import annotations
 
@@ -84,3 +86,87 @@ def test_master_command_reads_the_secret_from_a_file(tmp_path):
         proc.terminate()
         _, err = proc.communicate(timeout=10)
     assert "authentication failed" in err, err
+
+
+def make_certs(out, *hosts: str) -> dict[str, str]:
+    """``shoal certs`` as a user runs it; the TLS settings of the first host."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
+    args = [sys.executable, "-m", "shoal.cli", "certs", "--out", str(out)]
+    for host in hosts:
+        args += ["--host", host]
+    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert f"{hosts[0]}: SHOAL_TLS_CERT=" in done.stdout, done.stdout
+    return {"tls_cert": str(out / f"{hosts[0]}.pem"), "tls_key": str(out / f"{hosts[0]}.key"),
+            "tls_ca": str(out / "ca.pem")}
+
+
+def test_a_run_with_tls_all_reduces_over_tls_and_refuses_another_runs_certificates(tmp_path, monkeypatch):
+    # Peers on one host would share memory: TCP, so that TLS carries the data.
+    monkeypatch.setenv("SHOAL_TRANSPORT", "tcp")
+    tls = make_certs(tmp_path / "run", "127.0.0.1", "localhost")
+    stranger = make_certs(tmp_path / "other", "127.0.0.1")
+    assert oct(os.stat(tmp_path / "run" / "ca.key").st_mode & 0o777) == "0o600"
+    with shoal.Master("127.0.0.1:0", secret=SECRET, heartbeat_timeout=2, **tls) as master:
+        comms = [shoal.Communicator(master.address, secret=SECRET, connections=2, **tls) for _ in range(2)]
+        comms[0].connect(timeout=10)
+        joined = threading.Thread(target=comms[1].connect, kwargs={"timeout": 10})
+        joined.start()
+        while comms[0].peers_pending() is False:
+            time.sleep(0.05)
+        comms[0].update_topology()
+        joined.join(timeout=10)
+        results = all_reduce_together(comms)
+        assert all((x == 3).all() for x in results)
+        assert [link["transport"] for link in comms[0].links()] == ["tls"]
+        intruder = shoal.Communicator(master.address, secret=SECRET, **stranger)
+        started = time.time()
+        with pytest.raises(AuthenticationError, match="TLS"):
+            intruder.connect(timeout=30)
+        assert time.time() - started < 5, "a refusal must not wait for the bound"
+        intruder.close()
+        deadline = time.time() + 5
+        while master.status()["counters"]["tls_failures"] == 0:
+            assert time.time() < deadline, "the master did not count the refusal"
+            time.sleep(0.02)
+        # The run goes on.
+        assert all((x == 3).all() for x in all_reduce_together(comms))
+        for c in comms:
+            c.close()
+
+
+def test_tls_settings_must_be_whole_and_come_from_the_environment_too(tmp_path, monkeypatch):
+    tls = make_certs(tmp_path, "127.0.0.1")
+    with pytest.raises(ValueError, match="missing: key, CA"):
+        shoal.Master("127.0.0.1:0", tls_cert=tls["tls_cert"])
+    with pytest.raises(ValueError, match="missing"):
+        shoal.Communicator("127.0.0.1:1", tls_cert=tls["tls_cert"], tls_key=tls["tls_key"])
+    with pytest.raises(ValueError, match="nothing.pem"):
+        shoal.Communicator("127.0.0.1:1", tls_cert=tls["tls_cert"], tls_key=tls["tls_key"],
+                           tls_ca=str(tmp_path / "nothing.pem"))
+    for name, path in (("SHOAL_TLS_CERT", "tls_cert"), ("SHOAL_TLS_KEY", "tls_key"), ("SHOAL_TLS_CA", "tls_ca")):
+        monkeypatch.setenv(name, tls[path])
+    with shoal.Master("127.0.0.1:0") as master:
+        with shoal.Communicator(master.address) as comm:
+            comm.connect(timeout=10)
+        monkeypatch.delenv("SHOAL_TLS_CERT")
+        monkeypatch.delenv("SHOAL_TLS_KEY")
+        monkeypatch.delenv("SHOAL_TLS_CA")
+        with shoal.Communicator(master.address, timeout=10) as comm, pytest.raises(shoal.ShoalError):
+            comm.connect(timeout=10)
+
+
+def test_master_command_serves_tls(tmp_path):
+    tls = make_certs(tmp_path, "127.0.0.1")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
+    proc = subprocess.Popen([sys.executable, "-m", "shoal.cli", "master", "--listen", "127.0.0.1:0",
+                             "--tls-cert", tls["tls_cert"], "--tls-key", tls["tls_key"], "--tls-ca", tls["tls_ca"]],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        address = proc.stdout.readline().split()[-1]
+        with shoal.Communicator(address, **tls) as comm:
+            comm.connect(timeout=10)
+            assert comm.world_size == 1
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=10)

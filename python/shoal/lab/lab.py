@@ -177,12 +177,15 @@ class Lab:
     def run(self, host: str, argv: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess:
         return subprocess.run(self.argv(host, argv), **kwargs)
 
-    def master(self, host: str, port: int = 48148,
-               heartbeat_timeout: Optional[float] = None) -> contextlib.AbstractContextManager[str]:
-        """A ``shoal master`` process in ``host``; yields the address peers dial."""
+    def master(self, host: str, port: int = 48148, heartbeat_timeout: Optional[float] = None,
+               tls: Optional[dict[str, str]] = None) -> contextlib.AbstractContextManager[str]:
+        """A ``shoal master`` process in ``host``; yields the address peers dial. ``tls``: its
+        ``tls_cert``, ``tls_key`` and ``tls_ca``."""
         argv = [sys.executable, "-m", "shoal.cli", "master", "--listen", f"0.0.0.0:{port}"]
         if heartbeat_timeout is not None:
             argv += ["--heartbeat-timeout", str(heartbeat_timeout)]
+        for key, path in (tls or {}).items():
+            argv += [f"--{key.replace('_', '-')}", path]
         return self._server(host, argv, "listening", "the master", port)
 
     @contextlib.contextmanager
