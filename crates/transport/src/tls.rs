@@ -343,6 +343,13 @@ impl Conn {
     fn send(&self, t: &Shared, out: &mut Vec<u8>) -> io::Result<()> {
         {
             let mut s = lock(&t.session);
+            if self.nonblocking && out.is_empty() {
+                // A non-blocking socket never blocks: straight from the session, one copy fewer.
+                while s.conn.wants_write() {
+                    s.conn.write_tls(&mut &self.tcp)?;
+                }
+                return Ok(());
+            }
             while s.conn.wants_write() {
                 s.conn.write_tls(out)?;
             }
@@ -389,6 +396,18 @@ impl Conn {
                     self.send_if_idle(&shared)?;
                     continue;
                 }
+            }
+            if self.nonblocking {
+                // A non-blocking socket never blocks: straight into the session, one copy fewer.
+                let mut s = lock(&shared.session);
+                if s.conn.read_tls(&mut &self.tcp)? == 0 {
+                    s.conn.process_new_packets().map_err(tls_error)?;
+                    continue;
+                }
+                s.conn.process_new_packets().map_err(tls_error)?;
+                drop(s);
+                self.send_if_idle(&shared)?;
+                continue;
             }
             // The socket is read without the session's lock: a writer on another thread goes on.
             if self.scratch.is_empty() {
