@@ -299,20 +299,22 @@ class AsyncDiLoCo(DiLoCo):
 
     def _land(self) -> None:
         """Waits for the all-reduce in flight, if any, and applies its average; the model keeps
-        the progress made since it started (averaged next). Raises :class:`shoal.PeerLostError`
-        if it failed, having started it again (its buffer is as before): the caller's retry
-        waits for that one."""
+        the progress made since it started (averaged next). Raises the error of the all-reduce
+        (:class:`shoal.PeerLostError`, :class:`shoal.ShoalTimeoutError`, ...) if it failed,
+        having started it again (its buffer is as before): the caller's retry waits for that
+        one, not for the failed one, whose error would only come back as a usage error."""
         import torch
-
-        from .errors import PeerLostError
 
         if self._pending is None:
             return
         work, previous = self._pending
         try:
             work.wait()
-        except PeerLostError:
-            self._pending = (self.comm.all_reduce_async(previous, op="avg", tag=self.tag), previous)
+        except ShoalError:
+            try:
+                self._pending = (self.comm.all_reduce_async(previous, op="avg", tag=self.tag), previous)
+            except ShoalError:
+                self._pending = None  # out of the run: nothing left to wait for
             raise
         self._pending = None
         progress = torch.sub(self.origin, self.flat, out=self._spare)

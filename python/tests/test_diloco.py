@@ -67,3 +67,75 @@ def test_a_newcomer_is_admitted_at_an_outer_step_and_takes_up_the_anchor(master,
         assert len(hashes) == 1, f"outer step {outer}: anchors differ"
     for r in results:
         assert r["errors"] == [] and r["after"] < 0.05 * r["before"], r
+
+
+class _ScriptedComm:
+    """A one-peer communicator whose all-reduces fail as scripted (an error to raise from a
+    Work's wait, or None to succeed): AsyncDiLoCo's bookkeeping around a failed all-reduce, step
+    by step. What the real failures do to peers and buffers is the process tests' above."""
+
+    def __init__(self, failures):
+        self.failures = list(failures)
+        self.started = 0
+
+    def all_reduce_async(self, tensor, op, tag):
+        assert op == "avg"
+        self.started += 1
+        failure = self.failures.pop(0) if self.failures else None
+
+        class Work:
+            def wait(self):
+                if failure is not None:
+                    raise failure
+
+        return Work()
+
+    def peers_pending(self):
+        return False
+
+    def peers_pending_async(self):
+        class Vote:
+            def wait(self):
+                return False
+
+        return Vote()
+
+
+def test_async_diloco_retries_an_all_reduce_that_timed_out_as_it_retries_a_lost_peer():
+    """A retryable failure other than a lost peer (the all-reduce ran past its bound) once left the
+    failed Work pending: every retry waited for it again and got a usage error. The retry must
+    wait for a fresh all-reduce of the same buffer, and end where a run without the failure ends."""
+    import torch
+
+    from shoal import PeerLostError, ShoalTimeoutError
+    from shoal.torch import AsyncDiLoCo
+
+    def run(failures):
+        comm = _ScriptedComm(failures)
+        model = torch.nn.Linear(3, 1)
+        torch.nn.init.constant_(model.weight, 1.0)
+        torch.nn.init.constant_(model.bias, 0.0)
+        diloco = AsyncDiLoCo(comm, model.parameters(), inner_steps=1, outer_momentum=0.5)
+        errors = []
+        for step in range(4):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.sub_(0.1 * (step + 1))
+            for _ in range(3):
+                try:
+                    diloco.outer_step()
+                    break
+                except (PeerLostError, ShoalTimeoutError) as e:
+                    errors.append(type(e).__name__)
+            else:
+                raise AssertionError(f"outer step {step} failed on every retry: {errors}")
+        diloco.finish()
+        return [p.detach().clone() for p in model.parameters()], errors, comm.started
+
+    clean, errors, started = run([])
+    assert errors == [] and started == 4
+    for failure in (ShoalTimeoutError("all_reduce did not finish within 1.0 s"), PeerLostError("lost peer#2")):
+        params, errors, started = run([None, failure])
+        assert errors == [type(failure).__name__], errors
+        assert started == 5, "the failed all-reduce is started again, once"
+        assert all(torch.equal(a, b) for a, b in zip(params, clean)), "the retry changed the result"
