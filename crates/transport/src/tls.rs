@@ -399,14 +399,14 @@ impl Conn {
             }
             if self.nonblocking {
                 // A non-blocking socket never blocks: straight into the session, one copy fewer.
+                // At the end of the stream rustls says whether it was a clean close.
                 let mut s = lock(&shared.session);
-                if s.conn.read_tls(&mut &self.tcp)? == 0 {
-                    s.conn.process_new_packets().map_err(tls_error)?;
-                    continue;
-                }
+                let n = s.conn.read_tls(&mut &self.tcp)?;
                 s.conn.process_new_packets().map_err(tls_error)?;
                 drop(s);
-                self.send_if_idle(&shared)?;
+                if n > 0 {
+                    self.send_if_idle(&shared)?;
+                }
                 continue;
             }
             // The socket is read without the session's lock: a writer on another thread goes on.
