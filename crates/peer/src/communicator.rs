@@ -584,8 +584,9 @@ impl Communicator {
 
     /// Reduces every buffer of `bufs` (each with its element type) in place, up to
     /// `max_in_flight` at a time, tagged `tag`, `tag + 1`, ... Retries after a peer loss: when it
-    /// returns, every buffer was reduced exactly once in the final world (the inputs are copied
-    /// first, so that a batch cut by a loss starts over from them on every survivor alike).
+    /// returns, every buffer was reduced exactly once in the final world, all in one topology
+    /// (the inputs are copied first, so that a batch cut by a loss, or begun before the topology
+    /// changed and ended after, starts over from them on every survivor alike).
     ///
     /// # Errors
     /// As [`Communicator::all_reduce`], other than [`Error::PeerLost`], with every buffer as it
@@ -608,10 +609,15 @@ impl Communicator {
         let originals: Vec<Vec<u8>> = bufs.iter().map(|(b, _)| b.to_vec()).collect();
         loop {
             let results = self.reduce_batch(&c, bufs, (op, quantization), max_in_flight, tag);
-            if results.iter().all(Result::is_ok) {
+            let mut topologies = results.iter().filter_map(|r| r.as_ref().ok().map(|i| i.topology));
+            let first = topologies.next();
+            let one_world = topologies.all(|t| Some(t) == first);
+            if one_world && results.iter().all(Result::is_ok) {
                 return results.into_iter().collect();
             }
-            // Every survivor sees the same collectives fail: all start over from the inputs.
+            // Every survivor sees the same collectives fail, or the same batch span a change of
+            // topology (the first ones ran with the lost peer, the last ones without it): all
+            // start over from the inputs, so that every buffer is reduced in the final world.
             for ((buf, _), original) in bufs.iter_mut().zip(&originals) {
                 buf.copy_from_slice(original);
             }
