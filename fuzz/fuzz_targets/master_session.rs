@@ -36,6 +36,10 @@ enum Msg {
     SyncVote { revision: u8, strategy: u8, override_resume: bool, tensors: u8, hash: u8, collectives: u8 },
     SyncDone(u8),
     SyncFailed(u8),
+    CatchUpStart { tensors: u8, hash: u8 },
+    CatchUpProgress(u8, u8),
+    CatchUpEnd(bool, u8),
+    SnapshotHeld(u8, bool),
     Leave,
     Other(u8),
 }
@@ -77,6 +81,12 @@ fn message(m: Msg, key: &RunKey, conn: ConnId) -> Message {
         },
         Msg::SyncDone(round) => Message::SyncDone { round: round.into() },
         Msg::SyncFailed(round) => Message::SyncFailed { round: round.into(), reason: "fuzz".into() },
+        Msg::CatchUpStart { tensors, hash } => Message::CatchUpStart { entries: digests(tensors, hash) },
+        Msg::CatchUpProgress(done, total) => {
+            Message::CatchUpProgress { done: done.into(), total: total.into(), eta_ms: u64::MAX }
+        }
+        Msg::CatchUpEnd(fetched, revision) => Message::CatchUpEnd { fetched, revision: revision.into() },
+        Msg::SnapshotHeld(round, held) => Message::SnapshotHeld { round: round.into(), held },
         Msg::Leave => Message::Leave,
         // A master-to-peer message, which a peer never sends.
         Msg::Other(p) => Message::PeerRemoved { peer: PeerId(p.into()) },

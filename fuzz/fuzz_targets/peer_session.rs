@@ -65,6 +65,8 @@ enum Msg {
     SyncPlan { round: u8, revision: u8, entries: Vec<(u8, Vec<u8>)> },
     SyncComplete(u8),
     SyncAborted(u8, bool),
+    Snapshot(u8),
+    CatchUpPlan { round: u8, revision: u8, entries: Vec<(u8, Vec<u8>)> },
     // A peer-to-master message, which a master never sends.
     Other(u8),
 }
@@ -131,24 +133,31 @@ fn message(m: Msg) -> Message {
         },
         Msg::PeersPendingAborted(retry) => Message::PeersPendingAborted { retry, reason: "fuzz".into() },
         Msg::TopologyVoteAborted(retry) => Message::TopologyVoteAborted { retry, reason: "fuzz".into() },
-        Msg::SyncPlan { round, revision, entries } => Message::SyncPlan {
-            round: round.into(),
-            revision: revision.into(),
-            entries: entries
-                .into_iter()
-                .take(4)
-                .map(|(hash, donors)| PlanEntry {
-                    hash: [hash; 32],
-                    donors: donors.into_iter().take(4).map(|d| PeerId(d.into())).collect(),
-                })
-                .collect(),
-        },
+        Msg::SyncPlan { round, revision, entries } => {
+            Message::SyncPlan { round: round.into(), revision: revision.into(), entries: plan(entries) }
+        }
         Msg::SyncComplete(round) => Message::SyncComplete { round: round.into() },
         Msg::SyncAborted(round, retryable) => {
             Message::SyncAborted { round: round.into(), retryable, reason: "fuzz".into() }
         }
+        Msg::Snapshot(round) => Message::Snapshot { round: round.into() },
+        Msg::CatchUpPlan { round, revision, entries } => Message::CatchUpPlan {
+            round: round.into(),
+            revision: revision.into(),
+            entries: plan(entries),
+            donors: Vec::new(),
+            reason: String::new(),
+        },
         Msg::Other(p) => Message::PeerUnreachable { epoch: Epoch(0), peer: PeerId(p.into()) },
     }
+}
+
+fn plan(entries: Vec<(u8, Vec<u8>)>) -> Vec<PlanEntry> {
+    let entry = |(hash, donors): (u8, Vec<u8>)| PlanEntry {
+        hash: [hash; 32],
+        donors: donors.into_iter().take(4).map(|d| PeerId(d.into())).collect(),
+    };
+    entries.into_iter().take(4).map(entry).collect()
 }
 
 fuzz_target!(|session: Session| {

@@ -68,7 +68,11 @@ pub fn status_json(s: &RunStatus) -> Value {
                 "id": p.peer.0,
                 "group": p.group.0,
                 "addr": p.addr,
-                "state": match p.status { Status::Registered => "registered", Status::Accepted => "accepted" },
+                "state": match p.status {
+                    Status::Registered => "registered",
+                    Status::CatchingUp => "catching_up",
+                    Status::Accepted => "accepted",
+                },
                 "rank": p.rank,
                 "site": p.site,
                 "silent_s": p.silent.as_secs_f64(),
@@ -76,6 +80,12 @@ pub fn status_json(s: &RunStatus) -> Value {
             if let (Some(r), Value::Object(fields)) = (&p.report, &mut peer) {
                 let Value::Object(report) = report_json(r) else { unreachable!("an object") };
                 fields.extend(report);
+            }
+            if let (Some((done, total, eta_ms)), Value::Object(fields)) = (p.catch_up, &mut peer) {
+                fields.insert(
+                    "catch_up".into(),
+                    json!({"done_bytes": done, "total_bytes": total, "eta_s": eta_ms as f64 / 1e3}),
+                );
             }
             peer
         })
@@ -90,6 +100,9 @@ pub fn status_json(s: &RunStatus) -> Value {
                 "revision": g.revision,
                 "hashes": g.hashes.iter().map(|(name, h)| (name.clone(), json!(hex(h)))).collect::<serde_json::Map<_, _>>(),
                 "syncing": g.syncing,
+                "snapshot": g.snapshot.as_ref().map(|(round, revision, held)| json!({
+                    "round": round, "revision": revision, "held_by": held.iter().map(id).collect::<Vec<_>>(),
+                })),
             })
         })
         .collect();
@@ -234,6 +247,7 @@ impl Collector for Run {
             None,
             [
                 (vec![("state", "registered".to_string())], gauge(count(Status::Registered))),
+                (vec![("state", "catching_up".to_string())], gauge(count(Status::CatchingUp))),
                 (vec![("state", "accepted".to_string())], gauge(count(Status::Accepted))),
             ],
         )?;

@@ -336,6 +336,39 @@ pub enum Message {
         /// Why.
         reason: String,
     },
+    /// Peer → master: this registered peer fetches its group's shared state in the background
+    /// before it is admitted (`docs/state.md`, "Catching up"); until it reports
+    /// [`Message::CatchUpEnd`] the accepted peers' `peers_pending` does not count it.
+    CatchUpStart {
+        /// Its tensors, sorted by name (their hashes are not used).
+        entries: Vec<StateDigest>,
+    },
+    /// Peer → master: how far its catch-up is, for the run's status.
+    CatchUpProgress {
+        /// Bytes fetched and verified.
+        done: u64,
+        /// Bytes to fetch.
+        total: u64,
+        /// Expected milliseconds left at the rate so far.
+        eta_ms: u64,
+    },
+    /// Peer → master: its catch-up ended. With `fetched` it holds the state of `revision`,
+    /// verified; without, it fetched nothing and the sync after its admission repairs it. Either
+    /// way it awaits admission now.
+    CatchUpEnd {
+        /// Whether it holds the state it was sent to fetch.
+        fetched: bool,
+        /// That state's revision.
+        revision: u64,
+    },
+    /// Peer → master: this accepted peer keeps a copy of the state sync `round` ended with, for
+    /// newcomers to fetch (`held`), or could not (the copy would exceed its memory bound).
+    SnapshotHeld {
+        /// The sync.
+        round: u64,
+        /// Whether it holds the copy.
+        held: bool,
+    },
     /// Master → peer: you are registered as `peer` in run `session`.
     Registered {
         /// The peer's id.
@@ -443,6 +476,27 @@ pub enum Message {
         /// Per tensor: the hash to hold and whom to fetch it from.
         entries: Vec<PlanEntry>,
     },
+    /// Master → peer (accepted, before `SyncComplete`): keep a copy of the state sync `round` ends
+    /// with, for newcomers to fetch while you go on; `round` 0: drop the copy you keep.
+    Snapshot {
+        /// The sync; 0 to drop the copy.
+        round: u64,
+    },
+    /// Master → peer (catching up): fetch your group's state from the donors' copies of sync
+    /// `round`, at `revision`, one entry per tensor of your `CatchUpStart` (no donors: not
+    /// fetched, such as a tensor allowed to differ). A non-empty `reason` refuses the catch-up.
+    CatchUpPlan {
+        /// The sync whose state the donors keep (0 if there is nothing to fetch).
+        round: u64,
+        /// Its revision.
+        revision: u64,
+        /// Per tensor: the hash it must have and whom to fetch it from.
+        entries: Vec<PlanEntry>,
+        /// The donors, with the addresses to dial.
+        donors: Vec<Member>,
+        /// Why the catch-up is refused; empty if it is not.
+        reason: String,
+    },
     /// Master → peer: every participant of sync `round` holds the elected state.
     SyncComplete {
         /// The sync.
@@ -509,6 +563,10 @@ mod kind {
     pub const SYNC_FAILED: u16 = 12;
     pub const REPORT: u16 = 13;
     pub const REJOIN: u16 = 14;
+    pub const CATCH_UP_START: u16 = 15;
+    pub const CATCH_UP_PROGRESS: u16 = 16;
+    pub const CATCH_UP_END: u16 = 17;
+    pub const SNAPSHOT_HELD: u16 = 18;
     pub const REGISTERED: u16 = 64;
     pub const TOPOLOGY: u16 = 65;
     pub const TOPOLOGY_COMMITTED: u16 = 66;
@@ -526,6 +584,8 @@ mod kind {
     pub const PEERS_PENDING_ABORTED: u16 = 78;
     pub const CHALLENGE: u16 = 79;
     pub const AUTH_FAILED: u16 = 80;
+    pub const SNAPSHOT: u16 = 81;
+    pub const CATCH_UP_PLAN: u16 = 82;
     pub const PEER_HELLO: u16 = 128;
     // 129 was `Op`: a collective's header on a stream of its own, before data frames.
     pub const FETCH_REQUEST: u16 = 130;
@@ -555,6 +615,12 @@ impl Message {
             Message::SyncComplete { .. } => kind::SYNC_COMPLETE,
             Message::SyncAborted { .. } => kind::SYNC_ABORTED,
             Message::FetchRequest { .. } => kind::FETCH_REQUEST,
+            Message::CatchUpStart { .. } => kind::CATCH_UP_START,
+            Message::CatchUpProgress { .. } => kind::CATCH_UP_PROGRESS,
+            Message::CatchUpEnd { .. } => kind::CATCH_UP_END,
+            Message::SnapshotHeld { .. } => kind::SNAPSHOT_HELD,
+            Message::Snapshot { .. } => kind::SNAPSHOT,
+            Message::CatchUpPlan { .. } => kind::CATCH_UP_PLAN,
             Message::Registered { .. } => kind::REGISTERED,
             Message::Topology { .. } => kind::TOPOLOGY,
             Message::TopologyCommitted { .. } => kind::TOPOLOGY_COMMITTED,
@@ -607,6 +673,12 @@ impl Message {
             Message::PeersPendingAborted { .. } => "PeersPendingAborted",
             Message::TopologyVoteAborted { .. } => "TopologyVoteAborted",
             Message::PeerHello { .. } => "PeerHello",
+            Message::CatchUpStart { .. } => "CatchUpStart",
+            Message::CatchUpProgress { .. } => "CatchUpProgress",
+            Message::CatchUpEnd { .. } => "CatchUpEnd",
+            Message::SnapshotHeld { .. } => "SnapshotHeld",
+            Message::Snapshot { .. } => "Snapshot",
+            Message::CatchUpPlan { .. } => "CatchUpPlan",
         }
     }
 
@@ -648,18 +720,29 @@ impl Message {
                 w.u64(*revision);
                 w.u8(*strategy);
                 w.bool(*override_resume);
-                w.u32(entries.len() as u32);
-                for e in entries {
-                    assert!(e.shape.len() <= MAX_DIMS, "tensor exceeds MAX_DIMS: a bug");
-                    w.str(&e.name);
-                    w.u8(e.dtype);
-                    w.u32(e.shape.len() as u32);
-                    for d in &e.shape {
-                        w.u64(*d);
-                    }
-                    w.bytes(&e.hash);
-                    w.bool(e.may_differ);
-                }
+                encode_digests(w, entries);
+            }
+            Message::CatchUpStart { entries } => encode_digests(w, entries),
+            Message::CatchUpProgress { done, total, eta_ms } => {
+                w.u64(*done);
+                w.u64(*total);
+                w.u64(*eta_ms);
+            }
+            Message::CatchUpEnd { fetched, revision } => {
+                w.bool(*fetched);
+                w.u64(*revision);
+            }
+            Message::SnapshotHeld { round, held } => {
+                w.u64(*round);
+                w.bool(*held);
+            }
+            Message::Snapshot { round } => w.u64(*round),
+            Message::CatchUpPlan { round, revision, entries, donors, reason } => {
+                w.u64(*round);
+                w.u64(*revision);
+                encode_plan(w, entries);
+                encode_members(w, donors);
+                w.str(reason);
             }
             Message::SyncDone { round } | Message::SyncComplete { round } => w.u64(*round),
             Message::SyncFailed { round, reason } => {
@@ -667,17 +750,9 @@ impl Message {
                 w.str(reason);
             }
             Message::SyncPlan { round, revision, entries } => {
-                assert!(entries.len() <= MAX_STATE_ENTRIES, "plan exceeds MAX_STATE_ENTRIES: a bug");
                 w.u64(*round);
                 w.u64(*revision);
-                w.u32(entries.len() as u32);
-                for e in entries {
-                    w.bytes(&e.hash);
-                    w.u32(e.donors.len() as u32);
-                    for d in &e.donors {
-                        w.u32(d.0);
-                    }
-                }
+                encode_plan(w, entries);
             }
             Message::SyncAborted { round, retryable, reason } => {
                 w.u64(*round);
@@ -732,18 +807,8 @@ impl Message {
                 failure.encode(w);
             }
             Message::Topology { epoch, members, limits } => {
-                assert!(members.len() <= MAX_MEMBERS, "topology exceeds MAX_MEMBERS: a bug");
                 w.u64(epoch.0);
-                w.u32(members.len() as u32);
-                for m in members {
-                    w.u32(m.peer.0);
-                    w.u32(m.group.0);
-                    w.str(&m.addr);
-                    w.u16(m.site.map_or(NO_SITE, |s| {
-                        assert!(s != NO_SITE, "site {NO_SITE} is reserved: a bug");
-                        s
-                    }));
-                }
+                encode_members(w, members);
                 w.bool(limits.is_some());
                 let l = limits.unwrap_or(AlgorithmLimits { oneshot_max: 0, twoshot_max: 0 });
                 w.u64(l.oneshot_max);
@@ -801,36 +866,27 @@ impl Message {
             kind::SYNC_VOTE => {
                 let collectives = r.u64()?;
                 let (revision, strategy, override_resume) = (r.u64()?, r.u8()?, r.bool("override_resume")?);
-                let count = r.count(MAX_STATE_ENTRIES, 2 + 1 + 4 + 32 + 1)?;
-                let mut entries = Vec::with_capacity(count);
-                for _ in 0..count {
-                    let (name, dtype) = (r.str()?, r.u8()?);
-                    let dims = r.count(MAX_DIMS, 8)?;
-                    let shape = (0..dims).map(|_| r.u64()).collect::<Result<Vec<u64>, _>>()?;
-                    entries.push(StateDigest {
-                        name,
-                        dtype,
-                        shape,
-                        hash: r.hash()?,
-                        may_differ: r.bool("may_differ")?,
-                    });
-                }
+                let entries = decode_digests(&mut r)?;
                 Message::SyncVote { revision, strategy, override_resume, entries, collectives }
             }
+            kind::CATCH_UP_START => Message::CatchUpStart { entries: decode_digests(&mut r)? },
+            kind::CATCH_UP_PROGRESS => Message::CatchUpProgress { done: r.u64()?, total: r.u64()?, eta_ms: r.u64()? },
+            kind::CATCH_UP_END => Message::CatchUpEnd { fetched: r.bool("fetched")?, revision: r.u64()? },
+            kind::SNAPSHOT_HELD => Message::SnapshotHeld { round: r.u64()?, held: r.bool("held")? },
+            kind::SNAPSHOT => Message::Snapshot { round: r.u64()? },
+            kind::CATCH_UP_PLAN => Message::CatchUpPlan {
+                round: r.u64()?,
+                revision: r.u64()?,
+                entries: decode_plan(&mut r)?,
+                donors: decode_members(&mut r)?,
+                reason: r.str()?,
+            },
             kind::SYNC_DONE => Message::SyncDone { round: r.u64()? },
             kind::SYNC_COMPLETE => Message::SyncComplete { round: r.u64()? },
             kind::SYNC_FAILED => Message::SyncFailed { round: r.u64()?, reason: r.str()? },
             kind::SYNC_PLAN => {
                 let (round, revision) = (r.u64()?, r.u64()?);
-                let count = r.count(MAX_STATE_ENTRIES, 32 + 4)?;
-                let mut entries = Vec::with_capacity(count);
-                for _ in 0..count {
-                    let hash = r.hash()?;
-                    let n = r.count(MAX_MEMBERS, 4)?;
-                    let donors = (0..n).map(|_| r.u32().map(PeerId)).collect::<Result<Vec<_>, _>>()?;
-                    entries.push(PlanEntry { hash, donors });
-                }
-                Message::SyncPlan { round, revision, entries }
+                Message::SyncPlan { round, revision, entries: decode_plan(&mut r)? }
             }
             kind::SYNC_ABORTED => {
                 Message::SyncAborted { round: r.u64()?, retryable: r.bool("retryable")?, reason: r.str()? }
@@ -866,14 +922,7 @@ impl Message {
                 Message::OpAborted { epoch: Epoch(r.u64()?), seq: r.u64()?, failure: OpFailure::decode(&mut r)? }
             }
             kind::TOPOLOGY => {
-                let epoch = Epoch(r.u64()?);
-                let count = r.count(MAX_MEMBERS, 4 + 4 + 2 + 2)?;
-                let mut members = Vec::with_capacity(count);
-                for _ in 0..count {
-                    let (peer, group, addr) = (PeerId(r.u32()?), GroupId(r.u32()?), r.str()?);
-                    let site = Some(r.u16()?).filter(|s| *s != NO_SITE);
-                    members.push(Member { peer, group, addr, site });
-                }
+                let (epoch, members) = (Epoch(r.u64()?), decode_members(&mut r)?);
                 let (known, oneshot_max, twoshot_max) = (r.bool("limits")?, r.u64()?, r.u64()?);
                 let limits = known.then_some(AlgorithmLimits { oneshot_max, twoshot_max });
                 Message::Topology { epoch, members, limits }
@@ -894,6 +943,83 @@ impl Message {
         r.finish()?;
         Ok(message)
     }
+}
+
+fn encode_digests(w: &mut Writer, entries: &[StateDigest]) {
+    assert!(entries.len() <= MAX_STATE_ENTRIES, "state exceeds MAX_STATE_ENTRIES: a bug");
+    w.u32(entries.len() as u32);
+    for e in entries {
+        assert!(e.shape.len() <= MAX_DIMS, "tensor exceeds MAX_DIMS: a bug");
+        w.str(&e.name);
+        w.u8(e.dtype);
+        w.u32(e.shape.len() as u32);
+        for d in &e.shape {
+            w.u64(*d);
+        }
+        w.bytes(&e.hash);
+        w.bool(e.may_differ);
+    }
+}
+
+fn decode_digests(r: &mut Reader<'_>) -> Result<Vec<StateDigest>, WireError> {
+    let count = r.count(MAX_STATE_ENTRIES, 2 + 1 + 4 + 32 + 1)?;
+    let mut entries = Vec::with_capacity(count);
+    for _ in 0..count {
+        let (name, dtype) = (r.str()?, r.u8()?);
+        let dims = r.count(MAX_DIMS, 8)?;
+        let shape = (0..dims).map(|_| r.u64()).collect::<Result<Vec<u64>, _>>()?;
+        entries.push(StateDigest { name, dtype, shape, hash: r.hash()?, may_differ: r.bool("may_differ")? });
+    }
+    Ok(entries)
+}
+
+fn encode_plan(w: &mut Writer, entries: &[PlanEntry]) {
+    assert!(entries.len() <= MAX_STATE_ENTRIES, "plan exceeds MAX_STATE_ENTRIES: a bug");
+    w.u32(entries.len() as u32);
+    for e in entries {
+        w.bytes(&e.hash);
+        w.u32(e.donors.len() as u32);
+        for d in &e.donors {
+            w.u32(d.0);
+        }
+    }
+}
+
+fn decode_plan(r: &mut Reader<'_>) -> Result<Vec<PlanEntry>, WireError> {
+    let count = r.count(MAX_STATE_ENTRIES, 32 + 4)?;
+    let mut entries = Vec::with_capacity(count);
+    for _ in 0..count {
+        let hash = r.hash()?;
+        let n = r.count(MAX_MEMBERS, 4)?;
+        let donors = (0..n).map(|_| r.u32().map(PeerId)).collect::<Result<Vec<_>, _>>()?;
+        entries.push(PlanEntry { hash, donors });
+    }
+    Ok(entries)
+}
+
+fn encode_members(w: &mut Writer, members: &[Member]) {
+    assert!(members.len() <= MAX_MEMBERS, "members exceed MAX_MEMBERS: a bug");
+    w.u32(members.len() as u32);
+    for m in members {
+        w.u32(m.peer.0);
+        w.u32(m.group.0);
+        w.str(&m.addr);
+        w.u16(m.site.map_or(NO_SITE, |s| {
+            assert!(s != NO_SITE, "site {NO_SITE} is reserved: a bug");
+            s
+        }));
+    }
+}
+
+fn decode_members(r: &mut Reader<'_>) -> Result<Vec<Member>, WireError> {
+    let count = r.count(MAX_MEMBERS, 4 + 4 + 2 + 2)?;
+    let mut members = Vec::with_capacity(count);
+    for _ in 0..count {
+        let (peer, group, addr) = (PeerId(r.u32()?), GroupId(r.u32()?), r.str()?);
+        let site = Some(r.u16()?).filter(|s| *s != NO_SITE);
+        members.push(Member { peer, group, addr, site });
+    }
+    Ok(members)
 }
 
 #[cfg(test)]
@@ -957,6 +1083,27 @@ mod tests {
                 retryable,
                 reason
             }),
+            prop::collection::vec(digest(), 0..6).prop_map(|entries| Message::CatchUpStart { entries }),
+            any::<(u64, u64, u64)>().prop_map(|(done, total, eta_ms)| Message::CatchUpProgress { done, total, eta_ms }),
+            any::<(bool, u64)>().prop_map(|(fetched, revision)| Message::CatchUpEnd { fetched, revision }),
+            any::<(u64, bool)>().prop_map(|(round, held)| Message::SnapshotHeld { round, held }),
+            any::<u64>().prop_map(|round| Message::Snapshot { round }),
+            (
+                any::<(u64, u64)>(),
+                prop::collection::vec((any::<[u8; 32]>(), prop::collection::vec(any::<u32>(), 0..4)), 0..5),
+                prop::collection::vec(member(), 0..4),
+                ".{0,60}"
+            )
+                .prop_map(|((round, revision), e, donors, reason)| Message::CatchUpPlan {
+                    round,
+                    revision,
+                    entries: e
+                        .into_iter()
+                        .map(|(hash, d)| PlanEntry { hash, donors: d.into_iter().map(PeerId).collect() })
+                        .collect(),
+                    donors,
+                    reason
+                }),
             (any::<(u32, u32, u64, u32, u64, u64)>(), any::<[u8; 32]>()).prop_map(|(t, mac)| Message::FetchRequest {
                 from: PeerId(t.0),
                 to: PeerId(t.1),

@@ -5,12 +5,14 @@
 //! ```text
 //!  Join ──▶ Registered ──(update_topology vote passes, or no accepted peer exists)──▶ in a
 //!  Topology being connected ──(every member TopologyReady)──▶ Accepted
+//!  Registered ──(CatchUpStart)──▶ CatchingUp ──(CatchUpEnd)──▶ Registered   (`catchup.rs`)
 //!  any state ──(connection closed, missed heartbeats, Leave, protocol violation)──▶ removed
 //! ```
 //!
 //! The run has one [`Phase`] at a time. `peers_pending` votes are independent of the phase.
 
 mod calls;
+mod catchup;
 mod durable;
 mod ops;
 mod plan;
@@ -159,6 +161,8 @@ pub enum Phase {
 pub enum Status {
     /// Joined; awaits admission.
     Registered,
+    /// Joined; fetches its group's shared state before it awaits admission (`catchup.rs`).
+    CatchingUp,
     /// Member of the committed topology.
     Accepted,
 }
@@ -195,6 +199,10 @@ pub struct Master {
     next_sync: u64,
     /// Each group's last completed sync.
     group_states: BTreeMap<GroupId, sync::GroupState>,
+    /// Registered peers fetching their group's state (`catchup.rs`).
+    catching_up: BTreeMap<PeerId, catchup::Newcomer>,
+    /// The copy of each group's state its members keep while newcomers catch up.
+    snapshots: BTreeMap<GroupId, catchup::Snapshot>,
     phase: Phase,
     pending_vote: Option<Ballot>,
     /// Newcomers' first `peers_pending` votes, cast tentatively, and when each is answered `false`
@@ -243,6 +251,8 @@ impl Master {
             syncs: BTreeMap::new(),
             next_sync: 0,
             group_states: BTreeMap::new(),
+            catching_up: BTreeMap::new(),
+            snapshots: BTreeMap::new(),
             phase: Phase::Idle,
             pending_vote: None,
             tentative: BTreeMap::new(),
@@ -344,6 +354,10 @@ impl Master {
             }
             Message::SyncDone { round } if accepted => self.sync_done(peer, round),
             Message::SyncFailed { round, reason } if accepted => self.sync_failed(peer, round, reason),
+            Message::SnapshotHeld { round, held } if accepted => self.snapshot_held(peer, round, held),
+            Message::CatchUpStart { entries } => self.catch_up_start(peer, entries),
+            Message::CatchUpProgress { done, total, eta_ms } => self.catch_up_progress(peer, done, total, eta_ms),
+            Message::CatchUpEnd { fetched, revision } => self.catch_up_end(peer, fetched, revision),
             Message::Leave => {
                 self.remove_peer(peer, "left the run".into(), Removal::Left);
             }
@@ -769,6 +783,7 @@ impl Master {
         let held = self.outputs.len();
         self.settle_ops_of(peer);
         self.sync_member_removed(peer);
+        self.catch_up_member_removed(peer);
         self.tentative.remove(&peer);
         self.sent_on.remove(&peer);
         if let Some(b) = &mut self.pending_vote {

@@ -83,6 +83,9 @@ pub struct PeerStatus {
     pub silent: Duration,
     /// Its last report, if it sent one.
     pub report: Option<PeerReport>,
+    /// While it catches up: bytes fetched, bytes in all, and the milliseconds it expects to take
+    /// still, as it last reported.
+    pub catch_up: Option<(u64, u64, u64)>,
 }
 
 /// One group.
@@ -98,6 +101,9 @@ pub struct GroupStatus {
     pub hashes: BTreeMap<String, [u8; 32]>,
     /// The round of a sync in progress.
     pub syncing: Option<u64>,
+    /// The copy of the state its members keep for newcomers: (sync round, revision, members
+    /// holding it).
+    pub snapshot: Option<(u64, u64, Vec<PeerId>)>,
 }
 
 /// What the last `optimize_topology` measured.
@@ -165,6 +171,7 @@ impl Master {
                 rank: ranks.get(id).copied(),
                 silent: now.saturating_duration_since(e.last_heard),
                 report: self.reports.get(id).cloned(),
+                catch_up: self.catching_up.get(id).and_then(|n| n.progress),
             })
             .collect();
         let mut groups: Vec<GroupId> = self.peers.values().map(|e| e.group).collect();
@@ -180,6 +187,7 @@ impl Master {
                     revision: state.map(|s| s.revision()),
                     hashes: state.map(|s| s.hashes().clone()).unwrap_or_default(),
                     syncing: self.syncs.get(&g).map(|s| s.round()),
+                    snapshot: self.snapshots.get(&g).map(|s| (s.round, s.revision, s.held.iter().copied().collect())),
                 }
             })
             .collect();

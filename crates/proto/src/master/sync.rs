@@ -238,9 +238,11 @@ impl Master {
             synced: BTreeSet::new(),
         });
         state.revision = t.revision;
-        state.hashes = t.hashes;
+        state.hashes = t.hashes.clone();
         state.synced.extend(t.participants.iter().copied());
         self.touch();
+        // Asked before SyncComplete, so that each member copies the state it completes with.
+        self.snapshot_at_sync(group, sync.round, t.revision, &t.hashes, &t.participants);
         for p in t.participants {
             self.send_to_peer(p, Message::SyncComplete { round: sync.round });
         }

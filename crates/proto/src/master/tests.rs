@@ -456,6 +456,124 @@ fn a_group_whose_peers_all_left_resumes_only_from_the_agreed_state() {
     assert!(plan(&out, 2).is_some(), "the agreed state is accepted: {out:?}");
 }
 
+/// Runs a sync of the peers on conns `1..=n` at `revision`, each holding `hashes`; returns what
+/// the last `SyncDone` brought out.
+fn complete_sync(h: &mut Harness, n: u64, revision: u64, hashes: &[u8]) -> Vec<Output> {
+    let mut out = Vec::new();
+    for c in 1..=n {
+        out = vote(h, c, revision, Strategy::EnforcePopular, hashes);
+    }
+    let (round, ..) = plan(&out, 1).expect("everyone voted");
+    for c in 1..=n {
+        out = h.send(c, Message::SyncDone { round });
+    }
+    out
+}
+
+fn catch_up_plan(out: &[Output], conn: u64) -> Option<crate::peer::CatchUpPlan> {
+    sent_to(out, conn).into_iter().find_map(|m| match m.clone() {
+        Message::CatchUpPlan { round, revision, entries, donors, reason } => {
+            Some(crate::peer::CatchUpPlan { round, revision, entries, donors, reason })
+        }
+        _ => None,
+    })
+}
+
+fn donors(plan: &crate::peer::CatchUpPlan) -> Vec<PeerId> {
+    plan.donors.iter().map(|d| d.peer).collect()
+}
+
+/// A newcomer catches up while the others go on: it is not pending meanwhile; the members keep
+/// the state of their next sync (asked before `SyncComplete`), the newcomer is sent the plan once
+/// every member answered, it is pending once it reports the end, and the copies are dropped.
+#[test]
+fn a_newcomer_catches_up_from_the_copies_of_the_next_sync_then_awaits_admission() {
+    let (mut h, _) = run_with(2);
+    complete_sync(&mut h, 2, 4, &[1, 2]);
+    h.join(3);
+    let entries = vec![StateDigest { may_differ: true, ..digest("rng", 0) }, digest("t0", 0), digest("t1", 0)];
+    let out = h.send(3, Message::CatchUpStart { entries });
+    assert_eq!(catch_up_plan(&out, 3), None, "no copy is kept yet: the next sync makes one");
+    assert!(h.master.peers().any(|(p, s)| p == PeerId(2) && s == Status::CatchingUp));
+    // The accepted peers are not held up: nobody is pending.
+    h.send(1, Message::VotePeersPending { collectives: 0 });
+    let out = h.send(2, Message::VotePeersPending { collectives: 0 });
+    assert_eq!(sent_to(&out, 1), vec![&Message::PeersPendingResult { pending: false }]);
+    // Their next sync ends with a copy: asked for before it completes.
+    let out = complete_sync(&mut h, 2, 5, &[3, 4]);
+    for c in [1, 2] {
+        let names: Vec<&str> = sent_to(&out, c).iter().map(|m| m.name()).collect();
+        assert_eq!(names, ["Snapshot", "SyncComplete"], "{out:?}");
+    }
+    let Message::Snapshot { round } = sent_to(&out, 1)[0] else { unreachable!() };
+    let round = *round;
+    assert_eq!(catch_up_plan(&h.send(1, Message::SnapshotHeld { round, held: true }), 3), None);
+    let out = h.send(2, Message::SnapshotHeld { round, held: true });
+    let plan = catch_up_plan(&out, 3).expect("every member answered");
+    assert_eq!((plan.round, plan.revision, plan.reason.as_str()), (round, 5, ""));
+    assert_eq!(donors(&plan), [PeerId(0), PeerId(1)]);
+    let entries = plan.entries;
+    // In the newcomer's order: the tensor allowed to differ is not fetched.
+    assert_eq!(entries[0], PlanEntry { hash: [0; 32], donors: vec![] });
+    assert_eq!(entries[1], PlanEntry { hash: [3; 32], donors: vec![PeerId(0), PeerId(1)] });
+    assert_eq!(entries[2], PlanEntry { hash: [4; 32], donors: vec![PeerId(0), PeerId(1)] });
+    h.send(3, Message::CatchUpProgress { done: 10, total: 20, eta_ms: 300 });
+    let status = h.master.status(h.now);
+    assert_eq!(status.peers.iter().find(|p| p.peer == PeerId(2)).unwrap().catch_up, Some((10, 20, 300)));
+    assert_eq!(status.groups[0].snapshot, Some((round, 5, vec![PeerId(0), PeerId(1)])));
+    let out = h.send(3, Message::CatchUpEnd { fetched: true, revision: 5 });
+    for c in [1, 2] {
+        assert_eq!(sent_to(&out, c), vec![&Message::Snapshot { round: 0 }], "no newcomer needs the copy");
+    }
+    h.send(1, Message::VotePeersPending { collectives: 0 });
+    let out = h.send(2, Message::VotePeersPending { collectives: 0 });
+    assert_eq!(sent_to(&out, 1), vec![&Message::PeersPendingResult { pending: true }]);
+}
+
+#[test]
+fn catch_up_plans_name_only_live_holders_and_a_dead_newcomer_releases_the_copies() {
+    let (mut h, _) = run_with(3);
+    complete_sync(&mut h, 3, 1, &[1]);
+    h.join(4);
+    h.send(4, Message::CatchUpStart { entries: vec![digest("t0", 0)] });
+    let out = complete_sync(&mut h, 3, 2, &[2]);
+    let Some(Message::Snapshot { round }) = sent_to(&out, 1).first().copied() else { panic!("{out:?}") };
+    let round = *round;
+    h.send(1, Message::SnapshotHeld { round, held: true });
+    h.send(2, Message::SnapshotHeld { round, held: false });
+    // The third member dies before it answers: the plan goes out without it.
+    h.master.handle_disconnect(h.now, ConnId(3), "eof");
+    let out = h.drain();
+    let plan = catch_up_plan(&out, 4).expect("the living members all answered");
+    assert_eq!(donors(&plan), [PeerId(0)]);
+    assert_eq!(plan.entries[0].donors, [PeerId(0)]);
+    // A second newcomer is planned at once from the copy kept.
+    h.join(5);
+    let out = h.send(5, Message::CatchUpStart { entries: vec![digest("t0", 0)] });
+    assert_eq!(donors(&catch_up_plan(&out, 5).unwrap()), [PeerId(0)]);
+    // Both newcomers die: the copy is dropped by those asked to keep it.
+    h.master.handle_disconnect(h.now, ConnId(4), "eof");
+    h.master.handle_disconnect(h.now, ConnId(5), "eof");
+    let out = h.drain();
+    assert!(sent_to(&out, 1).contains(&&Message::Snapshot { round: 0 }), "{out:?}");
+}
+
+#[test]
+fn a_catch_up_with_another_layout_or_nothing_to_fetch_is_answered_at_once() {
+    let (mut h, _) = run_with(1);
+    h.join(2);
+    // No sync yet: nothing to fetch.
+    let out = h.send(2, Message::CatchUpStart { entries: vec![digest("t0", 0)] });
+    let nothing =
+        crate::peer::CatchUpPlan { round: 0, revision: 0, entries: vec![], donors: vec![], reason: String::new() };
+    assert_eq!(catch_up_plan(&out, 2), Some(nothing));
+    complete_sync(&mut h, 1, 1, &[1]);
+    let out = h.send(2, Message::CatchUpStart { entries: vec![digest("w", 0)] });
+    let reason = catch_up_plan(&out, 2).unwrap().reason;
+    assert!(reason.contains("the run has \"t0\" where peer#1 has \"w\""), "{reason}");
+    assert!(h.master.peers().any(|(p, s)| p == PeerId(1) && s == Status::Registered));
+}
+
 /// Found by the simulation (seed 112661): a member answered a query about collective 12 of the
 /// old ring after the new ring was issued but before it was committed. The master kept that
 /// record, committed, under the key (group, 12); collective 12 of the new ring then found it, took

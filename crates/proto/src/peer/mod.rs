@@ -17,8 +17,8 @@
 mod view;
 
 pub use view::{
-    Interrupt, LapInterrupt, PeerEvent, PeerView, RingPosition, SyncAbort, TopologyStep, UnexpectedMessage, Verdict,
-    VoteAbort, VoteOpen,
+    CatchUpPlan, Interrupt, LapInterrupt, PeerEvent, PeerView, RingPosition, SyncAbort, TopologyStep,
+    UnexpectedMessage, Verdict, VoteAbort, VoteOpen,
 };
 
 use crate::auth::{DataKey, RunKey};
@@ -743,6 +743,42 @@ impl Peer {
             _ => {}
         }
         self.progress(now);
+    }
+
+    /// We begin to catch up with our group's state, described by `entries` (sorted by name; hashes
+    /// unused): the master answers with a [`CatchUpPlan`] ([`Peer::take_catch_up_plan`]).
+    pub fn catch_up_start(&mut self, entries: Vec<shoal_wire::StateDigest>) {
+        self.view.catch_up_plan = None;
+        self.outbox.push_back(Message::CatchUpStart { entries });
+    }
+
+    /// The plan of our catch-up, once the master sent it.
+    pub fn take_catch_up_plan(&mut self) -> Option<CatchUpPlan> {
+        self.view.catch_up_plan.take()
+    }
+
+    /// Tells the master how far our catch-up is.
+    pub fn catch_up_progress(&mut self, done: u64, total: u64, eta_ms: u64) {
+        self.outbox.push_back(Message::CatchUpProgress { done, total, eta_ms });
+    }
+
+    /// Our catch-up ended: with `fetched`, we hold the state of `revision`.
+    pub fn catch_up_end(&mut self, fetched: bool, revision: u64) {
+        self.outbox.push_back(Message::CatchUpEnd { fetched, revision });
+    }
+
+    /// Whether the master asked us to keep a copy of the state sync `round` ends with (asked once).
+    pub fn take_snapshot_order(&mut self, round: u64) -> bool {
+        let ordered = self.view.snapshot_order == Some(round);
+        if ordered {
+            self.view.snapshot_order = None;
+        }
+        ordered
+    }
+
+    /// We keep (or could not keep) the copy of sync `round` the master asked for.
+    pub fn snapshot_held(&mut self, round: u64, held: bool) {
+        self.outbox.push_back(Message::SnapshotHeld { round, held });
     }
 
     /// The data plane fetched (or failed to fetch) what sync `round` asked of it.

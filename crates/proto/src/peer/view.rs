@@ -74,6 +74,25 @@ pub struct PeerView {
     pub sync_plan: Option<(u64, u64, Vec<PlanEntry>)>,
     /// How a shared-state sync ended: (round, completed or why not).
     pub sync_end: Option<(u64, Result<(), SyncAbort>)>,
+    /// The plan of our catch-up, until taken.
+    pub catch_up_plan: Option<CatchUpPlan>,
+    /// The sync whose state the master asked us to keep a copy of for newcomers, until taken.
+    pub snapshot_order: Option<u64>,
+}
+
+/// What a catching-up peer fetches (`Message::CatchUpPlan`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CatchUpPlan {
+    /// The sync whose state the donors keep; 0 if there is nothing to fetch.
+    pub round: u64,
+    /// Its revision.
+    pub revision: u64,
+    /// Per tensor of our `CatchUpStart`: its hash and donors (none: not fetched).
+    pub entries: Vec<PlanEntry>,
+    /// The donors, with their addresses.
+    pub donors: Vec<Member>,
+    /// Why the master refused the catch-up; empty if it did not.
+    pub reason: String,
 }
 
 /// A member of our group waits in a vote: a collective it never started can never complete.
@@ -187,6 +206,8 @@ pub enum PeerEvent {
     PeerRemoved(PeerId),
     /// The master decided a collective.
     Verdict(Epoch, u64),
+    /// Drop the copy of the shared state kept for newcomers: none catches up any more.
+    DropSnapshot,
     /// The master asked whether we committed a collective: `committed` says we did and must
     /// tell it so now; otherwise we will when we do.
     Query {
@@ -358,6 +379,18 @@ impl PeerView {
             }
             Message::SyncComplete { round } => {
                 self.sync_end = Some((round, Ok(())));
+                PeerEvent::Nothing
+            }
+            Message::Snapshot { round: 0 } => {
+                self.snapshot_order = None;
+                PeerEvent::DropSnapshot
+            }
+            Message::Snapshot { round } => {
+                self.snapshot_order = Some(round);
+                PeerEvent::Nothing
+            }
+            Message::CatchUpPlan { round, revision, entries, donors, reason } => {
+                self.catch_up_plan = Some(CatchUpPlan { round, revision, entries, donors, reason });
                 PeerEvent::Nothing
             }
             Message::SyncAborted { round, retryable, reason } => {
