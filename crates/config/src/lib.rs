@@ -35,6 +35,11 @@ pub const KNOWN_VARS: &[(&str, &str)] = &[
     ("SHOAL_HTTP_ADDR", "where the master serves /metrics, /status and its status page"),
     ("SHOAL_TIMEOUT", "bound in seconds on any blocking call (float)"),
     (
+        "SHOAL_CATCHUP_RATE",
+        "most bytes per second a peer serves newcomers catching up, all together (default: no bound)",
+    ),
+    ("SHOAL_CATCHUP_MEMORY", "most bytes of shared state a peer copies to serve newcomers catching up (default 8 GiB)"),
+    (
         "SHOAL_FAILPOINT",
         "tests: a protocol step at which the peer dies (all_reduce.before_confirm, all_reduce.after_commit)",
     ),

@@ -1,5 +1,6 @@
 //! The communicator: one peer's handle on a run.
 
+use crate::catchup::Snapshots;
 use crate::config::CommunicatorConfig;
 use crate::control::Control;
 use crate::engine::{Backup, Direction, Exec, LinkError, OpEvent, OpSpec, Pumped, RawBuf, Taken};
@@ -97,6 +98,10 @@ pub struct Communicator {
     tls: Option<TlsConfig>,
 }
 
+/// What [`Communicator::connect_catching_up`] runs once registered, before admission; false
+/// ends the connect (the catch-up failed).
+pub(crate) type CatchUp<'a> = dyn FnMut(&Control, &Listener, PeerId, SessionId, &DataKey) -> bool + 'a;
+
 pub(crate) struct Connected {
     pub control: Arc<Control>,
     pub listener: Listener,
@@ -148,8 +153,18 @@ impl Communicator {
     /// As [`Communicator::connect`]; [`Error::TooFewPeers`] if the bound passes first, in which
     /// case this peer leaves the run again.
     pub fn connect_until(&self, timeout: Option<Duration>, min_world_size: usize) -> Result<()> {
+        self.connect_with(timeout, min_world_size, None)
+    }
+
+    /// [`Communicator::connect_until`], running `catch_up` once registered, before admission.
+    pub(crate) fn connect_with(
+        &self,
+        timeout: Option<Duration>,
+        min_world_size: usize,
+        catch_up: Option<&mut CatchUp<'_>>,
+    ) -> Result<()> {
         let deadline = Deadline::after(timeout.unwrap_or(self.config.timeout));
-        self.join(deadline)?;
+        self.join(deadline, catch_up)?;
         let too_few = |have| Error::TooFewPeers { have, want: min_world_size, after: deadline.bound() };
         loop {
             let have = self.world_size().unwrap_or(0);
@@ -175,12 +190,13 @@ impl Communicator {
         }
     }
 
-    fn join(&self, deadline: Deadline) -> Result<()> {
+    fn join(&self, deadline: Deadline, mut catch_up: Option<&mut CatchUp<'_>>) -> Result<()> {
         let mut slot = self.connected.lock().unwrap_or_else(PoisonError::into_inner);
         if slot.is_some() {
             return Err(Error::AlreadyConnected);
         }
-        let listener = Listener::start(&self.config.listen_addr, self.tls.clone())?;
+        let snapshots = Snapshots::new(self.config.catchup_rate, self.config.heartbeat_timeout);
+        let listener = Listener::start(&self.config.listen_addr, self.tls.clone(), Arc::clone(&snapshots))?;
         let addr = self.config.master_addr.clone();
         let stream =
             Conn::dial(&addr, deadline.left("connect")?, self.tls.as_ref()).map_err(|e| dial_error(&addr, e))?;
@@ -192,7 +208,7 @@ impl Communicator {
             max_in_flight: self.config.max_in_flight,
             reconnect: true,
         };
-        let control = Control::start(&addr, stream, self.tls.clone(), peer_config, Arc::clone(&self.stats))?;
+        let control = Control::start(&addr, stream, self.tls.clone(), peer_config, Arc::clone(&self.stats), snapshots)?;
         let group = GroupId(self.config.group);
         let bound = deadline.left("connect")?;
         let call = control.own_input(|p, now| p.connect(group, data_addr.clone(), bound, now));
@@ -204,6 +220,12 @@ impl Communicator {
             };
             log::info!("registered as {id} in group {} advertising {data_addr}", group.0);
             listener.set_identity(id, session, data_key.clone(), &data_addr);
+            if let Some(catch_up) = catch_up.as_mut() {
+                if !catch_up(&control, &listener, id, session, &data_key) {
+                    // The caller returns the catch-up's own error; we leave the run.
+                    return Some(Err(shoal_proto::peer::CallError::Interrupted("the catch-up failed".into())));
+                }
+            }
             me = Some((id, session, data_key));
             None
         });

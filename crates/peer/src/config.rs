@@ -61,6 +61,13 @@ pub struct CommunicatorConfig {
     /// TLS for every connection, to the master and between peers (`SHOAL_TLS_CERT`,
     /// `SHOAL_TLS_KEY`, `SHOAL_TLS_CA`); `None` for plaintext.
     pub tls: Option<shoal_transport::TlsFiles>,
+    /// Most bytes per second this peer serves newcomers catching up, all together
+    /// (`SHOAL_CATCHUP_RATE`); `None`: as fast as the link goes.
+    pub catchup_rate: Option<u64>,
+    /// Most bytes of shared state this peer copies to serve newcomers catching up
+    /// (`SHOAL_CATCHUP_MEMORY`): a larger state is not copied, and newcomers are repaired by the
+    /// sync that admits them instead.
+    pub catchup_memory: usize,
 }
 
 /// Default TCP connections to a peer on another host. Parallel streams get past per-flow
@@ -88,6 +95,8 @@ pub const DEFAULT_TWOSHOT_MAX_BYTES: usize = 4 << 20;
 pub const DEFAULT_PROBE_BYTES: usize = 64 << 20;
 /// Largest [`CommunicatorConfig::probe_bytes`]: two such buffers are allocated per round.
 pub const MAX_PROBE_BYTES: usize = 1 << 30;
+/// Default for [`CommunicatorConfig::catchup_memory`].
+pub const DEFAULT_CATCHUP_MEMORY: usize = 8 << 30;
 /// Smallest pipeline chunk: below this, per-chunk overhead dominates.
 pub const MIN_CHUNK_BYTES: usize = 4096;
 
@@ -114,6 +123,8 @@ impl CommunicatorConfig {
             twoshot_max_bytes: env_count("SHOAL_TWOSHOT_MAX_BYTES")?.unwrap_or(DEFAULT_TWOSHOT_MAX_BYTES),
             probe_bytes: env_count("SHOAL_PROBE_BYTES")?.unwrap_or(DEFAULT_PROBE_BYTES),
             tls: shoal_transport::TlsFiles::from_env()?,
+            catchup_rate: env_count("SHOAL_CATCHUP_RATE")?.map(|r| r as u64),
+            catchup_memory: env_count("SHOAL_CATCHUP_MEMORY")?.unwrap_or(DEFAULT_CATCHUP_MEMORY),
             shared_memory: match env_value("SHOAL_TRANSPORT").as_deref() {
                 None | Some("auto") => true,
                 Some("tcp") => false,

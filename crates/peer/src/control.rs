@@ -5,7 +5,7 @@
 
 use crate::error::{Error, Result};
 use crate::stats::Stats;
-use shoal_proto::peer::{Action, Gone, Peer, PeerConfig};
+use shoal_proto::peer::{Action, Gone, Peer, PeerConfig, PeerEvent};
 use shoal_transport::{read_message, write_message, Conn, TlsConfig, TransportError};
 use shoal_wire::{Message, SessionId};
 use std::io::{Read, Write};
@@ -82,6 +82,8 @@ pub(crate) struct Control {
     changed: Condvar,
     /// The counters sent in place of heartbeats.
     stats: Arc<Stats>,
+    /// The copy of the shared state kept for newcomers, dropped when the master says so.
+    snapshots: Arc<crate::catchup::Snapshots>,
 }
 
 impl Control {
@@ -92,6 +94,7 @@ impl Control {
         tls: Option<TlsConfig>,
         config: PeerConfig,
         stats: Arc<Stats>,
+        snapshots: Arc<crate::catchup::Snapshots>,
     ) -> Result<Arc<Self>> {
         let io_err = |source| Error::Io { context: "configuring the master connection".into(), source };
         let reader = split(&stream, config.heartbeat_timeout).map_err(io_err)?;
@@ -104,6 +107,7 @@ impl Control {
             peer: Mutex::new(Peer::new(config, Instant::now())),
             changed: Condvar::new(),
             stats,
+            snapshots,
         });
         let c = Arc::clone(&control);
         thread::Builder::new()
@@ -248,6 +252,25 @@ impl Control {
         peer.poll_action()
     }
 
+    /// Waits until `f` finds what it looks for in the state machine, until `deadline` at most
+    /// (then `Ok(None)`); fails at once if we are out of the run.
+    pub fn wait_for<T>(&self, deadline: Instant, mut f: impl FnMut(&mut Peer) -> Option<T>) -> Result<Option<T>> {
+        let mut peer = self.lock();
+        loop {
+            if let Some(found) = f(&mut peer) {
+                return Ok(Some(found));
+            }
+            if let Some(gone) = peer.gone() {
+                return Err(self.gone_error(gone));
+            }
+            let wait = deadline.saturating_duration_since(Instant::now());
+            if wait.is_zero() {
+                return Ok(None);
+            }
+            peer = self.changed.wait_timeout(peer, wait).unwrap_or_else(PoisonError::into_inner).0;
+        }
+    }
+
     /// Wakes whoever waits on the state machine or sleeps on the data streams, to look around.
     pub fn interrupt(&self) {
         // Under the state machine's lock: a waiter checks why it would be woken, then waits,
@@ -314,6 +337,7 @@ impl Control {
             };
             let event = self.input(|p, now| p.handle_message(message, now));
             match event {
+                Ok(PeerEvent::DropSnapshot) => self.snapshots.drop_kept(),
                 Ok(event) => log::trace!("from master: {event:?}"),
                 Err(e) => return log::warn!("master {}: {e}", self.master_addr),
             }
@@ -420,7 +444,15 @@ mod tests {
         let stream = Conn::dial(&addr, Duration::from_secs(1), None).unwrap();
         let config =
             PeerConfig { heartbeat_timeout: Duration::from_secs(60), key: None, max_in_flight: 1, reconnect: false };
-        let control = Control::start(&addr, stream, None, config, Arc::default()).unwrap();
+        let control = Control::start(
+            &addr,
+            stream,
+            None,
+            config,
+            Arc::default(),
+            crate::catchup::Snapshots::new(None, Duration::from_secs(5)),
+        )
+        .unwrap();
         let _master = master.join().unwrap();
         let started = Instant::now();
         let action = control.wait_action(started + Duration::from_secs(20), || {
@@ -466,7 +498,15 @@ mod tests {
         let stream = Conn::dial(&addr, Duration::from_secs(1), None).unwrap();
         let config =
             PeerConfig { heartbeat_timeout: Duration::from_secs(10), key: None, max_in_flight: 1, reconnect: false };
-        let control = Control::start(&addr, stream, None, config, Arc::default()).unwrap();
+        let control = Control::start(
+            &addr,
+            stream,
+            None,
+            config,
+            Arc::default(),
+            crate::catchup::Snapshots::new(None, Duration::from_secs(5)),
+        )
+        .unwrap();
         control.input(|p, now| p.connect(GroupId(0), "127.0.0.1:1".into(), Duration::from_secs(5), now));
         master.join().unwrap();
         let outcome = loop {

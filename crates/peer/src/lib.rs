@@ -14,6 +14,7 @@
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
 
+mod catchup;
 mod communicator;
 mod config;
 mod control;
@@ -27,6 +28,7 @@ mod sync;
 mod topology;
 mod transfer;
 
+pub use catchup::{CatchUpInfo, CatchUpProgress};
 pub use communicator::{Communicator, Info, LinkInfo, Vote, Work};
 pub use config::{
     CommunicatorConfig, DEFAULT_CHUNK_BYTES, DEFAULT_CONNECTIONS, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_TIMEOUT,

@@ -73,6 +73,8 @@ pub(crate) struct Listener {
 struct Arrivals {
     streams: Mutex<BTreeMap<PeerId, Pool>>,
     fetches: Mutex<std::collections::VecDeque<(Conn, crate::sync::FetchReq)>>,
+    /// The copy of the shared state kept for newcomers, served by the greeting threads.
+    snapshots: Arc<crate::catchup::Snapshots>,
     /// Connections refused at their greeting (strangers, forgeries, stale pools).
     refused: AtomicU64,
     changed: Condvar,
@@ -131,7 +133,7 @@ impl DataPlane {
 
 impl Listener {
     /// Binds `addr` and starts accepting, with TLS if `tls` is given.
-    pub fn start(addr: &str, tls: Option<TlsConfig>) -> Result<Self> {
+    pub fn start(addr: &str, tls: Option<TlsConfig>, snapshots: Arc<crate::catchup::Snapshots>) -> Result<Self> {
         let io = |context: &str| {
             let context = format!("{context} {addr}");
             move |source| Error::Io { context, source }
@@ -141,6 +143,7 @@ impl Listener {
         let arrivals = Arrivals {
             streams: Mutex::default(),
             fetches: Mutex::default(),
+            snapshots,
             refused: AtomicU64::new(0),
             changed: Condvar::new(),
             arrived,
@@ -182,6 +185,11 @@ impl Listener {
     pub fn set_identity(&self, me: PeerId, session: SessionId, key: DataKey, advertised: &str) {
         let _ = self.identity.set(Identity { me, session, key });
         let _ = self.advertised_ip.set(advertised.parse::<SocketAddr>().ok().map(|a| a.ip()));
+    }
+
+    /// The copy of the shared state this peer keeps for newcomers.
+    pub fn snapshots(&self) -> &crate::catchup::Snapshots {
+        &self.arrivals.snapshots
     }
 
     /// The next connection a peer opened to fetch shared state from us, with its first request;
@@ -475,6 +483,9 @@ fn greet(
             return Err(format!("a FetchRequest posing as {from} without the run's data key"));
         }
         let request = crate::sync::FetchReq { from, round, index, offset, len };
+        // A newcomer catching up is served here, on this connection's own thread: the calls of
+        // this peer go on meanwhile. Any other fetch is for the sync in progress.
+        let Some(stream) = arrivals.snapshots.serve(stream, request) else { return Ok(()) };
         arrivals.fetches.lock().unwrap_or_else(PoisonError::into_inner).push_back((stream, request));
         arrivals.changed.notify_all();
         return Ok(());
@@ -564,7 +575,8 @@ mod tests {
     /// newcomer waiting for one that never comes.
     #[test]
     fn hello_before_identity_is_known_is_kept() {
-        let listener = Listener::start("127.0.0.1:0", None).unwrap();
+        let listener =
+            Listener::start("127.0.0.1:0", None, crate::catchup::Snapshots::new(None, Duration::from_secs(5))).unwrap();
         let addr = format!("127.0.0.1:{}", listener.port);
         let (me, session) = (PeerId(7), SessionId(42));
         let mut s = Conn::dial(&addr, Duration::from_secs(1), None).unwrap();
@@ -585,7 +597,8 @@ mod tests {
 
     #[test]
     fn hello_for_another_session_or_peer_is_refused() {
-        let listener = Listener::start("127.0.0.1:0", None).unwrap();
+        let listener =
+            Listener::start("127.0.0.1:0", None, crate::catchup::Snapshots::new(None, Duration::from_secs(5))).unwrap();
         listener.set_identity(PeerId(1), SessionId(5), KEY, "127.0.0.1:1");
         for (to, session) in [(PeerId(2), SessionId(5)), (PeerId(1), SessionId(6))] {
             assert!(refused(&listener, session, &hello(&KEY, session, PeerId(9), to)));
@@ -606,7 +619,12 @@ mod tests {
         };
         let _ = std::fs::remove_dir_all(&dir);
         let (ours, theirs) = (load(&dir.join("run")), load(&dir.join("other")));
-        let listener = Listener::start("127.0.0.1:0", Some(ours.clone())).unwrap();
+        let listener = Listener::start(
+            "127.0.0.1:0",
+            Some(ours.clone()),
+            crate::catchup::Snapshots::new(None, Duration::from_secs(5)),
+        )
+        .unwrap();
         let (me, session) = (PeerId(1), SessionId(5));
         listener.set_identity(me, session, KEY, "127.0.0.1:1");
         let addr = format!("127.0.0.1:{}", listener.port);
@@ -656,7 +674,8 @@ mod tests {
     /// lands.
     #[test]
     fn a_forged_hello_or_fetch_without_the_data_key_is_refused_and_counted() {
-        let listener = Listener::start("127.0.0.1:0", None).unwrap();
+        let listener =
+            Listener::start("127.0.0.1:0", None, crate::catchup::Snapshots::new(None, Duration::from_secs(5))).unwrap();
         let (me, session) = (PeerId(1), SessionId(5));
         listener.set_identity(me, session, KEY, "127.0.0.1:1");
         let guessed = DataKey([0; 32]);

@@ -8,15 +8,18 @@
 //! back for the others. Fetched bytes land in buffers of their own and replace our tensors only
 //! once the master says every participant holds the elected state.
 
-use crate::communicator::{Communicator, Connected};
+use crate::catchup::RateLimit;
+use crate::communicator::Communicator;
 use crate::error::{Error, Result};
 use crate::failpoint::failpoint;
 use shoal_collective::DType;
+use shoal_proto::auth::DataKey;
 use shoal_proto::master::Strategy;
 use shoal_proto::peer::{Action, CallKind, Revision, SyncBallot, Value};
-use shoal_transport::{read_message_until, write_message, Conn, PollFd};
+use shoal_transport::{read_message_until, write_message, Conn, PollFd, TlsConfig};
 use shoal_wire::{
-    truncate, Message, PeerId, PlanEntry, StateDigest, MAX_BODY_BYTES, MAX_DIMS, MAX_STATE_ENTRIES, MAX_STRING_BYTES,
+    truncate, Message, PeerId, PlanEntry, SessionId, StateDigest, MAX_BODY_BYTES, MAX_DIMS, MAX_STATE_ENTRIES,
+    MAX_STRING_BYTES,
 };
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::io::{Read, Write};
@@ -71,11 +74,24 @@ pub(crate) struct FetchReq {
 }
 
 /// A tensor to fetch.
-struct Wanted {
-    index: usize,
-    len: u64,
-    donors: Vec<PeerId>,
-    hash: [u8; 32],
+pub(crate) struct Wanted {
+    /// Its position in the state, sorted by name: the index a `FetchRequest` names.
+    pub index: usize,
+    pub len: u64,
+    pub donors: Vec<PeerId>,
+    pub hash: [u8; 32],
+}
+
+/// Who fetches, as every `FetchRequest` it sends says, and how.
+pub(crate) struct Fetcher<'a> {
+    pub me: PeerId,
+    pub session: SessionId,
+    pub data_key: &'a DataKey,
+    pub tls: Option<&'a TlsConfig>,
+    /// How long a donor may stay silent.
+    pub io_timeout: Duration,
+    /// Bytes arrived so far, for whoever reports progress.
+    pub arrived: &'a AtomicU64,
 }
 
 /// The fetch work of one sync: pieces per wanted tensor, shared by the donor threads.
@@ -106,7 +122,7 @@ impl Communicator {
         let started = Instant::now();
         let c = self.connected()?;
         tensors.sort_by(|a, b| a.name.cmp(&b.name));
-        let entries = digest(tensors)?;
+        let entries = digest(tensors, true)?;
         let bound = self.config.timeout;
         let mut data = self.lock_data();
         let ballot = SyncBallot { revision: Revision(revision), strategy: strategy as u8, override_resume, entries };
@@ -114,10 +130,12 @@ impl Communicator {
         let (sent_bytes, sent_to) = (AtomicU64::new(0), Mutex::new(BTreeSet::new()));
         let mut fetched = None;
         let mut wanted = Vec::new();
+        let mut sync_round = None;
         let ended = self.run_call(&c.control, &c.listener, &mut data, call, "sync_shared_state", |_, action| {
             let Action::Fetch { round, entries, .. } = action else {
                 unreachable!("sync_shared_state asked for {action:?}")
             };
+            sync_round = Some(round);
             let misfit = (entries.len() != tensors.len())
                 .then(|| format!("a plan of {} tensors for a state of {}", entries.len(), tensors.len()));
             if misfit.is_none() {
@@ -149,15 +167,25 @@ impl Communicator {
                         };
                         let (views, sent_bytes, sent_to, stop) = (&views, &sent_bytes, &sent_to, &stop);
                         scope.spawn(move || {
-                            if let Err(e) = serve(stream, first, round, views, sent_bytes, sent_to, stop, io_timeout) {
+                            let served = Served { bytes: sent_bytes, to: Some(sent_to) };
+                            if let Err(e) = serve(stream, first, round, views, &served, stop, None, io_timeout) {
                                 log::debug!("serving {}: {e}", first.from);
                             }
                         });
                     }
                 });
+                let arrived = AtomicU64::new(0);
+                let fetcher = Fetcher {
+                    me: c.me,
+                    session: c.session,
+                    data_key: &c.data_key,
+                    tls: c.listener.tls.as_ref(),
+                    io_timeout,
+                    arrived: &arrived,
+                };
                 let result = match misfit {
                     Some(reason) => Err(reason),
-                    None => fetch(&c, round, &wanted, meta, &addrs, io_timeout),
+                    None => fetch(&fetcher, round, &wanted, &meta, &addrs),
                 };
                 let report = result.as_ref().map(drop).map_err(Clone::clone);
                 fetched = Some(result);
@@ -170,19 +198,35 @@ impl Communicator {
                 ended
             }))
         });
+        // The master may have asked us to keep the state this sync ends with for newcomers (it
+        // asks just before `SyncComplete`): answered however the call ended here, so that no
+        // newcomer waits for us.
+        let snapshot = sync_round.filter(|r| c.control.own_input(|p, _| p.take_snapshot_order(*r)));
+        let answer = |held| {
+            if let Some(round) = snapshot {
+                c.control.own_input(|p, _| p.snapshot_held(round, held));
+            }
+        };
         let revision = match ended {
             Ok(Value::Synced(revision)) => revision.0,
             Ok(other) => unreachable!("sync_shared_state returned {other:?}"),
-            Err(e) => return Err(crate::communicator::call_error(&c.control, e, "sync_shared_state", bound)),
+            Err(e) => {
+                answer(false);
+                return Err(crate::communicator::call_error(&c.control, e, "sync_shared_state", bound));
+            }
         };
         // The master says every participant holds the elected state: ours too.
-        let fetched = fetched
-            .expect("a sync completes once fetched")
-            .map_err(|reason| Error::SyncFailed { retryable: true, reason })?;
+        let fetched = fetched.expect("a sync completes once fetched").map_err(|reason| {
+            answer(false);
+            Error::SyncFailed { retryable: true, reason }
+        })?;
         let mut received = Vec::new();
         for (w, data) in wanted.iter().zip(fetched) {
             tensors[w.index].bytes.copy_from_slice(&data);
             received.push((tensors[w.index].name.clone(), w.donors.clone(), w.len));
+        }
+        if let Some(round) = snapshot {
+            answer(self.keep_snapshot(&c.listener, round, tensors));
         }
         Ok(SyncInfo {
             revision,
@@ -195,12 +239,12 @@ impl Communicator {
 }
 
 /// (dtype, shape, name) of each tensor, for hashing what arrives.
-fn tensors_meta(tensors: &[StateTensor<'_>]) -> Vec<(DType, Vec<u64>, String)> {
+pub(crate) fn tensors_meta(tensors: &[StateTensor<'_>]) -> Vec<(DType, Vec<u64>, String)> {
     tensors.iter().map(|t| (t.dtype, t.shape.clone(), t.name.clone())).collect()
 }
 
-/// Checks and hashes the state, in name order.
-fn digest(tensors: &[StateTensor<'_>]) -> Result<Vec<StateDigest>> {
+/// Checks and hashes the state, in name order (with `hash` false, every hash is left zero).
+pub(crate) fn digest(tensors: &[StateTensor<'_>], hash: bool) -> Result<Vec<StateDigest>> {
     if tensors.len() > MAX_STATE_ENTRIES {
         return Err(Error::InvalidArgument(format!(
             "{} tensors; a shared state holds at most {MAX_STATE_ENTRIES}",
@@ -226,8 +270,15 @@ fn digest(tensors: &[StateTensor<'_>]) -> Result<Vec<StateDigest>> {
                 t.shape.len()
             )));
         }
-        let hash = shoal_state::hash_tensor(t.dtype, &t.shape, t.bytes)
-            .map_err(|e| Error::InvalidArgument(format!("tensor {:?}: {e}", t.name)))?;
+        let hash = match hash {
+            true => shoal_state::hash_tensor(t.dtype, &t.shape, t.bytes)
+                .map_err(|e| Error::InvalidArgument(format!("tensor {:?}: {e}", t.name)))?,
+            false => {
+                shoal_state::check_layout(t.dtype, &t.shape, t.bytes.len())
+                    .map_err(|e| Error::InvalidArgument(format!("tensor {:?}: {e}", t.name)))?;
+                shoal_state::TensorHash([0; 32])
+            }
+        };
         out.push(StateDigest {
             name: t.name.clone(),
             dtype: t.dtype.code(),
@@ -239,29 +290,47 @@ fn digest(tensors: &[StateTensor<'_>]) -> Result<Vec<StateDigest>> {
     Ok(out)
 }
 
-/// Answers one fetcher's requests from our tensors until it hangs up or the sync ends.
+/// What a server counts of what it sent.
+pub(crate) struct Served<'a> {
+    pub bytes: &'a AtomicU64,
+    pub to: Option<&'a Mutex<BTreeSet<PeerId>>>,
+}
+
+/// Answers one fetcher's requests for tensors of `round` from `views` until it hangs up or
+/// `stop` is set, at most at `rate`.
 #[allow(clippy::too_many_arguments)]
-fn serve(
+pub(crate) fn serve<T: AsRef<[u8]>>(
     mut stream: Conn,
     first: FetchReq,
     round: u64,
-    views: &[&[u8]],
-    sent_bytes: &AtomicU64,
-    sent_to: &Mutex<BTreeSet<PeerId>>,
+    views: &[T],
+    served: &Served<'_>,
     stop: &AtomicBool,
+    rate: Option<&RateLimit>,
     io_timeout: Duration,
 ) -> std::result::Result<(), String> {
     stream.set_write_timeout(Some(io_timeout)).map_err(|e| e.to_string())?;
     let mut request = first;
     loop {
-        let tensor = views.get(request.index as usize).ok_or("no such tensor")?;
+        let tensor = views.get(request.index as usize).ok_or("no such tensor")?.as_ref();
         let (start, end) = (request.offset, request.offset.saturating_add(request.len));
         if request.round != round || end > tensor.len() as u64 {
             return Err(format!("request {request:?} does not fit sync {round}"));
         }
-        stream.write_all(&tensor[start as usize..end as usize]).map_err(|e| e.to_string())?;
-        sent_bytes.fetch_add(request.len, Ordering::Relaxed);
-        sent_to.lock().unwrap_or_else(PoisonError::into_inner).insert(request.from);
+        let bytes = &tensor[start as usize..end as usize];
+        match rate {
+            None => stream.write_all(bytes).map_err(|e| e.to_string())?,
+            Some(rate) => {
+                for part in bytes.chunks(RateLimit::GRAIN) {
+                    rate.take(part.len());
+                    stream.write_all(part).map_err(|e| e.to_string())?;
+                }
+            }
+        }
+        served.bytes.fetch_add(request.len, Ordering::Relaxed);
+        if let Some(to) = served.to {
+            to.lock().unwrap_or_else(PoisonError::into_inner).insert(request.from);
+        }
         failpoint("sync.serve");
         // The next request, or the end: the fetcher hangs up, or the sync ends here.
         loop {
@@ -288,15 +357,14 @@ fn serve(
     }
 }
 
-/// Fetches every wanted tensor from its donors, one thread per donor; returns their bytes,
-/// verified, in the order of `wanted`, or why that is impossible.
-fn fetch(
-    c: &Connected,
+/// Fetches every wanted tensor of `round` from its donors, one thread per donor; returns their
+/// bytes, verified, in the order of `wanted`, or why that is impossible.
+pub(crate) fn fetch(
+    f: &Fetcher<'_>,
     round: u64,
     wanted: &[Wanted],
-    meta: Vec<(DType, Vec<u64>, String)>,
+    meta: &[(DType, Vec<u64>, String)],
     addrs: &BTreeMap<PeerId, String>,
-    io_timeout: Duration,
 ) -> std::result::Result<Vec<Vec<u8>>, String> {
     if wanted.is_empty() {
         return Ok(Vec::new());
@@ -321,9 +389,9 @@ fn fetch(
             let (work, changed, results) = (&work, &changed, &results);
             let addr = addrs.get(&donor).cloned();
             scope.spawn(move || {
-                let outcome = fetch_from(c, round, donor, addr, &mine, wanted, work, changed, results, io_timeout);
+                let outcome = fetch_from(f, round, donor, addr, &mine, wanted, work, changed, results);
                 if let Err(e) = outcome {
-                    log::warn!("{}: fetching from {donor}: {e}; the other donors take over", c.me);
+                    log::warn!("{}: fetching from {donor}: {e}; the other donors take over", f.me);
                 }
                 changed.notify_all();
             });
@@ -350,7 +418,7 @@ fn fetch(
 /// One donor's share: pieces of the tensors it holds, until none is left or it fails.
 #[allow(clippy::too_many_arguments)]
 fn fetch_from(
-    c: &Connected,
+    f: &Fetcher<'_>,
     round: u64,
     donor: PeerId,
     addr: Option<String>,
@@ -359,7 +427,6 @@ fn fetch_from(
     work: &Mutex<Work>,
     changed: &Condvar,
     results: &[Vec<Mutex<&mut [u8]>>],
-    io_timeout: Duration,
 ) -> std::result::Result<(), String> {
     let addr = addr.ok_or("not in our topology")?;
     let mut stream: Option<Conn> = None;
@@ -380,16 +447,15 @@ fn fetch_from(
         };
         let fetched = (|| -> std::result::Result<(), String> {
             if stream.is_none() {
-                let s = Conn::dial(&addr, io_timeout, c.listener.tls.as_ref())
-                    .map_err(|e| format!("dialing {addr}: {e}"))?;
-                s.set_read_timeout(Some(io_timeout)).map_err(|e| e.to_string())?;
+                let s = Conn::dial(&addr, f.io_timeout, f.tls).map_err(|e| format!("dialing {addr}: {e}"))?;
+                s.set_read_timeout(Some(f.io_timeout)).map_err(|e| e.to_string())?;
                 stream = Some(s);
             }
             let s = stream.as_mut().expect("just set");
             let index = wanted[i].index as u32;
-            let mac = c.data_key.fetch(c.session, c.me, donor, round, index, offset, len);
-            let request = Message::FetchRequest { from: c.me, to: donor, round, index, offset, len, mac };
-            write_message(s, c.session, &request).map_err(|e| e.to_string())?;
+            let mac = f.data_key.fetch(f.session, f.me, donor, round, index, offset, len);
+            let request = Message::FetchRequest { from: f.me, to: donor, round, index, offset, len, mac };
+            write_message(s, f.session, &request).map_err(|e| e.to_string())?;
             let mut slot = results[i][(offset / PIECE_BYTES) as usize].lock().unwrap_or_else(PoisonError::into_inner);
             debug_assert_eq!(slot.len() as u64, len);
             s.read_exact(&mut slot).map_err(|e| e.to_string())?;
@@ -403,13 +469,14 @@ fn fetch_from(
             return Err(e);
         }
         w.outstanding[i] -= 1;
+        f.arrived.fetch_add(len, Ordering::Relaxed);
         let total = wanted[i].len;
         let before = w.done_bytes[i];
         w.done_bytes[i] += len;
         if total >= PROGRESS_BYTES && before * 10 / total != w.done_bytes[i] * 10 / total {
             log::info!(
                 "{}: tensor {} of the shared state: {} of {} MiB",
-                c.me,
+                f.me,
                 wanted[i].index,
                 w.done_bytes[i] >> 20,
                 total >> 20

@@ -64,11 +64,7 @@ pub enum HashError {
 /// assert_ne!(a, b, "the dtype is part of the hash");
 /// ```
 pub fn hash_tensor(dtype: DType, shape: &[u64], bytes: &[u8]) -> Result<TensorHash, HashError> {
-    let expected = shape.iter().fold(dtype.size() as u128, |n, d| n.saturating_mul(u128::from(*d)));
-    if expected != bytes.len() as u128 {
-        let dtype = dtype.name();
-        return Err(HashError::SizeMismatch { dtype, shape: shape.to_vec(), bytes: bytes.len(), expected });
-    }
+    check_layout(dtype, shape, bytes.len())?;
     let mut hasher = with_header(dtype, shape);
     if bytes.len() >= PARALLEL_BYTES {
         hasher.update_rayon(bytes);
@@ -76,6 +72,18 @@ pub fn hash_tensor(dtype: DType, shape: &[u64], bytes: &[u8]) -> Result<TensorHa
         hasher.update(bytes);
     }
     Ok(TensorHash(*hasher.finalize().as_bytes()))
+}
+
+/// Checks that `bytes` bytes hold a `shape` tensor of `dtype`, as [`hash_tensor`] does.
+///
+/// # Errors
+/// [`HashError::SizeMismatch`] if they do not.
+pub fn check_layout(dtype: DType, shape: &[u64], bytes: usize) -> Result<(), HashError> {
+    let expected = shape.iter().fold(dtype.size() as u128, |n, d| n.saturating_mul(u128::from(*d)));
+    if expected != bytes as u128 {
+        return Err(HashError::SizeMismatch { dtype: dtype.name(), shape: shape.to_vec(), bytes, expected });
+    }
+    Ok(())
 }
 
 /// A hasher fed the header: the domain, the dtype's code, the number of dimensions, each one.

@@ -1,0 +1,362 @@
+//! Catching up (`docs/state.md`, "Catching up"): a newcomer fetches its group's shared state
+//! while the accepted peers go on training, and only then awaits admission, so the sync that
+//! admits it moves at most what changed since.
+//!
+//! Donors: at the end of the sync the master names (`Message::Snapshot`, before
+//! `SyncComplete`), each accepted peer copies its state into a [`Snapshot`], if it fits
+//! `SHOAL_CATCHUP_MEMORY`, and serves it from the threads that greet data connections, paced to
+//! `SHOAL_CATCHUP_RATE`: its own calls never wait for it. It drops the copy when the master says no
+//! newcomer needs it.
+//!
+//! Newcomer: [`Communicator::connect_catching_up`] registers, asks the master for a plan, fetches
+//! the copy striped over every donor (a donor that fails hands its pieces to the others; the
+//! bytes are verified by hash), reports progress, writes the tensors, and only then awaits its
+//! admission like any newcomer.
+
+use crate::communicator::Communicator;
+use crate::control::Control;
+use crate::error::{Error, Result};
+use crate::links::Listener;
+use crate::sync::{digest, fetch, serve, tensors_meta, FetchReq, Fetcher, Served, StateTensor, Wanted};
+use shoal_proto::auth::DataKey;
+use shoal_proto::peer::CatchUpPlan;
+use shoal_transport::Conn;
+use shoal_wire::{PeerId, SessionId};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+/// How often a catching-up newcomer tells the master (and its caller) how far it is.
+const PROGRESS_EVERY: Duration = Duration::from_millis(250);
+
+/// A copy of the shared state a sync ended with, kept for newcomers.
+pub(crate) struct Snapshot {
+    round: u64,
+    /// The tensors, sorted by name, as the sync ended.
+    tensors: Vec<Vec<u8>>,
+    /// Set when the copy is dropped: its servers stop.
+    dropped: AtomicBool,
+}
+
+/// The copy this peer keeps, if any, and how it serves it.
+pub(crate) struct Snapshots {
+    current: Mutex<Option<Arc<Snapshot>>>,
+    rate: Option<RateLimit>,
+    io_timeout: Duration,
+    sent: AtomicU64,
+}
+
+impl Snapshots {
+    /// Serves copies at `rate` bytes per second at most (all fetchers together), waiting up to
+    /// `io_timeout` on a fetcher.
+    pub fn new(rate: Option<u64>, io_timeout: Duration) -> Arc<Self> {
+        let rate = rate.map(|bytes_per_s| RateLimit { bytes_per_s, next: Mutex::new(Instant::now()) });
+        Arc::new(Snapshots { current: Mutex::new(None), rate, io_timeout, sent: AtomicU64::new(0) })
+    }
+
+    fn keep(&self, snapshot: Snapshot) {
+        let old = self.current.lock().unwrap_or_else(PoisonError::into_inner).replace(Arc::new(snapshot));
+        if let Some(old) = old {
+            old.dropped.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Drops the copy kept: its servers stop, and its memory goes once they have.
+    pub fn drop_kept(&self) {
+        if let Some(old) = self.current.lock().unwrap_or_else(PoisonError::into_inner).take() {
+            let served = self.sent.load(Ordering::Relaxed) >> 20;
+            log::info!(
+                "dropping the copy of the shared state of sync {} ({served} MiB served to newcomers)",
+                old.round
+            );
+            old.dropped.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Serves `stream`, whose first request is `first`, if it asks for the copy kept; otherwise
+    /// hands it back (a fetch of a sync in progress).
+    pub fn serve(&self, stream: Conn, first: FetchReq) -> Option<Conn> {
+        let kept = self.current.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        let Some(snapshot) = kept.filter(|s| s.round == first.round) else { return Some(stream) };
+        let served = Served { bytes: &self.sent, to: None };
+        let (round, views) = (snapshot.round, &snapshot.tensors);
+        if let Err(e) =
+            serve(stream, first, round, views, &served, &snapshot.dropped, self.rate.as_ref(), self.io_timeout)
+        {
+            log::debug!("serving the copy of sync {round} to {}: {e}", first.from);
+        }
+        None
+    }
+}
+
+/// Paces bytes to a rate shared by every thread that takes from it.
+pub(crate) struct RateLimit {
+    bytes_per_s: u64,
+    /// When the bytes taken so far have left at the rate.
+    next: Mutex<Instant>,
+}
+
+impl RateLimit {
+    /// Bytes taken at a time: small enough that the pace is even at a few MB/s.
+    pub const GRAIN: usize = 256 << 10;
+
+    /// Waits until `bytes` more may go.
+    pub fn take(&self, bytes: usize) {
+        let wait = {
+            let mut next = self.next.lock().unwrap_or_else(PoisonError::into_inner);
+            let now = Instant::now();
+            // Idle time is not saved up: a burst after a pause goes at the rate too.
+            let start = (*next).max(now);
+            *next = start + Duration::from_secs_f64(bytes as f64 / self.bytes_per_s as f64);
+            start - now
+        };
+        std::thread::sleep(wait);
+    }
+}
+
+/// How far a catch-up is, as [`Communicator::connect_catching_up`] reports it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CatchUpProgress {
+    /// Bytes fetched so far.
+    pub done: u64,
+    /// Bytes to fetch.
+    pub total: u64,
+    /// Time since the fetch began.
+    pub elapsed: Duration,
+    /// Expected time left at the rate so far (`None` before any byte arrived).
+    pub eta: Option<Duration>,
+}
+
+/// What a catch-up did.
+#[derive(Debug, Clone, Default)]
+pub struct CatchUpInfo {
+    /// The revision of the state fetched, now in the tensors; `None` if nothing was fetched
+    /// (then the sync after the admission repairs this peer, as without a catch-up).
+    pub revision: Option<u64>,
+    /// Bytes fetched.
+    pub bytes: u64,
+    /// Peers fetched from.
+    pub donors: Vec<PeerId>,
+    /// Why nothing was fetched, if nothing was.
+    pub skipped: Option<String>,
+    /// From the plan's arrival to the end of the fetch.
+    pub elapsed: Duration,
+}
+
+impl Communicator {
+    /// [`Communicator::connect_until`], fetching the group's shared state into `tensors` (sorted
+    /// here by name) between registering and being admitted, while the accepted peers go on: see
+    /// `docs/state.md`, "Catching up". `progress` hears how far the fetch is, about four times a
+    /// second. The bound covers the catch-up; the master's plan waits for the group's next
+    /// `sync_shared_state`.
+    ///
+    /// Nothing is fetched, and the sync after the admission repairs this peer as usual, if the
+    /// group has no state yet or every donor fails (the result says why); `tensors` are written
+    /// only with the whole state, verified.
+    ///
+    /// # Errors
+    /// As [`Communicator::connect_until`]; [`Error::InvalidArgument`] for a malformed state;
+    /// [`Error::Misuse`] if the tensors are not the group's (names), with nothing fetched.
+    pub fn connect_catching_up(
+        &self,
+        timeout: Option<Duration>,
+        min_world_size: usize,
+        tensors: &mut [StateTensor<'_>],
+        progress: &mut (dyn FnMut(&CatchUpProgress) + Send),
+    ) -> Result<CatchUpInfo> {
+        tensors.sort_by(|a, b| a.name.cmp(&b.name));
+        let layout = digest(tensors, false)?;
+        let mut info = None;
+        let mut catch_up = |control: &Control, listener: &Listener, me: PeerId, session: SessionId, key: &DataKey| {
+            let newcomer = Newcomer { control, listener, me, session, data_key: key };
+            let result = newcomer.catch_up(self, layout.clone(), tensors, progress);
+            let ok = result.is_ok();
+            info = Some(result);
+            ok
+        };
+        let connected = self.connect_with(timeout, min_world_size, Some(&mut catch_up));
+        match (info, connected) {
+            (Some(Err(e)), _) | (_, Err(e)) => Err(e),
+            (Some(Ok(info)), Ok(())) => Ok(info),
+            (None, Ok(())) => unreachable!("a catch-up runs once registered"),
+        }
+    }
+
+    /// Keeps a copy of `tensors`, the state sync `round` ended with, for newcomers; false if it
+    /// would exceed `SHOAL_CATCHUP_MEMORY`.
+    pub(crate) fn keep_snapshot(&self, listener: &Listener, round: u64, tensors: &[StateTensor<'_>]) -> bool {
+        let bytes: usize = tensors.iter().map(|t| t.bytes.len()).sum();
+        if bytes > self.config.catchup_memory {
+            log::warn!(
+                "not keeping a copy of the shared state for newcomers: {} MiB exceed SHOAL_CATCHUP_MEMORY ({} MiB); \
+                 they are repaired by the sync that admits them instead",
+                bytes >> 20,
+                self.config.catchup_memory >> 20
+            );
+            return false;
+        }
+        let started = Instant::now();
+        let copy = tensors.iter().map(|t| t.bytes.to_vec()).collect();
+        listener.snapshots().keep(Snapshot { round, tensors: copy, dropped: AtomicBool::new(false) });
+        log::info!(
+            "keeping a copy of the shared state of sync {round} for newcomers: {} MiB, copied in {:.1} ms",
+            bytes >> 20,
+            started.elapsed().as_secs_f64() * 1e3
+        );
+        true
+    }
+}
+
+/// A registered peer catching up.
+struct Newcomer<'a> {
+    control: &'a Control,
+    listener: &'a Listener,
+    me: PeerId,
+    session: SessionId,
+    data_key: &'a DataKey,
+}
+
+impl Newcomer<'_> {
+    fn catch_up(
+        &self,
+        comm: &Communicator,
+        layout: Vec<shoal_wire::StateDigest>,
+        tensors: &mut [StateTensor<'_>],
+        progress: &mut (dyn FnMut(&CatchUpProgress) + Send),
+    ) -> Result<CatchUpInfo> {
+        let bound = comm.config.timeout;
+        self.control.own_input(|p, _| p.catch_up_start(layout));
+        log::info!("{}: catching up with the group's shared state before admission", self.me);
+        let plan = self.control.wait_for(Instant::now() + bound, |p| p.take_catch_up_plan());
+        let plan = match plan {
+            Ok(Some(plan)) => plan,
+            Ok(None) => {
+                self.end(None);
+                return Err(Error::Timeout { operation: "connect (waiting for a plan to catch up)", after: bound });
+            }
+            Err(gone) => return Err(gone),
+        };
+        if !plan.reason.is_empty() {
+            self.end(None);
+            return Err(Error::Misuse(plan.reason));
+        }
+        let wanted: Vec<Wanted> = plan
+            .entries
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| !e.donors.is_empty())
+            .map(|(index, e)| Wanted {
+                index,
+                len: tensors.get(index).map_or(0, |t| t.bytes.len() as u64),
+                donors: e.donors.clone(),
+                hash: e.hash,
+            })
+            .collect();
+        if plan.round == 0 || wanted.is_empty() {
+            self.end(None);
+            let why = "the group holds no shared state to fetch from a member yet".to_string();
+            log::info!("{}: nothing to catch up with: {why}", self.me);
+            return Ok(CatchUpInfo { skipped: Some(why), ..CatchUpInfo::default() });
+        }
+        if plan.entries.len() != tensors.len() {
+            self.end(None);
+            return Err(Error::Protocol(format!("a plan of {} tensors for {}", plan.entries.len(), tensors.len())));
+        }
+        let started = Instant::now();
+        let fetched = self.fetch(comm, &plan, &wanted, tensors, progress);
+        let elapsed = started.elapsed();
+        let donors = plan.donors.iter().map(|d| d.peer).collect();
+        match fetched {
+            Ok(data) => {
+                let mut bytes = 0;
+                for (w, data) in wanted.iter().zip(data) {
+                    tensors[w.index].bytes.copy_from_slice(&data);
+                    bytes += w.len;
+                }
+                self.end(Some(plan.revision));
+                log::info!(
+                    "{}: caught up with revision {} ({} MiB in {:.2} s, {:.0} MB/s); awaiting admission",
+                    self.me,
+                    plan.revision,
+                    bytes >> 20,
+                    elapsed.as_secs_f64(),
+                    bytes as f64 / elapsed.as_secs_f64().max(1e-9) / 1e6
+                );
+                Ok(CatchUpInfo { revision: Some(plan.revision), bytes, donors, skipped: None, elapsed })
+            }
+            Err(why) => {
+                self.end(None);
+                log::warn!("{}: catch-up failed ({why}); the sync that admits us repairs the state", self.me);
+                Ok(CatchUpInfo { skipped: Some(why), donors, elapsed, ..CatchUpInfo::default() })
+            }
+        }
+    }
+
+    /// Fetches the plan's tensors, reporting progress meanwhile; their bytes, verified.
+    fn fetch(
+        &self,
+        comm: &Communicator,
+        plan: &CatchUpPlan,
+        wanted: &[Wanted],
+        tensors: &[StateTensor<'_>],
+        progress: &mut (dyn FnMut(&CatchUpProgress) + Send),
+    ) -> std::result::Result<Vec<Vec<u8>>, String> {
+        let total: u64 = wanted.iter().map(|w| w.len).sum();
+        let addrs: BTreeMap<PeerId, String> = plan.donors.iter().map(|m| (m.peer, m.addr.clone())).collect();
+        let meta = tensors_meta(tensors);
+        let arrived = AtomicU64::new(0);
+        let fetcher = Fetcher {
+            me: self.me,
+            session: self.session,
+            data_key: self.data_key,
+            tls: self.listener.tls.as_ref(),
+            io_timeout: comm.config.heartbeat_timeout,
+            arrived: &arrived,
+        };
+        log::info!(
+            "{}: fetching {} MiB of revision {} from {} donors",
+            self.me,
+            total >> 20,
+            plan.revision,
+            addrs.len()
+        );
+        let started = Instant::now();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                let _ = tx.send(fetch(&fetcher, plan.round, wanted, &meta, &addrs));
+            });
+            let mut logged = 0;
+            loop {
+                let result = rx.recv_timeout(PROGRESS_EVERY).ok();
+                let done = arrived.load(Ordering::Relaxed);
+                let elapsed = started.elapsed();
+                let eta = (done > 0).then(|| elapsed.mul_f64(total.saturating_sub(done) as f64 / done as f64));
+                progress(&CatchUpProgress { done, total, elapsed, eta });
+                let eta_ms = eta.map_or(u64::MAX, |e| e.as_millis() as u64);
+                self.control.own_input(|p, _| p.catch_up_progress(done, total, eta_ms));
+                let tenths = done * 10 / total.max(1);
+                if tenths > logged {
+                    logged = tenths;
+                    log::info!(
+                        "{}: catching up: {}% ({} of {} MiB), {:.1} s left",
+                        self.me,
+                        tenths * 10,
+                        done >> 20,
+                        total >> 20,
+                        eta.unwrap_or_default().as_secs_f64()
+                    );
+                }
+                if let Some(result) = result {
+                    return result;
+                }
+            }
+        })
+    }
+
+    /// Tells the master the catch-up ended: with the state of `revision`, or without any.
+    fn end(&self, revision: Option<u64>) {
+        self.control.own_input(|p, _| p.catch_up_end(revision.is_some(), revision.unwrap_or(0)));
+    }
+}
