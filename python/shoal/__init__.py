@@ -10,7 +10,7 @@ from __future__ import annotations
 from . import _native, errors
 from ._communicator import Communicator, ErrorFeedback, Vote, Work, hash_tensor
 from ._native import Master, ReduceInfo
-from ._state import SharedState, SyncInfo
+from ._state import CatchUpInfo, CatchUpProgress, SharedState, SyncInfo
 from .errors import *  # noqa: F403 - the exception tree, listed in errors.__all__
 
 __version__: str = _native.__version__
@@ -18,4 +18,4 @@ DTYPES: tuple[str, ...] = tuple(_native.DTYPES)
 OPS: tuple[str, ...] = tuple(_native.OPS)
 
 __all__ = ["Master", "Communicator", "ErrorFeedback", "Vote", "Work", "ReduceInfo", "SharedState", "SyncInfo",
-           "hash_tensor", "DTYPES", "OPS", *errors.__all__]
+           "CatchUpInfo", "CatchUpProgress", "hash_tensor", "DTYPES", "OPS", *errors.__all__]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import numpy as np
 
@@ -12,7 +12,7 @@ from . import _native
 from .errors import UsageError
 
 if TYPE_CHECKING:
-    from ._state import SharedState, SyncInfo
+    from ._state import CatchUpInfo, CatchUpProgress, SharedState, SyncInfo
 
 _NUMPY_DTYPES = {
     np.dtype(np.uint8): "u8",
@@ -93,16 +93,56 @@ class Communicator:
             tls_ca=tls_ca,
         )
 
-    def connect(self, timeout: Optional[float] = None, *, min_world_size: int = 1) -> None:
+    def connect(
+        self,
+        timeout: Optional[float] = None,
+        *,
+        min_world_size: int = 1,
+        catch_up: "Optional[SharedState]" = None,
+        progress: "Union[bool, Callable[[CatchUpProgress], object], None]" = None,
+    ) -> "Optional[CatchUpInfo]":
         """Register with the master and wait until accepted.
 
         With ``min_world_size``, then wait until the run has that many accepted peers, admitting
         newcomers as they register; every accepted peer must be in this call (admission is their
         vote). Raises :class:`TooFewPeersError` when ``timeout`` passes first, and leaves the run.
+
+        With ``catch_up`` (an addition to the API of ``DESIGN.md``), fetch the group's shared state
+        into it between registering and being admitted, while the accepted peers go on training
+        (``docs/state.md``, "Catching up"): the sync that admits this peer then moves only what
+        changed since. Returns a :class:`CatchUpInfo`; ``state.revision`` is the revision fetched.
+        ``progress`` is called with a :class:`CatchUpProgress` about four times a second, or
+        ``True`` draws a progress bar on stderr. ``timeout`` covers the catch-up, which waits for
+        the group's next ``sync_shared_state``. Raises :class:`UsageError` if the state's tensors
+        are not the group's.
         """
         if isinstance(min_world_size, bool) or not isinstance(min_world_size, int) or min_world_size < 1:
             raise ValueError(f"min_world_size must be a positive int, got {min_world_size!r}")
-        self._native.connect(timeout, min_world_size)
+        if catch_up is None:
+            if progress is not None:
+                raise ValueError("progress reports a catch-up: pass catch_up=state too")
+            self._native.connect(timeout, min_world_size)
+            return None
+        from ._state import CatchUpInfo, CatchUpProgress, ProgressBar, SharedState
+
+        if not isinstance(catch_up, SharedState):
+            raise TypeError(f"catch_up must be a shoal.SharedState, got {type(catch_up).__name__}")
+        report = ProgressBar() if progress is True else progress or None
+        if report is not None and not callable(report):
+            raise TypeError(f"progress must be callable or True, got {progress!r}")
+
+        def native_progress(done: int, total: int, elapsed: float, eta: Optional[float]) -> None:
+            assert report is not None
+            report(CatchUpProgress(done=done, total=total, elapsed=elapsed, eta=eta))
+
+        revision, fetched, donors, skipped, elapsed = self._native.connect_catching_up(
+            timeout, min_world_size, catch_up._native_entries(), native_progress if report else None
+        )
+        if isinstance(report, ProgressBar):
+            report.close()
+        if revision is not None:
+            catch_up.revision = revision
+        return CatchUpInfo(revision=revision, fetched_bytes=fetched, donors=donors, skipped=skipped, elapsed=elapsed)
 
     def update_topology(self) -> None:
         """Vote with every accepted peer to admit the pending ones; return once in force."""

@@ -2,7 +2,7 @@
 
 import os
 import pathlib
-from typing import Any, Optional, final
+from typing import Any, Callable, Optional, final
 
 import numpy as np
 import numpy.typing as npt
@@ -78,6 +78,13 @@ class Communicator:
         tls_ca: Optional[str | os.PathLike[str]] = None,
     ) -> Self: ...
     def connect(self, timeout: Optional[float] = None, min_world_size: int = 1) -> None: ...
+    def connect_catching_up(
+        self,
+        timeout: Optional[float],
+        min_world_size: int,
+        tensors: list[tuple[str, npt.NDArray[np.uint8], str, list[int], bool]],
+        progress: Optional[Callable[[int, int, float, Optional[float]], object]],
+    ) -> tuple[Optional[int], int, list[int], Optional[str], float]: ...
     def update_topology(self) -> None: ...
     def optimize_topology(self) -> None: ...
     def bandwidth_matrix(self) -> list[list[Optional[tuple[int, int]]]]: ...

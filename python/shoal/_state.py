@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import sys
+import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Optional, TextIO
 
 from ._communicator import _byte_view, hash_tensor
 
@@ -21,6 +23,68 @@ class SyncInfo:
     """Peers this peer sent tensor bytes to."""
     sent_bytes: int
     elapsed: float
+
+
+@dataclass(frozen=True)
+class CatchUpProgress:
+    """How far a catch-up (``Communicator.connect(catch_up=state)``) is."""
+
+    done: int
+    """Bytes fetched so far."""
+    total: int
+    """Bytes to fetch."""
+    elapsed: float
+    """Seconds since the fetch began."""
+    eta: Optional[float]
+    """Seconds left at the rate so far; ``None`` before any byte arrived."""
+
+
+@dataclass(frozen=True)
+class CatchUpInfo:
+    """What ``Communicator.connect(catch_up=state)`` fetched before the admission."""
+
+    revision: Optional[int]
+    """The revision now in the state; ``None`` if nothing was fetched (the sync after the
+    admission repairs the state, as without a catch-up)."""
+    fetched_bytes: int
+    donors: list[int]
+    """The peer ids fetched from."""
+    skipped: Optional[str]
+    """Why nothing was fetched, if nothing was."""
+    elapsed: float
+
+
+def progress_line(p: CatchUpProgress, width: int = 30) -> str:
+    """A catch-up's progress as one line: a bar, the share, bytes, rate and time left."""
+    share = p.done / p.total if p.total else 1.0
+    rate = p.done / p.elapsed / 1e6 if p.elapsed > 0 else 0.0
+    eta = "?" if p.eta is None else f"{p.eta:.0f} s"
+    return (f"catching up [{'#' * int(share * width):<{width}}] {share:4.0%} {p.done >> 20}/{p.total >> 20} MiB "
+            f"{rate:.0f} MB/s, {eta} left")
+
+
+class ProgressBar:
+    """Draws a catch-up's progress on one line of ``out`` (stderr): bytes, rate and time left."""
+
+    def __init__(self, out: Optional[TextIO] = None, width: int = 30):
+        self.out = out or sys.stderr
+        self.width = width
+        self.drawn = False
+        self.last = 0.0
+
+    def __call__(self, p: CatchUpProgress) -> None:
+        now = time.monotonic()
+        if p.done < p.total and now - self.last < 0.2:
+            return
+        self.last = now
+        self.out.write("\r" + progress_line(p, self.width) + " ")
+        self.out.flush()
+        self.drawn = True
+
+    def close(self) -> None:
+        if self.drawn:
+            self.out.write("\n")
+            self.out.flush()
 
 
 class SharedState:

@@ -31,13 +31,28 @@ def _peer(master: str, name: int, peers: int, steps_after_full: int, elements: i
         sys.stdout.write(f"[peer {name}] {msg}\n")
         sys.stdout.flush()
 
+    from ._state import progress_line
+
+    quarter = [0]
+
+    def progress(p: "shoal.CatchUpProgress") -> None:
+        # A bar per quarter, each on its own line: the peers share one terminal.
+        if p.total and p.done * 4 // p.total > quarter[0]:
+            quarter[0] = p.done * 4 // p.total
+            say(progress_line(p, width=20))
+
     with shoal.Communicator(master) as comm:
-        say("connecting to the master")
-        comm.connect(timeout=60)
-        say(f"accepted as rank {comm.rank} of {comm.group_world_size}")
-        step, full_since, world = 0, None, comm.group_world_size
         model = np.zeros(elements, dtype=np.float32)
         state = shoal.SharedState({"model": model})
+        say("connecting to the master")
+        # A newcomer fetches the model from the peers in the run while they go on training, and is
+        # admitted only then: the sync that admits it moves only what changed since.
+        caught = comm.connect(timeout=60, catch_up=state, progress=progress)
+        if caught is not None and caught.revision is not None:
+            say(f"caught up with revision {caught.revision} ({caught.fetched_bytes >> 10} KiB from peers "
+                f"{caught.donors} in {caught.elapsed * 1e3:.0f} ms) while they trained")
+        say(f"accepted as rank {comm.rank} of {comm.group_world_size}")
+        step, full_since, world = state.revision, None, comm.group_world_size
         # Every accepted peer makes the same calls in the same order: sync, all_reduce, the
         # peers_pending vote, then (if it says so) update_topology. A newcomer's connect()
         # returns when that update commits, so it enters the loop at the sync.

@@ -38,15 +38,26 @@ def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
 
 
+def catch_up_bar(c: dict[str, Any], width: int = 30) -> str:
+    """A catch-up's progress as ``/status`` reports it, drawn as a bar."""
+    total = c["total_bytes"]
+    share = c["done_bytes"] / total if total else 1.0
+    eta = c["eta_s"]
+    left = "?" if eta is None or eta > 1e9 else f"{eta:.0f} s"
+    return (f"catching up [{'#' * int(share * width):<{width}}] {share:4.0%} "
+            f"{size(c['done_bytes'])} of {size(total)}, {left} left")
+
+
 def render(s: dict[str, Any]) -> str:
     """The tables ``shoal status`` prints."""
     peers = s["peers"]
     accepted = sum(1 for p in peers if p["state"] == "accepted")
+    catching_up = sum(1 for p in peers if p["state"] == "catching_up")
     c = s["counters"]
     out = [
         f"run {s['session']}: topology {s['ring_epoch']} in force (last issued {s['epoch']}), {s['phase']}",
-        f"peers: {accepted} accepted, {len(peers) - accepted} registered; since start {c['joins']} joined, "
-        f"{c['left']} left, {c['lost']} lost, {c['expelled']} expelled",
+        f"peers: {accepted} accepted, {len(peers) - accepted - catching_up} registered, {catching_up} catching up; "
+        f"since start {c['joins']} joined, {c['left']} left, {c['lost']} lost, {c['expelled']} expelled",
         "",
     ]
     rows = []
@@ -64,7 +75,14 @@ def render(s: dict[str, Any]) -> str:
         line = f"ring of group {g['group']}: {ring}"
         if g["revision"] is not None:
             line += f"; shared state at revision {g['revision']} ({len(g['hashes'])} tensors)"
+        if g.get("snapshot"):
+            snap = g["snapshot"]
+            holders = ", ".join(f"p{p}" for p in snap["held_by"]) or "nobody yet"
+            line += f"; a copy of revision {snap['revision']} kept for newcomers by {holders}"
         out += ["", line]
+    for p in peers:
+        if p.get("catch_up"):
+            out.append(f"p{p['id']} " + catch_up_bar(p["catch_up"]))
     if s["operations"]:
         rows = []
         for kind, o in s["operations"].items():

@@ -613,7 +613,7 @@ impl Communicator {
     fn sync_shared_state(
         &self,
         py: Python<'_>,
-        tensors: Vec<(String, Bound<'_, PyArray1<u8>>, String, Vec<u64>, bool)>,
+        tensors: StateEntries<'_>,
         revision: u64,
         strategy: &str,
         override_resume: bool,
@@ -628,23 +628,8 @@ impl Communicator {
                 )))
             }
         };
-        let mut views = Vec::with_capacity(tensors.len());
-        let mut meta = Vec::with_capacity(tensors.len());
-        for (name, buf, dtype, shape, may_differ) in &tensors {
-            let dtype =
-                DType::from_name(dtype).ok_or_else(|| PyTypeError::new_err(format!("unsupported dtype {dtype:?}")))?;
-            views.push(
-                buf.try_readwrite()
-                    .map_err(|e| PyValueError::new_err(format!("tensor {name:?} is not writable: {e}")))?,
-            );
-            meta.push((name.clone(), dtype, shape.clone(), *may_differ));
-        }
-        let mut state: Vec<StateTensor<'_>> = Vec::with_capacity(views.len());
-        for (view, (name, dtype, shape, may_differ)) in views.iter_mut().zip(meta) {
-            let bytes =
-                view.as_slice_mut().map_err(|_| PyValueError::new_err(format!("tensor {name:?} is not contiguous")))?;
-            state.push(StateTensor { name, dtype, shape, bytes, may_differ });
-        }
+        let (mut views, meta) = state_views(&tensors)?;
+        let mut state = state_tensors(&mut views, meta)?;
         let info = py
             .detach(|| self.inner.sync_shared_state(&mut state, revision, strategy, override_resume))
             .map_err(to_py)?;
@@ -652,6 +637,40 @@ impl Communicator {
             info.received.into_iter().map(|(n, d, b)| (n, d.into_iter().map(|p| p.0).collect(), b)).collect();
         let sent_to = info.sent_to.into_iter().map(|p| p.0).collect();
         Ok((info.revision, received, sent_to, info.sent_bytes, info.elapsed.as_secs_f64()))
+    }
+
+    /// Connects, catching up with the group's shared state first (`tensors` as for
+    /// `sync_shared_state`), calling `progress(done, total, elapsed_s, eta_s or None)` as the
+    /// fetch goes; returns (revision or None, bytes, [donor ids], why nothing was fetched or None,
+    /// seconds).
+    #[allow(clippy::type_complexity)]
+    fn connect_catching_up(
+        &self,
+        py: Python<'_>,
+        timeout: Option<Bound<'_, PyAny>>,
+        min_world_size: usize,
+        tensors: StateEntries<'_>,
+        progress: Option<Py<PyAny>>,
+    ) -> PyResult<(Option<u64>, u64, Vec<u32>, Option<String>, f64)> {
+        let timeout = timeout.map(|s| seconds("timeout", &s)).transpose()?;
+        let (mut views, meta) = state_views(&tensors)?;
+        let mut state = state_tensors(&mut views, meta)?;
+        // A callback that raises stops nothing: the catch-up goes on, and the error is shown.
+        let mut report = |p: &shoal_peer::CatchUpProgress| {
+            if let Some(cb) = &progress {
+                Python::attach(|py| {
+                    let eta = p.eta.map(|e| e.as_secs_f64());
+                    if let Err(e) = cb.call1(py, (p.done, p.total, p.elapsed.as_secs_f64(), eta)) {
+                        e.print(py);
+                    }
+                });
+            }
+        };
+        let info = py
+            .detach(|| self.inner.connect_catching_up(timeout, min_world_size, &mut state, &mut report))
+            .map_err(to_py)?;
+        let donors = info.donors.into_iter().map(|p| p.0).collect();
+        Ok((info.revision, info.bytes, donors, info.skipped, info.elapsed.as_secs_f64()))
     }
 
     /// This communicator's counters as JSON (`shoal_master::report_json`).
@@ -843,6 +862,42 @@ fn to_py(e: Error) -> PyErr {
         _ => "ShoalError",
     };
     raise(class, e.to_string())
+}
+
+/// A shared state as `shoal.SharedState` hands it over: (name, writable uint8 view, dtype, shape,
+/// may differ) per tensor.
+type StateEntries<'py> = Vec<(String, Bound<'py, PyArray1<u8>>, String, Vec<u64>, bool)>;
+
+/// Writable views of a shared state's tensors, and what else describes each.
+#[allow(clippy::type_complexity)]
+fn state_views<'py>(
+    tensors: &StateEntries<'py>,
+) -> PyResult<(Vec<PyReadwriteArray1<'py, u8>>, Vec<(String, DType, Vec<u64>, bool)>)> {
+    let mut views = Vec::with_capacity(tensors.len());
+    let mut meta = Vec::with_capacity(tensors.len());
+    for (name, buf, dtype, shape, may_differ) in tensors {
+        let dtype =
+            DType::from_name(dtype).ok_or_else(|| PyTypeError::new_err(format!("unsupported dtype {dtype:?}")))?;
+        views.push(
+            buf.try_readwrite().map_err(|e| PyValueError::new_err(format!("tensor {name:?} is not writable: {e}")))?,
+        );
+        meta.push((name.clone(), dtype, shape.clone(), *may_differ));
+    }
+    Ok((views, meta))
+}
+
+/// The state's tensors over `views`.
+fn state_tensors<'a>(
+    views: &'a mut [PyReadwriteArray1<'_, u8>],
+    meta: Vec<(String, DType, Vec<u64>, bool)>,
+) -> PyResult<Vec<StateTensor<'a>>> {
+    let mut state = Vec::with_capacity(views.len());
+    for (view, (name, dtype, shape, may_differ)) in views.iter_mut().zip(meta) {
+        let bytes =
+            view.as_slice_mut().map_err(|_| PyValueError::new_err(format!("tensor {name:?} is not contiguous")))?;
+        state.push(StateTensor { name, dtype, shape, bytes, may_differ });
+    }
+    Ok(state)
 }
 
 fn usage_error(message: &str) -> PyErr {

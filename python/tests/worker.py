@@ -1083,6 +1083,62 @@ def quantized(spec: dict) -> dict:
     return {"rank": rank, "sent": sent, "errors": errors, "refused": refused, "drift": drift}
 
 
+def catchup(spec: dict) -> dict:
+    """A training loop over ``spec["mib"]`` MiB of shared state: ``w`` changes at step 2 only, the
+    step count every step. Accepted peers (``role: "member"``) loop until they took
+    ``steps_after`` steps in a group of ``whole`` since they admitted the newcomer, timing each
+    step; the newcomer
+    (``role: "newcomer"``) catches up while they go on, printing its progress, then takes
+    ``steps_after`` steps. Every peer reports the hashes of its state at each revision once the
+    group is whole. A lost peer's step is retried."""
+    comm = shoal.Communicator(spec["master"], timeout=120, heartbeat_timeout=spec.get("heartbeat_timeout"))
+    w = np.zeros(spec["mib"] << 18, np.float32)
+    step = np.zeros(1, np.uint64)
+    state = shoal.SharedState({"w": w, "step": step})
+    whole, times, hashes, received = spec["whole"], [], {}, []
+    if spec["role"] == "newcomer":
+        w[:] = -1
+        started = time.time()
+
+        def progress(p: shoal.CatchUpProgress) -> None:
+            print(json.dumps({"progress": p.done / p.total}), flush=True)
+
+        info = comm.connect(timeout=120, catch_up=state, progress=progress)
+        assert info is not None
+        caught = {"revision": info.revision, "bytes": info.fetched_bytes, "donors": info.donors,
+                  "skipped": info.skipped, "started": started, "ended": time.time()}
+        first = True
+    else:
+        comm.connect(timeout=60, min_world_size=spec["peers"])
+        w[:] = 1.0
+        print(json.dumps({"ready": comm.peer_id}), flush=True)
+        caught, first = None, False
+    steps_after, admitted = 0, caught is not None
+    while steps_after < spec["steps_after"]:
+        t0 = time.time()
+        try:
+            if not first and comm.peers_pending():
+                comm.update_topology()
+                admitted = True
+            first = False
+            state.revision = int(step[0])
+            synced = comm.sync_shared_state(state)
+            grad = np.ones(1 << 18, np.float32)
+            comm.all_reduce(grad, op="sum")
+        except shoal.PeerLostError:
+            continue  # the ring re-forms by itself: the step again
+        if admitted and comm.group_world_size == whole:
+            steps_after += 1
+            hashes[str(synced.revision)] = state.hashes()
+            received.append(synced.received_bytes)
+        step[0] += 1
+        if step[0] == 2:
+            w += 1.0
+        times.append([t0, time.time() - t0, comm.group_world_size])
+        time.sleep(spec.get("pause", 0.0))
+    return {"times": times, "hashes": hashes, "received": received, "caught": caught, "peer": comm.peer_id}
+
+
 if __name__ == "__main__":
     scenario, spec = sys.argv[1], json.loads(sys.argv[2])
     scenarios = {"overlap": overlap, "many_survive": many_survive,
@@ -1094,6 +1150,6 @@ if __name__ == "__main__":
                  "p2p": p2p, "p2p_ring": p2p_ring,
                  "barrier_lost": barrier_lost, "optimize": optimize, "quantized": quantized, "watched": watched,
                  "restart_loop": restart_loop, "diloco": diloco,
-                 "ddp": ddp}
+                 "ddp": ddp, "catchup": catchup}
     result = scenarios[scenario](spec)
     print(json.dumps(result), flush=True)
