@@ -58,8 +58,10 @@ def peer(args: argparse.Namespace) -> None:
         if not first and comm.peers_pending():
             comm.update_topology()
         first = False
+        t1 = time.time()
         state.revision = int(step[0])
         synced = comm.sync_shared_state(state)
+        t2 = time.time()
         grad = np.ones(1 << 18, np.float32)
         comm.all_reduce(grad, op="sum")
         if args.role == "newcomer" and "in_sync" not in out:
@@ -70,7 +72,8 @@ def peer(args: argparse.Namespace) -> None:
         if step[0] == 2:
             w += 1.0
         time.sleep(args.compute)
-        times.append([t0, time.time() - t0])
+        # The step, and its parts: the votes (and admission), the sync.
+        times.append([t0, time.time() - t0, t1 - t0, t2 - t1])
     out["times"] = times
     print(json.dumps(out), flush=True)
 
@@ -139,11 +142,14 @@ def run(args: argparse.Namespace, catch_up: bool, lab: Any, hosts: list[str]) ->
         newcomer = subprocess.Popen(place(args.members, argv), stdout=subprocess.PIPE, text=True, env=env)
         outs = [json.loads(p.communicate(timeout=900)[0].strip().splitlines()[-1]) for p in [newcomer, *members]]
     new, members_out = outs[0], outs[1:]
-    before = [d for m in members_out for t0, d in m["times"] if t0 + d < new["connect"]]
-    during = [d for m in members_out for t0, d in m["times"] if t0 + d > new["connect"] and t0 < new["in_sync"]]
+    before = [t[1] for m in members_out for t in m["times"] if t[0] + t[1] < new["connect"]]
+    during = [t for m in members_out for t in m["times"] if t[0] + t[1] > new["connect"] and t[0] < new["in_sync"]]
+    longest = max(during, key=lambda t: t[1])
     return {
         "normal_step_s": statistics.median(before),
-        "longest_step_during_join_s": max(during),
+        "longest_step_during_join_s": longest[1],
+        "longest_step_votes_s": longest[2],
+        "longest_step_sync_s": longest[3],
         "connect_to_in_sync_s": new["in_sync"] - new["connect"],
         "admission_sync_bytes": new["admission_bytes"],
         "caught": new.get("caught"),
@@ -184,7 +190,8 @@ def main() -> None:
         r = run(args, catch_up, lab, hosts or [])
         results[name] = r
         print(f"{name:>20}: members' normal step {r['normal_step_s']:.3f} s, longest during the join "
-              f"{r['longest_step_during_join_s']:.3f} s ({r['longest_step_during_join_s'] / r['normal_step_s']:.2f}x); "
+              f"{r['longest_step_during_join_s']:.3f} s ({r['longest_step_during_join_s'] / r['normal_step_s']:.2f}x: "
+              f"votes {r['longest_step_votes_s']:.3f} s, sync {r['longest_step_sync_s']:.3f} s); "
               f"newcomer connect -> first step in sync {r['connect_to_in_sync_s']:.2f} s "
               f"({r['connect_to_in_sync_s'] / raw:.2f}x raw); admission sync moved {r['admission_sync_bytes']} bytes")
     print(json.dumps({"raw_transfer_s": raw, **results}))

@@ -29,6 +29,15 @@ def start_members(master: shoal.Master, n: int, spec: dict, rate: int) -> list[s
     return procs
 
 
+def wait_for_step(member: subprocess.Popen, step: int) -> None:
+    """Reads what ``member`` printed until it reports ``step``."""
+    assert member.stdout is not None
+    for line in member.stdout:
+        if json.loads(line).get("step", 0) >= step:
+            return
+    raise AssertionError("the member ended before that step")
+
+
 def last_json(out: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
@@ -46,7 +55,7 @@ def test_a_newcomer_catches_up_with_256_mib_while_three_peers_train():
     with shoal.Master("127.0.0.1:0") as master:
         # 40 MB/s per donor: the fetch lasts about 2 s, over several of the others' steps.
         members = start_members(master, 3, spec, rate=40_000_000)
-        time.sleep(2.0)  # past step 2, where w changes for the last time
+        wait_for_step(members[0], 3)  # past step 2, where w changes for the last time
         newcomer = subprocess.Popen(worker_argv("catchup", {**spec, "master": master.address, "role": "newcomer"}),
                                     stdout=subprocess.PIPE, text=True, env=clean_env())
         out, _ = newcomer.communicate(timeout=240)
@@ -77,7 +86,7 @@ def test_a_donor_killed_during_the_catch_up_hands_its_pieces_to_the_others():
     spec = {"mib": 128, "steps_after": 3, "whole": 3, "pause": 0.02}
     with shoal.Master("127.0.0.1:0", heartbeat_timeout=3) as master:
         members = start_members(master, 3, {**spec, "heartbeat_timeout": 3}, rate=16_000_000)
-        time.sleep(1.0)
+        wait_for_step(members[0], 3)
         newcomer = subprocess.Popen(
             worker_argv("catchup", {**spec, "master": master.address, "role": "newcomer", "heartbeat_timeout": 3}),
             stdout=subprocess.PIPE, text=True, env=clean_env())

@@ -1135,6 +1135,8 @@ def catchup(spec: dict) -> dict:
         if step[0] == 2:
             w += 1.0
         times.append([t0, time.time() - t0, comm.group_world_size])
+        if caught is None:
+            print(json.dumps({"step": int(step[0])}), flush=True)
         time.sleep(spec.get("pause", 0.0))
     return {"times": times, "hashes": hashes, "received": received, "caught": caught, "peer": comm.peer_id}
 

@@ -327,9 +327,9 @@ impl Newcomer<'_> {
             scope.spawn(|| {
                 let _ = tx.send(fetch(&fetcher, plan.round, wanted, &meta, &addrs));
             });
-            let mut logged = 0;
+            let (mut logged, mut result) = (0, None);
             loop {
-                let result = rx.recv_timeout(PROGRESS_EVERY).ok();
+                // Reported at once (nothing arrived yet), then four times a second, and at the end.
                 let done = arrived.load(Ordering::Relaxed);
                 let elapsed = started.elapsed();
                 let eta = (done > 0).then(|| elapsed.mul_f64(total.saturating_sub(done) as f64 / done as f64));
@@ -351,6 +351,7 @@ impl Newcomer<'_> {
                 if let Some(result) = result {
                     return result;
                 }
+                result = rx.recv_timeout(PROGRESS_EVERY).ok();
             }
         })
     }

@@ -429,6 +429,13 @@ mod tests {
     use shoal_proto::peer::CallError;
     use shoal_wire::{GroupId, PeerId};
 
+    /// A control connection over `stream` to the master at `addr`, with no shared-state copy.
+    fn start(addr: &str, stream: Conn, heartbeat_timeout: Duration) -> Arc<Control> {
+        let config = PeerConfig { heartbeat_timeout, key: None, max_in_flight: 1, reconnect: false };
+        let snapshots = crate::catchup::Snapshots::new(None, Duration::from_secs(5));
+        Control::start(addr, stream, None, config, Arc::default(), snapshots).unwrap()
+    }
+
     /// A driver about to wait for the state machine checks whether a caller wants it back, then
     /// waits: a caller's interrupt in between must wake it, not leave it asleep for the whole
     /// wait (a 50 ms stall of every `isend`/`recv` pair that hit it).
@@ -442,17 +449,7 @@ mod tests {
             s
         });
         let stream = Conn::dial(&addr, Duration::from_secs(1), None).unwrap();
-        let config =
-            PeerConfig { heartbeat_timeout: Duration::from_secs(60), key: None, max_in_flight: 1, reconnect: false };
-        let control = Control::start(
-            &addr,
-            stream,
-            None,
-            config,
-            Arc::default(),
-            crate::catchup::Snapshots::new(None, Duration::from_secs(5)),
-        )
-        .unwrap();
+        let control = start(&addr, stream, Duration::from_secs(60));
         let _master = master.join().unwrap();
         let started = Instant::now();
         let action = control.wait_action(started + Duration::from_secs(20), || {
@@ -496,17 +493,7 @@ mod tests {
             s.shutdown(Shutdown::Both).unwrap();
         });
         let stream = Conn::dial(&addr, Duration::from_secs(1), None).unwrap();
-        let config =
-            PeerConfig { heartbeat_timeout: Duration::from_secs(10), key: None, max_in_flight: 1, reconnect: false };
-        let control = Control::start(
-            &addr,
-            stream,
-            None,
-            config,
-            Arc::default(),
-            crate::catchup::Snapshots::new(None, Duration::from_secs(5)),
-        )
-        .unwrap();
+        let control = start(&addr, stream, Duration::from_secs(10));
         control.input(|p, now| p.connect(GroupId(0), "127.0.0.1:1".into(), Duration::from_secs(5), now));
         master.join().unwrap();
         let outcome = loop {

@@ -201,7 +201,12 @@ impl Communicator {
         // The master may have asked us to keep the state this sync ends with for newcomers (it
         // asks just before `SyncComplete`): answered however the call ended here, so that no
         // newcomer waits for us.
-        let snapshot = sync_round.filter(|r| c.control.own_input(|p, _| p.take_snapshot_order(*r)));
+        let order = c.control.own_input(|p, _| p.take_snapshot_order());
+        if let Some(stale) = order.filter(|o| Some(*o) != sync_round) {
+            // Asked at a sync whose call had ended here already (its bound passed): not kept.
+            c.control.own_input(|p, _| p.snapshot_held(stale, false));
+        }
+        let snapshot = order.filter(|o| Some(*o) == sync_round);
         let answer = |held| {
             if let Some(round) = snapshot {
                 c.control.own_input(|p, _| p.snapshot_held(round, held));

@@ -767,13 +767,9 @@ impl Peer {
         self.outbox.push_back(Message::CatchUpEnd { fetched, revision });
     }
 
-    /// Whether the master asked us to keep a copy of the state sync `round` ends with (asked once).
-    pub fn take_snapshot_order(&mut self, round: u64) -> bool {
-        let ordered = self.view.snapshot_order == Some(round);
-        if ordered {
-            self.view.snapshot_order = None;
-        }
-        ordered
+    /// The sync whose state the master asked us to keep a copy of, if it did (taken once).
+    pub fn take_snapshot_order(&mut self) -> Option<u64> {
+        self.view.snapshot_order.take()
     }
 
     /// We keep (or could not keep) the copy of sync `round` the master asked for.
