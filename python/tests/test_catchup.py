@@ -127,6 +127,12 @@ def test_a_catch_up_with_nothing_to_fetch_or_another_state_is_answered_at_once()
             with pytest.raises(shoal.UsageError, match='the run has "w" where peer#1 has "other"'):
                 second.connect(timeout=10, catch_up=other)
         assert other.tensors["other"].tolist() == [0, 0, 0, 0], "nothing written"
+        # No sync comes: the catch-up ends with connect's own bound, not SHOAL_TIMEOUT's.
+        with shoal.Communicator(master.address) as late:
+            started = time.monotonic()
+            with pytest.raises(shoal.ShoalTimeoutError, match="next sync"):
+                late.connect(timeout=1, catch_up=state("w", 0))
+            assert time.monotonic() - started < 10
 
         def member() -> None:
             # The next sync makes the copy the newcomer fetches; it is admitted once caught up.

@@ -18,6 +18,7 @@ use crate::control::Control;
 use crate::error::{Error, Result};
 use crate::links::Listener;
 use crate::sync::{digest, fetch, serve, tensors_meta, FetchReq, Fetcher, Served, StateTensor, Wanted};
+use crate::Deadline;
 use shoal_proto::auth::DataKey;
 use shoal_proto::peer::CatchUpPlan;
 use shoal_transport::Conn;
@@ -168,9 +169,14 @@ impl Communicator {
         tensors.sort_by(|a, b| a.name.cmp(&b.name));
         let layout = digest(tensors, false)?;
         let mut info = None;
-        let mut catch_up = |control: &Control, listener: &Listener, me: PeerId, session: SessionId, key: &DataKey| {
+        let mut catch_up = |control: &Control,
+                            listener: &Listener,
+                            me: PeerId,
+                            session: SessionId,
+                            key: &DataKey,
+                            deadline: Deadline| {
             let newcomer = Newcomer { control, listener, me, session, data_key: key };
-            let result = newcomer.catch_up(self, layout.clone(), tensors, progress);
+            let result = newcomer.catch_up(self, layout.clone(), tensors, progress, deadline);
             let ok = result.is_ok();
             info = Some(result);
             ok
@@ -224,16 +230,20 @@ impl Newcomer<'_> {
         layout: Vec<shoal_wire::StateDigest>,
         tensors: &mut [StateTensor<'_>],
         progress: &mut (dyn FnMut(&CatchUpProgress) + Send),
+        deadline: Deadline,
     ) -> Result<CatchUpInfo> {
-        let bound = comm.config.timeout;
         self.control.own_input(|p, _| p.catch_up_start(layout));
         log::info!("{}: catching up with the group's shared state before admission", self.me);
-        let plan = self.control.wait_for(Instant::now() + bound, |p| p.take_catch_up_plan());
-        let plan = match plan {
+        let until = Instant::now() + deadline.left("connect")?;
+        let plan = match self.control.wait_for(until, |p| p.take_catch_up_plan()) {
             Ok(Some(plan)) => plan,
             Ok(None) => {
                 self.end(None);
-                return Err(Error::Timeout { operation: "connect (waiting for a plan to catch up)", after: bound });
+                let after = deadline.bound();
+                return Err(Error::Timeout {
+                    operation: "connect (waiting for the group's next sync to catch up)",
+                    after,
+                });
             }
             Err(gone) => return Err(gone),
         };

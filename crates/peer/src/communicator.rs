@@ -100,7 +100,7 @@ pub struct Communicator {
 
 /// What [`Communicator::connect_catching_up`] runs once registered, before admission; false
 /// ends the connect (the catch-up failed).
-pub(crate) type CatchUp<'a> = dyn FnMut(&Control, &Listener, PeerId, SessionId, &DataKey) -> bool + 'a;
+pub(crate) type CatchUp<'a> = dyn FnMut(&Control, &Listener, PeerId, SessionId, &DataKey, Deadline) -> bool + 'a;
 
 pub(crate) struct Connected {
     pub control: Arc<Control>,
@@ -221,7 +221,7 @@ impl Communicator {
             log::info!("registered as {id} in group {} advertising {data_addr}", group.0);
             listener.set_identity(id, session, data_key.clone(), &data_addr);
             if let Some(catch_up) = catch_up.as_mut() {
-                if !catch_up(&control, &listener, id, session, &data_key) {
+                if !catch_up(&control, &listener, id, session, &data_key, deadline) {
                     // The caller returns the catch-up's own error; we leave the run.
                     return Some(Err(shoal_proto::peer::CallError::Interrupted("the catch-up failed".into())));
                 }
