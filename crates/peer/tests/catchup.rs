@@ -1,7 +1,10 @@
 //! Catching up over loopback: a newcomer fetches the group's shared state while two accepted
 //! peers go on stepping, then the sync that admits it moves only what changed since.
 
-use shoal_master::{MasterOptions, MasterServer};
+mod common;
+
+use common::master;
+use shoal_master::MasterServer;
 use shoal_peer::{Communicator, CommunicatorConfig, DType, ReduceOp, StateTensor, Strategy};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -10,22 +13,8 @@ use std::time::Duration;
 
 const W_BYTES: usize = 8 << 20;
 
-fn master() -> MasterServer {
-    let options = MasterOptions {
-        listen: "127.0.0.1:0".into(),
-        heartbeat_timeout: Duration::from_secs(5),
-        secret: None,
-        http: None,
-        state_dir: None,
-        tls: None,
-    };
-    MasterServer::start(options).unwrap()
-}
-
 fn config(master: &MasterServer) -> CommunicatorConfig {
-    let mut c = CommunicatorConfig::from_env(&master.local_addr().to_string()).unwrap();
-    c.listen_addr = "127.0.0.1:0".into();
-    c.timeout = Duration::from_secs(30);
+    let mut c = common::config(master);
     // 8 MiB at 16 MB/s: half a second of fetching, many steps of the others.
     c.catchup_rate = Some(16_000_000);
     c

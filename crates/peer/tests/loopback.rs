@@ -1,34 +1,19 @@
 //! End to end over loopback: a real master and real communicators in threads.
 
-use shoal_master::{MasterOptions, MasterServer};
+mod common;
+
+use common::{f32_bytes, master};
+use shoal_master::MasterServer;
 use shoal_peer::{Communicator, CommunicatorConfig, DType, ReduceOp};
 use std::sync::{Arc, Barrier};
 use std::thread;
 use std::time::Duration;
 
-fn master() -> MasterServer {
-    let options = MasterOptions {
-        listen: "127.0.0.1:0".into(),
-        heartbeat_timeout: Duration::from_secs(5),
-        secret: None,
-        http: None,
-        state_dir: None,
-        tls: None,
-    };
-    MasterServer::start(options).unwrap()
-}
-
 fn config(master: &MasterServer, connections: usize) -> CommunicatorConfig {
-    let mut c = CommunicatorConfig::from_env(&master.local_addr().to_string()).unwrap();
-    c.listen_addr = "127.0.0.1:0".into();
+    let mut c = common::config(master);
     c.connections = Some(connections);
     c.chunk_bytes = 4096;
-    c.timeout = Duration::from_secs(20);
     c
-}
-
-fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
 /// Starts one communicator per config in its own thread, 100 ms apart; the peers already in

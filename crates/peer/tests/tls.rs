@@ -2,7 +2,10 @@
 //! data, shared-state fetches) under TLS with certificates `make_certs` made; and the ends that
 //! lack the run's certificates, refused with errors that say why.
 
-use shoal_master::{MasterOptions, MasterServer};
+mod common;
+
+use common::f32_bytes;
+use shoal_master::MasterServer;
 use shoal_peer::{Communicator, CommunicatorConfig, DType, Error, ReduceOp, StateTensor, Strategy};
 use shoal_transport::tls::make_certs;
 use shoal_transport::TlsFiles;
@@ -21,31 +24,17 @@ fn certs(test: &str) -> TlsFiles {
 }
 
 fn master(tls: Option<TlsFiles>) -> MasterServer {
-    let options = MasterOptions {
-        listen: "127.0.0.1:0".into(),
-        heartbeat_timeout: Duration::from_secs(2),
-        secret: None,
-        http: None,
-        state_dir: None,
-        tls,
-    };
-    MasterServer::start(options).unwrap()
+    common::master_with(Duration::from_secs(2), tls)
 }
 
 fn config(master: &MasterServer, tls: Option<TlsFiles>) -> CommunicatorConfig {
-    let mut c = CommunicatorConfig::from_env(&master.local_addr().to_string()).unwrap();
-    c.listen_addr = "127.0.0.1:0".into();
+    let mut c = common::config(master);
     c.connections = Some(2);
     // Every stream over TCP, so that TLS carries the data (same-host peers would share memory).
     c.shared_memory = false;
     c.chunk_bytes = 64 << 10;
-    c.timeout = Duration::from_secs(20);
     c.tls = tls;
     c
-}
-
-fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
 /// Three peers join a run with TLS, all-reduce 4 MiB to the exact sum over TLS streams, and
