@@ -14,6 +14,8 @@ import pytest
 from conftest import clean_env, worker_argv
 
 import shoal
+from shoal.status import fetch as fetch_status
+from shoal.status import render
 
 MIB = 256
 
@@ -52,12 +54,23 @@ def check_hashes(results: list[dict], at_least: int) -> None:
 
 def test_a_newcomer_catches_up_with_256_mib_while_three_peers_train():
     spec = {"mib": MIB, "steps_after": 4, "whole": 4, "pause": 0.02}
-    with shoal.Master("127.0.0.1:0") as master:
+    with shoal.Master("127.0.0.1:0", http_addr="127.0.0.1:0") as master:
         # 40 MB/s per donor: the fetch lasts about 2 s, over several of the others' steps.
         members = start_members(master, 3, spec, rate=40_000_000)
         wait_for_step(members[0], 3)  # past step 2, where w changes for the last time
         newcomer = subprocess.Popen(worker_argv("catchup", {**spec, "master": master.address, "role": "newcomer"}),
                                     stdout=subprocess.PIPE, text=True, env=clean_env())
+        # The master's status shows the catch-up as it goes, and `shoal status` draws its bar.
+        deadline, seen = time.monotonic() + 60, None
+        while seen is None and time.monotonic() < deadline and newcomer.poll() is None:
+            status = fetch_status(master.http_address)
+            seen = next((p for p in status["peers"] if p["state"] == "catching_up" and p.get("catch_up")), None)
+            time.sleep(0.05)
+        assert seen is not None, "the catch-up never showed in /status"
+        assert seen["catch_up"]["total_bytes"] == (MIB << 20) + 8
+        text = render(status)
+        assert f"p{seen['id']} catching up [" in text and "1 catching up" in text, text
+        assert "kept for newcomers by p0, p1, p2" in text, text
         out, _ = newcomer.communicate(timeout=240)
         assert newcomer.returncode == 0, out
         mine = last_json(out)
