@@ -135,11 +135,13 @@ class Communicator:
             assert report is not None
             report(CatchUpProgress(done=done, total=total, elapsed=elapsed, eta=eta))
 
-        revision, fetched, donors, skipped, elapsed = self._native.connect_catching_up(
-            timeout, min_world_size, catch_up._native_entries(), native_progress if report else None
-        )
-        if isinstance(report, ProgressBar):
-            report.close()
+        try:
+            revision, fetched, donors, skipped, elapsed = self._native.connect_catching_up(
+                timeout, min_world_size, catch_up._native_entries(), native_progress if report else None
+            )
+        finally:
+            if isinstance(report, ProgressBar):
+                report.close()
         if revision is not None:
             catch_up.revision = revision
         return CatchUpInfo(revision=revision, fetched_bytes=fetched, donors=donors, skipped=skipped, elapsed=elapsed)

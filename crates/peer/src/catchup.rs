@@ -149,8 +149,8 @@ impl Communicator {
     /// [`Communicator::connect_until`], fetching the group's shared state into `tensors` (sorted
     /// here by name) between registering and being admitted, while the accepted peers go on: see
     /// `docs/state.md`, "Catching up". `progress` hears how far the fetch is, about four times a
-    /// second. The bound covers the catch-up; the master's plan waits for the group's next
-    /// `sync_shared_state`.
+    /// second. The bound covers the catch-up (the fetch stops asking for pieces once it passes,
+    /// and nothing is written); the master's plan waits for the group's next `sync_shared_state`.
     ///
     /// Nothing is fetched, and the sync after the admission repairs this peer as usual, if the
     /// group has no state yet or every donor fails (the result says why); `tensors` are written
@@ -251,31 +251,34 @@ impl Newcomer<'_> {
             self.end(None);
             return Err(Error::Misuse(plan.reason));
         }
-        let wanted: Vec<Wanted> = plan
-            .entries
-            .iter()
-            .enumerate()
-            .filter(|(_, e)| !e.donors.is_empty())
-            .map(|(index, e)| Wanted {
-                index,
-                len: tensors.get(index).map_or(0, |t| t.bytes.len() as u64),
-                donors: e.donors.clone(),
-                hash: e.hash,
-            })
-            .collect();
-        if plan.round == 0 || wanted.is_empty() {
+        let nothing = |why: &str| {
             self.end(None);
-            let why = "the group holds no shared state to fetch from a member yet".to_string();
             log::info!("{}: nothing to catch up with: {why}", self.me);
-            return Ok(CatchUpInfo { skipped: Some(why), ..CatchUpInfo::default() });
+            Ok(CatchUpInfo { skipped: Some(why.to_string()), ..CatchUpInfo::default() })
+        };
+        if plan.round == 0 {
+            return nothing("the group holds no shared state to fetch from a member yet");
         }
         if plan.entries.len() != tensors.len() {
             self.end(None);
             return Err(Error::Protocol(format!("a plan of {} tensors for {}", plan.entries.len(), tensors.len())));
         }
+        let wanted: Vec<Wanted> = (plan.entries.iter().zip(tensors.iter()).enumerate())
+            .filter(|(_, (e, _))| !e.donors.is_empty())
+            .map(|(index, (e, t))| Wanted { index, len: t.bytes.len() as u64, donors: e.donors.clone(), hash: e.hash })
+            .collect();
+        if wanted.is_empty() {
+            return nothing("every tensor of the state may differ: the sync that admits us hands them over");
+        }
         let started = Instant::now();
-        let fetched = self.fetch(comm, &plan, &wanted, tensors, progress);
+        let fetched = self.fetch(comm, &plan, &wanted, tensors, progress, until);
         let elapsed = started.elapsed();
+        if Instant::now() >= until {
+            // Nothing written: the call ends at its bound, as every call does.
+            self.end(None);
+            let after = deadline.bound();
+            return Err(Error::Timeout { operation: "connect (fetching the group's state to catch up)", after });
+        }
         let donors = plan.donors.iter().map(|d| d.peer).collect();
         match fetched {
             Ok(data) => {
@@ -311,6 +314,7 @@ impl Newcomer<'_> {
         wanted: &[Wanted],
         tensors: &[StateTensor<'_>],
         progress: &mut (dyn FnMut(&CatchUpProgress) + Send),
+        until: Instant,
     ) -> std::result::Result<Vec<Vec<u8>>, String> {
         let total: u64 = wanted.iter().map(|w| w.len).sum();
         let addrs: BTreeMap<PeerId, String> = plan.donors.iter().map(|m| (m.peer, m.addr.clone())).collect();
@@ -323,6 +327,7 @@ impl Newcomer<'_> {
             tls: self.listener.tls.as_ref(),
             io_timeout: comm.config.heartbeat_timeout,
             arrived: &arrived,
+            until: Some(until),
         };
         log::info!(
             "{}: fetching {} MiB of revision {} from {} donors",

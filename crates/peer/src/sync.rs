@@ -92,6 +92,8 @@ pub(crate) struct Fetcher<'a> {
     pub io_timeout: Duration,
     /// Bytes arrived so far, for whoever reports progress.
     pub arrived: &'a AtomicU64,
+    /// When to stop asking for pieces (the call's bound), if the caller has one of its own.
+    pub until: Option<Instant>,
 }
 
 /// The fetch work of one sync: pieces per wanted tensor, shared by the donor threads.
@@ -182,6 +184,7 @@ impl Communicator {
                     tls: c.listener.tls.as_ref(),
                     io_timeout,
                     arrived: &arrived,
+                    until: None,
                 };
                 let result = match misfit {
                     Some(reason) => Err(reason),
@@ -441,6 +444,9 @@ fn fetch_from(
         let (i, (offset, len)) = {
             let mut w = work.lock().unwrap_or_else(PoisonError::into_inner);
             loop {
+                if f.until.is_some_and(|u| Instant::now() >= u) {
+                    return Err("the call's bound passed".into());
+                }
                 if let Some(&i) = mine.iter().find(|&&i| !w.queues[i].is_empty()) {
                     break (i, w.queues[i].pop_front().expect("not empty"));
                 }

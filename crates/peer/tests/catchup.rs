@@ -132,3 +132,39 @@ fn a_newcomer_catches_up_while_the_others_step_and_is_admitted_in_sync() {
         assert!(*w == state.w && *step == state.step, "every peer ends with the same state");
     }
 }
+
+/// A fetch slower than `connect`'s bound ends at the bound (a piece later at most), with nothing
+/// written, and the members go on without the newcomer.
+#[test]
+fn a_catch_up_slower_than_connects_bound_times_out_and_writes_nothing() {
+    let m = master();
+    let stop = Arc::new(AtomicU64::new(0));
+    let members: Vec<_> = (0..2)
+        .map(|i| {
+            let (mut cfg, stop) = (config(&m), stop.clone());
+            cfg.catchup_rate = Some(1_000_000); // 8 MiB from two donors: about 4 s
+            thread::spawn(move || {
+                let comm = Communicator::new(cfg).unwrap();
+                comm.connect_until(None, 2).unwrap();
+                let mut state = State::new(7, i);
+                while stop.load(Ordering::Relaxed) == 0 {
+                    assert!(!comm.peers_pending().unwrap());
+                    state.iteration(&comm);
+                    thread::sleep(Duration::from_millis(20));
+                }
+            })
+        })
+        .collect();
+    thread::sleep(Duration::from_millis(500));
+    let comm = Communicator::new(config(&m)).unwrap();
+    let mut state = State::new(0, 99);
+    let started = std::time::Instant::now();
+    let err = comm.connect_catching_up(Some(Duration::from_secs(1)), 1, &mut state.tensors(), &mut |_| {}).unwrap_err();
+    assert!(matches!(err, shoal_peer::Error::Timeout { .. }), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(4), "{:?}", started.elapsed());
+    assert!(state.w.iter().all(|b| *b == 0), "nothing written");
+    stop.store(1, Ordering::Relaxed);
+    for h in members {
+        h.join().unwrap();
+    }
+}
