@@ -458,9 +458,7 @@ fn fetch_from(
         };
         let fetched = (|| -> std::result::Result<(), String> {
             if stream.is_none() {
-                let s = Conn::dial(&addr, f.io_timeout, f.tls).map_err(|e| format!("dialing {addr}: {e}"))?;
-                s.set_read_timeout(Some(f.io_timeout)).map_err(|e| e.to_string())?;
-                stream = Some(s);
+                stream = Some(Conn::dial(&addr, f.io_timeout, f.tls).map_err(|e| format!("dialing {addr}: {e}"))?);
             }
             let s = stream.as_mut().expect("just set");
             let index = wanted[i].index as u32;
@@ -469,7 +467,29 @@ fn fetch_from(
             write_message(s, f.session, &request).map_err(|e| e.to_string())?;
             let mut slot = results[i][(offset / PIECE_BYTES) as usize].lock().unwrap_or_else(PoisonError::into_inner);
             debug_assert_eq!(slot.len() as u64, len);
-            s.read_exact(&mut slot).map_err(|e| e.to_string())?;
+            // Every read waits at most the silence bound, and never past the call's bound: a
+            // piece from a slow donor must not carry the fetch past it.
+            let mut filled = 0;
+            while filled < slot.len() {
+                let wait =
+                    f.until.map_or(f.io_timeout, |u| u.saturating_duration_since(Instant::now()).min(f.io_timeout));
+                if wait.is_zero() {
+                    return Err("the call's bound passed".into());
+                }
+                s.set_read_timeout(Some(wait)).map_err(|e| e.to_string())?;
+                match s.read(&mut slot[filled..]) {
+                    Ok(0) => return Err("the donor closed the connection".into()),
+                    Ok(n) => filled += n,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                        if wait < f.io_timeout {
+                            return Err("the call's bound passed".into());
+                        }
+                        return Err(format!("silent for {:?}", f.io_timeout));
+                    }
+                    Err(e) => return Err(e.to_string()),
+                }
+            }
             Ok(())
         })();
         let mut w = work.lock().unwrap_or_else(PoisonError::into_inner);

@@ -133,7 +133,7 @@ fn a_newcomer_catches_up_while_the_others_step_and_is_admitted_in_sync() {
     }
 }
 
-/// A fetch slower than `connect`'s bound ends at the bound (a piece later at most), with nothing
+/// A fetch slower than `connect`'s bound ends at the bound, even inside a piece, with nothing
 /// written, and the members go on without the newcomer.
 #[test]
 fn a_catch_up_slower_than_connects_bound_times_out_and_writes_nothing() {
@@ -161,7 +161,8 @@ fn a_catch_up_slower_than_connects_bound_times_out_and_writes_nothing() {
     let started = std::time::Instant::now();
     let err = comm.connect_catching_up(Some(Duration::from_secs(1)), 1, &mut state.tensors(), &mut |_| {}).unwrap_err();
     assert!(matches!(err, shoal_peer::Error::Timeout { .. }), "{err}");
-    assert!(started.elapsed() < Duration::from_secs(4), "{:?}", started.elapsed());
+    // One piece alone takes about 4 s from either donor.
+    assert!(started.elapsed() < Duration::from_millis(2500), "{:?}", started.elapsed());
     assert!(state.w.iter().all(|b| *b == 0), "nothing written");
     stop.store(1, Ordering::Relaxed);
     for h in members {
