@@ -70,7 +70,11 @@ impl Segment {
         let capacity = len - HEADER_BYTES;
         let reserved = HEADER_BYTES + 2 * capacity;
         let failed = |p: *mut libc::c_void| p == libc::MAP_FAILED;
-        let (rw, shared) = (libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_FIXED);
+        // Populated at once: otherwise every page the ring's first lap reaches costs a fault (and
+        // the first peer to touch it, the page's zeroing) in the middle of a collective. Small
+        // all-reduces paid that for their first thousand calls: 4 peers, 4 KiB, 0.16 ms per
+        // peer after the lap against 0.20 ms during it.
+        let (rw, shared) = (libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_FIXED | libc::MAP_POPULATE);
         // SAFETY: reserves fresh address space, then maps the descriptor twice into exactly
         // that space (MAP_FIXED over our own reservation); every result is checked, and a
         // failure unmaps the whole reservation.
