@@ -37,7 +37,8 @@ struct ReduceInfo {
     /// The collective's number within its topology: with `topology`, the same on every
     /// participant.
     sequence: u64,
-    /// How it moved its data: "ring", "oneshot", "twoshot", "hierarchical" or "direct".
+    /// How it moved its data: "ring", "oneshot", "twoshot", "hierarchical", "direct" (a
+    /// transfer) or "single_copy" (a transfer read straight out of the sender's memory, on one host).
     algorithm: &'static str,
 }
 

@@ -872,9 +872,11 @@ def p2p(spec: dict) -> dict:
     r = np.full(1000, rank + 1.0)
     works = [comm.all_reduce_async(r, op="sum", tag=7), comm.irecv(into, peer=pred, tag=100),
              comm.isend(big, peer=succ, tag=100)]
-    for w in works:
-        w.wait(timeout=60)
+    infos = [w.wait(timeout=60) for w in works]
     ok = ok and (into == np.arange(3_000_000, dtype=np.float32) + pred).all() and r[0] == n * (n + 1) / 2
+    # On one host the receiver read it straight out of the sender's memory.
+    assert [i.algorithm for i in infos[1:]] == ["single_copy"] * 2, infos
+    assert infos[1].rx_bytes == infos[2].tx_bytes == big.nbytes, infos
     # Mismatches fail both ends; the link carries on.
     errors = {}
     for case, tag, wrong in [("size", 200, np.zeros(12, np.float32)), ("dtype", 201, np.zeros(10, np.int32))]:

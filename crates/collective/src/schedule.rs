@@ -180,6 +180,9 @@ pub enum Algorithm {
     /// Straight from one member to another: a tagged point-to-point send and receive. It runs
     /// no collective.
     Direct,
+    /// A tagged point-to-point transfer the receiver read straight out of the sender's memory
+    /// (both on one host): one copy. It runs no collective, and no frame names it.
+    SingleCopy,
 }
 
 impl Algorithm {
@@ -194,6 +197,7 @@ impl Algorithm {
             Algorithm::TwoShot => 3,
             Algorithm::Direct => 4,
             Algorithm::Hierarchical => 5,
+            Algorithm::SingleCopy => 6,
         }
     }
 
@@ -210,6 +214,7 @@ impl Algorithm {
             Algorithm::TwoShot => "twoshot",
             Algorithm::Direct => "direct",
             Algorithm::Hierarchical => "hierarchical",
+            Algorithm::SingleCopy => "single_copy",
         }
     }
 
@@ -220,7 +225,7 @@ impl Algorithm {
 
     /// Whether it runs collectives of `kind`.
     pub fn runs(self, kind: CollectiveKind) -> bool {
-        if self == Algorithm::Direct {
+        if matches!(self, Algorithm::Direct | Algorithm::SingleCopy) {
             return false;
         }
         match kind {
@@ -249,7 +254,7 @@ impl Algorithm {
     ) -> Schedule {
         assert!(self.runs(kind), "{} does not run {}", self.name(), kind.name());
         match (kind, self) {
-            (_, Algorithm::Direct) => unreachable!("asserted above"),
+            (_, Algorithm::Direct | Algorithm::SingleCopy) => unreachable!("asserted above"),
             (CollectiveKind::AllReduce, Algorithm::Ring) => crate::ring::all_reduce(rank, world, len, chunk_elems),
             (CollectiveKind::AllReduce, Algorithm::OneShot) => {
                 crate::oneshot::all_reduce(rank, world, len, chunk_elems)

@@ -262,7 +262,7 @@ fn end(data: &mut DataPlane, call: CallId, result: Result<()>) {
         elapsed: t.started.elapsed(),
         topology: t.epoch,
         sequence: 0,
-        algorithm: Algorithm::Direct,
+        algorithm: if traffic.single_copy { Algorithm::SingleCopy } else { Algorithm::Direct },
     });
     if let Err(e) = &outcome {
         log::debug!("{} failed: {e}", t.describe());

@@ -46,6 +46,12 @@ pub trait Lane: Read + Write + Send {
     fn arm(&mut self) -> io::Result<bool> {
         Ok(true)
     }
+    /// The process at the other end, where it runs on this host and the kernel vouches for it
+    /// (shared-memory lanes: the doorbell socket's peer credentials): a receiver may then read a
+    /// large transfer straight out of that process's memory ([`crate::shm::read_process`]).
+    fn partner_pid(&self) -> Option<u32> {
+        None
+    }
     /// Takes the `len` bytes [`Lane::peek`] lent.
     ///
     /// # Errors
@@ -160,6 +166,13 @@ impl Lane for Stream {
         }
     }
 
+    fn partner_pid(&self) -> Option<u32> {
+        match self {
+            Stream::Shm(s) => s.partner_pid(),
+            Stream::Tcp(_) | Stream::Tls(_) => None,
+        }
+    }
+
     fn peek(&mut self, len: usize) -> io::Result<Option<&[u8]>> {
         match self {
             Stream::Tcp(s) => Lane::peek(s, len),
@@ -236,6 +249,7 @@ pub mod mem {
         end: usize,
         faults: Faults,
         name: String,
+        partner_pid: Option<u32>,
     }
 
     /// What a test does to a connection from outside.
@@ -245,7 +259,8 @@ pub mod mem {
     /// The two ends of one connection named `name`, and its control.
     pub fn pair(name: &str, faults: Faults) -> (MemLane, MemLane, Control) {
         let link = Arc::new(Mutex::new(Link::default()));
-        let end = |end| MemLane { link: Arc::clone(&link), end, faults, name: format!("{name}[{end}]") };
+        let end =
+            |end| MemLane { link: Arc::clone(&link), end, faults, name: format!("{name}[{end}]"), partner_pid: None };
         (end(0), end(1), Control(Arc::clone(&link)))
     }
 
@@ -267,6 +282,15 @@ pub mod mem {
     }
 
     impl MemLane {
+        /// Says that the other end runs in process `pid` ([`Lane::partner_pid`]): both ends of an
+        /// in-memory pair run in this process, so a test passes its own pid to read a transfer
+        /// straight out of the sender's buffer, as peers on one host do.
+        #[must_use]
+        pub fn with_partner_pid(mut self, pid: u32) -> Self {
+            self.partner_pid = Some(pid);
+            self
+        }
+
         fn link(&self) -> std::sync::MutexGuard<'_, Link> {
             self.link.lock().unwrap_or_else(PoisonError::into_inner)
         }
@@ -363,6 +387,10 @@ pub mod mem {
 
         fn kind(&self) -> &'static str {
             "memory"
+        }
+
+        fn partner_pid(&self) -> Option<u32> {
+            self.partner_pid
         }
     }
 

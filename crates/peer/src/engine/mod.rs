@@ -120,6 +120,8 @@ fn copy_past_cache(dst: &mut [u8], src: &[u8]) {
 pub(crate) struct Traffic {
     pub tx_bytes: u64,
     pub rx_bytes: u64,
+    /// A transfer the receiver read out of the sender's memory.
+    pub single_copy: bool,
 }
 
 /// Why a collective failed here; `rank` is the member at the other end of the link concerned.
@@ -175,6 +177,11 @@ impl RawBuf {
 
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// Where it lies in this process, for a receiver on the same host to read it from there.
+    pub fn addr(&self) -> u64 {
+        self.ptr.as_ptr() as usize as u64
     }
 
     /// A buffer the engine only reads (a send's), under the same promise.
@@ -247,7 +254,7 @@ impl Frame {
             return Err(format!("a frame without its magic ({:#010x})", u32_at(0)));
         }
         let kind = b[4];
-        if !(KIND_CHUNK..=p2p::KIND_WITHDRAW).contains(&kind) {
+        if !(KIND_CHUNK..=p2p::KIND_CONFIRMED).contains(&kind) {
             return Err(format!("a frame of unknown kind {kind}"));
         }
         let op = OpHeader {
@@ -882,6 +889,9 @@ impl<L: Lane> Exec<L> {
         let stats = self.stats.entry(to).or_default();
         stats.lanes_out += lanes.len();
         stats.carried_by(&lanes);
+        for lane in &lanes {
+            self.p2p.note_partner(to, lane.partner_pid());
+        }
         let new =
             lanes.into_iter().map(|lane| SendLane { lane, to, frame: [0; FRAME_BYTES], written: 0, sending: None });
         self.send.extend(new);
@@ -900,6 +910,9 @@ impl<L: Lane> Exec<L> {
         let stats = self.stats.entry(from).or_default();
         stats.lanes_in += lanes.len();
         stats.carried_by(&lanes);
+        for lane in &lanes {
+            self.p2p.note_partner(from, lane.partner_pid());
+        }
         let new = lanes.into_iter().map(|lane| RecvLane {
             lane,
             from,
@@ -1175,6 +1188,14 @@ impl<L: Lane> Exec<L> {
         }
         for op in self.ops.values_mut() {
             op.check();
+        }
+        if self.p2p.pull() {
+            progress = true;
+        }
+        for (member, tx, rx) in self.p2p.pulled() {
+            let stats = self.stats.entry(member).or_default();
+            stats.tx_bytes += tx;
+            stats.rx_bytes += rx;
         }
         if progress {
             Pumped::Progress
@@ -2521,12 +2542,97 @@ mod tests {
         assert!(ended[&(0, 3)].is_err() && ended[&(1, 2)].is_err(), "{ended:?}");
     }
 
+    /// Two engines whose lanes say the other end runs in process `pid`, as shared-memory lanes
+    /// between processes on one host do.
+    fn on_one_host(pid: u32, faults: Faults) -> (Vec<Exec<MemLane>>, Control) {
+        let mut execs = engines(2);
+        let mut to_1 = None;
+        for (from, to) in [(0, 1), (1, 0)] {
+            let (tx, rx, control) = mem::pair(&format!("{from}->{to}"), faults);
+            execs[from].add_send(to, vec![tx.with_partner_pid(pid)]);
+            execs[to].add_recv(from, vec![rx.with_partner_pid(pid)]);
+            to_1.get_or_insert(control);
+        }
+        (execs, to_1.expect("linked"))
+    }
+
+    /// Pumps both engines until transfers `ids` (rank, id) ended; takes them out with what they
+    /// moved.
+    fn transfers_end(execs: &mut [Exec<MemLane>], ids: &[(usize, u64)]) -> BTreeMap<(usize, u64), (bool, Traffic)> {
+        let mut ended = BTreeMap::new();
+        for _ in 0..10_000 {
+            for (rank, exec) in execs.iter_mut().enumerate() {
+                exec.pump();
+                for (id, result) in exec.transfer_events() {
+                    ended.insert((rank, id), (result.is_ok(), exec.take_transfer(id).expect("in flight")));
+                }
+            }
+            if ids.iter().all(|k| ended.contains_key(k)) {
+                return ended;
+            }
+        }
+        panic!("transfers stuck: {ended:?}");
+    }
+
+    #[test]
+    fn a_large_transfer_on_one_host_is_read_straight_out_of_the_senders_memory() {
+        let faults = Faults { capacity: 4096, max_io: 1024, reset_after: None };
+        let (mut execs, to_1) = on_one_host(std::process::id(), faults);
+        let words = p2p::PULL_MIN_BYTES / 8 * 5 + 3;
+        let (mut big, mut small) = (input(0, 1, words), input(0, 2, 100));
+        let (mut got_big, mut got_small) = (vec![0u64; words], vec![0u64; 100]);
+        execs[0].post_transfer(1, transfer(Direction::Send, 1, 5, &mut big));
+        execs[0].post_transfer(2, transfer(Direction::Send, 1, 6, &mut small));
+        execs[1].post_transfer(3, transfer(Direction::Recv, 0, 6, &mut got_small));
+        execs[1].post_transfer(4, transfer(Direction::Recv, 0, 5, &mut got_big));
+        let ended = transfers_end(&mut execs, &[(0, 1), (0, 2), (1, 3), (1, 4)]);
+        assert!(ended.values().all(|(ok, _)| *ok), "{ended:?}");
+        assert_eq!((got_big, got_small), (big.clone(), small));
+        let bytes = (words * 8) as u64;
+        for (end, tx, rx) in [((0, 1), bytes, 0), ((1, 4), 0, bytes)] {
+            let t = ended[&end].1;
+            assert!(t.single_copy && (t.tx_bytes, t.rx_bytes) == (tx, rx), "{end:?}: {t:?}");
+        }
+        assert!(!ended[&(0, 2)].1.single_copy, "a small one goes in parts");
+        assert!(to_1.carried() < 4096, "the large one's bytes never crossed the lanes: {}", to_1.carried());
+
+        // A sender that gives up once the receiver has read its buffer: the receiver drops
+        // what it read and takes the next send with that tag.
+        let mut into = vec![0u64; words];
+        execs[0].post_transfer(5, transfer(Direction::Send, 1, 7, &mut big));
+        execs[0].pump();
+        execs[1].post_transfer(6, transfer(Direction::Recv, 0, 7, &mut into));
+        execs[1].pump();
+        assert_eq!(into, big, "read whole in one pump");
+        assert!(execs[0].take_transfer(5).is_some(), "the sender gives up");
+        let mut second = input(0, 9, words);
+        execs[0].post_transfer(7, transfer(Direction::Send, 1, 7, &mut second));
+        let ended = transfers_end(&mut execs, &[(0, 7), (1, 6)]);
+        assert!(ended.values().all(|(ok, t)| *ok && t.single_copy), "{ended:?}");
+        assert_eq!(into, second);
+    }
+
+    #[test]
+    fn a_pull_that_finds_no_such_process_falls_back_to_parts() {
+        let mut gone = std::process::Command::new("true").spawn().unwrap();
+        gone.wait().unwrap();
+        let (mut execs, to_1) = on_one_host(gone.id(), Faults::default());
+        let words = p2p::PULL_MIN_BYTES / 8 * 2;
+        let (mut a, mut b) = (input(0, 3, words), vec![0u64; words]);
+        execs[0].post_transfer(1, transfer(Direction::Send, 1, 5, &mut a));
+        execs[1].post_transfer(2, transfer(Direction::Recv, 0, 5, &mut b));
+        let ended = transfers_end(&mut execs, &[(0, 1), (1, 2)]);
+        assert!(ended.values().all(|(ok, t)| *ok && !t.single_copy), "{ended:?}");
+        assert_eq!(b, a);
+        assert!(to_1.carried() > (words * 8) as u64, "its bytes crossed the lanes");
+    }
+
     #[test]
     fn frames_round_trip() {
         let f = Frame { kind: KIND_CHUNK, len: 4096, unit: 7, op: header_of(3, 100, 9, Algorithm::OneShot) };
         assert_eq!(Frame::decode(&f.encode()), Ok(f));
         let mut bad = f.encode();
-        bad[4] = 9;
+        bad[4] = p2p::KIND_CONFIRMED + 1;
         assert!(Frame::decode(&bad).unwrap_err().contains("kind"));
     }
 

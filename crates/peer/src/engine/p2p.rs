@@ -18,6 +18,22 @@
 //!                                                   waits for another send
 //! ```
 //!
+//! Between processes on one host (shared-memory lanes, whose kernel-checked peer credentials
+//! name the other process), an offer of [`PULL_MIN_BYTES`] or more also carries the address of
+//! the sender's buffer, and the receiver copies it straight from there into its own with
+//! `process_vm_readv(2)`: one copy instead of two through a ring, and no lane busy with it.
+//!
+//! ```text
+//!  send(tag 7) ── Offer #n (…, address) ──────▶  reads the buffer out of the sender's process
+//!              ◀──────── Pulled #n ───────────   every byte read
+//!  done        ── Confirmed #n ──────────────▶   done: the sender held its buffer throughout
+//! ```
+//!
+//! The receiver ends only on `Confirmed`: a sender whose call gave up before `Pulled` arrived
+//! sent `Withdraw` instead, and the receive waits for another send, whatever it read. A read the
+//! kernel refuses (another user, Yama's `ptrace_scope`) or that finds no such memory falls back
+//! to `Accept` and parts; after a refusal, that member's offers are answered with `Accept`.
+//!
 //! `#n` numbers the sender's transfers to that member, so parts of two transfers with one tag
 //! never mix, whatever lane each part takes. No data moves before its receive is posted: calls in
 //! any order need no buffer beyond a few bytes per waiting offer ([`MAX_WAITING_OFFERS`]), and a
@@ -35,6 +51,15 @@ pub(super) const KIND_ACCEPT: u8 = 4;
 pub(super) const KIND_REFUSE: u8 = 5;
 pub(super) const KIND_PART: u8 = 6;
 pub(super) const KIND_WITHDRAW: u8 = 7;
+pub(super) const KIND_PULLED: u8 = 8;
+pub(super) const KIND_CONFIRMED: u8 = 9;
+
+/// Smallest transfer a receiver on the same host reads straight out of the sender's memory;
+/// below it the two copies through a ring cost less than the system call.
+pub(crate) const PULL_MIN_BYTES: usize = 64 << 10;
+/// Most bytes of one transfer a pump reads out of the sender's memory: other operations move
+/// in between.
+const PULL_PIECE_BYTES: usize = 2 << 20;
 
 /// Most offers kept waiting for their receive, from all members together: past it, the member
 /// whose offer overflows is malformed (an application with that many sends unanswered has lost
@@ -77,6 +102,10 @@ enum Stage {
     Waiting,
     /// Parts move.
     Moving,
+    /// A receive reading the sender's buffer at `addr` out of process `pid`.
+    Pulling { pid: u32, addr: u64 },
+    /// A receive that read all of it, waiting for the sender's `Confirmed`.
+    Confirming,
 }
 
 struct Transfer {
@@ -92,6 +121,10 @@ struct Transfer {
     done_parts: usize,
     /// Which parts arrived (a receive).
     got: Vec<bool>,
+    /// Bytes read out of the sender's memory (a receive that pulls).
+    pulled: usize,
+    /// Whether its offer carried the buffer's address (a send).
+    offered_pull: bool,
     traffic: Traffic,
     finished: bool,
 }
@@ -111,8 +144,13 @@ pub(super) struct Transfers {
     ops: BTreeMap<u64, Transfer>,
     /// Per member: the number of our next send to it.
     next_number: Vec<u64>,
-    /// Offers no receive matched yet: (member, its offer).
-    offers: Vec<(usize, OpHeader)>,
+    /// Offers no receive matched yet: (member, its offer, the address it offers to pull, or 0).
+    offers: Vec<(usize, OpHeader, u64)>,
+    /// Per member: its process where our lanes to it say it runs on this host and may be read
+    /// from (`Some(None)` where a lane says otherwise, or the kernel refused a read).
+    partners: Vec<Option<Option<u32>>>,
+    /// Bytes pulls moved since [`Transfers::pulled`]: (member, sent to it, received from it).
+    pulled: Vec<(usize, u64, u64)>,
     /// Answers and withdrawals to send, by member; they outlive the transfer they concern.
     control: VecDeque<(usize, Frame)>,
     events: Vec<(u64, Result<(), LinkError>)>,
@@ -127,10 +165,28 @@ impl Transfers {
             ops: BTreeMap::new(),
             next_number: vec![0; world],
             offers: Vec::new(),
+            partners: vec![None; world],
+            pulled: Vec::new(),
             control: VecDeque::new(),
             events: Vec::new(),
             turn: 0,
         }
+    }
+
+    /// A lane to or from `member` leads to process `pid` (or cannot tell): pulls need every lane
+    /// to name the same one.
+    pub fn note_partner(&mut self, member: usize, pid: Option<u32>) {
+        let known = &mut self.partners[member];
+        *known = match *known {
+            None => Some(pid),
+            Some(Some(p)) if pid == Some(p) => Some(Some(p)),
+            Some(_) => Some(None),
+        };
+    }
+
+    /// The process of `member`, where a transfer may be pulled from it.
+    fn partner(&self, member: usize) -> Option<u32> {
+        self.partners[member].flatten()
     }
 
     /// Transfers posted and not taken.
@@ -173,6 +229,8 @@ impl Transfers {
             next_part: 0,
             done_parts: 0,
             got,
+            pulled: 0,
+            offered_pull: false,
             traffic: Traffic::default(),
             finished: false,
         };
@@ -184,14 +242,16 @@ impl Transfers {
 
     /// Receive `id` (from `peer` with `tag`) takes the earliest waiting offer that fits it.
     fn match_waiting(&mut self, id: u64, peer: usize, tag: u64) {
-        if let Some(k) = self.offers.iter().position(|(from, o)| *from == peer && o.tag == tag) {
-            let (from, offer) = self.offers.remove(k);
-            self.answer(id, from, offer);
+        if let Some(k) = self.offers.iter().position(|(from, o, _)| *from == peer && o.tag == tag) {
+            let (from, offer, addr) = self.offers.remove(k);
+            self.answer(id, from, offer, addr);
         }
     }
 
-    /// Receive `id` answers `offer` from member `from`.
-    fn answer(&mut self, id: u64, from: usize, offer: OpHeader) {
+    /// Receive `id` answers `offer` from member `from`: pulls from `addr` in the sender's
+    /// process where it offers that and we may, else asks for parts.
+    fn answer(&mut self, id: u64, from: usize, offer: OpHeader, addr: u64) {
+        let pid = self.partner(from).filter(|_| addr != 0);
         let t = self.ops.get_mut(&id).expect("posted");
         let ours = header(self.epoch, &t.spec, offer.seq);
         if offer.dtype != ours.dtype || offer.count != ours.count {
@@ -199,10 +259,64 @@ impl Transfers {
             self.end(id, Err(LinkError::Mismatch { rank: from, theirs: offer }));
             return;
         }
-        self.control.push_back((from, control_frame(KIND_ACCEPT, ours)));
         t.number = Some(offer.seq);
+        if let Some(pid) = pid {
+            (t.stage, t.pulled) = (Stage::Pulling { pid, addr }, 0);
+            return;
+        }
+        self.control.push_back((from, control_frame(KIND_ACCEPT, ours)));
         t.stage = Stage::Moving;
         self.check(id);
+    }
+
+    /// Reads a piece of every receive that pulls from its sender's memory; whether any moved.
+    pub fn pull(&mut self) -> bool {
+        let pulling: Vec<u64> = self
+            .ops
+            .iter()
+            .filter(|(_, t)| !t.finished && matches!(t.stage, Stage::Pulling { .. }))
+            .map(|(id, _)| *id)
+            .collect();
+        for &id in &pulling {
+            let epoch = self.epoch;
+            let t = self.ops.get_mut(&id).expect("listed");
+            let Stage::Pulling { pid, addr } = t.stage else { unreachable!("listed") };
+            let (from, n) = (t.spec.peer, t.number.expect("answered"));
+            // SAFETY: a posted receive's buffer is lent to the engine until it is taken.
+            let whole = unsafe { t.spec.buf.slice() };
+            let piece = t.pulled..whole.len().min(t.pulled + PULL_PIECE_BYTES);
+            let read = shoal_transport::shm::read_process(pid, addr + piece.start as u64, &mut whole[piece.clone()]);
+            match read {
+                Ok(got) if got > 0 => {
+                    t.pulled += got;
+                    t.traffic.rx_bytes += got as u64;
+                    self.pulled.push((from, 0, got as u64));
+                    if t.pulled == whole.len() {
+                        t.stage = Stage::Confirming;
+                        t.traffic.single_copy = true;
+                        self.control.push_back((from, control_frame(KIND_PULLED, header(epoch, &t.spec, n))));
+                    }
+                }
+                outcome => {
+                    // The kernel refused, or the memory is not as offered (the sender withdrew,
+                    // or died): the parts come over the lanes instead, and a sender that
+                    // withdrew or died fails or re-matches this receive as for any other.
+                    log::debug!("transfer {id} #{n}: reading process {pid} gave {outcome:?}; asking for parts");
+                    if outcome.is_err_and(|e| e.kind() == std::io::ErrorKind::PermissionDenied) {
+                        self.partners[from] = Some(None);
+                    }
+                    (t.stage, t.pulled, t.traffic) = (Stage::Moving, 0, Traffic::default());
+                    self.control.push_back((from, control_frame(KIND_ACCEPT, header(epoch, &t.spec, n))));
+                    self.check(id);
+                }
+            }
+        }
+        !pulling.is_empty()
+    }
+
+    /// What pulls moved since the last call: (member, bytes sent to it, bytes received from it).
+    pub fn pulled(&mut self) -> Vec<(usize, u64, u64)> {
+        std::mem::take(&mut self.pulled)
     }
 
     /// Transfer `id` ended with `result` (once).
@@ -250,12 +364,46 @@ impl Transfers {
                         && t.spec.tag == frame.op.tag
                         && t.stage == Stage::Waiting
                 });
+                // The address to pull from, if any, rides in the frame's unit and root.
+                let addr = u64::from(frame.unit) | u64::from(frame.op.root) << 32;
+                let offer = OpHeader { root: 0, ..frame.op };
                 match waiting.map(|(id, _)| *id) {
-                    Some(id) => self.answer(id, from, frame.op),
+                    Some(id) => self.answer(id, from, offer, addr),
                     None if self.offers.len() >= MAX_WAITING_OFFERS => {
                         return Err(malformed(format!("more than {MAX_WAITING_OFFERS} sends waiting for receives")));
                     }
-                    None => self.offers.push((from, frame.op)),
+                    None => self.offers.push((from, offer, addr)),
+                }
+                Ok(None)
+            }
+            KIND_PULLED => {
+                let Some(id) = offered(&self.ops) else { return stale(self.next_number[from]) };
+                let t = self.ops.get_mut(&id).expect("found");
+                if !t.offered_pull {
+                    return Err(malformed(format!("a pull of send {n}, which offered none")));
+                }
+                let len = t.spec.buf.len() as u64;
+                t.traffic.tx_bytes += len;
+                t.traffic.single_copy = true;
+                self.pulled.push((from, len, 0));
+                let h = header(self.epoch, &t.spec, n);
+                self.control.push_back((from, control_frame(KIND_CONFIRMED, h)));
+                self.end(id, Ok(()));
+                Ok(None)
+            }
+            KIND_CONFIRMED => {
+                let confirmed = self.ops.iter().find(|(_, t)| {
+                    t.spec.direction == Direction::Recv
+                        && t.spec.peer == from
+                        && t.number == Some(n)
+                        && t.stage == Stage::Confirming
+                        && !t.finished
+                });
+                match confirmed.map(|(id, _)| *id) {
+                    Some(id) => self.end(id, Ok(())),
+                    None => {
+                        return Err(malformed(format!("a confirmation of transfer {n}, which pulled nothing here")))
+                    }
                 }
                 Ok(None)
             }
@@ -271,14 +419,14 @@ impl Transfers {
                 Ok(None)
             }
             KIND_WITHDRAW => {
-                self.offers.retain(|(f, o)| !(*f == from && o.seq == n));
+                self.offers.retain(|(f, o, _)| !(*f == from && o.seq == n));
                 // A receive that took the offer got nothing yet (no part leaves before our answer
                 // arrives, and the sender withdraws only before): it waits for another send.
                 let matched = self.ops.iter_mut().find(|(_, t)| {
                     t.spec.direction == Direction::Recv && t.spec.peer == from && t.number == Some(n) && !t.finished
                 });
                 if let Some((&id, t)) = matched {
-                    (t.number, t.stage) = (None, Stage::Waiting);
+                    (t.number, t.stage, t.pulled, t.traffic) = (None, Stage::Waiting, 0, Traffic::default());
                     let tag = t.spec.tag;
                     self.match_waiting(id, from, tag);
                 }
@@ -351,7 +499,13 @@ impl Transfers {
         log::trace!("transfer {id} #{} to rank {to}: {:?}, part {}", h.seq, t.stage, t.next_part);
         if t.stage == Stage::Offering {
             t.stage = Stage::Offered;
-            return Some((control_frame(KIND_OFFER, h), None));
+            let mut offer = control_frame(KIND_OFFER, h);
+            if t.spec.buf.len() >= PULL_MIN_BYTES && self.partners[to].flatten().is_some() {
+                let addr = t.spec.buf.addr();
+                (offer.unit, offer.op.root) = (addr as u32, (addr >> 32) as u32);
+                t.offered_pull = true;
+            }
+            return Some((offer, None));
         }
         let part = t.next_part;
         t.next_part += 1;
@@ -363,7 +517,7 @@ impl Transfers {
     /// Every transfer still moving with member `peer` fails with `e`: its streams closed.
     pub fn fail_peer(&mut self, peer: usize, e: &LinkError) {
         self.fail_where(e, |t| t.spec.peer == peer);
-        self.offers.retain(|(from, _)| *from != peer);
+        self.offers.retain(|(from, _, _)| *from != peer);
     }
 
     /// Transfer `id` fails with `e`, unless it ended.
@@ -395,7 +549,9 @@ impl Transfers {
     /// (it stopped with parts on them). A send the receiver had not answered is withdrawn.
     pub fn take(&mut self, id: u64) -> Option<(Traffic, bool)> {
         let t = self.ops.remove(&id)?;
-        let torn = !t.finished && t.stage == Stage::Moving;
+        // A receive that took an offer leaves its sender waiting for an answer it never gets:
+        // as with parts on the lanes, the links go.
+        let torn = !t.finished && matches!(t.stage, Stage::Moving | Stage::Pulling { .. } | Stage::Confirming);
         if !t.finished && t.stage == Stage::Offered {
             let h = header(self.epoch, &t.spec, t.number.expect("a send is numbered"));
             self.control.push_back((t.spec.peer, control_frame(KIND_WITHDRAW, h)));
