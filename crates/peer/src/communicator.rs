@@ -34,6 +34,9 @@ const POLL_SLICE: Duration = Duration::from_millis(50);
 /// small collectives (4 KiB, 2 peers: 71 µs median without, 55 µs with); yielding keeps a
 /// spinning peer from starving a neighbour on the same core.
 const SPIN: Duration = Duration::from_micros(50);
+/// How long the progress thread, woken for work an async call started, leaves the lock to that
+/// caller before it drives.
+const HANDOFF_GRACE: Duration = Duration::from_micros(100);
 
 /// What a completed collective reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -433,7 +436,19 @@ impl Communicator {
         self.driver.drive(&c.control, &c.listener, &mut data, Some(call), None, operation, |_, a| {
             unreachable!("{operation} asked for {a:?}")
         });
-        data.calls.finished.remove(&call).expect("driven until it ended").0
+        let result = data.calls.finished.remove(&call).expect("driven until it ended").0;
+        self.hand_back(data);
+        result
+    }
+
+    /// Lets go of the data plane after a call drove it, waking the progress thread if other
+    /// operations are still in flight: it leaves the lock alone while a caller holds it.
+    fn hand_back(&self, data: std::sync::MutexGuard<'_, DataPlane>) {
+        let busy = data.calls.busy();
+        drop(data);
+        if let Some(thread) = self.driver.progress.thread.get().filter(|_| busy) {
+            thread.unpark();
+        }
     }
 
     /// Posts collective or transfer `call` if it may run, and leaves it to the progress thread.
@@ -586,7 +601,9 @@ impl Communicator {
             self.driver.drive(&c.control, &c.listener, &mut data, Some(work.call), until, "wait", |_, a| {
                 unreachable!("a collective asked for {a:?}")
             });
-            match data.calls.finished.remove(&work.call) {
+            let finished = data.calls.finished.remove(&work.call);
+            self.hand_back(data);
+            match finished {
                 Some((result, buf, _)) => {
                     work.result = Some(result.as_ref().map(|i| *i).map_err(ToString::to_string));
                     work.buf = buf.map(|b| b.downcast::<B>().expect("the work's own buffer"));
@@ -1437,23 +1454,35 @@ impl Driver {
     fn progress_loop(&self, data: &Mutex<DataPlane>, c: &Connected) {
         let progress = &self.progress;
         while !progress.stop.load(Ordering::SeqCst) {
-            let busy = progress.waiters.load(Ordering::SeqCst) == 0 && {
-                let mut data = data.lock().unwrap_or_else(PoisonError::into_inner);
-                let in_flight = data.calls.busy();
-                if in_flight {
-                    let until = Some(Instant::now() + POLL_SLICE);
-                    self.drive(&c.control, &c.listener, &mut data, None, until, "all_reduce", |_, a| {
-                        unreachable!("a collective asked for {a:?}")
-                    });
-                }
-                in_flight
+            // Never wait for the lock: a caller holding it drives, and wakes us when it lets go
+            // with work left (or we look again 10 ms later).
+            let held = match data.try_lock() {
+                Ok(data) => Some(data),
+                Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+                Err(std::sync::TryLockError::WouldBlock) => None,
             };
-            if !busy {
-                std::thread::park_timeout(if progress.waiters.load(Ordering::SeqCst) > 0 {
-                    Duration::from_millis(1)
-                } else {
-                    POLL_SLICE
-                });
+            let idle = match held {
+                Some(mut data) if progress.waiters.load(Ordering::SeqCst) == 0 => {
+                    let in_flight = data.calls.busy();
+                    if in_flight {
+                        let until = Some(Instant::now() + POLL_SLICE);
+                        self.drive(&c.control, &c.listener, &mut data, None, until, "all_reduce", |_, a| {
+                            unreachable!("a collective asked for {a:?}")
+                        });
+                    }
+                    (!in_flight).then_some(POLL_SLICE)
+                }
+                other => {
+                    drop(other);
+                    Some(Duration::from_millis(10))
+                }
+            };
+            if let Some(idle) = idle {
+                std::thread::park_timeout(idle);
+                // Woken for work a call just started or left behind: that caller drove it, and
+                // most often comes straight back to wait for it (or to post the next), driving it
+                // itself. Taking the lock first would make it wait for us to let go.
+                std::thread::sleep(HANDOFF_GRACE);
             }
         }
     }
