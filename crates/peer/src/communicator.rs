@@ -429,33 +429,21 @@ impl Communicator {
     pub(crate) fn finish_call(
         &self,
         c: &Connected,
-        mut data: std::sync::MutexGuard<'_, DataPlane>,
+        mut data: DataGuard<'_>,
         call: CallId,
         operation: &'static str,
     ) -> Result<Info> {
         self.driver.drive(&c.control, &c.listener, &mut data, Some(call), None, operation, |_, a| {
             unreachable!("{operation} asked for {a:?}")
         });
-        let result = data.calls.finished.remove(&call).expect("driven until it ended").0;
-        self.hand_back(data);
-        result
-    }
-
-    /// Lets go of the data plane after a call drove it, waking the progress thread if other
-    /// operations are still in flight: it leaves the lock alone while a caller holds it.
-    fn hand_back(&self, data: std::sync::MutexGuard<'_, DataPlane>) {
-        let busy = data.calls.busy();
-        drop(data);
-        if let Some(thread) = self.driver.progress.thread.get().filter(|_| busy) {
-            thread.unpark();
-        }
+        data.calls.finished.remove(&call).expect("driven until it ended").0
     }
 
     /// Posts collective or transfer `call` if it may run, and leaves it to the progress thread.
     pub(crate) fn leave_running<B>(
         &self,
         c: &Arc<Connected>,
-        mut data: std::sync::MutexGuard<'_, DataPlane>,
+        mut data: DataGuard<'_>,
         call: CallId,
         operation: &'static str,
     ) -> Work<B> {
@@ -602,7 +590,7 @@ impl Communicator {
                 unreachable!("a collective asked for {a:?}")
             });
             let finished = data.calls.finished.remove(&work.call);
-            self.hand_back(data);
+            drop(data);
             match finished {
                 Some((result, buf, _)) => {
                     work.result = Some(result.as_ref().map(|i| *i).map_err(ToString::to_string));
@@ -773,21 +761,24 @@ impl Communicator {
     }
 
     /// Locks the data plane, asking the progress thread to let go of it first.
-    pub(crate) fn lock_data(&self) -> std::sync::MutexGuard<'_, DataPlane> {
+    pub(crate) fn lock_data(&self) -> DataGuard<'_> {
+        let progress = &self.driver.progress;
         // Uncontended (no progress thread driving): no wake-up, which would cost a lone
         // collective system calls.
-        match self.data.try_lock() {
-            Ok(data) => return data,
-            Err(std::sync::TryLockError::Poisoned(e)) => return e.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => {}
-        }
-        self.driver.progress.waiters.fetch_add(1, Ordering::SeqCst);
-        if let Some(control) = self.driver.progress.control.lock().unwrap_or_else(PoisonError::into_inner).as_ref() {
-            control.interrupt();
-        }
-        let data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
-        self.driver.progress.waiters.fetch_sub(1, Ordering::SeqCst);
-        data
+        let data = match self.data.try_lock() {
+            Ok(data) => data,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => {
+                progress.waiters.fetch_add(1, Ordering::SeqCst);
+                if let Some(control) = progress.control.lock().unwrap_or_else(PoisonError::into_inner).as_ref() {
+                    control.interrupt();
+                }
+                let data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
+                progress.waiters.fetch_sub(1, Ordering::SeqCst);
+                data
+            }
+        };
+        DataGuard { data, progress }
     }
 
     /// The thread that drives collectives in flight while no caller waits, started once.
@@ -1287,6 +1278,35 @@ pub(crate) struct Progress {
     control: Mutex<Option<Arc<Control>>>,
 }
 
+/// The data plane, held by a caller. Letting go of it with operations still in flight wakes the
+/// progress thread, which never waits for the lock: the caller drove them while it held it.
+pub(crate) struct DataGuard<'a> {
+    data: std::sync::MutexGuard<'a, DataPlane>,
+    progress: &'a Progress,
+}
+
+impl std::ops::Deref for DataGuard<'_> {
+    type Target = DataPlane;
+
+    fn deref(&self) -> &DataPlane {
+        &self.data
+    }
+}
+
+impl std::ops::DerefMut for DataGuard<'_> {
+    fn deref_mut(&mut self) -> &mut DataPlane {
+        &mut self.data
+    }
+}
+
+impl Drop for DataGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(thread) = self.progress.thread.get().filter(|_| self.data.calls.busy()) {
+            thread.unpark();
+        }
+    }
+}
+
 /// Drives the state machine's actions and the engine, on whichever thread holds the data plane.
 struct Driver {
     config: CommunicatorConfig,
@@ -1455,7 +1475,7 @@ impl Driver {
         let progress = &self.progress;
         while !progress.stop.load(Ordering::SeqCst) {
             // Never wait for the lock: a caller holding it drives, and wakes us when it lets go
-            // with work left (or we look again 10 ms later).
+            // with work left ([`DataGuard`]; else we look again 10 ms later).
             let held = match data.try_lock() {
                 Ok(data) => Some(data),
                 Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
