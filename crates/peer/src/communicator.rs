@@ -450,8 +450,9 @@ impl Communicator {
         self.driver.drive(&c.control, &c.listener, &mut data, None, Some(Instant::now()), operation, |_, a| {
             unreachable!("{operation} asked for {a:?}")
         });
+        // Started once; letting go of the guard wakes it if the call is still in flight.
+        self.progress_thread(c);
         drop(data);
-        self.progress_thread(c).unpark();
         Work { call, buf: None, result: None }
     }
 

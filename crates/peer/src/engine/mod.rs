@@ -1189,9 +1189,7 @@ impl<L: Lane> Exec<L> {
         for op in self.ops.values_mut() {
             op.check();
         }
-        if self.p2p.pull() {
-            progress = true;
-        }
+        progress |= self.p2p.pull();
         for (member, tx, rx) in self.p2p.pulled() {
             let stats = self.stats.entry(member).or_default();
             stats.tx_bytes += tx;

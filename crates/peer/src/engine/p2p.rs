@@ -277,8 +277,8 @@ impl Transfers {
             .filter(|(_, t)| !t.finished && matches!(t.stage, Stage::Pulling { .. }))
             .map(|(id, _)| *id)
             .collect();
+        let epoch = self.epoch;
         for &id in &pulling {
-            let epoch = self.epoch;
             let t = self.ops.get_mut(&id).expect("listed");
             let Stage::Pulling { pid, addr } = t.stage else { unreachable!("listed") };
             let (from, n) = (t.spec.peer, t.number.expect("answered"));
@@ -354,6 +354,18 @@ impl Transfers {
                 })
                 .map(|(id, _)| *id)
         };
+        // Our receive from `from` numbered `n`, not ended, in `stage` if one is given.
+        let receiving = |ops: &BTreeMap<u64, Transfer>, stage: Option<Stage>| {
+            ops.iter()
+                .find(|(_, t)| {
+                    t.spec.direction == Direction::Recv
+                        && t.spec.peer == from
+                        && t.number == Some(n)
+                        && !t.finished
+                        && stage.is_none_or(|s| t.stage == s)
+                })
+                .map(|(id, _)| *id)
+        };
         // An answer to a send we gave up (withdrew) or one we never made.
         let stale = |next: u64| if n < next { Ok(None) } else { Err(malformed(format!("an answer to send {n}"))) };
         match frame.kind {
@@ -392,19 +404,10 @@ impl Transfers {
                 Ok(None)
             }
             KIND_CONFIRMED => {
-                let confirmed = self.ops.iter().find(|(_, t)| {
-                    t.spec.direction == Direction::Recv
-                        && t.spec.peer == from
-                        && t.number == Some(n)
-                        && t.stage == Stage::Confirming
-                        && !t.finished
-                });
-                match confirmed.map(|(id, _)| *id) {
-                    Some(id) => self.end(id, Ok(())),
-                    None => {
-                        return Err(malformed(format!("a confirmation of transfer {n}, which pulled nothing here")))
-                    }
-                }
+                let Some(id) = receiving(&self.ops, Some(Stage::Confirming)) else {
+                    return Err(malformed(format!("a confirmation of transfer {n}, which pulled nothing here")));
+                };
+                self.end(id, Ok(()));
                 Ok(None)
             }
             KIND_ACCEPT => {
@@ -422,10 +425,8 @@ impl Transfers {
                 self.offers.retain(|(f, o, _)| !(*f == from && o.seq == n));
                 // A receive that took the offer got nothing yet (no part leaves before our answer
                 // arrives, and the sender withdraws only before): it waits for another send.
-                let matched = self.ops.iter_mut().find(|(_, t)| {
-                    t.spec.direction == Direction::Recv && t.spec.peer == from && t.number == Some(n) && !t.finished
-                });
-                if let Some((&id, t)) = matched {
+                if let Some(id) = receiving(&self.ops, None) {
+                    let t = self.ops.get_mut(&id).expect("found");
                     (t.number, t.stage, t.pulled, t.traffic) = (None, Stage::Waiting, 0, Traffic::default());
                     let tag = t.spec.tag;
                     self.match_waiting(id, from, tag);
@@ -434,16 +435,10 @@ impl Transfers {
             }
             _ => {
                 let part = frame.unit as usize;
-                let found = self.ops.iter_mut().find(|(_, t)| {
-                    t.spec.direction == Direction::Recv
-                        && t.spec.peer == from
-                        && t.number == Some(n)
-                        && t.stage == Stage::Moving
-                        && !t.finished
-                });
-                let Some((&id, t)) = found else {
+                let Some(id) = receiving(&self.ops, Some(Stage::Moving)) else {
                     return Err(malformed(format!("a part of transfer {n}, which is not accepted here")));
                 };
+                let t = self.ops.get_mut(&id).expect("found");
                 let start = part * t.part_bytes;
                 let expected = t.part_bytes.min(t.spec.buf.len().saturating_sub(start));
                 if part >= t.parts || t.got[part] || frame.len as usize != expected {
