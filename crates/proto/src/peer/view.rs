@@ -5,6 +5,7 @@ use shoal_wire::{
     AlgorithmLimits, Epoch, FailureKind, GroupId, Member, Message, OpFailure, PeerId, PlanEntry, SessionId, Vote,
 };
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Commits a peer remembers to answer the master's queries: far more than may be in flight.
@@ -237,8 +238,8 @@ pub struct RingPosition {
     pub epoch: Epoch,
     /// Our index in the group's ring.
     pub rank: usize,
-    /// The group's ring, in order.
-    pub ring: Vec<Member>,
+    /// The group's ring, in order (shared: every collective's action carries the position).
+    pub ring: Arc<[Member]>,
     /// Members of the whole run.
     pub world_size: usize,
     /// Where the master says the small-message all-reduces stop in this topology, if it does.
@@ -595,7 +596,7 @@ impl PeerView {
     pub fn position(&self, epoch: Epoch, members: &[Member]) -> RingPosition {
         let (me, _) = self.registered.expect("a topology is only accepted once registered");
         let group: GroupId = members.iter().find(|m| m.peer == me).expect("we are a member").group;
-        let ring: Vec<Member> = members.iter().filter(|m| m.group == group).cloned().collect();
+        let ring: Arc<[Member]> = members.iter().filter(|m| m.group == group).cloned().collect();
         let rank = ring.iter().position(|m| m.peer == me).expect("we are in our group's ring");
         RingPosition { epoch, rank, ring, world_size: members.len(), limits: self.limits.get(&epoch).copied() }
     }
