@@ -100,6 +100,8 @@ pub(crate) struct DataPlane {
     pub exec: Option<crate::engine::Exec<Stream>>,
     /// That topology: who each rank is, and where to dial it.
     pub position: Option<RingPosition>,
+    /// Where the members of [`DataPlane::position`] run, worked out once at take-up.
+    pub placement: crate::communicator::Placement,
     /// The collectives called and not yet returned, and how calls ended.
     pub calls: crate::communicator::Calls,
     /// Backups of collectives that ended, to lend to the next ones.
