@@ -334,8 +334,8 @@ impl Communicator {
         if advertise_addr.is_some() {
             c.advertise_addr = advertise_addr;
         }
-        if let Some(n) = chunk_bytes {
-            c.chunk_bytes = n;
+        if chunk_bytes.is_some() {
+            c.chunk_bytes = chunk_bytes;
         }
         if let Some(s) = heartbeat_timeout {
             c.heartbeat_timeout = seconds("heartbeat_timeout", &s)?;

@@ -12,7 +12,7 @@ use std::time::Duration;
 fn config(master: &MasterServer, connections: usize) -> CommunicatorConfig {
     let mut c = common::config(master);
     c.connections = Some(connections);
-    c.chunk_bytes = 4096;
+    c.chunk_bytes = Some(4096);
     c
 }
 
@@ -115,7 +115,7 @@ fn two_peers_with_default_settings() {
     let configs = (0..2)
         .map(|_| {
             let mut cfg = config(&m, shoal_peer::DEFAULT_CONNECTIONS);
-            cfg.chunk_bytes = shoal_peer::DEFAULT_CHUNK_BYTES;
+            cfg.chunk_bytes = Some(shoal_peer::DEFAULT_CHUNK_BYTES);
             cfg
         })
         .collect();
@@ -133,7 +133,7 @@ fn back_to_back_collectives_of_changing_sizes() {
     let configs = (0..2)
         .map(|_| {
             let mut cfg = config(&m, shoal_peer::DEFAULT_CONNECTIONS);
-            cfg.chunk_bytes = shoal_peer::DEFAULT_CHUNK_BYTES;
+            cfg.chunk_bytes = Some(shoal_peer::DEFAULT_CHUNK_BYTES);
             cfg.timeout = Duration::from_secs(5);
             cfg
         })
@@ -159,7 +159,7 @@ fn large_buffers_striped_over_pools_of_different_sizes() {
         .into_iter()
         .map(|pool| {
             let mut cfg = config(&m, pool);
-            cfg.chunk_bytes = 64 << 10;
+            cfg.chunk_bytes = Some(64 << 10);
             cfg
         })
         .collect();
@@ -186,7 +186,7 @@ fn peers_on_one_host_link_over_shared_memory_unless_told_tcp() {
             .iter()
             .map(|&on| {
                 let mut cfg = config(&m, 2);
-                cfg.chunk_bytes = 64 << 10;
+                cfg.chunk_bytes = Some(64 << 10);
                 cfg.shared_memory = on;
                 cfg
             })

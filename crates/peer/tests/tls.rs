@@ -32,7 +32,7 @@ fn config(master: &MasterServer, tls: Option<TlsFiles>) -> CommunicatorConfig {
     c.connections = Some(2);
     // Every stream over TCP, so that TLS carries the data (same-host peers would share memory).
     c.shared_memory = false;
-    c.chunk_bytes = 64 << 10;
+    c.chunk_bytes = Some(64 << 10);
     c.tls = tls;
     c
 }

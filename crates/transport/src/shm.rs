@@ -28,8 +28,10 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 
-/// Bytes of a lane's ring.
-pub const RING_BYTES: usize = 4 << 20;
+/// Bytes of a lane's ring: small enough that the rings of 4 peers on one host stay in a
+/// last-level cache of 8 MiB, where a reader finds what the writer left (4 MiB rings made a
+/// 64 MiB all-reduce of 4 peers 17% slower).
+pub const RING_BYTES: usize = 1 << 20;
 const HEADER_BYTES: usize = 4096;
 const MAGIC: u64 = u64::from_le_bytes(*b"SHOALSHM");
 
