@@ -171,7 +171,9 @@ class Communicator:
         ]
 
     def peers_pending(self) -> bool:
-        """Whether peers wait for admission; a vote every accepted peer must call."""
+        """Whether :meth:`update_topology` has something to apply: peers wait for admission, or
+        the master re-planned the ring around a link that slowed down (``docs/topology.md``,
+        "Drift"). A vote every accepted peer must call; all get the same answer."""
         return self._native.peers_pending()
 
     def peers_pending_async(self) -> "Vote":
@@ -406,16 +408,20 @@ class Communicator:
         result: dict[str, Any] = json.loads(self._native.stats_json())
         return result
 
-    def links(self) -> "list[dict[str, int | str]]":
+    def links(self) -> "list[dict[str, int | float | str]]":
         """Our links in the topology in force: one per member we exchanged data with, opened
         when a collective first needed it and reused by the later ones.
 
         Each is ``{"peer", "rank", "streams_out", "streams_in", "tx_bytes", "rx_bytes",
-        "transport"}``: the member's id and rank, the streams we send and receive on, the bytes
-        moved over them in this topology, and what carries them (``"shm"``: shared memory to a
-        member on this host; ``"tcp"``; ``"tls"``: TCP under TLS).
+        "saturated_s", "saturated_bytes", "transport"}``: the member's id and rank, the streams
+        we send and receive on, the bytes moved over them in this topology, how long our frames
+        to it waited for room in every stream (the link was saturated) and the bytes written
+        meanwhile (their ratio is what the link carries; the master re-plans the ring when it
+        drifts, ``docs/topology.md``), and what carries the streams (``"shm"``: shared memory to
+        a member on this host; ``"tcp"``; ``"tls"``: TCP under TLS).
         """
-        keys = ("peer", "rank", "streams_out", "streams_in", "tx_bytes", "rx_bytes", "transport")
+        keys = ("peer", "rank", "streams_out", "streams_in", "tx_bytes", "rx_bytes", "saturated_s", "saturated_bytes",
+                "transport")
         return [dict(zip(keys, link)) for link in self._native.links()]
 
     def sync_shared_state(

@@ -680,10 +680,27 @@ impl Communicator {
     }
 
     /// Our links in the topology in force: (peer id, rank, streams out, streams in, bytes sent,
-    /// bytes received, transport) for every member we exchanged data with.
-    fn links(&self) -> Vec<(u32, usize, usize, usize, u64, u64, &'static str)> {
+    /// bytes received, seconds saturated, bytes sent saturated, transport) for every member we
+    /// exchanged data with.
+    #[allow(clippy::type_complexity)]
+    fn links(&self) -> Vec<(u32, usize, usize, usize, u64, u64, f64, u64, &'static str)> {
         let links = self.inner.links().into_iter();
-        links.map(|l| (l.peer.0, l.rank, l.streams_out, l.streams_in, l.tx_bytes, l.rx_bytes, l.transport)).collect()
+        links
+            .map(|l| {
+                let saturated = l.saturated.as_secs_f64();
+                (
+                    l.peer.0,
+                    l.rank,
+                    l.streams_out,
+                    l.streams_in,
+                    l.tx_bytes,
+                    l.rx_bytes,
+                    saturated,
+                    l.saturated_bytes,
+                    l.transport,
+                )
+            })
+            .collect()
     }
 
     #[getter]

@@ -158,6 +158,11 @@ pub fn report_json(r: &PeerReport) -> Value {
             "tx_bytes": l.tx_bytes,
             "rx_bytes": l.rx_bytes,
             "tx_bytes_per_s": l.tx_rate,
+            "saturated_s": l.saturated_us as f64 / 1e6,
+            // What the link carries when it holds the operations back (0: it never did).
+            "saturated_bytes_per_s": if l.saturated_us == 0 { 0 } else {
+                (u128::from(l.saturated_bytes) * 1_000_000 / u128::from(l.saturated_us)) as u64
+            },
             "transport": l.transport,
         })).collect::<Vec<_>>(),
     })

@@ -81,6 +81,12 @@ pub struct LinkInfo {
     pub tx_bytes: u64,
     /// Chunk bytes received from it in this topology.
     pub rx_bytes: u64,
+    /// How long, in this topology, our frames to it waited for room in every stream
+    /// (the link was saturated), and the bytes written meanwhile: their ratio is what the link
+    /// carries, as the master watches it for drift (`docs/topology.md`).
+    pub saturated: std::time::Duration,
+    /// Bytes written to it, frame headers included, while it was saturated.
+    pub saturated_bytes: u64,
     /// What carries the streams: `"shm"` (shared memory, a member on this host), `"tcp"`,
     /// `"tls"` (TCP with TLS), or `"mixed"` where the two ends chose differently
     /// (`SHOAL_TRANSPORT`).
@@ -263,7 +269,9 @@ impl Communicator {
         self.vote(CallKind::UpdateTopology, self.config.timeout).map(drop)
     }
 
-    /// Whether peers wait to be admitted. A vote among the accepted peers: every one of them
+    /// Whether [`Communicator::update_topology`] has something to apply: peers wait to be
+    /// admitted, or the master re-planned the ring around a link that slowed down
+    /// (`docs/topology.md`, "Drift"). A vote among the accepted peers: every one of them
     /// must call it, and all get the same answer.
     ///
     /// # Errors

@@ -121,6 +121,8 @@ impl DataPlane {
             streams_in: s.lanes_in,
             tx_bytes: s.tx_bytes,
             rx_bytes: s.rx_bytes,
+            saturated: s.saturated,
+            saturated_bytes: s.saturated_bytes,
             transport: s.transport,
         };
         exec.stats().iter().map(info).collect()

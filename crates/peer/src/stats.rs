@@ -105,9 +105,12 @@ impl Stats {
                     tx_bytes: l.tx_bytes,
                     rx_bytes: l.rx_bytes,
                     tx_rate: rate(l.tx_bytes),
+                    saturated_bytes: l.saturated_bytes,
+                    saturated_us: l.saturated.as_micros().min(u64::MAX.into()) as u64,
                     transport: l.transport.to_string(),
                 })
                 .collect(),
+            busy_us: busy.as_micros().min(u64::MAX.into()) as u64,
         }
     }
 

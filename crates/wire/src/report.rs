@@ -27,6 +27,9 @@ pub struct PeerReport {
     pub running: Vec<RunningOp>,
     /// Its links in the topology in force.
     pub links: Vec<LinkReport>,
+    /// How long, in that topology, it had an operation in flight, microseconds: what the links'
+    /// rates and saturated shares are of.
+    pub busy_us: u64,
 }
 
 /// The counters of one kind of operation.
@@ -96,6 +99,12 @@ pub struct LinkReport {
     pub rx_bytes: u64,
     /// Bytes per second sent to it while operations ran (0: nothing sent yet).
     pub tx_rate: u64,
+    /// Bytes written to it (frame headers included) while the link was saturated: frames
+    /// waited for room in every stream to it.
+    pub saturated_bytes: u64,
+    /// How long it was saturated, microseconds. `saturated_bytes` over this is what the link
+    /// carries; the master compares it with what `optimize_topology` measured (drift).
+    pub saturated_us: u64,
     /// `"tcp"`, `"tls"`, `"shm"` or `"mixed"`.
     pub transport: String,
 }
@@ -134,8 +143,11 @@ impl PeerReport {
             w.u64(l.tx_bytes);
             w.u64(l.rx_bytes);
             w.u64(l.tx_rate);
+            w.u64(l.saturated_bytes);
+            w.u64(l.saturated_us);
             w.str(&l.transport);
         }
+        w.u64(self.busy_us);
     }
 
     pub(crate) fn decode(r: &mut Reader<'_>) -> Result<Self, WireError> {
@@ -157,7 +169,7 @@ impl PeerReport {
         let running = (0..count)
             .map(|_| Ok(RunningOp { kind: r.str()?, bytes: r.u64()?, elapsed_ms: r.u64()? }))
             .collect::<Result<Vec<_>, WireError>>()?;
-        let count = r.count(MAX_MEMBERS, 4 + 8 * 3 + 2)?;
+        let count = r.count(MAX_MEMBERS, 4 + 8 * 5 + 2)?;
         let links = (0..count)
             .map(|_| {
                 Ok(LinkReport {
@@ -165,11 +177,13 @@ impl PeerReport {
                     tx_bytes: r.u64()?,
                     rx_bytes: r.u64()?,
                     tx_rate: r.u64()?,
+                    saturated_bytes: r.u64()?,
+                    saturated_us: r.u64()?,
                     transport: r.str()?,
                 })
             })
             .collect::<Result<Vec<_>, WireError>>()?;
-        Ok(PeerReport { ops, failures, running, links })
+        Ok(PeerReport { ops, failures, running, links, busy_us: r.u64()? })
     }
 }
 
@@ -204,20 +218,23 @@ pub(crate) mod strategy {
             0..4,
         );
         let links = prop::collection::vec(
-            (any::<u32>(), any::<[u64; 3]>(), "tcp|shm|mixed").prop_map(|(p, c, transport)| LinkReport {
+            (any::<u32>(), any::<[u64; 5]>(), "tcp|shm|mixed").prop_map(|(p, c, transport)| LinkReport {
                 peer: PeerId(p),
                 tx_bytes: c[0],
                 rx_bytes: c[1],
                 tx_rate: c[2],
+                saturated_bytes: c[3],
+                saturated_us: c[4],
                 transport,
             }),
             0..4,
         );
-        (ops, failures, running, links).prop_map(|(ops, failures, running, links)| PeerReport {
+        (ops, failures, running, links, any::<u64>()).prop_map(|(ops, failures, running, links, busy_us)| PeerReport {
             ops,
             failures,
             running,
             links,
+            busy_us,
         })
     }
 }

@@ -38,6 +38,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::io::{ErrorKind, IoSlice};
 use std::ptr::NonNull;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// The original bytes of every part of a buffer a collective changed, so that a failed
 /// collective can put the buffer back as it was. Each range is saved just before its first
@@ -730,6 +731,8 @@ struct SendLane<L> {
     /// Bytes of the frame (header, then chunk) written.
     written: usize,
     sending: Option<Sending>,
+    /// Its frame waits for room in the stream ([`LinkStats::saturated`]).
+    blocked: bool,
 }
 
 /// Where a frame's chunk goes.
@@ -786,9 +789,45 @@ pub(crate) struct LinkStats {
     pub rx_bytes: u64,
     /// What carries its lanes (`Lane::kind`), `"mixed"` if they differ.
     pub transport: &'static str,
+    /// How long the link was saturated: some lane to it held a frame that its stream had no
+    /// room for (from the write that found it full until the frame's last byte went in). A link
+    /// that holds a schedule back is saturated, and then moves bytes as fast as it can.
+    pub saturated: Duration,
+    /// Bytes written to it (frame headers included) while it was saturated: over
+    /// [`LinkStats::saturated`], what the link carries (`docs/topology.md`, "Drift").
+    pub saturated_bytes: u64,
+    /// Lanes to it whose frame waits for room.
+    blocked_lanes: usize,
+    /// Since when one has, and the bytes written to it since.
+    backlog: Option<(Instant, u64)>,
 }
 
 impl LinkStats {
+    /// A lane to the member found its stream full with a frame to write.
+    fn blocked(&mut self) {
+        if self.blocked_lanes == 0 {
+            self.backlog = Some((Instant::now(), 0));
+        }
+        self.blocked_lanes += 1;
+    }
+
+    /// `n` bytes written to the member.
+    fn wrote(&mut self, n: usize) {
+        if let Some((_, bytes)) = &mut self.backlog {
+            *bytes += n as u64;
+        }
+    }
+
+    /// A blocked lane's frame went in whole.
+    fn unblocked(&mut self) {
+        self.blocked_lanes -= 1;
+        if self.blocked_lanes == 0 {
+            let (since, bytes) = self.backlog.take().expect("a stretch under way");
+            self.saturated += since.elapsed();
+            self.saturated_bytes += bytes;
+        }
+    }
+
     fn carried_by<L: Lane>(&mut self, lanes: &[L]) {
         for lane in lanes {
             self.transport = match self.transport {
@@ -892,8 +931,14 @@ impl<L: Lane> Exec<L> {
         for lane in &lanes {
             self.p2p.note_partner(to, lane.partner_pid());
         }
-        let new =
-            lanes.into_iter().map(|lane| SendLane { lane, to, frame: [0; FRAME_BYTES], written: 0, sending: None });
+        let new = lanes.into_iter().map(|lane| SendLane {
+            lane,
+            to,
+            frame: [0; FRAME_BYTES],
+            written: 0,
+            sending: None,
+            blocked: false,
+        });
         self.send.extend(new);
         self.awaiting = !self.missing().is_empty();
     }
@@ -1519,15 +1564,27 @@ impl<L: Lane> Exec<L> {
             };
             let n = match written {
                 Ok(n) => n,
-                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(progress),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    if !lane.blocked {
+                        lane.blocked = true;
+                        self.stats.entry(lane.to).or_default().blocked();
+                    }
+                    return Ok(progress);
+                }
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) => return Err(e.to_string()),
             };
             progress = true;
             let body = n.saturating_sub(header_left.len());
             lane.written += n;
-            self.stats.entry(lane.to).or_default().tx_bytes += body as u64;
+            let link = self.stats.entry(lane.to).or_default();
+            link.tx_bytes += body as u64;
+            link.wrote(n);
             let whole = lane.written == FRAME_BYTES + payload.len();
+            if whole && lane.blocked {
+                lane.blocked = false;
+                link.unblocked();
+            }
             match *lane.sending.as_ref().expect("a frame") {
                 Sending::Chunk { seq, .. } | Sending::Encoded { seq, .. } | Sending::Token { seq } => {
                     let op = self.ops.get_mut(&seq).expect("a frame of a collective in flight");
@@ -1970,6 +2027,30 @@ mod tests {
             assert_eq!(runs[0].buf, sum(3, 0, 500));
             assert_eq!(runs[1].buf, sum(3, 1, 70));
         }
+    }
+
+    /// Only the link that holds the schedule back counts as saturated: its writes found the
+    /// lanes full while frames waited. The link back, wide and never stalled, never is; and a
+    /// saturated stretch ends with its frames, so nothing stays open once the work is done.
+    #[test]
+    fn only_the_link_that_holds_a_collective_back_is_saturated() {
+        let mut execs = engines(2);
+        let narrow = link(&mut execs, 0, 1, 2, Faults { capacity: 512, max_io: 256, reset_after: None });
+        link(&mut execs, 1, 0, 2, Faults { capacity: 1 << 20, max_io: 1 << 20, reset_after: None });
+        let runs = run_all(&mut execs, &[6000, 3000], &vec![vec![1, 2]; 2], &vec![vec![0, 0]; 2], 4096, |round| {
+            for lane in &narrow {
+                lane.stall(round % 4 != 0);
+            }
+        });
+        assert_eq!(runs[0][0].buf, sum(2, 0, 6000));
+        let (slow, wide) = (execs[0].stats()[&1], execs[1].stats()[&0]);
+        assert!(slow.saturated > Duration::ZERO, "{slow:?}");
+        assert!(
+            slow.saturated_bytes > 0 && slow.saturated_bytes <= slow.tx_bytes + 64 * FRAME_BYTES as u64,
+            "{slow:?}"
+        );
+        assert_eq!((wide.saturated, wide.saturated_bytes), (Duration::ZERO, 0), "{wide:?}");
+        assert!(slow.backlog.is_none() && slow.blocked_lanes == 0, "the stretch ended with the frames: {slow:?}");
     }
 
     /// A connection that resets mid-flight (a peer killed, a path cut) fails every collective in
