@@ -235,7 +235,8 @@ ShoalStatus shoal_comm_connect(const ShoalComm *comm, double timeout_s, size_t m
 ShoalStatus shoal_comm_update_topology(const ShoalComm *comm);
 
 /**
- * Whether peers wait for admission (a vote every accepted peer calls), into `out`.
+ * Whether `shoal_update_topology` has something to apply (peers wait for admission, or the ring
+ * was re-planned around a link that slowed down; a vote every accepted peer calls), into `out`.
  */
 ShoalStatus shoal_comm_peers_pending(const ShoalComm *comm, bool *out);
 

@@ -358,7 +358,8 @@ pub unsafe extern "C" fn shoal_comm_update_topology(comm: *const ShoalComm) -> S
     guard(|| result(try_ffi!(communicator(comm)).update_topology()))
 }
 
-/// Whether peers wait for admission (a vote every accepted peer calls), into `out`.
+/// Whether `shoal_update_topology` has something to apply (peers wait for admission, or the ring
+/// was re-planned around a link that slowed down; a vote every accepted peer calls), into `out`.
 #[no_mangle]
 pub unsafe extern "C" fn shoal_comm_peers_pending(comm: *const ShoalComm, out: *mut bool) -> ShoalStatus {
     guard(|| {

@@ -333,6 +333,7 @@ impl Master {
         match message {
             Message::Heartbeat => {}
             Message::Report { report } => {
+                self.watch_drift(now, peer, &report);
                 self.reports.insert(peer, report);
             }
             Message::VoteUpdateTopology { collectives, measured } if accepted => {
@@ -731,7 +732,8 @@ impl Master {
         self.pending_vote = None;
         self.counters.pending_votes += 1;
         self.tentative.clear();
-        let pending = !self.registered().is_empty();
+        // A ring re-planned for drifted links waits for update_topology too (`plan.rs`).
+        let pending = !self.registered().is_empty() || self.plan.as_ref().is_some_and(Plan::replanned);
         self.sent_on.retain(|p| !quorum.voters().contains(p));
         for p in quorum.voters() {
             self.send_to_peer(*p, Message::PeersPendingResult { pending });

@@ -8,10 +8,23 @@
 //! those that left dropped and the order re-solved (within [`REPLAN`] for a large group), and
 //! members nobody measured after them in their usual order. A large group's plan keeps improving
 //! in slices of [`SLICE`] while the run goes on, applied at the next topology.
+//!
+//! **Drift.** Peers report how long each link was saturated and what it carried meanwhile
+//! ([`shoal_wire::LinkReport`]). Once a network link (TCP or TLS) gathered [`DRIFT_WINDOW`] of
+//! saturated time, the master compares its rate with the plan's: below the plan's by a factor
+//! of [`DRIFT_FACTOR`], on a link saturated for at least [`BOTTLENECK_SHARE`] of its peer's
+//! time in operations (the one holding them back), the plan takes the new rate and the ring is
+//! re-solved within
+//! [`REPLAN`]. An order at least [`REPLAN_GAIN`] cheaper is applied at the next topology, and
+//! `peers_pending` answers true until then, so a loop that calls `update_topology` only when
+//! peers wait applies it too. Only slowdowns are judged: a link saturated in short stretches
+//! (its stream took a frame soon after it was full) reads faster than it is, and a link that
+//! got faster shows it only once something else stops holding it back; the next
+//! `optimize_topology` measures it again.
 
 use super::{Master, MasterEvent, Output, Timer};
 use shoal_topology::{solve, tour_cost, Costs, Link, Links, Search, EXACT_MAX};
-use shoal_wire::{AlgorithmLimits, Measured, PeerId};
+use shoal_wire::{AlgorithmLimits, Measured, PeerId, PeerReport};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -26,6 +39,17 @@ const SLICE_EVERY: Duration = Duration::from_millis(100);
 const LOGGED_MATRIX: usize = 16;
 /// Slices in a row without improvement after which the background search stops.
 const FRUITLESS_SLICES: u32 = 100;
+/// Saturated time a link gathers in reports before its rate is compared with the plan's.
+pub const DRIFT_WINDOW: Duration = Duration::from_millis(250);
+/// How far below the plan's a saturated link's rate may fall before it counts as drifted
+/// (SCALE-CCL sees WAN rates swing by ±100%).
+pub const DRIFT_FACTOR: f64 = 2.0;
+/// The share of its peer's time in operations that a link must have been saturated to count as
+/// the one holding them back. A link that waits on another carries short bursts that TCP never
+/// ramps up to the path's rate (saturated briefly, and slowly): not a drift of its own.
+pub const BOTTLENECK_SHARE: f64 = 0.5;
+/// How much cheaper a ring re-solved for drifted links must be than the one in force to replace it.
+pub const REPLAN_GAIN: f64 = 0.1;
 
 /// The last measured links and the best ring over them.
 #[derive(Debug, Clone)]
@@ -38,6 +62,20 @@ pub struct Plan {
     /// The background search, for a large group, while it still finds better.
     search: Option<Search>,
     fruitless: u32,
+    /// Saturated time and bytes each link reported, by (from, to).
+    drift: BTreeMap<(PeerId, PeerId), Window>,
+    /// The order was re-solved for drifted links and waits for the next topology.
+    replanned: bool,
+}
+
+/// What a link reported of its saturated time (and its peer of its time in operations): the
+/// totals last seen, and what gathered since its rate was last judged.
+#[derive(Debug, Clone, Copy, Default)]
+struct Window {
+    seen: [u64; 3],
+    bytes: u64,
+    us: u64,
+    busy_us: u64,
 }
 
 impl Plan {
@@ -55,6 +93,11 @@ impl Plan {
     /// The best ring found over the measured members.
     pub fn order(&self) -> &[PeerId] {
         &self.order
+    }
+
+    /// Whether the order was re-solved for drifted links and waits for the next topology.
+    pub fn replanned(&self) -> bool {
+        self.replanned
     }
 }
 
@@ -104,7 +147,15 @@ impl Master {
         let level = if voters.len() <= LOGGED_MATRIX { log::Level::Info } else { log::Level::Debug };
         log::log!(level, "measured links (from -> to: round trip, rate):\n{}", describe(voters, &links));
         let search = (voters.len() > EXACT_MAX).then(|| Search::new(costs, Some(tour), voters.len() as u64));
-        self.plan = Some(Plan { members: voters.to_vec(), links, order: order.clone(), search, fruitless: 0 });
+        self.plan = Some(Plan {
+            members: voters.to_vec(),
+            links,
+            order: order.clone(),
+            search,
+            fruitless: 0,
+            drift: BTreeMap::new(),
+            replanned: false,
+        });
         self.outputs.push_back(Output::Event(MasterEvent::RingPlanned {
             members: order,
             cost_us: after,
@@ -116,6 +167,7 @@ impl Master {
     /// the others as given.
     pub(super) fn planned(&mut self, members: Vec<PeerId>) -> Vec<PeerId> {
         let Some(plan) = &mut self.plan else { return members };
+        plan.replanned = false;
         let kept: Vec<usize> =
             plan.order.iter().filter(|p| members.contains(p)).map(|p| index(&plan.members, *p)).collect();
         if kept.len() < 2 {
@@ -132,6 +184,77 @@ impl Master {
         };
         order.extend(members.iter().filter(|p| !plan.members.contains(p)));
         order
+    }
+
+    /// Takes what `from` reported of its links' saturated time; re-plans the ring if a link
+    /// drifted (see the module docs).
+    pub(super) fn watch_drift(&mut self, now: Instant, from: PeerId, report: &PeerReport) {
+        let Some(plan) = &mut self.plan else { return };
+        let mut drifted = Vec::new();
+        for l in &report.links {
+            // Shared memory's rate is the cores', not the network's: no ring order changes it.
+            let Some(planned) = plan.link(from, l.peer).filter(|_| matches!(l.transport.as_str(), "tcp" | "tls"))
+            else {
+                continue;
+            };
+            let w = plan.drift.entry((from, l.peer)).or_default();
+            let now = [l.saturated_bytes, l.saturated_us, report.busy_us];
+            // The totals start again with each topology.
+            let seen = if now.iter().zip(w.seen).any(|(n, s)| *n < s) { [0; 3] } else { w.seen };
+            w.bytes += now[0] - seen[0];
+            w.us += now[1] - seen[1];
+            w.busy_us += now[2] - seen[2];
+            w.seen = now;
+            if w.us < DRIFT_WINDOW.as_micros() as u64 {
+                continue;
+            }
+            let rate = (u128::from(w.bytes) * 1_000_000 / u128::from(w.us)).min(u64::MAX.into()) as u64;
+            let share = w.us as f64 / w.busy_us.max(1) as f64;
+            (w.bytes, w.us, w.busy_us) = (0, 0, 0);
+            if share >= BOTTLENECK_SHARE && (rate as f64) < planned.bytes_per_s as f64 / DRIFT_FACTOR {
+                drifted.push((l.peer, planned, rate));
+            }
+        }
+        if !drifted.is_empty() {
+            self.replan(now, from, &drifted);
+        }
+    }
+
+    /// Re-solves the ring with the new `rate` of each link from `from` that `drifted`.
+    fn replan(&mut self, now: Instant, from: PeerId, drifted: &[(PeerId, Link, u64)]) {
+        let plan = self.plan.as_mut().expect("a plan to drift from");
+        let i = index(&plan.members, from);
+        for &(to, planned, rate) in drifted {
+            let mbit = |b: u64| b as f64 * 8.0 / 1e6;
+            log::info!(
+                "link {from} -> {to} drifted: {:.1} Mbit/s while saturated, {:.1} Mbit/s planned",
+                mbit(rate),
+                mbit(planned.bytes_per_s)
+            );
+            plan.links.set(i, index(&plan.members, to), Link { bytes_per_s: rate, ..planned });
+        }
+        let costs = Costs::from_links(&plan.links);
+        let current: Vec<usize> = plan.order.iter().map(|p| index(&plan.members, *p)).collect();
+        let before = tour_cost(&costs, &current);
+        let tour = solve(&costs, Some(current), Instant::now() + REPLAN, None);
+        let after = tour_cost(&costs, &tour);
+        plan.search =
+            (plan.members.len() > EXACT_MAX).then(|| Search::new(costs, Some(tour.clone()), plan.members.len() as u64));
+        plan.fruitless = 0;
+        if after as f64 <= before as f64 * (1.0 - REPLAN_GAIN) {
+            plan.order = tour.iter().map(|&i| plan.members[i]).collect();
+            plan.replanned = true;
+            log::info!(
+                "ring re-planned for drifted links: {before} -> {after} µs per round of steps, at the next topology"
+            );
+            let members = plan.order.clone();
+            self.outputs.push_back(Output::Event(MasterEvent::RingPlanned {
+                members,
+                cost_us: after,
+                before_us: before,
+            }));
+        }
+        self.arm_plan_slice(now);
     }
 
     /// A slice of the background search, when one runs: a better ring is kept for the next
