@@ -110,10 +110,21 @@ def test_round_trip_times_are_within_10_percent_of_the_target(continents):
 def test_link_caps_hold_within_10_percent_in_both_directions(lab_ok):
     spec = {"hosts": {"fast": {"rate": "200mbit"}, "slow": {"rate": "50mbit"}, "other": {"rate": "200mbit"}}}
     with Lab.up(spec, name=f"t{os.getpid()}r", subnet="10.203.0.0/24", ttl=600) as lab:
+        def check(cases: list) -> None:
+            for a, b, rate in cases:
+                got = lab.measure_throughput(a, b, streams=1, seconds=1.5, warmup=0.5)["bits_per_s"]
+                assert abs(got / (rate * GOODPUT) - 1) <= 0.1, (a, b, rate, got)
+
         # slow's upload and download caps, and a faster link.
-        for a, b, rate in [("fast", "other", 200e6), ("slow", "fast", 50e6), ("fast", "slow", 50e6)]:
-            got = lab.measure_throughput(a, b, streams=1, seconds=1.5, warmup=0.5)["bits_per_s"]
-            assert abs(got / (rate * GOODPUT) - 1) <= 0.1, (a, b, rate, got)
+        check([("fast", "other", 200e6), ("slow", "fast", 50e6), ("fast", "slow", 50e6)])
+        # A slow fault caps one path both ways, and nothing else; healed, the path is back.
+        lab.fault("slow", "fast", "other", rate="20mbit")
+        assert lab.status()["faults"][0]["rate"] == 20_000_000
+        check([("fast", "other", 20e6), ("other", "fast", 20e6), ("fast", "slow", 50e6)])
+        assert lab.heal() == 1
+        check([("other", "fast", 200e6)])
+        with pytest.raises(LabError, match="needs a rate"):
+            lab.fault("slow", "fast", "other")
 
 
 def test_a_site_uplink_caps_what_leaves_the_site_and_not_what_stays(lab_ok):

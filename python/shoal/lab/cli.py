@@ -54,6 +54,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     fault.add_argument("a")
     fault.add_argument("b", nargs="?")
     fault.add_argument("--probability", type=float, default=0.05, help="for loss (default 0.05)")
+    fault.add_argument("--rate", help="for slow: what the path carries each way, e.g. 100mbit")
     heal = sub.add_parser("heal", parents=[common], help="remove faults: all, a host's, or a pair's")
     heal.add_argument("a", nargs="?")
     heal.add_argument("b", nargs="?")
@@ -106,7 +107,7 @@ def _dispatch(args: argparse.Namespace) -> None:
         argv = Lab(args.name).argv(args.host, args.cmd)
         os.execvp(argv[0], argv)
     elif args.command == "fault":
-        Lab(args.name).fault(args.kind, args.a, args.b, probability=args.probability)
+        Lab(args.name).fault(args.kind, args.a, args.b, probability=args.probability, rate=args.rate)
     elif args.command == "heal":
         print(f"removed {Lab(args.name).heal(args.a, args.b)} fault(s)")
     elif args.command == "measure":
@@ -152,7 +153,9 @@ def _print_status(lab: Lab) -> None:
         caps = (f"{site} {bits / 1e6:g}Mbit" if bits else f"{site} -" for site, bits in st["uplinks"].items())
         print("  site uplinks: " + "  ".join(caps))
     for f in st["faults"]:
-        print(f"  fault: {f['kind']} {f['a']} {f['b']}" + (f" p={f['probability']}" if f["probability"] else ""))
+        detail = f" p={f['probability']}" if f["probability"] else ""
+        detail += f" {f['rate'] / 1e6:g} Mbit/s" if f.get("rate") else ""
+        print(f"  fault: {f['kind']} {f['a']} {f['b']}{detail}")
     dead = [f"{h['kind']} in {h['host']}" for h in st["helpers"] if not h["alive"]]
     if dead:
         print(f"  ended helpers (time-to-live, or killed): {', '.join(dead)}", file=sys.stderr)

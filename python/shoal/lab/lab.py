@@ -34,11 +34,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from .spec import Spec, build
+from .spec import Spec, build, parse_rate
 
 IPT = "iptables-legacy"
 FAULT_CHAIN = "SHOAL-FAULT"
-FAULT_KINDS = ("partition", "blackhole", "reset", "loss")
+FAULT_KINDS = ("partition", "blackhole", "reset", "loss", "slow")
 TOXIPROXY_VERSION = "v2.12.0"
 TOXIPROXY_API = "127.0.0.1:8474"
 DEFAULT_TTL_S = 4 * 3600
@@ -207,24 +207,38 @@ class Lab:
 
     # ---- faults ----------------------------------------------------------------------------
 
-    def fault(self, kind: str, a: str, b: Optional[str] = None, probability: float = 0.05) -> None:
+    def fault(self, kind: str, a: str, b: Optional[str] = None, probability: float = 0.05,
+              rate: Optional[str] = None) -> None:
         """Breaks the path between hosts ``a`` and ``b`` (or between ``a`` and every other host):
 
         - ``partition``: nothing passes either way (silently dropped);
         - ``blackhole``: what ``a`` sends to ``b`` vanishes; the other direction still flows;
         - ``reset``: every TCP segment either way is answered with a reset;
-        - ``loss``: each packet either way is dropped with ``probability``.
+        - ``loss``: each packet either way is dropped with ``probability``;
+        - ``slow``: the path carries at most ``rate`` (e.g. ``"100mbit"``) each way: a congested
+          path (its own htb class on each end, beside the host's cap).
         """
         if kind not in FAULT_KINDS:
             raise LabError(f"unknown fault {kind!r}: expected one of {', '.join(FAULT_KINDS)}")
         if kind == "loss" and not 0 < probability < 1:
             raise LabError(f"loss probability {probability} outside (0, 1)")
+        bits = None
+        if kind == "slow":
+            if rate is None:
+                raise LabError("a slow fault needs a rate, e.g. 100mbit")
+            bits = parse_rate(rate)
+            uncapped = [h for h in (a, b) if h is not None and not self.spec.host(h).rate]
+            if uncapped:
+                raise LabError(f"a slow fault needs hosts with a rate cap (htb); {uncapped[0]} has none")
         with _locked():
             state = _read_state(self.name) or self.state
             for other in self._others(a, b):
-                f = {"kind": kind, "a": a, "b": other, "probability": probability if kind == "loss" else None}
+                f = {"kind": kind, "a": a, "b": other, "probability": probability if kind == "loss" else None,
+                     "rate": bits}
                 if f in state["faults"]:
                     continue
+                if kind == "slow":
+                    self._slow(f, add=True)
                 for host, rule in self._fault_rules(f):
                     _run(self.argv(host, [IPT, "-A", FAULT_CHAIN, *rule]), f"adding a {kind} fault")
                 state["faults"].append(f)
@@ -241,6 +255,8 @@ class Lab:
             for f in state["faults"]:
                 involved = {f["a"], f["b"]}
                 if a is None or (a in involved and (b is None or involved == {a, b})):
+                    if f["kind"] == "slow":
+                        self._slow(f, add=False)
                     for host, rule in self._fault_rules(f):
                         self.run(host, [IPT, "-D", FAULT_CHAIN, *rule], capture_output=True)
                     removed += 1
@@ -262,10 +278,32 @@ class Lab:
             return [b]
         return [h for h in self.hosts if h != a]
 
+    def _slow(self, f: dict[str, Any], add: bool) -> None:
+        """A slow fault's htb class on each end of its path (what each end sends to the other),
+        numbered after the other end, or its removal."""
+        for host, other in ((f["a"], f["b"]), (f["b"], f["a"])):
+            n = 100 + self.hosts.index(other)
+            tc = ["ip", "netns", "exec", self.namespace(host), "tc"]
+            if not add:
+                self.run(host, ["tc", "filter", "del", "dev", "eth0", "parent", "1:", "prio", str(n)],
+                         capture_output=True)
+                self.run(host, ["tc", "class", "del", "dev", "eth0", "classid", f"1:{n}"], capture_output=True)
+                continue
+            bits, what = f["rate"], f"slowing {host} -> {other}"
+            burst = max(64 << 10, bits // 8 // 500)
+            _run([*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", f"1:{n}", "htb", "rate", f"{bits}bit",
+                  "ceil", f"{bits}bit", "burst", str(burst), "cburst", str(burst), "quantum", "60000"], what)
+            _run([*tc, "qdisc", "add", "dev", "eth0", "parent", f"1:{n}", "bfifo", "limit",
+                  str(max(256 << 10, bits // 8 // 20))], what)
+            _run([*tc, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", str(n), "u32", "match",
+                  "ip", "dst", f"{self.address(other)}/32", "flowid", f"1:{n}"], what)
+
     def _fault_rules(self, f: dict[str, Any]) -> list[tuple[str, list[str]]]:
         """The iptables rules (host, arguments) of one fault between two hosts."""
         a, b = f["a"], f["b"]
         ip = self.address
+        if f["kind"] == "slow":
+            return []
         if f["kind"] == "partition":
             return [(a, ["-s", ip(b), "-j", "DROP"]), (b, ["-s", ip(a), "-j", "DROP"])]
         if f["kind"] == "blackhole":
