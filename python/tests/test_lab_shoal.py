@@ -5,7 +5,9 @@ and the others carry on. Needs root (see test_lab.py)."""
 
 from __future__ import annotations
 
+import json
 import os
+import threading
 import time
 
 import pytest
@@ -94,6 +96,45 @@ def test_optimize_topology_grows_the_pool_of_a_window_bound_path(tmp_path):
         other = 1 - o["rank"]
         assert o["streams_out"][str(other)] > 4, o["streams_out"]
         assert o["matrix"][o["rank"]][other]["bytes_per_s"] * 8 > 600e6, o["matrix"]
+
+
+def test_a_ring_link_that_slows_down_is_planned_around(sites, tmp_path):
+    """After optimize_topology, the first of the ring's two paths across the sites drops from
+    1 Gbit/s to 100 Mbit/s (a congested path): saturated, it carries a tenth of what was
+    measured, the master re-plans the ring around it, peers_pending says so, and
+    update_topology applies it."""
+    hosts = ["a1", "a2", "b1", "b2"]
+    ring_file = tmp_path / "ring.json"
+    slowed: list = []
+    ended = threading.Event()
+
+    def slow_a_crossing() -> None:
+        while not ring_file.exists() and not ended.wait(0.05):
+            pass
+        if ring_file.exists():
+            ring = [hosts[i] for i in json.loads(ring_file.read_text())]
+            i = next(i for i in range(4) if ring[i][0] != ring[(i + 1) % 4][0])
+            sites.fault("slow", ring[i], ring[(i + 1) % 4], rate="100mbit")
+            slowed.append((ring[i], ring[(i + 1) % 4]))
+
+    fault = threading.Thread(target=slow_a_crossing)
+    fault.start()
+    try:
+        with sites.master("a1", heartbeat_timeout=HEARTBEAT_TIMEOUT) as master:
+            out = run_peers(master, tmp_path, "drift", 4, timeout=240,
+                            launch=lambda i, argv: sites.argv(hosts[i], argv), heartbeat=HEARTBEAT_TIMEOUT,
+                            ring=str(ring_file), elements=1 << 19, within=120)
+    finally:
+        ended.set()
+        fault.join()
+        sites.heal()
+    assert slowed, "the ring was never written"
+    (a, b), = slowed
+    for o in out:
+        assert o["after"] is not None, f"no re-plan after {o['steps']} all-reduces over a slow link: {o}"
+        assert o["sum"] == 4.0 and o["world"] == 4, o
+    (after,) = {tuple(hosts[i] for i in o["after"]) for o in out}
+    assert all((after[i], after[(i + 1) % 4]) != (a, b) for i in range(4)), (after, a, b)
 
 
 def test_bench_runs_in_the_lab_and_sees_the_wan(sites):

@@ -975,6 +975,41 @@ def optimize(spec: dict) -> dict:
             "sum": float(x[0]), "world": info.world_size, "algorithm": info.algorithm}
 
 
+def drift(spec: dict) -> dict:
+    """Joins, re-orders the ring by measured links and writes it to ``ring`` (the test then makes
+    one of its links lossy); all-reduces through the ring until ``peers_pending`` says the master
+    re-planned it, and takes the new ring with ``update_topology``. Reports both rings (each
+    rank's launch index) and the sum in the new one."""
+    comm = shoal.Communicator(spec["master"], timeout=120, heartbeat_timeout=spec["heartbeat"])
+    comm.connect(timeout=30)
+    join_all(comm, spec["peers"])
+    comm.optimize_topology()
+
+    def ring() -> list[int]:
+        indices = np.zeros(comm.group_world_size, np.float32)
+        comm.all_gather(indices, np.array([float(spec["index"])], np.float32))
+        return [int(i) for i in indices]
+
+    before = ring()
+    if comm.rank == 0:
+        with open(spec["ring"] + ".tmp", "w") as f:
+            json.dump(before, f)
+        os.rename(spec["ring"] + ".tmp", spec["ring"])
+    x = np.ones(spec["elements"], np.float32)
+    deadline, steps = time.monotonic() + spec["within"], 0
+    while not comm.peers_pending():
+        if time.monotonic() > deadline:
+            return {"index": spec["index"], "before": before, "after": None, "steps": steps, "links": comm.links()}
+        comm.all_reduce(x, algorithm="ring")
+        steps += 1
+    comm.update_topology()
+    after = ring()
+    x = np.ones(spec["elements"], np.float32)
+    info = comm.all_reduce(x, op="sum", algorithm="ring")
+    return {"index": spec["index"], "before": before, "after": after, "steps": steps, "sum": float(x[0]),
+            "world": info.world_size}
+
+
 def watched(spec: dict) -> dict:
     """Joins, measures the links, syncs a shared state and all-reduces ``rounds`` times, then
     stays in the run (the test reads the master's status) until the file ``stop`` appears;
@@ -1164,7 +1199,8 @@ if __name__ == "__main__":
                  "sync_case": sync_case, "mismatch": mismatch, "empty": empty, "loop": loop,
                  "mismatched_calls": mismatched_calls, "links": links, "verbs": verbs,
                  "p2p": p2p, "p2p_ring": p2p_ring,
-                 "barrier_lost": barrier_lost, "optimize": optimize, "quantized": quantized, "watched": watched,
+                 "barrier_lost": barrier_lost, "optimize": optimize, "drift": drift, "quantized": quantized,
+                 "watched": watched,
                  "restart_loop": restart_loop, "diloco": diloco,
                  "ddp": ddp, "catchup": catchup}
     result = scenarios[scenario](spec)
