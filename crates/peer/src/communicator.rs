@@ -1,7 +1,7 @@
 //! The communicator: one peer's handle on a run.
 
 use crate::catchup::Snapshots;
-use crate::config::{CommunicatorConfig, DEFAULT_CHUNK_BYTES, ONE_HOST_CHUNK_BYTES};
+use crate::config::{CommunicatorConfig, DEFAULT_CHUNK_BYTES};
 use crate::control::Control;
 use crate::engine::{Backup, Direction, Exec, LinkError, OpEvent, OpSpec, Pumped, RawBuf, Taken};
 use crate::error::{Error, Result};
@@ -1004,14 +1004,11 @@ pub(crate) struct Placement {
     /// How long the driver spins before it sleeps: [`OVERSUBSCRIBED_SPIN`] where at least two
     /// members per core share our address (the cores this process may use).
     pub spin: Duration,
-    /// The pipeline chunk where the configuration sets none: [`ONE_HOST_CHUNK_BYTES`] where
-    /// every member shares one address, else [`DEFAULT_CHUNK_BYTES`].
-    pub chunk_bytes: usize,
 }
 
 impl Default for Placement {
     fn default() -> Self {
-        Placement { epoch: None, hosts: Vec::new(), spin: SPIN, chunk_bytes: DEFAULT_CHUNK_BYTES }
+        Placement { epoch: None, hosts: Vec::new(), spin: SPIN }
     }
 }
 
@@ -1025,12 +1022,11 @@ impl Placement {
         let here = addresses.iter().filter(|&&h| h == addresses[position.rank]).count();
         let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
         let spin = if here >= 2 * cores { OVERSUBSCRIBED_SPIN } else { SPIN };
-        let chunk_bytes = if here == addresses.len() { ONE_HOST_CHUNK_BYTES } else { DEFAULT_CHUNK_BYTES };
         let hosts = match position.ring.iter().map(|m| m.site).collect::<Option<Vec<u16>>>() {
             Some(sites) => numbered(sites),
             None => addresses,
         };
-        Placement { epoch: Some(position.epoch), hosts, spin, chunk_bytes }
+        Placement { epoch: Some(position.epoch), hosts, spin }
     }
 }
 
@@ -1600,7 +1596,7 @@ impl Driver {
             algorithm,
             root: request.root,
             hosts: if algorithm == Algorithm::Hierarchical { hosts.clone() } else { Vec::new() },
-            chunk_bytes: self.config.chunk_bytes.unwrap_or(data.placement.chunk_bytes),
+            chunk_bytes: self.config.chunk_bytes.unwrap_or(DEFAULT_CHUNK_BYTES),
             codec,
             backup: spare_backup(&mut data.spare_backups, record.buf.len()),
         };
@@ -1871,15 +1867,5 @@ mod tests {
         addrs.push("10.9.9.9:1");
         assert_eq!(Placement::of(&position(&addrs, None, 2 * cores)).spin, SPIN);
         assert_eq!(Placement::default().spin, SPIN);
-    }
-
-    #[test]
-    fn a_group_on_one_host_pipelines_smaller_chunks() {
-        let chunk = |addrs: &[&str]| Placement::of(&position(addrs, None, 0)).chunk_bytes;
-        assert_eq!(chunk(&["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]), ONE_HOST_CHUNK_BYTES);
-        assert_eq!(chunk(&["127.0.0.1:1", "127.0.0.2:2"]), DEFAULT_CHUNK_BYTES);
-        // Sites do not say hosts: two members of one site may run on two machines.
-        let placed = Placement::of(&position(&["10.0.0.1:1", "10.0.0.2:1"], Some(&[0, 0]), 0));
-        assert_eq!((placed.hosts, placed.chunk_bytes), (vec![0, 0], DEFAULT_CHUNK_BYTES));
     }
 }

@@ -32,7 +32,7 @@ pub use catchup::{CatchUpInfo, CatchUpProgress};
 pub use communicator::{Communicator, Info, LinkInfo, Vote, Work};
 pub use config::{
     CommunicatorConfig, DEFAULT_CHUNK_BYTES, DEFAULT_CONNECTIONS, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_TIMEOUT,
-    MAX_CONNECTIONS, ONE_HOST_CHUNK_BYTES,
+    MAX_CONNECTIONS,
 };
 pub use deadline::Deadline;
 pub use error::{Error, Result};

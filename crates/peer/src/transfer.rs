@@ -178,7 +178,7 @@ impl Communicator {
             )));
         }
         let call = c.control.own_input(|p, _| p.reserve_call());
-        let chunk_bytes = self.config.chunk_bytes.unwrap_or(data.placement.chunk_bytes);
+        let chunk_bytes = self.config.chunk_bytes.unwrap_or(crate::DEFAULT_CHUNK_BYTES);
         data.stats.started(call, direction.name(), tag, buf.len() as u64);
         exec.post_transfer(call.0, TransferSpec { direction, peer: rank, tag, dtype, buf, chunk_bytes });
         let now = Instant::now();
