@@ -120,6 +120,8 @@ def test_link_caps_hold_within_10_percent_in_both_directions(lab_ok):
         # A slow fault caps one path both ways, and nothing else; healed, the path is back.
         lab.fault("slow", "fast", "other", rate="20mbit")
         assert lab.status()["faults"][0]["rate"] == 20_000_000
+        with pytest.raises(LabError, match="slow already"):
+            lab.fault("slow", "other", "fast", rate="10mbit")
         check([("fast", "other", 20e6), ("other", "fast", 20e6), ("fast", "slow", 50e6)])
         assert lab.heal() == 1
         check([("other", "fast", 200e6)])

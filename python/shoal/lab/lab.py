@@ -237,6 +237,9 @@ class Lab:
                      "rate": bits}
                 if f in state["faults"]:
                     continue
+                if kind == "slow" and any(g["kind"] == "slow" and {g["a"], g["b"]} == {a, other}
+                                          for g in state["faults"]):
+                    raise LabError(f"the path between {a} and {other} is slow already: heal it first")
                 if kind == "slow":
                     self._slow(f, add=True)
                 for host, rule in self._fault_rules(f):
@@ -289,12 +292,8 @@ class Lab:
                          capture_output=True)
                 self.run(host, ["tc", "class", "del", "dev", "eth0", "classid", f"1:{n}"], capture_output=True)
                 continue
-            bits, what = f["rate"], f"slowing {host} -> {other}"
-            burst = max(64 << 10, bits // 8 // 500)
-            _run([*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", f"1:{n}", "htb", "rate", f"{bits}bit",
-                  "ceil", f"{bits}bit", "burst", str(burst), "cburst", str(burst), "quantum", "60000"], what)
-            _run([*tc, "qdisc", "add", "dev", "eth0", "parent", f"1:{n}", "bfifo", "limit",
-                  str(max(256 << 10, bits // 8 // 20))], what)
+            what = f"slowing {host} -> {other}"
+            _htb_class(tc, "eth0", n, f["rate"], what)
             _run([*tc, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", str(n), "u32", "match",
                   "ip", "dst", f"{self.address(other)}/32", "flowid", f"1:{n}"], what)
 
@@ -569,12 +568,17 @@ def _bound_queues(namespace: str) -> set[str]:
 
 def _cap(namespace: str, dev: str, bits: int) -> None:
     """htb at ``bits``/s on ``dev``'s egress, with a byte FIFO holding ~50 ms at that rate."""
+    tc = ["ip", "netns", "exec", namespace, "tc"]
+    _run([*tc, "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "1"], f"capping {dev}")
+    _htb_class(tc, dev, 1, bits, f"capping {dev}")
+
+
+def _htb_class(tc: list[str], dev: str, minor: int, bits: int, what: str) -> None:
+    """Class ``1:minor`` of ``dev``'s root htb at ``bits``/s, with a byte FIFO holding ~50 ms."""
     rate = f"{bits}bit"
     burst = max(64 << 10, bits // 8 // 500)  # 2 ms at the rate, at least one large segment
     limit = max(256 << 10, bits // 8 // 20)
-    tc = ["ip", "netns", "exec", namespace, "tc"]
-    _run([*tc, "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "1"], f"capping {dev}")
-    _run([*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", rate, "ceil", rate,
-          "burst", str(burst), "cburst", str(burst)], f"capping {dev}")
-    _run([*tc, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "bfifo", "limit", str(limit)],
-         f"capping {dev}")
+    _run([*tc, "class", "add", "dev", dev, "parent", "1:", "classid", f"1:{minor}", "htb", "rate", rate, "ceil", rate,
+          "burst", str(burst), "cburst", str(burst), "quantum", "60000"], what)
+    _run([*tc, "qdisc", "add", "dev", dev, "parent", f"1:{minor}", "handle", f"{minor + 9}:", "bfifo", "limit",
+          str(limit)], what)
