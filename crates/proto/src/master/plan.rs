@@ -14,13 +14,12 @@
 //! saturated time, the master compares its rate with the plan's: below the plan's by a factor
 //! of [`DRIFT_FACTOR`], on a link saturated for at least [`BOTTLENECK_SHARE`] of its peer's
 //! time in operations (the one holding them back), the plan takes the new rate and the ring is
-//! re-solved within
-//! [`REPLAN`]. An order at least [`REPLAN_GAIN`] cheaper is applied at the next topology, and
-//! `peers_pending` answers true until then, so a loop that calls `update_topology` only when
-//! peers wait applies it too. Only slowdowns are judged: a link saturated in short stretches
-//! (its stream took a frame soon after it was full) reads faster than it is, and a link that
-//! got faster shows it only once something else stops holding it back; the next
-//! `optimize_topology` measures it again.
+//! re-solved within [`REPLAN`]. An order at least [`REPLAN_GAIN`] cheaper is applied at the next
+//! topology, and `peers_pending` answers true until then, so a loop that calls
+//! `update_topology` only when peers wait applies it too. Only slowdowns are judged: a link
+//! saturated in short stretches (its stream took a frame soon after it was full) reads faster
+//! than it is, and a link that got faster shows it only once something else stops holding it
+//! back; the next `optimize_topology` measures it again.
 
 use super::{Master, MasterEvent, Output, Timer};
 use shoal_topology::{solve, tour_cost, Costs, Link, Links, Search, EXACT_MAX};
@@ -198,13 +197,13 @@ impl Master {
                 continue;
             };
             let w = plan.drift.entry((from, l.peer)).or_default();
-            let now = [l.saturated_bytes, l.saturated_us, report.busy_us];
+            let totals = [l.saturated_bytes, l.saturated_us, report.busy_us];
             // The totals start again with each topology.
-            let seen = if now.iter().zip(w.seen).any(|(n, s)| *n < s) { [0; 3] } else { w.seen };
-            w.bytes += now[0] - seen[0];
-            w.us += now[1] - seen[1];
-            w.busy_us += now[2] - seen[2];
-            w.seen = now;
+            let seen = if totals.iter().zip(w.seen).any(|(t, s)| *t < s) { [0; 3] } else { w.seen };
+            w.bytes += totals[0] - seen[0];
+            w.us += totals[1] - seen[1];
+            w.busy_us += totals[2] - seen[2];
+            w.seen = totals;
             if w.us < DRIFT_WINDOW.as_micros() as u64 {
                 continue;
             }
