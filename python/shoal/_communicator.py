@@ -414,8 +414,8 @@ class Communicator:
 
         Each is ``{"peer", "rank", "streams_out", "streams_in", "tx_bytes", "rx_bytes",
         "saturated_s", "saturated_bytes", "transport"}``: the member's id and rank, the streams
-        we send and receive on, the bytes moved over them in this topology, how long our frames
-        to it waited for room in every stream (the link was saturated) and the bytes written
+        we send and receive on, the bytes moved over them in this topology, how long some frame
+        of ours to it waited for room in its stream (the link was saturated) and the bytes written
         meanwhile (their ratio is what the link carries; the master re-plans the ring when it
         drifts, ``docs/topology.md``), and what carries the streams (``"shm"``: shared memory to
         a member on this host; ``"tcp"``; ``"tls"``: TCP under TLS).

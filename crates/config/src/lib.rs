@@ -18,7 +18,7 @@ pub const KNOWN_VARS: &[(&str, &str)] = &[
     ("SHOAL_CONNECTIONS", "TCP connections per peer pair (fixed: optimize_topology does not size pools)"),
     ("SHOAL_CONNECTIONS_MAX", "most TCP connections optimize_topology grows a pool to (default 16)"),
     ("SHOAL_PROBE_BYTES", "most bytes one exchange of optimize_topology's measurement sends (default 64 MiB)"),
-    ("SHOAL_CHUNK_BYTES", "pipeline chunk size in bytes (default 1 MiB, 256 KiB on one host)"),
+    ("SHOAL_CHUNK_BYTES", "pipeline chunk size in bytes (default 256 KiB)"),
     ("SHOAL_MAX_IN_FLIGHT", "most collectives in flight at once per communicator (default 64)"),
     (
         "SHOAL_ALGO",

@@ -81,8 +81,8 @@ pub struct LinkInfo {
     pub tx_bytes: u64,
     /// Chunk bytes received from it in this topology.
     pub rx_bytes: u64,
-    /// How long, in this topology, our frames to it waited for room in every stream
-    /// (the link was saturated), and the bytes written meanwhile: their ratio is what the link
+    /// How long, in this topology, some frame of ours to it waited for room in its stream (the
+    /// link was saturated), and the bytes written meanwhile: their ratio is what the link
     /// carries, as the master watches it for drift (`docs/topology.md`).
     pub saturated: std::time::Duration,
     /// Bytes written to it, frame headers included, while it was saturated.

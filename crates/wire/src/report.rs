@@ -99,8 +99,8 @@ pub struct LinkReport {
     pub rx_bytes: u64,
     /// Bytes per second sent to it while operations ran (0: nothing sent yet).
     pub tx_rate: u64,
-    /// Bytes written to it (frame headers included) while the link was saturated: frames
-    /// waited for room in every stream to it.
+    /// Bytes written to it (frame headers included) while the link was saturated: some frame
+    /// to it waited for room in its stream.
     pub saturated_bytes: u64,
     /// How long it was saturated, microseconds. `saturated_bytes` over this is what the link
     /// carries; the master compares it with what `optimize_topology` measured (drift).
