@@ -1505,6 +1505,7 @@ impl Driver {
                 fds.push(arrived);
             }
             let slice = until.map_or(POLL_SLICE, |u| u.saturating_duration_since(Instant::now()).min(POLL_SLICE));
+            let slice = exec.held_until().map_or(slice, |h| h.saturating_duration_since(Instant::now()).min(slice));
             if let Err(e) = shoal_transport::poll(&mut fds, slice) {
                 log::warn!("poll over the data streams: {e}");
             }

@@ -156,6 +156,11 @@ const KIND_TOKEN: u8 = 2;
 const SPARE_BODIES: usize = 64;
 /// Most bytes of frames kept for collectives not posted yet, over all lanes.
 pub(crate) const MAX_EARLY_BYTES: usize = 256 << 20;
+/// How long a chunk of a collective not posted here yet waits in its lane before it is read
+/// aside ([`Dest::Unposted`]): members post a batch of collectives within microseconds of each
+/// other, and a chunk read aside costs a copy more; one that waits holds up what follows it on
+/// the lane, for at most this long.
+const EARLY_GRACE: Duration = Duration::from_millis(1);
 /// Most bytes a one-shot collective keeps of the other members' inputs: past it, the ring.
 pub(crate) const MAX_STASH_BYTES: usize = 256 << 20;
 
@@ -743,6 +748,9 @@ enum Dest {
     Scratch,
     /// Into the collective's stash at this byte offset, to combine once everything moved.
     Stash(usize),
+    /// Left in the lane since then: the collective is not posted yet, and most often is within
+    /// microseconds (its caller is posting a batch); past [`EARLY_GRACE`] it is kept aside.
+    Unposted(Instant),
     /// Kept aside: the collective is not posted yet.
     Early(Vec<u8>),
     /// Into a receive's buffer (a tagged transfer).
@@ -767,6 +775,16 @@ struct RecvLane<L> {
     header_got: usize,
     receiving: Option<Receiving>,
     scratch: Vec<u64>,
+}
+
+impl<L> RecvLane<L> {
+    /// Since when it holds a chunk for a collective not posted here ([`Dest::Unposted`]).
+    fn held(&self) -> Option<Instant> {
+        match self.receiving {
+            Some(Receiving { dest: Dest::Unposted(since), .. }) => Some(since),
+            _ => None,
+        }
+    }
 }
 
 /// A frame that arrived before its collective was posted.
@@ -858,6 +876,8 @@ pub(crate) struct Exec<L> {
     posted: Option<u64>,
     early: BTreeMap<u64, Vec<Early>>,
     early_bytes: usize,
+    /// How long an early chunk waits in its lane before it is read aside ([`EARLY_GRACE`]).
+    early_grace: Duration,
     /// Buffers of early frames applied, to receive the next ones without allocating.
     spare_bodies: Vec<Vec<u8>>,
     /// The collective the last free lane took a frame of: the next lane starts after it.
@@ -913,6 +933,7 @@ impl<L: Lane> Exec<L> {
             posted: None,
             early: BTreeMap::new(),
             early_bytes: 0,
+            early_grace: EARLY_GRACE,
             spare_bodies: Vec::new(),
             turn: 0,
             hot: None,
@@ -1201,9 +1222,16 @@ impl<L: Lane> Exec<L> {
             .map(|to| self.ops.values().any(|o| o.has_frame_for(to)) || self.p2p.has_frame_for(to))
             .collect();
         let recv = self.recv.iter().enumerate().filter(|(_, l)| !l.closed);
-        let recv = recv.map(|(i, l)| (true, i, reading || l.receiving.is_some(), false));
+        // A lane holding a chunk until its collective is posted is not read meanwhile.
+        let recv = recv.map(|(i, l)| (true, i, (reading || l.receiving.is_some()) && l.held().is_none(), false));
         let send = self.send.iter().enumerate().map(|(i, l)| (false, i, false, l.sending.is_some() || wanted[l.to]));
         recv.chain(send).collect()
+    }
+
+    /// When a chunk held in its lane for a collective not posted here is read aside, if any
+    /// is: the driver's wait ends by then.
+    pub fn held_until(&self) -> Option<Instant> {
+        self.recv.iter().filter_map(|l| l.held()).min().and_then(|since| since.checked_add(self.early_grace))
     }
 
     /// Moves every byte that can move now, without blocking.
@@ -1340,6 +1368,24 @@ impl<L: Lane> Exec<L> {
             };
             let seq = rx.frame.op.seq;
             let len = rx.frame.len as usize;
+            if let Dest::Unposted(since) = rx.dest {
+                if self.ops.contains_key(&seq) {
+                    let frame = lane.receiving.take().expect("receiving").frame;
+                    self.begin_frame(i, frame)?;
+                    progress = true;
+                    continue;
+                }
+                if since.elapsed() < self.early_grace {
+                    return Ok(progress);
+                }
+                // Not posted yet: kept aside, so that what follows it on the lane moves.
+                self.early_bytes += len;
+                // A spare's bytes are overwritten by the read: only new ones need zeroing.
+                let mut body = self.spare_bodies.pop().unwrap_or_default();
+                body.resize(len, 0);
+                self.recv[i].receiving.as_mut().expect("receiving").dest = Dest::Early(body);
+                continue;
+            }
             if matches!(rx.dest, Dest::Scratch) && rx.got == 0 && len > 0 {
                 // A lane that can lend the chunk where it lies (shared memory) is reduced from
                 // there: one copy fewer than reading it into the scratch buffer first.
@@ -1386,6 +1432,7 @@ impl<L: Lane> Exec<L> {
                     &mut s[rx.got..len]
                 }
                 Dest::Early(body) => &mut body[rx.got..len],
+                Dest::Unposted(_) => unreachable!("placed above"),
                 Dest::Part(p) => {
                     // SAFETY: lent to the engine; the only slice of it in use until the read ends.
                     let whole = unsafe { self.p2p.buf(p.id).slice() };
@@ -1423,6 +1470,7 @@ impl<L: Lane> Exec<L> {
                     self.hot = Some(seq);
                 }
                 Dest::Part(p) => self.p2p.part_done(p.id),
+                Dest::Unposted(_) => unreachable!("placed above"),
                 Dest::Scratch => {
                     let src: &[u8] = bytemuck::cast_slice(&lane.scratch);
                     self.ops.get_mut(&seq).expect("posted").complete_recv(unit, Some(&src[..len]));
@@ -1487,23 +1535,15 @@ impl<L: Lane> Exec<L> {
             if self.posted.is_some_and(|p| seq <= p) {
                 return Err(malformed(format!("a frame of collective {seq}, which ended here")));
             }
-            // Early: keep it until the collective is posted here.
-            let body = if frame.kind == KIND_CHUNK {
-                if frame.len as usize > MAX_EARLY_BYTES {
-                    return Err(malformed(format!("a chunk of {} bytes", frame.len)));
-                }
-                self.early_bytes += frame.len as usize;
-                // A spare's bytes are overwritten by the read: only new ones need zeroing.
-                let mut body = self.spare_bodies.pop().unwrap_or_default();
-                body.resize(frame.len as usize, 0);
-                body
-            } else {
-                Vec::new()
-            };
+            // Early: its chunk waits in the lane for the collective to be posted here.
+            if frame.kind == KIND_CHUNK && frame.len as usize > MAX_EARLY_BYTES {
+                return Err(malformed(format!("a chunk of {} bytes", frame.len)));
+            }
             if frame.kind == KIND_TOKEN || frame.len == 0 {
-                self.early.entry(seq).or_default().push(Early { from, frame, body });
+                self.early.entry(seq).or_default().push(Early { from, frame, body: Vec::new() });
             } else {
-                self.recv[i].receiving = Some(Receiving { frame, unit: 0, got: 0, dest: Dest::Early(body) });
+                let dest = Dest::Unposted(Instant::now());
+                self.recv[i].receiving = Some(Receiving { frame, unit: 0, got: 0, dest });
             }
             return Ok(());
         };
@@ -2010,6 +2050,61 @@ mod tests {
                     assert_eq!(run.ended, Some(Ok(())), "world {world}, rank {rank}, collective {i}");
                     assert_eq!(run.buf, sum(world, i as u64, sizes[i]), "world {world}, rank {rank}, collective {i}");
                 }
+            }
+        }
+    }
+
+    /// A chunk of a collective not posted here yet waits in its lane, costing no copy, as long
+    /// as the grace allows; past it the chunk is read aside, so that a collective posted here
+    /// whose chunks follow it on the lane moves. Rank 0 posts collectives 0 and 1 at once; rank
+    /// 1 posts 1 only once 0 is done there (a caller that waits for each), so chunks of 1 come
+    /// first on the single lane. With an endless grace the lane stays held and 0 never ends;
+    /// with none, every sum holds.
+    #[test]
+    fn an_early_chunk_waits_in_its_lane_for_the_grace_then_is_read_aside() {
+        for grace in [Duration::MAX, Duration::ZERO] {
+            let (mut execs, _) = ring(2, 1, Faults { capacity: 1 << 20, max_io: 1 << 20, reset_after: None });
+            for exec in &mut execs {
+                exec.early_grace = grace;
+            }
+            let sizes = [20_000, 20_000];
+            let mut bufs: Vec<Vec<Vec<u64>>> =
+                (0..2).map(|r| (0..2).map(|i| input(r, i as u64, sizes[i])).collect()).collect();
+            let [first, second] = bufs[0].get_disjoint_mut([0, 1]).unwrap();
+            execs[0].post(sum_spec(first, 0, 1, Algorithm::Ring, 4096));
+            execs[0].post(sum_spec(second, 1, 2, Algorithm::Ring, 4096));
+            execs[1].post(sum_spec(&mut bufs[1][0], 0, 1, Algorithm::Ring, 4096));
+            let (mut confirmed, mut held, mut early_bytes) = (vec![0; 2], false, 0);
+            for _ in 0..20_000 {
+                if confirmed == [2, 2] {
+                    break;
+                }
+                for (rank, exec) in execs.iter_mut().enumerate() {
+                    exec.pump();
+                    held |= exec.recv.iter().any(|l| l.held().is_some());
+                    early_bytes = early_bytes.max(exec.early_bytes);
+                    for (seq, event) in exec.events() {
+                        if matches!(event, OpEvent::Confirmed) {
+                            confirmed[rank] += 1;
+                            exec.take(seq);
+                            if (rank, seq) == (1, 0) {
+                                exec.post(sum_spec(&mut bufs[1][1], 1, 2, Algorithm::Ring, 4096));
+                            }
+                        }
+                    }
+                }
+            }
+            if grace == Duration::MAX {
+                assert!(held, "a chunk of collective 1 waited in the lane");
+                assert_eq!(early_bytes, 0, "nothing was read aside");
+                assert_eq!(confirmed, [0, 0], "collective 0's chunks stay behind the held one");
+                continue;
+            }
+            assert!(early_bytes > 0, "collective 1's chunks were read aside");
+            assert_eq!(confirmed, [2, 2]);
+            for bufs in &bufs {
+                assert_eq!(bufs[0], sum(2, 0, sizes[0]));
+                assert_eq!(bufs[1], sum(2, 1, sizes[1]));
             }
         }
     }
