@@ -218,8 +218,14 @@ class Communicator:
         See :class:`ErrorFeedback` to carry the error into the next step.
         """
         _check_tag(tag)
+        quant = _quant(quantization, quantization_block)
+        if type(tensor) is np.ndarray:
+            # Checked natively, without a view: None for an array it does not take as is.
+            info = self._native.all_reduce_array(tensor, op, tag, algorithm, quant)
+            if info is not None:
+                return info
         view, dtype = _byte_view(tensor)
-        return self._native.all_reduce_bytes(view, dtype, op, tag, algorithm, _quant(quantization, quantization_block))
+        return self._native.all_reduce_bytes(view, dtype, op, tag, algorithm, quant)
 
     def all_reduce_async(
         self,

@@ -39,6 +39,7 @@ def test_a_single_peer_is_accepted_at_once_and_reduces_alone(solo):
         (np.zeros((4, 4), np.float32)[:, 1], ValueError, "contiguous"),
         (np.zeros(4, np.complex64), TypeError, "unsupported dtype"),
         (np.zeros(4, bool), TypeError, "unsupported dtype"),
+        (np.zeros(4, ">f4"), TypeError, "unsupported dtype"),
         ([1.0, 2.0], TypeError, "numpy array or a torch tensor"),
     ],
 )
@@ -88,9 +89,10 @@ def test_an_empty_tensor_reduces_like_any_other(solo):
         assert info.world_size == 1
 
 
-def test_an_empty_tensor_reduces_across_peers(master, tmp_path):
-    for r in run_peers(master, tmp_path, "empty", 2):
-        assert r == {"world": 2, "after": 2.0}, r
+def test_tensors_of_every_shape_reduce_across_peers_and_the_unfit_are_refused(master, tmp_path):
+    grid = (np.arange(15).reshape(3, 5) * 3).tolist()
+    for r in run_peers(master, tmp_path, "shapes", 2):
+        assert r == {"world": 2, "after": 2.0, "grid": grid, "scalar": 1.5, "refused": ["ValueError", "TypeError"]}, r
 
 
 def test_bools_are_not_numbers_here(solo, master):

@@ -838,15 +838,27 @@ def links(spec: dict) -> dict:
             "after_oneshot": seen}
 
 
-def empty(spec: dict) -> dict:
-    """A zero-element all-reduce across peers, then an ordinary one."""
+def shapes(spec: dict) -> dict:
+    """A zero-element all-reduce across peers, then an ordinary one, then arrays of other
+    shapes (taken natively as they are), and arrays refused by name without traffic."""
     comm = shoal.Communicator(spec["master"], timeout=30)
     comm.connect(timeout=30)
     join_all(comm, spec["peers"])
     comm.all_reduce(np.zeros(0, np.float32), op="sum")
     y = np.ones(10, np.float32)
     info = comm.all_reduce(y, op="sum")
-    return {"world": info.world_size, "after": float(y[0])}
+    grid = np.arange(15, dtype=np.int32).reshape(3, 5) * (spec["index"] + 1)
+    scalar = np.array(spec["index"] + 0.5)
+    comm.all_reduce(grid, op="sum")
+    comm.all_reduce(scalar, op="max")
+    refused = []
+    for bad in (np.ones((4, 3), np.float32, order="F"), np.ones(4, ">f4")):
+        try:
+            comm.all_reduce(bad, op="sum")
+        except (TypeError, ValueError) as e:
+            refused.append(type(e).__name__)
+    return {"world": info.world_size, "after": float(y[0]), "grid": grid.tolist(), "scalar": float(scalar),
+            "refused": refused}
 
 
 def may_read_other_processes() -> bool:
@@ -1196,7 +1208,7 @@ if __name__ == "__main__":
                  "matrix": matrix, "torch": torch_tensors, "join_late": join_late, "survive": survive,
                  "agree": agree, "min_world": min_world, "master_loss": master_loss,
                  "admission_misuse": admission_misuse, "chaos": chaos, "die_at": die_at, "sgd": sgd,
-                 "sync_case": sync_case, "mismatch": mismatch, "empty": empty, "loop": loop,
+                 "sync_case": sync_case, "mismatch": mismatch, "shapes": shapes, "loop": loop,
                  "mismatched_calls": mismatched_calls, "links": links, "verbs": verbs,
                  "p2p": p2p, "p2p_ring": p2p_ring,
                  "barrier_lost": barrier_lost, "optimize": optimize, "drift": drift, "quantized": quantized,
