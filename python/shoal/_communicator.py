@@ -246,8 +246,12 @@ class Communicator:
         the collectives that involved the lost peer; each restores its tensor.
         """
         _check_tag(tag)
-        view, dtype = _byte_view(tensor)
         quant = _quant(quantization, quantization_block)
+        if type(tensor) is np.ndarray:
+            native = self._native.all_reduce_array_async(tensor, op, tag, algorithm, quant)
+            if native is not None:
+                return Work(native)
+        view, dtype = _byte_view(tensor)
         return Work(self._native.all_reduce_bytes_async(view, dtype, op, tag, algorithm, quant))
 
     def all_reduce_many(

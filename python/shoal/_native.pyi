@@ -98,6 +98,9 @@ class Communicator:
     def all_reduce_array(
         self, arr: npt.NDArray[Any], op: str, tag: int, algorithm: Optional[str] = None, quant: _Quant = None,
     ) -> Optional[ReduceInfo]: ...
+    def all_reduce_array_async(
+        self, arr: npt.NDArray[Any], op: str, tag: int, algorithm: Optional[str] = None, quant: _Quant = None,
+    ) -> Optional[NativeWork]: ...
     def all_reduce_bytes_async(
         self, buf: npt.NDArray[np.uint8], dtype: str, op: str, tag: int, algorithm: Optional[str] = None,
         quant: _Quant = None,

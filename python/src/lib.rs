@@ -211,8 +211,8 @@ impl AsMut<[u8]> for Lent {
 struct NativeWork {
     comm: Arc<Core>,
     work: Mutex<Box<dyn Pending>>,
-    /// The uint8 view whose memory the collective uses, if it uses one.
-    _buf: Option<Py<PyArray1<u8>>>,
+    /// The array (or its uint8 view) whose memory the collective uses, if it uses one.
+    _buf: Option<Py<PyAny>>,
 }
 
 /// A collective in flight, whatever buffer it holds.
@@ -232,7 +232,7 @@ impl<B: Send + 'static> Pending for Work<B> {
 }
 
 impl NativeWork {
-    fn new(comm: &Arc<Core>, work: impl Pending + 'static, buf: Option<&Bound<'_, PyArray1<u8>>>) -> Self {
+    fn new(comm: &Arc<Core>, work: impl Pending + 'static, buf: Option<&Bound<'_, PyAny>>) -> Self {
         let buf = buf.map(|b| b.clone().unbind());
         NativeWork { comm: Arc::clone(comm), work: Mutex::new(Box::new(work)), _buf: buf }
     }
@@ -530,6 +530,23 @@ impl Communicator {
         let q = quantization(quant)?;
         let work = self.inner.all_reduce_async(lend(buf, "tensor")?, dtype, op, tag, algorithm, q).map_err(to_py)?;
         Ok(NativeWork::new(&self.inner, work, Some(buf)))
+    }
+
+    /// Starts all-reducing numpy array `arr` like `all_reduce_array`; None, having done nothing,
+    /// for an array it does not take as is. The returned work keeps `arr` alive.
+    #[pyo3(signature = (arr, op, tag, algorithm=None, quant=None))]
+    fn all_reduce_array_async(
+        &self,
+        arr: &Bound<'_, PyUntypedArray>,
+        op: &str,
+        tag: u64,
+        algorithm: Option<&str>,
+        quant: QuantArg,
+    ) -> PyResult<Option<NativeWork>> {
+        let Some((ptr, len, dtype)) = plain_array(arr) else { return Ok(None) };
+        let (op, algorithm, q) = (reduce_op(op)?, algorithm_named(algorithm)?, quantization(quant)?);
+        let work = self.inner.all_reduce_async(Lent { ptr, len }, dtype, op, tag, algorithm, q).map_err(to_py)?;
+        Ok(Some(NativeWork::new(&self.inner, work, Some(arr))))
     }
 
     /// Starts `all_gather_bytes` and returns at once; `inp` is copied first.

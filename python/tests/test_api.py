@@ -92,7 +92,8 @@ def test_an_empty_tensor_reduces_like_any_other(solo):
 def test_tensors_of_every_shape_reduce_across_peers_and_the_unfit_are_refused(master, tmp_path):
     grid = (np.arange(15).reshape(3, 5) * 3).tolist()
     for r in run_peers(master, tmp_path, "shapes", 2):
-        assert r == {"world": 2, "after": 2.0, "grid": grid, "scalar": 1.5, "refused": ["ValueError", "TypeError"]}, r
+        assert r == {"world": 2, "after": 2.0, "grid": grid, "scalar": 1.5, "block": [[2.0] * 3] * 2,
+                     "refused": ["ValueError", "TypeError"]}, r
 
 
 def test_bools_are_not_numbers_here(solo, master):

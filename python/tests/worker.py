@@ -851,6 +851,8 @@ def shapes(spec: dict) -> dict:
     scalar = np.array(spec["index"] + 0.5)
     comm.all_reduce(grid, op="sum")
     comm.all_reduce(scalar, op="max")
+    block = np.full((2, 3), spec["index"] + 1, np.float64)
+    comm.all_reduce_async(block, op="prod", tag=3).wait()
     refused = []
     for bad in (np.ones((4, 3), np.float32, order="F"), np.ones(4, ">f4")):
         try:
@@ -858,7 +860,7 @@ def shapes(spec: dict) -> dict:
         except (TypeError, ValueError) as e:
             refused.append(type(e).__name__)
     return {"world": info.world_size, "after": float(y[0]), "grid": grid.tolist(), "scalar": float(scalar),
-            "refused": refused}
+            "block": block.tolist(), "refused": refused}
 
 
 def may_read_other_processes() -> bool:
