@@ -199,8 +199,8 @@ class Communicator:
         On success every peer holds bit-identical values. On :class:`PeerLostError` the call did
         not happen (the tensor is as it was) and the ring re-forms by itself: retry it as is.
         ``algorithm`` forces ``"ring"``, ``"oneshot"``, ``"twoshot"`` or ``"hierarchical"`` (every
-        peer must pass the same); by default (``SHOAL_ALGO``, else ``"auto"``) among three or more
-        peers buffers up to ``SHOAL_ONESHOT_MAX_BYTES`` run one-shot, up to
+        peer must pass the same); by default (``SHOAL_ALGO``, else ``"auto"``) buffers up to
+        ``SHOAL_ONESHOT_MAX_BYTES`` (between two peers of one host, 8 KiB) run one-shot, up to
         ``SHOAL_TWOSHOT_MAX_BYTES`` two-shot where the group spans hosts; larger ones run
         hierarchical where the group spans hosts and some share one (within each host, then one
         leader per host across), else around the ring. After ``optimize_topology()`` across a WAN,
@@ -315,7 +315,7 @@ class Communicator:
         self, tensor: Any, *, root: int = 0, tag: int = 0, algorithm: Optional[str] = None
     ) -> _native.ReduceInfo:
         """Copy rank ``root``'s ``tensor`` into every other peer's, in place. Small tensors go
-        straight from the root to every peer among three or more (``algorithm="oneshot"``),
+        straight from the root to every peer (``algorithm="oneshot"``),
         larger ones around the ring. On :class:`PeerLostError` every tensor is as it was."""
         _check_tag(tag)
         _check_root(root)

@@ -845,6 +845,8 @@ def shapes(spec: dict) -> dict:
     comm.connect(timeout=30)
     join_all(comm, spec["peers"])
     comm.all_reduce(np.zeros(0, np.float32), op="sum")
+    comm.all_reduce(np.zeros(0, np.float64), op="avg", algorithm="ring")
+    comm.all_reduce(np.zeros(0, np.float64), op="avg", algorithm="oneshot")
     y = np.ones(10, np.float32)
     info = comm.all_reduce(y, op="sum")
     grid = np.arange(15, dtype=np.int32).reshape(3, 5) * (spec["index"] + 1)

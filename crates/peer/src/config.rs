@@ -95,6 +95,13 @@ pub const DEFAULT_MAX_IN_FLIGHT: usize = 64;
 pub const MAX_IN_FLIGHT: usize = 1024;
 /// Default for [`CommunicatorConfig::oneshot_max_bytes`].
 pub const DEFAULT_ONESHOT_MAX_BYTES: usize = 64 << 10;
+/// Largest buffer an all-reduce between two members of one host runs one-shot (within
+/// `SHOAL_ONESHOT_MAX_BYTES`): 2 peers over shared memory, one-shot is level with the ring at 4
+/// and 8 KiB (within the noise, 12-16 µs either way) and about 1 µs faster at 64 B, but 16 KiB
+/// took 18.8 against 17.8 µs and 64 KiB 39.6 against 33.0. Across
+/// hosts (loopback TCP standing in) one-shot is ahead up to the general limit: 4 and 16 KiB 41 and
+/// 46 µs against 52 and 57, 64 KiB 73 against 72.
+pub const PAIR_ONESHOT_MAX_BYTES: usize = 8 << 10;
 /// Default for [`CommunicatorConfig::twoshot_max_bytes`].
 pub const DEFAULT_TWOSHOT_MAX_BYTES: usize = 4 << 20;
 /// Default for [`CommunicatorConfig::probe_bytes`].
@@ -152,14 +159,14 @@ impl CommunicatorConfig {
 
     /// The algorithm of a collective of `kind` over `bytes` in a group of `world` members on
     /// `hosts` hosts, asked for `requested`: what it (or else
-    /// [`CommunicatorConfig::algorithm`]) names; otherwise, in groups of three or more, one-shot
-    /// up to [`CommunicatorConfig::oneshot_max_bytes`], then two-shot up to
+    /// [`CommunicatorConfig::algorithm`]) names; otherwise one-shot up to
+    /// [`CommunicatorConfig::oneshot_max_bytes`] (between two members of one host, up to
+    /// [`PAIR_ONESHOT_MAX_BYTES`]), then two-shot up to
     /// [`CommunicatorConfig::twoshot_max_bytes`] where the group spans hosts; above, the
     /// hierarchical all-reduce where the group spans hosts and some share one (only one leader
     /// per host crosses hosts: `2 (H - 1) / H` of the buffer for `H` hosts instead of the ring's
-    /// `2 (n - 1) / n`, in fewer long hops), and the ring otherwise and between two, where the ring's two hops cost no more than one-shot's one and each
-    /// member reduces half the buffer, not all of it (loopback, 2 cores: one-shot takes 0.43× the
-    /// ring's time at 4 KiB with 4 peers, 0.94× at 256 KiB, and 1.15× at 4 KiB with 2). On one
+    /// `2 (n - 1) / n`, in fewer long hops), and the ring otherwise (loopback, 2 cores: one-shot
+    /// takes 0.43× the ring's time at 4 KiB with 4 peers, 0.94× at 256 KiB). On one
     /// host a hop costs little and the ring's pipeline wins above one-shot's sizes (two-shot took
     /// 2.0× the ring's time at 1 MiB with 4 peers on loopback); across a WAN every hop costs a
     /// one-way delay (the lab's `two-sites`, 4 peers: two-shot 0.75× the ring's time at 1 MiB,
@@ -186,6 +193,12 @@ impl CommunicatorConfig {
             CollectiveKind::AllReduce | CollectiveKind::Broadcast => {}
         }
         let oneshot_fits = bytes.saturating_mul(world) <= MAX_STASH_BYTES;
+        // Between two members one-shot saves the ring's second hop for one more copy of the
+        // buffer, which on one host weighs more than the hop past a few KiB.
+        let oneshot_max = match (world, spans_hosts) {
+            (2, false) => self.oneshot_max_bytes.min(PAIR_ONESHOT_MAX_BYTES),
+            _ => self.oneshot_max_bytes,
+        };
         let chosen = match requested.or(self.algorithm) {
             Some(Algorithm::OneShot | Algorithm::TwoShot) if !oneshot_fits => Algorithm::Ring,
             Some(algorithm) => algorithm,
@@ -195,9 +208,7 @@ impl CommunicatorConfig {
             None if limits.is_some_and(|l| bytes as u64 <= l.twoshot_max) && world > 2 && oneshot_fits => {
                 Algorithm::TwoShot
             }
-            None if limits.is_none() && world > 2 && bytes <= self.oneshot_max_bytes && oneshot_fits => {
-                Algorithm::OneShot
-            }
+            None if limits.is_none() && world > 1 && bytes <= oneshot_max && oneshot_fits => Algorithm::OneShot,
             None if limits.is_none() && spans_hosts && world > 2 && bytes <= self.twoshot_max_bytes && oneshot_fits => {
                 Algorithm::TwoShot
             }
@@ -273,7 +284,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn small_buffers_run_one_shot_among_three_or_more_unless_asked_otherwise() {
+    fn small_buffers_run_one_shot_unless_asked_otherwise() {
         let mut c = CommunicatorConfig::from_env("127.0.0.1:1").unwrap();
         c.algorithm = None;
         let small = c.oneshot_max_bytes;
@@ -288,7 +299,13 @@ mod tests {
             c.algorithm_for(CollectiveKind::AllReduce, None, c.twoshot_max_bytes + 1, (3, 3), None),
             Algorithm::Ring
         );
-        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, small, (2, 2), None), Algorithm::Ring);
+        // Two members: across hosts as three; on one host only the smallest.
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, small, (2, 2), None), Algorithm::OneShot);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, small + 1, (2, 2), None), Algorithm::Ring);
+        let pair = PAIR_ONESHOT_MAX_BYTES;
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, pair, (2, 1), None), Algorithm::OneShot);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, pair + 1, (2, 1), None), Algorithm::Ring);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, 8, (1, 1), None), Algorithm::Ring);
         assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, Some(Algorithm::Ring), 8, (8, 8), None), Algorithm::Ring);
         assert_eq!(
             c.algorithm_for(CollectiveKind::AllReduce, Some(Algorithm::OneShot), 8, (2, 2), None),
