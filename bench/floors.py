@@ -88,6 +88,7 @@ def _reader(me: int, addrs, start, done) -> None:
             if n != PIECE:
                 raise OSError(ctypes.get_errno(), "process_vm_readv")
     done.put(time.perf_counter() - t)
+    start.wait()  # our buffer stays until the other has read it all
 
 
 def cross_read_rate() -> float:
