@@ -169,7 +169,7 @@ fn lend_shared(buf: &Bound<'_, PyArray1<u8>>, name: &str) -> PyResult<Lent> {
 }
 
 /// A numpy array's memory lent to a collective in flight. The `NativeWork` holding it also holds
-/// the array, so the memory outlives the collective.
+/// the array (a blocking call's caller does), so the memory outlives the collective.
 struct Lent {
     ptr: *mut u8,
     len: usize,
@@ -437,7 +437,6 @@ impl Communicator {
     /// (another dtype or byte order, not C-contiguous, read-only, unaligned): the caller's
     /// checks then say what is wrong.
     #[pyo3(signature = (arr, op, tag, algorithm=None, quant=None))]
-    #[allow(unsafe_code)]
     fn all_reduce_array(
         &self,
         py: Python<'_>,
@@ -449,10 +448,9 @@ impl Communicator {
     ) -> PyResult<Option<ReduceInfo>> {
         let Some((ptr, len, dtype)) = plain_array(arr) else { return Ok(None) };
         let (op, algorithm, q) = (reduce_op(op)?, algorithm_named(algorithm)?, quantization(quant)?);
-        // SAFETY: `arr` owns `len` bytes at `ptr` (checked writable and C-contiguous) and stays
-        // alive, held by the caller, until this call returns; nothing else here touches them.
-        let bytes = if len == 0 { &mut [][..] } else { unsafe { std::slice::from_raw_parts_mut(ptr, len) } };
-        let info = py.detach(|| self.inner.all_reduce(bytes, dtype, op, tag, algorithm, q)).map_err(to_py)?;
+        // `arr`, held by the caller, outlives the call.
+        let mut lent = Lent { ptr, len };
+        let info = py.detach(|| self.inner.all_reduce(lent.as_mut(), dtype, op, tag, algorithm, q)).map_err(to_py)?;
         Ok(Some(info.into()))
     }
 
