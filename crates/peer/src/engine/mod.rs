@@ -1369,7 +1369,8 @@ impl<L: Lane> Exec<L> {
             let seq = rx.frame.op.seq;
             let len = rx.frame.len as usize;
             if let Dest::Unposted(since) = rx.dest {
-                if self.ops.contains_key(&seq) {
+                // Posted since (even ended since): placed as if it arrived now.
+                if self.posted.is_some_and(|p| seq <= p) {
                     let frame = lane.receiving.take().expect("receiving").frame;
                     self.begin_frame(i, frame)?;
                     progress = true;
