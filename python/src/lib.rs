@@ -112,18 +112,18 @@ fn reduce_op(op: &str) -> PyResult<ReduceOp> {
 fn plain_array(arr: &Bound<'_, PyUntypedArray>) -> Option<(*mut u8, usize, DType)> {
     use numpy::npyffi::{NPY_ARRAY_ALIGNED, NPY_ARRAY_WRITEABLE};
     let descr = arr.dtype();
-    let name = match (descr.kind(), descr.itemsize()) {
-        (b'u', 1) => "u8",
-        (b'i', 1) => "i8",
-        (b'i', 2) => "i16",
-        (b'u', 2) => "u16",
-        (b'i', 4) => "i32",
-        (b'u', 4) => "u32",
-        (b'i', 8) => "i64",
-        (b'u', 8) => "u64",
-        (b'f', 2) => "f16",
-        (b'f', 4) => "f32",
-        (b'f', 8) => "f64",
+    let dtype = match (descr.kind(), descr.itemsize()) {
+        (b'u', 1) => DType::U8,
+        (b'i', 1) => DType::I8,
+        (b'i', 2) => DType::I16,
+        (b'u', 2) => DType::U16,
+        (b'i', 4) => DType::I32,
+        (b'u', 4) => DType::U32,
+        (b'i', 8) => DType::I64,
+        (b'u', 8) => DType::U64,
+        (b'f', 2) => DType::F16,
+        (b'f', 4) => DType::F32,
+        (b'f', 8) => DType::F64,
         _ => return None,
     };
     let behaved = NPY_ARRAY_ALIGNED | NPY_ARRAY_WRITEABLE;
@@ -131,7 +131,7 @@ fn plain_array(arr: &Bound<'_, PyUntypedArray>) -> Option<(*mut u8, usize, DType
     let fields = unsafe { &(*arr.as_array_ptr()).fields };
     let (flags, data) = (fields.flags, fields.data);
     let plain = descr.is_native_byteorder() != Some(false) && arr.is_c_contiguous() && flags & behaved == behaved;
-    plain.then(|| (data.cast::<u8>(), arr.len() * descr.itemsize(), DType::from_name(name).expect("listed")))
+    plain.then(|| (data.cast::<u8>(), arr.len() * descr.itemsize(), dtype))
 }
 
 /// `buf`, borrowed for writing.

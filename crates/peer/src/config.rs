@@ -98,9 +98,9 @@ pub const DEFAULT_ONESHOT_MAX_BYTES: usize = 64 << 10;
 /// Largest buffer an all-reduce between two members of one host runs one-shot (within
 /// `SHOAL_ONESHOT_MAX_BYTES`): 2 peers over shared memory, one-shot is level with the ring at 4
 /// and 8 KiB (within the noise, 12-16 µs either way) and about 1 µs faster at 64 B, but 16 KiB
-/// took 18.8 against 17.8 µs and 64 KiB 39.6 against 33.0. Across
-/// hosts (loopback TCP standing in) one-shot is ahead up to the general limit: 4 and 16 KiB 41 and
-/// 46 µs against 52 and 57, 64 KiB 73 against 72.
+/// took 18.8 against 17.8 µs and 64 KiB 39.6 against 33.0. Across hosts (loopback TCP standing
+/// in) one-shot is ahead up to the general limit: 4 and 16 KiB 41 and 46 µs against 52 and 57,
+/// 64 KiB 73 against 72.
 pub const PAIR_ONESHOT_MAX_BYTES: usize = 8 << 10;
 /// Default for [`CommunicatorConfig::twoshot_max_bytes`].
 pub const DEFAULT_TWOSHOT_MAX_BYTES: usize = 4 << 20;
