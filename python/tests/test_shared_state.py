@@ -36,8 +36,10 @@ def test_strategies(master, tmp_path, case):
         # The authoritative peer's 7.0 wins over the popular 1.0; it never receives.
         assert odd["received"] == {} and all(r["received"] == {"w": [odd["peer_id"]]} for r in results[1:])
     else:
-        # The odd one is outvoted (or takes what it is given) from both others, striped.
-        assert sorted(odd["received"]["w"]) == sorted(r["peer_id"] for r in results[1:]), odd
+        # The odd one is outvoted (or takes what it is given): its one piece comes from one of
+        # the others, whichever answered first (striping over both: the donor test below).
+        (donor,) = odd["received"]["w"]
+        assert donor in [r["peer_id"] for r in results[1:]], odd
         assert all(r["received"] == {} for r in results[1:])
     if case == "receive_only":
         assert odd["sent_to"] == [], "a receive_only peer never sends"

@@ -707,6 +707,22 @@ def sync_case(spec: dict) -> dict:
     return result
 
 
+def repairs(spec: dict) -> dict:
+    """``rounds`` syncs in each of which peer 0's small tensor differs from the others': it is
+    repaired every time. Returns who delivered it each time."""
+    comm = shoal.Communicator(spec["master"], timeout=30)
+    comm.connect(timeout=30, min_world_size=spec["peers"])
+    w = np.ones(1000, np.float32)
+    state = shoal.SharedState({"w": w})
+    donors = []
+    for revision in range(spec["rounds"]):
+        if spec["index"] == 0:
+            w[:] = -1.0
+        state.revision = revision
+        donors.append(comm.sync_shared_state(state).received.get("w", []))
+    return {"peer_id": comm.peer_id, "donors": donors, "hashes": state.hashes()}
+
+
 def mismatch(spec: dict) -> dict:
     """The peer of index 1 first calls all_reduce with another count (or dtype, op, tag or
     quantization, as ``vary`` says); every peer retries its call until it succeeds (the odd one now matching),
@@ -1212,7 +1228,7 @@ if __name__ == "__main__":
                  "matrix": matrix, "torch": torch_tensors, "join_late": join_late, "survive": survive,
                  "agree": agree, "min_world": min_world, "master_loss": master_loss,
                  "admission_misuse": admission_misuse, "chaos": chaos, "die_at": die_at, "sgd": sgd,
-                 "sync_case": sync_case, "mismatch": mismatch, "shapes": shapes, "loop": loop,
+                 "sync_case": sync_case, "repairs": repairs, "mismatch": mismatch, "shapes": shapes, "loop": loop,
                  "mismatched_calls": mismatched_calls, "links": links, "verbs": verbs,
                  "p2p": p2p, "p2p_ring": p2p_ring,
                  "barrier_lost": barrier_lost, "optimize": optimize, "drift": drift, "quantized": quantized,

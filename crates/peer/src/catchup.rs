@@ -23,7 +23,7 @@ use shoal_proto::auth::DataKey;
 use shoal_proto::peer::CatchUpPlan;
 use shoal_transport::Conn;
 use shoal_wire::{PeerId, SessionId};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -137,7 +137,7 @@ pub struct CatchUpInfo {
     pub revision: Option<u64>,
     /// Bytes fetched.
     pub bytes: u64,
-    /// Peers fetched from.
+    /// Peers fetched from: those that delivered a piece, or (nothing fetched) those asked.
     pub donors: Vec<PeerId>,
     /// Why nothing was fetched, if nothing was.
     pub skipped: Option<String>,
@@ -279,14 +279,15 @@ impl Newcomer<'_> {
             let after = deadline.bound();
             return Err(Error::Timeout { operation: "connect (fetching the group's state to catch up)", after });
         }
-        let donors = plan.donors.iter().map(|d| d.peer).collect();
         match fetched {
             Ok(data) => {
-                let mut bytes = 0;
-                for (w, data) in wanted.iter().zip(data) {
+                let (mut bytes, mut donors) = (0, BTreeSet::new());
+                for (w, (data, served)) in wanted.iter().zip(data) {
                     tensors[w.index].bytes.copy_from_slice(&data);
                     bytes += w.len;
+                    donors.extend(served);
                 }
+                let donors = donors.into_iter().collect();
                 self.end(Some(plan.revision));
                 log::info!(
                     "{}: caught up with revision {} ({} MiB in {:.2} s, {:.0} MB/s); awaiting admission",
@@ -301,12 +302,14 @@ impl Newcomer<'_> {
             Err(why) => {
                 self.end(None);
                 log::warn!("{}: catch-up failed ({why}); the sync that admits us repairs the state", self.me);
+                let donors = plan.donors.iter().map(|d| d.peer).collect();
                 Ok(CatchUpInfo { skipped: Some(why), donors, elapsed, ..CatchUpInfo::default() })
             }
         }
     }
 
-    /// Fetches the plan's tensors, reporting progress meanwhile; their bytes, verified.
+    /// Fetches the plan's tensors, reporting progress meanwhile; their bytes, verified, each with
+    /// the donors that delivered it.
     fn fetch(
         &self,
         comm: &Communicator,
@@ -315,7 +318,7 @@ impl Newcomer<'_> {
         tensors: &[StateTensor<'_>],
         progress: &mut (dyn FnMut(&CatchUpProgress) + Send),
         until: Instant,
-    ) -> std::result::Result<Vec<Vec<u8>>, String> {
+    ) -> std::result::Result<Vec<crate::sync::Fetched>, String> {
         let total: u64 = wanted.iter().map(|w| w.len).sum();
         let addrs: BTreeMap<PeerId, String> = plan.donors.iter().map(|m| (m.peer, m.addr.clone())).collect();
         let meta = tensors_meta(tensors);

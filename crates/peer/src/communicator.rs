@@ -1638,10 +1638,12 @@ impl Driver {
         }
         let missing = exec.missing();
         let me = position.ring[position.rank].peer;
-        for to in missing.to {
+        // Every missing link at once: each dial waits a round trip.
+        let deadline = Deadline::after(self.config.timeout);
+        let open = |k: usize| listener.open(&position.ring[missing.to[k]], position.epoch, &self.config, deadline);
+        for (&to, opened) in missing.to.iter().zip(crate::links::at_once(missing.to.len(), open)) {
             let member = &position.ring[to];
-            let deadline = Deadline::after(self.config.timeout);
-            match listener.open(member, position.epoch, &self.config, deadline) {
+            match opened {
                 Ok(pool) => {
                     log::info!("{me}: linked to {} (rank {to}) over {} streams", member.peer, pool.len());
                     exec.add_send(to, pool);
