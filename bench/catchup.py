@@ -64,6 +64,7 @@ def peer(args: argparse.Namespace) -> None:
         t2 = time.time()
         grad = np.ones(1 << 18, np.float32)
         comm.all_reduce(grad, op="sum")
+        t3 = time.time()
         if args.role == "newcomer" and "in_sync" not in out:
             out["in_sync"] = time.time()
             out["admission_bytes"] = synced.received_bytes
@@ -72,8 +73,8 @@ def peer(args: argparse.Namespace) -> None:
         if step[0] == 2:
             w += 1.0
         time.sleep(args.compute)
-        # The step, and its parts: the votes (and admission), the sync.
-        times.append([t0, time.time() - t0, t1 - t0, t2 - t1])
+        # The step, and its parts: the votes (and admission), the sync, the all-reduce.
+        times.append([t0, time.time() - t0, t1 - t0, t2 - t1, t3 - t2])
     out["times"] = times
     print(json.dumps(out), flush=True)
 
@@ -145,14 +146,19 @@ def run(args: argparse.Namespace, catch_up: bool, lab: Any, hosts: list[str]) ->
     before = [t[1] for m in members_out for t in m["times"] if t[0] + t[1] < new["connect"]]
     during = [t for m in members_out for t in m["times"] if t[0] + t[1] > new["connect"] and t[0] < new["in_sync"]]
     longest = max(during, key=lambda t: t[1])
+    normal_all_reduce = [t[4] for m in members_out for t in m["times"] if t[0] + t[1] < new["connect"]]
     return {
         "normal_step_s": statistics.median(before),
+        "normal_all_reduce_s": statistics.median(normal_all_reduce),
         "longest_step_during_join_s": longest[1],
         "longest_step_votes_s": longest[2],
         "longest_step_sync_s": longest[3],
+        "longest_step_all_reduce_s": longest[4],
         "connect_to_in_sync_s": new["in_sync"] - new["connect"],
         "admission_sync_bytes": new["admission_bytes"],
         "caught": new.get("caught"),
+        "newcomer_first_step": new["times"][0],
+        "members_steps_after": [t[1:] for t in members_out[0]["times"] if t[0] > new["in_sync"]],
     }
 
 
@@ -163,6 +169,7 @@ def main() -> None:
     parser.add_argument("--steps-after", type=int, default=4)
     parser.add_argument("--compute", type=float, default=0.2, help="seconds of compute per step")
     parser.add_argument("--warmup", type=float, default=3.0, help="seconds the members step before the join")
+    parser.add_argument("--catch-up-only", action="store_true", help="skip the run without catching up")
     parser.add_argument("--rate", type=int, default=None, help="SHOAL_CATCHUP_RATE for the donors")
     parser.add_argument("--lab", help="run in the hosts of this lab (shoal lab up), the newcomer in the last")
     parser.add_argument("--hosts", help="comma-separated lab hosts: the members', then the newcomer's")
@@ -186,12 +193,14 @@ def main() -> None:
     where = f"{sender} -> {hosts[-1]} in lab {args.lab}" if lab else "loopback"
     print(f"raw transfer of {args.mib} MiB over one TCP connection ({where}): {raw:.3f} s")
     results: dict[str, dict[str, Any]] = {}
-    for name, catch_up in (("catch-up", True), ("repair at admission", False)):
+    ways = (("catch-up", True),) if args.catch_up_only else (("catch-up", True), ("repair at admission", False))
+    for name, catch_up in ways:
         r = run(args, catch_up, lab, hosts or [])
         results[name] = r
         print(f"{name:>20}: members' normal step {r['normal_step_s']:.3f} s, longest during the join "
               f"{r['longest_step_during_join_s']:.3f} s ({r['longest_step_during_join_s'] / r['normal_step_s']:.2f}x: "
-              f"votes {r['longest_step_votes_s']:.3f} s, sync {r['longest_step_sync_s']:.3f} s); "
+              f"votes {r['longest_step_votes_s']:.3f} s, sync {r['longest_step_sync_s']:.3f} s, "
+              f"all-reduce {r['longest_step_all_reduce_s']:.3f} s against {r['normal_all_reduce_s']:.3f} s); "
               f"newcomer connect -> first step in sync {r['connect_to_in_sync_s']:.2f} s "
               f"({r['connect_to_in_sync_s'] / raw:.2f}x raw); admission sync moved {r['admission_sync_bytes']} bytes")
     print(json.dumps({"raw_transfer_s": raw, **results}))
