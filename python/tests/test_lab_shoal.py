@@ -43,6 +43,10 @@ def test_two_hosts_with_two_peers_each_link_over_shared_memory_inside_and_tcp_be
         out = run_peers(master, tmp_path, "links", 4, timeout=120, launch=lambda i, argv: sites.argv(hosts[i], argv))
     host_of = {o["rank"]: hosts[o["index"]] for o in out}
     for o in out:
+        # Links to the members on the other host are dialed with the topology, in the round trip
+        # of the ring's own, not by the first collective that needs them.
+        elsewhere = {r for r in host_of if host_of[r] != hosts[o["index"]]}
+        assert elsewhere <= {link["rank"] for link in o["after_ring"] if link["streams_out"]}, o
         # One-shot links every member to every other: the kernel, not the address, says which
         # share a host (each lab host is a network namespace of its own).
         (_, links), _ = o["after_oneshot"]

@@ -938,10 +938,13 @@ fn take_up(data: &mut DataPlane, position: &RingPosition) {
     let me = position.ring[rank].peer;
     let mut exec = Exec::new(position.epoch, rank, world);
     if world > 1 {
-        let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+        let prev = (rank + world - 1) % world;
         // Both halves come non-blocking from the listener (`links.rs`).
-        if let Some(send) = data.outgoing.remove(&position.ring[next].peer).filter(|p| !p.is_empty()) {
-            exec.add_send(next, send);
+        // Our successor's pool, and those dialed to other members in the same round trip.
+        for (peer, send) in std::mem::take(&mut data.outgoing) {
+            if let Some(rank) = position.ring.iter().position(|m| m.peer == peer).filter(|_| !send.is_empty()) {
+                exec.add_send(rank, send);
+            }
         }
         if let Some(recv) = data.incoming.remove(&position.ring[prev].peer).filter(|p| !p.is_empty()) {
             exec.add_recv(prev, recv);

@@ -44,6 +44,10 @@ const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
 /// lab's long-fat pipe, 8 concurrent 8 MiB all-reduces over 8 streams took 807 ms without it,
 /// 717 ms with it), and a frame waits behind at most this much of its stream.
 const UNSENT_LIMIT: u32 = 256 << 10;
+/// Largest group whose members each link to every member on another host when its topology is
+/// established, rather than when a collective first needs the link (a full mesh: past this,
+/// what a ring-only run would hold open costs more than the round trip it saves).
+const EAGER_LINKS_MAX: usize = 16;
 /// How often a wait for the predecessor's streams looks at the control state.
 const ESTABLISH_POLL: Duration = Duration::from_millis(20);
 
@@ -278,15 +282,32 @@ impl Listener {
         let id = self.identity.get().expect("identity is set at registration");
         let me = id.me;
         let next = pos.next();
-        let connections = self.connections(config, next);
+        // The members on other hosts too, while the group is small, in the same round trip: the
+        // one-shot and two-shot schedules of small collectives link to every member, and would
+        // otherwise dial them when first posted, a round trip of the first collective.
+        let mut targets = vec![next];
+        if pos.group_size() <= EAGER_LINKS_MAX {
+            let ours = self.local_ip();
+            let elsewhere =
+                |m: &&Member| m.addr.parse::<SocketAddr>().is_ok_and(|a| !a.ip().is_loopback() && Some(a.ip()) != ours);
+            targets.extend(pos.ring.iter().filter(|m| m.peer != me && m.peer != next.peer).filter(elsewhere));
+        }
         let tls = self.tls.as_ref();
-        match dial(id, next.peer, pos.epoch, &next.addr, connections, config.shared_memory, tls, deadline, operation) {
-            Ok(pool) => plane.outgoing.insert(next.peer, pool),
-            Err(reason) => {
-                log::warn!("{me}: cannot reach {}: {reason}", next.peer);
-                return Established::Unreachable(next.peer);
-            }
+        let dial_one = |k: usize| {
+            let (to, shm) = (targets[k], config.shared_memory);
+            dial(id, to.peer, pos.epoch, &to.addr, self.connections(config, to), shm, tls, deadline, operation)
         };
+        for (k, dialed) in at_once(targets.len(), dial_one).into_iter().enumerate() {
+            match dialed {
+                Ok(pool) => drop(plane.outgoing.insert(targets[k].peer, pool)),
+                Err(reason) if k == 0 => {
+                    log::warn!("{me}: cannot reach {}: {reason}", next.peer);
+                    return Established::Unreachable(next.peer);
+                }
+                // The first collective that needs it dials again, and fails if it cannot.
+                Err(reason) => log::info!("{me}: no link to {} yet: {reason}", targets[k].peer),
+            }
+        }
         let prev = pos.prev().peer;
         loop {
             {
