@@ -48,7 +48,7 @@ class CatchUpInfo:
     admission repairs the state, as without a catch-up)."""
     fetched_bytes: int
     donors: list[int]
-    """The peer ids fetched from."""
+    """The peer ids that delivered a piece; if nothing was fetched, those it asked."""
     skipped: Optional[str]
     """Why nothing was fetched, if nothing was."""
     elapsed: float

@@ -413,13 +413,13 @@ pub(crate) fn fetch(
         }
     });
     drop(results);
-    let w = work.into_inner().unwrap_or_else(PoisonError::into_inner);
-    if let Some(i) = w.outstanding.iter().position(|n| *n > 0) {
+    let Work { outstanding, served, .. } = work.into_inner().unwrap_or_else(PoisonError::into_inner);
+    if let Some(i) = outstanding.iter().position(|n| *n > 0) {
         let name = &meta[wanted[i].index].2;
         return Err(format!("every donor of tensor {name:?} failed before it arrived"));
     }
     let mut out = Vec::with_capacity(wanted.len());
-    for ((w, data), served) in wanted.iter().zip(buffers).zip(w.served) {
+    for ((w, data), served) in wanted.iter().zip(buffers).zip(served) {
         let (dtype, shape, name) = &meta[w.index];
         let hash = shoal_state::hash_tensor(*dtype, shape, &data).map_err(|e| e.to_string())?;
         if hash.0 != w.hash {
@@ -447,7 +447,8 @@ fn fetch_from(
     // Connected before it takes a piece: the donor that answers first, the nearest, takes the
     // first pieces, and a tensor of one piece comes from it alone (the lab's admitting sync
     // fetched 8 bytes across the WAN, 2 round trips of 40 ms, with a donor in the next rack).
-    if mine.iter().all(|&i| work.lock().unwrap_or_else(PoisonError::into_inner).queues[i].is_empty()) {
+    let left = |w: &Work| mine.iter().any(|&i| !w.queues[i].is_empty());
+    if !left(&work.lock().unwrap_or_else(PoisonError::into_inner)) {
         return Ok(());
     }
     let mut stream = Conn::dial(&addr, f.io_timeout, f.tls).map_err(|e| format!("dialing {addr}: {e}"))?;
