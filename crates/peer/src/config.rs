@@ -113,6 +113,12 @@ pub const DEFAULT_CATCHUP_MEMORY: usize = 8 << 30;
 /// Smallest pipeline chunk: below this, per-chunk overhead dominates.
 pub const MIN_CHUNK_BYTES: usize = 4096;
 
+/// Whether the peer at `peer_addr` runs on this host, when we advertise `local_ip`: a loopback
+/// address or our own. A name, or another address, is taken to be elsewhere.
+pub(crate) fn on_this_host(local_ip: Option<IpAddr>, peer_addr: &str) -> bool {
+    matches!(peer_addr.parse::<SocketAddr>(), Ok(a) if a.ip().is_loopback() || Some(a.ip()) == local_ip)
+}
+
 impl CommunicatorConfig {
     /// Defaults overridden by the environment.
     ///
@@ -232,9 +238,10 @@ impl CommunicatorConfig {
         if let Some(n) = self.connections {
             return n;
         }
-        match peer_addr.parse::<SocketAddr>() {
-            Ok(a) if a.ip().is_loopback() || Some(a.ip()) == local_ip => 1,
-            _ => DEFAULT_CONNECTIONS,
+        if on_this_host(local_ip, peer_addr) {
+            1
+        } else {
+            DEFAULT_CONNECTIONS
         }
     }
 

@@ -4,8 +4,9 @@
 //! we dialed (we send on them) and a pool it dialed (we receive on them): a dialed stream carries
 //! data one way only, from dialer to acceptor, so each side opens its half when it first has
 //! something to send, and neither waits for the other to decide. Before a topology is in force
-//! a peer links to its ring successor and predecessor ([`Listener::establish`]); a schedule that
-//! exchanges data with other members links to them when first posted ([`Listener::open`],
+//! a peer links to its ring successor and predecessor, and in a small group to every member on
+//! another host, its dials all at once ([`Listener::establish`]); a schedule that exchanges data
+//! with other members links to them when first posted ([`Listener::open`],
 //! [`Listener::take_pool`]), and every later collective of the topology reuses the link. Links
 //! are for one topology alone: a collective that failed leaves half-sent chunks in its streams,
 //! and a member that never ran it (it joined the re-formed ring first) cannot tell, so no pool
@@ -287,9 +288,7 @@ impl Listener {
         // otherwise dial them when first posted, a round trip of the first collective.
         let mut targets = vec![next];
         if pos.group_size() <= EAGER_LINKS_MAX {
-            let ours = self.local_ip();
-            let elsewhere =
-                |m: &&Member| m.addr.parse::<SocketAddr>().is_ok_and(|a| !a.ip().is_loopback() && Some(a.ip()) != ours);
+            let elsewhere = |m: &&Member| !crate::config::on_this_host(self.local_ip(), &m.addr);
             targets.extend(pos.ring.iter().filter(|m| m.peer != me && m.peer != next.peer).filter(elsewhere));
         }
         let tls = self.tls.as_ref();
@@ -299,7 +298,9 @@ impl Listener {
         };
         for (k, dialed) in at_once(targets.len(), dial_one).into_iter().enumerate() {
             match dialed {
-                Ok(pool) => drop(plane.outgoing.insert(targets[k].peer, pool)),
+                Ok(pool) => {
+                    plane.outgoing.insert(targets[k].peer, pool);
+                }
                 Err(reason) if k == 0 => {
                     log::warn!("{me}: cannot reach {}: {reason}", next.peer);
                     return Established::Unreachable(next.peer);
