@@ -608,6 +608,20 @@ mod tests {
         Message::PeerHello { from, to, epoch: Epoch(1), stream: 0, streams: 1, mac }
     }
 
+    /// A listener without TLS on a free loopback port.
+    fn plain_listener() -> Listener {
+        Listener::start("127.0.0.1:0", None, crate::catchup::Snapshots::new(None, Duration::from_secs(5))).unwrap()
+    }
+
+    /// Waits up to 3 s for `listener` to have counted `n` refusals, failing with `what`.
+    fn await_refused(listener: &Listener, n: u64, what: &str) {
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while listener.arrivals.refused.load(Ordering::Relaxed) < n {
+            assert!(Instant::now() < deadline, "{what}");
+            thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     /// Sends `message` on a new connection to `listener`; true if the listener closed it.
     fn refused(listener: &Listener, session: SessionId, message: &Message) -> bool {
         let mut s = Conn::dial(&format!("127.0.0.1:{}", listener.port), Duration::from_secs(1), None).unwrap();
@@ -622,8 +636,7 @@ mod tests {
     /// newcomer waiting for one that never comes.
     #[test]
     fn hello_before_identity_is_known_is_kept() {
-        let listener =
-            Listener::start("127.0.0.1:0", None, crate::catchup::Snapshots::new(None, Duration::from_secs(5))).unwrap();
+        let listener = plain_listener();
         let addr = format!("127.0.0.1:{}", listener.port);
         let (me, session) = (PeerId(7), SessionId(42));
         let mut s = Conn::dial(&addr, Duration::from_secs(1), None).unwrap();
@@ -644,8 +657,7 @@ mod tests {
 
     #[test]
     fn hello_for_another_session_or_peer_is_refused() {
-        let listener =
-            Listener::start("127.0.0.1:0", None, crate::catchup::Snapshots::new(None, Duration::from_secs(5))).unwrap();
+        let listener = plain_listener();
         listener.set_identity(PeerId(1), SessionId(5), KEY, "127.0.0.1:1");
         for (to, session) in [(PeerId(2), SessionId(5)), (PeerId(1), SessionId(6))] {
             assert!(refused(&listener, session, &hello(&KEY, session, PeerId(9), to)));
@@ -700,11 +712,7 @@ mod tests {
             }
             Err(e) => assert!(shoal_transport::tls::is_tls_error(&e), "{e}"),
         }
-        let deadline = Instant::now() + Duration::from_secs(3);
-        while listener.arrivals.refused.load(Ordering::Relaxed) < 2 {
-            assert!(Instant::now() < deadline, "refusals are counted");
-            thread::sleep(Duration::from_millis(5));
-        }
+        await_refused(&listener, 2, "refusals are counted");
         assert!(listener.arrivals.streams.lock().unwrap().is_empty());
         let mut s = Conn::dial(&addr, Duration::from_secs(2), Some(&ours)).unwrap();
         write_message(&mut s, session, &hello).unwrap();
@@ -719,19 +727,14 @@ mod tests {
     /// such a connection offered nothing and is not a refusal (not logged, not counted).
     #[test]
     fn a_dialer_that_hangs_up_before_its_greeting_is_not_refused() {
-        let listener =
-            Listener::start("127.0.0.1:0", None, crate::catchup::Snapshots::new(None, Duration::from_secs(5))).unwrap();
+        let listener = plain_listener();
         let (me, session) = (PeerId(1), SessionId(5));
         listener.set_identity(me, session, KEY, "127.0.0.1:1");
         for _ in 0..3 {
             drop(Conn::dial(&format!("127.0.0.1:{}", listener.port), Duration::from_secs(1), None).unwrap());
         }
         assert!(refused(&listener, session, &hello(&DataKey([0; 32]), session, PeerId(2), me)));
-        let deadline = Instant::now() + Duration::from_secs(3);
-        while listener.arrivals.refused.load(Ordering::Relaxed) < 1 {
-            assert!(Instant::now() < deadline, "the forged hello is counted");
-            thread::sleep(Duration::from_millis(5));
-        }
+        await_refused(&listener, 1, "the forged hello is counted");
         thread::sleep(Duration::from_millis(100));
         assert_eq!(listener.arrivals.refused.load(Ordering::Relaxed), 1, "a hang-up was counted as a refusal");
     }
@@ -742,8 +745,7 @@ mod tests {
     /// lands.
     #[test]
     fn a_forged_hello_or_fetch_without_the_data_key_is_refused_and_counted() {
-        let listener =
-            Listener::start("127.0.0.1:0", None, crate::catchup::Snapshots::new(None, Duration::from_secs(5))).unwrap();
+        let listener = plain_listener();
         let (me, session) = (PeerId(1), SessionId(5));
         listener.set_identity(me, session, KEY, "127.0.0.1:1");
         let guessed = DataKey([0; 32]);
@@ -761,11 +763,7 @@ mod tests {
         assert!(listener.arrivals.streams.lock().unwrap().is_empty());
         assert!(listener.take_fetch(Duration::from_millis(50)).is_none(), "a forged fetch reached the sync");
         assert!(!refused(&listener, session, &hello(&KEY, session, PeerId(2), me)), "the honest hello");
-        let deadline = Instant::now() + Duration::from_secs(3);
-        while listener.arrivals.refused.load(Ordering::Relaxed) < 2 {
-            assert!(Instant::now() < deadline, "refusals are counted");
-            thread::sleep(Duration::from_millis(5));
-        }
+        await_refused(&listener, 2, "refusals are counted");
         assert_eq!(listener.arrivals.streams.lock().unwrap().get(&PeerId(2)).map(|p| p.streams.len()), Some(1));
     }
 }
