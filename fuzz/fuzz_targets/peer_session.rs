@@ -87,7 +87,7 @@ fn call(c: CallMsg) -> CallKind {
             override_resume: hash % 2 == 0,
             entries: digests(tensors, hash),
         }),
-        CallMsg::Collective => CallKind::Collective,
+        CallMsg::Collective => CallKind::Collective("all_reduce"),
     }
 }
 

@@ -773,7 +773,7 @@ impl Communicator {
             )));
         }
         let bound = self.config.timeout;
-        let call = c.control.own_input(|p, now| p.call(CallKind::Collective, bound, now));
+        let call = c.control.own_input(|p, now| p.call(CallKind::Collective(verb(kind, tag)), bound, now));
         let count = (buf.len() / dtype.size()) as u64;
         data.stats.started(call, kind.name(), tag, buf.len() as u64);
         let record =
@@ -1102,10 +1102,19 @@ fn fits(record: &Collective, world: usize) -> std::result::Result<(), String> {
     Ok(())
 }
 
+/// The call a collective of `kind` with `tag` is part of, as its caller knows it.
+fn verb(kind: CollectiveKind, tag: u64) -> &'static str {
+    match kind {
+        // The barrier that `optimize_topology` starts with.
+        CollectiveKind::Barrier if tag == crate::topology::BARRIER_TAG => "optimize_topology",
+        kind => kind.name(),
+    }
+}
+
 fn describe(h: &OpHeader) -> String {
     let dtype = DType::from_code(h.dtype).map_or("?", DType::name);
     let op = ReduceOp::from_code(h.op).map_or("?", ReduceOp::name);
-    let kind = CollectiveKind::from_code(h.collective).map_or("collective", CollectiveKind::name);
+    let kind = CollectiveKind::from_code(h.collective).map_or("collective", |k| verb(k, h.tag));
     let algorithm = Algorithm::from_code(h.algorithm).map_or("?", Algorithm::name);
     let root =
         if h.collective == CollectiveKind::Broadcast.code() { format!(", root={}", h.root) } else { String::new() };

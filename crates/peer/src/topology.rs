@@ -36,7 +36,7 @@ use std::time::Duration;
 pub const PROBE_TAGS: u64 = 1 << 63;
 /// The tags of the collectives around the measurement: the barrier that starts it and the gather
 /// that shares every member's row.
-const BARRIER_TAG: u64 = u64::MAX - 1;
+pub(crate) const BARRIER_TAG: u64 = u64::MAX - 1;
 const GATHER_TAG: u64 = u64::MAX;
 /// Tags one round may use.
 const TAGS_PER_ROUND: u64 = 64;

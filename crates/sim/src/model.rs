@@ -803,7 +803,7 @@ impl Sim {
         if next == Next::Collective {
             (p.batch_ok, p.batch_pending_due) = (true, false);
             for _ in 0..self.batch {
-                let call = p.proto.call(CallKind::Collective, CALL_TIMEOUT, at);
+                let call = p.proto.call(CallKind::Collective("all_reduce"), CALL_TIMEOUT, at);
                 p.batch.insert(call);
             }
             return true;
@@ -817,7 +817,7 @@ impl Sim {
                 override_resume: std::mem::take(&mut p.override_resume),
                 entries: vec![state_digest(p.revision)],
             }),
-            Next::Collective => CallKind::Collective,
+            Next::Collective => CallKind::Collective("all_reduce"),
             Next::Connect => unreachable!("a peer connects once"),
         };
         p.proto.call(kind, CALL_TIMEOUT, at);

@@ -19,19 +19,41 @@
 //! master does not see). A newcomer sent on that way may find the others gone back to the top of
 //! their loop (their iteration failed, which it never saw): when its next vote and theirs cannot
 //! complete together, the newcomer's side is refused *retryably*, once, and its loop meets them.
+//!
+//! A member may reach the point of a mismatch only after it was settled: peer 0 calls
+//! `update_topology`, peer 1 `sync_shared_state` (both end with a usage error), then peer 2 calls
+//! `sync_shared_state` too. Its vote waits for peers that are in no call, and would wait for its
+//! whole bound. So the master remembers each member's last vote and whether it ended as a
+//! mismatch ([`LastVote`]); a member that has no such vote of its own and votes another call at the
+//! same point (the same topology, as many collectives started) can never meet it, and ends at once
+//! too. A member whose own vote ended that way is not held to it: its next call is its own choice.
 
 use super::{heartbeat_interval, Master, Phase, Timer};
-use shoal_wire::{GroupId, Message, PeerId, Vote};
+use shoal_wire::{Epoch, GroupId, Message, PeerId, Vote};
 use std::collections::BTreeSet;
 use std::time::Instant;
+
+/// A member's last vote: the call, and the point among its calls at which it was made (the
+/// committed topology, and the collectives it had started in it). Members that make the same calls
+/// in the same order vote the same call at the same point.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct LastVote {
+    vote: Vote,
+    epoch: Epoch,
+    collectives: u64,
+    /// It ended with a usage error, as one of calls that can never complete together.
+    mismatched: bool,
+}
 
 impl Master {
     /// Checks the vote of `peer` in `vote`, having started `collectives` collectives of the
     /// committed topology, against the calls its group is in. False when the vote must not be
     /// cast: it was answered or abandoned here.
     pub(super) fn admit_vote(&mut self, now: Instant, peer: PeerId, vote: Vote, collectives: u64) -> bool {
+        let at = LastVote { vote, epoch: self.ring_epoch, collectives, mismatched: false };
         let entry = self.peers.get_mut(&peer).expect("votes come from known peers");
         let (group, fresh) = (entry.group, std::mem::take(&mut entry.fresh));
+        let settled = entry.last_vote.replace(at).is_some_and(|last| last.mismatched);
         if vote == Vote::PeersPending && fresh && collectives == 0 {
             if self.vote_awaiting(peer, vote).is_some() {
                 log::debug!("{peer}'s first call since its admission is peers_pending, the others vote another");
@@ -71,6 +93,22 @@ impl Master {
             }
             log::warn!("{reason}");
             self.abandon_votes(group, &reason);
+            self.refuse(peer, vote, reason, false);
+            return false;
+        }
+        if settled {
+            return true;
+        }
+        if let Some((other, voters)) = self.mismatch_at(peer, at) {
+            let names: Vec<String> = voters.iter().map(ToString::to_string).collect();
+            let reason = format!(
+                "{peer} called {} where {} called {}, which ended as calls that cannot complete together: every \
+                 accepted peer must make the same calls in the same order",
+                vote.call(),
+                names.join(", "),
+                other.call()
+            );
+            log::warn!("{reason}");
             self.refuse(peer, vote, reason, false);
             return false;
         }
@@ -138,6 +176,11 @@ impl Master {
     /// Ends the open ballot of `vote` (of `group`, for a sync), if any: its voters' calls fail,
     /// or (`retry`) vote again. Every member hears of it, voter or not.
     fn withdraw(&mut self, vote: Vote, group: GroupId, reason: &str, retry: bool) {
+        if !retry {
+            for p in self.open_ballot(vote, group).map(|b| b.voters().clone()).unwrap_or_default() {
+                self.mark_mismatched(p, vote);
+            }
+        }
         let reason = reason.to_string();
         match vote {
             Vote::UpdateTopology if matches!(self.phase, Phase::AwaitingTopologyVotes { .. }) => {
@@ -166,22 +209,59 @@ impl Master {
     /// in `vote`: (its kind, its voters).
     fn vote_awaiting(&self, peer: PeerId, vote: Vote) -> Option<(Vote, BTreeSet<PeerId>)> {
         let group = self.peers[&peer].group;
-        let topology = match &self.phase {
-            Phase::AwaitingTopologyVotes { ballot } => Some((Vote::UpdateTopology, ballot)),
-            _ => None,
-        };
-        let pending = self.pending_vote.as_ref().map(|b| (Vote::PeersPending, b));
-        let sync = self.syncs.get(&group).and_then(|s| s.voting()).map(|b| (Vote::SyncSharedState, b));
-        [topology, pending, sync]
+        [Vote::UpdateTopology, Vote::PeersPending, Vote::SyncSharedState]
             .into_iter()
-            .flatten()
-            .find(|(kind, ballot)| *kind != vote && ballot.awaits(peer))
+            .filter(|kind| *kind != vote)
+            .filter_map(|kind| Some((kind, self.open_ballot(kind, group)?)))
+            .find(|(_, ballot)| ballot.awaits(peer))
             .map(|(kind, ballot)| (kind, ballot.voters().clone()))
+    }
+
+    /// The ballot of `vote` open for `group`'s members, if any.
+    fn open_ballot(&self, vote: Vote, group: GroupId) -> Option<&crate::ballot::Ballot> {
+        match vote {
+            Vote::UpdateTopology => match &self.phase {
+                Phase::AwaitingTopologyVotes { ballot } => Some(ballot),
+                _ => None,
+            },
+            Vote::PeersPending => self.pending_vote.as_ref(),
+            Vote::SyncSharedState => self.syncs.get(&group).and_then(|s| s.voting()),
+        }
+    }
+
+    /// Another member of `peer`'s group whose vote at the point `at` (of `peer`'s vote) was
+    /// another call and ended as a mismatch: (that call, the members that made it).
+    fn mismatch_at(&self, peer: PeerId, at: LastVote) -> Option<(Vote, BTreeSet<PeerId>)> {
+        let group = self.peers[&peer].group;
+        let apart = |e: &super::PeerEntry| {
+            e.last_vote.filter(|l| {
+                l.mismatched
+                    && e.group == group
+                    && (l.epoch, l.collectives) == (at.epoch, at.collectives)
+                    && l.vote != at.vote
+            })
+        };
+        let other = self.peers.iter().filter(|(p, _)| **p != peer).find_map(|(_, e)| apart(e))?.vote;
+        let voters = self.peers.iter().filter(|(_, e)| apart(e).is_some_and(|l| l.vote == other)).map(|(p, _)| *p);
+        Some((other, voters.collect()))
+    }
+
+    /// `peer`'s vote in `vote` ended as one of calls that cannot complete together.
+    fn mark_mismatched(&mut self, peer: PeerId, vote: Vote) {
+        // A peer is in one vote at a time: the last it cast is the one that ended.
+        let last = self.peers.get_mut(&peer).and_then(|e| e.last_vote.as_mut()).filter(|l| l.vote == vote);
+        debug_assert!(last.is_some(), "{peer}'s last vote is not the {} that ended", vote.call());
+        if let Some(last) = last {
+            last.mismatched = true;
+        }
     }
 
     /// Ends `peer`'s call `vote` without casting it: with a usage error, or (`retry`) for it to
     /// try again.
     fn refuse(&mut self, peer: PeerId, vote: Vote, reason: String, retry: bool) {
+        if !retry {
+            self.mark_mismatched(peer, vote);
+        }
         let message = match vote {
             Vote::UpdateTopology => Message::TopologyVoteAborted { retry, reason },
             Vote::PeersPending => Message::PeersPendingAborted { retry, reason },

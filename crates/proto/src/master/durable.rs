@@ -126,7 +126,15 @@ impl Master {
         let mut master = Master::new(config, now);
         for p in durable.peers {
             let status = if p.accepted { Status::Accepted } else { Status::Registered };
-            let entry = PeerEntry { conn: None, group: p.group, addr: p.addr, status, last_heard: now, fresh: false };
+            let entry = PeerEntry {
+                conn: None,
+                group: p.group,
+                addr: p.addr,
+                status,
+                last_heard: now,
+                fresh: false,
+                last_vote: None,
+            };
             if master.peers.insert(p.peer, entry).is_some() {
                 return Err(format!("{} is listed twice", p.peer));
             }

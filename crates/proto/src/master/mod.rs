@@ -178,6 +178,9 @@ struct PeerEntry {
     last_heard: Instant,
     /// Admitted by the accepted peers' vote and has made no call since (`calls.rs`).
     fresh: bool,
+    /// Its last vote, and whether that ended as one of calls that can never complete together
+    /// (`calls.rs`).
+    last_vote: Option<calls::LastVote>,
 }
 
 /// The master's protocol state machine.
@@ -452,6 +455,7 @@ impl Master {
             status: Status::Registered,
             last_heard: now,
             fresh: false,
+            last_vote: None,
         };
         self.peers.insert(peer, entry);
         self.conns.insert(conn, peer);

@@ -642,6 +642,45 @@ fn votes_that_wait_for_each_other_end_together_with_a_usage_error() {
     assert!(sent_to(&out, 3).contains(&&Message::PeersPendingResult { pending: false }));
 }
 
+/// Peer 0 calls update_topology, peer 1 sync_shared_state: both end with a usage error. Peer 2 then
+/// calls sync_shared_state too, at the same point of its calls. Its vote used to wait for peers in
+/// no call until SHOAL_TIMEOUT; it ends at once, naming the call it can never meet. The peers that
+/// were told are not held to their calls: the same calls made together afterwards pass.
+#[test]
+fn a_vote_at_the_point_of_a_settled_mismatch_ends_at_once() {
+    let (mut h, _) = run_with(3);
+    h.send(1, Message::VoteUpdateTopology { collectives: 0, measured: None });
+    let out = vote(&mut h, 2, 0, Strategy::EnforcePopular, &[1]);
+    assert!(sent_to(&out, 1).iter().any(|m| matches!(m, Message::TopologyVoteAborted { retry: false, .. })));
+    assert!(sent_to(&out, 2).iter().any(|m| matches!(m, Message::SyncAborted { retryable: false, .. })));
+    let out = vote(&mut h, 3, 0, Strategy::EnforcePopular, &[1]);
+    match sent_to(&out, 3).as_slice() {
+        [Message::SyncAborted { retryable: false, reason, .. }] => {
+            assert!(reason.contains("peer#2 called sync_shared_state where peer#0 called update_topology"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+    // Every one was told: the same call made together now passes, whatever it is.
+    for c in 1..=2 {
+        h.send(c, Message::VotePeersPending { collectives: 0 });
+    }
+    let out = h.send(3, Message::VotePeersPending { collectives: 0 });
+    assert!(sent_to(&out, 3).contains(&&Message::PeersPendingResult { pending: false }), "{out:?}");
+}
+
+/// A settled mismatch holds only at its own point: a member that started another collective since
+/// (or voted in another topology) is at another point of its calls, and its vote waits as usual.
+#[test]
+fn a_settled_mismatch_does_not_refuse_votes_at_another_point() {
+    let (mut h, _) = run_with(3);
+    h.send(1, Message::VoteUpdateTopology { collectives: 0, measured: None });
+    vote(&mut h, 2, 0, Strategy::EnforcePopular, &[1]);
+    let entries = vec![digest("t0", 1)];
+    let strategy = Strategy::EnforcePopular as u8;
+    let out = h.send(3, Message::SyncVote { revision: 0, strategy, override_resume: false, entries, collectives: 1 });
+    assert!(sent_to(&out, 3).is_empty(), "{out:?}");
+}
+
 /// Every vote is announced to the voter's group once per ballot (again only for a voter that had
 /// started fewer collectives), so that a member running a collective the voter never started
 /// gives it up; its report abandons the vote for everyone.

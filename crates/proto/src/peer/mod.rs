@@ -86,8 +86,9 @@ pub enum CallKind {
     PeersPending,
     /// `sync_shared_state` with this peer's ballot.
     SyncSharedState(SyncBallot),
-    /// A collective (all-reduce): its data moves in [`Action::RunCollective`].
-    Collective,
+    /// A collective, by its verb's name (`all_reduce`, `barrier`, ...): its data moves in
+    /// [`Action::RunCollective`].
+    Collective(&'static str),
 }
 
 impl CallKind {
@@ -98,7 +99,7 @@ impl CallKind {
             CallKind::OptimizeTopology(_) => "optimize_topology",
             CallKind::PeersPending => "peers_pending",
             CallKind::SyncSharedState(_) => "sync_shared_state",
-            CallKind::Collective => "all_reduce",
+            CallKind::Collective(verb) => verb,
         }
     }
 }
@@ -283,6 +284,8 @@ enum OpStage {
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct InFlight {
     call: CallId,
+    /// Its verb, as users know it.
+    verb: &'static str,
     deadline: Instant,
     members: Vec<PeerId>,
     stage: OpStage,
@@ -479,6 +482,12 @@ impl Peer {
         self.gone().is_some() || self.view.issued.as_ref().is_some_and(|(e, _)| *e != epoch)
     }
 
+    /// Whether a call still waits for topology `epoch` to be established here: one that ended
+    /// meanwhile (its vote was abandoned, say) leaves the driver nothing to wait for.
+    pub fn establishing(&self, epoch: Epoch) -> bool {
+        matches!(&self.call, Some((_, _, Call::Topology { establishing: Some(e), .. })) if *e == epoch)
+    }
+
     /// Whether collective `op` still wants its data (or, in its lap, its tokens) moved. Once it
     /// does not, the data plane stops it and waits for its [`Action::Done`]. A data plane about
     /// to sleep reports [`OpProgress::Stalled`] first.
@@ -537,6 +546,10 @@ impl Peer {
     pub fn handle_message(&mut self, message: Message, now: Instant) -> Result<PeerEvent, UnexpectedMessage> {
         self.last_heard = now;
         let event = self.view.handle_message(message);
+        if self.in_vote() {
+            // What ends a vote of ours ends our call, not the next one.
+            self.view.settled_here = None;
+        }
         // The master may ask for heartbeats more often than we would send them (`Registered`).
         self.next_heartbeat = self.next_heartbeat.min(now + self.heartbeat_every());
         while let Some(m) = self.view.poll_output() {
@@ -821,6 +834,9 @@ impl Peer {
     /// Begins call `id`, joining an issued topology first, or taking up one committed between
     /// calls (we reported ready in a call that then failed: its pools are ours already).
     fn begin(&mut self, id: CallId, kind: CallKind, deadline: Instant) {
+        if self.ended_apart(id, &kind) {
+            return;
+        }
         if self.topology_issued() {
             debug_assert!(self.ops.is_empty(), "a topology is joined between collectives");
             let handled = self.view.ready_in;
@@ -830,6 +846,31 @@ impl Peer {
         }
         self.take_up();
         self.run(id, kind, deadline);
+    }
+
+    /// Ends call `id` (of `kind`) at once if the others' calls at this point of ours ended before
+    /// we made it, so that it never waits for them to join a re-formed ring, which they may never
+    /// do while they are in no call: a vote where theirs ended as calls that cannot complete
+    /// together ([`PeerView::settled_here`]), a collective that they failed
+    /// ([`PeerView::fail_next`]).
+    fn ended_apart(&mut self, id: CallId, kind: &CallKind) -> bool {
+        if let CallKind::Collective(_) = kind {
+            let Some((epoch, seq, failure)) = self.view.fail_next() else { return false };
+            self.finish(id, Err(CallError::Aborted { op: OpId { epoch, seq: Seq(seq) }, failure }));
+            return true;
+        }
+        let Some(reason) = self.view.settled_here.take() else { return false };
+        log::warn!("{reason}");
+        self.finish(id, Err(CallError::Misuse(reason)));
+        true
+    }
+
+    /// Whether this peer cast a vote and waits in it.
+    fn in_vote(&self) -> bool {
+        matches!(
+            self.call,
+            Some((_, _, Call::Topology { purpose: Purpose::Vote(_), .. } | Call::Pending | Call::Sync(_)))
+        )
     }
 
     /// Whether the master issued a topology that is not in force yet.
@@ -882,12 +923,12 @@ impl Peer {
                 self.outbox.push_back(vote);
                 Call::Sync(SyncStage::Voted(ballot))
             }
-            CallKind::Collective => return self.start_collective(id, deadline),
+            CallKind::Collective(verb) => return self.start_collective(id, verb, deadline),
         };
         self.call = Some((id, deadline, call));
     }
 
-    fn start_collective(&mut self, id: CallId, deadline: Instant) {
+    fn start_collective(&mut self, id: CallId, verb: &'static str, deadline: Instant) {
         self.call = None;
         match self.view.start_collective() {
             // The others failed it before we started it: it fails here too, untouched.
@@ -903,7 +944,7 @@ impl Peer {
                 }
                 let members = position.ring.iter().map(|m| m.peer).collect();
                 self.actions.push_back(Action::RunCollective { call: id, op, position, deadline });
-                self.ops.insert(op, InFlight { call: id, deadline, members, stage: OpStage::Running });
+                self.ops.insert(op, InFlight { call: id, verb, deadline, members, stage: OpStage::Running });
             }
         }
     }
@@ -911,6 +952,9 @@ impl Peer {
     /// Ends the call that runs alone (or a queued one): the driver hears of it, and the retry
     /// rule of how it ended ([`PeerView::vote_needed`]).
     fn finish(&mut self, id: CallId, result: Result<Value, CallError>) {
+        if matches!(result, Err(CallError::Misuse(_) | CallError::SyncFailed { retryable: false, .. })) {
+            self.view.told = true;
+        }
         match &result {
             Ok(_) => self.view.call_ended(true),
             Err(CallError::Gone(_) | CallError::Busy(_)) => {}
@@ -1003,7 +1047,7 @@ impl Peer {
         let Some(next) = self.queue.front() else { return false };
         let ready = self.call.is_none()
             && match next.kind {
-                CallKind::Collective => {
+                CallKind::Collective(_) => {
                     self.ops.len() < self.config.max_in_flight.max(1)
                         && (self.ops.is_empty() || !self.topology_issued())
                 }
@@ -1040,10 +1084,22 @@ impl Peer {
                 None => self.timed_out(id, deadline, now),
             },
             Call::Topology { purpose, handled, establishing } => {
+                // A call that waits for the others to join a re-formed ring, which they may never
+                // do: they are in no call, as their calls at this point ended apart.
+                let voting = matches!(purpose, Purpose::Vote(_));
+                if voting && matches!(self.view.vote_aborted, Some(VoteAbort { retry: false, .. })) {
+                    let Some(VoteAbort { reason, .. }) = self.view.vote_aborted.take() else { unreachable!() };
+                    self.finish(id, Err(CallError::Misuse(reason)));
+                    return true;
+                }
+                if let Purpose::Follow(kind) = &purpose {
+                    if self.ended_apart(id, kind) {
+                        return true;
+                    }
+                }
                 if establishing.is_some() {
                     return self.timed_out(id, deadline, now);
                 }
-                let voting = matches!(purpose, Purpose::Vote(_));
                 match self.view.topology_step(handled, voting) {
                     // Not counted while a topology connected: join it, then vote again.
                     Some(TopologyStep::VoteRefused) => {
@@ -1131,12 +1187,12 @@ impl Peer {
     /// plane is `stalled` (has nothing to move until the network delivers): while bytes still
     /// flow the collective may complete without the member, whose part may all be in flight.
     fn step_op(&mut self, op: OpId, now: Instant, stalled: bool) -> bool {
-        let Some(InFlight { deadline, members, stage, .. }) = self.ops.get(&op).cloned() else { return false };
+        let Some(InFlight { deadline, members, stage, verb, .. }) = self.ops.get(&op).cloned() else { return false };
         let (epoch, seq) = (op.epoch, op.seq.0);
         match stage {
             OpStage::Running => {
                 let me = self.view.registered.expect("a collective runs once registered").0;
-                let failure = match self.view.interrupt(epoch, seq, &members) {
+                let failure = match self.view.interrupt(epoch, seq, verb, &members) {
                     Some(Interrupt::Aborted(failure)) => {
                         self.view.verdicts.remove(&(epoch, seq));
                         self.end_op(op, Err(CallError::Aborted { op, failure }));

@@ -82,7 +82,7 @@ fn joined_with(ring: &[u32], reconnect: bool) -> (Peer, Instant) {
 
 /// Starts a collective; returns its name.
 fn start_collective(p: &mut Peer, now: Instant) -> OpId {
-    p.call(CallKind::Collective, BOUND, now);
+    p.call(CallKind::Collective("all_reduce"), BOUND, now);
     match &actions(p)[..] {
         [Action::RunCollective { op, .. }] => *op,
         other => panic!("expected the collective to run: {other:?}"),
@@ -248,26 +248,81 @@ fn a_refused_vote_joins_the_issued_topology_and_votes_again() {
     assert_eq!(actions(&mut p), vec![done(Err(CallError::Misuse("p1 ran all_reduce".into())))]);
 }
 
-/// A collective that the others failed while this peer was between calls (it joined the
-/// re-formed ring first) fails here too, untouched: every member's k-th call has one outcome.
+/// Peer 1 ran a collective while peer 2 voted sync_shared_state: both ended with a usage error,
+/// and the ring re-formed. This peer was in no call at that point; its sync_shared_state comes
+/// later. It used to join the re-formed ring and wait there for the others, who are in no call,
+/// until its bound; it ends at once, since the calls at its point ended apart.
+#[test]
+fn a_vote_after_the_calls_at_its_point_ended_apart_ends_at_once() {
+    let (mut p, t0) = joined(&[0, 1, 2]);
+    let open = Message::VoteOpened { vote: Vote::SyncSharedState, epoch: Epoch(1), voter: PeerId(2), collectives: 0 };
+    p.handle_message(open, t0).unwrap();
+    p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1, 2]), limits: None }, t0).unwrap();
+    let reason = "peer#2 called sync_shared_state after 0 collectives, while peer#1 ran collective number 0";
+    p.handle_message(Message::SyncAborted { round: 1, retryable: false, reason: reason.into() }, t0).unwrap();
+    let ballot = SyncBallot { revision: Revision(0), strategy: 0, override_resume: false, entries: vec![] };
+    p.call(CallKind::SyncSharedState(ballot.clone()), BOUND, t0);
+    assert_eq!(actions(&mut p), vec![done(Err(CallError::Misuse(reason.into())))]);
+    assert!(sent(&mut p).is_empty(), "nothing was voted");
+    // Told once: the same call made again is the caller's own choice, and waits as usual.
+    p.call(CallKind::SyncSharedState(ballot), BOUND, t0);
+    assert!(matches!(&actions(&mut p)[..], [Action::Establish { .. }]), "it follows the re-formed ring");
+}
+
+/// A vote that ended apart at another point of this peer's calls (it had started a collective
+/// since the announcement), or one that ended to be cast again, says nothing of its next vote.
+#[test]
+fn a_vote_ended_elsewhere_or_for_a_retry_leaves_the_next_vote_alone() {
+    let (mut p, t0) = joined(&[0, 1, 2]);
+    let open =
+        |collectives| Message::VoteOpened { vote: Vote::PeersPending, epoch: Epoch(1), voter: PeerId(2), collectives };
+    p.handle_message(open(1), t0).unwrap();
+    p.handle_message(Message::PeersPendingAborted { retry: false, reason: "apart".into() }, t0).unwrap();
+    p.handle_message(open(0), t0).unwrap();
+    p.handle_message(Message::PeersPendingAborted { retry: true, reason: "a topology connects".into() }, t0).unwrap();
+    p.call(CallKind::PeersPending, BOUND, t0);
+    assert_eq!(sent(&mut p), vec![Message::VotePeersPending { collectives: 0 }]);
+    assert!(actions(&mut p).is_empty(), "it waits in its vote");
+}
+
+/// This peer's own vote ended as one of the calls that cannot complete together: what the master
+/// says of that mismatch next (the collective it aborted at this point, a ballot of another kind)
+/// concerns no later call of ours.
+#[test]
+fn a_peer_told_of_its_own_mismatch_is_not_held_to_it() {
+    let (mut p, t0) = joined(&[0, 1, 2]);
+    p.call(CallKind::UpdateTopology, BOUND, t0);
+    assert_eq!(sent(&mut p), vec![Message::VoteUpdateTopology { collectives: 0, measured: None }]);
+    let open = Message::VoteOpened { vote: Vote::SyncSharedState, epoch: Epoch(1), voter: PeerId(2), collectives: 0 };
+    p.handle_message(open, t0).unwrap();
+    p.handle_message(Message::TopologyVoteAborted { retry: false, reason: "apart".into() }, t0).unwrap();
+    assert_eq!(actions(&mut p), vec![done(Err(CallError::Misuse("apart".into())))]);
+    p.handle_message(Message::SyncAborted { round: 1, retryable: false, reason: "apart".into() }, t0).unwrap();
+    let failure = OpFailure::new(FailureKind::Misuse, PeerId(1), "apart");
+    p.handle_message(Message::OpAborted { epoch: Epoch(1), seq: 0, failure }, t0).unwrap();
+    p.call(CallKind::PeersPending, BOUND, t0);
+    assert_eq!(sent(&mut p), vec![Message::VotePeersPending { collectives: 0 }]);
+}
+
+/// A collective that the others failed while this peer was between calls fails here too,
+/// untouched, before it joins the re-formed ring: every member's k-th call has one outcome, and
+/// the others, whose calls ended, may not join that ring before their next call.
 #[test]
 fn a_collective_the_others_failed_first_fails_here_before_it_runs() {
     let (mut p, t0) = joined(&[0, 1, 2]);
     let failure = OpFailure::new(FailureKind::PeerLost, PeerId(2), "gone");
     p.handle_message(Message::OpAborted { epoch: Epoch(1), seq: 0, failure: failure.clone() }, t0).unwrap();
     p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1]), limits: None }, t0).unwrap();
-    p.call(CallKind::Collective, BOUND, t0);
-    assert!(matches!(&actions(&mut p)[..], [Action::Establish { .. }]), "first it follows the re-formed ring");
-    p.handle_established(Epoch(2), Established::Ready, t0);
-    p.handle_message(Message::TopologyCommitted { epoch: Epoch(2) }, t0).unwrap();
+    p.call(CallKind::Collective("all_reduce"), BOUND, t0);
     let op = OpId { epoch: Epoch(1), seq: Seq(0) };
-    let ended = actions(&mut p);
-    assert!(
-        matches!(&ended[..], [Action::TakeUp(_), Action::Done { result: Err(CallError::Aborted { op: o, .. }), .. }] if *o == op)
-    );
+    assert_eq!(actions(&mut p), vec![done(Err(CallError::Aborted { op, failure }))], "before it follows the ring");
     // update_topology after that failure has nothing to vote on: the ring re-formed already.
     p.call(CallKind::UpdateTopology, BOUND, t0);
-    assert_eq!(actions(&mut p), vec![done(Ok(Value::TopologyInForce))]);
+    assert!(matches!(&actions(&mut p)[..], [Action::Establish { .. }]), "the next call follows the re-formed ring");
+    p.handle_established(Epoch(2), Established::Ready, t0);
+    p.handle_message(Message::TopologyCommitted { epoch: Epoch(2) }, t0).unwrap();
+    let ended = actions(&mut p);
+    assert!(matches!(&ended[..], [Action::TakeUp(_), Action::Done { result: Ok(Value::TopologyInForce), .. }]));
     assert!(sent(&mut p).iter().all(|m| !matches!(m, Message::VoteUpdateTopology { .. })));
     assert_eq!(start_collective(&mut p, t0), OpId { epoch: Epoch(2), seq: Seq(0) });
 }
@@ -279,7 +334,7 @@ fn a_call_ends_at_its_bound_and_calls_behind_it_wait() {
     let (mut p, t0) = joined(&[0, 1]);
     let vote = p.call(CallKind::PeersPending, BOUND, t0);
     let later = t0 + Duration::from_millis(500);
-    let collective = p.call(CallKind::Collective, BOUND, later);
+    let collective = p.call(CallKind::Collective("all_reduce"), BOUND, later);
     assert!(actions(&mut p).is_empty(), "the collective waits for the vote");
     let mut now = t0;
     while now < t0 + BOUND {
@@ -381,7 +436,7 @@ fn a_join_proves_the_secret_on_the_nonce_and_a_refusal_ends_connect() {
 
 /// Starts `n` collectives at once; returns (call, collective) of each, in call order.
 fn start_many(p: &mut Peer, n: usize, now: Instant) -> Vec<(CallId, OpId)> {
-    let calls: Vec<CallId> = (0..n).map(|_| p.call(CallKind::Collective, BOUND, now)).collect();
+    let calls: Vec<CallId> = (0..n).map(|_| p.call(CallKind::Collective("all_reduce"), BOUND, now)).collect();
     let started: Vec<(CallId, OpId)> = tagged_actions(p)
         .into_iter()
         .map(|a| match a {
@@ -407,7 +462,7 @@ fn collectives_overlap_up_to_the_limit_and_a_vote_waits_for_them() {
     let running = start_many(&mut p, 4, t0);
     let seqs: Vec<u64> = running.iter().map(|(_, op)| op.seq.0).collect();
     assert_eq!(seqs, vec![0, 1, 2, 3]);
-    let fifth = p.call(CallKind::Collective, BOUND, t0);
+    let fifth = p.call(CallKind::Collective("all_reduce"), BOUND, t0);
     assert!(actions(&mut p).is_empty(), "four are in flight already");
     let vote = p.call(CallKind::PeersPending, BOUND, t0);
     confirm(&mut p, running[2].1, t0);
@@ -443,8 +498,8 @@ fn a_query_about_a_collective_still_running_waits_though_a_later_one_committed()
 }
 
 /// A member lost with several collectives in flight: each is reported and aborted on its own;
-/// the next call joins the re-formed ring first, and a collective the others had started
-/// without us fails here too, before any runs, as theirs did.
+/// a collective the others had started without us fails here too, before any runs, as theirs
+/// did, and the next call joins the re-formed ring.
 #[test]
 fn a_lost_member_aborts_every_collective_in_flight_and_the_missed_ones_fail_alike() {
     let (mut p, t0) = joined(&[0, 1, 2]);
@@ -464,28 +519,22 @@ fn a_lost_member_aborts_every_collective_in_flight_and_the_missed_ones_fail_alik
         );
     }
     p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1]), limits: None }, t0).unwrap();
-    let retry = p.call(CallKind::Collective, BOUND, t0);
-    let position = match &actions(&mut p)[..] {
-        [Action::Establish { position, .. }] => position.clone(),
-        other => panic!("expected the re-formed ring to be joined first: {other:?}"),
-    };
+    for seq in [2, 3] {
+        let retry = p.call(CallKind::Collective("all_reduce"), BOUND, t0);
+        let missed = OpId { epoch: Epoch(1), seq: Seq(seq) };
+        assert_eq!(
+            tagged_actions(&mut p),
+            vec![Action::Done { call: retry, result: Err(CallError::Aborted { op: missed, failure: lost.clone() }) }]
+        );
+    }
+    p.call(CallKind::Collective("all_reduce"), BOUND, t0);
+    assert!(matches!(&actions(&mut p)[..], [Action::Establish { .. }]), "the next call follows the re-formed ring");
     p.handle_established(Epoch(2), Established::Ready, t0);
     p.handle_message(Message::TopologyCommitted { epoch: Epoch(2) }, t0).unwrap();
-    let missed = OpId { epoch: Epoch(1), seq: Seq(2) };
-    assert_eq!(
-        tagged_actions(&mut p),
-        vec![
-            Action::TakeUp(position),
-            Action::Done { call: retry, result: Err(CallError::Aborted { op: missed, failure: lost.clone() }) }
-        ]
-    );
-    let second = p.call(CallKind::Collective, BOUND, t0);
-    let missed = OpId { epoch: Epoch(1), seq: Seq(3) };
-    assert_eq!(
-        tagged_actions(&mut p),
-        vec![Action::Done { call: second, result: Err(CallError::Aborted { op: missed, failure: lost }) }]
-    );
-    assert_eq!(start_collective(&mut p, t0), OpId { epoch: Epoch(2), seq: Seq(0) });
+    match &actions(&mut p)[..] {
+        [Action::TakeUp(_), Action::RunCollective { op, .. }] => assert_eq!(*op, OpId { epoch: Epoch(2), seq: Seq(0) }),
+        other => panic!("{other:?}"),
+    }
 }
 
 /// A broken control connection is dialed again: the vote in progress ends with a retryable error

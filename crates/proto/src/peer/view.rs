@@ -60,6 +60,17 @@ pub struct PeerView {
     /// A member of our group waits in a vote (the one that had started the fewest collectives).
     /// A collective numbered at least its count can never complete.
     pub vote_open: Option<VoteOpen>,
+    /// The last vote announced to this peer since it last started a call: where the others
+    /// stand if they end as calls that cannot complete together.
+    pub announced: Option<VoteOpen>,
+    /// The others' calls at the point of this peer's calls ended as calls that cannot complete
+    /// together, before it made a call there (`docs/protocol.md`, "No call waits for a call
+    /// that will never come"): its next call can never meet theirs either, and ends at once with
+    /// this reason.
+    pub settled_here: Option<String>,
+    /// This peer's last call ended as one of calls that cannot complete together, and it made no
+    /// call since: what the master says of that mismatch afterwards concerns no later call.
+    pub told: bool,
     /// Why the last `peers_pending` vote was abandoned or refused, until consumed.
     pub pending_aborted: Option<VoteAbort>,
     /// Why the last `update_topology` vote was abandoned or refused, until consumed.
@@ -111,11 +122,11 @@ pub struct VoteOpen {
 
 impl VoteOpen {
     /// Whether collective `seq` of `epoch` can never complete; then why, naming both calls.
-    pub fn blocks(&self, epoch: Epoch, seq: u64, me: PeerId) -> Option<String> {
+    pub fn blocks(&self, epoch: Epoch, seq: u64, verb: &str, me: PeerId) -> Option<String> {
         (self.epoch == epoch && self.collectives <= seq).then(|| {
             format!(
                 "{} called {} after {} collectives of topology {}, while {me} ran collective number {seq} \
-                 (all_reduce): every accepted peer must make the same calls in the same order",
+                 ({verb}): every accepted peer must make the same calls in the same order",
                 self.voter,
                 self.vote.call(),
                 self.collectives,
@@ -354,22 +365,34 @@ impl PeerView {
                 PeerEvent::Verdict(epoch, seq)
             }
             Message::OpAborted { epoch, seq, failure } => {
+                let next = self.committed.as_ref().is_some_and(|(e, _)| *e == epoch) && self.started == seq;
+                if failure.kind == FailureKind::Misuse && next && !self.told {
+                    // The others ended the collective we would run next as calls that cannot
+                    // complete together: whatever we call there is one of them.
+                    self.settled_here = Some(failure.reason.clone());
+                }
                 self.verdicts.insert((epoch, seq), Verdict::Aborted(failure));
                 PeerEvent::Verdict(epoch, seq)
             }
             Message::VoteOpened { vote, epoch, voter, collectives } => {
+                let open = VoteOpen { vote, epoch, voter, collectives };
                 if self.vote_open.as_ref().is_none_or(|o| o.epoch != epoch || collectives < o.collectives) {
-                    self.vote_open = Some(VoteOpen { vote, epoch, voter, collectives });
+                    self.vote_open = Some(open.clone());
+                }
+                if self.announced.as_ref().is_none_or(|o| o.epoch != epoch || collectives < o.collectives) {
+                    self.announced = Some(open);
                 }
                 PeerEvent::Nothing
             }
             Message::PeersPendingAborted { retry, reason } => {
                 self.vote_open = None;
+                self.vote_ended(retry, &reason);
                 self.pending_aborted = Some(VoteAbort { retry, reason });
                 PeerEvent::Nothing
             }
             Message::TopologyVoteAborted { retry, reason } => {
                 self.vote_open = None;
+                self.vote_ended(retry, &reason);
                 self.vote_aborted = Some(VoteAbort { retry, reason });
                 PeerEvent::Nothing
             }
@@ -396,6 +419,7 @@ impl PeerView {
             }
             Message::SyncAborted { round, retryable, reason } => {
                 self.vote_open = None;
+                self.vote_ended(retryable, &reason);
                 self.sync_end = Some((round, Err(SyncAbort { retryable, reason })));
                 PeerEvent::Nothing
             }
@@ -449,7 +473,21 @@ impl PeerView {
         let (epoch, _) = self.committed.as_ref().expect("a collective needs a topology in force");
         let seq = self.started;
         self.started += 1;
+        (self.announced, self.settled_here, self.told) = (None, None, false);
         Ok((*epoch, seq))
+    }
+
+    /// The collective this peer would run next, if the others failed it already: it fails here
+    /// too, untouched, before this peer joins a re-formed ring (the others may be in no call).
+    /// (topology, number, why).
+    pub fn fail_next(&mut self) -> Option<(Epoch, u64, OpFailure)> {
+        let (epoch, _) = self.committed.as_ref()?;
+        let Some(Verdict::Aborted(failure)) = self.verdicts.get(&(*epoch, self.started)) else { return None };
+        let failed = (*epoch, self.started, failure.clone());
+        self.started += 1;
+        self.failed_in = self.failed_in.max(Some(*epoch));
+        (self.announced, self.settled_here, self.told) = (None, None, false);
+        Some(failed)
     }
 
     /// Starts this peer's call `vote` (after it joined any issued topology): forgets what an
@@ -457,6 +495,7 @@ impl PeerView {
     /// call); returns the count of collectives the vote carries (`VoteOpened`).
     pub fn cast_vote(&mut self, vote: Vote) -> u64 {
         self.missed.clear();
+        (self.announced, self.settled_here, self.told) = (None, None, false);
         match vote {
             Vote::UpdateTopology => self.vote_aborted = None,
             Vote::PeersPending => self.pending_aborted = None,
@@ -490,12 +529,12 @@ impl PeerView {
 
     /// Whether collective `seq` of `epoch` (among `members`), still moving data here, must stop.
     /// The driver asks before it sleeps: what the master said since may end it.
-    pub fn interrupt(&self, epoch: Epoch, seq: u64, members: &[PeerId]) -> Option<Interrupt> {
+    pub fn interrupt(&self, epoch: Epoch, seq: u64, verb: &str, members: &[PeerId]) -> Option<Interrupt> {
         if let Some(Verdict::Aborted(f)) = self.verdicts.get(&(epoch, seq)) {
             return Some(Interrupt::Aborted(f.clone()));
         }
         let (me, _) = self.registered.expect("a collective runs once registered");
-        if let Some(why) = self.vote_open.as_ref().and_then(|o| o.blocks(epoch, seq, me)) {
+        if let Some(why) = self.vote_open.as_ref().and_then(|o| o.blocks(epoch, seq, verb, me)) {
             return Some(Interrupt::Blocked(why));
         }
         members.iter().find(|p| self.removed.contains(p)).map(|p| Interrupt::MemberLost(*p))
@@ -508,6 +547,17 @@ impl PeerView {
             return Some(LapInterrupt::Verdict(v));
         }
         members.iter().find(|p| self.removed.contains(p)).map(|p| LapInterrupt::MemberLost(*p))
+    }
+
+    /// A vote of our group ended (`retry`: to be cast again) with `reason`, the master told every
+    /// member: if it ended as calls that cannot complete together where this peer's next call
+    /// is, that call is one of them ([`PeerView::settled_here`]).
+    fn vote_ended(&mut self, retry: bool, reason: &str) {
+        let Some(open) = self.announced.take() else { return };
+        let here = self.committed.as_ref().is_some_and(|(e, _)| *e == open.epoch) && self.started == open.collectives;
+        if !retry && here && !self.told {
+            self.settled_here = Some(reason.to_string());
+        }
     }
 
     /// Records how this peer's last call other than a collective ended: a failure remembers the
@@ -719,23 +769,23 @@ mod tests {
         let mut v = registered_alone();
         commit(&mut v, 1);
         let members = [PeerId(0), PeerId(1)];
-        assert_eq!(v.interrupt(Epoch(1), 2, &members), None);
+        assert_eq!(v.interrupt(Epoch(1), 2, "all_reduce", &members), None);
         v.handle_message(Message::PeerRemoved { peer: PeerId(1) }).unwrap();
-        assert_eq!(v.interrupt(Epoch(1), 2, &members), Some(Interrupt::MemberLost(PeerId(1))));
+        assert_eq!(v.interrupt(Epoch(1), 2, "all_reduce", &members), Some(Interrupt::MemberLost(PeerId(1))));
         assert_eq!(v.lap_interrupt(Epoch(1), 2, &members), Some(LapInterrupt::MemberLost(PeerId(1))));
         let open = Message::VoteOpened { vote: Vote::PeersPending, epoch: Epoch(1), voter: PeerId(1), collectives: 2 };
         v.handle_message(open).unwrap();
         assert!(
-            matches!(v.interrupt(Epoch(1), 2, &members), Some(Interrupt::Blocked(why)) if why.contains("peers_pending"))
+            matches!(v.interrupt(Epoch(1), 2, "all_reduce", &members), Some(Interrupt::Blocked(why)) if why.contains("peers_pending"))
         );
         assert_eq!(
-            v.interrupt(Epoch(1), 1, &members),
+            v.interrupt(Epoch(1), 1, "all_reduce", &members),
             Some(Interrupt::MemberLost(PeerId(1))),
             "started before the vote"
         );
         let failure = OpFailure::new(FailureKind::Mismatch, PeerId(1), "p1 called x");
         v.handle_message(Message::OpAborted { epoch: Epoch(1), seq: 2, failure: failure.clone() }).unwrap();
-        assert_eq!(v.interrupt(Epoch(1), 2, &members), Some(Interrupt::Aborted(failure.clone())));
+        assert_eq!(v.interrupt(Epoch(1), 2, "all_reduce", &members), Some(Interrupt::Aborted(failure.clone())));
         assert_eq!(v.lap_interrupt(Epoch(1), 2, &members), Some(LapInterrupt::Verdict(Verdict::Aborted(failure))));
     }
 
