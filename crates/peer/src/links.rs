@@ -101,6 +101,10 @@ pub(crate) struct DataPlane {
     pub outgoing: BTreeMap<PeerId, Vec<Stream>>,
     /// Streams the peer dialed to us: we receive on them.
     pub incoming: BTreeMap<PeerId, Vec<Stream>>,
+    /// The topology `outgoing` and `incoming` are for: a call that ended while it established
+    /// that topology leaves them to the next call, which goes on where it stopped (redialing
+    /// would close the streams a member already took).
+    pub staged: Option<Epoch>,
     /// The engine of the topology our calls run in, over its links.
     pub exec: Option<crate::engine::Exec<Stream>>,
     /// That topology: who each rank is, and where to dial it.
@@ -270,8 +274,11 @@ impl Listener {
         operation: &'static str,
     ) -> Established {
         let members: BTreeSet<PeerId> = pos.ring.iter().map(|m| m.peer).collect();
-        plane.outgoing.clear();
-        plane.incoming.clear();
+        if plane.staged != Some(pos.epoch) {
+            plane.outgoing.clear();
+            plane.incoming.clear();
+            plane.staged = Some(pos.epoch);
+        }
         self.arrivals
             .streams
             .lock()
@@ -291,6 +298,7 @@ impl Listener {
             let elsewhere = |m: &&Member| !crate::config::on_this_host(self.local_ip(), &m.addr);
             targets.extend(pos.ring.iter().filter(|m| m.peer != me && m.peer != next.peer).filter(elsewhere));
         }
+        targets.retain(|m| !plane.outgoing.contains_key(&m.peer));
         let tls = self.tls.as_ref();
         let dial_one = |k: usize| {
             let (to, shm) = (targets[k], config.shared_memory);
@@ -301,7 +309,7 @@ impl Listener {
                 Ok(pool) => {
                     plane.outgoing.insert(targets[k].peer, pool);
                 }
-                Err(reason) if k == 0 => {
+                Err(reason) if targets[k].peer == next.peer => {
                     log::warn!("{me}: cannot reach {}: {reason}", next.peer);
                     return Established::Unreachable(next.peer);
                 }
@@ -311,6 +319,9 @@ impl Listener {
         }
         let prev = pos.prev().peer;
         loop {
+            if plane.incoming.contains_key(&prev) {
+                return Established::Ready;
+            }
             {
                 let mut arrivals = self.arrivals.streams.lock().unwrap_or_else(PoisonError::into_inner);
                 if let Some(pool) = take_complete(&mut arrivals, prev, pos.epoch) {
@@ -320,7 +331,8 @@ impl Listener {
                 let Ok(wait) = deadline.left(operation) else { return Established::Superseded };
                 drop(self.arrivals.changed.wait_timeout(arrivals, wait.min(ESTABLISH_POLL)));
             }
-            if control.lock().superseded(pos.epoch) {
+            let peer = control.lock();
+            if peer.superseded(pos.epoch) || !peer.establishing(pos.epoch) {
                 return Established::Superseded;
             }
         }
