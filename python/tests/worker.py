@@ -8,6 +8,7 @@ import os
 import re
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -798,23 +799,38 @@ def loop(spec: dict) -> dict:
 
 
 def mismatched_calls(spec: dict) -> dict:
-    """Peer 0 makes the call ``first`` once the others are in ``others``: calls that can never
-    complete together. Every one must end with UsageError naming the calls, quickly; then all
-    run one matching all-reduce (retried, as a failed call may be)."""
-    comm = shoal.Communicator(spec["master"], timeout=60)
+    """Peer 0 makes the call ``first``, the others the call ``others``: calls that can never
+    complete together. ``order`` says who calls first: "first_last" (peer 0 0.3 s after the
+    others), "first_first" (peer 0 0.3 s before them) or "staggered" (peer 0, then peer 1 0.15 s
+    later, then peer 2 at 0.3 s). Every one must end with UsageError naming the calls, quickly,
+    while every peer stays alive and calls nothing else until all have ended (a file each in
+    ``out``'s folder); then all run one matching all-reduce (retried, as a failed call may be)."""
+    comm = shoal.Communicator(spec["master"], timeout=spec.get("call_timeout", 60))
     comm.connect(timeout=30)
     join_all(comm, spec["peers"])
     comm.all_reduce(np.ones(1, np.float32))  # nobody is a newcomer at the top of its loop
     state = shoal.SharedState({"w": np.zeros(8, np.float32)}, revision=0)
+    world, rank = comm.group_world_size, comm.rank
+
+    def p2p() -> None:
+        out, inp = np.full(16, rank, np.float32), np.empty(16, np.float32)
+        sent = comm.isend(out, peer=(rank + 1) % world, tag=3)
+        comm.recv(inp, peer=(rank - 1) % world, tag=3)
+        sent.wait()
+
     calls = {
         "peers_pending": comm.peers_pending,
         "update_topology": comm.update_topology,
+        "optimize_topology": comm.optimize_topology,
         "sync_shared_state": lambda: comm.sync_shared_state(state),
         "all_reduce": lambda: comm.all_reduce(np.ones(1000, np.float32)),
+        "barrier": comm.barrier,
+        "p2p": p2p,
     }
     call = spec["first"] if spec["index"] == 0 else spec["others"]
-    if spec["index"] == 0:
-        time.sleep(0.3)
+    delay = {"first_last": [0.3, 0, 0], "first_first": [0, 0.3, 0.3],
+             "staggered": [0, 0.15, 0.3]}[spec.get("order", "first_last")][spec["index"]]
+    time.sleep(delay)
     started = time.time()
     try:
         calls[call]()
@@ -822,14 +838,20 @@ def mismatched_calls(spec: dict) -> dict:
     except shoal.ShoalError as e:
         error = {"type": type(e).__name__, "msg": str(e)}
     took = time.time() - started
+    folder = Path(spec["out"]).parent
+    (folder / f"ended{spec['index']}").touch()
+    deadline = time.time() + 30
+    while len(list(folder.glob("ended*"))) < spec["peers"] and time.time() < deadline:
+        time.sleep(0.01)
+    retried = []
     for _ in range(5):
         y = np.ones(10, np.float32)
         try:
             comm.all_reduce(y, op="sum")
             break
-        except (shoal.PeerLostError, shoal.UsageError):
-            continue
-    return {"call": call, "error": error, "took": took, "after": float(y[0])}
+        except shoal.ShoalError as e:
+            retried.append(f"{type(e).__name__}: {e}")
+    return {"call": call, "error": error, "took": took, "after": float(y[0]), "retried": retried}
 
 
 def links(spec: dict) -> dict:
