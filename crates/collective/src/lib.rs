@@ -7,6 +7,7 @@
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
 
+mod algorithm;
 mod dtype;
 pub mod hier;
 mod kernels;
@@ -16,6 +17,7 @@ pub mod ring;
 pub mod schedule;
 pub mod twoshot;
 
+pub use algorithm::Algorithm;
 pub use dtype::{CollectiveKind, DType, ReduceOp};
 pub use kernels::{finish_avg, reduce_into, KernelError};
 pub use quant::{Codec, Format, QuantError, Quantization};

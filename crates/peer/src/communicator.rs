@@ -9,7 +9,7 @@ use crate::failpoint::failpoint;
 use crate::links::{DataPlane, Listener};
 use crate::stats::Stats;
 use crate::Deadline;
-use shoal_collective::schedule::Algorithm;
+use shoal_collective::Algorithm;
 use shoal_collective::{Codec, CollectiveKind, DType, Quantization, ReduceOp};
 use shoal_proto::auth::{DataKey, RunKey};
 use shoal_proto::peer::{

@@ -3,7 +3,7 @@
 
 use crate::engine::MAX_STASH_BYTES;
 use crate::error::Result;
-use shoal_collective::schedule::Algorithm;
+use shoal_collective::Algorithm;
 use shoal_collective::CollectiveKind;
 use shoal_config::{env_count, env_seconds, env_value};
 use shoal_wire::{AlgorithmLimits, MAX_STRING_BYTES};

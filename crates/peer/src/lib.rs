@@ -36,7 +36,7 @@ pub use config::{
 };
 pub use deadline::Deadline;
 pub use error::{Error, Result};
-pub use shoal_collective::schedule::Algorithm;
+pub use shoal_collective::Algorithm;
 pub use shoal_collective::{DType, Format, Quantization, ReduceOp};
 pub use shoal_proto::master::Strategy;
 pub use shoal_topology::Link;

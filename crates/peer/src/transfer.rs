@@ -12,7 +12,7 @@ use crate::engine::{Direction, LinkError, RawBuf, TransferSpec};
 use crate::error::{Error, Result};
 use crate::links::DataPlane;
 use crate::{Communicator, Info};
-use shoal_collective::schedule::Algorithm;
+use shoal_collective::Algorithm;
 use shoal_collective::DType;
 use shoal_proto::peer::{CallId, Peer};
 use shoal_wire::{Epoch, OpHeader, PeerId};

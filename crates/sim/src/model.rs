@@ -1,6 +1,7 @@
 //! The simulated run: network, peers, faults, and the checks.
 
-use shoal_collective::schedule::{Algorithm, RecvAction, Schedule};
+use shoal_collective::schedule::{RecvAction, Schedule};
+use shoal_collective::Algorithm;
 use shoal_collective::CollectiveKind;
 use shoal_proto::auth::{DataKey, RunKey};
 use shoal_proto::master::Strategy;

@@ -30,7 +30,8 @@ mod p2p;
 
 pub(crate) use p2p::{Direction, TransferSpec};
 
-use shoal_collective::schedule::{Algorithm, RecvAction, Schedule};
+use shoal_collective::schedule::{RecvAction, Schedule};
+use shoal_collective::Algorithm;
 use shoal_collective::{finish_avg, reduce_into, Codec, CollectiveKind, DType, ReduceOp};
 use shoal_transport::Lane;
 use shoal_wire::{Epoch, OpHeader};

@@ -40,7 +40,7 @@
 //! lane never carries bytes nobody asked for ahead of those somebody waits for.
 
 use super::{Frame, LinkError, RawBuf, Traffic};
-use shoal_collective::schedule::Algorithm;
+use shoal_collective::Algorithm;
 use shoal_collective::DType;
 use shoal_wire::{Epoch, OpHeader};
 use std::collections::{BTreeMap, VecDeque};
