@@ -8,9 +8,10 @@
 
 pub mod lane;
 pub mod shm;
+mod stream;
 pub mod tls;
 
-pub use lane::{Lane, Stream};
+pub use lane::Lane;
 use shoal_wire::{FrameHeader, Message, SessionId, WireError, HEADER_BYTES, MAX_BODY_BYTES};
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -18,6 +19,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
+pub use stream::Stream;
 pub use tls::{Conn, TlsConfig, TlsFiles};
 
 /// What can go wrong reading or writing frames.
