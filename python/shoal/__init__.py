@@ -8,9 +8,10 @@ and torch CPU tensors in place with the other peers of its group.
 from __future__ import annotations
 
 from . import _native, errors
-from ._communicator import Communicator, ErrorFeedback, Vote, Work, hash_tensor
+from ._communicator import Communicator, ErrorFeedback, Vote, Work
 from ._native import Master, ReduceInfo
 from ._state import CatchUpInfo, CatchUpProgress, SharedState, SyncInfo
+from ._tensors import hash_tensor
 from .errors import *  # noqa: F403 - the exception tree, listed in errors.__all__
 
 __version__: str = _native.__version__

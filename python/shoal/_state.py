@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, TextIO
 
-from ._communicator import _byte_view, hash_tensor
+from ._tensors import _byte_view, hash_tensor
 
 
 @dataclass(frozen=True)
