@@ -16,105 +16,18 @@
 use crate::communicator::Communicator;
 use crate::control::Control;
 use crate::error::{Error, Result};
+use crate::fetch::{digest, fetch, tensors_meta, Fetcher, Snapshot, StateTensor, Wanted};
 use crate::links::Listener;
-use crate::sync::{digest, fetch, serve, tensors_meta, FetchReq, Fetcher, Served, StateTensor, Wanted};
 use crate::Deadline;
 use shoal_proto::auth::DataKey;
 use shoal_proto::peer::CatchUpPlan;
-use shoal_transport::Conn;
 use shoal_wire::{PeerId, SessionId};
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// How often a catching-up newcomer tells the master (and its caller) how far it is.
 const PROGRESS_EVERY: Duration = Duration::from_millis(250);
-
-/// A copy of the shared state a sync ended with, kept for newcomers.
-pub(crate) struct Snapshot {
-    round: u64,
-    /// The tensors, sorted by name, as the sync ended.
-    tensors: Vec<Vec<u8>>,
-    /// Set when the copy is dropped: its servers stop.
-    dropped: AtomicBool,
-}
-
-/// The copy this peer keeps, if any, and how it serves it.
-pub(crate) struct Snapshots {
-    current: Mutex<Option<Arc<Snapshot>>>,
-    rate: Option<RateLimit>,
-    io_timeout: Duration,
-    sent: AtomicU64,
-}
-
-impl Snapshots {
-    /// Serves copies at `rate` bytes per second at most (all fetchers together), waiting up to
-    /// `io_timeout` on a fetcher.
-    pub fn new(rate: Option<u64>, io_timeout: Duration) -> Arc<Self> {
-        let rate = rate.map(|bytes_per_s| RateLimit { bytes_per_s, next: Mutex::new(Instant::now()) });
-        Arc::new(Snapshots { current: Mutex::new(None), rate, io_timeout, sent: AtomicU64::new(0) })
-    }
-
-    fn keep(&self, snapshot: Snapshot) {
-        let old = self.current.lock().unwrap_or_else(PoisonError::into_inner).replace(Arc::new(snapshot));
-        if let Some(old) = old {
-            old.dropped.store(true, Ordering::Relaxed);
-        }
-    }
-
-    /// Drops the copy kept: its servers stop, and its memory goes once they have.
-    pub fn drop_kept(&self) {
-        if let Some(old) = self.current.lock().unwrap_or_else(PoisonError::into_inner).take() {
-            let served = self.sent.load(Ordering::Relaxed) >> 20;
-            log::info!(
-                "dropping the copy of the shared state of sync {} ({served} MiB served to newcomers)",
-                old.round
-            );
-            old.dropped.store(true, Ordering::Relaxed);
-        }
-    }
-
-    /// Serves `stream`, whose first request is `first`, if it asks for the copy kept; otherwise
-    /// hands it back (a fetch of a sync in progress).
-    pub fn serve(&self, stream: Conn, first: FetchReq) -> Option<Conn> {
-        let kept = self.current.lock().unwrap_or_else(PoisonError::into_inner).clone();
-        let Some(snapshot) = kept.filter(|s| s.round == first.round) else { return Some(stream) };
-        let served = Served { bytes: &self.sent, to: None };
-        let (round, views) = (snapshot.round, &snapshot.tensors);
-        if let Err(e) =
-            serve(stream, first, round, views, &served, &snapshot.dropped, self.rate.as_ref(), self.io_timeout)
-        {
-            log::debug!("serving the copy of sync {round} to {}: {e}", first.from);
-        }
-        None
-    }
-}
-
-/// Paces bytes to a rate shared by every thread that takes from it.
-pub(crate) struct RateLimit {
-    bytes_per_s: u64,
-    /// When the bytes taken so far have left at the rate.
-    next: Mutex<Instant>,
-}
-
-impl RateLimit {
-    /// Bytes taken at a time: small enough that the pace is even at a few MB/s.
-    pub const GRAIN: usize = 256 << 10;
-
-    /// Waits until `bytes` more may go.
-    pub fn take(&self, bytes: usize) {
-        let wait = {
-            let mut next = self.next.lock().unwrap_or_else(PoisonError::into_inner);
-            let now = Instant::now();
-            // Idle time is not saved up: a burst after a pause goes at the rate too.
-            let start = (*next).max(now);
-            *next = start + Duration::from_secs_f64(bytes as f64 / self.bytes_per_s as f64);
-            start - now
-        };
-        std::thread::sleep(wait);
-    }
-}
 
 /// How far a catch-up is, as [`Communicator::connect_catching_up`] reports it.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -204,7 +117,7 @@ impl Communicator {
         }
         let started = Instant::now();
         let copy = tensors.iter().map(|t| t.bytes.to_vec()).collect();
-        listener.snapshots().keep(Snapshot { round, tensors: copy, dropped: AtomicBool::new(false) });
+        listener.snapshots().keep(Snapshot::new(round, copy));
         log::info!(
             "keeping a copy of the shared state of sync {round} for newcomers: {} MiB, copied in {:.1} ms",
             bytes >> 20,
@@ -318,7 +231,7 @@ impl Newcomer<'_> {
         tensors: &[StateTensor<'_>],
         progress: &mut (dyn FnMut(&CatchUpProgress) + Send),
         until: Instant,
-    ) -> std::result::Result<Vec<crate::sync::Fetched>, String> {
+    ) -> std::result::Result<Vec<crate::fetch::Fetched>, String> {
         let total: u64 = wanted.iter().map(|w| w.len).sum();
         let addrs: BTreeMap<PeerId, String> = plan.donors.iter().map(|m| (m.peer, m.addr.clone())).collect();
         let meta = tensors_meta(tensors);

@@ -1,11 +1,12 @@
 //! The communicator: one peer's handle on a run.
 
-use crate::catchup::Snapshots;
 use crate::config::{CommunicatorConfig, DEFAULT_CHUNK_BYTES};
 use crate::control::Control;
 use crate::engine::{Backup, Direction, Exec, LinkError, OpEvent, OpSpec, Pumped, RawBuf, Taken};
 use crate::error::{Error, Result};
 use crate::failpoint::failpoint;
+use crate::fetch::Snapshots;
+use crate::info::{Info, LinkInfo};
 use crate::links::{DataPlane, Listener};
 use crate::stats::Stats;
 use crate::Deadline;
@@ -51,54 +52,6 @@ const BUSY_SPIN: Duration = Duration::from_micros(10);
 /// caller before it drives.
 const HANDOFF_GRACE: Duration = Duration::from_micros(100);
 
-/// What a completed collective reports.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Info {
-    /// Peers that took part.
-    pub world_size: usize,
-    /// Bytes this peer sent.
-    pub tx_bytes: u64,
-    /// Bytes this peer received.
-    pub rx_bytes: u64,
-    /// Wall time of the call.
-    pub elapsed: Duration,
-    /// The topology the collective ran in.
-    pub topology: u64,
-    /// The collective's number within its topology: with `topology`, it names the collective
-    /// on every participant.
-    pub sequence: u64,
-    /// How it moved its data.
-    pub algorithm: Algorithm,
-}
-
-/// A link to another member of our group in the topology in force, and what moved over it
-/// ([`Communicator::links`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LinkInfo {
-    /// The member.
-    pub peer: PeerId,
-    /// Its rank in the group.
-    pub rank: usize,
-    /// Streams we send on.
-    pub streams_out: usize,
-    /// Streams we receive on.
-    pub streams_in: usize,
-    /// Chunk bytes sent to it in this topology.
-    pub tx_bytes: u64,
-    /// Chunk bytes received from it in this topology.
-    pub rx_bytes: u64,
-    /// How long, in this topology, some frame of ours to it waited for room in its stream (the
-    /// link was saturated), and the bytes written meanwhile: their ratio is what the link
-    /// carries, as the master watches it for drift (`docs/topology.md`).
-    pub saturated: std::time::Duration,
-    /// Bytes written to it, frame headers included, while it was saturated.
-    pub saturated_bytes: u64,
-    /// What carries the streams: `"shm"` (shared memory, a member on this host), `"tcp"`,
-    /// `"tls"` (TCP with TLS), or `"mixed"` where the two ends chose differently
-    /// (`SHOAL_TRANSPORT`).
-    pub transport: &'static str,
-}
-
 /// One peer's membership in a run: joins through the master, is admitted by the accepted
 /// peers' vote, and runs collectives with the other peers of its group.
 ///
@@ -113,7 +66,7 @@ pub struct Communicator {
     /// Drives the state machine and the engine, for whichever thread holds the data plane.
     driver: Arc<Driver>,
     /// What the last `optimize_topology` measured.
-    pub(crate) measured: Mutex<Option<crate::topology::Measurements>>,
+    pub(crate) measured: Mutex<Option<crate::info::Measurements>>,
     /// The counters, shared with the data plane and the timer thread.
     stats: Arc<Stats>,
     /// TLS for every connection, loaded from `config.tls`.
@@ -1106,7 +1059,7 @@ fn fits(record: &Collective, world: usize) -> std::result::Result<(), String> {
 fn verb(kind: CollectiveKind, tag: u64) -> &'static str {
     match kind {
         // The barrier that `optimize_topology` starts with.
-        CollectiveKind::Barrier if tag == crate::topology::BARRIER_TAG => "optimize_topology",
+        CollectiveKind::Barrier if tag == crate::tags::BARRIER_TAG => "optimize_topology",
         kind => kind.name(),
     }
 }

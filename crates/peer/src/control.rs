@@ -83,7 +83,7 @@ pub(crate) struct Control {
     /// The counters sent in place of heartbeats.
     stats: Arc<Stats>,
     /// The copy of the shared state kept for newcomers, dropped when the master says so.
-    snapshots: Arc<crate::catchup::Snapshots>,
+    snapshots: Arc<crate::fetch::Snapshots>,
 }
 
 impl Control {
@@ -94,7 +94,7 @@ impl Control {
         tls: Option<TlsConfig>,
         config: PeerConfig,
         stats: Arc<Stats>,
-        snapshots: Arc<crate::catchup::Snapshots>,
+        snapshots: Arc<crate::fetch::Snapshots>,
     ) -> Result<Arc<Self>> {
         let io_err = |source| Error::Io { context: "configuring the master connection".into(), source };
         let reader = split(&stream, config.heartbeat_timeout).map_err(io_err)?;
@@ -432,7 +432,7 @@ mod tests {
     /// A control connection over `stream` to the master at `addr`, with no shared-state copy.
     fn start(addr: &str, stream: Conn, heartbeat_timeout: Duration) -> Arc<Control> {
         let config = PeerConfig { heartbeat_timeout, key: None, max_in_flight: 1, reconnect: false };
-        let snapshots = crate::catchup::Snapshots::new(None, Duration::from_secs(5));
+        let snapshots = crate::fetch::Snapshots::new(None, Duration::from_secs(5));
         Control::start(addr, stream, None, config, Arc::default(), snapshots).unwrap()
     }
 

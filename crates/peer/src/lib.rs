@@ -22,24 +22,29 @@ mod deadline;
 mod engine;
 mod error;
 mod failpoint;
+mod fetch;
+mod info;
 mod links;
 mod stats;
 mod sync;
+mod tags;
 mod topology;
 mod transfer;
 
 pub use catchup::{CatchUpInfo, CatchUpProgress};
-pub use communicator::{Communicator, Info, LinkInfo, Vote, Work};
+pub use communicator::{Communicator, Vote, Work};
 pub use config::{
     CommunicatorConfig, DEFAULT_CHUNK_BYTES, DEFAULT_CONNECTIONS, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_TIMEOUT,
     MAX_CONNECTIONS,
 };
 pub use deadline::Deadline;
 pub use error::{Error, Result};
+pub use fetch::StateTensor;
+pub use info::{Info, LinkInfo};
 pub use shoal_collective::Algorithm;
 pub use shoal_collective::{DType, Format, Quantization, ReduceOp};
 pub use shoal_proto::master::Strategy;
 pub use shoal_topology::Link;
 pub use shoal_wire::{LinkReport, OpCounters, PeerId, PeerReport, RunningOp, DURATION_BOUNDS_US};
-pub use sync::{StateTensor, SyncInfo};
-pub use topology::PROBE_TAGS;
+pub use sync::SyncInfo;
+pub use tags::PROBE_TAGS;

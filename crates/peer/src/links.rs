@@ -77,9 +77,9 @@ pub(crate) struct Listener {
 /// fetches, by the sync that serves them).
 struct Arrivals {
     streams: Mutex<BTreeMap<PeerId, Pool>>,
-    fetches: Mutex<std::collections::VecDeque<(Conn, crate::sync::FetchReq)>>,
+    fetches: Mutex<std::collections::VecDeque<(Conn, crate::fetch::FetchReq)>>,
     /// The copy of the shared state kept for newcomers, served by the greeting threads.
-    snapshots: Arc<crate::catchup::Snapshots>,
+    snapshots: Arc<crate::fetch::Snapshots>,
     /// Connections refused at their greeting (strangers, forgeries, stale pools).
     refused: AtomicU64,
     changed: Condvar,
@@ -146,7 +146,7 @@ impl DataPlane {
 
 impl Listener {
     /// Binds `addr` and starts accepting, with TLS if `tls` is given.
-    pub fn start(addr: &str, tls: Option<TlsConfig>, snapshots: Arc<crate::catchup::Snapshots>) -> Result<Self> {
+    pub fn start(addr: &str, tls: Option<TlsConfig>, snapshots: Arc<crate::fetch::Snapshots>) -> Result<Self> {
         let io = |context: &str| {
             let context = format!("{context} {addr}");
             move |source| Error::Io { context, source }
@@ -201,13 +201,13 @@ impl Listener {
     }
 
     /// The copy of the shared state this peer keeps for newcomers.
-    pub fn snapshots(&self) -> &crate::catchup::Snapshots {
+    pub fn snapshots(&self) -> &crate::fetch::Snapshots {
         &self.arrivals.snapshots
     }
 
     /// The next connection a peer opened to fetch shared state from us, with its first request;
     /// waits up to `wait`.
-    pub fn take_fetch(&self, wait: Duration) -> Option<(Conn, crate::sync::FetchReq)> {
+    pub fn take_fetch(&self, wait: Duration) -> Option<(Conn, crate::fetch::FetchReq)> {
         let fetches = self.arrivals.fetches.lock().unwrap_or_else(PoisonError::into_inner);
         let mut fetches = self
             .arrivals
@@ -541,7 +541,7 @@ fn greet(
         if !DataKey::matches(id.key.fetch(session, from, to, round, index, offset, len), &mac) {
             return Err(format!("a FetchRequest posing as {from} without the run's data key"));
         }
-        let request = crate::sync::FetchReq { from, round, index, offset, len };
+        let request = crate::fetch::FetchReq { from, round, index, offset, len };
         // A newcomer catching up is served here, on this connection's own thread: the calls of
         // this peer go on meanwhile. Any other fetch is for the sync in progress.
         let Some(stream) = arrivals.snapshots.serve(stream, request) else { return Ok(()) };
@@ -622,7 +622,7 @@ mod tests {
 
     /// A listener without TLS on a free loopback port.
     fn plain_listener() -> Listener {
-        Listener::start("127.0.0.1:0", None, crate::catchup::Snapshots::new(None, Duration::from_secs(5))).unwrap()
+        Listener::start("127.0.0.1:0", None, crate::fetch::Snapshots::new(None, Duration::from_secs(5))).unwrap()
     }
 
     /// Waits up to 3 s for `listener` to have counted `n` refusals, failing with `what`.
@@ -693,7 +693,7 @@ mod tests {
         let listener = Listener::start(
             "127.0.0.1:0",
             Some(ours.clone()),
-            crate::catchup::Snapshots::new(None, Duration::from_secs(5)),
+            crate::fetch::Snapshots::new(None, Duration::from_secs(5)),
         )
         .unwrap();
         let (me, session) = (PeerId(1), SessionId(5));

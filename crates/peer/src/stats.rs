@@ -3,8 +3,8 @@
 //! heartbeat (`Message::Report`), where they become the run's metrics; it never takes the data
 //! plane's lock to do so, so the counters keep their own.
 
-use crate::communicator::{Info, LinkInfo};
 use crate::error::Error;
+use crate::info::{Info, LinkInfo};
 use shoal_proto::peer::CallId;
 use shoal_wire::{LinkReport, OpCounters, PeerReport, RunningOp, MAX_REPORT_KINDS, MAX_REPORT_RUNNING};
 use std::collections::{BTreeMap, HashMap};

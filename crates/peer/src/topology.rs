@@ -25,6 +25,8 @@ use crate::communicator::check_buffer;
 use crate::engine::{Direction, RawBuf};
 use crate::error::{Error, Result};
 use crate::failpoint::failpoint;
+use crate::info::Measurements;
+use crate::tags::{BARRIER_TAG, GATHER_TAG, PROBE_TAGS};
 use crate::{Communicator, DType, PeerId};
 use shoal_proto::peer::{CallKind, RingPosition};
 use shoal_topology::Link;
@@ -32,12 +34,6 @@ use shoal_transport::SendTimes;
 use shoal_wire::Measured;
 use std::time::Duration;
 
-/// Tags from here up are the library's own; applications' transfers use those below.
-pub const PROBE_TAGS: u64 = 1 << 63;
-/// The tags of the collectives around the measurement: the barrier that starts it and the gather
-/// that shares every member's row.
-pub(crate) const BARRIER_TAG: u64 = u64::MAX - 1;
-const GATHER_TAG: u64 = u64::MAX;
 /// Tags one round may use.
 const TAGS_PER_ROUND: u64 = 64;
 /// Timed ping-pongs per round: the round trip is the fastest.
@@ -55,17 +51,6 @@ const ENTRY_BYTES: usize = 13;
 const WINDOW_LIMITED: f64 = 0.25;
 /// Measurements one `optimize_topology` runs at most: each after pools grew.
 const SIZING_ROUNDS: usize = 3;
-
-/// What the members of one ring measured of their links to each other.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Measurements {
-    /// The members, in the order of the ring they were measured in.
-    members: Vec<PeerId>,
-    /// `links[i][j]`: what `members[i]` measured towards `members[j]`.
-    links: Vec<Vec<Option<Link>>>,
-    /// Whether some member grew a pool.
-    grew: bool,
-}
 
 /// What one round measured of the link to the partner.
 #[derive(Debug, Clone, Copy)]

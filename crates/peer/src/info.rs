@@ -1,0 +1,65 @@
+//! What calls, links and measurements report: plain values every other module may hold.
+
+use shoal_collective::Algorithm;
+use shoal_topology::Link;
+use shoal_wire::PeerId;
+use std::time::Duration;
+
+/// What a completed collective reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Info {
+    /// Peers that took part.
+    pub world_size: usize,
+    /// Bytes this peer sent.
+    pub tx_bytes: u64,
+    /// Bytes this peer received.
+    pub rx_bytes: u64,
+    /// Wall time of the call.
+    pub elapsed: Duration,
+    /// The topology the collective ran in.
+    pub topology: u64,
+    /// The collective's number within its topology: with `topology`, it names the collective
+    /// on every participant.
+    pub sequence: u64,
+    /// How it moved its data.
+    pub algorithm: Algorithm,
+}
+
+/// A link to another member of our group in the topology in force, and what moved over it
+/// ([`crate::Communicator::links`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinkInfo {
+    /// The member.
+    pub peer: PeerId,
+    /// Its rank in the group.
+    pub rank: usize,
+    /// Streams we send on.
+    pub streams_out: usize,
+    /// Streams we receive on.
+    pub streams_in: usize,
+    /// Chunk bytes sent to it in this topology.
+    pub tx_bytes: u64,
+    /// Chunk bytes received from it in this topology.
+    pub rx_bytes: u64,
+    /// How long, in this topology, some frame of ours to it waited for room in its stream (the
+    /// link was saturated), and the bytes written meanwhile: their ratio is what the link
+    /// carries, as the master watches it for drift (`docs/topology.md`).
+    pub saturated: std::time::Duration,
+    /// Bytes written to it, frame headers included, while it was saturated.
+    pub saturated_bytes: u64,
+    /// What carries the streams: `"shm"` (shared memory, a member on this host), `"tcp"`,
+    /// `"tls"` (TCP with TLS), or `"mixed"` where the two ends chose differently
+    /// (`SHOAL_TRANSPORT`).
+    pub transport: &'static str,
+}
+
+/// What the members of one ring measured of their links to each other.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Measurements {
+    /// The members, in the order of the ring they were measured in.
+    pub members: Vec<PeerId>,
+    /// `links[i][j]`: what `members[i]` measured towards `members[j]`.
+    pub links: Vec<Vec<Option<Link>>>,
+    /// Whether some member grew a pool.
+    pub grew: bool,
+}
