@@ -2,16 +2,17 @@
 
 use crate::config::{CommunicatorConfig, DEFAULT_CHUNK_BYTES};
 use crate::control::Control;
-use crate::engine::{Backup, Direction, Exec, LinkError, OpEvent, OpSpec, Pumped, RawBuf, Taken};
+use crate::engine::{Backup, Exec, LinkError, OpEvent, OpSpec, Pumped, RawBuf};
 use crate::error::{Error, Result};
 use crate::failpoint::failpoint;
 use crate::fetch::Snapshots;
 use crate::info::{Info, LinkInfo};
-use crate::links::{DataPlane, Listener};
+use crate::links::Listener;
+use crate::plane::{AlignedBytes, CallResult, Collective, DataPlane, Extra, Owner, Placement, Posted, Request, TagUse};
 use crate::stats::Stats;
 use crate::Deadline;
 use shoal_collective::Algorithm;
-use shoal_collective::{Codec, CollectiveKind, DType, Quantization, ReduceOp};
+use shoal_collective::{CollectiveKind, DType, Quantization, ReduceOp};
 use shoal_proto::auth::{DataKey, RunKey};
 use shoal_proto::peer::{
     Action, CallError, CallId, CallKind, Established, OpId, OpProgress, PeerConfig, RingPosition, Value,
@@ -19,8 +20,6 @@ use shoal_proto::peer::{
 use shoal_transport::{Conn, Lane, PollFd, TlsConfig};
 use shoal_wire::PeerReport;
 use shoal_wire::{FailureKind, GroupId, OpFailure, OpHeader, PeerId, SessionId};
-use std::any::Any;
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
@@ -30,24 +29,6 @@ use std::time::{Duration, Instant};
 const ADMISSION_POLL: Duration = Duration::from_millis(50);
 /// Longest a poll on the data streams waits before the driver looks around again.
 const POLL_SLICE: Duration = Duration::from_millis(50);
-/// How long the driver keeps retrying non-blocking IO (yielding the CPU in between) before it
-/// sleeps in `poll(2)`. A sleep and wake-up cost tens of microseconds per hop, which dominates
-/// small collectives (4 KiB, 2 peers: 71 µs median without, 55 µs with); yielding keeps a
-/// spinning peer from starving a neighbour on the same core.
-const SPIN: Duration = Duration::from_micros(50);
-/// The spin where this host runs at least two members of the group per core, so that the peers
-/// a spinning driver waits for mostly wait for a core themselves. A long spin then falls into
-/// convoys: 4 peers on 2 cores, 4 KiB one-shot, the slowest peer's median swung between 150 and
-/// 390 µs from run to run with 50 µs, and stayed within 151–185 µs with 5 µs. Not none: one
-/// yield lets the peer on this core send what we wait for (without it, 380 µs). With 3 peers on
-/// 2 cores the long spin is still the faster (104–114 µs against 124–141).
-const OVERSUBSCRIBED_SPIN: Duration = Duration::from_micros(5);
-/// How long of the spin the driver does not even yield, where this host runs no more members of
-/// the group than it has cores: a yield is a system call, and the bytes a small collective
-/// waits for arrive within microseconds (4 KiB, 2 peers on 2 cores: 19.2 µs median with a yield
-/// per pass, 17.2 µs without). Past it, yields, so that another thread of the process (or of the
-/// machine) that wants this core gets it.
-const BUSY_SPIN: Duration = Duration::from_micros(10);
 /// How long the progress thread, woken for work an async call started, leaves the lock to that
 /// caller before it drives.
 const HANDOFF_GRACE: Duration = Duration::from_micros(100);
@@ -879,14 +860,11 @@ pub(crate) fn call_error(control: &Control, e: CallError, operation: &'static st
     }
 }
 
-/// How the state machine ended a call.
-pub(crate) type CallResult = std::result::Result<Value, CallError>;
-
 /// Topology `position.epoch`, in force with our pools established, is the one our calls run in:
 /// its engine takes the links to our ring neighbours; it links to other members when a schedule
 /// first needs them.
 fn take_up(data: &mut DataPlane, position: &RingPosition) {
-    crate::transfer::superseded(data, position.epoch.0);
+    crate::plane::superseded(data, position.epoch.0);
     let (rank, world) = (position.rank, position.group_size());
     let me = position.ring[rank].peer;
     let mut exec = Exec::new(position.epoch, rank, world);
@@ -894,12 +872,12 @@ fn take_up(data: &mut DataPlane, position: &RingPosition) {
         let prev = (rank + world - 1) % world;
         // Both halves come non-blocking from the listener (`links.rs`).
         // Our successor's pool, and those dialed to other members in the same round trip.
-        for (peer, send) in std::mem::take(&mut data.outgoing) {
+        for (peer, send) in std::mem::take(&mut data.staged.outgoing) {
             if let Some(rank) = position.ring.iter().position(|m| m.peer == peer).filter(|_| !send.is_empty()) {
                 exec.add_send(rank, send);
             }
         }
-        if let Some(recv) = data.incoming.remove(&position.ring[prev].peer).filter(|p| !p.is_empty()) {
+        if let Some(recv) = data.staged.incoming.remove(&position.ring[prev].peer).filter(|p| !p.is_empty()) {
             exec.add_recv(prev, recv);
         }
     }
@@ -951,63 +929,6 @@ fn op_error(f: OpFailure, header: &OpHeader) -> Error {
         FailureKind::Misuse => Error::Misuse(f.reason),
         _ => Error::PeerLost { peer: f.peer, operation: operation(header), reason: f.reason },
     }
-}
-
-/// Where the members of a topology run, for its collectives' schedules and its driver.
-#[derive(Debug)]
-pub(crate) struct Placement {
-    /// The topology it describes (`None` before the first).
-    pub epoch: Option<shoal_wire::Epoch>,
-    /// The host of each rank, numbered in order of first appearance: its site where the master
-    /// placed every member in one (`optimize_topology`), else as their advertised addresses say.
-    /// Every member sees the same ones, so decides alike (members of one host that advertise
-    /// different addresses count as two, which costs speed, not results).
-    pub hosts: Vec<usize>,
-    /// How long the driver spins before it sleeps: [`OVERSUBSCRIBED_SPIN`] where at least two
-    /// members per core share our address (the cores this process may use).
-    pub spin: Duration,
-    /// How long of it without yielding: [`BUSY_SPIN`] where each member sharing our address
-    /// can have a core, else none.
-    pub busy_spin: Duration,
-}
-
-impl Default for Placement {
-    fn default() -> Self {
-        Placement { epoch: None, hosts: Vec::new(), spin: SPIN, busy_spin: Duration::ZERO }
-    }
-}
-
-impl Placement {
-    pub fn of(position: &RingPosition) -> Placement {
-        let host = |addr: &str| match addr.parse::<SocketAddr>() {
-            Ok(a) => a.ip().to_string(),
-            Err(_) => addr.rsplit_once(':').map_or(addr, |(h, _)| h).to_string(),
-        };
-        let addresses = numbered(position.ring.iter().map(|m| host(&m.addr)));
-        let here = addresses.iter().filter(|&&h| h == addresses[position.rank]).count();
-        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
-        let spin = if here >= 2 * cores { OVERSUBSCRIBED_SPIN } else { SPIN };
-        let busy_spin = if here <= cores { BUSY_SPIN } else { Duration::ZERO };
-        let hosts = match position.ring.iter().map(|m| m.site).collect::<Option<Vec<u16>>>() {
-            Some(sites) => numbered(sites),
-            None => addresses,
-        };
-        Placement { epoch: Some(position.epoch), hosts, spin, busy_spin }
-    }
-}
-
-/// Each item's number among the distinct items, numbered in order of first appearance.
-fn numbered<T: PartialEq>(items: impl IntoIterator<Item = T>) -> Vec<usize> {
-    let mut seen: Vec<T> = Vec::new();
-    items
-        .into_iter()
-        .map(|item| {
-            seen.iter().position(|s| *s == item).unwrap_or_else(|| {
-                seen.push(item);
-                seen.len() - 1
-            })
-        })
-        .collect()
 }
 
 /// The name of the collective `header` names.
@@ -1109,78 +1030,6 @@ impl<B> Work<B> {
 }
 
 /// What owns a buffer lent to the engine: a [`Work`]'s, until its caller takes it back.
-pub(crate) type Owner = Box<dyn Any + Send>;
-
-/// A collective called and not yet returned.
-pub(crate) struct Collective {
-    /// The buffer its schedule works on.
-    buf: RawBuf,
-    /// What keeps the buffer alive where the caller does not wait ([`Work`]).
-    owner: Option<Owner>,
-    request: Request,
-    extra: Extra,
-    count: u64,
-    started: Instant,
-    /// Once it runs: how.
-    posted: Option<Posted>,
-    /// Our own error for it, which stands where no verdict comes.
-    local: Option<Error>,
-}
-
-/// What a collective call asks for, besides its buffer.
-#[derive(Debug, Clone, Copy)]
-struct Request {
-    kind: CollectiveKind,
-    dtype: DType,
-    op: ReduceOp,
-    tag: u64,
-    /// A broadcast's root rank.
-    root: usize,
-    /// The algorithm asked for, if any.
-    algorithm: Option<Algorithm>,
-    /// How its chunks are quantized, if at all.
-    quantization: Option<Quantization>,
-}
-
-impl Request {
-    /// The codec of its chunks; `Ok(None)` unquantized (or where quantizing changes nothing).
-    fn codec(&self) -> Result<Option<Codec>> {
-        let Some(q) = self.quantization else { return Ok(None) };
-        let op = match self.kind {
-            CollectiveKind::AllReduce | CollectiveKind::ReduceScatter => Some(self.op),
-            CollectiveKind::AllGather => None,
-            CollectiveKind::Broadcast | CollectiveKind::Barrier => {
-                return Err(Error::InvalidArgument(format!(
-                    "quantization applies to all_reduce, reduce_scatter and all_gather, not {}",
-                    self.kind.name()
-                )))
-            }
-        };
-        q.codec(self.dtype, op).map_err(|e| Error::InvalidArgument(e.to_string()))
-    }
-}
-
-/// What a collective does with the caller's buffers besides its schedule's.
-enum Extra {
-    None,
-    /// All-gather: a copy of the caller's input, copied into its block of the output when
-    /// posted, and what that block held, put back if it fails.
-    Gather {
-        inp: Vec<u8>,
-        before: Option<Vec<u8>>,
-    },
-    /// Reduce-scatter: where our block of the reduced copy of the input goes on success; the
-    /// copy.
-    Scatter {
-        out: RawBuf,
-        _work: AlignedBytes,
-    },
-    /// Barrier: the byte its schedule moves (see [`barrier_work`]).
-    Arrived {
-        _byte: Box<[u8; 1]>,
-    },
-}
-
 fn gather_request(dtype: DType, tag: u64, quantization: Option<Quantization>) -> Request {
     let kind = CollectiveKind::AllGather;
     Request { kind, dtype, op: ReduceOp::Sum, tag, root: 0, algorithm: None, quantization }
@@ -1207,80 +1056,6 @@ fn scatter_work(out: &mut [u8], inp: &[u8]) -> (RawBuf, Extra) {
     let mut work = AlignedBytes::copy_of(inp);
     let buf = RawBuf::new(work.as_mut());
     (buf, Extra::Scatter { out: RawBuf::new(out), _work: work })
-}
-
-/// Bytes aligned for every element type.
-struct AlignedBytes {
-    words: Vec<u64>,
-    len: usize,
-}
-
-impl AlignedBytes {
-    fn copy_of(bytes: &[u8]) -> Self {
-        let mut words = vec![0u64; bytes.len().div_ceil(8)];
-        bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..bytes.len()].copy_from_slice(bytes);
-        AlignedBytes { words, len: bytes.len() }
-    }
-
-    fn as_mut(&mut self) -> &mut [u8] {
-        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
-    }
-}
-
-/// A collective in the engine: its name, its header, where it runs and how.
-#[derive(Debug, Clone, Copy)]
-struct Posted {
-    id: OpId,
-    header: OpHeader,
-    world: usize,
-    rank: usize,
-    algorithm: Algorithm,
-}
-
-/// What the driver tracks of the calls of a communicator.
-#[derive(Default)]
-pub(crate) struct Calls {
-    collectives: HashMap<CallId, Collective>,
-    /// The collectives posted to the engine, by number.
-    by_seq: HashMap<u64, CallId>,
-    /// Collectives taken out of the engine before they ended, by number, with what the caller
-    /// gets back of them.
-    pub taken: HashMap<u64, Taken>,
-    /// Tagged transfers called and not yet ended.
-    pub transfers: HashMap<CallId, crate::transfer::TransferCall>,
-    /// Collectives and transfers that ended: their result, their buffer's owner, and what their
-    /// tag is in use for, until their caller takes them.
-    pub finished: HashMap<CallId, (Result<Info>, Option<Owner>, TagUse)>,
-    /// Other calls that ended, until their caller takes them.
-    pub ended: HashMap<CallId, CallResult>,
-}
-
-impl Calls {
-    /// Whether a call with `tag` is in flight for `what`, or ended and not waited for yet (in
-    /// flight until waited for: whether it ended already depends on timing, which must not
-    /// decide whether a call is refused).
-    pub fn in_use(&self, what: TagUse) -> bool {
-        self.finished.values().any(|f| f.2 == what)
-            || match what {
-                TagUse::Collective(tag) => self.collectives.values().any(|o| o.request.tag == tag),
-                TagUse::Transfer(direction, peer, tag) => {
-                    self.transfers.values().any(|t| t.uses() == (direction, peer, tag))
-                }
-            }
-    }
-
-    /// Whether a collective or transfer is in flight.
-    fn busy(&self) -> bool {
-        !self.collectives.is_empty() || !self.transfers.is_empty()
-    }
-}
-
-/// What a call's tag is in use for: collectives share one space of tags, transfers one per
-/// direction and member.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum TagUse {
-    Collective(u64),
-    Transfer(Direction, PeerId, u64),
 }
 
 /// The progress thread's state, shared with the callers.
@@ -1371,7 +1146,8 @@ impl Driver {
                     Action::Done { call: ended, result } => self.ended(control, data, ended, result),
                     Action::Establish { position, deadline } => {
                         let deadline = Deadline::until(deadline, self.config.timeout);
-                        let outcome = listener.establish(data, control, &position, &self.config, deadline, operation);
+                        let outcome =
+                            listener.establish(&mut data.staged, control, &position, &self.config, deadline, operation);
                         if outcome == Established::Ready {
                             failpoint(if operation == "connect" {
                                 "connect.before_ready"
@@ -1409,7 +1185,7 @@ impl Driver {
             let events = exec.events();
             let transfers = exec.transfer_events();
             let news = !events.is_empty() || !transfers.is_empty();
-            crate::transfer::engine_ended(data, transfers);
+            crate::plane::engine_ended(data, transfers);
             if !events.is_empty() {
                 self.report(control, data, events);
                 self.take_stopped(control, data);
@@ -1460,7 +1236,7 @@ impl Driver {
             });
             self.take_stopped(control, data);
             if !data.calls.transfers.is_empty() {
-                crate::transfer::stop_stalled(&control.lock(), data, self.config.timeout);
+                crate::plane::stop_stalled(&control.lock(), data, self.config.timeout);
             }
             if control.lock().has_action() || call.is_some_and(|call| ended(data, call)) {
                 continue;
@@ -1809,49 +1585,4 @@ pub(crate) fn check_buffer(buf: &[u8], dtype: DType) -> Result<()> {
         )));
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use shoal_wire::{Epoch, GroupId, Member, PeerId};
-
-    fn position(addrs: &[&str], sites: Option<&[u16]>, rank: usize) -> RingPosition {
-        let ring = addrs.iter().enumerate().map(|(i, addr)| Member {
-            peer: PeerId(i as u32 + 1),
-            group: GroupId(0),
-            addr: (*addr).to_string(),
-            site: sites.map(|s| s[i]),
-        });
-        RingPosition { epoch: Epoch(3), rank, ring: ring.collect(), world_size: addrs.len(), limits: None }
-    }
-
-    #[test]
-    fn hosts_are_numbered_by_address_or_by_site() {
-        let addrs = ["10.0.0.2:7000", "10.0.0.1:7000", "10.0.0.2:7001", "[::1]:7000", "name:1"];
-        let placed = Placement::of(&position(&addrs, None, 0));
-        assert_eq!((placed.epoch, placed.hosts), (Some(Epoch(3)), vec![0, 1, 0, 2, 3]));
-        let sites = [4, 4, 9, 9, 4];
-        assert_eq!(Placement::of(&position(&addrs, Some(&sites), 0)).hosts, vec![0, 0, 1, 1, 0]);
-    }
-
-    #[test]
-    fn a_driver_spins_briefly_only_where_two_members_or_more_share_each_core() {
-        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
-        let spin = |here: usize, elsewhere: usize| {
-            let mut addrs = vec!["127.0.0.1:1"; here];
-            addrs.extend(vec!["10.9.9.9:1"; elsewhere]);
-            (Placement::of(&position(&addrs, None, 0)).spin, Placement::of(&position(&addrs, None, here - 1)).spin)
-        };
-        assert_eq!(spin(2 * cores, 3), (OVERSUBSCRIBED_SPIN, OVERSUBSCRIBED_SPIN));
-        assert_eq!(spin(2 * cores - 1, 3), (SPIN, SPIN));
-        // Those elsewhere count their own host's members.
-        let mut addrs = vec!["127.0.0.1:1"; 2 * cores];
-        addrs.push("10.9.9.9:1");
-        assert_eq!(Placement::of(&position(&addrs, None, 2 * cores)).spin, SPIN);
-        assert_eq!(Placement::default().spin, SPIN);
-        // Without yielding only while every member here can have a core.
-        let busy = |here: usize| Placement::of(&position(&vec!["127.0.0.1:1"; here], None, 0)).busy_spin;
-        assert_eq!((busy(1), busy(cores), busy(cores + 1)), (BUSY_SPIN, BUSY_SPIN, Duration::ZERO));
-    }
 }

@@ -25,6 +25,7 @@ mod failpoint;
 mod fetch;
 mod info;
 mod links;
+mod plane;
 mod stats;
 mod sync;
 mod tags;

@@ -73,7 +73,7 @@ pub(crate) struct Listener {
     pub tls: Option<TlsConfig>,
 }
 
-/// Streams accepted and greeted, not yet taken into a [`DataPlane`] (or, for shared-state
+/// Streams accepted and greeted, not yet taken into a [`crate::plane::DataPlane`] (or, for shared-state
 /// fetches, by the sync that serves them).
 struct Arrivals {
     streams: Mutex<BTreeMap<PeerId, Pool>>,
@@ -94,54 +94,17 @@ struct Pool {
     streams: BTreeMap<u16, Stream>,
 }
 
-/// The pools a peer holds, owned by whoever runs collectives.
+/// The pools dialed for a topology being established, until it is taken up.
 #[derive(Default)]
-pub(crate) struct DataPlane {
+pub(crate) struct Staged {
     /// Streams we dialed, by the peer they reach: we send on them.
     pub outgoing: BTreeMap<PeerId, Vec<Stream>>,
     /// Streams the peer dialed to us: we receive on them.
     pub incoming: BTreeMap<PeerId, Vec<Stream>>,
-    /// The topology `outgoing` and `incoming` are for: a call that ended while it established
-    /// that topology leaves them to the next call, which goes on where it stopped (redialing
-    /// would close the streams a member already took).
-    pub staged: Option<Epoch>,
-    /// The engine of the topology our calls run in, over its links.
-    pub exec: Option<crate::engine::Exec<Stream>>,
-    /// That topology: who each rank is, and where to dial it.
-    pub position: Option<RingPosition>,
-    /// Where the members of [`DataPlane::position`] run, worked out once at take-up.
-    pub placement: crate::communicator::Placement,
-    /// The collectives called and not yet returned, and how calls ended.
-    pub calls: crate::communicator::Calls,
-    /// Backups of collectives that ended, to lend to the next ones.
-    pub spare_backups: Vec<crate::engine::Backup>,
-    /// The communicator's counters.
-    pub stats: Arc<crate::stats::Stats>,
-}
-
-impl DataPlane {
-    /// Our links in the topology in force, by rank.
-    pub fn links(&self) -> Vec<crate::LinkInfo> {
-        let (Some(exec), Some(position)) = (self.exec.as_ref(), self.position.as_ref()) else { return Vec::new() };
-        let info = |(&rank, s): (&usize, &crate::engine::LinkStats)| crate::LinkInfo {
-            peer: position.ring[rank].peer,
-            rank,
-            streams_out: s.lanes_out,
-            streams_in: s.lanes_in,
-            tx_bytes: s.tx_bytes,
-            rx_bytes: s.rx_bytes,
-            saturated: s.saturated,
-            saturated_bytes: s.saturated_bytes,
-            transport: s.transport,
-        };
-        exec.stats().iter().map(info).collect()
-    }
-
-    /// Counts call `call`, which ended with `outcome`.
-    pub fn record_end(&self, call: shoal_proto::peer::CallId, outcome: &crate::Result<crate::Info>) {
-        let epoch = self.position.as_ref().map_or(0, |p| p.epoch.0);
-        self.stats.ended(call, outcome, epoch, self.links());
-    }
+    /// The topology they are for: a call that ended while it established that topology leaves
+    /// them to the next call, which goes on where it stopped (redialing would close the streams
+    /// a member already took).
+    pub epoch: Option<Epoch>,
 }
 
 impl Listener {
@@ -266,7 +229,7 @@ impl Listener {
     /// superseded (or we are out of the run), or at `deadline`: the state machine ends the call.
     pub fn establish(
         &self,
-        plane: &mut DataPlane,
+        plane: &mut Staged,
         control: &Control,
         pos: &RingPosition,
         config: &CommunicatorConfig,
@@ -274,10 +237,10 @@ impl Listener {
         operation: &'static str,
     ) -> Established {
         let members: BTreeSet<PeerId> = pos.ring.iter().map(|m| m.peer).collect();
-        if plane.staged != Some(pos.epoch) {
+        if plane.epoch != Some(pos.epoch) {
             plane.outgoing.clear();
             plane.incoming.clear();
-            plane.staged = Some(pos.epoch);
+            plane.epoch = Some(pos.epoch);
         }
         self.arrivals
             .streams

@@ -7,52 +7,14 @@
 //! bound passed, the master removed the member (frozen or cut off: its streams never close), or a
 //! new topology replaced the one it runs in.
 
-use crate::communicator::{Connected, Owner, TagUse, Work};
-use crate::engine::{Direction, LinkError, RawBuf, TransferSpec};
+use crate::communicator::{Connected, Work};
+use crate::engine::{Direction, RawBuf, TransferSpec};
 use crate::error::{Error, Result};
-use crate::links::DataPlane;
+use crate::plane::{DataPlane, Owner, TagUse, TransferCall};
 use crate::{Communicator, Info};
-use shoal_collective::Algorithm;
 use shoal_collective::DType;
-use shoal_proto::peer::{CallId, Peer};
-use shoal_wire::{Epoch, OpHeader, PeerId};
+use shoal_proto::peer::CallId;
 use std::time::Instant;
-
-/// A transfer called and not yet ended.
-pub(crate) struct TransferCall {
-    buf: RawBuf,
-    owner: Option<Owner>,
-    direction: Direction,
-    /// The member at the other end, and its rank in `epoch`.
-    peer: PeerId,
-    rank: usize,
-    tag: u64,
-    dtype: DType,
-    epoch: u64,
-    world: usize,
-    started: Instant,
-    deadline: Instant,
-}
-
-impl TransferCall {
-    /// What its tag is in use for.
-    pub fn uses(&self) -> (Direction, PeerId, u64) {
-        (self.direction, self.peer, self.tag)
-    }
-
-    fn operation(&self) -> &'static str {
-        self.direction.name()
-    }
-
-    fn describe(&self) -> String {
-        let count = self.buf.len() / self.dtype.size();
-        let (verb, to) = match self.direction {
-            Direction::Send => ("send", "to"),
-            Direction::Recv => ("recv", "from"),
-        };
-        format!("{verb}(count={count}, dtype={}, tag={}) {to} rank {}", self.dtype.name(), self.tag, self.rank)
-    }
-}
 
 impl Communicator {
     /// Sends `buf` (elements of `dtype`) to member `peer` of our group, matched there by a
@@ -200,110 +162,10 @@ impl Communicator {
     }
 }
 
-/// Ends the transfers the engine ended.
-pub(crate) fn engine_ended(data: &mut DataPlane, events: Vec<(u64, std::result::Result<(), LinkError>)>) {
-    for (id, result) in events {
-        let call = CallId(id);
-        let Some(t) = data.calls.transfers.get(&call) else { continue };
-        let result = result.map_err(|e| link_error(t, e));
-        end(data, call, result);
-    }
-}
-
-/// Ends, before the driver sleeps, the transfers that cannot end otherwise: their bound passed,
-/// the master removed their member (frozen or cut off, it never closes its streams), or it
-/// issued a new topology (whose members stop answering in this one).
-pub(crate) fn stop_stalled(peer: &Peer, data: &mut DataPlane, bound: std::time::Duration) {
-    let now = Instant::now();
-    let stopped: Vec<(CallId, Error)> = data
-        .calls
-        .transfers
-        .iter()
-        .filter_map(|(call, t)| {
-            let lost =
-                |reason: String| Some((*call, Error::PeerLost { peer: t.peer, operation: t.operation(), reason }));
-            if peer.removed(t.peer) {
-                lost("the master removed it from the run".into())
-            } else if peer.superseded(Epoch(t.epoch)) {
-                // The members take up the new topology rather than answer: ranks may change.
-                lost(format!("the master replaces topology {} (a member was lost or admitted)", t.epoch))
-            } else if now >= t.deadline {
-                Some((*call, Error::Timeout { operation: t.operation(), after: bound }))
-            } else {
-                None
-            }
-        })
-        .collect();
-    for (call, e) in stopped {
-        end(data, call, Err(e));
-    }
-}
-
-/// Topology `epoch` replaces the one the transfers in flight run in: its links close, and ranks
-/// may name other members now; each ends with a retryable error.
-pub(crate) fn superseded(data: &mut DataPlane, epoch: u64) {
-    let calls: Vec<CallId> = data.calls.transfers.keys().copied().collect();
-    for call in calls {
-        let t = &data.calls.transfers[&call];
-        let reason = format!("topology {epoch} replaced topology {} while it was in flight", t.epoch);
-        let e = Error::PeerLost { peer: t.peer, operation: t.operation(), reason };
-        end(data, call, Err(e));
-    }
-}
-
-/// Transfer `call` ended with `result`: out of the engine, its end kept for its caller.
-fn end(data: &mut DataPlane, call: CallId, result: Result<()>) {
-    let Some(t) = data.calls.transfers.remove(&call) else { return };
-    let traffic = data.exec.as_mut().and_then(|e| e.take_transfer(call.0)).unwrap_or_default();
-    let outcome = result.map(|()| Info {
-        world_size: t.world,
-        tx_bytes: traffic.tx_bytes,
-        rx_bytes: traffic.rx_bytes,
-        elapsed: t.started.elapsed(),
-        topology: t.epoch,
-        sequence: 0,
-        algorithm: if traffic.single_copy { Algorithm::SingleCopy } else { Algorithm::Direct },
-    });
-    if let Err(e) = &outcome {
-        log::debug!("{} failed: {e}", t.describe());
-    }
-    data.record_end(call, &outcome);
-    data.calls.finished.insert(call, (outcome, t.owner, TagUse::Transfer(t.direction, t.peer, t.tag)));
-}
-
 /// Refuses a tag of the library's own range ([`crate::PROBE_TAGS`]) in an application's transfer.
 fn user_tag(tag: u64) -> Result<()> {
     if tag >= crate::PROBE_TAGS {
         return Err(Error::InvalidArgument(format!("tag {tag}: tags from 2**63 up are reserved for shoal itself")));
     }
     Ok(())
-}
-
-/// What the engine's failure of transfer `t` means for its caller.
-fn link_error(t: &TransferCall, e: LinkError) -> Error {
-    match e {
-        LinkError::Lost { rank, reason } if rank == t.rank => {
-            Error::PeerLost { peer: t.peer, operation: t.operation(), reason }
-        }
-        // Another link failed, and took the streams with it.
-        LinkError::Lost { rank, reason } => Error::PeerLost {
-            peer: t.peer,
-            operation: t.operation(),
-            reason: format!("the streams failed over rank {rank}: {reason}"),
-        },
-        LinkError::Mismatch { theirs, .. } => {
-            Error::CollectiveMismatch { peer: t.peer, ours: t.describe(), theirs: theirs_call(t, &theirs) }
-        }
-        LinkError::Malformed { reason, .. } => Error::Protocol(format!("from {}: {reason}", t.peer)),
-    }
-}
-
-/// The call at the other end of `t`, from its frame `h`.
-fn theirs_call(t: &TransferCall, h: &OpHeader) -> String {
-    let dtype = DType::from_code(h.dtype).map_or("?", DType::name);
-    let verb = match t.direction {
-        Direction::Send => "recv",
-        Direction::Recv => "send",
-    };
-    format!("{} called {verb}(count={}, dtype={dtype}, tag={})", t.peer, h.count, h.tag)
 }

@@ -1,0 +1,467 @@
+//! The data plane's state, which whoever drives it holds: the pools of a topology being
+//! established, the engine of the one in force and where its members run, and the records of
+//! the calls in flight (collectives and tagged transfers) until their callers take them. The
+//! driver (`communicator.rs`) and the calls that post to it (`transfer.rs`, ...) import this;
+//! it imports neither.
+
+use crate::engine::{Backup, Direction, Exec, LinkError, RawBuf, Taken};
+use crate::error::{Error, Result};
+use crate::info::Info;
+use crate::links::Staged;
+use shoal_collective::{Algorithm, Codec, CollectiveKind, DType, Quantization, ReduceOp};
+use shoal_proto::peer::{CallError, CallId, OpId, Peer, RingPosition, Value};
+use shoal_wire::{Epoch, OpHeader, PeerId};
+use std::any::Any;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How long the driver keeps retrying non-blocking IO (yielding the CPU in between) before it
+/// sleeps in `poll(2)`. A sleep and wake-up cost tens of microseconds per hop, which dominates
+/// small collectives (4 KiB, 2 peers: 71 µs median without, 55 µs with); yielding keeps a
+/// spinning peer from starving a neighbour on the same core.
+pub(crate) const SPIN: Duration = Duration::from_micros(50);
+/// The spin where this host runs at least two members of the group per core, so that the peers
+/// a spinning driver waits for mostly wait for a core themselves. A long spin then falls into
+/// convoys: 4 peers on 2 cores, 4 KiB one-shot, the slowest peer's median swung between 150 and
+/// 390 µs from run to run with 50 µs, and stayed within 151–185 µs with 5 µs. Not none: one
+/// yield lets the peer on this core send what we wait for (without it, 380 µs). With 3 peers on
+/// 2 cores the long spin is still the faster (104–114 µs against 124–141).
+pub(crate) const OVERSUBSCRIBED_SPIN: Duration = Duration::from_micros(5);
+/// How long of the spin the driver does not even yield, where this host runs no more members of
+/// the group than it has cores: a yield is a system call, and the bytes a small collective
+/// waits for arrive within microseconds (4 KiB, 2 peers on 2 cores: 19.2 µs median with a yield
+/// per pass, 17.2 µs without). Past it, yields, so that another thread of the process (or of the
+/// machine) that wants this core gets it.
+pub(crate) const BUSY_SPIN: Duration = Duration::from_micros(10);
+/// How the state machine ended a call.
+pub(crate) type CallResult = std::result::Result<Value, CallError>;
+
+/// Where the members of a topology run, for its collectives' schedules and its driver.
+#[derive(Debug)]
+pub(crate) struct Placement {
+    /// The topology it describes (`None` before the first).
+    pub epoch: Option<shoal_wire::Epoch>,
+    /// The host of each rank, numbered in order of first appearance: its site where the master
+    /// placed every member in one (`optimize_topology`), else as their advertised addresses say.
+    /// Every member sees the same ones, so decides alike (members of one host that advertise
+    /// different addresses count as two, which costs speed, not results).
+    pub hosts: Vec<usize>,
+    /// How long the driver spins before it sleeps: [`OVERSUBSCRIBED_SPIN`] where at least two
+    /// members per core share our address (the cores this process may use).
+    pub spin: Duration,
+    /// How long of it without yielding: [`BUSY_SPIN`] where each member sharing our address
+    /// can have a core, else none.
+    pub busy_spin: Duration,
+}
+
+impl Default for Placement {
+    fn default() -> Self {
+        Placement { epoch: None, hosts: Vec::new(), spin: SPIN, busy_spin: Duration::ZERO }
+    }
+}
+
+impl Placement {
+    pub fn of(position: &RingPosition) -> Placement {
+        let host = |addr: &str| match addr.parse::<SocketAddr>() {
+            Ok(a) => a.ip().to_string(),
+            Err(_) => addr.rsplit_once(':').map_or(addr, |(h, _)| h).to_string(),
+        };
+        let addresses = numbered(position.ring.iter().map(|m| host(&m.addr)));
+        let here = addresses.iter().filter(|&&h| h == addresses[position.rank]).count();
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+        let spin = if here >= 2 * cores { OVERSUBSCRIBED_SPIN } else { SPIN };
+        let busy_spin = if here <= cores { BUSY_SPIN } else { Duration::ZERO };
+        let hosts = match position.ring.iter().map(|m| m.site).collect::<Option<Vec<u16>>>() {
+            Some(sites) => numbered(sites),
+            None => addresses,
+        };
+        Placement { epoch: Some(position.epoch), hosts, spin, busy_spin }
+    }
+}
+
+/// Each item's number among the distinct items, numbered in order of first appearance.
+pub(crate) fn numbered<T: PartialEq>(items: impl IntoIterator<Item = T>) -> Vec<usize> {
+    let mut seen: Vec<T> = Vec::new();
+    items
+        .into_iter()
+        .map(|item| {
+            seen.iter().position(|s| *s == item).unwrap_or_else(|| {
+                seen.push(item);
+                seen.len() - 1
+            })
+        })
+        .collect()
+}
+
+pub(crate) type Owner = Box<dyn Any + Send>;
+
+/// A collective called and not yet returned.
+pub(crate) struct Collective {
+    /// The buffer its schedule works on.
+    pub buf: RawBuf,
+    /// What keeps the buffer alive where the caller does not wait ([`crate::Work`]).
+    pub owner: Option<Owner>,
+    pub request: Request,
+    pub extra: Extra,
+    pub count: u64,
+    pub started: Instant,
+    /// Once it runs: how.
+    pub posted: Option<Posted>,
+    /// Our own error for it, which stands where no verdict comes.
+    pub local: Option<Error>,
+}
+
+/// What a collective call asks for, besides its buffer.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Request {
+    pub kind: CollectiveKind,
+    pub dtype: DType,
+    pub op: ReduceOp,
+    pub tag: u64,
+    /// A broadcast's root rank.
+    pub root: usize,
+    /// The algorithm asked for, if any.
+    pub algorithm: Option<Algorithm>,
+    /// How its chunks are quantized, if at all.
+    pub quantization: Option<Quantization>,
+}
+
+impl Request {
+    /// The codec of its chunks; `Ok(None)` unquantized (or where quantizing changes nothing).
+    pub fn codec(&self) -> Result<Option<Codec>> {
+        let Some(q) = self.quantization else { return Ok(None) };
+        let op = match self.kind {
+            CollectiveKind::AllReduce | CollectiveKind::ReduceScatter => Some(self.op),
+            CollectiveKind::AllGather => None,
+            CollectiveKind::Broadcast | CollectiveKind::Barrier => {
+                return Err(Error::InvalidArgument(format!(
+                    "quantization applies to all_reduce, reduce_scatter and all_gather, not {}",
+                    self.kind.name()
+                )))
+            }
+        };
+        q.codec(self.dtype, op).map_err(|e| Error::InvalidArgument(e.to_string()))
+    }
+}
+
+/// What a collective does with the caller's buffers besides its schedule's.
+pub(crate) enum Extra {
+    None,
+    /// All-gather: a copy of the caller's input, copied into its block of the output when
+    /// posted, and what that block held, put back if it fails.
+    Gather {
+        inp: Vec<u8>,
+        before: Option<Vec<u8>>,
+    },
+    /// Reduce-scatter: where our block of the reduced copy of the input goes on success; the
+    /// copy.
+    Scatter {
+        out: RawBuf,
+        _work: AlignedBytes,
+    },
+    /// Barrier: the byte its schedule moves (see `barrier_work` in `communicator.rs`).
+    Arrived {
+        _byte: Box<[u8; 1]>,
+    },
+}
+
+/// Bytes aligned for every element type.
+pub(crate) struct AlignedBytes {
+    pub words: Vec<u64>,
+    pub len: usize,
+}
+
+impl AlignedBytes {
+    pub fn copy_of(bytes: &[u8]) -> Self {
+        let mut words = vec![0u64; bytes.len().div_ceil(8)];
+        bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..bytes.len()].copy_from_slice(bytes);
+        AlignedBytes { words, len: bytes.len() }
+    }
+
+    pub fn as_mut(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+    }
+}
+
+/// A collective in the engine: its name, its header, where it runs and how.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Posted {
+    pub id: OpId,
+    pub header: OpHeader,
+    pub world: usize,
+    pub rank: usize,
+    pub algorithm: Algorithm,
+}
+
+/// What the driver tracks of the calls of a communicator.
+#[derive(Default)]
+pub(crate) struct Calls {
+    pub collectives: HashMap<CallId, Collective>,
+    /// The collectives posted to the engine, by number.
+    pub by_seq: HashMap<u64, CallId>,
+    /// Collectives taken out of the engine before they ended, by number, with what the caller
+    /// gets back of them.
+    pub taken: HashMap<u64, Taken>,
+    /// Tagged transfers called and not yet ended.
+    pub transfers: HashMap<CallId, TransferCall>,
+    /// Collectives and transfers that ended: their result, their buffer's owner, and what their
+    /// tag is in use for, until their caller takes them.
+    pub finished: HashMap<CallId, (Result<Info>, Option<Owner>, TagUse)>,
+    /// Other calls that ended, until their caller takes them.
+    pub ended: HashMap<CallId, CallResult>,
+}
+
+impl Calls {
+    /// Whether a call with `tag` is in flight for `what`, or ended and not waited for yet (in
+    /// flight until waited for: whether it ended already depends on timing, which must not
+    /// decide whether a call is refused).
+    pub fn in_use(&self, what: TagUse) -> bool {
+        self.finished.values().any(|f| f.2 == what)
+            || match what {
+                TagUse::Collective(tag) => self.collectives.values().any(|o| o.request.tag == tag),
+                TagUse::Transfer(direction, peer, tag) => {
+                    self.transfers.values().any(|t| t.uses() == (direction, peer, tag))
+                }
+            }
+    }
+
+    /// Whether a collective or transfer is in flight.
+    pub fn busy(&self) -> bool {
+        !self.collectives.is_empty() || !self.transfers.is_empty()
+    }
+}
+
+/// What a call's tag is in use for: collectives share one space of tags, transfers one per
+/// direction and member.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TagUse {
+    Collective(u64),
+    Transfer(Direction, PeerId, u64),
+}
+
+/// The pools a peer holds, owned by whoever runs collectives.
+#[derive(Default)]
+pub(crate) struct DataPlane {
+    /// The pools of the topology being established.
+    pub staged: Staged,
+    /// The engine of the topology our calls run in, over its links.
+    pub exec: Option<Exec<shoal_transport::Stream>>,
+    /// That topology: who each rank is, and where to dial it.
+    pub position: Option<RingPosition>,
+    /// Where the members of [`DataPlane::position`] run, worked out once at take-up.
+    pub placement: Placement,
+    /// The collectives called and not yet returned, and how calls ended.
+    pub calls: Calls,
+    /// Backups of collectives that ended, to lend to the next ones.
+    pub spare_backups: Vec<Backup>,
+    /// The communicator's counters.
+    pub stats: Arc<crate::stats::Stats>,
+}
+
+impl DataPlane {
+    /// Our links in the topology in force, by rank.
+    pub fn links(&self) -> Vec<crate::LinkInfo> {
+        let (Some(exec), Some(position)) = (self.exec.as_ref(), self.position.as_ref()) else { return Vec::new() };
+        let info = |(&rank, s): (&usize, &crate::engine::LinkStats)| crate::LinkInfo {
+            peer: position.ring[rank].peer,
+            rank,
+            streams_out: s.lanes_out,
+            streams_in: s.lanes_in,
+            tx_bytes: s.tx_bytes,
+            rx_bytes: s.rx_bytes,
+            saturated: s.saturated,
+            saturated_bytes: s.saturated_bytes,
+            transport: s.transport,
+        };
+        exec.stats().iter().map(info).collect()
+    }
+
+    /// Counts call `call`, which ended with `outcome`.
+    pub fn record_end(&self, call: shoal_proto::peer::CallId, outcome: &crate::Result<crate::Info>) {
+        let epoch = self.position.as_ref().map_or(0, |p| p.epoch.0);
+        self.stats.ended(call, outcome, epoch, self.links());
+    }
+}
+
+/// A transfer called and not yet ended.
+pub(crate) struct TransferCall {
+    pub buf: RawBuf,
+    pub owner: Option<Owner>,
+    pub direction: Direction,
+    /// The member at the other end, and its rank in `epoch`.
+    pub peer: PeerId,
+    pub rank: usize,
+    pub tag: u64,
+    pub dtype: DType,
+    pub epoch: u64,
+    pub world: usize,
+    pub started: Instant,
+    pub deadline: Instant,
+}
+
+impl TransferCall {
+    /// What its tag is in use for.
+    pub fn uses(&self) -> (Direction, PeerId, u64) {
+        (self.direction, self.peer, self.tag)
+    }
+
+    pub fn operation(&self) -> &'static str {
+        self.direction.name()
+    }
+
+    pub fn describe(&self) -> String {
+        let count = self.buf.len() / self.dtype.size();
+        let (verb, to) = match self.direction {
+            Direction::Send => ("send", "to"),
+            Direction::Recv => ("recv", "from"),
+        };
+        format!("{verb}(count={count}, dtype={}, tag={}) {to} rank {}", self.dtype.name(), self.tag, self.rank)
+    }
+}
+
+/// Ends the transfers the engine ended.
+pub(crate) fn engine_ended(data: &mut DataPlane, events: Vec<(u64, std::result::Result<(), LinkError>)>) {
+    for (id, result) in events {
+        let call = CallId(id);
+        let Some(t) = data.calls.transfers.get(&call) else { continue };
+        let result = result.map_err(|e| link_error(t, e));
+        end(data, call, result);
+    }
+}
+
+/// Ends, before the driver sleeps, the transfers that cannot end otherwise: their bound passed,
+/// the master removed their member (frozen or cut off, it never closes its streams), or it
+/// issued a new topology (whose members stop answering in this one).
+pub(crate) fn stop_stalled(peer: &Peer, data: &mut DataPlane, bound: std::time::Duration) {
+    let now = Instant::now();
+    let stopped: Vec<(CallId, Error)> = data
+        .calls
+        .transfers
+        .iter()
+        .filter_map(|(call, t)| {
+            let lost =
+                |reason: String| Some((*call, Error::PeerLost { peer: t.peer, operation: t.operation(), reason }));
+            if peer.removed(t.peer) {
+                lost("the master removed it from the run".into())
+            } else if peer.superseded(Epoch(t.epoch)) {
+                // The members take up the new topology rather than answer: ranks may change.
+                lost(format!("the master replaces topology {} (a member was lost or admitted)", t.epoch))
+            } else if now >= t.deadline {
+                Some((*call, Error::Timeout { operation: t.operation(), after: bound }))
+            } else {
+                None
+            }
+        })
+        .collect();
+    for (call, e) in stopped {
+        end(data, call, Err(e));
+    }
+}
+
+/// Topology `epoch` replaces the one the transfers in flight run in: its links close, and ranks
+/// may name other members now; each ends with a retryable error.
+pub(crate) fn superseded(data: &mut DataPlane, epoch: u64) {
+    let calls: Vec<CallId> = data.calls.transfers.keys().copied().collect();
+    for call in calls {
+        let t = &data.calls.transfers[&call];
+        let reason = format!("topology {epoch} replaced topology {} while it was in flight", t.epoch);
+        let e = Error::PeerLost { peer: t.peer, operation: t.operation(), reason };
+        end(data, call, Err(e));
+    }
+}
+
+/// Transfer `call` ended with `result`: out of the engine, its end kept for its caller.
+pub(crate) fn end(data: &mut DataPlane, call: CallId, result: Result<()>) {
+    let Some(t) = data.calls.transfers.remove(&call) else { return };
+    let traffic = data.exec.as_mut().and_then(|e| e.take_transfer(call.0)).unwrap_or_default();
+    let outcome = result.map(|()| Info {
+        world_size: t.world,
+        tx_bytes: traffic.tx_bytes,
+        rx_bytes: traffic.rx_bytes,
+        elapsed: t.started.elapsed(),
+        topology: t.epoch,
+        sequence: 0,
+        algorithm: if traffic.single_copy { Algorithm::SingleCopy } else { Algorithm::Direct },
+    });
+    if let Err(e) = &outcome {
+        log::debug!("{} failed: {e}", t.describe());
+    }
+    data.record_end(call, &outcome);
+    data.calls.finished.insert(call, (outcome, t.owner, TagUse::Transfer(t.direction, t.peer, t.tag)));
+}
+
+/// What the engine's failure of transfer `t` means for its caller.
+pub(crate) fn link_error(t: &TransferCall, e: LinkError) -> Error {
+    match e {
+        LinkError::Lost { rank, reason } if rank == t.rank => {
+            Error::PeerLost { peer: t.peer, operation: t.operation(), reason }
+        }
+        // Another link failed, and took the streams with it.
+        LinkError::Lost { rank, reason } => Error::PeerLost {
+            peer: t.peer,
+            operation: t.operation(),
+            reason: format!("the streams failed over rank {rank}: {reason}"),
+        },
+        LinkError::Mismatch { theirs, .. } => {
+            Error::CollectiveMismatch { peer: t.peer, ours: t.describe(), theirs: theirs_call(t, &theirs) }
+        }
+        LinkError::Malformed { reason, .. } => Error::Protocol(format!("from {}: {reason}", t.peer)),
+    }
+}
+
+/// The call at the other end of `t`, from its frame `h`.
+pub(crate) fn theirs_call(t: &TransferCall, h: &OpHeader) -> String {
+    let dtype = DType::from_code(h.dtype).map_or("?", DType::name);
+    let verb = match t.direction {
+        Direction::Send => "recv",
+        Direction::Recv => "send",
+    };
+    format!("{} called {verb}(count={}, dtype={dtype}, tag={})", t.peer, h.count, h.tag)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shoal_wire::{Epoch, GroupId, Member, PeerId};
+
+    fn position(addrs: &[&str], sites: Option<&[u16]>, rank: usize) -> RingPosition {
+        let ring = addrs.iter().enumerate().map(|(i, addr)| Member {
+            peer: PeerId(i as u32 + 1),
+            group: GroupId(0),
+            addr: (*addr).to_string(),
+            site: sites.map(|s| s[i]),
+        });
+        RingPosition { epoch: Epoch(3), rank, ring: ring.collect(), world_size: addrs.len(), limits: None }
+    }
+
+    #[test]
+    fn hosts_are_numbered_by_address_or_by_site() {
+        let addrs = ["10.0.0.2:7000", "10.0.0.1:7000", "10.0.0.2:7001", "[::1]:7000", "name:1"];
+        let placed = Placement::of(&position(&addrs, None, 0));
+        assert_eq!((placed.epoch, placed.hosts), (Some(Epoch(3)), vec![0, 1, 0, 2, 3]));
+        let sites = [4, 4, 9, 9, 4];
+        assert_eq!(Placement::of(&position(&addrs, Some(&sites), 0)).hosts, vec![0, 0, 1, 1, 0]);
+    }
+
+    #[test]
+    fn a_driver_spins_briefly_only_where_two_members_or_more_share_each_core() {
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+        let spin = |here: usize, elsewhere: usize| {
+            let mut addrs = vec!["127.0.0.1:1"; here];
+            addrs.extend(vec!["10.9.9.9:1"; elsewhere]);
+            (Placement::of(&position(&addrs, None, 0)).spin, Placement::of(&position(&addrs, None, here - 1)).spin)
+        };
+        assert_eq!(spin(2 * cores, 3), (OVERSUBSCRIBED_SPIN, OVERSUBSCRIBED_SPIN));
+        assert_eq!(spin(2 * cores - 1, 3), (SPIN, SPIN));
+        // Those elsewhere count their own host's members.
+        let mut addrs = vec!["127.0.0.1:1"; 2 * cores];
+        addrs.push("10.9.9.9:1");
+        assert_eq!(Placement::of(&position(&addrs, None, 2 * cores)).spin, SPIN);
+        assert_eq!(Placement::default().spin, SPIN);
+        // Without yielding only while every member here can have a core.
+        let busy = |here: usize| Placement::of(&position(&vec!["127.0.0.1:1"; here], None, 0)).busy_spin;
+        assert_eq!((busy(1), busy(cores), busy(cores + 1)), (BUSY_SPIN, BUSY_SPIN, Duration::ZERO));
+    }
+}
