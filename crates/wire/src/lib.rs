@@ -8,16 +8,18 @@
 //! Every message travels in a frame: a fixed 32-byte [`FrameHeader`] (magic, protocol version,
 //! kind, body length, session id, and separate CRC-32 checksums of the header and of the body)
 //! followed by the body. Kind codes are never renumbered; retired ones stay reserved. Tensor
-//! bytes travel in the engine's own data frames, whose header carries an [`OpHeader`] and no
+//! bytes travel in data frames ([`DataFrame`]), whose header carries an [`OpHeader`] and no
 //! checksum (see `docs/wire.md`), so the data path pays for no second checksum.
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
 
 mod codec;
+mod data;
 mod message;
 mod report;
 
 pub use codec::{Reader, Writer};
+pub use data::{DataFrame, DataFrameError, FrameKind, DATA_FRAME_BYTES, DATA_MAGIC};
 pub use message::*;
 pub use report::*;
 

@@ -34,7 +34,7 @@ use shoal_collective::schedule::{RecvAction, Schedule};
 use shoal_collective::Algorithm;
 use shoal_collective::{finish_avg, reduce_into, Codec, CollectiveKind, DType, ReduceOp};
 use shoal_transport::Lane;
-use shoal_wire::{Epoch, OpHeader};
+use shoal_wire::{DataFrame as Frame, Epoch, FrameKind, OpHeader, DATA_FRAME_BYTES as FRAME_BYTES};
 use std::collections::{BTreeMap, VecDeque};
 use std::io::{ErrorKind, IoSlice};
 use std::ptr::NonNull;
@@ -148,11 +148,6 @@ impl LinkError {
     }
 }
 
-/// Bytes of a frame's header.
-pub(crate) const FRAME_BYTES: usize = 56;
-const FRAME_MAGIC: u32 = u32::from_le_bytes(*b"SHF1");
-const KIND_CHUNK: u8 = 1;
-const KIND_TOKEN: u8 = 2;
 /// Buffers of early frames kept for reuse: a fresh one per chunk would fault in a chunk's pages.
 const SPARE_BODIES: usize = 64;
 /// Most bytes of frames kept for collectives not posted yet, over all lanes.
@@ -219,65 +214,6 @@ impl RawBuf {
     unsafe fn slice<'a>(self) -> &'a mut [u8] {
         // SAFETY: the caller's promise; an empty buffer may dangle, and is never dereferenced.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
-    }
-}
-
-/// One frame's header.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Frame {
-    kind: u8,
-    /// Chunk: bytes that follow; token: 0.
-    len: u32,
-    /// Chunk: the unit of the schedule; token: the rank whose token it is.
-    unit: u32,
-    op: OpHeader,
-}
-
-impl Frame {
-    fn encode(&self) -> [u8; FRAME_BYTES] {
-        let mut b = [0u8; FRAME_BYTES];
-        b[0..4].copy_from_slice(&FRAME_MAGIC.to_le_bytes());
-        b[4] = self.kind;
-        b[5] = self.op.collective;
-        b[6] = self.op.dtype;
-        b[7] = self.op.op;
-        b[8..12].copy_from_slice(&self.len.to_le_bytes());
-        b[12..16].copy_from_slice(&self.unit.to_le_bytes());
-        b[16..24].copy_from_slice(&self.op.epoch.0.to_le_bytes());
-        b[24..32].copy_from_slice(&self.op.seq.to_le_bytes());
-        b[32..40].copy_from_slice(&self.op.tag.to_le_bytes());
-        b[40..48].copy_from_slice(&self.op.count.to_le_bytes());
-        b[48] = self.op.algorithm;
-        b[49] = self.op.quantization;
-        b[50..52].copy_from_slice(&self.op.block.to_le_bytes());
-        b[52..56].copy_from_slice(&self.op.root.to_le_bytes());
-        b
-    }
-
-    fn decode(b: &[u8; FRAME_BYTES]) -> Result<Frame, String> {
-        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
-        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
-        if u32_at(0) != FRAME_MAGIC {
-            return Err(format!("a frame without its magic ({:#010x})", u32_at(0)));
-        }
-        let kind = b[4];
-        if !(KIND_CHUNK..=p2p::KIND_CONFIRMED).contains(&kind) {
-            return Err(format!("a frame of unknown kind {kind}"));
-        }
-        let op = OpHeader {
-            collective: b[5],
-            algorithm: b[48],
-            epoch: Epoch(u64_at(16)),
-            seq: u64_at(24),
-            tag: u64_at(32),
-            dtype: b[6],
-            op: b[7],
-            count: u64_at(40),
-            root: u32_at(52),
-            quantization: b[49],
-            block: u16::from_le_bytes([b[50], b[51]]),
-        };
-        Ok(Frame { kind, len: u32_at(8), unit: u32_at(12), op })
     }
 }
 
@@ -1362,7 +1298,7 @@ impl<L: Lane> Exec<L> {
                 if lane.header_got == FRAME_BYTES {
                     lane.header_got = 0;
                     let frame = Frame::decode(&lane.header)
-                        .map_err(|reason| (None, LinkError::Malformed { rank: from, reason }))?;
+                        .map_err(|e| (None, LinkError::Malformed { rank: from, reason: e.to_string() }))?;
                     self.begin_frame(i, frame)?;
                 }
                 continue;
@@ -1527,7 +1463,7 @@ impl<L: Lane> Exec<L> {
         if frame.op.epoch != self.epoch {
             return Err(malformed(format!("a frame of topology {} in topology {}", frame.op.epoch.0, self.epoch.0)));
         }
-        if frame.kind >= p2p::KIND_OFFER {
+        if frame.kind.is_transfer() {
             if let Some(dest) = self.p2p.on_frame(from, &frame).map_err(|e| (None, e))? {
                 self.recv[i].receiving = Some(Receiving { frame, unit: 0, got: 0, dest: Dest::Part(dest) });
             }
@@ -1538,10 +1474,10 @@ impl<L: Lane> Exec<L> {
                 return Err(malformed(format!("a frame of collective {seq}, which ended here")));
             }
             // Early: its chunk waits in the lane for the collective to be posted here.
-            if frame.kind == KIND_CHUNK && frame.len as usize > MAX_EARLY_BYTES {
+            if frame.kind == FrameKind::Chunk && frame.len as usize > MAX_EARLY_BYTES {
                 return Err(malformed(format!("a chunk of {} bytes", frame.len)));
             }
-            if frame.kind == KIND_TOKEN || frame.len == 0 {
+            if frame.kind == FrameKind::Token || frame.len == 0 {
                 self.early.entry(seq).or_default().push(Early { from, frame, body: Vec::new() });
             } else {
                 let dest = Dest::Unposted(Instant::now());
@@ -1552,7 +1488,7 @@ impl<L: Lane> Exec<L> {
         if frame.op != op.spec.header {
             return Err((Some(seq), LinkError::Mismatch { rank: from, theirs: frame.op }));
         }
-        if frame.kind == KIND_TOKEN {
+        if frame.kind == FrameKind::Token {
             return op.token(from, frame.unit).map_err(|e| (Some(seq), e));
         }
         let (unit, dest) = chunk_dest(op, &frame, from).map_err(|e| (Some(seq), e))?;
@@ -1699,7 +1635,7 @@ impl<L: Lane> Exec<L> {
         let op = self.ops.get_mut(&seq).expect("picked");
         let token = op.outbox.iter().position(|(t, _)| *t == to);
         let (frame, sending) = if let Some(origin) = token.and_then(|k| op.outbox.remove(k)).map(|(_, o)| o) {
-            (Frame { kind: KIND_TOKEN, len: 0, unit: origin, op: op.spec.header }, Sending::Token { seq })
+            (Frame { kind: FrameKind::Token, len: 0, unit: origin, op: op.spec.header }, Sending::Token { seq })
         } else {
             let unit = op.sendable(to).expect("picked");
             // Its place among our units for `to`: the receiver's among its units from us.
@@ -1707,7 +1643,7 @@ impl<L: Lane> Exec<L> {
             op.next_send[to] += 1;
             let range = op.plan.sends[unit].range.clone();
             let len = op.wire_len(&range) as u32;
-            let frame = Frame { kind: KIND_CHUNK, len, unit: place, op: op.spec.header };
+            let frame = Frame { kind: FrameKind::Chunk, len, unit: place, op: op.spec.header };
             match op.spec.codec {
                 Some(codec) => (frame, Sending::Encoded { seq, body: op.encoded_send(codec, unit) }),
                 None => {
@@ -1799,7 +1735,7 @@ fn apply_early(op: &mut OpExec, early: Early) -> Result<Vec<u8>, LinkError> {
     if early.frame.op != op.spec.header {
         return Err(LinkError::Mismatch { rank: early.from, theirs: early.frame.op });
     }
-    if early.frame.kind == KIND_TOKEN {
+    if early.frame.kind == FrameKind::Token {
         return op.token(early.from, early.frame.unit).map(|()| early.body);
     }
     op.traffic.rx_bytes += early.body.len() as u64;
@@ -2801,15 +2737,6 @@ mod tests {
         assert!(ended.values().all(|(ok, t)| *ok && !t.single_copy), "{ended:?}");
         assert_eq!(b, a);
         assert!(to_1.carried() > (words * 8) as u64, "its bytes crossed the lanes");
-    }
-
-    #[test]
-    fn frames_round_trip() {
-        let f = Frame { kind: KIND_CHUNK, len: 4096, unit: 7, op: header_of(3, 100, 9, Algorithm::OneShot) };
-        assert_eq!(Frame::decode(&f.encode()), Ok(f));
-        let mut bad = f.encode();
-        bad[4] = p2p::KIND_CONFIRMED + 1;
-        assert!(Frame::decode(&bad).unwrap_err().contains("kind"));
     }
 
     #[test]

@@ -42,17 +42,8 @@
 use super::{Frame, LinkError, RawBuf, Traffic};
 use shoal_collective::Algorithm;
 use shoal_collective::DType;
-use shoal_wire::{Epoch, OpHeader};
+use shoal_wire::{Epoch, FrameKind, OpHeader};
 use std::collections::{BTreeMap, VecDeque};
-
-/// Frame kinds of transfers (collectives use 1 and 2).
-pub(super) const KIND_OFFER: u8 = 3;
-pub(super) const KIND_ACCEPT: u8 = 4;
-pub(super) const KIND_REFUSE: u8 = 5;
-pub(super) const KIND_PART: u8 = 6;
-pub(super) const KIND_WITHDRAW: u8 = 7;
-pub(super) const KIND_PULLED: u8 = 8;
-pub(super) const KIND_CONFIRMED: u8 = 9;
 
 /// Smallest transfer a receiver on the same host reads straight out of the sender's memory;
 /// below it the two copies through a ring cost less than the system call.
@@ -255,7 +246,7 @@ impl Transfers {
         let t = self.ops.get_mut(&id).expect("posted");
         let ours = header(self.epoch, &t.spec, offer.seq);
         if offer.dtype != ours.dtype || offer.count != ours.count {
-            self.control.push_back((from, control_frame(KIND_REFUSE, ours)));
+            self.control.push_back((from, control_frame(FrameKind::Refuse, ours)));
             self.end(id, Err(LinkError::Mismatch { rank: from, theirs: offer }));
             return;
         }
@@ -264,7 +255,7 @@ impl Transfers {
             (t.stage, t.pulled) = (Stage::Pulling { pid, addr }, 0);
             return;
         }
-        self.control.push_back((from, control_frame(KIND_ACCEPT, ours)));
+        self.control.push_back((from, control_frame(FrameKind::Accept, ours)));
         t.stage = Stage::Moving;
         self.check(id);
     }
@@ -294,7 +285,7 @@ impl Transfers {
                     if t.pulled == whole.len() {
                         t.stage = Stage::Confirming;
                         t.traffic.single_copy = true;
-                        self.control.push_back((from, control_frame(KIND_PULLED, header(epoch, &t.spec, n))));
+                        self.control.push_back((from, control_frame(FrameKind::Pulled, header(epoch, &t.spec, n))));
                     }
                 }
                 outcome => {
@@ -306,7 +297,7 @@ impl Transfers {
                         self.partners[from] = Some(None);
                     }
                     (t.stage, t.pulled, t.traffic) = (Stage::Moving, 0, Traffic::default());
-                    self.control.push_back((from, control_frame(KIND_ACCEPT, header(epoch, &t.spec, n))));
+                    self.control.push_back((from, control_frame(FrameKind::Accept, header(epoch, &t.spec, n))));
                     self.check(id);
                 }
             }
@@ -341,7 +332,7 @@ impl Transfers {
     pub fn on_frame(&mut self, from: usize, frame: &Frame) -> Result<Option<PartDest>, LinkError> {
         let malformed = |reason: String| LinkError::Malformed { rank: from, reason };
         let n = frame.op.seq;
-        log::trace!("transfer frame {} #{n} (tag {}) from rank {from}", frame.kind, frame.op.tag);
+        log::trace!("transfer frame {:?} #{n} (tag {}) from rank {from}", frame.kind, frame.op.tag);
         // Our send to `from` numbered `n`, still waiting for its answer.
         let offered = |ops: &BTreeMap<u64, Transfer>| {
             ops.iter()
@@ -369,7 +360,7 @@ impl Transfers {
         // An answer to a send we gave up (withdrew) or one we never made.
         let stale = |next: u64| if n < next { Ok(None) } else { Err(malformed(format!("an answer to send {n}"))) };
         match frame.kind {
-            KIND_OFFER => {
+            FrameKind::Offer => {
                 let waiting = self.ops.iter().find(|(_, t)| {
                     t.spec.direction == Direction::Recv
                         && t.spec.peer == from
@@ -388,7 +379,7 @@ impl Transfers {
                 }
                 Ok(None)
             }
-            KIND_PULLED => {
+            FrameKind::Pulled => {
                 let Some(id) = offered(&self.ops) else { return stale(self.next_number[from]) };
                 let t = self.ops.get_mut(&id).expect("found");
                 if !t.offered_pull {
@@ -399,29 +390,29 @@ impl Transfers {
                 t.traffic.single_copy = true;
                 self.pulled.push((from, len, 0));
                 let h = header(self.epoch, &t.spec, n);
-                self.control.push_back((from, control_frame(KIND_CONFIRMED, h)));
+                self.control.push_back((from, control_frame(FrameKind::Confirmed, h)));
                 self.end(id, Ok(()));
                 Ok(None)
             }
-            KIND_CONFIRMED => {
+            FrameKind::Confirmed => {
                 let Some(id) = receiving(&self.ops, Some(Stage::Confirming)) else {
                     return Err(malformed(format!("a confirmation of transfer {n}, which pulled nothing here")));
                 };
                 self.end(id, Ok(()));
                 Ok(None)
             }
-            KIND_ACCEPT => {
+            FrameKind::Accept => {
                 let Some(id) = offered(&self.ops) else { return stale(self.next_number[from]) };
                 self.ops.get_mut(&id).expect("found").stage = Stage::Moving;
                 self.check(id);
                 Ok(None)
             }
-            KIND_REFUSE => {
+            FrameKind::Refuse => {
                 let Some(id) = offered(&self.ops) else { return stale(self.next_number[from]) };
                 self.end(id, Err(LinkError::Mismatch { rank: from, theirs: frame.op }));
                 Ok(None)
             }
-            KIND_WITHDRAW => {
+            FrameKind::Withdraw => {
                 self.offers.retain(|(f, o, _)| !(*f == from && o.seq == n));
                 // A receive that took the offer got nothing yet (no part leaves before our answer
                 // arrives, and the sender withdraws only before): it waits for another send.
@@ -481,7 +472,7 @@ impl Transfers {
     /// part (with its bytes' transfer and range).
     pub fn next_frame(&mut self, to: usize) -> Option<(Frame, Option<PartRange>)> {
         if let Some(k) = self.control.iter().position(|(t, _)| *t == to) {
-            log::trace!("transfer frame {} #{} to rank {to}", self.control[k].1.kind, self.control[k].1.op.seq);
+            log::trace!("transfer frame {:?} #{} to rank {to}", self.control[k].1.kind, self.control[k].1.op.seq);
             return self.control.remove(k).map(|(_, f)| (f, None));
         }
         let turn = self.turn;
@@ -494,7 +485,7 @@ impl Transfers {
         log::trace!("transfer {id} #{} to rank {to}: {:?}, part {}", h.seq, t.stage, t.next_part);
         if t.stage == Stage::Offering {
             t.stage = Stage::Offered;
-            let mut offer = control_frame(KIND_OFFER, h);
+            let mut offer = control_frame(FrameKind::Offer, h);
             if t.spec.buf.len() >= PULL_MIN_BYTES && self.partners[to].flatten().is_some() {
                 let addr = t.spec.buf.addr();
                 (offer.unit, offer.op.root) = (addr as u32, (addr >> 32) as u32);
@@ -506,7 +497,7 @@ impl Transfers {
         t.next_part += 1;
         let start = part * t.part_bytes;
         let len = t.part_bytes.min(t.spec.buf.len() - start);
-        Some((Frame { kind: KIND_PART, len: len as u32, unit: part as u32, op: h }, Some((id, start, len))))
+        Some((Frame { kind: FrameKind::Part, len: len as u32, unit: part as u32, op: h }, Some((id, start, len))))
     }
 
     /// Every transfer still moving with member `peer` fails with `e`: its streams closed.
@@ -549,7 +540,7 @@ impl Transfers {
         let torn = !t.finished && matches!(t.stage, Stage::Moving | Stage::Pulling { .. } | Stage::Confirming);
         if !t.finished && t.stage == Stage::Offered {
             let h = header(self.epoch, &t.spec, t.number.expect("a send is numbered"));
-            self.control.push_back((t.spec.peer, control_frame(KIND_WITHDRAW, h)));
+            self.control.push_back((t.spec.peer, control_frame(FrameKind::Withdraw, h)));
         }
         self.events.retain(|(e, _)| *e != id);
         Some((t.traffic, torn))
@@ -604,6 +595,6 @@ fn header(epoch: Epoch, spec: &TransferSpec, number: u64) -> OpHeader {
     }
 }
 
-fn control_frame(kind: u8, op: OpHeader) -> Frame {
+fn control_frame(kind: FrameKind, op: OpHeader) -> Frame {
     Frame { kind, len: 0, unit: 0, op }
 }
