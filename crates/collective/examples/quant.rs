@@ -2,6 +2,8 @@
 //! float32 buffer, in GB/s of float32 input.
 //!
 //! `cargo run --release -p shoal-collective --example quant [MiB] [rounds]`
+// An example that times the kernels from outside: the crate itself reads no clock.
+#![allow(clippy::disallowed_methods)]
 
 use shoal_collective::{DType, Quantization, ReduceOp};
 use std::time::Instant;

@@ -234,6 +234,8 @@ pub struct Master {
     generation: u64,
     timers: TimerTable,
     outputs: VecDeque<Output>,
+    /// The time of the latest input: the machine's clock, which only its inputs move.
+    now: Instant,
 }
 
 impl Master {
@@ -270,6 +272,7 @@ impl Master {
             generation: 0,
             timers,
             outputs: VecDeque::new(),
+            now,
         }
     }
 
@@ -315,13 +318,15 @@ impl Master {
 
     /// Connection `conn` opened: it is challenged with `nonce`, which must be random and never
     /// reused (the driver draws it), and must answer with `Join`.
-    pub fn handle_connect(&mut self, _now: Instant, conn: ConnId, nonce: [u8; 32]) {
+    pub fn handle_connect(&mut self, now: Instant, conn: ConnId, nonce: [u8; 32]) {
+        self.advance(now);
         self.challenges.insert(conn, nonce);
         self.send(conn, Message::Challenge { nonce });
     }
 
     /// A message arrived on `conn` in a frame stamped with `session`.
     pub fn handle_message(&mut self, now: Instant, conn: ConnId, session: SessionId, message: Message) {
+        self.advance(now);
         let Some(&peer) = self.conns.get(&conn) else {
             return self.handle_first_message(now, conn, message);
         };
@@ -371,7 +376,8 @@ impl Master {
     }
 
     /// `conn` closed (or its reader failed with `reason`).
-    pub fn handle_disconnect(&mut self, _now: Instant, conn: ConnId, reason: &str) {
+    pub fn handle_disconnect(&mut self, now: Instant, conn: ConnId, reason: &str) {
+        self.advance(now);
         self.challenges.remove(&conn);
         if let Some(peer) = self.conns.get(&conn).copied() {
             self.remove_peer(peer, format!("control connection lost: {reason}"), Removal::Lost);
@@ -379,8 +385,16 @@ impl Master {
         self.reform_if_due();
     }
 
+    /// Moves the machine's clock to `now`, the time of an input. A driver reads a monotonic clock,
+    /// so time never goes back; one that did is a bug of the driver's, and the clock stays put.
+    fn advance(&mut self, now: Instant) {
+        debug_assert!(now >= self.now, "time went back by {:?}", self.now - now);
+        self.now = self.now.max(now);
+    }
+
     /// Time passed; fire whatever timers are due.
     pub fn handle_timeout(&mut self, now: Instant) {
+        self.advance(now);
         while let Some(timer) = self.timers.pop_due(now) {
             match timer {
                 Timer::SendHeartbeats => {
@@ -607,7 +621,7 @@ impl Master {
     fn issue_topology(&mut self, members: Vec<PeerId>) {
         assert!(!members.is_empty(), "issuing an empty topology");
         let members = self.planned(members);
-        self.arm_plan_slice(Instant::now());
+        self.arm_plan_slice(self.now);
         debug_assert!(members.iter().all(|p| self.peers.contains_key(p)), "unknown member");
         self.epoch = Epoch(self.epoch.0 + 1);
         self.counters.topologies += 1;

@@ -139,7 +139,7 @@ impl Master {
         }
         let costs = Costs::from_links(&links);
         let before = tour_cost(&costs, &(0..voters.len()).collect::<Vec<_>>());
-        let tour = solve(&costs, None, Instant::now() + FIRST_ANSWER, None);
+        let tour = solve(&costs, None, self.now + FIRST_ANSWER, None);
         let after = tour_cost(&costs, &tour);
         let order: Vec<PeerId> = tour.iter().map(|&i| voters[i]).collect();
         // A large group's matrix would flood the log: its lines at debug level.
@@ -178,7 +178,7 @@ impl Master {
             // Members left: the order without them, improved over the links among those that stay.
             let costs = Costs::from_links(&plan.links.subset(&kept));
             let start = (0..kept.len()).collect();
-            let tour = solve(&costs, Some(start), Instant::now() + REPLAN, None);
+            let tour = solve(&costs, Some(start), self.now + REPLAN, None);
             tour.iter().map(|&i| plan.members[kept[i]]).collect()
         };
         order.extend(members.iter().filter(|p| !plan.members.contains(p)));
@@ -235,7 +235,7 @@ impl Master {
         let costs = Costs::from_links(&plan.links);
         let current: Vec<usize> = plan.order.iter().map(|p| index(&plan.members, *p)).collect();
         let before = tour_cost(&costs, &current);
-        let tour = solve(&costs, Some(current), Instant::now() + REPLAN, None);
+        let tour = solve(&costs, Some(current), now + REPLAN, None);
         let after = tour_cost(&costs, &tour);
         plan.search =
             (plan.members.len() > EXACT_MAX).then(|| Search::new(costs, Some(tour.clone()), plan.members.len() as u64));
@@ -261,7 +261,7 @@ impl Master {
     pub(super) fn improve_plan(&mut self, now: Instant) {
         let Some(plan) = &mut self.plan else { return };
         let Some(search) = &mut plan.search else { return };
-        if search.run(Instant::now() + SLICE, None) {
+        if search.run(now + SLICE, None) {
             let (tour, cost) = search.best();
             plan.order = tour.iter().map(|&i| plan.members[i]).collect();
             plan.fruitless = 0;

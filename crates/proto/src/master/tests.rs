@@ -16,7 +16,7 @@ impl Harness {
         Self::with_key(None)
     }
     fn with_key(key: Option<RunKey>) -> Self {
-        let now = Instant::now();
+        let now = crate::test_start();
         let data_key = DataKey([4; 32]);
         let config = MasterConfig { session: SESSION, heartbeat_timeout: Duration::from_secs(2), key, data_key };
         Harness { master: Master::new(config, now), now }

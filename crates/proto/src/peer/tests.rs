@@ -52,7 +52,7 @@ fn joined(ring: &[u32]) -> (Peer, Instant) {
 
 /// As [`joined`]; `reconnect`: a broken control connection is dialed again.
 fn joined_with(ring: &[u32], reconnect: bool) -> (Peer, Instant) {
-    let t0 = Instant::now();
+    let t0 = crate::test_start();
     let mut p =
         Peer::new(PeerConfig { heartbeat_timeout: HEARTBEAT_TIMEOUT, key: None, max_in_flight: 4, reconnect }, t0);
     p.connect(GroupId(0), "h:0".into(), BOUND, t0);
@@ -415,7 +415,7 @@ fn a_sync_that_crossed_a_topology_joins_it_and_votes_again() {
 /// the reason, and nothing more goes to the master.
 #[test]
 fn a_join_proves_the_secret_on_the_nonce_and_a_refusal_ends_connect() {
-    let t0 = Instant::now();
+    let t0 = crate::test_start();
     let key = RunKey::from_secret(b"s3cret");
     let mut p = Peer::new(
         PeerConfig { heartbeat_timeout: HEARTBEAT_TIMEOUT, key: Some(key.clone()), max_in_flight: 4, reconnect: false },
