@@ -19,6 +19,7 @@ mod communicator;
 mod config;
 mod control;
 mod deadline;
+mod driver;
 mod engine;
 mod error;
 mod failpoint;

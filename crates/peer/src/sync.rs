@@ -150,7 +150,7 @@ impl Communicator {
             Ok(other) => unreachable!("sync_shared_state returned {other:?}"),
             Err(e) => {
                 answer(false);
-                return Err(crate::communicator::call_error(&c.control, e, "sync_shared_state", bound));
+                return Err(crate::driver::call_error(&c.control, e, "sync_shared_state", bound));
             }
         };
         // The master says every participant holds the elected state: ours too.

@@ -7,7 +7,8 @@
 //! bound passed, the master removed the member (frozen or cut off: its streams never close), or a
 //! new topology replaced the one it runs in.
 
-use crate::communicator::{Connected, Work};
+use crate::communicator::Work;
+use crate::driver::Connected;
 use crate::engine::{Direction, RawBuf, TransferSpec};
 use crate::error::{Error, Result};
 use crate::plane::{DataPlane, Owner, TagUse, TransferCall};

@@ -1,0 +1,701 @@
+//! The driver: whichever thread holds the data plane carries out what the peer's state machine
+//! asks (open and take up topologies, post collectives, fetch state), pumps the engine and reports
+//! what it did, until the call it waits for ended; the progress thread drives while nobody waits
+//! (`docs/architecture.md`, "Threads"). The calls (`communicator.rs`) submit to it and wait.
+
+use crate::config::{CommunicatorConfig, DEFAULT_CHUNK_BYTES};
+use crate::control::Control;
+use crate::engine::{Backup, Exec, LinkError, OpEvent, OpSpec, Pumped};
+use crate::error::Error;
+use crate::failpoint::failpoint;
+use crate::info::Info;
+use crate::links::Listener;
+use crate::plane::{CallResult, Collective, DataPlane, Extra, Placement, Posted, Request, TagUse};
+use crate::Deadline;
+use shoal_collective::{Algorithm, CollectiveKind, DType, Quantization, ReduceOp};
+use shoal_proto::auth::DataKey;
+use shoal_proto::peer::{Action, CallError, CallId, Established, OpId, OpProgress, RingPosition, Value};
+use shoal_transport::{Lane, PollFd};
+use shoal_wire::{FailureKind, OpFailure, OpHeader, PeerId, SessionId};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// Longest a poll on the data streams waits before the driver looks around again.
+const POLL_SLICE: Duration = Duration::from_millis(50);
+/// How long the progress thread, woken for work an async call started, leaves the lock to that
+/// caller before it drives.
+const HANDOFF_GRACE: Duration = Duration::from_micros(100);
+
+pub(crate) struct Connected {
+    pub control: Arc<Control>,
+    pub listener: Listener,
+    pub me: PeerId,
+    pub session: SessionId,
+    /// The run's key for data connections (`shoal_proto::auth::DataKey`).
+    pub data_key: DataKey,
+}
+
+/// Topology `position.epoch`, in force with our pools established, is the one our calls run in:
+/// its engine takes the links to our ring neighbours; it links to other members when a schedule
+/// first needs them.
+pub(crate) fn take_up(data: &mut DataPlane, position: &RingPosition) {
+    crate::plane::superseded(data, position.epoch.0);
+    let (rank, world) = (position.rank, position.group_size());
+    let me = position.ring[rank].peer;
+    let mut exec = Exec::new(position.epoch, rank, world);
+    if world > 1 {
+        let prev = (rank + world - 1) % world;
+        // Both halves come non-blocking from the listener (`links.rs`).
+        // Our successor's pool, and those dialed to other members in the same round trip.
+        for (peer, send) in std::mem::take(&mut data.staged.outgoing) {
+            if let Some(rank) = position.ring.iter().position(|m| m.peer == peer).filter(|_| !send.is_empty()) {
+                exec.add_send(rank, send);
+            }
+        }
+        if let Some(recv) = data.staged.incoming.remove(&position.ring[prev].peer).filter(|p| !p.is_empty()) {
+            exec.add_recv(prev, recv);
+        }
+    }
+    data.exec = Some(exec);
+    data.position = Some(position.clone());
+    data.placement = Placement::of(position);
+    data.calls.taken.clear();
+    log::info!(
+        "{me}: topology {} in force: rank {} of {} (run of {})",
+        position.epoch.0,
+        position.rank,
+        position.group_size(),
+        position.world_size
+    );
+}
+
+/// What a collective's failure over the link to `them` means for the caller, and the failure
+/// to report to the master.
+pub(crate) fn link_error(e: LinkError, header: &OpHeader, me: PeerId, them: PeerId) -> (Error, OpFailure) {
+    match e {
+        LinkError::Lost { reason, .. } => {
+            let failure = OpFailure::new(FailureKind::PeerLost, them, format!("{me} lost {them}: {reason}"));
+            (Error::PeerLost { peer: them, operation: operation(header), reason }, failure)
+        }
+        LinkError::Mismatch { theirs, .. } => {
+            // The verdict carries both calls with their peers: a participant that did not see the
+            // difference itself must not read either as its own.
+            let (ours, theirs) = (describe(header), format!("{them} called {}", describe(&theirs)));
+            let failure = OpFailure::new(FailureKind::Mismatch, them, format!("{me} called {ours}; {theirs}"));
+            (Error::CollectiveMismatch { peer: them, ours, theirs }, failure)
+        }
+        LinkError::Malformed { reason, .. } => {
+            let failure = OpFailure::new(FailureKind::Protocol, them, format!("{them} sent {me} {reason}"));
+            (Error::Protocol(format!("from {them}: {reason}")), failure)
+        }
+    }
+}
+
+/// The error a participant returns for a collective the master aborted.
+pub(crate) fn op_error(f: OpFailure, header: &OpHeader) -> Error {
+    match f.kind {
+        FailureKind::Mismatch => Error::CollectiveMismatch { peer: f.peer, ours: describe(header), theirs: f.reason },
+        FailureKind::Misuse => Error::Misuse(f.reason),
+        _ => Error::PeerLost { peer: f.peer, operation: operation(header), reason: f.reason },
+    }
+}
+
+/// The name of the collective `header` names.
+pub(crate) fn operation(header: &OpHeader) -> &'static str {
+    CollectiveKind::from_code(header.collective).map_or("collective", CollectiveKind::name)
+}
+
+pub(crate) fn op_header(id: OpId, request: &Request, algorithm: Algorithm, count: u64) -> OpHeader {
+    let (quantization, block) = Quantization::to_wire(request.quantization);
+    OpHeader {
+        collective: request.kind.code(),
+        algorithm: algorithm.code(),
+        epoch: id.epoch,
+        seq: id.seq.0,
+        tag: request.tag,
+        dtype: request.dtype.code(),
+        op: request.op.code(),
+        count,
+        root: request.root as u32,
+        quantization,
+        block,
+    }
+}
+
+/// Whether a collective's buffers fit a group of `world`: an all-gather's output (a
+/// reduce-scatter's input) holds `world` blocks of its other buffer; a broadcast's root is a
+/// member.
+pub(crate) fn fits(record: &Collective, world: usize) -> std::result::Result<(), String> {
+    let kind = record.request.kind.name();
+    let (whole, block) = match &record.extra {
+        Extra::Gather { inp, .. } => (record.buf.len(), inp.len()),
+        Extra::Scatter { out, .. } => (record.buf.len(), out.len()),
+        Extra::None if record.request.kind == CollectiveKind::Broadcast && record.request.root >= world => {
+            return Err(format!("{kind} from root {} in a group of {world}", record.request.root));
+        }
+        Extra::None | Extra::Arrived { .. } => return Ok(()),
+    };
+    if whole != world * block {
+        let what = if matches!(record.extra, Extra::Gather { .. }) { "output" } else { "input" };
+        return Err(format!(
+            "{kind}'s {what} holds {whole} bytes, not {world} blocks of {block} bytes: the group has {world} member{}",
+            if world == 1 { "" } else { "s" }
+        ));
+    }
+    Ok(())
+}
+
+/// The call a collective of `kind` with `tag` is part of, as its caller knows it.
+pub(crate) fn verb(kind: CollectiveKind, tag: u64) -> &'static str {
+    match kind {
+        // The barrier that `optimize_topology` starts with.
+        CollectiveKind::Barrier if tag == crate::tags::BARRIER_TAG => "optimize_topology",
+        kind => kind.name(),
+    }
+}
+
+pub(crate) fn describe(h: &OpHeader) -> String {
+    let dtype = DType::from_code(h.dtype).map_or("?", DType::name);
+    let op = ReduceOp::from_code(h.op).map_or("?", ReduceOp::name);
+    let kind = CollectiveKind::from_code(h.collective).map_or("collective", |k| verb(k, h.tag));
+    let algorithm = Algorithm::from_code(h.algorithm).map_or("?", Algorithm::name);
+    let root =
+        if h.collective == CollectiveKind::Broadcast.code() { format!(", root={}", h.root) } else { String::new() };
+    let quantization = match shoal_collective::Format::from_code(h.quantization) {
+        None => String::new(),
+        Some(f) if f.is_blockwise() => format!(", quantization={}/{}", f.name(), h.block),
+        Some(f) => format!(", quantization={}", f.name()),
+    };
+    format!(
+        "{kind}(count={}, dtype={dtype}, op={op}{root}{quantization}, tag={}, algorithm={algorithm}, topology={}, \
+         number={})",
+        h.count, h.tag, h.epoch.0, h.seq
+    )
+}
+
+/// The progress thread's state, shared with the callers.
+#[derive(Default)]
+pub(crate) struct Progress {
+    /// Callers waiting for the data plane: the progress thread lets go of it for them.
+    pub waiters: AtomicUsize,
+    pub thread: OnceLock<std::thread::Thread>,
+    pub stop: std::sync::atomic::AtomicBool,
+    /// The control of the run we are in, whose waker interrupts a driver's sleep.
+    pub control: Mutex<Option<Arc<Control>>>,
+}
+
+/// The data plane, held by a caller. Letting go of it with operations still in flight wakes the
+/// progress thread, which never waits for the lock: the caller drove them while it held it.
+pub(crate) struct DataGuard<'a> {
+    pub data: std::sync::MutexGuard<'a, DataPlane>,
+    pub progress: &'a Progress,
+}
+
+impl std::ops::Deref for DataGuard<'_> {
+    type Target = DataPlane;
+
+    fn deref(&self) -> &DataPlane {
+        &self.data
+    }
+}
+
+impl std::ops::DerefMut for DataGuard<'_> {
+    fn deref_mut(&mut self) -> &mut DataPlane {
+        &mut self.data
+    }
+}
+
+impl Drop for DataGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(thread) = self.progress.thread.get().filter(|_| self.data.calls.busy()) {
+            thread.unpark();
+        }
+    }
+}
+
+/// Drives the state machine's actions and the engine, on whichever thread holds the data plane.
+pub(crate) struct Driver {
+    pub config: CommunicatorConfig,
+    pub progress: Progress,
+}
+
+impl Driver {
+    /// Carries out what the state machine asks until call `call` ended (or, without one, until
+    /// no collective is in flight, or `until`, or a caller wants the data plane): opens and
+    /// takes up topologies, moves every collective in flight, and hands what only this call
+    /// does (fetching state) to `own`, which may end the call early with its result.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn drive(
+        &self,
+        control: &Control,
+        listener: &Listener,
+        data: &mut DataPlane,
+        call: Option<CallId>,
+        until: Option<Instant>,
+        operation: &'static str,
+        mut own: impl FnMut(&mut DataPlane, Action) -> Option<CallResult>,
+    ) {
+        let mut idle_since: Option<Instant> = None;
+        loop {
+            let ended = |data: &DataPlane, call: CallId| {
+                data.calls.ended.contains_key(&call) || data.calls.finished.contains_key(&call)
+            };
+            if call.is_some_and(|call| ended(data, call)) {
+                return;
+            }
+            let in_flight = data.exec.as_ref().is_some_and(|e| e.in_flight() > 0);
+            // Nothing in the engine: sleep until the state machine has something (a verdict,
+            // a topology), within `until`; a call without a bound of its own ends within the
+            // state machine's.
+            let action = match (in_flight, call, until) {
+                (true, ..) => control.poll_action(),
+                (false, Some(_), None) => Some(control.next_action()),
+                (false, _, until) => {
+                    let wanted = || call.is_none() && self.progress.waiters.load(Ordering::SeqCst) > 0;
+                    control.wait_action(until.unwrap_or_else(Instant::now), wanted)
+                }
+            };
+            if let Some(action) = action {
+                idle_since = None;
+                match action {
+                    Action::Done { call: ended, result } => self.ended(control, data, ended, result),
+                    Action::Establish { position, deadline } => {
+                        let deadline = Deadline::until(deadline, self.config.timeout);
+                        let outcome =
+                            listener.establish(&mut data.staged, control, &position, &self.config, deadline, operation);
+                        if outcome == Established::Ready {
+                            failpoint(if operation == "connect" {
+                                "connect.before_ready"
+                            } else {
+                                "update_topology.before_ready"
+                            });
+                        }
+                        control.own_input(|p, now| p.handle_established(position.epoch, outcome, now));
+                    }
+                    Action::TakeUp(position) => take_up(data, &position),
+                    Action::RunCollective { call: c, op, position, .. } => {
+                        self.post(control, listener, data, c, op, &position)
+                    }
+                    action => {
+                        if let Some(result) = own(data, action) {
+                            let call = call.expect("only a call's own driver is asked for its actions");
+                            data.calls.ended.insert(call, result);
+                        }
+                    }
+                }
+                continue;
+            }
+            if data.exec.as_ref().is_some_and(|e| e.awaiting()) {
+                self.link(listener, data);
+            }
+            let Some(exec) = data.exec.as_mut().filter(|e| e.in_flight() > 0) else {
+                let waited_out = until.is_none_or(|u| Instant::now() >= u);
+                let wanted = self.progress.waiters.load(Ordering::SeqCst) > 0;
+                if (call.is_none() && (waited_out || wanted)) || (call.is_some() && until.is_some() && waited_out) {
+                    return;
+                }
+                continue;
+            };
+            let moved = exec.pump() == Pumped::Progress;
+            let events = exec.events();
+            let transfers = exec.transfer_events();
+            let news = !events.is_empty() || !transfers.is_empty();
+            crate::plane::engine_ended(data, transfers);
+            if !events.is_empty() {
+                self.report(control, data, events);
+                self.take_stopped(control, data);
+            }
+            if moved || news {
+                idle_since = None;
+                continue;
+            }
+            if call.is_none() && self.progress.waiters.load(Ordering::SeqCst) > 0 {
+                return;
+            }
+            if until.is_some_and(|u| Instant::now() >= u) {
+                return;
+            }
+            let exec = data.exec.as_mut().expect("in flight");
+            // Nothing to do until the network delivers: save ahead what the collectives will
+            // overwrite, so that on a real network the backups cost no time at all.
+            if exec.save_ahead() {
+                continue;
+            }
+            let now = Instant::now();
+            let idle = now.duration_since(*idle_since.get_or_insert(now));
+            if idle < data.placement.spin {
+                if idle < data.placement.busy_spin {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
+                continue;
+            }
+            // About to sleep. A wake-up from here on (an action, a caller that wants the data
+            // plane) interrupts the poll below: what came before is seen by the checks that follow.
+            control.waker.drain();
+            if call.is_none() && self.progress.waiters.load(Ordering::SeqCst) > 0 {
+                return;
+            }
+            if data.exec.as_ref().is_some_and(|e| e.awaiting()) {
+                listener.arrived().drain();
+                self.link(listener, data);
+            }
+            // Whatever stops a collective short of the master's decision (a removed member, a vote
+            // it can never complete against) stops it now.
+            let ids: Vec<OpId> = data.calls.collectives.values().filter_map(|c| c.posted.map(|p| p.id)).collect();
+            control.own_input(|p, now| {
+                for id in &ids {
+                    p.handle_collective(*id, OpProgress::Stalled, now);
+                }
+            });
+            self.take_stopped(control, data);
+            if !data.calls.transfers.is_empty() {
+                crate::plane::stop_stalled(&control.lock(), data, self.config.timeout);
+            }
+            if control.lock().has_action() || call.is_some_and(|call| ended(data, call)) {
+                continue;
+            }
+            let Some(exec) = data.exec.as_mut().filter(|e| e.in_flight() > 0) else { continue };
+            if !exec.arm() {
+                continue;
+            }
+            let mut fds: Vec<PollFd> = Vec::new();
+            for (lane, read, write) in exec.interest() {
+                let mut fd = PollFd::from_raw(lane.pollable().expect("TCP and shared-memory lanes poll"));
+                (fd.want_read, fd.want_write) = lane.poll_events(read, write);
+                fds.push(fd);
+            }
+            let mut wake = PollFd::new(control.waker.fd());
+            wake.want_read = true;
+            fds.push(wake);
+            // Waiting for a member to link to us: its pool's arrival wakes us.
+            if exec.awaiting() {
+                let mut arrived = PollFd::new(listener.arrived().fd());
+                arrived.want_read = true;
+                fds.push(arrived);
+            }
+            let slice = until.map_or(POLL_SLICE, |u| u.saturating_duration_since(Instant::now()).min(POLL_SLICE));
+            let slice = exec.held_until().map_or(slice, |h| h.saturating_duration_since(Instant::now()).min(slice));
+            if let Err(e) = shoal_transport::poll(&mut fds, slice) {
+                log::warn!("poll over the data streams: {e}");
+            }
+        }
+    }
+
+    /// The progress thread: drives collectives in flight whenever no caller holds the data plane.
+    pub(crate) fn progress_loop(&self, data: &Mutex<DataPlane>, c: &Connected) {
+        let progress = &self.progress;
+        while !progress.stop.load(Ordering::SeqCst) {
+            // Never wait for the lock: a caller holding it drives, and wakes us when it lets go
+            // with work left ([`DataGuard`]; else we look again 10 ms later).
+            let held = match data.try_lock() {
+                Ok(data) => Some(data),
+                Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+                Err(std::sync::TryLockError::WouldBlock) => None,
+            };
+            let idle = match held {
+                Some(mut data) if progress.waiters.load(Ordering::SeqCst) == 0 => {
+                    let in_flight = data.calls.busy();
+                    if in_flight {
+                        let until = Some(Instant::now() + POLL_SLICE);
+                        self.drive(&c.control, &c.listener, &mut data, None, until, "all_reduce", |_, a| {
+                            unreachable!("a collective asked for {a:?}")
+                        });
+                    }
+                    (!in_flight).then_some(POLL_SLICE)
+                }
+                other => {
+                    drop(other);
+                    Some(Duration::from_millis(10))
+                }
+            };
+            if let Some(idle) = idle {
+                std::thread::park_timeout(idle);
+                // Woken for work a call just started or left behind: that caller drove it, and
+                // most often comes straight back to wait for it (or to post the next), driving it
+                // itself. Taking the lock first would make it wait for us to let go.
+                std::thread::sleep(HANDOFF_GRACE);
+            }
+        }
+    }
+
+    /// Posts collective `id` of call `call` to the engine, and links to the members it needs.
+    pub(crate) fn post(
+        &self,
+        control: &Control,
+        listener: &Listener,
+        data: &mut DataPlane,
+        call: CallId,
+        id: OpId,
+        position: &RingPosition,
+    ) {
+        let record = data.calls.collectives.get_mut(&call).expect("a collective called here");
+        let (world, rank) = (position.group_size(), position.rank);
+        let request = record.request;
+        if data.placement.epoch != Some(position.epoch) {
+            data.placement = Placement::of(position);
+        }
+        let hosts = &data.placement.hosts;
+        let group = (world, hosts.iter().max().map_or(1, |h| h + 1));
+        let codec = request.codec().expect("checked when called");
+        // What travels decides: a quantized buffer is as small as its encoding.
+        let wire = codec.map_or(record.buf.len(), |c| c.encoded_len(record.count as usize));
+        let algorithm = self.config.algorithm_for(request.kind, request.algorithm, wire, group, position.limits);
+        let header = op_header(id, &request, algorithm, record.count);
+        record.posted = Some(Posted { id, header, world, rank, algorithm });
+        log::trace!("{}", describe(&header));
+        // Buffers shaped for another group (it changed since the call) fail on every member alike.
+        if let Err(why) = fits(record, world) {
+            let me = position.ring[rank].peer;
+            record.local = Some(Error::Misuse(why.clone()));
+            data.calls.by_seq.insert(id.seq.0, call);
+            let failure = OpFailure::new(FailureKind::Misuse, me, why);
+            control.own_input(|p, now| p.handle_collective(id, OpProgress::Failed(failure), now));
+            return;
+        }
+        if let Extra::Gather { inp, before } = &mut record.extra {
+            let block = rank * inp.len()..(rank + 1) * inp.len();
+            *before = Some(record.buf.read(block.clone()));
+            record.buf.write(block.start, inp);
+        }
+        let spec = OpSpec {
+            header,
+            kind: request.kind,
+            buf: record.buf,
+            dtype: request.dtype,
+            op: request.op,
+            algorithm,
+            root: request.root,
+            hosts: if algorithm == Algorithm::Hierarchical { hosts.clone() } else { Vec::new() },
+            chunk_bytes: self.config.chunk_bytes.unwrap_or(DEFAULT_CHUNK_BYTES),
+            codec,
+            backup: spare_backup(&mut data.spare_backups, record.buf.len()),
+        };
+        let exec = data.exec.get_or_insert_with(|| Exec::new(id.epoch, rank, world));
+        debug_assert_eq!(exec.epoch(), id.epoch, "a collective runs in the topology taken up");
+        exec.post(spec);
+        let awaiting = exec.awaiting();
+        data.calls.by_seq.insert(id.seq.0, call);
+        if awaiting {
+            self.link(listener, data);
+        }
+        let events = data.exec.as_mut().expect("posted").events();
+        self.report(control, data, events);
+    }
+
+    /// Opens our half of every link the collectives in flight need and lack, and takes the
+    /// other half of each where its member opened it already. A member we cannot reach fails
+    /// them, as a lost one would.
+    pub(crate) fn link(&self, listener: &Listener, data: &mut DataPlane) {
+        let (Some(exec), Some(position)) = (data.exec.as_mut(), data.position.as_ref()) else { return };
+        if position.epoch != exec.epoch() {
+            return;
+        }
+        let missing = exec.missing();
+        let me = position.ring[position.rank].peer;
+        // Every missing link at once: each dial waits a round trip.
+        let deadline = Deadline::after(self.config.timeout);
+        let open = |k: usize| listener.open(&position.ring[missing.to[k]], position.epoch, &self.config, deadline);
+        for (&to, opened) in missing.to.iter().zip(crate::links::at_once(missing.to.len(), open)) {
+            let member = &position.ring[to];
+            match opened {
+                Ok(pool) => {
+                    log::info!("{me}: linked to {} (rank {to}) over {} streams", member.peer, pool.len());
+                    exec.add_send(to, pool);
+                }
+                Err(reason) => {
+                    log::warn!("{me}: cannot link to {} (rank {to}): {reason}", member.peer);
+                    exec.unreachable(to, reason);
+                }
+            }
+        }
+        for from in missing.from {
+            let peer = position.ring[from].peer;
+            if let Some(pool) = listener.take_pool(peer, position.epoch) {
+                log::info!("{me}: {peer} (rank {from}) linked to us over {} streams", pool.len());
+                exec.add_recv(from, pool);
+            }
+        }
+    }
+
+    /// Tells the state machine what the engine did.
+    pub(crate) fn report(&self, control: &Control, data: &mut DataPlane, events: Vec<(u64, OpEvent)>) {
+        if events.is_empty() {
+            return;
+        }
+        let me = control.lock().registered().map_or(PeerId(0), |(me, _)| me);
+        let mut news = Vec::with_capacity(events.len());
+        for (seq, event) in events {
+            let Some(record) = data.calls.by_seq.get(&seq).and_then(|c| data.calls.collectives.get_mut(c)) else {
+                continue;
+            };
+            let Posted { id, header, .. } = record.posted.expect("posted");
+            news.push((
+                id,
+                match event {
+                    OpEvent::DataDone => {
+                        failpoint("all_reduce.before_confirm");
+                        OpProgress::DataDone
+                    }
+                    OpEvent::Confirmed => OpProgress::Confirmed,
+                    OpEvent::LapBroken(reason) => OpProgress::LapBroken(reason),
+                    OpEvent::Failed(e) => {
+                        // Where every collective stood: enough to tell a dead peer from a
+                        // desynchronised stream.
+                        log::debug!(
+                            "{id} failed ({e:?}): {}",
+                            data.exec.as_ref().map_or(String::new(), |x| x.describe())
+                        );
+                        let them = data.position.as_ref().map_or(PeerId(0), |p| p.ring[e.rank()].peer);
+                        let (error, failure) = link_error(e, &header, me, them);
+                        record.local = Some(error);
+                        OpProgress::Failed(failure)
+                    }
+                },
+            ));
+        }
+        control.own_input(|p, now| {
+            for (id, progress) in news {
+                p.handle_collective(id, progress, now);
+            }
+        });
+    }
+
+    /// Takes out of the engine the collectives the state machine stopped (a verdict, a lost
+    /// member, the bound): their frames can no longer move.
+    pub(crate) fn take_stopped(&self, control: &Control, data: &mut DataPlane) {
+        let Some(exec) = data.exec.as_mut() else { return };
+        let posted: Vec<(u64, OpId)> = data
+            .calls
+            .by_seq
+            .iter()
+            .filter_map(|(seq, call)| data.calls.collectives.get(call).and_then(|c| c.posted).map(|p| (*seq, p.id)))
+            .collect();
+        let peer = control.lock();
+        let stopped: Vec<u64> = posted.into_iter().filter(|(_, id)| !peer.running(*id)).map(|(s, _)| s).collect();
+        drop(peer);
+        for seq in stopped {
+            if let Some(taken) = exec.take(seq) {
+                data.calls.taken.insert(seq, taken);
+            }
+        }
+    }
+
+    /// Call `call` ended with `result`.
+    pub(crate) fn ended(&self, control: &Control, data: &mut DataPlane, call: CallId, result: CallResult) {
+        let Some(record) = data.calls.collectives.remove(&call) else {
+            data.calls.ended.insert(call, result);
+            return;
+        };
+        let seq = record.posted.map(|p| p.id.seq.0);
+        let taken = seq.and_then(|seq| {
+            data.calls.by_seq.remove(&seq);
+            data.exec.as_mut().and_then(|e| e.take(seq)).or_else(|| data.calls.taken.remove(&seq))
+        });
+        // Failed streams close once every collective over them has its verdict, as the old
+        // ring did: the first failure reached the master before the neighbours see them close
+        // (a mismatch, not the "connection closed" that follows it).
+        if data.calls.by_seq.is_empty() {
+            if let Some(exec) = data.exec.as_mut() {
+                exec.release_if_broken();
+            }
+        }
+        let traffic = taken.as_ref().map(|t| t.traffic).unwrap_or_default();
+        let (request, operation) = (record.request, record.request.kind.name());
+        let outcome = match result {
+            // A group of one posts nothing: its buffers must fit it all the same.
+            Ok(Value::Collective(_)) if record.posted.is_none() && fits(&record, 1).is_err() => {
+                Err(Error::Misuse(fits(&record, 1).expect_err("checked")))
+            }
+            Ok(Value::Collective(id)) => {
+                failpoint("all_reduce.after_commit");
+                let rank = record.posted.map_or(0, |p| p.rank);
+                match &record.extra {
+                    Extra::Scatter { out, .. } => {
+                        out.write(0, &record.buf.read(rank * out.len()..(rank + 1) * out.len()))
+                    }
+                    // Posted, the input went into place then; alone, it is all there is.
+                    Extra::Gather { inp, .. } if record.posted.is_none() => record.buf.write(0, inp),
+                    _ => {}
+                }
+                Ok(Info {
+                    world_size: record.posted.map_or(1, |p| p.world),
+                    tx_bytes: traffic.tx_bytes,
+                    rx_bytes: traffic.rx_bytes,
+                    elapsed: record.started.elapsed(),
+                    topology: id.epoch.0,
+                    sequence: id.seq.0,
+                    // A group of one posts nothing: what it would have run.
+                    algorithm: record.posted.map_or_else(
+                        || self.config.algorithm_for(request.kind, request.algorithm, record.buf.len(), (1, 1), None),
+                        |p| p.algorithm,
+                    ),
+                })
+            }
+            Ok(other) => unreachable!("{operation} returned {other:?}"),
+            Err(e) => {
+                // Every participant restores its buffer: the collective never happened.
+                if let Some(t) = &taken {
+                    t.restore();
+                }
+                if let (Extra::Gather { inp, before: Some(before) }, Some(posted)) = (&record.extra, record.posted) {
+                    record.buf.write(posted.rank * inp.len(), before);
+                }
+                let algorithm = record.posted.map_or(Algorithm::Ring, |p| p.algorithm);
+                let header = |id: OpId| op_header(id, &request, algorithm, record.count);
+                let bound = self.config.timeout;
+                // If the master expelled us (we were frozen, say) or is gone, that is the news,
+                // not the closed stream that made us notice.
+                Err(match control.check_connected() {
+                    Err(gone) => gone,
+                    Ok(()) => match e {
+                        CallError::Aborted { op: id, failure } => op_error(failure, &header(id)),
+                        // Our own error stands; where the state machine stopped the collective (a
+                        // removed member, a blocking vote, the bound), the failure it reported.
+                        CallError::Unconfirmed { op: id, failure } => {
+                            record.local.unwrap_or_else(|| match failure.kind {
+                                FailureKind::Timeout => Error::Timeout { operation, after: bound },
+                                _ => op_error(failure, &header(id)),
+                            })
+                        }
+                        e => call_error(control, e, operation, bound),
+                    },
+                })
+            }
+        };
+        if let Some(t) = taken {
+            data.spare_backups.push(t.into_backup());
+        }
+        data.record_end(call, &outcome);
+        data.calls.finished.insert(call, (outcome, record.owner, TagUse::Collective(request.tag)));
+    }
+}
+
+/// The spare backup that fits `len` bytes best: the smallest large enough, or else the largest.
+pub(crate) fn spare_backup(spares: &mut Vec<Backup>, len: usize) -> Backup {
+    spares.sort_by_key(Backup::capacity);
+    match spares.iter().position(|b| b.capacity() >= len) {
+        Some(i) => spares.remove(i),
+        None => spares.pop().unwrap_or_default(),
+    }
+}
+
+/// The error a call returns for how the state machine ended it.
+pub(crate) fn call_error(control: &Control, e: CallError, operation: &'static str, bound: Duration) -> Error {
+    match e {
+        CallError::Timeout => Error::Timeout { operation, after: bound },
+        CallError::Misuse(reason) => Error::Misuse(reason),
+        CallError::SyncFailed { retryable, reason } => Error::SyncFailed { retryable, reason },
+        CallError::Gone(gone) => control.gone_error(gone),
+        CallError::Busy(call) => {
+            Error::Misuse(format!("{call} called while another call of this communicator is in progress"))
+        }
+        CallError::Aborted { op, failure } => {
+            Error::Protocol(format!("{operation} ended by an abort of {op}: {}", failure.reason))
+        }
+        CallError::Unconfirmed { op, .. } => Error::Protocol(format!("{operation} ended by {op}")),
+        CallError::Interrupted(reason) => Error::MasterInterrupted { operation, reason },
+    }
+}
