@@ -167,6 +167,58 @@ pub enum Status {
     Accepted,
 }
 
+/// How a peer broke the protocol. It is expelled with this reason; the others go on.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PeerMisbehaved {
+    /// A frame stamped with another run's session.
+    #[error("frame of session {got:?} in another run")]
+    WrongSession {
+        /// The session it named.
+        got: SessionId,
+    },
+    /// A message a peer never sends the master, or not once registered.
+    #[error("unexpected {message} from {peer}")]
+    UnexpectedMessage {
+        /// Who sent it.
+        peer: PeerId,
+        /// Its name.
+        message: &'static str,
+    },
+    /// `optimize_topology`'s measurements named a member twice, or the voter itself.
+    #[error("{voter} measured its link to {to} twice, or to itself")]
+    MeasuredTwice {
+        /// Who measured.
+        voter: PeerId,
+        /// The member named again.
+        to: PeerId,
+    },
+    /// `TopologyReady` from a peer that is not a member of that topology.
+    #[error("TopologyReady for {epoch:?} from a non-member")]
+    ReadyFromNonMember {
+        /// The topology it named.
+        epoch: Epoch,
+    },
+    /// A report about a collective from a peer that is not accepted.
+    #[error("collective report from {peer}, which is not accepted")]
+    ReportFromNonMember {
+        /// Who reported.
+        peer: PeerId,
+    },
+    /// More collectives open than the master tracks.
+    #[error("more than {MAX_TRACKED_OPS} collectives open at once")]
+    TooManyOpenCollectives,
+    /// A sync vote with a strategy code the master does not know.
+    #[error("unknown sync strategy {code}")]
+    UnknownStrategy {
+        /// The code.
+        code: u8,
+    },
+    /// A sync vote while no sync of its group is voting, or a second vote in one.
+    #[error("sync vote outside of a sync's voting")]
+    SyncVoteOutsideVoting,
+}
+
 #[derive(Debug, Clone)]
 struct PeerEntry {
     /// Its control connection; `None` for a peer restored from the state directory that has not
@@ -331,7 +383,7 @@ impl Master {
             return self.handle_first_message(now, conn, message);
         };
         if session != self.config.session {
-            return self.violation(peer, format!("frame of session {session:?} in another run"));
+            return self.violation(peer, PeerMisbehaved::WrongSession { got: session });
         }
         // Every message counts as a sign of life.
         if let Some(e) = self.peers.get_mut(&peer) {
@@ -370,7 +422,7 @@ impl Master {
             Message::Leave => {
                 self.remove_peer(peer, "left the run".into(), Removal::Left);
             }
-            other => self.violation(peer, format!("unexpected {} from {peer}", other.name())),
+            other => self.violation(peer, PeerMisbehaved::UnexpectedMessage { peer, message: other.name() }),
         }
         self.reform_if_due();
     }
@@ -663,7 +715,7 @@ impl Master {
             return;
         }
         if !members.contains(&peer) {
-            return self.violation(peer, format!("TopologyReady for {epoch:?} from a non-member"));
+            return self.violation(peer, PeerMisbehaved::ReadyFromNonMember { epoch });
         }
         ready.insert(peer);
         if ready.len() < members.len() {
@@ -836,7 +888,7 @@ impl Master {
         self.arm_heartbeat_check();
     }
 
-    fn violation(&mut self, peer: PeerId, reason: String) {
+    fn violation(&mut self, peer: PeerId, reason: PeerMisbehaved) {
         log::warn!("protocol violation by {peer}: {reason}");
         self.remove_peer(peer, format!("protocol violation: {reason}"), Removal::Expelled);
     }

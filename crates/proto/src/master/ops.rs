@@ -182,7 +182,7 @@ impl Master {
     fn op_key(&mut self, peer: PeerId, epoch: Epoch, seq: u64) -> Option<OpKey> {
         let entry = self.peers.get(&peer)?;
         if entry.status != Status::Accepted {
-            self.violation(peer, format!("collective report from {peer}, which is not accepted"));
+            self.violation(peer, super::PeerMisbehaved::ReportFromNonMember { peer });
             return None;
         }
         let group = entry.group;
@@ -196,7 +196,7 @@ impl Master {
         let key = (group, epoch, seq);
         if !self.ops.contains_key(&key) {
             if self.ops.len() >= MAX_TRACKED_OPS {
-                self.violation(peer, format!("more than {MAX_TRACKED_OPS} collectives open at once"));
+                self.violation(peer, super::PeerMisbehaved::TooManyOpenCollectives);
                 return None;
             }
             let members: BTreeSet<PeerId> =

@@ -107,13 +107,17 @@ impl Master {
     }
 
     /// Checks what `voter` measured (links to members of the ring, each at most once, none to
-    /// itself) and keeps it for the tally. An `Err` names the violation.
-    pub(super) fn record_measured(&mut self, voter: PeerId, measured: Option<Vec<Measured>>) -> Result<(), String> {
+    /// itself) and keeps it for the tally.
+    pub(super) fn record_measured(
+        &mut self,
+        voter: PeerId,
+        measured: Option<Vec<Measured>>,
+    ) -> Result<(), super::PeerMisbehaved> {
         if let Some(links) = &measured {
             let mut seen = std::collections::BTreeSet::new();
             for l in links {
                 if l.peer == voter || !seen.insert(l.peer) {
-                    return Err(format!("{voter} measured its link to {} twice, or to itself", l.peer));
+                    return Err(super::PeerMisbehaved::MeasuredTwice { voter, to: l.peer });
                 }
             }
         }

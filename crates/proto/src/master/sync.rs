@@ -102,7 +102,7 @@ impl Master {
         collectives: u64,
     ) {
         let Some(strategy) = Strategy::from_code(strategy) else {
-            return self.violation(peer, format!("unknown sync strategy {strategy}"));
+            return self.violation(peer, super::PeerMisbehaved::UnknownStrategy { code: strategy });
         };
         if let super::Phase::AwaitingConnections { epoch, .. } = self.phase {
             // A call that crossed a topology issued meanwhile (a member was lost): retryable, and
@@ -127,7 +127,7 @@ impl Master {
         }
         let sync = self.syncs.get_mut(&group).expect("inserted above");
         if sync.transfer.is_some() || sync.votes.contains_key(&peer) || !sync.ballot.is_eligible(peer) {
-            return self.violation(peer, "sync vote outside of a sync's voting".into());
+            return self.violation(peer, super::PeerMisbehaved::SyncVoteOutsideVoting);
         }
         let fewer = sync.ballot.announce(group, collectives);
         sync.ballot.cast(peer);
