@@ -304,6 +304,23 @@ fn a_peer_told_of_its_own_mismatch_is_not_held_to_it() {
     assert_eq!(sent(&mut p), vec![Message::VotePeersPending { collectives: 0 }]);
 }
 
+/// This peer's vote blocked the others' collective, which they gave up for misuse: its own call
+/// failed already, so its next collective is not failed again for that; it follows the
+/// re-formed ring and runs.
+#[test]
+fn a_voter_told_of_the_misuse_runs_its_next_collective() {
+    let (mut p, t0) = joined(&[0, 1, 2]);
+    p.call(CallKind::PeersPending, BOUND, t0);
+    assert_eq!(sent(&mut p), vec![Message::VotePeersPending { collectives: 0 }]);
+    p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1, 2]), limits: None }, t0).unwrap();
+    p.handle_message(Message::PeersPendingAborted { retry: false, reason: "apart".into() }, t0).unwrap();
+    assert_eq!(actions(&mut p), vec![done(Err(CallError::Misuse("apart".into())))]);
+    let failure = OpFailure::new(FailureKind::Misuse, PeerId(1), "apart");
+    p.handle_message(Message::OpAborted { epoch: Epoch(1), seq: 0, failure }, t0).unwrap();
+    p.call(CallKind::Collective("all_reduce"), BOUND, t0);
+    assert!(matches!(&actions(&mut p)[..], [Action::Establish { .. }]), "it follows the re-formed ring");
+}
+
 /// A collective that the others failed while this peer was between calls fails here too,
 /// untouched, before it joins the re-formed ring: every member's k-th call has one outcome, and
 /// the others, whose calls ended, may not join that ring before their next call.

@@ -470,24 +470,34 @@ impl PeerView {
             self.failed_in = self.failed_in.max(Some(missed.0));
             return Err(missed);
         }
-        let (epoch, _) = self.committed.as_ref().expect("a collective needs a topology in force");
+        let epoch = self.committed.as_ref().expect("a collective needs a topology in force").0;
         let seq = self.started;
         self.started += 1;
-        (self.announced, self.settled_here, self.told) = (None, None, false);
-        Ok((*epoch, seq))
+        self.called();
+        Ok((epoch, seq))
     }
 
     /// The collective this peer would run next, if the others failed it already: it fails here
     /// too, untouched, before this peer joins a re-formed ring (the others may be in no call).
-    /// (topology, number, why).
+    /// Not for misuse this peer was told of: it was in the other call, which failed already (as
+    /// [`PeerView::missed`] leaves misuse out). (topology, number, why).
     pub fn fail_next(&mut self) -> Option<(Epoch, u64, OpFailure)> {
-        let (epoch, _) = self.committed.as_ref()?;
-        let Some(Verdict::Aborted(failure)) = self.verdicts.get(&(*epoch, self.started)) else { return None };
-        let failed = (*epoch, self.started, failure.clone());
+        let epoch = self.committed.as_ref()?.0;
+        let Some(Verdict::Aborted(failure)) = self.verdicts.get(&(epoch, self.started)) else { return None };
+        if failure.kind == FailureKind::Misuse && self.told {
+            return None;
+        }
+        let failed = (epoch, self.started, failure.clone());
         self.started += 1;
-        self.failed_in = self.failed_in.max(Some(*epoch));
-        (self.announced, self.settled_here, self.told) = (None, None, false);
+        self.failed_in = self.failed_in.max(Some(epoch));
+        self.called();
         Some(failed)
+    }
+
+    /// This peer made a call at its point: what was announced or settled before concerns it no
+    /// more.
+    fn called(&mut self) {
+        (self.announced, self.settled_here, self.told) = (None, None, false);
     }
 
     /// Starts this peer's call `vote` (after it joined any issued topology): forgets what an
@@ -495,7 +505,7 @@ impl PeerView {
     /// call); returns the count of collectives the vote carries (`VoteOpened`).
     pub fn cast_vote(&mut self, vote: Vote) -> u64 {
         self.missed.clear();
-        (self.announced, self.settled_here, self.told) = (None, None, false);
+        self.called();
         match vote {
             Vote::UpdateTopology => self.vote_aborted = None,
             Vote::PeersPending => self.pending_aborted = None,
