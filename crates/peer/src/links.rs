@@ -73,8 +73,8 @@ pub(crate) struct Listener {
     pub tls: Option<TlsConfig>,
 }
 
-/// Streams accepted and greeted, not yet taken into a [`crate::plane::DataPlane`] (or, for shared-state
-/// fetches, by the sync that serves them).
+/// Streams accepted and greeted, not yet taken into a [`crate::plane::DataPlane`] (or, for
+/// shared-state fetches, by the sync that serves them).
 struct Arrivals {
     streams: Mutex<BTreeMap<PeerId, Pool>>,
     fetches: Mutex<std::collections::VecDeque<(Conn, crate::fetch::FetchReq)>>,
@@ -224,12 +224,14 @@ impl Listener {
         take_complete(&mut self.arrivals.streams.lock().unwrap_or_else(PoisonError::into_inner), from, epoch)
     }
 
-    /// Makes `plane` hold a pool to our successor and one from our predecessor for the topology
-    /// of `pos`, and nothing else. Gives up once the state machine says the topology is
-    /// superseded (or we are out of the run), or at `deadline`: the state machine ends the call.
+    /// Makes `staged` hold a pool to our successor and one from our predecessor for the topology
+    /// of `pos` (and, in a small group, to the members on other hosts), going on from what an
+    /// earlier try at the same topology staged. Gives up once the state machine says the topology
+    /// is superseded (or we are out of the run) or no call waits for it any more, or at
+    /// `deadline`: the state machine ends the call.
     pub fn establish(
         &self,
-        plane: &mut Staged,
+        staged: &mut Staged,
         control: &Control,
         pos: &RingPosition,
         config: &CommunicatorConfig,
@@ -237,10 +239,10 @@ impl Listener {
         operation: &'static str,
     ) -> Established {
         let members: BTreeSet<PeerId> = pos.ring.iter().map(|m| m.peer).collect();
-        if plane.epoch != Some(pos.epoch) {
-            plane.outgoing.clear();
-            plane.incoming.clear();
-            plane.epoch = Some(pos.epoch);
+        if staged.epoch != Some(pos.epoch) {
+            staged.outgoing.clear();
+            staged.incoming.clear();
+            staged.epoch = Some(pos.epoch);
         }
         self.arrivals
             .streams
@@ -261,7 +263,7 @@ impl Listener {
             let elsewhere = |m: &&Member| !crate::config::on_this_host(self.local_ip(), &m.addr);
             targets.extend(pos.ring.iter().filter(|m| m.peer != me && m.peer != next.peer).filter(elsewhere));
         }
-        targets.retain(|m| !plane.outgoing.contains_key(&m.peer));
+        targets.retain(|m| !staged.outgoing.contains_key(&m.peer));
         let tls = self.tls.as_ref();
         let dial_one = |k: usize| {
             let (to, shm) = (targets[k], config.shared_memory);
@@ -270,7 +272,7 @@ impl Listener {
         for (k, dialed) in at_once(targets.len(), dial_one).into_iter().enumerate() {
             match dialed {
                 Ok(pool) => {
-                    plane.outgoing.insert(targets[k].peer, pool);
+                    staged.outgoing.insert(targets[k].peer, pool);
                 }
                 Err(reason) if targets[k].peer == next.peer => {
                     log::warn!("{me}: cannot reach {}: {reason}", next.peer);
@@ -282,13 +284,13 @@ impl Listener {
         }
         let prev = pos.prev().peer;
         loop {
-            if plane.incoming.contains_key(&prev) {
+            if staged.incoming.contains_key(&prev) {
                 return Established::Ready;
             }
             {
                 let mut arrivals = self.arrivals.streams.lock().unwrap_or_else(PoisonError::into_inner);
                 if let Some(pool) = take_complete(&mut arrivals, prev, pos.epoch) {
-                    plane.incoming.insert(prev, pool);
+                    staged.incoming.insert(prev, pool);
                     return Established::Ready;
                 }
                 let Ok(wait) = deadline.left(operation) else { return Established::Superseded };
