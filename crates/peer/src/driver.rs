@@ -342,12 +342,16 @@ impl Driver {
                 listener.arrived().drain();
                 self.link(listener, data);
             }
-            // Whatever stops a collective short of the master's decision (a removed member, a vote
-            // it can never complete against) stops it now.
-            let ids: Vec<OpId> = data.calls.collectives.values().filter_map(|c| c.posted.map(|p| p.id)).collect();
+            // Whatever stops a collective short of the master's decision (the removal of a member
+            // it moves data with, a vote it can never complete against) stops it now.
+            let waits_on = |seq: u64| match (data.exec.as_ref(), data.position.as_ref()) {
+                (Some(exec), Some(position)) => exec.waits_on(seq).into_iter().map(|r| position.ring[r].peer).collect(),
+                _ => Vec::new(),
+            };
+            let stalled: Vec<(OpId, Vec<PeerId>)> = data.calls.posted().map(|(seq, id)| (id, waits_on(seq))).collect();
             control.own_input(|p, now| {
-                for id in &ids {
-                    p.handle_collective(*id, OpProgress::Stalled, now);
+                for (id, waits_on) in stalled {
+                    p.handle_collective(id, OpProgress::Stalled { waits_on }, now);
                 }
             });
             self.take_stopped(control, data);
@@ -567,12 +571,7 @@ impl Driver {
     /// member, the bound): their frames can no longer move.
     pub(crate) fn take_stopped(&self, control: &Control, data: &mut DataPlane) {
         let Some(exec) = data.exec.as_mut() else { return };
-        let posted: Vec<(u64, OpId)> = data
-            .calls
-            .by_seq
-            .iter()
-            .filter_map(|(seq, call)| data.calls.collectives.get(call).and_then(|c| c.posted).map(|p| (*seq, p.id)))
-            .collect();
+        let posted: Vec<(u64, OpId)> = data.calls.posted().collect();
         let peer = control.lock();
         let stopped: Vec<u64> = posted.into_iter().filter(|(_, id)| !peer.running(*id)).map(|(s, _)| s).collect();
         drop(peer);

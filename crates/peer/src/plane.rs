@@ -214,6 +214,11 @@ pub(crate) struct Calls {
 }
 
 impl Calls {
+    /// The collectives in the engine: their number there, and their name.
+    pub fn posted(&self) -> impl Iterator<Item = (u64, OpId)> + '_ {
+        self.by_seq.iter().filter_map(|(seq, call)| Some((*seq, self.collectives.get(call)?.posted?.id)))
+    }
+
     /// Whether a call with `tag` is in flight for `what`, or ended and not waited for yet (in
     /// flight until waited for: whether it ended already depends on timing, which must not
     /// decide whether a call is refused).

@@ -239,6 +239,16 @@ struct Op {
     stopped: bool,
 }
 
+impl Op {
+    /// The members it still moves data with, as the engine tells the state machine.
+    fn waits_on(&self) -> Vec<PeerId> {
+        let sends = self.plan.sends[self.sent..].iter().map(|u| u.to);
+        let recvs = self.plan.recvs.iter().enumerate().filter(|(k, _)| !self.received[*k]).map(|(_, u)| u.from);
+        let ranks: BTreeSet<usize> = if self.lap { BTreeSet::new() } else { sends.chain(recvs).collect() };
+        ranks.into_iter().map(|r| self.members[r]).collect()
+    }
+}
+
 struct SimPeer {
     alive: bool,
     frozen_until: Option<Duration>,
@@ -1025,8 +1035,8 @@ impl Sim {
         let p = &mut self.peers[i];
         let mut stopped = false;
         for id in ids {
-            if p.ops.get(&id).is_some_and(|op| !op.stopped) {
-                p.proto.handle_collective(id, OpProgress::Stalled, at);
+            if let Some(op) = p.ops.get(&id).filter(|op| !op.stopped) {
+                p.proto.handle_collective(id, OpProgress::Stalled { waits_on: op.waits_on() }, at);
                 stopped |= !p.proto.running(id);
             }
         }

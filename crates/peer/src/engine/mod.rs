@@ -275,9 +275,11 @@ struct OpExec {
     spec: OpSpec,
     plan: Schedule,
     elem: usize,
-    /// For each member, the indices of the units we send it in order, and how many left.
+    /// For each member, the indices of the units we send it in order, the next one's place, and
+    /// how many are still to be written whole.
     sends_to: Vec<Vec<usize>>,
     next_send: Vec<usize>,
+    sends_left: Vec<usize>,
     /// For each member, the indices of the units we receive from it in order: a frame names
     /// its place in this order.
     recvs_from: Vec<Vec<usize>>,
@@ -365,6 +367,7 @@ impl OpExec {
             recv_done: vec![false; plan.recvs.len()],
             first_unit,
             lasts,
+            sends_left: sends_to.iter().map(Vec::len).collect(),
             sends_to,
             recvs_from,
             next_send: vec![0; world],
@@ -611,6 +614,12 @@ impl OpExec {
         !self.finished
             && (self.recvs_from[from].iter().any(|&u| !self.recv_done[u])
                 || self.tokens_from[from] < self.tokens_expected(from))
+    }
+
+    /// Whether it still moves data to or from member `rank`: a frozen member it does never
+    /// lets it finish, one it is done with cannot stop it.
+    fn waits_on(&self, rank: usize) -> bool {
+        !self.data_done && (self.sends_left[rank] > 0 || self.recvs_from[rank].iter().any(|&u| !self.recv_done[u]))
     }
 
     /// Records what the latest moves completed.
@@ -1102,6 +1111,11 @@ impl<L: Lane> Exec<L> {
         Some(Taken { traffic: op.traffic, backup: op.backup, buf: op.spec.buf })
     }
 
+    /// The members collective `seq` still moves data with (none once its data moved).
+    pub fn waits_on(&self, seq: u64) -> Vec<usize> {
+        self.ops.get(&seq).map_or_else(Vec::new, |op| (0..self.world).filter(|&r| op.waits_on(r)).collect())
+    }
+
     /// What happened to collectives since the last call.
     pub fn events(&mut self) -> Vec<(u64, OpEvent)> {
         let mut out = Vec::new();
@@ -1577,6 +1591,7 @@ impl<L: Lane> Exec<L> {
                     Sending::Chunk { seq, .. } | Sending::Encoded { seq, .. } => {
                         let op = self.ops.get_mut(&seq).expect("in flight");
                         op.sent += 1;
+                        op.sends_left[lane.to] -= 1;
                         op.check();
                     }
                     Sending::Token { seq } => {

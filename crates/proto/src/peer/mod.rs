@@ -261,9 +261,14 @@ pub enum OpProgress {
     /// It failed here: report to the master.
     Failed(OpFailure),
     /// Nothing moves until the network delivers (the data plane is about to sleep): whatever
-    /// stops the collective short of the master's decision (a removed member, a vote it can never
-    /// complete against) stops it now.
-    Stalled,
+    /// stops the collective short of the master's decision stops it now.
+    Stalled {
+        /// The members it still has data to move with: a vote it can never complete against, or
+        /// the removal of one of these, stops it. A removed member it is done with stops
+        /// nothing: what it still waits for comes from members alive, which finish, or fail and
+        /// so end it everywhere.
+        waits_on: Vec<PeerId>,
+    },
 }
 
 /// Where a collective stands.
@@ -749,8 +754,8 @@ impl Peer {
             (OpProgress::Failed(failure), OpStage::Lap) if failure.kind == FailureKind::Mismatch => {
                 self.report(op, failure, now)
             }
-            (OpProgress::Stalled, OpStage::Running | OpStage::Lap) => {
-                self.step_op(op, now, true);
+            (OpProgress::Stalled { waits_on }, OpStage::Running | OpStage::Lap) => {
+                self.step_op(op, now, Some(&waits_on));
             }
             // The peer stopped it already (a verdict, a lost member, the bound): its decision stands.
             _ => {}
@@ -1016,7 +1021,7 @@ impl Peer {
             }
             let ops: Vec<OpId> = self.ops.keys().copied().collect();
             for op in ops {
-                moved |= self.step_op(op, now, false);
+                moved |= self.step_op(op, now, None);
             }
             moved |= self.admit(now);
             if !moved {
@@ -1183,23 +1188,24 @@ impl Peer {
     }
 
     /// One move of collective `op`; false when it waits. The master's decision and the bound stop
-    /// it at once; a removed member or a vote it can never complete against only once the data
-    /// plane is `stalled` (has nothing to move until the network delivers): while bytes still
-    /// flow the collective may complete without the member, whose part may all be in flight.
-    fn step_op(&mut self, op: OpId, now: Instant, stalled: bool) -> bool {
+    /// it at once; a vote it can never complete against, or a removed member, only once the data
+    /// plane is `stalled` (has nothing to move until the network delivers; with the members it
+    /// still moves data with): while bytes still flow the collective may complete without the
+    /// member, whose part may all be in flight.
+    fn step_op(&mut self, op: OpId, now: Instant, stalled: Option<&[PeerId]>) -> bool {
         let Some(InFlight { deadline, members, stage, verb, .. }) = self.ops.get(&op).cloned() else { return false };
         let (epoch, seq) = (op.epoch, op.seq.0);
         match stage {
             OpStage::Running => {
                 let me = self.view.registered.expect("a collective runs once registered").0;
-                let failure = match self.view.interrupt(epoch, seq, verb, &members) {
+                let failure = match self.view.interrupt(epoch, seq, verb, stalled.unwrap_or_default()) {
                     Some(Interrupt::Aborted(failure)) => {
                         self.view.verdicts.remove(&(epoch, seq));
                         self.end_op(op, Err(CallError::Aborted { op, failure }));
                         return true;
                     }
-                    Some(Interrupt::Blocked(why)) if stalled => OpFailure::new(FailureKind::Misuse, me, why),
-                    Some(Interrupt::MemberLost(peer)) if stalled => {
+                    Some(Interrupt::Blocked(why)) if stalled.is_some() => OpFailure::new(FailureKind::Misuse, me, why),
+                    Some(Interrupt::MemberLost(peer)) => {
                         OpFailure::new(FailureKind::PeerLost, peer, "the master removed it from the run")
                     }
                     _ if now >= deadline => {
@@ -1213,7 +1219,7 @@ impl Peer {
             OpStage::Lap => {
                 match self.view.lap_interrupt(epoch, seq, &members) {
                     Some(LapInterrupt::Verdict(v)) => self.verdict(op, v, None),
-                    Some(LapInterrupt::MemberLost(peer)) if stalled => {
+                    Some(LapInterrupt::MemberLost(peer)) if stalled.is_some() => {
                         self.ask(op, &format!("the master removed {peer}"), now)
                     }
                     _ if now >= deadline => self.ask(op, "its bound passed", now),

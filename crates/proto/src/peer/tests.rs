@@ -114,9 +114,9 @@ fn heartbeats_follow_the_master_and_a_silent_master_ends_the_call() {
 }
 
 /// A participant the master removed never closes its streams (frozen, cut off): once the data
-/// plane stalls, the collective stops, the failure is reported, and the verdict ends the call on
-/// every participant alike. While bytes still flow it goes on: the removed member's part may all
-/// be in flight, and the collective complete without it.
+/// plane stalls with data still to move with it, the collective stops, the failure is reported,
+/// and the verdict ends the call on every participant alike. While bytes still flow it goes on:
+/// the removed member's part may all be in flight, and the collective complete without it.
 #[test]
 fn a_removed_member_stops_the_collective_once_it_stalls_and_the_verdict_ends_it() {
     let (mut p, t0) = joined(&[0, 1, 2]);
@@ -126,7 +126,7 @@ fn a_removed_member_stops_the_collective_once_it_stalls_and_the_verdict_ends_it(
     p.handle_message(Message::PeerRemoved { peer: PeerId(2) }, t0).unwrap();
     assert!(p.running(op), "bytes may still be flowing");
     assert!(sent(&mut p).is_empty());
-    p.handle_collective(op, OpProgress::Stalled, t0);
+    p.handle_collective(op, OpProgress::Stalled { waits_on: vec![PeerId(2)] }, t0);
     assert!(!p.running(op), "the data plane must stop");
     let failed = sent(&mut p);
     assert!(
@@ -140,6 +140,30 @@ fn a_removed_member_stops_the_collective_once_it_stalls_and_the_verdict_ends_it(
     p.handle_message(Message::OpAborted { epoch: Epoch(1), seq: 0, failure: failure.clone() }, t0).unwrap();
     assert_eq!(actions(&mut p), vec![done(Err(CallError::Aborted { op, failure }))]);
     assert!(!p.busy());
+}
+
+/// A removed member whose part of the collective all came (it died once it held the result)
+/// stops nothing here while the data still to come is a live member's: that member finishes,
+/// and the master commits once every member alive holds the result, or it fails, and the
+/// master's abort ends the call at once. Failing here instead would abort a collective every
+/// survivor can complete.
+#[test]
+fn a_removed_member_it_is_done_with_does_not_stop_the_collective() {
+    let (mut p, t0) = joined(&[0, 1, 2]);
+    let op = start_collective(&mut p, t0);
+    p.handle_message(Message::PeerRemoved { peer: PeerId(2) }, t0).unwrap();
+    p.handle_collective(op, OpProgress::Stalled { waits_on: vec![PeerId(1)] }, t0);
+    assert!(p.running(op), "the data still to come is a live member's");
+    assert!(sent(&mut p).is_empty());
+    p.handle_collective(op, OpProgress::DataDone, t0);
+    p.handle_collective(op, OpProgress::Stalled { waits_on: vec![] }, t0);
+    assert_eq!(
+        sent(&mut p),
+        vec![Message::OpDone { epoch: Epoch(1), seq: 0, decided: false }],
+        "the lap cannot finish"
+    );
+    p.handle_message(Message::OpCommitted { epoch: Epoch(1), seq: 0 }, t0).unwrap();
+    assert_eq!(actions(&mut p), vec![done(Ok(Value::Collective(op)))]);
 }
 
 /// A lap that came round commits on its own; a query that came before is answered then.
@@ -215,7 +239,7 @@ fn without_a_verdict_a_failure_stands_and_a_question_times_out() {
     let op = start_collective(&mut p, after);
     p.handle_collective(op, OpProgress::DataDone, after);
     p.handle_message(Message::PeerRemoved { peer: PeerId(1) }, after).unwrap();
-    p.handle_collective(op, OpProgress::Stalled, after);
+    p.handle_collective(op, OpProgress::Stalled { waits_on: vec![] }, after);
     assert_eq!(sent(&mut p).last(), Some(&Message::OpDone { epoch: Epoch(1), seq: 1, decided: false }));
     // Asked at `after`, within the call's bound: the answer may take that bound and a heartbeat
     // timeout more.

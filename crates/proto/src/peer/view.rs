@@ -143,7 +143,8 @@ pub enum Interrupt {
     Aborted(OpFailure),
     /// A member of the group waits in a vote and will never join it: misuse, naming both calls.
     Blocked(String),
-    /// The master removed a participant (a frozen or cut-off peer never closes its streams).
+    /// The master removed a participant it still moves data with (a frozen or cut-off peer never
+    /// closes its streams).
     MemberLost(PeerId),
 }
 
@@ -537,9 +538,9 @@ impl PeerView {
         }
     }
 
-    /// Whether collective `seq` of `epoch` (among `members`), still moving data here, must stop.
+    /// Whether collective `seq` of `epoch`, still moving data here with `waits_on`, must stop.
     /// The driver asks before it sleeps: what the master said since may end it.
-    pub fn interrupt(&self, epoch: Epoch, seq: u64, verb: &str, members: &[PeerId]) -> Option<Interrupt> {
+    pub fn interrupt(&self, epoch: Epoch, seq: u64, verb: &str, waits_on: &[PeerId]) -> Option<Interrupt> {
         if let Some(Verdict::Aborted(f)) = self.verdicts.get(&(epoch, seq)) {
             return Some(Interrupt::Aborted(f.clone()));
         }
@@ -547,7 +548,7 @@ impl PeerView {
         if let Some(why) = self.vote_open.as_ref().and_then(|o| o.blocks(epoch, seq, verb, me)) {
             return Some(Interrupt::Blocked(why));
         }
-        members.iter().find(|p| self.removed.contains(p)).map(|p| Interrupt::MemberLost(*p))
+        waits_on.iter().find(|p| self.removed.contains(p)).map(|p| Interrupt::MemberLost(*p))
     }
 
     /// Whether the confirmation lap of collective `seq` of `epoch` (among `members`) must stop;
