@@ -183,6 +183,17 @@ impl log::Log for Logger {
     fn flush(&self) {}
 }
 
+/// Dies abruptly if `SHOAL_FAILPOINT` names `point`: a test makes the process abort at that
+/// step of the protocol, which no signal sent from outside can hit reliably (the points are
+/// listed in `docs/glossary.md`). Read at every pass (well under a microsecond), so a test
+/// process can arm it once it is where it wants to be.
+pub fn failpoint(point: &str) {
+    if env_value("SHOAL_FAILPOINT").as_deref() == Some(point) {
+        log::warn!("failpoint {point}: dying");
+        std::process::abort();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -3,9 +3,7 @@
 use crate::config::CommunicatorConfig;
 use crate::control::Control;
 use crate::driver::{call_error, verb, Connected, DataGuard, Driver, Progress};
-use crate::engine::RawBuf;
 use crate::error::{Error, Result};
-use crate::failpoint::failpoint;
 use crate::fetch::Snapshots;
 use crate::info::{Info, LinkInfo};
 use crate::links::Listener;
@@ -14,6 +12,8 @@ use crate::stats::Stats;
 use crate::Deadline;
 use shoal_collective::Algorithm;
 use shoal_collective::{CollectiveKind, DType, Quantization, ReduceOp};
+use shoal_config::failpoint;
+use shoal_engine::RawBuf;
 use shoal_proto::auth::{DataKey, RunKey};
 use shoal_proto::peer::{Action, CallId, CallKind, PeerConfig, RingPosition, Value};
 use shoal_transport::{Conn, TlsConfig};

@@ -1,11 +1,11 @@
 //! Settings of a communicator: explicit values win over `SHOAL_*` variables, which win over
 //! the defaults here.
 
-use crate::engine::MAX_STASH_BYTES;
 use crate::error::Result;
 use shoal_collective::Algorithm;
 use shoal_collective::CollectiveKind;
 use shoal_config::{env_count, env_seconds, env_value};
+use shoal_engine::MAX_STASH_BYTES;
 use shoal_wire::{AlgorithmLimits, MAX_STRING_BYTES};
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;

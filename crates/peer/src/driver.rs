@@ -5,14 +5,14 @@
 
 use crate::config::{CommunicatorConfig, DEFAULT_CHUNK_BYTES};
 use crate::control::Control;
-use crate::engine::{Backup, Exec, LinkError, OpEvent, OpSpec, Pumped};
 use crate::error::Error;
-use crate::failpoint::failpoint;
 use crate::info::Info;
 use crate::links::Listener;
 use crate::plane::{CallResult, Collective, DataPlane, Extra, Placement, Posted, Request, TagUse};
 use crate::Deadline;
 use shoal_collective::{Algorithm, CollectiveKind, DType, Quantization, ReduceOp};
+use shoal_config::failpoint;
+use shoal_engine::{Backup, Exec, LinkError, OpEvent, OpSpec, Pumped};
 use shoal_proto::auth::DataKey;
 use shoal_proto::peer::{Action, CallError, CallId, Established, OpId, OpProgress, RingPosition, Value};
 use shoal_transport::{Lane, PollFd};

@@ -5,8 +5,8 @@
 //! (`docs/state.md`).
 
 use crate::error::{Error, Result};
-use crate::failpoint::failpoint;
 use shoal_collective::DType;
+use shoal_config::failpoint;
 use shoal_proto::auth::DataKey;
 use shoal_transport::{read_message_until, write_message, Conn, PollFd, TlsConfig};
 use shoal_wire::{

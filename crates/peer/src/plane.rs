@@ -4,11 +4,11 @@
 //! driver (`communicator.rs`) and the calls that post to it (`transfer.rs`, ...) import this;
 //! it imports neither.
 
-use crate::engine::{Backup, Direction, Exec, LinkError, RawBuf, Taken};
 use crate::error::{Error, Result};
 use crate::info::Info;
 use crate::links::Staged;
 use shoal_collective::{Algorithm, Codec, CollectiveKind, DType, Quantization, ReduceOp};
+use shoal_engine::{Backup, Direction, Exec, LinkError, RawBuf, Taken};
 use shoal_proto::peer::{CallError, CallId, OpId, Peer, RingPosition, Value};
 use shoal_wire::{Epoch, OpHeader, PeerId};
 use std::any::Any;
@@ -269,7 +269,7 @@ impl DataPlane {
     /// Our links in the topology in force, by rank.
     pub fn links(&self) -> Vec<crate::LinkInfo> {
         let (Some(exec), Some(position)) = (self.exec.as_ref(), self.position.as_ref()) else { return Vec::new() };
-        let info = |(&rank, s): (&usize, &crate::engine::LinkStats)| crate::LinkInfo {
+        let info = |(&rank, s): (&usize, &shoal_engine::LinkStats)| crate::LinkInfo {
             peer: position.ring[rank].peer,
             rank,
             streams_out: s.lanes_out,

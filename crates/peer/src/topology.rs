@@ -22,12 +22,12 @@
 //! member votes `update_topology` with its own row ([`CallKind::OptimizeTopology`]).
 
 use crate::communicator::check_buffer;
-use crate::engine::{Direction, RawBuf};
 use crate::error::{Error, Result};
-use crate::failpoint::failpoint;
 use crate::info::Measurements;
 use crate::tags::{BARRIER_TAG, GATHER_TAG, PROBE_TAGS};
 use crate::{Communicator, DType, PeerId};
+use shoal_config::failpoint;
+use shoal_engine::{Direction, RawBuf};
 use shoal_proto::peer::{CallKind, RingPosition};
 use shoal_topology::Link;
 use shoal_transport::SendTimes;

@@ -9,11 +9,11 @@
 
 use crate::communicator::Work;
 use crate::driver::Connected;
-use crate::engine::{Direction, RawBuf, TransferSpec};
 use crate::error::{Error, Result};
 use crate::plane::{DataPlane, Owner, TagUse, TransferCall};
 use crate::{Communicator, Info};
 use shoal_collective::DType;
+use shoal_engine::{Direction, RawBuf, TransferSpec};
 use shoal_proto::peer::CallId;
 use std::time::Instant;
 

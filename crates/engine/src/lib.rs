@@ -24,11 +24,11 @@
 //!
 //! A lane that fails (the peer died, a reset, a malformed frame) fails every collective in flight
 //! over the links: their streams may hold half a frame and can never be used again.
-#![allow(unsafe_code)]
+#![warn(missing_docs)]
 
 mod p2p;
 
-pub(crate) use p2p::{Direction, TransferSpec};
+pub use p2p::{Direction, TransferSpec};
 
 use shoal_collective::schedule::{RecvAction, Schedule};
 use shoal_collective::Algorithm;
@@ -46,7 +46,7 @@ use std::time::{Duration, Instant};
 /// change, so the copy is spread over the collective (overlapping the network wait) rather
 /// than paid up front; a collective that fails early saved little.
 #[derive(Debug, Default)]
-pub(crate) struct Backup {
+pub struct Backup {
     words: Vec<u64>,
     /// Byte ranges saved, in the order they were saved.
     saved: Vec<std::ops::Range<usize>>,
@@ -119,8 +119,10 @@ fn copy_past_cache(dst: &mut [u8], src: &[u8]) {
 
 /// Bytes moved by one collective.
 #[derive(Debug, Default, Clone, Copy)]
-pub(crate) struct Traffic {
+pub struct Traffic {
+    /// Bytes of chunks sent, headers not counted.
     pub tx_bytes: u64,
+    /// Bytes of chunks received.
     pub rx_bytes: u64,
     /// A transfer the receiver read out of the sender's memory.
     pub single_copy: bool,
@@ -128,12 +130,15 @@ pub(crate) struct Traffic {
 
 /// Why a collective failed here; `rank` is the member at the other end of the link concerned.
 #[derive(Debug, Clone)]
-pub(crate) enum LinkError {
+pub enum LinkError {
     /// A stream to or from `rank` failed.
+    #[allow(missing_docs)]
     Lost { rank: usize, reason: String },
     /// `rank` started another collective.
+    #[allow(missing_docs)]
     Mismatch { rank: usize, theirs: OpHeader },
     /// `rank` sent bytes that are not a frame of a collective here.
+    #[allow(missing_docs)]
     Malformed { rank: usize, reason: String },
 }
 
@@ -151,19 +156,19 @@ impl LinkError {
 /// Buffers of early frames kept for reuse: a fresh one per chunk would fault in a chunk's pages.
 const SPARE_BODIES: usize = 64;
 /// Most bytes of frames kept for collectives not posted yet, over all lanes.
-pub(crate) const MAX_EARLY_BYTES: usize = 256 << 20;
+pub const MAX_EARLY_BYTES: usize = 256 << 20;
 /// How long a chunk of a collective not posted here yet waits in its lane before it is read
 /// aside ([`Dest::Unposted`]): members post a batch of collectives within microseconds of each
 /// other, and a chunk read aside costs a copy more; one that waits holds up what follows it on
 /// the lane, for at most this long.
 const EARLY_GRACE: Duration = Duration::from_millis(1);
 /// Most bytes a one-shot collective keeps of the other members' inputs: past it, the ring.
-pub(crate) const MAX_STASH_BYTES: usize = 256 << 20;
+pub const MAX_STASH_BYTES: usize = 256 << 20;
 
 /// A caller's buffer, lent to the engine for one collective: whoever posts it keeps the memory
 /// alive and untouched until the collective is taken back ([`Exec::take`]).
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct RawBuf {
+pub struct RawBuf {
     ptr: NonNull<u8>,
     len: usize,
 }
@@ -173,12 +178,19 @@ pub(crate) struct RawBuf {
 unsafe impl Send for RawBuf {}
 
 impl RawBuf {
+    /// Lends `buf`, under the promise above.
     pub fn new(buf: &mut [u8]) -> Self {
         RawBuf { ptr: NonNull::new(buf.as_mut_ptr()).unwrap_or(NonNull::dangling()), len: buf.len() }
     }
 
+    /// Its length in bytes.
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// Whether it holds no byte.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 
     /// Where it lies in this process, for a receiver on the same host to read it from there.
@@ -218,17 +230,24 @@ impl RawBuf {
 }
 
 /// One collective to post: `buf` is the whole buffer its schedule works on.
-pub(crate) struct OpSpec {
+pub struct OpSpec {
+    /// The call every member must have made alike: its first frame carries it.
     pub header: OpHeader,
+    /// The verb.
     pub kind: CollectiveKind,
+    /// The buffer its schedule works on.
     pub buf: RawBuf,
+    /// Its elements' type.
     pub dtype: DType,
+    /// The reduction, where the verb reduces.
     pub op: ReduceOp,
+    /// Which schedule moves its data.
     pub algorithm: Algorithm,
     /// A broadcast's root.
     pub root: usize,
     /// The host of each rank, for a hierarchical all-reduce (else empty).
     pub hosts: Vec<usize>,
+    /// The largest chunk a frame carries.
     pub chunk_bytes: usize,
     /// The format its chunks travel in, if quantized (see [`OpExec::encoded`]).
     pub codec: Option<Codec>,
@@ -239,7 +258,7 @@ pub(crate) struct OpSpec {
 
 /// What happened to a collective ([`Exec::pump`]).
 #[derive(Debug)]
-pub(crate) enum OpEvent {
+pub enum OpEvent {
     /// Every chunk moved: its lap runs.
     DataDone,
     /// Its lap came round: every participant holds the result.
@@ -251,7 +270,8 @@ pub(crate) enum OpEvent {
 }
 
 /// What the caller gets back of a collective taken out ([`Exec::take`]).
-pub(crate) struct Taken {
+pub struct Taken {
+    /// What it moved.
     pub traffic: Traffic,
     /// What its buffer held where it changed: put back if it failed.
     backup: Backup,
@@ -527,11 +547,11 @@ impl OpExec {
             self.finish_reduction(unit, last);
         }
         if unit == 0 {
-            crate::failpoint::failpoint("all_reduce.reduce_scatter");
+            shoal_config::failpoint("all_reduce.reduce_scatter");
         } else if self.plan.recvs[unit].action == RecvAction::Copy
             && (unit == 0 || self.plan.recvs[unit - 1].action != RecvAction::Copy)
         {
-            crate::failpoint::failpoint("all_reduce.all_gather");
+            shoal_config::failpoint("all_reduce.all_gather");
         }
         self.recv_done[unit] = true;
         self.received += 1;
@@ -742,7 +762,7 @@ struct Early {
 
 /// What moved over the link with one member, for stats and logs.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct LinkStats {
+pub struct LinkStats {
     /// Lanes to it.
     pub lanes_out: usize,
     /// Lanes from it.
@@ -804,7 +824,7 @@ impl LinkStats {
 }
 
 /// The engine over one topology's links.
-pub(crate) struct Exec<L> {
+pub struct Exec<L> {
     epoch: Epoch,
     rank: usize,
     world: usize,
@@ -841,7 +861,7 @@ pub(crate) struct Exec<L> {
 
 /// What one [`Exec::pump`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Pumped {
+pub enum Pumped {
     /// Some bytes moved: pump again.
     Progress,
     /// Nothing can move until the lanes are ready.
@@ -850,7 +870,7 @@ pub(crate) enum Pumped {
 
 /// The links a collective lacks ([`Exec::missing`]).
 #[derive(Debug, Default, PartialEq, Eq)]
-pub(crate) struct Missing {
+pub struct Missing {
     /// Members it sends to with no lanes to them: dial them.
     pub to: Vec<usize>,
     /// Members it receives from with no lanes from them: take their pools when they arrive.
@@ -858,6 +878,7 @@ pub(crate) struct Missing {
 }
 
 impl Missing {
+    /// Whether no link is missing.
     pub fn is_empty(&self) -> bool {
         self.to.is_empty() && self.from.is_empty()
     }

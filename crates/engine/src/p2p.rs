@@ -47,7 +47,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 /// Smallest transfer a receiver on the same host reads straight out of the sender's memory;
 /// below it the two copies through a ring cost less than the system call.
-pub(crate) const PULL_MIN_BYTES: usize = 64 << 10;
+pub const PULL_MIN_BYTES: usize = 64 << 10;
 /// Most bytes of one transfer a pump reads out of the sender's memory: other operations move
 /// in between.
 const PULL_PIECE_BYTES: usize = 2 << 20;
@@ -55,16 +55,19 @@ const PULL_PIECE_BYTES: usize = 2 << 20;
 /// Most offers kept waiting for their receive, from all members together: past it, the member
 /// whose offer overflows is malformed (an application with that many sends unanswered has lost
 /// track of its tags).
-pub(crate) const MAX_WAITING_OFFERS: usize = 4096;
+pub const MAX_WAITING_OFFERS: usize = 4096;
 
 /// Which end of a transfer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(crate) enum Direction {
+pub enum Direction {
+    /// `send`: ours goes to the member.
     Send,
+    /// `recv`: the member's comes into ours.
     Recv,
 }
 
 impl Direction {
+    /// The verb's name.
     pub fn name(self) -> &'static str {
         match self {
             Direction::Send => "send",
@@ -74,12 +77,18 @@ impl Direction {
 }
 
 /// A transfer to post: `buf` is sent to, or received from, member `peer`.
-pub(crate) struct TransferSpec {
+pub struct TransferSpec {
+    /// Which end we are.
     pub direction: Direction,
+    /// The member at the other end, by rank.
     pub peer: usize,
+    /// What matches it with the other end's call.
     pub tag: u64,
+    /// Its elements' type: both ends must agree, as on its size.
     pub dtype: DType,
+    /// What is sent, or where it is received.
     pub buf: RawBuf,
+    /// The largest part a frame carries.
     pub chunk_bytes: usize,
 }
 
