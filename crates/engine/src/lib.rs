@@ -788,9 +788,9 @@ pub struct LinkStats {
 
 impl LinkStats {
     /// A lane to the member found its stream full with a frame to write.
-    fn blocked(&mut self) {
+    fn blocked(&mut self, now: Instant) {
         if self.blocked_lanes == 0 {
-            self.backlog = Some((Instant::now(), 0));
+            self.backlog = Some((now, 0));
         }
         self.blocked_lanes += 1;
     }
@@ -803,11 +803,11 @@ impl LinkStats {
     }
 
     /// A blocked lane's frame went in whole.
-    fn unblocked(&mut self) {
+    fn unblocked(&mut self, now: Instant) {
         self.blocked_lanes -= 1;
         if self.blocked_lanes == 0 {
             let (since, bytes) = self.backlog.take().expect("a stretch under way");
-            self.saturated += since.elapsed();
+            self.saturated += now.saturating_duration_since(since);
             self.saturated_bytes += bytes;
         }
     }
@@ -1206,14 +1206,15 @@ impl<L: Lane> Exec<L> {
         self.recv.iter().filter_map(|l| l.held()).min().and_then(|since| since.checked_add(self.early_grace))
     }
 
-    /// Moves every byte that can move now, without blocking.
-    pub fn pump(&mut self) -> Pumped {
+    /// Moves every byte that can move `now`, without blocking. Time is an argument: whoever
+    /// drives it (the peer's driver, the simulator) says what time it is.
+    pub fn pump(&mut self, now: Instant) -> Pumped {
         if self.broken.is_some() {
             return Pumped::Idle;
         }
         let mut progress = false;
         for i in 0..self.recv.len() {
-            match self.pump_recv(i) {
+            match self.pump_recv(i, now) {
                 Ok(p) => progress |= p,
                 Err((seq, e)) => {
                     self.fail(seq, e);
@@ -1222,7 +1223,7 @@ impl<L: Lane> Exec<L> {
             }
         }
         for i in 0..self.send.len() {
-            match self.pump_send(i) {
+            match self.pump_send(i, now) {
                 Ok(p) => progress |= p,
                 Err(reason) => {
                     let rank = self.send[i].to;
@@ -1304,7 +1305,7 @@ impl<L: Lane> Exec<L> {
     }
 
     /// Reads what lane `i` has; `Err((collective, why))` on failure.
-    fn pump_recv(&mut self, i: usize) -> Result<bool, (Option<u64>, LinkError)> {
+    fn pump_recv(&mut self, i: usize, now: Instant) -> Result<bool, (Option<u64>, LinkError)> {
         let mut progress = false;
         let from = self.recv[i].from;
         if self.recv[i].closed {
@@ -1334,7 +1335,7 @@ impl<L: Lane> Exec<L> {
                     lane.header_got = 0;
                     let frame = Frame::decode(&lane.header)
                         .map_err(|e| (None, LinkError::Malformed { rank: from, reason: e.to_string() }))?;
-                    self.begin_frame(i, frame)?;
+                    self.begin_frame(i, frame, now)?;
                 }
                 continue;
             };
@@ -1344,11 +1345,11 @@ impl<L: Lane> Exec<L> {
                 // Posted since (even ended since): placed as if it arrived now.
                 if self.posted.is_some_and(|p| seq <= p) {
                     let frame = lane.receiving.take().expect("receiving").frame;
-                    self.begin_frame(i, frame)?;
+                    self.begin_frame(i, frame, now)?;
                     progress = true;
                     continue;
                 }
-                if since.elapsed() < self.early_grace {
+                if now.saturating_duration_since(since) < self.early_grace {
                     return Ok(progress);
                 }
                 // Not posted yet: kept aside, so that what follows it on the lane moves.
@@ -1491,7 +1492,7 @@ impl<L: Lane> Exec<L> {
     }
 
     /// A frame's header arrived on receiving lane `i`: decides where its chunk goes.
-    fn begin_frame(&mut self, i: usize, frame: Frame) -> Result<(), (Option<u64>, LinkError)> {
+    fn begin_frame(&mut self, i: usize, frame: Frame, now: Instant) -> Result<(), (Option<u64>, LinkError)> {
         let seq = frame.op.seq;
         let from = self.recv[i].from;
         let malformed = |reason: String| (None, LinkError::Malformed { rank: from, reason });
@@ -1515,7 +1516,7 @@ impl<L: Lane> Exec<L> {
             if frame.kind == FrameKind::Token || frame.len == 0 {
                 self.early.entry(seq).or_default().push(Early { from, frame, body: Vec::new() });
             } else {
-                let dest = Dest::Unposted(Instant::now());
+                let dest = Dest::Unposted(now);
                 self.recv[i].receiving = Some(Receiving { frame, unit: 0, got: 0, dest });
             }
             return Ok(());
@@ -1543,7 +1544,7 @@ impl<L: Lane> Exec<L> {
     }
 
     /// Writes what lane `i` may send; `Err(why)` if the lane failed.
-    fn pump_send(&mut self, i: usize) -> Result<bool, String> {
+    fn pump_send(&mut self, i: usize, now: Instant) -> Result<bool, String> {
         let mut progress = false;
         loop {
             if self.send[i].sending.is_none() && !self.next_frame(i) {
@@ -1580,7 +1581,7 @@ impl<L: Lane> Exec<L> {
                 Err(e) if e.kind() == ErrorKind::WouldBlock => {
                     if !lane.blocked {
                         lane.blocked = true;
-                        self.stats.entry(lane.to).or_default().blocked();
+                        self.stats.entry(lane.to).or_default().blocked(now);
                     }
                     return Ok(progress);
                 }
@@ -1596,7 +1597,7 @@ impl<L: Lane> Exec<L> {
             let whole = lane.written == FRAME_BYTES + payload.len();
             if whole && lane.blocked {
                 lane.blocked = false;
-                link.unblocked();
+                link.unblocked(now);
             }
             match *lane.sending.as_ref().expect("a frame") {
                 Sending::Chunk { seq, .. } | Sending::Encoded { seq, .. } | Sending::Token { seq } => {
@@ -1796,6 +1797,12 @@ fn apply_early(op: &mut OpExec, early: Early) -> Result<Vec<u8>, LinkError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The time a test pumps at: the engine reads no clock, but an `Instant` comes only from one.
+    #[allow(clippy::disallowed_methods)]
+    fn now() -> Instant {
+        Instant::now()
+    }
     use shoal_transport::lane::mem::{self, Control, Faults, MemLane};
 
     /// Links rank `from` to rank `to` with a pool of `pool` in-memory connections shaped by
@@ -1973,7 +1980,7 @@ mod tests {
                         moved = true;
                     }
                 }
-                moved |= exec.pump() == Pumped::Progress;
+                moved |= exec.pump(now()) == Pumped::Progress;
                 // As the driver does while it waits.
                 while exec.save_ahead() {}
                 for (seq, event) in exec.events() {
@@ -2054,7 +2061,7 @@ mod tests {
                     break;
                 }
                 for (rank, exec) in execs.iter_mut().enumerate() {
-                    exec.pump();
+                    exec.pump(now());
                     held |= exec.recv.iter().any(|l| l.held().is_some());
                     early_bytes = early_bytes.max(exec.early_bytes);
                     for (seq, event) in exec.events() {
@@ -2181,7 +2188,7 @@ mod tests {
         }
         for round in 0..100_000 {
             for exec in &mut execs {
-                exec.pump();
+                exec.pump(now());
                 for (seq, event) in exec.events() {
                     if matches!(event, OpEvent::Confirmed) {
                         finished.push((round, seq));
@@ -2212,7 +2219,7 @@ mod tests {
         let mut buf = vec![0u64; 64];
         exec.post(sum_spec(&mut buf, 0, 1, Algorithm::Ring, 4096));
         for _ in 0..10 {
-            exec.pump();
+            exec.pump(now());
         }
         let events = exec.events();
         assert!(
@@ -2275,7 +2282,7 @@ mod tests {
         }
         for _ in 0..100 {
             for exec in &mut execs {
-                exec.pump();
+                exec.pump(now());
             }
         }
         assert!(
@@ -2298,7 +2305,7 @@ mod tests {
                 }
             }
             for exec in &mut execs {
-                exec.pump();
+                exec.pump(now());
                 for (seq, event) in exec.events() {
                     assert!(!matches!(event, OpEvent::Failed(_) | OpEvent::LapBroken(_)), "{event:?}");
                     if matches!(event, OpEvent::Confirmed) {
@@ -2348,7 +2355,7 @@ mod tests {
         for _ in 0..1000 {
             for rank in [1, 0, 2] {
                 let Some(exec) = execs[rank].as_mut() else { continue };
-                exec.pump();
+                exec.pump(now());
                 let hold = execs[1].is_some() && execs[0].as_ref().is_some_and(got_data_of_2);
                 slow[0].stall(hold);
                 let Some(exec) = execs[rank].as_mut() else { continue };
@@ -2374,7 +2381,7 @@ mod tests {
         let mut next = input(0, 1, 32);
         let exec = execs[0].as_mut().unwrap();
         for _ in 0..10 {
-            exec.pump();
+            exec.pump(now());
         }
         exec.post(spec(&mut next, 1));
         let events = exec.events();
@@ -2554,7 +2561,7 @@ mod tests {
     ) {
         for _ in 0..100_000 {
             for (rank, exec) in execs.iter_mut().enumerate() {
-                exec.pump();
+                exec.pump(now());
                 for (id, result) in exec.transfer_events() {
                     exec.take_transfer(id).expect("in flight");
                     ended.insert((rank, id), result.map_err(|e| format!("{e:?}")));
@@ -2588,7 +2595,7 @@ mod tests {
         // Every offer arrives before any receive is posted: none moves data yet.
         pump_transfers(&mut execs, &mut ended, |_| true);
         for _ in 0..200 {
-            execs.iter_mut().for_each(|e| _ = e.pump());
+            execs.iter_mut().for_each(|e| _ = e.pump(now()));
         }
         assert!(execs[0].transfer_events().is_empty(), "a send ended before its receive was posted");
         // Receives in another order; the first receive for tag 9 gets the first send with it.
@@ -2602,7 +2609,7 @@ mod tests {
         let mut confirmed = 0;
         for _ in 0..10_000 {
             for exec in execs.iter_mut() {
-                exec.pump();
+                exec.pump(now());
                 confirmed += exec.events().iter().filter(|(_, e)| matches!(e, OpEvent::Confirmed)).count();
             }
         }
@@ -2645,7 +2652,7 @@ mod tests {
         // Rank 1 leaves, closing its streams; rank 2 notices.
         execs.remove(1);
         for _ in 0..10 {
-            execs.iter_mut().for_each(|e| _ = e.pump());
+            execs.iter_mut().for_each(|e| _ = e.pump(now()));
         }
         let (mut a, mut b, mut c) = (input(2, 0, 100), vec![0u64; 100], vec![0u64; 100]);
         // Ranks 0 and 2 are now engines 0 and 1.
@@ -2668,7 +2675,7 @@ mod tests {
         let (mut a, mut b) = (input(0, 1, 5000), vec![0u64; 5000]);
         execs[0].post_transfer(1, transfer(Direction::Send, 1, 8, &mut a));
         for _ in 0..50 {
-            execs.iter_mut().for_each(|e| _ = e.pump());
+            execs.iter_mut().for_each(|e| _ = e.pump(now()));
         }
         // The sender gives up before the receive is posted (its bound passed).
         assert!(execs[0].take_transfer(1).is_some());
@@ -2681,7 +2688,7 @@ mod tests {
         // A new send matches the waiting receive; the link resets mid-way: both ends fail.
         execs[0].post_transfer(3, transfer(Direction::Send, 1, 8, &mut a));
         for _ in 0..100 {
-            execs.iter_mut().for_each(|e| _ = e.pump());
+            execs.iter_mut().for_each(|e| _ = e.pump(now()));
             if to_1[0].carried() > 10_000 {
                 to_1[0].reset();
             }
@@ -2710,7 +2717,7 @@ mod tests {
         let mut ended = BTreeMap::new();
         for _ in 0..10_000 {
             for (rank, exec) in execs.iter_mut().enumerate() {
-                exec.pump();
+                exec.pump(now());
                 for (id, result) in exec.transfer_events() {
                     ended.insert((rank, id), (result.is_ok(), exec.take_transfer(id).expect("in flight")));
                 }
@@ -2748,9 +2755,9 @@ mod tests {
         // what it read and takes the next send with that tag.
         let mut into = vec![0u64; words];
         execs[0].post_transfer(5, transfer(Direction::Send, 1, 7, &mut big));
-        execs[0].pump();
+        execs[0].pump(now());
         execs[1].post_transfer(6, transfer(Direction::Recv, 0, 7, &mut into));
-        execs[1].pump();
+        execs[1].pump(now());
         assert_eq!(into, big, "read whole in one pump");
         assert!(execs[0].take_transfer(5).is_some(), "the sender gives up");
         let mut second = input(0, 9, words);

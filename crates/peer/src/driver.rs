@@ -297,7 +297,7 @@ impl Driver {
                 }
                 continue;
             };
-            let moved = exec.pump() == Pumped::Progress;
+            let moved = exec.pump(Instant::now()) == Pumped::Progress;
             let events = exec.events();
             let transfers = exec.transfer_events();
             let news = !events.is_empty() || !transfers.is_empty();
