@@ -300,6 +300,10 @@ struct OpExec {
     sends_to: Vec<Vec<usize>>,
     next_send: Vec<usize>,
     sends_left: Vec<usize>,
+    /// The members it sends chunks or tokens to, and those it receives them from: the links it
+    /// needs (the schedule's, computed once).
+    peers_to: Vec<usize>,
+    peers_from: Vec<usize>,
     /// For each member, the indices of the units we receive from it in order: a frame names
     /// its place in this order.
     recvs_from: Vec<Vec<usize>>,
@@ -388,6 +392,8 @@ impl OpExec {
             first_unit,
             lasts,
             sends_left: sends_to.iter().map(Vec::len).collect(),
+            peers_to: plan.peers_to().into_iter().collect(),
+            peers_from: plan.peers_from().into_iter().collect(),
             sends_to,
             recvs_from,
             next_send: vec![0; world],
@@ -1002,7 +1008,7 @@ impl<L: Lane> Exec<L> {
     /// Adds to `missing` the links `op` needs and lacks.
     fn missing_for(&self, op: &OpExec, missing: &mut Missing) {
         if !op.finished {
-            self.want_links(op.plan.peers_to(), op.plan.peers_from(), missing);
+            self.want_links(op.peers_to.iter().copied(), op.peers_from.iter().copied(), missing);
         }
     }
 
@@ -1057,7 +1063,7 @@ impl<L: Lane> Exec<L> {
                 }
             }
         }
-        if let Some(gone) = op.plan.peers_from().into_iter().find(|&r| !op.finished && self.gone(r)) {
+        if let Some(gone) = op.peers_from.iter().copied().find(|&r| !op.finished && self.gone(r)) {
             let reason = "connection closed: it left after an earlier collective".to_string();
             op.events.push(OpEvent::Failed(LinkError::Lost { rank: gone, reason }));
             op.finished = true;

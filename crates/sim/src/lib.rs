@@ -4,12 +4,14 @@
 //! [`shoal_proto::peer::Peer`], the state machine `crates/peer` ships: every decision a peer makes
 //! (joining re-formed topologies before every call, numbering collectives, when a collective stops,
 //! reporting failures and asking for verdicts, retrying refused votes, heartbeats, declaring a
-//! silent master lost) is the shipped code's. The simulation drives it as `crates/peer` does and
-//! models only what moves bytes: opening a topology's connections, the real schedules (every
-//! collective and algorithm in turn: all-reduce around the ring, one-shot and two-shot, all-gather,
+//! silent master lost) is the shipped code's. So is every byte of data: each peer's data plane is
+//! the engine `crates/peer` ships ([`shoal_engine::Exec`]: the real schedules, folding,
+//! confirmation lap and backups), driven as `crates/peer` drives it, over simulated connections
+//! whose bytes the seeded network carries in pieces (`net.rs`). Every collective and algorithm
+//! runs in turn (all-reduce around the ring, one-shot, two-shot and hierarchical, all-gather,
 //! reduce-scatter, broadcast around the ring and one-shot from a root that varies; one element per
-//! block or segment, values summed) and their
-//! confirmation tokens (around the ring, or straight to every member), and fetching shared state (which fails from a dead donor). The seed
+//! block or segment, values summed). What it models: opening a topology's connections (dialing a
+//! dead peer fails) and fetching shared state (which fails from a dead donor). The seed
 //! picks the application's loop for every peer: the README's (`update_topology` after a failure),
 //! retry-only, or PCCL's (`peers_pending` at the top of every iteration; a newcomer starts there),
 //! and whether every iteration syncs its shared state before its collective, as the README's
@@ -21,6 +23,7 @@
 //! - **agreement**: for every collective, every participant still in the run at the end returned
 //!   the same outcome, and every success holds what its collective makes of exactly the
 //!   participants' inputs (their sum; the inputs in rank order; its own block's sum; the root's);
+//! - **restored buffers**: every collective that failed left its buffer exactly as it was;
 //! - **bounded calls**: no call outlived its bound (the model enforces bounds and records any
 //!   call that ends by its deadline; a timeout is allowed only where a peer was cut off), and no
 //!   vote or `peers_pending` ran to its whole bound in a run without a frozen or cut-off peer;
@@ -35,5 +38,6 @@
 //! `run(seed)` is a pure function of the seed: a failing seed reproduces exactly.
 
 mod model;
+mod net;
 
 pub use model::{check, run, Outcome, Report, Violation};

@@ -1,8 +1,8 @@
 //! The simulated run: network, peers, faults, and the checks.
 
-use shoal_collective::schedule::{RecvAction, Schedule};
-use shoal_collective::Algorithm;
-use shoal_collective::CollectiveKind;
+use crate::net::{Conn, Dirty, SimLane};
+use shoal_collective::{Algorithm, CollectiveKind, DType, ReduceOp};
+use shoal_engine::{Backup, Exec, LinkError, OpEvent, OpSpec, Pumped, RawBuf, Taken};
 use shoal_proto::auth::{DataKey, RunKey};
 use shoal_proto::master::Strategy;
 use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output};
@@ -10,8 +10,8 @@ use shoal_proto::peer::{
     Action, CallError, CallId, CallKind, Established, Gone, OpId, OpProgress, Peer, PeerConfig, Revision, RingPosition,
     Seq, SyncBallot, Value,
 };
-use shoal_wire::{Epoch, FailureKind, GroupId, Measured, Message, OpFailure, PeerId, SessionId, StateDigest};
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
+use shoal_wire::{Epoch, FailureKind, GroupId, Measured, Message, OpFailure, OpHeader, PeerId, SessionId, StateDigest};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 use std::time::{Duration, Instant};
 
 const SESSION: SessionId = SessionId(42);
@@ -56,27 +56,10 @@ enum Node {
 }
 
 #[derive(Debug, Clone)]
-enum Item {
-    Chunk {
-        epoch: Epoch,
-        seq: u64,
-        unit: usize,
-        value: i64,
-    },
-    Token {
-        epoch: Epoch,
-        seq: u64,
-        origin: usize,
-    },
-    /// The sender closed the stream (EOF after everything sent before).
-    Closed,
-}
-
-#[derive(Debug, Clone)]
 enum Fault {
     Crash(usize),
-    /// Crash just after sending this many more data messages: lands inside a collective, at
-    /// any step of the ring or the lap.
+    /// Crash just after sending this many more pieces of data (a frame, or part of one): lands
+    /// inside a collective, at any step of its schedule or its lap.
     CrashMidOp(usize, u32),
     Freeze(usize, Duration),
     Stall(Node, Node, Duration),
@@ -96,16 +79,25 @@ enum Ev {
         to: Node,
         peer: usize,
     },
-    Data {
-        from: usize,
+    /// Bytes that end `end` of data connection `conn` wrote arrive at the other end, peer `to`.
+    Bytes {
+        conn: u64,
+        end: usize,
         to: usize,
-        item: Item,
+        bytes: Vec<u8>,
     },
-    /// `to`'s outgoing stream to `from` was closed by `from`.
-    OutClosed {
-        from: usize,
+    /// End `end` of data connection `conn` closed: peer `to`, at the other end, learns it.
+    Closed {
+        conn: u64,
+        end: usize,
         to: usize,
     },
+    /// Peer `to` was dialed: its engine takes the lanes once it needs them.
+    Dialed {
+        to: usize,
+    },
+    /// Peer `i`'s engine holds an early frame whose grace ends: it looks again.
+    Wake(usize),
     MasterWake,
     Tick(usize),
     Fault(Fault),
@@ -205,48 +197,29 @@ enum Next {
     Collective,
 }
 
-/// The data plane of a collective in flight: the real schedule (around the ring or one-shot,
-/// as every member picks alike from its number) over simulated streams, then the confirmation
-/// tokens. Several run at once over the same streams, each item naming its collective and its
-/// place among the sender's items for the receiver, as the engine's frames do.
-#[derive(Debug)]
+/// A peer's end of a data connection: the connection, which end, and the peer at the other.
+#[derive(Debug, Clone)]
+struct End {
+    id: u64,
+    conn: Conn,
+    end: usize,
+    to: usize,
+}
+
+/// A collective in flight at a peer: the shipped engine moves its data; this is the driver's
+/// record of it, as `crates/peer` keeps one.
 struct Op {
     id: OpId,
     call: CallId,
     members: Vec<PeerId>,
-    /// Simulation indices of the ring members, in ring order.
-    ring: Vec<usize>,
     rank: usize,
-    plan: Schedule,
+    /// Its buffer, lent to the engine while it is posted (its heap block never moves).
     buf: Vec<i64>,
-    /// One-shot and two-shot: the other members' inputs, by rank, and whether they were folded.
-    stash: Vec<i64>,
-    folded: bool,
-    sent: usize,
-    /// Items sent to each rank so far (the next one's place), and units received.
-    sent_to: Vec<usize>,
-    received: Vec<bool>,
-    /// The data moved: the tokens go.
-    lap: bool,
-    tokens_in: usize,
-    tokens_from: Vec<usize>,
-    tokens_out: usize,
-    /// Tokens to send: (to rank, whose).
-    outbox: VecDeque<(usize, usize)>,
-    /// Every other member's token came.
-    confirmed: bool,
-    /// The peer stopped it: nothing more moves.
-    stopped: bool,
-}
-
-impl Op {
-    /// The members it still moves data with, as the engine tells the state machine.
-    fn waits_on(&self) -> Vec<PeerId> {
-        let sends = self.plan.sends[self.sent..].iter().map(|u| u.to);
-        let recvs = self.plan.recvs.iter().enumerate().filter(|(k, _)| !self.received[*k]).map(|(_, u)| u.from);
-        let ranks: BTreeSet<usize> = if self.lap { BTreeSet::new() } else { sends.chain(recvs).collect() };
-        ranks.into_iter().map(|r| self.members[r]).collect()
-    }
+    /// What the buffer held before: a failed collective must put back exactly that.
+    input: Vec<i64>,
+    /// Taken out of the engine (the state machine stopped it, or a topology replaced its own):
+    /// what the engine gives back of it.
+    taken: Option<Taken>,
 }
 
 struct SimPeer {
@@ -267,12 +240,9 @@ struct SimPeer {
     batch_pending_due: bool,
     /// Collectives in flight.
     ops: BTreeMap<OpId, Op>,
-    epoch: Option<Epoch>,
-    ring: Vec<usize>,
-    rank: usize,
-    broken: bool,
-    inbox: BTreeMap<usize, VecDeque<Item>>,
-    out_closed: BTreeSet<usize>,
+    /// The topology its calls run in, and the shipped engine that moves their data there.
+    position: Option<RingPosition>,
+    exec: Option<Exec<SimLane>>,
     /// The application asks `peers_pending` next.
     pending_due: bool,
     /// The revision of its shared state (a newcomer's is 0): one more after every iteration whose collectives all succeeded.
@@ -282,8 +252,13 @@ struct SimPeer {
     /// Its next sync passes `override_resume`: every peer that held the state the run last
     /// agreed on is gone, and the application starts from its own.
     override_resume: bool,
-    /// Crash after sending this many more data messages.
+    /// Crash after sending this many more pieces of data.
     crash_after_sends: Option<u32>,
+    /// When its engine's next wake-up is due (an early frame's grace ends).
+    wake: Option<Duration>,
+    /// Its ends of data connections, until both ends closed; raised when one wrote or closed.
+    ends: Vec<End>,
+    dirty: Dirty,
 }
 
 impl SimPeer {
@@ -308,17 +283,16 @@ impl SimPeer {
             batch_ok: true,
             batch_pending_due: false,
             ops: BTreeMap::new(),
-            epoch: None,
-            ring: Vec::new(),
-            rank: 0,
-            broken: false,
-            inbox: BTreeMap::new(),
-            out_closed: BTreeSet::new(),
+            position: None,
+            exec: None,
             pending_due: false,
             revision: 0,
             synced: false,
             override_resume: false,
             crash_after_sends: None,
+            wake: None,
+            ends: Vec::new(),
+            dirty: Dirty::default(),
         }
     }
 
@@ -343,6 +317,12 @@ struct Sim {
     fifo: BTreeMap<(Node, Node), Duration>,
     /// Links that deliver nothing until then (both directions).
     stalled: BTreeMap<(Node, Node), Duration>,
+    /// Data connections, by number: each with the peers at its two ends.
+    conns: BTreeMap<u64, (Conn, [usize; 2])>,
+    next_conn: u64,
+    /// Lanes dialed to a peer that its engine has not taken yet: by (that peer's index, the
+    /// dialer, the topology).
+    pools: BTreeMap<(usize, PeerId, Epoch), Vec<SimLane>>,
     /// Topologies the master committed: (time, epoch, members).
     commits: Vec<(Duration, Epoch, Vec<PeerId>)>,
     index_of: BTreeMap<PeerId, usize>,
@@ -379,6 +359,9 @@ pub fn run(seed: u64) -> Report {
         peers: Vec::new(),
         fifo: BTreeMap::new(),
         stalled: BTreeMap::new(),
+        conns: BTreeMap::new(),
+        next_conn: 0,
+        pools: BTreeMap::new(),
         commits: Vec::new(),
         index_of: BTreeMap::new(),
         report: Report { seed, ..Report::default() },
@@ -421,7 +404,7 @@ pub fn run(seed: u64) -> Report {
         }
         sim.now = q.at;
         sim.report.events += 1;
-        if sim.trace && !matches!(q.ev, Ev::Tick(_) | Ev::Data { .. }) {
+        if sim.trace && !matches!(q.ev, Ev::Tick(_) | Ev::Bytes { .. } | Ev::Wake(_)) {
             eprintln!("{:>12?} {:?}", sim.now, q.ev);
         }
         sim.handle(q.ev);
@@ -529,8 +512,8 @@ impl Sim {
         // A frozen peer handles nothing until it thaws; what arrives for it waits.
         let target = match &ev {
             Ev::Control { to: Node::Peer(i), .. } | Ev::ControlClosed { to: Node::Peer(i), .. } => Some(*i),
-            Ev::Data { to, .. } | Ev::OutClosed { to, .. } => Some(*to),
-            Ev::Tick(i) => Some(*i),
+            Ev::Bytes { to, .. } | Ev::Closed { to, .. } | Ev::Dialed { to } => Some(*to),
+            Ev::Tick(i) | Ev::Wake(i) => Some(*i),
             _ => None,
         };
         if let Some(i) = target {
@@ -579,16 +562,19 @@ impl Sim {
                     self.step(i);
                 }
             }
-            Ev::Data { from, to, item } => {
-                if self.peers[to].active() {
-                    self.peers[to].inbox.entry(from).or_default().push_back(item);
-                    self.step(to);
+            Ev::Bytes { conn, end, to, bytes } => {
+                if let Some((c, _)) = self.conns.get(&conn) {
+                    c.deliver(end, &bytes);
                 }
-            }
-            Ev::OutClosed { from, to } => {
-                self.peers[to].out_closed.insert(from);
                 self.step(to);
             }
+            Ev::Closed { conn, end, to } => {
+                if let Some((c, _)) = self.conns.get(&conn) {
+                    c.deliver_close(end);
+                }
+                self.step(to);
+            }
+            Ev::Dialed { to } | Ev::Wake(to) => self.step(to),
             Ev::Tick(i) => self.tick(i),
             Ev::Fault(f) => self.fault(f),
             Ev::Control { .. } => unreachable!("peers only talk to the master"),
@@ -600,14 +586,7 @@ impl Sim {
         let pick = |i: usize| i % present;
         self.report.faults.push(format!("{:?} at {:?}", f, self.now));
         match f {
-            Fault::Crash(v) => {
-                let v = pick(v);
-                if self.peers[v].alive {
-                    self.peers[v].alive = false;
-                    self.send(Node::Peer(v), Node::Master, Ev::ControlClosed { to: Node::Master, peer: v });
-                    self.close_streams(v);
-                }
-            }
+            Fault::Crash(v) => self.crash(pick(v)),
             Fault::CrashMidOp(v, sends) => {
                 let v = pick(v);
                 self.peers[v].crash_after_sends = Some(sends);
@@ -632,25 +611,35 @@ impl Sim {
             Fault::Reset(a, b) => {
                 let (a, b) = (pick(a), pick(b));
                 if a != b && self.peers[a].alive && self.peers[b].alive {
-                    for (x, y) in [(a, b), (b, a)] {
-                        self.send(Node::Peer(x), Node::Peer(y), Ev::Data { from: x, to: y, item: Item::Closed });
-                        self.send(Node::Peer(x), Node::Peer(y), Ev::OutClosed { from: x, to: y });
+                    for (conn, ends) in self.conns.values() {
+                        if ends.contains(&a) && ends.contains(&b) {
+                            conn.reset();
+                        }
                     }
+                    self.step(a);
+                    self.step(b);
                 }
             }
             Fault::Join => self.add_peer(),
         }
     }
 
-    /// Peer `v` closes every data stream it has: receivers read what was in flight, then EOF;
-    /// senders to it find their stream closed.
-    fn close_streams(&mut self, v: usize) {
-        for j in 0..self.peers.len() {
-            if j != v {
-                self.send(Node::Peer(v), Node::Peer(j), Ev::Data { from: v, to: j, item: Item::Closed });
-                self.send(Node::Peer(v), Node::Peer(j), Ev::OutClosed { from: v, to: j });
-            }
+    /// Peer `v` dies: the master sees its connection close, and every data connection it had
+    /// closes (the others read what was in flight, then the end of the stream).
+    fn crash(&mut self, v: usize) {
+        if !self.peers[v].alive {
+            return;
         }
+        self.peers[v].alive = false;
+        self.send(Node::Peer(v), Node::Master, Ev::ControlClosed { to: Node::Master, peer: v });
+        self.close_data(v);
+    }
+
+    /// Peer `v`'s engine and the lanes dialed to it close.
+    fn close_data(&mut self, v: usize) {
+        self.peers[v].exec = None;
+        self.pools.retain(|(to, ..), _| *to != v);
+        self.carry(v);
     }
 
     fn leave(&mut self, i: usize, why: String) {
@@ -660,10 +649,12 @@ impl Sim {
         }
         p.gone = Some(why.clone());
         self.report.gone.push((i, format!("{why} at {:?}", self.now)));
+        // The engine first: it holds the buffers of the collectives in flight.
+        p.exec = None;
         for (id, op) in std::mem::take(&mut p.ops) {
             self.report.collectives.push((i, id.epoch, id.seq.0, op.members, Outcome::Err(why.clone())));
         }
-        self.close_streams(i);
+        self.close_data(i);
     }
 
     fn send_master(&mut self, i: usize, msg: Message) {
@@ -677,19 +668,48 @@ impl Sim {
         }
     }
 
-    fn send_data(&mut self, from: usize, to: usize, item: Item) {
-        self.send(Node::Peer(from), Node::Peer(to), Ev::Data { from, to, item });
-        let p = &mut self.peers[from];
-        match p.crash_after_sends {
-            Some(0) => {
-                p.crash_after_sends = None;
-                p.alive = false;
-                self.report.faults.push(format!("peer {from} crashed mid-collective at {:?}", self.now));
-                self.send(Node::Peer(from), Node::Master, Ev::ControlClosed { to: Node::Master, peer: from });
-                self.close_streams(from);
+    /// Carries into the network what peer `i`'s lanes wrote (in pieces the seed cuts, each of
+    /// which may be the last before a planned crash), and the closes of the lanes it dropped.
+    fn carry(&mut self, i: usize) {
+        if !self.peers[i].dirty.take() {
+            return;
+        }
+        let mut closed = false;
+        for k in 0..self.peers[i].ends.len() {
+            let Some(End { id, conn, end, to }) = self.peers[i].ends.get(k).cloned() else { break };
+            let (bytes, close) = conn.take_written(end);
+            let mut rest = bytes;
+            while !rest.is_empty() {
+                let piece = if self.rng.chance(30) {
+                    let cut = 1 + self.rng.below(rest.len() as u64) as usize;
+                    let after = rest.split_off(cut);
+                    std::mem::replace(&mut rest, after)
+                } else {
+                    std::mem::take(&mut rest)
+                };
+                self.send(Node::Peer(i), Node::Peer(to), Ev::Bytes { conn: id, end, to, bytes: piece });
+                let p = &mut self.peers[i];
+                match p.crash_after_sends {
+                    Some(0) if p.alive => {
+                        p.crash_after_sends = None;
+                        self.report.faults.push(format!("peer {i} crashed mid-collective at {:?}", self.now));
+                        // What it wrote and the network did not take yet is lost with it.
+                        self.crash(i);
+                        return;
+                    }
+                    Some(n) => p.crash_after_sends = Some(n.saturating_sub(1)),
+                    None => {}
+                }
             }
-            Some(n) => p.crash_after_sends = Some(n - 1),
-            None => {}
+            if close {
+                closed = true;
+                self.send(Node::Peer(i), Node::Peer(to), Ev::Closed { conn: id, end, to });
+            }
+        }
+        if closed {
+            self.conns.retain(|_, (conn, _)| !conn.finished());
+            let conns = &self.conns;
+            self.peers[i].ends.retain(|e| conns.contains_key(&e.id));
         }
     }
 
@@ -735,7 +755,9 @@ impl Sim {
                 return;
             }
             self.flush(i);
-            if !self.advance(i) {
+            let moved = self.advance(i);
+            self.carry(i);
+            if !moved {
                 return;
             }
         }
@@ -767,7 +789,7 @@ impl Sim {
             let pending = std::mem::take(&mut self.peers[i].pending_due);
             return if pending { self.call(i, Next::Pending) } else { self.work(i) };
         }
-        self.advance_op(i)
+        self.pump(i)
     }
 
     fn act(&mut self, i: usize, action: Action) {
@@ -953,257 +975,208 @@ impl Sim {
         };
     }
 
-    /// Topology `position.epoch` is in force for peer `i`: its calls run in it, on fresh streams.
+    /// Topology `position.epoch` is in force for peer `i`: its calls run in it, in a new engine.
+    /// The collectives still in the old one are taken out (their calls end by the state
+    /// machine's word, their buffers put back if they failed), and its lanes close.
     fn take_up(&mut self, i: usize, position: &RingPosition) {
-        let ring = position.ring.iter().map(|m| self.index_of[&m.peer]).collect();
         let p = &mut self.peers[i];
-        let e = position.epoch;
-        p.epoch = Some(e);
-        p.ring = ring;
-        p.rank = position.rank;
-        p.broken = false;
-        p.out_closed.clear();
-        for q in p.inbox.values_mut() {
-            q.retain(|item| match item {
-                Item::Chunk { epoch, .. } | Item::Token { epoch, .. } => *epoch >= e,
-                Item::Closed => false,
-            });
+        if let Some(mut old) = p.exec.take() {
+            let epoch = old.epoch();
+            for op in p.ops.values_mut().filter(|op| op.id.epoch == epoch && op.taken.is_none()) {
+                op.taken = old.take(op.id.seq.0);
+            }
         }
+        p.exec = Some(Exec::new(position.epoch, position.rank, position.group_size()));
+        p.position = Some(position.clone());
+        let epoch = position.epoch;
+        self.pools.retain(|(to, _, e), _| *to != i || *e >= epoch);
+        self.carry(i);
     }
 
     fn start_collective(&mut self, i: usize, call: CallId, id: OpId, position: &RingPosition) {
         let members: Vec<PeerId> = position.ring.iter().map(|m| m.peer).collect();
-        let p = &mut self.peers[i];
-        debug_assert_eq!(Some(id.epoch), p.epoch);
         let world = members.len();
+        let p = &mut self.peers[i];
         let me = p.me().expect("registered");
-        let buf: Vec<i64> = (0..world).map(|k| input(me, id.seq.0, k)).collect();
-        let next = members[(position.rank + 1) % world];
-        // Every member runs the same collective, by the same algorithm.
+        // Every member runs the same collective, by the same algorithm, on `world` elements.
         let (kind, algorithm, root) = collective_of(id, world);
-        let hosts: Vec<usize> = (0..world).map(host_of).collect();
-        let plan = algorithm.schedule(kind, (position.rank, world), &hosts, world, root, 1);
-        let received = vec![false; plan.recvs.len()];
-        p.ops.insert(
-            id,
-            Op {
-                id,
-                call,
-                members,
-                ring: p.ring.clone(),
-                rank: position.rank,
-                stash: vec![0; world * world],
-                folded: false,
-                plan,
-                buf,
-                sent: 0,
-                sent_to: vec![0; world],
-                received,
-                lap: false,
-                tokens_in: 0,
-                tokens_from: vec![0; world],
-                tokens_out: 0,
-                outbox: VecDeque::new(),
-                confirmed: false,
-                stopped: false,
-            },
-        );
-        if p.broken {
-            let failure = OpFailure::new(FailureKind::PeerLost, next, "no data connection");
-            self.progress(i, id, OpProgress::Failed(failure));
-        }
+        let mut buf: Vec<i64> = (0..world).map(|k| input(me, id.seq.0, k)).collect();
+        let input = buf.clone();
+        let header = OpHeader {
+            collective: kind.code(),
+            algorithm: algorithm.code(),
+            epoch: id.epoch,
+            seq: id.seq.0,
+            tag: 0,
+            dtype: DType::I64.code(),
+            op: ReduceOp::Sum.code(),
+            count: world as u64,
+            root: root as u32,
+            quantization: 0,
+            block: 0,
+        };
+        let hierarchical = algorithm == Algorithm::Hierarchical;
+        let spec = OpSpec {
+            header,
+            kind,
+            buf: RawBuf::new(bytemuck::cast_slice_mut(&mut buf)),
+            dtype: DType::I64,
+            op: ReduceOp::Sum,
+            algorithm,
+            root,
+            hosts: if hierarchical { (0..world).map(host_of).collect() } else { Vec::new() },
+            // One element a chunk: every block and segment is its own frame.
+            chunk_bytes: 8,
+            codec: None,
+            backup: Backup::default(),
+        };
+        let exec = p.exec.get_or_insert_with(|| Exec::new(id.epoch, position.rank, world));
+        debug_assert_eq!(exec.epoch(), id.epoch, "a collective runs in the topology taken up");
+        exec.post(spec);
+        p.ops.insert(id, Op { id, call, members, rank: position.rank, buf, input, taken: None });
+        self.link(i);
     }
 
-    /// Tells peer `i`'s state machine what its data plane did with collective `op`.
-    fn progress(&mut self, i: usize, op: OpId, progress: OpProgress) -> bool {
-        let at = self.instant();
-        self.peers[i].proto.handle_collective(op, progress, at);
-        true
-    }
-
-    /// Moves the collectives' data, oldest first; when nothing can move until the network
-    /// delivers, tells the peer so (as the real driver does before it sleeps), which may stop
-    /// them.
-    fn advance_op(&mut self, i: usize) -> bool {
-        let ids: Vec<OpId> = self.peers[i].ops.keys().copied().collect();
-        for &id in &ids {
-            if self.move_data(i, id) {
-                return true;
+    /// Opens peer `i`'s half of the links its collectives need and lack, and takes the other half
+    /// of each that its member opened already, as `crates/peer` does; a dead member is
+    /// unreachable. Whether anything changed.
+    fn link(&mut self, i: usize) -> bool {
+        let Some(position) = self.peers[i].position.clone() else { return false };
+        let Some(mut exec) = self.peers[i].exec.take() else { return false };
+        let mut linked = false;
+        if exec.epoch() == position.epoch {
+            let (me, epoch) = (position.ring[position.rank].peer, position.epoch);
+            let missing = exec.missing();
+            for to in missing.to {
+                let peer = position.ring[to].peer;
+                linked = true;
+                let Some(j) = self.index_of.get(&peer).copied().filter(|&j| self.peers[j].alive) else {
+                    exec.unreachable(to, format!("dialing {peer}: connection refused"));
+                    continue;
+                };
+                let (mut send, mut recv) = (Vec::new(), Vec::new());
+                for _ in 0..1 + self.rng.below(2) {
+                    let owners = [&self.peers[i].dirty, &self.peers[j].dirty];
+                    let (conn, a, b) = Conn::open(&format!("peer {i} to peer {j}"), owners);
+                    let id = self.next_conn;
+                    self.next_conn += 1;
+                    self.conns.insert(id, (conn.clone(), [i, j]));
+                    self.peers[i].ends.push(End { id, conn: conn.clone(), end: 0, to: j });
+                    self.peers[j].ends.push(End { id, conn, end: 1, to: i });
+                    send.push(a);
+                    recv.push(b);
+                }
+                exec.add_send(to, send);
+                self.pools.insert((j, me, epoch), recv);
+                self.send(Node::Peer(i), Node::Peer(j), Ev::Dialed { to: j });
+            }
+            for from in missing.from {
+                if let Some(lanes) = self.pools.remove(&(i, position.ring[from].peer, epoch)) {
+                    exec.add_recv(from, lanes);
+                    linked = true;
+                }
             }
         }
+        self.peers[i].exec = Some(exec);
+        linked
+    }
+
+    /// Pumps peer `i`'s engine, as the real driver does: what the state machine stopped is taken
+    /// out, what the engine did is reported, missing links are opened; when nothing can move
+    /// until the network delivers, the state machine hears so (which may stop collectives).
+    /// False when there is nothing to do until something arrives.
+    fn pump(&mut self, i: usize) -> bool {
         let at = self.instant();
         let p = &mut self.peers[i];
+        let Some(exec) = p.exec.as_mut() else { return false };
+        let epoch = exec.epoch();
+        let posted = |op: &Op| op.id.epoch == epoch && op.taken.is_none();
         let mut stopped = false;
-        for id in ids {
-            if let Some(op) = p.ops.get(&id).filter(|op| !op.stopped) {
-                p.proto.handle_collective(id, OpProgress::Stalled { waits_on: op.waits_on() }, at);
-                stopped |= !p.proto.running(id);
+        for op in p.ops.values_mut().filter(|op| posted(op) && !p.proto.running(op.id)) {
+            op.taken = exec.take(op.id.seq.0);
+            stopped = true;
+        }
+        if stopped {
+            return true;
+        }
+        let moved = exec.pump(at) == Pumped::Progress;
+        let events = exec.events();
+        // Waiting for a member to link to us, or to dial one: as the driver before it sleeps.
+        let awaiting = exec.awaiting();
+        if let Some(held) = exec.held_until() {
+            // Once: a wake-up already due by then does.
+            let wake = held.saturating_duration_since(self.base).max(self.now);
+            if p.wake.is_none_or(|w| w < self.now || w > wake) {
+                p.wake = Some(wake);
+                self.push(wake, Ev::Wake(i));
             }
+        }
+        if !events.is_empty() {
+            for (seq, event) in events {
+                self.report_event(i, OpId { epoch, seq: Seq(seq) }, event);
+            }
+            return true;
+        }
+        if moved || (awaiting && self.link(i)) {
+            return true;
+        }
+        let p = &mut self.peers[i];
+        let (Some(exec), Some(position)) = (p.exec.as_ref(), p.position.as_ref()) else { return false };
+        let stalled: Vec<(OpId, Vec<PeerId>)> = p
+            .ops
+            .values()
+            .filter(|op| posted(op))
+            .map(|op| (op.id, exec.waits_on(op.id.seq.0).into_iter().map(|r| position.ring[r].peer).collect()))
+            .collect();
+        let mut stopped = false;
+        for (id, waits_on) in stalled {
+            p.proto.handle_collective(id, OpProgress::Stalled { waits_on }, at);
+            stopped |= !p.proto.running(id);
         }
         stopped
     }
 
-    /// Moves collective `id`'s data; false if nothing can move.
-    fn move_data(&mut self, i: usize, id: OpId) -> bool {
-        let p = &mut self.peers[i];
-        let Some(op) = p.ops.get_mut(&id) else { return false };
-        if op.stopped {
-            return false;
-        }
-        if !p.proto.running(op.id) {
-            // The state machine stopped it (a verdict, a lost member, a failure reported, the
-            // bound): its streams may hold half a chunk.
-            op.stopped = true;
-            if !op.confirmed {
-                self.drop_streams(i);
+    /// Tells peer `i`'s state machine what its engine did with collective `id`.
+    fn report_event(&mut self, i: usize, id: OpId, event: OpEvent) {
+        let Some(op) = self.peers[i].ops.get(&id) else { return };
+        let progress = match event {
+            OpEvent::DataDone => OpProgress::DataDone,
+            OpEvent::Confirmed => OpProgress::Confirmed,
+            OpEvent::LapBroken(reason) => OpProgress::LapBroken(reason),
+            OpEvent::Failed(LinkError::Lost { rank, reason }) => {
+                OpProgress::Failed(OpFailure::new(FailureKind::PeerLost, op.members[rank], reason))
             }
-            return true;
-        }
-        let world = op.ring.len();
-        let (epoch, seq) = (op.id.epoch, op.id.seq.0);
-        if p.broken {
-            // Another collective failed and dropped the streams this one shares: it fails too.
-            let progress = if op.lap {
-                OpProgress::LapBroken("the streams were dropped".into())
-            } else {
-                let lost = op.members[(op.rank + 1) % world];
-                OpProgress::Failed(OpFailure::new(FailureKind::PeerLost, lost, "no data connection"))
-            };
-            return self.progress(i, id, progress);
-        }
-        if !op.lap {
-            // Fold what was kept aside once it all came (and the sends that read it left).
-            let rank = op.rank;
-            if let Some(c) = op.plan.combine.clone().filter(|_| !op.folded) {
-                let stashed =
-                    (0..op.received.len()).all(|k| op.received[k] || op.plan.recvs[k].action != RecvAction::Stash);
-                if stashed && op.sent >= c.after_sends {
-                    for k in c.range {
-                        op.buf[k] = (0..world)
-                            .map(|r| if r == rank { op.buf[k] } else { op.stash[r * world + k] })
-                            .fold(0i64, i64::wrapping_add);
-                    }
-                    op.folded = true;
-                    return true;
-                }
+            OpEvent::Failed(LinkError::Mismatch { rank, theirs }) => {
+                let v = format!("peer {i}: ({:?}, {}) met {theirs:?} from rank {rank}", id.epoch, id.seq.0);
+                self.report.violations.push(Violation(v));
+                OpProgress::Failed(OpFailure::new(FailureKind::Mismatch, op.members[rank], "another collective"))
             }
-            // Send what the schedule allows.
-            if let Some(u) = op.plan.sends.get(op.sent) {
-                if u.ready(|j| op.received[j], op.folded) {
-                    let to = op.ring[u.to];
-                    if p.out_closed.contains(&to) {
-                        let failure = OpFailure::new(FailureKind::PeerLost, op.members[u.to], "send failed");
-                        return self.progress(i, id, OpProgress::Failed(failure));
-                    }
-                    let place = op.sent_to[u.to];
-                    op.sent_to[u.to] += 1;
-                    let item = Item::Chunk { epoch, seq, unit: place, value: op.buf[u.range.start] };
-                    op.sent += 1;
-                    self.send_data(i, to, item);
-                    return true;
-                }
+            OpEvent::Failed(LinkError::Malformed { rank, reason }) => {
+                let v = format!("peer {i}: ({:?}, {}) desynchronised with rank {rank}: {reason}", id.epoch, id.seq.0);
+                self.report.violations.push(Violation(v));
+                OpProgress::Failed(OpFailure::new(FailureKind::Protocol, op.members[rank], reason))
             }
-            // Receive from every member that still owes us something.
-            for from in op.plan.peers_from() {
-                let mine: Vec<usize> = (0..op.plan.recvs.len()).filter(|&k| op.plan.recvs[k].from == from).collect();
-                let Some(place) = mine.iter().position(|&k| !op.received[k]) else { continue };
-                let Some(item) = p.inbox.get_mut(&op.ring[from]).and_then(|q| take(q, epoch, seq)) else { continue };
-                match item {
-                    Item::Chunk { epoch: e, seq: s, unit, value } if e == epoch && s == seq && unit == place => {
-                        let r = &op.plan.recvs[mine[place]];
-                        let at = r.range.start;
-                        match r.action {
-                            RecvAction::Reduce { .. } => op.buf[at] = op.buf[at].wrapping_add(value),
-                            RecvAction::Copy => op.buf[at] = value,
-                            RecvAction::Stash => op.stash[from * world + at] = value,
-                        }
-                        op.received[mine[place]] = true;
-                    }
-                    Item::Closed => {
-                        let failure = OpFailure::new(FailureKind::PeerLost, op.members[from], "connection closed");
-                        return self.progress(i, id, OpProgress::Failed(failure));
-                    }
-                    other => {
-                        self.report.violations.push(Violation(format!(
-                            "peer {i} (rank {rank}) in ({epoch:?}, {seq}) expected chunk {place} from rank {from}, got {other:?}"
-                        )));
-                        let failure = OpFailure::new(FailureKind::Protocol, op.members[from], "desynchronised");
-                        return self.progress(i, id, OpProgress::Failed(failure));
-                    }
-                }
-                return true;
-            }
-            let folded = op.folded || !op.plan.combines();
-            if folded && op.sent == op.plan.sends.len() && op.received.iter().all(|&r| r) {
-                op.lap = true;
-                op.outbox.extend(op.plan.token_targets().into_iter().map(|to| (to, rank)));
-                return self.progress(i, id, OpProgress::DataDone);
-            }
-            return false;
-        }
-        if op.tokens_in == world - 1 && op.tokens_out == world - 1 {
-            op.confirmed = true;
-            return self.progress(i, id, OpProgress::Confirmed);
-        }
-        if let Some((to, origin)) = op.outbox.pop_front() {
-            let dest = op.ring[to];
-            if p.out_closed.contains(&dest) {
-                return self.progress(i, id, OpProgress::LapBroken("a member closed the stream".into()));
-            }
-            op.tokens_out += 1;
-            self.send_data(i, dest, Item::Token { epoch, seq, origin });
-            return true;
-        }
-        let rank = op.rank;
-        // A token from a member that still owes us one: one that sent all it owed us may close
-        // its streams (its process ended), which breaks nothing.
-        for from in op.plan.peers_from() {
-            let owed = (0..world).filter(|&o| o != rank && op.plan.token_from(o) == from).count();
-            if op.tokens_from[from] == owed {
-                continue;
-            }
-            let Some(item) = p.inbox.get_mut(&op.ring[from]).and_then(|q| take(q, epoch, seq)) else { continue };
-            return match item {
-                Item::Token { epoch: e, seq: s, origin } if e == epoch && s == seq && origin != rank => {
-                    op.tokens_in += 1;
-                    op.tokens_from[from] += 1;
-                    op.outbox.extend(op.plan.forward_token(origin).map(|to| (to, origin)));
-                    true
-                }
-                Item::Closed => self.progress(i, id, OpProgress::LapBroken("a member closed the stream".into())),
-                other => {
-                    let v = format!("peer {i} in the confirmation of ({epoch:?}, {seq}) got {other:?}");
-                    self.report.violations.push(Violation(v));
-                    self.progress(i, id, OpProgress::LapBroken("bad token".into()))
-                }
-            };
-        }
-        false
+        };
+        let at = self.instant();
+        self.peers[i].proto.handle_collective(id, progress, at);
     }
 
-    fn drop_streams(&mut self, i: usize) {
-        let p = &mut self.peers[i];
-        if p.broken || p.ring.len() < 2 {
-            return;
-        }
-        p.broken = true;
-        // Its links to every member (one-shot links them all) close both ways.
-        let others: Vec<usize> = p.ring.iter().copied().filter(|&j| j != i).collect();
-        for &j in &others {
-            self.peers[i].inbox.remove(&j);
-            self.send_data(i, j, Item::Closed);
-            self.send(Node::Peer(i), Node::Peer(j), Ev::OutClosed { from: i, to: j });
-        }
-    }
-
-    /// Peer `i`'s collective ended: record it; the application goes on.
+    /// Peer `i`'s collective ended: it comes out of the engine (a failed one's buffer put back,
+    /// which must then hold exactly its input), and is recorded; the application goes on.
     fn end_op(&mut self, i: usize, op: Option<Op>, result: Result<Value, CallError>) {
         let me = self.peers[i].me().expect("registered");
-        // Whatever the lap did not confirm leaves its streams unusable (the real peer drops them);
-        // those of a topology left already are gone with it, and the new ones stand.
-        let current = self.peers[i].epoch;
-        if op.as_ref().is_some_and(|op| !op.confirmed && Some(op.id.epoch) == current) {
-            self.drop_streams(i);
+        let p = &mut self.peers[i];
+        let op = op.map(|mut op| {
+            if op.taken.is_none() {
+                op.taken = p.exec.as_mut().filter(|e| e.epoch() == op.id.epoch).and_then(|e| e.take(op.id.seq.0));
+            }
+            op
+        });
+        // Failed lanes close once no collective is left over them, as the real driver does.
+        if p.ops.values().all(|o| o.taken.is_some()) {
+            if let Some(exec) = p.exec.as_mut() {
+                exec.release_if_broken();
+            }
         }
         let (id, members, outcome) = match (result, op) {
             (Ok(Value::Collective(id)), Some(op)) => (id, op.members, Outcome::Ok { rank: op.rank, values: op.buf }),
@@ -1219,6 +1192,19 @@ impl Sim {
                 if let CallError::Aborted { failure, .. } = &e {
                     if failure.kind == FailureKind::Misuse {
                         self.misuse(i, Next::Collective, &failure.reason);
+                    }
+                }
+                if let Some(op) = &op {
+                    // The collective never happened: its buffer is as it was.
+                    if let Some(taken) = &op.taken {
+                        taken.restore();
+                    }
+                    if op.buf != op.input {
+                        let v = format!(
+                            "peer {i}: ({:?}, {}) failed and left {:?}, not {:?}",
+                            op.id.epoch, op.id.seq.0, op.buf, op.input
+                        );
+                        self.report.violations.push(Violation(v));
                     }
                 }
                 let id = match &e {
@@ -1263,25 +1249,10 @@ impl Sim {
             .iter()
             .map(|&i| {
                 let p = &self.peers[i];
-                p.epoch.map(|_| p.ring.iter().filter_map(|&j| self.peers[j].me()).collect())
+                p.position.as_ref().map(|pos| pos.ring.iter().map(|m| m.peer).collect())
             })
             .collect();
         self.report
-    }
-}
-
-/// The next item of collective `seq` of `epoch` from a stream (the others wait for their own
-/// collectives), dropping what older topologies left; the stream's end once nothing of it
-/// comes before.
-fn take(queue: &mut VecDeque<Item>, epoch: Epoch, seq: u64) -> Option<Item> {
-    queue.retain(|item| !matches!(item, Item::Chunk { epoch: e, .. } | Item::Token { epoch: e, .. } if *e < epoch));
-    let at = queue.iter().position(|item| match item {
-        Item::Chunk { epoch: e, seq: s, .. } | Item::Token { epoch: e, seq: s, .. } => (*e, *s) == (epoch, seq),
-        Item::Closed => true,
-    })?;
-    match queue[at] {
-        Item::Closed => Some(Item::Closed),
-        _ => queue.remove(at),
     }
 }
 

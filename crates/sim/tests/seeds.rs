@@ -34,18 +34,30 @@ fn verify(seed: u64) -> (usize, usize, usize) {
     (report.successes, aborted, report.syncs)
 }
 
-/// `SHOAL_SIM_SEEDS` seeds (default 1000) from `SHOAL_SIM_FIRST` (default 0).
+/// `SHOAL_SIM_SEEDS` seeds (default 1000) from `SHOAL_SIM_FIRST` (default 0), spread over the
+/// machine's cores: a run is a pure function of its seed, so the order they run in changes
+/// nothing.
 #[test]
 fn every_seed_keeps_every_invariant() {
     let count = env_u64("SHOAL_SIM_SEEDS").unwrap_or(1000);
     let first = env_u64("SHOAL_SIM_FIRST").unwrap_or(0);
-    let (mut successes, mut aborted, mut syncs) = (0, 0, 0);
-    for seed in first..first + count {
-        let (s, a, y) = verify(seed);
-        successes += s;
-        aborted += a;
-        syncs += y;
-    }
+    let workers = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
+    let totals: Vec<(usize, usize, usize)> = std::thread::scope(|scope| {
+        let runs: Vec<_> = (0..workers)
+            .map(|w| {
+                scope.spawn(move || {
+                    let mut sums = (0, 0, 0);
+                    for seed in (first + w..first + count).step_by(workers as usize) {
+                        let (s, a, y) = verify(seed);
+                        sums = (sums.0 + s, sums.1 + a, sums.2 + y);
+                    }
+                    sums
+                })
+            })
+            .collect();
+        runs.into_iter().map(|r| r.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
+    });
+    let (successes, aborted, syncs) = totals.iter().fold((0, 0, 0), |(s, a, y), t| (s + t.0, a + t.1, y + t.2));
     eprintln!("{count} seeds: {successes} collectives succeeded, {aborted} failed and agreed; {syncs} syncs");
     // The runs must exercise every path, or the checks prove nothing.
     assert!(successes > 100 * count as usize, "too few successes: {successes}");
