@@ -568,17 +568,24 @@ impl Driver {
     }
 
     /// Takes out of the engine the collectives the state machine stopped (a verdict, a lost
-    /// member, the bound): their frames can no longer move.
+    /// member, the bound): their frames can no longer move. Where one holds the result and asks
+    /// the master, failed streams close once nothing moves over them: the verdict waits for the
+    /// other participants' reports, and they learn of the failure only by the streams closing
+    /// (holding them open until the verdict kept them waiting for tokens until their bound).
     pub(crate) fn take_stopped(&self, control: &Control, data: &mut DataPlane) {
         let Some(exec) = data.exec.as_mut() else { return };
         let posted: Vec<(u64, OpId)> = data.calls.posted().collect();
         let peer = control.lock();
-        let stopped: Vec<u64> = posted.into_iter().filter(|(_, id)| !peer.running(*id)).map(|(s, _)| s).collect();
+        let stopped: Vec<u64> = posted.iter().filter(|(_, id)| !peer.running(*id)).map(|(s, _)| *s).collect();
+        let asking = posted.iter().any(|(_, id)| peer.asking(*id));
         drop(peer);
         for seq in stopped {
             if let Some(taken) = exec.take(seq) {
                 data.calls.taken.insert(seq, taken);
             }
+        }
+        if asking && exec.in_flight() == 0 {
+            exec.release_if_broken();
         }
     }
 
@@ -595,7 +602,8 @@ impl Driver {
         });
         // Failed streams close once every collective over them has its verdict, as the old
         // ring did: the first failure reached the master before the neighbours see them close
-        // (a mismatch, not the "connection closed" that follows it).
+        // (a mismatch, not the "connection closed" that follows it). A participant that asks
+        // for the verdict cannot wait that long: see take_stopped.
         if data.calls.by_seq.is_empty() {
             if let Some(exec) = data.exec.as_mut() {
                 exec.release_if_broken();

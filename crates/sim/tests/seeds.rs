@@ -15,6 +15,11 @@ const REGRESSIONS: &[u64] = &[
     // A late report about collective 12 of a replaced ring was kept under the key (group, 12)
     // and decided collective 12 of the next ring: the master's records now carry the epoch.
     112661,
+    // A reset between two members after their data moved: both asked the master and kept their
+    // broken streams open until its verdict, which waited for the others, which waited for
+    // tokens behind those streams until their whole bound. Failed streams now close once
+    // nothing in the engine moves over them.
+    244,
 ];
 
 fn env_u64(name: &str) -> Option<u64> {
@@ -30,7 +35,7 @@ fn verify(seed: u64) -> (usize, usize, usize) {
             v.0, report.faults
         );
     }
-    let aborted = report.collectives.iter().filter(|c| matches!(c.4, Outcome::Err(_))).count();
+    let aborted = report.collectives.iter().filter(|c| matches!(c.5, Outcome::Err(_))).count();
     (report.successes, aborted, report.syncs)
 }
 

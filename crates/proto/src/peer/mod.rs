@@ -264,9 +264,9 @@ pub enum OpProgress {
     /// stops the collective short of the master's decision stops it now.
     Stalled {
         /// The members it still has data to move with: a vote it can never complete against, or
-        /// the removal of one of these, stops it. A removed member it is done with stops
-        /// nothing: what it still waits for comes from members alive, which finish, or fail and
-        /// so end it everywhere.
+        /// the removal of one of these, stops it. A removed member it is done with stops it only
+        /// [`Peer::removal_grace`] later: what it still waits for comes from members alive,
+        /// which may be slow.
         waits_on: Vec<PeerId>,
     },
 }
@@ -380,6 +380,8 @@ pub struct Peer {
     /// The control connection broke: until when the driver may dial again, why it broke, and
     /// whether the new connection was challenged (then `Rejoin` went out).
     reconnecting: Option<Reconnecting>,
+    /// When the master told us of each removed peer ([`Peer::removal_grace`]).
+    removed_at: std::collections::BTreeMap<PeerId, Instant>,
 }
 
 /// A broken control connection, being dialed again.
@@ -408,8 +410,25 @@ impl Peer {
             next_heartbeat: now + heartbeat_interval(config.heartbeat_timeout),
             report: None,
             reconnecting: None,
+            removed_at: std::collections::BTreeMap::new(),
             config,
         }
+    }
+
+    /// How long a stalled collective waits for the live members' bytes once a member it has
+    /// no data left to move with was removed: that member may have sent all its part before it
+    /// died (the collective can still complete), and a live member on the path of its data
+    /// may be slow. Past it the collective stops, as it would at once for a member it still
+    /// moves data with: whatever it waits for may be stuck behind the lost member, and nothing
+    /// waits for the whole bound.
+    pub fn removal_grace(&self) -> Duration {
+        heartbeat_interval(self.config.heartbeat_timeout)
+    }
+
+    /// A member of `members` removed at least [`Peer::removal_grace`] before `now`.
+    fn removed_long_ago(&self, members: &[PeerId], now: Instant) -> Option<PeerId> {
+        let grace = self.removal_grace();
+        members.iter().copied().find(|p| self.removed_at.get(p).is_some_and(|at| now >= *at + grace))
     }
 
     /// How long a silent master is tolerated.
@@ -500,6 +519,13 @@ impl Peer {
         self.ops.get(&op).is_some_and(|o| matches!(o.stage, OpStage::Running | OpStage::Lap))
     }
 
+    /// Whether collective `op` holds the result and waits for the master's verdict, which waits
+    /// for the other participants' reports: they must learn of the failure, so the data plane
+    /// closes the failed streams now rather than at the verdict.
+    pub fn asking(&self, op: OpId) -> bool {
+        self.ops.get(&op).is_some_and(|o| matches!(o.stage, OpStage::Asking(_)))
+    }
+
     /// A call id for a call the data plane runs on its own, outside the state machine: a tagged
     /// point-to-point transfer, which concerns two members and no agreement. Unique among every
     /// call's.
@@ -551,6 +577,9 @@ impl Peer {
     pub fn handle_message(&mut self, message: Message, now: Instant) -> Result<PeerEvent, UnexpectedMessage> {
         self.last_heard = now;
         let event = self.view.handle_message(message);
+        if let Ok(PeerEvent::PeerRemoved(peer)) = &event {
+            self.removed_at.entry(*peer).or_insert(now);
+        }
         if self.in_vote() {
             // What ends a vote of ours ends our call, not the next one.
             self.view.settled_here = None;
@@ -1191,14 +1220,17 @@ impl Peer {
     /// it at once; a vote it can never complete against, or a removed member, only once the data
     /// plane is `stalled` (has nothing to move until the network delivers; with the members it
     /// still moves data with): while bytes still flow the collective may complete without the
-    /// member, whose part may all be in flight.
+    /// member, whose part may all be in flight. A removed member it is done with stops it only
+    /// [`Peer::removal_grace`] after the news.
     fn step_op(&mut self, op: OpId, now: Instant, stalled: Option<&[PeerId]>) -> bool {
         let Some(InFlight { deadline, members, stage, verb, .. }) = self.ops.get(&op).cloned() else { return false };
         let (epoch, seq) = (op.epoch, op.seq.0);
         match stage {
             OpStage::Running => {
                 let me = self.view.registered.expect("a collective runs once registered").0;
-                let failure = match self.view.interrupt(epoch, seq, verb, stalled.unwrap_or_default()) {
+                let interrupt = self.view.interrupt(epoch, seq, verb, stalled.unwrap_or_default());
+                let late = stalled.and_then(|_| self.removed_long_ago(&members, now));
+                let failure = match interrupt.or(late.map(Interrupt::MemberLost)) {
                     Some(Interrupt::Aborted(failure)) => {
                         self.view.verdicts.remove(&(epoch, seq));
                         self.end_op(op, Err(CallError::Aborted { op, failure }));

@@ -143,18 +143,27 @@ fn a_removed_member_stops_the_collective_once_it_stalls_and_the_verdict_ends_it(
 }
 
 /// A removed member whose part of the collective all came (it died once it held the result)
-/// stops nothing here while the data still to come is a live member's: that member finishes,
-/// and the master commits once every member alive holds the result, or it fails, and the
-/// master's abort ends the call at once. Failing here instead would abort a collective every
-/// survivor can complete.
+/// stops nothing here for a while when the data still to come is a live member's, which may be
+/// slow: that member finishes, and the master commits once every member alive holds the result.
+/// Failing at once instead would abort a collective every survivor can complete. Past the grace
+/// it stops, as the data may be stuck behind the lost member.
 #[test]
-fn a_removed_member_it_is_done_with_does_not_stop_the_collective() {
+fn a_removed_member_it_is_done_with_stops_the_collective_only_a_grace_later() {
+    let (mut p, t0) = joined(&[0, 1, 2]);
+    let op = start_collective(&mut p, t0);
+    p.handle_message(Message::PeerRemoved { peer: PeerId(2) }, t0).unwrap();
+    let before = t0 + p.removal_grace() - Duration::from_millis(1);
+    p.handle_collective(op, OpProgress::Stalled { waits_on: vec![PeerId(1)] }, before);
+    assert!(p.running(op), "the data still to come is a live member's");
+    assert!(sent(&mut p).is_empty());
+    p.handle_collective(op, OpProgress::Stalled { waits_on: vec![PeerId(1)] }, t0 + p.removal_grace());
+    assert!(!p.running(op), "past the grace it stops");
+    assert!(matches!(&sent(&mut p)[..], [Message::OpFailed { failure, .. }] if failure.peer == PeerId(2)));
+
     let (mut p, t0) = joined(&[0, 1, 2]);
     let op = start_collective(&mut p, t0);
     p.handle_message(Message::PeerRemoved { peer: PeerId(2) }, t0).unwrap();
     p.handle_collective(op, OpProgress::Stalled { waits_on: vec![PeerId(1)] }, t0);
-    assert!(p.running(op), "the data still to come is a live member's");
-    assert!(sent(&mut p).is_empty());
     p.handle_collective(op, OpProgress::DataDone, t0);
     p.handle_collective(op, OpProgress::Stalled { waits_on: vec![] }, t0);
     assert_eq!(
