@@ -8,9 +8,11 @@
 //! the engine `crates/peer` ships ([`shoal_engine::Exec`]: the real schedules, folding,
 //! confirmation lap and backups), driven as `crates/peer` drives it, over simulated connections
 //! whose bytes the seeded network carries in pieces (`net.rs`). Every collective and algorithm
-//! runs in turn (all-reduce around the ring, one-shot, two-shot and hierarchical, all-gather,
-//! reduce-scatter, broadcast around the ring and one-shot from a root that varies; one element per
-//! block or segment, values summed). What it models: opening a topology's connections (dialing a
+//! runs in turn (all-reduce around the ring, one-shot, two-shot and hierarchical, two of them
+//! quantized to bf16 and int8, all-gather, reduce-scatter, broadcast around the ring and one-shot
+//! from a root that varies; one element per block or segment, values summed), several at once
+//! where the seed batches them, in group 0 or another, among 2 to 5 peers and in one run of 1000
+//! among 8 to 64. What it models: opening a topology's connections (dialing a
 //! dead peer fails) and fetching shared state (which fails from a dead donor). The seed
 //! picks the application's loop for every peer: the README's (`update_topology` after a failure),
 //! retry-only, or PCCL's (`peers_pending` at the top of every iteration; a newcomer starts there),
@@ -22,11 +24,13 @@
 //! Checked after every run ([`check`]):
 //! - **agreement**: for every collective, every participant still in the run at the end returned
 //!   the same outcome, and every success holds what its collective makes of exactly the
-//!   participants' inputs (their sum; the inputs in rank order; its own block's sum; the root's);
+//!   participants' inputs (their sum; the inputs in rank order; its own block's sum; the root's;
+//!   a quantized sum within 5% of the exact one, and bit-identical on every member);
 //! - **restored buffers**: every collective that failed left its buffer exactly as it was;
 //! - **bounded calls**: no call outlived its bound (the model enforces bounds and records any
 //!   call that ends by its deadline; a timeout is allowed only where a peer was cut off), and no
-//!   vote or `peers_pending` ran to its whole bound in a run without a frozen or cut-off peer;
+//!   collective, vote or `peers_pending` ran to its whole bound in a run without a frozen or
+//!   cut-off peer;
 //! - **one major operation at a time**: the master never tracks a collective of a replaced ring,
 //!   and never issues a topology while a member of the current ring still runs a collective it
 //!   could complete;
