@@ -3,13 +3,18 @@
 //! to a temporary file that is synced and then renamed over the old one, so a master killed at
 //! any instant leaves either the old state or the new one, never a torn file. The file holds the
 //! run's data key: it is created readable by its owner only.
+//!
+//! Another user on the host must neither read that key nor plant a run: the directory and the
+//! file must be the master's own, reached through no symbolic link and writable by nobody else,
+//! or the master refuses to start, saying which and why; the temporary file is created anew
+//! and never followed through a link.
 
 use serde_json::{json, Value};
 use shoal_proto::master::{Durable, DurableGroup, DurablePeer};
 use shoal_wire::{Epoch, GroupId, PeerId, SessionId};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 /// The state file's format version.
@@ -24,8 +29,12 @@ pub(crate) struct StateDir {
 
 impl StateDir {
     /// Opens `dir`, creating it (owner only) if it does not exist.
+    ///
+    /// # Errors
+    /// If it cannot be created, or is not private ([`check_private`]).
     pub fn open(dir: &Path) -> io::Result<StateDir> {
         fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
+        check_private(dir, true)?;
         Ok(StateDir { dir: dir.to_path_buf() })
     }
 
@@ -36,11 +45,15 @@ impl StateDir {
     /// new run over one it cannot read.
     pub fn load(&self) -> io::Result<Option<Durable>> {
         let path = self.dir.join(FILE);
-        let text = match fs::read_to_string(&path) {
-            Ok(t) => t,
+        match check_private(&path, false) {
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(e),
-        };
+            checked => checked?,
+        }
+        let mut text = String::new();
+        io::Read::read_to_string(
+            &mut OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(&path)?,
+            &mut text,
+        )?;
         let bad = |why: String| io::Error::new(io::ErrorKind::InvalidData, format!("{}: {why}", path.display()));
         let value: Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
         decode(&value).map(Some).map_err(bad)
@@ -49,13 +62,51 @@ impl StateDir {
     /// Keeps `durable`, replacing what was kept.
     pub fn save(&self, durable: &Durable) -> io::Result<()> {
         let tmp = self.dir.join(format!("{FILE}.tmp"));
-        let mut f = OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
+        // Left by a master killed mid-write: made anew, so that nothing else is written through.
+        match fs::remove_file(&tmp) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+        let mut f =
+            OpenOptions::new().write(true).create_new(true).custom_flags(libc::O_NOFOLLOW).mode(0o600).open(&tmp)?;
         f.write_all(encode(durable).to_string().as_bytes())?;
         f.sync_all()?;
         fs::rename(&tmp, self.dir.join(FILE))?;
         // The rename itself must reach the disk.
         File::open(&self.dir)?.sync_all()
     }
+}
+
+/// Refuses a state directory (`dir`) or file another user planted or can change: it must be a
+/// directory (a regular file), not a symbolic link, ours, and writable by nobody else.
+fn check_private(path: &Path, dir: bool) -> io::Result<()> {
+    let meta = fs::symlink_metadata(path)?;
+    let refuse = |why: String| {
+        let what = format!("{}: {why}: another user could read the run's data key or plant a run", path.display());
+        Err(io::Error::new(io::ErrorKind::PermissionDenied, what))
+    };
+    let (kind, expected) = (meta.file_type(), if dir { "a directory" } else { "a regular file" });
+    if kind.is_symlink() {
+        return refuse(format!("a symbolic link, not {expected}"));
+    }
+    if (dir && !kind.is_dir()) || (!dir && !kind.is_file()) {
+        return refuse(format!("not {expected}"));
+    }
+    let me = effective_uid();
+    if meta.uid() != me {
+        return refuse(format!("owned by uid {}, not by this master's ({me})", meta.uid()));
+    }
+    if meta.mode() & 0o022 != 0 {
+        return refuse(format!("writable by others (mode {:o})", meta.mode() & 0o777));
+    }
+    Ok(())
+}
+
+/// The user this process acts as.
+#[allow(unsafe_code)]
+fn effective_uid() -> u32 {
+    // SAFETY: geteuid takes nothing, cannot fail and touches no memory of ours.
+    unsafe { libc::geteuid() }
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -202,5 +253,60 @@ mod tests {
             assert!(e.contains("run.json: ") && e.contains(problem), "{e}");
         }
         fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("shoal-state-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        dir
+    }
+
+    /// Another user's directory or file, or one they can change or reach through a link, is
+    /// refused with a reason: the master never writes the data key where others read it, nor
+    /// adopts a run they planted.
+    #[test]
+    fn a_state_another_user_could_touch_is_refused() {
+        use std::os::unix::fs::{symlink, PermissionsExt};
+        let dir = scratch("open");
+        fs::create_dir(&dir).unwrap();
+        fs::set_permissions(&dir, fs::Permissions::from_mode(0o777)).unwrap();
+        let e = StateDir::open(&dir).unwrap_err().to_string();
+        assert!(e.contains("writable by others (mode 777)") && e.contains("data key"), "{e}");
+        fs::set_permissions(&dir, fs::Permissions::from_mode(0o700)).unwrap();
+        let link = scratch("link");
+        symlink(&dir, &link).unwrap();
+        let e = StateDir::open(&link).unwrap_err().to_string();
+        assert!(e.contains("a symbolic link, not a directory"), "{e}");
+
+        let state = StateDir::open(&dir).unwrap();
+        let planted = scratch("planted");
+        fs::write(&planted, "{}").unwrap();
+        symlink(&planted, dir.join(FILE)).unwrap();
+        let e = state.load().unwrap_err().to_string();
+        assert!(e.contains("run.json: a symbolic link, not a regular file"), "{e}");
+        fs::remove_file(dir.join(FILE)).unwrap();
+        fs::write(dir.join(FILE), "{}").unwrap();
+        fs::set_permissions(dir.join(FILE), fs::Permissions::from_mode(0o666)).unwrap();
+        assert!(state.load().unwrap_err().to_string().contains("writable by others (mode 666)"));
+        fs::remove_file(dir.join(FILE)).unwrap();
+
+        // A temporary file planted as a link is replaced, never written through.
+        symlink(&planted, dir.join(format!("{FILE}.tmp"))).unwrap();
+        state.save(&run()).unwrap();
+        assert_eq!(fs::read_to_string(&planted).unwrap(), "{}");
+        assert_eq!(state.load().unwrap(), Some(run()));
+
+        if effective_uid() == 0 {
+            // As root, a directory of another user's.
+            let theirs = scratch("theirs");
+            fs::create_dir(&theirs).unwrap();
+            std::os::unix::fs::chown(&theirs, Some(65534), None).unwrap();
+            let e = StateDir::open(&theirs).unwrap_err().to_string();
+            assert!(e.contains("owned by uid 65534, not by this master's (0)"), "{e}");
+            fs::remove_dir_all(&theirs).unwrap();
+        }
+        for p in [&dir, &link, &planted] {
+            let _ = fs::remove_file(p).or_else(|_| fs::remove_dir_all(p));
+        }
     }
 }
