@@ -246,8 +246,8 @@ class Communicator:
         """
         if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise ValueError(f"max_in_flight must be a positive integer, got {max_in_flight!r}")
-        _check_tag(tag)
         views = [_byte_view(t) for t in tensors]
+        _check_tag(tag, max(len(views), 1))
         quant = _quant(quantization, quantization_block)
         return self._native.all_reduce_many_bytes(views, op, max_in_flight, tag, quant)
 
@@ -426,6 +426,7 @@ class Communicator:
 
         if strategy not in ("enforce_popular", "send_only", "receive_only"):
             raise ValueError(f"unknown strategy {strategy!r}: expected enforce_popular, send_only or receive_only")
+        _check_u64("state.revision", state.revision)
         revision, received, sent_to, sent_bytes, elapsed = self._native.sync_shared_state(
             state._native_entries(), state.revision, strategy, override_resume
         )
@@ -587,11 +588,21 @@ def _check_root(root: Any) -> None:
     _check_rank("root", root)
 
 
+_U64_MAX = 2**64 - 1
+
+
 def _check_rank(name: str, rank: Any) -> None:
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank <= _U64_MAX:
         raise ValueError(f"{name} must be a rank, got {rank!r}")
 
 
-def _check_tag(tag: Any) -> None:
-    if isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:
-        raise ValueError(f"tag must be a non-negative integer, got {tag!r}")
+def _check_u64(name: str, value: Any, count: int = 1) -> None:
+    """``value`` (and the ``count - 1`` numbers after it) must fit the 64 bits the wire carries:
+    a bare ``OverflowError`` from the native layer would not say which argument."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _U64_MAX - (count - 1):
+        top = "2**64 - 1" if count == 1 else f"2**64 - {count}"
+        raise ValueError(f"{name} must be an integer from 0 to {top}, got {value!r}")
+
+
+def _check_tag(tag: Any, count: int = 1) -> None:
+    _check_u64("tag", tag, count)

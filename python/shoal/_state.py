@@ -98,8 +98,8 @@ class SharedState:
     """
 
     def __init__(self, tensors: Mapping[str, Any], revision: int = 0, *, allowed_to_differ: Iterable[str] = ()):
-        if isinstance(revision, bool) or not isinstance(revision, int) or revision < 0:
-            raise ValueError(f"revision must be a non-negative int, got {revision!r}")
+        if isinstance(revision, bool) or not isinstance(revision, int) or not 0 <= revision < 2**64:
+            raise ValueError(f"revision must be an integer from 0 to 2**64 - 1, got {revision!r}")
         self.tensors = dict(tensors)
         for name, t in self.tensors.items():
             if not isinstance(name, str) or not name:

@@ -81,6 +81,27 @@ def test_bad_options_name_the_problem(solo, master):
         shoal.Communicator(master.address, timeout=-1)
 
 
+def test_integers_past_64_bits_name_their_argument(solo):
+    """A tag, rank or revision of 2**64 once raised a bare OverflowError from the native layer,
+    naming nothing; each is a ValueError naming the argument, raised before any traffic."""
+    t = np.zeros(2, np.float32)
+    with pytest.raises(ValueError, match=r"tag must be an integer from 0 to 2\*\*64 - 1, got 18446744073709551616"):
+        solo.all_reduce(t, tag=2**64)
+    with pytest.raises(ValueError, match=r"tag must be an integer from 0 to 2\*\*64 - 2"):
+        solo.all_reduce_many([t, t.copy()], tag=2**64 - 1)
+    with pytest.raises(ValueError, match="tag"):
+        solo.send(t, peer=0, tag=2**70)
+    with pytest.raises(ValueError, match="root must be a rank"):
+        solo.broadcast(t, root=2**64)
+    with pytest.raises(ValueError, match=r"revision must be an integer from 0 to 2\*\*64 - 1"):
+        shoal.SharedState({"w": np.zeros(2, np.float32)}, revision=2**64)
+    state = shoal.SharedState({"w": np.zeros(2, np.float32)}, revision=0)
+    state.revision = 2**64
+    with pytest.raises(ValueError, match=r"state.revision must be an integer from 0 to 2\*\*64 - 1"):
+        solo.sync_shared_state(state)
+    assert solo.all_reduce(t, tag=2**64 - 1).world_size == 1, "the largest tag is a tag"
+
+
 def test_an_empty_tensor_reduces_like_any_other(solo):
     """A zero-element collective is a collective (as in torch.distributed): it works, rather than
     failing for a misaligned address numpy gave an empty array."""
