@@ -9,6 +9,7 @@ that records it (crates/transport/src/tls.rs)."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -86,6 +87,35 @@ def test_master_command_reads_the_secret_from_a_file(tmp_path):
         proc.terminate()
         _, err = proc.communicate(timeout=10)
     assert "authentication failed" in err, err
+
+
+def test_strangers_refused_by_the_hundred_log_a_few_lines_and_change_nothing():
+    """300 connections that send junk and 50 wrong proofs once wrote one WARN line each (0.8 MB/s
+    of log from one client): the master logs at most its burst of refusals per window, and a
+    peer with the secret joins and reduces beside them."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
+    env["SHOAL_LOG"] = "warn"
+    argv = [sys.executable, "-m", "shoal.cli", "master", "--listen", "127.0.0.1:0"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**env, "SHOAL_SECRET": SECRET})
+    try:
+        address = proc.stdout.readline().split()[-1]
+        host, port = address.rsplit(":", 1)
+        for _ in range(300):
+            with socket.create_connection((host, int(port)), timeout=5) as s:
+                s.sendall(b"\xff" * 64)
+        for _ in range(50):
+            with shoal.Communicator(address, secret="guess") as comm, pytest.raises(AuthenticationError):
+                comm.connect(timeout=10)
+        with shoal.Communicator(address, secret=SECRET) as comm:
+            comm.connect(timeout=10)
+            assert comm.all_reduce(np.ones(4, np.float32), op="sum").world_size == 1
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=10)
+    warnings = [line for line in err.splitlines() if " WARN " in line]
+    # One burst per window (10 per 10 s), a window or two in this test.
+    assert 1 <= len(warnings) <= 20, f"{len(warnings)} lines: {warnings[:3]}"
 
 
 def make_certs(out, *hosts: str) -> dict[str, str]:

@@ -13,6 +13,7 @@ mod state;
 pub use http::{report_json, status_json};
 
 use shoal_proto::auth::{DataKey, RunKey};
+use shoal_proto::loglimit::LogLimit;
 use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output, RunStatus};
 use shoal_transport::{read_message, read_message_until, write_message, Conn, TlsConfig, TransportError};
 use shoal_wire::{Message, SessionId};
@@ -23,7 +24,7 @@ use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
@@ -223,17 +224,23 @@ fn accept_loop(
 ) {
     let mut next_conn = 0u64;
     let pending = Arc::new(AtomicUsize::new(0));
+    // What strangers' connections log, shared by their threads (`shoal_proto::loglimit`).
+    let refusals = Arc::new(Mutex::new(LogLimit::default()));
     let served = shoal_transport::accept_until(&listener, &stop, |stream, from| {
         if pending.load(Ordering::Relaxed) >= MAX_PENDING_CONNECTIONS {
-            log::warn!(
-                "refused a connection from {from}: {MAX_PENDING_CONNECTIONS} connections have not said Join yet"
-            );
+            if let Some(note) = admit(&refusals) {
+                log::warn!(
+                    "refused a connection from {from}: {MAX_PENDING_CONNECTIONS} connections have not said Join \
+                     yet{note}"
+                );
+            }
             return true;
         }
         let conn = ConnId(next_conn);
         next_conn += 1;
         log::debug!("connection {} from {from}", conn.0);
         let (tx, pending, tls) = (inputs.clone(), Arc::clone(&pending), tls.clone());
+        let shared = Arc::clone(&refusals);
         pending.fetch_add(1, Ordering::Relaxed);
         let spawned = thread::Builder::new().name("shoal-master-read".into()).spawn(move || {
             // The handshake counts against the greeting's deadline, on this thread: a stranger
@@ -243,12 +250,14 @@ fn accept_loop(
             match opened {
                 Ok((reader, writer)) => {
                     if tx.send(Input::Connected(conn, writer)).is_ok() {
-                        read_loop(conn, from, reader, tx, deadline, &pending)
+                        read_loop(conn, from, reader, tx, deadline, &pending, &shared)
                     }
                 }
                 Err(e) => {
                     pending.fetch_sub(1, Ordering::Relaxed);
-                    log::warn!("connection {} from {from}: {e}; closing", conn.0);
+                    if let Some(note) = admit(&shared) {
+                        log::warn!("connection {} from {from}: {e}; closing{note}", conn.0);
+                    }
                     if shoal_transport::tls::is_tls_error(&e) {
                         let _ = tx.send(Input::TlsRefused);
                     }
@@ -256,7 +265,9 @@ fn accept_loop(
             }
         });
         if let Err(e) = spawned {
-            log::warn!("dropping connection from {from}: cannot spawn its reader: {e}");
+            if let Some(note) = admit(&refusals) {
+                log::warn!("dropping connection from {from}: cannot spawn its reader: {e}{note}");
+            }
         }
         true
     });
@@ -275,20 +286,28 @@ fn read_loop(
     inputs: Sender<Input>,
     greeting: Instant,
     pending: &AtomicUsize,
+    refusals: &Mutex<LogLimit>,
 ) {
     let first = read_message_until(&mut stream, greeting, MAX_GREETING_BODY);
     pending.fetch_sub(1, Ordering::Relaxed);
     let mut read = Some(first);
+    let mut greeted = false;
     loop {
         let input = match read.take().unwrap_or_else(|| read_message(&mut stream)) {
-            Ok((session, message)) => Input::Message(conn, session, message),
+            Ok((session, message)) => {
+                greeted = true;
+                Input::Message(conn, session, message)
+            }
             Err(e) => {
-                match &e {
-                    TransportError::Closed => log::debug!("connection {} from {from} closed", conn.0),
-                    TransportError::TimedOut => {
-                        log::warn!("connection {} from {from}: no Join in time; closing", conn.0)
+                // Before its first message it is a stranger's: rate-limited.
+                let note = if greeted { Some(String::new()) } else { admit(refusals) };
+                match (&e, note) {
+                    (TransportError::Closed, _) => log::debug!("connection {} from {from} closed", conn.0),
+                    (TransportError::TimedOut, Some(note)) => {
+                        log::warn!("connection {} from {from}: no Join in time; closing{note}", conn.0)
                     }
-                    _ => log::warn!("connection {} from {from}: {e}; closing", conn.0),
+                    (_, Some(note)) => log::warn!("connection {} from {from}: {e}; closing{note}", conn.0),
+                    (_, None) => {}
                 }
                 Input::Closed(conn, e.to_string())
             }
@@ -299,6 +318,11 @@ fn read_loop(
             return;
         }
     }
+}
+
+/// Whether a stranger's refusal may be logged now, and what to append ([`LogLimit::admit`]).
+fn admit(refusals: &Mutex<LogLimit>) -> Option<String> {
+    refusals.lock().unwrap_or_else(std::sync::PoisonError::into_inner).admit(Instant::now())
 }
 
 fn drive(mut master: Master, inputs: Receiver<Input>, write_timeout: Duration, state: Option<StateDir>) {

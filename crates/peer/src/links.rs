@@ -80,8 +80,10 @@ struct Arrivals {
     fetches: Mutex<std::collections::VecDeque<(Conn, crate::fetch::FetchReq)>>,
     /// The copy of the shared state kept for newcomers, served by the greeting threads.
     snapshots: Arc<crate::fetch::Snapshots>,
-    /// Connections refused at their greeting (strangers, forgeries, stale pools).
+    /// Connections refused at their greeting (strangers, forgeries, stale pools), and what of
+    /// them may be logged ([`shoal_proto::loglimit`]).
     refused: AtomicU64,
+    refusals: Mutex<shoal_proto::loglimit::LogLimit>,
     changed: Condvar,
     /// Woken when a pool is complete: a driver waiting for a link polls it.
     arrived: Waker,
@@ -121,6 +123,7 @@ impl Listener {
             fetches: Mutex::default(),
             snapshots,
             refused: AtomicU64::new(0),
+            refusals: Mutex::default(),
             changed: Condvar::new(),
             arrived,
         };
@@ -457,7 +460,10 @@ fn spawn_greeting(
     let spawned = thread::Builder::new().name("shoal-hello".into()).spawn(move || {
         if let Err(reason) = greet(&identity, &arrivals) {
             let refused = arrivals.refused.fetch_add(1, Ordering::Relaxed) + 1;
-            log::warn!("refused data connection from {from}: {reason} ({refused} refused so far)");
+            let admitted = arrivals.refusals.lock().unwrap_or_else(PoisonError::into_inner).admit(Instant::now());
+            if let Some(note) = admitted {
+                log::warn!("refused data connection from {from}: {reason} ({refused} refused so far){note}");
+            }
         }
     });
     if let Err(e) = spawned {

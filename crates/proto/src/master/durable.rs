@@ -163,7 +163,7 @@ impl Master {
 
     /// Connection `conn`'s first message is `Rejoin`: `peer`, registered in `session`, is back.
     pub(super) fn rejoin(&mut self, now: Instant, conn: ConnId, peer: PeerId, session: SessionId, proof: [u8; 32]) {
-        if !self.proven(conn, "Rejoin", &peer.to_string(), &proof) {
+        if !self.proven(now, conn, "Rejoin", &peer.to_string(), &proof) {
             return;
         }
         if session != self.config.session {

@@ -282,6 +282,8 @@ pub struct Master {
     /// What peers that left had reported: the run's totals never go down.
     retired: Totals,
     counters: Counters,
+    /// What a stranger's refused connections may log ([`crate::loglimit`]).
+    refusals: crate::loglimit::LogLimit,
     /// Counts changes of what a restarted master needs (`durable.rs`).
     generation: u64,
     timers: TimerTable,
@@ -321,6 +323,7 @@ impl Master {
             reports: BTreeMap::new(),
             retired: Totals::default(),
             counters: Counters::default(),
+            refusals: crate::loglimit::LogLimit::default(),
             generation: 0,
             timers,
             outputs: VecDeque::new(),
@@ -498,17 +501,21 @@ impl Master {
         }
         let Message::Join { group, data_addr, proof } = message else {
             let reason = format!("expected Join as first message, got {}", message.name());
-            log::warn!("connection {}: {reason}", conn.0);
+            if let Some(note) = self.refusals.admit(now) {
+                log::warn!("connection {}: {reason}{note}", conn.0);
+            }
             return self.outputs.push_back(Output::Close { conn, reason });
         };
-        if !self.proven(conn, "Join", &data_addr, &proof) {
+        if !self.proven(now, conn, "Join", &data_addr, &proof) {
             return;
         }
         if self.peers.len() >= MAX_PEERS {
             // Every topology lists every member: one more could not be sent to anyone.
             self.counters.refused_full += 1;
             let reason = format!("the run is full: {MAX_PEERS} peers, the most a topology can list");
-            log::warn!("connection {}: refused: {reason}", conn.0);
+            if let Some(note) = self.refusals.admit(now) {
+                log::warn!("connection {}: refused: {reason}{note}", conn.0);
+            }
             self.send(conn, Message::Kicked { reason: reason.clone() });
             return self.outputs.push_back(Output::Close { conn, reason });
         }
@@ -536,17 +543,21 @@ impl Master {
     /// Whether connection `conn`, whose first message (`first`, from `who`) carries `proof`, was
     /// challenged and proves the run's secret. If not, it is answered, closed, logged and
     /// counted.
-    fn proven(&mut self, conn: ConnId, first: &str, who: &str, proof: &[u8; 32]) -> bool {
+    fn proven(&mut self, now: Instant, conn: ConnId, first: &str, who: &str, proof: &[u8; 32]) -> bool {
         let Some(nonce) = self.challenges.remove(&conn) else {
             let reason = format!("{first} on a connection that was not challenged");
-            log::warn!("connection {}: {reason}", conn.0);
+            if let Some(note) = self.refusals.admit(now) {
+                log::warn!("connection {}: {reason}{note}", conn.0);
+            }
             self.outputs.push_back(Output::Close { conn, reason });
             return false;
         };
         if self.config.key.as_ref().is_some_and(|key| !key.verify(&nonce, proof)) {
             self.counters.auth_failures += 1;
             let reason = "authentication failed: the proof of the run's secret is wrong or missing".to_string();
-            log::warn!("connection {} ({who}): {reason} ({} so far)", conn.0, self.counters.auth_failures);
+            if let Some(note) = self.refusals.admit(now) {
+                log::warn!("connection {} ({who}): {reason} ({} so far){note}", conn.0, self.counters.auth_failures);
+            }
             self.send(conn, Message::AuthFailed { reason: reason.clone() });
             self.outputs.push_back(Output::Close { conn, reason });
             return false;
