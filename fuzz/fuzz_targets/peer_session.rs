@@ -215,7 +215,10 @@ fuzz_target!(|session: Session| {
                         1 => OpProgress::Confirmed,
                         2 => OpProgress::LapBroken("fuzz".into()),
                         3 => OpProgress::Failed(failure(what, i)),
-                        _ => OpProgress::Stalled,
+                        // Waiting on no member, on one, or on all of them.
+                        _ => OpProgress::Stalled {
+                            waits_on: (0..u32::from(i % 4)).map(|p| PeerId(p.wrapping_add(u32::from(what)))).collect(),
+                        },
                     };
                     peer.handle_collective(op, progress, now);
                 }
