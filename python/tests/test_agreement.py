@@ -100,6 +100,18 @@ def test_mismatched_calls_fail_on_every_peer(master, tmp_path, vary):
             assert all(counts[int(p)] == int(c) for p, c in called.items()), (msg, counts)
 
 
+@pytest.mark.parametrize("late", [None, 2])
+def test_a_usage_error_never_outlives_its_call(master, tmp_path, late):
+    """broadcast(root=99) fails on every peer with UsageError (``late``: on one that calls it after
+    the others' calls failed too); the correct all_reduce after it then succeeds everywhere, never
+    failing with the broadcast's stale usage error."""
+    results = run_peers(master, tmp_path, "late_misuse", 3, late=late)
+    for r in results:
+        assert r["broadcast"] and r["broadcast"]["type"] == "UsageError" and "root" in r["broadcast"]["msg"], r
+        assert r["after"] == {"sum": 3.0}, r
+        assert r["took"] < 10, r
+
+
 def test_after_a_mismatch_a_plain_retry_succeeds(master, tmp_path):
     """The loop that only retries: the ring re-forms by itself after the aborted collective."""
     results = run_peers(master, tmp_path, "mismatch", 3, vary="count", retry_only=True)

@@ -753,6 +753,32 @@ def mismatch(spec: dict) -> dict:
     return {"error": error, "after": float(y[0]), "me": comm.peer_id, "odd": spec["index"] == 1}
 
 
+def late_misuse(spec: dict) -> dict:
+    """Every peer calls broadcast from a root outside the group, the peer of index ``late`` 0.5 s
+    after the others (their calls failed by then); then all call a correct all_reduce. Each
+    broadcast must fail with UsageError, the late one's too, and the all_reduce succeed on every
+    peer: a usage error never outlives its call."""
+    comm = shoal.Communicator(spec["master"], timeout=20)
+    comm.connect(timeout=30)
+    join_all(comm, spec["peers"])
+    if spec["index"] == spec["late"]:
+        time.sleep(0.5)
+    t = np.ones(4, np.float32)
+    try:
+        comm.broadcast(t, root=99)
+        broadcast = None
+    except shoal.ShoalError as e:
+        broadcast = {"type": type(e).__name__, "msg": str(e)}
+    start = time.monotonic()
+    try:
+        y = np.ones(4, np.float32)
+        comm.all_reduce(y, op="sum")
+        after = {"sum": float(y[0])}
+    except shoal.ShoalError as e:
+        after = {"type": type(e).__name__, "msg": str(e)}
+    return {"broadcast": broadcast, "after": after, "took": time.monotonic() - start}
+
+
 def loop(spec: dict) -> dict:
     """The loops users write, over a shared state: ``shape`` "readme" (sync, all_reduce, then
     peers_pending / update_topology; update_topology after PeerLostError), "retry" (the same,
@@ -1251,7 +1277,7 @@ if __name__ == "__main__":
                  "agree": agree, "min_world": min_world, "master_loss": master_loss,
                  "admission_misuse": admission_misuse, "chaos": chaos, "die_at": die_at, "sgd": sgd,
                  "sync_case": sync_case, "repairs": repairs, "mismatch": mismatch, "shapes": shapes, "loop": loop,
-                 "mismatched_calls": mismatched_calls, "links": links, "verbs": verbs,
+                 "mismatched_calls": mismatched_calls, "late_misuse": late_misuse, "links": links, "verbs": verbs,
                  "p2p": p2p, "p2p_ring": p2p_ring,
                  "barrier_lost": barrier_lost, "optimize": optimize, "drift": drift, "quantized": quantized,
                  "watched": watched,
