@@ -8,15 +8,19 @@ that records it (crates/transport/src/tls.rs)."""
 
 from __future__ import annotations
 
+import json
 import os
+import resource
 import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import numpy as np
 import pytest
+from conftest import clean_env
 
 import shoal
 from shoal import AuthenticationError
@@ -200,3 +204,57 @@ def test_master_command_serves_tls(tmp_path):
     finally:
         proc.terminate()
         proc.communicate(timeout=10)
+
+
+def test_the_status_endpoint_holds_thousands_of_idle_connections_on_one_thread():
+    """About 10,000 idle connections gave the master a thread each; its HTTP server then panicked on
+    "Too many open files" and refused connections for good. Now it holds at most 8 connections
+    per address (64 in all, each for at most 5 s), closes the others at once, spends no thread on
+    any, and an accept that fails for want of descriptors only pauses it."""
+    argv = [sys.executable, "-m", "shoal.cli", "master", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0"]
+
+    def few_descriptors() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (40, 40))
+
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**clean_env(), "SHOAL_LOG": "warn"}, preexec_fn=few_descriptors)
+    held: list[socket.socket] = []
+
+    def attack(sources: int, per_source: int) -> None:
+        for i in range(sources * per_source):
+            s = socket.socket()
+            s.bind((f"127.0.0.{2 + i % sources}", 0))
+            s.connect(http)
+            held.append(s)
+
+    def status() -> float:
+        started = time.monotonic()
+        with urllib.request.urlopen(f"http://{http[0]}:{http[1]}/status", timeout=10) as answer:
+            assert json.loads(answer.read())["peers"] is not None
+        return time.monotonic() - started
+
+    try:
+        address = proc.stdout.readline().split()[-1]
+        host, port = proc.stdout.readline().split("http://")[1].split("/")[0].rsplit(":", 1)
+        http = (host, int(port))
+        threads = len(os.listdir(f"/proc/{proc.pid}/task"))
+        quiet = min(status() for _ in range(3))
+        # 3 addresses, 1,000 connections: 24 held, the rest closed unanswered.
+        attack(3, 334)
+        assert len(os.listdir(f"/proc/{proc.pid}/task")) <= threads
+        assert status() < max(3 * quiet, 0.5)
+        with shoal.Communicator(address) as comm:
+            comm.connect(timeout=10)
+            assert comm.all_reduce(np.ones(4, np.float32), op="sum").world_size == 1
+        # 8 addresses would be 64 connections: the master runs out of descriptors first.
+        attack(8, 8)
+        for s in held:
+            s.close()
+        time.sleep(0.3)
+        assert status() < max(3 * quiet, 0.5), "served again once the descriptors are back"
+    finally:
+        for s in held:
+            s.close()
+        proc.terminate()
+        _, err = proc.communicate(timeout=10)
+    assert "cannot accept a connection" in err and "panick" not in err, err

@@ -3,8 +3,12 @@
 //! from `/status`). Every answer is built from one [`RunStatus`] the driver hands over, so the
 //! numbers of one answer always belong together; the driver is never blocked by a slow client.
 //!
-//! tiny_http serves: a small synchronous server fits the master's threads-and-channels design
-//! and needs no async runtime. prometheus-client encodes the metrics.
+//! The server is a single thread over `poll(2)` with non-blocking sockets, so a stranger's
+//! connections cost a slot each, never a thread: at most [`HTTP_MAX_CONNECTIONS`] are held, at most
+//! [`HTTP_MAX_PER_SOURCE`] from one address, and each gets [`HTTP_DEADLINE`] from its accept to
+//! the last byte of its answer, however slowly it sends. (tiny_http, used before, spawned a thread
+//! per connection and stopped serving for good at its first failed accept: 10,000 idle
+//! connections took it down.) httparse reads the request; prometheus-client encodes the metrics.
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
@@ -13,48 +17,244 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 use serde_json::{json, Value};
+use shoal_proto::loglimit::LogLimit;
 use shoal_proto::master::{RunStatus, Status};
 use shoal_wire::{OpCounters, PeerId, PeerReport, DURATION_BOUNDS_US};
 use std::fmt::Write as _;
+use std::io::{self, ErrorKind, Read, Write};
+use std::net::{IpAddr, Shutdown, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// What prometheus-client writes: OpenMetrics text, which Prometheus scrapes.
 const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 /// The status page: one self-contained file, no external resources.
 const PAGE: &str = include_str!("status.html");
 
-/// Answers requests on `server` until `stop`, asking `status` for the run's state.
-pub(crate) fn serve(server: tiny_http::Server, stop: Arc<AtomicBool>, status: impl Fn() -> Option<RunStatus>) {
+/// Connections the status endpoint holds at once; past it, a new one is closed unanswered.
+pub const HTTP_MAX_CONNECTIONS: usize = 64;
+/// Connections held at once from one address.
+pub const HTTP_MAX_PER_SOURCE: usize = 8;
+/// From a connection's accept to the last byte of its answer: trickling cannot extend it.
+pub const HTTP_DEADLINE: Duration = Duration::from_secs(5);
+/// A request line and headers longer than this are refused (431).
+pub const HTTP_MAX_HEAD_BYTES: usize = 8 << 10;
+/// What is read and dropped after the answer (a request's body), so that closing does not reset
+/// the connection before the client reads the answer.
+const DRAIN_BYTES: usize = 64 << 10;
+/// How long accepting pauses after it fails (out of descriptors): the pending connection stays
+/// queued and would wake every poll.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+/// How often `stop` is looked at.
+const STOP_POLL: Duration = Duration::from_millis(200);
+
+/// The status endpoint's limits, [`HTTP_MAX_CONNECTIONS`] and the others by default.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Limits {
+    pub connections: usize,
+    pub per_source: usize,
+    pub deadline: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { connections: HTTP_MAX_CONNECTIONS, per_source: HTTP_MAX_PER_SOURCE, deadline: HTTP_DEADLINE }
+    }
+}
+
+/// One client connection and where its exchange stands.
+struct Conn {
+    stream: TcpStream,
+    from: IpAddr,
+    deadline: Instant,
+    state: Exchange,
+}
+
+enum Exchange {
+    /// Reading the request's head.
+    Reading(Vec<u8>),
+    /// Writing the answer from `at`.
+    Writing { answer: Vec<u8>, at: usize },
+    /// Answered and shut for writing; dropping what the client still sends until it closes.
+    Draining(usize),
+}
+
+/// Answers requests on `listener` until `stop`, asking `status` for the run's state.
+pub(crate) fn serve(
+    listener: TcpListener,
+    limits: Limits,
+    stop: Arc<AtomicBool>,
+    status: impl Fn() -> Option<RunStatus>,
+) {
+    if let Err(e) = listener.set_nonblocking(true) {
+        log::warn!("status server stopped: {e}");
+        return;
+    }
+    let mut conns: Vec<Conn> = Vec::new();
+    // Refused connections and failed accepts are logged apart: a flood of the one hides no other.
+    let (mut refusals, mut failures) = (LogLimit::default(), LogLimit::default());
+    let mut accept_after = Instant::now();
     while !stop.load(Ordering::Relaxed) {
-        let request = match server.recv_timeout(Duration::from_millis(200)) {
-            Ok(Some(r)) => r,
-            Ok(None) => continue,
-            Err(e) => {
-                log::warn!("status server: {e}");
-                continue;
+        let now = Instant::now();
+        conns.retain(|c| c.deadline > now);
+        let accepting = now >= accept_after;
+        let mut fds = Vec::with_capacity(conns.len() + 1);
+        let mut l = shoal_transport::PollFd::new(&listener);
+        l.want_read = accepting;
+        fds.push(l);
+        for c in &conns {
+            let mut f = shoal_transport::PollFd::new(&c.stream);
+            f.want_read = !matches!(c.state, Exchange::Writing { .. });
+            f.want_write = !f.want_read;
+            fds.push(f);
+        }
+        let wake = conns.iter().map(|c| c.deadline).chain((!accepting).then_some(accept_after)).min();
+        let wait = wake.map_or(STOP_POLL, |w| w.saturating_duration_since(now).min(STOP_POLL));
+        if let Err(e) = shoal_transport::poll(&mut fds, wait) {
+            log::warn!("status server stopped: poll: {e}");
+            return;
+        }
+        let mut kept = Vec::with_capacity(conns.len());
+        for (mut c, f) in conns.drain(..).zip(&fds[1..]) {
+            if !(f.readable || f.writable) || step(&mut c, &status) {
+                kept.push(c);
             }
-        };
-        let path = request.url().split('?').next().unwrap_or("/").to_string();
-        let get = matches!(request.method(), tiny_http::Method::Get | tiny_http::Method::Head);
-        let (code, content_type, body) = match (get, path.as_str()) {
-            (false, _) => (405, "text/plain", "only GET is served\n".to_string()),
-            (true, "/metrics" | "/status") => match status() {
-                Some(s) if path == "/metrics" => (200, OPENMETRICS, metrics(s)),
-                Some(s) => (200, "application/json", status_json(&s).to_string()),
-                None => (503, "text/plain", "the master is stopping\n".to_string()),
-            },
-            (true, "/") => (200, "text/html; charset=utf-8", PAGE.to_string()),
-            (true, _) => (404, "text/plain", format!("no such page: {path} (try /, /status or /metrics)\n")),
-        };
-        let header =
-            tiny_http::Header::from_bytes(&b"Content-Type"[..], content_type.as_bytes()).expect("valid header");
-        let response = tiny_http::Response::from_string(body).with_status_code(code).with_header(header);
-        if let Err(e) = request.respond(response) {
-            log::debug!("status server: cannot answer {path}: {e}");
+        }
+        conns = kept;
+        if fds[0].readable {
+            if let Err(e) = accept_all(&listener, limits, &mut conns, &mut refusals) {
+                if let Some(note) = failures.admit(Instant::now()) {
+                    log::warn!("status server cannot accept a connection: {e}{note}");
+                }
+                accept_after = Instant::now() + ACCEPT_BACKOFF;
+            }
         }
     }
+}
+
+/// Accepts every queued connection, keeping those within `limits` and closing the others.
+fn accept_all(
+    listener: &TcpListener,
+    limits: Limits,
+    conns: &mut Vec<Conn>,
+    refusals: &mut LogLimit,
+) -> io::Result<()> {
+    loop {
+        let (stream, from) = match listener.accept() {
+            Ok(accepted) => accepted,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
+            Err(e) if e.kind() == ErrorKind::Interrupted || e.kind() == ErrorKind::ConnectionAborted => continue,
+            Err(e) => return Err(e),
+        };
+        let from_there = conns.iter().filter(|c| c.from == from.ip()).count();
+        let refused = if conns.len() >= limits.connections {
+            Some(format!("{} connections are open", conns.len()))
+        } else if from_there >= limits.per_source {
+            Some(format!("{from_there} connections from {} are open", from.ip()))
+        } else {
+            None
+        };
+        if let Some(why) = refused {
+            if let Some(note) = refusals.admit(Instant::now()) {
+                log::warn!("status server closed a connection from {from} unanswered: {why}{note}");
+            }
+            continue;
+        }
+        if stream.set_nonblocking(true).is_ok() {
+            let deadline = Instant::now() + limits.deadline;
+            conns.push(Conn { stream, from: from.ip(), deadline, state: Exchange::Reading(Vec::new()) });
+        }
+        debug_assert!(conns.len() <= limits.connections);
+    }
+}
+
+/// Moves `c`'s exchange on as far as it goes without blocking; false once it is over.
+fn step(c: &mut Conn, status: &impl Fn() -> Option<RunStatus>) -> bool {
+    let mut buf = [0u8; 4096];
+    loop {
+        match &mut c.state {
+            Exchange::Reading(head) => match (&c.stream).read(&mut buf) {
+                Ok(0) => return false,
+                Ok(n) => {
+                    head.extend_from_slice(&buf[..n]);
+                    if let Some(answer) = answer(head, status) {
+                        c.state = Exchange::Writing { answer, at: 0 };
+                    }
+                }
+                Err(e) => return e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted,
+            },
+            Exchange::Writing { answer, at } => match (&c.stream).write(&answer[*at..]) {
+                Ok(n) => {
+                    *at += n;
+                    if *at == answer.len() {
+                        // Only the write side: the client sees the end of the answer, and what it
+                        // still sends is read below rather than answered with a reset.
+                        let _ = c.stream.shutdown(Shutdown::Write);
+                        c.state = Exchange::Draining(0);
+                    }
+                }
+                Err(e) => return e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted,
+            },
+            Exchange::Draining(dropped) => match (&c.stream).read(&mut buf) {
+                Ok(0) => return false,
+                Ok(n) => {
+                    *dropped += n;
+                    if *dropped > DRAIN_BYTES {
+                        return false;
+                    }
+                }
+                Err(e) => return e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted,
+            },
+        }
+    }
+}
+
+/// The whole answer to the request whose head begins `head`, or `None` while the head is not
+/// complete yet.
+fn answer(head: &[u8], status: &impl Fn() -> Option<RunStatus>) -> Option<Vec<u8>> {
+    let mut headers = [httparse::EMPTY_HEADER; 32];
+    let mut request = httparse::Request::new(&mut headers);
+    // Only the first HTTP_MAX_HEAD_BYTES count: a head that does not end within them is refused.
+    let parsed = request.parse(&head[..head.len().min(HTTP_MAX_HEAD_BYTES)]);
+    let (code, content_type, body) = match parsed {
+        Ok(httparse::Status::Partial) if head.len() < HTTP_MAX_HEAD_BYTES => return None,
+        Ok(httparse::Status::Partial) | Err(httparse::Error::TooManyHeaders) => {
+            (431, "text/plain", format!("a request's head is at most {HTTP_MAX_HEAD_BYTES} bytes and 32 headers\n"))
+        }
+        Err(e) => (400, "text/plain", format!("malformed request: {e}\n")),
+        Ok(httparse::Status::Complete(_)) => {
+            let path = request.path.unwrap_or("/").split('?').next().unwrap_or("/");
+            let get = matches!(request.method, Some("GET" | "HEAD"));
+            match (get, path) {
+                (false, _) => (405, "text/plain", "only GET is served\n".to_string()),
+                (true, "/metrics" | "/status") => match status() {
+                    Some(s) if path == "/metrics" => (200, OPENMETRICS, metrics(s)),
+                    Some(s) => (200, "application/json", status_json(&s).to_string()),
+                    None => (503, "text/plain", "the master is stopping\n".to_string()),
+                },
+                (true, "/") => (200, "text/html; charset=utf-8", PAGE.to_string()),
+                (true, _) => (404, "text/plain", format!("no such page: {path} (try /, /status or /metrics)\n")),
+            }
+        }
+    };
+    let reason = match code {
+        200 => "OK",
+        400 => "Bad Request",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        431 => "Request Header Fields Too Large",
+        _ => "Service Unavailable",
+    };
+    let mut out = format!(
+        "HTTP/1.1 {code} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    if request.method != Some("HEAD") {
+        out.extend_from_slice(body.as_bytes());
+    }
+    Some(out)
 }
 
 /// The run as JSON: what `/status` serves and `shoal status` prints.
@@ -402,5 +602,124 @@ impl EncodeMetric for Histogram {
 
     fn metric_type(&self) -> MetricType {
         MetricType::Histogram
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::SocketAddr;
+    use std::thread;
+
+    /// A status server with `limits` on a fresh port, which has no run to show (503).
+    fn server(limits: Limits) -> (SocketAddr, Arc<AtomicBool>) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        thread::spawn(move || serve(listener, limits, s, || None));
+        (addr, stop)
+    }
+
+    /// A connection to `addr` from source address `from` (any 127/8 address is local).
+    fn dial_from(addr: SocketAddr, from: &str) -> TcpStream {
+        let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        socket.bind(&format!("{from}:0").parse::<SocketAddr>().unwrap().into()).unwrap();
+        socket.connect(&addr.into()).unwrap();
+        let stream: TcpStream = socket.into();
+        stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        stream
+    }
+
+    /// Sends `request` and reads the whole answer; its status code and the answer.
+    fn exchange(mut s: TcpStream, request: &[u8]) -> (u16, String) {
+        s.write_all(request).unwrap();
+        let mut answer = String::new();
+        s.read_to_string(&mut answer).unwrap();
+        let code = answer.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
+        (code, answer)
+    }
+
+    fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+        exchange(dial_from(addr, "127.0.0.1"), format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+    }
+
+    /// How long until the server closes `s` (reads 0 or a reset); panics past `bound`.
+    fn closed_within(s: &mut TcpStream, bound: Duration) -> Duration {
+        let started = Instant::now();
+        s.set_read_timeout(Some(bound)).unwrap();
+        let mut b = [0u8; 1024];
+        loop {
+            match s.read(&mut b) {
+                Ok(0) => return started.elapsed(),
+                Ok(_) => {}
+                Err(e) if e.kind() == ErrorKind::ConnectionReset => return started.elapsed(),
+                Err(e) => panic!("still open after {:?}: {e}", started.elapsed()),
+            }
+        }
+    }
+
+    #[test]
+    fn pages_methods_and_malformed_requests_get_their_codes() {
+        let (addr, stop) = server(Limits::default());
+        let (code, page) = get(addr, "/");
+        assert_eq!(code, 200);
+        assert!(page.contains("Content-Type: text/html") && page.ends_with(PAGE), "{}", &page[..200]);
+        assert_eq!(get(addr, "/status").0, 503, "no run to show");
+        assert_eq!(get(addr, "/nothing?x=1").0, 404);
+        let head = exchange(dial_from(addr, "127.0.0.1"), b"HEAD / HTTP/1.1\r\n\r\n").1;
+        assert!(head.ends_with("\r\n\r\n") && head.contains(&format!("Content-Length: {}", PAGE.len())), "{head}");
+        assert_eq!(exchange(dial_from(addr, "127.0.0.1"), b"GET / HTTP/1.1\r\nno colon\r\n\r\n").0, 400);
+        let long = format!("GET / HTTP/1.1\r\nX: {}\r\n\r\n", "y".repeat(HTTP_MAX_HEAD_BYTES));
+        assert_eq!(exchange(dial_from(addr, "127.0.0.1"), long.as_bytes()).0, 431);
+        // A body after the head is read and dropped: the client gets the answer, not a reset.
+        let post = format!("POST /status HTTP/1.1\r\nContent-Length: 40000\r\n\r\n{}", "z".repeat(40_000));
+        assert_eq!(exchange(dial_from(addr, "127.0.0.1"), post.as_bytes()).0, 405);
+        stop.store(true, Ordering::Relaxed);
+    }
+
+    #[test]
+    fn a_request_trickled_a_byte_at_a_time_is_closed_at_its_deadline() {
+        let deadline = Duration::from_millis(400);
+        let (addr, stop) = server(Limits { deadline, ..Limits::default() });
+        let mut slow = dial_from(addr, "127.0.0.1");
+        let trickle = {
+            let mut s = slow.try_clone().unwrap();
+            thread::spawn(move || {
+                for b in b"GET / HTTP/1.1\r\nX-Slow: ".iter().chain(std::iter::repeat(&b'y')) {
+                    if s.write_all(&[*b]).is_err() {
+                        return;
+                    }
+                    thread::sleep(Duration::from_millis(20));
+                }
+            })
+        };
+        // Served beside it meanwhile.
+        assert_eq!(get(addr, "/").0, 200);
+        let closed = closed_within(&mut slow, Duration::from_secs(3));
+        assert!(closed < deadline + Duration::from_millis(500), "closed after {closed:?}");
+        trickle.join().unwrap();
+        stop.store(true, Ordering::Relaxed);
+    }
+
+    #[test]
+    fn connections_past_the_caps_are_closed_at_once_and_others_are_still_served() {
+        let limits = Limits { connections: 12, per_source: 4, deadline: Duration::from_secs(30) };
+        let (addr, stop) = server(limits);
+        // Four idle connections from each of three addresses fill the server.
+        let mut held: Vec<TcpStream> = (0..3)
+            .flat_map(|i| (0..4).map(move |_| i))
+            .map(|i| dial_from(addr, &format!("127.0.0.{}", i + 2)))
+            .collect();
+        // Past the cap from one address, and past the total from a fourth one: closed unanswered.
+        for from in ["127.0.0.2", "127.0.0.9"] {
+            let mut extra = dial_from(addr, from);
+            assert!(closed_within(&mut extra, Duration::from_secs(2)) < Duration::from_secs(2));
+        }
+        // Once one is released, a client from anywhere is answered again.
+        drop(held.pop());
+        thread::sleep(Duration::from_millis(100));
+        assert_eq!(get(addr, "/").0, 200);
+        stop.store(true, Ordering::Relaxed);
     }
 }

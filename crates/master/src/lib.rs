@@ -10,7 +10,9 @@
 mod http;
 mod state;
 
-pub use http::{report_json, status_json};
+pub use http::{
+    report_json, status_json, HTTP_DEADLINE, HTTP_MAX_CONNECTIONS, HTTP_MAX_HEAD_BYTES, HTTP_MAX_PER_SOURCE,
+};
 
 use shoal_proto::auth::{DataKey, RunKey};
 use shoal_proto::loglimit::LogLimit;
@@ -117,10 +119,10 @@ impl MasterServer {
         let listener = shoal_transport::listen(&options.listen)?;
         let addr = listener.local_addr()?;
         let http = match &options.http {
-            Some(a) => Some(tiny_http::Server::http(a).map_err(|e| io::Error::other(format!("HTTP on {a}: {e}")))?),
+            Some(a) => Some(TcpListener::bind(a).map_err(|e| io::Error::new(e.kind(), format!("HTTP on {a}: {e}")))?),
             None => None,
         };
-        let http_addr = http.as_ref().and_then(|h| h.server_addr().to_ip());
+        let http_addr = http.as_ref().map(TcpListener::local_addr).transpose()?;
         let session = SessionId(RandomState::new().hash_one((std::process::id(), Instant::now())));
         let (tx, rx) = mpsc::channel();
         let stop = Arc::new(AtomicBool::new(false));
@@ -154,11 +156,11 @@ impl MasterServer {
         let driver = thread::Builder::new()
             .name("shoal-master".into())
             .spawn(move || drive(master, rx, write_timeout, state))?;
-        if let Some(server) = http {
+        if let Some(listener) = http {
             let (inputs, stop) = (tx.clone(), stop.clone());
             thread::Builder::new()
                 .name("shoal-master-http".into())
-                .spawn(move || http::serve(server, stop, || ask_status(&inputs)))?;
+                .spawn(move || http::serve(listener, http::Limits::default(), stop, || ask_status(&inputs)))?;
         }
         log::info!("master listening on {addr} (session {:016x})", session.0);
         if let Some(a) = http_addr {
