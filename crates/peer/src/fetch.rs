@@ -49,6 +49,74 @@ pub(crate) struct FetchReq {
     pub len: u64,
 }
 
+/// A fetch connection, as the listener hands it over: its first request checked already.
+pub(crate) struct FetchConn {
+    pub stream: Conn,
+    pub asker: Asker,
+    pub first: FetchReq,
+}
+
+/// Why a message on a fetch connection is not served.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum FetchRefused {
+    #[error("expected FetchRequest, got {0}")]
+    NotARequest(&'static str),
+    #[error("a fetch for {to} in session {session:016x}, we are {me} in {ours:016x}")]
+    Elsewhere { to: PeerId, session: u64, me: PeerId, ours: u64 },
+    #[error("a FetchRequest posing as {0} without the run's data key")]
+    Forged(PeerId),
+    #[error("a request from {now} on a connection {first} opened")]
+    OtherFetcher { first: PeerId, now: PeerId },
+}
+
+/// Who may ask on a fetch connection: the fetcher its first request named. Every request carries
+/// its own tag under the run's data key and is checked before anything is served, not only the
+/// first (later ones were once served whatever their tag, session or sender).
+#[derive(Clone)]
+pub(crate) struct Asker {
+    me: PeerId,
+    session: SessionId,
+    key: DataKey,
+    from: PeerId,
+}
+
+impl Asker {
+    /// The fetcher behind `message`, the first on a connection to `me`, received in `got`, and
+    /// its request.
+    pub fn first(
+        me: PeerId,
+        session: SessionId,
+        key: &DataKey,
+        got: SessionId,
+        message: &Message,
+    ) -> std::result::Result<(Asker, FetchReq), FetchRefused> {
+        let &Message::FetchRequest { from, .. } = message else {
+            return Err(FetchRefused::NotARequest(message.name()));
+        };
+        let asker = Asker { me, session, key: key.clone(), from };
+        let request = asker.next(got, message)?;
+        Ok((asker, request))
+    }
+
+    /// `message`, received in `got`, as a request of this connection's fetcher.
+    pub fn next(&self, got: SessionId, message: &Message) -> std::result::Result<FetchReq, FetchRefused> {
+        let &Message::FetchRequest { from, to, round, index, offset, len, mac } = message else {
+            return Err(FetchRefused::NotARequest(message.name()));
+        };
+        let (me, ours) = (self.me, self.session);
+        if got != ours || to != me {
+            return Err(FetchRefused::Elsewhere { to, session: got.0, me, ours: ours.0 });
+        }
+        if !DataKey::matches(self.key.fetch(got, from, to, round, index, offset, len), &mac) {
+            return Err(FetchRefused::Forged(from));
+        }
+        if from != self.from {
+            return Err(FetchRefused::OtherFetcher { first: self.from, now: from });
+        }
+        Ok(FetchReq { from, round, index, offset, len })
+    }
+}
+
 /// A tensor to fetch.
 pub(crate) struct Wanted {
     /// Its position in the state, sorted by name: the index a `FetchRequest` names.
@@ -133,17 +201,15 @@ impl Snapshots {
         }
     }
 
-    /// Serves `stream`, whose first request is `first`, if it asks for the copy kept; otherwise
-    /// hands it back (a fetch of a sync in progress).
-    pub fn serve(&self, stream: Conn, first: FetchReq) -> Option<Conn> {
+    /// Serves `fetch` if it asks for the copy kept; otherwise hands it back (a fetch of a sync in
+    /// progress).
+    pub fn serve(&self, fetch: FetchConn) -> Option<FetchConn> {
         let kept = self.current.lock().unwrap_or_else(PoisonError::into_inner).clone();
-        let Some(snapshot) = kept.filter(|s| s.round == first.round) else { return Some(stream) };
+        let Some(snapshot) = kept.filter(|s| s.round == fetch.first.round) else { return Some(fetch) };
         let served = Served { bytes: &self.sent, to: None };
-        let (round, views) = (snapshot.round, &snapshot.tensors);
-        if let Err(e) =
-            serve(stream, first, round, views, &served, &snapshot.dropped, self.rate.as_ref(), self.io_timeout)
-        {
-            log::debug!("serving the copy of sync {round} to {}: {e}", first.from);
+        let (round, views, from) = (snapshot.round, &snapshot.tensors, fetch.first.from);
+        if let Err(e) = serve(fetch, round, views, &served, &snapshot.dropped, self.rate.as_ref(), self.io_timeout) {
+            log::debug!("serving the copy of sync {round} to {from}: {e}");
         }
         None
     }
@@ -232,12 +298,11 @@ pub(crate) struct Served<'a> {
     pub to: Option<&'a Mutex<BTreeSet<PeerId>>>,
 }
 
-/// Answers one fetcher's requests for tensors of `round` from `views` until it hangs up or
-/// `stop` is set, at most at `rate`.
-#[allow(clippy::too_many_arguments)]
+/// Answers one fetcher's requests for tensors of `round` from `views` until it hangs up, stays
+/// silent for `io_timeout`, sends anything but its own tagged request, or `stop` is set; at most
+/// at `rate`.
 pub(crate) fn serve<T: AsRef<[u8]>>(
-    mut stream: Conn,
-    first: FetchReq,
+    FetchConn { mut stream, asker, first }: FetchConn,
     round: u64,
     views: &[T],
     served: &Served<'_>,
@@ -268,9 +333,10 @@ pub(crate) fn serve<T: AsRef<[u8]>>(
             to.lock().unwrap_or_else(PoisonError::into_inner).insert(request.from);
         }
         failpoint("sync.serve");
-        // The next request, or the end: the fetcher hangs up, or the sync ends here.
+        // The next request, or the end: the fetcher hangs up or idles, or the sync ends here.
+        let idle_until = Instant::now() + io_timeout;
         loop {
-            if stop.load(Ordering::Relaxed) {
+            if stop.load(Ordering::Relaxed) || Instant::now() >= idle_until {
                 return Ok(());
             }
             // A request may wait in the TLS session already, where no poll sees it.
@@ -281,12 +347,11 @@ pub(crate) fn serve<T: AsRef<[u8]>>(
                     continue;
                 }
             }
-            match read_message_until(&mut stream, Instant::now() + io_timeout, MAX_BODY_BYTES) {
-                Ok((_, Message::FetchRequest { from, round, index, offset, len, .. })) => {
-                    request = FetchReq { from, round, index, offset, len };
+            match read_message_until(&mut stream, idle_until, MAX_BODY_BYTES) {
+                Ok((session, message)) => {
+                    request = asker.next(session, &message).map_err(|e| e.to_string())?;
                     break;
                 }
-                Ok((_, other)) => return Err(format!("expected FetchRequest, got {}", other.name())),
                 Err(_) => return Ok(()), // hung up
             }
         }

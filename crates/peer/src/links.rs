@@ -19,6 +19,7 @@
 use crate::config::CommunicatorConfig;
 use crate::control::{Control, Waker};
 use crate::error::{Error, Result};
+use crate::fetch::{Asker, FetchConn};
 use crate::Deadline;
 use shoal_proto::auth::DataKey;
 use shoal_proto::peer::{Established, RingPosition};
@@ -77,7 +78,7 @@ pub(crate) struct Listener {
 /// shared-state fetches, by the sync that serves them).
 struct Arrivals {
     streams: Mutex<BTreeMap<PeerId, Pool>>,
-    fetches: Mutex<std::collections::VecDeque<(Conn, crate::fetch::FetchReq)>>,
+    fetches: Mutex<std::collections::VecDeque<crate::fetch::FetchConn>>,
     /// The copy of the shared state kept for newcomers, served by the greeting threads.
     snapshots: Arc<crate::fetch::Snapshots>,
     /// Connections refused at their greeting (strangers, forgeries, stale pools), and what of
@@ -173,7 +174,7 @@ impl Listener {
 
     /// The next connection a peer opened to fetch shared state from us, with its first request;
     /// waits up to `wait`.
-    pub fn take_fetch(&self, wait: Duration) -> Option<(Conn, crate::fetch::FetchReq)> {
+    pub fn take_fetch(&self, wait: Duration) -> Option<crate::fetch::FetchConn> {
         let fetches = self.arrivals.fetches.lock().unwrap_or_else(PoisonError::into_inner);
         let mut fetches = self
             .arrivals
@@ -505,18 +506,12 @@ fn greet(
     };
     let id = identity_by(identity, deadline)?;
     let (me, our_session) = (id.me, id.session);
-    if let Message::FetchRequest { from, to, round, index, offset, len, mac } = message {
-        if session != our_session || to != me {
-            return Err(format!("fetch for {to} in {session:?}, we are {me} in {our_session:?}"));
-        }
-        if !DataKey::matches(id.key.fetch(session, from, to, round, index, offset, len), &mac) {
-            return Err(format!("a FetchRequest posing as {from} without the run's data key"));
-        }
-        let request = crate::fetch::FetchReq { from, round, index, offset, len };
+    if let Message::FetchRequest { .. } = message {
+        let (asker, first) = Asker::first(me, our_session, &id.key, session, &message).map_err(|e| e.to_string())?;
         // A newcomer catching up is served here, on this connection's own thread: the calls of
         // this peer go on meanwhile. Any other fetch is for the sync in progress.
-        let Some(stream) = arrivals.snapshots.serve(stream, request) else { return Ok(()) };
-        arrivals.fetches.lock().unwrap_or_else(PoisonError::into_inner).push_back((stream, request));
+        let Some(fetch) = arrivals.snapshots.serve(FetchConn { stream, asker, first }) else { return Ok(()) };
+        arrivals.fetches.lock().unwrap_or_else(PoisonError::into_inner).push_back(fetch);
         arrivals.changed.notify_all();
         return Ok(());
     }
@@ -748,5 +743,58 @@ mod tests {
         assert!(!refused(&listener, session, &hello(&KEY, session, PeerId(2), me)), "the honest hello");
         await_refused(&listener, 2, "refusals are counted");
         assert_eq!(listener.arrivals.streams.lock().unwrap().get(&PeerId(2)).map(|p| p.streams.len()), Some(1));
+    }
+
+    /// Every request on a fetch connection is checked, not only its first (later ones were served
+    /// whatever their tag, session or sender: 64 KiB never asked for were read), and a fetcher
+    /// that stays silent is hung up on rather than kept while the copy is.
+    #[test]
+    fn every_fetch_request_on_a_connection_is_checked_and_an_idle_one_is_closed() {
+        let idle = Duration::from_millis(300);
+        let snapshots = crate::fetch::Snapshots::new(None, idle);
+        snapshots.keep(crate::fetch::Snapshot::new(1, vec![vec![7u8; 64], vec![9u8; 64]]));
+        let listener = Listener::start("127.0.0.1:0", None, snapshots).unwrap();
+        let (me, session) = (PeerId(1), SessionId(5));
+        listener.set_identity(me, session, KEY, "127.0.0.1:1");
+        let request = |key: &DataKey, tagged: SessionId, from: PeerId, index: u32| Message::FetchRequest {
+            from,
+            to: me,
+            round: 1,
+            index,
+            offset: 0,
+            len: 8,
+            mac: key.fetch(tagged, from, me, 1, index, 0, 8),
+        };
+        let dial = || {
+            let s = Conn::dial(&format!("127.0.0.1:{}", listener.port), Duration::from_secs(1), None).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            s
+        };
+        // The answer to `m` sent in `sent`, or None if the server hung up instead.
+        let ask = |s: &mut Conn, sent: SessionId, m: Message| -> Option<Vec<u8>> {
+            write_message(s, sent, &m).ok()?;
+            let mut answer = vec![0u8; 8];
+            std::io::Read::read_exact(s, &mut answer).ok().map(|()| answer)
+        };
+        let honest = |index| request(&KEY, session, PeerId(2), index);
+        let mut s = dial();
+        assert_eq!(ask(&mut s, session, honest(0)), Some(vec![7; 8]));
+        assert_eq!(ask(&mut s, session, honest(1)), Some(vec![9; 8]), "a second honest request");
+        let forged = [
+            (session, request(&DataKey([0; 32]), session, PeerId(2), 1)),
+            (session, request(&KEY, session, PeerId(3), 1)),
+            (SessionId(0), request(&KEY, SessionId(0), PeerId(2), 1)),
+            (session, hello(&KEY, session, PeerId(2), me)),
+        ];
+        for (sent, m) in forged {
+            let mut s = dial();
+            assert_eq!(ask(&mut s, session, honest(0)), Some(vec![7; 8]));
+            assert_eq!(ask(&mut s, sent, m.clone()), None, "served {m:?}");
+        }
+        let mut s = dial();
+        assert_eq!(ask(&mut s, session, honest(0)), Some(vec![7; 8]));
+        let started = Instant::now();
+        assert_eq!(std::io::Read::read(&mut s, &mut [0u8; 1]).ok(), Some(0), "an idle fetcher is hung up on");
+        assert!(started.elapsed() < idle + Duration::from_millis(700), "after {:?}", started.elapsed());
     }
 }

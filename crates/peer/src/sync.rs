@@ -94,14 +94,15 @@ impl Communicator {
             Some(std::thread::scope(|scope| {
                 scope.spawn(|| {
                     while !stop.load(Ordering::Relaxed) {
-                        let Some((stream, first)) = c.listener.take_fetch(Duration::from_millis(20)) else {
+                        let Some(fetch) = c.listener.take_fetch(Duration::from_millis(20)) else {
                             continue;
                         };
                         let (views, sent_bytes, sent_to, stop) = (&views, &sent_bytes, &sent_to, &stop);
                         scope.spawn(move || {
                             let served = Served { bytes: sent_bytes, to: Some(sent_to) };
-                            if let Err(e) = serve(stream, first, round, views, &served, stop, None, io_timeout) {
-                                log::debug!("serving {}: {e}", first.from);
+                            let from = fetch.first.from;
+                            if let Err(e) = serve(fetch, round, views, &served, stop, None, io_timeout) {
+                                log::debug!("serving {from}: {e}");
                             }
                         });
                     }
