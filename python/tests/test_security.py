@@ -38,6 +38,21 @@ def all_reduce_together(comms: list[shoal.Communicator]) -> list[np.ndarray]:
     return out
 
 
+def together(comms: list[shoal.Communicator], call) -> list:
+    """`call(c)` on every communicator at once; the results in order."""
+    results: list = [None] * len(comms)
+
+    def one(i: int) -> None:
+        results[i] = call(comms[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(comms))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return results
+
+
 def test_only_peers_with_the_secret_join_and_a_refusal_changes_nothing_else():
     with shoal.Master("127.0.0.1:0", secret=SECRET, heartbeat_timeout=2) as master:
         first = shoal.Communicator(master.address, secret=SECRET)
@@ -258,3 +273,82 @@ def test_the_status_endpoint_holds_thousands_of_idle_connections_on_one_thread()
         proc.terminate()
         _, err = proc.communicate(timeout=10)
     assert "cannot accept a connection" in err and "panick" not in err, err
+
+
+def test_trickled_handshakes_and_held_connections_keep_no_member_out(tmp_path, monkeypatch):
+    """300 connections trickling a TLS ClientHello a byte at a time once held the master's 256
+    slots for 40 s against a 5 s deadline (newcomers refused), and 20,000 at one peer's data port
+    gave it 19,990 threads. Now each handshake ends at its deadline however the bytes come, and
+    one address holds only its share of each listener's greeting slots: a newcomer joins, and the
+    members' all-reduces stay within 3x of their latency without the attack."""
+    monkeypatch.setenv("SHOAL_TRANSPORT", "tcp")
+    tls = make_certs(tmp_path / "run", "127.0.0.1", "localhost")
+    with shoal.Master("127.0.0.1:0", secret=SECRET, heartbeat_timeout=5, **tls) as master:
+        comms = [shoal.Communicator(master.address, secret=SECRET, connections=2, **tls) for _ in range(2)]
+        comms[0].connect(timeout=10)
+        joined = threading.Thread(target=comms[1].connect, kwargs={"timeout": 10})
+        joined.start()
+        while comms[0].peers_pending() is False:
+            time.sleep(0.05)
+        comms[0].update_topology()
+        joined.join(timeout=10)
+
+        def latency() -> float:
+            times = []
+            for _ in range(15):
+                started = time.monotonic()
+                assert all((x == 3).all() for x in all_reduce_together(comms))
+                times.append(time.monotonic() - started)
+            return sorted(times)[len(times) // 2]
+
+        quiet = latency()
+        data_port = next(p["addr"] for p in master.status()["peers"] if p["rank"] == 0).rsplit(":", 1)
+        targets = [tuple(master.address.rsplit(":", 1)), tuple(data_port)]
+        trickling: list[socket.socket] = []
+        for host, port in targets:
+            for _ in range(300):
+                s = socket.socket()
+                s.bind(("127.0.0.2", 0))
+                s.settimeout(5)
+                s.connect((host, int(port)))
+                s.setblocking(False)
+                trickling.append(s)
+        stop = threading.Event()
+
+        def trickle() -> None:
+            # A TLS record header announcing a large handshake record, then its body a byte at a time.
+            prefix = b"\x16\x03\x01\x40\x00"
+            sent = 0
+            while not stop.wait(0.2):
+                for s in trickling:
+                    try:
+                        s.send(prefix[sent:sent + 1] if sent < len(prefix) else b"\x01")
+                    except OSError:
+                        pass
+                sent += 1
+
+        dripper = threading.Thread(target=trickle)
+        dripper.start()
+        try:
+            time.sleep(1)
+            attacked = latency()
+            newcomer = shoal.Communicator(master.address, secret=SECRET, connections=2, **tls)
+            started = time.monotonic()
+            joined = threading.Thread(target=newcomer.connect, kwargs={"timeout": 20})
+            joined.start()
+            # Every member votes: peers_pending, then update_topology, together.
+            while not all(together(comms, lambda c: c.peers_pending())):
+                assert time.monotonic() - started < 10, "the newcomer was kept out"
+                time.sleep(0.05)
+            together(comms, lambda c: c.update_topology())
+            joined.join(timeout=20)
+            assert newcomer.world_size == 3
+        finally:
+            stop.set()
+            dripper.join()
+            for s in trickling:
+                s.close()
+        assert attacked <= 3 * quiet + 0.002, f"{attacked * 1e3:.2f} ms under attack, {quiet * 1e3:.2f} ms without"
+        newcomer.close()
+        for c in comms:
+            c.close()

@@ -17,6 +17,7 @@ pub use http::{
 use shoal_proto::auth::{DataKey, RunKey};
 use shoal_proto::loglimit::LogLimit;
 use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output, RunStatus};
+use shoal_transport::gate::{Gate, Pass};
 use shoal_transport::{read_message, read_message_until, write_message, Conn, TlsConfig, TransportError};
 use shoal_wire::{Message, SessionId};
 use state::StateDir;
@@ -24,7 +25,7 @@ use std::collections::BTreeMap;
 use std::hash::{BuildHasher, RandomState};
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
@@ -37,6 +38,8 @@ const WRITE_TIMEOUT_MAX: Duration = Duration::from_secs(1);
 /// Connections accepted that have not yet said `Join`: more are closed at once, so strangers
 /// holding connections open cannot exhaust threads and descriptors.
 pub const MAX_PENDING_CONNECTIONS: usize = 256;
+/// Of those, at most this many from one address: one stranger cannot fill them all.
+pub const MAX_PENDING_PER_SOURCE: usize = 64;
 /// Longest a status request waits for the driver.
 const STATUS_WAIT: Duration = Duration::from_secs(2);
 /// The largest first frame a connection may announce: a `Join` is far smaller.
@@ -225,25 +228,24 @@ fn accept_loop(
     greeting: Duration,
 ) {
     let mut next_conn = 0u64;
-    let pending = Arc::new(AtomicUsize::new(0));
+    let pending = Gate::new(MAX_PENDING_CONNECTIONS, MAX_PENDING_PER_SOURCE);
     // What strangers' connections log, shared by their threads (`shoal_proto::loglimit`).
     let refusals = Arc::new(Mutex::new(LogLimit::default()));
     let served = shoal_transport::accept_until(&listener, &stop, |stream, from| {
-        if pending.load(Ordering::Relaxed) >= MAX_PENDING_CONNECTIONS {
-            if let Some(note) = admit(&refusals) {
-                log::warn!(
-                    "refused a connection from {from}: {MAX_PENDING_CONNECTIONS} connections have not said Join \
-                     yet{note}"
-                );
+        let pass = match pending.enter(from.ip()) {
+            Ok(pass) => pass,
+            Err(full) => {
+                if let Some(note) = admit(&refusals) {
+                    log::warn!("refused a connection from {from} before its Join: {full}{note}");
+                }
+                return true;
             }
-            return true;
-        }
+        };
         let conn = ConnId(next_conn);
         next_conn += 1;
         log::debug!("connection {} from {from}", conn.0);
-        let (tx, pending, tls) = (inputs.clone(), Arc::clone(&pending), tls.clone());
+        let (tx, tls) = (inputs.clone(), tls.clone());
         let shared = Arc::clone(&refusals);
-        pending.fetch_add(1, Ordering::Relaxed);
         let spawned = thread::Builder::new().name("shoal-master-read".into()).spawn(move || {
             // The handshake counts against the greeting's deadline, on this thread: a stranger
             // who stalls it holds up no one else.
@@ -252,11 +254,11 @@ fn accept_loop(
             match opened {
                 Ok((reader, writer)) => {
                     if tx.send(Input::Connected(conn, writer)).is_ok() {
-                        read_loop(conn, from, reader, tx, deadline, &pending, &shared)
+                        read_loop(conn, from, reader, tx, deadline, pass, &shared)
                     }
                 }
                 Err(e) => {
-                    pending.fetch_sub(1, Ordering::Relaxed);
+                    drop(pass);
                     if let Some(note) = admit(&shared) {
                         log::warn!("connection {} from {from}: {e}; closing{note}", conn.0);
                     }
@@ -287,11 +289,11 @@ fn read_loop(
     mut stream: Conn,
     inputs: Sender<Input>,
     greeting: Instant,
-    pending: &AtomicUsize,
+    pending: Pass,
     refusals: &Mutex<LogLimit>,
 ) {
     let first = read_message_until(&mut stream, greeting, MAX_GREETING_BODY);
-    pending.fetch_sub(1, Ordering::Relaxed);
+    drop(pending);
     let mut read = Some(first);
     let mut greeted = false;
     loop {

@@ -1,7 +1,7 @@
 //! Strangers at the master's port: each attack is closed, logged, and changes nothing for a peer
 //! that joins properly beside it.
 
-use shoal_master::{MasterOptions, MasterServer, MAX_GREETING_BODY, MAX_PENDING_CONNECTIONS};
+use shoal_master::{MasterOptions, MasterServer, MAX_GREETING_BODY, MAX_PENDING_CONNECTIONS, MAX_PENDING_PER_SOURCE};
 use shoal_transport::{connect, read_message, write_message};
 use shoal_wire::{encode_frame, GroupId, Message, SessionId, StateDigest};
 use std::io::{Read, Write};
@@ -11,9 +11,13 @@ use std::time::{Duration, Instant};
 const GREETING: Duration = Duration::from_millis(500);
 
 fn master() -> MasterServer {
+    master_greeting_within(GREETING)
+}
+
+fn master_greeting_within(greeting: Duration) -> MasterServer {
     let options = MasterOptions {
         listen: "127.0.0.1:0".into(),
-        heartbeat_timeout: GREETING,
+        heartbeat_timeout: greeting,
         secret: None,
         http: None,
         state_dir: None,
@@ -103,4 +107,27 @@ fn connections_that_never_say_join_cannot_exhaust_the_master() {
         closed_within(&mut s, GREETING);
     }
     joins(&m);
+}
+
+/// One address holding connections open fills only its share of the slots for connections yet
+/// to say Join: 300 held from 127.0.0.2 once refused every newcomer until they timed out.
+#[test]
+fn one_address_holding_connections_open_cannot_keep_others_out() {
+    let m = master_greeting_within(Duration::from_secs(30));
+    let from_one = |_| {
+        let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        socket.bind(&"127.0.0.2:0".parse::<std::net::SocketAddr>().unwrap().into()).unwrap();
+        socket.connect(&m.local_addr().into()).unwrap();
+        TcpStream::from(socket)
+    };
+    let mut idle: Vec<TcpStream> = (0..MAX_PENDING_PER_SOURCE + 8).map(from_one).collect();
+    // Past its share, closed at once; a peer from elsewhere joins while the rest are held.
+    for s in &mut idle[MAX_PENDING_PER_SOURCE..] {
+        closed_within(s, Duration::from_secs(2));
+    }
+    let started = Instant::now();
+    joins(&m);
+    assert!(started.elapsed() < Duration::from_secs(2), "joined after {:?}", started.elapsed());
+    idle[0].set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+    assert!(!matches!(idle[0].read(&mut [0u8; 256]), Ok(0)), "the share was closed, not held");
 }

@@ -23,6 +23,7 @@ use crate::fetch::{Asker, FetchConn};
 use crate::Deadline;
 use shoal_proto::auth::DataKey;
 use shoal_proto::peer::{Established, RingPosition};
+use shoal_transport::gate::Gate;
 use shoal_transport::shm::{ShmLane, RING_BYTES};
 use shoal_transport::{limit_unsent, read_message_until, write_message, Conn, Stream, TlsConfig, TransportError};
 use shoal_wire::{Epoch, Member, Message, PeerId, SessionId};
@@ -37,6 +38,13 @@ use std::time::{Duration, Instant};
 
 /// How long an accepted stream may take to say hello, however its bytes trickle in.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+/// Connections a data port greets at once (TLS handshake, hello; a newcomer's fetch of the copy
+/// kept is served on its greeting's thread too). Past it, new ones are closed at once: 20,000
+/// trickling handshakes once gave a peer 19,990 threads and ran it out of descriptors.
+const MAX_GREETINGS: usize = 1024;
+/// Of those, from one address: a pool is at most `MAX_CONNECTIONS` (64) streams, and a host may
+/// run several peers that dial at once.
+const MAX_GREETINGS_PER_SOURCE: usize = 512;
 /// The largest hello (`PeerHello` or `FetchRequest`) an accepted stream may announce.
 const MAX_HELLO_BODY: u32 = 1 << 10;
 /// How long one dial may take before the successor is reported unreachable.
@@ -85,6 +93,9 @@ struct Arrivals {
     /// them may be logged ([`shoal_proto::loglimit`]).
     refused: AtomicU64,
     refusals: Mutex<shoal_proto::loglimit::LogLimit>,
+    /// Connections greeting at once, each on its thread: at most [`MAX_GREETINGS`], at most
+    /// [`MAX_GREETINGS_PER_SOURCE`] from one address (those on this host count as one).
+    greeting: Arc<Gate>,
     changed: Condvar,
     /// Woken when a pool is complete: a driver waiting for a link polls it.
     arrived: Waker,
@@ -113,6 +124,16 @@ pub(crate) struct Staged {
 impl Listener {
     /// Binds `addr` and starts accepting, with TLS if `tls` is given.
     pub fn start(addr: &str, tls: Option<TlsConfig>, snapshots: Arc<crate::fetch::Snapshots>) -> Result<Self> {
+        Self::start_gated(addr, tls, snapshots, Gate::new(MAX_GREETINGS, MAX_GREETINGS_PER_SOURCE))
+    }
+
+    /// As [`Listener::start`], greeting at most what `greeting` lets in at once.
+    fn start_gated(
+        addr: &str,
+        tls: Option<TlsConfig>,
+        snapshots: Arc<crate::fetch::Snapshots>,
+        greeting: Arc<Gate>,
+    ) -> Result<Self> {
         let io = |context: &str| {
             let context = format!("{context} {addr}");
             move |source| Error::Io { context, source }
@@ -125,6 +146,7 @@ impl Listener {
             snapshots,
             refused: AtomicU64::new(0),
             refusals: Mutex::default(),
+            greeting,
             changed: Condvar::new(),
             arrived,
         };
@@ -427,7 +449,9 @@ fn accept_loop(
 ) {
     let served = shoal_transport::accept_until(&listener, &stop, |stream, from| {
         let tls = tls.clone();
-        spawn_greeting(&identity, &arrivals, from.to_string(), move |id, a| greet(stream, tls.as_ref(), id, a));
+        spawn_greeting(&identity, &arrivals, from.ip(), from.to_string(), move |id, a| {
+            greet(stream, tls.as_ref(), id, a)
+        });
         true
     });
     if let Err(e) = served {
@@ -442,7 +466,8 @@ fn accept_local_loop(
     stop: Arc<AtomicBool>,
 ) {
     let served = shoal_transport::accept_local_until(&listener, &stop, |stream| {
-        spawn_greeting(&identity, &arrivals, "this host".into(), move |id, a| greet_local(stream, id, a));
+        let this_host = IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED);
+        spawn_greeting(&identity, &arrivals, this_host, "this host".into(), move |id, a| greet_local(stream, id, a));
         true
     });
     if let Err(e) = served {
@@ -450,15 +475,27 @@ fn accept_local_loop(
     }
 }
 
-/// Runs `greet` on a thread of its own: a slow or silent dialer must not hold up the others.
+/// Runs `greet` on a thread of its own, if the gate lets a connection from `source` in: a slow
+/// or silent dialer must not hold up the others.
 fn spawn_greeting(
     identity: &Arc<OnceLock<Identity>>,
     arrivals: &Arc<Arrivals>,
+    source: IpAddr,
     from: String,
     greet: impl FnOnce(&OnceLock<Identity>, &Arrivals) -> Result<(), String> + Send + 'static,
 ) {
+    let pass = match arrivals.greeting.enter(source) {
+        Ok(pass) => pass,
+        Err(full) => {
+            if let Some(note) = arrivals.refusals.lock().unwrap_or_else(PoisonError::into_inner).admit(Instant::now()) {
+                log::warn!("closed a data connection from {from} before its greeting: {full}{note}");
+            }
+            return;
+        }
+    };
     let (identity, arrivals) = (identity.clone(), arrivals.clone());
     let spawned = thread::Builder::new().name("shoal-hello".into()).spawn(move || {
+        let _pass = pass;
         if let Err(reason) = greet(&identity, &arrivals) {
             let refused = arrivals.refused.fetch_add(1, Ordering::Relaxed) + 1;
             let admitted = arrivals.refusals.lock().unwrap_or_else(PoisonError::into_inner).admit(Instant::now());
@@ -796,5 +833,34 @@ mod tests {
         let started = Instant::now();
         assert_eq!(std::io::Read::read(&mut s, &mut [0u8; 1]).ok(), Some(0), "an idle fetcher is hung up on");
         assert!(started.elapsed() < idle + Duration::from_millis(700), "after {:?}", started.elapsed());
+    }
+
+    /// Connections that never greet hold at most their address's share of the greeting threads;
+    /// past it they are closed at once, and a member from elsewhere still lands its stream.
+    #[test]
+    fn one_address_holding_connections_open_cannot_keep_members_out() {
+        let snapshots = crate::fetch::Snapshots::new(None, Duration::from_secs(5));
+        let listener = Listener::start_gated("127.0.0.1:0", None, snapshots, Gate::new(8, 4)).unwrap();
+        let (me, session) = (PeerId(1), SessionId(5));
+        listener.set_identity(me, session, KEY, "127.0.0.1:1");
+        let from = |source: &str| {
+            let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+            socket.bind(&format!("{source}:0").parse::<SocketAddr>().unwrap().into()).unwrap();
+            socket.connect(&SocketAddr::from(([127, 0, 0, 1], listener.port)).into()).unwrap();
+            let s = std::net::TcpStream::from(socket);
+            s.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
+            s
+        };
+        let held: Vec<_> = (0..4).map(|_| from("127.0.0.2")).collect();
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while listener.arrivals.greeting.held() < 4 {
+            assert!(Instant::now() < deadline, "the idle connections were not taken");
+            thread::sleep(Duration::from_millis(5));
+        }
+        let mut past = from("127.0.0.2");
+        assert!(matches!(std::io::Read::read(&mut past, &mut [0u8; 1]), Ok(0)), "a fifth was kept");
+        assert!(!refused(&listener, session, &hello(&KEY, session, PeerId(2), me)), "the member's hello");
+        assert_eq!(listener.arrivals.streams.lock().unwrap().get(&PeerId(2)).map(|p| p.streams.len()), Some(1));
+        drop(held);
     }
 }

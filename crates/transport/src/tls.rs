@@ -217,27 +217,38 @@ impl Conn {
         }
     }
 
+    /// One read or write at a time, each with what is left until `deadline` as its timeout:
+    /// rustls's `complete_io` reads on while each read returns within the timeout set before it,
+    /// so a client sending a byte at a time held a handshake for 40 s against a 5 s deadline.
     fn handshake(mut tcp: TcpStream, mut conn: Connection, deadline: Instant) -> io::Result<Conn> {
         let (read, write) = (tcp.read_timeout()?, tcp.write_timeout()?);
+        let timed_out = || io::Error::new(io::ErrorKind::TimedOut, "TLS handshake timed out");
         while conn.is_handshaking() {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(io::Error::new(io::ErrorKind::TimedOut, "TLS handshake timed out"));
+                return Err(timed_out());
             }
             tcp.set_read_timeout(Some(left))?;
             tcp.set_write_timeout(Some(left))?;
-            match conn.complete_io(&mut tcp) {
-                Ok(_) => {}
-                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
-                    return Err(io::Error::new(io::ErrorKind::TimedOut, "TLS handshake timed out"))
-                }
+            let moved = if conn.wants_write() { conn.write_tls(&mut tcp) } else { conn.read_tls(&mut tcp) };
+            match moved {
                 // What a listener without TLS does with a handshake: it reads it as garbage and
                 // hangs up.
+                Ok(0) => return Err(tls_error("the other end hung up during the handshake (has it TLS?)")),
+                Ok(_) => {}
+                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+                    return Err(timed_out())
+                }
                 Err(e) if matches!(e.kind(), io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset) => {
                     return Err(tls_error("the other end hung up during the handshake (has it TLS?)"))
                 }
-                Err(e) if e.kind() == io::ErrorKind::InvalidData => return Err(tls_error(format!("handshake: {e}"))),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
+            }
+            if let Err(e) = conn.process_new_packets() {
+                // The alert that says why, if it can go.
+                let _ = conn.write_tls(&mut tcp);
+                return Err(tls_error(format!("handshake: {e}")));
             }
         }
         // The client's last flight may still be buffered.
@@ -876,6 +887,33 @@ mod tests {
         let e = Conn::accept(tcp, Some(&config), started + Duration::from_millis(200)).err().expect("timed out");
         assert_eq!(e.kind(), io::ErrorKind::TimedOut);
         assert!(started.elapsed() < Duration::from_secs(3));
+    }
+
+    /// A dialer that sends its ClientHello a byte at a time cannot hold the acceptor past its
+    /// deadline either: each byte arrived within the read timeout, so 300 trickling handshakes
+    /// once held the master's slots for 40 s against a 5 s deadline.
+    #[test]
+    fn a_trickling_dialer_runs_out_the_handshake_deadline() {
+        let (_dir, config) = certs("trickle");
+        let name = ServerName::try_from("127.0.0.1".to_string()).unwrap();
+        let mut hello = Vec::new();
+        ClientConnection::new(config.client.clone(), name).unwrap().write_tls(&mut hello).unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut trickler = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (tcp, _) = listener.accept().unwrap();
+        let dripping = std::thread::spawn(move || {
+            for b in hello {
+                if trickler.write_all(&[b]).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        });
+        let started = Instant::now();
+        let e = Conn::accept(tcp, Some(&config), started + Duration::from_millis(300)).err().expect("timed out");
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+        assert!(started.elapsed() < Duration::from_millis(800), "held for {:?}", started.elapsed());
+        dripping.join().unwrap();
     }
 
     #[test]
