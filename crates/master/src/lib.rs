@@ -40,6 +40,9 @@ const WRITE_TIMEOUT_MAX: Duration = Duration::from_secs(1);
 pub const MAX_PENDING_CONNECTIONS: usize = 256;
 /// Of those, at most this many from one address: one stranger cannot fill them all.
 pub const MAX_PENDING_PER_SOURCE: usize = 64;
+/// Places past [`MAX_PENDING_CONNECTIONS`] that only the addresses of members a restarted master
+/// kept may take: strangers holding every slot cannot crowd them out.
+pub const MAX_PENDING_RESERVED: usize = 64;
 /// Longest a status request waits for the driver.
 const STATUS_WAIT: Duration = Duration::from_secs(2);
 /// The largest first frame a connection may announce: a `Join` is far smaller.
@@ -129,15 +132,23 @@ impl MasterServer {
         let session = SessionId(RandomState::new().hash_one((std::process::id(), Instant::now())));
         let (tx, rx) = mpsc::channel();
         let stop = Arc::new(AtomicBool::new(false));
+        let key = options.secret.as_deref().map(RunKey::from_secret);
+        let state = options.state_dir.as_deref().map(StateDir::open).transpose()?;
+        let kept = state.as_ref().map(StateDir::load).transpose()?.flatten();
+        // Members coming back to a restarted master get in past strangers holding the slots.
+        let members = kept.iter().flat_map(|run| &run.peers).filter_map(|p| p.addr.parse::<SocketAddr>().ok());
+        let pending = Gate::trusting(
+            MAX_PENDING_CONNECTIONS,
+            MAX_PENDING_PER_SOURCE,
+            members.map(|a| a.ip()).collect(),
+            MAX_PENDING_RESERVED,
+        );
         let (accept_tx, accept_stop) = (tx.clone(), stop.clone());
         // A connection must say Join within the time a silent peer is tolerated.
         let greeting = options.heartbeat_timeout;
         thread::Builder::new()
             .name("shoal-master-accept".into())
-            .spawn(move || accept_loop(listener, tls, accept_tx, accept_stop, greeting))?;
-        let key = options.secret.as_deref().map(RunKey::from_secret);
-        let state = options.state_dir.as_deref().map(StateDir::open).transpose()?;
-        let kept = state.as_ref().map(StateDir::load).transpose()?.flatten();
+            .spawn(move || accept_loop(listener, tls, accept_tx, accept_stop, greeting, pending))?;
         let (session, data_key) = match &kept {
             Some(run) => (run.session, DataKey(run.data_key)),
             // The run's key for data connections: random, handed to every peer the master
@@ -226,9 +237,9 @@ fn accept_loop(
     inputs: Sender<Input>,
     stop: Arc<AtomicBool>,
     greeting: Duration,
+    pending: Arc<Gate>,
 ) {
     let mut next_conn = 0u64;
-    let pending = Gate::new(MAX_PENDING_CONNECTIONS, MAX_PENDING_PER_SOURCE);
     // What strangers' connections log, shared by their threads (`shoal_proto::loglimit`).
     let refusals = Arc::new(Mutex::new(LogLimit::default()));
     let served = shoal_transport::accept_until(&listener, &stop, |stream, from| {

@@ -15,15 +15,27 @@ fn master() -> MasterServer {
 }
 
 fn master_greeting_within(greeting: Duration) -> MasterServer {
+    master_keeping(greeting, None)
+}
+
+fn master_keeping(greeting: Duration, state_dir: Option<std::path::PathBuf>) -> MasterServer {
     let options = MasterOptions {
         listen: "127.0.0.1:0".into(),
         heartbeat_timeout: greeting,
         secret: None,
         http: None,
-        state_dir: None,
+        state_dir,
         tls: None,
     };
     MasterServer::start(options).unwrap()
+}
+
+/// A connection to `m` from source address `from` (any 127/8 address is local).
+fn dial_from(m: &MasterServer, from: &str) -> TcpStream {
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    socket.bind(&format!("{from}:0").parse::<std::net::SocketAddr>().unwrap().into()).unwrap();
+    socket.connect(&m.local_addr().into()).unwrap();
+    TcpStream::from(socket)
 }
 
 fn dial(m: &MasterServer) -> TcpStream {
@@ -114,13 +126,7 @@ fn connections_that_never_say_join_cannot_exhaust_the_master() {
 #[test]
 fn one_address_holding_connections_open_cannot_keep_others_out() {
     let m = master_greeting_within(Duration::from_secs(30));
-    let from_one = |_| {
-        let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
-        socket.bind(&"127.0.0.2:0".parse::<std::net::SocketAddr>().unwrap().into()).unwrap();
-        socket.connect(&m.local_addr().into()).unwrap();
-        TcpStream::from(socket)
-    };
-    let mut idle: Vec<TcpStream> = (0..MAX_PENDING_PER_SOURCE + 8).map(from_one).collect();
+    let mut idle: Vec<TcpStream> = (0..MAX_PENDING_PER_SOURCE + 8).map(|_| dial_from(&m, "127.0.0.2")).collect();
     // Past its share, closed at once; a peer from elsewhere joins while the rest are held.
     for s in &mut idle[MAX_PENDING_PER_SOURCE..] {
         closed_within(s, Duration::from_secs(2));
@@ -130,4 +136,27 @@ fn one_address_holding_connections_open_cannot_keep_others_out() {
     assert!(started.elapsed() < Duration::from_secs(2), "joined after {:?}", started.elapsed());
     idle[0].set_read_timeout(Some(Duration::from_millis(100))).unwrap();
     assert!(!matches!(idle[0].read(&mut [0u8; 256]), Ok(0)), "the share was closed, not held");
+}
+
+/// Strangers from four addresses holding every slot of a restarted master once kept two of its
+/// three members out (removed, then `Kicked` on every call): the addresses its state directory
+/// kept members at still get in.
+#[test]
+fn members_coming_back_to_a_restarted_master_get_past_strangers_holding_every_slot() {
+    let dir = std::env::temp_dir().join(format!("shoal-hostile-restart-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut first = master_keeping(Duration::from_secs(30), Some(dir.clone()));
+    joins(&first);
+    first.stop();
+    let m = master_keeping(Duration::from_secs(30), Some(dir.clone()));
+    let sources = MAX_PENDING_CONNECTIONS / MAX_PENDING_PER_SOURCE;
+    let _held: Vec<TcpStream> =
+        (0..MAX_PENDING_CONNECTIONS).map(|i| dial_from(&m, &format!("127.0.0.{}", 2 + i % sources))).collect();
+    let mut stranger = dial_from(&m, "127.0.0.200");
+    closed_within(&mut stranger, Duration::from_secs(2));
+    // The member (its data address was 127.0.0.1) is challenged, as any connection let in is.
+    let mut member = dial_from(&m, "127.0.0.1");
+    member.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    assert!(matches!(read_message(&mut member), Ok((_, Message::Challenge { .. }))), "the member was kept out");
+    let _ = std::fs::remove_dir_all(&dir);
 }

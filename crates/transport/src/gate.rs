@@ -3,7 +3,7 @@
 //! share, and honest dialers from elsewhere still get in; a connection's pass is given back when
 //! its greeting ends, however it ends.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -23,6 +23,10 @@ pub enum Full {
 pub struct Gate {
     total: usize,
     per_source: usize,
+    /// Addresses that may take `reserve` places past `total`: where the run's members were, so
+    /// strangers filling the gate cannot crowd them out when they come back.
+    trusted: HashSet<IpAddr>,
+    reserve: usize,
     held: Mutex<Held>,
 }
 
@@ -35,8 +39,14 @@ struct Held {
 impl Gate {
     /// A gate for at most `total` connections, `per_source` of them from one address.
     pub fn new(total: usize, per_source: usize) -> Arc<Gate> {
+        Gate::trusting(total, per_source, HashSet::new(), 0)
+    }
+
+    /// As [`Gate::new`], with `reserve` more places that only connections from `trusted`
+    /// addresses may take.
+    pub fn trusting(total: usize, per_source: usize, trusted: HashSet<IpAddr>, reserve: usize) -> Arc<Gate> {
         assert!(per_source > 0 && per_source <= total, "a gate that holds nothing refuses everyone");
-        Arc::new(Gate { total, per_source, held: Mutex::default() })
+        Arc::new(Gate { total, per_source, trusted, reserve, held: Mutex::default() })
     }
 
     /// A pass for a connection from `from`, given back when dropped; or why there is none.
@@ -45,7 +55,8 @@ impl Gate {
     /// [`Full`] if the gate holds its cap in all or from `from`.
     pub fn enter(self: &Arc<Self>, from: IpAddr) -> Result<Pass, Full> {
         let mut held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
-        if held.total >= self.total {
+        let cap = self.total + if self.trusted.contains(&from) { self.reserve } else { 0 };
+        if held.total >= cap {
             return Err(Full::Total(held.total));
         }
         let there = held.by_source.entry(from).or_insert(0);
@@ -54,7 +65,7 @@ impl Gate {
         }
         *there += 1;
         held.total += 1;
-        debug_assert!(held.total <= self.total && held.by_source.values().sum::<usize>() == held.total);
+        debug_assert!(held.total <= self.total + self.reserve && held.by_source.values().sum::<usize>() == held.total);
         Ok(Pass { gate: Arc::clone(self), from })
     }
 
@@ -105,5 +116,16 @@ mod tests {
         assert_eq!(gate.enter(a).map(drop), Ok(()), "a's share is free again");
         drop((again, back, others));
         assert_eq!(gate.held(), 0);
+    }
+
+    #[test]
+    fn trusted_addresses_get_in_past_a_full_gate() {
+        let (member, stranger, other): (IpAddr, IpAddr, IpAddr) =
+            ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap(), "10.0.0.3".parse().unwrap());
+        let gate = Gate::trusting(2, 2, HashSet::from([member]), 1);
+        let _full: Vec<Pass> = (0..2).map(|_| gate.enter(stranger).unwrap()).collect();
+        assert_eq!(gate.enter(other).unwrap_err(), Full::Total(2));
+        let _back = gate.enter(member).unwrap();
+        assert_eq!(gate.enter(member).unwrap_err(), Full::Total(3), "the reserve is spent");
     }
 }
