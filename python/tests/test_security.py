@@ -352,3 +352,89 @@ def test_trickled_handshakes_and_held_connections_keep_no_member_out(tmp_path, m
         newcomer.close()
         for c in comms:
             c.close()
+
+
+SQUATTER = r"""
+import os, select, socket, sys
+os.setgid(65534)
+os.setuid(65534)
+import time
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+for _ in range(100):  # the member of the run before lets the name go as its listener stops
+    try:
+        s.bind(b"\0" + sys.argv[1].encode())
+        break
+    except OSError:
+        time.sleep(0.05)
+s.listen(64)
+print("bound", flush=True)
+s.settimeout(0.2)
+got = 0
+conns = []
+while not select.select([sys.stdin], [], [], 0)[0]:  # until the test closes our stdin
+    try:
+        c, _ = s.accept()
+        c.setblocking(False)
+        conns.append(c)
+    except socket.timeout:
+        pass
+    for c in conns:
+        try:
+            got += len(c.recv(65536))
+        except BlockingIOError:
+            pass
+print(f"accepted {len(conns)} received {got}", flush=True)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a second user is made with setuid, which takes root")
+def test_another_users_process_on_the_same_socket_name_gets_nothing(capfd):
+    """A process of another uid that bound a member's local socket name (`shoal-data-PORT`) first
+    received every dialer's keyed hello and the lane's memory, and rewrote every all-reduce's
+    result with no error anywhere. Dialers now check who listens before they send anything: the
+    squatter gets no byte, the members fall back to TCP with a warning that names the socket, and
+    their results stay right."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    name = f"shoal-data-{port}"
+
+    def run() -> float:
+        """Two members, the first listening on `port`: the median latency of their all-reduces."""
+        with shoal.Master("127.0.0.1:0", heartbeat_timeout=5) as master:
+            comms = [shoal.Communicator(master.address, listen_addr=f"127.0.0.1:{port}"),
+                     shoal.Communicator(master.address)]
+            comms[0].connect(timeout=10)
+            joined = threading.Thread(target=comms[1].connect, kwargs={"timeout": 10})
+            joined.start()
+            while comms[0].peers_pending() is False:
+                time.sleep(0.05)
+            comms[0].update_topology()
+            joined.join(timeout=10)
+            times = []
+            for _ in range(20):
+                started = time.monotonic()
+                assert all((x == 3).all() for x in all_reduce_together(comms))
+                times.append(time.monotonic() - started)
+            transports = [link["transport"] for link in comms[1].links()]
+            for c in comms:
+                c.close()
+        return sorted(times)[len(times) // 2], transports
+
+    quiet, transports = run()
+    assert transports == ["shm"]
+    squatter = subprocess.Popen([sys.executable, "-c", SQUATTER, name], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True)
+    try:
+        assert squatter.stdout.readline().strip() == "bound"
+        attacked, transports = run()
+        # What the second member sends its squatted neighbour goes over TCP; what it receives,
+        # over shared memory to its own socket, which no one squats.
+        assert transports == ["mixed"]
+    finally:
+        out, _ = squatter.communicate(timeout=10)
+    accepted, received = (int(w) for w in out.split()[1::2])
+    assert accepted >= 1 and received == 0, out
+    err = capfd.readouterr().err
+    assert f"local socket @{name}" in err and "held by uid 65534" in err, err
+    assert attacked <= 3 * quiet + 0.002, f"{attacked * 1e3:.2f} ms under attack, {quiet * 1e3:.2f} ms without"

@@ -92,7 +92,7 @@ fn check_private(path: &Path, dir: bool) -> io::Result<()> {
     if (dir && !kind.is_dir()) || (!dir && !kind.is_file()) {
         return refuse(format!("not {expected}"));
     }
-    let me = effective_uid();
+    let me = shoal_transport::shm::effective_uid();
     if meta.uid() != me {
         return refuse(format!("owned by uid {}, not by this master's ({me})", meta.uid()));
     }
@@ -100,13 +100,6 @@ fn check_private(path: &Path, dir: bool) -> io::Result<()> {
         return refuse(format!("writable by others (mode {:o})", meta.mode() & 0o777));
     }
     Ok(())
-}
-
-/// The user this process acts as.
-#[allow(unsafe_code)]
-fn effective_uid() -> u32 {
-    // SAFETY: geteuid takes nothing, cannot fail and touches no memory of ours.
-    unsafe { libc::geteuid() }
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -296,7 +289,7 @@ mod tests {
         assert_eq!(fs::read_to_string(&planted).unwrap(), "{}");
         assert_eq!(state.load().unwrap(), Some(run()));
 
-        if effective_uid() == 0 {
+        if shoal_transport::shm::effective_uid() == 0 {
             // As root, a directory of another user's.
             let theirs = scratch("theirs");
             fs::create_dir(&theirs).unwrap();

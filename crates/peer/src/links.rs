@@ -177,7 +177,11 @@ impl Listener {
                     .spawn(move || accept_local_loop(local, identity, arrivals, stop))
                     .map_err(io("spawning the local accept thread for"))?;
             }
-            Err(e) => log::info!("no shared-memory lanes to the listener on {addr}: local socket: {e}"),
+            // Taken by another process: maybe one of another user's, squatting it to intercept
+            // lanes (dialers check who listens before they send anything).
+            Err(e) => {
+                log::warn!("no shared-memory lanes to the listener on {addr}: local socket @{}: {e}", local_name(port))
+            }
         }
         Ok(me)
     }
@@ -408,6 +412,31 @@ fn dial_local(id: &Identity, addr: &str, hello: &Message, wait: Duration) -> Opt
     let port: u16 = addr.rsplit_once(':')?.1.parse().ok()?;
     let name = std::os::unix::net::SocketAddr::from_abstract_name(local_name(port)).ok()?;
     let mut s = UnixStream::connect_addr(&name).ok()?;
+    // Nothing goes to a listener of another user: one that bound the name first would take the
+    // hello (to replay over TCP) and the ring (to read and rewrite every chunk).
+    let ours = shoal_transport::shm::effective_uid();
+    match shoal_transport::shm::peer_cred(&s) {
+        Ok(cred) if cred.uid == ours => {}
+        Ok(cred) => {
+            log::warn!(
+                "{}: the local socket @{} of {addr} is held by uid {} (pid {}), not by us (uid {ours}): \
+                 another user may be squatting it; dialing TCP",
+                id.me,
+                local_name(port),
+                cred.uid,
+                cred.pid
+            );
+            return None;
+        }
+        Err(e) => {
+            log::warn!(
+                "{}: cannot tell who holds the local socket @{} of {addr} ({e}): dialing TCP",
+                id.me,
+                local_name(port)
+            );
+            return None;
+        }
+    }
     let mut attempt = || -> std::io::Result<ShmLane> {
         s.set_read_timeout(Some(wait.max(Duration::from_millis(1))))?;
         write_message(&mut s, id.session, hello).map_err(std::io::Error::other)?;

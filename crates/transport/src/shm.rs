@@ -123,6 +123,29 @@ impl Drop for Segment {
     }
 }
 
+/// The process at the other end of a Unix socket, as the kernel saw it connect (`SO_PEERCRED`).
+///
+/// # Errors
+/// Errors of `getsockopt(2)`.
+pub fn peer_cred(socket: &impl AsRawFd) -> io::Result<libc::ucred> {
+    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: SO_PEERCRED fills a `ucred` of `len` bytes on a socket we hold open.
+    let rc = unsafe {
+        libc::getsockopt(socket.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, (&raw mut cred).cast(), &raw mut len)
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(cred)
+}
+
+/// This process's effective user id.
+pub fn effective_uid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
 /// One end of a shared-memory lane: the writer (the dialer) or the reader (the acceptor).
 pub struct ShmLane {
     seg: Segment,
@@ -359,20 +382,8 @@ impl Lane for ShmLane {
     }
 
     fn partner_pid(&self) -> Option<u32> {
-        let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
-        let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-        // SAFETY: SO_PEERCRED fills a `ucred` of `len` bytes on our own socket.
-        let rc = unsafe {
-            libc::getsockopt(
-                self.bell.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_PEERCRED,
-                (&raw mut cred).cast(),
-                &raw mut len,
-            )
-        };
         // A pid of 0: the process lives in a pid namespace we cannot see.
-        (rc == 0 && cred.pid > 0).then(|| cred.pid.unsigned_abs())
+        peer_cred(&self.bell).ok().filter(|c| c.pid > 0).map(|c| c.pid.unsigned_abs())
     }
 
     fn peek(&mut self, len: usize) -> io::Result<Option<&[u8]>> {
