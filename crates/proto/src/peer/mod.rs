@@ -371,25 +371,29 @@ pub struct Peer {
     taken_up: Option<RingPosition>,
     outbox: VecDeque<Message>,
     actions: VecDeque<Action>,
-    lost: Option<String>,
-    closed: bool,
+    /// Where we stand with the master; changed only by [`Peer::set_link`].
+    link: Link,
     last_heard: Instant,
     next_heartbeat: Instant,
     /// Counters the driver attached, sent at the next heartbeat in its place.
     report: Option<PeerReport>,
-    /// The control connection broke: until when the driver may dial again, why it broke, and
-    /// whether the new connection was challenged (then `Rejoin` went out).
-    reconnecting: Option<Reconnecting>,
     /// When the master told us of each removed peer ([`Peer::removal_grace`]).
     removed_at: std::collections::BTreeMap<PeerId, Instant>,
 }
 
-/// A broken control connection, being dialed again.
+/// Where a peer stands with the master. Expulsion and refusal are the master's news and live in
+/// the view; this is what the connection did.
 #[derive(Debug, Clone)]
-struct Reconnecting {
-    until: Instant,
-    reason: String,
-    rejoined: bool,
+enum Link {
+    /// Connected, or joining: messages go out as they come.
+    Up,
+    /// The connection broke for `reason`: the driver dials again until `until`; `rejoined` once
+    /// the new connection was challenged and `Rejoin` went out (nothing else goes out before).
+    Reconnecting { until: Instant, reason: String, rejoined: bool },
+    /// The master is lost for good: broke the protocol, fell silent, or was not back in time.
+    Lost(String),
+    /// We left ([`Peer::close`]).
+    Closed,
 }
 
 impl Peer {
@@ -404,12 +408,10 @@ impl Peer {
             taken_up: None,
             outbox: VecDeque::new(),
             actions: VecDeque::new(),
-            lost: None,
-            closed: false,
+            link: Link::Up,
             last_heard: now,
             next_heartbeat: now + heartbeat_interval(config.heartbeat_timeout),
             report: None,
-            reconnecting: None,
             removed_at: std::collections::BTreeMap::new(),
             config,
         }
@@ -438,15 +440,22 @@ impl Peer {
 
     /// Whether the driver must dial the master again: until when it may try, if it must.
     pub fn reconnecting(&self) -> Option<Instant> {
-        self.reconnecting.as_ref().filter(|r| !r.rejoined && self.gone().is_none()).map(|r| r.until)
+        match self.link {
+            Link::Reconnecting { until, rejoined: false, .. } if self.gone().is_none() => Some(until),
+            _ => None,
+        }
     }
 
     /// A new control connection was challenged with `nonce`: `Rejoin` goes out on it first, then
     /// whatever waited for the connection.
     pub fn handle_reconnected(&mut self, nonce: [u8; 32], now: Instant) {
-        let (Some(r), Some((peer, session))) = (self.reconnecting.as_mut(), self.view.registered) else { return };
-        log::info!("control connection back ({}); rejoining as {peer}", r.reason);
-        r.rejoined = true;
+        let (Link::Reconnecting { until, reason, rejoined: false }, Some((peer, session))) =
+            (&self.link, self.view.registered)
+        else {
+            return;
+        };
+        log::info!("control connection back ({reason}); rejoining as {peer}");
+        self.set_link(Link::Reconnecting { until: *until, reason: reason.clone(), rejoined: true });
         let proof = self.config.key.as_ref().map_or([0; 32], |key| key.prove(&nonce));
         self.outbox.push_front(Message::Rejoin { peer, session, proof });
         self.last_heard = now;
@@ -479,10 +488,11 @@ impl Peer {
         if let Some(reason) = &self.view.refused {
             return Some(Gone::AuthFailed(reason.clone()));
         }
-        if self.closed {
-            return Some(Gone::Closed);
+        match &self.link {
+            Link::Closed => Some(Gone::Closed),
+            Link::Lost(reason) => Some(Gone::MasterLost(reason.clone())),
+            Link::Up | Link::Reconnecting { .. } => None,
         }
-        self.lost.clone().map(Gone::MasterLost)
     }
 
     /// Whether a call is in progress (running, in flight or waiting to begin).
@@ -598,7 +608,9 @@ impl Peer {
             Err(e) => {
                 // The master broke the protocol: no new connection mends that.
                 log::warn!("master lost: {e}");
-                self.lost = Some(e.to_string());
+                if self.gone().is_none() {
+                    self.set_link(Link::Lost(e.to_string()));
+                }
                 self.progress(now)
             }
         }
@@ -612,21 +624,21 @@ impl Peer {
         if self.gone().is_some() {
             return self.progress(now);
         }
-        let until = match &self.reconnecting {
+        let until = match self.link {
             // The new connection broke too: the first break's time still counts.
-            Some(r) => r.until,
-            None => now + self.config.heartbeat_timeout,
+            Link::Reconnecting { until, .. } => until,
+            _ => now + self.config.heartbeat_timeout,
         };
-        if !self.config.reconnect || self.view.registered.is_none() || self.closed || now >= until {
+        if !self.config.reconnect || self.view.registered.is_none() || now >= until {
             log::warn!("master lost: {reason}");
-            self.lost = Some(reason);
+            self.set_link(Link::Lost(reason));
             return self.progress(now);
         }
         log::warn!(
             "control connection lost ({reason}); dialing the master again for {:.1} s",
             until.saturating_duration_since(now).as_secs_f64()
         );
-        self.reconnecting = Some(Reconnecting { until, reason: reason.clone(), rejoined: false });
+        self.set_link(Link::Reconnecting { until, reason: reason.clone(), rejoined: false });
         self.interrupt_master_calls(&reason);
         self.progress(now);
     }
@@ -658,7 +670,9 @@ impl Peer {
 
     /// The master took us back after a broken connection: what awaited its answer asks again.
     fn rejoined(&mut self, now: Instant) {
-        self.reconnecting = None;
+        if matches!(self.link, Link::Reconnecting { .. }) {
+            self.set_link(Link::Up);
+        }
         let asking: Vec<(OpId, OpStage)> = self
             .ops
             .iter()
@@ -677,20 +691,23 @@ impl Peer {
     pub fn handle_timeout(&mut self, now: Instant) {
         if self.gone().is_none() {
             let silent = now.saturating_duration_since(self.last_heard);
-            if silent > self.config.heartbeat_timeout && self.reconnecting.is_none() {
+            let reconnecting = match &self.link {
+                Link::Reconnecting { until, reason, .. } => Some((*until, reason.clone())),
+                _ => None,
+            };
+            if silent > self.config.heartbeat_timeout && reconnecting.is_none() {
                 // A silent master may be frozen: dialing it again would not help.
                 log::warn!("master lost: no message for {:.1} s", silent.as_secs_f64());
-                self.lost = Some(format!("no message for {:.1} s", silent.as_secs_f64()));
+                self.set_link(Link::Lost(format!("no message for {:.1} s", silent.as_secs_f64())));
                 return self.progress(now);
             }
-            if self.reconnecting.is_some() {
+            if let Some((until, reason)) = reconnecting {
                 // Nothing goes out until the master took us back; a connection not back in time
                 // is the master lost.
-                if self.reconnecting.as_ref().is_some_and(|r| now >= r.until) {
-                    let reason = self.reconnecting.take().map(|r| r.reason).unwrap_or_default();
+                if now >= until {
                     let bound = self.config.heartbeat_timeout.as_secs_f64();
                     log::warn!("master lost: {reason}; not back within {bound:.1} s");
-                    self.lost = Some(format!("{reason}; the master was not back within {bound:.1} s"));
+                    self.set_link(Link::Lost(format!("{reason}; the master was not back within {bound:.1} s")));
                     return self.progress(now);
                 }
             } else if now >= self.next_heartbeat {
@@ -713,9 +730,9 @@ impl Peer {
             OpStage::Running | OpStage::Lap => o.deadline,
             OpStage::Asking(until) | OpStage::Reporting(until, _) => *until,
         });
-        let master = match &self.reconnecting {
-            Some(r) => r.until,
-            None => self.next_heartbeat.min(self.last_heard + self.config.heartbeat_timeout + Duration::from_millis(1)),
+        let master = match self.link {
+            Link::Reconnecting { until, .. } => until,
+            _ => self.next_heartbeat.min(self.last_heard + self.config.heartbeat_timeout + Duration::from_millis(1)),
         };
         Some(call.into_iter().chain(queued).chain(ops).fold(master, Instant::min))
     }
@@ -724,7 +741,7 @@ impl Peer {
     /// being dialed again: what waits goes out after `Rejoin`.
     #[must_use]
     pub fn poll_output(&mut self) -> Option<Message> {
-        if self.reconnecting.as_ref().is_some_and(|r| !r.rejoined) {
+        if matches!(self.link, Link::Reconnecting { rejoined: false, .. }) {
             return None;
         }
         self.outbox.pop_front()
@@ -843,8 +860,8 @@ impl Peer {
 
     /// Leaves the run: tells the master, and every call in progress ends.
     pub fn close(&mut self, now: Instant) {
-        if !self.closed {
-            self.closed = true;
+        if !matches!(self.link, Link::Closed) {
+            self.set_link(Link::Closed);
             // The last counts go first: the master keeps them in its totals.
             if let Some(report) = self.report.take().filter(|_| self.view.registered.is_some()) {
                 self.outbox.push_back(Message::Report { report });
@@ -852,6 +869,24 @@ impl Peer {
             self.outbox.push_back(Message::Leave);
         }
         self.progress(now);
+    }
+
+    /// Moves to `next`, which must follow from where we stand: a lost master and a closed peer
+    /// are for good (only closing follows the one, nothing the other), and only a broken
+    /// connection is dialed again.
+    fn set_link(&mut self, next: Link) {
+        let legal = matches!(
+            (&self.link, &next),
+            (Link::Up, Link::Reconnecting { rejoined: false, .. })
+                | (Link::Reconnecting { .. }, Link::Reconnecting { .. } | Link::Up)
+                | (Link::Up | Link::Reconnecting { .. }, Link::Lost(_))
+                | (Link::Up | Link::Reconnecting { .. } | Link::Lost(_), Link::Closed)
+        );
+        assert!(legal, "illegal link transition {:?} -> {:?}", self.link, next);
+        if let (Link::Reconnecting { until, .. }, Link::Reconnecting { until: next_until, .. }) = (&self.link, &next) {
+            assert_eq!(until, next_until, "a connection broken again keeps the first break's bound");
+        }
+        self.link = next;
     }
 
     fn next_id(&mut self) -> CallId {

@@ -662,3 +662,23 @@ fn without_reconnect_a_broken_connection_loses_the_master() {
     assert_eq!(p.reconnecting(), None);
     assert!(matches!(p.gone(), Some(Gone::MasterLost(_))));
 }
+
+/// A lost master and a closed peer are for good: no broken connection, silence or protocol
+/// error brings either back to dialing, and closing a peer whose master is lost says closed.
+#[test]
+fn a_lost_master_and_a_closed_peer_stay_so() {
+    let (mut p, t0) = joined_with(&[0, 1], true);
+    p.handle_timeout(t0 + HEARTBEAT_TIMEOUT * 2);
+    assert!(matches!(p.gone(), Some(Gone::MasterLost(why)) if why.contains("no message")));
+    p.handle_disconnect("reset by peer".into(), t0 + HEARTBEAT_TIMEOUT * 2);
+    assert_eq!(p.reconnecting(), None, "a silent master is not dialed again");
+    p.close(t0 + HEARTBEAT_TIMEOUT * 3);
+    assert_eq!(p.gone(), Some(Gone::Closed));
+
+    let (mut p, t0) = joined_with(&[0, 1], true);
+    p.close(t0);
+    p.handle_disconnect("closed by us".into(), t0);
+    let _ = p.handle_message(Message::Challenge { nonce: [1; 32] }, t0);
+    p.handle_timeout(t0 + HEARTBEAT_TIMEOUT * 2);
+    assert_eq!((p.gone(), p.reconnecting(), p.poll_timeout()), (Some(Gone::Closed), None, None));
+}
