@@ -1015,7 +1015,8 @@ fn tls_files(given: [Option<PathBuf>; 3], env: Option<TlsFiles>) -> PyResult<Opt
         return Ok(env);
     }
     let (env_cert, env_key, env_ca) = env.map_or((None, None, None), |f| (Some(f.cert), Some(f.key), Some(f.ca)));
-    TlsFiles::from_parts(cert.or(env_cert), key.or(env_key), ca.or(env_ca)).map_err(PyValueError::new_err)
+    TlsFiles::from_parts(cert.or(env_cert), key.or(env_key), ca.or(env_ca))
+        .map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
 /// A host's certificate, as `make_certs` made it: (host, certificate file, key file).
@@ -1025,7 +1026,7 @@ type HostCert = (String, PathBuf, PathBuf);
 /// it was made now, and each host's (host, certificate, key).
 #[pyfunction]
 fn make_certs(out_dir: PathBuf, hosts: Vec<String>) -> PyResult<(PathBuf, bool, Vec<HostCert>)> {
-    let made = shoal_transport::tls::make_certs(&out_dir, &hosts).map_err(PyValueError::new_err)?;
+    let made = shoal_transport::tls::make_certs(&out_dir, &hosts).map_err(|e| PyValueError::new_err(e.to_string()))?;
     Ok((made.ca, made.new_ca, made.hosts))
 }
 

@@ -61,7 +61,8 @@ impl Communicator {
     pub fn new(config: CommunicatorConfig) -> Result<Self> {
         config.validate()?;
         shoal_config::init_logging();
-        let tls = config.tls.as_ref().map(TlsConfig::load).transpose().map_err(Error::InvalidArgument)?;
+        let tls =
+            config.tls.as_ref().map(TlsConfig::load).transpose().map_err(|e| Error::InvalidArgument(e.to_string()))?;
         let stats = Arc::new(Stats::default());
         Ok(Communicator {
             connected: Mutex::new(None),

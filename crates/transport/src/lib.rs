@@ -21,7 +21,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 pub use stream::Stream;
-pub use tls::{Conn, TlsConfig, TlsFiles};
+pub use tls::{Conn, TlsConfig, TlsFiles, TlsSetupError};
 
 /// What can go wrong reading or writing frames.
 #[derive(Debug, thiserror::Error)]

@@ -28,6 +28,49 @@ const WRITE_CHUNK: usize = 64 << 10;
 /// Ciphertext one `read` takes from the socket at most.
 const READ_CHUNK: usize = 64 << 10;
 
+/// Why TLS settings cannot be loaded or certificates made; each names the file or host at fault.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TlsSetupError {
+    /// Some but not all of the three files were given: those missing.
+    #[error(
+        "TLS needs a certificate, its key and the run's CA (SHOAL_TLS_CERT, SHOAL_TLS_KEY, SHOAL_TLS_CA); \
+         missing: {}",
+        .0.join(", ")
+    )]
+    Incomplete(Vec<&'static str>),
+    /// A file that cannot be read or written, or holds nothing usable.
+    #[error("TLS {what} {}: {reason}", path.display())]
+    File {
+        /// What the file is (certificate, key, CA, ...).
+        what: &'static str,
+        /// Where.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The certificate and key do not go together.
+    #[error("TLS certificate {} and key {}: {reason}", cert.display(), key.display())]
+    Pair {
+        /// The certificate file.
+        cert: PathBuf,
+        /// The key file.
+        key: PathBuf,
+        /// What rustls said.
+        reason: String,
+    },
+    /// A host that cannot be a certificate's name.
+    #[error("{host} as a certificate's name: {reason}")]
+    HostName {
+        /// The host.
+        host: String,
+        /// Why not.
+        reason: String,
+    },
+    /// The crypto library refused, with no file at fault.
+    #[error("TLS: {0}")]
+    Crypto(String),
+}
+
 /// Where a process's TLS files lie: its certificate (chain), its key, and the run's CA.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TlsFiles {
@@ -63,7 +106,7 @@ impl TlsFiles {
         cert: Option<PathBuf>,
         key: Option<PathBuf>,
         ca: Option<PathBuf>,
-    ) -> Result<Option<TlsFiles>, String> {
+    ) -> Result<Option<TlsFiles>, TlsSetupError> {
         match (cert, key, ca) {
             (None, None, None) => Ok(None),
             (Some(cert), Some(key), Some(ca)) => Ok(Some(TlsFiles { cert, key, ca })),
@@ -73,11 +116,7 @@ impl TlsFiles {
                         .into_iter()
                         .filter_map(|(m, name)| m.then_some(name))
                         .collect();
-                Err(format!(
-                    "TLS needs a certificate, its key and the run's CA (SHOAL_TLS_CERT, SHOAL_TLS_KEY, SHOAL_TLS_CA); \
-                     missing: {}",
-                    missing.join(", ")
-                ))
+                Err(TlsSetupError::Incomplete(missing))
             }
         }
     }
@@ -101,9 +140,12 @@ impl TlsConfig {
     ///
     /// # Errors
     /// A file that cannot be read or holds no usable certificate or key; the message names it.
-    pub fn load(files: &TlsFiles) -> Result<TlsConfig, String> {
-        let read_err =
-            |what: &str, path: &Path, e: &dyn std::fmt::Display| format!("TLS {what} {}: {e}", path.display());
+    pub fn load(files: &TlsFiles) -> Result<TlsConfig, TlsSetupError> {
+        let read_err = |what: &'static str, path: &Path, e: &dyn std::fmt::Display| TlsSetupError::File {
+            what,
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        };
         let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&files.cert)
             .and_then(|certs| certs.collect::<Result<_, _>>())
             .map_err(|e| read_err("certificate", &files.cert, &e))?;
@@ -123,11 +165,14 @@ impl TlsConfig {
         }
         let roots = Arc::new(roots);
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let bad_pair =
-            |e: rustls::Error| format!("TLS certificate {} and key {}: {e}", files.cert.display(), files.key.display());
+        let bad_pair = |e: rustls::Error| TlsSetupError::Pair {
+            cert: files.cert.clone(),
+            key: files.key.clone(),
+            reason: e.to_string(),
+        };
         let client = ClientConfig::builder_with_provider(provider.clone())
             .with_protocol_versions(&[&rustls::version::TLS13])
-            .map_err(|e| e.to_string())?
+            .map_err(crypto)?
             .with_root_certificates(roots.clone())
             .with_client_auth_cert(certs.clone(), key.clone_key())
             .map_err(bad_pair)?;
@@ -136,7 +181,7 @@ impl TlsConfig {
             .map_err(|e| read_err("CA", &files.ca, &e))?;
         let mut server = ServerConfig::builder_with_provider(provider)
             .with_protocol_versions(&[&rustls::version::TLS13])
-            .map_err(|e| e.to_string())?
+            .map_err(crypto)?
             .with_client_cert_verifier(verifier)
             .with_single_cert(certs, key)
             .map_err(bad_pair)?;
@@ -145,6 +190,11 @@ impl TlsConfig {
         server.send_tls13_tickets = 0;
         Ok(TlsConfig { client: Arc::new(client), server: Arc::new(server) })
     }
+}
+
+/// A crypto library's refusal that names no file.
+fn crypto(e: impl std::fmt::Display) -> TlsSetupError {
+    TlsSetupError::Crypto(e.to_string())
 }
 
 /// The TLS half of a [`Conn`], shared by its clones. Nothing blocks on the socket while holding
@@ -624,9 +674,13 @@ pub struct MadeCerts {
 /// # Errors
 /// A file cannot be written, a host is neither an IP address nor a DNS name, or an existing
 /// `ca.key` cannot be read.
-pub fn make_certs(dir: &Path, hosts: &[String]) -> Result<MadeCerts, String> {
+pub fn make_certs(dir: &Path, hosts: &[String]) -> Result<MadeCerts, TlsSetupError> {
     use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair, KeyUsagePurpose};
-    let io = |path: &Path, e: io::Error| format!("{}: {e}", path.display());
+    let io = |path: &Path, e: io::Error| TlsSetupError::File {
+        what: "file",
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    };
     std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
     let (ca_cert, ca_key_path) = (dir.join("ca.pem"), dir.join("ca.key"));
     let now = time::OffsetDateTime::now_utc();
@@ -636,10 +690,14 @@ pub fn make_certs(dir: &Path, hosts: &[String]) -> Result<MadeCerts, String> {
     };
     let new_ca = !ca_key_path.exists();
     let ca_key = if new_ca {
-        KeyPair::generate().map_err(|e| e.to_string())?
+        KeyPair::generate().map_err(crypto)?
     } else {
         let pem = std::fs::read_to_string(&ca_key_path).map_err(|e| io(&ca_key_path, e))?;
-        KeyPair::from_pem(&pem).map_err(|e| format!("{}: {e}", ca_key_path.display()))?
+        KeyPair::from_pem(&pem).map_err(|e| TlsSetupError::File {
+            what: "CA key",
+            path: ca_key_path.clone(),
+            reason: e.to_string(),
+        })?
     };
     // The CA is its subject and key: signed again here it signs as the one on disk did. Its
     // name comes from its key, so that another run's CA is another issuer, not an impostor.
@@ -650,22 +708,22 @@ pub fn make_certs(dir: &Path, hosts: &[String]) -> Result<MadeCerts, String> {
     ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
     ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
     validity(&mut ca_params);
-    let ca = ca_params.self_signed(&ca_key).map_err(|e| e.to_string())?;
+    let ca = ca_params.self_signed(&ca_key).map_err(crypto)?;
     if new_ca {
         write_private(&ca_key_path, &ca_key.serialize_pem()).map_err(|e| io(&ca_key_path, e))?;
         std::fs::write(&ca_cert, ca.pem()).map_err(|e| io(&ca_cert, e))?;
     }
     let mut made = Vec::new();
     for host in hosts {
-        let mut params =
-            CertificateParams::new(vec![host.clone()]).map_err(|e| format!("{host} as a certificate's name: {e}"))?;
+        let mut params = CertificateParams::new(vec![host.clone()])
+            .map_err(|e| TlsSetupError::HostName { host: host.clone(), reason: e.to_string() })?;
         params.distinguished_name = rcgen::DistinguishedName::new();
         params.distinguished_name.push(DnType::CommonName, host.as_str());
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
         validity(&mut params);
-        let key = KeyPair::generate().map_err(|e| e.to_string())?;
-        let cert = params.signed_by(&key, &ca, &ca_key).map_err(|e| e.to_string())?;
+        let key = KeyPair::generate().map_err(crypto)?;
+        let cert = params.signed_by(&key, &ca, &ca_key).map_err(crypto)?;
         let file = host.replace(':', "_");
         let (cert_path, key_path) = (dir.join(format!("{file}.pem")), dir.join(format!("{file}.key")));
         std::fs::write(&cert_path, cert.pem()).map_err(|e| io(&cert_path, e))?;
@@ -920,9 +978,12 @@ mod tests {
     fn tls_needs_all_three_files_or_none() {
         assert_eq!(TlsFiles::from_parts(None, None, None), Ok(None));
         let e = TlsFiles::from_parts(Some("a".into()), None, Some("c".into())).unwrap_err();
-        assert!(e.contains("missing: key"), "{e}");
+        assert_eq!(e, TlsSetupError::Incomplete(vec!["key"]));
+        assert!(e.to_string().contains("missing: key"), "{e}");
         let e = TlsConfig::load(&TlsFiles { cert: "/nonexistent.pem".into(), key: "k".into(), ca: "c".into() });
-        assert!(e.unwrap_err().contains("/nonexistent.pem"));
+        assert!(
+            matches!(e, Err(TlsSetupError::File { what: "certificate", path, .. }) if path.ends_with("nonexistent.pem"))
+        );
     }
 
     /// A CA already in the directory signs the next hosts' certificates: a host added later

@@ -44,7 +44,7 @@ fn main() {
     options.state_dir = state_dir;
     if tls.iter().any(Option::is_some) {
         let [cert, key, ca] = tls;
-        options.tls = shoal_transport::TlsFiles::from_parts(cert, key, ca).unwrap_or_else(|e| fail(&e));
+        options.tls = shoal_transport::TlsFiles::from_parts(cert, key, ca).unwrap_or_else(|e| fail(&e.to_string()));
     }
     let server = MasterServer::start(options).unwrap_or_else(|e| fail(&format!("cannot listen on {listen}: {e}")));
     println!("shoal master listening on {}", server.local_addr());
