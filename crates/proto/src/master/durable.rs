@@ -64,6 +64,31 @@ pub struct Durable {
     pub groups: Vec<DurableGroup>,
 }
 
+/// Why a kept run cannot be restored: it does not hold together, so no master wrote it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Incoherent {
+    /// Its session or data key is not the configuration's.
+    #[error("the state is of another session than the configuration")]
+    OtherSession,
+    /// The committed ring is not exactly the accepted peers.
+    #[error("the ring is not the set of accepted peers")]
+    RingNotAccepted,
+    /// A peer id at or past the next id to hand out.
+    #[error("{peer} was never handed out (next id {next})")]
+    NeverHandedOut {
+        /// The peer.
+        peer: PeerId,
+        /// The next id the state says it hands out.
+        next: u32,
+    },
+    /// The committed topology is newer than the last one issued.
+    #[error("the committed topology is newer than the last issued")]
+    CommittedAhead,
+    /// A peer listed twice.
+    #[error("{0} is listed twice")]
+    Twice(PeerId),
+}
+
 impl Master {
     /// Grows whenever what [`Master::durable`] returns changed: the driver saves it then.
     pub fn generation(&self) -> u64 {
@@ -108,20 +133,20 @@ impl Master {
     /// # Errors
     /// If `durable` does not hold together (a ring member that is not an accepted peer, a peer id
     /// not below `next_peer`, another session): a state file written by no master.
-    pub fn restore(config: MasterConfig, durable: Durable, now: Instant) -> Result<Master, String> {
+    pub fn restore(config: MasterConfig, durable: Durable, now: Instant) -> Result<Master, Incoherent> {
         if durable.session != config.session || durable.data_key != config.data_key.0 {
-            return Err("the state is of another session than the configuration".into());
+            return Err(Incoherent::OtherSession);
         }
         let accepted: BTreeSet<PeerId> = durable.peers.iter().filter(|p| p.accepted).map(|p| p.peer).collect();
         let ring: BTreeSet<PeerId> = durable.ring.iter().copied().collect();
         if ring != accepted || ring.len() != durable.ring.len() {
-            return Err("the ring is not the set of accepted peers".into());
+            return Err(Incoherent::RingNotAccepted);
         }
         if let Some(p) = durable.peers.iter().find(|p| p.peer.0 >= durable.next_peer) {
-            return Err(format!("{} was never handed out (next id {})", p.peer, durable.next_peer));
+            return Err(Incoherent::NeverHandedOut { peer: p.peer, next: durable.next_peer });
         }
         if durable.ring_epoch > durable.epoch {
-            return Err("the committed topology is newer than the last issued".into());
+            return Err(Incoherent::CommittedAhead);
         }
         let mut master = Master::new(config, now);
         for p in durable.peers {
@@ -136,7 +161,7 @@ impl Master {
                 last_vote: None,
             };
             if master.peers.insert(p.peer, entry).is_some() {
-                return Err(format!("{} is listed twice", p.peer));
+                return Err(Incoherent::Twice(p.peer));
             }
         }
         master.next_peer = durable.next_peer;

@@ -22,7 +22,7 @@ mod timers;
 
 use crate::auth::{DataKey, RunKey};
 use crate::ballot::Ballot;
-pub use durable::{Durable, DurableGroup, DurablePeer};
+pub use durable::{Durable, DurableGroup, DurablePeer, Incoherent};
 pub use ops::MAX_TRACKED_OPS;
 pub use plan::Plan;
 use shoal_wire::{Epoch, GroupId, Member, Message, PeerId, PeerReport, SessionId, Vote};

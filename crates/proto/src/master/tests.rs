@@ -1162,3 +1162,26 @@ fn a_drift_that_no_order_avoids_better_keeps_the_ring() {
     assert_eq!(h.master.plan().unwrap().order(), ring.as_slice());
     assert!(!peers_pending(&mut h, 4));
 }
+
+/// A kept run that does not hold together is refused, saying what is wrong with it.
+#[test]
+fn a_kept_run_that_no_master_wrote_is_refused_with_its_fault() {
+    let (h, _) = run_with(3);
+    let (config, now) = (h.master.config.clone(), h.now);
+    let kept = h.master.durable();
+    let refused = |change: &dyn Fn(&mut Durable)| {
+        let mut d = kept.clone();
+        change(&mut d);
+        Master::restore(config.clone(), d, now).err()
+    };
+    assert_eq!(refused(&|d| d.session = SessionId(d.session.0 + 1)), Some(Incoherent::OtherSession));
+    assert_eq!(refused(&|d| drop(d.ring.pop())), Some(Incoherent::RingNotAccepted));
+    let last = kept.peers.last().unwrap().peer;
+    assert_eq!(refused(&|d| d.next_peer = last.0), Some(Incoherent::NeverHandedOut { peer: last, next: last.0 }));
+    assert_eq!(refused(&|d| d.ring_epoch = Epoch(d.epoch.0 + 1)), Some(Incoherent::CommittedAhead));
+    let first = kept.peers[0].clone();
+    assert_eq!(
+        refused(&|d| d.peers.push(DurablePeer { accepted: false, ..first.clone() })),
+        Some(Incoherent::Twice(first.peer))
+    );
+}
