@@ -216,7 +216,7 @@ impl Newcomer<'_> {
                 self.end(None);
                 log::warn!("{}: catch-up failed ({why}); the sync that admits us repairs the state", self.me);
                 let donors = plan.donors.iter().map(|d| d.peer).collect();
-                Ok(CatchUpInfo { skipped: Some(why), donors, elapsed, ..CatchUpInfo::default() })
+                Ok(CatchUpInfo { skipped: Some(why.to_string()), donors, elapsed, ..CatchUpInfo::default() })
             }
         }
     }
@@ -231,7 +231,7 @@ impl Newcomer<'_> {
         tensors: &[StateTensor<'_>],
         progress: &mut (dyn FnMut(&CatchUpProgress) + Send),
         until: Instant,
-    ) -> std::result::Result<Vec<crate::fetch::Fetched>, String> {
+    ) -> std::result::Result<Vec<crate::fetch::Fetched>, crate::fetch::FetchFailed> {
         let total: u64 = wanted.iter().map(|w| w.len).sum();
         let addrs: BTreeMap<PeerId, String> = plan.donors.iter().map(|m| (m.peer, m.addr.clone())).collect();
         let meta = tensors_meta(tensors);

@@ -361,6 +361,23 @@ pub(crate) fn serve<T: AsRef<[u8]>>(
 /// A wanted tensor's bytes, verified, and the donors that delivered them.
 pub(crate) type Fetched = (Vec<u8>, Vec<PeerId>);
 
+/// Why a fetch of shared state ended without it: what a sync reports to the master.
+#[derive(Debug, Clone, thiserror::Error)]
+pub(crate) enum FetchFailed {
+    /// The master's plan names another number of tensors than the state has.
+    #[error("a plan of {plan} tensors for a state of {state}")]
+    PlanMisfit { plan: usize, state: usize },
+    /// Every donor of a tensor failed before all of it arrived.
+    #[error("every donor of tensor {0:?} failed before it arrived")]
+    NoDonorLeft(String),
+    /// A tensor arrived whole but cannot be hashed as its layout says.
+    #[error("tensor {name:?}: {reason}")]
+    Unhashable { name: String, reason: shoal_state::HashError },
+    /// A tensor arrived whole with another hash than the elected one.
+    #[error("tensor {name:?} arrived with hash {got}, not the one elected")]
+    WrongHash { name: String, got: shoal_state::TensorHash },
+}
+
 /// Fetches every wanted tensor of `round` from its donors, one thread per donor; returns their
 /// bytes, verified, in the order of `wanted`, each with the donors that delivered it, or why that
 /// is impossible.
@@ -370,7 +387,7 @@ pub(crate) fn fetch(
     wanted: &[Wanted],
     meta: &[(DType, Vec<u64>, String)],
     addrs: &BTreeMap<PeerId, String>,
-) -> std::result::Result<Vec<Fetched>, String> {
+) -> std::result::Result<Vec<Fetched>, FetchFailed> {
     if wanted.is_empty() {
         return Ok(Vec::new());
     }
@@ -407,14 +424,15 @@ pub(crate) fn fetch(
     let Work { outstanding, served, .. } = work.into_inner().unwrap_or_else(PoisonError::into_inner);
     if let Some(i) = outstanding.iter().position(|n| *n > 0) {
         let name = &meta[wanted[i].index].2;
-        return Err(format!("every donor of tensor {name:?} failed before it arrived"));
+        return Err(FetchFailed::NoDonorLeft(name.clone()));
     }
     let mut out = Vec::with_capacity(wanted.len());
     for ((w, data), served) in wanted.iter().zip(buffers).zip(served) {
         let (dtype, shape, name) = &meta[w.index];
-        let hash = shoal_state::hash_tensor(*dtype, shape, &data).map_err(|e| e.to_string())?;
+        let hash = shoal_state::hash_tensor(*dtype, shape, &data)
+            .map_err(|reason| FetchFailed::Unhashable { name: name.clone(), reason })?;
         if hash.0 != w.hash {
-            return Err(format!("tensor {name:?} arrived with hash {hash}, not the one elected"));
+            return Err(FetchFailed::WrongHash { name: name.clone(), got: hash });
         }
         out.push((data, served.into_iter().collect()));
     }

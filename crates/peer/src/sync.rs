@@ -10,7 +10,7 @@
 
 use crate::communicator::Communicator;
 use crate::error::{Error, Result};
-use crate::fetch::{digest, fetch, serve, tensors_meta, Fetcher, Served, StateTensor, Wanted};
+use crate::fetch::{digest, fetch, serve, tensors_meta, FetchFailed, Fetcher, Served, StateTensor, Wanted};
 use shoal_proto::master::Strategy;
 use shoal_proto::peer::{Action, CallKind, Revision, SyncBallot, Value};
 use shoal_wire::{PeerId, PlanEntry};
@@ -69,7 +69,7 @@ impl Communicator {
             };
             sync_round = Some(round);
             let misfit = (entries.len() != tensors.len())
-                .then(|| format!("a plan of {} tensors for a state of {}", entries.len(), tensors.len()));
+                .then_some(FetchFailed::PlanMisfit { plan: entries.len(), state: tensors.len() });
             if misfit.is_none() {
                 wanted = entries
                     .iter()
@@ -157,7 +157,7 @@ impl Communicator {
         // The master says every participant holds the elected state: ours too.
         let fetched = fetched.expect("a sync completes once fetched").map_err(|reason| {
             answer(false);
-            Error::SyncFailed { retryable: true, reason }
+            Error::SyncFailed { retryable: true, reason: reason.to_string() }
         })?;
         let mut received = Vec::new();
         for (w, (data, donors)) in wanted.iter().zip(fetched) {

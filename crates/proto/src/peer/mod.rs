@@ -842,7 +842,7 @@ impl Peer {
     }
 
     /// The data plane fetched (or failed to fetch) what sync `round` asked of it.
-    pub fn handle_fetched(&mut self, round: u64, fetched: Result<(), String>, now: Instant) {
+    pub fn handle_fetched(&mut self, round: u64, fetched: Result<(), impl std::fmt::Display>, now: Instant) {
         let Some((_, _, Call::Sync(stage))) = &mut self.call else { return };
         let SyncStage::Fetching { round: r, revision } = *stage else { return };
         if r != round {
@@ -851,9 +851,10 @@ impl Peer {
         *stage = SyncStage::Reported { round, revision };
         self.outbox.push_back(match fetched {
             Ok(()) => Message::SyncDone { round },
-            Err(reason) => {
-                Message::SyncFailed { round, reason: shoal_wire::truncate(reason, shoal_wire::MAX_STRING_BYTES) }
-            }
+            Err(reason) => Message::SyncFailed {
+                round,
+                reason: shoal_wire::truncate(reason.to_string(), shoal_wire::MAX_STRING_BYTES),
+            },
         });
         self.progress(now);
     }

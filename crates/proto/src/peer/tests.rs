@@ -416,7 +416,7 @@ fn a_sync_votes_fetches_reports_and_ends_with_the_master() {
     // The master's word waits until the fetch reports.
     p.handle_message(Message::SyncComplete { round: 9 }, t0).unwrap();
     assert!(actions(&mut p).is_empty());
-    p.handle_fetched(9, Ok(()), t0);
+    p.handle_fetched(9, Ok::<(), &str>(()), t0);
     assert_eq!(sent(&mut p), vec![Message::SyncDone { round: 9 }]);
     assert_eq!(actions(&mut p), vec![done(Ok(Value::Synced(Revision(4))))]);
 }
