@@ -1175,7 +1175,12 @@ fn a_kept_run_that_no_master_wrote_is_refused_with_its_fault() {
         Master::restore(config.clone(), d, now).err()
     };
     assert_eq!(refused(&|d| d.session = SessionId(d.session.0 + 1)), Some(Incoherent::OtherSession));
-    assert_eq!(refused(&|d| drop(d.ring.pop())), Some(Incoherent::RingNotAccepted));
+    assert_eq!(
+        refused(&|d| {
+            d.ring.pop();
+        }),
+        Some(Incoherent::RingNotAccepted)
+    );
     let last = kept.peers.last().unwrap().peer;
     assert_eq!(refused(&|d| d.next_peer = last.0), Some(Incoherent::NeverHandedOut { peer: last, next: last.0 }));
     assert_eq!(refused(&|d| d.ring_epoch = Epoch(d.epoch.0 + 1)), Some(Incoherent::CommittedAhead));
