@@ -123,25 +123,36 @@ pub(crate) fn op_header(id: OpId, request: &Request, algorithm: Algorithm, count
     }
 }
 
+/// How a collective's buffers do not fit its group.
+#[derive(Debug, Clone, thiserror::Error)]
+pub(crate) enum Misfit {
+    /// A broadcast's root is not a member.
+    #[error("{kind} from root {root} in a group of {world}")]
+    NoSuchRoot { kind: &'static str, root: usize, world: usize },
+    /// An all-gather's output (a reduce-scatter's input) is not `world` blocks of the other buffer.
+    #[error(
+        "{kind}'s {what} holds {whole} bytes, not {world} blocks of {block} bytes: the group has {world} member{}",
+        if *world == 1 { "" } else { "s" }
+    )]
+    Blocks { kind: &'static str, what: &'static str, whole: usize, world: usize, block: usize },
+}
+
 /// Whether a collective's buffers fit a group of `world`: an all-gather's output (a
 /// reduce-scatter's input) holds `world` blocks of its other buffer; a broadcast's root is a
 /// member.
-pub(crate) fn fits(record: &Collective, world: usize) -> std::result::Result<(), String> {
+pub(crate) fn fits(record: &Collective, world: usize) -> std::result::Result<(), Misfit> {
     let kind = record.request.kind.name();
     let (whole, block) = match &record.extra {
         Extra::Gather { inp, .. } => (record.buf.len(), inp.len()),
         Extra::Scatter { out, .. } => (record.buf.len(), out.len()),
         Extra::None if record.request.kind == CollectiveKind::Broadcast && record.request.root >= world => {
-            return Err(format!("{kind} from root {} in a group of {world}", record.request.root));
+            return Err(Misfit::NoSuchRoot { kind, root: record.request.root, world });
         }
         Extra::None | Extra::Arrived { .. } => return Ok(()),
     };
     if whole != world * block {
         let what = if matches!(record.extra, Extra::Gather { .. }) { "output" } else { "input" };
-        return Err(format!(
-            "{kind}'s {what} holds {whole} bytes, not {world} blocks of {block} bytes: the group has {world} member{}",
-            if world == 1 { "" } else { "s" }
-        ));
+        return Err(Misfit::Blocks { kind, what, whole, world, block });
     }
     Ok(())
 }
@@ -453,9 +464,9 @@ impl Driver {
         // Buffers shaped for another group (it changed since the call) fail on every member alike.
         if let Err(why) = fits(record, world) {
             let me = position.ring[rank].peer;
-            record.local = Some(Error::Misuse(why.clone()));
+            record.local = Some(Error::Misuse(why.to_string()));
             data.calls.by_seq.insert(id.seq.0, call);
-            let failure = OpFailure::new(FailureKind::Misuse, me, why);
+            let failure = OpFailure::new(FailureKind::Misuse, me, why.to_string());
             control.own_input(|p, now| p.handle_collective(id, OpProgress::Failed(failure), now));
             return;
         }
@@ -511,7 +522,7 @@ impl Driver {
                 }
                 Err(reason) => {
                     log::warn!("{me}: cannot link to {} (rank {to}): {reason}", member.peer);
-                    exec.unreachable(to, reason);
+                    exec.unreachable(to, reason.to_string());
                 }
             }
         }
@@ -614,7 +625,7 @@ impl Driver {
         let outcome = match result {
             // A group of one posts nothing: its buffers must fit it all the same.
             Ok(Value::Collective(_)) if record.posted.is_none() && fits(&record, 1).is_err() => {
-                Err(Error::Misuse(fits(&record, 1).expect_err("checked")))
+                Err(Error::Misuse(fits(&record, 1).expect_err("checked").to_string()))
             }
             Ok(Value::Collective(id)) => {
                 failpoint("all_reduce.after_commit");

@@ -298,6 +298,20 @@ pub(crate) struct Served<'a> {
     pub to: Option<&'a Mutex<BTreeSet<PeerId>>>,
 }
 
+/// Why a server stopped answering a fetcher before it hung up.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ServeFailed {
+    /// The connection failed.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    /// A request that is not this fetcher's, or not a request.
+    #[error(transparent)]
+    Refused(#[from] FetchRefused),
+    /// A request for bytes the sync served does not hold.
+    #[error("request {request:?} does not fit sync {round}")]
+    Misfit { request: FetchReq, round: u64 },
+}
+
 /// Answers one fetcher's requests for tensors of `round` from `views` until it hangs up, stays
 /// silent for `io_timeout`, sends anything but its own tagged request, or `stop` is set; at most
 /// at `rate`.
@@ -309,22 +323,22 @@ pub(crate) fn serve<T: AsRef<[u8]>>(
     stop: &AtomicBool,
     rate: Option<&RateLimit>,
     io_timeout: Duration,
-) -> std::result::Result<(), String> {
-    stream.set_write_timeout(Some(io_timeout)).map_err(|e| e.to_string())?;
+) -> std::result::Result<(), ServeFailed> {
+    stream.set_write_timeout(Some(io_timeout))?;
     let mut request = first;
     loop {
-        let tensor = views.get(request.index as usize).ok_or("no such tensor")?.as_ref();
         let (start, end) = (request.offset, request.offset.saturating_add(request.len));
-        if request.round != round || end > tensor.len() as u64 {
-            return Err(format!("request {request:?} does not fit sync {round}"));
-        }
+        let tensor = views.get(request.index as usize).map(AsRef::as_ref);
+        let Some(tensor) = tensor.filter(|t| request.round == round && end <= t.len() as u64) else {
+            return Err(ServeFailed::Misfit { request, round });
+        };
         let bytes = &tensor[start as usize..end as usize];
         match rate {
-            None => stream.write_all(bytes).map_err(|e| e.to_string())?,
+            None => stream.write_all(bytes)?,
             Some(rate) => {
                 for part in bytes.chunks(RateLimit::GRAIN) {
                     rate.take(part.len());
-                    stream.write_all(part).map_err(|e| e.to_string())?;
+                    stream.write_all(part)?;
                 }
             }
         }
@@ -343,13 +357,13 @@ pub(crate) fn serve<T: AsRef<[u8]>>(
             if !stream.has_buffered_input() {
                 let mut fd = PollFd::new(&stream);
                 fd.want_read = true;
-                if shoal_transport::poll(&mut [fd], Duration::from_millis(50)).map_err(|e| e.to_string())? == 0 {
+                if shoal_transport::poll(&mut [fd], Duration::from_millis(50))? == 0 {
                     continue;
                 }
             }
             match read_message_until(&mut stream, idle_until, MAX_BODY_BYTES) {
                 Ok((session, message)) => {
-                    request = asker.next(session, &message).map_err(|e| e.to_string())?;
+                    request = asker.next(session, &message)?;
                     break;
                 }
                 Err(_) => return Ok(()), // hung up

@@ -241,7 +241,7 @@ impl Listener {
         epoch: Epoch,
         config: &CommunicatorConfig,
         deadline: Deadline,
-    ) -> std::result::Result<Vec<Stream>, String> {
+    ) -> std::result::Result<Vec<Stream>, DialFailed> {
         let id = self.identity.get().expect("identity is set at registration");
         let connections = self.connections(config, member);
         let tls = self.tls.as_ref();
@@ -340,6 +340,23 @@ impl Drop for Listener {
     }
 }
 
+/// Why a pool to a member could not be dialed.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum DialFailed {
+    /// The call's bound passed first.
+    #[error(transparent)]
+    OutOfTime(crate::Error),
+    /// The member's port did not take the connection (or its TLS handshake failed).
+    #[error("dialing {to} at {addr}: {source}")]
+    Dialing { to: PeerId, addr: String, source: std::io::Error },
+    /// The hello did not go out.
+    #[error("greeting {to} at {addr}: {source}")]
+    Greeting { to: PeerId, addr: String, source: shoal_transport::TransportError },
+    /// The stream could not be set up for the engine.
+    #[error("configuring a stream to {to}: {source}")]
+    Configuring { to: PeerId, source: std::io::Error },
+}
+
 #[allow(clippy::too_many_arguments)]
 fn dial(
     id: &Identity,
@@ -351,26 +368,32 @@ fn dial(
     tls: Option<&TlsConfig>,
     deadline: Deadline,
     operation: &'static str,
-) -> Result<Vec<Stream>, String> {
-    let configuring = |e: std::io::Error| format!("configuring a stream to {to}: {e}");
-    let one = |i: usize| -> Result<Stream, String> {
+) -> Result<Vec<Stream>, DialFailed> {
+    let configuring = |source| DialFailed::Configuring { to, source };
+    let one = |i: usize| -> Result<Stream, DialFailed> {
         let (stream, streams) = (i as u16, connections as u16);
         let mac = id.key.hello(id.session, id.me, to, epoch, stream, streams);
         let hello = Message::PeerHello { from: id.me, to, epoch, stream, streams, mac };
         // The same machine and network namespace: the member's local socket answers there.
-        let left = deadline.left(operation).map_err(|e| e.to_string())?;
+        let left = deadline.left(operation).map_err(DialFailed::OutOfTime)?;
         let local = if shared_memory { dial_local(id, addr, &hello, left.min(HELLO_TIMEOUT)) } else { None };
-        let mut s = match local {
-            Some(lane) => Stream::Shm(lane),
-            None => {
-                let left = deadline.left(operation).map_err(|e| e.to_string())?;
-                let mut s = Conn::dial(addr, left.min(DIAL_TIMEOUT), tls)
-                    .map_err(|e| format!("dialing {to} at {addr}: {e}"))?;
-                write_message(&mut s, id.session, &hello).map_err(|e| format!("greeting {to} at {addr}: {e}"))?;
-                limit_unsent(s.tcp(), UNSENT_LIMIT).map_err(configuring)?;
-                Stream::from(s)
-            }
-        };
+        let mut s =
+            match local {
+                Some(lane) => Stream::Shm(lane),
+                None => {
+                    let left = deadline.left(operation).map_err(DialFailed::OutOfTime)?;
+                    let at = || addr.to_string();
+                    let mut s = Conn::dial(addr, left.min(DIAL_TIMEOUT), tls)
+                        .map_err(|source| DialFailed::Dialing { to, addr: at(), source })?;
+                    write_message(&mut s, id.session, &hello).map_err(|source| DialFailed::Greeting {
+                        to,
+                        addr: at(),
+                        source,
+                    })?;
+                    limit_unsent(s.tcp(), UNSENT_LIMIT).map_err(configuring)?;
+                    Stream::from(s)
+                }
+            };
         // From here the engine drives it, without blocking.
         s.set_nonblocking().map_err(configuring)?;
         Ok(s)
