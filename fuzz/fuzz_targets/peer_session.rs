@@ -225,7 +225,7 @@ fuzz_target!(|session: Session| {
             }
             Step::Fetched(ok) => {
                 if let Some(round) = fetching.take() {
-                    peer.handle_fetched(round, if ok { Ok(()) } else { Err("fuzz".into()) }, now);
+                    peer.handle_fetched(round, if ok { Ok(()) } else { Err("fuzz") }, now);
                 }
             }
             Step::Close => peer.close(now),

@@ -160,7 +160,8 @@ impl MasterServer {
                 (session, DataKey(data_key))
             }
         };
-        let config = MasterConfig { session, heartbeat_timeout: options.heartbeat_timeout, key, data_key };
+        let config =
+            MasterConfig { session, heartbeat_timeout: options.heartbeat_timeout, key, data_key, search_effort: 1.0 };
         let master = match kept {
             Some(run) => Master::restore(config, run, Instant::now())
                 .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("the kept run: {e}")))?,

@@ -355,8 +355,13 @@ struct Sim {
 pub fn run(seed: u64) -> Report {
     let base = Instant::now();
     let data_key = DataKey([seed as u8; 32]);
-    let config =
-        MasterConfig { session: SESSION, heartbeat_timeout: HEARTBEAT_TIMEOUT, key: Some(run_key()), data_key };
+    let config = MasterConfig {
+        session: SESSION,
+        heartbeat_timeout: HEARTBEAT_TIMEOUT,
+        key: Some(run_key()),
+        data_key,
+        search_effort: 0.01,
+    };
     let mut sim = Sim {
         rng: Rng(seed),
         now: Duration::ZERO,

@@ -22,12 +22,13 @@
 //! back; the next `optimize_topology` measures it again.
 
 use super::{Master, MasterEvent, Output, Timer};
-use shoal_topology::{solve, tour_cost, Costs, Link, Links, Search, EXACT_MAX};
+use shoal_topology::{kicks_within, solve, tour_cost, Costs, Link, Links, Search, EXACT_MAX};
 use shoal_wire::{AlgorithmLimits, Measured, PeerId, PeerReport};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-/// The heuristic's budget for a new plan.
+/// The heuristic's budget for a new plan: in kicks, about this long on the machines measured
+/// (`shoal_topology::kicks_within`; the master reads no clock).
 pub const FIRST_ANSWER: Duration = Duration::from_secs(1);
 /// Its budget to re-solve after the group changed (a member left).
 pub const REPLAN: Duration = Duration::from_millis(100);
@@ -143,7 +144,7 @@ impl Master {
         }
         let costs = Costs::from_links(&links);
         let before = tour_cost(&costs, &(0..voters.len()).collect::<Vec<_>>());
-        let tour = solve(&costs, None, self.now + FIRST_ANSWER, None);
+        let tour = solve(&costs, None, self.kicks(voters.len(), FIRST_ANSWER));
         let after = tour_cost(&costs, &tour);
         let order: Vec<PeerId> = tour.iter().map(|&i| voters[i]).collect();
         // A large group's matrix would flood the log: its lines at debug level.
@@ -169,6 +170,7 @@ impl Master {
     /// `members` in the order a topology lists them: the planned ones in the plan's order, then
     /// the others as given.
     pub(super) fn planned(&mut self, members: Vec<PeerId>) -> Vec<PeerId> {
+        let effort = self.config.search_effort;
         let Some(plan) = &mut self.plan else { return members };
         plan.replanned = false;
         let kept: Vec<usize> =
@@ -182,7 +184,7 @@ impl Master {
             // Members left: the order without them, improved over the links among those that stay.
             let costs = Costs::from_links(&plan.links.subset(&kept));
             let start = (0..kept.len()).collect();
-            let tour = solve(&costs, Some(start), self.now + REPLAN, None);
+            let tour = solve(&costs, Some(start), kicks(kept.len(), REPLAN, effort));
             tour.iter().map(|&i| plan.members[kept[i]]).collect()
         };
         order.extend(members.iter().filter(|p| !plan.members.contains(p)));
@@ -225,6 +227,7 @@ impl Master {
 
     /// Re-solves the ring with the new `rate` of each link from `from` that `drifted`.
     fn replan(&mut self, now: Instant, from: PeerId, drifted: &[(PeerId, Link, u64)]) {
+        let effort = self.config.search_effort;
         let plan = self.plan.as_mut().expect("a plan to drift from");
         let i = index(&plan.members, from);
         for &(to, planned, rate) in drifted {
@@ -239,7 +242,7 @@ impl Master {
         let costs = Costs::from_links(&plan.links);
         let current: Vec<usize> = plan.order.iter().map(|p| index(&plan.members, *p)).collect();
         let before = tour_cost(&costs, &current);
-        let tour = solve(&costs, Some(current), now + REPLAN, None);
+        let tour = solve(&costs, Some(current), kicks(plan.members.len(), REPLAN, effort));
         let after = tour_cost(&costs, &tour);
         plan.search =
             (plan.members.len() > EXACT_MAX).then(|| Search::new(costs, Some(tour.clone()), plan.members.len() as u64));
@@ -263,9 +266,10 @@ impl Master {
     /// A slice of the background search, when one runs: a better ring is kept for the next
     /// topology.
     pub(super) fn improve_plan(&mut self, now: Instant) {
+        let effort = self.config.search_effort;
         let Some(plan) = &mut self.plan else { return };
         let Some(search) = &mut plan.search else { return };
-        if search.run(now + SLICE, None) {
+        if search.run(kicks(plan.members.len(), SLICE, effort)) {
             let (tour, cost) = search.best();
             plan.order = tour.iter().map(|&i| plan.members[i]).collect();
             plan.fruitless = 0;
@@ -277,6 +281,11 @@ impl Master {
             plan.search = None;
         }
         self.arm_plan_slice(now);
+    }
+
+    /// The kicks a search over `n` members makes for `budget`, at the configured effort.
+    fn kicks(&self, n: usize, budget: Duration) -> u64 {
+        kicks(n, budget, self.config.search_effort)
     }
 
     /// Each planned member's site (`shoal_topology::sites`), where grouping by them pays
@@ -331,4 +340,9 @@ fn describe(members: &[PeerId], links: &Links) -> String {
         })
         .collect();
     lines.join("\n")
+}
+
+/// The kicks a search over `n` members makes for `budget` at `effort` (a fraction of it).
+fn kicks(n: usize, budget: Duration, effort: f64) -> u64 {
+    kicks_within(n, budget.mul_f64(effort.clamp(0.0, 1.0)))
 }

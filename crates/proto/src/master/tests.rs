@@ -18,7 +18,13 @@ impl Harness {
     fn with_key(key: Option<RunKey>) -> Self {
         let now = crate::test_start();
         let data_key = DataKey([4; 32]);
-        let config = MasterConfig { session: SESSION, heartbeat_timeout: Duration::from_secs(2), key, data_key };
+        let config = MasterConfig {
+            session: SESSION,
+            heartbeat_timeout: Duration::from_secs(2),
+            key,
+            data_key,
+            search_effort: 1.0,
+        };
         Harness { master: Master::new(config, now), now }
     }
     fn send(&mut self, conn: u64, m: Message) -> Vec<Output> {
