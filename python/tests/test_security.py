@@ -38,6 +38,30 @@ def all_reduce_together(comms: list[shoal.Communicator]) -> list[np.ndarray]:
     return out
 
 
+def two_members(address: str, first: dict | None = None, **settings) -> list[shoal.Communicator]:
+    """Two communicators with `settings` (the first with `first` too), joined to the master at
+    `address` and in one topology."""
+    comms = [shoal.Communicator(address, **{**settings, **(first or {})}), shoal.Communicator(address, **settings)]
+    comms[0].connect(timeout=10)
+    joined = threading.Thread(target=comms[1].connect, kwargs={"timeout": 10})
+    joined.start()
+    while comms[0].peers_pending() is False:
+        time.sleep(0.05)
+    comms[0].update_topology()
+    joined.join(timeout=10)
+    return comms
+
+
+def median_all_reduce(comms: list[shoal.Communicator], rounds: int = 15) -> float:
+    """The median time of `rounds` all-reduces of the members together, each checked."""
+    times = []
+    for _ in range(rounds):
+        started = time.monotonic()
+        assert all((x == 3).all() for x in all_reduce_together(comms))
+        times.append(time.monotonic() - started)
+    return sorted(times)[len(times) // 2]
+
+
 def together(comms: list[shoal.Communicator], call) -> list:
     """`call(c)` on every communicator at once; the results in order."""
     results: list = [None] * len(comms)
@@ -157,14 +181,7 @@ def test_a_run_with_tls_all_reduces_over_tls_and_refuses_another_runs_certificat
     stranger = make_certs(tmp_path / "other", "127.0.0.1")
     assert oct(os.stat(tmp_path / "run" / "ca.key").st_mode & 0o777) == "0o600"
     with shoal.Master("127.0.0.1:0", secret=SECRET, heartbeat_timeout=2, **tls) as master:
-        comms = [shoal.Communicator(master.address, secret=SECRET, connections=2, **tls) for _ in range(2)]
-        comms[0].connect(timeout=10)
-        joined = threading.Thread(target=comms[1].connect, kwargs={"timeout": 10})
-        joined.start()
-        while comms[0].peers_pending() is False:
-            time.sleep(0.05)
-        comms[0].update_topology()
-        joined.join(timeout=10)
+        comms = two_members(master.address, secret=SECRET, connections=2, **tls)
         results = all_reduce_together(comms)
         assert all((x == 3).all() for x in results)
         assert [link["transport"] for link in comms[0].links()] == ["tls"]
@@ -284,24 +301,8 @@ def test_trickled_handshakes_and_held_connections_keep_no_member_out(tmp_path, m
     monkeypatch.setenv("SHOAL_TRANSPORT", "tcp")
     tls = make_certs(tmp_path / "run", "127.0.0.1", "localhost")
     with shoal.Master("127.0.0.1:0", secret=SECRET, heartbeat_timeout=5, **tls) as master:
-        comms = [shoal.Communicator(master.address, secret=SECRET, connections=2, **tls) for _ in range(2)]
-        comms[0].connect(timeout=10)
-        joined = threading.Thread(target=comms[1].connect, kwargs={"timeout": 10})
-        joined.start()
-        while comms[0].peers_pending() is False:
-            time.sleep(0.05)
-        comms[0].update_topology()
-        joined.join(timeout=10)
-
-        def latency() -> float:
-            times = []
-            for _ in range(15):
-                started = time.monotonic()
-                assert all((x == 3).all() for x in all_reduce_together(comms))
-                times.append(time.monotonic() - started)
-            return sorted(times)[len(times) // 2]
-
-        quiet = latency()
+        comms = two_members(master.address, secret=SECRET, connections=2, **tls)
+        quiet = median_all_reduce(comms)
         data_port = next(p["addr"] for p in master.status()["peers"] if p["rank"] == 0).rsplit(":", 1)
         targets = [tuple(master.address.rsplit(":", 1)), tuple(data_port)]
         trickling: list[socket.socket] = []
@@ -331,7 +332,7 @@ def test_trickled_handshakes_and_held_connections_keep_no_member_out(tmp_path, m
         dripper.start()
         try:
             time.sleep(1)
-            attacked = latency()
+            attacked = median_all_reduce(comms)
             newcomer = shoal.Communicator(master.address, secret=SECRET, connections=2, **tls)
             started = time.monotonic()
             joined = threading.Thread(target=newcomer.connect, kwargs={"timeout": 20})
@@ -399,27 +400,16 @@ def test_another_users_process_on_the_same_socket_name_gets_nothing(capfd):
         port = probe.getsockname()[1]
     name = f"shoal-data-{port}"
 
-    def run() -> float:
-        """Two members, the first listening on `port`: the median latency of their all-reduces."""
+    def run() -> tuple[float, list]:
+        """Two members, the first listening on `port`: the median latency of their all-reduces,
+        and what carries the second's link."""
         with shoal.Master("127.0.0.1:0", heartbeat_timeout=5) as master:
-            comms = [shoal.Communicator(master.address, listen_addr=f"127.0.0.1:{port}"),
-                     shoal.Communicator(master.address)]
-            comms[0].connect(timeout=10)
-            joined = threading.Thread(target=comms[1].connect, kwargs={"timeout": 10})
-            joined.start()
-            while comms[0].peers_pending() is False:
-                time.sleep(0.05)
-            comms[0].update_topology()
-            joined.join(timeout=10)
-            times = []
-            for _ in range(20):
-                started = time.monotonic()
-                assert all((x == 3).all() for x in all_reduce_together(comms))
-                times.append(time.monotonic() - started)
+            comms = two_members(master.address, first={"listen_addr": f"127.0.0.1:{port}"})
+            latency = median_all_reduce(comms, rounds=20)
             transports = [link["transport"] for link in comms[1].links()]
             for c in comms:
                 c.close()
-        return sorted(times)[len(times) // 2], transports
+        return latency, transports
 
     quiet, transports = run()
     assert transports == ["shm"]
