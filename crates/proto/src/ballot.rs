@@ -42,12 +42,14 @@ impl Ballot {
     pub fn cast(&mut self, peer: PeerId) {
         self.eligible.insert(peer);
         self.cast.insert(peer);
+        debug_assert!(self.cast.is_subset(&self.eligible), "a vote from outside the electorate");
     }
 
     /// Removes a lost peer from the electorate (and its vote, if cast).
     pub fn remove(&mut self, peer: PeerId) {
         self.eligible.remove(&peer);
         self.cast.remove(&peer);
+        assert!(!self.awaits(peer) && !self.cast.contains(&peer), "a removed peer still counts");
     }
 
     /// Whether `peer` may vote in this ballot.
@@ -91,7 +93,9 @@ impl Ballot {
         if self.eligible.is_empty() || self.cast != self.eligible {
             return None;
         }
-        Some(Quorum { voters: self.cast.clone() })
+        let quorum = Quorum { voters: self.cast.clone() };
+        assert_eq!(quorum.voters, self.eligible, "a quorum is the whole electorate");
+        Some(quorum)
     }
 }
 

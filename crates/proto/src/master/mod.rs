@@ -691,6 +691,7 @@ impl Master {
         self.arm_plan_slice(self.now);
         debug_assert!(members.iter().all(|p| self.peers.contains_key(p)), "unknown member");
         self.epoch = Epoch(self.epoch.0 + 1);
+        assert!(self.epoch > self.ring_epoch, "a topology issued behind the committed one");
         self.counters.topologies += 1;
         self.touch();
         let epoch = self.epoch;
@@ -762,6 +763,7 @@ impl Master {
         self.touch();
         // Reports about the old ring that arrived while this one connected are settled now.
         self.close_ops(epoch);
+        assert!(epoch > self.ring_epoch && epoch <= self.epoch, "commit of {epoch:?} after {:?}", self.ring_epoch);
         self.ring_epoch = epoch;
         self.outputs.push_back(Output::Event(MasterEvent::TopologyCommitted { epoch, members }));
         self.set_phase(Phase::Idle);

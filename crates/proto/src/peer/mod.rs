@@ -904,6 +904,8 @@ impl Peer {
     /// Begins call `id`, joining an issued topology first, or taking up one committed between
     /// calls (we reported ready in a call that then failed: its pools are ours already).
     fn begin(&mut self, id: CallId, kind: CallKind, deadline: Instant) {
+        // One call at a time: only a vote refused while a topology connected begins again.
+        assert!(self.call.as_ref().is_none_or(|(c, ..)| *c == id), "{id:?} begins while another call runs");
         if self.ended_apart(id, &kind) {
             return;
         }

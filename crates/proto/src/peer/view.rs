@@ -343,6 +343,8 @@ impl PeerView {
                             }
                         }
                     }
+                    // Epochs never go back: the issued one passed that check on arrival.
+                    assert!(self.committed.as_ref().is_none_or(|(e, _)| *e < epoch), "a commit behind ours");
                     self.committed = Some((epoch, members));
                     self.ready_in = None;
                     self.started = 0;
