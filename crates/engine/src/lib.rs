@@ -249,7 +249,7 @@ pub struct OpSpec {
     pub hosts: Vec<usize>,
     /// The largest chunk a frame carries.
     pub chunk_bytes: usize,
-    /// The format its chunks travel in, if quantized (see [`OpExec::encoded`]).
+    /// The format its chunks travel in, if quantized (each chunk is encoded once, as it first leaves).
     pub codec: Option<Codec>,
     /// Where to save what it overwrites: a spare kept from an earlier collective, so that a
     /// large one does not allocate (and fault in) a copy of its buffer every time.

@@ -167,7 +167,7 @@ impl CommunicatorConfig {
     /// `hosts` hosts, asked for `requested`: what it (or else
     /// [`CommunicatorConfig::algorithm`]) names; otherwise one-shot up to
     /// [`CommunicatorConfig::oneshot_max_bytes`] (between two members of one host, up to
-    /// [`PAIR_ONESHOT_MAX_BYTES`]), then two-shot up to
+    /// `PAIR_ONESHOT_MAX_BYTES`), then two-shot up to
     /// [`CommunicatorConfig::twoshot_max_bytes`] where the group spans hosts; above, the
     /// hierarchical all-reduce where the group spans hosts and some share one (only one leader
     /// per host crosses hosts: `2 (H - 1) / H` of the buffer for `H` hosts instead of the ring's

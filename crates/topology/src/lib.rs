@@ -6,7 +6,7 @@
 //! link as few times as possible. [`Links`] holds what the peers measured (one-way rate and round
 //! trip, per ordered pair); [`Costs`] turns that into the cost of each directed edge, and the
 //! ring is a shortest Hamiltonian cycle over those costs: an asymmetric travelling-salesman
-//! problem ([`atsp`]). [`sites`] groups members whose mutual round trip is short.
+//! problem ([`atsp`]). [`sites`](mod@sites) groups members whose mutual round trip is short.
 //!
 //! Pure code: no IO, no threads, and time only where a caller passes a deadline.
 

@@ -53,7 +53,7 @@ pub struct MasterConfig {
     /// The run's key for data connections, handed to every peer it registers: random, drawn by
     /// the driver for the run.
     pub data_key: DataKey,
-    /// How much of the ring search's budgets ([`plan::FIRST_ANSWER`] and the others) to spend,
+    /// How much of the ring search's budgets (`plan::FIRST_ANSWER` and the others) to spend,
     /// as a fraction: 1.0 for a run; the simulator, which checks agreement rather than plans,
     /// spends a hundredth.
     pub search_effort: f64,

@@ -51,7 +51,7 @@ pub struct PeerView {
     /// dropped when a new one is committed.
     pub verdicts: BTreeMap<(Epoch, u64), Verdict>,
     /// The latest collectives this peer committed (on its own or by verdict), at most
-    /// [`REMEMBERED_COMMITS`]: several may be in flight and commit in any order, and the master
+    /// `REMEMBERED_COMMITS`: several may be in flight and commit in any order, and the master
     /// only ever asks about one a participant still waits on, which is among the latest.
     pub committed_ops: BTreeSet<(Epoch, u64)>,
     /// Collectives the master asked about that this peer had not committed when asked: it
