@@ -46,6 +46,9 @@ const DRAIN_BYTES: usize = 64 << 10;
 /// How long accepting pauses after it fails (out of descriptors): the pending connection stays
 /// queued and would wake every poll.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+/// Connections taken off the listener's queue per round: a flood of new ones cannot keep the
+/// server from the exchanges it holds.
+const ACCEPTS_PER_ROUND: usize = 256;
 /// How often `stop` is looked at.
 const STOP_POLL: Duration = Duration::from_millis(200);
 
@@ -133,14 +136,15 @@ pub(crate) fn serve(
     }
 }
 
-/// Accepts every queued connection, keeping those within `limits` and closing the others.
+/// Accepts the queued connections (up to [`ACCEPTS_PER_ROUND`]), keeping those within `limits`
+/// and closing the others.
 fn accept_all(
     listener: &TcpListener,
     limits: Limits,
     conns: &mut Vec<Conn>,
     refusals: &mut LogLimit,
 ) -> io::Result<()> {
-    loop {
+    for _ in 0..ACCEPTS_PER_ROUND {
         let (stream, from) = match listener.accept() {
             Ok(accepted) => accepted,
             Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
@@ -167,6 +171,7 @@ fn accept_all(
         }
         debug_assert!(conns.len() <= limits.connections);
     }
+    Ok(())
 }
 
 /// Moves `c`'s exchange on as far as it goes without blocking; false once it is over.

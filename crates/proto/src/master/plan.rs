@@ -144,7 +144,7 @@ impl Master {
         }
         let costs = Costs::from_links(&links);
         let before = tour_cost(&costs, &(0..voters.len()).collect::<Vec<_>>());
-        let tour = solve(&costs, None, self.kicks(voters.len(), FIRST_ANSWER));
+        let tour = solve(&costs, None, kicks(voters.len(), FIRST_ANSWER, self.config.search_effort));
         let after = tour_cost(&costs, &tour);
         let order: Vec<PeerId> = tour.iter().map(|&i| voters[i]).collect();
         // A large group's matrix would flood the log: its lines at debug level.
@@ -281,11 +281,6 @@ impl Master {
             plan.search = None;
         }
         self.arm_plan_slice(now);
-    }
-
-    /// The kicks a search over `n` members makes for `budget`, at the configured effort.
-    fn kicks(&self, n: usize, budget: Duration) -> u64 {
-        kicks(n, budget, self.config.search_effort)
     }
 
     /// Each planned member's site (`shoal_topology::sites`), where grouping by them pays
