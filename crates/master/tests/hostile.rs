@@ -42,14 +42,15 @@ fn dial(m: &MasterServer) -> TcpStream {
     connect(&m.local_addr().to_string(), Duration::from_secs(2)).unwrap()
 }
 
-/// A peer that says Join is registered at once.
-fn joins(m: &MasterServer) {
+/// A peer that says Join is registered at once; its connection, which it holds while kept.
+fn joins(m: &MasterServer) -> TcpStream {
     let mut s = dial(m);
     s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
     assert!(matches!(read_message(&mut s), Ok((_, Message::Challenge { .. }))));
     let join = Message::Join { group: GroupId(0), data_addr: "127.0.0.1:1".into(), proof: [0; 32] };
     write_message(&mut s, SessionId(0), &join).unwrap();
     assert!(matches!(read_message(&mut s), Ok((_, Message::Registered { .. }))), "a proper peer was refused");
+    s
 }
 
 /// Waits until the master closes `s`; returns how long that took.
@@ -146,7 +147,9 @@ fn members_coming_back_to_a_restarted_master_get_past_strangers_holding_every_sl
     let dir = std::env::temp_dir().join(format!("shoal-hostile-restart-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let mut first = master_keeping(Duration::from_secs(30), Some(dir.clone()));
-    joins(&first);
+    // Held open across the stop: a connection closed first would remove the member from what the
+    // master keeps.
+    let _member = joins(&first);
     first.stop();
     let m = master_keeping(Duration::from_secs(30), Some(dir.clone()));
     let sources = MAX_PENDING_CONNECTIONS / MAX_PENDING_PER_SOURCE;
