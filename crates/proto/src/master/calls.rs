@@ -96,6 +96,7 @@ impl Master {
             self.refuse(peer, vote, reason, false);
             return false;
         }
+        debug_assert!(self.vote_awaiting(peer, vote).is_none(), "a vote cast while another waits for its voter");
         if settled {
             return true;
         }
@@ -120,6 +121,7 @@ impl Master {
     /// ([`crate::ballot::Ballot::announce`]).
     pub(super) fn announce_vote(&mut self, peer: PeerId, vote: Vote, collectives: u64) {
         let epoch = self.ring_epoch;
+        debug_assert_eq!(self.peers[&peer].last_vote.map(|l| (l.vote, l.collectives)), Some((vote, collectives)));
         for p in self.group_ring(self.peers[&peer].group).into_iter().filter(|p| *p != peer) {
             self.send_to_peer(p, Message::VoteOpened { vote, epoch, voter: peer, collectives });
         }
@@ -130,6 +132,7 @@ impl Master {
         let due: Vec<PeerId> = self.tentative.iter().filter(|(_, at)| **at <= now).map(|(p, _)| *p).collect();
         self.release_tentative(&due);
         self.arm_tentative_votes();
+        assert!(self.tentative.values().all(|at| *at > now), "a tentative vote past its time is answered");
     }
 
     /// `member` votes another call: a ballot of tentative newcomers' votes that waits for it
@@ -155,6 +158,11 @@ impl Master {
         if self.pending_vote.as_ref().is_some_and(|b| b.voters().is_empty()) {
             self.pending_vote = None;
         }
+        assert!(peers.iter().all(|p| !self.tentative.contains_key(p)), "a released vote is no longer tentative");
+        assert!(
+            self.pending_vote.as_ref().is_none_or(|b| peers.iter().all(|p| !b.voters().contains(p))),
+            "a released tentative vote is taken back"
+        );
     }
 
     fn arm_tentative_votes(&mut self) {
@@ -171,6 +179,12 @@ impl Master {
         for vote in [Vote::UpdateTopology, Vote::PeersPending, Vote::SyncSharedState] {
             self.withdraw(vote, group, reason, false);
         }
+        assert!(
+            [Vote::UpdateTopology, Vote::PeersPending, Vote::SyncSharedState]
+                .into_iter()
+                .all(|v| self.open_ballot(v, group).is_none()),
+            "an abandoned vote is closed"
+        );
     }
 
     /// Ends the open ballot of `vote` (of `group`, for a sync), if any: its voters' calls fail,
@@ -203,6 +217,7 @@ impl Master {
             }
             _ => {}
         }
+        debug_assert!(self.open_ballot(vote, group).is_none(), "a withdrawn {} vote is closed", vote.call());
     }
 
     /// An open vote of another kind than `vote` that has votes and waits for `peer`, which is
@@ -242,8 +257,10 @@ impl Master {
             })
         };
         let other = self.peers.iter().filter(|(p, _)| **p != peer).find_map(|(_, e)| apart(e))?.vote;
-        let voters = self.peers.iter().filter(|(_, e)| apart(e).is_some_and(|l| l.vote == other)).map(|(p, _)| *p);
-        Some((other, voters.collect()))
+        let voters: BTreeSet<PeerId> =
+            self.peers.iter().filter(|(_, e)| apart(e).is_some_and(|l| l.vote == other)).map(|(p, _)| *p).collect();
+        assert!(!voters.is_empty() && !voters.contains(&peer), "a mismatch names others' calls");
+        Some((other, voters))
     }
 
     /// `peer`'s vote in `vote` ended as one of calls that cannot complete together.

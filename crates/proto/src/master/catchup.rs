@@ -74,6 +74,7 @@ impl Master {
         self.catching_up.insert(peer, Newcomer { entries, planned: false, progress: None });
         // A copy held already is fetched from at once; otherwise the group's next sync makes one.
         self.send_plans(group);
+        assert_eq!(self.peers[&peer].status, Status::CatchingUp, "a newcomer catching up is not admitted meanwhile");
     }
 
     /// Before sync `round` of `group` completes for `participants` at `revision`: if a newcomer
@@ -98,6 +99,7 @@ impl Master {
             answered: BTreeSet::new(),
             held: BTreeSet::new(),
         };
+        debug_assert!(participants.iter().all(|p| !self.catching_up.contains_key(p)), "a newcomer donates");
         self.snapshots.insert(group, snapshot);
         for p in participants {
             self.send_to_peer(*p, Message::Snapshot { round });
@@ -111,6 +113,7 @@ impl Master {
             return; // A copy dropped meanwhile: the peer drops it too, at our `Snapshot { round: 0 }`.
         };
         s.answered.insert(peer);
+        assert!(s.held.is_subset(&s.answered), "a member keeps a copy only once it answered");
         if held {
             s.held.insert(peer);
         } else {
@@ -139,6 +142,7 @@ impl Master {
         self.peers.get_mut(&peer).expect("known").status = Status::Registered;
         self.drop_unneeded_snapshots();
         self.admit_without_vote_if_alone();
+        assert!(!self.catching_up.contains_key(&peer), "a catch-up that ended is over");
     }
 
     /// `peer` left the run: it no longer catches up, nor donates.
@@ -152,6 +156,7 @@ impl Master {
             self.send_plans(g);
         }
         self.drop_unneeded_snapshots();
+        assert!(self.snapshots.values().all(|s| !s.held.contains(&peer)), "a removed member donates nothing");
     }
 
     /// Sends every newcomer of `group` not planned yet its plan, once every member asked to keep
@@ -168,6 +173,7 @@ impl Master {
             .map(|(p, _)| *p)
             .collect();
         let s = s.clone();
+        debug_assert!(s.held.is_subset(&s.asked), "only members asked keep a copy");
         for p in waiting {
             self.catching_up.get_mut(&p).expect("listed").planned = true;
             if s.held.is_empty() {
@@ -200,6 +206,7 @@ impl Master {
             .iter()
             .map(|p| Member { peer: *p, group: self.peers[p].group, addr: self.peers[p].addr.clone(), site: None })
             .collect();
+        assert!(!ids.is_empty() && s.round > 0, "a plan to fetch names a copy and who holds it");
         let plan = Message::CatchUpPlan { round: s.round, revision: s.revision, entries, donors, reason };
         self.send_to_peer(peer, plan);
     }
@@ -215,5 +222,6 @@ impl Master {
                 self.send_to_peer(p, Message::Snapshot { round: 0 });
             }
         }
+        debug_assert!(self.snapshots.keys().all(|g| needed.contains(g)), "a copy is kept only while needed");
     }
 }

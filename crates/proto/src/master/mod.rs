@@ -638,6 +638,10 @@ impl Master {
             self.announce_vote(peer, Vote::UpdateTopology, collectives);
         }
         self.tally_topology_votes();
+        debug_assert!(
+            !matches!(&self.phase, Phase::AwaitingTopologyVotes { ballot } if ballot.tally().is_some()),
+            "a complete topology ballot is tallied at once"
+        );
     }
 
     /// Newcomers that did not report ready a heartbeat timeout after every accepted member did are
@@ -652,6 +656,7 @@ impl Master {
         let (epoch, bound) = (*epoch, self.config.heartbeat_timeout.as_secs_f64());
         let late: Vec<PeerId> = members.iter().copied().filter(|p| !ready.contains(p)).collect();
         for p in late {
+            debug_assert!(self.peers.get(&p).is_none_or(|e| e.status != Status::Accepted), "{p} is an accepted member");
             let reason = format!("not ready in topology {} {bound:.1} s after the accepted peers", epoch.0);
             self.remove_peer(p, reason, Removal::Expelled);
         }
@@ -676,6 +681,7 @@ impl Master {
         let Some(quorum) = ballot.tally() else { return };
         self.counters.topology_votes += 1;
         let mut members: Vec<PeerId> = self.ring.iter().copied().filter(|p| quorum.voters().contains(p)).collect();
+        assert_eq!(members.len(), quorum.voters().len(), "a topology quorum is the ring's members");
         if self.every_voter_measured(&members) {
             // optimize_topology: the ring re-ordered; newcomers wait for update_topology.
             self.make_plan(&members);
@@ -721,6 +727,7 @@ impl Master {
         }
         self.outputs.push_back(Output::Event(MasterEvent::TopologyIssued { epoch, members: members.clone() }));
         self.set_phase(Phase::AwaitingConnections { epoch, members, ready: BTreeSet::new(), newcomers_by: None });
+        assert!(self.syncs.is_empty() && self.pending_vote.is_none(), "a new topology ends the votes of the old one");
     }
 
     fn topology_ready(&mut self, now: Instant, peer: PeerId, epoch: Epoch) {
@@ -765,6 +772,7 @@ impl Master {
         self.close_ops(epoch);
         assert!(epoch > self.ring_epoch && epoch <= self.epoch, "commit of {epoch:?} after {:?}", self.ring_epoch);
         self.ring_epoch = epoch;
+        assert!(self.ring.iter().all(|p| self.peers[p].status == Status::Accepted), "the ring is accepted members");
         self.outputs.push_back(Output::Event(MasterEvent::TopologyCommitted { epoch, members }));
         self.set_phase(Phase::Idle);
     }
@@ -822,6 +830,7 @@ impl Master {
         // A ring re-planned for drifted links waits for update_topology too (`plan.rs`).
         let pending = !self.registered().is_empty() || self.plan.as_ref().is_some_and(Plan::replanned);
         self.sent_on.retain(|p| !quorum.voters().contains(p));
+        debug_assert!(quorum.voters().iter().all(|p| self.peers.contains_key(p)), "a quorum of known peers");
         for p in quorum.voters() {
             self.send_to_peer(*p, Message::PeersPendingResult { pending });
         }
@@ -903,6 +912,11 @@ impl Master {
         self.reform_if_due();
         self.outputs.extend(ended);
         self.arm_heartbeat_check();
+        assert!(!self.ring.contains(&peer) && !self.tentative.contains_key(&peer), "a removed peer still counts");
+        assert!(
+            !matches!(&self.phase, Phase::AwaitingConnections { members, .. } if members.contains(&peer)),
+            "a topology issued with a removed peer"
+        );
     }
 
     fn violation(&mut self, peer: PeerId, reason: PeerMisbehaved) {
@@ -926,6 +940,10 @@ impl Master {
             self.measured.clear();
         }
         self.phase = next;
+        debug_assert!(
+            !matches!(&self.phase, Phase::AwaitingConnections { epoch, .. } if *epoch != self.epoch),
+            "the topology being connected is the last one issued"
+        );
     }
 
     fn registered(&self) -> Vec<PeerId> {

@@ -68,6 +68,11 @@ impl Master {
             record.waiting.insert(peer);
         }
         self.settle(key);
+        // Answered at once, or waiting for the others: never both.
+        debug_assert!(
+            self.ops.get(&key).is_none_or(|r| r.outcome.is_none() || r.waiting.is_empty()),
+            "a verdict left someone waiting"
+        );
     }
 
     pub(super) fn op_failed(&mut self, peer: PeerId, epoch: Epoch, seq: u64, failure: OpFailure) {
@@ -105,6 +110,7 @@ impl Master {
             }
             Some(Outcome::Aborted(_)) => {}
         }
+        assert!(self.ops.get(&key).is_none_or(|r| r.outcome.is_some()), "a failure reported leaves a verdict");
     }
 
     /// A member left the run: collectives that waited only on it may now commit.
@@ -117,6 +123,7 @@ impl Master {
 
     /// A new topology replaces the ring: collectives of the old one that cannot commit abort.
     pub(super) fn close_ops(&mut self, next: Epoch) {
+        assert!(self.ops.keys().all(|(_, old, _)| *old < next), "a topology replaces only older ones");
         let keys: Vec<OpKey> = self.ops.keys().copied().collect();
         for key in keys {
             self.settle(key);
@@ -210,6 +217,8 @@ impl Master {
             };
             self.ops.insert(key, record);
         }
+        debug_assert!(self.ops[&key].members.iter().all(|p| self.peers.get(p).is_none_or(|e| e.group == group)));
+        assert!(self.ops.len() <= MAX_TRACKED_OPS, "the master tracks at most MAX_TRACKED_OPS collectives");
         Some(key)
     }
 

@@ -147,6 +147,7 @@ impl Master {
         let tour = solve(&costs, None, kicks(voters.len(), FIRST_ANSWER, self.config.search_effort));
         let after = tour_cost(&costs, &tour);
         let order: Vec<PeerId> = tour.iter().map(|&i| voters[i]).collect();
+        assert!(same_members(&order, voters), "a planned ring holds every voter once");
         // A large group's matrix would flood the log: its lines at debug level.
         let level = if voters.len() <= LOGGED_MATRIX { log::Level::Info } else { log::Level::Debug };
         log::log!(level, "measured links (from -> to: round trip, rate):\n{}", describe(voters, &links));
@@ -188,6 +189,7 @@ impl Master {
             tour.iter().map(|&i| plan.members[kept[i]]).collect()
         };
         order.extend(members.iter().filter(|p| !plan.members.contains(p)));
+        assert!(same_members(&order, &members), "a topology's order holds each of its members once");
         order
     }
 
@@ -220,6 +222,7 @@ impl Master {
                 drifted.push((l.peer, planned, rate));
             }
         }
+        debug_assert!(drifted.iter().all(|(to, ..)| plan.link(from, *to).is_some()), "only planned links drift");
         if !drifted.is_empty() {
             self.replan(now, from, &drifted);
         }
@@ -249,6 +252,7 @@ impl Master {
         plan.fruitless = 0;
         if after as f64 <= before as f64 * (1.0 - REPLAN_GAIN) {
             plan.order = tour.iter().map(|&i| plan.members[i]).collect();
+            assert!(same_members(&plan.order, &plan.members), "a re-planned ring holds every member once");
             plan.replanned = true;
             log::info!(
                 "ring re-planned for drifted links: {before} -> {after} µs per round of steps, at the next topology"
@@ -272,6 +276,7 @@ impl Master {
         if search.run(kicks(plan.members.len(), SLICE, effort)) {
             let (tour, cost) = search.best();
             plan.order = tour.iter().map(|&i| plan.members[i]).collect();
+            assert!(same_members(&plan.order, &plan.members), "an improved ring holds every member once");
             plan.fruitless = 0;
             log::info!("ring plan improved in the background: cost {cost} µs, applied at the next topology");
         } else {
@@ -312,6 +317,14 @@ impl Master {
             None => self.timers.clear(Timer::ImprovePlan),
         }
     }
+}
+
+/// Whether `order` holds exactly the peers of `members`, each once.
+fn same_members(order: &[PeerId], members: &[PeerId]) -> bool {
+    let (mut a, mut b) = (order.to_vec(), members.to_vec());
+    a.sort_unstable();
+    b.sort_unstable();
+    a == b && a.windows(2).all(|w| w[0] != w[1])
 }
 
 fn index(members: &[PeerId], p: PeerId) -> usize {

@@ -132,6 +132,7 @@ impl Master {
         let fewer = sync.ballot.announce(group, collectives);
         sync.ballot.cast(peer);
         sync.votes.insert(peer, Vote { revision, strategy, override_resume, entries });
+        assert!(sync.votes.keys().all(|v| sync.ballot.is_eligible(*v)), "a sync vote from outside its electorate");
         if fewer {
             self.announce_vote(peer, shoal_wire::Vote::SyncSharedState, collectives);
         }
@@ -145,6 +146,7 @@ impl Master {
             t.done.insert(peer);
         }
         self.settle_sync(group);
+        debug_assert!(self.syncs.get(&group).is_none_or(|s| s.round >= round), "a sync's round moves forward");
     }
 
     pub(super) fn sync_failed(&mut self, peer: PeerId, round: u64, reason: String) {
@@ -170,6 +172,10 @@ impl Master {
                 self.tally_sync(group);
             }
         }
+        assert!(
+            self.syncs.values().all(|s| !s.votes.contains_key(&peer) && !s.ballot.is_eligible(peer)),
+            "a removed member still counts in a sync"
+        );
     }
 
     /// Ends every sync of `group` (or of every group) with an error for its voters.
@@ -186,6 +192,7 @@ impl Master {
         for p in voters {
             self.send_to_peer(p, Message::SyncAborted { round: sync.round, retryable, reason: reason.clone() });
         }
+        assert!(!self.syncs.contains_key(&group), "an aborted sync is over");
     }
 
     pub(super) fn abort_every_sync(&mut self, reason: &str) {
@@ -209,9 +216,11 @@ impl Master {
         }
         let votes = sync.votes.clone();
         let round = sync.round;
+        assert_eq!(votes.len(), sync.ballot.voters().len(), "a tallied sync has a vote from every voter");
         match self.elect(group, &votes) {
             Ok((revision, hashes, plans)) => {
                 let participants: BTreeSet<PeerId> = votes.keys().copied().collect();
+                assert!(plans.iter().map(|(p, _)| p).eq(participants.iter()), "every voter gets a plan, once");
                 let sync = self.syncs.get_mut(&group).expect("present");
                 sync.transfer = Some(Transfer { revision, hashes, participants, done: BTreeSet::new() });
                 log::info!("sync {round} of group {}: revision {revision}, {} peers", group.0, votes.len());
@@ -356,6 +365,9 @@ impl Master {
                 plan.push(PlanEntry { hash, donors: if receives { donors.clone() } else { Vec::new() } });
             }
         }
+        let entries = first_vote.entries.len();
+        assert!(plans.values().all(|plan| plan.len() == entries), "a plan has an entry per tensor");
+        assert!(hashes.len() <= entries, "an elected hash per tensor at most");
         Ok((expected, hashes, plans.into_iter().collect()))
     }
 }
@@ -367,7 +379,9 @@ fn popular(hashes: impl Iterator<Item = [u8; 32]>) -> [u8; 32] {
         *counts.entry(h).or_default() += 1;
     }
     let best = counts.values().copied().max().expect("at least one candidate");
-    *counts.iter().find(|(_, c)| **c == best).expect("the maximum exists").0
+    let (winner, _) = counts.iter().find(|(_, c)| **c == best).expect("the maximum exists");
+    debug_assert!(counts.iter().all(|(h, c)| c < &best || h >= winner), "ties go to the smallest hash");
+    *winner
 }
 
 fn describe_layout_difference(a: PeerId, va: &Vote, b: PeerId, vb: &Vote) -> String {

@@ -1014,9 +1014,13 @@ impl Peer {
                     self.view.collective_ended(epoch, true);
                     return self.actions.push_back(Action::Done { call: id, result: Ok(Value::Collective(op)) });
                 }
-                let members = position.ring.iter().map(|m| m.peer).collect();
+                let members: Vec<PeerId> = position.ring.iter().map(|m| m.peer).collect();
+                let me = self.view.registered.map(|(p, _)| p);
+                assert_eq!(Some(members[position.rank]), me, "a collective runs at our own rank");
                 self.actions.push_back(Action::RunCollective { call: id, op, position, deadline });
-                self.ops.insert(op, InFlight { call: id, verb, deadline, members, stage: OpStage::Running });
+                let previous =
+                    self.ops.insert(op, InFlight { call: id, verb, deadline, members, stage: OpStage::Running });
+                assert!(previous.is_none(), "{op} started twice");
             }
         }
     }
@@ -1035,12 +1039,21 @@ impl Peer {
         if self.call.as_ref().is_some_and(|(current, ..)| *current == id) {
             self.call = None;
         }
+        debug_assert!(self.ops.values().all(|o| o.call != id), "{id:?} ends while its collective runs");
         self.actions.push_back(Action::Done { call: id, result });
     }
 
     /// Ends collective `op`.
     fn end_op(&mut self, op: OpId, result: Result<Value, CallError>) {
         let Some(o) = self.ops.remove(&op) else { return };
+        debug_assert!(
+            match &result {
+                Ok(Value::Collective(v)) => *v == op,
+                Ok(_) => false,
+                Err(_) => true,
+            },
+            "{op} ends with another value"
+        );
         match &result {
             Ok(_) => self.view.collective_ended(op.epoch, true),
             Err(CallError::Gone(_)) => {}
@@ -1051,6 +1064,16 @@ impl Peer {
 
     fn set_stage(&mut self, op: OpId, stage: OpStage) {
         if let Some(o) = self.ops.get_mut(&op) {
+            // Forward only: running, then the lap, then a question to the master (asked again of
+            // a restarted master); a failure reported only while running or in the lap.
+            let legal = matches!(
+                (&o.stage, &stage),
+                (OpStage::Running, OpStage::Lap | OpStage::Reporting(..) | OpStage::Asking(_))
+                    | (OpStage::Lap, OpStage::Reporting(..) | OpStage::Asking(_))
+                    | (OpStage::Reporting(..), OpStage::Reporting(..))
+                    | (OpStage::Asking(_), OpStage::Asking(_))
+            );
+            assert!(legal, "{op}: {:?} -> {stage:?}", o.stage);
             o.stage = stage;
         }
     }
@@ -1064,6 +1087,7 @@ impl Peer {
         }
         self.set_stage(op, OpStage::Reporting(now + self.config.heartbeat_timeout, failure.clone()));
         self.outbox.push_back(Message::OpFailed { epoch: op.epoch, seq: op.seq.0, failure });
+        debug_assert!(self.ops.get(&op).is_none_or(|o| matches!(o.stage, OpStage::Reporting(..))));
     }
 
     /// The lap of `op` cannot finish: say we hold the result, and wait for the master, which asks
@@ -1074,6 +1098,7 @@ impl Peer {
         log::info!("{op} finished here, asking the master ({reason})");
         self.set_stage(op, OpStage::Asking(deadline.max(now) + self.config.heartbeat_timeout));
         self.outbox.push_back(Message::OpDone { epoch: op.epoch, seq: op.seq.0, decided: false });
+        debug_assert!(matches!(self.ops[&op].stage, OpStage::Asking(until) if until > now));
     }
 
     /// Makes every move the calls can make now.
@@ -1106,6 +1131,10 @@ impl Peer {
         for id in ended {
             self.actions.push_back(Action::Done { call: id, result: Err(CallError::Gone(gone.clone())) });
         }
+        assert!(
+            self.call.is_none() && self.ops.is_empty() && self.queue.is_empty(),
+            "a peer out of the run has no calls"
+        );
     }
 
     /// Begins the next queued call if the calls before it allow; ends queued calls whose bound
