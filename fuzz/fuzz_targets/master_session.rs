@@ -40,6 +40,9 @@ enum Msg {
     CatchUpProgress(u8, u8),
     CatchUpEnd(bool, u8),
     SnapshotHeld(u8, bool),
+    P2pWaits(u8, bool),
+    P2pResumed,
+    P2pApart(u8),
     Leave,
     Other(u8),
 }
@@ -87,6 +90,16 @@ fn message(m: Msg, key: &RunKey, conn: ConnId) -> Message {
         }
         Msg::CatchUpEnd(fetched, revision) => Message::CatchUpEnd { fetched, revision: revision.into() },
         Msg::SnapshotHeld(round, held) => Message::SnapshotHeld { round: round.into(), held },
+        Msg::P2pWaits(p, send) => Message::P2pWaits {
+            peer: PeerId(p.into()),
+            send,
+            tag: 3,
+            seen: 0,
+            epoch: shoal_wire::Epoch(1),
+            collectives: 0,
+        },
+        Msg::P2pResumed => Message::P2pResumed { peer: PeerId(0) },
+        Msg::P2pApart(p) => Message::P2pApart { peer: PeerId(p.into()), reason: "fuzz".into() },
         Msg::Leave => Message::Leave,
         // A master-to-peer message, which a peer never sends.
         Msg::Other(p) => Message::PeerRemoved { peer: PeerId(p.into()) },

@@ -33,6 +33,11 @@ enum Step {
     Established(u8, u8),
     Progress(u8, u8),
     Fetched(bool),
+    /// The caller's transfer with this member waits (true: a send) or stops waiting.
+    Waits(u8, bool),
+    Resumed(u8),
+    /// The driver judges the first member waiting on us apart from our call.
+    Apart,
     Close,
 }
 
@@ -67,6 +72,9 @@ enum Msg {
     SyncAborted(u8, bool),
     Snapshot(u8),
     CatchUpPlan { round: u8, revision: u8, entries: Vec<(u8, Vec<u8>)> },
+    P2pWaits { peer: u8, send: bool, epoch: u8, collectives: u8 },
+    P2pResumed(u8),
+    P2pApart(u8),
     // A peer-to-master message, which a master never sends.
     Other(u8),
 }
@@ -125,6 +133,16 @@ fn message(m: Msg) -> Message {
             Message::OpAborted { epoch: Epoch(e.into()), seq: seq.into(), failure: failure(kind, peer) }
         }
         Msg::OpQuery(e, seq) => Message::OpQuery { epoch: Epoch(e.into()), seq: seq.into() },
+        Msg::P2pWaits { peer, send, epoch, collectives } => Message::P2pWaits {
+            peer: PeerId(peer.into()),
+            send,
+            tag: 3,
+            seen: 0,
+            epoch: Epoch(epoch.into()),
+            collectives: collectives.into(),
+        },
+        Msg::P2pResumed(p) => Message::P2pResumed { peer: PeerId(p.into()) },
+        Msg::P2pApart(p) => Message::P2pApart { peer: PeerId(p.into()), reason: "fuzz".into() },
         Msg::VoteOpened { vote, epoch, voter, collectives } => Message::VoteOpened {
             vote: [Vote::UpdateTopology, Vote::PeersPending, Vote::SyncSharedState][usize::from(vote) % 3],
             epoch: Epoch(epoch.into()),
@@ -228,6 +246,14 @@ fuzz_target!(|session: Session| {
                     peer.handle_fetched(round, if ok { Ok(()) } else { Err("fuzz") }, now);
                 }
             }
+            Step::Waits(other, send) => peer.p2p_waits(PeerId(other.into()), send, 3, 0),
+            Step::Resumed(other) => peer.p2p_resumed(PeerId(other.into())),
+            Step::Apart => {
+                let first = peer.waiters().next().map(|(waiter, _)| waiter);
+                if let Some(waiter) = first {
+                    peer.p2p_apart(waiter, "fuzz".into());
+                }
+            }
             Step::Close => peer.close(now),
         }
         while peer.poll_output().is_some() {}
@@ -237,7 +263,7 @@ fuzz_target!(|session: Session| {
                 Action::RunCollective { op, .. } => running.push(op),
                 Action::Fetch { round, .. } => fetching = Some(round),
                 Action::Done { call, .. } => assert!(ended.insert(call), "call {call:?} ended twice"),
-                Action::Registered { .. } | Action::TakeUp(_) => {}
+                Action::Registered { .. } | Action::TakeUp(_) | Action::MemberWaits(_) | Action::P2pApart { .. } => {}
             }
         }
         running.retain(|&op| peer.running(op));

@@ -834,6 +834,9 @@ impl Sim {
                 self.peers[i].proto.handle_fetched(round, fetched, at);
             }
             Action::Done { call, result } => self.done(i, call, result),
+            Action::MemberWaits(_) | Action::P2pApart { .. } => {
+                unreachable!("the simulated loops make no tagged transfers: {action:?}")
+            }
         }
     }
 

@@ -369,6 +369,40 @@ pub enum Message {
         /// Whether it holds the copy.
         held: bool,
     },
+    /// Peer → master, then master → the other end: the sender's call waits on a tagged transfer
+    /// with member `peer` that found nothing to match it (the master sees no transfer itself,
+    /// and relays this with `peer` naming the waiter). The other end, if its own call can never
+    /// let that transfer complete, answers [`Message::P2pApart`] (`docs/protocol.md`, "No call
+    /// waits for a call that will never come").
+    P2pWaits {
+        /// The other end (relayed: the waiter).
+        peer: PeerId,
+        /// The waiter sends; otherwise it receives.
+        send: bool,
+        /// The transfer's tag.
+        tag: u64,
+        /// A waiting receive: how many of the other end's sends to it it has seen offered.
+        seen: u64,
+        /// The waiter's committed topology.
+        epoch: Epoch,
+        /// The waiter's count of collectives started in `epoch`.
+        collectives: u64,
+    },
+    /// Peer → master, then master → the other end: the wait announced with [`Message::P2pWaits`]
+    /// is over.
+    P2pResumed {
+        /// The other end (relayed: the waiter).
+        peer: PeerId,
+    },
+    /// Peer → master, then master → the waiter: the sender is in a call that can never let the
+    /// transfer `peer` waits on complete; the waiter's call ends with `reason`, as does the
+    /// sender's (a vote of its is abandoned).
+    P2pApart {
+        /// The waiter (relayed: the member whose call it met).
+        peer: PeerId,
+        /// Both calls, named with their peers.
+        reason: String,
+    },
     /// Master → peer: you are registered as `peer` in run `session`.
     Registered {
         /// The peer's id.
@@ -567,6 +601,9 @@ mod kind {
     pub const CATCH_UP_PROGRESS: u16 = 16;
     pub const CATCH_UP_END: u16 = 17;
     pub const SNAPSHOT_HELD: u16 = 18;
+    pub const P2P_WAITS: u16 = 19;
+    pub const P2P_RESUMED: u16 = 20;
+    pub const P2P_APART: u16 = 21;
     pub const REGISTERED: u16 = 64;
     pub const TOPOLOGY: u16 = 65;
     pub const TOPOLOGY_COMMITTED: u16 = 66;
@@ -619,6 +656,9 @@ impl Message {
             Message::CatchUpProgress { .. } => kind::CATCH_UP_PROGRESS,
             Message::CatchUpEnd { .. } => kind::CATCH_UP_END,
             Message::SnapshotHeld { .. } => kind::SNAPSHOT_HELD,
+            Message::P2pWaits { .. } => kind::P2P_WAITS,
+            Message::P2pResumed { .. } => kind::P2P_RESUMED,
+            Message::P2pApart { .. } => kind::P2P_APART,
             Message::Snapshot { .. } => kind::SNAPSHOT,
             Message::CatchUpPlan { .. } => kind::CATCH_UP_PLAN,
             Message::Registered { .. } => kind::REGISTERED,
@@ -677,6 +717,9 @@ impl Message {
             Message::CatchUpProgress { .. } => "CatchUpProgress",
             Message::CatchUpEnd { .. } => "CatchUpEnd",
             Message::SnapshotHeld { .. } => "SnapshotHeld",
+            Message::P2pWaits { .. } => "P2pWaits",
+            Message::P2pResumed { .. } => "P2pResumed",
+            Message::P2pApart { .. } => "P2pApart",
             Message::Snapshot { .. } => "Snapshot",
             Message::CatchUpPlan { .. } => "CatchUpPlan",
         }
@@ -735,6 +778,19 @@ impl Message {
             Message::SnapshotHeld { round, held } => {
                 w.u64(*round);
                 w.bool(*held);
+            }
+            Message::P2pWaits { peer, send, tag, seen, epoch, collectives } => {
+                w.u32(peer.0);
+                w.bool(*send);
+                w.u64(*tag);
+                w.u64(*seen);
+                w.u64(epoch.0);
+                w.u64(*collectives);
+            }
+            Message::P2pResumed { peer } => w.u32(peer.0),
+            Message::P2pApart { peer, reason } => {
+                w.u32(peer.0);
+                w.str(reason);
             }
             Message::Snapshot { round } => w.u64(*round),
             Message::CatchUpPlan { round, revision, entries, donors, reason } => {
@@ -873,6 +929,16 @@ impl Message {
             kind::CATCH_UP_PROGRESS => Message::CatchUpProgress { done: r.u64()?, total: r.u64()?, eta_ms: r.u64()? },
             kind::CATCH_UP_END => Message::CatchUpEnd { fetched: r.bool("fetched")?, revision: r.u64()? },
             kind::SNAPSHOT_HELD => Message::SnapshotHeld { round: r.u64()?, held: r.bool("held")? },
+            kind::P2P_WAITS => Message::P2pWaits {
+                peer: PeerId(r.u32()?),
+                send: r.bool("send")?,
+                tag: r.u64()?,
+                seen: r.u64()?,
+                epoch: Epoch(r.u64()?),
+                collectives: r.u64()?,
+            },
+            kind::P2P_RESUMED => Message::P2pResumed { peer: PeerId(r.u32()?) },
+            kind::P2P_APART => Message::P2pApart { peer: PeerId(r.u32()?), reason: r.str()? },
             kind::SNAPSHOT => Message::Snapshot { round: r.u64()? },
             kind::CATCH_UP_PLAN => Message::CatchUpPlan {
                 round: r.u64()?,
@@ -1087,6 +1153,13 @@ mod tests {
             any::<(u64, u64, u64)>().prop_map(|(done, total, eta_ms)| Message::CatchUpProgress { done, total, eta_ms }),
             any::<(bool, u64)>().prop_map(|(fetched, revision)| Message::CatchUpEnd { fetched, revision }),
             any::<(u64, bool)>().prop_map(|(round, held)| Message::SnapshotHeld { round, held }),
+            (any::<(u32, bool, u64, u64)>(), any::<(u64, u64)>()).prop_map(
+                |((p, send, tag, seen), (e, collectives))| {
+                    Message::P2pWaits { peer: PeerId(p), send, tag, seen, epoch: Epoch(e), collectives }
+                }
+            ),
+            any::<u32>().prop_map(|p| Message::P2pResumed { peer: PeerId(p) }),
+            (any::<u32>(), ".{0,60}").prop_map(|(p, reason)| Message::P2pApart { peer: PeerId(p), reason }),
             any::<u64>().prop_map(|round| Message::Snapshot { round }),
             (
                 any::<(u64, u64)>(),

@@ -15,6 +15,7 @@ mod calls;
 mod catchup;
 mod durable;
 mod ops;
+mod p2p;
 mod plan;
 mod status;
 mod sync;
@@ -255,6 +256,9 @@ pub struct Master {
     ops: BTreeMap<ops::OpKey, ops::OpRecord>,
     /// Shared-state syncs in progress, by group.
     syncs: BTreeMap<GroupId, sync::SyncRound>,
+    /// Members whose call waits on a tagged transfer with another member, announced and not
+    /// over: (waiter, the other end) (`p2p.rs`).
+    p2p_waits: BTreeMap<PeerId, PeerId>,
     next_sync: u64,
     /// Each group's last completed sync.
     group_states: BTreeMap<GroupId, sync::GroupState>,
@@ -312,6 +316,7 @@ impl Master {
             ring_epoch: Epoch(0),
             ops: BTreeMap::new(),
             syncs: BTreeMap::new(),
+            p2p_waits: BTreeMap::new(),
             next_sync: 0,
             group_states: BTreeMap::new(),
             catching_up: BTreeMap::new(),
@@ -423,6 +428,9 @@ impl Master {
             Message::SyncDone { round } if accepted => self.sync_done(peer, round),
             Message::SyncFailed { round, reason } if accepted => self.sync_failed(peer, round, reason),
             Message::SnapshotHeld { round, held } if accepted => self.snapshot_held(peer, round, held),
+            Message::P2pWaits { peer: other, .. } if accepted => self.p2p_waits(peer, other, message),
+            Message::P2pResumed { .. } if accepted => self.p2p_resumed(peer),
+            Message::P2pApart { peer: waiter, reason } if accepted => self.p2p_apart(peer, waiter, reason),
             Message::CatchUpStart { entries } => self.catch_up_start(peer, entries),
             Message::CatchUpProgress { done, total, eta_ms } => self.catch_up_progress(peer, done, total, eta_ms),
             Message::CatchUpEnd { fetched, revision } => self.catch_up_end(peer, fetched, revision),
@@ -882,6 +890,7 @@ impl Master {
         self.settle_ops_of(peer);
         self.sync_member_removed(peer);
         self.catch_up_member_removed(peer);
+        self.p2p_member_removed(peer);
         self.tentative.remove(&peer);
         self.sent_on.remove(&peer);
         if let Some(b) = &mut self.pending_vote {

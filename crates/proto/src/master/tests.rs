@@ -1196,3 +1196,48 @@ fn a_kept_run_that_no_master_wrote_is_refused_with_its_fault() {
         Some(Incoherent::Twice(first.peer))
     );
 }
+
+fn waits(peer: u32, send: bool, epoch: Epoch) -> Message {
+    Message::P2pWaits { peer: PeerId(peer), send, tag: 3, seen: 0, epoch, collectives: 0 }
+}
+
+/// A member's transfer that waits on a voter: the master relays the wait to the voter (naming the
+/// waiter); the voter's answer ends the waiter's call and abandons every vote of the group.
+#[test]
+fn a_transfer_waiting_on_a_voter_ends_the_wait_and_the_vote() {
+    let (mut h, epoch) = run_with(3);
+    // Conn 3 (peer#2) waits in a recv from peer#0, which votes with peer#1.
+    h.send(1, Message::VoteUpdateTopology { collectives: 0, measured: None });
+    h.send(2, Message::VoteUpdateTopology { collectives: 0, measured: None });
+    let out = h.send(3, waits(0, false, epoch));
+    assert_eq!(sent_to(&out, 1), vec![&waits(2, false, epoch)], "relayed to the other end, naming the waiter");
+    assert!(sent_to(&out, 2).is_empty());
+    let reason = "peer#2 called recv from peer#0 (p2p, tag 3) while peer#0 called update_topology".to_string();
+    let out = h.send(1, Message::P2pApart { peer: PeerId(2), reason: reason.clone() });
+    // The waiter first: its call ends with the reason (it hears of the vote too, as every member).
+    assert_eq!(sent_to(&out, 3)[0], &Message::P2pApart { peer: PeerId(0), reason: reason.clone() });
+    for conn in [1, 2] {
+        let aborted = Message::TopologyVoteAborted { retry: false, reason: reason.clone() };
+        assert!(sent_to(&out, conn).contains(&&aborted), "{out:?}");
+    }
+    assert_eq!(h.master.phase(), &Phase::Idle);
+    // The wait is over: a second answer, or one about a wait that ended, changes nothing.
+    assert!(h.send(1, Message::P2pApart { peer: PeerId(2), reason }).is_empty());
+}
+
+/// Waits end with a resume, with a removal of either end, and are relayed only within a group's
+/// accepted members.
+#[test]
+fn a_wait_is_forgotten_when_it_ends_and_relayed_only_to_members() {
+    let (mut h, epoch) = run_with(3);
+    h.send(3, waits(0, true, epoch));
+    let out = h.send(3, Message::P2pResumed { peer: PeerId(0) });
+    assert_eq!(sent_to(&out, 1), vec![&Message::P2pResumed { peer: PeerId(2) }]);
+    assert!(h.master.p2p_waits.is_empty());
+    // To itself, or to a peer that is no member: dropped.
+    assert!(h.send(3, waits(2, true, epoch)).is_empty());
+    assert!(h.send(3, waits(9, true, epoch)).is_empty());
+    h.send(3, waits(1, false, epoch));
+    h.master.handle_disconnect(h.now, ConnId(2), "gone");
+    assert!(h.master.p2p_waits.is_empty(), "the other end left: nobody waits on it");
+}

@@ -18,7 +18,7 @@ mod view;
 
 pub use view::{
     CatchUpPlan, Interrupt, LapInterrupt, PeerEvent, PeerView, RingPosition, SyncAbort, TopologyStep,
-    UnexpectedMessage, Verdict, VoteAbort, VoteOpen,
+    UnexpectedMessage, Verdict, VoteAbort, VoteOpen, WaitNote,
 };
 
 use crate::auth::{DataKey, RunKey};
@@ -161,6 +161,17 @@ pub enum Action {
         /// Per tensor, in name order: its elected hash and the donors to fetch it from (none: we
         /// hold it).
         entries: Vec<PlanEntry>,
+    },
+    /// A member's call waits on a transfer with us: if ours can never let it complete, say so
+    /// ([`Peer::waiters`], [`Peer::p2p_apart`]).
+    MemberWaits(PeerId),
+    /// The transfer our call waits on with `peer` can never complete: the call ends with
+    /// `reason`.
+    P2pApart {
+        /// The other end.
+        peer: PeerId,
+        /// Both calls, named with their peers.
+        reason: String,
     },
     /// The call ended.
     Done {
@@ -379,6 +390,11 @@ pub struct Peer {
     report: Option<PeerReport>,
     /// When the master told us of each removed peer ([`Peer::removal_grace`]).
     removed_at: std::collections::BTreeMap<PeerId, Instant>,
+    /// The point (topology, collectives started) and name of this peer's last vote or
+    /// collective, while it runs and after.
+    last_call: Option<(Epoch, u64, &'static str)>,
+    /// Whether `last_call` ended as one of calls that cannot complete together.
+    last_apart: bool,
 }
 
 /// Where a peer stands with the master. Expulsion and refusal are the master's news and live in
@@ -413,6 +429,8 @@ impl Peer {
             next_heartbeat: now + heartbeat_interval(config.heartbeat_timeout),
             report: None,
             removed_at: std::collections::BTreeMap::new(),
+            last_call: None,
+            last_apart: false,
             config,
         }
     }
@@ -543,6 +561,69 @@ impl Peer {
         self.next_id()
     }
 
+    /// Announces that our call waits on a tagged transfer with member `other` that found nothing
+    /// to match it (`send`: ours is the send; `seen`: a receive's count of `other`'s sends to us
+    /// offered so far): `other` tells, through the master, whether its own call lets it complete.
+    pub fn p2p_waits(&mut self, other: PeerId, send: bool, tag: u64, seen: u64) {
+        let Some((epoch, _)) = &self.view.committed else { return };
+        let (epoch, collectives) = (*epoch, self.view.started);
+        self.outbox.push_back(Message::P2pWaits { peer: other, send, tag, seen, epoch, collectives });
+    }
+
+    /// The wait announced with [`Peer::p2p_waits`] is over.
+    pub fn p2p_resumed(&mut self, other: PeerId) {
+        self.outbox.push_back(Message::P2pResumed { peer: other });
+    }
+
+    /// The others' calls at our point ended as calls that cannot complete together before we
+    /// made a call there ([`PeerView::settled_here`]): a tagged transfer of ours there is one of
+    /// them, and ends with this reason (we are told, as by a vote ended so). `verb` names it.
+    pub fn p2p_settled(&mut self, verb: &'static str) -> Option<String> {
+        let reason = self.view.settled_here.take()?;
+        self.view.told = true;
+        self.calling(self.view.started, verb);
+        self.last_apart = true;
+        self.settle_waiters();
+        Some(reason)
+    }
+
+    /// The members whose calls wait on a transfer with us, as announced.
+    pub fn waiters(&self) -> impl Iterator<Item = (PeerId, WaitNote)> + '_ {
+        self.view.waiters.iter().map(|(p, n)| (*p, *n))
+    }
+
+    /// Our call can never let the transfer `waiter` waits on complete: its call ends with
+    /// `reason`, and the master abandons our group's votes with it (ours among them).
+    pub fn p2p_apart(&mut self, waiter: PeerId, reason: String) {
+        let removed = self.view.waiters.remove(&waiter);
+        assert!(removed.is_some(), "{waiter} does not wait on us");
+        let reason = shoal_wire::truncate(reason, shoal_wire::MAX_STRING_BYTES);
+        self.outbox.push_back(Message::P2pApart { peer: waiter, reason });
+    }
+
+    /// The vote `call` is cast in, by the call's name, while it waits in it.
+    pub fn voting(&self, call: CallId) -> Option<&'static str> {
+        let (id, _, c) = self.call.as_ref().filter(|(id, ..)| *id == call && self.in_vote())?;
+        debug_assert_eq!(*id, call);
+        Some(match c {
+            Call::Topology { purpose: Purpose::Vote(kind), .. } => kind.name(),
+            Call::Pending => "peers_pending",
+            _ => "sync_shared_state",
+        })
+    }
+
+    /// Where this peer stands among its calls: the committed topology and the collectives it
+    /// started there.
+    pub fn point(&self) -> Option<(Epoch, u64)> {
+        self.view.committed.as_ref().map(|(e, _)| (*e, self.view.started))
+    }
+
+    /// This peer's last vote or collective, if it ended as one of calls that cannot complete
+    /// together and no call was made since: its point and name.
+    pub fn apart(&self) -> Option<(Epoch, u64, &'static str)> {
+        self.last_call.filter(|_| self.last_apart)
+    }
+
     /// Whether the master removed `peer` from the run (it died, froze or was cut off): a
     /// transfer with it cannot complete.
     pub fn removed(&self, peer: PeerId) -> bool {
@@ -575,6 +656,7 @@ impl Peer {
             self.actions.push_back(Action::Done { call: id, result: Err(CallError::Busy(kind.name())) });
             return id;
         }
+        (self.last_call, self.last_apart) = (None, false);
         self.queue.push_back(Queued { id, kind, deadline: now + bound });
         self.progress(now);
         id
@@ -587,8 +669,20 @@ impl Peer {
     pub fn handle_message(&mut self, message: Message, now: Instant) -> Result<PeerEvent, UnexpectedMessage> {
         self.last_heard = now;
         let event = self.view.handle_message(message);
-        if let Ok(PeerEvent::PeerRemoved(peer)) = &event {
-            self.removed_at.entry(*peer).or_insert(now);
+        match &event {
+            Ok(PeerEvent::PeerRemoved(peer)) => {
+                self.removed_at.entry(*peer).or_insert(now);
+                self.view.waiters.remove(peer);
+            }
+            Ok(PeerEvent::MemberWaits(peer)) => self.member_waits(*peer),
+            Ok(PeerEvent::P2pApart(_)) => {
+                // Our call is one of those told: what the master says of the others' afterwards
+                // concerns no later call of ours (as for a vote ended with a usage error).
+                self.view.told = true;
+                let (peer, reason) = self.view.p2p_apart.take().expect("just set");
+                self.actions.push_back(Action::P2pApart { peer, reason });
+            }
+            _ => {}
         }
         if self.in_vote() {
             // What ends a vote of ours ends our call, not the next one.
@@ -926,13 +1020,15 @@ impl Peer {
     /// together ([`PeerView::settled_here`]), a collective that they failed
     /// ([`PeerView::fail_next`]).
     fn ended_apart(&mut self, id: CallId, kind: &CallKind) -> bool {
-        if let CallKind::Collective(_) = kind {
+        if let CallKind::Collective(verb) = kind {
             let Some((epoch, seq, failure)) = self.view.fail_next() else { return false };
+            self.calling(seq, verb);
             self.finish(id, Err(CallError::Aborted { op: OpId { epoch, seq: Seq(seq) }, failure }));
             return true;
         }
         let Some(reason) = self.view.settled_here.take() else { return false };
         log::warn!("{reason}");
+        self.calling(self.view.started, kind.name());
         self.finish(id, Err(CallError::Misuse(reason)));
         true
     }
@@ -967,6 +1063,7 @@ impl Peer {
         let call = match kind {
             CallKind::UpdateTopology => {
                 let collectives = self.view.cast_vote(Vote::UpdateTopology);
+                self.calling(collectives, "update_topology");
                 if !self.view.vote_needed() {
                     log::debug!("update_topology after a failure: the ring re-formed already");
                     return self.finish(id, Ok(Value::TopologyInForce));
@@ -978,6 +1075,7 @@ impl Peer {
             CallKind::OptimizeTopology(measured) => {
                 // Always a vote: a ring re-formed after a failure is not the ordered one.
                 let collectives = self.view.cast_vote(Vote::UpdateTopology);
+                self.calling(collectives, "optimize_topology");
                 let vote = Message::VoteUpdateTopology { collectives, measured: Some(measured.clone()) };
                 self.outbox.push_back(vote);
                 let purpose = Purpose::Vote(CallKind::OptimizeTopology(measured));
@@ -985,11 +1083,13 @@ impl Peer {
             }
             CallKind::PeersPending => {
                 let collectives = self.view.cast_vote(Vote::PeersPending);
+                self.calling(collectives, "peers_pending");
                 self.outbox.push_back(Message::VotePeersPending { collectives });
                 Call::Pending
             }
             CallKind::SyncSharedState(ballot) => {
                 let collectives = self.view.cast_vote(Vote::SyncSharedState);
+                self.calling(collectives, "sync_shared_state");
                 let SyncBallot { revision, strategy, override_resume, entries } = ballot.clone();
                 let vote = Message::SyncVote { revision: revision.0, strategy, override_resume, entries, collectives };
                 self.outbox.push_back(vote);
@@ -1008,6 +1108,7 @@ impl Peer {
                 self.finish(id, Err(CallError::Aborted { op: OpId { epoch, seq: Seq(seq) }, failure }))
             }
             Ok((epoch, seq)) => {
+                self.calling(seq, verb);
                 let op = OpId { epoch, seq: Seq(seq) };
                 let position = self.position().expect("a collective runs in the topology taken up");
                 if position.group_size() == 1 {
@@ -1025,11 +1126,51 @@ impl Peer {
         }
     }
 
+    /// Member `waiter`'s call waits on a transfer with us. While we are in a call, the driver
+    /// judges it against that call. Out of calls, our last one ended as one of calls that cannot
+    /// complete together at the very point the waiter is at: like a vote made there after the
+    /// others' calls ended apart (`calls.rs`), the waiter's call can never meet ours, and ends.
+    fn member_waits(&mut self, waiter: PeerId) {
+        log::debug!("{waiter} waits on a transfer with us: {:?}", self.view.waiters.get(&waiter));
+        self.settle_waiters();
+        if self.view.waiters.contains_key(&waiter) {
+            self.actions.push_back(Action::MemberWaits(waiter));
+        }
+    }
+
+    /// Out of calls, with our last one ended apart: the members waiting on us at its point end
+    /// ([`Peer::member_waits`]).
+    fn settle_waiters(&mut self) {
+        let idle = self.call.is_none() && self.ops.is_empty() && self.queue.is_empty();
+        let (Some((epoch, collectives, ours)), Some((me, _)), true) = (self.apart(), self.view.registered, idle) else {
+            return;
+        };
+        let here: Vec<(PeerId, WaitNote)> =
+            self.waiters().filter(|(_, note)| note.point == (epoch, collectives)).collect();
+        for (waiter, note) in here {
+            let reason = p2p_apart_reason(waiter, &note, me, ours, true);
+            log::warn!("{reason}");
+            self.p2p_apart(waiter, reason);
+        }
+        debug_assert!(self.waiters().all(|(_, n)| n.point != (epoch, collectives)), "a waiter at our point is left");
+    }
+
+    /// Our vote or collective is made at the point of `collectives` started in the committed
+    /// topology ([`Peer::apart`]).
+    fn calling(&mut self, collectives: u64, name: &'static str) {
+        let epoch = self.view.committed.as_ref().expect("calls run in a topology in force").0;
+        (self.last_call, self.last_apart) = (Some((epoch, collectives, name)), false);
+    }
+
     /// Ends the call that runs alone (or a queued one): the driver hears of it, and the retry
     /// rule of how it ended ([`PeerView::vote_needed`]).
     fn finish(&mut self, id: CallId, result: Result<Value, CallError>) {
         if matches!(result, Err(CallError::Misuse(_) | CallError::SyncFailed { retryable: false, .. })) {
             self.view.told = true;
+            self.last_apart = true;
+        }
+        if matches!(&result, Err(CallError::Aborted { failure, .. }) if failure.kind == FailureKind::Misuse) {
+            self.last_apart = true;
         }
         match &result {
             Ok(_) => self.view.call_ended(true),
@@ -1039,6 +1180,9 @@ impl Peer {
         if self.call.as_ref().is_some_and(|(current, ..)| *current == id) {
             self.call = None;
         }
+        if self.last_apart {
+            self.settle_waiters();
+        }
         debug_assert!(self.ops.values().all(|o| o.call != id), "{id:?} ends while its collective runs");
         self.actions.push_back(Action::Done { call: id, result });
     }
@@ -1046,6 +1190,10 @@ impl Peer {
     /// Ends collective `op`.
     fn end_op(&mut self, op: OpId, result: Result<Value, CallError>) {
         let Some(o) = self.ops.remove(&op) else { return };
+        if matches!(&result, Err(CallError::Aborted { failure, .. }) if failure.kind == FailureKind::Misuse) {
+            self.last_apart = self.last_call.is_some_and(|(e, seq, _)| (e, seq) == (op.epoch, op.seq.0));
+            self.settle_waiters();
+        }
         debug_assert!(
             match &result {
                 Ok(Value::Collective(v)) => *v == op,
@@ -1368,6 +1516,18 @@ impl Peer {
         }
         false
     }
+}
+
+/// Why member `waiter`'s transfer with us (`note`) and our call `ours` can never complete
+/// together (`ended`: ours ended already, as one of calls that cannot complete together).
+pub fn p2p_apart_reason(waiter: PeerId, note: &WaitNote, me: PeerId, ours: &str, ended: bool) -> String {
+    let (verb, to) = if note.send { ("send", "to") } else { ("recv", "from") };
+    let ended = if ended { ", which ended as calls that cannot complete together" } else { "" };
+    format!(
+        "{waiter} called {verb} {to} {me} (p2p, tag {}) while {me} called {ours}{ended}: the transfer waits for a \
+         call of {me}'s that its call never lets it make",
+        note.tag
+    )
 }
 
 #[cfg(test)]

@@ -682,3 +682,61 @@ fn a_lost_master_and_a_closed_peer_stay_so() {
     p.handle_timeout(t0 + HEARTBEAT_TIMEOUT * 2);
     assert_eq!((p.gone(), p.reconnecting(), p.poll_timeout()), (Some(Gone::Closed), None, None));
 }
+
+fn waits(peer: u32, collectives: u64) -> Message {
+    Message::P2pWaits { peer: PeerId(peer), send: false, tag: 3, seen: 0, epoch: Epoch(1), collectives }
+}
+
+/// A member's transfer waits on us while we vote: the driver is asked to judge it; its verdict
+/// goes to the master, which ends the wait and our vote. A transfer of ours the master says can
+/// never complete ends our p2p call (the driver's), and we are told, as after a vote ended so.
+#[test]
+fn a_transfer_waiting_on_us_is_judged_by_the_driver_and_its_verdict_goes_to_the_master() {
+    let (mut p, t0) = joined(&[0, 1, 2]);
+    p.call(CallKind::UpdateTopology, BOUND, t0);
+    let call = CallId(2);
+    assert_eq!(p.voting(call), Some("update_topology"));
+    assert_eq!(p.voting(CallId(1)), None, "another call");
+    sent(&mut p);
+    p.handle_message(waits(2, 0), t0).unwrap();
+    assert_eq!(actions(&mut p), vec![Action::MemberWaits(PeerId(2))]);
+    let note = p.waiters().next().expect("kept").1;
+    let reason = p2p_apart_reason(PeerId(2), &note, PeerId(0), "update_topology", false);
+    assert!(reason.contains("peer#2 called recv from peer#0 (p2p, tag 3) while peer#0 called update_topology"));
+    p.p2p_apart(PeerId(2), reason.clone());
+    assert_eq!(sent(&mut p), vec![Message::P2pApart { peer: PeerId(2), reason }]);
+    assert_eq!(p.waiters().count(), 0);
+    // Our own wait, announced at our point, and the master's answer to it.
+    p.p2p_waits(PeerId(1), true, 9, 0);
+    let ours = Message::P2pWaits { peer: PeerId(1), send: true, tag: 9, seen: 0, epoch: Epoch(1), collectives: 0 };
+    assert_eq!(sent(&mut p), vec![ours]);
+    p.handle_message(Message::P2pApart { peer: PeerId(1), reason: "apart".into() }, t0).unwrap();
+    assert_eq!(actions(&mut p), vec![Action::P2pApart { peer: PeerId(1), reason: "apart".into() }]);
+    assert!(p.view.told);
+}
+
+/// Out of calls, with our last call ended as one of calls that cannot complete together: a member
+/// waiting on us at that very point can never meet it, and ends at once without the driver; one
+/// at another point is the driver's to judge.
+#[test]
+fn a_wait_at_the_point_where_our_call_ended_apart_ends_at_once() {
+    let (mut p, t0) = joined(&[0, 1, 2]);
+    p.call(CallKind::UpdateTopology, BOUND, t0);
+    sent(&mut p);
+    // A wait that came while we voted, which the driver had no time to judge: settled as the
+    // vote ends.
+    p.handle_message(waits(3, 0), t0).unwrap();
+    p.handle_message(Message::TopologyVoteAborted { retry: false, reason: "apart".into() }, t0).unwrap();
+    assert_eq!(actions(&mut p), vec![Action::MemberWaits(PeerId(3)), done(Err(CallError::Misuse("apart".into())))]);
+    assert!(matches!(&sent(&mut p)[..], [Message::P2pApart { peer: PeerId(3), .. }]));
+    assert_eq!(p.apart(), Some((Epoch(1), 0, "update_topology")));
+    p.handle_message(waits(1, 5), t0).unwrap();
+    assert_eq!(actions(&mut p), vec![Action::MemberWaits(PeerId(1))], "another point: the driver judges");
+    p.handle_message(waits(2, 0), t0).unwrap();
+    assert!(actions(&mut p).is_empty());
+    let [Message::P2pApart { peer: PeerId(2), reason }] = &sent(&mut p)[..] else { panic!("answered at once") };
+    assert!(reason.contains("while peer#0 called update_topology, which ended as calls that cannot complete"));
+    // A new call: the point of the old one says nothing any more.
+    p.call(CallKind::UpdateTopology, BOUND, t0);
+    assert_eq!(p.apart(), None);
+}

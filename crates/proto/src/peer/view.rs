@@ -27,6 +27,11 @@ pub struct PeerView {
     pub ready_in: Option<Epoch>,
     /// Collectives this peer started in the committed topology: the next one's number there.
     pub started: u64,
+    /// Members whose call waits on a tagged transfer with us that found nothing to match it, as
+    /// the master relayed them ([`WaitNote`]); one wait per member at a time.
+    pub waiters: BTreeMap<PeerId, WaitNote>,
+    /// The member whose call can never let the transfer we wait on complete, and both calls.
+    pub p2p_apart: Option<(PeerId, String)>,
     /// The collectives this peer would have run next in the topology it left, which the others
     /// failed before it started them (it joined the re-formed ring first): (topology, number,
     /// why), in order. Its next collective calls fail the same way, so that every member's k-th
@@ -219,6 +224,10 @@ pub enum PeerEvent {
     PeerRemoved(PeerId),
     /// The master decided a collective.
     Verdict(Epoch, u64),
+    /// A member's call waits on a transfer with us ([`PeerView::waiters`]).
+    MemberWaits(PeerId),
+    /// The transfer we wait on can never complete ([`PeerView::p2p_apart`]).
+    P2pApart(PeerId),
     /// Drop the copy of the shared state kept for newcomers: none catches up any more.
     DropSnapshot,
     /// The master asked whether we committed a collective: `committed` says we did and must
@@ -231,6 +240,19 @@ pub enum PeerEvent {
         /// Whether we already committed it.
         committed: bool,
     },
+}
+
+/// What a member's call waits on from us: a tagged transfer it announced (`P2pWaits`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WaitNote {
+    /// It sends to us; otherwise it receives from us.
+    pub send: bool,
+    /// The transfer's tag.
+    pub tag: u64,
+    /// A waiting receive: how many of our sends to it it has seen offered.
+    pub seen: u64,
+    /// Its committed topology and its count of collectives started there when it announced.
+    pub point: (Epoch, u64),
 }
 
 /// The master sent something a peer never expects.
@@ -407,6 +429,18 @@ impl PeerView {
             Message::SyncComplete { round } => {
                 self.sync_end = Some((round, Ok(())));
                 PeerEvent::Nothing
+            }
+            Message::P2pWaits { peer, send, tag, seen, epoch, collectives } => {
+                self.waiters.insert(peer, WaitNote { send, tag, seen, point: (epoch, collectives) });
+                PeerEvent::MemberWaits(peer)
+            }
+            Message::P2pResumed { peer } => {
+                self.waiters.remove(&peer);
+                PeerEvent::Nothing
+            }
+            Message::P2pApart { peer, reason } => {
+                self.p2p_apart = Some((peer, reason));
+                PeerEvent::P2pApart(peer)
             }
             Message::Snapshot { round: 0 } => {
                 self.snapshot_order = None;

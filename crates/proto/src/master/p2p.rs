@@ -1,0 +1,60 @@
+//! Tagged transfers that wait on a member in another call (`docs/protocol.md`, "No call waits
+//! for a call that will never come").
+//!
+//! The master sees no transfer: two members match a send and a receive between themselves. But a
+//! member whose call waits on a transfer the other end never serves, because that end is in a
+//! vote or a collective that in turn waits for the first, would wait for its whole bound. So a
+//! transfer still unmatched a moment into its wait is announced here (`P2pWaits`) and relayed to
+//! the other end, which alone can tell whether its own call lets the transfer complete: it
+//! answers `P2pApart` if not, and the master ends the waiter's call with that reason, and any vote
+//! of the other end's group with it.
+
+use super::{Master, Status};
+use shoal_wire::{truncate, Message, PeerId, MAX_STRING_BYTES};
+
+impl Master {
+    /// `waiter` waits on a transfer with `other` (the fields of `P2pWaits`): the other end hears
+    /// of it. Only between accepted members of one group: anything else is dropped.
+    pub(super) fn p2p_waits(&mut self, waiter: PeerId, other: PeerId, message: Message) {
+        let Message::P2pWaits { send, tag, seen, epoch, collectives, .. } = message else {
+            unreachable!("called with P2pWaits")
+        };
+        let group = |p: &PeerId| self.peers.get(p).filter(|e| e.status == Status::Accepted).map(|e| e.group);
+        if other == waiter || group(&waiter).is_none() || group(&waiter) != group(&other) {
+            log::debug!("{waiter} waits on a transfer with {other}, not a member of its group: not relayed");
+            return;
+        }
+        self.p2p_waits.insert(waiter, other);
+        self.send_to_peer(other, Message::P2pWaits { peer: waiter, send, tag, seen, epoch, collectives });
+        debug_assert_eq!(self.p2p_waits.get(&waiter), Some(&other));
+    }
+
+    /// `waiter`'s wait announced earlier is over.
+    pub(super) fn p2p_resumed(&mut self, waiter: PeerId) {
+        if let Some(other) = self.p2p_waits.remove(&waiter) {
+            self.send_to_peer(other, Message::P2pResumed { peer: waiter });
+        }
+        assert!(!self.p2p_waits.contains_key(&waiter), "a wait that is over is forgotten");
+    }
+
+    /// `member`'s call can never let `waiter`'s transfer complete: the waiter's call ends with
+    /// `reason`, and so does every vote of the member's group (the member's own among them).
+    pub(super) fn p2p_apart(&mut self, member: PeerId, waiter: PeerId, reason: String) {
+        if self.p2p_waits.get(&waiter) != Some(&member) {
+            return; // The wait ended meanwhile, or was never with this member.
+        }
+        self.p2p_waits.remove(&waiter);
+        let reason = truncate(reason, MAX_STRING_BYTES);
+        log::warn!("{reason}");
+        self.send_to_peer(waiter, Message::P2pApart { peer: member, reason: reason.clone() });
+        let group = self.peers[&member].group;
+        self.abandon_votes(group, &reason);
+        assert!(!self.p2p_waits.contains_key(&waiter), "an ended wait is forgotten");
+    }
+
+    /// `peer` left the run: its waits are over, and nobody waits on it any more (the transfers
+    /// with it fail on the `PeerRemoved` every member hears).
+    pub(super) fn p2p_member_removed(&mut self, peer: PeerId) {
+        self.p2p_waits.retain(|waiter, other| *waiter != peer && *other != peer);
+    }
+}
