@@ -64,10 +64,10 @@ def test_every_loop_shape_goes_on_through_joins_kills_and_freezes(shape):
     assert all(len(h) == 1 for h in states.values()), "peers hold different states at one revision"
 
 
-# Every call a peer group makes together that the master or a neighbour can see; a peer in one of
-# them never meets a peer in another. (Tagged point-to-point transfers are not among them yet: see
-# docs/protocol.md, "No call waits for a call that will never come".)
-CALLS = ["all_reduce", "barrier", "peers_pending", "update_topology", "sync_shared_state", "optimize_topology"]
+# Every call a peer group makes together that the master or a neighbour can see, and tagged
+# transfers ("p2p": isend to the next rank, recv from the previous, then wait); a peer in one of them
+# never meets a peer in another (docs/protocol.md, "No call waits for a call that will never come").
+CALLS = ["all_reduce", "barrier", "peers_pending", "update_topology", "sync_shared_state", "optimize_topology", "p2p"]
 # Calls that start with a collective: two of them differ as collectives do.
 COLLECTIVES = {"all_reduce", "barrier", "optimize_topology"}
 

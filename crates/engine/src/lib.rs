@@ -1114,6 +1114,18 @@ impl<L: Lane> Exec<L> {
         Some(traffic)
     }
 
+    /// Whether transfer `id` still waits for the other end's call ([`Exec::transfer_stuck`]
+    /// there): `Some` with, for a receive, the count of that member's offers seen.
+    pub fn transfer_unmatched(&self, id: u64) -> Option<u64> {
+        self.p2p.unmatched(id)
+    }
+
+    /// Whether the transfer member `rank` waits on with us (what it reported of it) can only
+    /// complete by a call of ours not made yet.
+    pub fn transfer_stuck(&self, rank: usize, send: bool, tag: u64, seen: u64) -> bool {
+        rank < self.world && rank != self.rank && self.p2p.stuck(rank, send, tag, seen)
+    }
+
     /// How transfers ended since the last call.
     pub fn transfer_events(&mut self) -> Vec<(u64, Result<(), LinkError>)> {
         self.p2p.events()
@@ -2622,6 +2634,37 @@ mod tests {
         assert_eq!(confirmed, 2);
         assert_eq!(reduce[0], sum(2, 7, 3000));
         assert_eq!(reduce[0], reduce[1]);
+    }
+
+    /// What a waiting transfer reports of itself, and how its other end judges it: a receive
+    /// waits on a send not yet made only once every offer sent to it arrived; a send waits on a
+    /// receive until one with its tag is posted.
+    #[test]
+    fn a_waiting_transfer_is_stuck_until_the_other_end_posts_its_match() {
+        let mut execs = mesh(2, 1, Faults::default());
+        let (mut a, mut b, mut c) = (vec![1u64; 4], vec![0u64; 4], vec![0u64; 4]);
+        // Rank 1 receives tag 7 from rank 0, which has sent nothing.
+        execs[1].post_transfer(1, transfer(Direction::Recv, 0, 7, &mut b));
+        assert_eq!(execs[1].transfer_unmatched(1), Some(0));
+        assert!(execs[0].transfer_stuck(1, false, 7, 0));
+        // Rank 0 sends tag 8: offered, not seen yet by rank 1's report, which is then no proof.
+        execs[0].post_transfer(2, transfer(Direction::Send, 1, 8, &mut a));
+        let mut ended = BTreeMap::new();
+        pump_transfers(&mut execs, &mut ended, |_| true);
+        assert!(!execs[0].transfer_stuck(1, false, 7, 0), "an offer the receiver had not seen");
+        assert_eq!(execs[1].transfer_unmatched(1), Some(1), "it has seen that offer now");
+        assert!(execs[0].transfer_stuck(1, false, 7, 1));
+        // Rank 0's send of tag 8 waits on rank 1: stuck until a receive with its tag is posted.
+        assert_eq!(execs[0].transfer_unmatched(2), Some(0));
+        assert!(execs[1].transfer_stuck(0, true, 8, 0));
+        assert!(!execs[1].transfer_stuck(0, true, 7, 0), "a receive of ours with that tag serves it");
+        execs[1].post_transfer(3, transfer(Direction::Recv, 0, 8, &mut c));
+        assert!(!execs[1].transfer_stuck(0, true, 8, 0));
+        pump_transfers(&mut execs, &mut ended, |e| e.len() == 2);
+        assert_eq!((execs[0].transfer_unmatched(2), execs[1].transfer_unmatched(3)), (None, None));
+        assert_eq!(c, a);
+        // A rank that is not a member, or ours, never holds anything up.
+        assert!(!execs[0].transfer_stuck(0, false, 7, 0) && !execs[0].transfer_stuck(5, false, 7, 0));
     }
 
     #[test]

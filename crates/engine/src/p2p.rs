@@ -144,6 +144,11 @@ pub(super) struct Transfers {
     ops: BTreeMap<u64, Transfer>,
     /// Per member: the number of our next send to it.
     next_number: Vec<u64>,
+    /// Per member: our offers that left for it, and its offers that arrived here. A receive
+    /// waiting on a member that has seen every offer the member sent it waits for one not yet
+    /// made ([`Transfers::stuck`]).
+    offers_sent: Vec<u64>,
+    offers_seen: Vec<u64>,
     /// Offers no receive matched yet: (member, its offer, the address it offers to pull, or 0).
     offers: Vec<(usize, OpHeader, u64)>,
     /// Per member: its process where our lanes to it say it runs on this host and may be read
@@ -164,6 +169,8 @@ impl Transfers {
             epoch,
             ops: BTreeMap::new(),
             next_number: vec![0; world],
+            offers_sent: vec![0; world],
+            offers_seen: vec![0; world],
             offers: Vec::new(),
             partners: vec![None; world],
             pulled: Vec::new(),
@@ -269,6 +276,31 @@ impl Transfers {
         self.check(id);
     }
 
+    /// Whether transfer `id` waits for the other end to make its call: a send not yet answered, or
+    /// a receive no offer matched; for a receive, how many offers from that member arrived so
+    /// far (the other end compares them with those it sent: [`Transfers::stuck`]).
+    pub fn unmatched(&self, id: u64) -> Option<u64> {
+        let t = self.ops.get(&id).filter(|t| !t.finished)?;
+        match t.stage {
+            Stage::Offering | Stage::Offered => Some(0),
+            Stage::Waiting => Some(self.offers_seen[t.spec.peer]),
+            _ => None,
+        }
+    }
+
+    /// Whether member `peer`'s transfer with us can only complete by a call we have not made:
+    /// its send (`send`) finds no receive of ours with `tag` posted; its receive, having seen
+    /// `seen` of our offers, finds no send of ours with `tag` in flight and no offer it has not
+    /// seen yet.
+    pub fn stuck(&self, peer: usize, send: bool, tag: u64, seen: u64) -> bool {
+        let ours = if send { Direction::Recv } else { Direction::Send };
+        let serving = self
+            .ops
+            .values()
+            .any(|t| !t.finished && t.spec.peer == peer && t.spec.tag == tag && t.spec.direction == ours);
+        !serving && (send || self.offers_sent[peer] <= seen)
+    }
+
     /// Reads a piece of every receive that pulls from its sender's memory; whether any moved.
     pub fn pull(&mut self) -> bool {
         let pulling: Vec<u64> = self
@@ -370,6 +402,7 @@ impl Transfers {
         let stale = |next: u64| if n < next { Ok(None) } else { Err(malformed(format!("an answer to send {n}"))) };
         match frame.kind {
             FrameKind::Offer => {
+                self.offers_seen[from] += 1;
                 let waiting = self.ops.iter().find(|(_, t)| {
                     t.spec.direction == Direction::Recv
                         && t.spec.peer == from
@@ -494,6 +527,7 @@ impl Transfers {
         log::trace!("transfer {id} #{} to rank {to}: {:?}, part {}", h.seq, t.stage, t.next_part);
         if t.stage == Stage::Offering {
             t.stage = Stage::Offered;
+            self.offers_sent[to] += 1;
             let mut offer = control_frame(FrameKind::Offer, h);
             if t.spec.buf.len() >= PULL_MIN_BYTES && self.partners[to].flatten().is_some() {
                 let addr = t.spec.buf.addr();

@@ -14,7 +14,9 @@ use shoal_collective::{Algorithm, CollectiveKind, DType, Quantization, ReduceOp}
 use shoal_config::failpoint;
 use shoal_engine::{Backup, Exec, LinkError, OpEvent, OpSpec, Pumped};
 use shoal_proto::auth::DataKey;
-use shoal_proto::peer::{Action, CallError, CallId, Established, OpId, OpProgress, RingPosition, Value};
+use shoal_proto::peer::{
+    p2p_apart_reason, Action, CallError, CallId, Established, OpId, OpProgress, Peer, RingPosition, Value,
+};
 use shoal_transport::{Lane, PollFd};
 use shoal_wire::{FailureKind, OpFailure, OpHeader, PeerId, SessionId};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -26,6 +28,10 @@ const POLL_SLICE: Duration = Duration::from_millis(50);
 /// How long the progress thread, woken for work an async call started, leaves the lock to that
 /// caller before it drives.
 const HANDOFF_GRACE: Duration = Duration::from_micros(100);
+/// How long a caller waits on a tagged transfer that found nothing to match it before it asks
+/// the other end, through the master, whether its call ever lets the transfer complete
+/// ([`Peer::p2p_waits`]). Most transfers match within it, and cost the master nothing.
+const P2P_PATIENCE: Duration = Duration::from_millis(100);
 
 pub(crate) struct Connected {
     pub control: Arc<Control>,
@@ -157,6 +163,22 @@ pub(crate) fn fits(record: &Collective, world: usize) -> std::result::Result<(),
     Ok(())
 }
 
+/// Announces that our caller has waited [`P2P_PATIENCE`] on transfer `call`, which found
+/// nothing to match it ([`Peer::p2p_waits`]).
+fn announce_wait(control: &Control, data: &mut DataPlane, call: CallId) {
+    let Some(t) = data.calls.transfers.get(&call) else { return };
+    let Some(seen) = data.exec.as_ref().and_then(|e| e.transfer_unmatched(call.0)) else { return };
+    let (peer, send, tag) = (t.peer, t.direction == shoal_engine::Direction::Send, t.tag);
+    data.announced = Some((call, peer));
+    log::debug!("{} with {peer} (tag {tag}) waits for its match: asking whether it ever comes", t.operation());
+    control.own_input(|p: &mut Peer, _| p.p2p_waits(peer, send, tag, seen));
+}
+
+/// The call collective `header` is part of, as its caller knows it.
+fn verb_of(header: &OpHeader) -> &'static str {
+    CollectiveKind::from_code(header.collective).map_or("collective", |k| verb(k, header.tag))
+}
+
 /// The call a collective of `kind` with `tag` is part of, as its caller knows it.
 pub(crate) fn verb(kind: CollectiveKind, tag: u64) -> &'static str {
     match kind {
@@ -169,7 +191,7 @@ pub(crate) fn verb(kind: CollectiveKind, tag: u64) -> &'static str {
 pub(crate) fn describe(h: &OpHeader) -> String {
     let dtype = DType::from_code(h.dtype).map_or("?", DType::name);
     let op = ReduceOp::from_code(h.op).map_or("?", ReduceOp::name);
-    let kind = CollectiveKind::from_code(h.collective).map_or("collective", |k| verb(k, h.tag));
+    let kind = verb_of(h);
     let algorithm = Algorithm::from_code(h.algorithm).map_or("?", Algorithm::name);
     let root =
         if h.collective == CollectiveKind::Broadcast.code() { format!(", root={}", h.root) } else { String::new() };
@@ -245,8 +267,29 @@ impl Driver {
         call: Option<CallId>,
         until: Option<Instant>,
         operation: &'static str,
+        own: impl FnMut(&mut DataPlane, Action) -> Option<CallResult>,
+    ) {
+        self.judge_waiters(control, data, call);
+        self.drive_until(control, listener, data, call, until, operation, own);
+        // The caller stops waiting (its transfer ended, or its own wait timed out).
+        if let Some((_, peer)) = data.announced.filter(|(c, _)| Some(*c) == call) {
+            data.announced = None;
+            control.own_input(|p, _| p.p2p_resumed(peer));
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn drive_until(
+        &self,
+        control: &Control,
+        listener: &Listener,
+        data: &mut DataPlane,
+        call: Option<CallId>,
+        until: Option<Instant>,
+        operation: &'static str,
         mut own: impl FnMut(&mut DataPlane, Action) -> Option<CallResult>,
     ) {
+        let entered = Instant::now();
         let mut idle_since: Option<Instant> = None;
         loop {
             let ended = |data: &DataPlane, call: CallId| {
@@ -286,8 +329,11 @@ impl Driver {
                     }
                     Action::TakeUp(position) => take_up(data, &position),
                     Action::RunCollective { call: c, op, position, .. } => {
-                        self.post(control, listener, data, c, op, &position)
+                        self.post(control, listener, data, c, op, &position);
+                        self.judge_waiters(control, data, call);
                     }
+                    Action::MemberWaits(_) => self.judge_waiters(control, data, call),
+                    Action::P2pApart { peer, reason } => crate::plane::p2p_apart(data, peer, reason),
                     action => {
                         if let Some(result) = own(data, action) {
                             let call = call.expect("only a call's own driver is asked for its actions");
@@ -367,7 +413,10 @@ impl Driver {
             });
             self.take_stopped(control, data);
             if !data.calls.transfers.is_empty() {
-                crate::plane::stop_stalled(&control.lock(), data, self.config.timeout);
+                crate::plane::stop_stalled(&mut control.lock(), data, self.config.timeout);
+            }
+            if let Some(call) = call.filter(|_| data.announced.is_none() && entered.elapsed() >= P2P_PATIENCE) {
+                announce_wait(control, data, call);
             }
             if control.lock().has_action() || call.is_some_and(|call| ended(data, call)) {
                 continue;
@@ -397,6 +446,46 @@ impl Driver {
                 log::warn!("poll over the data streams: {e}");
             }
         }
+    }
+
+    /// Says which members' transfers with us our caller's call can never let complete
+    /// ([`Action::MemberWaits`]): those waiting on a call of ours not made yet, while the caller
+    /// waits in a vote, or in a collective they have not started (`docs/protocol.md`, "No call
+    /// waits for a call that will never come"). Their calls end, and ours with them.
+    fn judge_waiters(&self, control: &Control, data: &DataPlane, call: Option<CallId>) {
+        let (Some(call), Some(exec), Some(position)) = (call, data.exec.as_ref(), data.position.as_ref()) else {
+            return;
+        };
+        let me = position.ring[position.rank].peer;
+        let collective =
+            data.calls.collectives.get(&call).and_then(|c| c.posted.as_ref()).map(|p| (p.id, verb_of(&p.header)));
+        let apart: Vec<(PeerId, String, Option<OpId>)> = {
+            let p = control.lock();
+            let ours = collective.map(|(op, name)| (name, Some(op))).or_else(|| p.voting(call).map(|n| (n, None)));
+            let Some((name, op)) = ours else { return };
+            p.waiters()
+                .filter_map(|(waiter, note)| {
+                    let rank = position.ring.iter().position(|m| m.peer == waiter)?;
+                    // A collective the waiter started already moves without its call.
+                    let needs = op.is_none_or(|op| note.point.0 == op.epoch && note.point.1 <= op.seq.0);
+                    let stuck = needs && exec.transfer_stuck(rank, note.send, note.tag, note.seen);
+                    stuck.then(|| (waiter, p2p_apart_reason(waiter, &note, me, name, false), op))
+                })
+                .collect()
+        };
+        if apart.is_empty() {
+            return;
+        }
+        control.own_input(|p, now| {
+            for (waiter, reason, op) in apart {
+                log::warn!("{reason}");
+                p.p2p_apart(waiter, reason.clone());
+                if let Some(op) = op {
+                    let failure = OpFailure::new(FailureKind::Misuse, me, reason);
+                    p.handle_collective(op, OpProgress::Failed(failure), now);
+                }
+            }
+        });
     }
 
     /// The progress thread: drives collectives in flight whenever no caller holds the data plane.

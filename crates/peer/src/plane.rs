@@ -263,6 +263,9 @@ pub(crate) struct DataPlane {
     pub spare_backups: Vec<Backup>,
     /// The communicator's counters.
     pub stats: Arc<crate::stats::Stats>,
+    /// The transfer the caller waits on, announced to the master as waiting for its other end's
+    /// call, and that member ([`Peer::p2p_waits`]).
+    pub announced: Option<(CallId, PeerId)>,
 }
 
 impl DataPlane {
@@ -304,6 +307,10 @@ pub(crate) struct TransferCall {
     pub world: usize,
     pub started: Instant,
     pub deadline: Instant,
+    /// How it fails, held [`APART_GRACE`] from when it was seen: the streams closed, or a new
+    /// topology replaces ours, because the other end's call ended apart from ours, whose news
+    /// (`P2pApart`, or the verdict that settles our point) is a moment behind.
+    pub failing: Option<(Error, Instant)>,
 }
 
 impl TransferCall {
@@ -328,31 +335,57 @@ impl TransferCall {
 
 /// Ends the transfers the engine ended.
 pub(crate) fn engine_ended(data: &mut DataPlane, events: Vec<(u64, std::result::Result<(), LinkError>)>) {
+    let announced = data.announced.map(|(call, _)| call);
     for (id, result) in events {
         let call = CallId(id);
-        let Some(t) = data.calls.transfers.get(&call) else { continue };
-        let result = result.map_err(|e| link_error(t, e));
-        end(data, call, result);
+        let Some(t) = data.calls.transfers.get_mut(&call) else { continue };
+        match result.map_err(|e| link_error(t, e)) {
+            Err(e @ Error::PeerLost { .. }) if announced == Some(call) => t.failing = Some((e, Instant::now())),
+            result => end(data, call, result),
+        }
     }
 }
+
+/// How long a transfer's loss waits for the news that the other end's call ended apart from
+/// ours ([`TransferCall::failing`]): the master sends it before it acts on it, but it travels
+/// another way than the streams' close.
+pub(crate) const APART_GRACE: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// Ends, before the driver sleeps, the transfers that cannot end otherwise: their bound passed,
 /// the master removed their member (frozen or cut off, it never closes its streams), or it
 /// issued a new topology (whose members stop answering in this one).
-pub(crate) fn stop_stalled(peer: &Peer, data: &mut DataPlane, bound: std::time::Duration) {
+pub(crate) fn stop_stalled(peer: &mut Peer, data: &mut DataPlane, bound: std::time::Duration) {
+    if peer.has_action() {
+        // What the master said first goes first (a `P2pApart` before the topology it brings).
+        return;
+    }
     let now = Instant::now();
+    // A topology issued after the others' calls at our point ended apart: ours are among them.
+    let settled = data
+        .calls
+        .transfers
+        .values()
+        .any(|t| !peer.removed(t.peer) && (t.failing.is_some() || peer.superseded(Epoch(t.epoch))))
+        .then(|| peer.p2p_settled("p2p"))
+        .flatten();
     let stopped: Vec<(CallId, Error)> = data
         .calls
         .transfers
-        .iter()
+        .iter_mut()
         .filter_map(|(call, t)| {
-            let lost =
-                |reason: String| Some((*call, Error::PeerLost { peer: t.peer, operation: t.operation(), reason }));
+            let (member, operation) = (t.peer, t.operation());
+            let lost = |reason: String| Error::PeerLost { peer: member, operation, reason };
             if peer.removed(t.peer) {
-                lost("the master removed it from the run".into())
-            } else if peer.superseded(Epoch(t.epoch)) {
+                Some((*call, lost("the master removed it from the run".into())))
+            } else if let Some(reason) =
+                settled.as_ref().filter(|_| t.failing.is_some() || peer.superseded(Epoch(t.epoch)))
+            {
+                Some((*call, Error::Misuse(reason.clone())))
+            } else if peer.superseded(Epoch(t.epoch)) || t.failing.is_some() {
                 // The members take up the new topology rather than answer: ranks may change.
-                lost(format!("the master replaces topology {} (a member was lost or admitted)", t.epoch))
+                let replaced = format!("the master replaces topology {} (a member was lost or admitted)", t.epoch);
+                let (_, since) = t.failing.get_or_insert_with(|| (lost(replaced), now));
+                (now >= *since + APART_GRACE).then(|| (*call, t.failing.take().expect("held").0))
             } else if now >= t.deadline {
                 Some((*call, Error::Timeout { operation: t.operation(), after: bound }))
             } else {
@@ -375,6 +408,15 @@ pub(crate) fn superseded(data: &mut DataPlane, epoch: u64) {
         let e = Error::PeerLost { peer: t.peer, operation: t.operation(), reason };
         end(data, call, Err(e));
     }
+}
+
+/// The transfer our caller waits on with `peer` can never complete: the other end is in a call
+/// that waits for ours (`reason` names both). Nothing if that wait is over.
+pub(crate) fn p2p_apart(data: &mut DataPlane, peer: PeerId, reason: String) {
+    let Some((call, _)) = data.announced.filter(|(_, p)| *p == peer) else { return };
+    data.announced = None;
+    log::warn!("{reason}");
+    end(data, call, Err(Error::Misuse(reason)));
 }
 
 /// Transfer `call` ended with `result`: out of the engine, its end kept for its caller.

@@ -124,9 +124,13 @@ impl Communicator {
                 let report = result.as_ref().map(drop).map_err(Clone::clone);
                 fetched = Some(result);
                 c.control.own_input(|p, now| p.handle_fetched(round, report, now));
-                let ended = match c.control.next_action() {
-                    Action::Done { call: ended, result } if ended == call => result,
-                    action => unreachable!("sync_shared_state asked for {action:?} after its plan"),
+                let ended = loop {
+                    match c.control.next_action() {
+                        Action::Done { call: ended, result } if ended == call => break result,
+                        // A transfer waiting on us: past its ballot, the sync ends on its own.
+                        Action::MemberWaits(_) => {}
+                        action => unreachable!("sync_shared_state asked for {action:?} after its plan"),
+                    }
                 };
                 stop.store(true, Ordering::Relaxed);
                 ended

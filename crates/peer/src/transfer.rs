@@ -140,6 +140,15 @@ impl Communicator {
                 direction.name()
             )));
         }
+        if let Some(reason) = c.control.own_input(|p, _| {
+            p.p2p_settled(match direction {
+                Direction::Send => "p2p send",
+                Direction::Recv => "p2p recv",
+            })
+        }) {
+            log::warn!("{reason}");
+            return Err(Error::Misuse(reason));
+        }
         let call = c.control.own_input(|p, _| p.reserve_call());
         let chunk_bytes = self.config.chunk_bytes.unwrap_or(crate::DEFAULT_CHUNK_BYTES);
         data.stats.started(call, direction.name(), tag, buf.len() as u64);
@@ -157,6 +166,7 @@ impl Communicator {
             world,
             started: now,
             deadline: now + self.config.timeout,
+            failing: None,
         };
         data.calls.transfers.insert(call, transfer);
         Ok(call)
