@@ -269,7 +269,6 @@ impl Driver {
         operation: &'static str,
         own: impl FnMut(&mut DataPlane, Action) -> Option<CallResult>,
     ) {
-        self.judge_waiters(control, data, call);
         self.drive_until(control, listener, data, call, until, operation, own);
         // The caller stops waiting (its transfer ended, or its own wait timed out).
         if let Some((_, peer)) = data.announced.filter(|(c, _)| Some(*c) == call) {
@@ -329,8 +328,7 @@ impl Driver {
                     }
                     Action::TakeUp(position) => take_up(data, &position),
                     Action::RunCollective { call: c, op, position, .. } => {
-                        self.post(control, listener, data, c, op, &position);
-                        self.judge_waiters(control, data, call);
+                        self.post(control, listener, data, c, op, &position)
                     }
                     Action::MemberWaits(_) => self.judge_waiters(control, data, call),
                     Action::P2pApart { peer, reason } => crate::plane::p2p_apart(data, peer, reason),
@@ -448,8 +446,8 @@ impl Driver {
         }
     }
 
-    /// Says which members' transfers with us our caller's call can never let complete
-    /// ([`Action::MemberWaits`]): those waiting on a call of ours not made yet, while the caller
+    /// Says which members' transfers with us our caller's call can never let complete (asked by
+    /// [`Action::MemberWaits`], as a wait arrives and as a vote or collective starts): those waiting on a call of ours not made yet, while the caller
     /// waits in a vote, or in a collective they have not started (`docs/protocol.md`, "No call
     /// waits for a call that will never come"). Their calls end, and ours with them.
     fn judge_waiters(&self, control: &Control, data: &DataPlane, call: Option<CallId>) {

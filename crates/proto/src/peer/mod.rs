@@ -1098,6 +1098,15 @@ impl Peer {
             CallKind::Collective(verb) => return self.start_collective(id, verb, deadline),
         };
         self.call = Some((id, deadline, call));
+        self.judge_waiters();
+    }
+
+    /// Asks the driver to judge the members waiting on us against the call we are now in
+    /// ([`Action::MemberWaits`]), if any wait.
+    fn judge_waiters(&mut self) {
+        if let Some(&waiter) = self.view.waiters.keys().next() {
+            self.actions.push_back(Action::MemberWaits(waiter));
+        }
     }
 
     fn start_collective(&mut self, id: CallId, verb: &'static str, deadline: Instant) {
@@ -1119,6 +1128,7 @@ impl Peer {
                 let me = self.view.registered.map(|(p, _)| p);
                 assert_eq!(Some(members[position.rank]), me, "a collective runs at our own rank");
                 self.actions.push_back(Action::RunCollective { call: id, op, position, deadline });
+                self.judge_waiters();
                 let previous =
                     self.ops.insert(op, InFlight { call: id, verb, deadline, members, stage: OpStage::Running });
                 assert!(previous.is_none(), "{op} started twice");

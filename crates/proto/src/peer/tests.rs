@@ -736,7 +736,13 @@ fn a_wait_at_the_point_where_our_call_ended_apart_ends_at_once() {
     assert!(actions(&mut p).is_empty());
     let [Message::P2pApart { peer: PeerId(2), reason }] = &sent(&mut p)[..] else { panic!("answered at once") };
     assert!(reason.contains("while peer#0 called update_topology, which ended as calls that cannot complete"));
-    // A new call: the point of the old one says nothing any more.
+    // A new call: the point of the old one says nothing any more, and the driver judges the
+    // member still waiting against it; a collective likewise, once it runs.
     p.call(CallKind::UpdateTopology, BOUND, t0);
     assert_eq!(p.apart(), None);
+    assert_eq!(actions(&mut p), vec![Action::MemberWaits(PeerId(1))]);
+    p.handle_message(Message::TopologyVoteAborted { retry: false, reason: "again".into() }, t0).unwrap();
+    actions(&mut p);
+    p.call(CallKind::Collective("all_reduce"), BOUND, t0);
+    assert!(matches!(&actions(&mut p)[..], [Action::RunCollective { .. }, Action::MemberWaits(PeerId(1))]));
 }
