@@ -603,19 +603,12 @@ impl Peer {
 
     /// The vote `call` is cast in, by the call's name, while it waits in it.
     pub fn voting(&self, call: CallId) -> Option<&'static str> {
-        let (id, _, c) = self.call.as_ref().filter(|(id, ..)| *id == call && self.in_vote())?;
-        debug_assert_eq!(*id, call);
+        let (_, _, c) = self.call.as_ref().filter(|(id, ..)| *id == call && self.in_vote())?;
         Some(match c {
             Call::Topology { purpose: Purpose::Vote(kind), .. } => kind.name(),
             Call::Pending => "peers_pending",
             _ => "sync_shared_state",
         })
-    }
-
-    /// Where this peer stands among its calls: the committed topology and the collectives it
-    /// started there.
-    pub fn point(&self) -> Option<(Epoch, u64)> {
-        self.view.committed.as_ref().map(|(e, _)| (*e, self.view.started))
     }
 
     /// This peer's last vote or collective, if it ended as one of calls that cannot complete
@@ -675,12 +668,11 @@ impl Peer {
                 self.view.waiters.remove(peer);
             }
             Ok(PeerEvent::MemberWaits(peer)) => self.member_waits(*peer),
-            Ok(PeerEvent::P2pApart(_)) => {
+            Ok(PeerEvent::P2pApart { peer, reason }) => {
                 // Our call is one of those told: what the master says of the others' afterwards
                 // concerns no later call of ours (as for a vote ended with a usage error).
                 self.view.told = true;
-                let (peer, reason) = self.view.p2p_apart.take().expect("just set");
-                self.actions.push_back(Action::P2pApart { peer, reason });
+                self.actions.push_back(Action::P2pApart { peer: *peer, reason: reason.clone() });
             }
             _ => {}
         }

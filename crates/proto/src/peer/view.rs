@@ -30,8 +30,6 @@ pub struct PeerView {
     /// Members whose call waits on a tagged transfer with us that found nothing to match it, as
     /// the master relayed them ([`WaitNote`]); one wait per member at a time.
     pub waiters: BTreeMap<PeerId, WaitNote>,
-    /// The member whose call can never let the transfer we wait on complete, and both calls.
-    pub p2p_apart: Option<(PeerId, String)>,
     /// The collectives this peer would have run next in the topology it left, which the others
     /// failed before it started them (it joined the re-formed ring first): (topology, number,
     /// why), in order. Its next collective calls fail the same way, so that every member's k-th
@@ -226,8 +224,13 @@ pub enum PeerEvent {
     Verdict(Epoch, u64),
     /// A member's call waits on a transfer with us ([`PeerView::waiters`]).
     MemberWaits(PeerId),
-    /// The transfer we wait on can never complete ([`PeerView::p2p_apart`]).
-    P2pApart(PeerId),
+    /// The transfer we wait on with `peer` can never complete: `reason` names both calls.
+    P2pApart {
+        /// The other end.
+        peer: PeerId,
+        /// Why.
+        reason: String,
+    },
     /// Drop the copy of the shared state kept for newcomers: none catches up any more.
     DropSnapshot,
     /// The master asked whether we committed a collective: `committed` says we did and must
@@ -438,10 +441,7 @@ impl PeerView {
                 self.waiters.remove(&peer);
                 PeerEvent::Nothing
             }
-            Message::P2pApart { peer, reason } => {
-                self.p2p_apart = Some((peer, reason));
-                PeerEvent::P2pApart(peer)
-            }
+            Message::P2pApart { peer, reason } => PeerEvent::P2pApart { peer, reason },
             Message::Snapshot { round: 0 } => {
                 self.snapshot_order = None;
                 PeerEvent::DropSnapshot
