@@ -477,10 +477,9 @@ impl Driver {
         control.own_input(|p, now| {
             for (waiter, reason, op) in apart {
                 log::warn!("{reason}");
-                p.p2p_apart(waiter, reason.clone());
-                if let Some(op) = op {
-                    let failure = OpFailure::new(FailureKind::Misuse, me, reason);
-                    p.handle_collective(op, OpProgress::Failed(failure), now);
+                match op {
+                    Some(op) => p.p2p_apart_in(op, waiter, reason, now),
+                    None => p.p2p_apart(waiter, reason),
                 }
             }
         });

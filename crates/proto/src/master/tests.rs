@@ -1225,6 +1225,24 @@ fn a_transfer_waiting_on_a_voter_ends_the_wait_and_the_vote() {
     assert!(h.send(1, Message::P2pApart { peer: PeerId(2), reason }).is_empty());
 }
 
+/// A member's transfer that waits on a member's collective it never started: the collective's
+/// failure comes first (`Peer::p2p_apart_in`), so the ring re-forms before the waiter's call
+/// ends, and the waiter's next call runs in the new topology.
+#[test]
+fn a_transfer_waiting_on_a_collective_ends_after_the_ring_re_formed() {
+    let (mut h, epoch) = run_with(3);
+    // Conn 3 (peer#2) waits in a send to peer#0, which runs collective 0 with peer#1.
+    let out = h.send(3, waits(0, true, epoch));
+    assert_eq!(sent_to(&out, 1), vec![&waits(2, true, epoch)]);
+    let reason = "peer#2 called send to peer#0 (p2p, tag 3) while peer#0 called barrier".to_string();
+    let failure = OpFailure::new(FailureKind::Misuse, PeerId(0), reason.clone());
+    let out = h.send(1, Message::OpFailed { epoch, seq: 0, failure });
+    let kinds: Vec<&str> = sent_to(&out, 3).iter().map(|m| m.name()).collect();
+    assert_eq!(kinds, vec!["Topology", "OpAborted"], "the waiter hears of the new ring first");
+    let out = h.send(1, Message::P2pApart { peer: PeerId(2), reason: reason.clone() });
+    assert_eq!(sent_to(&out, 3), vec![&Message::P2pApart { peer: PeerId(0), reason }]);
+}
+
 /// Waits end with a resume, with a removal of either end, and are relayed only within a group's
 /// accepted members.
 #[test]

@@ -601,6 +601,17 @@ impl Peer {
         self.outbox.push_back(Message::P2pApart { peer: waiter, reason });
     }
 
+    /// As [`Peer::p2p_apart`], while the waiter waits on our collective `op`, which it has not
+    /// started: `op` fails first, with the same reason (`OpFailed { Misuse }`), so that the master
+    /// re-forms the ring before it ends the waiter's call, and the waiter's next call finds the
+    /// new topology rather than run `op`'s number again in the old one.
+    pub fn p2p_apart_in(&mut self, op: OpId, waiter: PeerId, reason: String, now: Instant) {
+        let (me, _) = self.view.registered.expect("a collective runs in a registered peer");
+        let failure = OpFailure::new(FailureKind::Misuse, me, reason.clone());
+        self.handle_collective(op, OpProgress::Failed(failure), now);
+        self.p2p_apart(waiter, reason);
+    }
+
     /// The vote `call` is cast in, by the call's name, while it waits in it.
     pub fn voting(&self, call: CallId) -> Option<&'static str> {
         let (_, _, c) = self.call.as_ref().filter(|(id, ..)| *id == call && self.in_vote())?;
@@ -669,9 +680,11 @@ impl Peer {
             }
             Ok(PeerEvent::MemberWaits(peer)) => self.member_waits(*peer),
             Ok(PeerEvent::P2pApart { peer, reason }) => {
-                // Our call is one of those told: what the master says of the others' afterwards
-                // concerns no later call of ours (as for a vote ended with a usage error).
+                // Our call is one of those told: what the master said of the others' calls at
+                // this point, before or after, concerns no later call of ours (as for a vote
+                // ended with a usage error).
                 self.view.told = true;
+                self.view.settled_here = None;
                 self.actions.push_back(Action::P2pApart { peer: *peer, reason: reason.clone() });
             }
             _ => {}

@@ -715,6 +715,24 @@ fn a_transfer_waiting_on_us_is_judged_by_the_driver_and_its_verdict_goes_to_the_
     assert!(p.view.told);
 }
 
+/// The vote our transfer waited on ends for another member's transfer a moment before the master
+/// tells us that ours ends too: that vote's end concerns the call it ends, ours, and not the next
+/// one, which is cast (it once failed with the other member's reason).
+#[test]
+fn a_waiter_told_after_the_vote_it_waited_on_ended_makes_its_next_call() {
+    let (mut p, t0) = joined(&[0, 1, 2]);
+    let open = Message::VoteOpened { vote: Vote::UpdateTopology, epoch: Epoch(1), voter: PeerId(1), collectives: 0 };
+    p.handle_message(open, t0).unwrap();
+    p.p2p_waits(PeerId(1), true, 3, 0);
+    sent(&mut p);
+    p.handle_message(Message::TopologyVoteAborted { retry: false, reason: "peer#2 apart".into() }, t0).unwrap();
+    p.handle_message(Message::P2pApart { peer: PeerId(1), reason: "peer#0 apart".into() }, t0).unwrap();
+    assert_eq!(actions(&mut p), vec![Action::P2pApart { peer: PeerId(1), reason: "peer#0 apart".into() }]);
+    p.call(CallKind::PeersPending, BOUND, t0);
+    assert_eq!(sent(&mut p), vec![Message::VotePeersPending { collectives: 0 }], "our next call is our own");
+    assert_eq!(actions(&mut p), vec![]);
+}
+
 /// Out of calls, with our last call ended as one of calls that cannot complete together: a member
 /// waiting on us at that very point can never meet it, and ends at once without the driver; one
 /// at another point is the driver's to judge.
@@ -745,4 +763,22 @@ fn a_wait_at_the_point_where_our_call_ended_apart_ends_at_once() {
     actions(&mut p);
     p.call(CallKind::Collective("all_reduce"), BOUND, t0);
     assert!(matches!(&actions(&mut p)[..], [Action::RunCollective { .. }, Action::MemberWaits(PeerId(1))]));
+}
+
+/// A member waits on a transfer with us while we run a collective it has not started: the
+/// collective fails before the waiter hears why, so that the master re-forms the ring before the
+/// waiter's call ends, and the waiter's next call finds the new topology (it once ran the failed
+/// collective's number again in the old one, and failed with the same usage error).
+#[test]
+fn a_collective_a_waiter_never_joins_fails_before_the_waiter_hears_of_it() {
+    let (mut p, t0) = joined(&[0, 1, 2]);
+    p.call(CallKind::Collective("barrier"), BOUND, t0);
+    let [Action::RunCollective { op, .. }] = actions(&mut p)[..] else { panic!("runs") };
+    p.handle_message(waits(1, 0), t0).unwrap();
+    assert_eq!(actions(&mut p), vec![Action::MemberWaits(PeerId(1))]);
+    p.p2p_apart_in(op, PeerId(1), "apart".into(), t0);
+    let failure = OpFailure::new(FailureKind::Misuse, PeerId(0), "apart");
+    let failed = Message::OpFailed { epoch: op.epoch, seq: op.seq.0, failure };
+    assert_eq!(sent(&mut p), vec![failed, Message::P2pApart { peer: PeerId(1), reason: "apart".into() }]);
+    assert_eq!(p.waiters().count(), 0);
 }
