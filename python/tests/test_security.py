@@ -301,7 +301,8 @@ def test_trickled_handshakes_and_held_connections_keep_no_member_out(tmp_path, m
     slots for 40 s against a 5 s deadline (newcomers refused), and 20,000 at one peer's data port
     gave it 19,990 threads. Now each handshake ends at its deadline however the bytes come, and
     one address holds only its share of each listener's greeting slots: a newcomer joins, and the
-    members' all-reduces stay within 3x of their latency without the attack."""
+    members' all-reduces stay within 3x of their latency without the attack. Every greeting is
+    on its listener's accept thread: the process (master and members) gains no thread."""
     monkeypatch.setenv("SHOAL_TRANSPORT", "tcp")
     tls = make_certs(tmp_path / "run", "127.0.0.1", "localhost")
     with shoal.Master("127.0.0.1:0", secret=SECRET, heartbeat_timeout=5, **tls) as master:
@@ -309,6 +310,7 @@ def test_trickled_handshakes_and_held_connections_keep_no_member_out(tmp_path, m
         quiet = median_all_reduce(comms)
         data_port = next(p["addr"] for p in master.status()["peers"] if p["rank"] == 0).rsplit(":", 1)
         targets = [tuple(master.address.rsplit(":", 1)), tuple(data_port)]
+        threads = len(os.listdir("/proc/self/task"))
         trickling: list[socket.socket] = []
         for host, port in targets:
             for _ in range(300):
@@ -318,6 +320,12 @@ def test_trickled_handshakes_and_held_connections_keep_no_member_out(tmp_path, m
                 s.connect((host, int(port)))
                 s.setblocking(False)
                 trickling.append(s)
+        # And 200 at the member's socket for shared-memory lanes, as a local user could.
+        for _ in range(200):
+            u = socket.socket(socket.AF_UNIX)
+            u.connect(b"\0shoal-data-" + data_port[1].encode())
+            u.setblocking(False)
+            trickling.append(u)
         stop = threading.Event()
 
         def trickle() -> None:
@@ -337,6 +345,9 @@ def test_trickled_handshakes_and_held_connections_keep_no_member_out(tmp_path, m
         try:
             time.sleep(1)
             attacked = median_all_reduce(comms)
+            # 64 greeting at the master (its share per address), 500 at the data port.
+            grown = len(os.listdir("/proc/self/task")) - threads
+            assert grown <= 2, f"{grown} threads more while 564 connections greet"
             newcomer = shoal.Communicator(master.address, secret=SECRET, connections=2, **tls)
             started = time.monotonic()
             joined = threading.Thread(target=newcomer.connect, kwargs={"timeout": 20})

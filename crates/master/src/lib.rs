@@ -1,8 +1,9 @@
 //! shoal's master: accepts control connections and drives [`shoal_proto::master::Master`] over
 //! them. It coordinates membership and votes; it never carries tensor data.
 //!
-//! Threads: one accepts connections, one per connection reads and decodes frames, and one — the
-//! driver — owns the state machine: it feeds it every input in arrival order, writes what it
+//! Threads: one accepts connections and greets them all (a TLS handshake, the first frame, by a
+//! deadline: `shoal_transport::greet`), one per greeted connection reads and decodes frames, and
+//! one — the driver — owns the state machine: it feeds it every input in arrival order, writes what it
 //! outputs, and fires its timers. All protocol decisions are the state machine's.
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
@@ -17,8 +18,9 @@ pub use http::{
 use shoal_proto::auth::{DataKey, RunKey};
 use shoal_proto::loglimit::LogLimit;
 use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output, RunStatus};
-use shoal_transport::gate::{Gate, Pass};
-use shoal_transport::{read_message, read_message_until, write_message, Conn, TlsConfig, TransportError};
+use shoal_transport::gate::{Full, Gate};
+use shoal_transport::greet::{greet_until, Greet, Greeted, Limits};
+use shoal_transport::{read_message, write_message, Conn, TlsConfig, TransportError};
 use shoal_wire::{Message, SessionId};
 use state::StateDir;
 use std::collections::BTreeMap;
@@ -27,7 +29,7 @@ use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
@@ -35,8 +37,8 @@ use std::time::{Duration, Instant};
 pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(15);
 /// Longest a write to one peer may block the driver: a frozen peer must not freeze the run.
 const WRITE_TIMEOUT_MAX: Duration = Duration::from_secs(1);
-/// Connections accepted that have not yet said `Join`: more are closed at once, so strangers
-/// holding connections open cannot exhaust threads and descriptors.
+/// Connections accepted that have not yet said `Join` (greeted on one thread): more are closed
+/// at once, so strangers holding connections open cannot exhaust descriptors.
 pub const MAX_PENDING_CONNECTIONS: usize = 256;
 /// Of those, at most this many from one address: one stranger cannot fill them all.
 pub const MAX_PENDING_PER_SOURCE: usize = 64;
@@ -240,105 +242,94 @@ fn accept_loop(
     greeting: Duration,
     pending: Arc<Gate>,
 ) {
-    let mut next_conn = 0u64;
-    // What strangers' connections log, shared by their threads (`shoal_proto::loglimit`).
-    let refusals = Arc::new(Mutex::new(LogLimit::default()));
-    let served = shoal_transport::accept_until(&listener, &stop, |stream, from| {
-        let pass = match pending.enter(from.ip()) {
-            Ok(pass) => pass,
-            Err(full) => {
-                if let Some(note) = admit(&refusals) {
-                    log::warn!("refused a connection from {from} before its Join: {full}{note}");
-                }
-                return true;
-            }
-        };
-        let conn = ConnId(next_conn);
-        next_conn += 1;
-        log::debug!("connection {} from {from}", conn.0);
-        let (tx, tls) = (inputs.clone(), tls.clone());
-        let shared = Arc::clone(&refusals);
-        let spawned = thread::Builder::new().name("shoal-master-read".into()).spawn(move || {
-            // The handshake counts against the greeting's deadline, on this thread: a stranger
-            // who stalls it holds up no one else.
-            let deadline = Instant::now() + greeting;
-            let opened = Conn::accept(stream, tls.as_ref(), deadline).and_then(|c| Ok((c.try_clone()?, c)));
-            match opened {
-                Ok((reader, writer)) => {
-                    if tx.send(Input::Connected(conn, writer)).is_ok() {
-                        read_loop(conn, from, reader, tx, deadline, pass, &shared)
-                    }
-                }
-                Err(e) => {
-                    drop(pass);
-                    if let Some(note) = admit(&shared) {
-                        log::warn!("connection {} from {from}: {e}; closing{note}", conn.0);
-                    }
-                    if shoal_transport::tls::is_tls_error(&e) {
-                        let _ = tx.send(Input::TlsRefused);
-                    }
-                }
-            }
-        });
-        if let Err(e) = spawned {
-            if let Some(note) = admit(&refusals) {
-                log::warn!("dropping connection from {from}: cannot spawn its reader: {e}{note}");
-            }
-        }
-        true
-    });
-    if let Err(e) = served {
+    let limits = Limits { deadline: greeting, max_body: MAX_GREETING_BODY };
+    let mut greeter = Greeter { inputs, next_conn: 0, refusals: LogLimit::default() };
+    if let Err(e) = greet_until(&listener, &stop, tls.as_ref(), &pending, limits, &mut greeter) {
         log::error!("master stopped accepting: {e}");
     }
 }
 
-/// Reads connection `conn` from `from`: first one small frame by `greeting` (a stranger
-/// dripping bytes or announcing a large frame is closed), then every frame as it comes. What
-/// cannot be read is logged with its reason, then the connection is closed.
-fn read_loop(
-    conn: ConnId,
-    from: SocketAddr,
-    mut stream: Conn,
+/// Greets the master's connections, all on the accept thread (`shoal_transport::greet`): the
+/// driver hears of each once open, to send its challenge; one that then says its first frame in
+/// time gets a reader thread.
+struct Greeter {
     inputs: Sender<Input>,
-    greeting: Instant,
-    pending: Pass,
-    refusals: &Mutex<LogLimit>,
-) {
-    let first = read_message_until(&mut stream, greeting, MAX_GREETING_BODY);
-    drop(pending);
-    let mut read = Some(first);
-    let mut greeted = false;
-    loop {
-        let input = match read.take().unwrap_or_else(|| read_message(&mut stream)) {
-            Ok((session, message)) => {
-                greeted = true;
-                Input::Message(conn, session, message)
-            }
-            Err(e) => {
-                // Before its first message it is a stranger's: rate-limited.
-                let note = if greeted { Some(String::new()) } else { admit(refusals) };
-                match (&e, note) {
-                    (TransportError::Closed, _) => log::debug!("connection {} from {from} closed", conn.0),
-                    (TransportError::TimedOut, Some(note)) => {
-                        log::warn!("connection {} from {from}: no Join in time; closing{note}", conn.0)
-                    }
-                    (_, Some(note)) => log::warn!("connection {} from {from}: {e}; closing{note}", conn.0),
-                    (_, None) => {}
-                }
-                Input::Closed(conn, e.to_string())
-            }
-        };
-        let closed = matches!(input, Input::Closed(..));
-        if inputs.send(input).is_err() || closed {
-            let _ = stream.shutdown(Shutdown::Both);
-            return;
+    next_conn: u64,
+    /// What strangers' connections log (`shoal_proto::loglimit`).
+    refusals: LogLimit,
+}
+
+impl Greet for Greeter {
+    type Token = ConnId;
+
+    fn opened(&mut self, writer: Conn, from: SocketAddr) -> Option<ConnId> {
+        let conn = ConnId(self.next_conn);
+        self.next_conn += 1;
+        log::debug!("connection {} from {from}", conn.0);
+        self.inputs.send(Input::Connected(conn, writer)).ok()?;
+        Some(conn)
+    }
+
+    fn greeted(&mut self, greeted: Greeted<ConnId>) -> Option<Greeted<ConnId>> {
+        let Greeted { conn: stream, from, token: conn, session, message, .. } = greeted;
+        let inputs = self.inputs.clone();
+        let first = Input::Message(conn, session, message);
+        let spawned = thread::Builder::new()
+            .name("shoal-master-read".into())
+            .spawn(move || read_loop(conn, from, stream, first, inputs));
+        if let Err(e) = spawned {
+            log::warn!("dropping connection {} from {from}: cannot spawn its reader: {e}", conn.0);
+            let _ = self.inputs.send(Input::Closed(conn, format!("cannot spawn its reader: {e}")));
+        }
+        None
+    }
+
+    fn failed(&mut self, from: SocketAddr, conn: Option<ConnId>, error: TransportError) {
+        let what =
+            conn.map_or_else(|| format!("a connection from {from}"), |c| format!("connection {} from {from}", c.0));
+        let note = self.refusals.admit(Instant::now());
+        match (&error, note) {
+            (TransportError::Closed, _) => log::debug!("{what} closed before its Join"),
+            (TransportError::TimedOut, Some(note)) => log::warn!("{what}: no Join in time; closing{note}"),
+            (_, Some(note)) => log::warn!("{what}: {error}; closing{note}"),
+            (_, None) => {}
+        }
+        if matches!(&error, TransportError::Io(e) if shoal_transport::tls::is_tls_error(e)) {
+            let _ = self.inputs.send(Input::TlsRefused);
+        }
+        if let Some(conn) = conn {
+            let _ = self.inputs.send(Input::Closed(conn, error.to_string()));
+        }
+    }
+
+    fn refused(&mut self, from: SocketAddr, full: Full) {
+        if let Some(note) = self.refusals.admit(Instant::now()) {
+            log::warn!("refused a connection from {from} before its Join: {full}{note}");
         }
     }
 }
 
-/// Whether a stranger's refusal may be logged now, and what to append ([`LogLimit::admit`]).
-fn admit(refusals: &Mutex<LogLimit>) -> Option<String> {
-    refusals.lock().unwrap_or_else(std::sync::PoisonError::into_inner).admit(Instant::now())
+/// Reads connection `conn` from `from`, greeted with `first`: every frame as it comes. What
+/// cannot be read is logged with its reason, then the connection is closed.
+fn read_loop(conn: ConnId, from: SocketAddr, mut stream: Conn, first: Input, inputs: Sender<Input>) {
+    let mut input = first;
+    loop {
+        if inputs.send(input).is_err() {
+            break;
+        }
+        input = match read_message(&mut stream) {
+            Ok((session, message)) => Input::Message(conn, session, message),
+            Err(e) => {
+                match &e {
+                    TransportError::Closed => log::debug!("connection {} from {from} closed", conn.0),
+                    _ => log::warn!("connection {} from {from}: {e}; closing", conn.0),
+                }
+                let _ = inputs.send(Input::Closed(conn, e.to_string()));
+                break;
+            }
+        };
+    }
+    let _ = stream.shutdown(Shutdown::Both);
 }
 
 fn drive(mut master: Master, inputs: Receiver<Input>, write_timeout: Duration, state: Option<StateDir>) {

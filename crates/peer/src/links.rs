@@ -23,12 +23,13 @@ use crate::fetch::{Asker, FetchConn};
 use crate::Deadline;
 use shoal_proto::auth::DataKey;
 use shoal_proto::peer::{Established, RingPosition};
-use shoal_transport::gate::Gate;
+use shoal_transport::gate::{Full, Gate};
+use shoal_transport::greet::{greet_until, Greet, Greeted, Handshake, Limits, Listening};
 use shoal_transport::shm::{ShmLane, RING_BYTES};
-use shoal_transport::{limit_unsent, read_message_until, write_message, Conn, Stream, TlsConfig, TransportError};
+use shoal_transport::{limit_unsent, write_message, Conn, Stream, TlsConfig, TransportError};
 use shoal_wire::{Epoch, Member, Message, PeerId, SessionId};
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::net::{IpAddr, SocketAddr};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -38,9 +39,9 @@ use std::time::{Duration, Instant};
 
 /// How long an accepted stream may take to say hello, however its bytes trickle in.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
-/// Connections a data port greets at once (TLS handshake, hello; a newcomer's fetch of the copy
-/// kept is served on its greeting's thread too). Past it, new ones are closed at once: 20,000
-/// trickling handshakes once gave a peer 19,990 threads and ran it out of descriptors.
+/// Connections a data port greets at once (TLS handshake, hello), all on its accept thread
+/// (`shoal_transport::greet`). Past it, new ones are closed at once: 20,000 trickling handshakes
+/// once gave a peer 19,990 threads, one per greeting, and ran it out of descriptors.
 const MAX_GREETINGS: usize = 1024;
 /// Of those, from one address: a pool is at most `MAX_CONNECTIONS` (64) streams, and a host may
 /// run several peers that dial at once.
@@ -87,13 +88,13 @@ pub(crate) struct Listener {
 struct Arrivals {
     streams: Mutex<BTreeMap<PeerId, Pool>>,
     fetches: Mutex<std::collections::VecDeque<crate::fetch::FetchConn>>,
-    /// The copy of the shared state kept for newcomers, served by the greeting threads.
+    /// The copy of the shared state kept for newcomers, served to each on a thread of its own.
     snapshots: Arc<crate::fetch::Snapshots>,
     /// Connections refused at their greeting (strangers, forgeries, stale pools), and what of
     /// them may be logged ([`shoal_proto::loglimit`]).
     refused: AtomicU64,
     refusals: Mutex<shoal_proto::loglimit::LogLimit>,
-    /// Connections greeting at once, each on its thread: at most [`MAX_GREETINGS`], at most
+    /// Connections greeting at once: at most [`MAX_GREETINGS`], at most
     /// [`MAX_GREETINGS_PER_SOURCE`] from one address (those on this host count as one).
     greeting: Arc<Gate>,
     changed: Condvar,
@@ -174,7 +175,7 @@ impl Listener {
                 let (identity, arrivals, stop) = (me.identity.clone(), me.arrivals.clone(), me.stop.clone());
                 thread::Builder::new()
                     .name("shoal-accept-local".into())
-                    .spawn(move || accept_local_loop(local, identity, arrivals, stop))
+                    .spawn(move || accept_loop(local, None, identity, arrivals, stop))
                     .map_err(io("spawning the local accept thread for"))?;
             }
             // Taken by another process: maybe one of another user's, squatting it to intercept
@@ -492,136 +493,172 @@ fn take_complete(arrivals: &mut BTreeMap<PeerId, Pool>, from: PeerId, epoch: Epo
     }
 }
 
-fn accept_loop(
-    listener: TcpListener,
+/// Greets what `listener` accepts until `stop` (`shoal_transport::greet`): TCP dialers, or
+/// (`L` = [`UnixListener`]) members on this host asking for a shared-memory lane.
+fn accept_loop<L: Listening>(
+    listener: L,
     tls: Option<TlsConfig>,
     identity: Arc<OnceLock<Identity>>,
     arrivals: Arc<Arrivals>,
     stop: Arc<AtomicBool>,
-) {
-    let served = shoal_transport::accept_until(&listener, &stop, |stream, from| {
-        let tls = tls.clone();
-        spawn_greeting(&identity, &arrivals, from.ip(), from.to_string(), move |id, a| {
-            greet(stream, tls.as_ref(), id, a)
-        });
-        true
-    });
-    if let Err(e) = served {
+) where
+    Greeter: Greet<<L::Handshake as Handshake>::Conn>,
+{
+    let limits = Limits { deadline: HELLO_TIMEOUT, max_body: MAX_HELLO_BODY };
+    let gate = Arc::clone(&arrivals.greeting);
+    let mut greeter = Greeter { identity, arrivals };
+    if let Err(e) = greet_until(&listener, &stop, tls.as_ref(), &gate, limits, &mut greeter) {
         log::error!("data listener stopped: {e}");
     }
 }
 
-fn accept_local_loop(
-    listener: UnixListener,
+/// Greets the data port's connections, all on its accept threads: a dialer's hello puts its
+/// stream in a pool; a fetch is served, and a shared-memory lane mapped, on a thread of its own
+/// once the first frame proved the run's data key.
+struct Greeter {
     identity: Arc<OnceLock<Identity>>,
     arrivals: Arc<Arrivals>,
-    stop: Arc<AtomicBool>,
-) {
-    let served = shoal_transport::accept_local_until(&listener, &stop, |stream| {
-        let this_host = IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED);
-        spawn_greeting(&identity, &arrivals, this_host, "this host".into(), move |id, a| greet_local(stream, id, a));
-        true
-    });
-    if let Err(e) = served {
-        log::error!("local data listener stopped: {e}");
-    }
 }
 
-/// Runs `greet` on a thread of its own, if the gate lets a connection from `source` in: a slow
-/// or silent dialer must not hold up the others.
-fn spawn_greeting(
-    identity: &Arc<OnceLock<Identity>>,
-    arrivals: &Arc<Arrivals>,
-    source: IpAddr,
-    from: String,
-    greet: impl FnOnce(&OnceLock<Identity>, &Arrivals) -> Result<(), String> + Send + 'static,
-) {
-    let pass = match arrivals.greeting.enter(source) {
-        Ok(pass) => pass,
-        Err(full) => {
-            if let Some(note) = arrivals.refusals.lock().unwrap_or_else(PoisonError::into_inner).admit(Instant::now()) {
-                log::warn!("closed a data connection from {from} before its greeting: {full}{note}");
+impl Greeter {
+    /// Who we are, once the API thread recorded it: a peer may dial us as soon as the master
+    /// issues a topology with us in it, which can be before that thread has woken up. `None`
+    /// gives `greeted` back, to be offered again a moment later.
+    fn take<C>(
+        &self,
+        greeted: Greeted<(), C>,
+        take: impl FnOnce(&Identity, Greeted<(), C>) -> Result<(), String>,
+    ) -> Option<Greeted<(), C>> {
+        let Some(id) = self.identity.get() else { return Some(greeted) };
+        let from = source(greeted.from);
+        if let Err(reason) = take(id, greeted) {
+            refuse(&self.arrivals, &from, &reason);
+        }
+        None
+    }
+
+    fn failed(&self, from: SocketAddr, error: TransportError) {
+        match error {
+            // A fetcher that dialed every donor at once and found its pieces taken by nearer
+            // ones hangs up unheard; nothing was offered, so nothing is refused.
+            TransportError::Closed => {}
+            TransportError::TimedOut if self.identity.get().is_none() => {
+                refuse(&self.arrivals, &source(from), "not registered yet")
             }
-            return;
+            e => refuse(&self.arrivals, &source(from), &e.to_string()),
         }
-    };
-    let (identity, arrivals) = (identity.clone(), arrivals.clone());
-    let spawned = thread::Builder::new().name("shoal-hello".into()).spawn(move || {
-        let _pass = pass;
-        if let Err(reason) = greet(&identity, &arrivals) {
-            let refused = arrivals.refused.fetch_add(1, Ordering::Relaxed) + 1;
-            let admitted = arrivals.refusals.lock().unwrap_or_else(PoisonError::into_inner).admit(Instant::now());
-            if let Some(note) = admitted {
-                log::warn!("refused data connection from {from}: {reason} ({refused} refused so far){note}");
-            }
-        }
-    });
-    if let Err(e) = spawned {
-        log::warn!("cannot spawn a greeting thread: {e}");
     }
-}
 
-/// Who we are, once the API thread recorded it: a peer may dial us as soon as the master issues
-/// a topology with us in it, which can be before that thread has woken up.
-fn identity_by(identity: &OnceLock<Identity>, deadline: Instant) -> Result<&Identity, String> {
-    loop {
-        match identity.get() {
-            Some(id) => return Ok(id),
-            None if Instant::now() < deadline => thread::sleep(Duration::from_millis(1)),
-            None => return Err("not registered yet".into()),
+    fn refused(&self, from: SocketAddr, full: Full) {
+        let admitted = self.arrivals.refusals.lock().unwrap_or_else(PoisonError::into_inner).admit(Instant::now());
+        if let Some(note) = admitted {
+            log::warn!("closed a data connection from {} before its greeting: {full}{note}", source(from));
         }
     }
 }
 
-/// The place a greeted stream takes: (dialer, topology, index, pool size).
-type Place = (PeerId, Epoch, u16, u16);
+impl Greet for Greeter {
+    type Token = ();
 
-/// Greets a dialer: its TLS handshake if the run has TLS, then its hello, all within
-/// [`HELLO_TIMEOUT`].
-fn greet(
-    tcp: std::net::TcpStream,
-    tls: Option<&TlsConfig>,
-    identity: &OnceLock<Identity>,
-    arrivals: &Arrivals,
-) -> Result<(), String> {
-    let deadline = Instant::now() + HELLO_TIMEOUT;
-    let mut stream = Conn::accept(tcp, tls, deadline).map_err(|e| e.to_string())?;
-    let (session, message) = match read_message_until(&mut stream, deadline, MAX_HELLO_BODY) {
-        Ok(greeting) => greeting,
-        // A fetcher that dialed every donor at once and found its pieces taken by nearer ones
-        // hangs up unheard; nothing was offered, so nothing is refused.
-        Err(TransportError::Closed) => return Ok(()),
-        Err(e) => return Err(e.to_string()),
-    };
-    let id = identity_by(identity, deadline)?;
-    let (me, our_session) = (id.me, id.session);
-    if let Message::FetchRequest { .. } = message {
-        let (asker, first) = Asker::first(me, our_session, &id.key, session, &message).map_err(|e| e.to_string())?;
-        // A newcomer catching up is served here, on this connection's own thread: the calls of
-        // this peer go on meanwhile. Any other fetch is for the sync in progress.
-        let Some(fetch) = arrivals.snapshots.serve(FetchConn { stream, asker, first }) else { return Ok(()) };
-        arrivals.fetches.lock().unwrap_or_else(PoisonError::into_inner).push_back(fetch);
-        arrivals.changed.notify_all();
-        return Ok(());
+    fn opened(&mut self, _: Conn, _: SocketAddr) -> Option<()> {
+        Some(())
     }
-    let place = check_hello(id, session, message)?;
-    add_stream(arrivals, place, Stream::from(stream))
+
+    fn greeted(&mut self, greeted: Greeted<()>) -> Option<Greeted<()>> {
+        let arrivals = Arc::clone(&self.arrivals);
+        self.take(greeted, |id, greeted| take_greeting(id, &arrivals, greeted))
+    }
+
+    fn failed(&mut self, from: SocketAddr, _: Option<()>, error: TransportError) {
+        Greeter::failed(self, from, error);
+    }
+
+    fn refused(&mut self, from: SocketAddr, full: Full) {
+        Greeter::refused(self, from, full);
+    }
 }
 
-/// Greets a member on this host: its hello, then its ring's descriptor, mapped and acknowledged
-/// with one byte.
-fn greet_local(mut stream: UnixStream, identity: &OnceLock<Identity>, arrivals: &Arrivals) -> Result<(), String> {
-    let deadline = Instant::now() + HELLO_TIMEOUT;
-    let (session, message) = read_message_until(&mut stream, deadline, MAX_HELLO_BODY).map_err(|e| e.to_string())?;
-    let place = check_hello(identity_by(identity, deadline)?, session, message)?;
+/// Members on this host: a checked hello, then their ring's descriptor, mapped on a thread of
+/// its own and acknowledged with one byte.
+impl Greet<UnixStream> for Greeter {
+    type Token = ();
+
+    fn opened(&mut self, _: UnixStream, _: SocketAddr) -> Option<()> {
+        Some(())
+    }
+
+    fn greeted(&mut self, greeted: Greeted<(), UnixStream>) -> Option<Greeted<(), UnixStream>> {
+        let arrivals = Arc::clone(&self.arrivals);
+        self.take(greeted, |id, Greeted { conn, session, message, deadline, .. }| {
+            let place = check_hello(id, session, message)?;
+            let spawned = thread::Builder::new().name("shoal-lane-accept".into()).spawn(move || {
+                if let Err(reason) = take_lane(conn, deadline).and_then(|lane| add_stream(&arrivals, place, lane)) {
+                    refuse(&arrivals, "this host", &reason);
+                }
+            });
+            spawned.map(drop).map_err(|e| format!("cannot spawn a thread to map its lane: {e}"))
+        })
+    }
+
+    fn failed(&mut self, from: SocketAddr, _: Option<()>, error: TransportError) {
+        Greeter::failed(self, from, error);
+    }
+
+    fn refused(&mut self, from: SocketAddr, full: Full) {
+        Greeter::refused(self, from, full);
+    }
+}
+
+/// Where a data connection came from, for the log: a Unix one from this host.
+fn source(from: SocketAddr) -> String {
+    if from.ip().is_unspecified() {
+        "this host".into()
+    } else {
+        from.to_string()
+    }
+}
+
+/// Maps the ring a member on this host sent after its hello, and says so with one byte.
+fn take_lane(mut stream: UnixStream, deadline: Instant) -> Result<Stream, String> {
     let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
     let lane = stream
         .set_read_timeout(Some(left))
         .and_then(|()| ShmLane::accept(stream.try_clone()?))
         .and_then(|lane| std::io::Write::write_all(&mut stream, &[1]).map(|()| lane))
         .map_err(|e| format!("opening a shared-memory lane: {e}"))?;
-    add_stream(arrivals, place, Stream::Shm(lane))
+    Ok(Stream::Shm(lane))
 }
+
+/// Counts and logs (rate-limited) a data connection refused at its greeting.
+fn refuse(arrivals: &Arrivals, from: &str, reason: &str) {
+    let refused = arrivals.refused.fetch_add(1, Ordering::Relaxed) + 1;
+    let admitted = arrivals.refusals.lock().unwrap_or_else(PoisonError::into_inner).admit(Instant::now());
+    if let Some(note) = admitted {
+        log::warn!("refused data connection from {from}: {reason} ({refused} refused so far){note}");
+    }
+}
+
+/// Takes a dialer's first frame: a hello puts its stream in its pool; a fetch request, checked
+/// under the run's key, is served on a thread of its own (a newcomer catching up: this peer's
+/// calls go on meanwhile) or kept for the sync in progress.
+fn take_greeting(id: &Identity, arrivals: &Arc<Arrivals>, greeted: Greeted<()>) -> Result<(), String> {
+    let Greeted { conn: stream, session, message, .. } = greeted;
+    if let Message::FetchRequest { .. } = message {
+        let (asker, first) = Asker::first(id.me, id.session, &id.key, session, &message).map_err(|e| e.to_string())?;
+        let arrivals = Arc::clone(arrivals);
+        let spawned = thread::Builder::new().name("shoal-fetch-serve".into()).spawn(move || {
+            let Some(fetch) = arrivals.snapshots.serve(FetchConn { stream, asker, first }) else { return };
+            arrivals.fetches.lock().unwrap_or_else(PoisonError::into_inner).push_back(fetch);
+            arrivals.changed.notify_all();
+        });
+        return spawned.map(drop).map_err(|e| format!("cannot spawn a thread to serve its fetch: {e}"));
+    }
+    let place = check_hello(id, session, message)?;
+    add_stream(arrivals, place, Stream::from(stream))
+}
+
+/// The place a greeted stream takes: (dialer, topology, index, pool size).
+type Place = (PeerId, Epoch, u16, u16);
 
 /// Checks a dialer's first message: a `PeerHello` to us in our session, under the run's key.
 fn check_hello(id: &Identity, session: SessionId, message: Message) -> Result<Place, String> {

@@ -7,6 +7,7 @@
 #![warn(missing_docs)]
 
 pub mod gate;
+pub mod greet;
 pub mod lane;
 pub mod shm;
 mod stream;
@@ -17,8 +18,6 @@ use shoal_wire::{FrameHeader, Message, SessionId, WireError, HEADER_BYTES, MAX_B
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
-use std::os::unix::net::{UnixListener, UnixStream};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 pub use stream::Stream;
 pub use tls::{Conn, TlsConfig, TlsFiles, TlsSetupError};
@@ -160,61 +159,6 @@ pub fn accept(listener: &TcpListener) -> io::Result<(TcpStream, SocketAddr)> {
     let (s, a) = listener.accept()?;
     s.set_nodelay(true)?;
     Ok((s, a))
-}
-
-/// Accepts connections on `listener` until `stop` is set or `handle` returns `false`, giving
-/// each one to `handle` in blocking mode with `TCP_NODELAY`. Looks at `stop` ten times a second.
-///
-/// # Errors
-/// If the listener cannot be switched to non-blocking mode.
-pub fn accept_until(
-    listener: &TcpListener,
-    stop: &AtomicBool,
-    mut handle: impl FnMut(TcpStream, SocketAddr) -> bool,
-) -> io::Result<()> {
-    listener.set_nonblocking(true)?;
-    let accept = |l: &TcpListener| accept(l).and_then(|(s, a)| s.set_nonblocking(false).map(|()| (s, a)));
-    serve(listener, stop, accept, |(s, a)| handle(s, a))
-}
-
-/// As [`accept_until`], for a Unix listener (peers on the same host).
-///
-/// # Errors
-/// If the listener cannot be switched to non-blocking mode.
-pub fn accept_local_until(
-    listener: &UnixListener,
-    stop: &AtomicBool,
-    handle: impl FnMut(UnixStream) -> bool,
-) -> io::Result<()> {
-    listener.set_nonblocking(true)?;
-    let accept = |l: &UnixListener| l.accept().and_then(|(s, _)| s.set_nonblocking(false).map(|()| s));
-    serve(listener, stop, accept, handle)
-}
-
-fn serve<L: AsRawFd, S>(
-    listener: &L,
-    stop: &AtomicBool,
-    accept: impl Fn(&L) -> io::Result<S>,
-    mut handle: impl FnMut(S) -> bool,
-) -> io::Result<()> {
-    while !stop.load(Ordering::Relaxed) {
-        let mut fds = [PollFd::new(listener)];
-        fds[0].want_read = true;
-        if poll(&mut fds, Duration::from_millis(100)).unwrap_or(0) == 0 {
-            continue;
-        }
-        match accept(listener) {
-            Ok(stream) => {
-                if !handle(stream) {
-                    break;
-                }
-            }
-            // Out of descriptors, or the connection was reset before we took it: pause rather
-            // than spin, and go on.
-            Err(_) => std::thread::sleep(Duration::from_millis(10)),
-        }
-    }
-    Ok(())
 }
 
 /// Writes one framed message.

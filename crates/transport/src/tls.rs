@@ -249,7 +249,8 @@ impl Conn {
         let name =
             ServerName::try_from(host.to_string()).map_err(|e| tls_error(format!("{host} as a server name: {e}")))?;
         let conn = ClientConnection::new(tls.client.clone(), name).map_err(tls_error)?;
-        Conn::handshake(tcp, conn.into(), deadline)
+        tcp.set_nonblocking(true)?;
+        Conn::handshake(Opening { tcp, tls: Some(conn.into()) }, deadline)
     }
 
     /// Takes an accepted connection: with TLS if `tls` is given, its handshake done by
@@ -260,55 +261,30 @@ impl Conn {
     pub fn accept(tcp: TcpStream, tls: Option<&TlsConfig>, deadline: Instant) -> io::Result<Conn> {
         match tls {
             None => Ok(Conn::plain(tcp)),
-            Some(tls) => {
-                let conn = ServerConnection::new(tls.server.clone()).map_err(tls_error)?;
-                Conn::handshake(tcp, conn.into(), deadline)
-            }
+            Some(_) => Conn::handshake(Opening::accept(tcp, tls)?, deadline),
         }
     }
 
-    /// One read or write at a time, each with what is left until `deadline` as its timeout:
-    /// rustls's `complete_io` reads on while each read returns within the timeout set before it,
-    /// so a client sending a byte at a time held a handshake for 40 s against a 5 s deadline.
-    fn handshake(mut tcp: TcpStream, mut conn: Connection, deadline: Instant) -> io::Result<Conn> {
-        let (read, write) = (tcp.read_timeout()?, tcp.write_timeout()?);
-        let timed_out = || io::Error::new(io::ErrorKind::TimedOut, "TLS handshake timed out");
-        while conn.is_handshaking() {
+    /// Steps `opening` through its handshake, waiting for its socket in `poll(2)` with what is
+    /// left until `deadline`: the other end trickling bytes cannot stretch it. Blocking again
+    /// once open.
+    fn handshake(mut opening: Opening, deadline: Instant) -> io::Result<Conn> {
+        loop {
+            let want = match opening.step()? {
+                Step::Done => break,
+                want => want,
+            };
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(timed_out());
+                return Err(io::Error::new(io::ErrorKind::TimedOut, "TLS handshake timed out"));
             }
-            tcp.set_read_timeout(Some(left))?;
-            tcp.set_write_timeout(Some(left))?;
-            let moved = if conn.wants_write() { conn.write_tls(&mut tcp) } else { conn.read_tls(&mut tcp) };
-            match moved {
-                // What a listener without TLS does with a handshake: it reads it as garbage and
-                // hangs up.
-                Ok(0) => return Err(tls_error("the other end hung up during the handshake (has it TLS?)")),
-                Ok(_) => {}
-                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
-                    return Err(timed_out())
-                }
-                Err(e) if matches!(e.kind(), io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset) => {
-                    return Err(tls_error("the other end hung up during the handshake (has it TLS?)"))
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-            if let Err(e) = conn.process_new_packets() {
-                // The alert that says why, if it can go.
-                let _ = conn.write_tls(&mut tcp);
-                return Err(tls_error(format!("handshake: {e}")));
-            }
+            let mut fds = [crate::PollFd::new(&opening.tcp)];
+            (fds[0].want_read, fds[0].want_write) = (want == Step::Read, want == Step::Write);
+            crate::poll(&mut fds, left)?;
         }
-        // The client's last flight may still be buffered.
-        while conn.wants_write() {
-            conn.write_tls(&mut tcp)?;
-        }
-        tcp.set_read_timeout(read)?;
-        tcp.set_write_timeout(write)?;
-        let shared = Shared { session: Mutex::new(Session { conn, unread: Vec::new() }), out: Mutex::default() };
-        Ok(Conn { tcp, tls: Some(Arc::new(shared)), scratch: Vec::new(), nonblocking: false, owed: 0 })
+        let mut conn = opening.open();
+        conn.set_nonblocking(false)?;
+        Ok(conn)
     }
 
     /// Whether it carries TLS.
@@ -334,6 +310,12 @@ impl Conn {
             nonblocking: self.nonblocking,
             owed: 0,
         })
+    }
+
+    /// As [`Conn::try_clone`], for a handle that writes as on a blocking socket, whatever this one
+    /// does ([`crate::greet`]: the greeter reads without blocking while the listener answers).
+    pub(crate) fn try_clone_blocking(&self) -> io::Result<Conn> {
+        Ok(Conn { nonblocking: false, ..self.try_clone()? })
     }
 
     /// As [`TcpStream::set_read_timeout`].
@@ -534,6 +516,94 @@ impl Conn {
             // Blocking, the socket's write timeout ran out: the connection is stuck.
             Err(e) => Err(e),
         }
+    }
+}
+
+/// A connection whose TLS handshake (if it has TLS) is under way on a non-blocking socket,
+/// stepped as the socket allows ([`Opening::step`]): one thread can open many at once, however
+/// their bytes trickle in.
+pub struct Opening {
+    tcp: TcpStream,
+    tls: Option<Connection>,
+}
+
+/// What an [`Opening`] waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    /// The socket to be readable.
+    Read,
+    /// The socket to be writable.
+    Write,
+    /// Nothing: the connection is open.
+    Done,
+}
+
+impl Opening {
+    /// Takes an accepted connection, set non-blocking: its server handshake if `tls` is given.
+    ///
+    /// # Errors
+    /// `fcntl` errors, or a TLS session that cannot be made.
+    pub fn accept(tcp: TcpStream, tls: Option<&TlsConfig>) -> io::Result<Opening> {
+        tcp.set_nonblocking(true)?;
+        let tls = tls.map(|t| ServerConnection::new(t.server.clone()).map(Connection::from)).transpose();
+        Ok(Opening { tcp, tls: tls.map_err(tls_error)? })
+    }
+
+    /// Moves the handshake on as far as the socket allows without blocking.
+    ///
+    /// # Errors
+    /// The other end hung up, or sent what is not a handshake (with TLS: a [`TlsError`]).
+    pub fn step(&mut self) -> io::Result<Step> {
+        let Some(conn) = &mut self.tls else { return Ok(Step::Done) };
+        // What a listener without TLS does with a handshake: it reads it as garbage and hangs up.
+        let hung_up = || tls_error("the other end hung up during the handshake (has it TLS?)");
+        loop {
+            if conn.wants_write() {
+                match conn.write_tls(&mut self.tcp) {
+                    Ok(_) => continue,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(Step::Write),
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) if matches!(e.kind(), io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset) => {
+                        return Err(hung_up())
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            // The client's last flight went out above.
+            if !conn.is_handshaking() {
+                return Ok(Step::Done);
+            }
+            match conn.read_tls(&mut self.tcp) {
+                Ok(0) => return Err(hung_up()),
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(Step::Read),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if matches!(e.kind(), io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset) => {
+                    return Err(hung_up())
+                }
+                Err(e) => return Err(e),
+            }
+            if let Err(e) = conn.process_new_packets() {
+                // The alert that says why, if it can go.
+                let _ = conn.write_tls(&mut self.tcp);
+                return Err(tls_error(format!("handshake: {e}")));
+            }
+        }
+    }
+
+    /// The open connection, non-blocking, once [`Opening::step`] said [`Step::Done`].
+    pub fn open(self) -> Conn {
+        debug_assert!(self.tls.as_ref().is_none_or(|c| !c.is_handshaking()), "opened mid-handshake");
+        let tls = self.tls.map(|conn| {
+            Arc::new(Shared { session: Mutex::new(Session { conn, unread: Vec::new() }), out: Mutex::default() })
+        });
+        Conn { tcp: self.tcp, tls, scratch: Vec::new(), nonblocking: true, owed: 0 }
+    }
+}
+
+impl AsRawFd for Opening {
+    fn as_raw_fd(&self) -> RawFd {
+        self.tcp.as_raw_fd()
     }
 }
 
