@@ -2,7 +2,7 @@
 //! them. It coordinates membership and votes; it never carries tensor data.
 //!
 //! Threads: one accepts connections and greets them all (a TLS handshake, the first frame, by a
-//! deadline: `shoal_transport::greet`), one per greeted connection reads and decodes frames, and
+//! deadline: `shoal_transport::greet`; with TLS, up to four share the handshakes), one per greeted connection reads and decodes frames, and
 //! one — the driver — owns the state machine: it feeds it every input in arrival order, writes what it
 //! outputs, and fires its timers. All protocol decisions are the state machine's.
 #![warn(missing_docs)]
@@ -19,7 +19,7 @@ use shoal_proto::auth::{DataKey, RunKey};
 use shoal_proto::loglimit::LogLimit;
 use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output, RunStatus};
 use shoal_transport::gate::{Full, Gate};
-use shoal_transport::greet::{greet_until, Greet, Greeted, Limits};
+use shoal_transport::greet::{greet_until, greeters, Greet, Greeted, Limits};
 use shoal_transport::{read_message, write_message, Conn, TlsConfig, TransportError};
 use shoal_wire::{Message, SessionId};
 use state::StateDir;
@@ -27,9 +27,9 @@ use std::collections::BTreeMap;
 use std::hash::{BuildHasher, RandomState};
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
@@ -145,12 +145,18 @@ impl MasterServer {
             members.map(|a| a.ip()).collect(),
             MAX_PENDING_RESERVED,
         );
-        let (accept_tx, accept_stop) = (tx.clone(), stop.clone());
         // A connection must say Join within the time a silent peer is tolerated.
-        let greeting = options.heartbeat_timeout;
-        thread::Builder::new()
-            .name("shoal-master-accept".into())
-            .spawn(move || accept_loop(listener, tls, accept_tx, accept_stop, greeting, pending))?;
+        let limits = Limits { deadline: options.heartbeat_timeout, max_body: MAX_GREETING_BODY };
+        let greeter = Greeter { inputs: tx.clone(), next_conn: Arc::default(), refusals: Arc::default() };
+        for _ in 0..greeters(tls.is_some()) {
+            let (listener, tls, stop, pending, mut greeter) =
+                (listener.try_clone()?, tls.clone(), stop.clone(), pending.clone(), greeter.clone());
+            thread::Builder::new().name("shoal-master-accept".into()).spawn(move || {
+                if let Err(e) = greet_until(&listener, &stop, tls.as_ref(), &pending, limits, &mut greeter) {
+                    log::error!("master stopped accepting: {e}");
+                }
+            })?;
+        }
         let (session, data_key) = match &kept {
             Some(run) => (run.session, DataKey(run.data_key)),
             // The run's key for data connections: random, handed to every peer the master
@@ -234,37 +240,29 @@ fn ask_status(inputs: &Sender<Input>) -> Option<RunStatus> {
     rx.recv_timeout(STATUS_WAIT).ok()
 }
 
-fn accept_loop(
-    listener: TcpListener,
-    tls: Option<TlsConfig>,
-    inputs: Sender<Input>,
-    stop: Arc<AtomicBool>,
-    greeting: Duration,
-    pending: Arc<Gate>,
-) {
-    let limits = Limits { deadline: greeting, max_body: MAX_GREETING_BODY };
-    let mut greeter = Greeter { inputs, next_conn: 0, refusals: LogLimit::default() };
-    if let Err(e) = greet_until(&listener, &stop, tls.as_ref(), &pending, limits, &mut greeter) {
-        log::error!("master stopped accepting: {e}");
-    }
-}
-
-/// Greets the master's connections, all on the accept thread (`shoal_transport::greet`): the
+/// Greets the master's connections on its accept threads (`shoal_transport::greet`): the
 /// driver hears of each once open, to send its challenge; one that then says its first frame in
 /// time gets a reader thread.
+#[derive(Clone)]
 struct Greeter {
     inputs: Sender<Input>,
-    next_conn: u64,
-    /// What strangers' connections log (`shoal_proto::loglimit`).
-    refusals: LogLimit,
+    next_conn: Arc<AtomicU64>,
+    /// What strangers' connections log (`shoal_proto::loglimit`), shared by the accept threads.
+    refusals: Arc<Mutex<LogLimit>>,
+}
+
+impl Greeter {
+    /// Whether a stranger's refusal may be logged now, and what to append ([`LogLimit::admit`]).
+    fn admit(&self) -> Option<String> {
+        self.refusals.lock().unwrap_or_else(std::sync::PoisonError::into_inner).admit(Instant::now())
+    }
 }
 
 impl Greet for Greeter {
     type Token = ConnId;
 
     fn opened(&mut self, writer: Conn, from: SocketAddr) -> Option<ConnId> {
-        let conn = ConnId(self.next_conn);
-        self.next_conn += 1;
+        let conn = ConnId(self.next_conn.fetch_add(1, Ordering::Relaxed));
         log::debug!("connection {} from {from}", conn.0);
         self.inputs.send(Input::Connected(conn, writer)).ok()?;
         Some(conn)
@@ -287,7 +285,7 @@ impl Greet for Greeter {
     fn failed(&mut self, from: SocketAddr, conn: Option<ConnId>, error: TransportError) {
         let what =
             conn.map_or_else(|| format!("a connection from {from}"), |c| format!("connection {} from {from}", c.0));
-        let note = self.refusals.admit(Instant::now());
+        let note = self.admit();
         match (&error, note) {
             (TransportError::Closed, _) => log::debug!("{what} closed before its Join"),
             (TransportError::TimedOut, Some(note)) => log::warn!("{what}: no Join in time; closing{note}"),
@@ -303,7 +301,7 @@ impl Greet for Greeter {
     }
 
     fn refused(&mut self, from: SocketAddr, full: Full) {
-        if let Some(note) = self.refusals.admit(Instant::now()) {
+        if let Some(note) = self.admit() {
             log::warn!("refused a connection from {from} before its Join: {full}{note}");
         }
     }

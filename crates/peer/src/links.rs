@@ -24,7 +24,7 @@ use crate::Deadline;
 use shoal_proto::auth::DataKey;
 use shoal_proto::peer::{Established, RingPosition};
 use shoal_transport::gate::{Full, Gate};
-use shoal_transport::greet::{greet_until, Greet, Greeted, Handshake, Limits, Listening};
+use shoal_transport::greet::{greet_until, greeters, Greet, Greeted, Handshake, Limits, Listening};
 use shoal_transport::shm::{ShmLane, RING_BYTES};
 use shoal_transport::{limit_unsent, write_message, Conn, Stream, TlsConfig, TransportError};
 use shoal_wire::{Epoch, Member, Message, PeerId, SessionId};
@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 
 /// How long an accepted stream may take to say hello, however its bytes trickle in.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
-/// Connections a data port greets at once (TLS handshake, hello), all on its accept thread
+/// Connections a data port greets at once (TLS handshake, hello), on its accept threads
 /// (`shoal_transport::greet`). Past it, new ones are closed at once: 20,000 trickling handshakes
 /// once gave a peer 19,990 threads, one per greeting, and ran it out of descriptors.
 const MAX_GREETINGS: usize = 1024;
@@ -70,7 +70,7 @@ struct Identity {
     key: DataKey,
 }
 
-/// The listening side, shared with its accept thread.
+/// The listening side, shared with its accept threads.
 pub(crate) struct Listener {
     pub port: u16,
     identity: Arc<OnceLock<Identity>>,
@@ -161,12 +161,15 @@ impl Listener {
             sized: Mutex::new(BTreeMap::new()),
             tls,
         };
-        let (identity, arrivals, stop, tls) =
-            (me.identity.clone(), me.arrivals.clone(), me.stop.clone(), me.tls.clone());
-        thread::Builder::new()
-            .name("shoal-accept".into())
-            .spawn(move || accept_loop(listener, tls, identity, arrivals, stop))
-            .map_err(io("spawning the accept thread for"))?;
+        for _ in 0..greeters(me.tls.is_some()) {
+            let listener = listener.try_clone().map_err(io("sharing"))?;
+            let (identity, arrivals, stop, tls) =
+                (me.identity.clone(), me.arrivals.clone(), me.stop.clone(), me.tls.clone());
+            thread::Builder::new()
+                .name("shoal-accept".into())
+                .spawn(move || accept_loop(listener, tls, identity, arrivals, stop))
+                .map_err(io("spawning an accept thread for"))?;
+        }
         // Members in this network namespace reach us here for shared-memory lanes. Without it
         // (the name is taken: another process bound our port on another address) they dial TCP.
         let name = std::os::unix::net::SocketAddr::from_abstract_name(local_name(port));
@@ -187,7 +190,7 @@ impl Listener {
         Ok(me)
     }
 
-    /// Tells the accept thread who we are, once registered, the run's data key, and the address
+    /// Tells the accept threads who we are, once registered, the run's data key, and the address
     /// we advertise.
     pub fn set_identity(&self, me: PeerId, session: SessionId, key: DataKey, advertised: &str) {
         let _ = self.identity.set(Identity { me, session, key });

@@ -27,6 +27,19 @@ const EMFILE_PAUSE: Duration = Duration::from_millis(100);
 /// Connections taken from the listener's queue at once, before the greetings under way move on.
 const ACCEPT_BATCH: usize = 64;
 
+/// Threads that may greet one TLS listener's connections at once ([`greeters`]).
+pub const MAX_GREETERS: usize = 4;
+
+/// How many threads should greet a listener's connections, each with [`greet_until`] on its own
+/// handle to it: a TLS handshake costs the server about a millisecond of CPU, so with TLS up to
+/// [`MAX_GREETERS`] cores share them (64 streams of a pool at once); without, one keeps up.
+pub fn greeters(tls: bool) -> usize {
+    match tls {
+        true => std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, MAX_GREETERS),
+        false => 1,
+    }
+}
+
 /// How a greeter greets.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
