@@ -7,7 +7,7 @@
 mod common;
 
 use common::master;
-use shoal_peer::{Communicator, DType, ReduceOp};
+use shoal_peer::{DType, ReduceOp};
 use shoal_transport::write_message;
 use shoal_wire::{Epoch, Message, PeerId, SessionId};
 use std::io::{Read, Write};
@@ -63,14 +63,7 @@ fn forged_fetch_requests_get_nothing_and_slow_no_all_reduce() {
             let (quiet_done, attack_on) = (quiet_done.clone(), attack_on.clone());
             let (attack_done, attack_over) = (attack_done.clone(), attack_over.clone());
             thread::spawn(move || {
-                thread::sleep(Duration::from_millis(100 * i as u64));
-                let comm = Communicator::new(cfg).unwrap();
-                comm.connect(None).unwrap();
-                while comm.group_world_size() != Some(world) {
-                    if comm.peers_pending().unwrap() {
-                        comm.update_topology().unwrap();
-                    }
-                }
+                let comm = common::join(cfg, i, world);
                 let phase = || -> Vec<Duration> {
                     (0..ROUNDS)
                         .map(|_| {

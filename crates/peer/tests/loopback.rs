@@ -31,14 +31,7 @@ fn with_peers<T: Send + 'static>(
         .map(|(i, cfg)| {
             let body = body.clone();
             thread::spawn(move || {
-                thread::sleep(Duration::from_millis(100 * i as u64));
-                let comm = Communicator::new(cfg).unwrap();
-                comm.connect(None).unwrap();
-                while comm.group_world_size() != Some(world) {
-                    if comm.peers_pending().unwrap() {
-                        comm.update_topology().unwrap();
-                    }
-                }
+                let comm = common::join(cfg, i, world);
                 body(i, &comm)
             })
         })

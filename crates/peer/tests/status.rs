@@ -1,7 +1,8 @@
 //! The master's HTTP endpoints and the peers' counters, against a live run of real peers.
 
+mod common;
 use shoal_master::{MasterOptions, MasterServer};
-use shoal_peer::{Communicator, CommunicatorConfig, DType, ReduceOp};
+use shoal_peer::{CommunicatorConfig, DType, ReduceOp};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::{Arc, Barrier};
@@ -53,14 +54,7 @@ fn the_master_serves_what_peers_did() {
             cfg.timeout = Duration::from_secs(10);
             let (joined, done) = (joined.clone(), done.clone());
             thread::spawn(move || {
-                thread::sleep(Duration::from_millis(100 * i as u64));
-                let comm = Communicator::new(cfg).unwrap();
-                comm.connect(None).unwrap();
-                while comm.group_world_size() != Some(world) {
-                    if comm.peers_pending().unwrap() {
-                        comm.update_topology().unwrap();
-                    }
-                }
+                let comm = common::join(cfg, i, world);
                 joined.wait();
                 let mut buf = vec![0u8; 64 << 10];
                 for _ in 0..rounds {

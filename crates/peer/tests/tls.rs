@@ -50,14 +50,7 @@ fn a_run_with_tls_all_reduces_and_repairs_state_over_tls() {
             let cfg = config(&m, Some(files.clone()));
             let joined = joined.clone();
             thread::spawn(move || {
-                thread::sleep(Duration::from_millis(100 * i as u64));
-                let comm = Communicator::new(cfg).unwrap();
-                comm.connect(None).unwrap();
-                while comm.group_world_size() != Some(world) {
-                    if comm.peers_pending().unwrap() {
-                        comm.update_topology().unwrap();
-                    }
-                }
+                let comm = common::join(cfg, i, world);
                 joined.wait();
                 let len = 1 << 20;
                 let rank = comm.rank().unwrap();

@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use shoal_master::{MasterOptions, MasterServer};
-use shoal_peer::CommunicatorConfig;
+use shoal_peer::{Communicator, CommunicatorConfig};
 use shoal_transport::TlsFiles;
 use std::time::Duration;
 
@@ -36,4 +36,18 @@ pub fn config(master: &MasterServer) -> CommunicatorConfig {
 /// `v`'s bytes, as a buffer of f32 elements.
 pub fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Peer `index` of `world` joins with `config`, `index` × 100 ms after the first (so that they
+/// join in order), and admits the later ones until all are in.
+pub fn join(config: CommunicatorConfig, index: usize, world: usize) -> Communicator {
+    std::thread::sleep(Duration::from_millis(100 * index as u64));
+    let comm = Communicator::new(config).unwrap();
+    comm.connect(None).unwrap();
+    while comm.group_world_size() != Some(world) {
+        if comm.peers_pending().unwrap() {
+            comm.update_topology().unwrap();
+        }
+    }
+    comm
 }
