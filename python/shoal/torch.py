@@ -24,6 +24,7 @@ compute over slow links.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 from typing import TYPE_CHECKING, Any, Iterable, Optional
@@ -67,8 +68,19 @@ class DDPHook:
         self.comm, self.tag = comm, tag
         self._failed: Optional[BaseException] = None
         self._lock = threading.Lock()
-        self._works: "queue.Queue[tuple[Work, Any, torch.Tensor]]" = queue.Queue()
-        threading.Thread(target=self._complete, name="shoal-ddp-hook", daemon=True).start()
+        self._works: "queue.Queue[Optional[tuple[Work, Any, torch.Tensor]]]" = queue.Queue()
+        self._thread = threading.Thread(target=self._complete, name="shoal-ddp-hook", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Stops the thread that completes the buckets, once the averages handed to it ended.
+        Runs at exit too: a thread still inside torch while the interpreter tears torch down
+        aborts the process ("terminate called without an active exception")."""
+        atexit.unregister(self.close)
+        if self._thread.is_alive():
+            self._works.put(None)
+            self._thread.join()
 
     def register(self, ddp: Any) -> None:
         """Makes this the communication hook of ``ddp``, a ``DistributedDataParallel`` model."""
@@ -90,8 +102,8 @@ class DDPHook:
         return future
 
     def _complete(self) -> None:
-        while True:
-            work, future, buffer = self._works.get()
+        while (item := self._works.get()) is not None:
+            work, future, buffer = item
             try:
                 work.wait()
             except ShoalError as e:
