@@ -2,9 +2,10 @@
 //! them. It coordinates membership and votes; it never carries tensor data.
 //!
 //! Threads: one accepts connections and greets them all (a TLS handshake, the first frame, by a
-//! deadline: `shoal_transport::greet`; with TLS, up to four share the handshakes), one per greeted connection reads and decodes frames, and
-//! one — the driver — owns the state machine: it feeds it every input in arrival order, writes what it
-//! outputs, and fires its timers. All protocol decisions are the state machine's.
+//! deadline: `shoal_transport::greet`; with TLS, up to four share the handshakes), one per
+//! greeted connection reads and decodes frames, and one — the driver — owns the state machine: it
+//! feeds it every input in arrival order, writes what it outputs, and fires its timers. All
+//! protocol decisions are the state machine's.
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
 
@@ -37,8 +38,8 @@ use std::time::{Duration, Instant};
 pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(15);
 /// Longest a write to one peer may block the driver: a frozen peer must not freeze the run.
 const WRITE_TIMEOUT_MAX: Duration = Duration::from_secs(1);
-/// Connections accepted that have not yet said `Join` (greeted on one thread): more are closed
-/// at once, so strangers holding connections open cannot exhaust descriptors.
+/// Connections accepted that have not yet said `Join` (greeted on the accept threads): more are
+/// closed at once, so strangers holding connections open cannot exhaust descriptors.
 pub const MAX_PENDING_CONNECTIONS: usize = 256;
 /// Of those, at most this many from one address: one stranger cannot fill them all.
 pub const MAX_PENDING_PER_SOURCE: usize = 64;

@@ -927,7 +927,7 @@ mod tests {
         assert!(started.elapsed() < idle + Duration::from_millis(700), "after {:?}", started.elapsed());
     }
 
-    /// Connections that never greet hold at most their address's share of the greeting threads;
+    /// Connections that never greet hold at most their address's share of the greeting slots;
     /// past it they are closed at once, and a member from elsewhere still lands its stream.
     #[test]
     fn one_address_holding_connections_open_cannot_keep_members_out() {

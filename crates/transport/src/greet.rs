@@ -1,6 +1,6 @@
 //! One thread greets every connection a listener accepts (TCP, or Unix from this host): its TLS
-//! handshake if the run has TLS, then its first frame, each moved on as its socket allows (`poll(2)`), all by an absolute
-//! deadline from the accept. A stranger who opens connections by the hundred, trickles bytes or
+//! handshake if the run has TLS, then its first frame, each moved on as its socket allows
+//! (`poll(2)`), all by an absolute deadline from the accept. A stranger who opens connections by the hundred, trickles bytes or
 //! holds them silent costs a descriptor and a few hundred bytes each, never a thread; a [`Gate`]
 //! caps how many greet at once, in all and from one address. What a first frame means is the
 //! listener's ([`Greet`]): this module knows frames, not messages.

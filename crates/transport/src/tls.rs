@@ -259,10 +259,7 @@ impl Conn {
     /// # Errors
     /// The handshake failed or ran late.
     pub fn accept(tcp: TcpStream, tls: Option<&TlsConfig>, deadline: Instant) -> io::Result<Conn> {
-        match tls {
-            None => Ok(Conn::plain(tcp)),
-            Some(_) => Conn::handshake(Opening::accept(tcp, tls)?, deadline),
-        }
+        Conn::handshake(Opening::accept(tcp, tls)?, deadline)
     }
 
     /// Steps `opening` through its handshake, waiting for its socket in `poll(2)` with what is
