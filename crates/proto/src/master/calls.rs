@@ -188,18 +188,23 @@ impl Master {
     }
 
     /// Ends the open ballot of `vote` (of `group`, for a sync), if any: its voters' calls fail,
-    /// or (`retry`) vote again. Every member hears of it, voter or not.
+    /// or (`retry`) vote again. Every member hears of a vote that failed, voter or not (one
+    /// about to make that call learns that the calls at its point ended apart); only its voters
+    /// hear that they vote again: a member whose own vote crossed the message would take it for
+    /// its own, and vote twice in one call.
     fn withdraw(&mut self, vote: Vote, group: GroupId, reason: &str, retry: bool) {
+        let voters = self.open_ballot(vote, group).map(|b| b.voters().clone()).unwrap_or_default();
         if !retry {
-            for p in self.open_ballot(vote, group).map(|b| b.voters().clone()).unwrap_or_default() {
-                self.mark_mismatched(p, vote);
+            for p in &voters {
+                self.mark_mismatched(*p, vote);
             }
         }
+        let told: Vec<PeerId> = if retry { voters.into_iter().collect() } else { self.ring.clone() };
         let reason = reason.to_string();
         match vote {
             Vote::UpdateTopology if matches!(self.phase, Phase::AwaitingTopologyVotes { .. }) => {
                 log::warn!("update_topology vote ended: {reason}");
-                for p in self.ring.clone() {
+                for p in told {
                     self.send_to_peer(p, Message::TopologyVoteAborted { retry, reason: reason.clone() });
                 }
                 self.set_phase(Phase::Idle);
@@ -208,7 +213,7 @@ impl Master {
                 self.pending_vote = None;
                 self.tentative.clear();
                 log::warn!("peers_pending vote ended: {reason}");
-                for p in self.ring.clone() {
+                for p in told {
                     self.send_to_peer(p, Message::PeersPendingAborted { retry, reason: reason.clone() });
                 }
             }

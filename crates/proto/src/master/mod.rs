@@ -271,8 +271,9 @@ pub struct Master {
     /// Newcomers' first `peers_pending` votes, cast tentatively, and when each is answered `false`
     /// unless its ballot passed (`calls.rs`).
     tentative: BTreeMap<PeerId, Instant>,
-    /// Newcomers the tentative rule answered `false`, until they report a collective or a
-    /// `peers_pending` vote of theirs passes: their first conflicting vote is retried (`calls.rs`).
+    /// Newcomers the tentative rule answered `false`, until they report a collective or a vote
+    /// of theirs passes (they met the others): their first conflicting vote is retried
+    /// (`calls.rs`).
     sent_on: BTreeSet<PeerId>,
     /// The ring lost a member, or a collective of it was aborted (its streams are gone): the
     /// survivors' next calls need a new topology of the same ring. Issued as soon as no major
@@ -688,6 +689,7 @@ impl Master {
         }
         let Some(quorum) = ballot.tally() else { return };
         self.counters.topology_votes += 1;
+        self.sent_on.retain(|p| !quorum.voters().contains(p));
         let mut members: Vec<PeerId> = self.ring.iter().copied().filter(|p| quorum.voters().contains(p)).collect();
         assert_eq!(members.len(), quorum.voters().len(), "a topology quorum is the ring's members");
         if self.every_voter_measured(&members) {

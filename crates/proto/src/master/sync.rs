@@ -221,6 +221,7 @@ impl Master {
             Ok((revision, hashes, plans)) => {
                 let participants: BTreeSet<PeerId> = votes.keys().copied().collect();
                 assert!(plans.iter().map(|(p, _)| p).eq(participants.iter()), "every voter gets a plan, once");
+                self.sent_on.retain(|p| !participants.contains(p));
                 let sync = self.syncs.get_mut(&group).expect("present");
                 sync.transfer = Some(Transfer { revision, hashes, participants, done: BTreeSet::new() });
                 log::info!("sync {round} of group {}: revision {revision}, {} peers", group.0, votes.len());

@@ -802,6 +802,45 @@ fn a_newcomer_sent_on_to_a_call_the_others_left_tries_again() {
     }
 }
 
+/// A newcomer sent on is given one retry, for its first vote after: once a vote of its passed
+/// (it met the others), its calls are held to the others' like anyone's. Found by the simulator
+/// (`crates/sim/tests/calls.rs`): its conflicting vote, retried long after, was taken by a member
+/// that just voted for its own abort, and that member voted twice in one call.
+#[test]
+fn a_newcomer_that_met_the_others_gets_no_retry_for_a_later_conflict() {
+    let (mut h, _) = run_with(3);
+    h.send(3, Message::VotePeersPending { collectives: 0 });
+    h.now = h.master.poll_timeout().unwrap();
+    h.master.handle_timeout(h.now);
+    h.drain();
+    for c in 1..=3 {
+        let out = vote(&mut h, c, 0, Strategy::EnforcePopular, &[1]);
+        assert_eq!(c == 3, plan(&out, 1).is_some(), "the sync passes with the last vote: {out:?}");
+    }
+    h.send(1, Message::VotePeersPending { collectives: 1 });
+    let out = h.send(3, Message::VoteUpdateTopology { collectives: 1, measured: None });
+    let refused = sent_to(&out, 3);
+    assert!(refused.iter().any(|m| matches!(m, Message::TopologyVoteAborted { retry: false, .. })), "{out:?}");
+    assert!(sent_to(&out, 1).iter().any(|m| matches!(m, Message::PeersPendingAborted { retry: false, .. })));
+}
+
+/// A vote withdrawn so that its voters vote again is told to them alone: a member that is not in
+/// it may be voting itself, its vote crossing the message, and would vote twice in one call.
+#[test]
+fn a_vote_its_voters_cast_again_is_withdrawn_from_them_alone() {
+    let (mut h, _) = run_with(3);
+    h.send(3, Message::VotePeersPending { collectives: 0 });
+    h.now = h.master.poll_timeout().unwrap();
+    h.master.handle_timeout(h.now);
+    h.drain();
+    h.send(3, Message::VoteUpdateTopology { collectives: 0, measured: None });
+    let out = h.send(1, Message::VotePeersPending { collectives: 0 });
+    assert!(sent_to(&out, 3).iter().any(|m| matches!(m, Message::TopologyVoteAborted { retry: true, .. })), "{out:?}");
+    for c in [1, 2] {
+        assert!(!sent_to(&out, c).iter().any(|m| matches!(m, Message::TopologyVoteAborted { .. })), "{out:?}");
+    }
+}
+
 /// A vote that a member's loss completes is answered after the topology the loss brings: a
 /// voter that calls again at once (a sync, say) then joins that topology first, instead of
 /// crossing it and falling out of step with the others (`docs/protocol.md`, "Retry").
