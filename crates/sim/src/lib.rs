@@ -39,9 +39,15 @@
 //! - **convergence**: once faults stop, the committed ring is exactly the live peers, and every
 //!   one of them is in it.
 //!
+//! [`run_calls`] scripts one more scenario: three live peers, one makes one call, the other two
+//! another that cannot complete with it (every pair of `all_reduce`, `barrier`, `peers_pending`,
+//! `update_topology`, `sync_shared_state` and `optimize_topology`), in an order and with gaps the
+//! seed picks; [`check_calls`] has every call end at once with the error naming the calls, and
+//! the matching all-reduce after them pass at the first try.
+//!
 //! `run(seed)` is a pure function of the seed: a failing seed reproduces exactly.
 
 mod model;
 mod net;
 
-pub use model::{check, run, Outcome, Report, Violation};
+pub use model::{check, check_calls, run, run_calls, Call, Outcome, Report, Scripted, Violation};

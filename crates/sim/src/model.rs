@@ -173,6 +173,66 @@ pub struct Report {
     pub shape: String,
     /// Events processed.
     pub events: u64,
+    /// A scripted run's calls ([`run_calls`]), as they ended.
+    pub scripted: Vec<Scripted>,
+    /// A scripted run's matching all-reduce after its calls: (peer index, its failed tries).
+    pub after: Vec<(usize, Vec<String>)>,
+}
+
+/// A call that [`run_calls`] has one peer make and the two others another.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Call {
+    AllReduce,
+    Barrier,
+    PeersPending,
+    UpdateTopology,
+    SyncSharedState,
+    /// A barrier (with a tag of its own), then a vote with the links it measured.
+    OptimizeTopology,
+}
+
+impl Call {
+    /// Every call.
+    pub const ALL: [Call; 6] = [
+        Call::AllReduce,
+        Call::Barrier,
+        Call::PeersPending,
+        Call::UpdateTopology,
+        Call::SyncSharedState,
+        Call::OptimizeTopology,
+    ];
+
+    /// The call's name, as users know it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Call::AllReduce => "all_reduce",
+            Call::Barrier => "barrier",
+            Call::PeersPending => "peers_pending",
+            Call::UpdateTopology => "update_topology",
+            Call::SyncSharedState => "sync_shared_state",
+            Call::OptimizeTopology => "optimize_topology",
+        }
+    }
+
+    /// Whether it starts with a collective: two such calls that differ fail as collectives do.
+    pub fn collective(self) -> bool {
+        matches!(self, Call::AllReduce | Call::Barrier | Call::OptimizeTopology)
+    }
+}
+
+/// How one peer's scripted call ended.
+#[derive(Debug, Clone)]
+pub struct Scripted {
+    /// The peer's index.
+    pub peer: usize,
+    /// Its call.
+    pub call: Call,
+    /// When it made the call, and when the call ended.
+    pub made: Duration,
+    /// When the call ended.
+    pub ended: Duration,
+    /// How it ended: `Ok`, or the error.
+    pub result: Result<(), CallError>,
 }
 
 /// The application's loop, which the seed picks for every peer of a run.
@@ -198,6 +258,32 @@ enum Next {
     Sync,
     Collective,
 }
+
+/// Where a peer of a scripted run ([`run_calls`]) is; `Loop` throughout in a seeded one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    /// The seed's loop (a scripted run's while its group grows to three).
+    Loop,
+    /// In the group of three, its loop stopped: its scripted call is due then.
+    Due(Duration),
+    /// In its scripted call, made then.
+    Calling(Duration),
+    /// Its scripted call ended: it calls nothing until every peer's ended.
+    Ended,
+    /// Every scripted call ended: a matching all-reduce, retried as a failed call may be.
+    After,
+    /// The all-reduce passed, or failed five times.
+    Done,
+}
+
+/// What a scripted run's peers call, and how long after they joined the group of three.
+struct Script {
+    calls: [Call; 3],
+    delays: [Duration; 3],
+}
+
+/// The tag of `optimize_topology`'s barrier, as `crates/peer` numbers it.
+const OPTIMIZE_BARRIER_TAG: u64 = u64::MAX - 1;
 
 /// A peer's end of a data connection: the connection, which end, and the peer at the other.
 #[derive(Debug, Clone)]
@@ -263,6 +349,12 @@ struct SimPeer {
     /// Its ends of data connections, until both ends closed; raised when one wrote or closed.
     ends: Vec<End>,
     dirty: Dirty,
+    /// Where it is in a scripted run.
+    stage: Stage,
+    /// Its collective calls that are barriers, with their tags.
+    barriers: BTreeMap<CallId, u64>,
+    /// A scripted run's matching all-reduce: its failed tries.
+    after: Vec<String>,
 }
 
 impl SimPeer {
@@ -298,6 +390,9 @@ impl SimPeer {
             group: GroupId(0),
             ends: Vec::new(),
             dirty: Dirty::default(),
+            stage: Stage::Loop,
+            barriers: BTreeMap::new(),
+            after: Vec::new(),
         }
     }
 
@@ -349,44 +444,13 @@ struct Sim {
     optimizes: bool,
     /// Print every event (`SHOAL_SIM_TRACE`).
     trace: bool,
+    /// A scripted run's calls ([`run_calls`]).
+    script: Option<Script>,
 }
 
 /// Runs the scenario of `seed` to its end.
 pub fn run(seed: u64) -> Report {
-    let base = Instant::now();
-    let data_key = DataKey([seed as u8; 32]);
-    let config = MasterConfig {
-        session: SESSION,
-        heartbeat_timeout: HEARTBEAT_TIMEOUT,
-        key: Some(run_key()),
-        data_key,
-        search_effort: 0.01,
-    };
-    let mut sim = Sim {
-        rng: Rng(seed),
-        now: Duration::ZERO,
-        base,
-        queue: BinaryHeap::new(),
-        n: 0,
-        master: Master::new(config, base),
-        master_wake: None,
-        peers: Vec::new(),
-        fifo: BTreeMap::new(),
-        stalled: BTreeMap::new(),
-        conns: BTreeMap::new(),
-        next_conn: 0,
-        pools: BTreeMap::new(),
-        commits: Vec::new(),
-        index_of: BTreeMap::new(),
-        report: Report { seed, ..Report::default() },
-        shape: Shape::Readme,
-        syncs: false,
-        batch: 1,
-        max_in_flight: 1,
-        group: GroupId(0),
-        optimizes: false,
-        trace: std::env::var_os("SHOAL_SIM_TRACE").is_some(),
-    };
+    let mut sim = Sim::new(seed);
     sim.shape = [Shape::Readme, Shape::RetryOnly, Shape::Pccl][sim.rng.below(3) as usize];
     sim.syncs = sim.rng.chance(50);
     // A third of the runs make one call at a time; the others overlap up to four collectives.
@@ -415,20 +479,91 @@ pub fn run(seed: u64) -> Report {
         sim.add_peer();
     }
     sim.plan_faults();
-    sim.wake_master();
-    while let Some(q) = sim.queue.pop() {
-        if q.at > END {
-            break;
-        }
-        sim.now = q.at;
-        sim.report.events += 1;
-        if sim.trace && !matches!(q.ev, Ev::Tick(_) | Ev::Bytes { .. } | Ev::Wake(_)) {
-            eprintln!("{:>12?} {:?}", sim.now, q.ev);
-        }
-        sim.handle(q.ev);
+    sim.run_to_end()
+}
+
+/// Three live peers grow their group to three with PCCL's loop (syncing before every
+/// collective), then stop it: peer 0 calls `first`, peers 1 and 2 `others`, each a time the seed
+/// picks after it finished its first collective among the three (together, or up to 300 ms
+/// apart in any order), and nothing more until every one of those calls ended; then every peer
+/// all-reduces, retrying as a failed call may be. No faults. [`check_calls`] checks it.
+pub fn run_calls(seed: u64, first: Call, others: Call) -> Report {
+    let mut sim = Sim::new(seed);
+    (sim.shape, sim.syncs) = (Shape::Pccl, true);
+    sim.group = GroupId([0, 1, 7][sim.rng.below(3) as usize]);
+    let mut delays = [ms(0), ms(150), ms(300)];
+    for k in (1..3).rev() {
+        delays.swap(k, sim.rng.below(k as u64 + 1) as usize);
     }
-    sim.now = END;
-    sim.finish()
+    if sim.rng.chance(25) {
+        delays = [ms(0); 3];
+    }
+    delays.iter_mut().for_each(|d| *d += sim.rng.between(ms(0), ms(20)));
+    sim.report.shape = format!("peer 0 calls {first:?}, peers 1 and 2 {others:?}, after {delays:?}");
+    sim.script = Some(Script { calls: [first, others, others], delays });
+    for _ in 0..3 {
+        sim.add_peer();
+    }
+    sim.run_to_end()
+}
+
+impl Sim {
+    /// A run with no peers yet: the seed's loop is README's, one call at a time.
+    fn new(seed: u64) -> Sim {
+        let base = Instant::now();
+        let data_key = DataKey([seed as u8; 32]);
+        let config = MasterConfig {
+            session: SESSION,
+            heartbeat_timeout: HEARTBEAT_TIMEOUT,
+            key: Some(run_key()),
+            data_key,
+            search_effort: 0.01,
+        };
+        Sim {
+            rng: Rng(seed),
+            now: Duration::ZERO,
+            base,
+            queue: BinaryHeap::new(),
+            n: 0,
+            master: Master::new(config, base),
+            master_wake: None,
+            peers: Vec::new(),
+            fifo: BTreeMap::new(),
+            stalled: BTreeMap::new(),
+            conns: BTreeMap::new(),
+            next_conn: 0,
+            pools: BTreeMap::new(),
+            commits: Vec::new(),
+            index_of: BTreeMap::new(),
+            report: Report { seed, ..Report::default() },
+            shape: Shape::Readme,
+            syncs: false,
+            batch: 1,
+            max_in_flight: 1,
+            group: GroupId(0),
+            optimizes: false,
+            trace: std::env::var_os("SHOAL_SIM_TRACE").is_some(),
+            script: None,
+        }
+    }
+
+    /// Handles every event until the run's end.
+    fn run_to_end(mut self) -> Report {
+        self.wake_master();
+        while let Some(q) = self.queue.pop() {
+            if q.at > END {
+                break;
+            }
+            self.now = q.at;
+            self.report.events += 1;
+            if self.trace && !matches!(q.ev, Ev::Tick(_) | Ev::Bytes { .. } | Ev::Wake(_)) {
+                eprintln!("{:>12?} {:?}", self.now, q.ev);
+            }
+            self.handle(q.ev);
+        }
+        self.now = END;
+        self.finish()
+    }
 }
 
 impl Sim {
@@ -509,6 +644,10 @@ impl Sim {
         while let Some(out) = self.master.poll_output() {
             match out {
                 Output::Send { conn, message } => {
+                    if let Message::Registered { peer, .. } = &message {
+                        // It listens before it joins: reachable as soon as it has a name.
+                        self.index_of.insert(*peer, conn.0 as usize);
+                    }
                     let to = Node::Peer(conn.0 as usize);
                     self.send(Node::Master, to, Ev::Control { from: Node::Master, to, msg: message });
                 }
@@ -802,6 +941,9 @@ impl Sim {
             self.leave(i, why);
             return false;
         }
+        if self.peers[i].calling.is_none() && self.peers[i].stage != Stage::Loop {
+            return self.scripted(i);
+        }
         if self.peers[i].calling.is_none() {
             // Every member makes the same calls: after every third collective of a topology, ask
             // whether newcomers wait.
@@ -811,12 +953,94 @@ impl Sim {
         self.pump(i)
     }
 
+    /// Peer `i` of a scripted run, in no call: its next move, if it has one now.
+    fn scripted(&mut self, i: usize) -> bool {
+        let script = self.script.as_ref().expect("a scripted run");
+        match self.peers[i].stage {
+            Stage::Due(at) if at <= self.now => {
+                let call = script.calls[i];
+                self.peers[i].stage = Stage::Calling(self.now);
+                match call {
+                    Call::AllReduce => self.collective(i, None),
+                    Call::Barrier => self.collective(i, Some(0)),
+                    Call::OptimizeTopology => self.collective(i, Some(OPTIMIZE_BARRIER_TAG)),
+                    Call::PeersPending => self.call(i, Next::Pending),
+                    Call::UpdateTopology => self.call(i, Next::Vote),
+                    Call::SyncSharedState => self.call(i, Next::Sync),
+                }
+            }
+            Stage::Ended if self.peers.iter().all(|p| matches!(p.stage, Stage::Ended | Stage::After | Stage::Done)) => {
+                self.peers[i].stage = Stage::After;
+                self.collective(i, None)
+            }
+            _ => false,
+        }
+    }
+
+    /// Peer `i` calls one collective: an all-reduce, or a barrier with `tag`.
+    fn collective(&mut self, i: usize, barrier: Option<u64>) -> bool {
+        let at = self.instant();
+        let p = &mut self.peers[i];
+        (p.calling, p.call_started) = (Some(Next::Collective), self.now);
+        (p.batch_ok, p.batch_pending_due) = (true, false);
+        let call = p.proto.call(
+            CallKind::Collective(if barrier.is_some() { "barrier" } else { "all_reduce" }),
+            CALL_TIMEOUT,
+            at,
+        );
+        p.batch.insert(call);
+        if let Some(tag) = barrier {
+            p.barriers.insert(call, tag);
+        }
+        true
+    }
+
+    /// Peer `i`'s scripted call, or the all-reduce after them all, ended with `result` (its
+    /// `collective`, or its vote).
+    fn scripted_end(&mut self, i: usize, collective: bool, result: Result<(), CallError>) {
+        let p = &mut self.peers[i];
+        p.calling = None;
+        let script = self.script.as_ref().expect("a scripted run");
+        match p.stage {
+            Stage::Calling(made) => {
+                let call = script.calls[i];
+                if call == Call::OptimizeTopology && result.is_ok() && collective {
+                    // Its barrier passed: the vote with what it measured.
+                    let (measured, at) = (self.measured_by(i), self.instant());
+                    let p = &mut self.peers[i];
+                    p.calling = Some(Next::Vote);
+                    p.proto.call(CallKind::OptimizeTopology(measured), CALL_TIMEOUT, at);
+                    return;
+                }
+                p.stage = Stage::Ended;
+                self.report.scripted.push(Scripted { peer: i, call, made, ended: self.now, result });
+                // The others may be waiting for this one to end.
+                for j in 0..3 {
+                    self.push(self.now, Ev::Wake(j));
+                }
+            }
+            Stage::After => match result {
+                Err(e) if p.after.len() < 4 => {
+                    p.after.push(format!("{e:?}"));
+                    self.collective(i, None);
+                }
+                other => {
+                    if let Err(e) = other {
+                        p.after.push(format!("{e:?}"));
+                    }
+                    p.stage = Stage::Done;
+                    let tries = std::mem::take(&mut p.after);
+                    self.report.after.push((i, tries));
+                }
+            },
+            stage => unreachable!("peer {i} ended a scripted call at {stage:?}"),
+        }
+    }
+
     fn act(&mut self, i: usize, action: Action) {
         let at = self.instant();
         match action {
-            Action::Registered { me, .. } => {
-                self.index_of.insert(me, i);
-            }
+            Action::Registered { me, .. } => debug_assert_eq!(self.index_of.get(&me), Some(&i)),
             Action::Establish { position, .. } => {
                 // Open the connections the topology asks for: dialing a dead peer fails.
                 let (me, next) = (position.ring[position.rank].peer, position.next().peer);
@@ -907,11 +1131,24 @@ impl Sim {
                 self.report.violations.push(Violation(v));
             }
             let p = &mut self.peers[i];
+            p.barriers.remove(&id);
             let op = p.ops.iter().find(|(_, o)| o.call == id).map(|(k, _)| *k);
             let op = op.and_then(|k| p.ops.remove(&k));
+            let ended = result.as_ref().map(|_| ()).map_err(Clone::clone);
             self.end_op(i, op, result);
             let p = &mut self.peers[i];
             if p.batch.is_empty() && p.calling == Some(Next::Collective) && p.active() && p.proto.gone().is_none() {
+                if p.stage != Stage::Loop {
+                    return self.scripted_end(i, true, ended);
+                }
+                let grown = p.position.as_ref().is_some_and(|pos| pos.group_size() == 3);
+                if let (Some(script), true, true) = (&self.script, p.batch_ok, grown) {
+                    // A scripted run's group is complete: its loop stops; its call is due.
+                    let at = self.now + script.delays[i];
+                    (p.stage, p.calling) = (Stage::Due(at), None);
+                    self.push(at, Ev::Wake(i));
+                    return;
+                }
                 p.calling = None;
                 // A failed iteration goes on as the loop does after a failure, not to the vote.
                 p.pending_due = p.batch_ok && p.batch_pending_due;
@@ -923,6 +1160,10 @@ impl Sim {
                 }
             }
             return;
+        }
+        if matches!(p.stage, Stage::Calling(_)) {
+            let ended = result.map(|_| ());
+            return self.scripted_end(i, false, ended);
         }
         let call = p.calling.take().expect("only a call ends");
         match (call, result) {
@@ -1032,23 +1273,29 @@ impl Sim {
         let world = members.len();
         let p = &mut self.peers[i];
         let me = p.me().expect("registered");
-        // Every member runs the same collective, by the same algorithm, on `world` elements.
-        let (kind, algorithm, root, format) = collective_of(id, world);
+        // Every member runs the same collective, by the same algorithm, on `world` elements; a
+        // scripted barrier is one byte each.
+        let barrier = p.barriers.get(&call).copied();
+        let (kind, algorithm, root, format) = match barrier {
+            Some(_) => (CollectiveKind::Barrier, Algorithm::OneShot, 0, None),
+            None => collective_of(id, world),
+        };
         let quantization = format.map(|f| Quantization::new(f, None).expect("a valid format"));
         let dtype = if quantization.is_some() { DType::F64 } else { DType::I64 };
         let codec = quantization.and_then(|q| q.codec(dtype, Some(ReduceOp::Sum)).expect("f64 sums quantize"));
         let mut buf: Vec<i64> = (0..world).map(|k| value(input(me, id.seq.0, k), dtype)).collect();
         let input = buf.clone();
         let (quantization, block) = Quantization::to_wire(quantization);
+        let (dtype, count) = if barrier.is_some() { (DType::U8, 1) } else { (dtype, world) };
         let header = OpHeader {
             collective: kind.code(),
             algorithm: algorithm.code(),
             epoch: id.epoch,
             seq: id.seq.0,
-            tag: 0,
+            tag: barrier.unwrap_or(0),
             dtype: dtype.code(),
             op: ReduceOp::Sum.code(),
-            count: world as u64,
+            count: count as u64,
             root: root as u32,
             quantization,
             block,
@@ -1057,7 +1304,7 @@ impl Sim {
         let spec = OpSpec {
             header,
             kind,
-            buf: RawBuf::new(bytemuck::cast_slice_mut(&mut buf)),
+            buf: RawBuf::new(&mut bytemuck::cast_slice_mut(&mut buf)[..count * dtype.size()]),
             dtype,
             op: ReduceOp::Sum,
             algorithm,
@@ -1191,9 +1438,16 @@ impl Sim {
                 OpProgress::Failed(OpFailure::new(FailureKind::PeerLost, op.members[rank], reason))
             }
             OpEvent::Failed(LinkError::Mismatch { rank, theirs }) => {
-                let v = format!("peer {i}: ({:?}, {}) met {theirs:?} from rank {rank}", id.epoch, id.seq.0);
-                self.report.violations.push(Violation(v));
-                OpProgress::Failed(OpFailure::new(FailureKind::Mismatch, op.members[rank], "another collective"))
+                // Only a scripted run's peers call different collectives.
+                if self.script.is_none() {
+                    let v = format!("peer {i}: ({:?}, {}) met {theirs:?} from rank {rank}", id.epoch, id.seq.0);
+                    self.report.violations.push(Violation(v));
+                }
+                let why = format!(
+                    "rank {rank} called {}",
+                    CollectiveKind::from_code(theirs.collective).map_or("?", |k| k.name())
+                );
+                OpProgress::Failed(OpFailure::new(FailureKind::Mismatch, op.members[rank], why))
             }
             OpEvent::Failed(LinkError::Malformed { rank, reason }) => {
                 let v = format!("peer {i}: ({:?}, {}) desynchronised with rank {rank}: {reason}", id.epoch, id.seq.0);
@@ -1234,7 +1488,8 @@ impl Sim {
             }
             (Err(e), op) => {
                 if let CallError::Aborted { failure, .. } = &e {
-                    if failure.kind == FailureKind::Misuse {
+                    // A scripted call's usage error is the point of its run (`check_calls`).
+                    if failure.kind == FailureKind::Misuse && !matches!(self.peers[i].stage, Stage::Calling(_)) {
                         self.misuse(i, Next::Collective, &failure.reason);
                     }
                 }
@@ -1456,4 +1711,48 @@ pub fn check(r: &Report) -> Result<(), Violation> {
         }
     }
     Ok(())
+}
+
+/// Checks a scripted run ([`run_calls`]): every invariant of [`check`], and every scripted call
+/// ended at once with the error that names the calls that cannot complete together (a usage
+/// error; where both calls start with a collective, the mismatch of collectives), none later
+/// than `heartbeat` after the last of them was made; then every peer's all-reduce passed at the
+/// first try.
+///
+/// # Errors
+/// The first violation found.
+pub fn check_calls(r: &Report, heartbeat: Duration) -> Result<(), Violation> {
+    check(r)?;
+    let fail = |why: String| Err(Violation(why));
+    if r.scripted.len() != 3 {
+        return fail(format!("{} of 3 scripted calls ended: {:?}", r.scripted.len(), r.scripted));
+    }
+    let last = r.scripted.iter().map(|c| c.made).max().expect("three calls");
+    let calls: BTreeSet<Call> = r.scripted.iter().map(|c| c.call).collect();
+    let collectives = calls.iter().all(|c| c.collective());
+    for c in &r.scripted {
+        if c.ended > last + heartbeat {
+            return fail(format!(
+                "peer {}: {:?} ended {:?} after the last call was made",
+                c.peer,
+                c.call,
+                c.ended - last
+            ));
+        }
+        let named = |why: &str| calls.iter().filter(|c| !c.collective()).all(|c| why.contains(c.name()));
+        match &c.result {
+            // A sync's usage error (`UsageError` in Python) is a sync failure no retry mends.
+            Err(CallError::Misuse(why) | CallError::SyncFailed { retryable: false, reason: why })
+                if !collectives && named(why) => {}
+            Err(CallError::Aborted { failure, .. }) | Err(CallError::Unconfirmed { failure, .. })
+                if (failure.kind == FailureKind::Misuse && !collectives && named(&failure.reason))
+                    || (failure.kind == FailureKind::Mismatch && collectives) => {}
+            other => return fail(format!("peer {}: {:?} ended with {other:?}", c.peer, c.call)),
+        }
+    }
+    match r.after.iter().find(|(_, tries)| !tries.is_empty()) {
+        Some((i, tries)) => fail(format!("peer {i}: the all-reduce after the calls failed first: {tries:?}")),
+        None if r.after.len() == 3 => Ok(()),
+        None => fail(format!("{} of 3 peers ran the all-reduce after the calls", r.after.len())),
+    }
 }
