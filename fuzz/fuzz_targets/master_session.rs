@@ -123,13 +123,21 @@ fuzz_target!(|steps: Vec<Step>| {
     };
     let mut master = Master::new(config, t0);
     let mut now = t0;
+    let mut open = std::collections::BTreeSet::new();
     for step in steps.into_iter().take(512) {
         match step {
             Step::Connect(c) => {
+                // A driver never opens a connection it has open (the master asserts it).
                 let conn = ConnId((c % 16).into());
-                master.handle_connect(now, conn, nonce(conn));
+                if open.insert(conn.0) {
+                    master.handle_connect(now, conn, nonce(conn));
+                }
             }
-            Step::Disconnect(c) => master.handle_disconnect(now, ConnId((c % 16).into()), "fuzz"),
+            Step::Disconnect(c) => {
+                let conn = ConnId((c % 16).into());
+                open.remove(&conn.0);
+                master.handle_disconnect(now, conn, "fuzz");
+            }
             Step::Wait(ms) => {
                 now += Duration::from_millis(ms.into());
                 master.handle_timeout(now);

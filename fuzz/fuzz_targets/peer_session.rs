@@ -246,7 +246,11 @@ fuzz_target!(|session: Session| {
                     peer.handle_fetched(round, if ok { Ok(()) } else { Err("fuzz") }, now);
                 }
             }
-            Step::Waits(other, send) => peer.p2p_waits(PeerId(other.into()), send, 3, 0),
+            // A driver announces waits on transfers with other members only.
+            Step::Waits(other, send) if peer.registered().is_none_or(|(me, _)| me != PeerId(other.into())) => {
+                peer.p2p_waits(PeerId(other.into()), send, 3, 0)
+            }
+            Step::Waits(..) => {}
             Step::Resumed(other) => peer.p2p_resumed(PeerId(other.into())),
             Step::Apart => {
                 let first = peer.waiters().next().map(|(waiter, _)| waiter);

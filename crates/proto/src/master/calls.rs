@@ -290,6 +290,8 @@ impl Master {
             Vote::SyncSharedState => Message::SyncAborted { round: 0, retryable: retry, reason },
         };
         self.send_to_peer(peer, message);
+        // Refused, never cast: no ballot counts it.
+        debug_assert!(self.open_ballot(vote, self.peers[&peer].group).is_none_or(|b| !b.voters().contains(&peer)));
     }
 
     /// The committed ring's members of `group`, in ring order.

@@ -97,6 +97,9 @@ impl Master {
 
     /// What a restarted master needs.
     pub fn durable(&self) -> Durable {
+        // What a restart checks ([`Master::restore`]) holds of every state written.
+        assert!(self.ring_epoch <= self.epoch, "topology {:?} committed ahead of {:?}", self.ring_epoch, self.epoch);
+        debug_assert!(self.peers.keys().all(|p| p.0 < self.next_peer), "a peer id was handed out twice");
         Durable {
             session: self.config.session,
             data_key: self.config.data_key.0,
@@ -177,6 +180,7 @@ impl Master {
         // every peer is back.
         master.reform_due = master.epoch != master.ring_epoch;
         master.arm_heartbeat_check();
+        assert!(master.ring.iter().all(|p| master.peers[p].status == Status::Accepted), "the ring is accepted members");
         log::info!(
             "restored the run: {} peers ({} in the ring of topology {}); waiting for them to rejoin",
             master.peers.len(),
@@ -210,6 +214,7 @@ impl Master {
         log::info!("{peer} rejoined");
         self.send(conn, self.registered_message(peer));
         self.reform_if_due();
+        assert_eq!(self.peers.get(&peer).and_then(|e| e.conn), Some(conn), "{peer} rejoined on another connection");
     }
 
     /// Refuses connection `conn`'s `Rejoin` for `reason`, telling the peer: it must not come

@@ -385,7 +385,8 @@ impl Master {
     /// reused (the driver draws it), and must answer with `Join`.
     pub fn handle_connect(&mut self, now: Instant, conn: ConnId, nonce: [u8; 32]) {
         self.advance(now);
-        self.challenges.insert(conn, nonce);
+        let reused = self.challenges.insert(conn, nonce).is_some() || self.conns.contains_key(&conn);
+        assert!(!reused, "connection {} was opened twice", conn.0);
         self.send(conn, Message::Challenge { nonce });
     }
 
@@ -441,6 +442,7 @@ impl Master {
             other => self.violation(peer, PeerMisbehaved::UnexpectedMessage { peer, message: other.name() }),
         }
         self.reform_if_due();
+        assert!(self.conns.get(&conn).is_none_or(|p| self.peers.contains_key(p)), "{conn:?} names a peer gone");
     }
 
     /// `conn` closed (or its reader failed with `reason`).
@@ -451,6 +453,7 @@ impl Master {
             self.remove_peer(peer, format!("control connection lost: {reason}"), Removal::Lost);
         }
         self.reform_if_due();
+        assert!(!self.conns.contains_key(&conn) && !self.challenges.contains_key(&conn), "{conn:?} outlives its close");
     }
 
     /// Moves the machine's clock to `now`, the time of an input. A driver reads a monotonic clock,
@@ -492,6 +495,8 @@ impl Master {
         }
         self.arm_heartbeat_check();
         self.reform_if_due();
+        debug_assert!(self.peers.values().all(|e| now.saturating_duration_since(e.last_heard) <= timeout));
+        assert!(self.timers.next_deadline().is_none_or(|t| t > now), "a timer due now is left unfired");
     }
 
     // ----- outputs -----
@@ -533,6 +538,7 @@ impl Master {
             return self.outputs.push_back(Output::Close { conn, reason });
         }
         let peer = PeerId(self.next_peer);
+        assert!(!self.peers.contains_key(&peer), "{peer} is issued twice");
         self.next_peer = self.next_peer.checked_add(1).expect("peer ids exhausted");
         let entry = PeerEntry {
             conn: Some(conn),
@@ -551,6 +557,7 @@ impl Master {
         self.send(conn, self.registered_message(peer));
         self.arm_heartbeat_check();
         self.admit_without_vote_if_alone();
+        assert_eq!(self.conns.get(&conn), Some(&peer), "a registered peer is reached on its connection");
     }
 
     /// Whether connection `conn`, whose first message (`first`, from `who`) carries `proof`, was
@@ -575,6 +582,7 @@ impl Master {
             self.outputs.push_back(Output::Close { conn, reason });
             return false;
         }
+        assert!(!self.challenges.contains_key(&conn), "a challenge answers twice");
         true
     }
 
@@ -798,6 +806,7 @@ impl Master {
         // peers we cannot tell who is at fault, and drop the one that was reported.
         log::warn!("{reporter} cannot reach {target}; removing {target} from the run");
         self.remove_peer(target, format!("{reporter} could not connect to it"), Removal::Expelled);
+        assert!(!self.peers.contains_key(&target) && !self.ring.contains(&target), "{target} stays after removal");
     }
 
     fn vote_peers_pending(&mut self, now: Instant, peer: PeerId, collectives: u64) {
@@ -820,6 +829,7 @@ impl Master {
         let ring = &self.ring;
         let ballot = self.pending_vote.get_or_insert_with(|| Ballot::new(ring.iter().copied().collect()));
         let fewer = !tentative && ballot.announce(group, collectives);
+        assert!(self.ring.contains(&peer), "{peer} votes peers_pending outside the ring");
         ballot.cast(peer);
         if fewer {
             self.announce_vote(peer, Vote::PeersPending, collectives);

@@ -176,12 +176,15 @@ impl Master {
             Some(Outcome::Aborted(failure)) => Message::OpAborted { epoch, seq, failure: failure.clone() },
         };
         let waiting = std::mem::take(&mut record.waiting);
+        // Only members report (`op_key`), so only members hear a verdict.
+        debug_assert!(waiting.iter().all(|p| record.members.contains(p)), "a verdict goes to a non-member");
         if matches!(record.outcome, Some(Outcome::Committed)) && all_done {
             self.ops.remove(&key);
         }
         for p in waiting {
             self.send_to_peer(p, answer.clone());
         }
+        debug_assert!(self.ops.get(&key).is_none_or(|r| r.waiting.is_empty()), "answered, yet waiting");
     }
 
     /// The record of collective `seq` in `peer`'s group, created on first report. `None` (and
@@ -218,6 +221,7 @@ impl Master {
             self.ops.insert(key, record);
         }
         debug_assert!(self.ops[&key].members.iter().all(|p| self.peers.get(p).is_none_or(|e| e.group == group)));
+        debug_assert!(self.ops[&key].members.contains(&peer), "{peer} reports on a collective it is no member of");
         assert!(self.ops.len() <= MAX_TRACKED_OPS, "the master tracks at most MAX_TRACKED_OPS collectives");
         Some(key)
     }

@@ -26,6 +26,7 @@ impl Master {
         }
         self.p2p_waits.insert(waiter, other);
         self.send_to_peer(other, Message::P2pWaits { peer: waiter, send, tag, seen, epoch, collectives });
+        assert!(self.p2p_waits.iter().all(|(w, o)| w != o), "a member waits on itself");
     }
 
     /// `waiter`'s wait announced earlier is over.
@@ -33,6 +34,7 @@ impl Master {
         if let Some(other) = self.p2p_waits.remove(&waiter) {
             self.send_to_peer(other, Message::P2pResumed { peer: waiter });
         }
+        assert!(!self.p2p_waits.contains_key(&waiter), "a wait outlives its end");
     }
 
     /// `member`'s call can never let `waiter`'s transfer complete: the waiter's call ends with
@@ -47,11 +49,13 @@ impl Master {
         self.send_to_peer(waiter, Message::P2pApart { peer: member, reason: reason.clone() });
         let group = self.peers[&member].group;
         self.abandon_votes(group, &reason);
+        assert!(!self.p2p_waits.contains_key(&waiter), "a wait outlives its end");
     }
 
     /// `peer` left the run: its waits are over, and nobody waits on it any more (the transfers
     /// with it fail on the `PeerRemoved` every member hears).
     pub(super) fn p2p_member_removed(&mut self, peer: PeerId) {
         self.p2p_waits.retain(|waiter, other| *waiter != peer && *other != peer);
+        debug_assert!(!self.p2p_waits.iter().any(|(w, o)| *w == peer || *o == peer));
     }
 }

@@ -242,6 +242,10 @@ impl Master {
         let sync = self.syncs.remove(&group).expect("present");
         self.counters.syncs_completed += 1;
         let t = sync.transfer.expect("checked");
+        // The state only moves forward: a sync elects the newest revision its voters hold.
+        let before = self.group_states.get(&group).map(GroupState::revision);
+        let overridden = sync.votes.values().any(|v| v.override_resume);
+        assert!(before.is_none_or(|r| t.revision >= r) || overridden, "sync {} went back", sync.round);
         let state = self.group_states.entry(group).or_insert_with(|| GroupState {
             revision: t.revision,
             hashes: BTreeMap::new(),
@@ -256,6 +260,7 @@ impl Master {
         for p in t.participants {
             self.send_to_peer(p, Message::SyncComplete { round: sync.round });
         }
+        assert!(!self.syncs.contains_key(&group), "a completed sync stays open");
     }
 
     /// The election: the revision, the elected hash of every tensor, and each voter's plan; or

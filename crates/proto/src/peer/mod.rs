@@ -478,6 +478,7 @@ impl Peer {
         self.outbox.push_front(Message::Rejoin { peer, session, proof });
         self.last_heard = now;
         self.progress(now);
+        assert!(self.reconnecting().is_none(), "a rejoin in flight dials again");
     }
 
     /// Whether [`Peer::handle_timeout`] at `now` sends a heartbeat: the moment for the driver
@@ -567,6 +568,7 @@ impl Peer {
     pub fn p2p_waits(&mut self, other: PeerId, send: bool, tag: u64, seen: u64) {
         let Some((epoch, _)) = &self.view.committed else { return };
         let (epoch, collectives) = (*epoch, self.view.started);
+        assert!(self.view.registered.is_some_and(|(me, _)| me != other), "a transfer with ourselves waits");
         self.outbox.push_back(Message::P2pWaits { peer: other, send, tag, seen, epoch, collectives });
     }
 
@@ -644,6 +646,7 @@ impl Peer {
         }
         self.call = Some((id, now + bound, Call::Registering { join: Some((group, data_addr)) }));
         self.progress(now);
+        assert!(self.busy() || self.gone().is_some() || self.has_action(), "connect neither runs nor ended");
         id
     }
 
@@ -661,6 +664,7 @@ impl Peer {
             return id;
         }
         (self.last_call, self.last_apart) = (None, false);
+        debug_assert!(self.queue.iter().all(|q| q.id < id), "call ids go forward");
         self.queue.push_back(Queued { id, kind, deadline: now + bound });
         self.progress(now);
         id
@@ -740,6 +744,7 @@ impl Peer {
         self.set_link(Link::Reconnecting { until, reason: reason.clone(), rejoined: false });
         self.interrupt_master_calls(&reason);
         self.progress(now);
+        assert!(self.reconnecting() == Some(until), "a broken connection is dialed again until {until:?}");
     }
 
     /// The call in progress that counts on what the master holds (a vote, a sync) ends: that is
@@ -765,6 +770,8 @@ impl Peer {
             let why = format!("the connection to the master broke during {name} ({reason}); call it again");
             self.finish(id, Err(CallError::Interrupted(why)));
         }
+        assert!(!self.in_vote(), "a vote outlives the connection it was cast on");
+        debug_assert!(!self.outbox.iter().any(|m| matches!(m, Message::SyncVote { .. })), "a vote waits to go out");
     }
 
     /// The master took us back after a broken connection: what awaited its answer asks again.
@@ -784,6 +791,7 @@ impl Peer {
                 _ => self.ask(op, "the master restarted", now),
             }
         }
+        assert!(self.reconnecting().is_none(), "rejoined, yet dialing the master again");
     }
 
     /// Time passed: heartbeats fall due, a silent master is lost, bounds end.
@@ -816,6 +824,12 @@ impl Peer {
             }
         }
         self.progress(now);
+        assert!(
+            self.gone().is_some()
+                || matches!(self.link, Link::Reconnecting { .. })
+                || now.saturating_duration_since(self.last_heard) <= self.config.heartbeat_timeout,
+            "a master silent past the heartbeat timeout is kept"
+        );
     }
 
     /// When [`Peer::handle_timeout`] is next due.
@@ -948,6 +962,7 @@ impl Peer {
             return;
         }
         *stage = SyncStage::Reported { round, revision };
+        debug_assert!(!self.outbox.iter().any(|m| matches!(m, Message::SyncDone { round: r } if *r == round)));
         self.outbox.push_back(match fetched {
             Ok(()) => Message::SyncDone { round },
             Err(reason) => Message::SyncFailed {
@@ -969,6 +984,7 @@ impl Peer {
             self.outbox.push_back(Message::Leave);
         }
         self.progress(now);
+        assert!(matches!(self.link, Link::Closed) && !self.busy(), "a closed peer keeps a call");
     }
 
     /// Moves to `next`, which must follow from where we stand: a lost master and a closed peer
@@ -1035,6 +1051,7 @@ impl Peer {
         log::warn!("{reason}");
         self.calling(self.view.started, kind.name());
         self.finish(id, Err(CallError::Misuse(reason)));
+        assert!(self.call.as_ref().is_none_or(|(c, ..)| *c != id), "{id:?} ended apart, yet runs");
         true
     }
 
@@ -1058,9 +1075,11 @@ impl Peer {
         if self.taken_up.as_ref().is_none_or(|p| p.epoch != *epoch) {
             debug_assert!(self.ops.is_empty(), "a topology is taken up between collectives");
             let position = self.view.position(*epoch, members);
+            assert!(self.taken_up.as_ref().is_none_or(|p| p.epoch < position.epoch), "a topology taken up goes back");
             self.taken_up = Some(position.clone());
             self.actions.push_back(Action::TakeUp(position));
         }
+        assert_eq!(self.taken_up.as_ref().map(|p| p.epoch), self.view.committed.as_ref().map(|(e, _)| *e));
     }
 
     /// The call itself, once this peer runs in the latest topology.
@@ -1102,8 +1121,10 @@ impl Peer {
             }
             CallKind::Collective(verb) => return self.start_collective(id, verb, deadline),
         };
+        assert!(self.call.as_ref().is_none_or(|(c, ..)| *c == id), "{id:?} votes while another call runs");
         self.call = Some((id, deadline, call));
         self.judge_waiters();
+        assert!(self.in_vote(), "{id:?} waits outside its vote");
     }
 
     /// Asks the driver to judge the members waiting on us against the call we are now in
@@ -1280,6 +1301,7 @@ impl Peer {
             }
             moved |= self.admit(now);
             if !moved {
+                debug_assert!(self.queue.iter().all(|q| now < q.deadline), "a queued call past its bound waits");
                 return;
             }
         }
@@ -1321,6 +1343,7 @@ impl Peer {
             let Queued { id, kind, deadline } = self.queue.pop_front().expect("a call waits");
             self.begin(id, kind, deadline);
         }
+        assert!(self.ops.len() <= self.config.max_in_flight.max(1), "more collectives in flight than allowed");
         ready
     }
 
@@ -1476,6 +1499,7 @@ impl Peer {
                     _ => return false,
                 };
                 self.report(op, failure, now);
+                assert!(!self.running(op), "{op} reported a failure and runs on");
                 true
             }
             OpStage::Lap => {
@@ -1510,6 +1534,7 @@ impl Peer {
 
     /// The master's verdict on collective `op`, which failed here with `failed_here`, if it did.
     fn verdict(&mut self, op: OpId, verdict: Verdict, failed_here: Option<OpFailure>) {
+        assert!(self.ops.contains_key(&op), "a verdict on {op}, which is not in flight");
         let result = match (verdict, failed_here) {
             // The master never commits a collective a participant failed; the local error stands.
             (Verdict::Committed, Some(failure)) => Err(CallError::Unconfirmed { op, failure }),
@@ -1520,6 +1545,7 @@ impl Peer {
             (Verdict::Aborted(failure), _) => Err(CallError::Aborted { op, failure }),
         };
         self.end_op(op, result);
+        assert!(!self.ops.contains_key(&op), "{op} outlives its verdict");
     }
 
     /// Ends the call that runs alone with a timeout once `deadline` passed; false (it waits)
@@ -1527,6 +1553,7 @@ impl Peer {
     fn timed_out(&mut self, id: CallId, deadline: Instant, now: Instant) -> bool {
         if now >= deadline {
             self.finish(id, Err(CallError::Timeout));
+            assert!(self.call.as_ref().is_none_or(|(c, ..)| *c != id), "{id:?} timed out, yet runs");
             return true;
         }
         false

@@ -511,6 +511,7 @@ impl PeerView {
         let seq = self.started;
         self.started += 1;
         self.called();
+        assert!(self.started > seq && self.settled_here.is_none(), "collective {seq} started twice");
         Ok((epoch, seq))
     }
 
@@ -528,6 +529,7 @@ impl PeerView {
         self.started += 1;
         self.failed_in = self.failed_in.max(Some(epoch));
         self.called();
+        assert!(self.failed_in >= Some(epoch), "a failure this peer took on is forgotten");
         Some(failed)
     }
 
@@ -551,6 +553,7 @@ impl PeerView {
                 self.sync_end = None;
             }
         }
+        assert!(self.missed.is_empty() && self.announced.is_none(), "a vote carries what an earlier call left");
         self.started
     }
 
@@ -566,6 +569,7 @@ impl PeerView {
             }
         }
         if let Some((e, m)) = self.issued.as_ref().filter(|(e, _)| Some(*e) != handled) {
+            debug_assert!(self.committed.as_ref().is_none_or(|(c, _)| c <= e), "{e:?} issued behind the commit");
             return Some(TopologyStep::Establish(*e, m.clone()));
         }
         match &self.committed {
@@ -605,6 +609,7 @@ impl PeerView {
         if !retry && here && !self.told {
             self.settled_here = Some(reason.to_string());
         }
+        assert!(self.announced.is_none(), "an ended vote is still announced");
     }
 
     /// Records how this peer's last call other than a collective ended: a failure remembers the
@@ -615,6 +620,7 @@ impl PeerView {
         } else if let Some((e, _)) = &self.committed {
             self.failed_in.get_or_insert(*e);
         }
+        assert!(ok || self.committed.is_none() || self.failed_in.is_some(), "a failed call is forgotten");
     }
 
     /// Records how a collective of `epoch` ended. Several run at once and end in any order, so
@@ -623,11 +629,18 @@ impl PeerView {
     /// ended in (a failure in topology 5, then one in 6 and a success in 6 leave the failure in 6
     /// standing: the ring re-forms after it).
     pub fn collective_ended(&mut self, epoch: Epoch, ok: bool) {
+        let before = self.failed_in;
         if !ok {
             self.failed_in = self.failed_in.max(Some(epoch));
         } else if self.failed_in.is_some_and(|failed| failed < epoch) {
             self.failed_in = None;
         }
+        // Order-free: a failure is forgotten only for a success in a later topology.
+        assert!(ok || self.failed_in >= Some(epoch), "a failure in {epoch:?} is not kept");
+        assert!(
+            !ok || self.failed_in.is_none_or(|f| f >= epoch && before == Some(f)),
+            "a success keeps an older failure"
+        );
     }
 
     /// Whether an `update_topology` called now must vote. Not after a failed call once the master
@@ -655,6 +668,7 @@ impl PeerView {
     /// sent no token of it, so nobody committed it, and the master may abort it for the members
     /// that wait for its verdict (they would otherwise wait out their bound).
     fn never_started(&mut self, epoch: Epoch, seq: u64) {
+        debug_assert!(self.never_starts(epoch, seq), "{seq} of {epoch:?} may yet start here");
         let me = self.registered.map_or(PeerId(0), |(me, _)| me);
         let reason = format!("{me} never started it: a newer topology was issued first");
         let failure = OpFailure::new(FailureKind::Superseded, me, reason);
@@ -676,6 +690,7 @@ impl PeerView {
         if self.committed_ops.len() > REMEMBERED_COMMITS {
             self.committed_ops.pop_first();
         }
+        assert!(self.committed_ops.len() <= REMEMBERED_COMMITS, "commits are remembered without a cap");
     }
 
     /// The next message to the master this view decided on (the answer to a query): the driver
@@ -695,6 +710,7 @@ impl PeerView {
         let group: GroupId = members.iter().find(|m| m.peer == me).expect("we are a member").group;
         let ring: Arc<[Member]> = members.iter().filter(|m| m.group == group).cloned().collect();
         let rank = ring.iter().position(|m| m.peer == me).expect("we are in our group's ring");
+        assert!(ring.len() <= members.len() && ring[rank].peer == me, "our rank names another member");
         RingPosition { epoch, rank, ring, world_size: members.len(), limits: self.limits.get(&epoch).copied() }
     }
 }
