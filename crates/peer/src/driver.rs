@@ -290,91 +290,38 @@ impl Driver {
     ) {
         let entered = Instant::now();
         let mut idle_since: Option<Instant> = None;
+        // A caller that wants the data plane takes it from the progress thread.
+        let wanted = || call.is_none() && self.progress.waiters.load(Ordering::SeqCst) > 0;
         loop {
-            let ended = |data: &DataPlane, call: CallId| {
-                data.calls.ended.contains_key(&call) || data.calls.finished.contains_key(&call)
-            };
-            if call.is_some_and(|call| ended(data, call)) {
+            if call.is_some_and(|call| data.calls.ended_or_finished(call)) {
                 return;
             }
-            let in_flight = data.exec.as_ref().is_some_and(|e| e.in_flight() > 0);
-            // Nothing in the engine: sleep until the state machine has something (a verdict,
-            // a topology), within `until`; a call without a bound of its own ends within the
-            // state machine's.
-            let action = match (in_flight, call, until) {
-                (true, ..) => control.poll_action(),
-                (false, Some(_), None) => Some(control.next_action()),
-                (false, _, until) => {
-                    let wanted = || call.is_none() && self.progress.waiters.load(Ordering::SeqCst) > 0;
-                    control.wait_action(until.unwrap_or_else(Instant::now), wanted)
-                }
-            };
-            if let Some(action) = action {
+            if let Some(action) = self.next_action(control, data, call, until) {
                 idle_since = None;
-                match action {
-                    Action::Done { call: ended, result } => self.ended(control, data, ended, result),
-                    Action::Establish { position, deadline } => {
-                        let deadline = Deadline::until(deadline, self.config.timeout);
-                        let outcome =
-                            listener.establish(&mut data.staged, control, &position, &self.config, deadline, operation);
-                        if outcome == Established::Ready {
-                            failpoint(if operation == "connect" {
-                                "connect.before_ready"
-                            } else {
-                                "update_topology.before_ready"
-                            });
-                        }
-                        control.own_input(|p, now| p.handle_established(position.epoch, outcome, now));
-                    }
-                    Action::TakeUp(position) => take_up(data, &position),
-                    Action::RunCollective { call: c, op, position, .. } => {
-                        self.post(control, listener, data, c, op, &position)
-                    }
-                    Action::MemberWaits(_) => self.judge_waiters(control, data, call),
-                    Action::P2pApart { peer, reason } => crate::plane::p2p_apart(data, peer, reason),
-                    action => {
-                        if let Some(result) = own(data, action) {
-                            let call = call.expect("only a call's own driver is asked for its actions");
-                            data.calls.ended.insert(call, result);
-                        }
-                    }
-                }
+                self.dispatch(control, listener, data, call, operation, &mut own, action);
                 continue;
             }
             if data.exec.as_ref().is_some_and(|e| e.awaiting()) {
                 self.link(listener, data);
             }
-            let Some(exec) = data.exec.as_mut().filter(|e| e.in_flight() > 0) else {
+            if !data.in_flight() {
                 let waited_out = until.is_none_or(|u| Instant::now() >= u);
                 let wanted = self.progress.waiters.load(Ordering::SeqCst) > 0;
                 if (call.is_none() && (waited_out || wanted)) || (call.is_some() && until.is_some() && waited_out) {
                     return;
                 }
                 continue;
-            };
-            let moved = exec.pump(Instant::now()) == Pumped::Progress;
-            let events = exec.events();
-            let transfers = exec.transfer_events();
-            let news = !events.is_empty() || !transfers.is_empty();
-            crate::plane::engine_ended(data, transfers);
-            if !events.is_empty() {
-                self.report(control, data, events);
-                self.take_stopped(control, data);
             }
-            if moved || news {
+            if self.pump(control, data) {
                 idle_since = None;
                 continue;
             }
-            if call.is_none() && self.progress.waiters.load(Ordering::SeqCst) > 0 {
+            if wanted() || until.is_some_and(|u| Instant::now() >= u) {
                 return;
             }
-            if until.is_some_and(|u| Instant::now() >= u) {
-                return;
-            }
-            let exec = data.exec.as_mut().expect("in flight");
             // Nothing to do until the network delivers: save ahead what the collectives will
             // overwrite, so that on a real network the backups cost no time at all.
-            if exec.save_ahead() {
+            if data.exec.as_mut().expect("in flight").save_ahead() {
                 continue;
             }
             let now = Instant::now();
@@ -390,59 +337,154 @@ impl Driver {
             // About to sleep. A wake-up from here on (an action, a caller that wants the data
             // plane) interrupts the poll below: what came before is seen by the checks that follow.
             control.waker.drain();
-            if call.is_none() && self.progress.waiters.load(Ordering::SeqCst) > 0 {
+            if wanted() {
                 return;
             }
-            if data.exec.as_ref().is_some_and(|e| e.awaiting()) {
-                listener.arrived().drain();
-                self.link(listener, data);
+            if self.before_sleep(control, listener, data, call, entered) {
+                continue;
             }
-            // Whatever stops a collective short of the master's decision (the removal of a member
-            // it moves data with, a vote it can never complete against) stops it now.
-            let waits_on = |seq: u64| match (data.exec.as_ref(), data.position.as_ref()) {
-                (Some(exec), Some(position)) => exec.waits_on(seq).into_iter().map(|r| position.ring[r].peer).collect(),
-                _ => Vec::new(),
-            };
-            let stalled: Vec<(OpId, Vec<PeerId>)> = data.calls.posted().map(|(seq, id)| (id, waits_on(seq))).collect();
-            control.own_input(|p, now| {
-                for (id, waits_on) in stalled {
-                    p.handle_collective(id, OpProgress::Stalled { waits_on }, now);
+            self.sleep(control, listener, data, until);
+        }
+    }
+
+    /// The state machine's next action: at once while collectives are in flight; otherwise
+    /// waiting for one (within `until`, or the state machine's own bound for a call).
+    fn next_action(
+        &self,
+        control: &Control,
+        data: &DataPlane,
+        call: Option<CallId>,
+        until: Option<Instant>,
+    ) -> Option<Action> {
+        match (data.in_flight(), call, until) {
+            (true, ..) => control.poll_action(),
+            (false, Some(_), None) => Some(control.next_action()),
+            (false, _, until) => {
+                let wanted = || call.is_none() && self.progress.waiters.load(Ordering::SeqCst) > 0;
+                control.wait_action(until.unwrap_or_else(Instant::now), wanted)
+            }
+        }
+    }
+
+    /// Carries out one action of the state machine's, for `call` (run by `operation`); hands
+    /// what only that call does to `own`.
+    #[allow(clippy::too_many_arguments)]
+    fn dispatch(
+        &self,
+        control: &Control,
+        listener: &Listener,
+        data: &mut DataPlane,
+        call: Option<CallId>,
+        operation: &'static str,
+        own: &mut impl FnMut(&mut DataPlane, Action) -> Option<CallResult>,
+        action: Action,
+    ) {
+        match action {
+            Action::Done { call: ended, result } => self.ended(control, data, ended, result),
+            Action::Establish { position, deadline } => {
+                let deadline = Deadline::until(deadline, self.config.timeout);
+                let outcome =
+                    listener.establish(&mut data.staged, control, &position, &self.config, deadline, operation);
+                if outcome == Established::Ready {
+                    failpoint(if operation == "connect" {
+                        "connect.before_ready"
+                    } else {
+                        "update_topology.before_ready"
+                    });
                 }
-            });
+                control.own_input(|p, now| p.handle_established(position.epoch, outcome, now));
+            }
+            Action::TakeUp(position) => take_up(data, &position),
+            Action::RunCollective { call: c, op, position, .. } => self.post(control, listener, data, c, op, &position),
+            Action::MemberWaits(_) => self.judge_waiters(control, data, call),
+            Action::P2pApart { peer, reason } => crate::plane::p2p_apart(data, peer, reason),
+            action => {
+                if let Some(result) = own(data, action) {
+                    let call = call.expect("only a call's own driver is asked for its actions");
+                    data.calls.ended.insert(call, result);
+                }
+            }
+        }
+    }
+
+    /// Moves what the engine can move now and reports what it did; whether anything happened.
+    fn pump(&self, control: &Control, data: &mut DataPlane) -> bool {
+        let exec = data.exec.as_mut().expect("in flight");
+        let moved = exec.pump(Instant::now()) == Pumped::Progress;
+        let events = exec.events();
+        let transfers = exec.transfer_events();
+        let news = !events.is_empty() || !transfers.is_empty();
+        crate::plane::engine_ended(data, transfers);
+        if !events.is_empty() {
+            self.report(control, data, events);
             self.take_stopped(control, data);
-            if !data.calls.transfers.is_empty() {
-                crate::plane::stop_stalled(&mut control.lock(), data, self.config.timeout);
+        }
+        moved || news
+    }
+
+    /// What must happen before the driver sleeps, as nothing moves: links taken, collectives
+    /// and transfers stopped that can no longer complete, a long wait announced. Whether that
+    /// left something to do at once.
+    fn before_sleep(
+        &self,
+        control: &Control,
+        listener: &Listener,
+        data: &mut DataPlane,
+        call: Option<CallId>,
+        entered: Instant,
+    ) -> bool {
+        if data.exec.as_ref().is_some_and(|e| e.awaiting()) {
+            listener.arrived().drain();
+            self.link(listener, data);
+        }
+        // Whatever stops a collective short of the master's decision (the removal of a member
+        // it moves data with, a vote it can never complete against) stops it now.
+        let waits_on = |seq: u64| match (data.exec.as_ref(), data.position.as_ref()) {
+            (Some(exec), Some(position)) => exec.waits_on(seq).into_iter().map(|r| position.ring[r].peer).collect(),
+            _ => Vec::new(),
+        };
+        let stalled: Vec<(OpId, Vec<PeerId>)> = data.calls.posted().map(|(seq, id)| (id, waits_on(seq))).collect();
+        control.own_input(|p, now| {
+            for (id, waits_on) in stalled {
+                p.handle_collective(id, OpProgress::Stalled { waits_on }, now);
             }
-            if let Some(call) = call.filter(|_| data.announced.is_none() && entered.elapsed() >= P2P_PATIENCE) {
-                announce_wait(control, data, call);
-            }
-            if control.lock().has_action() || call.is_some_and(|call| ended(data, call)) {
-                continue;
-            }
-            let Some(exec) = data.exec.as_mut().filter(|e| e.in_flight() > 0) else { continue };
-            if !exec.arm() {
-                continue;
-            }
-            let mut fds: Vec<PollFd> = Vec::new();
-            for (lane, read, write) in exec.interest() {
-                let mut fd = PollFd::from_raw(lane.pollable().expect("TCP and shared-memory lanes poll"));
-                (fd.want_read, fd.want_write) = lane.poll_events(read, write);
-                fds.push(fd);
-            }
-            let mut wake = PollFd::new(control.waker.fd());
-            wake.want_read = true;
-            fds.push(wake);
-            // Waiting for a member to link to us: its pool's arrival wakes us.
-            if exec.awaiting() {
-                let mut arrived = PollFd::new(listener.arrived().fd());
-                arrived.want_read = true;
-                fds.push(arrived);
-            }
-            let slice = until.map_or(POLL_SLICE, |u| u.saturating_duration_since(Instant::now()).min(POLL_SLICE));
-            let slice = exec.held_until().map_or(slice, |h| h.saturating_duration_since(Instant::now()).min(slice));
-            if let Err(e) = shoal_transport::poll(&mut fds, slice) {
-                log::warn!("poll over the data streams: {e}");
-            }
+        });
+        self.take_stopped(control, data);
+        if !data.calls.transfers.is_empty() {
+            crate::plane::stop_stalled(&mut control.lock(), data, self.config.timeout);
+        }
+        if let Some(call) = call.filter(|_| data.announced.is_none() && entered.elapsed() >= P2P_PATIENCE) {
+            announce_wait(control, data, call);
+        }
+        control.lock().has_action() || call.is_some_and(|call| data.calls.ended_or_finished(call)) || !data.in_flight()
+    }
+
+    /// Sleeps until a lane in flight can move, an action or a caller wakes us, a member links
+    /// to us, or the slice (within `until`, and an early frame's grace) ends.
+    fn sleep(&self, control: &Control, listener: &Listener, data: &mut DataPlane, until: Option<Instant>) {
+        let exec = data.exec.as_mut().expect("in flight");
+        if !exec.arm() {
+            return;
+        }
+        let mut fds: Vec<PollFd> = Vec::new();
+        for (lane, read, write) in exec.interest() {
+            let mut fd = PollFd::from_raw(lane.pollable().expect("TCP and shared-memory lanes poll"));
+            (fd.want_read, fd.want_write) = lane.poll_events(read, write);
+            fds.push(fd);
+        }
+        let mut wake = PollFd::new(control.waker.fd());
+        wake.want_read = true;
+        fds.push(wake);
+        // Waiting for a member to link to us: its pool's arrival wakes us.
+        if exec.awaiting() {
+            let mut arrived = PollFd::new(listener.arrived().fd());
+            arrived.want_read = true;
+            fds.push(arrived);
+        }
+        let slice = until.map_or(POLL_SLICE, |u| u.saturating_duration_since(Instant::now()).min(POLL_SLICE));
+        let slice = exec.held_until().map_or(slice, |h| h.saturating_duration_since(Instant::now()).min(slice));
+        if let Err(e) = shoal_transport::poll(&mut fds, slice) {
+            log::warn!("poll over the data streams: {e}");
         }
     }
 

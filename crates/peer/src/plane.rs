@@ -232,6 +232,11 @@ impl Calls {
             }
     }
 
+    /// Whether call `call` ended, and its caller has not taken its result yet.
+    pub fn ended_or_finished(&self, call: CallId) -> bool {
+        self.ended.contains_key(&call) || self.finished.contains_key(&call)
+    }
+
     /// Whether a collective or transfer is in flight.
     pub fn busy(&self) -> bool {
         !self.collectives.is_empty() || !self.transfers.is_empty()
@@ -269,6 +274,11 @@ pub(crate) struct DataPlane {
 }
 
 impl DataPlane {
+    /// Whether the engine in force has collectives or transfers in flight.
+    pub fn in_flight(&self) -> bool {
+        self.exec.as_ref().is_some_and(|e| e.in_flight() > 0)
+    }
+
     /// Our links in the topology in force, by rank.
     pub fn links(&self) -> Vec<crate::LinkInfo> {
         let (Some(exec), Some(position)) = (self.exec.as_ref(), self.position.as_ref()) else { return Vec::new() };
