@@ -14,7 +14,7 @@ use shoal_wire::{
 };
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::io::{Read, Write};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -54,6 +54,25 @@ pub(crate) struct FetchConn {
     pub stream: Conn,
     pub asker: Asker,
     pub first: FetchReq,
+    /// Counts it among the fetch connections the listener holds, until it is dropped.
+    pub held: Held,
+}
+
+/// One of at most a number of things held at once, counted until it is dropped.
+pub(crate) struct Held(Arc<AtomicUsize>);
+
+impl Held {
+    /// One more of what `count` counts, if fewer than `cap` are held.
+    pub fn take(count: &Arc<AtomicUsize>, cap: usize) -> Option<Held> {
+        let taken = count.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < cap).then_some(n + 1)).is_ok();
+        taken.then(|| Held(Arc::clone(count)))
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// Why a message on a fetch connection is not served.
@@ -316,7 +335,7 @@ pub(crate) enum ServeFailed {
 /// silent for `io_timeout`, sends anything but its own tagged request, or `stop` is set; at most
 /// at `rate`.
 pub(crate) fn serve<T: AsRef<[u8]>>(
-    FetchConn { mut stream, asker, first }: FetchConn,
+    FetchConn { mut stream, asker, first, held: _held }: FetchConn,
     round: u64,
     views: &[T],
     served: &Served<'_>,

@@ -19,7 +19,7 @@
 use crate::config::CommunicatorConfig;
 use crate::control::{Control, Waker};
 use crate::error::{Error, Result};
-use crate::fetch::{Asker, FetchConn};
+use crate::fetch::{Asker, FetchConn, Held};
 use crate::Deadline;
 use shoal_proto::auth::DataKey;
 use shoal_proto::peer::{Established, RingPosition};
@@ -32,7 +32,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -48,6 +48,9 @@ const MAX_GREETINGS: usize = 1024;
 const MAX_GREETINGS_PER_SOURCE: usize = 512;
 /// The largest hello (`PeerHello` or `FetchRequest`) an accepted stream may announce.
 const MAX_HELLO_BODY: u32 = 1 << 10;
+/// Fetch connections held at once (served on a thread each, or waiting for the sync in
+/// progress): a newcomer dials a few per donor; past it, another is refused.
+pub(crate) const MAX_FETCHES: usize = 256;
 /// How long one dial may take before the successor is reported unreachable.
 const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
 /// The most a dialed stream holds written but unsent: the engine gives a pool's streams data
@@ -88,6 +91,8 @@ pub(crate) struct Listener {
 struct Arrivals {
     streams: Mutex<BTreeMap<PeerId, Pool>>,
     fetches: Mutex<std::collections::VecDeque<crate::fetch::FetchConn>>,
+    /// Fetch connections held, served or waiting: at most [`MAX_FETCHES`].
+    fetching: Arc<AtomicUsize>,
     /// The copy of the shared state kept for newcomers, served to each on a thread of its own.
     snapshots: Arc<crate::fetch::Snapshots>,
     /// Connections refused at their greeting (strangers, forgeries, stale pools), and what of
@@ -144,6 +149,7 @@ impl Listener {
         let arrivals = Arrivals {
             streams: Mutex::default(),
             fetches: Mutex::default(),
+            fetching: Arc::default(),
             snapshots,
             refused: AtomicU64::new(0),
             refusals: Mutex::default(),
@@ -648,9 +654,11 @@ fn take_greeting(id: &Identity, arrivals: &Arc<Arrivals>, greeted: Greeted<()>) 
     let Greeted { conn: stream, session, message, .. } = greeted;
     if let Message::FetchRequest { .. } = message {
         let (asker, first) = Asker::first(id.me, id.session, &id.key, session, &message).map_err(|e| e.to_string())?;
+        let held = Held::take(&arrivals.fetching, MAX_FETCHES)
+            .ok_or_else(|| format!("a fetch from {}: {MAX_FETCHES} fetch connections are held already", first.from))?;
         let arrivals = Arc::clone(arrivals);
         let spawned = thread::Builder::new().name("shoal-fetch-serve".into()).spawn(move || {
-            let Some(fetch) = arrivals.snapshots.serve(FetchConn { stream, asker, first }) else { return };
+            let Some(fetch) = arrivals.snapshots.serve(FetchConn { stream, asker, first, held }) else { return };
             arrivals.fetches.lock().unwrap_or_else(PoisonError::into_inner).push_back(fetch);
             arrivals.changed.notify_all();
         });
@@ -872,6 +880,44 @@ mod tests {
         assert!(!refused(&listener, session, &hello(&KEY, session, PeerId(2), me)), "the honest hello");
         await_refused(&listener, 2, "refusals are counted");
         assert_eq!(listener.arrivals.streams.lock().unwrap().get(&PeerId(2)).map(|p| p.streams.len()), Some(1));
+    }
+
+    /// A member holds at most [`MAX_FETCHES`] fetch connections (each served on a thread, or
+    /// waiting for the sync): one more, even from a member with the run's key, is refused,
+    /// logged and counted, and one taken and done with frees its place.
+    #[test]
+    fn fetch_connections_held_at_once_are_capped() {
+        let listener = plain_listener();
+        let (me, session) = (PeerId(1), SessionId(5));
+        listener.set_identity(me, session, KEY, "127.0.0.1:1");
+        let fetch = |from: PeerId| Message::FetchRequest {
+            from,
+            to: me,
+            round: 1,
+            index: 0,
+            offset: 0,
+            len: 8,
+            mac: KEY.fetch(session, from, me, 1, 0, 0, 8),
+        };
+        let addr = format!("127.0.0.1:{}", listener.port);
+        let held: Vec<Conn> = (0..MAX_FETCHES)
+            .map(|_| {
+                let mut s = Conn::dial(&addr, Duration::from_secs(1), None).unwrap();
+                write_message(&mut s, session, &fetch(PeerId(2))).unwrap();
+                s
+            })
+            .collect();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while listener.arrivals.fetching.load(Ordering::Acquire) < MAX_FETCHES {
+            assert!(Instant::now() < deadline, "the fetches within the cap were not all taken");
+            thread::sleep(Duration::from_millis(5));
+        }
+        assert!(refused(&listener, session, &fetch(PeerId(3))), "a fetch past the cap was kept");
+        await_refused(&listener, 1, "the refusal is counted");
+        drop(listener.take_fetch(Duration::from_millis(50)).expect("a fetch waits for the sync"));
+        assert!(!refused(&listener, session, &fetch(PeerId(3))), "a fetch once one was done with");
+        assert_eq!(listener.arrivals.fetching.load(Ordering::Acquire), MAX_FETCHES);
+        drop(held);
     }
 
     /// Every request on a fetch connection is checked, not only its first (later ones were served
