@@ -227,7 +227,7 @@ pub struct Scripted {
     pub peer: usize,
     /// Its call.
     pub call: Call,
-    /// When it made the call, and when the call ended.
+    /// When it made the call.
     pub made: Duration,
     /// When the call ended.
     pub ended: Duration,

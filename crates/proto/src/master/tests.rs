@@ -780,17 +780,24 @@ fn a_newcomers_first_peers_pending_joins_the_others_or_is_answered_after_an_inte
     assert!(matches!(sent_to(&out, 3)[..], [Message::VoteOpened { .. }]), "{out:?}");
 }
 
+/// A run of three whose newcomer (peer 3) asked `peers_pending` first and was answered `false`
+/// a heartbeat interval later: sent on to the others' call.
+fn sent_on_newcomer() -> Harness {
+    let (mut h, _) = run_with(3);
+    h.send(3, Message::VotePeersPending { collectives: 0 });
+    h.now = h.master.poll_timeout().unwrap();
+    h.master.handle_timeout(h.now);
+    h.drain();
+    h
+}
+
 /// PCCL's loop with a newcomer and a failure: the newcomer is sent on to the sync, but the others'
 /// iteration failed and they start again at peers_pending, which it never saw. Its sync is
 /// withdrawn retryably (its loop goes back to the top), and their vote counts: nobody gets a
 /// usage error.
 #[test]
 fn a_newcomer_sent_on_to_a_call_the_others_left_tries_again() {
-    let (mut h, _) = run_with(3);
-    h.send(3, Message::VotePeersPending { collectives: 0 });
-    h.now = h.master.poll_timeout().unwrap();
-    h.master.handle_timeout(h.now);
-    h.drain();
+    let mut h = sent_on_newcomer();
     vote(&mut h, 3, 0, Strategy::EnforcePopular, &[1]);
     let out = h.send(1, Message::VotePeersPending { collectives: 0 });
     assert!(sent_to(&out, 3).iter().any(|m| matches!(m, Message::SyncAborted { retryable: true, .. })), "{out:?}");
@@ -808,11 +815,7 @@ fn a_newcomer_sent_on_to_a_call_the_others_left_tries_again() {
 /// that just voted for its own abort, and that member voted twice in one call.
 #[test]
 fn a_newcomer_that_met_the_others_gets_no_retry_for_a_later_conflict() {
-    let (mut h, _) = run_with(3);
-    h.send(3, Message::VotePeersPending { collectives: 0 });
-    h.now = h.master.poll_timeout().unwrap();
-    h.master.handle_timeout(h.now);
-    h.drain();
+    let mut h = sent_on_newcomer();
     for c in 1..=3 {
         let out = vote(&mut h, c, 0, Strategy::EnforcePopular, &[1]);
         assert_eq!(c == 3, plan(&out, 1).is_some(), "the sync passes with the last vote: {out:?}");
@@ -828,11 +831,7 @@ fn a_newcomer_that_met_the_others_gets_no_retry_for_a_later_conflict() {
 /// it may be voting itself, its vote crossing the message, and would vote twice in one call.
 #[test]
 fn a_vote_its_voters_cast_again_is_withdrawn_from_them_alone() {
-    let (mut h, _) = run_with(3);
-    h.send(3, Message::VotePeersPending { collectives: 0 });
-    h.now = h.master.poll_timeout().unwrap();
-    h.master.handle_timeout(h.now);
-    h.drain();
+    let mut h = sent_on_newcomer();
     h.send(3, Message::VoteUpdateTopology { collectives: 0, measured: None });
     let out = h.send(1, Message::VotePeersPending { collectives: 0 });
     assert!(sent_to(&out, 3).iter().any(|m| matches!(m, Message::TopologyVoteAborted { retry: true, .. })), "{out:?}");
