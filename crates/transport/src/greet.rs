@@ -213,6 +213,7 @@ pub fn greet_until<L: Listening, G: Greet<ConnOf<L>>>(
     listener.listen_nonblocking()?;
     let mut greetings: Vec<Greeting<G::Token, L::Handshake>> = Vec::new();
     let mut paused_until: Option<Instant> = None;
+    let mut starved = Starved::default();
     while !stop.load(Ordering::Relaxed) {
         let now = Instant::now();
         let accepting = paused_until.is_none_or(|t| now >= t);
@@ -242,6 +243,18 @@ pub fn greet_until<L: Listening, G: Greet<ConnOf<L>>>(
         let mut fresh = Vec::new();
         if fds.last().is_some_and(|l| l.readable) {
             paused_until = accept(listener, tls, gate, limits, greet, &mut fresh);
+            match starved.note(paused_until.is_some(), Instant::now()) {
+                Some(Starving::Began) => {
+                    log::warn!(
+                        "out of file descriptors: not accepting, {EMFILE_PAUSE:?} at a time, until some are free"
+                    )
+                }
+                Some(Starving::Ended { pauses, lasted }) => log::info!(
+                    "accepting again after {pauses} pauses for want of file descriptors ({:.1} s)",
+                    lasted.as_secs_f64()
+                ),
+                None => {}
+            }
         }
         // A new connection's handshake starts at once: without TLS, it opens (a master then
         // speaks first).
@@ -259,6 +272,43 @@ pub fn greet_until<L: Listening, G: Greet<ConnOf<L>>>(
     Ok(())
 }
 
+/// A run of accepts paused for want of descriptors: its start and its end are logged, not every
+/// pause (ten a second while it lasts).
+#[derive(Debug, Default)]
+struct Starved {
+    pauses: u64,
+    since: Option<Instant>,
+}
+
+/// What to log of a run of pauses.
+#[derive(Debug, PartialEq)]
+enum Starving {
+    Began,
+    Ended { pauses: u64, lasted: Duration },
+}
+
+impl Starved {
+    /// The last accept at `now` paused for want of descriptors (`paused`), or did not.
+    fn note(&mut self, paused: bool, now: Instant) -> Option<Starving> {
+        match (paused, self.since) {
+            (true, None) => {
+                (self.since, self.pauses) = (Some(now), 1);
+                Some(Starving::Began)
+            }
+            (true, Some(_)) => {
+                self.pauses += 1;
+                None
+            }
+            (false, Some(since)) => {
+                let pauses = std::mem::take(&mut self.pauses);
+                self.since = None;
+                Some(Starving::Ended { pauses, lasted: now.saturating_duration_since(since) })
+            }
+            (false, None) => None,
+        }
+    }
+}
+
 /// Takes what waits in the listener's queue; when out of descriptors, until when to pause.
 fn accept<L: Listening, G: Greet<ConnOf<L>>>(
     listener: &L,
@@ -273,7 +323,6 @@ fn accept<L: Listening, G: Greet<ConnOf<L>>>(
             Ok(accepted) => accepted,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => return None,
             Err(e) if e.raw_os_error() == Some(libc::EMFILE) || e.raw_os_error() == Some(libc::ENFILE) => {
-                log::warn!("out of file descriptors: not accepting for {EMFILE_PAUSE:?}");
                 return Some(Instant::now() + EMFILE_PAUSE);
             }
             // Reset before we took it, say: the next one.
@@ -443,6 +492,22 @@ mod tests {
     use super::*;
     use crate::{connect, write_message};
     use std::io::Write;
+
+    /// Out of descriptors, accepting pauses ten times a second: the log says when that began and
+    /// when it ended, not every pause.
+    #[test]
+    fn a_run_of_pauses_for_descriptors_is_logged_at_its_start_and_end() {
+        let (mut starved, t0) = (Starved::default(), Instant::now());
+        assert_eq!(starved.note(false, t0), None);
+        assert_eq!(starved.note(true, t0), Some(Starving::Began));
+        for k in 1..50 {
+            assert_eq!(starved.note(true, t0 + EMFILE_PAUSE * k), None, "pause {k} logged");
+        }
+        let lasted = EMFILE_PAUSE * 50;
+        assert_eq!(starved.note(false, t0 + lasted), Some(Starving::Ended { pauses: 50, lasted }));
+        assert_eq!(starved.note(false, t0 + lasted), None);
+        assert_eq!(starved.note(true, t0 + lasted), Some(Starving::Began), "a new run is logged again");
+    }
     use std::sync::mpsc::{self, Receiver, Sender};
     use std::thread;
 
