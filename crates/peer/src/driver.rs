@@ -291,7 +291,7 @@ impl Driver {
         let entered = Instant::now();
         let mut idle_since: Option<Instant> = None;
         // A caller that wants the data plane takes it from the progress thread.
-        let wanted = || call.is_none() && self.progress.waiters.load(Ordering::SeqCst) > 0;
+        let wanted = || call.is_none() && self.caller_waits();
         loop {
             if call.is_some_and(|call| data.calls.ended_or_finished(call)) {
                 return;
@@ -306,8 +306,9 @@ impl Driver {
             }
             if !data.in_flight() {
                 let waited_out = until.is_none_or(|u| Instant::now() >= u);
-                let wanted = self.progress.waiters.load(Ordering::SeqCst) > 0;
-                if (call.is_none() && (waited_out || wanted)) || (call.is_some() && until.is_some() && waited_out) {
+                if (call.is_none() && (waited_out || self.caller_waits()))
+                    || (call.is_some() && until.is_some() && waited_out)
+                {
                     return;
                 }
                 continue;
@@ -347,6 +348,12 @@ impl Driver {
         }
     }
 
+    /// Whether a caller waits for the data plane (the progress thread, which drives without a
+    /// call of its own, lets go of it then).
+    fn caller_waits(&self) -> bool {
+        self.progress.waiters.load(Ordering::SeqCst) > 0
+    }
+
     /// The state machine's next action: at once while collectives are in flight; otherwise
     /// waiting for one (within `until`, or the state machine's own bound for a call).
     fn next_action(
@@ -360,8 +367,7 @@ impl Driver {
             (true, ..) => control.poll_action(),
             (false, Some(_), None) => Some(control.next_action()),
             (false, _, until) => {
-                let wanted = || call.is_none() && self.progress.waiters.load(Ordering::SeqCst) > 0;
-                control.wait_action(until.unwrap_or_else(Instant::now), wanted)
+                control.wait_action(until.unwrap_or_else(Instant::now), || call.is_none() && self.caller_waits())
             }
         }
     }

@@ -492,6 +492,8 @@ mod tests {
     use super::*;
     use crate::{connect, write_message};
     use std::io::Write;
+    use std::sync::mpsc::{self, Receiver, Sender};
+    use std::thread;
 
     /// Out of descriptors, accepting pauses ten times a second: the log says when that began and
     /// when it ended, not every pause.
@@ -508,8 +510,6 @@ mod tests {
         assert_eq!(starved.note(false, t0 + lasted), None);
         assert_eq!(starved.note(true, t0 + lasted), Some(Starving::Began), "a new run is logged again");
     }
-    use std::sync::mpsc::{self, Receiver, Sender};
-    use std::thread;
 
     enum Event {
         Opened,
