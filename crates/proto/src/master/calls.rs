@@ -24,9 +24,10 @@
 //! `update_topology`, peer 1 `sync_shared_state` (both end with a usage error), then peer 2 calls
 //! `sync_shared_state` too. Its vote waits for peers that are in no call, and would wait for its
 //! whole bound. So the master remembers each member's last vote and whether it ended as a
-//! mismatch ([`LastVote`]); a member that has no such vote of its own and votes another call at the
-//! same point (the same topology, as many collectives started) can never meet it, and ends at once
-//! too. A member whose own vote ended that way is not held to it: its next call is its own choice.
+//! mismatch ([`LastVote`]); a member that has no such vote of its own and votes at the same point
+//! (the same topology, as many collectives started) can never meet it, and ends at once too: in
+//! another call, or in the same one where a third member's transfer or collective ended it. A
+//! member whose own vote ended that way is not held to it: its next call is its own choice.
 
 use super::{heartbeat_interval, Master, Phase, Timer};
 use shoal_wire::{Epoch, GroupId, Message, PeerId, Vote};
@@ -249,21 +250,21 @@ impl Master {
         }
     }
 
-    /// Another member of `peer`'s group whose vote at the point `at` (of `peer`'s vote) was
-    /// another call and ended as a mismatch: (that call, the members that made it).
+    /// Other members of `peer`'s group whose vote at the point `at` (of `peer`'s vote) ended as a
+    /// mismatch: (their call, the members that made it). Another call than `peer`'s names the
+    /// mismatch best; failing one, the same call, whose ballot ended there (a transfer or a
+    /// collective of a third member's could never meet it): its voters are in no call now.
     fn mismatch_at(&self, peer: PeerId, at: LastVote) -> Option<(Vote, BTreeSet<PeerId>)> {
         let group = self.peers[&peer].group;
-        let apart = |e: &super::PeerEntry| {
-            e.last_vote.filter(|l| {
-                l.mismatched
-                    && e.group == group
-                    && (l.epoch, l.collectives) == (at.epoch, at.collectives)
-                    && l.vote != at.vote
+        let apart = || {
+            self.peers.iter().filter(|(p, _)| **p != peer).filter_map(move |(p, e)| {
+                let l = e.last_vote?;
+                let here = l.mismatched && e.group == group && (l.epoch, l.collectives) == (at.epoch, at.collectives);
+                here.then_some((*p, l.vote))
             })
         };
-        let other = self.peers.iter().filter(|(p, _)| **p != peer).find_map(|(_, e)| apart(e))?.vote;
-        let voters: BTreeSet<PeerId> =
-            self.peers.iter().filter(|(_, e)| apart(e).is_some_and(|l| l.vote == other)).map(|(p, _)| *p).collect();
+        let other = apart().map(|(_, v)| v).find(|v| *v != at.vote).or_else(|| apart().next().map(|(_, v)| v))?;
+        let voters: BTreeSet<PeerId> = apart().filter(|(_, v)| *v == other).map(|(p, _)| p).collect();
         assert!(!voters.is_empty() && !voters.contains(&peer), "a mismatch names others' calls");
         Some((other, voters))
     }

@@ -37,8 +37,8 @@ impl Master {
         assert!(!self.p2p_waits.contains_key(&waiter), "a wait outlives its end");
     }
 
-    /// `member`'s call can never let `waiter`'s transfer complete: the waiter's call ends with
-    /// `reason`, and so does every vote of the member's group (the member's own among them).
+    /// `member`'s call can never let `waiter`'s transfer complete: every vote of the member's
+    /// group ends with `reason` (the member's own among them), and then the waiter's call.
     pub(super) fn p2p_apart(&mut self, member: PeerId, waiter: PeerId, reason: String) {
         if self.p2p_waits.get(&waiter) != Some(&member) {
             return; // The wait ended meanwhile, or was never with this member.
@@ -46,9 +46,11 @@ impl Master {
         self.p2p_waits.remove(&waiter);
         let reason = truncate(reason, MAX_STRING_BYTES);
         log::warn!("{reason}");
-        self.send_to_peer(waiter, Message::P2pApart { peer: member, reason: reason.clone() });
+        // The votes first: the waiter, told of them as every member, must not find one still
+        // open when its next call starts, which it may as soon as its transfer ends.
         let group = self.peers[&member].group;
         self.abandon_votes(group, &reason);
+        self.send_to_peer(waiter, Message::P2pApart { peer: member, reason });
         assert!(!self.p2p_waits.contains_key(&waiter), "a wait outlives its end");
     }
 

@@ -674,6 +674,31 @@ fn a_vote_at_the_point_of_a_settled_mismatch_ends_at_once() {
     assert!(sent_to(&out, 3).contains(&&Message::PeersPendingResult { pending: false }), "{out:?}");
 }
 
+/// Peer 0 waits in a transfer with peer 2, which calls peers_pending and answers that its call
+/// never lets the transfer complete: peer 2's vote ends. Peer 1 then votes peers_pending at the same
+/// point (its vote crossed the abort every member hears, which it took for its own end): the same
+/// call, yet one that can never pass, with peers 0 and 2 in no call. It is refused, never cast nor
+/// announced; a member that runs the next collective would take an announcement for a vote that
+/// blocks it (the simulator's scripted `p2p` against `peers_pending`, seed 323, found it).
+#[test]
+fn a_vote_of_the_same_call_at_the_point_of_a_settled_mismatch_ends_at_once() {
+    let (mut h, epoch) = run_with(3);
+    h.send(3, Message::VotePeersPending { collectives: 0 });
+    h.send(1, waits(2, false, epoch));
+    let reason = "peer#0 called recv from peer#2 (p2p, tag 3) while peer#2 called peers_pending".to_string();
+    let out = h.send(3, Message::P2pApart { peer: PeerId(0), reason: reason.clone() });
+    let aborted = Message::PeersPendingAborted { retry: false, reason };
+    assert_eq!(sent_to(&out, 2), vec![&aborted], "every member hears of it");
+    let out = h.send(2, Message::VotePeersPending { collectives: 0 });
+    match sent_to(&out, 2).as_slice() {
+        [Message::PeersPendingAborted { retry: false, reason }] => {
+            assert!(reason.contains("peer#1 called peers_pending where peer#2 called peers_pending"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(sent_to(&out, 1).is_empty() && sent_to(&out, 3).is_empty(), "announced: {out:?}");
+}
+
 /// A settled mismatch holds only at its own point: a member that started another collective since
 /// (or voted in another topology) is at another point of its calls, and its vote waits as usual.
 #[test]
@@ -1240,7 +1265,7 @@ fn waits(peer: u32, send: bool, epoch: Epoch) -> Message {
 }
 
 /// A member's transfer that waits on a voter: the master relays the wait to the voter (naming the
-/// waiter); the voter's answer ends the waiter's call and abandons every vote of the group.
+/// waiter); the voter's answer abandons every vote of the group, then ends the waiter's call.
 #[test]
 fn a_transfer_waiting_on_a_voter_ends_the_wait_and_the_vote() {
     let (mut h, epoch) = run_with(3);
@@ -1252,10 +1277,12 @@ fn a_transfer_waiting_on_a_voter_ends_the_wait_and_the_vote() {
     assert!(sent_to(&out, 2).is_empty());
     let reason = "peer#2 called recv from peer#0 (p2p, tag 3) while peer#0 called update_topology".to_string();
     let out = h.send(1, Message::P2pApart { peer: PeerId(2), reason: reason.clone() });
-    // The waiter first: its call ends with the reason (it hears of the vote too, as every member).
-    assert_eq!(sent_to(&out, 3)[0], &Message::P2pApart { peer: PeerId(0), reason: reason.clone() });
+    // The vote ends on every member, and then the waiter's call, with the reason: a waiter that
+    // calls at once never finds the vote still open.
+    let aborted = Message::TopologyVoteAborted { retry: false, reason: reason.clone() };
+    let apart = Message::P2pApart { peer: PeerId(0), reason: reason.clone() };
+    assert_eq!(sent_to(&out, 3), vec![&aborted, &apart]);
     for conn in [1, 2] {
-        let aborted = Message::TopologyVoteAborted { retry: false, reason: reason.clone() };
         assert!(sent_to(&out, conn).contains(&&aborted), "{out:?}");
     }
     assert_eq!(h.master.phase(), &Phase::Idle);
