@@ -15,7 +15,7 @@ use shoal_config::failpoint;
 use shoal_engine::{Backup, Exec, LinkError, OpEvent, OpSpec, Pumped};
 use shoal_proto::auth::DataKey;
 use shoal_proto::peer::{
-    p2p_apart_reason, Action, CallError, CallId, Established, OpId, OpProgress, Peer, RingPosition, Value,
+    Action, CallError, CallId, Established, OpId, OpProgress, RingPosition, Value, WaitNote, P2P_PATIENCE,
 };
 use shoal_transport::{Lane, PollFd};
 use shoal_wire::{FailureKind, OpFailure, OpHeader, PeerId, SessionId};
@@ -28,10 +28,6 @@ const POLL_SLICE: Duration = Duration::from_millis(50);
 /// How long the progress thread, woken for work an async call started, leaves the lock to that
 /// caller before it drives.
 const HANDOFF_GRACE: Duration = Duration::from_micros(100);
-/// How long a caller waits on a tagged transfer that found nothing to match it before it asks
-/// the other end, through the master, whether its call ever lets the transfer complete
-/// ([`Peer::p2p_waits`]). Most transfers match within it, and cost the master nothing.
-const P2P_PATIENCE: Duration = Duration::from_millis(100);
 
 pub(crate) struct Connected {
     pub control: Arc<Control>,
@@ -46,7 +42,7 @@ pub(crate) struct Connected {
 /// its engine takes the links to our ring neighbours; it links to other members when a schedule
 /// first needs them.
 pub(crate) fn take_up(data: &mut DataPlane, position: &RingPosition) {
-    crate::plane::superseded(data, position.epoch.0);
+    crate::plane::superseded(data, position.epoch);
     let (rank, world) = (position.rank, position.group_size());
     let me = position.ring[rank].peer;
     let mut exec = Exec::new(position.epoch, rank, world);
@@ -163,17 +159,6 @@ pub(crate) fn fits(record: &Collective, world: usize) -> std::result::Result<(),
     Ok(())
 }
 
-/// Announces that our caller has waited [`P2P_PATIENCE`] on transfer `call`, which found
-/// nothing to match it ([`Peer::p2p_waits`]).
-fn announce_wait(control: &Control, data: &mut DataPlane, call: CallId) {
-    let Some(t) = data.calls.transfers.get(&call) else { return };
-    let Some(seen) = data.exec.as_ref().and_then(|e| e.transfer_unmatched(call.0)) else { return };
-    let (peer, send, tag) = (t.peer, t.direction == shoal_engine::Direction::Send, t.tag);
-    data.announced = Some((call, peer));
-    log::debug!("{} with {peer} (tag {tag}) waits for its match: asking whether it ever comes", t.operation());
-    control.own_input(|p: &mut Peer, _| p.p2p_waits(peer, send, tag, seen));
-}
-
 /// The call collective `header` is part of, as its caller knows it.
 fn verb_of(header: &OpHeader) -> &'static str {
     CollectiveKind::from_code(header.collective).map_or("collective", |k| verb(k, header.tag))
@@ -271,9 +256,8 @@ impl Driver {
     ) {
         self.drive_until(control, listener, data, call, until, operation, own);
         // The caller stops waiting (its transfer ended, or its own wait timed out).
-        if let Some((_, peer)) = data.announced.filter(|(c, _)| Some(*c) == call) {
-            data.announced = None;
-            control.own_input(|p, _| p.p2p_resumed(peer));
+        if let Some(call) = call.filter(|c| data.calls.transfers.announced(*c)) {
+            control.own_input(|p, _| data.calls.transfers.handle_resumed(call, p));
         }
     }
 
@@ -457,10 +441,13 @@ impl Driver {
         });
         self.take_stopped(control, data);
         if !data.calls.transfers.is_empty() {
-            crate::plane::stop_stalled(&mut control.lock(), data, self.config.timeout);
+            crate::plane::stop_stalled(&mut control.lock(), data);
         }
-        if let Some(call) = call.filter(|_| data.announced.is_none() && entered.elapsed() >= P2P_PATIENCE) {
-            announce_wait(control, data, call);
+        if let Some(call) = call.filter(|c| data.calls.transfers.get(*c).is_some() && entered.elapsed() >= P2P_PATIENCE)
+        {
+            let (transfers, exec) = (&mut data.calls.transfers, data.exec.as_ref());
+            let unmatched = || exec.and_then(|e| e.transfer_unmatched(call.0));
+            control.own_input(|p, _| transfers.handle_waiting(call, entered.elapsed(), unmatched, p));
         }
         control.lock().has_action() || call.is_some_and(|call| data.calls.ended_or_finished(call)) || !data.in_flight()
     }
@@ -494,43 +481,19 @@ impl Driver {
         }
     }
 
-    /// Says which members' transfers with us our caller's call can never let complete (asked by
-    /// [`Action::MemberWaits`], as a wait arrives and as a vote or collective starts): those waiting on a call of ours not made yet, while the caller
-    /// waits in a vote, or in a collective they have not started (`docs/protocol.md`, "No call
-    /// waits for a call that will never come"). Their calls end, and ours with them.
+    /// Says which members' transfers with us our caller's call can never let complete
+    /// ([`shoal_proto::peer::Peer::judge_waiters`]), as our engine sees them.
     fn judge_waiters(&self, control: &Control, data: &DataPlane, call: Option<CallId>) {
         let (Some(call), Some(exec), Some(position)) = (call, data.exec.as_ref(), data.position.as_ref()) else {
             return;
         };
-        let me = position.ring[position.rank].peer;
         let collective =
             data.calls.collectives.get(&call).and_then(|c| c.posted.as_ref()).map(|p| (p.id, verb_of(&p.header)));
-        let apart: Vec<(PeerId, String, Option<OpId>)> = {
-            let p = control.lock();
-            let ours = collective.map(|(op, name)| (name, Some(op))).or_else(|| p.voting(call).map(|n| (n, None)));
-            let Some((name, op)) = ours else { return };
-            p.waiters()
-                .filter_map(|(waiter, note)| {
-                    let rank = position.ring.iter().position(|m| m.peer == waiter)?;
-                    // A collective the waiter started already moves without its call.
-                    let needs = op.is_none_or(|op| note.point.0 == op.epoch && note.point.1 <= op.seq.0);
-                    let stuck = needs && exec.transfer_stuck(rank, note.send, note.tag, note.seen);
-                    stuck.then(|| (waiter, p2p_apart_reason(waiter, &note, me, name, false), op))
-                })
-                .collect()
+        let stuck = |waiter: PeerId, note: &WaitNote| {
+            let rank = position.ring.iter().position(|m| m.peer == waiter);
+            rank.is_some_and(|rank| exec.transfer_stuck(rank, note.send, note.tag, note.seen))
         };
-        if apart.is_empty() {
-            return;
-        }
-        control.own_input(|p, now| {
-            for (waiter, reason, op) in apart {
-                log::warn!("{reason}");
-                match op {
-                    Some(op) => p.p2p_apart_in(op, waiter, reason, now),
-                    None => p.p2p_apart(waiter, reason),
-                }
-            }
-        });
+        control.own_input(|p, now| p.judge_waiters(call, collective, stuck, now));
     }
 
     /// The progress thread: drives collectives in flight whenever no caller holds the data plane.

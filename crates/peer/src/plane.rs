@@ -9,7 +9,7 @@ use crate::info::Info;
 use crate::links::Staged;
 use shoal_collective::{Algorithm, Codec, CollectiveKind, DType, Quantization, ReduceOp};
 use shoal_engine::{Backup, Direction, Exec, LinkError, RawBuf, Taken};
-use shoal_proto::peer::{CallError, CallId, OpId, Peer, RingPosition, Value};
+use shoal_proto::peer::{CallError, CallId, Ended, OpId, Peer, RingPosition, Stop, Transfers, Value};
 use shoal_wire::{Epoch, OpHeader, PeerId};
 use std::any::Any;
 use std::collections::HashMap;
@@ -205,7 +205,7 @@ pub(crate) struct Calls {
     /// gets back of them.
     pub taken: HashMap<u64, Taken>,
     /// Tagged transfers called and not yet ended.
-    pub transfers: HashMap<CallId, TransferCall>,
+    pub transfers: Transfers<TransferCall, Error>,
     /// Collectives and transfers that ended: their result, their buffer's owner, and what their
     /// tag is in use for, until their caller takes them.
     pub finished: HashMap<CallId, (Result<Info>, Option<Owner>, TagUse)>,
@@ -227,7 +227,7 @@ impl Calls {
             || match what {
                 TagUse::Collective(tag) => self.collectives.values().any(|o| o.request.tag == tag),
                 TagUse::Transfer(direction, peer, tag) => {
-                    self.transfers.values().any(|t| t.uses() == (direction, peer, tag))
+                    self.transfers.iter().any(|(_, t)| uses(t) == (direction, peer, tag))
                 }
             }
     }
@@ -268,9 +268,6 @@ pub(crate) struct DataPlane {
     pub spare_backups: Vec<Backup>,
     /// The communicator's counters.
     pub stats: Arc<crate::stats::Stats>,
-    /// The transfer the caller waits on, announced to the master as waiting for its other end's
-    /// call, and that member ([`Peer::p2p_waits`]).
-    pub announced: Option<(CallId, PeerId)>,
 }
 
 impl DataPlane {
@@ -303,178 +300,132 @@ impl DataPlane {
     }
 }
 
-/// A transfer called and not yet ended.
+/// What the driver keeps with a transfer called and not yet ended ([`Transfer::data`]).
 pub(crate) struct TransferCall {
     pub buf: RawBuf,
     pub owner: Option<Owner>,
     pub direction: Direction,
-    /// The member at the other end, and its rank in `epoch`.
-    pub peer: PeerId,
-    pub rank: usize,
-    pub tag: u64,
     pub dtype: DType,
-    pub epoch: u64,
+    /// The size of the group it runs in.
     pub world: usize,
     pub started: Instant,
-    pub deadline: Instant,
-    /// How it fails, held [`APART_GRACE`] from when it was seen: the streams closed, or a new
-    /// topology replaces ours, because the other end's call ended apart from ours, whose news
-    /// (`P2pApart`, or the verdict that settles our point) is a moment behind.
-    pub failing: Option<(Error, Instant)>,
 }
 
-impl TransferCall {
-    /// What its tag is in use for.
-    pub fn uses(&self) -> (Direction, PeerId, u64) {
-        (self.direction, self.peer, self.tag)
-    }
+/// A transfer called and not yet ended, as the transfers' machine tracks it.
+pub(crate) type Transfer = shoal_proto::peer::Transfer<TransferCall, Error>;
 
-    pub fn operation(&self) -> &'static str {
-        self.direction.name()
-    }
+/// What transfer `t`'s tag is in use for.
+fn uses(t: &Transfer) -> (Direction, PeerId, u64) {
+    (t.data.direction, t.peer, t.tag)
+}
 
-    pub fn describe(&self) -> String {
-        let count = self.buf.len() / self.dtype.size();
-        let (verb, to) = match self.direction {
-            Direction::Send => ("send", "to"),
-            Direction::Recv => ("recv", "from"),
-        };
-        format!("{verb}(count={count}, dtype={}, tag={}) {to} rank {}", self.dtype.name(), self.tag, self.rank)
-    }
+fn operation(t: &Transfer) -> &'static str {
+    t.data.direction.name()
+}
+
+/// Transfer `t` as its caller made it.
+pub(crate) fn describe(t: &Transfer) -> String {
+    let count = t.data.buf.len() / t.data.dtype.size();
+    let to = if t.send { "to" } else { "from" };
+    let verb = operation(t);
+    format!("{verb}(count={count}, dtype={}, tag={}) {to} rank {}", t.data.dtype.name(), t.tag, t.rank)
 }
 
 /// Ends the transfers the engine ended.
 pub(crate) fn engine_ended(data: &mut DataPlane, events: Vec<(u64, std::result::Result<(), LinkError>)>) {
-    let announced = data.announced.map(|(call, _)| call);
+    let now = Instant::now();
     for (id, result) in events {
         let call = CallId(id);
-        let Some(t) = data.calls.transfers.get_mut(&call) else { continue };
-        match result.map_err(|e| link_error(t, e)) {
-            Err(e @ Error::PeerLost { .. }) if announced == Some(call) => t.failing = Some((e, Instant::now())),
-            result => end(data, call, result),
-        }
+        let Some(t) = data.calls.transfers.get(call) else { continue };
+        let lost = matches!(result, Err(LinkError::Lost { .. }));
+        let result = result.map_err(|e| link_error(t, e));
+        data.calls.transfers.handle_engine(call, result, lost, now);
     }
+    take_ended(data);
 }
 
-/// How long a transfer's loss waits for the news that the other end's call ended apart from
-/// ours ([`TransferCall::failing`]): the master sends it before it acts on it, but it travels
-/// another way than the streams' close.
-pub(crate) const APART_GRACE: std::time::Duration = std::time::Duration::from_millis(200);
-
-/// Ends, before the driver sleeps, the transfers that cannot end otherwise: their bound passed,
-/// the master removed their member (frozen or cut off, it never closes its streams), or it
-/// issued a new topology (whose members stop answering in this one).
-pub(crate) fn stop_stalled(peer: &mut Peer, data: &mut DataPlane, bound: std::time::Duration) {
-    if peer.has_action() {
-        // What the master said first goes first (a `P2pApart` before the topology it brings).
-        return;
-    }
-    let now = Instant::now();
-    // A topology issued after the others' calls at our point ended apart: ours are among them.
-    let settled = data
-        .calls
-        .transfers
-        .values()
-        .any(|t| !peer.removed(t.peer) && (t.failing.is_some() || peer.superseded(Epoch(t.epoch))))
-        .then(|| peer.p2p_settled("p2p"))
-        .flatten();
-    let stopped: Vec<(CallId, Error)> = data
-        .calls
-        .transfers
-        .iter_mut()
-        .filter_map(|(call, t)| {
-            let (member, operation) = (t.peer, t.operation());
-            let lost = |reason: String| Error::PeerLost { peer: member, operation, reason };
-            if peer.removed(t.peer) {
-                Some((*call, lost("the master removed it from the run".into())))
-            } else if let Some(reason) =
-                settled.as_ref().filter(|_| t.failing.is_some() || peer.superseded(Epoch(t.epoch)))
-            {
-                Some((*call, Error::Misuse(reason.clone())))
-            } else if peer.superseded(Epoch(t.epoch)) || t.failing.is_some() {
-                // The members take up the new topology rather than answer: ranks may change.
-                let replaced = format!("the master replaces topology {} (a member was lost or admitted)", t.epoch);
-                let (_, since) = t.failing.get_or_insert_with(|| (lost(replaced), now));
-                (now >= *since + APART_GRACE).then(|| (*call, t.failing.take().expect("held").0))
-            } else if now >= t.deadline {
-                Some((*call, Error::Timeout { operation: t.operation(), after: bound }))
-            } else {
-                None
-            }
-        })
-        .collect();
-    for (call, e) in stopped {
-        end(data, call, Err(e));
-    }
+/// Ends, before the driver sleeps, the transfers that cannot end otherwise
+/// ([`shoal_proto::peer::Transfers::handle_stalled`]).
+pub(crate) fn stop_stalled(peer: &mut Peer, data: &mut DataPlane) {
+    data.calls.transfers.handle_stalled(peer, Instant::now());
+    take_ended(data);
 }
 
 /// Topology `epoch` replaces the one the transfers in flight run in: its links close, and ranks
 /// may name other members now; each ends with a retryable error.
-pub(crate) fn superseded(data: &mut DataPlane, epoch: u64) {
-    let calls: Vec<CallId> = data.calls.transfers.keys().copied().collect();
-    for call in calls {
-        let t = &data.calls.transfers[&call];
-        let reason = format!("topology {epoch} replaced topology {} while it was in flight", t.epoch);
-        let e = Error::PeerLost { peer: t.peer, operation: t.operation(), reason };
-        end(data, call, Err(e));
-    }
+pub(crate) fn superseded(data: &mut DataPlane, epoch: Epoch) {
+    data.calls.transfers.handle_taken_up(epoch);
+    take_ended(data);
 }
 
 /// The transfer our caller waits on with `peer` can never complete: the other end is in a call
 /// that waits for ours (`reason` names both). Nothing if that wait is over.
 pub(crate) fn p2p_apart(data: &mut DataPlane, peer: PeerId, reason: String) {
-    let Some((call, _)) = data.announced.filter(|(_, p)| *p == peer) else { return };
-    data.announced = None;
-    log::warn!("{reason}");
-    end(data, call, Err(Error::Misuse(reason)));
+    data.calls.transfers.handle_apart(peer, reason);
+    take_ended(data);
 }
 
-/// Transfer `call` ended with `result`: out of the engine, its end kept for its caller.
-pub(crate) fn end(data: &mut DataPlane, call: CallId, result: Result<()>) {
-    let Some(t) = data.calls.transfers.remove(&call) else { return };
-    let traffic = data.exec.as_mut().and_then(|e| e.take_transfer(call.0)).unwrap_or_default();
-    let outcome = result.map(|()| Info {
-        world_size: t.world,
-        tx_bytes: traffic.tx_bytes,
-        rx_bytes: traffic.rx_bytes,
-        elapsed: t.started.elapsed(),
-        topology: t.epoch,
-        sequence: 0,
-        algorithm: if traffic.single_copy { Algorithm::SingleCopy } else { Algorithm::Direct },
-    });
-    if let Err(e) = &outcome {
-        log::debug!("{} failed: {e}", t.describe());
+/// Takes the transfers that ended out of the engine, and keeps their ends for their callers.
+fn take_ended(data: &mut DataPlane) {
+    while let Some(Ended { call, transfer: t, result }) = data.calls.transfers.poll_ended() {
+        let result = result.map_err(|stop| stop_error(&t, stop));
+        let traffic = data.exec.as_mut().and_then(|e| e.take_transfer(call.0)).unwrap_or_default();
+        let outcome = result.map(|()| Info {
+            world_size: t.data.world,
+            tx_bytes: traffic.tx_bytes,
+            rx_bytes: traffic.rx_bytes,
+            elapsed: t.data.started.elapsed(),
+            topology: t.epoch.0,
+            sequence: 0,
+            algorithm: if traffic.single_copy { Algorithm::SingleCopy } else { Algorithm::Direct },
+        });
+        if let Err(e) = &outcome {
+            log::debug!("{} failed: {e}", describe(&t));
+        }
+        data.record_end(call, &outcome);
+        let tag_use = TagUse::Transfer(t.data.direction, t.peer, t.tag);
+        data.calls.finished.insert(call, (outcome, t.data.owner, tag_use));
     }
-    data.record_end(call, &outcome);
-    data.calls.finished.insert(call, (outcome, t.owner, TagUse::Transfer(t.direction, t.peer, t.tag)));
+}
+
+/// What a transfer's stop means for its caller.
+fn stop_error(t: &Transfer, stop: Stop<Error>) -> Error {
+    let lost = |reason: String| Error::PeerLost { peer: t.peer, operation: operation(t), reason };
+    match stop {
+        Stop::Failed(e) => e,
+        Stop::Removed => lost("the master removed it from the run".into()),
+        Stop::Replaced => lost(format!("the master replaces topology {} (a member was lost or admitted)", t.epoch.0)),
+        Stop::Superseded(epoch) => {
+            lost(format!("topology {} replaced topology {} while it was in flight", epoch.0, t.epoch.0))
+        }
+        Stop::Apart(reason) => Error::Misuse(reason),
+        Stop::Timeout => Error::Timeout { operation: operation(t), after: t.deadline - t.data.started },
+    }
 }
 
 /// What the engine's failure of transfer `t` means for its caller.
-pub(crate) fn link_error(t: &TransferCall, e: LinkError) -> Error {
+pub(crate) fn link_error(t: &Transfer, e: LinkError) -> Error {
     match e {
         LinkError::Lost { rank, reason } if rank == t.rank => {
-            Error::PeerLost { peer: t.peer, operation: t.operation(), reason }
+            Error::PeerLost { peer: t.peer, operation: operation(t), reason }
         }
         // Another link failed, and took the streams with it.
         LinkError::Lost { rank, reason } => Error::PeerLost {
             peer: t.peer,
-            operation: t.operation(),
+            operation: operation(t),
             reason: format!("the streams failed over rank {rank}: {reason}"),
         },
         LinkError::Mismatch { theirs, .. } => {
-            Error::CollectiveMismatch { peer: t.peer, ours: t.describe(), theirs: theirs_call(t, &theirs) }
+            Error::CollectiveMismatch { peer: t.peer, ours: describe(t), theirs: theirs_call(t, &theirs) }
         }
         LinkError::Malformed { reason, .. } => Error::Protocol(format!("from {}: {reason}", t.peer)),
     }
 }
 
 /// The call at the other end of `t`, from its frame `h`.
-pub(crate) fn theirs_call(t: &TransferCall, h: &OpHeader) -> String {
+pub(crate) fn theirs_call(t: &Transfer, h: &OpHeader) -> String {
     let dtype = DType::from_code(h.dtype).map_or("?", DType::name);
-    let verb = match t.direction {
-        Direction::Send => "recv",
-        Direction::Recv => "send",
-    };
+    let verb = shoal_proto::peer::transfer_verb(!t.send);
     format!("{} called {verb}(count={}, dtype={dtype}, tag={})", t.peer, h.count, h.tag)
 }
 

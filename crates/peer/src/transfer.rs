@@ -10,7 +10,7 @@
 use crate::communicator::Work;
 use crate::driver::Connected;
 use crate::error::{Error, Result};
-use crate::plane::{DataPlane, Owner, TagUse, TransferCall};
+use crate::plane::{DataPlane, Owner, TagUse, Transfer, TransferCall};
 use crate::{Communicator, Info};
 use shoal_collective::DType;
 use shoal_engine::{Direction, RawBuf, TransferSpec};
@@ -153,22 +153,11 @@ impl Communicator {
         let chunk_bytes = self.config.chunk_bytes.unwrap_or(crate::DEFAULT_CHUNK_BYTES);
         data.stats.started(call, direction.name(), tag, buf.len() as u64);
         exec.post_transfer(call.0, TransferSpec { direction, peer: rank, tag, dtype, buf, chunk_bytes });
-        let now = Instant::now();
-        let transfer = TransferCall {
-            buf,
-            owner,
-            direction,
-            peer,
-            rank,
-            tag,
-            dtype,
-            epoch: position.epoch.0,
-            world,
-            started: now,
-            deadline: now + self.config.timeout,
-            failing: None,
-        };
-        data.calls.transfers.insert(call, transfer);
+        let started = Instant::now();
+        let kept = TransferCall { buf, owner, direction, dtype, world, started };
+        let send = direction == Direction::Send;
+        let transfer = Transfer::new(peer, rank, send, tag, position.epoch, started + self.config.timeout, kept);
+        data.calls.transfers.start(call, transfer);
         Ok(call)
     }
 }

@@ -14,8 +14,10 @@
 //! `crates/peer` drives it with sockets and threads, `crates/sim` with a simulated network: the
 //! simulated seeds test the code that ships.
 
+mod transfers;
 mod view;
 
+pub use transfers::{verb as transfer_verb, Ended, Stop, Transfer, Transfers, APART_GRACE, P2P_PATIENCE};
 pub use view::{
     CatchUpPlan, Interrupt, LapInterrupt, PeerEvent, PeerView, RingPosition, SyncAbort, TopologyStep,
     UnexpectedMessage, Verdict, VoteAbort, VoteOpen, WaitNote,
@@ -614,6 +616,41 @@ impl Peer {
         self.p2p_apart(waiter, reason);
     }
 
+    /// Ends the waits on us that our call `call` can never let complete, asked by
+    /// [`Action::MemberWaits`] as a wait arrives and as a vote or collective starts: those on a
+    /// call of ours not made yet, while `call` is a vote, or a collective they have not started
+    /// (`collective`: the one `call` runs, by the name its caller knows it). `stuck` says whether
+    /// our engine holds nothing that lets a waiter's transfer complete (`docs/protocol.md`, "No call
+    /// waits for a call that will never come"). Their calls end, and ours with them.
+    pub fn judge_waiters(
+        &mut self,
+        call: CallId,
+        collective: Option<(OpId, &'static str)>,
+        stuck: impl Fn(PeerId, &WaitNote) -> bool,
+        now: Instant,
+    ) {
+        let Some((me, _)) = self.view.registered else { return };
+        let ours = collective.map(|(op, name)| (name, Some(op))).or_else(|| self.voting(call).map(|n| (n, None)));
+        let Some((name, op)) = ours else { return };
+        let apart: Vec<(PeerId, String)> = self
+            .waiters()
+            .filter(|(waiter, note)| {
+                // A collective the waiter started already moves without its call.
+                let needs = op.is_none_or(|op| note.point.0 == op.epoch && note.point.1 <= op.seq.0);
+                needs && stuck(*waiter, note)
+            })
+            .map(|(waiter, note)| (waiter, p2p_apart_reason(waiter, &note, me, name, false)))
+            .collect();
+        for (waiter, reason) in apart {
+            log::warn!("{reason}");
+            match op {
+                Some(op) => self.p2p_apart_in(op, waiter, reason, now),
+                None => self.p2p_apart(waiter, reason),
+            }
+            assert!(self.waiters().all(|(w, _)| w != waiter), "{waiter} still waits after it was told");
+        }
+    }
+
     /// The vote `call` is cast in, by the call's name, while it waits in it.
     pub fn voting(&self, call: CallId) -> Option<&'static str> {
         let (_, _, c) = self.call.as_ref().filter(|(id, ..)| *id == call && self.in_vote())?;
@@ -1123,13 +1160,13 @@ impl Peer {
         };
         assert!(self.call.as_ref().is_none_or(|(c, ..)| *c == id), "{id:?} votes while another call runs");
         self.call = Some((id, deadline, call));
-        self.judge_waiters();
+        self.ask_judgement();
         assert!(self.in_vote(), "{id:?} waits outside its vote");
     }
 
     /// Asks the driver to judge the members waiting on us against the call we are now in
     /// ([`Action::MemberWaits`]), if any wait.
-    fn judge_waiters(&mut self) {
+    fn ask_judgement(&mut self) {
         if let Some(&waiter) = self.view.waiters.keys().next() {
             self.actions.push_back(Action::MemberWaits(waiter));
         }
@@ -1154,7 +1191,7 @@ impl Peer {
                 let me = self.view.registered.map(|(p, _)| p);
                 assert_eq!(Some(members[position.rank]), me, "a collective runs at our own rank");
                 self.actions.push_back(Action::RunCollective { call: id, op, position, deadline });
-                self.judge_waiters();
+                self.ask_judgement();
                 let previous =
                     self.ops.insert(op, InFlight { call: id, verb, deadline, members, stage: OpStage::Running });
                 assert!(previous.is_none(), "{op} started twice");

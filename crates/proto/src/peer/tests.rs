@@ -687,9 +687,15 @@ fn waits(peer: u32, collectives: u64) -> Message {
     Message::P2pWaits { peer: PeerId(peer), send: false, tag: 3, seen: 0, epoch: Epoch(1), collectives }
 }
 
-/// A member's transfer waits on us while we vote: the driver is asked to judge it; its verdict
-/// goes to the master, which ends the wait and our vote. A transfer of ours the master says can
-/// never complete ends our p2p call (the driver's), and we are told, as after a vote ended so.
+/// What [`waits`] tells us.
+fn waits_note(collectives: u64) -> WaitNote {
+    WaitNote { send: false, tag: 3, seen: 0, point: (Epoch(1), collectives) }
+}
+
+/// A member's transfer waits on us while we vote: the driver is asked to judge it, by what its
+/// engine holds; the verdict goes to the master, which ends the wait and our vote. A transfer of
+/// ours the master says can never complete ends our p2p call (the driver's), and we are told, as
+/// after a vote ended so.
 #[test]
 fn a_transfer_waiting_on_us_is_judged_by_the_driver_and_its_verdict_goes_to_the_master() {
     let (mut p, t0) = joined(&[0, 1, 2]);
@@ -700,11 +706,13 @@ fn a_transfer_waiting_on_us_is_judged_by_the_driver_and_its_verdict_goes_to_the_
     sent(&mut p);
     p.handle_message(waits(2, 0), t0).unwrap();
     assert_eq!(actions(&mut p), vec![Action::MemberWaits(PeerId(2))]);
-    let note = p.waiters().next().expect("kept").1;
-    let reason = p2p_apart_reason(PeerId(2), &note, PeerId(0), "update_topology", false);
+    // Not for another call of ours, nor while our engine holds what the transfer waits for.
+    p.judge_waiters(CallId(1), None, |_, _| true, t0);
+    p.judge_waiters(call, None, |_, _| false, t0);
+    assert!(sent(&mut p).is_empty());
+    p.judge_waiters(call, None, |waiter, note| waiter == PeerId(2) && note.tag == 3, t0);
+    let [Message::P2pApart { peer: PeerId(2), reason }] = &sent(&mut p)[..] else { panic!("judged apart") };
     assert!(reason.contains("peer#2 called recv from peer#0 (p2p, tag 3) while peer#0 called update_topology"));
-    p.p2p_apart(PeerId(2), reason.clone());
-    assert_eq!(sent(&mut p), vec![Message::P2pApart { peer: PeerId(2), reason }]);
     assert_eq!(p.waiters().count(), 0);
     // Our own wait, announced at our point, and the master's answer to it.
     p.p2p_waits(PeerId(1), true, 9, 0);
@@ -775,10 +783,99 @@ fn a_collective_a_waiter_never_joins_fails_before_the_waiter_hears_of_it() {
     p.call(CallKind::Collective("barrier"), BOUND, t0);
     let [Action::RunCollective { op, .. }] = actions(&mut p)[..] else { panic!("runs") };
     p.handle_message(waits(1, 0), t0).unwrap();
-    assert_eq!(actions(&mut p), vec![Action::MemberWaits(PeerId(1))]);
-    p.p2p_apart_in(op, PeerId(1), "apart".into(), t0);
-    let failure = OpFailure::new(FailureKind::Misuse, PeerId(0), "apart");
+    p.handle_message(waits(2, 1), t0).unwrap();
+    assert_eq!(actions(&mut p), vec![Action::MemberWaits(PeerId(1)), Action::MemberWaits(PeerId(2))]);
+    // Peer 2 started our collective already: it moves without its call.
+    p.judge_waiters(CallId(2), Some((op, "barrier")), |_, _| true, t0);
+    let reason = p2p_apart_reason(PeerId(1), &waits_note(0), PeerId(0), "barrier", false);
+    let failure = OpFailure::new(FailureKind::Misuse, PeerId(0), reason.clone());
     let failed = Message::OpFailed { epoch: op.epoch, seq: op.seq.0, failure };
-    assert_eq!(sent(&mut p), vec![failed, Message::P2pApart { peer: PeerId(1), reason: "apart".into() }]);
-    assert_eq!(p.waiters().count(), 0);
+    assert_eq!(sent(&mut p), vec![failed, Message::P2pApart { peer: PeerId(1), reason }]);
+    assert_eq!(p.waiters().map(|(w, _)| w).collect::<Vec<_>>(), vec![PeerId(2)]);
+}
+
+/// A transfer of ours with peer 1, in topology 1, bound at [`BOUND`].
+fn transfer(t0: Instant) -> (Transfers<(), &'static str>, CallId) {
+    let mut transfers = Transfers::default();
+    transfers.start(CallId(9), Transfer::new(PeerId(1), 1, true, 3, Epoch(1), t0 + BOUND, ()));
+    (transfers, CallId(9))
+}
+
+fn ended(transfers: &mut Transfers<(), &'static str>) -> Vec<(CallId, Result<(), Stop<&'static str>>)> {
+    std::iter::from_fn(|| transfers.poll_ended()).map(|e| (e.call, e.result)).collect()
+}
+
+/// Lost streams may be a third member's call ending apart from ours at our point (its new
+/// topology closes them): the loss waits [`APART_GRACE`] for the verdict that settles the point,
+/// and ends the transfer as a usage error with it; without news, the loss stands.
+#[test]
+fn a_lost_transfer_waits_a_grace_for_the_news_that_settles_its_point() {
+    let (mut p, t0) = joined(&[0, 1, 2]);
+    let (mut transfers, call) = transfer(t0);
+    transfers.handle_engine(call, Err("connection closed"), true, t0);
+    transfers.handle_stalled(&mut p, t0 + APART_GRACE / 2);
+    assert!(ended(&mut transfers).is_empty(), "held");
+    let failure = OpFailure::new(FailureKind::Misuse, PeerId(2), "peer#2 called barrier while peer#1 called recv");
+    p.handle_message(Message::OpAborted { epoch: Epoch(1), seq: 0, failure }, t0).unwrap();
+    transfers.handle_stalled(&mut p, t0 + APART_GRACE / 2);
+    let apart = Stop::Apart("peer#2 called barrier while peer#1 called recv".into());
+    assert_eq!(ended(&mut transfers), vec![(call, Err(apart))]);
+
+    let (mut p, t0) = joined(&[0, 1, 2]);
+    let (mut transfers, call) = transfer(t0);
+    transfers.handle_engine(call, Err("connection closed"), true, t0);
+    assert_eq!(transfers.poll_timeout(), Some(t0 + APART_GRACE));
+    transfers.handle_stalled(&mut p, t0 + APART_GRACE);
+    assert_eq!(ended(&mut transfers), vec![(call, Err(Stop::Failed("connection closed")))]);
+    // Any other failure ends it at once.
+    let (mut transfers, call) = transfer(t0);
+    transfers.handle_engine(call, Err("count differs"), false, t0);
+    assert_eq!(ended(&mut transfers), vec![(call, Err(Stop::Failed("count differs")))]);
+}
+
+/// The caller's wait is announced once it passed [`P2P_PATIENCE`] with nothing matched, once; the
+/// master's answer ends the transfer; a wait that ends otherwise is resumed.
+#[test]
+fn a_long_wait_is_announced_once_and_ends_by_the_answer_or_a_resume() {
+    let (mut p, t0) = joined(&[0, 1, 2]);
+    let (mut transfers, call) = transfer(t0);
+    assert!(!transfers.handle_waiting(call, P2P_PATIENCE / 2, || Some(0), &mut p));
+    assert!(!transfers.handle_waiting(call, P2P_PATIENCE, || None, &mut p), "matched: nothing to ask");
+    assert!(transfers.handle_waiting(call, P2P_PATIENCE, || Some(4), &mut p));
+    let waits = Message::P2pWaits { peer: PeerId(1), send: true, tag: 3, seen: 4, epoch: Epoch(1), collectives: 0 };
+    assert_eq!(sent(&mut p), vec![waits]);
+    assert!(!transfers.handle_waiting(call, P2P_PATIENCE * 2, || Some(4), &mut p), "announced already");
+    assert!(!transfers.handle_apart(PeerId(2), "another member".into()), "not the member it waits on");
+    assert!(transfers.handle_apart(PeerId(1), "apart".into()));
+    assert_eq!(ended(&mut transfers), vec![(call, Err(Stop::Apart("apart".into())))]);
+    transfers.handle_resumed(call, &mut p);
+    assert!(sent(&mut p).is_empty(), "the master ended the wait itself");
+
+    let (mut transfers, call) = transfer(t0);
+    transfers.handle_waiting(call, P2P_PATIENCE, || Some(0), &mut p);
+    sent(&mut p);
+    transfers.handle_engine(call, Ok(()), false, t0);
+    assert_eq!(ended(&mut transfers), vec![(call, Ok(()))]);
+    transfers.handle_resumed(call, &mut p);
+    assert_eq!(sent(&mut p), vec![Message::P2pResumed { peer: PeerId(1) }]);
+}
+
+/// A transfer ends at its bound, when a topology taken up replaces its own, or when the master
+/// issues one (a grace later, as a loss).
+#[test]
+fn a_transfer_ends_at_its_bound_or_when_its_topology_is_replaced() {
+    let (mut p, t0) = joined(&[0, 1, 2]);
+    let (mut transfers, call) = transfer(t0);
+    transfers.handle_stalled(&mut p, t0 + BOUND);
+    assert_eq!(ended(&mut transfers), vec![(call, Err(Stop::Timeout))]);
+    let (mut transfers, call) = transfer(t0);
+    transfers.handle_taken_up(Epoch(2));
+    assert_eq!(ended(&mut transfers), vec![(call, Err(Stop::Superseded(Epoch(2))))]);
+    let (mut transfers, call) = transfer(t0);
+    p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1]), limits: None }, t0).unwrap();
+    actions(&mut p);
+    transfers.handle_stalled(&mut p, t0);
+    assert!(ended(&mut transfers).is_empty(), "held for the news");
+    transfers.handle_stalled(&mut p, t0 + APART_GRACE);
+    assert_eq!(ended(&mut transfers), vec![(call, Err(Stop::Replaced))]);
 }

@@ -1,0 +1,260 @@
+//! Tagged transfers in flight at a peer, and what ends those its engine cannot: the master
+//! removed the other end (frozen or cut off, it never closes its streams), a topology replaces the
+//! one they run in, the other end's call can never let them complete, their bound passed.
+//!
+//! Sans IO, as [`Peer`]: the driver posts each transfer to its engine and here
+//! ([`Transfers::start`]), tells what the engine did ([`Transfers::handle_engine`]), what the
+//! master said ([`Transfers::handle_apart`], [`Transfers::handle_taken_up`]) and when nothing
+//! moves ([`Transfers::handle_stalled`], [`Transfers::handle_waiting`]), with the time as an
+//! argument; it takes each transfer that ended with [`Transfers::poll_ended`]. `crates/peer`
+//! drives it beside its engine's sockets, `crates/sim` beside its simulated lanes.
+
+use super::{CallId, Peer};
+use shoal_wire::{Epoch, PeerId};
+use std::collections::{BTreeMap, VecDeque};
+use std::time::{Duration, Instant};
+
+/// How long a caller waits on a transfer that found nothing to match it before it asks, through
+/// the master, whether the other end's call ever lets it complete ([`Peer::p2p_waits`]). Most
+/// transfers match within it, and cost the master nothing.
+pub const P2P_PATIENCE: Duration = Duration::from_millis(100);
+
+/// How long a transfer's loss waits for the news that the other end's call ended apart from ours
+/// (`P2pApart`, or the verdict that settles our point): the master sends it before it acts on
+/// it, but it travels another way than the streams' close or the new topology.
+pub const APART_GRACE: Duration = Duration::from_millis(200);
+
+/// A transfer in flight: with whom, in which topology, until when; and `data`, what its driver
+/// keeps with it (its buffer, ...).
+#[derive(Debug)]
+pub struct Transfer<T, E> {
+    /// The member at the other end.
+    pub peer: PeerId,
+    /// Its rank in `epoch`.
+    pub rank: usize,
+    /// Ours is the send; otherwise the receive.
+    pub send: bool,
+    /// What it is matched by, besides its member and direction.
+    pub tag: u64,
+    /// The topology it runs in.
+    pub epoch: Epoch,
+    /// Its bound.
+    pub deadline: Instant,
+    /// What its driver keeps with it.
+    pub data: T,
+    /// How it fails, held [`APART_GRACE`] from when it was seen: the streams closed, or a new
+    /// topology replaces ours, because the other end's call ended apart from ours, whose news is
+    /// a moment behind.
+    failing: Option<(Stop<E>, Instant)>,
+}
+
+impl<T, E> Transfer<T, E> {
+    /// A transfer with member `peer` (rank `rank` of topology `epoch`), bound by `deadline`.
+    pub fn new(peer: PeerId, rank: usize, send: bool, tag: u64, epoch: Epoch, deadline: Instant, data: T) -> Self {
+        Transfer { peer, rank, send, tag, epoch, deadline, data, failing: None }
+    }
+}
+
+/// Why a transfer ended without completing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Stop<E> {
+    /// The engine failed it (the driver's own error for what failed).
+    Failed(E),
+    /// The master removed the member at the other end from the run.
+    Removed,
+    /// The master issued a topology that replaces the transfer's (a member was lost or admitted):
+    /// the members take up the new one rather than answer in this one.
+    Replaced,
+    /// Topology `.0` was taken up while the transfer ran in an older one.
+    Superseded(Epoch),
+    /// The other end's call, or ours, can never let it complete: why, naming both calls.
+    Apart(String),
+    /// Its bound passed.
+    Timeout,
+}
+
+/// The tagged transfers in flight at a peer, and what ends those its engine cannot: a member
+/// removed, a topology replaced, a call at the other end that never lets them complete, a bound.
+/// Its driver posts each to its engine and here, and feeds in what happened, time an argument.
+#[derive(Debug)]
+pub struct Transfers<T, E> {
+    calls: BTreeMap<CallId, Transfer<T, E>>,
+    /// The transfer the caller waits on, announced to the master as waiting for its other end's
+    /// call, and that member.
+    announced: Option<(CallId, PeerId)>,
+    ended: VecDeque<Ended<T, E>>,
+}
+
+/// A transfer that ended ([`Transfers::poll_ended`]).
+#[derive(Debug)]
+pub struct Ended<T, E> {
+    /// Its call.
+    pub call: CallId,
+    /// What it was.
+    pub transfer: Transfer<T, E>,
+    /// How it ended.
+    pub result: Result<(), Stop<E>>,
+}
+
+impl<T, E> Default for Transfers<T, E> {
+    fn default() -> Self {
+        Transfers { calls: BTreeMap::new(), announced: None, ended: VecDeque::new() }
+    }
+}
+
+impl<T, E> Transfers<T, E> {
+    /// Transfer `call` was posted to the engine.
+    pub fn start(&mut self, call: CallId, transfer: Transfer<T, E>) {
+        assert!(transfer.failing.is_none(), "{call:?} starts failing");
+        let old = self.calls.insert(call, transfer);
+        assert!(old.is_none(), "{call:?} started twice");
+    }
+
+    /// Transfer `call`, while in flight.
+    pub fn get(&self, call: CallId) -> Option<&Transfer<T, E>> {
+        self.calls.get(&call)
+    }
+
+    /// The transfers in flight.
+    pub fn iter(&self) -> impl Iterator<Item = (CallId, &Transfer<T, E>)> {
+        self.calls.iter().map(|(c, t)| (*c, t))
+    }
+
+    /// Whether our caller's wait on `call` was announced, and not resumed yet.
+    pub fn announced(&self, call: CallId) -> bool {
+        self.announced.is_some_and(|(c, _)| c == call)
+    }
+
+    /// Whether none is in flight.
+    pub fn is_empty(&self) -> bool {
+        self.calls.is_empty()
+    }
+
+    /// The engine ended transfer `call` with `result`; `lost`: a failure is the loss of the
+    /// streams. That may be the other end's call ending apart from ours, or a call of a third
+    /// member's doing so at our point (its new topology closes the old streams): the failure is
+    /// held [`APART_GRACE`] for that news, a `P2pApart` or the verdict that settles our point.
+    pub fn handle_engine(&mut self, call: CallId, result: Result<(), E>, lost: bool, now: Instant) {
+        let Some(t) = self.calls.get_mut(&call) else { return };
+        match result {
+            Err(e) if lost => t.failing = Some((Stop::Failed(e), now)),
+            result => self.end(call, result.map_err(Stop::Failed)),
+        }
+    }
+
+    /// Topology `epoch` was taken up: its links replace the ones the transfers in flight run
+    /// over, and ranks may name other members now; each ends, retryably.
+    pub fn handle_taken_up(&mut self, epoch: Epoch) {
+        let calls: Vec<CallId> = self.calls.keys().copied().collect();
+        for call in calls {
+            assert!(self.calls[&call].epoch < epoch, "{call:?} runs in a topology taken up after {epoch:?}");
+            self.end(call, Err(Stop::Superseded(epoch)));
+        }
+    }
+
+    /// The master says that member `peer`'s call can never let the transfer our caller waits on
+    /// complete (`reason` names both calls): it ends. Whether it did (nothing if that wait is over).
+    pub fn handle_apart(&mut self, peer: PeerId, reason: String) -> bool {
+        let Some((call, _)) = self.announced.filter(|(_, p)| *p == peer) else { return false };
+        self.announced = None;
+        log::warn!("{reason}");
+        self.end(call, Err(Stop::Apart(reason)));
+        true
+    }
+
+    /// Nothing moves: ends the transfers that cannot end otherwise, as `peer` knows the run at
+    /// `now`. Nothing while `peer` has an action to carry out first (a `P2pApart` before the
+    /// topology it brings).
+    pub fn handle_stalled(&mut self, peer: &mut Peer, now: Instant) {
+        if peer.has_action() || self.calls.is_empty() {
+            return;
+        }
+        // A topology issued after the others' calls at our point ended apart: ours are among them.
+        let apart = |peer: &Peer, t: &Transfer<T, E>| {
+            !peer.removed(t.peer) && (t.failing.is_some() || peer.superseded(t.epoch))
+        };
+        let settled = self.calls.values().any(|t| apart(peer, t)).then(|| peer.p2p_settled("p2p")).flatten();
+        let mut stopped: Vec<(CallId, Stop<E>)> = Vec::new();
+        for (call, t) in &mut self.calls {
+            let stop = if peer.removed(t.peer) {
+                Some(Stop::Removed)
+            } else if let Some(reason) = settled.as_ref().filter(|_| apart(peer, t)) {
+                Some(Stop::Apart(reason.clone()))
+            } else if apart(peer, t) {
+                let (_, since) = t.failing.get_or_insert((Stop::Replaced, now));
+                (now >= *since + APART_GRACE).then(|| t.failing.take().expect("held").0)
+            } else if now >= t.deadline {
+                Some(Stop::Timeout)
+            } else {
+                None
+            };
+            stopped.extend(stop.map(|s| (*call, s)));
+        }
+        for (call, stop) in stopped {
+            self.end(call, Err(stop));
+        }
+    }
+
+    /// Our caller has waited `waited` on transfer `call`: past [`P2P_PATIENCE`], if `unmatched`
+    /// says nothing came to match it (`Some`: the count of the other end's sends to us offered so
+    /// far), `peer` announces the wait; once a call. Whether it did.
+    pub fn handle_waiting(
+        &mut self,
+        call: CallId,
+        waited: Duration,
+        unmatched: impl FnOnce() -> Option<u64>,
+        peer: &mut Peer,
+    ) -> bool {
+        if self.announced.is_some() || waited < P2P_PATIENCE {
+            return false;
+        }
+        let Some(t) = self.calls.get(&call) else { return false };
+        let Some(seen) = unmatched() else { return false };
+        log::debug!(
+            "{} with {} (tag {}) waits for its match: asking whether it ever comes",
+            verb(t.send),
+            t.peer,
+            t.tag
+        );
+        self.announced = Some((call, t.peer));
+        peer.p2p_waits(t.peer, t.send, t.tag, seen);
+        true
+    }
+
+    /// Our caller stopped waiting on `call` (it ended, or the caller's own wait timed out): the
+    /// wait announced for it, if any, is over.
+    pub fn handle_resumed(&mut self, call: CallId, peer: &mut Peer) {
+        if let Some((_, other)) = self.announced.filter(|(c, _)| *c == call) {
+            self.announced = None;
+            peer.p2p_resumed(other);
+        }
+    }
+
+    /// When [`Transfers::handle_stalled`] has something to do with time alone: a bound, or a
+    /// held failure's grace.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let due = |t: &Transfer<T, E>| t.failing.as_ref().map_or(t.deadline, |(_, since)| *since + APART_GRACE);
+        self.calls.values().map(due).min()
+    }
+
+    /// A transfer that ended, with how: out of here, for its driver to take out of the engine.
+    pub fn poll_ended(&mut self) -> Option<Ended<T, E>> {
+        self.ended.pop_front()
+    }
+
+    fn end(&mut self, call: CallId, result: Result<(), Stop<E>>) {
+        let Some(mut transfer) = self.calls.remove(&call) else { return };
+        transfer.failing = None;
+        self.ended.push_back(Ended { call, transfer, result });
+        assert!(!self.calls.contains_key(&call), "{call:?} ended, yet in flight");
+    }
+}
+
+/// A transfer's verb: `send` or `recv`.
+pub fn verb(send: bool) -> &'static str {
+    if send {
+        "send"
+    } else {
+        "recv"
+    }
+}
