@@ -41,9 +41,13 @@
 //!
 //! [`run_calls`] scripts one more scenario: three live peers, one makes one call, the other two
 //! another that cannot complete with it (every pair of `all_reduce`, `barrier`, `peers_pending`,
-//! `update_topology`, `sync_shared_state` and `optimize_topology`), in an order and with gaps the
-//! seed picks; [`check_calls`] has every call end at once with the error naming the calls, and
-//! the matching all-reduce after them pass at the first try.
+//! `update_topology`, `sync_shared_state`, `optimize_topology` and tagged transfers around the
+//! ring), in an order and with gaps the seed picks; [`check_calls`] has every call end at once with
+//! the error naming the calls, and the matching all-reduce after them pass at the first try. The
+//! transfers are the shipped engine's, and their bookkeeping the shipped
+//! [`shoal_proto::peer::Transfers`] (the announced wait, a loss held for the news that settles it,
+//! bounds) with [`shoal_proto::peer::Peer::judge_waiters`]; a received buffer must hold what its
+//! sender sent.
 //!
 //! `run(seed)` is a pure function of the seed: a failing seed reproduces exactly.
 

@@ -2,13 +2,13 @@
 
 use crate::net::{Conn, Dirty, SimLane};
 use shoal_collective::{Algorithm, CollectiveKind, DType, Format, Quantization, ReduceOp};
-use shoal_engine::{Backup, Exec, LinkError, OpEvent, OpSpec, Pumped, RawBuf, Taken};
+use shoal_engine::{Backup, Direction, Exec, LinkError, OpEvent, OpSpec, Pumped, RawBuf, Taken, TransferSpec};
 use shoal_proto::auth::{DataKey, RunKey};
 use shoal_proto::master::Strategy;
 use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output};
 use shoal_proto::peer::{
-    Action, CallError, CallId, CallKind, Established, Gone, OpId, OpProgress, Peer, PeerConfig, Revision, RingPosition,
-    Seq, SyncBallot, Value,
+    Action, CallError, CallId, CallKind, Ended, Established, Gone, OpId, OpProgress, Peer, PeerConfig, Revision,
+    RingPosition, Seq, Stop, SyncBallot, Transfer, Transfers, Value, WaitNote, P2P_PATIENCE,
 };
 use shoal_wire::{Epoch, FailureKind, GroupId, Measured, Message, OpFailure, OpHeader, PeerId, SessionId, StateDigest};
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
@@ -189,17 +189,21 @@ pub enum Call {
     SyncSharedState,
     /// A barrier (with a tag of its own), then a vote with the links it measured.
     OptimizeTopology,
+    /// Tagged transfers around the ring: `isend` to the next rank, `recv` from the one before,
+    /// then a wait on the send (as `python/tests/worker.py`'s `p2p`).
+    P2p,
 }
 
 impl Call {
     /// Every call.
-    pub const ALL: [Call; 6] = [
+    pub const ALL: [Call; 7] = [
         Call::AllReduce,
         Call::Barrier,
         Call::PeersPending,
         Call::UpdateTopology,
         Call::SyncSharedState,
         Call::OptimizeTopology,
+        Call::P2p,
     ];
 
     /// The call's name, as users know it.
@@ -211,6 +215,7 @@ impl Call {
             Call::UpdateTopology => "update_topology",
             Call::SyncSharedState => "sync_shared_state",
             Call::OptimizeTopology => "optimize_topology",
+            Call::P2p => "p2p",
         }
     }
 
@@ -257,6 +262,8 @@ enum Next {
     /// `sync_shared_state`, before every collective when the run syncs.
     Sync,
     Collective,
+    /// A scripted run's [`Call::P2p`].
+    P2p,
 }
 
 /// Where a peer of a scripted run ([`run_calls`]) is; `Loop` throughout in a seeded one.
@@ -284,6 +291,19 @@ struct Script {
 
 /// The tag of `optimize_topology`'s barrier, as `crates/peer` numbers it.
 const OPTIMIZE_BARRIER_TAG: u64 = u64::MAX - 1;
+/// The tag of [`Call::P2p`]'s transfers, and how many elements each moves.
+const P2P_TAG: u64 = 3;
+const P2P_COUNT: usize = 5;
+
+/// A scripted [`Call::P2p`] in flight at a peer.
+struct P2p {
+    send: CallId,
+    recv: CallId,
+    /// The transfer the caller waits on (the receive, then the send), and since when.
+    waits: (CallId, Duration),
+    /// How the send ended, if it did while the caller waited on the receive.
+    sent: Option<Result<(), Stop<LinkError>>>,
+}
 
 /// A peer's end of a data connection: the connection, which end, and the peer at the other.
 #[derive(Debug, Clone)]
@@ -355,6 +375,14 @@ struct SimPeer {
     barriers: BTreeMap<CallId, u64>,
     /// A scripted run's matching all-reduce: its failed tries.
     after: Vec<String>,
+    /// The call the application waits in (a batch's first collective), once the state machine
+    /// numbered it.
+    waits_in: Option<CallId>,
+    /// Tagged transfers in flight, by the machine `crates/peer` drives, each with its buffer
+    /// (lent to the engine while posted: its heap block never moves).
+    transfers: Transfers<Vec<i64>, LinkError>,
+    /// A scripted `p2p` call in flight.
+    p2p: Option<P2p>,
 }
 
 impl SimPeer {
@@ -393,6 +421,9 @@ impl SimPeer {
             stage: Stage::Loop,
             barriers: BTreeMap::new(),
             after: Vec::new(),
+            waits_in: None,
+            transfers: Transfers::default(),
+            p2p: None,
         }
     }
 
@@ -942,7 +973,8 @@ impl Sim {
             return false;
         }
         if self.peers[i].calling.is_none() && self.peers[i].stage != Stage::Loop {
-            return self.scripted(i);
+            // A transfer its call left in flight moves on (the progress thread's part).
+            return self.scripted(i) || (!self.peers[i].transfers.is_empty() && self.pump(i));
         }
         if self.peers[i].calling.is_none() {
             // Every member makes the same calls: after every third collective of a topology, ask
@@ -967,6 +999,7 @@ impl Sim {
                     Call::PeersPending => self.call(i, Next::Pending),
                     Call::UpdateTopology => self.call(i, Next::Vote),
                     Call::SyncSharedState => self.call(i, Next::Sync),
+                    Call::P2p => self.p2p(i),
                 }
             }
             Stage::Ended if self.peers.iter().all(|p| matches!(p.stage, Stage::Ended | Stage::After | Stage::Done)) => {
@@ -989,10 +1022,126 @@ impl Sim {
             at,
         );
         p.batch.insert(call);
+        p.waits_in = Some(call);
         if let Some(tag) = barrier {
             p.barriers.insert(call, tag);
         }
         true
+    }
+
+    /// Peer `i` calls [`Call::P2p`]: `isend` to the next rank, then `recv` from the one before,
+    /// each refused at once where the others' calls at our point ended apart from it (as
+    /// `crates/peer` posts them); it waits on the receive, then on the send.
+    fn p2p(&mut self, i: usize) -> bool {
+        let at = self.instant();
+        let p = &mut self.peers[i];
+        (p.calling, p.call_started) = (Some(Next::P2p), self.now);
+        let position = p.position.clone().expect("a scripted call runs in the group of three");
+        let (rank, world, me) = (position.rank, position.group_size(), p.me().expect("registered"));
+        let mut calls = Vec::new();
+        for (send, other) in [(true, (rank + 1) % world), (false, (rank + world - 1) % world)] {
+            if let Some(reason) = p.proto.p2p_settled(if send { "p2p send" } else { "p2p recv" }) {
+                // The call ends with the usage error; a send posted already stays in flight.
+                p.calling = None;
+                self.scripted_end(i, false, Err(CallError::Misuse(reason)));
+                return true;
+            }
+            let call = p.proto.reserve_call();
+            let mut buf: Vec<i64> =
+                if send { (0..P2P_COUNT).map(|k| p2p_value(me, k)).collect() } else { vec![0; P2P_COUNT] };
+            let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut buf);
+            let spec = TransferSpec {
+                direction: if send { Direction::Send } else { Direction::Recv },
+                peer: other,
+                tag: P2P_TAG,
+                dtype: DType::I64,
+                buf: if send { RawBuf::of_shared(bytes) } else { RawBuf::new(bytes) },
+                // One element a part: every part is its own frame.
+                chunk_bytes: 8,
+            };
+            let exec = p.exec.as_mut().expect("a topology taken up has its engine");
+            exec.post_transfer(call.0, spec);
+            let peer = position.ring[other].peer;
+            p.transfers.start(call, Transfer::new(peer, other, send, P2P_TAG, position.epoch, at + CALL_TIMEOUT, buf));
+            calls.push(call);
+        }
+        let (send, recv) = (calls[0], calls[1]);
+        p.waits_in = Some(recv);
+        p.p2p = Some(P2p { send, recv, waits: (recv, self.now), sent: None });
+        self.push(self.now + P2P_PATIENCE, Ev::Wake(i));
+        self.link(i);
+        true
+    }
+
+    /// Peer `i`'s transfers that ended come out of its engine; a received buffer must hold what
+    /// its sender sent. The scripted `p2p` call waits on one at a time, and ends with the
+    /// receive's failure or the send's end. Whether any ended.
+    fn transfers_ended(&mut self, i: usize) -> bool {
+        let mut any = false;
+        while let Some(Ended { call, transfer: t, result }) = self.peers[i].transfers.poll_ended() {
+            any = true;
+            let p = &mut self.peers[i];
+            if let Some(exec) = p.exec.as_mut().filter(|e| e.epoch() == t.epoch) {
+                exec.take_transfer(call.0);
+            }
+            let expected: Vec<i64> = (0..P2P_COUNT).map(|k| p2p_value(t.peer, k)).collect();
+            if result.is_ok() && !t.send && t.data != expected {
+                let v = format!("peer {i}: received {:?} from {}, which sent {expected:?}", t.data, t.peer);
+                self.report.violations.push(Violation(v));
+            }
+            let p = &mut self.peers[i];
+            let Some(p2p) = p.p2p.as_mut() else { continue };
+            if call != p2p.waits.0 {
+                if call == p2p.send {
+                    p2p.sent = Some(result);
+                }
+                continue;
+            }
+            p.transfers.handle_resumed(call, &mut p.proto);
+            let ended = match (call == p2p.recv, result) {
+                (true, Ok(())) => match p2p.sent.take() {
+                    Some(sent) => sent,
+                    None => {
+                        p2p.waits = (p2p.send, self.now);
+                        self.push(self.now + P2P_PATIENCE, Ev::Wake(i));
+                        continue;
+                    }
+                },
+                (_, result) => result,
+            };
+            p.p2p = None;
+            let ended = ended.map_err(|stop| match stop {
+                Stop::Apart(reason) => CallError::Misuse(reason),
+                Stop::Timeout => CallError::Timeout,
+                stop => CallError::Interrupted(format!("the transfer stopped: {stop:?}")),
+            });
+            self.scripted_end(i, false, ended);
+        }
+        any
+    }
+
+    /// Says which members' transfers with peer `i` its call can never let complete, as
+    /// `crates/peer`'s driver does ([`Peer::judge_waiters`]).
+    fn judge_waiters(&mut self, i: usize) {
+        let at = self.instant();
+        let p = &mut self.peers[i];
+        let (Some(call), Some(exec), Some(position)) = (p.waits_in, p.exec.as_ref(), p.position.as_ref()) else {
+            return;
+        };
+        let barriers = &p.barriers;
+        let collective = p.ops.values().find(|op| op.call == call).map(|op| {
+            let name = match barriers.get(&call) {
+                Some(&OPTIMIZE_BARRIER_TAG) => "optimize_topology",
+                Some(_) => "barrier",
+                None => collective_of(op.id, op.members.len()).0.name(),
+            };
+            (op.id, name)
+        });
+        let stuck = |waiter: PeerId, note: &WaitNote| {
+            let rank = position.ring.iter().position(|m| m.peer == waiter);
+            rank.is_some_and(|rank| exec.transfer_stuck(rank, note.send, note.tag, note.seen))
+        };
+        p.proto.judge_waiters(call, collective, stuck, at);
     }
 
     /// Peer `i`'s scripted call, or the all-reduce after them all, ended with `result` (its
@@ -1009,7 +1158,7 @@ impl Sim {
                     let (measured, at) = (self.measured_by(i), self.instant());
                     let p = &mut self.peers[i];
                     p.calling = Some(Next::Vote);
-                    p.proto.call(CallKind::OptimizeTopology(measured), CALL_TIMEOUT, at);
+                    p.waits_in = Some(p.proto.call(CallKind::OptimizeTopology(measured), CALL_TIMEOUT, at));
                     return;
                 }
                 p.stage = Stage::Ended;
@@ -1058,8 +1207,10 @@ impl Sim {
                 self.peers[i].proto.handle_fetched(round, fetched, at);
             }
             Action::Done { call, result } => self.done(i, call, result),
-            Action::MemberWaits(_) | Action::P2pApart { .. } => {
-                unreachable!("the simulated loops make no tagged transfers: {action:?}")
+            Action::MemberWaits(_) => self.judge_waiters(i),
+            Action::P2pApart { peer, reason } => {
+                self.peers[i].transfers.handle_apart(peer, reason);
+                self.transfers_ended(i);
             }
         }
     }
@@ -1081,9 +1232,12 @@ impl Sim {
         p.call_started = self.now;
         if next == Next::Collective {
             (p.batch_ok, p.batch_pending_due) = (true, false);
-            for _ in 0..self.batch {
+            for k in 0..self.batch {
                 let call = p.proto.call(CallKind::Collective("all_reduce"), CALL_TIMEOUT, at);
                 p.batch.insert(call);
+                if k == 0 {
+                    p.waits_in = Some(call);
+                }
             }
             return true;
         }
@@ -1097,9 +1251,9 @@ impl Sim {
                 entries: vec![state_digest(p.revision)],
             }),
             Next::Collective => CallKind::Collective("all_reduce"),
-            Next::Connect => unreachable!("a peer connects once"),
+            Next::Connect | Next::P2p => unreachable!("a peer connects once; p2p is scripted"),
         };
-        p.proto.call(kind, CALL_TIMEOUT, at);
+        p.waits_in = Some(p.proto.call(kind, CALL_TIMEOUT, at));
         true
     }
 
@@ -1167,7 +1321,7 @@ impl Sim {
         }
         let call = p.calling.take().expect("only a call ends");
         match (call, result) {
-            (Next::Collective, _) => unreachable!("a batch's collectives end above"),
+            (Next::Collective | Next::P2p, _) => unreachable!("a batch's collectives and transfers end elsewhere"),
             (_, Err(CallError::Timeout)) => {
                 // No call waits for a call that will never come: a vote that runs to its full bound
                 // is a bug unless a peer was frozen or cut off (whose calls the others wait for
@@ -1254,6 +1408,8 @@ impl Sim {
     /// The collectives still in the old one are taken out (their calls end by the state
     /// machine's word, their buffers put back if they failed), and its lanes close.
     fn take_up(&mut self, i: usize, position: &RingPosition) {
+        self.peers[i].transfers.handle_taken_up(position.epoch);
+        self.transfers_ended(i);
         let p = &mut self.peers[i];
         if let Some(mut old) = p.exec.take() {
             let epoch = old.epoch();
@@ -1392,6 +1548,12 @@ impl Sim {
         }
         let moved = exec.pump(at) == Pumped::Progress;
         let events = exec.events();
+        let transfers = exec.transfer_events();
+        let ended = !transfers.is_empty();
+        for (id, result) in transfers {
+            let lost = matches!(result, Err(LinkError::Lost { .. }));
+            p.transfers.handle_engine(CallId(id), result, lost, at);
+        }
         // Waiting for a member to link to us, or to dial one: as the driver before it sleeps.
         let awaiting = exec.awaiting();
         if let Some(held) = exec.held_until() {
@@ -1402,13 +1564,16 @@ impl Sim {
                 self.push(wake, Ev::Wake(i));
             }
         }
+        if ended {
+            self.transfers_ended(i);
+        }
         if !events.is_empty() {
             for (seq, event) in events {
                 self.report_event(i, OpId { epoch, seq: Seq(seq) }, event);
             }
             return true;
         }
-        if moved || (awaiting && self.link(i)) {
+        if moved || ended || (awaiting && self.link(i)) {
             return true;
         }
         let p = &mut self.peers[i];
@@ -1424,7 +1589,32 @@ impl Sim {
             p.proto.handle_collective(id, OpProgress::Stalled { waits_on }, at);
             stopped |= !p.proto.running(id);
         }
-        stopped
+        stopped | self.transfers_stalled(i)
+    }
+
+    /// Nothing moves at peer `i`: its transfers that cannot end otherwise end, and a long wait on
+    /// one is announced, as the real driver does before it sleeps. Whether anything changed.
+    fn transfers_stalled(&mut self, i: usize) -> bool {
+        let at = self.instant();
+        let p = &mut self.peers[i];
+        if p.transfers.is_empty() {
+            return false;
+        }
+        p.transfers.handle_stalled(&mut p.proto, at);
+        let mut announced = false;
+        if let (Some(p2p), Some(exec)) = (p.p2p.as_ref(), p.exec.as_ref()) {
+            let (call, since) = p2p.waits;
+            let unmatched = || exec.transfer_unmatched(call.0);
+            announced = p.transfers.handle_waiting(call, self.now - since, unmatched, &mut p.proto);
+        }
+        if let Some(due) = p.transfers.poll_timeout() {
+            let wake = due.saturating_duration_since(self.base).max(self.now);
+            if p.wake.is_none_or(|w| w < self.now || w > wake) {
+                p.wake = Some(wake);
+                self.push(wake, Ev::Wake(i));
+            }
+        }
+        self.transfers_ended(i) || announced
     }
 
     /// Tells peer `i`'s state machine what its engine did with collective `id`.
@@ -1593,6 +1783,11 @@ fn collective_of(id: OpId, world: usize) -> (CollectiveKind, Algorithm, usize, O
 }
 
 /// The host of `rank` for the hierarchical all-reduce: two ranks per host.
+/// Element `k` of what member `sender` sends in a [`Call::P2p`].
+fn p2p_value(sender: PeerId, k: usize) -> i64 {
+    i64::from(sender.0) * 1000 + k as i64
+}
+
 fn host_of(rank: usize) -> usize {
     rank / 2
 }
