@@ -140,6 +140,7 @@ impl<T, E> Transfers<T, E> {
             Err(e) if lost => t.failing = Some((Stop::Failed(e), now)),
             result => self.end(call, result.map_err(Stop::Failed)),
         }
+        assert!(self.calls.get(&call).is_none_or(|t| t.failing.is_some()), "{call:?} ended in the engine, yet runs");
     }
 
     /// Topology `epoch` was taken up: its links replace the ones the transfers in flight run
@@ -150,6 +151,7 @@ impl<T, E> Transfers<T, E> {
             assert!(self.calls[&call].epoch < epoch, "{call:?} runs in a topology taken up after {epoch:?}");
             self.end(call, Err(Stop::Superseded(epoch)));
         }
+        assert!(self.calls.is_empty(), "a transfer outlives its topology");
     }
 
     /// The master says that member `peer`'s call can never let the transfer our caller waits on
@@ -159,6 +161,7 @@ impl<T, E> Transfers<T, E> {
         self.announced = None;
         log::warn!("{reason}");
         self.end(call, Err(Stop::Apart(reason)));
+        assert!(self.announced.is_none() && !self.calls.contains_key(&call), "{call:?} apart, yet waited on");
         true
     }
 
@@ -193,6 +196,10 @@ impl<T, E> Transfers<T, E> {
         for (call, stop) in stopped {
             self.end(call, Err(stop));
         }
+        assert!(
+            self.calls.values().all(|t| now < t.deadline || t.failing.is_some()),
+            "a transfer past its bound is neither ended nor held"
+        );
     }
 
     /// Our caller has waited `waited` on transfer `call`: past [`P2P_PATIENCE`], if `unmatched`
@@ -218,6 +225,7 @@ impl<T, E> Transfers<T, E> {
         );
         self.announced = Some((call, t.peer));
         peer.p2p_waits(t.peer, t.send, t.tag, seen);
+        assert!(self.announced(call), "{call:?} announced, yet not kept");
         true
     }
 
@@ -228,6 +236,7 @@ impl<T, E> Transfers<T, E> {
             self.announced = None;
             peer.p2p_resumed(other);
         }
+        assert!(!self.announced(call), "{call:?} resumed, yet announced");
     }
 
     /// When [`Transfers::handle_stalled`] has something to do with time alone: a bound, or a
