@@ -12,7 +12,10 @@
 //! quantized to bf16 and int8, all-gather, reduce-scatter, broadcast around the ring and one-shot
 //! from a root that varies; one element per block or segment, values summed), several at once
 //! where the seed batches them, in group 0 or another, among 2 to 5 peers and in one run of 1000
-//! among 8 to 64. What it models: opening a topology's connections (dialing a
+//! among 8 to 64. In half the runs every batch also exchanges tagged transfers around the ring
+//! (`isend` to the next rank, `recv` from the one before, posted with its first collective and
+//! waited for after its collectives), on the shipped engine, their bookkeeping the shipped
+//! [`shoal_proto::peer::Transfers`]. What it models: opening a topology's connections (dialing a
 //! dead peer fails) and fetching shared state (which fails from a dead donor). The seed
 //! picks the application's loop for every peer: the README's (`update_topology` after a failure),
 //! retry-only, or PCCL's (`peers_pending` at the top of every iteration; a newcomer starts there),
@@ -27,6 +30,9 @@
 //!   participants' inputs (their sum; the inputs in rank order; its own block's sum; the root's;
 //!   a quantized sum within 5% of the exact one, and bit-identical on every member);
 //! - **restored buffers**: every collective that failed left its buffer exactly as it was;
+//! - **transfers**: every received buffer holds what its sender sent, and no transfer ends in a
+//!   usage error, nor at its bound unless a peer was cut off (a transfer has no agreement: the two
+//!   ends may see it end apart, and the loop goes on whatever they saw);
 //! - **bounded calls**: no call outlived its bound (the model enforces bounds and records any
 //!   call that ends by its deadline; a timeout is allowed only where a peer was cut off), and no
 //!   collective, vote or `peers_pending` ran to its whole bound in a run without a frozen or
@@ -44,10 +50,8 @@
 //! `update_topology`, `sync_shared_state`, `optimize_topology` and tagged transfers around the
 //! ring), in an order and with gaps the seed picks; [`check_calls`] has every call end at once with
 //! the error naming the calls, and the matching all-reduce after them pass at the first try. The
-//! transfers are the shipped engine's, and their bookkeeping the shipped
-//! [`shoal_proto::peer::Transfers`] (the announced wait, a loss held for the news that settles it,
-//! bounds) with [`shoal_proto::peer::Peer::judge_waiters`]; a received buffer must hold what its
-//! sender sent.
+//! waiters a call never serves are judged by [`shoal_proto::peer::Peer::judge_waiters`], as
+//! `crates/peer`'s driver does.
 //!
 //! `run(seed)` is a pure function of the seed: a failing seed reproduces exactly.
 

@@ -166,6 +166,9 @@ pub struct Report {
     pub successes: usize,
     /// Successful shared-state syncs.
     pub syncs: usize,
+    /// Tagged transfers of the seeded loop that completed, and that failed (retryably).
+    pub transfers: usize,
+    pub transfers_failed: usize,
     /// Calls that failed with a usage error: (peer index, call, why). The application's calls
     /// are the same on every peer, so only failures can put them out of step.
     pub misuse: Vec<(usize, String, String)>,
@@ -295,14 +298,17 @@ const OPTIMIZE_BARRIER_TAG: u64 = u64::MAX - 1;
 const P2P_TAG: u64 = 3;
 const P2P_COUNT: usize = 5;
 
-/// A scripted [`Call::P2p`] in flight at a peer.
+/// An exchange around the ring in flight at a peer: `isend` to the next rank, `recv` from the one
+/// before (a scripted [`Call::P2p`], or part of a seeded run's batch).
 struct P2p {
     send: CallId,
     recv: CallId,
-    /// The transfer the caller waits on (the receive, then the send), and since when.
-    waits: (CallId, Duration),
-    /// How the send ended, if it did while the caller waited on the receive.
+    /// The transfer the caller waits on (the receive, then the send), and since when; none while
+    /// it waits on its batch's collectives.
+    waits: Option<(CallId, Duration)>,
+    /// How each ended, once it did.
     sent: Option<Result<(), Stop<LinkError>>>,
+    received: Option<Result<(), Stop<LinkError>>>,
 }
 
 /// A peer's end of a data connection: the connection, which end, and the peer at the other.
@@ -381,7 +387,7 @@ struct SimPeer {
     /// Tagged transfers in flight, by the machine `crates/peer` drives, each with its buffer
     /// (lent to the engine while posted: its heap block never moves).
     transfers: Transfers<Vec<i64>, LinkError>,
-    /// A scripted `p2p` call in flight.
+    /// An exchange around the ring in flight.
     p2p: Option<P2p>,
 }
 
@@ -473,6 +479,9 @@ struct Sim {
     /// Whether every other vote of a peer is `optimize_topology`'s, with links measured as if
     /// even and odd peers sat on two sites 40 ms apart.
     optimizes: bool,
+    /// Whether every batch also exchanges tagged transfers around the ring (posted with its first
+    /// collective, waited for after its collectives).
+    p2p: bool,
     /// Print every event (`SHOAL_SIM_TRACE`).
     trace: bool,
     /// A scripted run's calls ([`run_calls`]).
@@ -488,6 +497,7 @@ pub fn run(seed: u64) -> Report {
     sim.batch = if sim.rng.chance(33) { 1 } else { 2 + sim.rng.below(3) as usize };
     sim.max_in_flight = 1 + sim.rng.below(4) as usize;
     sim.optimizes = sim.rng.chance(50);
+    sim.p2p = sim.rng.chance(50);
     sim.group = GroupId([0, 1, 7][sim.rng.below(3) as usize]);
     if sim.shape == Shape::Pccl {
         // A newcomer's first `peers_pending` is cast tentatively (`proto::master::calls`): with a
@@ -496,10 +506,11 @@ pub fn run(seed: u64) -> Report {
         sim.max_in_flight = sim.max_in_flight.max(sim.batch);
     }
     sim.report.shape = format!(
-        "{:?}{}{}, batches of {} with at most {} in flight",
+        "{:?}{}{}{}, batches of {} with at most {} in flight",
         sim.shape,
         if sim.syncs { " with syncs" } else { "" },
         if sim.optimizes { " optimizing" } else { "" },
+        if sim.p2p { " exchanging p2p" } else { "" },
         sim.batch,
         sim.max_in_flight
     );
@@ -573,6 +584,7 @@ impl Sim {
             max_in_flight: 1,
             group: GroupId(0),
             optimizes: false,
+            p2p: false,
             trace: std::env::var_os("SHOAL_SIM_TRACE").is_some(),
             script: None,
         }
@@ -1029,22 +1041,32 @@ impl Sim {
         true
     }
 
-    /// Peer `i` calls [`Call::P2p`]: `isend` to the next rank, then `recv` from the one before,
-    /// each refused at once where the others' calls at our point ended apart from it (as
-    /// `crates/peer` posts them); it waits on the receive, then on the send.
+    /// Peer `i` calls [`Call::P2p`]: the exchange around the ring, waited on at once.
     fn p2p(&mut self, i: usize) -> bool {
-        let at = self.instant();
         let p = &mut self.peers[i];
         (p.calling, p.call_started) = (Some(Next::P2p), self.now);
-        let position = p.position.clone().expect("a scripted call runs in the group of three");
+        if let Err(reason) = self.exchange(i) {
+            // The call ends with the usage error; a send posted already stays in flight.
+            self.peers[i].calling = None;
+            self.scripted_end(i, false, Err(CallError::Misuse(reason)));
+            return true;
+        }
+        self.p2p_next(i);
+        true
+    }
+
+    /// Peer `i` posts an exchange around the ring of the topology taken up: `isend` to the next
+    /// rank, then `recv` from the one before, each refused at once where the others' calls at our
+    /// point ended apart from it, with their reason (as `crates/peer` posts them).
+    fn exchange(&mut self, i: usize) -> Result<(), String> {
+        let at = self.instant();
+        let p = &mut self.peers[i];
+        let position = p.position.clone().expect("transfers run in the topology taken up");
         let (rank, world, me) = (position.rank, position.group_size(), p.me().expect("registered"));
         let mut calls = Vec::new();
         for (send, other) in [(true, (rank + 1) % world), (false, (rank + world - 1) % world)] {
             if let Some(reason) = p.proto.p2p_settled(if send { "p2p send" } else { "p2p recv" }) {
-                // The call ends with the usage error; a send posted already stays in flight.
-                p.calling = None;
-                self.scripted_end(i, false, Err(CallError::Misuse(reason)));
-                return true;
+                return Err(reason);
             }
             let call = p.proto.reserve_call();
             let mut buf: Vec<i64> =
@@ -1065,17 +1087,14 @@ impl Sim {
             p.transfers.start(call, Transfer::new(peer, other, send, P2P_TAG, position.epoch, at + CALL_TIMEOUT, buf));
             calls.push(call);
         }
-        let (send, recv) = (calls[0], calls[1]);
-        p.waits_in = Some(recv);
-        p.p2p = Some(P2p { send, recv, waits: (recv, self.now), sent: None });
-        self.push(self.now + P2P_PATIENCE, Ev::Wake(i));
+        p.p2p = Some(P2p { send: calls[0], recv: calls[1], waits: None, sent: None, received: None });
         self.link(i);
-        true
+        Ok(())
     }
 
     /// Peer `i`'s transfers that ended come out of its engine; a received buffer must hold what
-    /// its sender sent. The scripted `p2p` call waits on one at a time, and ends with the
-    /// receive's failure or the send's end. Whether any ended.
+    /// its sender sent. In the seeded loop, a transfer may fail as a retryable error does, never
+    /// as a usage error, nor at its bound unless a peer was cut off. Whether any ended.
     fn transfers_ended(&mut self, i: usize) -> bool {
         let mut any = false;
         while let Some(Ended { call, transfer: t, result }) = self.peers[i].transfers.poll_ended() {
@@ -1089,35 +1108,69 @@ impl Sim {
                 let v = format!("peer {i}: received {:?} from {}, which sent {expected:?}", t.data, t.peer);
                 self.report.violations.push(Violation(v));
             }
+            if self.peers[i].stage == Stage::Loop {
+                match &result {
+                    Ok(()) => self.report.transfers += 1,
+                    Err(Stop::Apart(reason)) => self.misuse(i, Next::Collective, reason),
+                    Err(Stop::Timeout) if !self.cut_off() => {
+                        let v = format!("peer {i}: a transfer with {} ran to its whole bound", t.peer);
+                        self.report.violations.push(Violation(v));
+                    }
+                    Err(_) => self.report.transfers_failed += 1,
+                }
+            }
             let p = &mut self.peers[i];
             let Some(p2p) = p.p2p.as_mut() else { continue };
-            if call != p2p.waits.0 {
-                if call == p2p.send {
-                    p2p.sent = Some(result);
-                }
+            if call == p2p.send {
+                p2p.sent = Some(result);
+            } else if call == p2p.recv {
+                p2p.received = Some(result);
+            } else {
                 continue;
             }
-            p.transfers.handle_resumed(call, &mut p.proto);
-            let ended = match (call == p2p.recv, result) {
-                (true, Ok(())) => match p2p.sent.take() {
-                    Some(sent) => sent,
-                    None => {
-                        p2p.waits = (p2p.send, self.now);
-                        self.push(self.now + P2P_PATIENCE, Ev::Wake(i));
-                        continue;
-                    }
-                },
-                (_, result) => result,
-            };
-            p.p2p = None;
-            let ended = ended.map_err(|stop| match stop {
-                Stop::Apart(reason) => CallError::Misuse(reason),
-                Stop::Timeout => CallError::Timeout,
-                stop => CallError::Interrupted(format!("the transfer stopped: {stop:?}")),
-            });
-            self.scripted_end(i, false, ended);
+            if p2p.waits.is_some_and(|(c, _)| c == call) {
+                p2p.waits = None;
+                p.transfers.handle_resumed(call, &mut p.proto);
+            }
+            self.p2p_next(i);
         }
         any
+    }
+
+    /// Peer `i`'s exchange: the transfer its caller waits on next (the receive, then the send,
+    /// once its batch's collectives ended), or its end: a scripted call's with the receive's
+    /// failure or the send's end; a batch's once both ended.
+    fn p2p_next(&mut self, i: usize) {
+        let p = &mut self.peers[i];
+        let scripted = matches!(p.stage, Stage::Calling(_));
+        let Some(p2p) = p.p2p.as_mut().filter(|x| x.waits.is_none() && (scripted || p.batch.is_empty())) else {
+            return;
+        };
+        let next = match (&p2p.received, &p2p.sent) {
+            (None, _) => Some(p2p.recv),
+            (Some(Err(_)), _) if scripted => None,
+            (Some(_), None) => Some(p2p.send),
+            (Some(_), Some(_)) => None,
+        };
+        if let Some(call) = next {
+            p2p.waits = Some((call, self.now));
+            self.push(self.now + P2P_PATIENCE, Ev::Wake(i));
+            return;
+        }
+        let P2p { sent, received, .. } = p.p2p.take().expect("an exchange");
+        if !scripted {
+            return self.batch_ended(i, Ok(()));
+        }
+        let ended = match (received, sent) {
+            (Some(Err(e)), _) | (_, Some(Err(e))) => Err(e),
+            _ => Ok(()),
+        };
+        let ended = ended.map_err(|stop| match stop {
+            Stop::Apart(reason) => CallError::Misuse(reason),
+            Stop::Timeout => CallError::Timeout,
+            stop => CallError::Interrupted(format!("the transfer stopped: {stop:?}")),
+        });
+        self.scripted_end(i, false, ended);
     }
 
     /// Says which members' transfers with peer `i` its call can never let complete, as
@@ -1290,30 +1343,7 @@ impl Sim {
             let op = op.and_then(|k| p.ops.remove(&k));
             let ended = result.as_ref().map(|_| ()).map_err(Clone::clone);
             self.end_op(i, op, result);
-            let p = &mut self.peers[i];
-            if p.batch.is_empty() && p.calling == Some(Next::Collective) && p.active() && p.proto.gone().is_none() {
-                if p.stage != Stage::Loop {
-                    return self.scripted_end(i, true, ended);
-                }
-                let grown = p.position.as_ref().is_some_and(|pos| pos.group_size() == 3);
-                if let (Some(script), true, true) = (&self.script, p.batch_ok, grown) {
-                    // A scripted run's group is complete: its loop stops; its call is due.
-                    let at = self.now + script.delays[i];
-                    (p.stage, p.calling) = (Stage::Due(at), None);
-                    self.push(at, Ev::Wake(i));
-                    return;
-                }
-                p.calling = None;
-                // A failed iteration goes on as the loop does after a failure, not to the vote.
-                p.pending_due = p.batch_ok && p.batch_pending_due;
-                // An iteration's state advances once, if all its collectives succeeded.
-                if p.batch_ok {
-                    p.revision += 1;
-                } else {
-                    self.failed(i);
-                }
-            }
-            return;
+            return self.batch_ended(i, ended);
         }
         if matches!(p.stage, Stage::Calling(_)) {
             let ended = result.map(|_| ());
@@ -1380,6 +1410,39 @@ impl Sim {
             }
             (_, Ok(_)) => {}
             (Next::Connect, Err(e)) => self.report.violations.push(Violation(format!("peer {i}: connect: {e:?}"))),
+        }
+    }
+
+    /// Peer `i`'s batch ended if its collectives did (the last with `ended`), and its exchange
+    /// around the ring, which its caller waits on after them: the application goes on.
+    fn batch_ended(&mut self, i: usize, ended: Result<(), CallError>) {
+        let p = &mut self.peers[i];
+        if !p.batch.is_empty() || p.calling != Some(Next::Collective) || !p.active() || p.proto.gone().is_some() {
+            return;
+        }
+        if p.p2p.is_some() {
+            return self.p2p_next(i);
+        }
+        if p.stage != Stage::Loop {
+            return self.scripted_end(i, true, ended);
+        }
+        let grown = p.position.as_ref().is_some_and(|pos| pos.group_size() == 3);
+        if let (Some(script), true, true) = (&self.script, p.batch_ok, grown) {
+            // A scripted run's group is complete: its loop stops; its call is due.
+            let at = self.now + script.delays[i];
+            (p.stage, p.calling) = (Stage::Due(at), None);
+            self.push(at, Ev::Wake(i));
+            return;
+        }
+        p.calling = None;
+        // A failed iteration goes on as the loop does after a failure, not to the vote. Its
+        // transfers decide nothing: they have no agreement, so members may see them end apart.
+        p.pending_due = p.batch_ok && p.batch_pending_due;
+        // An iteration's state advances once, if all its collectives succeeded.
+        if p.batch_ok {
+            p.revision += 1;
+        } else {
+            self.failed(i);
         }
     }
 
@@ -1475,6 +1538,12 @@ impl Sim {
         debug_assert_eq!(exec.epoch(), id.epoch, "a collective runs in the topology taken up");
         exec.post(spec);
         p.ops.insert(id, Op { id, call, members, rank: position.rank, buf, input, taken: None });
+        let exchange = self.p2p && p.stage == Stage::Loop && p.waits_in == Some(call) && p.p2p.is_none();
+        if exchange {
+            if let Err(reason) = self.exchange(i) {
+                self.misuse(i, Next::Collective, &reason);
+            }
+        }
         self.link(i);
     }
 
@@ -1602,8 +1671,7 @@ impl Sim {
         }
         p.transfers.handle_stalled(&mut p.proto, at);
         let mut announced = false;
-        if let (Some(p2p), Some(exec)) = (p.p2p.as_ref(), p.exec.as_ref()) {
-            let (call, since) = p2p.waits;
+        if let (Some((call, since)), Some(exec)) = (p.p2p.as_ref().and_then(|x| x.waits), p.exec.as_ref()) {
             let unmatched = || exec.transfer_unmatched(call.0);
             announced = p.transfers.handle_waiting(call, self.now - since, unmatched, &mut p.proto);
         }

@@ -26,7 +26,7 @@ fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().map(|v| v.parse().unwrap_or_else(|_| panic!("{name}={v:?} is not a number")))
 }
 
-fn verify(seed: u64) -> (usize, usize, usize) {
+fn verify(seed: u64) -> [usize; 5] {
     let report = run(seed);
     if let Err(v) = check(&report) {
         panic!(
@@ -36,7 +36,7 @@ fn verify(seed: u64) -> (usize, usize, usize) {
         );
     }
     let aborted = report.collectives.iter().filter(|c| matches!(c.5, Outcome::Err(_))).count();
-    (report.successes, aborted, report.syncs)
+    [report.successes, aborted, report.syncs, report.transfers, report.transfers_failed]
 }
 
 /// `SHOAL_SIM_SEEDS` seeds (default 1000) from `SHOAL_SIM_FIRST` (default 0), spread over the
@@ -47,14 +47,13 @@ fn every_seed_keeps_every_invariant() {
     let count = env_u64("SHOAL_SIM_SEEDS").unwrap_or(1000);
     let first = env_u64("SHOAL_SIM_FIRST").unwrap_or(0);
     let workers = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
-    let totals: Vec<(usize, usize, usize)> = std::thread::scope(|scope| {
+    let totals: Vec<[usize; 5]> = std::thread::scope(|scope| {
         let runs: Vec<_> = (0..workers)
             .map(|w| {
                 scope.spawn(move || {
-                    let mut sums = (0, 0, 0);
+                    let mut sums = [0; 5];
                     for seed in (first + w..first + count).step_by(workers as usize) {
-                        let (s, a, y) = verify(seed);
-                        sums = (sums.0 + s, sums.1 + a, sums.2 + y);
+                        sums.iter_mut().zip(verify(seed)).for_each(|(sum, n)| *sum += n);
                     }
                     sums
                 })
@@ -62,12 +61,18 @@ fn every_seed_keeps_every_invariant() {
             .collect();
         runs.into_iter().map(|r| r.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
     });
-    let (successes, aborted, syncs) = totals.iter().fold((0, 0, 0), |(s, a, y), t| (s + t.0, a + t.1, y + t.2));
-    eprintln!("{count} seeds: {successes} collectives succeeded, {aborted} failed and agreed; {syncs} syncs");
+    let [successes, aborted, syncs, transfers, transfers_failed] =
+        totals.iter().fold([0; 5], |sums, t| std::array::from_fn(|k| sums[k] + t[k]));
+    eprintln!(
+        "{count} seeds: {successes} collectives succeeded, {aborted} failed and agreed; {syncs} syncs; {transfers} \
+         transfers completed, {transfers_failed} failed"
+    );
     // The runs must exercise every path, or the checks prove nothing.
     assert!(successes > 100 * count as usize, "too few successes: {successes}");
     assert!(count < 20 || aborted > count as usize / 4, "too few failures: {aborted}");
     assert!(count < 20 || syncs > 10 * count as usize, "too few syncs: {syncs}");
+    assert!(count < 20 || transfers > 10 * count as usize, "too few transfers: {transfers}");
+    assert!(count < 20 || transfers_failed > count as usize / 4, "too few failed transfers: {transfers_failed}");
 }
 
 #[test]
