@@ -128,7 +128,9 @@ impl MasterServer {
         let listener = shoal_transport::listen(&options.listen)?;
         let addr = listener.local_addr()?;
         let http = match &options.http {
-            Some(a) => Some(TcpListener::bind(a).map_err(|e| io::Error::new(e.kind(), format!("HTTP on {a}: {e}")))?),
+            Some(a) => {
+                Some(shoal_transport::listen(a).map_err(|e| io::Error::new(e.kind(), format!("HTTP on {a}: {e}")))?)
+            }
             None => None,
         };
         let http_addr = http.as_ref().map(TcpListener::local_addr).transpose()?;
