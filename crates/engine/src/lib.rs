@@ -2638,7 +2638,7 @@ mod tests {
 
     /// What a waiting transfer reports of itself, and how its other end judges it: a receive
     /// waits on a send not yet made only once every offer sent to it arrived; a send waits on a
-    /// receive until one with its tag is posted.
+    /// receive until one with its tag is posted, or took its offer already.
     #[test]
     fn a_waiting_transfer_is_stuck_until_the_other_end_posts_its_match() {
         let mut execs = mesh(2, 1, Faults::default());
@@ -2663,6 +2663,13 @@ mod tests {
         pump_transfers(&mut execs, &mut ended, |e| e.len() == 2);
         assert_eq!((execs[0].transfer_unmatched(2), execs[1].transfer_unmatched(3)), (None, None));
         assert_eq!(c, a);
+        // The send's wait, announced before its answer came, reaches rank 1 after its receive
+        // ended: its offer was taken, so it holds nothing up (the simulator's seed 224 had a
+        // member judge it stuck, and end the votes of its group for a transfer that completed).
+        assert!(!execs[1].transfer_stuck(0, true, 8, 0), "send #0 was answered");
+        execs[0].post_transfer(4, transfer(Direction::Send, 1, 8, &mut a));
+        assert_eq!(execs[0].transfer_unmatched(4), Some(1), "a send reports its number");
+        assert!(execs[1].transfer_stuck(0, true, 8, 1), "send #1 is not");
         // A rank that is not a member, or ours, never holds anything up.
         assert!(!execs[0].transfer_stuck(0, false, 7, 0) && !execs[0].transfer_stuck(5, false, 7, 0));
     }

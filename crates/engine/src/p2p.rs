@@ -149,6 +149,9 @@ pub(super) struct Transfers {
     /// made ([`Transfers::stuck`]).
     offers_sent: Vec<u64>,
     offers_seen: Vec<u64>,
+    /// Per member: the numbers of its offers a receive of ours took, or that it withdrew. A send
+    /// waiting on us whose offer is among them waits only for news already on its way.
+    answered: Vec<Answered>,
     /// Offers no receive matched yet: (member, its offer, the address it offers to pull, or 0).
     offers: Vec<(usize, OpHeader, u64)>,
     /// Per member: its process where our lanes to it say it runs on this host and may be read
@@ -171,6 +174,7 @@ impl Transfers {
             next_number: vec![0; world],
             offers_sent: vec![0; world],
             offers_seen: vec![0; world],
+            answered: (0..world).map(|_| Answered::default()).collect(),
             offers: Vec::new(),
             partners: vec![None; world],
             pulled: Vec::new(),
@@ -267,6 +271,7 @@ impl Transfers {
             return;
         }
         t.number = Some(offer.seq);
+        self.answered[from].insert(offer.seq);
         if let Some(pid) = pid {
             (t.stage, t.pulled) = (Stage::Pulling { pid, addr }, 0);
             return;
@@ -277,28 +282,30 @@ impl Transfers {
     }
 
     /// Whether transfer `id` waits for the other end to make its call: a send not yet answered, or
-    /// a receive no offer matched; for a receive, how many offers from that member arrived so
-    /// far (the other end compares them with those it sent: [`Transfers::stuck`]).
+    /// a receive no offer matched; for a send, its number among our sends to that member, and for
+    /// a receive, how many offers from that member arrived so far (the other end compares them
+    /// with those it answered, or sent: [`Transfers::stuck`]).
     pub fn unmatched(&self, id: u64) -> Option<u64> {
         let t = self.ops.get(&id).filter(|t| !t.finished)?;
         match t.stage {
-            Stage::Offering | Stage::Offered => Some(0),
+            Stage::Offering | Stage::Offered => Some(t.number.expect("a send is numbered")),
             Stage::Waiting => Some(self.offers_seen[t.spec.peer]),
             _ => None,
         }
     }
 
     /// Whether member `peer`'s transfer with us can only complete by a call we have not made:
-    /// its send (`send`) finds no receive of ours with `tag` posted; its receive, having seen
-    /// `seen` of our offers, finds no send of ours with `tag` in flight and no offer it has not
-    /// seen yet.
+    /// its send (`send`, numbered `seen`) finds no receive of ours with `tag` posted, and no
+    /// receive of ours took its offer already (whose answer is on its way, and the send's end
+    /// with it); its receive, having seen `seen` of our offers, finds no send of ours with `tag`
+    /// in flight and no offer it has not seen yet.
     pub fn stuck(&self, peer: usize, send: bool, tag: u64, seen: u64) -> bool {
         let ours = if send { Direction::Recv } else { Direction::Send };
         let serving = self
             .ops
             .values()
             .any(|t| !t.finished && t.spec.peer == peer && t.spec.tag == tag && t.spec.direction == ours);
-        !serving && (send || self.offers_sent[peer] <= seen)
+        !serving && if send { !self.answered[peer].contains(seen) } else { self.offers_sent[peer] <= seen }
     }
 
     /// Reads a piece of every receive that pulls from its sender's memory; whether any moved.
@@ -456,6 +463,7 @@ impl Transfers {
             }
             FrameKind::Withdraw => {
                 self.offers.retain(|(f, o, _)| !(*f == from && o.seq == n));
+                self.answered[from].insert(n);
                 // A receive that took the offer got nothing yet (no part leaves before our answer
                 // arrives, and the sender withdraws only before): it waits for another send.
                 if let Some(id) = receiving(&self.ops, None) {
@@ -620,6 +628,30 @@ impl Transfer {
     }
 }
 
+/// The numbers of one member's offers that are answered: all below `below`, and those above it
+/// answered out of order (offers cross lanes), so that it stays as small as the reordering.
+#[derive(Default)]
+struct Answered {
+    below: u64,
+    above: std::collections::BTreeSet<u64>,
+}
+
+impl Answered {
+    fn insert(&mut self, n: u64) {
+        if n >= self.below {
+            self.above.insert(n);
+        }
+        while self.above.remove(&self.below) {
+            self.below += 1;
+        }
+        debug_assert!(self.above.iter().all(|&a| a > self.below), "an answered number left behind");
+    }
+
+    fn contains(&self, n: u64) -> bool {
+        n < self.below || self.above.contains(&n)
+    }
+}
+
 /// The header of the transfer `spec` numbered `number`, as its sender's frames carry it (a
 /// receiver's answers carry its own dtype and count).
 fn header(epoch: Epoch, spec: &TransferSpec, number: u64) -> OpHeader {
@@ -640,4 +672,24 @@ fn header(epoch: Epoch, spec: &TransferSpec, number: u64) -> OpHeader {
 
 fn control_frame(kind: FrameKind, op: OpHeader) -> Frame {
     Frame { kind, len: 0, unit: 0, op }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Answered;
+
+    /// Offers answered out of order are kept until the numbers below them are, then folded.
+    #[test]
+    fn answered_numbers_fold_as_the_gaps_below_them_fill() {
+        let mut a = Answered::default();
+        for n in [1, 3, 0] {
+            a.insert(n);
+        }
+        assert!(a.contains(0) && a.contains(1) && !a.contains(2) && a.contains(3) && !a.contains(4));
+        assert_eq!((a.below, a.above.len()), (2, 1));
+        a.insert(2);
+        assert_eq!((a.below, a.above.len()), (4, 0));
+        a.insert(1);
+        assert_eq!((a.below, a.above.len()), (4, 0), "an old number again changes nothing");
+    }
 }

@@ -381,7 +381,8 @@ pub enum Message {
         send: bool,
         /// The transfer's tag.
         tag: u64,
-        /// A waiting receive: how many of the other end's sends to it it has seen offered.
+        /// A waiting receive: how many of the other end's sends to it it has seen offered; a
+        /// waiting send: its number among the waiter's sends to the other end.
         seen: u64,
         /// The waiter's committed topology.
         epoch: Epoch,
