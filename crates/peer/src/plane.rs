@@ -331,9 +331,16 @@ pub(crate) fn describe(t: &Transfer) -> String {
     format!("{verb}(count={count}, dtype={}, tag={}) {to} rank {}", t.data.dtype.name(), t.tag, t.rank)
 }
 
-/// Ends the transfers the engine ended.
+/// Ends the transfers the engine ended. A failure that broke the engine's lanes closes them at
+/// once where no collective runs over them (which close once theirs have their verdicts): the
+/// other ends' transfers over the lanes that did not fail would wait for their bound.
 pub(crate) fn engine_ended(data: &mut DataPlane, events: Vec<(u64, std::result::Result<(), LinkError>)>) {
     let now = Instant::now();
+    if events.iter().any(|(_, r)| r.is_err()) && data.calls.by_seq.is_empty() {
+        if let Some(exec) = data.exec.as_mut() {
+            exec.release_if_broken();
+        }
+    }
     for (id, result) in events {
         let call = CallId(id);
         let Some(t) = data.calls.transfers.get(call) else { continue };
