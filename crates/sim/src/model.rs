@@ -296,7 +296,7 @@ struct Script {
 const OPTIMIZE_BARRIER_TAG: u64 = u64::MAX - 1;
 /// The tag of [`Call::P2p`]'s transfers, and how many elements each moves.
 const P2P_TAG: u64 = 3;
-const P2P_COUNT: usize = 5;
+const P2P_COUNT: usize = 2;
 
 /// An exchange around the ring in flight at a peer: `isend` to the next rank, `recv` from the one
 /// before (a scripted [`Call::P2p`], or part of a seeded run's batch).
@@ -1099,6 +1099,13 @@ impl Sim {
         let mut any = false;
         while let Some(Ended { call, transfer: t, result }) = self.peers[i].transfers.poll_ended() {
             any = true;
+            if self.trace {
+                let verb = if t.send { "send to" } else { "recv from" };
+                eprintln!(
+                    "{:>12?} peer {i}: {call:?}, {verb} {} in {:?}, ended: {result:?}",
+                    self.now, t.peer, t.epoch
+                );
+            }
             let p = &mut self.peers[i];
             if let Some(exec) = p.exec.as_mut().filter(|e| e.epoch() == t.epoch) {
                 exec.take_transfer(call.0);
@@ -1619,6 +1626,10 @@ impl Sim {
         let events = exec.events();
         let transfers = exec.transfer_events();
         let ended = !transfers.is_empty();
+        // As the real driver: broken lanes close at once where no collective runs over them.
+        if transfers.iter().any(|(_, r)| r.is_err()) && p.ops.values().all(|o| o.taken.is_some()) {
+            exec.release_if_broken();
+        }
         for (id, result) in transfers {
             let lost = matches!(result, Err(LinkError::Lost { .. }));
             p.transfers.handle_engine(CallId(id), result, lost, at);
@@ -1626,12 +1637,7 @@ impl Sim {
         // Waiting for a member to link to us, or to dial one: as the driver before it sleeps.
         let awaiting = exec.awaiting();
         if let Some(held) = exec.held_until() {
-            // Once: a wake-up already due by then does.
-            let wake = held.saturating_duration_since(self.base).max(self.now);
-            if p.wake.is_none_or(|w| w < self.now || w > wake) {
-                p.wake = Some(wake);
-                self.push(wake, Ev::Wake(i));
-            }
+            self.wake_by(i, held);
         }
         if ended {
             self.transfers_ended(i);
@@ -1676,13 +1682,19 @@ impl Sim {
             announced = p.transfers.handle_waiting(call, self.now - since, unmatched, &mut p.proto);
         }
         if let Some(due) = p.transfers.poll_timeout() {
-            let wake = due.saturating_duration_since(self.base).max(self.now);
-            if p.wake.is_none_or(|w| w < self.now || w > wake) {
-                p.wake = Some(wake);
-                self.push(wake, Ev::Wake(i));
-            }
+            self.wake_by(i, due);
         }
         self.transfers_ended(i) || announced
+    }
+
+    /// Peer `i` looks again by `at`: once, as a wake-up already due by then does.
+    fn wake_by(&mut self, i: usize, at: Instant) {
+        let wake = at.saturating_duration_since(self.base).max(self.now);
+        let p = &mut self.peers[i];
+        if p.wake.is_none_or(|w| w < self.now || w > wake) {
+            p.wake = Some(wake);
+            self.push(wake, Ev::Wake(i));
+        }
     }
 
     /// Tells peer `i`'s state machine what its engine did with collective `id`.

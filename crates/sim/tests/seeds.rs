@@ -20,6 +20,15 @@ const REGRESSIONS: &[u64] = &[
     // tokens behind those streams until their whole bound. Failed streams now close once
     // nothing in the engine moves over them.
     244,
+    // A member frozen past a send's announced wait (`P2pWaits`) served the send once it thawed,
+    // then voted peers_pending with the stale wait still noted, judged the send stuck, and the
+    // master ended the group's votes with a usage error (the waiter's `P2pResumed` was on its
+    // way). A receive that took a send's offer now says the send is not stuck.
+    224,
+    // A reset between two members broke a third's engine, which failed its send; nothing else
+    // ran over its lanes, so they stayed open, and the receiver, its offer answered, waited for
+    // parts until its bound. Broken lanes now close at once where no collective runs over them.
+    6368,
 ];
 
 fn env_u64(name: &str) -> Option<u64> {
