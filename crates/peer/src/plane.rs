@@ -304,7 +304,6 @@ impl DataPlane {
 pub(crate) struct TransferCall {
     pub buf: RawBuf,
     pub owner: Option<Owner>,
-    pub direction: Direction,
     pub dtype: DType,
     /// The size of the group it runs in.
     pub world: usize,
@@ -314,17 +313,26 @@ pub(crate) struct TransferCall {
 /// A transfer called and not yet ended, as the transfers' machine tracks it.
 pub(crate) type Transfer = shoal_proto::peer::Transfer<TransferCall, Error>;
 
+/// Which end of transfer `t` we are.
+fn direction(t: &Transfer) -> Direction {
+    if t.send {
+        Direction::Send
+    } else {
+        Direction::Recv
+    }
+}
+
 /// What transfer `t`'s tag is in use for.
 fn uses(t: &Transfer) -> (Direction, PeerId, u64) {
-    (t.data.direction, t.peer, t.tag)
+    (direction(t), t.peer, t.tag)
 }
 
 fn operation(t: &Transfer) -> &'static str {
-    t.data.direction.name()
+    direction(t).name()
 }
 
 /// Transfer `t` as its caller made it.
-pub(crate) fn describe(t: &Transfer) -> String {
+fn describe(t: &Transfer) -> String {
     let count = t.data.buf.len() / t.data.dtype.size();
     let to = if t.send { "to" } else { "from" };
     let verb = operation(t);
@@ -390,7 +398,7 @@ fn take_ended(data: &mut DataPlane) {
             log::debug!("{} failed: {e}", describe(&t));
         }
         data.record_end(call, &outcome);
-        let tag_use = TagUse::Transfer(t.data.direction, t.peer, t.tag);
+        let tag_use = TagUse::Transfer(direction(&t), t.peer, t.tag);
         data.calls.finished.insert(call, (outcome, t.data.owner, tag_use));
     }
 }
@@ -411,7 +419,7 @@ fn stop_error(t: &Transfer, stop: Stop<Error>) -> Error {
 }
 
 /// What the engine's failure of transfer `t` means for its caller.
-pub(crate) fn link_error(t: &Transfer, e: LinkError) -> Error {
+fn link_error(t: &Transfer, e: LinkError) -> Error {
     match e {
         LinkError::Lost { rank, reason } if rank == t.rank => {
             Error::PeerLost { peer: t.peer, operation: operation(t), reason }
@@ -430,7 +438,7 @@ pub(crate) fn link_error(t: &Transfer, e: LinkError) -> Error {
 }
 
 /// The call at the other end of `t`, from its frame `h`.
-pub(crate) fn theirs_call(t: &Transfer, h: &OpHeader) -> String {
+fn theirs_call(t: &Transfer, h: &OpHeader) -> String {
     let dtype = DType::from_code(h.dtype).map_or("?", DType::name);
     let verb = shoal_proto::peer::transfer_verb(!t.send);
     format!("{} called {verb}(count={}, dtype={dtype}, tag={})", t.peer, h.count, h.tag)

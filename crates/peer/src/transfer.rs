@@ -154,7 +154,7 @@ impl Communicator {
         data.stats.started(call, direction.name(), tag, buf.len() as u64);
         exec.post_transfer(call.0, TransferSpec { direction, peer: rank, tag, dtype, buf, chunk_bytes });
         let started = Instant::now();
-        let kept = TransferCall { buf, owner, direction, dtype, world, started };
+        let kept = TransferCall { buf, owner, dtype, world, started };
         let send = direction == Direction::Send;
         let transfer = Transfer::new(peer, rank, send, tag, position.epoch, started + self.config.timeout, kept);
         data.calls.transfers.start(call, transfer);

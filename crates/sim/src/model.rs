@@ -166,8 +166,9 @@ pub struct Report {
     pub successes: usize,
     /// Successful shared-state syncs.
     pub syncs: usize,
-    /// Tagged transfers of the seeded loop that completed, and that failed (retryably).
+    /// Tagged transfers of the seeded loop that completed.
     pub transfers: usize,
+    /// Tagged transfers of the seeded loop that failed (retryably).
     pub transfers_failed: usize,
     /// Calls that failed with a usage error: (peer index, call, why). The application's calls
     /// are the same on every peer, so only failures can put them out of step.
@@ -1047,7 +1048,6 @@ impl Sim {
         (p.calling, p.call_started) = (Some(Next::P2p), self.now);
         if let Err(reason) = self.exchange(i) {
             // The call ends with the usage error; a send posted already stays in flight.
-            self.peers[i].calling = None;
             self.scripted_end(i, false, Err(CallError::Misuse(reason)));
             return true;
         }
