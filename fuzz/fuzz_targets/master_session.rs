@@ -6,7 +6,7 @@
 
 use libfuzzer_sys::arbitrary::{self, Arbitrary};
 use libfuzzer_sys::fuzz_target;
-use shoal_fuzz::{digests, failure};
+use shoal_fuzz::{digests, failure, misuse};
 use shoal_proto::auth::{DataKey, RunKey};
 use shoal_proto::master::{ConnId, Master, MasterConfig};
 use shoal_wire::{Epoch, GroupId, Measured, Message, PeerId, SessionId};
@@ -99,7 +99,7 @@ fn message(m: Msg, key: &RunKey, conn: ConnId) -> Message {
             collectives: 0,
         },
         Msg::P2pResumed => Message::P2pResumed { peer: PeerId(0) },
-        Msg::P2pApart(p) => Message::P2pApart { peer: PeerId(p.into()), reason: "fuzz".into() },
+        Msg::P2pApart(p) => Message::P2pApart { peer: PeerId(p.into()), misuse: misuse(p, p.wrapping_add(1)) },
         Msg::Leave => Message::Leave,
         // A master-to-peer message, which a peer never sends.
         Msg::Other(p) => Message::PeerRemoved { peer: PeerId(p.into()) },

@@ -6,7 +6,7 @@
 
 use libfuzzer_sys::arbitrary::{self, Arbitrary};
 use libfuzzer_sys::fuzz_target;
-use shoal_fuzz::{digests, failure};
+use shoal_fuzz::{apart, digests, failure, misuse, vote_abort};
 use shoal_proto::auth::RunKey;
 use shoal_proto::peer::{
     Action, CallId, CallKind, Established, OpId, OpProgress, Peer, PeerConfig, Revision, SyncBallot,
@@ -65,8 +65,8 @@ enum Msg {
     OpAborted(u8, u8, u8, u8),
     OpQuery(u8, u8),
     VoteOpened { vote: u8, epoch: u8, voter: u8, collectives: u8 },
-    PeersPendingAborted(bool),
-    TopologyVoteAborted(bool),
+    PeersPendingAborted(bool, u8),
+    TopologyVoteAborted(bool, u8),
     SyncPlan { round: u8, revision: u8, entries: Vec<(u8, Vec<u8>)> },
     SyncComplete(u8),
     SyncAborted(u8, bool),
@@ -95,7 +95,7 @@ fn call(c: CallMsg) -> CallKind {
             override_resume: hash % 2 == 0,
             entries: digests(tensors, hash),
         }),
-        CallMsg::Collective => CallKind::Collective("all_reduce"),
+        CallMsg::Collective => CallKind::Collective(shoal_wire::Api::AllReduce),
     }
 }
 
@@ -142,21 +142,21 @@ fn message(m: Msg) -> Message {
             collectives: collectives.into(),
         },
         Msg::P2pResumed(p) => Message::P2pResumed { peer: PeerId(p.into()) },
-        Msg::P2pApart(p) => Message::P2pApart { peer: PeerId(p.into()), reason: "fuzz".into() },
+        Msg::P2pApart(p) => Message::P2pApart { peer: PeerId(p.into()), misuse: misuse(0, p) },
         Msg::VoteOpened { vote, epoch, voter, collectives } => Message::VoteOpened {
             vote: [Vote::UpdateTopology, Vote::PeersPending, Vote::SyncSharedState][usize::from(vote) % 3],
             epoch: Epoch(epoch.into()),
             voter: PeerId(voter.into()),
             collectives: collectives.into(),
         },
-        Msg::PeersPendingAborted(retry) => Message::PeersPendingAborted { retry, reason: "fuzz".into() },
-        Msg::TopologyVoteAborted(retry) => Message::TopologyVoteAborted { retry, reason: "fuzz".into() },
+        Msg::PeersPendingAborted(retry, code) => Message::PeersPendingAborted { retry, reason: vote_abort(code) },
+        Msg::TopologyVoteAborted(retry, code) => Message::TopologyVoteAborted { retry, reason: vote_abort(code) },
         Msg::SyncPlan { round, revision, entries } => {
             Message::SyncPlan { round: round.into(), revision: revision.into(), entries: plan(entries) }
         }
         Msg::SyncComplete(round) => Message::SyncComplete { round: round.into() },
         Msg::SyncAborted(round, retryable) => {
-            Message::SyncAborted { round: round.into(), retryable, reason: "fuzz".into() }
+            Message::SyncAborted { round: round.into(), retryable, reason: vote_abort(round) }
         }
         Msg::Snapshot(round) => Message::Snapshot { round: round.into() },
         Msg::CatchUpPlan { round, revision, entries } => Message::CatchUpPlan {
@@ -254,8 +254,8 @@ fuzz_target!(|session: Session| {
             Step::Resumed(other) => peer.p2p_resumed(PeerId(other.into())),
             Step::Apart => {
                 let first = peer.waiters().next().map(|(waiter, _)| waiter);
-                if let Some(waiter) = first {
-                    peer.p2p_apart(waiter, "fuzz".into());
+                if let (Some(waiter), Some((me, _))) = (first, peer.registered()) {
+                    peer.p2p_apart(waiter, apart(waiter, me));
                 }
             }
             Step::Close => peer.close(now),

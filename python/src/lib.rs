@@ -16,7 +16,7 @@ use pyo3::types::PyBool;
 use shoal_master::{MasterOptions, MasterServer};
 use shoal_peer::{
     Algorithm, Communicator as Core, CommunicatorConfig, DType, Error, Info, Quantization, ReduceOp, StateTensor,
-    Strategy, Vote, Work,
+    Strategy, Usage, Vote, Work,
 };
 use shoal_transport::TlsFiles;
 use std::path::PathBuf;
@@ -288,9 +288,7 @@ impl NativeVote {
                     answer
                 }
                 VoteState::Answered(Ok(pending)) => Ok(*pending),
-                VoteState::Answered(Err(e)) => {
-                    Err(Error::Misuse(format!("this vote was waited for already, and failed: {e}")))
-                }
+                VoteState::Answered(Err(e)) => Err(Usage::WaitedAgain { what: "vote", failed: e.clone() }.into()),
             }
         })
         .map_err(to_py)
@@ -937,7 +935,9 @@ fn seconds(name: &str, value: &Bound<'_, PyAny>) -> PyResult<Duration> {
 /// Raises the `shoal.errors` class that matches `e`.
 fn to_py(e: Error) -> PyErr {
     let class = match &e {
-        Error::NotConnected | Error::AlreadyConnected | Error::Closed | Error::Misuse(_) => "UsageError",
+        Error::NotConnected | Error::AlreadyConnected | Error::Closed | Error::Misuse(_) | Error::Usage(_) => {
+            "UsageError"
+        }
         Error::InvalidArgument(_) => return PyValueError::new_err(e.to_string()),
         Error::MasterUnreachable { .. } => "MasterUnreachableError",
         Error::Kicked { .. } => "KickedError",

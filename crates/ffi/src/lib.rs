@@ -123,7 +123,9 @@ fn set_error(message: &str) {
 fn status_of(e: &Error) -> ShoalStatus {
     set_error(&e.to_string());
     match e {
-        Error::NotConnected | Error::AlreadyConnected | Error::Closed | Error::Misuse(_) => ShoalStatus::Usage,
+        Error::NotConnected | Error::AlreadyConnected | Error::Closed | Error::Misuse(_) | Error::Usage(_) => {
+            ShoalStatus::Usage
+        }
         Error::InvalidArgument(_) => ShoalStatus::InvalidArgument,
         Error::MasterUnreachable { .. } => ShoalStatus::MasterUnreachable,
         Error::MasterInterrupted { .. } => ShoalStatus::MasterInterrupted,

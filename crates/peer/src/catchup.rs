@@ -15,7 +15,7 @@
 
 use crate::communicator::Communicator;
 use crate::control::Control;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Usage};
 use crate::fetch::{digest, fetch, tensors_meta, Fetcher, Snapshot, StateTensor, Wanted};
 use crate::links::Listener;
 use crate::Deadline;
@@ -162,7 +162,7 @@ impl Newcomer<'_> {
         };
         if !plan.reason.is_empty() {
             self.end(None);
-            return Err(Error::Misuse(plan.reason));
+            return Err(Usage::CatchUpRefused(plan.reason).into());
         }
         let nothing = |why: &str| {
             self.end(None);

@@ -3,7 +3,7 @@
 use crate::config::CommunicatorConfig;
 use crate::control::Control;
 use crate::driver::{call_error, verb, Connected, DataGuard, Driver, Progress};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Usage};
 use crate::fetch::Snapshots;
 use crate::info::{Info, LinkInfo};
 use crate::links::Listener;
@@ -250,7 +250,7 @@ impl Communicator {
     /// A call that moves no data of its own: `update_topology` or `peers_pending`.
     pub(crate) fn vote(&self, kind: CallKind, bound: Duration) -> Result<Value> {
         let c = self.connected()?;
-        let operation = kind.name();
+        let operation = kind.api().name();
         let mut data = self.lock_data();
         let call = c.control.own_input(|p, now| p.call(kind, bound, now));
         if operation == "peers_pending" {
@@ -547,7 +547,7 @@ impl Communicator {
         }
         match work.result.as_ref().expect("ended") {
             Ok(info) => Ok(*info),
-            Err(e) => Err(Error::Misuse(format!("this collective was waited for already, and failed: {e}"))),
+            Err(e) => Err(Usage::WaitedAgain { what: "collective", failed: e.clone() }.into()),
         }
     }
 
@@ -687,10 +687,7 @@ impl Communicator {
             request.quantization = None;
         }
         if data.calls.in_use(TagUse::Collective(tag)) {
-            return Err(Error::Misuse(format!(
-                "{} with tag {tag} called while another collective with that tag is in flight (not waited for yet)",
-                kind.name()
-            )));
+            return Err(Usage::TagInFlight { call: kind.name(), tag, rank: None }.into());
         }
         let bound = self.config.timeout;
         let call = c.control.own_input(|p, now| p.call(CallKind::Collective(verb(kind, tag)), bound, now));

@@ -5,7 +5,7 @@
 
 use crate::config::{CommunicatorConfig, DEFAULT_CHUNK_BYTES};
 use crate::control::Control;
-use crate::error::Error;
+use crate::error::{Error, Misfit, Usage};
 use crate::info::Info;
 use crate::links::Listener;
 use crate::plane::{CallResult, Collective, DataPlane, Extra, Placement, Posted, Request, TagUse};
@@ -18,7 +18,7 @@ use shoal_proto::peer::{
     Action, CallError, CallId, Established, OpId, OpProgress, RingPosition, Value, WaitNote, P2P_PATIENCE,
 };
 use shoal_transport::{Lane, PollFd};
-use shoal_wire::{FailureKind, OpFailure, OpHeader, PeerId, SessionId};
+use shoal_wire::{Api, FailureKind, OpFailure, OpHeader, PeerId, Reason, SessionId};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -97,9 +97,14 @@ pub(crate) fn link_error(e: LinkError, header: &OpHeader, me: PeerId, them: Peer
 /// The error a participant returns for a collective the master aborted.
 pub(crate) fn op_error(f: OpFailure, header: &OpHeader) -> Error {
     match f.kind {
-        FailureKind::Mismatch => Error::CollectiveMismatch { peer: f.peer, ours: describe(header), theirs: f.reason },
-        FailureKind::Misuse => Error::Misuse(f.reason),
-        _ => Error::PeerLost { peer: f.peer, operation: operation(header), reason: f.reason },
+        FailureKind::Mismatch => {
+            Error::CollectiveMismatch { peer: f.peer, ours: describe(header), theirs: f.reason.to_string() }
+        }
+        FailureKind::Misuse => match f.reason {
+            Reason::Misuse(misuse) => Error::Misuse(*misuse),
+            reason => Usage::MemberMisfit { peer: f.peer, reason }.into(),
+        },
+        _ => Error::PeerLost { peer: f.peer, operation: operation(header), reason: f.reason.to_string() },
     }
 }
 
@@ -125,20 +130,6 @@ pub(crate) fn op_header(id: OpId, request: &Request, algorithm: Algorithm, count
     }
 }
 
-/// How a collective's buffers do not fit its group.
-#[derive(Debug, Clone, thiserror::Error)]
-pub(crate) enum Misfit {
-    /// A broadcast's root is not a member.
-    #[error("{kind} from root {root} in a group of {world}")]
-    NoSuchRoot { kind: &'static str, root: usize, world: usize },
-    /// An all-gather's output (a reduce-scatter's input) is not `world` blocks of the other buffer.
-    #[error(
-        "{kind}'s {what} holds {whole} bytes, not {world} blocks of {block} bytes: the group has {world} member{}",
-        if *world == 1 { "" } else { "s" }
-    )]
-    Blocks { kind: &'static str, what: &'static str, whole: usize, world: usize, block: usize },
-}
-
 /// Whether a collective's buffers fit a group of `world`: an all-gather's output (a
 /// reduce-scatter's input) holds `world` blocks of its other buffer; a broadcast's root is a
 /// member.
@@ -160,23 +151,27 @@ pub(crate) fn fits(record: &Collective, world: usize) -> std::result::Result<(),
 }
 
 /// The call collective `header` is part of, as its caller knows it.
-fn verb_of(header: &OpHeader) -> &'static str {
-    CollectiveKind::from_code(header.collective).map_or("collective", |k| verb(k, header.tag))
+fn verb_of(header: &OpHeader) -> Option<Api> {
+    CollectiveKind::from_code(header.collective).map(|k| verb(k, header.tag))
 }
 
 /// The call a collective of `kind` with `tag` is part of, as its caller knows it.
-pub(crate) fn verb(kind: CollectiveKind, tag: u64) -> &'static str {
+pub(crate) fn verb(kind: CollectiveKind, tag: u64) -> Api {
     match kind {
         // The barrier that `optimize_topology` starts with.
-        CollectiveKind::Barrier if tag == crate::tags::BARRIER_TAG => "optimize_topology",
-        kind => kind.name(),
+        CollectiveKind::Barrier if tag == crate::tags::BARRIER_TAG => Api::OptimizeTopology,
+        CollectiveKind::Barrier => Api::Barrier,
+        CollectiveKind::AllReduce => Api::AllReduce,
+        CollectiveKind::AllGather => Api::AllGather,
+        CollectiveKind::ReduceScatter => Api::ReduceScatter,
+        CollectiveKind::Broadcast => Api::Broadcast,
     }
 }
 
 pub(crate) fn describe(h: &OpHeader) -> String {
     let dtype = DType::from_code(h.dtype).map_or("?", DType::name);
     let op = ReduceOp::from_code(h.op).map_or("?", ReduceOp::name);
-    let kind = verb_of(h);
+    let kind = verb_of(h).map_or("collective", Api::name);
     let algorithm = Algorithm::from_code(h.algorithm).map_or("?", Algorithm::name);
     let root =
         if h.collective == CollectiveKind::Broadcast.code() { format!(", root={}", h.root) } else { String::new() };
@@ -387,7 +382,7 @@ impl Driver {
             Action::TakeUp(position) => take_up(data, &position),
             Action::RunCollective { call: c, op, position, .. } => self.post(control, listener, data, c, op, &position),
             Action::MemberWaits(_) => self.judge_waiters(control, data, call),
-            Action::P2pApart { peer, reason } => crate::plane::p2p_apart(data, peer, reason),
+            Action::P2pApart { peer, misuse } => crate::plane::p2p_apart(data, peer, misuse),
             action => {
                 if let Some(result) = own(data, action) {
                     let call = call.expect("only a call's own driver is asked for its actions");
@@ -487,8 +482,12 @@ impl Driver {
         let (Some(call), Some(exec), Some(position)) = (call, data.exec.as_ref(), data.position.as_ref()) else {
             return;
         };
-        let collective =
-            data.calls.collectives.get(&call).and_then(|c| c.posted.as_ref()).map(|p| (p.id, verb_of(&p.header)));
+        let collective = data
+            .calls
+            .collectives
+            .get(&call)
+            .and_then(|c| c.posted.as_ref())
+            .and_then(|p| Some((p.id, verb_of(&p.header)?)));
         let stuck = |waiter: PeerId, note: &WaitNote| {
             let rank = position.ring.iter().position(|m| m.peer == waiter);
             rank.is_some_and(|rank| exec.transfer_stuck(rank, note.send, note.tag, note.seen))
@@ -561,9 +560,9 @@ impl Driver {
         // Buffers shaped for another group (it changed since the call) fail on every member alike.
         if let Err(why) = fits(record, world) {
             let me = position.ring[rank].peer;
-            record.local = Some(Error::Misuse(why.to_string()));
-            data.calls.by_seq.insert(id.seq.0, call);
             let failure = OpFailure::new(FailureKind::Misuse, me, why.to_string());
+            record.local = Some(Usage::Misfit(why).into());
+            data.calls.by_seq.insert(id.seq.0, call);
             control.own_input(|p, now| p.handle_collective(id, OpProgress::Failed(failure), now));
             return;
         }
@@ -722,7 +721,7 @@ impl Driver {
         let outcome = match result {
             // A group of one posts nothing: its buffers must fit it all the same.
             Ok(Value::Collective(_)) if record.posted.is_none() && fits(&record, 1).is_err() => {
-                Err(Error::Misuse(fits(&record, 1).expect_err("checked").to_string()))
+                Err(Usage::Misfit(fits(&record, 1).expect_err("checked")).into())
             }
             Ok(Value::Collective(id)) => {
                 failpoint("all_reduce.after_commit");
@@ -801,12 +800,10 @@ pub(crate) fn spare_backup(spares: &mut Vec<Backup>, len: usize) -> Backup {
 pub(crate) fn call_error(control: &Control, e: CallError, operation: &'static str, bound: Duration) -> Error {
     match e {
         CallError::Timeout => Error::Timeout { operation, after: bound },
-        CallError::Misuse(reason) => Error::Misuse(reason),
+        CallError::Misuse(misuse) => Error::Misuse(misuse),
         CallError::SyncFailed { retryable, reason } => Error::SyncFailed { retryable, reason },
         CallError::Gone(gone) => control.gone_error(gone),
-        CallError::Busy(call) => {
-            Error::Misuse(format!("{call} called while another call of this communicator is in progress"))
-        }
+        CallError::Busy(call) => Usage::Busy(call).into(),
         CallError::Aborted { op, failure } => {
             Error::Protocol(format!("{operation} ended by an abort of {op}: {}", failure.reason))
         }

@@ -1,6 +1,6 @@
 //! The peer library's error type.
 
-use shoal_wire::PeerId;
+use shoal_wire::{Api, Misuse, PeerId, Reason};
 use std::time::Duration;
 
 /// Everything a communicator call can fail with. The Python layer maps each variant to an
@@ -17,10 +17,15 @@ pub enum Error {
     /// API misuse: the communicator was closed.
     #[error("the communicator is closed")]
     Closed,
-    /// API misuse across peers: they made different calls (one ran a collective while another
-    /// voted to change the topology). Both calls fail; nothing is lost.
+    /// API misuse across peers: they made calls that can never complete together (one ran a
+    /// collective while another voted to change the topology), each named with its peers. Every
+    /// such call fails; nothing is lost.
     #[error("usage error: {0}")]
-    Misuse(String),
+    Misuse(Misuse),
+    /// API misuse of this communicator, or buffers a member found unfit for its group; nothing is
+    /// lost.
+    #[error("usage error: {0}")]
+    Usage(Usage),
     /// API misuse: an argument is unusable; nothing was sent.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
@@ -125,7 +130,9 @@ impl Error {
     /// `"mismatch"`, ...
     pub fn cause(&self) -> &'static str {
         match self {
-            Error::NotConnected | Error::AlreadyConnected | Error::Closed | Error::Misuse(_) => "misuse",
+            Error::NotConnected | Error::AlreadyConnected | Error::Closed | Error::Misuse(_) | Error::Usage(_) => {
+                "misuse"
+            }
             Error::InvalidArgument(_) => "invalid_argument",
             Error::MasterUnreachable { .. } => "master_unreachable",
             Error::Authentication { .. } => "authentication",
@@ -140,6 +147,88 @@ impl Error {
             Error::Config(_) => "config",
             Error::Io { .. } => "io",
         }
+    }
+}
+
+/// How a call misused this communicator ([`Error::Usage`]).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Usage {
+    /// `.0` was called while another call of this communicator was in progress.
+    #[error("{0} called while another call of this communicator is in progress")]
+    Busy(Api),
+    /// A collective (`rank` `None`) or a transfer with `rank` under a tag that another in flight
+    /// (not waited for yet) uses.
+    #[error("{call} with {}tag {tag} called while another with {} is in flight (not waited for yet)",
+        rank.map_or(String::new(), |r| format!("rank {r} and ")), if rank.is_some() { "them" } else { "that tag" })]
+    TagInFlight {
+        /// The call.
+        call: &'static str,
+        /// Its tag.
+        tag: u64,
+        /// A transfer's rank.
+        rank: Option<usize>,
+    },
+    /// A collective's buffers do not fit its group: every member fails it alike.
+    #[error(transparent)]
+    Misfit(#[from] Misfit),
+    /// Member `peer`'s buffers did not fit the group, and it failed the collective for every member.
+    #[error("{peer}: {reason}")]
+    MemberMisfit {
+        /// The member.
+        peer: PeerId,
+        /// What it found.
+        reason: Reason,
+    },
+    /// An operation was waited for again, after it failed.
+    #[error("this {what} was waited for already, and failed: {failed}")]
+    WaitedAgain {
+        /// What was waited for (a collective, a vote).
+        what: &'static str,
+        /// How it failed.
+        failed: String,
+    },
+    /// The master refused this newcomer's catch-up: its tensors are not its group's.
+    #[error("{0}")]
+    CatchUpRefused(String),
+}
+
+/// How a collective's buffers do not fit its group.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum Misfit {
+    /// A broadcast's root is not a member.
+    #[error("{kind} from root {root} in a group of {world}")]
+    NoSuchRoot {
+        /// The collective.
+        kind: &'static str,
+        /// The root asked for.
+        root: usize,
+        /// The group's size.
+        world: usize,
+    },
+    /// An all-gather's output (a reduce-scatter's input) is not `world` blocks of the other buffer.
+    #[error(
+        "{kind}'s {what} holds {whole} bytes, not {world} blocks of {block} bytes: the group has {world} member{}",
+        if *world == 1 { "" } else { "s" }
+    )]
+    Blocks {
+        /// The collective.
+        kind: &'static str,
+        /// The buffer that holds the blocks: `output` or `input`.
+        what: &'static str,
+        /// Its bytes.
+        whole: usize,
+        /// The group's size.
+        world: usize,
+        /// Bytes of the other buffer: one block.
+        block: usize,
+    },
+}
+
+impl From<Usage> for Error {
+    fn from(usage: Usage) -> Self {
+        Error::Usage(usage)
     }
 }
 

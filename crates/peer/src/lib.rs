@@ -38,13 +38,15 @@ pub use config::{
     MAX_CONNECTIONS,
 };
 pub use deadline::Deadline;
-pub use error::{Error, Result};
+pub use error::{Error, Misfit, Result, Usage};
 pub use fetch::StateTensor;
 pub use info::{Info, LinkInfo};
 pub use shoal_collective::Algorithm;
 pub use shoal_collective::{DType, Format, Quantization, ReduceOp};
 pub use shoal_proto::master::Strategy;
 pub use shoal_topology::Link;
-pub use shoal_wire::{LinkReport, OpCounters, PeerId, PeerReport, RunningOp, DURATION_BOUNDS_US};
+pub use shoal_wire::{
+    Api, Call, Called, LinkReport, Misuse, OpCounters, PeerId, PeerReport, Point, RunningOp, DURATION_BOUNDS_US,
+};
 pub use sync::SyncInfo;
 pub use tags::PROBE_TAGS;

@@ -10,7 +10,7 @@ use crate::links::Staged;
 use shoal_collective::{Algorithm, Codec, CollectiveKind, DType, Quantization, ReduceOp};
 use shoal_engine::{Backup, Direction, Exec, LinkError, RawBuf, Taken};
 use shoal_proto::peer::{CallError, CallId, Ended, OpId, Peer, RingPosition, Stop, Transfers, Value};
-use shoal_wire::{Epoch, OpHeader, PeerId};
+use shoal_wire::{Epoch, Misuse, OpHeader, PeerId};
 use std::any::Any;
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -374,9 +374,9 @@ pub(crate) fn superseded(data: &mut DataPlane, epoch: Epoch) {
 }
 
 /// The transfer our caller waits on with `peer` can never complete: the other end is in a call
-/// that waits for ours (`reason` names both). Nothing if that wait is over.
-pub(crate) fn p2p_apart(data: &mut DataPlane, peer: PeerId, reason: String) {
-    data.calls.transfers.handle_apart(peer, reason);
+/// that waits for ours (`misuse` names both). Nothing if that wait is over.
+pub(crate) fn p2p_apart(data: &mut DataPlane, peer: PeerId, misuse: Misuse) {
+    data.calls.transfers.handle_apart(peer, misuse);
     take_ended(data);
 }
 
@@ -413,7 +413,7 @@ fn stop_error(t: &Transfer, stop: Stop<Error>) -> Error {
         Stop::Superseded(epoch) => {
             lost(format!("topology {} replaced topology {} while it was in flight", epoch.0, t.epoch.0))
         }
-        Stop::Apart(reason) => Error::Misuse(reason),
+        Stop::Apart(misuse) => Error::Misuse(misuse),
         Stop::Timeout => Error::Timeout { operation: operation(t), after: t.deadline - t.data.started },
     }
 }

@@ -9,7 +9,7 @@
 
 use crate::communicator::Work;
 use crate::driver::Connected;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Usage};
 use crate::plane::{DataPlane, Owner, TagUse, Transfer, TransferCall};
 use crate::{Communicator, Info};
 use shoal_collective::DType;
@@ -135,19 +135,12 @@ impl Communicator {
         }
         let peer = position.ring[rank].peer;
         if data.calls.in_use(TagUse::Transfer(direction, peer, tag)) {
-            return Err(Error::Misuse(format!(
-                "{} with rank {rank} and tag {tag} called while another with them is in flight (not waited for yet)",
-                direction.name()
-            )));
+            return Err(Usage::TagInFlight { call: direction.name(), tag, rank: Some(rank) }.into());
         }
-        if let Some(reason) = c.control.own_input(|p, _| {
-            p.p2p_settled(match direction {
-                Direction::Send => "p2p send",
-                Direction::Recv => "p2p recv",
-            })
-        }) {
-            log::warn!("{reason}");
-            return Err(Error::Misuse(reason));
+        let transfer = shoal_wire::Call::Transfer { send: direction == Direction::Send, peer, tag };
+        if let Some(misuse) = c.control.own_input(|p, _| p.p2p_settled(transfer)) {
+            log::warn!("{misuse}");
+            return Err(Error::Misuse(misuse));
         }
         let call = c.control.own_input(|p, _| p.reserve_call());
         let chunk_bytes = self.config.chunk_bytes.unwrap_or(crate::DEFAULT_CHUNK_BYTES);

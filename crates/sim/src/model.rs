@@ -10,7 +10,9 @@ use shoal_proto::peer::{
     Action, CallError, CallId, CallKind, Ended, Established, Gone, OpId, OpProgress, Peer, PeerConfig, Revision,
     RingPosition, Seq, Stop, SyncBallot, Transfer, Transfers, Value, WaitNote, P2P_PATIENCE,
 };
-use shoal_wire::{Epoch, FailureKind, GroupId, Measured, Message, OpFailure, OpHeader, PeerId, SessionId, StateDigest};
+use shoal_wire::{
+    Api, Epoch, FailureKind, GroupId, Measured, Message, Misuse, OpFailure, OpHeader, PeerId, SessionId, StateDigest,
+};
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 use std::time::{Duration, Instant};
 
@@ -223,6 +225,19 @@ impl Call {
         }
     }
 
+    /// Whether a usage error's `call` is this one, as a peer or the master names it (the master
+    /// knows `optimize_topology` by its vote, `update_topology`; an all-reduce here is whichever
+    /// collective its number runs, `collective_of`).
+    pub fn is(self, call: &shoal_wire::Call) -> bool {
+        match (self, call.of_api()) {
+            (Call::P2p, None) => true,
+            (Call::OptimizeTopology, Some(Api::UpdateTopology)) => true,
+            (Call::AllReduce, Some(Api::AllGather | Api::ReduceScatter | Api::Broadcast)) => true,
+            (_, Some(api)) => api.name() == self.name(),
+            (_, None) => false,
+        }
+    }
+
     /// Whether it starts with a collective: two such calls that differ fail as collectives do.
     pub fn collective(self) -> bool {
         matches!(self, Call::AllReduce | Call::Barrier | Call::OptimizeTopology)
@@ -234,6 +249,8 @@ impl Call {
 pub struct Scripted {
     /// The peer's index.
     pub peer: usize,
+    /// Its id in the run.
+    pub id: PeerId,
     /// Its call.
     pub call: Call,
     /// When it made the call.
@@ -1030,7 +1047,12 @@ impl Sim {
         (p.calling, p.call_started) = (Some(Next::Collective), self.now);
         (p.batch_ok, p.batch_pending_due) = (true, false);
         let call = p.proto.call(
-            CallKind::Collective(if barrier.is_some() { "barrier" } else { "all_reduce" }),
+            // As `crates/peer` names it: the barrier `optimize_topology` starts with is that call.
+            CallKind::Collective(match barrier {
+                Some(OPTIMIZE_BARRIER_TAG) => Api::OptimizeTopology,
+                Some(_) => Api::Barrier,
+                None => Api::AllReduce,
+            }),
             CALL_TIMEOUT,
             at,
         );
@@ -1046,9 +1068,9 @@ impl Sim {
     fn p2p(&mut self, i: usize) -> bool {
         let p = &mut self.peers[i];
         (p.calling, p.call_started) = (Some(Next::P2p), self.now);
-        if let Err(reason) = self.exchange(i) {
+        if let Err(misuse) = self.exchange(i) {
             // The call ends with the usage error; a send posted already stays in flight.
-            self.scripted_end(i, false, Err(CallError::Misuse(reason)));
+            self.scripted_end(i, false, Err(CallError::Misuse(misuse)));
             return true;
         }
         self.p2p_next(i);
@@ -1058,15 +1080,16 @@ impl Sim {
     /// Peer `i` posts an exchange around the ring of the topology taken up: `isend` to the next
     /// rank, then `recv` from the one before, each refused at once where the others' calls at our
     /// point ended apart from it, with their reason (as `crates/peer` posts them).
-    fn exchange(&mut self, i: usize) -> Result<(), String> {
+    fn exchange(&mut self, i: usize) -> Result<(), Misuse> {
         let at = self.instant();
         let p = &mut self.peers[i];
         let position = p.position.clone().expect("transfers run in the topology taken up");
         let (rank, world, me) = (position.rank, position.group_size(), p.me().expect("registered"));
         let mut calls = Vec::new();
         for (send, other) in [(true, (rank + 1) % world), (false, (rank + world - 1) % world)] {
-            if let Some(reason) = p.proto.p2p_settled(if send { "p2p send" } else { "p2p recv" }) {
-                return Err(reason);
+            let peer = position.ring[other].peer;
+            if let Some(misuse) = p.proto.p2p_settled(shoal_wire::Call::Transfer { send, peer, tag: P2P_TAG }) {
+                return Err(misuse);
             }
             let call = p.proto.reserve_call();
             let mut buf: Vec<i64> =
@@ -1083,7 +1106,6 @@ impl Sim {
             };
             let exec = p.exec.as_mut().expect("a topology taken up has its engine");
             exec.post_transfer(call.0, spec);
-            let peer = position.ring[other].peer;
             p.transfers.start(call, Transfer::new(peer, other, send, P2P_TAG, position.epoch, at + CALL_TIMEOUT, buf));
             calls.push(call);
         }
@@ -1118,7 +1140,7 @@ impl Sim {
             if self.peers[i].stage == Stage::Loop {
                 match &result {
                     Ok(()) => self.report.transfers += 1,
-                    Err(Stop::Apart(reason)) => self.misuse(i, Next::Collective, reason),
+                    Err(Stop::Apart(misuse)) => self.misuse(i, Next::Collective, misuse),
                     Err(Stop::Timeout) if !self.cut_off() => {
                         let v = format!("peer {i}: a transfer with {} ran to its whole bound", t.peer);
                         self.report.violations.push(Violation(v));
@@ -1190,12 +1212,12 @@ impl Sim {
         };
         let barriers = &p.barriers;
         let collective = p.ops.values().find(|op| op.call == call).map(|op| {
-            let name = match barriers.get(&call) {
-                Some(&OPTIMIZE_BARRIER_TAG) => "optimize_topology",
-                Some(_) => "barrier",
-                None => collective_of(op.id, op.members.len()).0.name(),
+            let api = match barriers.get(&call) {
+                Some(&OPTIMIZE_BARRIER_TAG) => Api::OptimizeTopology,
+                Some(_) => Api::Barrier,
+                None => Api::named(collective_of(op.id, op.members.len()).0.name()).expect("a collective the API has"),
             };
-            (op.id, name)
+            (op.id, api)
         });
         let stuck = |waiter: PeerId, note: &WaitNote| {
             let rank = position.ring.iter().position(|m| m.peer == waiter);
@@ -1222,7 +1244,8 @@ impl Sim {
                     return;
                 }
                 p.stage = Stage::Ended;
-                self.report.scripted.push(Scripted { peer: i, call, made, ended: self.now, result });
+                let id = p.me().expect("a scripted call is made once registered");
+                self.report.scripted.push(Scripted { peer: i, id, call, made, ended: self.now, result });
                 // The others may be waiting for this one to end.
                 for j in 0..3 {
                     self.push(self.now, Ev::Wake(j));
@@ -1268,8 +1291,8 @@ impl Sim {
             }
             Action::Done { call, result } => self.done(i, call, result),
             Action::MemberWaits(_) => self.judge_waiters(i),
-            Action::P2pApart { peer, reason } => {
-                self.peers[i].transfers.handle_apart(peer, reason);
+            Action::P2pApart { peer, misuse } => {
+                self.peers[i].transfers.handle_apart(peer, misuse);
                 self.transfers_ended(i);
             }
         }
@@ -1293,7 +1316,7 @@ impl Sim {
         if next == Next::Collective {
             (p.batch_ok, p.batch_pending_due) = (true, false);
             for k in 0..self.batch {
-                let call = p.proto.call(CallKind::Collective("all_reduce"), CALL_TIMEOUT, at);
+                let call = p.proto.call(CallKind::Collective(Api::AllReduce), CALL_TIMEOUT, at);
                 p.batch.insert(call);
                 if k == 0 {
                     p.waits_in = Some(call);
@@ -1310,7 +1333,7 @@ impl Sim {
                 override_resume: std::mem::take(&mut p.override_resume),
                 entries: vec![state_digest(p.revision)],
             }),
-            Next::Collective => CallKind::Collective("all_reduce"),
+            Next::Collective => CallKind::Collective(Api::AllReduce),
             Next::Connect | Next::P2p => unreachable!("a peer connects once; p2p is scripted"),
         };
         p.waits_in = Some(p.proto.call(kind, CALL_TIMEOUT, at));
@@ -1394,9 +1417,8 @@ impl Sim {
                     {
                         self.peers[i].override_resume = true;
                     }
-                    CallError::SyncFailed { retryable: false, reason } | CallError::Misuse(reason) => {
-                        self.misuse(i, call, reason)
-                    }
+                    CallError::SyncFailed { retryable: false, reason } => self.misuse(i, call, reason),
+                    CallError::Misuse(misuse) => self.misuse(i, call, misuse),
                     _ => {}
                 }
                 self.failed(i);
@@ -1404,14 +1426,14 @@ impl Sim {
             // Abandoned (the others made another call): a usage error; this application votes
             // again, or goes on with its work.
             (Next::Vote, Err(e)) => {
-                if let CallError::Misuse(reason) = &e {
-                    self.misuse(i, call, reason);
+                if let CallError::Misuse(misuse) = &e {
+                    self.misuse(i, call, misuse);
                 }
                 self.call(i, Next::Vote);
             }
             (Next::Pending, Err(e)) => {
-                if let CallError::Misuse(reason) = &e {
-                    self.misuse(i, call, reason);
+                if let CallError::Misuse(misuse) = &e {
+                    self.misuse(i, call, misuse);
                 }
                 self.work(i);
             }
@@ -1459,7 +1481,7 @@ impl Sim {
         self.report.faults.iter().any(|f| f.starts_with("Freeze") || f.starts_with("Stall"))
     }
 
-    fn misuse(&mut self, i: usize, call: Next, why: &str) {
+    fn misuse(&mut self, i: usize, call: Next, why: &dyn std::fmt::Display) {
         let at = format!("{call:?} at {:?}", self.now);
         self.report.misuse.push((i, at, why.to_string()));
     }
@@ -1997,6 +2019,16 @@ pub fn check(r: &Report) -> Result<(), Violation> {
 /// # Errors
 /// The first violation found.
 pub fn check_calls(r: &Report, heartbeat: Duration) -> Result<(), Violation> {
+    /// Whether a usage error names only calls that the peers it names made, and every call that
+    /// starts with no collective (its name is all a user has to find the other call).
+    fn names_calls_made(m: &Misuse, r: &Report) -> bool {
+        let made = |p: &PeerId| r.scripted.iter().find(|c| c.id == *p).map(|c| c.call);
+        let accurate =
+            m.calls().iter().all(|side| side.peers.iter().all(|p| made(p).is_some_and(|c| c.is(&side.call))));
+        let whole =
+            r.scripted.iter().filter(|c| !c.call.collective()).all(|c| m.calls().iter().any(|s| c.call.is(&s.call)));
+        accurate && whole
+    }
     check(r)?;
     let fail = |why: String| Err(Violation(why));
     if r.scripted.len() != 3 {
@@ -2014,13 +2046,10 @@ pub fn check_calls(r: &Report, heartbeat: Duration) -> Result<(), Violation> {
                 c.ended - last
             ));
         }
-        let named = |why: &str| calls.iter().filter(|c| !c.collective()).all(|c| why.contains(c.name()));
         match &c.result {
-            // A sync's usage error (`UsageError` in Python) is a sync failure no retry mends.
-            Err(CallError::Misuse(why) | CallError::SyncFailed { retryable: false, reason: why })
-                if !collectives && named(why) => {}
+            Err(CallError::Misuse(misuse)) if !collectives && names_calls_made(misuse, r) => {}
             Err(CallError::Aborted { failure, .. }) | Err(CallError::Unconfirmed { failure, .. })
-                if (failure.kind == FailureKind::Misuse && !collectives && named(&failure.reason))
+                if (!collectives && failure.reason.misuse().is_some_and(|m| names_calls_made(m, r)))
                     || (failure.kind == FailureKind::Mismatch && collectives) => {}
             other => return fail(format!("peer {}: {:?} ended with {other:?}", c.peer, c.call)),
         }

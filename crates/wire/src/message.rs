@@ -1,6 +1,7 @@
 //! The messages of the protocol and their body encodings. `docs/wire.md` has the table.
 
 use crate::codec::{Reader, Writer};
+use crate::misuse::{Misuse, Reason};
 use crate::report::PeerReport;
 use crate::{SessionId, WireError, MAX_DIMS, MAX_MEMBERS, MAX_STATE_ENTRIES};
 
@@ -96,9 +97,9 @@ pub struct OpFailure {
     pub kind: FailureKind,
     /// The peer it concerns: the one lost, or the one whose call differs.
     pub peer: PeerId,
-    /// A human-readable account, at most [`MAX_STRING_BYTES`](crate::MAX_STRING_BYTES) bytes
-    /// (longer ones are cut at a character boundary when sent).
-    pub reason: String,
+    /// Why: the calls that cannot complete together (a [`FailureKind::Misuse`] may name them),
+    /// or an account in words.
+    pub reason: Reason,
 }
 
 /// The calls that are votes at the master, by wire code: a member of the voter's group running a
@@ -168,18 +169,37 @@ impl FailureKind {
 impl OpFailure {
     /// A failure of `kind` concerning `peer`; `reason` is cut to fit a message.
     pub fn new(kind: FailureKind, peer: PeerId, reason: impl Into<String>) -> Self {
-        OpFailure { kind, peer, reason: truncate(reason.into(), crate::MAX_STRING_BYTES) }
+        OpFailure { kind, peer, reason: Reason::text(reason) }
+    }
+
+    /// The failure of `peer`'s collective, which can never complete with another call.
+    pub fn misuse(peer: PeerId, misuse: Misuse) -> Self {
+        OpFailure { kind: FailureKind::Misuse, peer, reason: misuse.into() }
     }
 
     fn encode(&self, w: &mut Writer) {
         w.u8(self.kind as u8);
         w.u32(self.peer.0);
-        w.str(&self.reason);
+        self.reason.encode(w);
     }
 
     fn decode(r: &mut Reader<'_>) -> Result<Self, WireError> {
-        Ok(OpFailure { kind: FailureKind::from_code(r.u8()?)?, peer: PeerId(r.u32()?), reason: r.str()? })
+        let (kind, peer, reason) = (FailureKind::from_code(r.u8()?)?, PeerId(r.u32()?), Reason::decode(r)?);
+        if reason.misuse().is_some() && kind != FailureKind::Misuse {
+            return Err(WireError::InvalidValue { field: "failure kind of a misuse", value: kind as u64 });
+        }
+        Ok(OpFailure { kind, peer, reason })
     }
+}
+
+/// A vote's end: refused for now (`retry`), or abandoned, where the reason names the calls that
+/// cannot complete together.
+fn vote_abort(r: &mut Reader<'_>) -> Result<(bool, Reason), WireError> {
+    let (retry, reason) = (r.bool("retry")?, Reason::decode(r)?);
+    if !retry && reason.misuse().is_none() {
+        return Err(WireError::InvalidValue { field: "abandoned vote's calls", value: 0 });
+    }
+    Ok((retry, reason))
 }
 
 /// `s` cut to at most `max` bytes at a character boundary.
@@ -402,7 +422,7 @@ pub enum Message {
         /// The waiter (relayed: the member whose call it met).
         peer: PeerId,
         /// Both calls, named with their peers.
-        reason: String,
+        misuse: Misuse,
     },
     /// Master → peer: you are registered as `peer` in run `session`.
     Registered {
@@ -485,22 +505,23 @@ pub enum Message {
         collectives: u64,
     },
     /// Master → peer: the `peers_pending` vote was abandoned, because the members made calls that
-    /// cannot complete together (voters' calls fail with `reason`), or not counted because a
-    /// topology was issued (`retry`: the voter joins it and votes again).
+    /// cannot complete together (voters' calls fail with `reason`, which names them), or not
+    /// counted because a topology was issued (`retry`: the voter joins it and votes again).
     PeersPendingAborted {
         /// The vote was refused for now, not abandoned: vote again once the topology is in force.
         retry: bool,
-        /// Why.
-        reason: String,
+        /// Why: without `retry`, always the calls that cannot complete together.
+        reason: Reason,
     },
     /// Master → peer: the `update_topology` vote was abandoned, because a member ran a collective
-    /// instead (voters' calls fail with `reason`), or this vote was not counted because a topology
-    /// was being connected (`retry`: the voter joins that topology and votes again).
+    /// instead (voters' calls fail with `reason`, which names the calls), or this vote was not
+    /// counted because a topology was being connected (`retry`: the voter joins that topology
+    /// and votes again).
     TopologyVoteAborted {
         /// The vote was refused for now, not abandoned: vote again once the topology is in force.
         retry: bool,
-        /// Why.
-        reason: String,
+        /// Why: without `retry`, always the calls that cannot complete together.
+        reason: Reason,
     },
     /// Master → peer: the plan of sync `round`, one entry per tensor of the peer's vote.
     SyncPlan {
@@ -543,8 +564,8 @@ pub enum Message {
         round: u64,
         /// Whether calling again can succeed (a participant was lost) or the calls are wrong.
         retryable: bool,
-        /// Why.
-        reason: String,
+        /// Why: the calls that cannot complete together, or an account in words.
+        reason: Reason,
     },
     /// Peer → peer, on a connection dialed to a donor: send `len` bytes of tensor `index` of
     /// sync `round` from `offset`. The donor answers with exactly those bytes.
@@ -754,9 +775,9 @@ impl Message {
                 w.u32(voter.0);
                 w.u64(*collectives);
             }
-            Message::TopologyVoteAborted { retry, reason } => {
+            Message::TopologyVoteAborted { retry, reason } | Message::PeersPendingAborted { retry, reason } => {
                 w.bool(*retry);
-                w.str(reason);
+                reason.encode(w);
             }
             Message::SyncVote { revision, strategy, override_resume, entries, collectives } => {
                 assert!(entries.len() <= MAX_STATE_ENTRIES, "state exceeds MAX_STATE_ENTRIES: a bug");
@@ -789,9 +810,9 @@ impl Message {
                 w.u64(*collectives);
             }
             Message::P2pResumed { peer } => w.u32(peer.0),
-            Message::P2pApart { peer, reason } => {
+            Message::P2pApart { peer, misuse } => {
                 w.u32(peer.0);
-                w.str(reason);
+                misuse.encode(w);
             }
             Message::Snapshot { round } => w.u64(*round),
             Message::CatchUpPlan { round, revision, entries, donors, reason } => {
@@ -814,7 +835,7 @@ impl Message {
             Message::SyncAborted { round, retryable, reason } => {
                 w.u64(*round);
                 w.bool(*retryable);
-                w.str(reason);
+                reason.encode(w);
             }
             Message::FetchRequest { from, to, round, index, offset, len, mac } => {
                 w.u32(from.0);
@@ -833,10 +854,6 @@ impl Message {
                 w.bytes(proof);
             }
             Message::VotePeersPending { collectives } => w.u64(*collectives),
-            Message::PeersPendingAborted { retry, reason } => {
-                w.bool(*retry);
-                w.str(reason);
-            }
             Message::TopologyReady { epoch } | Message::TopologyCommitted { epoch } => w.u64(epoch.0),
             Message::PeerUnreachable { epoch, peer } => {
                 w.u64(epoch.0);
@@ -919,7 +936,10 @@ impl Message {
                 voter: PeerId(r.u32()?),
                 collectives: r.u64()?,
             },
-            kind::TOPOLOGY_VOTE_ABORTED => Message::TopologyVoteAborted { retry: r.bool("retry")?, reason: r.str()? },
+            kind::TOPOLOGY_VOTE_ABORTED => {
+                let (retry, reason) = vote_abort(&mut r)?;
+                Message::TopologyVoteAborted { retry, reason }
+            }
             kind::SYNC_VOTE => {
                 let collectives = r.u64()?;
                 let (revision, strategy, override_resume) = (r.u64()?, r.u8()?, r.bool("override_resume")?);
@@ -939,7 +959,7 @@ impl Message {
                 collectives: r.u64()?,
             },
             kind::P2P_RESUMED => Message::P2pResumed { peer: PeerId(r.u32()?) },
-            kind::P2P_APART => Message::P2pApart { peer: PeerId(r.u32()?), reason: r.str()? },
+            kind::P2P_APART => Message::P2pApart { peer: PeerId(r.u32()?), misuse: Misuse::decode(&mut r)? },
             kind::SNAPSHOT => Message::Snapshot { round: r.u64()? },
             kind::CATCH_UP_PLAN => Message::CatchUpPlan {
                 round: r.u64()?,
@@ -955,9 +975,11 @@ impl Message {
                 let (round, revision) = (r.u64()?, r.u64()?);
                 Message::SyncPlan { round, revision, entries: decode_plan(&mut r)? }
             }
-            kind::SYNC_ABORTED => {
-                Message::SyncAborted { round: r.u64()?, retryable: r.bool("retryable")?, reason: r.str()? }
-            }
+            kind::SYNC_ABORTED => Message::SyncAborted {
+                round: r.u64()?,
+                retryable: r.bool("retryable")?,
+                reason: Reason::decode(&mut r)?,
+            },
             kind::FETCH_REQUEST => Message::FetchRequest {
                 from: PeerId(r.u32()?),
                 to: PeerId(r.u32()?),
@@ -969,7 +991,10 @@ impl Message {
             },
             kind::TOPOLOGY_READY => Message::TopologyReady { epoch: Epoch(r.u64()?) },
             kind::VOTE_PEERS_PENDING => Message::VotePeersPending { collectives: r.u64()? },
-            kind::PEERS_PENDING_ABORTED => Message::PeersPendingAborted { retry: r.bool("retry")?, reason: r.str()? },
+            kind::PEERS_PENDING_ABORTED => {
+                let (retry, reason) = vote_abort(&mut r)?;
+                Message::PeersPendingAborted { retry, reason }
+            }
             kind::LEAVE => Message::Leave,
             kind::PEER_UNREACHABLE => Message::PeerUnreachable { epoch: Epoch(r.u64()?), peer: PeerId(r.u32()?) },
             kind::REGISTERED => Message::Registered {
@@ -1092,7 +1117,9 @@ fn decode_members(r: &mut Reader<'_>) -> Result<Vec<Member>, WireError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::misuse::strategy::{misuse, reason};
     use crate::{decode_frame, encode_frame, HEADER_BYTES, MAX_STRING_BYTES};
+    use crate::{Api, Call, Called};
     use proptest::prelude::*;
 
     fn member() -> impl Strategy<Value = Member> {
@@ -1109,8 +1136,16 @@ mod tests {
             FailureKind::Superseded,
             FailureKind::Misuse,
         ];
-        (prop::sample::select(kinds.to_vec()), any::<u32>(), ".{0,300}")
-            .prop_map(|(kind, p, reason)| OpFailure::new(kind, PeerId(p), reason))
+        prop_oneof![
+            (prop::sample::select(kinds.to_vec()), any::<u32>(), ".{0,300}")
+                .prop_map(|(kind, p, reason)| OpFailure::new(kind, PeerId(p), reason)),
+            (any::<u32>(), misuse()).prop_map(|(p, m)| OpFailure::misuse(PeerId(p), m)),
+        ]
+    }
+
+    /// A refused vote's (`retry`) reason, or an abandoned one's, which names the calls.
+    fn vote_abort() -> impl Strategy<Value = (bool, Reason)> {
+        prop_oneof![reason().prop_map(|r| (true, r)), misuse().prop_map(|m| (false, m.into()))]
     }
 
     fn digest() -> impl Strategy<Value = StateDigest> {
@@ -1145,7 +1180,7 @@ mod tests {
                         .map(|(hash, d)| PlanEntry { hash, donors: d.into_iter().map(PeerId).collect() })
                         .collect()
                 }),
-            (any::<u64>(), any::<bool>(), ".{0,60}").prop_map(|(round, retryable, reason)| Message::SyncAborted {
+            (any::<u64>(), any::<bool>(), reason()).prop_map(|(round, retryable, reason)| Message::SyncAborted {
                 round,
                 retryable,
                 reason
@@ -1160,7 +1195,7 @@ mod tests {
                 }
             ),
             any::<u32>().prop_map(|p| Message::P2pResumed { peer: PeerId(p) }),
-            (any::<u32>(), ".{0,60}").prop_map(|(p, reason)| Message::P2pApart { peer: PeerId(p), reason }),
+            (any::<u32>(), misuse()).prop_map(|(p, misuse)| Message::P2pApart { peer: PeerId(p), misuse }),
             any::<u64>().prop_map(|round| Message::Snapshot { round }),
             (
                 any::<(u64, u64)>(),
@@ -1223,10 +1258,10 @@ mod tests {
                 let vote = Vote::from_code(k).expect("a vote code");
                 Message::VoteOpened { vote, epoch: Epoch(e), voter: PeerId(v), collectives }
             }),
-            (any::<bool>(), ".{0,100}").prop_map(|(retry, reason)| Message::TopologyVoteAborted { retry, reason }),
+            vote_abort().prop_map(|(retry, reason)| Message::TopologyVoteAborted { retry, reason }),
             any::<u64>().prop_map(|e| Message::TopologyReady { epoch: Epoch(e) }),
             any::<u64>().prop_map(|collectives| Message::VotePeersPending { collectives }),
-            (any::<bool>(), ".{0,100}").prop_map(|(retry, reason)| Message::PeersPendingAborted { retry, reason }),
+            vote_abort().prop_map(|(retry, reason)| Message::PeersPendingAborted { retry, reason }),
             Just(Message::Leave),
             (any::<u64>(), any::<u32>())
                 .prop_map(|(e, p)| Message::PeerUnreachable { epoch: Epoch(e), peer: PeerId(p) }),
@@ -1314,9 +1349,9 @@ mod tests {
     #[test]
     fn long_reasons_are_cut_at_a_character_boundary() {
         let f = OpFailure::new(FailureKind::PeerLost, PeerId(1), "é".repeat(200));
-        assert_eq!(f.reason.len(), MAX_STRING_BYTES);
+        assert_eq!(f.reason.to_string().len(), MAX_STRING_BYTES);
         let f = OpFailure::new(FailureKind::PeerLost, PeerId(1), format!("x{}", "é".repeat(200)));
-        assert_eq!(f.reason.len(), MAX_STRING_BYTES - 1);
+        assert_eq!(f.reason.to_string().len(), MAX_STRING_BYTES - 1);
         let mut w = Writer::with_capacity(32);
         w.u64(1);
         w.u64(2);
@@ -1324,6 +1359,21 @@ mod tests {
         assert_eq!(
             Message::decode_body(kind::OP_ABORTED, w.as_bytes()),
             Err(WireError::InvalidValue { field: "failure kind", value: 9 })
+        );
+        // Only a usage error names calls that cannot complete together.
+        let ours = Called::new([PeerId(1)], Call::api(Vote::PeersPending));
+        let misuse = Misuse::new(ours, Called::new([PeerId(2)], Call::api(Api::AllReduce)));
+        let failure = OpFailure { kind: FailureKind::PeerLost, ..OpFailure::misuse(PeerId(1), misuse) };
+        let bytes = encode_frame(SessionId(1), &Message::OpAborted { epoch: Epoch(1), seq: 2, failure }).unwrap();
+        assert_eq!(
+            decode_frame(&bytes),
+            Err(WireError::InvalidValue { field: "failure kind of a misuse", value: FailureKind::PeerLost as u64 })
+        );
+        // A vote abandoned, not refused for now, names the calls.
+        let abandoned = Message::TopologyVoteAborted { retry: false, reason: Reason::text("no calls named") };
+        assert_eq!(
+            decode_frame(&encode_frame(SessionId(1), &abandoned).unwrap()),
+            Err(WireError::InvalidValue { field: "abandoned vote's calls", value: 0 })
         );
     }
 

@@ -30,7 +30,7 @@
 //! member whose own vote ended that way is not held to it: its next call is its own choice.
 
 use super::{heartbeat_interval, Master, Phase, Timer};
-use shoal_wire::{Epoch, GroupId, Message, PeerId, Vote};
+use shoal_wire::{Call, Called, Epoch, GroupId, Message, Misuse, PeerId, Point, Vote};
 use std::collections::BTreeSet;
 use std::time::Instant;
 
@@ -71,30 +71,24 @@ impl Master {
             self.release_tentative_votes_awaiting(peer);
         }
         while let Some((other, voters)) = self.vote_awaiting(peer, vote) {
-            let names: Vec<String> = voters.iter().map(ToString::to_string).collect();
-            let reason = format!(
-                "{peer} called {} while {} called {}: every accepted peer must make the same calls in the \
-                 same order",
-                vote.call(),
-                names.join(", "),
-                other.call()
-            );
+            let misuse =
+                Misuse::new(Called::new([peer], Call::api(vote)), Called::new(voters.clone(), Call::api(other)));
             if self.sent_on.remove(&peer) {
                 // A newcomer sent on to a call the others have left: it goes back to meet them.
-                log::debug!("{reason}: {peer} was sent on as a newcomer, and tries again");
-                self.refuse(peer, vote, reason, true);
+                log::debug!("{misuse}: {peer} was sent on as a newcomer, and tries again");
+                self.refuse(peer, vote, misuse, true);
                 return false;
             }
             if voters.iter().all(|v| self.sent_on.contains(v)) {
                 // The newcomers wait in a call the others have left: they try again, this vote counts.
-                log::debug!("{reason}: the newcomers sent on try again");
+                log::debug!("{misuse}: the newcomers sent on try again");
                 self.sent_on.retain(|v| !voters.contains(v));
-                self.withdraw(other, group, &reason, true);
+                self.withdraw(other, group, &misuse, true);
                 continue;
             }
-            log::warn!("{reason}");
-            self.abandon_votes(group, &reason);
-            self.refuse(peer, vote, reason, false);
+            log::warn!("{misuse}");
+            self.abandon_votes(group, &misuse);
+            self.refuse(peer, vote, misuse, false);
             return false;
         }
         debug_assert!(self.vote_awaiting(peer, vote).is_none(), "a vote cast while another waits for its voter");
@@ -102,16 +96,13 @@ impl Master {
             return true;
         }
         if let Some((other, voters)) = self.mismatch_at(peer, at) {
-            let names: Vec<String> = voters.iter().map(ToString::to_string).collect();
-            let reason = format!(
-                "{peer} called {} where {} called {}, which ended as calls that cannot complete together: every \
-                 accepted peer must make the same calls in the same order",
-                vote.call(),
-                names.join(", "),
-                other.call()
+            let point = Some(Point { epoch: at.epoch, collectives });
+            let misuse = Misuse::settled(
+                Called::new([peer], Call::Api { api: vote.into(), at: point }),
+                Called::new(voters, Call::Api { api: other.into(), at: point }),
             );
-            log::warn!("{reason}");
-            self.refuse(peer, vote, reason, false);
+            log::warn!("{misuse}");
+            self.refuse(peer, vote, misuse, false);
             return false;
         }
         true
@@ -176,9 +167,9 @@ impl Master {
     /// A member of `group` gave up a collective because others wait in a vote, or two votes wait
     /// for each other: every open vote the group's members are in ends with `reason`. Every
     /// member hears of it, voter or not, so that none keeps the announcement of a dead vote.
-    pub(super) fn abandon_votes(&mut self, group: GroupId, reason: &str) {
+    pub(super) fn abandon_votes(&mut self, group: GroupId, misuse: &Misuse) {
         for vote in [Vote::UpdateTopology, Vote::PeersPending, Vote::SyncSharedState] {
-            self.withdraw(vote, group, reason, false);
+            self.withdraw(vote, group, misuse, false);
         }
         assert!(
             [Vote::UpdateTopology, Vote::PeersPending, Vote::SyncSharedState]
@@ -193,7 +184,7 @@ impl Master {
     /// about to make that call learns that the calls at its point ended apart); only its voters
     /// hear that they vote again: a member whose own vote crossed the message would take it for
     /// its own, and vote twice in one call.
-    fn withdraw(&mut self, vote: Vote, group: GroupId, reason: &str, retry: bool) {
+    fn withdraw(&mut self, vote: Vote, group: GroupId, misuse: &Misuse, retry: bool) {
         let voters = self.open_ballot(vote, group).map(|b| b.voters().clone()).unwrap_or_default();
         if !retry {
             for p in &voters {
@@ -201,25 +192,24 @@ impl Master {
             }
         }
         let told: Vec<PeerId> = if retry { voters.into_iter().collect() } else { self.ring.clone() };
-        let reason = reason.to_string();
         match vote {
             Vote::UpdateTopology if matches!(self.phase, Phase::AwaitingTopologyVotes { .. }) => {
-                log::warn!("update_topology vote ended: {reason}");
+                log::warn!("update_topology vote ended: {misuse}");
                 for p in told {
-                    self.send_to_peer(p, Message::TopologyVoteAborted { retry, reason: reason.clone() });
+                    self.send_to_peer(p, Message::TopologyVoteAborted { retry, reason: misuse.clone().into() });
                 }
                 self.set_phase(Phase::Idle);
             }
             Vote::PeersPending if self.pending_vote.is_some() => {
                 self.pending_vote = None;
                 self.tentative.clear();
-                log::warn!("peers_pending vote ended: {reason}");
+                log::warn!("peers_pending vote ended: {misuse}");
                 for p in told {
-                    self.send_to_peer(p, Message::PeersPendingAborted { retry, reason: reason.clone() });
+                    self.send_to_peer(p, Message::PeersPendingAborted { retry, reason: misuse.clone().into() });
                 }
             }
             Vote::SyncSharedState if self.syncs.get(&group).is_some_and(|s| s.voting().is_some()) => {
-                self.abort_sync(group, retry, reason);
+                self.abort_sync(group, retry, misuse.clone().into());
             }
             _ => {}
         }
@@ -281,14 +271,15 @@ impl Master {
 
     /// Ends `peer`'s call `vote` without casting it: with a usage error, or (`retry`) for it to
     /// try again.
-    fn refuse(&mut self, peer: PeerId, vote: Vote, reason: String, retry: bool) {
+    fn refuse(&mut self, peer: PeerId, vote: Vote, misuse: Misuse, retry: bool) {
+        assert!(misuse.ours.peers == [peer], "{peer} is refused for its own call: {misuse}");
         if !retry {
             self.mark_mismatched(peer, vote);
         }
         let message = match vote {
-            Vote::UpdateTopology => Message::TopologyVoteAborted { retry, reason },
-            Vote::PeersPending => Message::PeersPendingAborted { retry, reason },
-            Vote::SyncSharedState => Message::SyncAborted { round: 0, retryable: retry, reason },
+            Vote::UpdateTopology => Message::TopologyVoteAborted { retry, reason: misuse.into() },
+            Vote::PeersPending => Message::PeersPendingAborted { retry, reason: misuse.into() },
+            Vote::SyncSharedState => Message::SyncAborted { round: 0, retryable: retry, reason: misuse.into() },
         };
         self.send_to_peer(peer, message);
         // Refused, never cast: no ballot counts it.

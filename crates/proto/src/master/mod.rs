@@ -26,7 +26,7 @@ use crate::ballot::Ballot;
 pub use durable::{Durable, DurableGroup, DurablePeer, Incoherent};
 pub use ops::MAX_TRACKED_OPS;
 pub use plan::Plan;
-use shoal_wire::{Epoch, GroupId, Member, Message, PeerId, PeerReport, SessionId, Vote};
+use shoal_wire::{Epoch, GroupId, Member, Message, PeerId, PeerReport, Reason, SessionId, Vote};
 pub use status::{Counters, GroupStatus, Matrix, PeerStatus, RunStatus, Totals};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
@@ -209,6 +209,12 @@ pub enum PeerMisbehaved {
     ReportFromNonMember {
         /// Who reported.
         peer: PeerId,
+    },
+    /// `P2pApart` that names other calls than the waiter's transfer and the sender's own call.
+    #[error("P2pApart for {waiter} names other peers' calls")]
+    ApartNamesOthers {
+        /// The waiter it named.
+        waiter: PeerId,
     },
     /// More collectives open than the master tracks.
     #[error("more than {MAX_TRACKED_OPS} collectives open at once")]
@@ -432,7 +438,7 @@ impl Master {
             Message::SnapshotHeld { round, held } if accepted => self.snapshot_held(peer, round, held),
             Message::P2pWaits { peer: other, .. } if accepted => self.p2p_waits(peer, other, message),
             Message::P2pResumed { .. } if accepted => self.p2p_resumed(peer),
-            Message::P2pApart { peer: waiter, reason } if accepted => self.p2p_apart(peer, waiter, reason),
+            Message::P2pApart { peer: waiter, misuse } if accepted => self.p2p_apart(peer, waiter, misuse),
             Message::CatchUpStart { entries } => self.catch_up_start(peer, entries),
             Message::CatchUpProgress { done, total, eta_ms } => self.catch_up_progress(peer, done, total, eta_ms),
             Message::CatchUpEnd { fetched, revision } => self.catch_up_end(peer, fetched, revision),
@@ -628,7 +634,7 @@ impl Master {
             // the voter joins that topology and votes again.
             let reason =
                 format!("{peer} called update_topology while topology {} was being connected; call it again", epoch.0);
-            return self.send_to_peer(peer, Message::TopologyVoteAborted { retry: true, reason });
+            return self.send_to_peer(peer, Message::TopologyVoteAborted { retry: true, reason: Reason::text(reason) });
         }
         if !self.admit_vote(now, peer, Vote::UpdateTopology, collectives) {
             return;
@@ -728,7 +734,7 @@ impl Master {
             self.tentative.clear();
             let reason = format!("topology {} was issued during the vote", epoch.0);
             for p in ballot.voters().clone() {
-                self.send_to_peer(p, Message::PeersPendingAborted { retry: true, reason: reason.clone() });
+                self.send_to_peer(p, Message::PeersPendingAborted { retry: true, reason: Reason::text(&reason) });
             }
         }
         let sites = self.sites();
@@ -814,7 +820,7 @@ impl Master {
             // Sent before the voter saw the topology: the members that did wait for the voter to
             // join it, and the vote for them. Not counted: the voter joins and votes again.
             let reason = format!("{peer} called peers_pending while topology {} was being connected", epoch.0);
-            return self.send_to_peer(peer, Message::PeersPendingAborted { retry: true, reason });
+            return self.send_to_peer(peer, Message::PeersPendingAborted { retry: true, reason: Reason::text(reason) });
         }
         if !self.admit_vote(now, peer, Vote::PeersPending, collectives) {
             return;

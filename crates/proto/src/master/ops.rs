@@ -87,8 +87,10 @@ impl Master {
                 // What ends a call goes out after the new topology, so that whoever calls again at
                 // once finds it: the votes abandoned for misuse are held back until it is issued.
                 let held = self.outputs.len();
-                if failure.kind == FailureKind::Misuse {
-                    self.abandon_votes(key.0, &failure.reason);
+                // A collective given up for a vote that never joins it: the vote ends too. (A
+                // buffer that fits no group fails every member alike: no call waits for another.)
+                if let Some(misuse) = failure.reason.misuse() {
+                    self.abandon_votes(key.0, misuse);
                 }
                 let abandoned: Vec<_> = self.outputs.drain(held..).collect();
                 let record = self.ops.get_mut(&key).expect("still tracked");

@@ -10,7 +10,7 @@
 //! of the other end's group with it.
 
 use super::{Master, Status};
-use shoal_wire::{truncate, Message, PeerId, MAX_STRING_BYTES};
+use shoal_wire::{Message, Misuse, PeerId};
 
 impl Master {
     /// `waiter` waits on a transfer with `other` (the fields of `P2pWaits`): the other end hears
@@ -38,19 +38,21 @@ impl Master {
     }
 
     /// `member`'s call can never let `waiter`'s transfer complete: every vote of the member's
-    /// group ends with `reason` (the member's own among them), and then the waiter's call.
-    pub(super) fn p2p_apart(&mut self, member: PeerId, waiter: PeerId, reason: String) {
+    /// group ends with `misuse` (the member's own among them), and then the waiter's call.
+    pub(super) fn p2p_apart(&mut self, member: PeerId, waiter: PeerId, misuse: Misuse) {
         if self.p2p_waits.get(&waiter) != Some(&member) {
             return; // The wait ended meanwhile, or was never with this member.
         }
+        if misuse.ours.peers != [waiter] || misuse.theirs.peers != [member] {
+            return self.violation(member, super::PeerMisbehaved::ApartNamesOthers { waiter });
+        }
         self.p2p_waits.remove(&waiter);
-        let reason = truncate(reason, MAX_STRING_BYTES);
-        log::warn!("{reason}");
+        log::warn!("{misuse}");
         // The votes first: the waiter, told of them as every member, must not find one still
         // open when its next call starts, which it may as soon as its transfer ends.
         let group = self.peers[&member].group;
-        self.abandon_votes(group, &reason);
-        self.send_to_peer(waiter, Message::P2pApart { peer: member, reason });
+        self.abandon_votes(group, &misuse);
+        self.send_to_peer(waiter, Message::P2pApart { peer: member, misuse });
         assert!(!self.p2p_waits.contains_key(&waiter), "a wait outlives its end");
     }
 

@@ -11,7 +11,7 @@
 
 use super::Master;
 use crate::ballot::Ballot;
-use shoal_wire::{truncate, GroupId, Message, PeerId, PlanEntry, StateDigest, MAX_STRING_BYTES};
+use shoal_wire::{GroupId, Message, PeerId, PlanEntry, Reason, StateDigest};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// How a peer takes part in a sync.
@@ -108,6 +108,7 @@ impl Master {
             // A call that crossed a topology issued meanwhile (a member was lost): retryable, and
             // the retry joins that topology first.
             let reason = format!("topology {} was being connected when {peer} called sync_shared_state", epoch.0);
+            let reason = Reason::text(reason);
             return self.send_to_peer(peer, Message::SyncAborted { round: 0, retryable: true, reason });
         }
         if !self.admit_vote(now, peer, shoal_wire::Vote::SyncSharedState, collectives) {
@@ -152,7 +153,7 @@ impl Master {
     pub(super) fn sync_failed(&mut self, peer: PeerId, round: u64, reason: String) {
         let group = self.peers[&peer].group;
         if self.syncs.get(&group).is_some_and(|s| s.round == round) {
-            self.abort_sync(group, true, format!("{peer} could not complete the sync: {reason}"));
+            self.abort_sync(group, true, Reason::text(format!("{peer} could not complete the sync: {reason}")));
         }
     }
 
@@ -179,11 +180,10 @@ impl Master {
     }
 
     /// Ends every sync of `group` (or of every group) with an error for its voters.
-    pub(super) fn abort_sync(&mut self, group: GroupId, retryable: bool, reason: String) {
+    pub(super) fn abort_sync(&mut self, group: GroupId, retryable: bool, reason: Reason) {
         let Some(sync) = self.syncs.remove(&group) else { return };
         self.counters.syncs_aborted += 1;
         log::warn!("sync {} aborted: {reason}", sync.round);
-        let reason = truncate(reason, MAX_STRING_BYTES);
         // While voting, every member of the group hears of it: the vote was announced to them.
         let voters: Vec<PeerId> = match &sync.transfer {
             Some(t) => t.participants.iter().copied().collect(),
@@ -198,7 +198,7 @@ impl Master {
     pub(super) fn abort_every_sync(&mut self, reason: &str) {
         let groups: Vec<GroupId> = self.syncs.keys().copied().collect();
         for g in groups {
-            self.abort_sync(g, true, reason.to_string());
+            self.abort_sync(g, true, Reason::text(reason));
         }
     }
 
@@ -229,7 +229,7 @@ impl Master {
                     self.send_to_peer(p, Message::SyncPlan { round, revision, entries });
                 }
             }
-            Err(reason) => self.abort_sync(group, false, reason),
+            Err(reason) => self.abort_sync(group, false, Reason::text(reason)),
         }
     }
 

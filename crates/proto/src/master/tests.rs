@@ -2,7 +2,17 @@
 
 use super::*;
 use crate::auth::{DataKey, RunKey};
-use shoal_wire::{FailureKind, OpFailure, PlanEntry, StateDigest};
+use shoal_wire::{Api, Call, Called, FailureKind, Misuse, OpFailure, PlanEntry, Point, StateDigest};
+
+/// `call`, made by `peers`.
+fn made(peers: &[u32], call: Call) -> Called {
+    Called::new(peers.iter().map(|p| PeerId(*p)), call)
+}
+
+/// A call made after `collectives` collectives of topology `epoch`.
+fn at(api: impl Into<Api>, epoch: Epoch, collectives: u64) -> Call {
+    Call::Api { api: api.into(), at: Some(Point { epoch, collectives }) }
+}
 
 const SESSION: SessionId = SessionId(77);
 
@@ -364,10 +374,12 @@ fn a_collective_run_during_an_admission_vote_abandons_the_vote() {
     let opened = Message::VoteOpened { vote: Vote::UpdateTopology, epoch, voter: PeerId(0), collectives: 7 };
     assert_eq!((sent_to(&out, 2), sent_to(&out, 3)), (vec![&opened], vec![&opened]));
     // Peer 1 was running collective 7, which the voter never started.
-    let failure = OpFailure::new(FailureKind::Misuse, PeerId(1), "peer#0 called update_topology");
+    let misuse = Misuse::new(made(&[1], at(Api::AllReduce, epoch, 7)), made(&[0], at(Vote::UpdateTopology, epoch, 7)));
+    let failure = OpFailure::misuse(PeerId(1), misuse.clone());
     let out = h.send(2, Message::OpFailed { epoch, seq: 7, failure });
+    let aborted = Message::TopologyVoteAborted { retry: false, reason: misuse.into() };
     for conn in [1, 2, 3] {
-        assert!(sent_to(&out, conn).iter().any(|m| matches!(m, Message::TopologyVoteAborted { .. })), "{out:?}");
+        assert!(sent_to(&out, conn).contains(&&aborted), "{out:?}");
     }
     // The aborted collective broke the ring's streams: it re-forms, with the same members, and
     // the new topology reaches the voter before the news that ends its call.
@@ -436,7 +448,7 @@ fn send_only_wins_and_impossible_revisions_are_refused() {
     let out = vote(&mut h, 3, 1, Strategy::EnforcePopular, &[9]);
     for c in 1..=3 {
         let aborted = sent_to(&out, c).into_iter().any(|m| {
-            matches!(m, Message::SyncAborted { retryable: false, reason, .. } if reason.contains("claims revision 5"))
+            matches!(m, Message::SyncAborted { retryable: false, reason, .. } if reason.to_string().contains("claims revision 5"))
         });
         assert!(aborted, "{out:?}");
     }
@@ -455,7 +467,7 @@ fn a_group_whose_peers_all_left_resumes_only_from_the_agreed_state() {
     h.send(2, Message::TopologyReady { epoch });
     let out = vote(&mut h, 2, 3, Strategy::EnforcePopular, &[8]);
     let refused = sent_to(&out, 2).into_iter().any(
-        |m| matches!(m, Message::SyncAborted { retryable: false, reason, .. } if reason.contains("last agreed on (revision 3)")),
+        |m| matches!(m, Message::SyncAborted { retryable: false, reason, .. } if reason.to_string().contains("last agreed on (revision 3)")),
     );
     assert!(refused, "{out:?}");
     let out = vote(&mut h, 2, 3, Strategy::EnforcePopular, &[7]);
@@ -630,11 +642,13 @@ fn votes_that_wait_for_each_other_end_together_with_a_usage_error() {
     let out = vote(&mut h, 3, 0, Strategy::EnforcePopular, &[1]);
     for conn in [1, 2] {
         match sent_to(&out, conn).iter().find(|m| matches!(m, Message::PeersPendingAborted { .. })) {
-            Some(Message::PeersPendingAborted { retry: false, reason }) => assert!(
-                reason.contains("peer#2 called sync_shared_state")
-                    && reason.contains("peer#0, peer#1 called peers_pending"),
-                "{reason}"
-            ),
+            Some(Message::PeersPendingAborted { retry: false, reason }) => {
+                let want = Misuse::new(
+                    made(&[2], Call::api(Vote::SyncSharedState)),
+                    made(&[0, 1], Call::api(Vote::PeersPending)),
+                );
+                assert_eq!(reason.misuse(), Some(&want))
+            }
             other => panic!("{other:?} in {out:?}"),
         }
     }
@@ -654,7 +668,7 @@ fn votes_that_wait_for_each_other_end_together_with_a_usage_error() {
 /// were told are not held to their calls: the same calls made together afterwards pass.
 #[test]
 fn a_vote_at_the_point_of_a_settled_mismatch_ends_at_once() {
-    let (mut h, _) = run_with(3);
+    let (mut h, epoch) = run_with(3);
     h.send(1, Message::VoteUpdateTopology { collectives: 0, measured: None });
     let out = vote(&mut h, 2, 0, Strategy::EnforcePopular, &[1]);
     assert!(sent_to(&out, 1).iter().any(|m| matches!(m, Message::TopologyVoteAborted { retry: false, .. })));
@@ -662,7 +676,11 @@ fn a_vote_at_the_point_of_a_settled_mismatch_ends_at_once() {
     let out = vote(&mut h, 3, 0, Strategy::EnforcePopular, &[1]);
     match sent_to(&out, 3).as_slice() {
         [Message::SyncAborted { retryable: false, reason, .. }] => {
-            assert!(reason.contains("peer#2 called sync_shared_state where peer#0 called update_topology"), "{reason}")
+            let want = Misuse::settled(
+                made(&[2], at(Vote::SyncSharedState, epoch, 0)),
+                made(&[0], at(Vote::UpdateTopology, epoch, 0)),
+            );
+            assert_eq!(reason.misuse(), Some(&want))
         }
         other => panic!("{other:?}"),
     }
@@ -685,14 +703,19 @@ fn a_vote_of_the_same_call_at_the_point_of_a_settled_mismatch_ends_at_once() {
     let (mut h, epoch) = run_with(3);
     h.send(3, Message::VotePeersPending { collectives: 0 });
     h.send(1, waits(2, false, epoch));
-    let reason = "peer#0 called recv from peer#2 (p2p, tag 3) while peer#2 called peers_pending".to_string();
-    let out = h.send(3, Message::P2pApart { peer: PeerId(0), reason: reason.clone() });
-    let aborted = Message::PeersPendingAborted { retry: false, reason };
+    let recv = Call::Transfer { send: false, peer: PeerId(2), tag: 3 };
+    let misuse = Misuse::new(made(&[0], recv), made(&[2], Call::api(Vote::PeersPending)));
+    let out = h.send(3, Message::P2pApart { peer: PeerId(0), misuse: misuse.clone() });
+    let aborted = Message::PeersPendingAborted { retry: false, reason: misuse.into() };
     assert_eq!(sent_to(&out, 2), vec![&aborted], "every member hears of it");
     let out = h.send(2, Message::VotePeersPending { collectives: 0 });
     match sent_to(&out, 2).as_slice() {
         [Message::PeersPendingAborted { retry: false, reason }] => {
-            assert!(reason.contains("peer#1 called peers_pending where peer#2 called peers_pending"), "{reason}")
+            let want = Misuse::settled(
+                made(&[1], at(Vote::PeersPending, epoch, 0)),
+                made(&[2], at(Vote::PeersPending, epoch, 0)),
+            );
+            assert_eq!(reason.misuse(), Some(&want))
         }
         other => panic!("{other:?}"),
     }
@@ -1275,19 +1298,33 @@ fn a_transfer_waiting_on_a_voter_ends_the_wait_and_the_vote() {
     let out = h.send(3, waits(0, false, epoch));
     assert_eq!(sent_to(&out, 1), vec![&waits(2, false, epoch)], "relayed to the other end, naming the waiter");
     assert!(sent_to(&out, 2).is_empty());
-    let reason = "peer#2 called recv from peer#0 (p2p, tag 3) while peer#0 called update_topology".to_string();
-    let out = h.send(1, Message::P2pApart { peer: PeerId(2), reason: reason.clone() });
+    let recv = Call::Transfer { send: false, peer: PeerId(0), tag: 3 };
+    let misuse = Misuse::new(made(&[2], recv), made(&[0], Call::api(Vote::UpdateTopology)));
+    let out = h.send(1, Message::P2pApart { peer: PeerId(2), misuse: misuse.clone() });
     // The vote ends on every member, and then the waiter's call, with the reason: a waiter that
     // calls at once never finds the vote still open.
-    let aborted = Message::TopologyVoteAborted { retry: false, reason: reason.clone() };
-    let apart = Message::P2pApart { peer: PeerId(0), reason: reason.clone() };
+    let aborted = Message::TopologyVoteAborted { retry: false, reason: misuse.clone().into() };
+    let apart = Message::P2pApart { peer: PeerId(0), misuse: misuse.clone() };
     assert_eq!(sent_to(&out, 3), vec![&aborted, &apart]);
     for conn in [1, 2] {
         assert!(sent_to(&out, conn).contains(&&aborted), "{out:?}");
     }
     assert_eq!(h.master.phase(), &Phase::Idle);
     // The wait is over: a second answer, or one about a wait that ended, changes nothing.
-    assert!(h.send(1, Message::P2pApart { peer: PeerId(2), reason }).is_empty());
+    assert!(h.send(1, Message::P2pApart { peer: PeerId(2), misuse }).is_empty());
+}
+
+/// An answer to a wait must name the waiter's transfer and the answering member's own call: one
+/// that blames other peers is a broken peer's, expelled, and the wait stands.
+#[test]
+fn an_answer_to_a_wait_that_names_other_calls_expels_its_sender() {
+    let (mut h, epoch) = run_with(3);
+    h.send(3, waits(0, false, epoch));
+    let recv = Call::Transfer { send: false, peer: PeerId(0), tag: 3 };
+    let blames = Misuse::new(made(&[2], recv), made(&[1], Call::api(Vote::UpdateTopology)));
+    let out = h.send(1, Message::P2pApart { peer: PeerId(2), misuse: blames });
+    assert!(matches!(&sent_to(&out, 1)[..], [Message::Kicked { reason }] if reason.contains("other peers' calls")));
+    assert!(!sent_to(&out, 3).iter().any(|m| matches!(m, Message::P2pApart { .. })), "{out:?}");
 }
 
 /// A member's transfer that waits on a member's collective it never started: the collective's
@@ -1299,13 +1336,14 @@ fn a_transfer_waiting_on_a_collective_ends_after_the_ring_re_formed() {
     // Conn 3 (peer#2) waits in a send to peer#0, which runs collective 0 with peer#1.
     let out = h.send(3, waits(0, true, epoch));
     assert_eq!(sent_to(&out, 1), vec![&waits(2, true, epoch)]);
-    let reason = "peer#2 called send to peer#0 (p2p, tag 3) while peer#0 called barrier".to_string();
-    let failure = OpFailure::new(FailureKind::Misuse, PeerId(0), reason.clone());
+    let send = Call::Transfer { send: true, peer: PeerId(0), tag: 3 };
+    let misuse = Misuse::new(made(&[2], send), made(&[0], at(Api::Barrier, epoch, 0)));
+    let failure = OpFailure::misuse(PeerId(0), misuse.clone());
     let out = h.send(1, Message::OpFailed { epoch, seq: 0, failure });
     let kinds: Vec<&str> = sent_to(&out, 3).iter().map(|m| m.name()).collect();
     assert_eq!(kinds, vec!["Topology", "OpAborted"], "the waiter hears of the new ring first");
-    let out = h.send(1, Message::P2pApart { peer: PeerId(2), reason: reason.clone() });
-    assert_eq!(sent_to(&out, 3), vec![&Message::P2pApart { peer: PeerId(0), reason }]);
+    let out = h.send(1, Message::P2pApart { peer: PeerId(2), misuse: misuse.clone() });
+    assert_eq!(sent_to(&out, 3), vec![&Message::P2pApart { peer: PeerId(0), misuse }]);
 }
 
 /// Waits end with a resume, with a removal of either end, and are relayed only within a group's

@@ -26,8 +26,8 @@ pub use view::{
 use crate::auth::{DataKey, RunKey};
 use crate::master::heartbeat_interval;
 use shoal_wire::{
-    Epoch, FailureKind, GroupId, Measured, Message, OpFailure, PeerId, PeerReport, PlanEntry, SessionId, StateDigest,
-    Vote,
+    Api, Call as Made, Called, Epoch, FailureKind, GroupId, Measured, Message, Misuse, OpFailure, PeerId, PeerReport,
+    PlanEntry, Reason, SessionId, StateDigest, Vote,
 };
 use std::collections::VecDeque;
 use std::fmt;
@@ -88,20 +88,20 @@ pub enum CallKind {
     PeersPending,
     /// `sync_shared_state` with this peer's ballot.
     SyncSharedState(SyncBallot),
-    /// A collective, by its verb's name (`all_reduce`, `barrier`, ...): its data moves in
-    /// [`Action::RunCollective`].
-    Collective(&'static str),
+    /// A collective, by the call users know it as (`all_reduce`, `barrier`, the barrier
+    /// `optimize_topology` starts with, ...): its data moves in [`Action::RunCollective`].
+    Collective(Api),
 }
 
 impl CallKind {
-    /// The call's name, as users know it.
-    pub fn name(&self) -> &'static str {
+    /// The call, as users know it.
+    pub fn api(&self) -> Api {
         match self {
-            CallKind::UpdateTopology => "update_topology",
-            CallKind::OptimizeTopology(_) => "optimize_topology",
-            CallKind::PeersPending => "peers_pending",
-            CallKind::SyncSharedState(_) => "sync_shared_state",
-            CallKind::Collective(verb) => verb,
+            CallKind::UpdateTopology => Api::UpdateTopology,
+            CallKind::OptimizeTopology(_) => Api::OptimizeTopology,
+            CallKind::PeersPending => Api::PeersPending,
+            CallKind::SyncSharedState(_) => Api::SyncSharedState,
+            CallKind::Collective(api) => *api,
         }
     }
 }
@@ -168,12 +168,12 @@ pub enum Action {
     /// ([`Peer::waiters`], [`Peer::p2p_apart`]).
     MemberWaits(PeerId),
     /// The transfer our call waits on with `peer` can never complete: the call ends with
-    /// `reason`.
+    /// this usage error.
     P2pApart {
         /// The other end.
         peer: PeerId,
         /// Both calls, named with their peers.
-        reason: String,
+        misuse: Misuse,
     },
     /// The call ended.
     Done {
@@ -220,7 +220,7 @@ pub enum CallError {
         failure: OpFailure,
     },
     /// The peers made calls that cannot complete together.
-    Misuse(String),
+    Misuse(Misuse),
     /// The sync ended without effect.
     SyncFailed {
         /// Calling again can succeed.
@@ -235,7 +235,7 @@ pub enum CallError {
     /// succeed once the connection is back.
     Interrupted(String),
     /// A call was made while another was in progress, or before joining.
-    Busy(&'static str),
+    Busy(Api),
 }
 
 /// Why this peer is no longer in the run.
@@ -302,8 +302,8 @@ enum OpStage {
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct InFlight {
     call: CallId,
-    /// Its verb, as users know it.
-    verb: &'static str,
+    /// Its call, as users know it.
+    api: Api,
     deadline: Instant,
     members: Vec<PeerId>,
     stage: OpStage,
@@ -392,9 +392,9 @@ pub struct Peer {
     report: Option<PeerReport>,
     /// When the master told us of each removed peer ([`Peer::removal_grace`]).
     removed_at: std::collections::BTreeMap<PeerId, Instant>,
-    /// The point (topology, collectives started) and name of this peer's last vote or
-    /// collective, while it runs and after.
-    last_call: Option<(Epoch, u64, &'static str)>,
+    /// The point (topology, collectives started) and call of this peer's last vote, collective or
+    /// transfer, while it runs and after.
+    last_call: Option<(Epoch, u64, Made)>,
     /// Whether `last_call` ended as one of calls that cannot complete together.
     last_apart: bool,
 }
@@ -581,14 +581,17 @@ impl Peer {
 
     /// The others' calls at our point ended as calls that cannot complete together before we
     /// made a call there ([`PeerView::settled_here`]): a tagged transfer of ours there is one of
-    /// them, and ends with this reason (we are told, as by a vote ended so). `verb` names it.
-    pub fn p2p_settled(&mut self, verb: &'static str) -> Option<String> {
-        let reason = self.view.settled_here.take()?;
+    /// them, and ends with this usage error (we are told, as by a vote ended so): `transfer`
+    /// against the others' calls.
+    pub fn p2p_settled(&mut self, transfer: Made) -> Option<Misuse> {
+        assert!(matches!(transfer, Made::Transfer { .. }), "{transfer} is no transfer");
+        let theirs = self.view.settled_here.take()?;
         self.view.told = true;
-        self.calling(self.view.started, verb);
+        self.calling(self.view.started, transfer);
         self.last_apart = true;
         self.settle_waiters();
-        Some(reason)
+        let me = self.view.registered.expect("a transfer runs in a registered peer").0;
+        Some(settled_against(me, transfer, &theirs))
     }
 
     /// The members whose calls wait on a transfer with us, as announced.
@@ -597,23 +600,24 @@ impl Peer {
     }
 
     /// Our call can never let the transfer `waiter` waits on complete: its call ends with
-    /// `reason`, and the master abandons our group's votes with it (ours among them).
-    pub fn p2p_apart(&mut self, waiter: PeerId, reason: String) {
+    /// `misuse`, and the master abandons our group's votes with it (ours among them).
+    pub fn p2p_apart(&mut self, waiter: PeerId, misuse: Misuse) {
         let removed = self.view.waiters.remove(&waiter);
         assert!(removed.is_some(), "{waiter} does not wait on us");
-        let reason = shoal_wire::truncate(reason, shoal_wire::MAX_STRING_BYTES);
-        self.outbox.push_back(Message::P2pApart { peer: waiter, reason });
+        assert!(misuse.ours.peers == [waiter], "the waiter's call ends: {misuse}");
+        self.outbox.push_back(Message::P2pApart { peer: waiter, misuse });
     }
 
     /// As [`Peer::p2p_apart`], while the waiter waits on our collective `op`, which it has not
     /// started: `op` fails first, with the same reason (`OpFailed { Misuse }`), so that the master
     /// re-forms the ring before it ends the waiter's call, and the waiter's next call finds the
     /// new topology rather than run `op`'s number again in the old one.
-    pub fn p2p_apart_in(&mut self, op: OpId, waiter: PeerId, reason: String, now: Instant) {
+    pub fn p2p_apart_in(&mut self, op: OpId, waiter: PeerId, misuse: Misuse, now: Instant) {
         let (me, _) = self.view.registered.expect("a collective runs in a registered peer");
-        let failure = OpFailure::new(FailureKind::Misuse, me, reason.clone());
+        assert!(misuse.theirs.peers == [me], "our collective is named: {misuse}");
+        let failure = OpFailure::misuse(me, misuse.clone());
         self.handle_collective(op, OpProgress::Failed(failure), now);
-        self.p2p_apart(waiter, reason);
+        self.p2p_apart(waiter, misuse);
     }
 
     /// Ends the waits on us that our call `call` can never let complete, asked by
@@ -625,45 +629,46 @@ impl Peer {
     pub fn judge_waiters(
         &mut self,
         call: CallId,
-        collective: Option<(OpId, &'static str)>,
+        collective: Option<(OpId, Api)>,
         stuck: impl Fn(PeerId, &WaitNote) -> bool,
         now: Instant,
     ) {
         let Some((me, _)) = self.view.registered else { return };
-        let ours = collective.map(|(op, name)| (name, Some(op))).or_else(|| self.voting(call).map(|n| (n, None)));
-        let Some((name, op)) = ours else { return };
-        let apart: Vec<(PeerId, String)> = self
+        let ours = collective.map(|(op, api)| (api, Some(op))).or_else(|| self.voting(call).map(|api| (api, None)));
+        let Some((api, op)) = ours else { return };
+        let at = op.map(|op| shoal_wire::Point { epoch: op.epoch, collectives: op.seq.0 });
+        let apart: Vec<(PeerId, Misuse)> = self
             .waiters()
             .filter(|(waiter, note)| {
                 // A collective the waiter started already moves without its call.
                 let needs = op.is_none_or(|op| note.point.0 == op.epoch && note.point.1 <= op.seq.0);
                 needs && stuck(*waiter, note)
             })
-            .map(|(waiter, note)| (waiter, p2p_apart_reason(waiter, &note, me, name, false)))
+            .map(|(waiter, note)| (waiter, p2p_misuse(waiter, &note, me, Made::Api { api, at }, false)))
             .collect();
-        for (waiter, reason) in apart {
-            log::warn!("{reason}");
+        for (waiter, misuse) in apart {
+            log::warn!("{misuse}");
             match op {
-                Some(op) => self.p2p_apart_in(op, waiter, reason, now),
-                None => self.p2p_apart(waiter, reason),
+                Some(op) => self.p2p_apart_in(op, waiter, misuse, now),
+                None => self.p2p_apart(waiter, misuse),
             }
             assert!(self.waiters().all(|(w, _)| w != waiter), "{waiter} still waits after it was told");
         }
     }
 
-    /// The vote `call` is cast in, by the call's name, while it waits in it.
-    pub fn voting(&self, call: CallId) -> Option<&'static str> {
+    /// The vote `call` is cast in, by the call users know, while it waits in it.
+    pub fn voting(&self, call: CallId) -> Option<Api> {
         let (_, _, c) = self.call.as_ref().filter(|(id, ..)| *id == call && self.in_vote())?;
         Some(match c {
-            Call::Topology { purpose: Purpose::Vote(kind), .. } => kind.name(),
-            Call::Pending => "peers_pending",
-            _ => "sync_shared_state",
+            Call::Topology { purpose: Purpose::Vote(kind), .. } => kind.api(),
+            Call::Pending => Api::PeersPending,
+            _ => Api::SyncSharedState,
         })
     }
 
     /// This peer's last vote or collective, if it ended as one of calls that cannot complete
-    /// together and no call was made since: its point and name.
-    pub fn apart(&self) -> Option<(Epoch, u64, &'static str)> {
+    /// together and no call was made since: its point and call.
+    pub fn apart(&self) -> Option<(Epoch, u64, Made)> {
         self.last_call.filter(|_| self.last_apart)
     }
 
@@ -678,7 +683,7 @@ impl Peer {
     pub fn connect(&mut self, group: GroupId, data_addr: String, bound: Duration, now: Instant) -> CallId {
         let id = self.next_id();
         if self.busy() || self.view.registered.is_some() {
-            self.actions.push_back(Action::Done { call: id, result: Err(CallError::Busy("connect")) });
+            self.actions.push_back(Action::Done { call: id, result: Err(CallError::Busy(Api::Connect)) });
             return id;
         }
         self.call = Some((id, now + bound, Call::Registering { join: Some((group, data_addr)) }));
@@ -697,7 +702,7 @@ impl Peer {
             return id;
         }
         if self.view.committed.is_none() {
-            self.actions.push_back(Action::Done { call: id, result: Err(CallError::Busy(kind.name())) });
+            self.actions.push_back(Action::Done { call: id, result: Err(CallError::Busy(kind.api())) });
             return id;
         }
         (self.last_call, self.last_apart) = (None, false);
@@ -720,13 +725,13 @@ impl Peer {
                 self.view.waiters.remove(peer);
             }
             Ok(PeerEvent::MemberWaits(peer)) => self.member_waits(*peer),
-            Ok(PeerEvent::P2pApart { peer, reason }) => {
+            Ok(PeerEvent::P2pApart { peer, misuse }) => {
                 // Our call is one of those told: what the master said of the others' calls at
                 // this point, before or after, concerns no later call of ours (as for a vote
                 // ended with a usage error).
                 self.view.told = true;
                 self.view.settled_here = None;
-                self.actions.push_back(Action::P2pApart { peer: *peer, reason: reason.clone() });
+                self.actions.push_back(Action::P2pApart { peer: *peer, misuse: misuse.clone() });
             }
             _ => {}
         }
@@ -790,9 +795,9 @@ impl Peer {
     fn interrupt_master_calls(&mut self, reason: &str) {
         let Some((id, _, call)) = &self.call else { return };
         let interrupted = match call {
-            Call::Topology { purpose: Purpose::Vote(kind), .. } => Some(kind.name()),
-            Call::Pending => Some("peers_pending"),
-            Call::Sync(_) => Some("sync_shared_state"),
+            Call::Topology { purpose: Purpose::Vote(kind), .. } => Some(kind.api()),
+            Call::Pending => Some(Api::PeersPending),
+            Call::Sync(_) => Some(Api::SyncSharedState),
             Call::Registering { .. } | Call::Topology { .. } => None,
         };
         if let Some(name) = interrupted {
@@ -1078,16 +1083,18 @@ impl Peer {
     /// together ([`PeerView::settled_here`]), a collective that they failed
     /// ([`PeerView::fail_next`]).
     fn ended_apart(&mut self, id: CallId, kind: &CallKind) -> bool {
-        if let CallKind::Collective(verb) = kind {
+        if let CallKind::Collective(api) = kind {
             let Some((epoch, seq, failure)) = self.view.fail_next() else { return false };
-            self.calling(seq, verb);
+            self.calling(seq, Made::api(*api));
             self.finish(id, Err(CallError::Aborted { op: OpId { epoch, seq: Seq(seq) }, failure }));
             return true;
         }
-        let Some(reason) = self.view.settled_here.take() else { return false };
-        log::warn!("{reason}");
-        self.calling(self.view.started, kind.name());
-        self.finish(id, Err(CallError::Misuse(reason)));
+        let Some(theirs) = self.view.settled_here.take() else { return false };
+        let me = self.view.registered.expect("a vote runs in a registered peer").0;
+        let misuse = settled_against(me, Made::api(kind.api()), &theirs);
+        log::warn!("{misuse}");
+        self.calling(self.view.started, Made::api(kind.api()));
+        self.finish(id, Err(CallError::Misuse(misuse)));
         assert!(self.call.as_ref().is_none_or(|(c, ..)| *c != id), "{id:?} ended apart, yet runs");
         true
     }
@@ -1124,7 +1131,7 @@ impl Peer {
         let call = match kind {
             CallKind::UpdateTopology => {
                 let collectives = self.view.cast_vote(Vote::UpdateTopology);
-                self.calling(collectives, "update_topology");
+                self.calling(collectives, Made::api(Api::UpdateTopology));
                 if !self.view.vote_needed() {
                     log::debug!("update_topology after a failure: the ring re-formed already");
                     return self.finish(id, Ok(Value::TopologyInForce));
@@ -1136,7 +1143,7 @@ impl Peer {
             CallKind::OptimizeTopology(measured) => {
                 // Always a vote: a ring re-formed after a failure is not the ordered one.
                 let collectives = self.view.cast_vote(Vote::UpdateTopology);
-                self.calling(collectives, "optimize_topology");
+                self.calling(collectives, Made::api(Api::OptimizeTopology));
                 let vote = Message::VoteUpdateTopology { collectives, measured: Some(measured.clone()) };
                 self.outbox.push_back(vote);
                 let purpose = Purpose::Vote(CallKind::OptimizeTopology(measured));
@@ -1144,19 +1151,19 @@ impl Peer {
             }
             CallKind::PeersPending => {
                 let collectives = self.view.cast_vote(Vote::PeersPending);
-                self.calling(collectives, "peers_pending");
+                self.calling(collectives, Made::api(Api::PeersPending));
                 self.outbox.push_back(Message::VotePeersPending { collectives });
                 Call::Pending
             }
             CallKind::SyncSharedState(ballot) => {
                 let collectives = self.view.cast_vote(Vote::SyncSharedState);
-                self.calling(collectives, "sync_shared_state");
+                self.calling(collectives, Made::api(Api::SyncSharedState));
                 let SyncBallot { revision, strategy, override_resume, entries } = ballot.clone();
                 let vote = Message::SyncVote { revision: revision.0, strategy, override_resume, entries, collectives };
                 self.outbox.push_back(vote);
                 Call::Sync(SyncStage::Voted(ballot))
             }
-            CallKind::Collective(verb) => return self.start_collective(id, verb, deadline),
+            CallKind::Collective(api) => return self.start_collective(id, api, deadline),
         };
         assert!(self.call.as_ref().is_none_or(|(c, ..)| *c == id), "{id:?} votes while another call runs");
         self.call = Some((id, deadline, call));
@@ -1172,7 +1179,7 @@ impl Peer {
         }
     }
 
-    fn start_collective(&mut self, id: CallId, verb: &'static str, deadline: Instant) {
+    fn start_collective(&mut self, id: CallId, api: Api, deadline: Instant) {
         self.call = None;
         match self.view.start_collective() {
             // The others failed it before we started it: it fails here too, untouched.
@@ -1180,7 +1187,7 @@ impl Peer {
                 self.finish(id, Err(CallError::Aborted { op: OpId { epoch, seq: Seq(seq) }, failure }))
             }
             Ok((epoch, seq)) => {
-                self.calling(seq, verb);
+                self.calling(seq, Made::api(api));
                 let op = OpId { epoch, seq: Seq(seq) };
                 let position = self.position().expect("a collective runs in the topology taken up");
                 if position.group_size() == 1 {
@@ -1193,7 +1200,7 @@ impl Peer {
                 self.actions.push_back(Action::RunCollective { call: id, op, position, deadline });
                 self.ask_judgement();
                 let previous =
-                    self.ops.insert(op, InFlight { call: id, verb, deadline, members, stage: OpStage::Running });
+                    self.ops.insert(op, InFlight { call: id, api, deadline, members, stage: OpStage::Running });
                 assert!(previous.is_none(), "{op} started twice");
             }
         }
@@ -1221,18 +1228,18 @@ impl Peer {
         let here: Vec<(PeerId, WaitNote)> =
             self.waiters().filter(|(_, note)| note.point == (epoch, collectives)).collect();
         for (waiter, note) in here {
-            let reason = p2p_apart_reason(waiter, &note, me, ours, true);
-            log::warn!("{reason}");
-            self.p2p_apart(waiter, reason);
+            let misuse = p2p_misuse(waiter, &note, me, ours, true);
+            log::warn!("{misuse}");
+            self.p2p_apart(waiter, misuse);
         }
         debug_assert!(self.waiters().all(|(_, n)| n.point != (epoch, collectives)), "a waiter at our point is left");
     }
 
     /// Our vote or collective is made at the point of `collectives` started in the committed
     /// topology ([`Peer::apart`]).
-    fn calling(&mut self, collectives: u64, name: &'static str) {
+    fn calling(&mut self, collectives: u64, call: Made) {
         let epoch = self.view.committed.as_ref().expect("calls run in a topology in force").0;
-        (self.last_call, self.last_apart) = (Some((epoch, collectives, name)), false);
+        (self.last_call, self.last_apart) = (Some((epoch, collectives, call)), false);
     }
 
     /// Ends the call that runs alone (or a queued one): the driver hears of it, and the retry
@@ -1411,9 +1418,9 @@ impl Peer {
                 // A call that waits for the others to join a re-formed ring, which they may never
                 // do: they are in no call, as their calls at this point ended apart.
                 let voting = matches!(purpose, Purpose::Vote(_));
-                if voting && matches!(self.view.vote_aborted, Some(VoteAbort { retry: false, .. })) {
-                    let Some(VoteAbort { reason, .. }) = self.view.vote_aborted.take() else { unreachable!() };
-                    self.finish(id, Err(CallError::Misuse(reason)));
+                if voting && matches!(self.view.vote_aborted, Some(VoteAbort::Abandoned(_))) {
+                    let Some(VoteAbort::Abandoned(misuse)) = self.view.vote_aborted.take() else { unreachable!() };
+                    self.finish(id, Err(CallError::Misuse(misuse)));
                     return true;
                 }
                 if let Purpose::Follow(kind) = &purpose {
@@ -1430,7 +1437,7 @@ impl Peer {
                         let Purpose::Vote(kind) = purpose else { unreachable!("only a vote is refused") };
                         self.begin(id, kind, deadline)
                     }
-                    Some(TopologyStep::VoteAbandoned(reason)) => self.finish(id, Err(CallError::Misuse(reason))),
+                    Some(TopologyStep::VoteAbandoned(misuse)) => self.finish(id, Err(CallError::Misuse(misuse))),
                     Some(TopologyStep::Establish(epoch, members)) => {
                         let position = self.view.position(epoch, &members);
                         self.actions.push_back(Action::Establish { position, deadline });
@@ -1453,8 +1460,8 @@ impl Peer {
             Call::Pending => {
                 match self.view.pending_aborted.take() {
                     // Not counted: a topology was issued. Join it, then vote again.
-                    Some(VoteAbort { retry: true, .. }) => self.begin(id, CallKind::PeersPending, deadline),
-                    Some(VoteAbort { retry: false, reason }) => self.finish(id, Err(CallError::Misuse(reason))),
+                    Some(VoteAbort::Retry) => self.begin(id, CallKind::PeersPending, deadline),
+                    Some(VoteAbort::Abandoned(misuse)) => self.finish(id, Err(CallError::Misuse(misuse))),
                     None => match self.view.pending_result.take() {
                         Some(pending) => self.finish(id, Ok(Value::Pending(pending))),
                         None => return self.timed_out(id, deadline, now),
@@ -1476,7 +1483,7 @@ impl Peer {
                         log::debug!("sync_shared_state crossed a topology: {reason}; voting again");
                         self.begin(id, CallKind::SyncSharedState(ballot), deadline);
                     } else {
-                        self.finish(id, Err(CallError::SyncFailed { retryable, reason }));
+                        self.finish(id, Err(sync_failed(retryable, reason)));
                     }
                     return true;
                 }
@@ -1496,7 +1503,7 @@ impl Peer {
                         id,
                         match end {
                             Ok(()) => Ok(Value::Synced(revision)),
-                            Err(SyncAbort { retryable, reason }) => Err(CallError::SyncFailed { retryable, reason }),
+                            Err(SyncAbort { retryable, reason }) => Err(sync_failed(retryable, reason)),
                         },
                     );
                     true
@@ -1513,12 +1520,12 @@ impl Peer {
     /// member, whose part may all be in flight. A removed member it is done with stops it only
     /// [`Peer::removal_grace`] after the news.
     fn step_op(&mut self, op: OpId, now: Instant, stalled: Option<&[PeerId]>) -> bool {
-        let Some(InFlight { deadline, members, stage, verb, .. }) = self.ops.get(&op).cloned() else { return false };
+        let Some(InFlight { deadline, members, stage, api, .. }) = self.ops.get(&op).cloned() else { return false };
         let (epoch, seq) = (op.epoch, op.seq.0);
         match stage {
             OpStage::Running => {
                 let me = self.view.registered.expect("a collective runs once registered").0;
-                let interrupt = self.view.interrupt(epoch, seq, verb, stalled.unwrap_or_default());
+                let interrupt = self.view.interrupt(epoch, seq, api, stalled.unwrap_or_default());
                 let late = stalled.and_then(|_| self.removed_long_ago(&members, now));
                 let failure = match interrupt.or(late.map(Interrupt::MemberLost)) {
                     Some(Interrupt::Aborted(failure)) => {
@@ -1526,7 +1533,7 @@ impl Peer {
                         self.end_op(op, Err(CallError::Aborted { op, failure }));
                         return true;
                     }
-                    Some(Interrupt::Blocked(why)) if stalled.is_some() => OpFailure::new(FailureKind::Misuse, me, why),
+                    Some(Interrupt::Blocked(misuse)) if stalled.is_some() => OpFailure::misuse(me, misuse),
                     Some(Interrupt::MemberLost(peer)) => {
                         OpFailure::new(FailureKind::PeerLost, peer, "the master removed it from the run")
                     }
@@ -1597,16 +1604,32 @@ impl Peer {
     }
 }
 
-/// Why member `waiter`'s transfer with us (`note`) and our call `ours` can never complete
-/// together (`ended`: ours ended already, as one of calls that cannot complete together).
-pub fn p2p_apart_reason(waiter: PeerId, note: &WaitNote, me: PeerId, ours: &str, ended: bool) -> String {
-    let (verb, to) = if note.send { ("send", "to") } else { ("recv", "from") };
-    let ended = if ended { ", which ended as calls that cannot complete together" } else { "" };
-    format!(
-        "{waiter} called {verb} {to} {me} (p2p, tag {}) while {me} called {ours}{ended}: the transfer waits for a \
-         call of {me}'s that its call never lets it make",
-        note.tag
-    )
+/// Member `waiter`'s transfer with us (`note`) and our call `ours` can never complete together
+/// (`ended`: ours ended already, as one of calls that cannot complete together).
+fn p2p_misuse(waiter: PeerId, note: &WaitNote, me: PeerId, ours: Made, ended: bool) -> Misuse {
+    let waits = Called::new([waiter], Made::Transfer { send: note.send, peer: me, tag: note.tag });
+    let (waits, ours) = (waits, Called::new([me], ours));
+    if ended {
+        Misuse::settled(waits, ours)
+    } else {
+        Misuse::new(waits, ours)
+    }
+}
+
+/// Our call `ours`, made where the others' calls ended as `settled`: the usage error that names
+/// it and the one of theirs unlike it (the first to end, if both are).
+fn settled_against(me: PeerId, ours: Made, settled: &Misuse) -> Misuse {
+    let theirs = settled.calls().into_iter().find(|c| c.call.of_api() != ours.of_api()).unwrap_or(&settled.ours);
+    Misuse::settled(Called::new([me], ours), theirs.clone())
+}
+
+/// How a sync the master aborted fails: with a usage error where it names the calls that cannot
+/// complete together, else as a failed sync.
+fn sync_failed(retryable: bool, reason: Reason) -> CallError {
+    match reason {
+        Reason::Misuse(misuse) => CallError::Misuse(*misuse),
+        Reason::Text(reason) => CallError::SyncFailed { retryable, reason },
+    }
 }
 
 #[cfg(test)]

@@ -3,7 +3,17 @@
 
 use super::*;
 use crate::auth::{DataKey, RunKey};
-use shoal_wire::{Member, SessionId};
+use shoal_wire::{Call as Made, Member, SessionId};
+
+/// `call`, made by `peers`.
+fn made(peers: &[u32], call: Made) -> Called {
+    Called::new(peers.iter().map(|p| PeerId(*p)), call)
+}
+
+/// A usage error, where what matters is where it goes, not which calls it names.
+fn apart() -> Misuse {
+    Misuse::new(made(&[1], Made::api(Api::UpdateTopology)), made(&[2], Made::api(Api::AllReduce)))
+}
 
 const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(2);
 const BOUND: Duration = Duration::from_secs(10);
@@ -82,7 +92,7 @@ fn joined_with(ring: &[u32], reconnect: bool) -> (Peer, Instant) {
 
 /// Starts a collective; returns its name.
 fn start_collective(p: &mut Peer, now: Instant) -> OpId {
-    p.call(CallKind::Collective("all_reduce"), BOUND, now);
+    p.call(CallKind::Collective(Api::AllReduce), BOUND, now);
     match &actions(p)[..] {
         [Action::RunCollective { op, .. }] => *op,
         other => panic!("expected the collective to run: {other:?}"),
@@ -269,7 +279,8 @@ fn a_refused_vote_joins_the_issued_topology_and_votes_again() {
     p.call(CallKind::UpdateTopology, BOUND, t0);
     assert_eq!(sent(&mut p), vec![Message::VoteUpdateTopology { collectives: 0, measured: None }]);
     p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1, 2]), limits: None }, t0).unwrap();
-    p.handle_message(Message::TopologyVoteAborted { retry: true, reason: "a topology connects".into() }, t0).unwrap();
+    p.handle_message(Message::TopologyVoteAborted { retry: true, reason: Reason::text("a topology connects") }, t0)
+        .unwrap();
     let establish = actions(&mut p);
     assert!(matches!(&establish[..], [Action::Establish { position, .. }] if position.epoch == Epoch(2)));
     p.handle_established(Epoch(2), Established::Ready, t0);
@@ -277,8 +288,8 @@ fn a_refused_vote_joins_the_issued_topology_and_votes_again() {
     p.handle_message(Message::TopologyCommitted { epoch: Epoch(2) }, t0).unwrap();
     assert!(matches!(&actions(&mut p)[..], [Action::TakeUp(pos)] if pos.epoch == Epoch(2)));
     assert_eq!(sent(&mut p), vec![Message::VoteUpdateTopology { collectives: 0, measured: None }], "voted again");
-    p.handle_message(Message::TopologyVoteAborted { retry: false, reason: "p1 ran all_reduce".into() }, t0).unwrap();
-    assert_eq!(actions(&mut p), vec![done(Err(CallError::Misuse("p1 ran all_reduce".into())))]);
+    p.handle_message(Message::TopologyVoteAborted { retry: false, reason: apart().into() }, t0).unwrap();
+    assert_eq!(actions(&mut p), vec![done(Err(CallError::Misuse(apart())))]);
 }
 
 /// Peer 1 ran a collective while peer 2 voted sync_shared_state: both ended with a usage error,
@@ -291,11 +302,13 @@ fn a_vote_after_the_calls_at_its_point_ended_apart_ends_at_once() {
     let open = Message::VoteOpened { vote: Vote::SyncSharedState, epoch: Epoch(1), voter: PeerId(2), collectives: 0 };
     p.handle_message(open, t0).unwrap();
     p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1, 2]), limits: None }, t0).unwrap();
-    let reason = "peer#2 called sync_shared_state after 0 collectives, while peer#1 ran collective number 0";
-    p.handle_message(Message::SyncAborted { round: 1, retryable: false, reason: reason.into() }, t0).unwrap();
+    let misuse = Misuse::new(made(&[2], Made::api(Api::SyncSharedState)), made(&[1], Made::api(Api::AllReduce)));
+    p.handle_message(Message::SyncAborted { round: 1, retryable: false, reason: misuse.into() }, t0).unwrap();
     let ballot = SyncBallot { revision: Revision(0), strategy: 0, override_resume: false, entries: vec![] };
     p.call(CallKind::SyncSharedState(ballot.clone()), BOUND, t0);
-    assert_eq!(actions(&mut p), vec![done(Err(CallError::Misuse(reason.into())))]);
+    // Ours is a sync too: the error names it against the others' unlike call.
+    let want = Misuse::settled(made(&[0], Made::api(Api::SyncSharedState)), made(&[1], Made::api(Api::AllReduce)));
+    assert_eq!(actions(&mut p), vec![done(Err(CallError::Misuse(want)))]);
     assert!(sent(&mut p).is_empty(), "nothing was voted");
     // Told once: the same call made again is the caller's own choice, and waits as usual.
     p.call(CallKind::SyncSharedState(ballot), BOUND, t0);
@@ -310,9 +323,10 @@ fn a_vote_ended_elsewhere_or_for_a_retry_leaves_the_next_vote_alone() {
     let open =
         |collectives| Message::VoteOpened { vote: Vote::PeersPending, epoch: Epoch(1), voter: PeerId(2), collectives };
     p.handle_message(open(1), t0).unwrap();
-    p.handle_message(Message::PeersPendingAborted { retry: false, reason: "apart".into() }, t0).unwrap();
+    p.handle_message(Message::PeersPendingAborted { retry: false, reason: apart().into() }, t0).unwrap();
     p.handle_message(open(0), t0).unwrap();
-    p.handle_message(Message::PeersPendingAborted { retry: true, reason: "a topology connects".into() }, t0).unwrap();
+    p.handle_message(Message::PeersPendingAborted { retry: true, reason: Reason::text("a topology connects") }, t0)
+        .unwrap();
     p.call(CallKind::PeersPending, BOUND, t0);
     assert_eq!(sent(&mut p), vec![Message::VotePeersPending { collectives: 0 }]);
     assert!(actions(&mut p).is_empty(), "it waits in its vote");
@@ -328,9 +342,9 @@ fn a_peer_told_of_its_own_mismatch_is_not_held_to_it() {
     assert_eq!(sent(&mut p), vec![Message::VoteUpdateTopology { collectives: 0, measured: None }]);
     let open = Message::VoteOpened { vote: Vote::SyncSharedState, epoch: Epoch(1), voter: PeerId(2), collectives: 0 };
     p.handle_message(open, t0).unwrap();
-    p.handle_message(Message::TopologyVoteAborted { retry: false, reason: "apart".into() }, t0).unwrap();
-    assert_eq!(actions(&mut p), vec![done(Err(CallError::Misuse("apart".into())))]);
-    p.handle_message(Message::SyncAborted { round: 1, retryable: false, reason: "apart".into() }, t0).unwrap();
+    p.handle_message(Message::TopologyVoteAborted { retry: false, reason: apart().into() }, t0).unwrap();
+    assert_eq!(actions(&mut p), vec![done(Err(CallError::Misuse(apart())))]);
+    p.handle_message(Message::SyncAborted { round: 1, retryable: false, reason: apart().into() }, t0).unwrap();
     let failure = OpFailure::new(FailureKind::Misuse, PeerId(1), "apart");
     p.handle_message(Message::OpAborted { epoch: Epoch(1), seq: 0, failure }, t0).unwrap();
     p.call(CallKind::PeersPending, BOUND, t0);
@@ -346,11 +360,11 @@ fn a_voter_told_of_the_misuse_runs_its_next_collective() {
     p.call(CallKind::PeersPending, BOUND, t0);
     assert_eq!(sent(&mut p), vec![Message::VotePeersPending { collectives: 0 }]);
     p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1, 2]), limits: None }, t0).unwrap();
-    p.handle_message(Message::PeersPendingAborted { retry: false, reason: "apart".into() }, t0).unwrap();
-    assert_eq!(actions(&mut p), vec![done(Err(CallError::Misuse("apart".into())))]);
+    p.handle_message(Message::PeersPendingAborted { retry: false, reason: apart().into() }, t0).unwrap();
+    assert_eq!(actions(&mut p), vec![done(Err(CallError::Misuse(apart())))]);
     let failure = OpFailure::new(FailureKind::Misuse, PeerId(1), "apart");
     p.handle_message(Message::OpAborted { epoch: Epoch(1), seq: 0, failure }, t0).unwrap();
-    p.call(CallKind::Collective("all_reduce"), BOUND, t0);
+    p.call(CallKind::Collective(Api::AllReduce), BOUND, t0);
     assert!(matches!(&actions(&mut p)[..], [Action::Establish { .. }]), "it follows the re-formed ring");
 }
 
@@ -363,7 +377,7 @@ fn a_collective_the_others_failed_first_fails_here_before_it_runs() {
     let failure = OpFailure::new(FailureKind::PeerLost, PeerId(2), "gone");
     p.handle_message(Message::OpAborted { epoch: Epoch(1), seq: 0, failure: failure.clone() }, t0).unwrap();
     p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1]), limits: None }, t0).unwrap();
-    p.call(CallKind::Collective("all_reduce"), BOUND, t0);
+    p.call(CallKind::Collective(Api::AllReduce), BOUND, t0);
     let op = OpId { epoch: Epoch(1), seq: Seq(0) };
     assert_eq!(actions(&mut p), vec![done(Err(CallError::Aborted { op, failure }))], "before it follows the ring");
     // update_topology after that failure has nothing to vote on: the ring re-formed already.
@@ -384,7 +398,7 @@ fn a_call_ends_at_its_bound_and_calls_behind_it_wait() {
     let (mut p, t0) = joined(&[0, 1]);
     let vote = p.call(CallKind::PeersPending, BOUND, t0);
     let later = t0 + Duration::from_millis(500);
-    let collective = p.call(CallKind::Collective("all_reduce"), BOUND, later);
+    let collective = p.call(CallKind::Collective(Api::AllReduce), BOUND, later);
     assert!(actions(&mut p).is_empty(), "the collective waits for the vote");
     let mut now = t0;
     while now < t0 + BOUND {
@@ -446,7 +460,8 @@ fn a_sync_that_crossed_a_topology_joins_it_and_votes_again() {
     p.call(CallKind::SyncSharedState(ballot), BOUND, t0);
     assert!(matches!(&sent(&mut p)[..], [Message::SyncVote { .. }]));
     p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1]), limits: None }, t0).unwrap();
-    let refused = Message::SyncAborted { round: 0, retryable: true, reason: "topology 2 was being connected".into() };
+    let refused =
+        Message::SyncAborted { round: 0, retryable: true, reason: Reason::text("topology 2 was being connected") };
     p.handle_message(refused, t0).unwrap();
     assert!(matches!(&actions(&mut p)[..], [Action::Establish { position, .. }] if position.epoch == Epoch(2)));
     p.handle_established(Epoch(2), Established::Ready, t0);
@@ -455,7 +470,7 @@ fn a_sync_that_crossed_a_topology_joins_it_and_votes_again() {
     assert!(matches!(&actions(&mut p)[..], [Action::TakeUp(_)]), "the call goes on");
     // Refused without a topology to join (a newcomer sent back to the others): the call fails,
     // retryably, and the application's loop meets the others.
-    let refused = Message::SyncAborted { round: 0, retryable: true, reason: "go back".into() };
+    let refused = Message::SyncAborted { round: 0, retryable: true, reason: Reason::text("go back") };
     p.handle_message(refused, t0).unwrap();
     let failed = CallError::SyncFailed { retryable: true, reason: "go back".into() };
     assert_eq!(actions(&mut p), vec![done(Err(failed))]);
@@ -486,7 +501,7 @@ fn a_join_proves_the_secret_on_the_nonce_and_a_refusal_ends_connect() {
 
 /// Starts `n` collectives at once; returns (call, collective) of each, in call order.
 fn start_many(p: &mut Peer, n: usize, now: Instant) -> Vec<(CallId, OpId)> {
-    let calls: Vec<CallId> = (0..n).map(|_| p.call(CallKind::Collective("all_reduce"), BOUND, now)).collect();
+    let calls: Vec<CallId> = (0..n).map(|_| p.call(CallKind::Collective(Api::AllReduce), BOUND, now)).collect();
     let started: Vec<(CallId, OpId)> = tagged_actions(p)
         .into_iter()
         .map(|a| match a {
@@ -512,7 +527,7 @@ fn collectives_overlap_up_to_the_limit_and_a_vote_waits_for_them() {
     let running = start_many(&mut p, 4, t0);
     let seqs: Vec<u64> = running.iter().map(|(_, op)| op.seq.0).collect();
     assert_eq!(seqs, vec![0, 1, 2, 3]);
-    let fifth = p.call(CallKind::Collective("all_reduce"), BOUND, t0);
+    let fifth = p.call(CallKind::Collective(Api::AllReduce), BOUND, t0);
     assert!(actions(&mut p).is_empty(), "four are in flight already");
     let vote = p.call(CallKind::PeersPending, BOUND, t0);
     confirm(&mut p, running[2].1, t0);
@@ -570,14 +585,14 @@ fn a_lost_member_aborts_every_collective_in_flight_and_the_missed_ones_fail_alik
     }
     p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1]), limits: None }, t0).unwrap();
     for seq in [2, 3] {
-        let retry = p.call(CallKind::Collective("all_reduce"), BOUND, t0);
+        let retry = p.call(CallKind::Collective(Api::AllReduce), BOUND, t0);
         let missed = OpId { epoch: Epoch(1), seq: Seq(seq) };
         assert_eq!(
             tagged_actions(&mut p),
             vec![Action::Done { call: retry, result: Err(CallError::Aborted { op: missed, failure: lost.clone() }) }]
         );
     }
-    p.call(CallKind::Collective("all_reduce"), BOUND, t0);
+    p.call(CallKind::Collective(Api::AllReduce), BOUND, t0);
     assert!(matches!(&actions(&mut p)[..], [Action::Establish { .. }]), "the next call follows the re-formed ring");
     p.handle_established(Epoch(2), Established::Ready, t0);
     p.handle_message(Message::TopologyCommitted { epoch: Epoch(2) }, t0).unwrap();
@@ -701,7 +716,7 @@ fn a_transfer_waiting_on_us_is_judged_by_the_driver_and_its_verdict_goes_to_the_
     let (mut p, t0) = joined(&[0, 1, 2]);
     p.call(CallKind::UpdateTopology, BOUND, t0);
     let call = CallId(2);
-    assert_eq!(p.voting(call), Some("update_topology"));
+    assert_eq!(p.voting(call), Some(Api::UpdateTopology));
     assert_eq!(p.voting(CallId(1)), None, "another call");
     sent(&mut p);
     p.handle_message(waits(2, 0), t0).unwrap();
@@ -711,15 +726,16 @@ fn a_transfer_waiting_on_us_is_judged_by_the_driver_and_its_verdict_goes_to_the_
     p.judge_waiters(call, None, |_, _| false, t0);
     assert!(sent(&mut p).is_empty());
     p.judge_waiters(call, None, |waiter, note| waiter == PeerId(2) && note.tag == 3, t0);
-    let [Message::P2pApart { peer: PeerId(2), reason }] = &sent(&mut p)[..] else { panic!("judged apart") };
-    assert!(reason.contains("peer#2 called recv from peer#0 (p2p, tag 3) while peer#0 called update_topology"));
+    let [Message::P2pApart { peer: PeerId(2), misuse }] = &sent(&mut p)[..] else { panic!("judged apart") };
+    let recv = Made::Transfer { send: false, peer: PeerId(0), tag: 3 };
+    assert_eq!(misuse, &Misuse::new(made(&[2], recv), made(&[0], Made::api(Api::UpdateTopology))));
     assert_eq!(p.waiters().count(), 0);
     // Our own wait, announced at our point, and the master's answer to it.
     p.p2p_waits(PeerId(1), true, 9, 0);
     let ours = Message::P2pWaits { peer: PeerId(1), send: true, tag: 9, seen: 0, epoch: Epoch(1), collectives: 0 };
     assert_eq!(sent(&mut p), vec![ours]);
-    p.handle_message(Message::P2pApart { peer: PeerId(1), reason: "apart".into() }, t0).unwrap();
-    assert_eq!(actions(&mut p), vec![Action::P2pApart { peer: PeerId(1), reason: "apart".into() }]);
+    p.handle_message(Message::P2pApart { peer: PeerId(1), misuse: apart() }, t0).unwrap();
+    assert_eq!(actions(&mut p), vec![Action::P2pApart { peer: PeerId(1), misuse: apart() }]);
     assert!(p.view.told);
 }
 
@@ -733,9 +749,10 @@ fn a_waiter_told_after_the_vote_it_waited_on_ended_makes_its_next_call() {
     p.handle_message(open, t0).unwrap();
     p.p2p_waits(PeerId(1), true, 3, 0);
     sent(&mut p);
-    p.handle_message(Message::TopologyVoteAborted { retry: false, reason: "peer#2 apart".into() }, t0).unwrap();
-    p.handle_message(Message::P2pApart { peer: PeerId(1), reason: "peer#0 apart".into() }, t0).unwrap();
-    assert_eq!(actions(&mut p), vec![Action::P2pApart { peer: PeerId(1), reason: "peer#0 apart".into() }]);
+    let other = Misuse::new(made(&[2], Made::api(Api::AllReduce)), made(&[1], Made::api(Api::UpdateTopology)));
+    p.handle_message(Message::TopologyVoteAborted { retry: false, reason: other.into() }, t0).unwrap();
+    p.handle_message(Message::P2pApart { peer: PeerId(1), misuse: apart() }, t0).unwrap();
+    assert_eq!(actions(&mut p), vec![Action::P2pApart { peer: PeerId(1), misuse: apart() }]);
     p.call(CallKind::PeersPending, BOUND, t0);
     assert_eq!(sent(&mut p), vec![Message::VotePeersPending { collectives: 0 }], "our next call is our own");
     assert_eq!(actions(&mut p), vec![]);
@@ -752,24 +769,25 @@ fn a_wait_at_the_point_where_our_call_ended_apart_ends_at_once() {
     // A wait that came while we voted, which the driver had no time to judge: settled as the
     // vote ends.
     p.handle_message(waits(3, 0), t0).unwrap();
-    p.handle_message(Message::TopologyVoteAborted { retry: false, reason: "apart".into() }, t0).unwrap();
-    assert_eq!(actions(&mut p), vec![Action::MemberWaits(PeerId(3)), done(Err(CallError::Misuse("apart".into())))]);
+    p.handle_message(Message::TopologyVoteAborted { retry: false, reason: apart().into() }, t0).unwrap();
+    assert_eq!(actions(&mut p), vec![Action::MemberWaits(PeerId(3)), done(Err(CallError::Misuse(apart())))]);
     assert!(matches!(&sent(&mut p)[..], [Message::P2pApart { peer: PeerId(3), .. }]));
-    assert_eq!(p.apart(), Some((Epoch(1), 0, "update_topology")));
+    assert_eq!(p.apart(), Some((Epoch(1), 0, Made::api(Api::UpdateTopology))));
     p.handle_message(waits(1, 5), t0).unwrap();
     assert_eq!(actions(&mut p), vec![Action::MemberWaits(PeerId(1))], "another point: the driver judges");
     p.handle_message(waits(2, 0), t0).unwrap();
     assert!(actions(&mut p).is_empty());
-    let [Message::P2pApart { peer: PeerId(2), reason }] = &sent(&mut p)[..] else { panic!("answered at once") };
-    assert!(reason.contains("while peer#0 called update_topology, which ended as calls that cannot complete"));
+    let [Message::P2pApart { peer: PeerId(2), misuse }] = &sent(&mut p)[..] else { panic!("answered at once") };
+    let recv = Made::Transfer { send: false, peer: PeerId(0), tag: 3 };
+    assert_eq!(misuse, &Misuse::settled(made(&[2], recv), made(&[0], Made::api(Api::UpdateTopology))));
     // A new call: the point of the old one says nothing any more, and the driver judges the
     // member still waiting against it; a collective likewise, once it runs.
     p.call(CallKind::UpdateTopology, BOUND, t0);
     assert_eq!(p.apart(), None);
     assert_eq!(actions(&mut p), vec![Action::MemberWaits(PeerId(1))]);
-    p.handle_message(Message::TopologyVoteAborted { retry: false, reason: "again".into() }, t0).unwrap();
+    p.handle_message(Message::TopologyVoteAborted { retry: false, reason: apart().into() }, t0).unwrap();
     actions(&mut p);
-    p.call(CallKind::Collective("all_reduce"), BOUND, t0);
+    p.call(CallKind::Collective(Api::AllReduce), BOUND, t0);
     assert!(matches!(&actions(&mut p)[..], [Action::RunCollective { .. }, Action::MemberWaits(PeerId(1))]));
 }
 
@@ -780,17 +798,20 @@ fn a_wait_at_the_point_where_our_call_ended_apart_ends_at_once() {
 #[test]
 fn a_collective_a_waiter_never_joins_fails_before_the_waiter_hears_of_it() {
     let (mut p, t0) = joined(&[0, 1, 2]);
-    p.call(CallKind::Collective("barrier"), BOUND, t0);
+    p.call(CallKind::Collective(Api::Barrier), BOUND, t0);
     let [Action::RunCollective { op, .. }] = actions(&mut p)[..] else { panic!("runs") };
     p.handle_message(waits(1, 0), t0).unwrap();
     p.handle_message(waits(2, 1), t0).unwrap();
     assert_eq!(actions(&mut p), vec![Action::MemberWaits(PeerId(1)), Action::MemberWaits(PeerId(2))]);
     // Peer 2 started our collective already: it moves without its call.
-    p.judge_waiters(CallId(2), Some((op, "barrier")), |_, _| true, t0);
-    let reason = p2p_apart_reason(PeerId(1), &waits_note(0), PeerId(0), "barrier", false);
-    let failure = OpFailure::new(FailureKind::Misuse, PeerId(0), reason.clone());
+    p.judge_waiters(CallId(2), Some((op, Api::Barrier)), |_, _| true, t0);
+    let barrier =
+        Made::Api { api: Api::Barrier, at: Some(shoal_wire::Point { epoch: op.epoch, collectives: op.seq.0 }) };
+    let misuse = p2p_misuse(PeerId(1), &waits_note(0), PeerId(0), barrier, false);
+    assert_eq!(misuse.ours, made(&[1], Made::Transfer { send: false, peer: PeerId(0), tag: 3 }));
+    let failure = OpFailure::misuse(PeerId(0), misuse.clone());
     let failed = Message::OpFailed { epoch: op.epoch, seq: op.seq.0, failure };
-    assert_eq!(sent(&mut p), vec![failed, Message::P2pApart { peer: PeerId(1), reason }]);
+    assert_eq!(sent(&mut p), vec![failed, Message::P2pApart { peer: PeerId(1), misuse }]);
     assert_eq!(p.waiters().map(|(w, _)| w).collect::<Vec<_>>(), vec![PeerId(2)]);
 }
 
@@ -815,10 +836,13 @@ fn a_lost_transfer_waits_a_grace_for_the_news_that_settles_its_point() {
     transfers.handle_engine(call, Err("connection closed"), true, t0);
     transfers.handle_stalled(&mut p, t0 + APART_GRACE / 2);
     assert!(ended(&mut transfers).is_empty(), "held");
-    let failure = OpFailure::new(FailureKind::Misuse, PeerId(2), "peer#2 called barrier while peer#1 called recv");
+    let recv = Made::Transfer { send: false, peer: PeerId(0), tag: 3 };
+    let failure = OpFailure::misuse(PeerId(2), Misuse::new(made(&[2], Made::api(Api::Barrier)), made(&[1], recv)));
     p.handle_message(Message::OpAborted { epoch: Epoch(1), seq: 0, failure }, t0).unwrap();
     transfers.handle_stalled(&mut p, t0 + APART_GRACE / 2);
-    let apart = Stop::Apart("peer#2 called barrier while peer#1 called recv".into());
+    // Our send to peer 1 is one of the calls there, unlike peer 2's barrier.
+    let send = made(&[0], Made::Transfer { send: true, peer: PeerId(1), tag: 3 });
+    let apart = Stop::Apart(Misuse::settled(send, made(&[2], Made::api(Api::Barrier))));
     assert_eq!(ended(&mut transfers), vec![(call, Err(apart))]);
 
     let (mut p, t0) = joined(&[0, 1, 2]);
@@ -845,9 +869,10 @@ fn a_long_wait_is_announced_once_and_ends_by_the_answer_or_a_resume() {
     let waits = Message::P2pWaits { peer: PeerId(1), send: true, tag: 3, seen: 4, epoch: Epoch(1), collectives: 0 };
     assert_eq!(sent(&mut p), vec![waits]);
     assert!(!transfers.handle_waiting(call, P2P_PATIENCE * 2, || Some(4), &mut p), "announced already");
-    assert!(!transfers.handle_apart(PeerId(2), "another member".into()), "not the member it waits on");
-    assert!(transfers.handle_apart(PeerId(1), "apart".into()));
-    assert_eq!(ended(&mut transfers), vec![(call, Err(Stop::Apart("apart".into())))]);
+    let waits_on_1 = Misuse::new(made(&[0], Made::api(Api::AllReduce)), made(&[1], Made::api(Api::PeersPending)));
+    assert!(!transfers.handle_apart(PeerId(2), apart()), "not the member it waits on");
+    assert!(transfers.handle_apart(PeerId(1), waits_on_1.clone()));
+    assert_eq!(ended(&mut transfers), vec![(call, Err(Stop::Apart(waits_on_1)))]);
     transfers.handle_resumed(call, &mut p);
     assert!(sent(&mut p).is_empty(), "the master ended the wait itself");
 

@@ -10,7 +10,7 @@
 //! drives it beside its engine's sockets, `crates/sim` beside its simulated lanes.
 
 use super::{CallId, Peer};
-use shoal_wire::{Epoch, PeerId};
+use shoal_wire::{Call, Called, Epoch, Misuse, PeerId};
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
@@ -53,6 +53,11 @@ impl<T, E> Transfer<T, E> {
     pub fn new(peer: PeerId, rank: usize, send: bool, tag: u64, epoch: Epoch, deadline: Instant, data: T) -> Self {
         Transfer { peer, rank, send, tag, epoch, deadline, data, failing: None }
     }
+
+    /// The call it is, as a usage error names it.
+    pub fn call(&self) -> Call {
+        Call::Transfer { send: self.send, peer: self.peer, tag: self.tag }
+    }
 }
 
 /// Why a transfer ended without completing.
@@ -67,8 +72,8 @@ pub enum Stop<E> {
     Replaced,
     /// Topology `.0` was taken up while the transfer ran in an older one.
     Superseded(Epoch),
-    /// The other end's call, or ours, can never let it complete: why, naming both calls.
-    Apart(String),
+    /// The other end's call, or ours, can never let it complete: both calls, named.
+    Apart(Misuse),
     /// Its bound passed.
     Timeout,
 }
@@ -155,12 +160,13 @@ impl<T, E> Transfers<T, E> {
     }
 
     /// The master says that member `peer`'s call can never let the transfer our caller waits on
-    /// complete (`reason` names both calls): it ends. Whether it did (nothing if that wait is over).
-    pub fn handle_apart(&mut self, peer: PeerId, reason: String) -> bool {
+    /// complete (`misuse` names both calls): it ends. Whether it did (nothing if that wait is over).
+    pub fn handle_apart(&mut self, peer: PeerId, misuse: Misuse) -> bool {
         let Some((call, _)) = self.announced.filter(|(_, p)| *p == peer) else { return false };
+        assert!(misuse.theirs.peers == [peer], "the other end's call is named: {misuse}");
         self.announced = None;
-        log::warn!("{reason}");
-        self.end(call, Err(Stop::Apart(reason)));
+        log::warn!("{misuse}");
+        self.end(call, Err(Stop::Apart(misuse)));
         assert!(self.announced.is_none() && !self.calls.contains_key(&call), "{call:?} apart, yet waited on");
         true
     }
@@ -176,13 +182,15 @@ impl<T, E> Transfers<T, E> {
         let apart = |peer: &Peer, t: &Transfer<T, E>| {
             !peer.removed(t.peer) && (t.failing.is_some() || peer.superseded(t.epoch))
         };
-        let settled = self.calls.values().any(|t| apart(peer, t)).then(|| peer.p2p_settled("p2p")).flatten();
+        let first = self.calls.values().find(|t| apart(peer, t)).map(Transfer::call);
+        let settled = first.and_then(|call| peer.p2p_settled(call));
         let mut stopped: Vec<(CallId, Stop<E>)> = Vec::new();
         for (call, t) in &mut self.calls {
             let stop = if peer.removed(t.peer) {
                 Some(Stop::Removed)
-            } else if let Some(reason) = settled.as_ref().filter(|_| apart(peer, t)) {
-                Some(Stop::Apart(reason.clone()))
+            } else if let Some(m) = settled.as_ref().filter(|_| apart(peer, t)) {
+                // Each transfer of ours there is one of those calls.
+                Some(Stop::Apart(Misuse::settled(Called::new(m.ours.peers.clone(), t.call()), m.theirs.clone())))
             } else if apart(peer, t) {
                 let (_, since) = t.failing.get_or_insert((Stop::Replaced, now));
                 (now >= *since + APART_GRACE).then(|| t.failing.take().expect("held").0)

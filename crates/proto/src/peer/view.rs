@@ -2,7 +2,8 @@
 
 use crate::auth::DataKey;
 use shoal_wire::{
-    AlgorithmLimits, Epoch, FailureKind, GroupId, Member, Message, OpFailure, PeerId, PlanEntry, SessionId, Vote,
+    AlgorithmLimits, Api, Call, Called, Epoch, FailureKind, GroupId, Member, Message, Misuse, OpFailure, PeerId,
+    PlanEntry, Point, Reason, SessionId, Vote,
 };
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
@@ -69,8 +70,8 @@ pub struct PeerView {
     /// The others' calls at the point of this peer's calls ended as calls that cannot complete
     /// together, before it made a call there (`docs/protocol.md`, "No call waits for a call
     /// that will never come"): its next call can never meet theirs either, and ends at once with
-    /// this reason.
-    pub settled_here: Option<String>,
+    /// this usage error.
+    pub settled_here: Option<Misuse>,
     /// This peer's last call ended as one of calls that cannot complete together, and it made no
     /// call since: what the master says of that mismatch afterwards concerns no later call.
     pub told: bool,
@@ -124,17 +125,13 @@ pub struct VoteOpen {
 }
 
 impl VoteOpen {
-    /// Whether collective `seq` of `epoch` can never complete; then why, naming both calls.
-    pub fn blocks(&self, epoch: Epoch, seq: u64, verb: &str, me: PeerId) -> Option<String> {
+    /// Whether our collective `seq` of `epoch` (of call `api`) can never complete; then why,
+    /// naming both calls.
+    pub fn blocks(&self, epoch: Epoch, seq: u64, api: Api, me: PeerId) -> Option<Misuse> {
         (self.epoch == epoch && self.collectives <= seq).then(|| {
-            format!(
-                "{} called {} after {} collectives of topology {}, while {me} ran collective number {seq} \
-                 ({verb}): every accepted peer must make the same calls in the same order",
-                self.voter,
-                self.vote.call(),
-                self.collectives,
-                epoch.0
-            )
+            let vote = Call::Api { api: self.vote.into(), at: Some(Point { epoch, collectives: self.collectives }) };
+            let ours = Call::Api { api, at: Some(Point { epoch, collectives: seq }) };
+            Misuse::new(Called::new([me], ours), Called::new([self.voter], vote))
         })
     }
 }
@@ -145,7 +142,7 @@ pub enum Interrupt {
     /// The master aborted it: every participant fails with this failure.
     Aborted(OpFailure),
     /// A member of the group waits in a vote and will never join it: misuse, naming both calls.
-    Blocked(String),
+    Blocked(Misuse),
     /// The master removed a participant it still moves data with (a frozen or cut-off peer never
     /// closes its streams).
     MemberLost(PeerId),
@@ -170,17 +167,28 @@ pub enum TopologyStep {
     /// Our `update_topology` vote was not counted (a topology was being connected): vote again.
     VoteRefused,
     /// Our `update_topology` vote was abandoned (the others made another call): a usage error.
-    VoteAbandoned(String),
+    VoteAbandoned(Misuse),
 }
 
 /// Why an `update_topology` or `peers_pending` vote ended without a result.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct VoteAbort {
-    /// Not counted while a topology was being connected: join it, then vote again. Otherwise the
-    /// vote was abandoned because the peers made different calls, and the call fails.
-    pub retry: bool,
-    /// Why.
-    pub reason: String,
+pub enum VoteAbort {
+    /// Not counted while a topology was being connected: join it, then vote again.
+    Retry,
+    /// Abandoned because the peers made calls that cannot complete together: the call fails.
+    Abandoned(Misuse),
+}
+
+impl VoteAbort {
+    /// How a vote ended, as the master says: `retry`, or abandoned for the calls `reason` names
+    /// (the wire refuses an abandoned vote that names none; `got` is the message).
+    fn of(retry: bool, reason: Reason, got: &'static str) -> Result<Self, UnexpectedMessage> {
+        match (retry, reason) {
+            (true, _) => Ok(VoteAbort::Retry),
+            (false, Reason::Misuse(m)) => Ok(VoteAbort::Abandoned(*m)),
+            (false, Reason::Text(_)) => Err(UnexpectedMessage { got, why: "an abandoned vote that names no calls" }),
+        }
+    }
 }
 
 /// Why a shared-state sync ended without effect.
@@ -188,8 +196,8 @@ pub struct VoteAbort {
 pub struct SyncAbort {
     /// Calling again can succeed.
     pub retryable: bool,
-    /// Why.
-    pub reason: String,
+    /// Why: the calls that cannot complete together, or an account in words.
+    pub reason: Reason,
 }
 
 /// How the master decided a collective.
@@ -228,8 +236,8 @@ pub enum PeerEvent {
     P2pApart {
         /// The other end.
         peer: PeerId,
-        /// Why.
-        reason: String,
+        /// Both calls, named.
+        misuse: Misuse,
     },
     /// Drop the copy of the shared state kept for newcomers: none catches up any more.
     DropSnapshot,
@@ -394,10 +402,10 @@ impl PeerView {
             }
             Message::OpAborted { epoch, seq, failure } => {
                 let next = self.committed.as_ref().is_some_and(|(e, _)| *e == epoch) && self.started == seq;
-                if failure.kind == FailureKind::Misuse && next && !self.told {
+                if let Some(misuse) = failure.reason.misuse().filter(|_| next && !self.told) {
                     // The others ended the collective we would run next as calls that cannot
                     // complete together: whatever we call there is one of them.
-                    self.settled_here = Some(failure.reason.clone());
+                    self.settled_here = Some(misuse.clone());
                 }
                 self.verdicts.insert((epoch, seq), Verdict::Aborted(failure));
                 PeerEvent::Verdict(epoch, seq)
@@ -415,13 +423,13 @@ impl PeerView {
             Message::PeersPendingAborted { retry, reason } => {
                 self.vote_open = None;
                 self.vote_ended(retry, &reason);
-                self.pending_aborted = Some(VoteAbort { retry, reason });
+                self.pending_aborted = Some(VoteAbort::of(retry, reason, "PeersPendingAborted")?);
                 PeerEvent::Nothing
             }
             Message::TopologyVoteAborted { retry, reason } => {
                 self.vote_open = None;
                 self.vote_ended(retry, &reason);
-                self.vote_aborted = Some(VoteAbort { retry, reason });
+                self.vote_aborted = Some(VoteAbort::of(retry, reason, "TopologyVoteAborted")?);
                 PeerEvent::Nothing
             }
             Message::SyncPlan { round, revision, entries } => {
@@ -441,7 +449,7 @@ impl PeerView {
                 self.waiters.remove(&peer);
                 PeerEvent::Nothing
             }
-            Message::P2pApart { peer, reason } => PeerEvent::P2pApart { peer, reason },
+            Message::P2pApart { peer, misuse } => PeerEvent::P2pApart { peer, misuse },
             Message::Snapshot { round: 0 } => {
                 self.snapshot_order = None;
                 PeerEvent::DropSnapshot
@@ -563,8 +571,8 @@ impl PeerView {
     pub fn topology_step(&mut self, handled: Option<Epoch>, voting: bool) -> Option<TopologyStep> {
         if voting {
             match self.vote_aborted.take() {
-                Some(VoteAbort { retry: true, .. }) => return Some(TopologyStep::VoteRefused),
-                Some(VoteAbort { retry: false, reason }) => return Some(TopologyStep::VoteAbandoned(reason)),
+                Some(VoteAbort::Retry) => return Some(TopologyStep::VoteRefused),
+                Some(VoteAbort::Abandoned(misuse)) => return Some(TopologyStep::VoteAbandoned(misuse)),
                 None => {}
             }
         }
@@ -580,12 +588,12 @@ impl PeerView {
 
     /// Whether collective `seq` of `epoch`, still moving data here with `waits_on`, must stop.
     /// The driver asks before it sleeps: what the master said since may end it.
-    pub fn interrupt(&self, epoch: Epoch, seq: u64, verb: &str, waits_on: &[PeerId]) -> Option<Interrupt> {
+    pub fn interrupt(&self, epoch: Epoch, seq: u64, api: Api, waits_on: &[PeerId]) -> Option<Interrupt> {
         if let Some(Verdict::Aborted(f)) = self.verdicts.get(&(epoch, seq)) {
             return Some(Interrupt::Aborted(f.clone()));
         }
         let (me, _) = self.registered.expect("a collective runs once registered");
-        if let Some(why) = self.vote_open.as_ref().and_then(|o| o.blocks(epoch, seq, verb, me)) {
+        if let Some(why) = self.vote_open.as_ref().and_then(|o| o.blocks(epoch, seq, api, me)) {
             return Some(Interrupt::Blocked(why));
         }
         waits_on.iter().find(|p| self.removed.contains(p)).map(|p| Interrupt::MemberLost(*p))
@@ -603,11 +611,11 @@ impl PeerView {
     /// A vote of our group ended (`retry`: to be cast again) with `reason`, the master told every
     /// member: if it ended as calls that cannot complete together where this peer's next call
     /// is, that call is one of them ([`PeerView::settled_here`]).
-    fn vote_ended(&mut self, retry: bool, reason: &str) {
+    fn vote_ended(&mut self, retry: bool, reason: &Reason) {
         let Some(open) = self.announced.take() else { return };
         let here = self.committed.as_ref().is_some_and(|(e, _)| *e == open.epoch) && self.started == open.collectives;
-        if !retry && here && !self.told {
-            self.settled_here = Some(reason.to_string());
+        if let Some(misuse) = reason.misuse().filter(|_| !retry && here && !self.told) {
+            self.settled_here = Some(misuse.clone());
         }
         assert!(self.announced.is_none(), "an ended vote is still announced");
     }
@@ -832,23 +840,23 @@ mod tests {
         let mut v = registered_alone();
         commit(&mut v, 1);
         let members = [PeerId(0), PeerId(1)];
-        assert_eq!(v.interrupt(Epoch(1), 2, "all_reduce", &members), None);
+        assert_eq!(v.interrupt(Epoch(1), 2, Api::AllReduce, &members), None);
         v.handle_message(Message::PeerRemoved { peer: PeerId(1) }).unwrap();
-        assert_eq!(v.interrupt(Epoch(1), 2, "all_reduce", &members), Some(Interrupt::MemberLost(PeerId(1))));
+        assert_eq!(v.interrupt(Epoch(1), 2, Api::AllReduce, &members), Some(Interrupt::MemberLost(PeerId(1))));
         assert_eq!(v.lap_interrupt(Epoch(1), 2, &members), Some(LapInterrupt::MemberLost(PeerId(1))));
         let open = Message::VoteOpened { vote: Vote::PeersPending, epoch: Epoch(1), voter: PeerId(1), collectives: 2 };
         v.handle_message(open).unwrap();
         assert!(
-            matches!(v.interrupt(Epoch(1), 2, "all_reduce", &members), Some(Interrupt::Blocked(why)) if why.contains("peers_pending"))
+            matches!(v.interrupt(Epoch(1), 2, Api::AllReduce, &members), Some(Interrupt::Blocked(why)) if why.names(Api::PeersPending))
         );
         assert_eq!(
-            v.interrupt(Epoch(1), 1, "all_reduce", &members),
+            v.interrupt(Epoch(1), 1, Api::AllReduce, &members),
             Some(Interrupt::MemberLost(PeerId(1))),
             "started before the vote"
         );
         let failure = OpFailure::new(FailureKind::Mismatch, PeerId(1), "p1 called x");
         v.handle_message(Message::OpAborted { epoch: Epoch(1), seq: 2, failure: failure.clone() }).unwrap();
-        assert_eq!(v.interrupt(Epoch(1), 2, "all_reduce", &members), Some(Interrupt::Aborted(failure.clone())));
+        assert_eq!(v.interrupt(Epoch(1), 2, Api::AllReduce, &members), Some(Interrupt::Aborted(failure.clone())));
         assert_eq!(v.lap_interrupt(Epoch(1), 2, &members), Some(LapInterrupt::Verdict(Verdict::Aborted(failure))));
     }
 
@@ -864,11 +872,15 @@ mod tests {
         assert_eq!(v.topology_step(Some(Epoch(1)), false), None, "established: wait for the commit");
         v.handle_message(Message::TopologyCommitted { epoch: Epoch(1) }).unwrap();
         assert_eq!(v.topology_step(Some(Epoch(1)), false), Some(TopologyStep::InForce(Epoch(1), members)));
-        v.handle_message(Message::TopologyVoteAborted { retry: true, reason: "connecting".into() }).unwrap();
+        v.handle_message(Message::TopologyVoteAborted { retry: true, reason: Reason::text("connecting") }).unwrap();
         assert_eq!(v.topology_step(Some(Epoch(1)), false), Some(TopologyStep::InForce(Epoch(1), vec![member(0, 0)])));
         assert_eq!(v.topology_step(Some(Epoch(1)), true), Some(TopologyStep::VoteRefused), "only a vote hears it");
-        v.handle_message(Message::TopologyVoteAborted { retry: false, reason: "p1 ran all_reduce".into() }).unwrap();
-        assert_eq!(v.topology_step(None, true), Some(TopologyStep::VoteAbandoned("p1 ran all_reduce".into())));
+        let ran = Misuse::new(
+            Called::new([PeerId(0)], Call::api(Vote::UpdateTopology)),
+            Called::new([PeerId(1)], Call::api(Api::AllReduce)),
+        );
+        v.handle_message(Message::TopologyVoteAborted { retry: false, reason: ran.clone().into() }).unwrap();
+        assert_eq!(v.topology_step(None, true), Some(TopologyStep::VoteAbandoned(ran)));
     }
 
     /// Peer 0, registered, in no topology yet.
