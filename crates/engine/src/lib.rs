@@ -34,7 +34,7 @@ use shoal_collective::schedule::{RecvAction, Schedule};
 use shoal_collective::Algorithm;
 use shoal_collective::{finish_avg, reduce_into, Codec, CollectiveKind, DType, ReduceOp};
 use shoal_transport::Lane;
-use shoal_wire::{DataFrame as Frame, Epoch, FrameKind, OpHeader, DATA_FRAME_BYTES as FRAME_BYTES};
+use shoal_wire::{DataFrame as Frame, DataFrameError, Epoch, FrameKind, OpHeader, DATA_FRAME_BYTES as FRAME_BYTES};
 use std::collections::{BTreeMap, VecDeque};
 use std::io::{ErrorKind, IoSlice};
 use std::ptr::NonNull;
@@ -137,9 +137,106 @@ pub enum LinkError {
     /// `rank` started another collective.
     #[allow(missing_docs)]
     Mismatch { rank: usize, theirs: OpHeader },
-    /// `rank` sent bytes that are not a frame of a collective here.
+    /// `rank` sent bytes that are not a frame of an operation here.
     #[allow(missing_docs)]
-    Malformed { rank: usize, reason: String },
+    Malformed { rank: usize, what: Malformed },
+}
+
+/// How a member broke the data protocol: what it sent is no frame of an operation here. The
+/// stream is out of step and can never be used again.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Malformed {
+    /// A header that is not a data frame's.
+    #[error(transparent)]
+    Header(#[from] DataFrameError),
+    /// A frame of another topology than the link's.
+    #[error("a frame of topology {got} in topology {ours}")]
+    ForeignTopology {
+        /// The frame's topology.
+        got: u64,
+        /// The link's.
+        ours: u64,
+    },
+    /// A frame of a collective that ended here.
+    #[error("a frame of collective {seq}, which ended here")]
+    Ended {
+        /// The collective's number.
+        seq: u64,
+    },
+    /// An early chunk (of a collective not posted here yet) larger than can be kept.
+    #[error("an early chunk of {len} bytes (at most {MAX_EARLY_BYTES})")]
+    EarlyTooLarge {
+        /// Its bytes.
+        len: u32,
+    },
+    /// A chunk the schedule has not from that member.
+    #[error("chunk {place} from a member that sends {expected}")]
+    NoSuchChunk {
+        /// Its place among the member's chunks.
+        place: usize,
+        /// Chunks the member sends.
+        expected: usize,
+    },
+    /// A chunk of the wrong size, or a second time.
+    #[error("chunk {place} of {len} bytes (expected {expected}{})", if *again { ", once" } else { "" })]
+    BadChunk {
+        /// Its place among the member's chunks.
+        place: usize,
+        /// Its bytes.
+        len: u32,
+        /// The bytes the schedule has.
+        expected: usize,
+        /// It came before.
+        again: bool,
+    },
+    /// A confirmation token of a rank that sends none over this link, or one too many.
+    #[error("a token of rank {origin} in a group of {world}")]
+    BadToken {
+        /// The rank it names.
+        origin: u32,
+        /// The group's size.
+        world: u32,
+    },
+    /// An answer to a send never made here.
+    #[error("an answer to send {n}, never made")]
+    UnknownAnswer {
+        /// The send's number.
+        n: u64,
+    },
+    /// More sends waiting for receives than are kept.
+    #[error("more than {} sends waiting for receives", p2p::MAX_WAITING_OFFERS)]
+    TooManyOffers,
+    /// A pull of a send that offered none.
+    #[error("a pull of send {n}, which offered none")]
+    PullNotOffered {
+        /// The send's number.
+        n: u64,
+    },
+    /// A confirmation of a transfer that pulled nothing here.
+    #[error("a confirmation of transfer {n}, which pulled nothing here")]
+    ConfirmNotPulled {
+        /// The transfer's number.
+        n: u64,
+    },
+    /// A part of a transfer not accepted here.
+    #[error("a part of transfer {n}, which is not accepted here")]
+    PartNotAccepted {
+        /// The transfer's number.
+        n: u64,
+    },
+    /// A part of the wrong size, out of range, or a second time.
+    #[error("part {part} of {len} bytes of transfer {n} (expected {expected})")]
+    BadPart {
+        /// The transfer's number.
+        n: u64,
+        /// The part's number.
+        part: usize,
+        /// Its bytes.
+        len: u32,
+        /// The bytes expected.
+        expected: usize,
+    },
 }
 
 impl LinkError {
@@ -616,8 +713,7 @@ impl OpExec {
             || self.plan.token_from(o) != from
             || self.tokens_from[from] == expected
         {
-            let reason = format!("a token of rank {origin} from rank {from} in a group of {world}");
-            return Err(LinkError::Malformed { rank: from, reason });
+            return Err(LinkError::Malformed { rank: from, what: Malformed::BadToken { origin, world } });
         }
         self.tokens_in += 1;
         self.tokens_from[from] += 1;
@@ -1352,7 +1448,7 @@ impl<L: Lane> Exec<L> {
                 if lane.header_got == FRAME_BYTES {
                     lane.header_got = 0;
                     let frame = Frame::decode(&lane.header)
-                        .map_err(|e| (None, LinkError::Malformed { rank: from, reason: e.to_string() }))?;
+                        .map_err(|e| (None, LinkError::Malformed { rank: from, what: e.into() }))?;
                     self.begin_frame(i, frame, now)?;
                 }
                 continue;
@@ -1513,9 +1609,9 @@ impl<L: Lane> Exec<L> {
     fn begin_frame(&mut self, i: usize, frame: Frame, now: Instant) -> Result<(), (Option<u64>, LinkError)> {
         let seq = frame.op.seq;
         let from = self.recv[i].from;
-        let malformed = |reason: String| (None, LinkError::Malformed { rank: from, reason });
+        let malformed = |what: Malformed| (None, LinkError::Malformed { rank: from, what });
         if frame.op.epoch != self.epoch {
-            return Err(malformed(format!("a frame of topology {} in topology {}", frame.op.epoch.0, self.epoch.0)));
+            return Err(malformed(Malformed::ForeignTopology { got: frame.op.epoch.0, ours: self.epoch.0 }));
         }
         if frame.kind.is_transfer() {
             if let Some(dest) = self.p2p.on_frame(from, &frame).map_err(|e| (None, e))? {
@@ -1525,11 +1621,11 @@ impl<L: Lane> Exec<L> {
         }
         let Some(op) = self.ops.get_mut(&seq) else {
             if self.posted.is_some_and(|p| seq <= p) {
-                return Err(malformed(format!("a frame of collective {seq}, which ended here")));
+                return Err(malformed(Malformed::Ended { seq }));
             }
             // Early: its chunk waits in the lane for the collective to be posted here.
             if frame.kind == FrameKind::Chunk && frame.len as usize > MAX_EARLY_BYTES {
-                return Err(malformed(format!("a chunk of {} bytes", frame.len)));
+                return Err(malformed(Malformed::EarlyTooLarge { len: frame.len }));
             }
             if frame.kind == FrameKind::Token || frame.len == 0 {
                 self.early.entry(seq).or_default().push(Early { from, frame, body: Vec::new() });
@@ -1755,20 +1851,16 @@ fn read_some(lane: &mut impl Lane, buf: &mut [u8], from: usize) -> Result<Option
 /// schedule.
 fn chunk_dest(op: &mut OpExec, frame: &Frame, from: usize) -> Result<(usize, Dest), LinkError> {
     let place = frame.unit as usize;
-    let malformed = |reason: String| LinkError::Malformed { rank: from, reason };
+    let malformed = |what: Malformed| LinkError::Malformed { rank: from, what };
     let Some(&unit) = op.recvs_from[from].get(place) else {
-        let expected = op.recvs_from[from].len();
-        return Err(malformed(format!("chunk {place} from rank {from}, which sends {expected}")));
+        return Err(malformed(Malformed::NoSuchChunk { place, expected: op.recvs_from[from].len() }));
     };
     let u = &op.plan.recvs[unit];
     let r = op.bytes(&u.range);
     let wire = op.wire_len(&u.range);
     if op.recv_done[unit] || frame.len as usize != wire {
-        return Err(malformed(format!(
-            "chunk {place} of {} bytes from rank {from} (expected {wire}{})",
-            frame.len,
-            if op.recv_done[unit] { ", once" } else { "" }
-        )));
+        let again = op.recv_done[unit];
+        return Err(malformed(Malformed::BadChunk { place, len: frame.len, expected: wire, again }));
     }
     if op.spec.codec.is_some() {
         // Decoded once complete (the whole buffer is saved already).
@@ -2241,10 +2333,56 @@ mod tests {
         }
         let events = exec.events();
         assert!(
-            matches!(&events[..], [(0, OpEvent::Failed(LinkError::Malformed { reason, .. }))] if reason.contains("magic")),
+            matches!(
+                &events[..],
+                [(
+                    0,
+                    OpEvent::Failed(LinkError::Malformed {
+                        what: Malformed::Header(DataFrameError::BadMagic { .. }),
+                        ..
+                    })
+                )]
+            ),
             "{events:?}"
         );
         drop((rx2, stranger));
+    }
+
+    /// Well-formed headers out of step with what runs here fail the pool too, each named by what
+    /// was wrong with it (the peer's `ProtocolError` carries it).
+    #[test]
+    fn a_frame_out_of_step_is_named_by_what_is_wrong() {
+        let ours = header_of(0, 64, 1, Algorithm::Ring);
+        let frame = |kind, unit, op| Frame { kind, len: 0, unit, op };
+        let cases = [
+            (
+                frame(FrameKind::Chunk, 0, OpHeader { epoch: Epoch(9), ..ours }),
+                Malformed::ForeignTopology { got: 9, ours: 1 },
+            ),
+            (frame(FrameKind::Chunk, 99, ours), Malformed::NoSuchChunk { place: 99, expected: 2 }),
+            (frame(FrameKind::Token, 7, ours), Malformed::BadToken { origin: 7, world: 2 }),
+            (frame(FrameKind::Accept, 0, OpHeader { seq: 5, ..ours }), Malformed::UnknownAnswer { n: 5 }),
+            (frame(FrameKind::Part, 0, OpHeader { seq: 2, ..ours }), Malformed::PartNotAccepted { n: 2 }),
+        ];
+        for (sent, want) in cases {
+            let (tx, rx, _) = mem::pair("0->1", Faults::default());
+            let (tx2, _rx2, _) = mem::pair("1->0", Faults::default());
+            let mut exec = Exec::new(Epoch(1), 1, 2);
+            exec.add_send(0, vec![tx2]);
+            exec.add_recv(0, vec![rx]);
+            let mut stranger = tx;
+            std::io::Write::write_all(&mut stranger, &sent.encode()).unwrap();
+            let mut buf = vec![0u64; 64];
+            exec.post(sum_spec(&mut buf, 0, 1, Algorithm::Ring, 4096));
+            for _ in 0..10 {
+                exec.pump(now());
+            }
+            let events = exec.events();
+            assert!(
+                matches!(&events[..], [(0, OpEvent::Failed(LinkError::Malformed { rank: 0, what }))] if *what == want),
+                "{sent:?}: {events:?}"
+            );
+        }
     }
 
     /// One-shot and ring collectives in flight together over every link, posted at different

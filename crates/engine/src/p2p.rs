@@ -39,7 +39,7 @@
 //! any order need no buffer beyond a few bytes per waiting offer ([`MAX_WAITING_OFFERS`]), and a
 //! lane never carries bytes nobody asked for ahead of those somebody waits for.
 
-use super::{Frame, LinkError, RawBuf, Traffic};
+use super::{Frame, LinkError, Malformed, RawBuf, Traffic};
 use shoal_collective::Algorithm;
 use shoal_collective::DType;
 use shoal_wire::{Epoch, FrameKind, OpHeader};
@@ -378,7 +378,7 @@ impl Transfers {
 
     /// A transfer frame from member `from`: the destination of its bytes, if it is a part.
     pub fn on_frame(&mut self, from: usize, frame: &Frame) -> Result<Option<PartDest>, LinkError> {
-        let malformed = |reason: String| LinkError::Malformed { rank: from, reason };
+        let malformed = |what: Malformed| LinkError::Malformed { rank: from, what };
         let n = frame.op.seq;
         log::trace!("transfer frame {:?} #{n} (tag {}) from rank {from}", frame.kind, frame.op.tag);
         // Our send to `from` numbered `n`, still waiting for its answer.
@@ -406,7 +406,7 @@ impl Transfers {
                 .map(|(id, _)| *id)
         };
         // An answer to a send we gave up (withdrew) or one we never made.
-        let stale = |next: u64| if n < next { Ok(None) } else { Err(malformed(format!("an answer to send {n}"))) };
+        let stale = |next: u64| if n < next { Ok(None) } else { Err(malformed(Malformed::UnknownAnswer { n })) };
         match frame.kind {
             FrameKind::Offer => {
                 self.offers_seen[from] += 1;
@@ -422,7 +422,7 @@ impl Transfers {
                 match waiting.map(|(id, _)| *id) {
                     Some(id) => self.answer(id, from, offer, addr),
                     None if self.offers.len() >= MAX_WAITING_OFFERS => {
-                        return Err(malformed(format!("more than {MAX_WAITING_OFFERS} sends waiting for receives")));
+                        return Err(malformed(Malformed::TooManyOffers));
                     }
                     None => self.offers.push((from, offer, addr)),
                 }
@@ -432,7 +432,7 @@ impl Transfers {
                 let Some(id) = offered(&self.ops) else { return stale(self.next_number[from]) };
                 let t = self.ops.get_mut(&id).expect("found");
                 if !t.offered_pull {
-                    return Err(malformed(format!("a pull of send {n}, which offered none")));
+                    return Err(malformed(Malformed::PullNotOffered { n }));
                 }
                 let len = t.spec.buf.len() as u64;
                 t.traffic.tx_bytes += len;
@@ -445,7 +445,7 @@ impl Transfers {
             }
             FrameKind::Confirmed => {
                 let Some(id) = receiving(&self.ops, Some(Stage::Confirming)) else {
-                    return Err(malformed(format!("a confirmation of transfer {n}, which pulled nothing here")));
+                    return Err(malformed(Malformed::ConfirmNotPulled { n }));
                 };
                 self.end(id, Ok(()));
                 Ok(None)
@@ -477,14 +477,13 @@ impl Transfers {
             _ => {
                 let part = frame.unit as usize;
                 let Some(id) = receiving(&self.ops, Some(Stage::Moving)) else {
-                    return Err(malformed(format!("a part of transfer {n}, which is not accepted here")));
+                    return Err(malformed(Malformed::PartNotAccepted { n }));
                 };
                 let t = self.ops.get_mut(&id).expect("found");
                 let start = part * t.part_bytes;
                 let expected = t.part_bytes.min(t.spec.buf.len().saturating_sub(start));
                 if part >= t.parts || t.got[part] || frame.len as usize != expected {
-                    let reason = format!("part {part} of {} bytes of transfer {n} (expected {expected})", frame.len);
-                    return Err(malformed(reason));
+                    return Err(malformed(Malformed::BadPart { n, part, len: frame.len, expected }));
                 }
                 t.got[part] = true;
                 Ok(Some(PartDest { id, start }))

@@ -15,7 +15,7 @@
 
 use crate::communicator::Communicator;
 use crate::control::Control;
-use crate::error::{Error, Result, Usage};
+use crate::error::{Error, Protocol, Result, Usage};
 use crate::fetch::{digest, fetch, tensors_meta, Fetcher, Snapshot, StateTensor, Wanted};
 use crate::links::Listener;
 use crate::Deadline;
@@ -174,7 +174,7 @@ impl Newcomer<'_> {
         }
         if plan.entries.len() != tensors.len() {
             self.end(None);
-            return Err(Error::Protocol(format!("a plan of {} tensors for {}", plan.entries.len(), tensors.len())));
+            return Err(Protocol::PlanMisfit { plan: plan.entries.len(), state: tensors.len() }.into());
         }
         let wanted: Vec<Wanted> = (plan.entries.iter().zip(tensors.iter()).enumerate())
             .filter(|(_, (e, _))| !e.donors.is_empty())

@@ -5,7 +5,7 @@
 
 use crate::config::{CommunicatorConfig, DEFAULT_CHUNK_BYTES};
 use crate::control::Control;
-use crate::error::{Error, Misfit, Usage};
+use crate::error::{Error, Misfit, Protocol, Usage};
 use crate::info::Info;
 use crate::links::Listener;
 use crate::plane::{CallResult, Collective, DataPlane, Extra, Placement, Posted, Request, TagUse};
@@ -87,9 +87,9 @@ pub(crate) fn link_error(e: LinkError, header: &OpHeader, me: PeerId, them: Peer
             let failure = OpFailure::new(FailureKind::Mismatch, them, format!("{me} called {ours}; {theirs}"));
             (Error::CollectiveMismatch { peer: them, ours, theirs }, failure)
         }
-        LinkError::Malformed { reason, .. } => {
-            let failure = OpFailure::new(FailureKind::Protocol, them, format!("{them} sent {me} {reason}"));
-            (Error::Protocol(format!("from {them}: {reason}")), failure)
+        LinkError::Malformed { what, .. } => {
+            let failure = OpFailure::new(FailureKind::Protocol, them, format!("{them} sent {me} {what}"));
+            (Protocol::Malformed { peer: them, what }.into(), failure)
         }
     }
 }
@@ -804,10 +804,8 @@ pub(crate) fn call_error(control: &Control, e: CallError, operation: &'static st
         CallError::SyncFailed { retryable, reason } => Error::SyncFailed { retryable, reason },
         CallError::Gone(gone) => control.gone_error(gone),
         CallError::Busy(call) => Usage::Busy(call).into(),
-        CallError::Aborted { op, failure } => {
-            Error::Protocol(format!("{operation} ended by an abort of {op}: {}", failure.reason))
-        }
-        CallError::Unconfirmed { op, .. } => Error::Protocol(format!("{operation} ended by {op}")),
+        CallError::Aborted { op, failure } => Protocol::Aborted { call: operation, op, reason: failure.reason }.into(),
+        CallError::Unconfirmed { op, .. } => Protocol::Unconfirmed { call: operation, op }.into(),
         CallError::Interrupted(reason) => Error::MasterInterrupted { operation, reason },
     }
 }

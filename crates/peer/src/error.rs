@@ -1,5 +1,7 @@
 //! The peer library's error type.
 
+use shoal_engine::Malformed;
+use shoal_proto::peer::OpId;
 use shoal_wire::{Api, Misuse, PeerId, Reason};
 use std::time::Duration;
 
@@ -108,9 +110,9 @@ pub enum Error {
         /// The calls that differ, each named with its peer ("p3 called all_reduce(...)").
         theirs: String,
     },
-    /// Another party broke the protocol (malformed bytes, unexpected message).
+    /// Another party broke the protocol (malformed bytes, an answer that does not fit the call).
     #[error("protocol error: {0}")]
-    Protocol(String),
+    Protocol(Protocol),
     /// A `SHOAL_*` variable is invalid.
     #[error(transparent)]
     Config(#[from] shoal_config::ConfigError),
@@ -191,6 +193,53 @@ pub enum Usage {
     /// The master refused this newcomer's catch-up: its tensors are not its group's.
     #[error("{0}")]
     CatchUpRefused(String),
+}
+
+/// How another party broke the protocol ([`Error::Protocol`]).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Protocol {
+    /// Member `peer` sent bytes that are no frame of an operation here.
+    #[error("from {peer}: {what}")]
+    Malformed {
+        /// The member.
+        peer: PeerId,
+        /// What it sent.
+        what: Malformed,
+    },
+    /// A call that is no collective was ended by the master's abort of collective `op`, which
+    /// only a collective's call gets.
+    #[error("{call} ended by an abort of {op}: {reason}")]
+    Aborted {
+        /// The call.
+        call: &'static str,
+        /// The collective.
+        op: OpId,
+        /// Why the master aborted it.
+        reason: Reason,
+    },
+    /// A call that is no collective was ended by collective `op`, unconfirmed.
+    #[error("{call} ended by {op}")]
+    Unconfirmed {
+        /// The call.
+        call: &'static str,
+        /// The collective.
+        op: OpId,
+    },
+    /// The master's catch-up plan has `plan` entries for this peer's `state` tensors.
+    #[error("a catch-up plan of {plan} tensors for {state}")]
+    PlanMisfit {
+        /// Entries in the plan.
+        plan: usize,
+        /// Tensors of the state.
+        state: usize,
+    },
+}
+
+impl From<Protocol> for Error {
+    fn from(protocol: Protocol) -> Self {
+        Error::Protocol(protocol)
+    }
 }
 
 /// How a collective's buffers do not fit its group.

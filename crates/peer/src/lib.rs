@@ -38,11 +38,12 @@ pub use config::{
     MAX_CONNECTIONS,
 };
 pub use deadline::Deadline;
-pub use error::{Error, Misfit, Result, Usage};
+pub use error::{Error, Misfit, Protocol, Result, Usage};
 pub use fetch::StateTensor;
 pub use info::{Info, LinkInfo};
 pub use shoal_collective::Algorithm;
 pub use shoal_collective::{DType, Format, Quantization, ReduceOp};
+pub use shoal_engine::Malformed;
 pub use shoal_proto::master::Strategy;
 pub use shoal_topology::Link;
 pub use shoal_wire::{

@@ -4,7 +4,7 @@
 //! driver (`communicator.rs`) and the calls that post to it (`transfer.rs`, ...) import this;
 //! it imports neither.
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Protocol, Result};
 use crate::info::Info;
 use crate::links::Staged;
 use shoal_collective::{Algorithm, Codec, CollectiveKind, DType, Quantization, ReduceOp};
@@ -433,7 +433,7 @@ fn link_error(t: &Transfer, e: LinkError) -> Error {
         LinkError::Mismatch { theirs, .. } => {
             Error::CollectiveMismatch { peer: t.peer, ours: describe(t), theirs: theirs_call(t, &theirs) }
         }
-        LinkError::Malformed { reason, .. } => Error::Protocol(format!("from {}: {reason}", t.peer)),
+        LinkError::Malformed { what, .. } => Protocol::Malformed { peer: t.peer, what }.into(),
     }
 }
 

@@ -1741,10 +1741,10 @@ impl Sim {
                 );
                 OpProgress::Failed(OpFailure::new(FailureKind::Mismatch, op.members[rank], why))
             }
-            OpEvent::Failed(LinkError::Malformed { rank, reason }) => {
-                let v = format!("peer {i}: ({:?}, {}) desynchronised with rank {rank}: {reason}", id.epoch, id.seq.0);
+            OpEvent::Failed(LinkError::Malformed { rank, what }) => {
+                let v = format!("peer {i}: ({:?}, {}) desynchronised with rank {rank}: {what}", id.epoch, id.seq.0);
                 self.report.violations.push(Violation(v));
-                OpProgress::Failed(OpFailure::new(FailureKind::Protocol, op.members[rank], reason))
+                OpProgress::Failed(OpFailure::new(FailureKind::Protocol, op.members[rank], what.to_string()))
             }
         };
         let at = self.instant();
