@@ -449,6 +449,7 @@ impl Master {
         }
         self.reform_if_due();
         assert!(self.conns.get(&conn).is_none_or(|p| self.peers.contains_key(p)), "{conn:?} names a peer gone");
+        self.check();
     }
 
     /// `conn` closed (or its reader failed with `reason`).
@@ -460,6 +461,35 @@ impl Master {
         }
         self.reform_if_due();
         assert!(!self.conns.contains_key(&conn) && !self.challenges.contains_key(&conn), "{conn:?} outlives its close");
+        self.check();
+    }
+
+    /// What holds whenever an input was handled: the ring is the committed topology's accepted
+    /// members, each once; votes come from their electorate; waits and connections name peers
+    /// of the run.
+    fn check(&self) {
+        let accepted = |p: &PeerId| self.peers.get(p).is_some_and(|e| e.status == Status::Accepted);
+        debug_assert!(self.ring.iter().all(accepted), "a ring member not accepted: {:?}", self.ring);
+        debug_assert_eq!(self.ring.iter().collect::<BTreeSet<_>>().len(), self.ring.len(), "a ring member twice");
+        debug_assert!(
+            self.ring_epoch <= self.epoch,
+            "{:?} committed ahead of {:?} issued",
+            self.ring_epoch,
+            self.epoch
+        );
+        debug_assert!(
+            self.pending_vote.as_ref().is_none_or(|b| b.voters().iter().all(accepted)),
+            "a peers_pending vote from outside its electorate"
+        );
+        debug_assert!(
+            self.tentative.keys().all(|p| self.pending_vote.as_ref().is_some_and(|b| b.voters().contains(p))),
+            "a tentative vote not cast"
+        );
+        debug_assert!(
+            self.p2p_waits.iter().all(|(w, o)| self.peers.contains_key(w) && self.peers.contains_key(o)),
+            "a wait on a peer gone"
+        );
+        debug_assert!(self.conns.values().all(|p| self.peers.contains_key(p)), "a connection of a peer gone");
     }
 
     /// Moves the machine's clock to `now`, the time of an input. A driver reads a monotonic clock,
@@ -503,6 +533,7 @@ impl Master {
         self.reform_if_due();
         debug_assert!(self.peers.values().all(|e| now.saturating_duration_since(e.last_heard) <= timeout));
         assert!(self.timers.next_deadline().is_none_or(|t| t > now), "a timer due now is left unfired");
+        self.check();
     }
 
     // ----- outputs -----

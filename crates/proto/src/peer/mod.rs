@@ -946,6 +946,7 @@ impl Peer {
                     self.outbox.push_back(m);
                 }
                 self.end_op(op, Ok(Value::Collective(op)));
+                debug_assert!(!self.ops.contains_key(&op), "{op} confirmed, yet in flight");
             }
             (OpProgress::LapBroken(reason), OpStage::Lap) => self.ask(op, &reason, now),
             (OpProgress::Failed(failure), OpStage::Running) => self.report(op, failure, now),
@@ -1332,7 +1333,8 @@ impl Peer {
     /// Makes every move the calls can make now.
     fn progress(&mut self, now: Instant) {
         if let Some(gone) = self.gone() {
-            return self.end_all(gone);
+            self.end_all(gone);
+            return self.check();
         }
         loop {
             let mut moved = false;
@@ -1346,9 +1348,31 @@ impl Peer {
             moved |= self.admit(now);
             if !moved {
                 debug_assert!(self.queue.iter().all(|q| now < q.deadline), "a queued call past its bound waits");
-                return;
+                return self.check();
             }
         }
+    }
+
+    /// What holds whenever an input was handled (every input ends in [`Peer::progress`]).
+    fn check(&self) {
+        let cap = self.config.max_in_flight.max(1);
+        debug_assert!(self.ops.len() <= cap, "{} collectives in flight, at most {cap}", self.ops.len());
+        debug_assert!(self.call.is_none() || self.ops.is_empty(), "a call that runs alone runs beside collectives");
+        debug_assert!(self.gone().is_none() || (self.call.is_none() && self.ops.is_empty() && self.queue.is_empty()));
+        let me = self.view.registered.map(|(p, _)| p);
+        debug_assert!(
+            self.ops.values().all(|o| me.is_some_and(|me| o.members.contains(&me))),
+            "a collective runs without us"
+        );
+        debug_assert!(
+            self.taken_up.as_ref().is_none_or(|t| self.view.committed.as_ref().is_some_and(|(e, _)| t.epoch <= *e)),
+            "a topology taken up before it was committed"
+        );
+        debug_assert!(!self.last_apart || self.last_call.is_some(), "a call ended apart that was never made");
+        debug_assert!(
+            self.queue.iter().map(|q| q.id).chain(self.call.iter().map(|(id, ..)| *id)).all(|c| c.0 <= self.next_call),
+            "a call numbered ahead of the count"
+        );
     }
 
     /// We are out of the run: every call ends.

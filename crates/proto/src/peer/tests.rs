@@ -10,6 +10,12 @@ fn made(peers: &[u32], call: Made) -> Called {
     Called::new(peers.iter().map(|p| PeerId(*p)), call)
 }
 
+/// Our send to `member`, which can never complete with its vote: as the master relays it to us.
+fn ours_apart_from(member: u32) -> Misuse {
+    let send = Made::Transfer { send: true, peer: PeerId(member), tag: 3 };
+    Misuse::new(made(&[0], send), made(&[member], Made::api(Api::UpdateTopology)))
+}
+
 /// A usage error, where what matters is where it goes, not which calls it names.
 fn apart() -> Misuse {
     Misuse::new(made(&[1], Made::api(Api::UpdateTopology)), made(&[2], Made::api(Api::AllReduce)))
@@ -734,8 +740,8 @@ fn a_transfer_waiting_on_us_is_judged_by_the_driver_and_its_verdict_goes_to_the_
     p.p2p_waits(PeerId(1), true, 9, 0);
     let ours = Message::P2pWaits { peer: PeerId(1), send: true, tag: 9, seen: 0, epoch: Epoch(1), collectives: 0 };
     assert_eq!(sent(&mut p), vec![ours]);
-    p.handle_message(Message::P2pApart { peer: PeerId(1), misuse: apart() }, t0).unwrap();
-    assert_eq!(actions(&mut p), vec![Action::P2pApart { peer: PeerId(1), misuse: apart() }]);
+    p.handle_message(Message::P2pApart { peer: PeerId(1), misuse: ours_apart_from(1) }, t0).unwrap();
+    assert_eq!(actions(&mut p), vec![Action::P2pApart { peer: PeerId(1), misuse: ours_apart_from(1) }]);
     assert!(p.view.told);
 }
 
@@ -751,8 +757,8 @@ fn a_waiter_told_after_the_vote_it_waited_on_ended_makes_its_next_call() {
     sent(&mut p);
     let other = Misuse::new(made(&[2], Made::api(Api::AllReduce)), made(&[1], Made::api(Api::UpdateTopology)));
     p.handle_message(Message::TopologyVoteAborted { retry: false, reason: other.into() }, t0).unwrap();
-    p.handle_message(Message::P2pApart { peer: PeerId(1), misuse: apart() }, t0).unwrap();
-    assert_eq!(actions(&mut p), vec![Action::P2pApart { peer: PeerId(1), misuse: apart() }]);
+    p.handle_message(Message::P2pApart { peer: PeerId(1), misuse: ours_apart_from(1) }, t0).unwrap();
+    assert_eq!(actions(&mut p), vec![Action::P2pApart { peer: PeerId(1), misuse: ours_apart_from(1) }]);
     p.call(CallKind::PeersPending, BOUND, t0);
     assert_eq!(sent(&mut p), vec![Message::VotePeersPending { collectives: 0 }], "our next call is our own");
     assert_eq!(actions(&mut p), vec![]);

@@ -411,6 +411,9 @@ impl PeerView {
                 PeerEvent::Verdict(epoch, seq)
             }
             Message::VoteOpened { vote, epoch, voter, collectives } => {
+                if self.registered.is_some_and(|(me, _)| me == voter) {
+                    return unexpected("our own vote announced to us");
+                }
                 let open = VoteOpen { vote, epoch, voter, collectives };
                 if self.vote_open.as_ref().is_none_or(|o| o.epoch != epoch || collectives < o.collectives) {
                     self.vote_open = Some(open.clone());
@@ -442,6 +445,9 @@ impl PeerView {
                 PeerEvent::Nothing
             }
             Message::P2pWaits { peer, send, tag, seen, epoch, collectives } => {
+                if self.registered.is_none_or(|(me, _)| me == peer) {
+                    return unexpected("a wait on a transfer with ourselves");
+                }
                 self.waiters.insert(peer, WaitNote { send, tag, seen, point: (epoch, collectives) });
                 PeerEvent::MemberWaits(peer)
             }
@@ -449,7 +455,13 @@ impl PeerView {
                 self.waiters.remove(&peer);
                 PeerEvent::Nothing
             }
-            Message::P2pApart { peer, misuse } => PeerEvent::P2pApart { peer, misuse },
+            Message::P2pApart { peer, misuse } => {
+                // Relayed to the waiter, us: it names our transfer and the other end's call.
+                if self.registered.is_none_or(|(me, _)| misuse.ours.peers != [me]) || misuse.theirs.peers != [peer] {
+                    return Err(UnexpectedMessage { got: "P2pApart", why: "it names other calls than our wait's" });
+                }
+                PeerEvent::P2pApart { peer, misuse }
+            }
             Message::Snapshot { round: 0 } => {
                 self.snapshot_order = None;
                 PeerEvent::DropSnapshot
@@ -881,6 +893,28 @@ mod tests {
         );
         v.handle_message(Message::TopologyVoteAborted { retry: false, reason: ran.clone().into() }).unwrap();
         assert_eq!(v.topology_step(None, true), Some(TopologyStep::VoteAbandoned(ran)));
+    }
+
+    /// What the master relays must concern us as it says: an announced vote is another member's,
+    /// a wait is on a transfer with another member, an answer to our wait names our transfer and
+    /// the other end's call. Otherwise the master is broken.
+    #[test]
+    fn relayed_news_that_does_not_concern_us_is_refused() {
+        let mut v = registered_alone();
+        commit(&mut v, 1);
+        let ours = Message::VoteOpened { vote: Vote::PeersPending, epoch: Epoch(1), voter: PeerId(0), collectives: 0 };
+        assert_eq!(v.handle_message(ours).map_err(|e| e.why), Err("our own vote announced to us"));
+        let waits = Message::P2pWaits { peer: PeerId(0), send: true, tag: 3, seen: 0, epoch: Epoch(1), collectives: 0 };
+        assert_eq!(v.handle_message(waits).map_err(|e| e.why), Err("a wait on a transfer with ourselves"));
+        let send = |from: u32| Called::new([PeerId(from)], Call::Transfer { send: true, peer: PeerId(1), tag: 3 });
+        let vote = Called::new([PeerId(1)], Call::api(Vote::PeersPending));
+        let others = Misuse::new(send(2), vote.clone());
+        assert!(v.handle_message(Message::P2pApart { peer: PeerId(1), misuse: others }).is_err());
+        let ours = Misuse::new(send(0), vote);
+        assert!(matches!(
+            v.handle_message(Message::P2pApart { peer: PeerId(1), misuse: ours }),
+            Ok(PeerEvent::P2pApart { .. })
+        ));
     }
 
     /// Peer 0, registered, in no topology yet.
