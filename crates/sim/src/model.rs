@@ -783,7 +783,7 @@ impl Sim {
             }
             Ev::Bytes { conn, end, to, bytes } => {
                 if let Some((c, _)) = self.conns.get(&conn) {
-                    c.deliver(end, &bytes);
+                    c.deliver(end, bytes);
                 }
                 self.step(to);
             }

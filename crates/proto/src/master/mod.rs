@@ -464,22 +464,16 @@ impl Master {
         self.check();
     }
 
-    /// What holds whenever an input was handled: the ring is the committed topology's accepted
-    /// members, each once; votes come from their electorate; waits and connections name peers
-    /// of the run.
+    /// What holds whenever an input was handled: the committed topology is never ahead of the
+    /// issued one; a tentative vote is cast; waits name peers of the run. Each check costs what
+    /// the few entries it reads cost: this runs after every input, in every build. (The ring's
+    /// own invariants are checked where it changes, as a topology commits.)
     fn check(&self) {
-        let accepted = |p: &PeerId| self.peers.get(p).is_some_and(|e| e.status == Status::Accepted);
-        debug_assert!(self.ring.iter().all(accepted), "a ring member not accepted: {:?}", self.ring);
-        debug_assert_eq!(self.ring.iter().collect::<BTreeSet<_>>().len(), self.ring.len(), "a ring member twice");
         debug_assert!(
             self.ring_epoch <= self.epoch,
             "{:?} committed ahead of {:?} issued",
             self.ring_epoch,
             self.epoch
-        );
-        debug_assert!(
-            self.pending_vote.as_ref().is_none_or(|b| b.voters().iter().all(accepted)),
-            "a peers_pending vote from outside its electorate"
         );
         debug_assert!(
             self.tentative.keys().all(|p| self.pending_vote.as_ref().is_some_and(|b| b.voters().contains(p))),
@@ -489,7 +483,6 @@ impl Master {
             self.p2p_waits.iter().all(|(w, o)| self.peers.contains_key(w) && self.peers.contains_key(o)),
             "a wait on a peer gone"
         );
-        debug_assert!(self.conns.values().all(|p| self.peers.contains_key(p)), "a connection of a peer gone");
     }
 
     /// Moves the machine's clock to `now`, the time of an input. A driver reads a monotonic clock,
@@ -828,6 +821,7 @@ impl Master {
         assert!(epoch > self.ring_epoch && epoch <= self.epoch, "commit of {epoch:?} after {:?}", self.ring_epoch);
         self.ring_epoch = epoch;
         assert!(self.ring.iter().all(|p| self.peers[p].status == Status::Accepted), "the ring is accepted members");
+        debug_assert_eq!(self.ring.iter().collect::<BTreeSet<_>>().len(), self.ring.len(), "a ring member twice");
         self.outputs.push_back(Output::Event(MasterEvent::TopologyCommitted { epoch, members }));
         self.set_phase(Phase::Idle);
     }

@@ -1353,26 +1353,21 @@ impl Peer {
         }
     }
 
-    /// What holds whenever an input was handled (every input ends in [`Peer::progress`]).
+    /// What holds whenever an input was handled (every input ends in [`Peer::progress`]). Each
+    /// check costs O(1): this runs after every input, in every build.
     fn check(&self) {
         let cap = self.config.max_in_flight.max(1);
         debug_assert!(self.ops.len() <= cap, "{} collectives in flight, at most {cap}", self.ops.len());
         debug_assert!(self.call.is_none() || self.ops.is_empty(), "a call that runs alone runs beside collectives");
-        debug_assert!(self.gone().is_none() || (self.call.is_none() && self.ops.is_empty() && self.queue.is_empty()));
-        let me = self.view.registered.map(|(p, _)| p);
         debug_assert!(
-            self.ops.values().all(|o| me.is_some_and(|me| o.members.contains(&me))),
-            "a collective runs without us"
+            !matches!(self.link, Link::Lost(_) | Link::Closed) || (self.call.is_none() && self.ops.is_empty()),
+            "a call outlives the master"
         );
         debug_assert!(
             self.taken_up.as_ref().is_none_or(|t| self.view.committed.as_ref().is_some_and(|(e, _)| t.epoch <= *e)),
             "a topology taken up before it was committed"
         );
         debug_assert!(!self.last_apart || self.last_call.is_some(), "a call ended apart that was never made");
-        debug_assert!(
-            self.queue.iter().map(|q| q.id).chain(self.call.iter().map(|(id, ..)| *id)).all(|c| c.0 <= self.next_call),
-            "a call numbered ahead of the count"
-        );
     }
 
     /// We are out of the run: every call ends.
