@@ -26,7 +26,13 @@ class ShoalError(Exception):
 
 
 class UsageError(ShoalError, RuntimeError):
-    """The API was used out of order, e.g. ``all_reduce`` before ``connect``. Deterministic."""
+    """The API was used out of order, e.g. ``all_reduce`` before ``connect``. Deterministic.
+
+    Where the peers made calls that can never complete together, ``calls`` names them: ours
+    first, then the one it can never meet, each as ``([peer ids], name)`` (a tagged transfer's
+    name is ``"send"`` or ``"recv"``). Empty for a usage error of this peer alone."""
+
+    calls: list = []
 
 
 class PeerLostError(ShoalError, ConnectionError):

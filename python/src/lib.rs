@@ -934,6 +934,25 @@ fn seconds(name: &str, value: &Bound<'_, PyAny>) -> PyResult<Duration> {
 
 /// Raises the `shoal.errors` class that matches `e`.
 fn to_py(e: Error) -> PyErr {
+    if let Error::Misuse(misuse) = &e {
+        // The calls, typed, beside the message: `UsageError.calls`.
+        let calls: Vec<(Vec<u32>, &'static str)> = misuse
+            .calls()
+            .into_iter()
+            .map(|c| {
+                let name = match c.call {
+                    shoal_peer::Call::Api { api, .. } => api.name(),
+                    shoal_peer::Call::Transfer { send: true, .. } => "send",
+                    shoal_peer::Call::Transfer { send: false, .. } => "recv",
+                };
+                (c.peers.iter().map(|p| p.0).collect(), name)
+            })
+            .collect();
+        let error = raise("UsageError", e.to_string());
+        // Only a broken package refuses the attribute: the class's empty default stands then.
+        Python::attach(|py| error.value(py).setattr("calls", calls).is_ok());
+        return error;
+    }
     let class = match &e {
         Error::NotConnected | Error::AlreadyConnected | Error::Closed | Error::Misuse(_) | Error::Usage(_) => {
             "UsageError"

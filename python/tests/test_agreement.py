@@ -125,6 +125,11 @@ def test_a_collective_during_an_admission_vote_fails_on_every_peer(master, tmp_p
     for r in reducers:
         assert r["error"]["type"] == "UsageError" and "all_reduce" in r["error"]["msg"], r
         assert r["restored"], r
+    # The calls, typed: every error names the vote and an all-reduce, each made by one peer.
+    for r in [voter, *reducers]:
+        called = {name: peers for peers, name in r["error"]["calls"]}
+        assert sorted(called) == ["all_reduce", "update_topology"], r
+        assert all(len(peers) == 1 for peers in called.values()), r
     for r in [voter, *reducers]:
         assert r["took"] < 10, r  # not the 30 s call timeout
         assert r["after"] == 3.0, r

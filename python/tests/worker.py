@@ -322,7 +322,7 @@ def admission_misuse(spec: dict) -> dict:
             comm.all_reduce(x)
         error = None
     except shoal.ShoalError as e:
-        error = {"type": type(e).__name__, "msg": str(e)}
+        error = {"type": type(e).__name__, "msg": str(e), "calls": getattr(e, "calls", None)}
     took = time.time() - started
     restored = bool((x == np.arange(1000, dtype=np.float32)).all())
     if spec["index"] == 0:
