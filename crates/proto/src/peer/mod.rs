@@ -1626,13 +1626,11 @@ impl Peer {
 /// Member `waiter`'s transfer with us (`note`) and our call `ours` can never complete together
 /// (`ended`: ours ended already, as one of calls that cannot complete together).
 fn p2p_misuse(waiter: PeerId, note: &WaitNote, me: PeerId, ours: Made, ended: bool) -> Misuse {
-    let waits = Called::new([waiter], Made::Transfer { send: note.send, peer: me, tag: note.tag });
-    let (waits, ours) = (waits, Called::new([me], ours));
-    if ended {
-        Misuse::settled(waits, ours)
-    } else {
-        Misuse::new(waits, ours)
-    }
+    let misuse = Misuse::new(
+        Called::new([waiter], Made::Transfer { send: note.send, peer: me, tag: note.tag }),
+        Called::new([me], ours),
+    );
+    Misuse { settled: ended, ..misuse }
 }
 
 /// Our call `ours`, made where the others' calls ended as `settled`: the usage error that names
