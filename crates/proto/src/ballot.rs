@@ -42,7 +42,7 @@ impl Ballot {
     pub fn cast(&mut self, peer: PeerId) {
         self.eligible.insert(peer);
         self.cast.insert(peer);
-        debug_assert!(self.cast.is_subset(&self.eligible), "a vote from outside the electorate");
+        debug_assert!(!self.awaits(peer), "{peer} voted, yet the ballot waits for it");
     }
 
     /// Removes a lost peer from the electorate (and its vote, if cast).

@@ -915,6 +915,9 @@ mod tests {
             v.handle_message(Message::P2pApart { peer: PeerId(1), misuse: ours }),
             Ok(PeerEvent::P2pApart { .. })
         ));
+        // A vote abandoned, not refused for now, names the calls (the wire checks it too).
+        let words = Message::PeersPendingAborted { retry: false, reason: Reason::text("no calls named") };
+        assert_eq!(v.handle_message(words).map_err(|e| e.why), Err("an abandoned vote that names no calls"));
     }
 
     /// Peer 0, registered, in no topology yet.
