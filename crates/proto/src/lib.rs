@@ -24,3 +24,9 @@ pub mod peer;
 pub(crate) fn test_start() -> std::time::Instant {
     std::time::Instant::now()
 }
+
+/// `call`, made by the peers numbered `peers`: how a test names one side of a usage error.
+#[cfg(test)]
+pub(crate) fn made(peers: &[u32], call: shoal_wire::Call) -> shoal_wire::Called {
+    shoal_wire::Called::new(peers.iter().map(|p| shoal_wire::PeerId(*p)), call)
+}

@@ -88,7 +88,8 @@ impl Master {
                 // once finds it: the votes abandoned for misuse are held back until it is issued.
                 let held = self.outputs.len();
                 // A collective given up for a vote that never joins it: the vote ends too. (A
-                // buffer that fits no group fails every member alike: no call waits for another.)
+                // buffer that fits no group names no calls: the votes stand, for the members'
+                // next calls to meet.)
                 if let Some(misuse) = failure.reason.misuse() {
                     self.abandon_votes(key.0, misuse);
                 }

@@ -2,12 +2,8 @@
 
 use super::*;
 use crate::auth::{DataKey, RunKey};
-use shoal_wire::{Api, Call, Called, FailureKind, Misuse, OpFailure, PlanEntry, Point, StateDigest};
-
-/// `call`, made by `peers`.
-fn made(peers: &[u32], call: Call) -> Called {
-    Called::new(peers.iter().map(|p| PeerId(*p)), call)
-}
+use crate::made;
+use shoal_wire::{Api, Call, FailureKind, Misuse, OpFailure, PlanEntry, Point, StateDigest};
 
 /// A call made after `collectives` collectives of topology `epoch`.
 fn at(api: impl Into<Api>, epoch: Epoch, collectives: u64) -> Call {

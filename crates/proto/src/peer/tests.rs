@@ -3,12 +3,8 @@
 
 use super::*;
 use crate::auth::{DataKey, RunKey};
+use crate::made;
 use shoal_wire::{Call as Made, Member, SessionId};
-
-/// `call`, made by `peers`.
-fn made(peers: &[u32], call: Made) -> Called {
-    Called::new(peers.iter().map(|p| PeerId(*p)), call)
-}
 
 /// Our send to `member`, which can never complete with its vote: as the master relays it to us.
 fn ours_apart_from(member: u32) -> Misuse {
