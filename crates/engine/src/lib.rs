@@ -3,7 +3,7 @@
 //! [`Exec`] owns, for one topology, a *link* to each member it exchanges data with: a pool of
 //! [`Lane`]s to it and a pool from it (the ring's two neighbours are linked before the topology
 //! is in force; others when a schedule first needs them, see [`Exec::missing`]). It advances
-//! every collective posted to it, each a [`Schedule`] of sends, receives and reductions. Their
+//! every collective posted to it, each a [`Schedule`](shoal_collective::schedule::Schedule) of sends, receives and reductions. Their
 //! chunks travel as frames ([`FRAME_BYTES`] of header, then the chunk): the header names the
 //! collective (its whole [`OpHeader`]: a peer that runs another collective is caught at its first
 //! frame) and the chunk's unit in the receiver's schedule, so any lane of a link carries any
@@ -18,27 +18,30 @@
 //! be behind them, and nothing else waits. Only chunks that depend on no send of ours can come
 //! early, so a collective sends at most its first segment ahead of its slowest participant.
 //!
+//! Every decision is [`Machine`]'s, a sans-IO machine whose inputs are `handle_*` calls and
+//! whose outputs are `poll_*` calls (see `machine.rs`); [`Exec`] is that machine plus its lanes.
 //! [`Exec::pump`] moves what can move without blocking and returns what happened to which
 //! collective; it never sleeps, so the tests below step whole rings in one thread over in-memory
-//! lanes, and the communicator drives it with `poll(2)` from whichever thread waits.
+//! lanes (and machines alone, frames carried by hand), and the communicator drives it with
+//! `poll(2)` from whichever thread waits.
 //!
 //! A lane that fails (the peer died, a reset, a malformed frame) fails every collective in flight
 //! over the links: their streams may hold half a frame and can never be used again.
 #![warn(missing_docs)]
 
+mod machine;
 mod p2p;
 
-pub use p2p::{Direction, TransferSpec};
+pub use machine::{Held, Incoming, LinksFailed, Machine, Outgoing};
+pub use p2p::{Direction, Pull, TransferSpec};
 
-use shoal_collective::schedule::{RecvAction, Schedule};
 use shoal_collective::Algorithm;
-use shoal_collective::{finish_avg, reduce_into, Codec, CollectiveKind, DType, ReduceOp};
+use shoal_collective::{Codec, CollectiveKind, DType, ReduceOp};
 use shoal_transport::Lane;
-use shoal_wire::{DataFrame as Frame, DataFrameError, Epoch, FrameKind, OpHeader, DATA_FRAME_BYTES as FRAME_BYTES};
-use std::collections::{BTreeMap, VecDeque};
+use shoal_wire::{DataFrame as Frame, DataFrameError, Epoch, OpHeader, DATA_FRAME_BYTES as FRAME_BYTES};
+use std::collections::BTreeMap;
 use std::io::{ErrorKind, IoSlice};
 use std::ptr::NonNull;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The original bytes of every part of a buffer a collective changed, so that a failed
@@ -388,480 +391,6 @@ impl Taken {
     }
 }
 
-struct OpExec {
-    spec: OpSpec,
-    plan: Schedule,
-    elem: usize,
-    /// For each member, the indices of the units we send it in order, the next one's place, and
-    /// how many are still to be written whole.
-    sends_to: Vec<Vec<usize>>,
-    next_send: Vec<usize>,
-    sends_left: Vec<usize>,
-    /// The members it sends chunks or tokens to, and those it receives them from: the links it
-    /// needs (the schedule's, computed once).
-    peers_to: Vec<usize>,
-    peers_from: Vec<usize>,
-    /// For each member, the indices of the units we receive from it in order: a frame names
-    /// its place in this order.
-    recvs_from: Vec<Vec<usize>>,
-    sent: usize,
-    recv_done: Vec<bool>,
-    received: usize,
-    /// Units over the same elements share one save: the first unit with each range.
-    first_unit: Vec<usize>,
-    /// Final reductions still to come, by the first element of their range: an average is
-    /// divided after the last of them.
-    lasts: std::collections::BTreeMap<usize, usize>,
-    saved: Vec<bool>,
-    save_cursor: usize,
-    /// Whether the range the schedule folds is saved, and whether it was folded.
-    saved_fold: bool,
-    folded: bool,
-    /// Units to keep aside that did not arrive yet.
-    to_stash: usize,
-    backup: Backup,
-    /// The other members' inputs, one slot of the buffer's size each, for a schedule that
-    /// combines them (empty otherwise).
-    stash: Vec<u64>,
-    traffic: Traffic,
-    data_done: bool,
-    /// Tokens received, in all and from each member, and those to send: (to whom, whose), ours
-    /// first once the data moved.
-    tokens_in: usize,
-    tokens_from: Vec<usize>,
-    tokens_out: usize,
-    outbox: VecDeque<(usize, u32)>,
-    /// Tokens received before the data moved: forwarded after ours.
-    held: Vec<u32>,
-    /// Events not returned yet.
-    events: Vec<OpEvent>,
-    finished: bool,
-    /// A quantized collective's chunks as they travel, by the first element of their range
-    /// (with its end): each is what the buffer holds over that range (its decoded values), so
-    /// what we send is what we hold. A chunk is encoded once, when first sent, and its decoded
-    /// values replace the buffer's; a chunk copied into place keeps its bytes to be forwarded as
-    /// they came (where it forwards them), never re-encoded; a reduction or the fold over a
-    /// range drops its entry.
-    encoded: BTreeMap<usize, (usize, Arc<[u8]>)>,
-    /// For each receive unit of a quantized collective, whether a send waits for it (forwards
-    /// it): only those chunks are kept.
-    forwarded: Vec<bool>,
-}
-
-impl OpExec {
-    fn new(mut spec: OpSpec, rank: usize, world: usize) -> Self {
-        let elem = spec.dtype.size();
-        let chunk_elems = (spec.chunk_bytes / elem).max(1);
-        let len = spec.buf.len / elem;
-        let plan = spec.algorithm.schedule(spec.kind, (rank, world), &spec.hosts, len, spec.root, chunk_elems);
-        let lasts = plan.final_reductions();
-        let mut first_of_range = std::collections::HashMap::with_capacity(plan.recvs.len());
-        let first_unit: Vec<usize> =
-            plan.recvs.iter().enumerate().map(|(i, u)| *first_of_range.entry(u.range.start).or_insert(i)).collect();
-        let mut sends_to = vec![Vec::new(); world];
-        for (i, u) in plan.sends.iter().enumerate() {
-            sends_to[u.to].push(i);
-        }
-        let mut recvs_from = vec![Vec::new(); world];
-        for (i, u) in plan.recvs.iter().enumerate() {
-            recvs_from[u.from].push(i);
-        }
-        let mut backup = std::mem::take(&mut spec.backup);
-        backup.reset(spec.buf.len);
-        // A quantized collective also changes what it sends (to the decoded values): the whole
-        // buffer is saved up front rather than range by range.
-        let quantized = spec.codec.is_some();
-        if quantized {
-            // SAFETY: lent to the engine; the only slice of it in use.
-            backup.save(unsafe { spec.buf.slice() }, 0..spec.buf.len);
-        }
-        let stash = if plan.combines() { vec![0u64; (world * spec.buf.len).div_ceil(8)] } else { Vec::new() };
-        let mut forwarded = vec![false; if quantized { plan.recvs.len() } else { 0 }];
-        for u in plan.sends.iter().filter(|_| quantized) {
-            for i in [u.after_recv, u.and_after_recv].into_iter().flatten() {
-                forwarded[i] = true;
-            }
-        }
-        let to_stash = plan.recvs.iter().filter(|u| u.action == RecvAction::Stash).count();
-        OpExec {
-            saved: vec![quantized; plan.recvs.len()],
-            recv_done: vec![false; plan.recvs.len()],
-            first_unit,
-            lasts,
-            sends_left: sends_to.iter().map(Vec::len).collect(),
-            peers_to: plan.peers_to().into_iter().collect(),
-            peers_from: plan.peers_from().into_iter().collect(),
-            sends_to,
-            recvs_from,
-            next_send: vec![0; world],
-            plan,
-            elem,
-            spec,
-            sent: 0,
-            received: 0,
-            save_cursor: 0,
-            saved_fold: quantized,
-            folded: false,
-            to_stash,
-            backup,
-            stash,
-            traffic: Traffic::default(),
-            data_done: false,
-            tokens_in: 0,
-            tokens_from: vec![0; world],
-            tokens_out: 0,
-            outbox: VecDeque::new(),
-            held: Vec::new(),
-            events: Vec::new(),
-            finished: false,
-            encoded: BTreeMap::new(),
-            forwarded,
-        }
-    }
-
-    /// Bytes on the wire of the chunk over `range` (elements).
-    fn wire_len(&self, range: &std::ops::Range<usize>) -> usize {
-        self.spec.codec.map_or(range.len() * self.elem, |c| c.encoded_len(range.len()))
-    }
-
-    /// The encoded chunk of send unit `unit` of a quantized collective: the one kept for its
-    /// range, else encoded now, its decoded values left in the buffer.
-    fn encoded_send(&mut self, codec: Codec, unit: usize) -> Arc<[u8]> {
-        let range = self.plan.sends[unit].range.clone();
-        if let Some((end, body)) = self.encoded.get(&range.start) {
-            if *end == range.end {
-                return Arc::clone(body);
-            }
-        }
-        let mut body = vec![0u8; codec.encoded_len(range.len())];
-        let r = self.bytes(&range);
-        // SAFETY: lent to the engine; the only slice of it in use.
-        let buf = &mut unsafe { self.spec.buf.slice() }[r];
-        codec.round_trip(buf, &mut body).expect("aligned buffers");
-        let body: Arc<[u8]> = body.into();
-        self.forget_encoded(&range);
-        self.encoded.insert(range.start, (range.end, Arc::clone(&body)));
-        body
-    }
-
-    /// Drops the encoded chunks over any of `range`: the buffer changed there.
-    fn forget_encoded(&mut self, range: &std::ops::Range<usize>) {
-        let stale: Vec<usize> =
-            self.encoded.range(..range.end).filter(|(_, (end, _))| *end > range.start).map(|(s, _)| *s).collect();
-        for s in stale {
-            self.encoded.remove(&s);
-        }
-    }
-
-    /// Applies received unit `unit` of a quantized collective, whose encoded chunk is `src`.
-    fn complete_encoded_recv(&mut self, codec: Codec, unit: usize, src: &[u8]) {
-        let u = &self.plan.recvs[unit];
-        let range = u.range.clone();
-        let r = self.bytes(&range);
-        match u.action {
-            RecvAction::Reduce { last } => {
-                // SAFETY: lent to the engine; the only slice of it in use.
-                let dst = &mut unsafe { self.spec.buf.slice() }[r];
-                codec.add_decoded(src, dst).expect("aligned buffers");
-                self.finish_reduction(unit, last);
-                self.forget_encoded(&range);
-            }
-            RecvAction::Copy => {
-                // SAFETY: lent to the engine; the only slice of it in use.
-                let dst = &mut unsafe { self.spec.buf.slice() }[r];
-                codec.decode(src, dst).expect("aligned buffers");
-                self.forget_encoded(&range);
-                if self.forwarded[unit] {
-                    self.encoded.insert(range.start, (range.end, src.into()));
-                }
-            }
-            RecvAction::Stash => {
-                let at = self.stash_offset(unit);
-                let stash: &mut [u8] = bytemuck::cast_slice_mut(&mut self.stash);
-                codec.decode(src, &mut stash[at..at + r.len()]).expect("aligned buffers");
-            }
-        }
-    }
-
-    /// Counts a reduction of receive unit `unit`'s range: after the last, an average divides.
-    fn finish_reduction(&mut self, unit: usize, last: bool) {
-        let u = &self.plan.recvs[unit];
-        let left = self.lasts.entry(u.range.start).or_default();
-        *left = left.saturating_sub(usize::from(last));
-        if last && *left == 0 && self.spec.op == ReduceOp::Avg {
-            let r = self.bytes(&u.range);
-            // SAFETY: lent to the engine; the only slice of it in use.
-            let dst = &mut unsafe { self.spec.buf.slice() }[r];
-            finish_avg(self.spec.dtype, dst, self.plan.world).expect("aligned buffer");
-        }
-    }
-
-    fn bytes(&self, range: &std::ops::Range<usize>) -> std::ops::Range<usize> {
-        range.start * self.elem..range.end * self.elem
-    }
-
-    /// Saves the original bytes of receive unit `unit`'s range unless already saved. A unit kept
-    /// aside changes nothing of the buffer (the fold saves what it changes, before).
-    fn save_before_change(&mut self, unit: usize) {
-        let first = self.first_unit[unit];
-        if !self.saved[first] && self.plan.recvs[unit].action != RecvAction::Stash {
-            self.saved[first] = true;
-            let r = self.bytes(&self.plan.recvs[unit].range);
-            // SAFETY: lent to the engine; the only slice of it in use.
-            self.backup.save(unsafe { self.spec.buf.slice() }, r);
-        }
-    }
-
-    /// Saves the range the schedule folds unless saved: the fold changes it all at once.
-    fn save_fold(&mut self) {
-        if let Some(c) = self.plan.combine.as_ref().filter(|_| !self.saved_fold) {
-            self.saved_fold = true;
-            let r = self.bytes(&c.range);
-            // SAFETY: lent to the engine; the only slice of it in use.
-            self.backup.save(unsafe { self.spec.buf.slice() }, r);
-        }
-    }
-
-    /// The next unit for member `to`, if it may leave now.
-    fn sendable(&self, to: usize) -> Option<usize> {
-        let i = *self.sends_to[to].get(self.next_send[to])?;
-        let u = &self.plan.sends[i];
-        u.ready(|j| self.recv_done[j], self.folded).then_some(i)
-    }
-
-    /// Whether a frame for member `to` may leave now.
-    fn has_frame_for(&self, to: usize) -> bool {
-        !self.finished && (self.outbox.iter().any(|(t, _)| *t == to) || self.sendable(to).is_some())
-    }
-
-    /// Applies received unit `unit` whose bytes are in `src` (for a reduction) or in place.
-    /// A quantized collective's chunks are all aside in `src`, encoded.
-    fn complete_recv(&mut self, unit: usize, src: Option<&[u8]>) {
-        let r = self.bytes(&self.plan.recvs[unit].range);
-        if let Some(codec) = self.spec.codec {
-            self.complete_encoded_recv(codec, unit, src.expect("a quantized chunk is aside"));
-        } else if let RecvAction::Reduce { last } = self.plan.recvs[unit].action {
-            self.save_before_change(unit);
-            let src = src.expect("a reduction has its chunk aside");
-            // SAFETY: lent to the engine; the only slice of it in use.
-            let dst = &mut unsafe { self.spec.buf.slice() }[r];
-            // Lengths match and both buffers are aligned: checked at the API boundary and here.
-            reduce_into(self.spec.dtype, self.spec.op, dst, src).expect("aligned buffers");
-            self.finish_reduction(unit, last);
-        }
-        if unit == 0 {
-            shoal_config::failpoint("all_reduce.reduce_scatter");
-        } else if self.plan.recvs[unit].action == RecvAction::Copy
-            && (unit == 0 || self.plan.recvs[unit - 1].action != RecvAction::Copy)
-        {
-            shoal_config::failpoint("all_reduce.all_gather");
-        }
-        self.recv_done[unit] = true;
-        self.received += 1;
-        if self.plan.recvs[unit].action == RecvAction::Stash {
-            self.to_stash -= 1;
-        }
-    }
-
-    /// Where in the stash the chunk of unit `unit` goes.
-    fn stash_offset(&self, unit: usize) -> usize {
-        let u = &self.plan.recvs[unit];
-        u.from * self.spec.buf.len + self.bytes(&u.range).start
-    }
-
-    /// Folds every member's input over the schedule's fold range into the buffer, in rank order:
-    /// the same fold on every member (see `shoal_collective::oneshot`).
-    fn fold(&mut self) {
-        self.save_fold();
-        self.folded = true;
-        let Some(c) = self.plan.combine.as_ref() else { return };
-        let r = self.bytes(&c.range);
-        let range = c.range.clone();
-        self.forget_encoded(&range);
-        let (len, world, rank) = (self.spec.buf.len, self.plan.world, self.plan.rank);
-        let (dtype, op) = (self.spec.dtype, self.spec.op);
-        // SAFETY: lent to the engine; the only slice of it in use.
-        let buf = &mut unsafe { self.spec.buf.slice() }[r.clone()];
-        let stash: &mut [u8] = &mut bytemuck::cast_slice_mut(&mut self.stash)[..world * len];
-        let (first, rest) = stash.split_at_mut(len);
-        let first = &mut first[r.clone()];
-        let other = |k: usize| (k - 1) * len + r.start..(k - 1) * len + r.end;
-        if rank == 0 {
-            for k in 1..world {
-                reduce_into(dtype, op, buf, &rest[other(k)]).expect("aligned buffers");
-            }
-        } else {
-            // Fold into rank 0's input, then take the result.
-            for k in 1..world {
-                let src: &[u8] = if k == rank { buf } else { &rest[other(k)] };
-                reduce_into(dtype, op, first, src).expect("aligned buffers");
-            }
-            buf.copy_from_slice(first);
-        }
-        if op == ReduceOp::Avg {
-            finish_avg(dtype, buf, world).expect("aligned buffer");
-        }
-    }
-
-    /// A token of `origin`'s arrived from member `from`.
-    fn token(&mut self, from: usize, origin: u32) -> Result<(), LinkError> {
-        let world = self.plan.world as u32;
-        let o = origin as usize;
-        let expected = self.tokens_expected(from);
-        if origin >= world
-            || o == self.plan.rank
-            || self.plan.token_from(o) != from
-            || self.tokens_from[from] == expected
-        {
-            return Err(LinkError::Malformed { rank: from, what: Malformed::BadToken { origin, world } });
-        }
-        self.tokens_in += 1;
-        self.tokens_from[from] += 1;
-        if self.data_done {
-            self.outbox.extend(self.plan.forward_token(o).map(|to| (to, origin)));
-        } else {
-            self.held.push(origin);
-        }
-        Ok(())
-    }
-
-    /// How many tokens come from member `from`.
-    fn tokens_expected(&self, from: usize) -> usize {
-        let (world, rank) = (self.plan.world, self.plan.rank);
-        (0..world).filter(|&o| o != rank && self.plan.token_from(o) == from).count()
-    }
-
-    /// Whether anything more of it is to come from member `from`.
-    fn expects_from(&self, from: usize) -> bool {
-        !self.finished
-            && (self.recvs_from[from].iter().any(|&u| !self.recv_done[u])
-                || self.tokens_from[from] < self.tokens_expected(from))
-    }
-
-    /// Whether it still moves data to or from member `rank`: a frozen member it does never
-    /// lets it finish, one it is done with cannot stop it.
-    fn waits_on(&self, rank: usize) -> bool {
-        !self.data_done && (self.sends_left[rank] > 0 || self.recvs_from[rank].iter().any(|&u| !self.recv_done[u]))
-    }
-
-    /// Records what the latest moves completed.
-    fn check(&mut self) {
-        if self.finished {
-            return;
-        }
-        let fold_due = self.plan.combine.as_ref().is_some_and(|c| self.to_stash == 0 && self.sent >= c.after_sends);
-        if !self.folded && fold_due {
-            self.fold();
-        }
-        let folded = self.folded || !self.plan.combines();
-        if !self.data_done && folded && self.sent == self.plan.sends.len() && self.received == self.plan.recvs.len() {
-            self.data_done = true;
-            self.events.push(OpEvent::DataDone);
-            let me = self.plan.rank as u32;
-            self.outbox.extend(self.plan.token_targets().into_iter().map(|to| (to, me)));
-            for origin in std::mem::take(&mut self.held) {
-                self.outbox.extend(self.plan.forward_token(origin as usize).map(|to| (to, origin)));
-            }
-        }
-        let others = self.plan.world - 1;
-        if self.data_done && self.tokens_in == others && self.tokens_out == others {
-            self.finished = true;
-            self.events.push(OpEvent::Confirmed);
-        }
-    }
-}
-
-/// What a sending lane is writing.
-enum Sending {
-    Chunk {
-        seq: u64,
-        start: usize,
-        len: usize,
-    },
-    /// A quantized collective's chunk, encoded.
-    Encoded {
-        seq: u64,
-        body: Arc<[u8]>,
-    },
-    Token {
-        seq: u64,
-    },
-    /// A part of transfer `id`.
-    Part {
-        id: u64,
-        start: usize,
-        len: usize,
-    },
-    /// A transfer's offer, answer or withdrawal.
-    Control,
-}
-
-struct SendLane<L> {
-    lane: L,
-    /// The member it leads to.
-    to: usize,
-    frame: [u8; FRAME_BYTES],
-    /// Bytes of the frame (header, then chunk) written.
-    written: usize,
-    sending: Option<Sending>,
-    /// Its frame waits for room in the stream ([`LinkStats::saturated`]).
-    blocked: bool,
-}
-
-/// Where a frame's chunk goes.
-enum Dest {
-    /// Into the caller's buffer at this byte offset (all-gather).
-    Buf(usize),
-    /// Into the lane's scratch, to reduce once complete.
-    Scratch,
-    /// Into the collective's stash at this byte offset, to combine once everything moved.
-    Stash(usize),
-    /// Left in the lane since then: the collective is not posted yet, and most often is within
-    /// microseconds (its caller is posting a batch); past [`EARLY_GRACE`] it is kept aside.
-    Unposted(Instant),
-    /// Kept aside: the collective is not posted yet.
-    Early(Vec<u8>),
-    /// Into a receive's buffer (a tagged transfer).
-    Part(p2p::PartDest),
-}
-
-struct Receiving {
-    frame: Frame,
-    /// The unit of our schedule it is (an early frame's is found once its collective is posted).
-    unit: usize,
-    got: usize,
-    dest: Dest,
-}
-
-struct RecvLane<L> {
-    lane: L,
-    /// The member it comes from.
-    from: usize,
-    /// The member closed it between frames: nothing more comes on it.
-    closed: bool,
-    header: [u8; FRAME_BYTES],
-    header_got: usize,
-    receiving: Option<Receiving>,
-    scratch: Vec<u64>,
-}
-
-impl<L> RecvLane<L> {
-    /// Since when it holds a chunk for a collective not posted here ([`Dest::Unposted`]).
-    fn held(&self) -> Option<Instant> {
-        match self.receiving {
-            Some(Receiving { dest: Dest::Unposted(since), .. }) => Some(since),
-            _ => None,
-        }
-    }
-}
-
-/// A frame that arrived before its collective was posted.
-struct Early {
-    from: usize,
-    frame: Frame,
-    body: Vec<u8>,
-}
-
 /// What moved over the link with one member, for stats and logs.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct LinkStats {
@@ -914,51 +443,53 @@ impl LinkStats {
         }
     }
 
-    fn carried_by<L: Lane>(&mut self, lanes: &[L]) {
-        for lane in lanes {
-            self.transport = match self.transport {
-                "" => lane.kind(),
-                same if same == lane.kind() => same,
-                _ => "mixed",
-            };
-        }
+    /// A lane carried by `kind` ([`Lane::kind`]) joined the link.
+    fn carried_by(&mut self, kind: &'static str) {
+        self.transport = match self.transport {
+            "" => kind,
+            same if same == kind => same,
+            _ => "mixed",
+        };
     }
 }
 
-/// The engine over one topology's links.
+/// A lane to a member, and the frame it is writing.
+struct SendLane<L> {
+    lane: L,
+    /// The member it leads to.
+    to: usize,
+    out: Option<Outgoing>,
+    /// Bytes of the frame (header, then body) written.
+    written: usize,
+    /// Its frame waits for room in the stream ([`LinkStats::saturated`]).
+    blocked: bool,
+}
+
+/// A lane from a member, and the frame it is reading.
+struct RecvLane<L> {
+    lane: L,
+    /// The member it comes from.
+    from: usize,
+    /// The member closed it between frames: nothing more comes on it.
+    closed: bool,
+    header: [u8; FRAME_BYTES],
+    header_got: usize,
+    receiving: Option<Incoming>,
+    scratch: Vec<u64>,
+}
+
+impl<L> RecvLane<L> {
+    /// Since when it holds a chunk for a collective not posted here ([`Incoming::held`]).
+    fn held(&self) -> Option<Instant> {
+        self.receiving.as_ref().and_then(Incoming::held)
+    }
+}
+
+/// The engine over one topology's links: the [`Machine`] and its lanes.
 pub struct Exec<L> {
-    epoch: Epoch,
-    rank: usize,
-    world: usize,
+    machine: Machine,
     send: Vec<SendLane<L>>,
     recv: Vec<RecvLane<L>>,
-    /// By member.
-    stats: BTreeMap<usize, LinkStats>,
-    ops: BTreeMap<u64, OpExec>,
-    /// The tagged point-to-point transfers in flight.
-    p2p: p2p::Transfers,
-    /// Whether the next free lane looks at the transfers before the collectives: they take
-    /// turns.
-    p2p_turn: bool,
-    /// The highest number posted so far: frames of lower numbers not in `ops` are stale.
-    posted: Option<u64>,
-    early: BTreeMap<u64, Vec<Early>>,
-    early_bytes: usize,
-    /// How long an early chunk waits in its lane before it is read aside ([`EARLY_GRACE`]).
-    early_grace: Duration,
-    /// Buffers of early frames applied, to receive the next ones without allocating.
-    spare_bodies: Vec<Vec<u8>>,
-    /// The collective the last free lane took a frame of: the next lane starts after it.
-    turn: u64,
-    /// The collective whose chunk arrived last, and whether the next free lane looks at it
-    /// first: what it forwards next was just reduced, and is still in the cache. Every other
-    /// frame goes round-robin, so it cannot starve the others.
-    hot: Option<u64>,
-    hot_turn: bool,
-    /// Why the links failed, once they did: nothing more moves.
-    broken: Option<LinkError>,
-    /// Whether a collective in flight lacks a link ([`Exec::missing`]).
-    awaiting: bool,
 }
 
 /// What one [`Exec::pump`] did.
@@ -989,48 +520,15 @@ impl Missing {
 impl<L: Lane> Exec<L> {
     /// The engine of topology `epoch`, where we are `rank` of `world`, with no links yet.
     pub fn new(epoch: Epoch, rank: usize, world: usize) -> Self {
-        Exec {
-            epoch,
-            rank,
-            world,
-            send: Vec::new(),
-            recv: Vec::new(),
-            stats: BTreeMap::new(),
-            ops: BTreeMap::new(),
-            p2p: p2p::Transfers::new(epoch, world),
-            p2p_turn: false,
-            posted: None,
-            early: BTreeMap::new(),
-            early_bytes: 0,
-            early_grace: EARLY_GRACE,
-            spare_bodies: Vec::new(),
-            turn: 0,
-            hot: None,
-            hot_turn: false,
-            broken: None,
-            awaiting: false,
-        }
+        Exec { machine: Machine::new(epoch, rank, world), send: Vec::new(), recv: Vec::new() }
     }
 
     /// Adds a pool of lanes to member `to`.
     pub fn add_send(&mut self, to: usize, lanes: Vec<L>) {
-        debug_assert!(to < self.world && to != self.rank);
-        let stats = self.stats.entry(to).or_default();
-        stats.lanes_out += lanes.len();
-        stats.carried_by(&lanes);
-        for lane in &lanes {
-            self.p2p.note_partner(to, lane.partner_pid());
-        }
-        let new = lanes.into_iter().map(|lane| SendLane {
-            lane,
-            to,
-            frame: [0; FRAME_BYTES],
-            written: 0,
-            sending: None,
-            blocked: false,
-        });
+        let kinds: Vec<_> = lanes.iter().map(|l| (l.kind(), l.partner_pid())).collect();
+        self.machine.handle_lanes(to, true, &kinds);
+        let new = lanes.into_iter().map(|lane| SendLane { lane, to, out: None, written: 0, blocked: false });
         self.send.extend(new);
-        self.awaiting = !self.missing().is_empty();
     }
 
     /// The TCP sockets of our lanes to member `to`, TLS or not (none for shared-memory lanes).
@@ -1041,13 +539,8 @@ impl<L: Lane> Exec<L> {
 
     /// Adds a pool of lanes from member `from`.
     pub fn add_recv(&mut self, from: usize, lanes: Vec<L>) {
-        debug_assert!(from < self.world && from != self.rank);
-        let stats = self.stats.entry(from).or_default();
-        stats.lanes_in += lanes.len();
-        stats.carried_by(&lanes);
-        for lane in &lanes {
-            self.p2p.note_partner(from, lane.partner_pid());
-        }
+        let kinds: Vec<_> = lanes.iter().map(|l| (l.kind(), l.partner_pid())).collect();
+        self.machine.handle_lanes(from, false, &kinds);
         let new = lanes.into_iter().map(|lane| RecvLane {
             lane,
             from,
@@ -1058,226 +551,88 @@ impl<L: Lane> Exec<L> {
             scratch: Vec::new(),
         });
         self.recv.extend(new);
-        self.awaiting = !self.missing().is_empty();
     }
 
     /// The topology this engine runs in.
     pub fn epoch(&self) -> Epoch {
-        self.epoch
+        self.machine.epoch()
     }
 
     /// Collectives and transfers posted and not taken.
     pub fn in_flight(&self) -> usize {
-        self.ops.len() + self.p2p.len()
+        self.machine.in_flight()
     }
 
     /// What moved over each link, by member.
     pub fn stats(&self) -> &BTreeMap<usize, LinkStats> {
-        &self.stats
+        self.machine.stats()
     }
 
     /// Whether a collective in flight lacks a link: cheap, unlike [`Exec::missing`].
     pub fn awaiting(&self) -> bool {
-        self.awaiting
+        self.machine.awaiting()
     }
 
     /// The links the collectives in flight need and that are not here.
     pub fn missing(&self) -> Missing {
-        let mut missing = Missing::default();
-        if self.broken.is_some() {
-            return missing;
-        }
-        for op in self.ops.values() {
-            self.missing_for(op, &mut missing);
-        }
-        self.missing_for_transfers(&mut missing);
-        missing
+        self.machine.missing()
     }
 
-    /// Adds to `missing` the links the transfers still moving need (both ways: the receiver
-    /// answers) and lack.
-    fn missing_for_transfers(&self, missing: &mut Missing) {
-        let peers: Vec<usize> = self.p2p.peers().collect();
-        self.want_links(peers.iter().copied(), peers.iter().copied(), missing);
-    }
-
-    /// Adds to `missing` the links `op` needs and lacks.
-    fn missing_for(&self, op: &OpExec, missing: &mut Missing) {
-        if !op.finished {
-            self.want_links(op.peers_to.iter().copied(), op.peers_from.iter().copied(), missing);
-        }
-    }
-
-    /// Adds to `missing` the links to members `to` and from members `from` that are not here
-    /// (from a member that left, none is coming).
-    fn want_links(
-        &self,
-        to: impl IntoIterator<Item = usize>,
-        from: impl IntoIterator<Item = usize>,
-        missing: &mut Missing,
-    ) {
-        let lanes = |r: usize| self.stats.get(&r).copied().unwrap_or_default();
-        for to in to {
-            if lanes(to).lanes_out == 0 && !missing.to.contains(&to) {
-                missing.to.push(to);
-            }
-        }
-        for from in from {
-            if lanes(from).lanes_in == 0 && !missing.from.contains(&from) && !self.gone(from) {
-                missing.from.push(from);
-            }
-        }
-    }
-
-    /// Whether every lane from member `from` was closed: it left.
-    fn gone(&self, from: usize) -> bool {
-        let mut lanes = self.recv.iter().filter(|l| l.from == from).peekable();
-        lanes.peek().is_some() && lanes.all(|l| l.closed)
-    }
-
-    /// Starts collective `spec`, numbered `spec.header.seq` (above every number posted before):
-    /// frames that came early for it are applied now. Lanes it needs and that are not here yet
-    /// ([`Exec::missing`]) may be added while it runs.
+    /// Starts collective `spec` ([`Machine::post`]).
     pub fn post(&mut self, spec: OpSpec) {
-        let seq = spec.header.seq;
-        debug_assert!(self.posted.is_none_or(|p| p < seq), "collectives are posted in order");
-        self.posted = Some(seq);
-        let mut op = OpExec::new(spec, self.rank, self.world);
-        if let Some(e) = &self.broken {
-            op.events.push(OpEvent::Failed(e.clone()));
-            op.finished = true;
-        } else {
-            for early in self.early.remove(&seq).unwrap_or_default() {
-                self.early_bytes -= early.body.len();
-                match apply_early(&mut op, early) {
-                    Ok(body) => self.spare_body(body),
-                    Err(e) => {
-                        op.events.push(OpEvent::Failed(e));
-                        op.finished = true;
-                        break;
-                    }
-                }
-            }
-        }
-        if let Some(gone) = op.peers_from.iter().copied().find(|&r| !op.finished && self.gone(r)) {
-            let reason = "connection closed: it left after an earlier collective".to_string();
-            op.events.push(OpEvent::Failed(LinkError::Lost { rank: gone, reason }));
-            op.finished = true;
-        }
-        let failed = self.broken.is_none() && op.finished;
-        self.ops.insert(seq, op);
-        if failed {
-            let reason = format!("collective {seq} failed over these streams");
-            self.break_lanes(LinkError::Lost { rank: self.rank, reason });
-        }
-        // A group of one moves nothing: done at once.
-        let op = self.ops.get_mut(&seq).expect("posted");
-        op.check();
-        if self.broken.is_none() && !self.awaiting {
-            let mut missing = Missing::default();
-            self.missing_for(&self.ops[&seq], &mut missing);
-            self.awaiting = !missing.is_empty();
-        }
+        self.machine.post(spec);
     }
 
-    /// Starts tagged transfer `id` (a number of the caller's, unique among those in flight)
-    /// with member `spec.peer`, alongside the collectives.
+    /// Starts tagged transfer `id` ([`Machine::post_transfer`]).
     pub fn post_transfer(&mut self, id: u64, spec: TransferSpec) {
-        let peer = spec.peer;
-        self.p2p.post(id, spec);
-        if let Some(e) = &self.broken {
-            self.p2p.fail(id, e.clone());
-        } else if self.gone(peer) {
-            let reason = "connection closed: it left earlier".to_string();
-            self.p2p.fail(id, LinkError::Lost { rank: peer, reason });
-        } else if !self.awaiting {
-            let mut missing = Missing::default();
-            self.missing_for_transfers(&mut missing);
-            self.awaiting = !missing.is_empty();
-        }
+        self.machine.post_transfer(id, spec);
     }
 
-    /// Takes transfer `id` out, ended or not: what it moved. One stopped with parts on the
-    /// lanes leaves them unusable for every other operation.
+    /// Takes transfer `id` out ([`Machine::take_transfer`]).
     pub fn take_transfer(&mut self, id: u64) -> Option<Traffic> {
-        let (traffic, torn) = self.p2p.take(id)?;
-        if torn {
-            self.break_lanes(LinkError::Lost { rank: self.rank, reason: format!("transfer {id} stopped mid-flight") });
-        }
-        if self.awaiting {
-            self.awaiting = !self.missing().is_empty();
-        }
-        Some(traffic)
+        self.machine.take_transfer(id)
     }
 
-    /// Whether transfer `id` still waits for the other end's call ([`Exec::transfer_stuck`]
-    /// there): `Some` with, for a receive, the count of that member's offers seen.
+    /// Whether transfer `id` still waits for the other end's call
+    /// ([`Machine::transfer_unmatched`]).
     pub fn transfer_unmatched(&self, id: u64) -> Option<u64> {
-        self.p2p.unmatched(id)
+        self.machine.transfer_unmatched(id)
     }
 
-    /// Whether the transfer member `rank` waits on with us (what it reported of it) can only
-    /// complete by a call of ours not made yet.
+    /// Whether the transfer member `rank` waits on with us can only complete by a call of ours
+    /// not made yet ([`Machine::transfer_stuck`]).
     pub fn transfer_stuck(&self, rank: usize, send: bool, tag: u64, seen: u64) -> bool {
-        rank < self.world && rank != self.rank && self.p2p.stuck(rank, send, tag, seen)
+        self.machine.transfer_stuck(rank, send, tag, seen)
     }
 
     /// How transfers ended since the last call.
     pub fn transfer_events(&mut self) -> Vec<(u64, Result<(), LinkError>)> {
-        self.p2p.events()
+        self.machine.poll_transfer_events()
     }
 
     /// Fails every collective in flight: the link to `rank` cannot be had.
     pub fn unreachable(&mut self, rank: usize, reason: String) {
-        self.break_lanes(LinkError::Lost { rank, reason });
+        self.machine.handle_broken(LinkError::Lost { rank, reason });
     }
 
-    /// Takes collective `seq` out: done, failed, or stopped by the peer. One that had not
-    /// finished leaves half its frames in the lanes, which fail for every other collective.
+    /// Takes collective `seq` out ([`Machine::take`]).
     pub fn take(&mut self, seq: u64) -> Option<Taken> {
-        let op = self.ops.remove(&seq)?;
-        if !op.finished {
-            let reason = format!("collective {seq} stopped mid-flight");
-            self.break_lanes(LinkError::Lost { rank: self.rank, reason });
-        }
-        if self.awaiting {
-            self.awaiting = !self.missing().is_empty();
-        }
-        Some(Taken { traffic: op.traffic, backup: op.backup, buf: op.spec.buf })
+        self.machine.take(seq)
     }
 
     /// The members collective `seq` still moves data with (none once its data moved).
     pub fn waits_on(&self, seq: u64) -> Vec<usize> {
-        self.ops.get(&seq).map_or_else(Vec::new, |op| (0..self.world).filter(|&r| op.waits_on(r)).collect())
+        self.machine.waits_on(seq)
     }
 
     /// What happened to collectives since the last call.
     pub fn events(&mut self) -> Vec<(u64, OpEvent)> {
-        let mut out = Vec::new();
-        for (seq, op) in &mut self.ops {
-            out.extend(op.events.drain(..).map(|e| (*seq, e)));
-        }
-        out
+        self.machine.poll_events()
     }
 
-    /// Saves ahead the next range a collective will change, while nothing else can move; false
-    /// once every range is saved.
+    /// Saves ahead the next range a collective will change ([`Machine::save_ahead`]).
     pub fn save_ahead(&mut self) -> bool {
-        for op in self.ops.values_mut().filter(|o| !o.finished) {
-            if op.plan.combines() && !op.saved_fold {
-                op.save_fold();
-                return true;
-            }
-            while op.save_cursor < op.plan.recvs.len() {
-                let unit = op.save_cursor;
-                op.save_cursor += 1;
-                if !op.saved[op.first_unit[unit]] {
-                    op.save_before_change(unit);
-                    return true;
-                }
-            }
-        }
-        false
+        self.machine.save_ahead()
     }
 
     /// The lanes to poll: (lane, wants to read, wants to write).
@@ -1300,40 +655,44 @@ impl<L: Lane> Exec<L> {
 
     /// The lanes waited on: (a receiving lane?, its index, wants to read, wants to write).
     fn waits(&self) -> Vec<(bool, usize, bool, bool)> {
-        if self.broken.is_some() {
+        if self.machine.broken() {
             return Vec::new();
         }
-        let reading = self.early_bytes < MAX_EARLY_BYTES || self.ops.values().any(|o| !o.finished) || self.p2p.busy();
-        let wanted: Vec<bool> = (0..self.world)
-            .map(|to| self.ops.values().any(|o| o.has_frame_for(to)) || self.p2p.has_frame_for(to))
-            .collect();
+        let reading = self.machine.reading();
+        let mut wanted: BTreeMap<usize, bool> = BTreeMap::new();
         let recv = self.recv.iter().enumerate().filter(|(_, l)| !l.closed);
         // A lane holding a chunk until its collective is posted is not read meanwhile.
         let recv = recv.map(|(i, l)| (true, i, (reading || l.receiving.is_some()) && l.held().is_none(), false));
-        let send = self.send.iter().enumerate().map(|(i, l)| (false, i, false, l.sending.is_some() || wanted[l.to]));
+        let send: Vec<_> = self
+            .send
+            .iter()
+            .enumerate()
+            .map(|(i, l)| {
+                let wants = l.out.is_some() || *wanted.entry(l.to).or_insert_with(|| self.machine.has_frame_for(l.to));
+                (false, i, false, wants)
+            })
+            .collect();
         recv.chain(send).collect()
     }
 
     /// When a chunk held in its lane for a collective not posted here is read aside, if any
     /// is: the driver's wait ends by then.
     pub fn held_until(&self) -> Option<Instant> {
-        self.recv.iter().filter_map(|l| l.held()).min().and_then(|since| since.checked_add(self.early_grace))
+        let since = self.recv.iter().filter_map(|l| l.held()).min()?;
+        since.checked_add(self.machine.early_grace)
     }
 
     /// Moves every byte that can move `now`, without blocking. Time is an argument: whoever
     /// drives it (the peer's driver, the simulator) says what time it is.
     pub fn pump(&mut self, now: Instant) -> Pumped {
-        if self.broken.is_some() {
+        if self.machine.broken() {
             return Pumped::Idle;
         }
         let mut progress = false;
         for i in 0..self.recv.len() {
             match self.pump_recv(i, now) {
                 Ok(p) => progress |= p,
-                Err((seq, e)) => {
-                    self.fail(seq, e);
-                    return Pumped::Progress;
-                }
+                Err(LinksFailed) => return Pumped::Progress,
             }
         }
         for i in 0..self.send.len() {
@@ -1341,19 +700,18 @@ impl<L: Lane> Exec<L> {
                 Ok(p) => progress |= p,
                 Err(reason) => {
                     let rank = self.send[i].to;
-                    self.break_lanes(LinkError::Lost { rank, reason });
+                    self.machine.handle_broken(LinkError::Lost { rank, reason });
                     return Pumped::Progress;
                 }
             }
         }
-        for op in self.ops.values_mut() {
-            op.check();
-        }
-        progress |= self.p2p.pull();
-        for (member, tx, rx) in self.p2p.pulled() {
-            let stats = self.stats.entry(member).or_default();
-            stats.tx_bytes += tx;
-            stats.rx_bytes += rx;
+        self.machine.advance();
+        for pull in self.machine.poll_pulls() {
+            progress = true;
+            // SAFETY: a posted receive's buffer is lent to the engine until it is taken.
+            let whole = unsafe { pull.buf.slice() };
+            let read = shoal_transport::shm::read_process(pull.pid, pull.addr, &mut whole[pull.piece.clone()]);
+            self.machine.handle_pulled(&pull, read);
         }
         if progress {
             Pumped::Progress
@@ -1362,340 +720,146 @@ impl<L: Lane> Exec<L> {
         }
     }
 
-    /// A failure `e` of collective `seq` (or, without one, of the lanes): every collective fails,
-    /// the others as lost over the lanes `e` broke.
-    fn fail(&mut self, seq: Option<u64>, e: LinkError) {
-        match seq.and_then(|s| self.ops.get_mut(&s)).filter(|o| !o.finished) {
-            Some(op) => {
-                // Once its data moved, another member may hold every token and have committed:
-                // only a mismatch (whose member never counts a token of ours, nor we of theirs,
-                // so nobody committed) still fails it; anything else asks the master.
-                let mismatch = matches!(e, LinkError::Mismatch { .. });
-                op.events.push(if op.data_done && !mismatch {
-                    OpEvent::LapBroken(format!("{e:?}"))
-                } else {
-                    OpEvent::Failed(e.clone())
-                });
-                op.finished = true;
-                let reason = format!("collective {} failed over these streams: {e:?}", seq.expect("found"));
-                self.break_lanes(LinkError::Lost { rank: e.rank(), reason });
-            }
-            None => self.break_lanes(e),
-        }
-    }
-
-    /// The lanes failed with `e`: every collective still in flight fails with it, or asks, once
-    /// its data moved.
-    fn break_lanes(&mut self, e: LinkError) {
-        if self.broken.is_none() {
-            log::debug!("the links of topology {} failed: {e:?}", self.epoch.0);
-        }
-        let e = self.broken.get_or_insert(e).clone();
-        self.awaiting = false;
-        for op in self.ops.values_mut().filter(|o| !o.finished) {
-            op.finished = true;
-            op.events.push(if op.data_done {
-                OpEvent::LapBroken(format!("the streams failed: {e:?}"))
-            } else {
-                OpEvent::Failed(e.clone())
-            });
-        }
-        self.p2p.fail_all(&e);
-        self.early.clear();
-        self.early_bytes = 0;
-    }
-
     /// Closes the lanes once they failed. The driver calls it once every collective over them
     /// has its verdict: the first failure must reach the master before the closed streams make
     /// the others report theirs (a mismatch, not the "connection closed" that follows it).
     pub fn release_if_broken(&mut self) {
-        if self.broken.is_some() {
+        if self.machine.broken() {
             self.send.clear();
             self.recv.clear();
-            for s in self.stats.values_mut() {
-                (s.lanes_out, s.lanes_in) = (0, 0);
-            }
+            self.machine.handle_released();
         }
     }
 
-    /// Reads what lane `i` has; `Err((collective, why))` on failure.
-    fn pump_recv(&mut self, i: usize, now: Instant) -> Result<bool, (Option<u64>, LinkError)> {
+    /// Reads what lane `i` has into the machine.
+    fn pump_recv(&mut self, i: usize, now: Instant) -> Result<bool, LinksFailed> {
         let mut progress = false;
-        let from = self.recv[i].from;
-        if self.recv[i].closed {
+        let RecvLane { lane, from, closed, header, header_got, receiving, scratch } = &mut self.recv[i];
+        let (machine, from) = (&mut self.machine, *from);
+        if *closed {
             return Ok(false);
         }
+        let lost = |machine: &mut Machine, reason: String| {
+            machine.handle_broken(LinkError::Lost { rank: from, reason });
+            LinksFailed
+        };
         loop {
-            let lane = &mut self.recv[i];
-            let Some(rx) = lane.receiving.as_mut() else {
-                if self.early_bytes >= MAX_EARLY_BYTES && self.ops.values().all(|o| o.finished) && !self.p2p.busy() {
+            let Some(mut rx) = receiving.take() else {
+                if !machine.reading() {
                     return Ok(progress);
                 }
-                let Some(n) = read_some(&mut lane.lane, &mut lane.header[lane.header_got..], from)? else {
-                    return Ok(progress);
-                };
-                if n == 0 {
-                    if lane.header_got > 0 {
-                        return Err((
-                            None,
-                            LinkError::Lost { rank: from, reason: "connection closed mid-frame".into() },
-                        ));
+                let n = match read_some(lane, &mut header[*header_got..]) {
+                    Ok(None) => return Ok(progress),
+                    Ok(Some(0)) if *header_got > 0 => {
+                        return Err(lost(machine, "connection closed mid-frame".into()));
                     }
-                    return self.closed(i).map(|()| true);
-                }
+                    Ok(Some(0)) => {
+                        *closed = true;
+                        return machine.handle_closed(from).map(|()| true);
+                    }
+                    Ok(Some(n)) => n,
+                    Err(e) => return Err(lost(machine, e.to_string())),
+                };
                 progress = true;
-                lane.header_got += n;
-                if lane.header_got == FRAME_BYTES {
-                    lane.header_got = 0;
-                    let frame = Frame::decode(&lane.header)
-                        .map_err(|e| (None, LinkError::Malformed { rank: from, what: e.into() }))?;
-                    self.begin_frame(i, frame, now)?;
+                *header_got += n;
+                if *header_got == FRAME_BYTES {
+                    *header_got = 0;
+                    *receiving = machine.handle_header(from, header, now)?;
                 }
                 continue;
             };
-            let seq = rx.frame.op.seq;
-            let len = rx.frame.len as usize;
-            if let Dest::Unposted(since) = rx.dest {
-                // Posted since (even ended since): placed as if it arrived now.
-                if self.posted.is_some_and(|p| seq <= p) {
-                    let frame = lane.receiving.take().expect("receiving").frame;
-                    self.begin_frame(i, frame, now)?;
-                    progress = true;
-                    continue;
+            if rx.held().is_some() {
+                match machine.handle_held(from, rx, now)? {
+                    Held::Waiting(rx) => {
+                        *receiving = Some(rx);
+                        return Ok(progress);
+                    }
+                    Held::Placed(next) => {
+                        *receiving = next;
+                        progress = true;
+                    }
+                    Held::Aside(rx) => *receiving = Some(rx),
                 }
-                if now.saturating_duration_since(since) < self.early_grace {
-                    return Ok(progress);
-                }
-                // Not posted yet: kept aside, so that what follows it on the lane moves.
-                self.early_bytes += len;
-                // A spare's bytes are overwritten by the read: only new ones need zeroing.
-                let mut body = self.spare_bodies.pop().unwrap_or_default();
-                body.resize(len, 0);
-                self.recv[i].receiving.as_mut().expect("receiving").dest = Dest::Early(body);
                 continue;
             }
-            if matches!(rx.dest, Dest::Scratch) && rx.got == 0 && len > 0 {
+            if rx.reduced_from_aside() {
                 // A lane that can lend the chunk where it lies (shared memory) is reduced from
                 // there: one copy fewer than reading it into the scratch buffer first.
-                let elem = self.ops.get(&seq).expect("posted").elem;
-                let lost = |e: std::io::Error| {
+                let (len, elem) = (rx.len(), machine.elem_of(rx.seq()));
+                let failed = |machine: &mut Machine, e: std::io::Error| {
                     let closed = e.kind() == ErrorKind::UnexpectedEof;
-                    let reason = if closed { "connection closed mid-frame".into() } else { e.to_string() };
-                    (None, LinkError::Lost { rank: from, reason })
+                    lost(machine, if closed { "connection closed mid-frame".into() } else { e.to_string() })
                 };
-                match lane.lane.peek(len) {
+                match lane.peek(len) {
                     // The chunk lies where the stream put it: reduced there if aligned for its
                     // dtype (frames of other sizes before it may shift it), else read aside.
                     Ok(Some(src)) if src.as_ptr().align_offset(elem) == 0 => {
-                        let op = self.ops.get_mut(&seq).expect("posted");
-                        op.traffic.rx_bytes += len as u64;
-                        op.complete_recv(rx.unit, Some(src));
-                        self.hot = Some(seq);
-                        self.stats.entry(from).or_default().rx_bytes += len as u64;
-                        lane.receiving = None;
-                        lane.lane.consume(len).map_err(lost)?;
+                        machine.handle_body(from, &mut rx, len);
+                        machine.handle_chunk(from, rx, src)?;
+                        lane.consume(len).map_err(|e| failed(machine, e))?;
                         progress = true;
                         continue;
                     }
                     Ok(Some(_)) => {}
-                    Ok(None) => return Ok(progress),
+                    Ok(None) => {
+                        *receiving = Some(rx);
+                        return Ok(progress);
+                    }
                     Err(e) if e.kind() == ErrorKind::Unsupported => {}
-                    Err(e) => return Err(lost(e)),
+                    Err(e) => return Err(failed(machine, e)),
                 }
             }
-            let target: &mut [u8] = match &mut rx.dest {
-                Dest::Buf(start) => {
-                    let op = self.ops.get(&seq).expect("a frame into a buffer has its collective");
-                    // SAFETY: lent to the engine; the only slice of it in use until the read ends.
-                    let whole = unsafe { op.spec.buf.slice() };
-                    &mut whole[*start + rx.got..*start + len]
-                }
-                Dest::Stash(start) => {
-                    let op = self.ops.get_mut(&seq).expect("a frame into a stash has its collective");
-                    let stash: &mut [u8] = bytemuck::cast_slice_mut(&mut op.stash);
-                    &mut stash[*start + rx.got..*start + len]
-                }
-                Dest::Scratch => {
-                    let s: &mut [u8] = bytemuck::cast_slice_mut(&mut lane.scratch);
-                    &mut s[rx.got..len]
-                }
-                Dest::Early(body) => &mut body[rx.got..len],
-                Dest::Unposted(_) => unreachable!("placed above"),
-                Dest::Part(p) => {
-                    // SAFETY: lent to the engine; the only slice of it in use until the read ends.
-                    let whole = unsafe { self.p2p.buf(p.id).slice() };
-                    &mut whole[p.start + rx.got..p.start + len]
-                }
-            };
+            let target = machine.body_target(&mut rx, scratch);
             let n = if target.is_empty() {
                 0
             } else {
-                match read_some(&mut lane.lane, target, from)? {
-                    None => return Ok(progress),
-                    Some(0) => return Err((None, LinkError::Lost { rank: from, reason: "connection closed".into() })),
-                    Some(n) => n,
+                match read_some(lane, target) {
+                    Ok(None) => {
+                        *receiving = Some(rx);
+                        return Ok(progress);
+                    }
+                    Ok(Some(0)) => return Err(lost(machine, "connection closed".into())),
+                    Ok(Some(n)) => n,
+                    Err(e) => return Err(lost(machine, e.to_string())),
                 }
             };
             progress = true;
-            rx.got += n;
-            match &rx.dest {
-                Dest::Part(p) => self.p2p.count(p.id, n, false),
-                _ => {
-                    if let Some(op) = self.ops.get_mut(&seq) {
-                        op.traffic.rx_bytes += n as u64;
-                    }
-                }
-            }
-            self.stats.entry(from).or_default().rx_bytes += n as u64;
-            if rx.got < len {
-                continue;
-            }
-            let rx = lane.receiving.take().expect("receiving");
-            let unit = rx.unit;
-            match rx.dest {
-                Dest::Buf(_) | Dest::Stash(_) => {
-                    self.ops.get_mut(&seq).expect("posted").complete_recv(unit, None);
-                    self.hot = Some(seq);
-                }
-                Dest::Part(p) => self.p2p.part_done(p.id),
-                Dest::Unposted(_) => unreachable!("placed above"),
-                Dest::Scratch => {
-                    let src: &[u8] = bytemuck::cast_slice(&lane.scratch);
-                    self.ops.get_mut(&seq).expect("posted").complete_recv(unit, Some(&src[..len]));
-                    self.hot = Some(seq);
-                }
-                Dest::Early(body) => {
-                    let early = Early { from, frame: rx.frame, body };
-                    self.early_bytes -= early.body.len();
-                    // Posted while its chunk arrived: applied now.
-                    match self.ops.get_mut(&seq) {
-                        Some(op) => {
-                            let body = apply_early(op, early).map_err(|e| (Some(seq), e))?;
-                            self.spare_body(body);
-                        }
-                        None => {
-                            self.early_bytes += early.body.len();
-                            self.early.entry(seq).or_default().push(early);
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    /// Member `from` closed lane `i` between two frames (it left, having sent all it had): only
-    /// a collective that still expects something from it fails, as lost.
-    fn closed(&mut self, i: usize) -> Result<(), (Option<u64>, LinkError)> {
-        let from = self.recv[i].from;
-        self.recv[i].closed = true;
-        let stats = self.stats.entry(from).or_default();
-        stats.lanes_in -= 1;
-        log::debug!("rank {from} closed a stream to us in topology {}", self.epoch.0);
-        if stats.lanes_in > 0 {
-            return Ok(());
-        }
-        let lost = LinkError::Lost { rank: from, reason: "connection closed".into() };
-        match self.ops.iter().find(|(_, o)| o.expects_from(from)) {
-            Some((&seq, _)) => Err((Some(seq), lost)),
-            // Closed between frames: the other links hold no half frame, and go on.
-            None => {
-                self.p2p.fail_peer(from, &lost);
-                Ok(())
-            }
-        }
-    }
-
-    /// A frame's header arrived on receiving lane `i`: decides where its chunk goes.
-    fn begin_frame(&mut self, i: usize, frame: Frame, now: Instant) -> Result<(), (Option<u64>, LinkError)> {
-        let seq = frame.op.seq;
-        let from = self.recv[i].from;
-        let malformed = |what: Malformed| (None, LinkError::Malformed { rank: from, what });
-        if frame.op.epoch != self.epoch {
-            return Err(malformed(Malformed::ForeignTopology { got: frame.op.epoch.0, ours: self.epoch.0 }));
-        }
-        if frame.kind.is_transfer() {
-            if let Some(dest) = self.p2p.on_frame(from, &frame).map_err(|e| (None, e))? {
-                self.recv[i].receiving = Some(Receiving { frame, unit: 0, got: 0, dest: Dest::Part(dest) });
-            }
-            return Ok(());
-        }
-        let Some(op) = self.ops.get_mut(&seq) else {
-            if self.posted.is_some_and(|p| seq <= p) {
-                return Err(malformed(Malformed::Ended { seq }));
-            }
-            // Early: its chunk waits in the lane for the collective to be posted here.
-            if frame.kind == FrameKind::Chunk && frame.len as usize > MAX_EARLY_BYTES {
-                return Err(malformed(Malformed::EarlyTooLarge { len: frame.len }));
-            }
-            if frame.kind == FrameKind::Token || frame.len == 0 {
-                self.early.entry(seq).or_default().push(Early { from, frame, body: Vec::new() });
+            machine.handle_body(from, &mut rx, n);
+            if rx.complete() {
+                let aside: &[u8] = bytemuck::cast_slice(scratch.as_slice());
+                machine.handle_chunk(from, rx, aside)?;
             } else {
-                let dest = Dest::Unposted(now);
-                self.recv[i].receiving = Some(Receiving { frame, unit: 0, got: 0, dest });
-            }
-            return Ok(());
-        };
-        if frame.op != op.spec.header {
-            return Err((Some(seq), LinkError::Mismatch { rank: from, theirs: frame.op }));
-        }
-        if frame.kind == FrameKind::Token {
-            return op.token(from, frame.unit).map_err(|e| (Some(seq), e));
-        }
-        let (unit, dest) = chunk_dest(op, &frame, from).map_err(|e| (Some(seq), e))?;
-        if let Dest::Scratch = dest {
-            let words = (frame.len as usize).div_ceil(8);
-            let scratch = &mut self.recv[i].scratch;
-            if scratch.len() < words {
-                scratch.resize(words, 0);
+                *receiving = Some(rx);
             }
         }
-        if frame.len == 0 {
-            op.complete_recv(unit, Some(&[]));
-            return Ok(());
-        }
-        self.recv[i].receiving = Some(Receiving { frame, unit, got: 0, dest });
-        Ok(())
     }
 
     /// Writes what lane `i` may send; `Err(why)` if the lane failed.
     fn pump_send(&mut self, i: usize, now: Instant) -> Result<bool, String> {
         let mut progress = false;
+        let SendLane { lane, to, out, written, blocked } = &mut self.send[i];
+        let (machine, to) = (&mut self.machine, *to);
         loop {
-            if self.send[i].sending.is_none() && !self.next_frame(i) {
-                return Ok(progress);
+            if out.is_none() {
+                *out = machine.poll_frame(to);
+                *written = 0;
             }
-            let lane = &mut self.send[i];
-            let payload: &[u8] = match lane.sending.as_ref().expect("a frame") {
-                Sending::Chunk { seq, start, len, .. } => {
-                    // SAFETY: lent to the engine; the only slice of it in use until the write ends.
-                    let whole: &[u8] = unsafe { self.ops[seq].spec.buf.slice() };
-                    &whole[*start..*start + *len]
-                }
-                Sending::Encoded { body, .. } => body,
-                Sending::Part { id, start, len } => {
-                    // SAFETY: as above.
-                    let whole: &[u8] = unsafe { self.p2p.buf(*id).slice() };
-                    &whole[*start..*start + *len]
-                }
-                Sending::Token { .. } | Sending::Control => &[],
-            };
-            let (header_left, body_done) = if lane.written < FRAME_BYTES {
-                (&lane.frame[lane.written..], 0)
-            } else {
-                (&[][..], lane.written - FRAME_BYTES)
-            };
+            let Some(frame) = out.as_ref() else { return Ok(progress) };
+            let payload = machine.payload(frame);
+            let (header_left, body_done) =
+                if *written < FRAME_BYTES { (&frame.header[*written..], 0) } else { (&[][..], *written - FRAME_BYTES) };
             let body_left = &payload[body_done..];
-            let written = if header_left.is_empty() {
-                lane.lane.write(body_left)
+            let result = if header_left.is_empty() {
+                lane.write(body_left)
             } else {
-                lane.lane.write_vectored(&[IoSlice::new(header_left), IoSlice::new(body_left)])
+                lane.write_vectored(&[IoSlice::new(header_left), IoSlice::new(body_left)])
             };
-            let n = match written {
+            let n = match result {
                 Ok(n) => n,
                 Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                    if !lane.blocked {
-                        lane.blocked = true;
-                        self.stats.entry(lane.to).or_default().blocked(now);
+                    if !*blocked {
+                        *blocked = true;
+                        machine.handle_blocked(to, now);
                     }
                     return Ok(progress);
                 }
@@ -1703,210 +867,45 @@ impl<L: Lane> Exec<L> {
                 Err(e) => return Err(e.to_string()),
             };
             progress = true;
-            let body = n.saturating_sub(header_left.len());
-            lane.written += n;
-            let link = self.stats.entry(lane.to).or_default();
-            link.tx_bytes += body as u64;
-            link.wrote(n);
-            let whole = lane.written == FRAME_BYTES + payload.len();
-            if whole && lane.blocked {
-                lane.blocked = false;
-                link.unblocked(now);
-            }
-            match *lane.sending.as_ref().expect("a frame") {
-                Sending::Chunk { seq, .. } | Sending::Encoded { seq, .. } | Sending::Token { seq } => {
-                    let op = self.ops.get_mut(&seq).expect("a frame of a collective in flight");
-                    op.traffic.tx_bytes += body as u64;
+            let (body, total) = (n.saturating_sub(header_left.len()), FRAME_BYTES + payload.len());
+            *written += n;
+            machine.handle_written(to, frame, n, body);
+            if *written == total {
+                if *blocked {
+                    *blocked = false;
+                    machine.handle_unblocked(to, now);
                 }
-                Sending::Part { id, .. } => self.p2p.count(id, body, true),
-                Sending::Control => {}
+                machine.handle_sent(to, out.take().expect("a frame"));
             }
-            if whole {
-                lane.written = 0;
-                match lane.sending.take().expect("a frame") {
-                    Sending::Chunk { seq, .. } | Sending::Encoded { seq, .. } => {
-                        let op = self.ops.get_mut(&seq).expect("in flight");
-                        op.sent += 1;
-                        op.sends_left[lane.to] -= 1;
-                        op.check();
-                    }
-                    Sending::Token { seq } => {
-                        let op = self.ops.get_mut(&seq).expect("in flight");
-                        op.tokens_out += 1;
-                        op.check();
-                    }
-                    Sending::Part { id, .. } => self.p2p.part_done(id),
-                    Sending::Control => {}
-                }
-            }
-        }
-    }
-
-    /// Gives free lane `i` the next frame for its member: collectives and transfers take turns,
-    /// and within each the next one in turn with a frame for it that may leave. False if none
-    /// has.
-    fn next_frame(&mut self, i: usize) -> bool {
-        self.p2p_turn = !self.p2p_turn;
-        let transfers_first = self.p2p_turn;
-        [transfers_first, !transfers_first].into_iter().any(|transfers| {
-            if transfers {
-                self.next_transfer_frame(i)
-            } else {
-                self.next_collective_frame(i)
-            }
-        })
-    }
-
-    /// Gives free lane `i` the next transfer frame for its member; false if none has.
-    fn next_transfer_frame(&mut self, i: usize) -> bool {
-        let Some((frame, part)) = self.p2p.next_frame(self.send[i].to) else { return false };
-        let lane = &mut self.send[i];
-        lane.frame = frame.encode();
-        lane.written = 0;
-        lane.sending = Some(match part {
-            Some((id, start, len)) => Sending::Part { id, start, len },
-            None => Sending::Control,
-        });
-        true
-    }
-
-    /// Gives free lane `i` the next collective frame in turn for its member; false if none has.
-    fn next_collective_frame(&mut self, i: usize) -> bool {
-        let (turn, to) = (self.turn, self.send[i].to);
-        self.hot_turn = !self.hot_turn;
-        let hot = self.hot.filter(|s| self.hot_turn && self.ops.get(s).is_some_and(|o| o.has_frame_for(to)));
-        let pick = hot.or_else(|| {
-            let mut order = self.ops.range(turn + 1..).chain(self.ops.range(..=turn)).map(|(s, _)| *s);
-            order.find(|s| self.ops[s].has_frame_for(to))
-        });
-        let Some(seq) = pick else { return false };
-        if hot.is_none() {
-            self.turn = seq;
-        }
-        let op = self.ops.get_mut(&seq).expect("picked");
-        let token = op.outbox.iter().position(|(t, _)| *t == to);
-        let (frame, sending) = if let Some(origin) = token.and_then(|k| op.outbox.remove(k)).map(|(_, o)| o) {
-            (Frame { kind: FrameKind::Token, len: 0, unit: origin, op: op.spec.header }, Sending::Token { seq })
-        } else {
-            let unit = op.sendable(to).expect("picked");
-            // Its place among our units for `to`: the receiver's among its units from us.
-            let place = op.next_send[to] as u32;
-            op.next_send[to] += 1;
-            let range = op.plan.sends[unit].range.clone();
-            let len = op.wire_len(&range) as u32;
-            let frame = Frame { kind: FrameKind::Chunk, len, unit: place, op: op.spec.header };
-            match op.spec.codec {
-                Some(codec) => (frame, Sending::Encoded { seq, body: op.encoded_send(codec, unit) }),
-                None => {
-                    let r = op.bytes(&range);
-                    (frame, Sending::Chunk { seq, start: r.start, len: r.len() })
-                }
-            }
-        };
-        let lane = &mut self.send[i];
-        lane.frame = frame.encode();
-        lane.written = 0;
-        lane.sending = Some(sending);
-        true
-    }
-
-    /// Keeps an early frame's buffer for the next one (a few chunks' worth at most).
-    fn spare_body(&mut self, body: Vec<u8>) {
-        if self.spare_bodies.len() < SPARE_BODIES && body.capacity() > 0 {
-            self.spare_bodies.push(body);
         }
     }
 
     /// Where each lane stands, for a failure's log.
     pub fn describe(&self) -> String {
-        let ops: Vec<String> = self
-            .ops
-            .iter()
-            .map(|(s, o)| {
-                format!("#{s}: sent {}/{}, received {}/{}", o.sent, o.plan.sends.len(), o.received, o.plan.recvs.len())
-            })
-            .collect();
         let send = self.send.iter().map(|l| format!("to {}: {}", l.to, l.lane.describe()));
         let lanes: Vec<String> =
             send.chain(self.recv.iter().map(|l| format!("from {}: {}", l.from, l.lane.describe()))).collect();
-        format!("collectives [{}], {} over {lanes:?}", ops.join("; "), self.p2p.describe())
+        format!("{} over {lanes:?}", self.machine.describe())
     }
 }
 
-/// Reads what `lane` (from member `from`) has into `buf` (not empty): `None` if nothing yet,
-/// `Some(0)` at the end of the stream; an error loses the member.
-fn read_some(lane: &mut impl Lane, buf: &mut [u8], from: usize) -> Result<Option<usize>, (Option<u64>, LinkError)> {
-    let lost = |reason: String| (None, LinkError::Lost { rank: from, reason });
+/// Reads what `lane` has into `buf` (not empty): `None` if nothing yet, `Some(0)` at the end of
+/// the stream.
+fn read_some(lane: &mut impl Lane, buf: &mut [u8]) -> std::io::Result<Option<usize>> {
     loop {
         return match lane.read(buf) {
             Ok(n) => Ok(Some(n)),
             Err(e) if e.kind() == ErrorKind::WouldBlock => Ok(None),
             Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-            Err(e) => Err(lost(e.to_string())),
+            Err(e) => Err(e),
         };
     }
-}
-
-/// Where the chunk of `frame` (a frame of `op` from member `from`) goes, checked against the
-/// schedule.
-fn chunk_dest(op: &mut OpExec, frame: &Frame, from: usize) -> Result<(usize, Dest), LinkError> {
-    let place = frame.unit as usize;
-    let malformed = |what: Malformed| LinkError::Malformed { rank: from, what };
-    let Some(&unit) = op.recvs_from[from].get(place) else {
-        return Err(malformed(Malformed::NoSuchChunk { place, expected: op.recvs_from[from].len() }));
-    };
-    let u = &op.plan.recvs[unit];
-    let r = op.bytes(&u.range);
-    let wire = op.wire_len(&u.range);
-    if op.recv_done[unit] || frame.len as usize != wire {
-        let again = op.recv_done[unit];
-        return Err(malformed(Malformed::BadChunk { place, len: frame.len, expected: wire, again }));
-    }
-    if op.spec.codec.is_some() {
-        // Decoded once complete (the whole buffer is saved already).
-        return Ok((unit, Dest::Scratch));
-    }
-    let dest = match u.action {
-        RecvAction::Copy => {
-            op.save_before_change(unit);
-            Dest::Buf(r.start)
-        }
-        RecvAction::Reduce { .. } => Dest::Scratch,
-        RecvAction::Stash => Dest::Stash(op.stash_offset(unit)),
-    };
-    Ok((unit, dest))
-}
-
-/// Applies a frame that came before its collective was posted; returns its body's buffer.
-fn apply_early(op: &mut OpExec, early: Early) -> Result<Vec<u8>, LinkError> {
-    if early.frame.op != op.spec.header {
-        return Err(LinkError::Mismatch { rank: early.from, theirs: early.frame.op });
-    }
-    if early.frame.kind == FrameKind::Token {
-        return op.token(early.from, early.frame.unit).map(|()| early.body);
-    }
-    op.traffic.rx_bytes += early.body.len() as u64;
-    let (unit, dest) = chunk_dest(op, &early.frame, early.from)?;
-    match dest {
-        Dest::Buf(start) => {
-            // SAFETY: lent to the engine; the only slice of it in use.
-            let whole = unsafe { op.spec.buf.slice() };
-            whole[start..start + early.body.len()].copy_from_slice(&early.body);
-            op.complete_recv(unit, None);
-        }
-        Dest::Stash(start) => {
-            let stash: &mut [u8] = bytemuck::cast_slice_mut(&mut op.stash);
-            stash[start..start + early.body.len()].copy_from_slice(&early.body);
-            op.complete_recv(unit, None);
-        }
-        _ => op.complete_recv(unit, Some(&early.body)),
-    }
-    Ok(early.body)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use shoal_wire::FrameKind;
 
     /// The time a test pumps at: the engine reads no clock, but an `Instant` comes only from one.
     #[allow(clippy::disallowed_methods)]
@@ -2156,7 +1155,7 @@ mod tests {
         for grace in [Duration::MAX, Duration::ZERO] {
             let (mut execs, _) = ring(2, 1, Faults { capacity: 1 << 20, max_io: 1 << 20, reset_after: None });
             for exec in &mut execs {
-                exec.early_grace = grace;
+                exec.machine.early_grace = grace;
             }
             let sizes = [20_000, 20_000];
             let mut bufs: Vec<Vec<Vec<u64>>> =
@@ -2173,7 +1172,7 @@ mod tests {
                 for (rank, exec) in execs.iter_mut().enumerate() {
                     exec.pump(now());
                     held |= exec.recv.iter().any(|l| l.held().is_some());
-                    early_bytes = early_bytes.max(exec.early_bytes);
+                    early_bytes = early_bytes.max(exec.machine.early_bytes());
                     for (seq, event) in exec.events() {
                         if matches!(event, OpEvent::Confirmed) {
                             confirmed[rank] += 1;
@@ -2345,6 +1344,96 @@ mod tests {
         );
     }
 
+    /// Carries every frame machine `from` has for machine `to` by hand, each body in two pieces;
+    /// whether any moved.
+    fn carry(machines: &mut [Machine], from: usize, to: usize, scratch: &mut Vec<u64>) -> bool {
+        let mut carried = false;
+        while let Some(out) = machines[from].poll_frame(to) {
+            let (header, body) = (out.header, machines[from].payload(&out).to_vec());
+            machines[from].handle_written(to, &out, FRAME_BYTES + body.len(), body.len());
+            machines[from].handle_sent(to, out);
+            carried = true;
+            let m = &mut machines[to];
+            let Some(mut rx) = m.handle_header(from, &header, now()).expect("well formed") else { continue };
+            let half = body.len() / 2;
+            for piece in [&body[..half], &body[half..]] {
+                m.body_target(&mut rx, scratch)[..piece.len()].copy_from_slice(piece);
+                m.handle_body(from, &mut rx, piece.len());
+            }
+            assert!(rx.complete());
+            m.handle_chunk(from, rx, bytemuck::cast_slice(scratch.as_slice())).expect("applied");
+        }
+        carried
+    }
+
+    /// The machine alone, no lane anywhere: each frame it asks to send is carried by hand to the
+    /// other member's machine, as a simulator would. Three members all-reduce with ring and
+    /// one-shot schedules and every machine confirms every sum. Then a frame of another topology
+    /// reaches one mid-collective: its links fail, named by what was wrong, and its buffer, half
+    /// reduced, restores.
+    #[test]
+    fn machines_alone_agree_over_frames_carried_by_hand() {
+        let world = 3;
+        let mut machines: Vec<Machine> = (0..world).map(|r| Machine::new(Epoch(1), r, world)).collect();
+        for (r, m) in machines.iter_mut().enumerate() {
+            for other in (0..world).filter(|&o| o != r) {
+                m.handle_lanes(other, true, &[("mem", None)]);
+                m.handle_lanes(other, false, &[("mem", None)]);
+            }
+        }
+        let sizes = [700, 5, 700];
+        let algorithms = [Algorithm::Ring, Algorithm::OneShot, Algorithm::Ring];
+        let mut bufs: Vec<Vec<Vec<u64>>> =
+            (0..world).map(|r| (0..3).map(|i| input(r, i as u64, sizes[i])).collect()).collect();
+        for (r, m) in machines.iter_mut().enumerate() {
+            for (i, buf) in bufs[r].iter_mut().enumerate().take(2) {
+                m.post(sum_spec(buf, i as u64, 1, algorithms[i], 256));
+            }
+        }
+        let (mut confirmed, mut scratch) = (vec![0; world], Vec::new());
+        for _ in 0..1000 {
+            let mut carried = false;
+            for from in 0..world {
+                for to in (0..world).filter(|&t| t != from) {
+                    carried |= carry(&mut machines, from, to, &mut scratch);
+                }
+            }
+            for (r, m) in machines.iter_mut().enumerate() {
+                m.advance();
+                for (seq, event) in m.poll_events() {
+                    assert!(matches!(event, OpEvent::DataDone | OpEvent::Confirmed), "rank {r} #{seq}: {event:?}");
+                    confirmed[r] += usize::from(matches!(event, OpEvent::Confirmed));
+                }
+            }
+            if !carried {
+                break;
+            }
+        }
+        assert_eq!(confirmed, vec![2; world]);
+        for (r, bufs) in bufs.iter().enumerate() {
+            for (i, buf) in bufs.iter().enumerate().take(2) {
+                assert_eq!(*buf, sum(world, i as u64, sizes[i]), "rank {r}, collective {i}");
+            }
+        }
+        for (r, m) in machines.iter_mut().enumerate() {
+            m.post(sum_spec(&mut bufs[r][2], 2, 1, Algorithm::Ring, 256));
+        }
+        assert!(carry(&mut machines, 0, 1, &mut scratch), "rank 1 reduced a chunk of rank 0's");
+        machines[1].advance();
+        assert_ne!(bufs[1][2], input(1, 2, sizes[2]), "half reduced");
+        let foreign = Frame { kind: FrameKind::Token, len: 0, unit: 0, op: header_of(2, 700, 1, Algorithm::Ring) };
+        let foreign = Frame { op: OpHeader { epoch: Epoch(9), ..foreign.op }, ..foreign };
+        assert_eq!(machines[1].handle_header(0, &foreign.encode(), now()).err(), Some(LinksFailed));
+        let events = machines[1].poll_events();
+        let what = Malformed::ForeignTopology { got: 9, ours: 1 };
+        assert!(
+            matches!(&events[..], [(2, OpEvent::Failed(LinkError::Malformed { rank: 0, what: w }))] if *w == what),
+            "{events:?}"
+        );
+        machines[1].take(2).expect("posted").restore();
+        assert_eq!(bufs[1][2], input(1, 2, sizes[2]), "restored");
+    }
+
     /// Well-formed headers out of step with what runs here fail the pool too, each named by what
     /// was wrong with it (the peer's `ProtocolError` carries it).
     #[test]
@@ -2484,8 +1573,7 @@ mod tests {
             }
         }
         // Rank 2's token to rank 0 (the frame after its data) arrives only once rank 1 left.
-        let got_data_of_2 =
-            |exec: &Exec<MemLane>| exec.ops.get(&0).is_some_and(|o| o.recvs_from[2].iter().all(|&u| o.recv_done[u]));
+        let got_data_of_2 = |exec: &Exec<MemLane>| exec.machine.received_all_from(0, 2);
         let mut execs: Vec<Option<Exec<MemLane>>> = linked.into_iter().map(Some).collect();
         let mut bufs: Vec<Vec<u64>> = (0..world).map(|r| input(r, 0, 32)).collect();
         let spec = |buf: &mut Vec<u64>, seq: u64| sum_spec(buf, seq, 1 + seq, Algorithm::OneShot, 4096);

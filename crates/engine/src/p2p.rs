@@ -129,6 +129,21 @@ struct Transfer {
     finished: bool,
 }
 
+/// A piece of a sender's buffer for a receive to read out of the sender's process
+/// (`process_vm_readv(2)`): the one read the driver does for the machine.
+pub struct Pull {
+    /// The receive.
+    pub id: u64,
+    /// The sender's process.
+    pub pid: u32,
+    /// The piece's address in the sender's process.
+    pub addr: u64,
+    /// The receive's buffer.
+    pub buf: RawBuf,
+    /// Where in the receive's buffer the piece goes.
+    pub piece: std::ops::Range<usize>,
+}
+
 /// The bytes of an outgoing part: (transfer, start, length) in its buffer.
 pub(super) type PartRange = (u64, usize, usize);
 
@@ -308,49 +323,52 @@ impl Transfers {
         !serving && if send { !self.answered[peer].contains(seen) } else { self.offers_sent[peer] <= seen }
     }
 
-    /// Reads a piece of every receive that pulls from its sender's memory; whether any moved.
-    pub fn pull(&mut self) -> bool {
-        let pulling: Vec<u64> = self
-            .ops
-            .iter()
-            .filter(|(_, t)| !t.finished && matches!(t.stage, Stage::Pulling { .. }))
-            .map(|(id, _)| *id)
-            .collect();
-        let epoch = self.epoch;
-        for &id in &pulling {
-            let t = self.ops.get_mut(&id).expect("listed");
-            let Stage::Pulling { pid, addr } = t.stage else { unreachable!("listed") };
-            let (from, n) = (t.spec.peer, t.number.expect("answered"));
-            // SAFETY: a posted receive's buffer is lent to the engine until it is taken.
-            let whole = unsafe { t.spec.buf.slice() };
-            let piece = t.pulled..whole.len().min(t.pulled + PULL_PIECE_BYTES);
-            let read = shoal_transport::shm::read_process(pid, addr + piece.start as u64, &mut whole[piece.clone()]);
-            match read {
-                Ok(got) if got > 0 => {
-                    t.pulled += got;
-                    t.traffic.rx_bytes += got as u64;
-                    self.pulled.push((from, 0, got as u64));
-                    if t.pulled == whole.len() {
-                        t.stage = Stage::Confirming;
-                        t.traffic.single_copy = true;
-                        self.control.push_back((from, control_frame(FrameKind::Pulled, header(epoch, &t.spec, n))));
-                    }
+    /// A piece of every receive that pulls from its sender's memory, to read now.
+    pub fn pulls(&self) -> Vec<Pull> {
+        let pulling = self.ops.iter().filter(|(_, t)| !t.finished);
+        pulling
+            .filter_map(|(&id, t)| match t.stage {
+                Stage::Pulling { pid, addr } => {
+                    let piece = t.pulled..t.spec.buf.len().min(t.pulled + PULL_PIECE_BYTES);
+                    Some(Pull { id, pid, addr: addr + piece.start as u64, buf: t.spec.buf, piece })
                 }
-                outcome => {
-                    // The kernel refused, or the memory is not as offered (the sender withdrew,
-                    // or died): the parts come over the lanes instead, and a sender that
-                    // withdrew or died fails or re-matches this receive as for any other.
-                    log::debug!("transfer {id} #{n}: reading process {pid} gave {outcome:?}; asking for parts");
-                    if outcome.is_err_and(|e| e.kind() == std::io::ErrorKind::PermissionDenied) {
-                        self.partners[from] = Some(None);
-                    }
-                    (t.stage, t.pulled, t.traffic) = (Stage::Moving, 0, Traffic::default());
-                    self.control.push_back((from, control_frame(FrameKind::Accept, header(epoch, &t.spec, n))));
-                    self.check(id);
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// What reading `pull` out of its sender's process gave.
+    pub fn handle_pulled(&mut self, pull: &Pull, read: std::io::Result<usize>) {
+        let epoch = self.epoch;
+        let id = pull.id;
+        let t = self.ops.get_mut(&id).expect("pulling");
+        let Stage::Pulling { pid, .. } = t.stage else { unreachable!("a pull of a transfer that pulls") };
+        debug_assert_eq!(t.pulled, pull.piece.start, "one pull at a time");
+        let (from, n) = (t.spec.peer, t.number.expect("answered"));
+        match read {
+            Ok(got) if got > 0 => {
+                t.pulled += got;
+                t.traffic.rx_bytes += got as u64;
+                self.pulled.push((from, 0, got as u64));
+                if t.pulled == t.spec.buf.len() {
+                    t.stage = Stage::Confirming;
+                    t.traffic.single_copy = true;
+                    self.control.push_back((from, control_frame(FrameKind::Pulled, header(epoch, &t.spec, n))));
                 }
             }
+            outcome => {
+                // The kernel refused, or the memory is not as offered (the sender withdrew,
+                // or died): the parts come over the lanes instead, and a sender that
+                // withdrew or died fails or re-matches this receive as for any other.
+                log::debug!("transfer {id} #{n}: reading process {pid} gave {outcome:?}; asking for parts");
+                if outcome.is_err_and(|e| e.kind() == std::io::ErrorKind::PermissionDenied) {
+                    self.partners[from] = Some(None);
+                }
+                (t.stage, t.pulled, t.traffic) = (Stage::Moving, 0, Traffic::default());
+                self.control.push_back((from, control_frame(FrameKind::Accept, header(epoch, &t.spec, n))));
+                self.check(id);
+            }
         }
-        !pulling.is_empty()
     }
 
     /// What pulls moved since the last call: (member, bytes sent to it, bytes received from it).
