@@ -490,6 +490,10 @@ pub struct Exec<L> {
     machine: Machine,
     send: Vec<SendLane<L>>,
     recv: Vec<RecvLane<L>>,
+    /// By member, during a pump: the machine had no frame for it, so its other free lanes do not
+    /// ask again (what a later write makes ready goes out at the next pump, which that write's
+    /// progress brings).
+    dry: Vec<bool>,
 }
 
 /// What one [`Exec::pump`] did.
@@ -520,7 +524,7 @@ impl Missing {
 impl<L: Lane> Exec<L> {
     /// The engine of topology `epoch`, where we are `rank` of `world`, with no links yet.
     pub fn new(epoch: Epoch, rank: usize, world: usize) -> Self {
-        Exec { machine: Machine::new(epoch, rank, world), send: Vec::new(), recv: Vec::new() }
+        Exec { machine: Machine::new(epoch, rank, world), send: Vec::new(), recv: Vec::new(), dry: vec![false; world] }
     }
 
     /// Adds a pool of lanes to member `to`.
@@ -695,6 +699,7 @@ impl<L: Lane> Exec<L> {
                 Err(LinksFailed) => return Pumped::Progress,
             }
         }
+        self.dry.fill(false);
         for i in 0..self.send.len() {
             match self.pump_send(i, now) {
                 Ok(p) => progress |= p,
@@ -840,9 +845,10 @@ impl<L: Lane> Exec<L> {
         let SendLane { lane, to, out, written, blocked } = &mut self.send[i];
         let (machine, to) = (&mut self.machine, *to);
         loop {
-            if out.is_none() {
+            if out.is_none() && !self.dry[to] {
                 *out = machine.poll_frame(to);
                 *written = 0;
+                self.dry[to] = out.is_none();
             }
             let Some(frame) = out.as_ref() else { return Ok(progress) };
             let payload = machine.payload(frame);

@@ -105,10 +105,12 @@ enum Ev {
     Fault(Fault),
 }
 
+/// An event due `at`, pushed `n`th (which orders events due at once), held in slot `slot` of the
+/// simulator's events: the heap moves these few words, never the event.
 struct Queued {
     at: Duration,
     n: u64,
-    ev: Ev,
+    slot: usize,
 }
 
 impl PartialEq for Queued {
@@ -464,6 +466,9 @@ struct Sim {
     now: Duration,
     base: Instant,
     queue: BinaryHeap<Queued>,
+    /// The events queued, by slot, and the slots free for reuse.
+    events: Vec<Option<Ev>>,
+    free: Vec<usize>,
     n: u64,
     master: Master,
     master_wake: Option<Duration>,
@@ -584,6 +589,8 @@ impl Sim {
             now: Duration::ZERO,
             base,
             queue: BinaryHeap::new(),
+            events: Vec::new(),
+            free: Vec::new(),
             n: 0,
             master: Master::new(config, base),
             master_wake: None,
@@ -615,12 +622,14 @@ impl Sim {
             if q.at > END {
                 break;
             }
+            let ev = self.events[q.slot].take().expect("a queued event");
+            self.free.push(q.slot);
             self.now = q.at;
             self.report.events += 1;
-            if self.trace && !matches!(q.ev, Ev::Tick(_) | Ev::Bytes { .. } | Ev::Wake(_)) {
-                eprintln!("{:>12?} {:?}", self.now, q.ev);
+            if self.trace && !matches!(ev, Ev::Tick(_) | Ev::Bytes { .. } | Ev::Wake(_)) {
+                eprintln!("{:>12?} {:?}", self.now, ev);
             }
-            self.handle(q.ev);
+            self.handle(ev);
         }
         self.now = END;
         self.finish()
@@ -630,7 +639,17 @@ impl Sim {
 impl Sim {
     fn push(&mut self, at: Duration, ev: Ev) {
         self.n += 1;
-        self.queue.push(Queued { at, n: self.n, ev });
+        let slot = match self.free.pop() {
+            Some(slot) => {
+                self.events[slot] = Some(ev);
+                slot
+            }
+            None => {
+                self.events.push(Some(ev));
+                self.events.len() - 1
+            }
+        };
+        self.queue.push(Queued { at, n: self.n, slot });
     }
 
     /// Sends over the connection `from → to`: random latency, never overtaking what that
