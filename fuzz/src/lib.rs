@@ -1,13 +1,34 @@
 //! What the fuzz targets build alike from a few fuzzed numbers.
 
-use shoal_wire::{Api, Call, Called, FailureKind, Misuse, OpFailure, PeerId, Reason, StateDigest};
+use shoal_wire::{
+    Api, Call, Called, Epoch, FailureKind, Mismatch, Misuse, OpFailure, OpHeader, PeerId, Reason, StateDigest,
+};
 
 /// A collective's failure of one of the four kinds, concerning `peer` (a usage error names the
-/// calls, or not, as the wire allows both).
+/// calls, or not, as the wire allows both; a mismatch names the next peer's call of collective
+/// `kind` of topology 1 against `peer`'s).
 pub fn failure(kind: u8, peer: u8) -> OpFailure {
     let kinds = [FailureKind::PeerLost, FailureKind::Mismatch, FailureKind::Timeout, FailureKind::Misuse];
     match kinds[usize::from(kind) % 4] {
         FailureKind::Misuse if kind % 8 >= 4 => OpFailure::misuse(PeerId(peer.into()), misuse(peer, kind)),
+        FailureKind::Mismatch => {
+            let call = OpHeader {
+                collective: 1,
+                algorithm: 1,
+                epoch: Epoch(1),
+                seq: kind.into(),
+                tag: 0,
+                dtype: 9,
+                op: 1,
+                count: 10,
+                root: 0,
+                quantization: 0,
+                block: 0,
+            };
+            let (ours, theirs) =
+                ((PeerId(u32::from(peer) + 1), call), (PeerId(peer.into()), OpHeader { count: 11, ..call }));
+            OpFailure::mismatch(Mismatch::new(ours, theirs))
+        }
         kind => OpFailure::new(kind, PeerId(peer.into()), "fuzz"),
     }
 }

@@ -2,11 +2,12 @@
 
 use crate::config::CommunicatorConfig;
 use crate::control::Control;
-use crate::driver::{call_error, verb, Connected, DataGuard, Driver, Progress};
+use crate::driver::{call_error, Connected, DataGuard, Driver, Progress};
 use crate::error::{Error, Result, Usage};
 use crate::fetch::Snapshots;
 use crate::info::{Info, LinkInfo};
 use crate::links::Listener;
+use crate::named::verb;
 use crate::plane::{AlignedBytes, CallResult, Collective, DataPlane, Extra, Owner, Request, TagUse};
 use crate::stats::Stats;
 use crate::Deadline;

@@ -8,9 +8,10 @@ use crate::control::Control;
 use crate::error::{Error, Misfit, Protocol, Usage};
 use crate::info::Info;
 use crate::links::Listener;
+use crate::named::{verb_of, Described};
 use crate::plane::{CallResult, Collective, DataPlane, Extra, Placement, Posted, Request, TagUse};
 use crate::Deadline;
-use shoal_collective::{Algorithm, CollectiveKind, DType, Quantization, ReduceOp};
+use shoal_collective::{Algorithm, CollectiveKind, Quantization};
 use shoal_config::failpoint;
 use shoal_engine::{Backup, Exec, LinkError, OpEvent, OpSpec, Pumped};
 use shoal_proto::auth::DataKey;
@@ -18,7 +19,7 @@ use shoal_proto::peer::{
     Action, CallError, CallId, Established, OpId, OpProgress, RingPosition, Value, WaitNote, P2P_PATIENCE,
 };
 use shoal_transport::{Lane, PollFd};
-use shoal_wire::{Api, FailureKind, OpFailure, OpHeader, PeerId, Reason, SessionId};
+use shoal_wire::{FailureKind, Mismatch, OpFailure, OpHeader, PeerId, Reason, SessionId};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -83,8 +84,8 @@ pub(crate) fn link_error(e: LinkError, header: &OpHeader, me: PeerId, them: Peer
         LinkError::Mismatch { theirs, .. } => {
             // The verdict carries both calls with their peers: a participant that did not see the
             // difference itself must not read either as its own.
-            let (ours, theirs) = (describe(header), format!("{them} called {}", describe(&theirs)));
-            let failure = OpFailure::new(FailureKind::Mismatch, them, format!("{me} called {ours}; {theirs}"));
+            let failure = OpFailure::mismatch(Mismatch::new((me, *header), (them, theirs)));
+            let (ours, theirs) = (Described::Collective(*header), vec![(them, Described::Collective(theirs))]);
             (Error::CollectiveMismatch { peer: them, ours, theirs }, failure)
         }
         LinkError::Malformed { what, .. } => {
@@ -97,8 +98,10 @@ pub(crate) fn link_error(e: LinkError, header: &OpHeader, me: PeerId, them: Peer
 /// The error a participant returns for a collective the master aborted.
 pub(crate) fn op_error(f: OpFailure, header: &OpHeader) -> Error {
     match f.kind {
-        FailureKind::Mismatch => {
-            Error::CollectiveMismatch { peer: f.peer, ours: describe(header), theirs: f.reason.to_string() }
+        FailureKind::Mismatch if f.reason.mismatch().is_some() => {
+            let m = f.reason.mismatch().expect("a mismatch");
+            let theirs = [m.ours, m.theirs].map(|(p, h)| (p, Described::Collective(h))).to_vec();
+            Error::CollectiveMismatch { peer: f.peer, ours: Described::Collective(*header), theirs }
         }
         FailureKind::Misuse => match f.reason {
             Reason::Misuse(misuse) => Error::Misuse(*misuse),
@@ -148,43 +151,6 @@ pub(crate) fn fits(record: &Collective, world: usize) -> std::result::Result<(),
         return Err(Misfit::Blocks { kind, what, whole, world, block });
     }
     Ok(())
-}
-
-/// The call collective `header` is part of, as its caller knows it.
-fn verb_of(header: &OpHeader) -> Option<Api> {
-    CollectiveKind::from_code(header.collective).map(|k| verb(k, header.tag))
-}
-
-/// The call a collective of `kind` with `tag` is part of, as its caller knows it.
-pub(crate) fn verb(kind: CollectiveKind, tag: u64) -> Api {
-    match kind {
-        // The barrier that `optimize_topology` starts with.
-        CollectiveKind::Barrier if tag == crate::tags::BARRIER_TAG => Api::OptimizeTopology,
-        CollectiveKind::Barrier => Api::Barrier,
-        CollectiveKind::AllReduce => Api::AllReduce,
-        CollectiveKind::AllGather => Api::AllGather,
-        CollectiveKind::ReduceScatter => Api::ReduceScatter,
-        CollectiveKind::Broadcast => Api::Broadcast,
-    }
-}
-
-pub(crate) fn describe(h: &OpHeader) -> String {
-    let dtype = DType::from_code(h.dtype).map_or("?", DType::name);
-    let op = ReduceOp::from_code(h.op).map_or("?", ReduceOp::name);
-    let kind = verb_of(h).map_or("collective", Api::name);
-    let algorithm = Algorithm::from_code(h.algorithm).map_or("?", Algorithm::name);
-    let root =
-        if h.collective == CollectiveKind::Broadcast.code() { format!(", root={}", h.root) } else { String::new() };
-    let quantization = match shoal_collective::Format::from_code(h.quantization) {
-        None => String::new(),
-        Some(f) if f.is_blockwise() => format!(", quantization={}/{}", f.name(), h.block),
-        Some(f) => format!(", quantization={}", f.name()),
-    };
-    format!(
-        "{kind}(count={}, dtype={dtype}, op={op}{root}{quantization}, tag={}, algorithm={algorithm}, topology={}, \
-         number={})",
-        h.count, h.tag, h.epoch.0, h.seq
-    )
 }
 
 /// The progress thread's state, shared with the callers.
@@ -556,7 +522,7 @@ impl Driver {
         let algorithm = self.config.algorithm_for(request.kind, request.algorithm, wire, group, position.limits);
         let header = op_header(id, &request, algorithm, record.count);
         record.posted = Some(Posted { id, header, world, rank, algorithm });
-        log::trace!("{}", describe(&header));
+        log::trace!("{}", Described::Collective(header));
         // Buffers shaped for another group (it changed since the call) fail on every member alike.
         if let Err(why) = fits(record, world) {
             let me = position.ring[rank].peer;

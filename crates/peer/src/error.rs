@@ -1,5 +1,6 @@
 //! The peer library's error type.
 
+use crate::named::Described;
 use shoal_engine::Malformed;
 use shoal_proto::peer::OpId;
 use shoal_wire::{Api, Misuse, PeerId, Reason};
@@ -100,15 +101,17 @@ pub enum Error {
         /// The bound.
         after: Duration,
     },
-    /// Peers called different collectives (count, dtype, op, tag or kind differ).
-    #[error("collective mismatch: we called {ours}; {theirs}")]
+    /// Peers called different collectives (count, dtype, op, tag or kind differ), or the two
+    /// ends of a tagged transfer differ (count or dtype).
+    #[error("collective mismatch: we called {ours}; {}", called(.theirs))]
     CollectiveMismatch {
         /// A peer whose call differs from its neighbour's.
         peer: PeerId,
         /// Our call.
-        ours: String,
-        /// The calls that differ, each named with its peer ("p3 called all_reduce(...)").
-        theirs: String,
+        ours: Described,
+        /// The calls that differ, each with its peer: the other's, or both where another member
+        /// found the difference.
+        theirs: Vec<(PeerId, Described)>,
     },
     /// Another party broke the protocol (malformed bytes, an answer that does not fit the call).
     #[error("protocol error: {0}")]
@@ -283,3 +286,9 @@ impl From<Usage> for Error {
 
 /// Shorthand for results of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// `calls` as "p1 called x; p2 called y".
+fn called(calls: &[(PeerId, Described)]) -> String {
+    let each: Vec<String> = calls.iter().map(|(peer, call)| format!("{peer} called {call}")).collect();
+    each.join("; ")
+}

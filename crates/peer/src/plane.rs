@@ -7,6 +7,7 @@
 use crate::error::{Error, Protocol, Result};
 use crate::info::Info;
 use crate::links::Staged;
+use crate::named::Described;
 use shoal_collective::{Algorithm, Codec, CollectiveKind, DType, Quantization, ReduceOp};
 use shoal_engine::{Backup, Direction, Exec, LinkError, RawBuf, Taken};
 use shoal_proto::peer::{CallError, CallId, Ended, OpId, Peer, RingPosition, Stop, Transfers, Value};
@@ -332,11 +333,9 @@ fn operation(t: &Transfer) -> &'static str {
 }
 
 /// Transfer `t` as its caller made it.
-fn describe(t: &Transfer) -> String {
-    let count = t.data.buf.len() / t.data.dtype.size();
-    let to = if t.send { "to" } else { "from" };
-    let verb = operation(t);
-    format!("{verb}(count={count}, dtype={}, tag={}) {to} rank {}", t.data.dtype.name(), t.tag, t.rank)
+fn described(t: &Transfer) -> Described {
+    let (count, dtype) = ((t.data.buf.len() / t.data.dtype.size()) as u64, t.data.dtype.code());
+    Described::Transfer { send: t.send, count, dtype, tag: t.tag, rank: Some(t.rank) }
 }
 
 /// Ends the transfers the engine ended. A failure that broke the engine's lanes closes them at
@@ -395,7 +394,7 @@ fn take_ended(data: &mut DataPlane) {
             algorithm: if traffic.single_copy { Algorithm::SingleCopy } else { Algorithm::Direct },
         });
         if let Err(e) = &outcome {
-            log::debug!("{} failed: {e}", describe(&t));
+            log::debug!("{} failed: {e}", described(&t));
         }
         data.record_end(call, &outcome);
         let tag_use = TagUse::Transfer(direction(&t), t.peer, t.tag);
@@ -430,18 +429,12 @@ fn link_error(t: &Transfer, e: LinkError) -> Error {
             operation: operation(t),
             reason: format!("the streams failed over rank {rank}: {reason}"),
         },
-        LinkError::Mismatch { theirs, .. } => {
-            Error::CollectiveMismatch { peer: t.peer, ours: describe(t), theirs: theirs_call(t, &theirs) }
+        LinkError::Mismatch { theirs: h, .. } => {
+            let theirs = Described::Transfer { send: !t.send, count: h.count, dtype: h.dtype, tag: h.tag, rank: None };
+            Error::CollectiveMismatch { peer: t.peer, ours: described(t), theirs: vec![(t.peer, theirs)] }
         }
         LinkError::Malformed { what, .. } => Protocol::Malformed { peer: t.peer, what }.into(),
     }
-}
-
-/// The call at the other end of `t`, from its frame `h`.
-fn theirs_call(t: &Transfer, h: &OpHeader) -> String {
-    let dtype = DType::from_code(h.dtype).map_or("?", DType::name);
-    let verb = shoal_proto::peer::transfer_verb(!t.send);
-    format!("{} called {verb}(count={}, dtype={dtype}, tag={})", t.peer, h.count, h.tag)
 }
 
 #[cfg(test)]

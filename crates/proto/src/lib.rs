@@ -30,3 +30,25 @@ pub(crate) fn test_start() -> std::time::Instant {
 pub(crate) fn made(peers: &[u32], call: shoal_wire::Call) -> shoal_wire::Called {
     shoal_wire::Called::new(peers.iter().map(|p| shoal_wire::PeerId(*p)), call)
 }
+
+/// The failure of collective `seq` of topology `epoch` whose calls differ: peer `ours` found its
+/// count different from peer `theirs`'s (`ours` and `theirs` differ).
+#[cfg(test)]
+pub(crate) fn mismatched(epoch: u64, seq: u64, ours: u32, theirs: u32) -> shoal_wire::OpFailure {
+    use shoal_wire::{Epoch, OpHeader, PeerId};
+    let call = OpHeader {
+        collective: 1,
+        algorithm: 1,
+        epoch: Epoch(epoch),
+        seq,
+        tag: 0,
+        dtype: 9,
+        op: 1,
+        count: 10,
+        root: 0,
+        quantization: 0,
+        block: 0,
+    };
+    let theirs = (PeerId(theirs), OpHeader { count: 11, ..call });
+    shoal_wire::OpFailure::mismatch(shoal_wire::Mismatch::new((PeerId(ours), call), theirs))
+}

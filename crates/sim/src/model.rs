@@ -11,7 +11,8 @@ use shoal_proto::peer::{
     RingPosition, Seq, Stop, SyncBallot, Transfer, Transfers, Value, WaitNote, P2P_PATIENCE,
 };
 use shoal_wire::{
-    Api, Epoch, FailureKind, GroupId, Measured, Message, Misuse, OpFailure, OpHeader, PeerId, SessionId, StateDigest,
+    Api, Epoch, FailureKind, GroupId, Measured, Message, Mismatch, Misuse, OpFailure, OpHeader, PeerId, SessionId,
+    StateDigest,
 };
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 use std::time::{Duration, Instant};
@@ -345,6 +346,8 @@ struct End {
 struct Op {
     id: OpId,
     call: CallId,
+    /// Its call, as its frames name it.
+    header: OpHeader,
     members: Vec<PeerId>,
     rank: usize,
     /// Its buffer, lent to the engine while it is posted (its heap block never moves).
@@ -1585,7 +1588,7 @@ impl Sim {
         let exec = p.exec.get_or_insert_with(|| Exec::new(id.epoch, position.rank, world));
         debug_assert_eq!(exec.epoch(), id.epoch, "a collective runs in the topology taken up");
         exec.post(spec);
-        p.ops.insert(id, Op { id, call, members, rank: position.rank, buf, input, taken: None });
+        p.ops.insert(id, Op { id, call, header, members, rank: position.rank, buf, input, taken: None });
         let exchange = self.p2p && p.stage == Stage::Loop && p.waits_in == Some(call) && p.p2p.is_none();
         if exchange {
             if let Err(reason) = self.exchange(i) {
@@ -1754,11 +1757,8 @@ impl Sim {
                     let v = format!("peer {i}: ({:?}, {}) met {theirs:?} from rank {rank}", id.epoch, id.seq.0);
                     self.report.violations.push(Violation(v));
                 }
-                let why = format!(
-                    "rank {rank} called {}",
-                    CollectiveKind::from_code(theirs.collective).map_or("?", |k| k.name())
-                );
-                OpProgress::Failed(OpFailure::new(FailureKind::Mismatch, op.members[rank], why))
+                let (ours, theirs) = ((op.members[op.rank], op.header), (op.members[rank], theirs));
+                OpProgress::Failed(OpFailure::mismatch(Mismatch::new(ours, theirs)))
             }
             OpEvent::Failed(LinkError::Malformed { rank, what }) => {
                 let v = format!("peer {i}: ({:?}, {}) desynchronised with rank {rank}: {what}", id.epoch, id.seq.0);
@@ -2069,7 +2069,7 @@ pub fn check_calls(r: &Report, heartbeat: Duration) -> Result<(), Violation> {
             Err(CallError::Misuse(misuse)) if !collectives && names_calls_made(misuse, r) => {}
             Err(CallError::Aborted { failure, .. }) | Err(CallError::Unconfirmed { failure, .. })
                 if (!collectives && failure.reason.misuse().is_some_and(|m| names_calls_made(m, r)))
-                    || (failure.kind == FailureKind::Mismatch && collectives) => {}
+                    || (failure.reason.mismatch().is_some() && collectives) => {}
             other => return fail(format!("peer {}: {:?} ended with {other:?}", c.peer, c.call)),
         }
     }

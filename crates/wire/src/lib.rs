@@ -22,12 +22,12 @@ mod report;
 pub use codec::{Reader, Writer};
 pub use data::{DataFrame, DataFrameError, FrameKind, DATA_FRAME_BYTES, DATA_MAGIC};
 pub use message::*;
-pub use misuse::{Api, Call, Called, Misuse, Point, Reason};
+pub use misuse::{Api, Call, Called, Mismatch, Misuse, Point, Reason};
 pub use report::*;
 
 /// The protocol version this build speaks. Peers and masters of different versions refuse to
 /// talk to each other with [`WireError::VersionMismatch`].
-pub const PROTOCOL_VERSION: u16 = 6;
+pub const PROTOCOL_VERSION: u16 = 7;
 /// The four bytes that open every frame: `SHOL` read as a little-endian u32.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"SHOL");
 /// Size of the fixed frame header.

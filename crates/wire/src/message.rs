@@ -1,9 +1,10 @@
 //! The messages of the protocol and their body encodings. `docs/wire.md` has the table.
 
 use crate::codec::{Reader, Writer};
-use crate::misuse::{Misuse, Reason};
+use crate::misuse::{Mismatch, Misuse, Reason};
 use crate::report::PeerReport;
 use crate::{SessionId, WireError, MAX_DIMS, MAX_MEMBERS, MAX_STATE_ENTRIES};
+use std::fmt;
 
 /// A peer's identity within one run of the master, assigned at registration and never reused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -90,6 +91,52 @@ pub struct OpHeader {
     pub block: u16,
 }
 
+impl OpHeader {
+    pub(crate) fn encode(&self, w: &mut Writer) {
+        w.u8(self.collective);
+        w.u8(self.algorithm);
+        w.u64(self.epoch.0);
+        w.u64(self.seq);
+        w.u64(self.tag);
+        w.u8(self.dtype);
+        w.u8(self.op);
+        w.u64(self.count);
+        w.u32(self.root);
+        w.u8(self.quantization);
+        w.u16(self.block);
+    }
+
+    pub(crate) fn decode(r: &mut Reader<'_>) -> Result<Self, WireError> {
+        let (collective, algorithm) = (r.u8()?, r.u8()?);
+        let (epoch, seq, tag) = (Epoch(r.u64()?), r.u64()?, r.u64()?);
+        let (dtype, op, count, root) = (r.u8()?, r.u8()?, r.u64()?, r.u32()?);
+        let (quantization, block) = (r.u8()?, r.u16()?);
+        Ok(OpHeader { collective, algorithm, epoch, seq, tag, dtype, op, count, root, quantization, block })
+    }
+}
+
+/// In codes: the names are the collective crate's (the peer names them).
+impl fmt::Display for OpHeader {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "collective {}(count={}, dtype {}, op {}, root={}, quantization {}/{}, tag={}, algorithm {}, topology={}, \
+             number={})",
+            self.collective,
+            self.count,
+            self.dtype,
+            self.op,
+            self.root,
+            self.quantization,
+            self.block,
+            self.tag,
+            self.algorithm,
+            self.epoch.0,
+            self.seq
+        )
+    }
+}
+
 /// Why a collective failed, as one peer saw it and as the master then tells every participant.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OpFailure {
@@ -167,9 +214,16 @@ impl FailureKind {
 }
 
 impl OpFailure {
-    /// A failure of `kind` concerning `peer`; `reason` is cut to fit a message.
+    /// A failure of `kind` concerning `peer`; `reason` is cut to fit a message. A misuse and a
+    /// mismatch name their calls instead ([`OpFailure::misuse`], [`OpFailure::mismatch`]).
     pub fn new(kind: FailureKind, peer: PeerId, reason: impl Into<String>) -> Self {
+        debug_assert!(kind != FailureKind::Mismatch, "a mismatch names both calls");
         OpFailure { kind, peer, reason: Reason::text(reason) }
+    }
+
+    /// The failure of a collective whose calls differ: it concerns the member whose frame did.
+    pub fn mismatch(mismatch: Mismatch) -> Self {
+        OpFailure { kind: FailureKind::Mismatch, peer: mismatch.theirs.0, reason: mismatch.into() }
     }
 
     /// The failure of `peer`'s collective, which can never complete with another call.
@@ -188,6 +242,11 @@ impl OpFailure {
         if reason.misuse().is_some() && kind != FailureKind::Misuse {
             return Err(WireError::InvalidValue { field: "failure kind of a misuse", value: kind as u64 });
         }
+        if reason.mismatch().is_some_and(|m| m.theirs.0 != peer)
+            || reason.mismatch().is_some() != (kind == FailureKind::Mismatch)
+        {
+            return Err(WireError::InvalidValue { field: "a mismatch's calls", value: kind as u64 });
+        }
         Ok(OpFailure { kind, peer, reason })
     }
 }
@@ -196,7 +255,7 @@ impl OpFailure {
 /// cannot complete together.
 fn vote_abort(r: &mut Reader<'_>) -> Result<(bool, Reason), WireError> {
     let (retry, reason) = (r.bool("retry")?, Reason::decode(r)?);
-    if !retry && reason.misuse().is_none() {
+    if !retry && reason.misuse().is_none() || reason.mismatch().is_some() {
         return Err(WireError::InvalidValue { field: "abandoned vote's calls", value: 0 });
     }
     Ok((retry, reason))
@@ -975,11 +1034,13 @@ impl Message {
                 let (round, revision) = (r.u64()?, r.u64()?);
                 Message::SyncPlan { round, revision, entries: decode_plan(&mut r)? }
             }
-            kind::SYNC_ABORTED => Message::SyncAborted {
-                round: r.u64()?,
-                retryable: r.bool("retryable")?,
-                reason: Reason::decode(&mut r)?,
-            },
+            kind::SYNC_ABORTED => {
+                let (round, retryable, reason) = (r.u64()?, r.bool("retryable")?, Reason::decode(&mut r)?);
+                if reason.mismatch().is_some() {
+                    return Err(WireError::InvalidValue { field: "a sync's end", value: 2 });
+                }
+                Message::SyncAborted { round, retryable, reason }
+            }
             kind::FETCH_REQUEST => Message::FetchRequest {
                 from: PeerId(r.u32()?),
                 to: PeerId(r.u32()?),
@@ -1117,7 +1178,7 @@ fn decode_members(r: &mut Reader<'_>) -> Result<Vec<Member>, WireError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::misuse::strategy::{misuse, reason};
+    use crate::misuse::strategy::{mismatch, misuse, reason};
     use crate::{decode_frame, encode_frame, HEADER_BYTES, MAX_STRING_BYTES};
     use crate::{Api, Call, Called};
     use proptest::prelude::*;
@@ -1130,7 +1191,6 @@ mod tests {
     fn failure() -> impl Strategy<Value = OpFailure> {
         let kinds = [
             FailureKind::PeerLost,
-            FailureKind::Mismatch,
             FailureKind::Timeout,
             FailureKind::Protocol,
             FailureKind::Superseded,
@@ -1140,6 +1200,7 @@ mod tests {
             (prop::sample::select(kinds.to_vec()), any::<u32>(), ".{0,300}")
                 .prop_map(|(kind, p, reason)| OpFailure::new(kind, PeerId(p), reason)),
             (any::<u32>(), misuse()).prop_map(|(p, m)| OpFailure::misuse(PeerId(p), m)),
+            mismatch().prop_map(OpFailure::mismatch),
         ]
     }
 

@@ -4,7 +4,7 @@
 //! the calls, and every caller's usage error reads it; none of it is parsed from text.
 
 use crate::codec::{Reader, Writer};
-use crate::{Epoch, PeerId, Vote, WireError, MAX_MEMBERS};
+use crate::{Epoch, OpHeader, PeerId, Vote, WireError, MAX_MEMBERS};
 use std::fmt;
 
 /// An API call, as a usage error names it. Codes are never renumbered.
@@ -314,8 +314,51 @@ impl fmt::Display for Misuse {
     }
 }
 
-/// Why something ended: calls that can never complete together, named ([`Misuse`]), or an
-/// account in words (a lost peer, states that differ, a buffer that does not fit its group).
+/// Two members' calls that were to be one collective and differ, each as its data frames name
+/// it: found by the first member at the other's first frame, and told by the master to every
+/// participant, so each can say which peer called what.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Mismatch {
+    /// The member that found the difference, and its call.
+    pub ours: (PeerId, OpHeader),
+    /// The member whose frame differed, and its call.
+    pub theirs: (PeerId, OpHeader),
+}
+
+impl Mismatch {
+    /// `ours` (a member and its call) found `theirs` different.
+    pub fn new(ours: (PeerId, OpHeader), theirs: (PeerId, OpHeader)) -> Self {
+        assert!(ours.0 != theirs.0 && ours.1 != theirs.1, "a mismatch is two members' different calls");
+        Mismatch { ours, theirs }
+    }
+
+    pub(crate) fn encode(&self, w: &mut Writer) {
+        for (peer, call) in [&self.ours, &self.theirs] {
+            w.u32(peer.0);
+            call.encode(w);
+        }
+    }
+
+    pub(crate) fn decode(r: &mut Reader<'_>) -> Result<Self, WireError> {
+        let ours = (PeerId(r.u32()?), OpHeader::decode(r)?);
+        let theirs = (PeerId(r.u32()?), OpHeader::decode(r)?);
+        if ours.0 == theirs.0 || ours.1 == theirs.1 {
+            return Err(WireError::InvalidValue { field: "mismatch", value: u64::from(ours.0 .0) });
+        }
+        Ok(Mismatch { ours, theirs })
+    }
+}
+
+impl fmt::Display for Mismatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let ((p, ours), (q, theirs)) = (self.ours, self.theirs);
+        write!(f, "{p} called {ours}; {q} called {theirs}")
+    }
+}
+
+/// Why something ended: calls that can never complete together, named ([`Misuse`]), calls of one
+/// collective that differ ([`Mismatch`]), or an account in words (a lost peer, states that differ,
+/// a buffer that does not fit its group).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reason {
     /// An account, at most [`MAX_STRING_BYTES`](crate::MAX_STRING_BYTES) bytes (longer ones are
@@ -323,6 +366,8 @@ pub enum Reason {
     Text(String),
     /// Calls that can never complete together.
     Misuse(Box<Misuse>),
+    /// Calls of one collective that differ.
+    Mismatch(Box<Mismatch>),
 }
 
 impl Reason {
@@ -335,7 +380,15 @@ impl Reason {
     pub fn misuse(&self) -> Option<&Misuse> {
         match self {
             Reason::Misuse(m) => Some(m),
-            Reason::Text(_) => None,
+            Reason::Text(_) | Reason::Mismatch(_) => None,
+        }
+    }
+
+    /// The mismatch it names, if it is one.
+    pub fn mismatch(&self) -> Option<&Mismatch> {
+        match self {
+            Reason::Mismatch(m) => Some(m),
+            Reason::Text(_) | Reason::Misuse(_) => None,
         }
     }
 
@@ -349,6 +402,10 @@ impl Reason {
                 w.u8(1);
                 m.encode(w);
             }
+            Reason::Mismatch(m) => {
+                w.u8(2);
+                m.encode(w);
+            }
         }
     }
 
@@ -356,6 +413,7 @@ impl Reason {
         match r.u8()? {
             0 => Ok(Reason::Text(r.str()?)),
             1 => Ok(Reason::Misuse(Box::new(Misuse::decode(r)?))),
+            2 => Ok(Reason::Mismatch(Box::new(Mismatch::decode(r)?))),
             value => Err(WireError::InvalidValue { field: "reason", value: value.into() }),
         }
     }
@@ -367,11 +425,18 @@ impl From<Misuse> for Reason {
     }
 }
 
+impl From<Mismatch> for Reason {
+    fn from(m: Mismatch) -> Self {
+        Reason::Mismatch(Box::new(m))
+    }
+}
+
 impl fmt::Display for Reason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Reason::Text(s) => f.write_str(s),
             Reason::Misuse(m) => m.fmt(f),
+            Reason::Mismatch(m) => m.fmt(f),
         }
     }
 }
@@ -405,6 +470,32 @@ pub(crate) mod strategy {
             .prop_map(|(ours, theirs, settled)| Misuse { ours, theirs, settled })
     }
 
+    pub fn op_header() -> impl Strategy<Value = OpHeader> {
+        let codes = (any::<u8>(), any::<u8>(), any::<u8>(), any::<u8>(), any::<u8>());
+        (codes, any::<u64>(), any::<u64>(), any::<u64>(), any::<u64>(), any::<u32>(), any::<u16>()).prop_map(
+            |((collective, algorithm, dtype, op, quantization), epoch, seq, tag, count, root, block)| OpHeader {
+                collective,
+                algorithm,
+                epoch: Epoch(epoch),
+                seq,
+                tag,
+                dtype,
+                op,
+                count,
+                root,
+                quantization,
+                block,
+            },
+        )
+    }
+
+    pub fn mismatch() -> impl Strategy<Value = Mismatch> {
+        (any::<u32>(), op_header(), any::<u32>(), op_header())
+            .prop_filter("two members' different calls", |(p, a, q, b)| p != q && a != b)
+            .prop_map(|(p, a, q, b)| Mismatch::new((PeerId(p), a), (PeerId(q), b)))
+    }
+
+    /// Any reason a message may carry where a mismatch cannot be one.
     pub fn reason() -> impl Strategy<Value = Reason> {
         prop_oneof![".{0,300}".prop_map(Reason::text), misuse().prop_map(Reason::from)]
     }
@@ -434,6 +525,45 @@ mod tests {
              peer#6, peer#7 and 2 more called sync_shared_state, which ended as"
         ));
         assert!(m.names(Api::SyncSharedState) && !m.names(Api::PeersPending));
+    }
+
+    /// A mismatch names two members' different calls; one member, or one call, is no mismatch,
+    /// and a failure carries one exactly when it is a mismatch, concerning the other member.
+    #[test]
+    fn a_mismatch_is_two_members_different_calls_on_both_sides_of_the_wire() {
+        let call = OpHeader {
+            collective: 1,
+            algorithm: 1,
+            epoch: Epoch(2),
+            seq: 7,
+            tag: 3,
+            dtype: 9,
+            op: 1,
+            count: 10,
+            root: 0,
+            quantization: 0,
+            block: 0,
+        };
+        let m = Mismatch::new((PeerId(1), call), (PeerId(2), OpHeader { count: 11, ..call }));
+        let mut w = Writer::with_capacity(96);
+        m.encode(&mut w);
+        assert_eq!(Mismatch::decode(&mut Reader::new(w.as_bytes())), Ok(m));
+        assert!(m.to_string().starts_with("peer#1 called collective 1(count=10,"), "{m}");
+        for bad in [Mismatch { theirs: (PeerId(1), m.theirs.1), ..m }, Mismatch { theirs: (PeerId(2), call), ..m }] {
+            let mut w = Writer::with_capacity(96);
+            bad.encode(&mut w);
+            assert_eq!(
+                Mismatch::decode(&mut Reader::new(w.as_bytes())),
+                Err(WireError::InvalidValue { field: "mismatch", value: 1 })
+            );
+        }
+        let words = crate::OpFailure { kind: crate::FailureKind::Mismatch, peer: PeerId(2), reason: Reason::text("x") };
+        let other = crate::OpFailure { peer: PeerId(1), ..crate::OpFailure::mismatch(m) };
+        for failure in [words, other] {
+            let aborted = crate::Message::OpAborted { epoch: Epoch(2), seq: 7, failure };
+            let bytes = crate::encode_frame(crate::SessionId(1), &aborted).unwrap();
+            assert!(crate::decode_frame(&bytes).is_err(), "a mismatch's failure without its calls");
+        }
     }
 
     #[test]

@@ -216,6 +216,13 @@ pub enum PeerMisbehaved {
         /// The waiter it named.
         waiter: PeerId,
     },
+    /// A mismatch whose first call is not the reporter's call of that collective, or whose other
+    /// is not a member's call of it.
+    #[error("{peer} reported a mismatch of other calls than its own collective's and a member's")]
+    MismatchNamesOthers {
+        /// Who reported it.
+        peer: PeerId,
+    },
     /// More collectives open than the master tracks.
     #[error("more than {MAX_TRACKED_OPS} collectives open at once")]
     TooManyOpenCollectives,

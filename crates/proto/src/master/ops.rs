@@ -80,6 +80,12 @@ impl Master {
             return;
         };
         let record = self.ops.get_mut(&key).expect("op_key creates the record");
+        if let Some(m) = failure.reason.mismatch() {
+            let of_it = |h: &shoal_wire::OpHeader| (h.epoch, h.seq) == (epoch, seq);
+            if m.ours.0 != peer || !record.members.contains(&m.theirs.0) || !of_it(&m.ours.1) || !of_it(&m.theirs.1) {
+                return self.violation(peer, super::PeerMisbehaved::MismatchNamesOthers { peer });
+            }
+        }
         match &record.outcome {
             None => {
                 log::info!("collective {seq} of topology {} failed at {peer}: {}", epoch.0, failure.reason);

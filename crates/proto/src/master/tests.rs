@@ -340,7 +340,7 @@ fn a_lost_member_re_forms_the_ring_without_a_vote() {
 #[test]
 fn an_aborted_collective_re_forms_the_ring_before_its_verdict_goes_out() {
     let (mut h, epoch) = run_with(2);
-    let failure = OpFailure::new(FailureKind::Mismatch, PeerId(0), "p1 called x; p0 called y");
+    let failure = crate::mismatched(epoch.0, 3, 1, 0);
     let out = h.send(2, Message::OpFailed { epoch, seq: 3, failure });
     for conn in [1, 2] {
         let kinds: Vec<&str> = sent_to(&out, conn).iter().map(|m| m.name()).collect();
@@ -349,6 +349,19 @@ fn an_aborted_collective_re_forms_the_ring_before_its_verdict_goes_out() {
     // A late report about the aborted collective still gets the same verdict.
     let out = h.send(1, done(epoch, 3, false));
     assert!(matches!(sent_to(&out, 1)[..], [Message::OpAborted { seq: 3, .. }]), "{out:?}");
+}
+
+/// A mismatch is the reporter's own call against a member's, both of the collective reported: one
+/// that names another peer's call as the reporter's, or another collective, expels the reporter.
+#[test]
+fn a_mismatch_of_other_calls_than_the_reporters_expels_it() {
+    for (seq, ours, theirs) in [(3, 2, 0), (4, 1, 0), (3, 1, 9), (3, 1, 0)] {
+        let (mut h, epoch) = run_with(3);
+        let failure = crate::mismatched(epoch.0, seq, ours, theirs);
+        let out = h.send(2, Message::OpFailed { epoch, seq: 3, failure });
+        let expelled = sent_to(&out, 1).contains(&&Message::PeerRemoved { peer: PeerId(1) });
+        assert_eq!(expelled, (seq, ours, theirs) != (3, 1, 0), "{out:?}");
+    }
 }
 
 /// A vote that crosses a topology issued meanwhile is an error for the voter, never a reason to

@@ -1646,6 +1646,8 @@ fn sync_failed(retryable: bool, reason: Reason) -> CallError {
     match reason {
         Reason::Misuse(misuse) => CallError::Misuse(*misuse),
         Reason::Text(reason) => CallError::SyncFailed { retryable, reason },
+        // The wire refuses it: a sync has no collective to mismatch.
+        Reason::Mismatch(m) => CallError::SyncFailed { retryable, reason: m.to_string() },
     }
 }
 

@@ -226,7 +226,7 @@ fn a_mismatch_after_the_data_moved_is_reported_and_other_failures_then_ask() {
     let (mut p, t0) = joined(&[0, 1]);
     let op = start_collective(&mut p, t0);
     p.handle_collective(op, OpProgress::DataDone, t0);
-    let mismatch = OpFailure::new(FailureKind::Mismatch, PeerId(1), "broadcast from root 1");
+    let mismatch = crate::mismatched(1, 0, 0, 1);
     p.handle_collective(op, OpProgress::Failed(mismatch.clone()), t0);
     assert!(!p.running(op));
     assert_eq!(sent(&mut p), vec![Message::OpFailed { epoch: Epoch(1), seq: 0, failure: mismatch.clone() }]);

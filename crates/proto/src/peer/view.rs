@@ -186,7 +186,9 @@ impl VoteAbort {
         match (retry, reason) {
             (true, _) => Ok(VoteAbort::Retry),
             (false, Reason::Misuse(m)) => Ok(VoteAbort::Abandoned(*m)),
-            (false, Reason::Text(_)) => Err(UnexpectedMessage { got, why: "an abandoned vote that names no calls" }),
+            (false, Reason::Text(_) | Reason::Mismatch(_)) => {
+                Err(UnexpectedMessage { got, why: "an abandoned vote that names no calls" })
+            }
         }
     }
 }
@@ -866,7 +868,7 @@ mod tests {
             Some(Interrupt::MemberLost(PeerId(1))),
             "started before the vote"
         );
-        let failure = OpFailure::new(FailureKind::Mismatch, PeerId(1), "p1 called x");
+        let failure = crate::mismatched(1, 2, 0, 1);
         v.handle_message(Message::OpAborted { epoch: Epoch(1), seq: 2, failure: failure.clone() }).unwrap();
         assert_eq!(v.interrupt(Epoch(1), 2, Api::AllReduce, &members), Some(Interrupt::Aborted(failure.clone())));
         assert_eq!(v.lap_interrupt(Epoch(1), 2, &members), Some(LapInterrupt::Verdict(Verdict::Aborted(failure))));
