@@ -60,6 +60,7 @@ impl Ballot {
     /// Takes back `peer`'s vote; it stays eligible.
     pub fn uncast(&mut self, peer: PeerId) {
         self.cast.remove(&peer);
+        debug_assert!(self.cast.is_subset(&self.eligible) && !self.cast.contains(&peer));
     }
 
     /// Whether the ballot has votes and still waits for `peer`'s: then `peer` is in another call.
@@ -78,6 +79,7 @@ impl Ballot {
         let least = self.announced.entry(group).or_insert(u64::MAX);
         let fewer = collectives < *least;
         *least = (*least).min(collectives);
+        debug_assert!(self.announced[&group] <= collectives, "the least announced is kept");
         fewer
     }
 

@@ -105,6 +105,10 @@ impl Master {
             self.refuse(peer, vote, misuse, false);
             return false;
         }
+        debug_assert!(
+            self.peers[&peer].last_vote.is_some_and(|l| l.vote == vote && l.collectives == collectives),
+            "an admitted vote is {peer}'s last"
+        );
         true
     }
 
@@ -220,12 +224,17 @@ impl Master {
     /// in `vote`: (its kind, its voters).
     fn vote_awaiting(&self, peer: PeerId, vote: Vote) -> Option<(Vote, BTreeSet<PeerId>)> {
         let group = self.peers[&peer].group;
-        [Vote::UpdateTopology, Vote::PeersPending, Vote::SyncSharedState]
+        let awaiting = [Vote::UpdateTopology, Vote::PeersPending, Vote::SyncSharedState]
             .into_iter()
             .filter(|kind| *kind != vote)
             .filter_map(|kind| Some((kind, self.open_ballot(kind, group)?)))
             .find(|(_, ballot)| ballot.awaits(peer))
-            .map(|(kind, ballot)| (kind, ballot.voters().clone()))
+            .map(|(kind, ballot)| (kind, ballot.voters().clone()));
+        debug_assert!(
+            awaiting.as_ref().is_none_or(|(kind, voters)| *kind != vote && !voters.contains(&peer)),
+            "a ballot that awaits {peer} holds no vote of its"
+        );
+        awaiting
     }
 
     /// The ballot of `vote` open for `group`'s members, if any.

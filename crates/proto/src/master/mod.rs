@@ -638,6 +638,10 @@ impl Master {
             let newcomers = self.registered();
             if !newcomers.is_empty() {
                 self.issue_topology(newcomers);
+                debug_assert!(
+                    matches!(self.phase, Phase::AwaitingConnections { .. }),
+                    "the first peers connect theirs"
+                );
             }
         }
     }
@@ -650,6 +654,7 @@ impl Master {
         if self.reform_due && back && self.phase == Phase::Idle && self.syncs.is_empty() && !self.ring.is_empty() {
             log::info!("re-forming the ring of {} peers after a failure", self.ring.len());
             self.issue_topology(self.ring.clone());
+            debug_assert!(!self.reform_due && matches!(self.phase, Phase::AwaitingConnections { .. }));
         }
     }
 
@@ -688,6 +693,10 @@ impl Master {
             }
             Phase::AwaitingConnections { .. } => unreachable!("refused above"),
         };
+        debug_assert!(
+            matches!(&self.phase, Phase::AwaitingTopologyVotes { ballot } if ballot.voters().contains(&peer)),
+            "{peer}'s vote is cast"
+        );
         if fewer {
             self.announce_vote(peer, Vote::UpdateTopology, collectives);
         }

@@ -122,6 +122,10 @@ impl Master {
                 }
             }
         }
+        debug_assert!(
+            measured.as_ref().is_none_or(|l| l.len() <= shoal_wire::MAX_MEMBERS),
+            "the wire caps what a vote measured"
+        );
         self.measured.insert(voter, measured);
         Ok(())
     }
@@ -298,7 +302,9 @@ impl Master {
         if !shoal_topology::grouping_pays(&plan.links, &order, &sites) {
             return BTreeMap::new();
         }
-        plan.members.iter().zip(sites).map(|(p, s)| (*p, s as u16)).collect()
+        let sites: BTreeMap<PeerId, u16> = plan.members.iter().zip(sites).map(|(p, s)| (*p, s as u16)).collect();
+        debug_assert_eq!(sites.len(), plan.members.len(), "a site for every member planned");
+        sites
     }
 
     /// The small-message limits of a ring of `members` in this order

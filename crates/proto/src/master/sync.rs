@@ -155,6 +155,7 @@ impl Master {
         if self.syncs.get(&group).is_some_and(|s| s.round == round) {
             self.abort_sync(group, true, Reason::text(format!("{peer} could not complete the sync: {reason}")));
         }
+        debug_assert!(self.syncs.get(&group).is_none_or(|s| s.round != round), "a failed round is over");
     }
 
     /// A member left: it no longer votes, and nobody waits for it to finish.
@@ -200,6 +201,7 @@ impl Master {
         for g in groups {
             self.abort_sync(g, true, Reason::text(reason));
         }
+        assert!(self.syncs.is_empty(), "every sync aborted");
     }
 
     fn tally_sync(&mut self, group: GroupId) {

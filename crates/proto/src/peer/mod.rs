@@ -417,6 +417,8 @@ enum Link {
 impl Peer {
     /// A peer that has not joined yet.
     pub fn new(config: PeerConfig, now: Instant) -> Self {
+        let interval = heartbeat_interval(config.heartbeat_timeout);
+        assert!(interval <= config.heartbeat_timeout, "heartbeats go out before the master misses them");
         Peer {
             view: PeerView::default(),
             call: None,
@@ -428,7 +430,7 @@ impl Peer {
             actions: VecDeque::new(),
             link: Link::Up,
             last_heard: now,
-            next_heartbeat: now + heartbeat_interval(config.heartbeat_timeout),
+            next_heartbeat: now + interval,
             report: None,
             removed_at: std::collections::BTreeMap::new(),
             last_call: None,
@@ -576,6 +578,7 @@ impl Peer {
 
     /// The wait announced with [`Peer::p2p_waits`] is over.
     pub fn p2p_resumed(&mut self, other: PeerId) {
+        debug_assert!(self.view.registered.is_some_and(|(me, _)| me != other), "a transfer with ourselves waited");
         self.outbox.push_back(Message::P2pResumed { peer: other });
     }
 
@@ -591,6 +594,7 @@ impl Peer {
         self.last_apart = true;
         self.settle_waiters();
         let me = self.view.registered.expect("a transfer runs in a registered peer").0;
+        debug_assert!(self.last_call.is_some() && self.view.settled_here.is_none(), "our call is told, once");
         Some(settled_against(me, transfer, &theirs))
     }
 
@@ -659,11 +663,13 @@ impl Peer {
     /// The vote `call` is cast in, by the call users know, while it waits in it.
     pub fn voting(&self, call: CallId) -> Option<Api> {
         let (_, _, c) = self.call.as_ref().filter(|(id, ..)| *id == call && self.in_vote())?;
-        Some(match c {
+        let api = match c {
             Call::Topology { purpose: Purpose::Vote(kind), .. } => kind.api(),
             Call::Pending => Api::PeersPending,
             _ => Api::SyncSharedState,
-        })
+        };
+        debug_assert!(!api.is_collective(), "{api} is a vote");
+        Some(api)
     }
 
     /// This peer's last vote or collective, if it ended as one of calls that cannot complete
@@ -1212,6 +1218,7 @@ impl Peer {
     /// complete together at the very point the waiter is at: like a vote made there after the
     /// others' calls ended apart (`calls.rs`), the waiter's call can never meet ours, and ends.
     fn member_waits(&mut self, waiter: PeerId) {
+        debug_assert!(self.view.registered.is_some_and(|(me, _)| me != waiter), "the view refuses a wait on us");
         log::debug!("{waiter} waits on a transfer with us: {:?}", self.view.waiters.get(&waiter));
         self.settle_waiters();
         if self.view.waiters.contains_key(&waiter) {
@@ -1541,7 +1548,8 @@ impl Peer {
     fn step_op(&mut self, op: OpId, now: Instant, stalled: Option<&[PeerId]>) -> bool {
         let Some(InFlight { deadline, members, stage, api, .. }) = self.ops.get(&op).cloned() else { return false };
         let (epoch, seq) = (op.epoch, op.seq.0);
-        match stage {
+        let before = std::mem::discriminant(&stage);
+        let moved = match stage {
             OpStage::Running => {
                 let me = self.view.registered.expect("a collective runs once registered").0;
                 let interrupt = self.view.interrupt(epoch, seq, api, stalled.unwrap_or_default());
@@ -1592,7 +1600,12 @@ impl Peer {
                 }
                 true
             }
-        }
+        };
+        debug_assert!(
+            !moved || self.ops.get(&op).is_none_or(|o| std::mem::discriminant(&o.stage) != before),
+            "a step of {op} that moved left it where it was"
+        );
+        moved
     }
 
     /// The master's verdict on collective `op`, which failed here with `failed_here`, if it did.

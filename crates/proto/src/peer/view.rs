@@ -128,6 +128,7 @@ impl VoteOpen {
     /// Whether our collective `seq` of `epoch` (of call `api`) can never complete; then why,
     /// naming both calls.
     pub fn blocks(&self, epoch: Epoch, seq: u64, api: Api, me: PeerId) -> Option<Misuse> {
+        debug_assert!(self.voter != me, "our own vote was announced to us");
         (self.epoch == epoch && self.collectives <= seq).then(|| {
             let vote = Call::Api { api: self.vote.into(), at: Some(Point { epoch, collectives: self.collectives }) };
             let ours = Call::Api { api, at: Some(Point { epoch, collectives: seq }) };
@@ -399,10 +400,20 @@ impl PeerView {
                 PeerEvent::PeersPendingResult(pending)
             }
             Message::OpCommitted { epoch, seq } => {
+                // Verdicts never change: a member that failed the collective never finished it.
+                if matches!(self.verdicts.get(&(epoch, seq)), Some(Verdict::Aborted(_))) {
+                    return unexpected("a commit of a collective it aborted");
+                }
                 self.verdicts.insert((epoch, seq), Verdict::Committed);
                 PeerEvent::Verdict(epoch, seq)
             }
             Message::OpAborted { epoch, seq, failure } => {
+                // Our lap came round (every member finished), or the master said so: the
+                // collective committed, and the master aborts none that did.
+                let committed = self.verdicts.get(&(epoch, seq)) == Some(&Verdict::Committed);
+                if committed || self.committed_ops.contains(&(epoch, seq)) {
+                    return Err(UnexpectedMessage { got: "OpAborted", why: "an abort of a collective that committed" });
+                }
                 let next = self.committed.as_ref().is_some_and(|(e, _)| *e == epoch) && self.started == seq;
                 if let Some(misuse) = failure.reason.misuse().filter(|_| next && !self.told) {
                     // The others ended the collective we would run next as calls that cannot
@@ -704,6 +715,7 @@ impl PeerView {
         if self.queried.remove(&(epoch, seq)) {
             self.outbox.push_back(Message::OpDone { epoch, seq, decided: true });
         }
+        debug_assert!(self.committed_ops.contains(&(epoch, seq)) && !self.queried.contains(&(epoch, seq)));
     }
 
     /// Records that collective `seq` of `epoch` committed here, to answer a query about it.
@@ -923,6 +935,21 @@ mod tests {
     }
 
     /// Peer 0, registered, in no topology yet.
+    /// Verdicts never change, and no collective that committed is aborted: a master that says
+    /// otherwise is broken, and refused.
+    #[test]
+    fn a_verdict_against_a_commit_or_an_earlier_verdict_is_refused() {
+        let mut v = registered_alone();
+        let abort = |seq| Message::OpAborted { epoch: Epoch(1), seq, failure: crate::mismatched(1, seq, 1, 0) };
+        v.commit_on_our_own(Epoch(1), 3);
+        assert!(v.handle_message(abort(3)).is_err(), "our lap came round");
+        v.handle_message(Message::OpCommitted { epoch: Epoch(1), seq: 4 }).unwrap();
+        assert!(v.handle_message(abort(4)).is_err(), "the master committed it");
+        v.handle_message(abort(5)).unwrap();
+        v.handle_message(abort(5)).unwrap();
+        assert!(v.handle_message(Message::OpCommitted { epoch: Epoch(1), seq: 5 }).is_err(), "it aborted it");
+    }
+
     fn registered_alone() -> PeerView {
         registered(0)
     }
