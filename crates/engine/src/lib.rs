@@ -258,9 +258,9 @@ const SPARE_BODIES: usize = 64;
 /// Most bytes of frames kept for collectives not posted yet, over all lanes.
 pub const MAX_EARLY_BYTES: usize = 256 << 20;
 /// How long a chunk of a collective not posted here yet waits in its lane before it is read
-/// aside ([`Dest::Unposted`]): members post a batch of collectives within microseconds of each
-/// other, and a chunk read aside costs a copy more; one that waits holds up what follows it on
-/// the lane, for at most this long.
+/// aside ([`Machine::handle_held`]): members post a batch of collectives within microseconds of
+/// each other, and a chunk read aside costs a copy more; one that waits holds up what follows it
+/// on the lane, for at most this long.
 const EARLY_GRACE: Duration = Duration::from_millis(1);
 /// Most bytes a one-shot collective keeps of the other members' inputs: past it, the ring.
 pub const MAX_STASH_BYTES: usize = 256 << 20;
