@@ -29,6 +29,10 @@ const REGRESSIONS: &[u64] = &[
     // ran over its lanes, so they stayed open, and the receiver, its offer answered, waited for
     // parts until its bound. Broken lanes now close at once where no collective runs over them.
     6368,
+    // A newcomer's first peers_pending, cast tentatively, was cut short by a ring re-formed for a
+    // member that died: its retry no longer counted as its first call, so it met the others' sync
+    // vote as a call apart, a usage error everywhere. The retry is now still its first.
+    3242,
 ];
 
 fn env_u64(name: &str) -> Option<u64> {

@@ -753,6 +753,7 @@ impl Master {
             members.extend(self.registered());
         }
         self.issue_topology(members);
+        debug_assert!(matches!(self.phase, Phase::AwaitingConnections { .. }), "a passed vote issues a topology");
     }
 
     fn issue_topology(&mut self, members: Vec<PeerId>) {
@@ -771,7 +772,13 @@ impl Master {
         self.abort_every_sync("the topology changed during the sync");
         // Its members join it at their next call: a peers_pending vote cast before cannot pass.
         if let Some(ballot) = self.pending_vote.take() {
-            self.tentative.clear();
+            // A newcomer's first peers_pending, cast tentatively, did not count: the vote it
+            // casts again once in this topology is still its first (`calls.rs`).
+            for p in std::mem::take(&mut self.tentative).into_keys() {
+                if let Some(e) = self.peers.get_mut(&p) {
+                    e.fresh = true;
+                }
+            }
             let reason = format!("topology {} was issued during the vote", epoch.0);
             for p in ballot.voters().clone() {
                 self.send_to_peer(p, Message::PeersPendingAborted { retry: true, reason: Reason::text(&reason) });

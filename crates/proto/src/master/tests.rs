@@ -397,6 +397,34 @@ fn a_collective_run_during_an_admission_vote_abandons_the_vote() {
     assert_eq!(kinds, vec!["Topology", "TopologyVoteAborted", "OpAborted"]);
 }
 
+/// A newcomer's first `peers_pending` that a re-formed ring cuts short (a member died just after
+/// the admission) is still its first when cast again: while the others vote to sync, it is sent
+/// on with "nothing pending" to meet them, never failed as a call apart from theirs.
+#[test]
+fn a_newcomers_first_peers_pending_cut_short_by_a_new_topology_is_still_its_first() {
+    let (mut h, _) = run_with(4);
+    let pending = Message::VotePeersPending { collectives: 0 };
+    let out = h.send(4, pending.clone());
+    assert!(sent_to(&out, 4).is_empty(), "tentative: {out:?}");
+    h.master.handle_disconnect(h.now, ConnId(1), "eof");
+    let out = h.drain();
+    assert!(sent_to(&out, 4).iter().any(|m| matches!(m, Message::PeersPendingAborted { retry: true, .. })));
+    let epoch = issued_epoch(&out, 4).expect("the ring re-forms");
+    for member in 2..=4 {
+        h.send(member, Message::TopologyReady { epoch });
+    }
+    let sync = Message::SyncVote {
+        revision: 0,
+        strategy: 1,
+        override_resume: false,
+        entries: vec![digest("w", 1)],
+        collectives: 0,
+    };
+    h.send(2, sync);
+    let out = h.send(4, pending);
+    assert_eq!(sent_to(&out, 4), vec![&Message::PeersPendingResult { pending: false }], "{out:?}");
+}
+
 fn digest(name: &str, hash: u8) -> StateDigest {
     StateDigest { name: name.into(), dtype: 11, shape: vec![4], hash: [hash; 32], may_differ: false }
 }
