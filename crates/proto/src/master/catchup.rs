@@ -104,6 +104,7 @@ impl Master {
         for p in participants {
             self.send_to_peer(*p, Message::Snapshot { round });
         }
+        debug_assert!(self.snapshots.get(&group).is_some_and(|s| s.round == round), "the copy is kept");
     }
 
     /// `peer` keeps (or could not keep) the copy of sync `round`.
@@ -120,6 +121,10 @@ impl Master {
             log::warn!("{peer} could not keep a copy of group {}'s state for newcomers", group.0);
         }
         self.send_plans(group);
+        debug_assert!(
+            self.snapshots.get(&group).is_some_and(|s| s.answered.contains(&peer)),
+            "{peer}'s answer is kept"
+        );
     }
 
     /// `peer` reports how far it is.
@@ -184,6 +189,11 @@ impl Master {
                 self.send_plan(p, Some(&s), String::new());
             }
         }
+        debug_assert!(
+            self.catching_up.iter().all(|(p, n)| n.planned || self.peers[p].group != group),
+            "a newcomer of group {} waits for a plan its copy allows",
+            group.0
+        );
     }
 
     /// Sends `peer` the plan to fetch `snapshot` (none: nothing to fetch), or `reason` for refusing.

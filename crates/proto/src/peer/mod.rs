@@ -1272,6 +1272,7 @@ impl Peer {
             self.settle_waiters();
         }
         debug_assert!(self.ops.values().all(|o| o.call != id), "{id:?} ends while its collective runs");
+        debug_assert!(self.call.as_ref().is_none_or(|(c, ..)| *c != id), "{id:?} ends and runs on");
         self.actions.push_back(Action::Done { call: id, result });
     }
 
