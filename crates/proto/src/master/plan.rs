@@ -251,6 +251,7 @@ impl Master {
         let before = tour_cost(&costs, &current);
         let tour = solve(&costs, Some(current), kicks(plan.members.len(), REPLAN, effort));
         let after = tour_cost(&costs, &tour);
+        debug_assert!(after <= before, "a search from the ring in force never ends on a worse one");
         plan.search =
             (plan.members.len() > EXACT_MAX).then(|| Search::new(costs, Some(tour.clone()), plan.members.len() as u64));
         plan.fruitless = 0;
