@@ -251,7 +251,11 @@ fuzz_target!(|session: Session| {
                 peer.p2p_waits(PeerId(other.into()), send, 3, 0)
             }
             Step::Waits(..) => {}
-            Step::Resumed(other) => peer.p2p_resumed(PeerId(other.into())),
+            // ... and says so of those only.
+            Step::Resumed(other) if peer.registered().is_some_and(|(me, _)| me != PeerId(other.into())) => {
+                peer.p2p_resumed(PeerId(other.into()))
+            }
+            Step::Resumed(_) => {}
             Step::Apart => {
                 let first = peer.waiters().next().map(|(waiter, _)| waiter);
                 if let (Some(waiter), Some((me, _))) = (first, peer.registered()) {
