@@ -97,12 +97,12 @@ pub(crate) fn link_error(e: LinkError, header: &OpHeader, me: PeerId, them: Peer
 
 /// The error a participant returns for a collective the master aborted.
 pub(crate) fn op_error(f: OpFailure, header: &OpHeader) -> Error {
+    // The wire carries a mismatch exactly with a failure of that kind.
+    if let Some(m) = f.reason.mismatch() {
+        let theirs = [m.ours, m.theirs].map(|(p, h)| (p, Described::Collective(h))).to_vec();
+        return Error::CollectiveMismatch { peer: f.peer, ours: Described::Collective(*header), theirs };
+    }
     match f.kind {
-        FailureKind::Mismatch if f.reason.mismatch().is_some() => {
-            let m = f.reason.mismatch().expect("a mismatch");
-            let theirs = [m.ours, m.theirs].map(|(p, h)| (p, Described::Collective(h))).to_vec();
-            Error::CollectiveMismatch { peer: f.peer, ours: Described::Collective(*header), theirs }
-        }
         FailureKind::Misuse => match f.reason {
             Reason::Misuse(misuse) => Error::Misuse(*misuse),
             reason => Usage::MemberMisfit { peer: f.peer, reason }.into(),

@@ -212,9 +212,10 @@ impl Master {
             let totals = [l.saturated_bytes, l.saturated_us, report.busy_us];
             // The totals start again with each topology.
             let seen = if totals.iter().zip(w.seen).any(|(t, s)| *t < s) { [0; 3] } else { w.seen };
-            w.bytes += totals[0] - seen[0];
-            w.us += totals[1] - seen[1];
-            w.busy_us += totals[2] - seen[2];
+            // A peer's totals are its word: added without overflow, however large.
+            w.bytes = w.bytes.saturating_add(totals[0] - seen[0]);
+            w.us = w.us.saturating_add(totals[1] - seen[1]);
+            w.busy_us = w.busy_us.saturating_add(totals[2] - seen[2]);
             w.seen = totals;
             if w.us < DRIFT_WINDOW.as_micros() as u64 {
                 continue;

@@ -1292,6 +1292,24 @@ fn a_drift_that_no_order_avoids_better_keeps_the_ring() {
     assert!(!peers_pending(&mut h, 4));
 }
 
+/// A peer's link totals are its word, however large: totals at the top of their range, reported
+/// again after its counts restarted, add up without overflowing (a panic before).
+#[test]
+fn link_totals_at_the_top_of_their_range_add_up_without_overflow() {
+    let (mut h, ring) = planned_ring_of_four();
+    let (from, to) = (ring[0], ring[1]);
+    let huge = |us| {
+        let mut m = saturated(to, "tcp", us, 0);
+        if let Message::Report { report } = &mut m {
+            (report.links[0].saturated_bytes, report.busy_us) = (u64::MAX - 1, u64::MAX - 1);
+        }
+        m
+    };
+    h.send(conn_of(from), huge(1_000));
+    h.send(conn_of(from), huge(500));
+    assert!(h.master.peers().any(|(p, _)| p == from), "still in the run");
+}
+
 /// A kept run that does not hold together is refused, saying what is wrong with it.
 #[test]
 fn a_kept_run_that_no_master_wrote_is_refused_with_its_fault() {
