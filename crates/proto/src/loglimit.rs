@@ -37,6 +37,8 @@ impl LogLimit {
     /// Whether a line may be logged `now`: `Some(note)` to append to it (empty, or how many were
     /// held back before it), `None` to hold it back.
     pub fn admit(&mut self, now: Instant) -> Option<String> {
+        // Lines are held back only once a window's burst was shown, and said on the next one.
+        debug_assert!(self.held == 0 || self.shown == self.burst, "lines held back while the burst lasts");
         if self.began.is_none_or(|b| now >= b + self.window) {
             (self.began, self.shown) = (Some(now), 0);
         }

@@ -118,6 +118,7 @@ impl Master {
     pub(super) fn announce_vote(&mut self, peer: PeerId, vote: Vote, collectives: u64) {
         let epoch = self.ring_epoch;
         debug_assert_eq!(self.peers[&peer].last_vote.map(|l| (l.vote, l.collectives)), Some((vote, collectives)));
+        debug_assert!(self.ring.contains(&peer), "{peer} announces a vote outside the ring");
         for p in self.group_ring(self.peers[&peer].group).into_iter().filter(|p| *p != peer) {
             self.send_to_peer(p, Message::VoteOpened { vote, epoch, voter: peer, collectives });
         }
@@ -139,6 +140,11 @@ impl Master {
             let voters: Vec<PeerId> = ballot.voters().iter().copied().collect();
             self.release_tentative(&voters);
         }
+        // No tentative ballot is left waiting for a member that votes another call.
+        debug_assert!(self
+            .pending_vote
+            .as_ref()
+            .is_none_or(|b| !b.awaits(member) || !b.voters().iter().all(|p| self.tentative.contains_key(p))));
     }
 
     fn release_tentative(&mut self, peers: &[PeerId]) {
@@ -166,6 +172,7 @@ impl Master {
             Some(at) => self.timers.set(Timer::TentativeVotes, *at),
             None => self.timers.clear(Timer::TentativeVotes),
         }
+        debug_assert!(self.tentative.is_empty() || self.timers.next_deadline().is_some(), "a tentative vote waits on");
     }
 
     /// A member of `group` gave up a collective because others wait in a vote, or two votes wait
@@ -195,6 +202,11 @@ impl Master {
                 self.mark_mismatched(*p, vote);
             }
         }
+        debug_assert!(
+            retry
+                || voters.iter().all(|p| self.peers.get(p).is_some_and(|e| e.last_vote.is_some_and(|l| l.mismatched))),
+            "a voter of a vote that ended apart may wait at its point"
+        );
         let told: Vec<PeerId> = if retry { voters.into_iter().collect() } else { self.ring.clone() };
         match vote {
             Vote::UpdateTopology if matches!(self.phase, Phase::AwaitingTopologyVotes { .. }) => {
@@ -223,6 +235,10 @@ impl Master {
     /// An open vote of another kind than `vote` that has votes and waits for `peer`, which is
     /// in `vote`: (its kind, its voters).
     fn vote_awaiting(&self, peer: PeerId, vote: Vote) -> Option<(Vote, BTreeSet<PeerId>)> {
+        debug_assert!(
+            self.peers.get(&peer).is_some_and(|e| e.status == super::Status::Accepted),
+            "{peer} votes unaccepted"
+        );
         let group = self.peers[&peer].group;
         let awaiting = [Vote::UpdateTopology, Vote::PeersPending, Vote::SyncSharedState]
             .into_iter()
@@ -254,7 +270,9 @@ impl Master {
     /// mismatch best; failing one, the same call, whose ballot ended there (a transfer or a
     /// collective of a third member's could never meet it): its voters are in no call now.
     fn mismatch_at(&self, peer: PeerId, at: LastVote) -> Option<(Vote, BTreeSet<PeerId>)> {
+        debug_assert!(at.epoch == self.ring_epoch, "a vote at {:?} judged in {:?}", at.epoch, self.ring_epoch);
         let group = self.peers[&peer].group;
+
         let apart = || {
             self.peers.iter().filter(|(p, _)| **p != peer).filter_map(move |(p, e)| {
                 let l = e.last_vote?;

@@ -46,6 +46,11 @@ impl Master {
     /// `peer` asks to catch up with its group's state, described by `entries`.
     pub(super) fn catch_up_start(&mut self, peer: PeerId, entries: Vec<StateDigest>) {
         let entry = &self.peers[&peer];
+        debug_assert_eq!(
+            self.catching_up.contains_key(&peer),
+            entry.status == Status::CatchingUp,
+            "{peer} half caught up"
+        );
         let group = entry.group;
         let admitting =
             matches!(&self.phase, super::Phase::AwaitingConnections { members, .. } if members.contains(&peer));
@@ -139,6 +144,7 @@ impl Master {
         if self.catching_up.remove(&peer).is_none() {
             return;
         }
+        debug_assert_eq!(self.peers[&peer].status, Status::CatchingUp, "{peer} caught up without catching up");
         if fetched {
             log::info!("{peer} caught up with revision {revision}: it awaits admission");
         } else {
@@ -152,6 +158,7 @@ impl Master {
 
     /// `peer` left the run: it no longer catches up, nor donates.
     pub(super) fn catch_up_member_removed(&mut self, peer: PeerId) {
+        debug_assert!(!self.peers.contains_key(&peer), "{peer} is removed while in the run");
         self.catching_up.remove(&peer);
         let groups: Vec<GroupId> = self.snapshots.keys().copied().collect();
         for g in groups {
@@ -203,6 +210,7 @@ impl Master {
             return self.send_to_peer(peer, plan);
         };
         let ids: Vec<PeerId> = s.held.iter().copied().collect();
+        debug_assert!(s.held.is_subset(&s.answered), "a donor that never said it keeps a copy");
         let entries = self.catching_up[&peer]
             .entries
             .iter()
@@ -223,6 +231,7 @@ impl Master {
 
     /// Copies no newcomer needs any more are dropped.
     fn drop_unneeded_snapshots(&mut self) {
+        debug_assert!(self.catching_up.keys().all(|p| self.peers.contains_key(p)), "a newcomer gone catches up");
         let needed: BTreeSet<GroupId> = self.catching_up.keys().map(|p| self.peers[p].group).collect();
         let unneeded: Vec<GroupId> = self.snapshots.keys().copied().filter(|g| !needed.contains(g)).collect();
         for g in unneeded {

@@ -181,6 +181,8 @@ impl Master {
         master.reform_due = master.epoch != master.ring_epoch;
         master.arm_heartbeat_check();
         assert!(master.ring.iter().all(|p| master.peers[p].status == Status::Accepted), "the ring is accepted members");
+        debug_assert!(master.peers.keys().all(|p| p.0 < master.next_peer), "a restored id is handed out again");
+        debug_assert!(master.peers.values().all(|e| e.conn.is_none()), "a restored peer is attached before it rejoins");
         log::info!(
             "restored the run: {} peers ({} in the ring of topology {}); waiting for them to rejoin",
             master.peers.len(),
@@ -215,6 +217,11 @@ impl Master {
         self.send(conn, self.registered_message(peer));
         self.reform_if_due();
         assert_eq!(self.peers.get(&peer).and_then(|e| e.conn), Some(conn), "{peer} rejoined on another connection");
+        debug_assert_eq!(
+            self.conns.values().filter(|p| **p == peer).count(),
+            1,
+            "{peer} is reached on two connections"
+        );
     }
 
     /// Refuses connection `conn`'s `Rejoin` for `reason`, telling the peer: it must not come

@@ -320,7 +320,7 @@ impl Master {
         assert!(!config.heartbeat_timeout.is_zero(), "heartbeat timeout of zero");
         let mut timers = TimerTable::default();
         timers.set(Timer::SendHeartbeats, now + heartbeat_interval(config.heartbeat_timeout));
-        Master {
+        let master = Master {
             config,
             peers: BTreeMap::new(),
             conns: BTreeMap::new(),
@@ -351,7 +351,9 @@ impl Master {
             timers,
             outputs: VecDeque::new(),
             now,
-        }
+        };
+        debug_assert!(master.poll_timeout().is_some_and(|t| t > now), "a new master sends no heartbeat");
+        master
     }
 
     // ----- getters -----
@@ -409,6 +411,7 @@ impl Master {
         let Some(&peer) = self.conns.get(&conn) else {
             return self.handle_first_message(now, conn, message);
         };
+        debug_assert!(self.peers.get(&peer).is_some_and(|e| e.conn == Some(conn)), "{conn:?} names a peer gone");
         if session != self.config.session {
             return self.violation(peer, PeerMisbehaved::WrongSession { got: session });
         }
@@ -462,6 +465,10 @@ impl Master {
     /// `conn` closed (or its reader failed with `reason`).
     pub fn handle_disconnect(&mut self, now: Instant, conn: ConnId, reason: &str) {
         self.advance(now);
+        debug_assert!(
+            !self.conns.contains_key(&conn) || !self.challenges.contains_key(&conn),
+            "a peer's conn challenged"
+        );
         self.challenges.remove(&conn);
         if let Some(peer) = self.conns.get(&conn).copied() {
             self.remove_peer(peer, format!("control connection lost: {reason}"), Removal::Lost);
@@ -576,6 +583,8 @@ impl Master {
         }
         let peer = PeerId(self.next_peer);
         assert!(!self.peers.contains_key(&peer), "{peer} is issued twice");
+        debug_assert!(self.peers.keys().all(|p| *p < peer), "peer ids go back");
+
         self.next_peer = self.next_peer.checked_add(1).expect("peer ids exhausted");
         let entry = PeerEntry {
             conn: Some(conn),
@@ -601,6 +610,8 @@ impl Master {
     /// challenged and proves the run's secret. If not, it is answered, closed, logged and
     /// counted.
     fn proven(&mut self, now: Instant, conn: ConnId, first: &str, who: &str, proof: &[u8; 32]) -> bool {
+        debug_assert!(!self.conns.contains_key(&conn), "a peer's connection proves itself again");
+
         let Some(nonce) = self.challenges.remove(&conn) else {
             let reason = format!("{first} on a connection that was not challenged");
             if let Some(note) = self.refusals.admit(now) {
@@ -644,6 +655,10 @@ impl Master {
                 );
             }
         }
+        debug_assert!(
+            !(self.phase == Phase::Idle && self.ring.is_empty()) || self.registered().is_empty(),
+            "the first peers wait for a vote nobody can cast"
+        );
     }
 
     /// Issues a topology of the surviving ring when one is due and no major operation is open:
@@ -723,6 +738,11 @@ impl Master {
             let reason = format!("not ready in topology {} {bound:.1} s after the accepted peers", epoch.0);
             self.remove_peer(p, reason, Removal::Expelled);
         }
+        // Each removal re-issued the topology without the late member (or ended it: none left).
+        debug_assert!(
+            !matches!(&self.phase, Phase::AwaitingConnections { epoch: e, .. } if *e == epoch),
+            "{epoch:?} still waits for newcomers that were late"
+        );
     }
 
     /// `peer` reported on a collective: it is no newcomer at the top of its loop any more.
@@ -731,6 +751,7 @@ impl Master {
             e.fresh = false;
         }
         self.sent_on.remove(&peer);
+        debug_assert!(self.peers.get(&peer).is_none_or(|e| !e.fresh), "{peer} called, yet is fresh");
     }
 
     fn tally_topology_votes(&mut self) {
@@ -856,6 +877,7 @@ impl Master {
         if epoch != *current || !members.contains(&target) {
             return;
         }
+        debug_assert!(self.peers.contains_key(&reporter), "a report from {reporter}, which is gone");
         // A newcomer that an accepted peer cannot reach is rejected; between two accepted
         // peers we cannot tell who is at fault, and drop the one that was reported.
         log::warn!("{reporter} cannot reach {target}; removing {target} from the run");
@@ -864,6 +886,7 @@ impl Master {
     }
 
     fn vote_peers_pending(&mut self, now: Instant, peer: PeerId, collectives: u64) {
+        debug_assert!(self.peers.get(&peer).is_some_and(|e| e.status == Status::Accepted), "{peer} votes unaccepted");
         if let Phase::AwaitingConnections { epoch, .. } = self.phase {
             // Sent before the voter saw the topology: the members that did wait for the voter to
             // join it, and the vote for them. Not counted: the voter joins and votes again.
@@ -889,6 +912,7 @@ impl Master {
             self.announce_vote(peer, Vote::PeersPending, collectives);
         }
         self.tally_pending_votes();
+        debug_assert!(self.pending_vote.as_ref().is_none_or(|b| b.voters().contains(&peer)), "{peer}'s vote is lost");
     }
 
     fn tally_pending_votes(&mut self) {
@@ -908,6 +932,7 @@ impl Master {
         for p in quorum.voters() {
             self.send_to_peer(*p, Message::PeersPendingResult { pending });
         }
+        debug_assert!(self.pending_vote.is_none() && self.tentative.is_empty(), "a passed vote is still open");
     }
 
     /// Removes `peer` from the run. An expelled peer is told why first (it may be alive: frozen,
@@ -1036,6 +1061,9 @@ impl Master {
             Some(oldest) => self.timers.set(Timer::CheckHeartbeats, oldest + timeout + Duration::from_millis(1)),
             None => self.timers.clear(Timer::CheckHeartbeats),
         }
+        // Every silent peer is looked for in time: the check is due no later than the first
+        // peer's deadline passes.
+        debug_assert!(self.peers.is_empty() || self.timers.next_deadline().is_some(), "nobody watches the peers");
     }
 }
 

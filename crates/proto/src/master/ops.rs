@@ -68,6 +68,7 @@ impl Master {
             record.waiting.insert(peer);
         }
         self.settle(key);
+        debug_assert!(!decided || self.ops.get(&key).is_none_or(|r| r.outcome.is_some()), "a commit told is undecided");
         // Answered at once, or waiting for the others: never both.
         debug_assert!(
             self.ops.get(&key).is_none_or(|r| r.outcome.is_none() || r.waiting.is_empty()),
@@ -120,18 +121,30 @@ impl Master {
             Some(Outcome::Aborted(_)) => {}
         }
         assert!(self.ops.get(&key).is_none_or(|r| r.outcome.is_some()), "a failure reported leaves a verdict");
+        debug_assert!(self.ops.get(&key).is_none_or(|r| r.waiting.is_empty()), "a verdict left someone waiting");
     }
 
     /// A member left the run: collectives that waited only on it may now commit.
     pub(super) fn settle_ops_of(&mut self, peer: PeerId) {
+        debug_assert!(!self.peers.contains_key(&peer), "the collectives of {peer}, still in the run, are settled");
         let keys: Vec<OpKey> = self.ops.iter().filter(|(_, r)| r.members.contains(&peer)).map(|(k, _)| *k).collect();
         for key in keys {
             self.settle(key);
         }
+        // A removed member counts for nothing: once every live one finished, it committed.
+        debug_assert!(
+            self.ops
+                .values()
+                .all(|r| r.outcome.is_some()
+                    || r.members.iter().any(|p| self.peers.contains_key(p) && !r.done.contains(p))),
+            "a collective every live member finished is undecided"
+        );
     }
 
     /// A new topology replaces the ring: collectives of the old one that cannot commit abort.
     pub(super) fn close_ops(&mut self, next: Epoch) {
+        debug_assert_eq!(next, self.epoch, "the ring's collectives close for a topology issued");
+
         assert!(self.ops.keys().all(|(_, old, _)| *old < next), "a topology replaces only older ones");
         let keys: Vec<OpKey> = self.ops.keys().copied().collect();
         for key in keys {

@@ -27,6 +27,7 @@ impl Master {
         self.p2p_waits.insert(waiter, other);
         self.send_to_peer(other, Message::P2pWaits { peer: waiter, send, tag, seen, epoch, collectives });
         assert!(self.p2p_waits.iter().all(|(w, o)| w != o), "a member waits on itself");
+        debug_assert_eq!(self.p2p_waits.get(&waiter), Some(&other), "{waiter} waits on one transfer at a time");
     }
 
     /// `waiter`'s wait announced earlier is over.
@@ -43,6 +44,8 @@ impl Master {
         if self.p2p_waits.get(&waiter) != Some(&member) {
             return; // The wait ended meanwhile, or was never with this member.
         }
+        debug_assert!(self.peers.get(&member).is_some_and(|e| e.status == Status::Accepted), "{member} is no member");
+
         if misuse.ours.peers != [waiter] || misuse.theirs.peers != [member] {
             return self.violation(member, super::PeerMisbehaved::ApartNamesOthers { waiter });
         }

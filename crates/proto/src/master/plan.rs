@@ -114,6 +114,11 @@ impl Master {
         voter: PeerId,
         measured: Option<Vec<Measured>>,
     ) -> Result<(), super::PeerMisbehaved> {
+        debug_assert!(
+            !matches!(self.phase, super::Phase::AwaitingConnections { .. }),
+            "links measured while a topology connects"
+        );
+
         if let Some(links) = &measured {
             let mut seen = std::collections::BTreeSet::new();
             for l in links {
@@ -138,6 +143,7 @@ impl Master {
     /// A new plan over `voters` (in ring order) from what they measured; links to members that
     /// are gone are ignored.
     pub(super) fn make_plan(&mut self, voters: &[PeerId]) {
+        debug_assert!(self.every_voter_measured(voters), "a ring planned over links nobody measured");
         let mut links = Links::new(voters.len());
         for (i, v) in voters.iter().enumerate() {
             for m in self.measured.get(v).cloned().flatten().unwrap_or_default() {
@@ -152,6 +158,7 @@ impl Master {
         let after = tour_cost(&costs, &tour);
         let order: Vec<PeerId> = tour.iter().map(|&i| voters[i]).collect();
         assert!(same_members(&order, voters), "a planned ring holds every voter once");
+        debug_assert!(voters.len() > EXACT_MAX || after <= before, "an exact plan costs more than the voters' order");
         // A large group's matrix would flood the log: its lines at debug level.
         let level = if voters.len() <= LOGGED_MATRIX { log::Level::Info } else { log::Level::Debug };
         log::log!(level, "measured links (from -> to: round trip, rate):\n{}", describe(voters, &links));
@@ -177,6 +184,7 @@ impl Master {
     pub(super) fn planned(&mut self, members: Vec<PeerId>) -> Vec<PeerId> {
         let effort = self.config.search_effort;
         let Some(plan) = &mut self.plan else { return members };
+        debug_assert!(same_members(&plan.order, &plan.members), "the plan's order is not its members");
         plan.replanned = false;
         let kept: Vec<usize> =
             plan.order.iter().filter(|p| members.contains(p)).map(|p| index(&plan.members, *p)).collect();
@@ -200,6 +208,7 @@ impl Master {
     /// Takes what `from` reported of its links' saturated time; re-plans the ring if a link
     /// drifted (see the module docs).
     pub(super) fn watch_drift(&mut self, now: Instant, from: PeerId, report: &PeerReport) {
+        debug_assert!(self.peers.contains_key(&from), "links reported by {from}, which is gone");
         let Some(plan) = &mut self.plan else { return };
         let mut drifted = Vec::new();
         for l in &report.links {
@@ -279,6 +288,7 @@ impl Master {
         let effort = self.config.search_effort;
         let Some(plan) = &mut self.plan else { return };
         let Some(search) = &mut plan.search else { return };
+        debug_assert!(plan.members.len() > EXACT_MAX, "an exact plan is searched on");
         if search.run(kicks(plan.members.len(), SLICE, effort)) {
             let (tour, cost) = search.best();
             plan.order = tour.iter().map(|&i| plan.members[i]).collect();

@@ -101,6 +101,10 @@ impl Master {
         entries: Vec<StateDigest>,
         collectives: u64,
     ) {
+        debug_assert!(
+            self.peers.get(&peer).is_some_and(|e| e.status == super::Status::Accepted),
+            "{peer} is a newcomer"
+        );
         let Some(strategy) = Strategy::from_code(strategy) else {
             return self.violation(peer, super::PeerMisbehaved::UnknownStrategy { code: strategy });
         };
@@ -138,6 +142,10 @@ impl Master {
             self.announce_vote(peer, shoal_wire::Vote::SyncSharedState, collectives);
         }
         self.tally_sync(group);
+        debug_assert!(
+            self.syncs.get(&group).is_none_or(|s| s.votes.contains_key(&peer) || s.transfer.is_some()),
+            "{peer}'s sync vote is lost"
+        );
     }
 
     pub(super) fn sync_done(&mut self, peer: PeerId, round: u64) {
@@ -148,6 +156,10 @@ impl Master {
         }
         self.settle_sync(group);
         debug_assert!(self.syncs.get(&group).is_none_or(|s| s.round >= round), "a sync's round moves forward");
+        debug_assert!(
+            self.syncs.contains_key(&group) || self.group_states.contains_key(&group),
+            "a completed sync left no state"
+        );
     }
 
     pub(super) fn sync_failed(&mut self, peer: PeerId, round: u64, reason: String) {
@@ -160,6 +172,8 @@ impl Master {
 
     /// A member left: it no longer votes, and nobody waits for it to finish.
     pub(super) fn sync_member_removed(&mut self, peer: PeerId) {
+        debug_assert!(!self.peers.contains_key(&peer), "{peer} leaves the syncs while in the run");
+
         let groups: Vec<GroupId> = self.syncs.keys().copied().collect();
         for group in groups {
             let sync = self.syncs.get_mut(&group).expect("listed");
@@ -183,6 +197,7 @@ impl Master {
     /// Ends every sync of `group` (or of every group) with an error for its voters.
     pub(super) fn abort_sync(&mut self, group: GroupId, retryable: bool, reason: Reason) {
         let Some(sync) = self.syncs.remove(&group) else { return };
+        debug_assert!(sync.ballot.voters().iter().eq(sync.votes.keys()), "a sync's ballot counts a vote it never got");
         self.counters.syncs_aborted += 1;
         log::warn!("sync {} aborted: {reason}", sync.round);
         // While voting, every member of the group hears of it: the vote was announced to them.
@@ -393,6 +408,8 @@ fn popular(hashes: impl Iterator<Item = [u8; 32]>) -> [u8; 32] {
 }
 
 fn describe_layout_difference(a: PeerId, va: &Vote, b: PeerId, vb: &Vote) -> String {
+    debug_assert!(a != b && va.entries != vb.entries, "{a}'s layout differs from itself");
+
     let show = |e: &StateDigest| {
         format!(
             "{:?} (dtype {}, shape {:?}{})",

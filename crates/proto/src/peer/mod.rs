@@ -437,6 +437,14 @@ impl Peer {
             last_apart: false,
             config,
         }
+        .checked_new()
+    }
+
+    /// A peer just made: in no call, in the run, with nothing to say yet.
+    fn checked_new(self) -> Self {
+        debug_assert!(!self.busy() && self.gone().is_none() && self.outbox.is_empty(), "a new peer is in a call");
+        debug_assert!(self.poll_timeout().is_some(), "a new peer sends no heartbeat");
+        self
     }
 
     /// How long a stalled collective waits for the live members' bytes once a member it has
@@ -483,6 +491,7 @@ impl Peer {
         self.last_heard = now;
         self.progress(now);
         assert!(self.reconnecting().is_none(), "a rejoin in flight dials again");
+        debug_assert!(matches!(self.outbox.front(), Some(Message::Rejoin { .. })), "Rejoin goes out first");
     }
 
     /// Whether [`Peer::handle_timeout`] at `now` sends a heartbeat: the moment for the driver
@@ -638,6 +647,10 @@ impl Peer {
         now: Instant,
     ) {
         let Some((me, _)) = self.view.registered else { return };
+        debug_assert!(
+            collective.is_none_or(|(op, _)| self.view.committed.as_ref().is_some_and(|(e, _)| op.epoch <= *e)),
+            "a collective of a topology never committed waits"
+        );
         let ours = collective.map(|(op, api)| (api, Some(op))).or_else(|| self.voting(call).map(|api| (api, None)));
         let Some((api, op)) = ours else { return };
         let at = op.map(|op| shoal_wire::Point { epoch: op.epoch, collectives: op.seq.0 });
@@ -692,6 +705,7 @@ impl Peer {
             self.actions.push_back(Action::Done { call: id, result: Err(CallError::Busy(Api::Connect)) });
             return id;
         }
+        debug_assert!(self.view.committed.is_none() && self.taken_up.is_none(), "a newcomer runs in a topology");
         self.call = Some((id, now + bound, Call::Registering { join: Some((group, data_addr)) }));
         self.progress(now);
         assert!(self.busy() || self.gone().is_some() || self.has_action(), "connect neither runs nor ended");
@@ -715,6 +729,7 @@ impl Peer {
         debug_assert!(self.queue.iter().all(|q| q.id < id), "call ids go forward");
         self.queue.push_back(Queued { id, kind, deadline: now + bound });
         self.progress(now);
+        debug_assert!(self.busy() || self.has_action(), "{id:?} neither runs nor ended");
         id
     }
 
@@ -729,6 +744,7 @@ impl Peer {
             Ok(PeerEvent::PeerRemoved(peer)) => {
                 self.removed_at.entry(*peer).or_insert(now);
                 self.view.waiters.remove(peer);
+                debug_assert!(self.removed(*peer), "{peer} removed, yet a member");
             }
             Ok(PeerEvent::MemberWaits(peer)) => self.member_waits(*peer),
             Ok(PeerEvent::P2pApart { peer, misuse }) => {
@@ -765,6 +781,7 @@ impl Peer {
                 self.progress(now)
             }
         }
+        assert!(event.is_ok() || self.gone().is_some(), "a master that broke the protocol is kept");
         event
     }
 
@@ -775,6 +792,7 @@ impl Peer {
         if self.gone().is_some() {
             return self.progress(now);
         }
+        debug_assert!(matches!(self.link, Link::Up | Link::Reconnecting { .. }), "a lost master's link fails again");
         let until = match self.link {
             // The new connection broke too: the first break's time still counts.
             Link::Reconnecting { until, .. } => until,
@@ -783,7 +801,9 @@ impl Peer {
         if !self.config.reconnect || self.view.registered.is_none() || now >= until {
             log::warn!("master lost: {reason}");
             self.set_link(Link::Lost(reason));
-            return self.progress(now);
+            self.progress(now);
+            debug_assert!(!self.busy(), "a call outlives the master");
+            return;
         }
         log::warn!(
             "control connection lost ({reason}); dialing the master again for {:.1} s",
@@ -824,6 +844,7 @@ impl Peer {
 
     /// The master took us back after a broken connection: what awaited its answer asks again.
     fn rejoined(&mut self, now: Instant) {
+        debug_assert!(self.view.registered.is_some(), "rejoined before we were registered");
         if matches!(self.link, Link::Reconnecting { .. }) {
             self.set_link(Link::Up);
         }
@@ -844,6 +865,11 @@ impl Peer {
 
     /// Time passed: heartbeats fall due, a silent master is lost, bounds end.
     pub fn handle_timeout(&mut self, now: Instant) {
+        // Only a registered peer dials the master again; a newcomer's master is lost at once.
+        debug_assert!(
+            self.view.registered.is_some() || !matches!(self.link, Link::Reconnecting { .. }),
+            "an unregistered peer dials the master again"
+        );
         if self.gone().is_none() {
             let silent = now.saturating_duration_since(self.last_heard);
             let reconnecting = match &self.link {
@@ -885,6 +911,7 @@ impl Peer {
         if self.gone().is_some() {
             return None;
         }
+        debug_assert!(self.call.is_none() || self.ops.is_empty(), "a call that runs alone runs beside collectives");
         let call = self.call.as_ref().map(|(_, deadline, _)| *deadline);
         let queued = self.queue.iter().map(|q| q.deadline);
         let ops = self.ops.values().map(|o| match &o.stage {
@@ -927,6 +954,7 @@ impl Peer {
         }
         *establishing = None;
         *handled = Some(epoch);
+        debug_assert!(self.ops.is_empty(), "a topology is established beside collectives");
         match outcome {
             Established::Ready => {
                 // Before the report: its commit may come before the driver returns.
@@ -936,12 +964,18 @@ impl Peer {
             Established::Unreachable(peer) => self.outbox.push_back(Message::PeerUnreachable { epoch, peer }),
             Established::Superseded => {}
         }
+        debug_assert!(!self.establishing(epoch), "{epoch:?} is established twice by one call");
         self.progress(now);
     }
 
     /// The data plane's news of collective `op`.
     pub fn handle_collective(&mut self, op: OpId, progress: OpProgress, now: Instant) {
         let Some(stage) = self.ops.get(&op).map(|o| o.stage.clone()) else { return };
+        debug_assert!(
+            self.taken_up.as_ref().is_some_and(|p| p.epoch == op.epoch),
+            "{op} runs outside the topology taken up"
+        );
+        let failed_running = matches!((&progress, &stage), (OpProgress::Failed(_), OpStage::Running));
         match (progress, stage) {
             (OpProgress::DataDone, OpStage::Running) => self.set_stage(op, OpStage::Lap),
             (OpProgress::Confirmed, OpStage::Lap) => {
@@ -968,6 +1002,10 @@ impl Peer {
             // The peer stopped it already (a verdict, a lost member, the bound): its decision stands.
             _ => {}
         }
+        debug_assert!(
+            !failed_running || self.ops.get(&op).is_none_or(|o| o.stage != OpStage::Running),
+            "{op} failed here and runs on"
+        );
         self.progress(now);
     }
 
@@ -1011,6 +1049,7 @@ impl Peer {
             return;
         }
         *stage = SyncStage::Reported { round, revision };
+        debug_assert!(self.ops.is_empty(), "a sync runs beside collectives");
         debug_assert!(!self.outbox.iter().any(|m| matches!(m, Message::SyncDone { round: r } if *r == round)));
         self.outbox.push_back(match fetched {
             Ok(()) => Message::SyncDone { round },
@@ -1090,6 +1129,7 @@ impl Peer {
     /// together ([`PeerView::settled_here`]), a collective that they failed
     /// ([`PeerView::fail_next`]).
     fn ended_apart(&mut self, id: CallId, kind: &CallKind) -> bool {
+        debug_assert!(self.view.committed.is_some(), "{id:?} ends apart outside any topology");
         if let CallKind::Collective(api) = kind {
             let Some((epoch, seq, failure)) = self.view.fail_next() else { return false };
             self.calling(seq, Made::api(*api));
@@ -1229,6 +1269,7 @@ impl Peer {
     /// Out of calls, with our last one ended apart: the members waiting on us at its point end
     /// ([`Peer::member_waits`]).
     fn settle_waiters(&mut self) {
+        debug_assert!(self.view.registered.is_some() || self.view.waiters.is_empty(), "a wait on a newcomer");
         let idle = self.call.is_none() && self.ops.is_empty() && self.queue.is_empty();
         let (Some((epoch, collectives, ours)), Some((me, _)), true) = (self.apart(), self.view.registered, idle) else {
             return;
@@ -1279,6 +1320,7 @@ impl Peer {
     /// Ends collective `op`.
     fn end_op(&mut self, op: OpId, result: Result<Value, CallError>) {
         let Some(o) = self.ops.remove(&op) else { return };
+        debug_assert!(self.call.is_none(), "{op} ended beside a call that runs alone");
         if matches!(&result, Err(CallError::Aborted { failure, .. }) if failure.kind == FailureKind::Misuse) {
             self.last_apart = self.last_call.is_some_and(|(e, seq, _)| (e, seq) == (op.epoch, op.seq.0));
             self.settle_waiters();
@@ -1300,6 +1342,7 @@ impl Peer {
     }
 
     fn set_stage(&mut self, op: OpId, stage: OpStage) {
+        debug_assert!(self.ops.contains_key(&op), "{op} changes stage out of flight");
         if let Some(o) = self.ops.get_mut(&op) {
             // Forward only: running, then the lap, then a question to the master (asked again of
             // a restarted master); a failure reported only while running or in the lap.
@@ -1319,6 +1362,7 @@ impl Peer {
     /// failure (another participant's, say a mismatch, rather than the closed stream that
     /// followed it). An abort already decided is the answer.
     fn report(&mut self, op: OpId, failure: OpFailure, now: Instant) {
+        debug_assert!(self.ops.contains_key(&op), "{op} reports a failure out of flight");
         if let Some(Verdict::Aborted(f)) = self.view.verdicts.remove(&(op.epoch, op.seq.0)) {
             return self.end_op(op, Err(CallError::Aborted { op, failure: f }));
         }
@@ -1332,6 +1376,7 @@ impl Peer {
     /// verdict comes within ours and a heartbeat timeout, or the master is as good as lost.
     fn ask(&mut self, op: OpId, reason: &str, now: Instant) {
         let Some(deadline) = self.ops.get(&op).map(|o| o.deadline) else { return };
+        debug_assert!(!matches!(self.ops[&op].stage, OpStage::Reporting(..)), "{op} failed here, yet asks");
         log::info!("{op} finished here, asking the master ({reason})");
         self.set_stage(op, OpStage::Asking(deadline.max(now) + self.config.heartbeat_timeout));
         self.outbox.push_back(Message::OpDone { epoch: op.epoch, seq: op.seq.0, decided: false });
@@ -1340,6 +1385,7 @@ impl Peer {
 
     /// Makes every move the calls can make now.
     fn progress(&mut self, now: Instant) {
+        debug_assert!(self.queue.iter().zip(self.queue.iter().skip(1)).all(|(a, b)| a.id < b.id), "calls out of order");
         if let Some(gone) = self.gone() {
             self.end_all(gone);
             return self.check();
@@ -1380,6 +1426,7 @@ impl Peer {
 
     /// We are out of the run: every call ends.
     fn end_all(&mut self, gone: Gone) {
+        debug_assert!(self.gone().as_ref() == Some(&gone), "calls end for another reason than ours: {gone:?}");
         let mut ended: Vec<CallId> = self.call.take().map(|(id, ..)| id).into_iter().collect();
         ended.extend(std::mem::take(&mut self.ops).into_values().map(|o| o.call));
         ended.extend(self.queue.drain(..).map(|q| q.id));
@@ -1412,6 +1459,7 @@ impl Peer {
             };
         if ready {
             let Queued { id, kind, deadline } = self.queue.pop_front().expect("a call waits");
+            debug_assert!(self.ops.values().all(|o| o.call < id), "{id:?} begins before a call made earlier");
             self.begin(id, kind, deadline);
         }
         assert!(self.ops.len() <= self.config.max_in_flight.max(1), "more collectives in flight than allowed");
@@ -1421,9 +1469,11 @@ impl Peer {
     /// One move of the call that runs alone; false when it waits for something.
     fn step(&mut self, now: Instant) -> bool {
         let Some((id, deadline, call)) = self.call.clone() else { return false };
+        debug_assert!(self.ops.is_empty() && self.gone().is_none(), "{id:?} runs alone, in the run");
         match call {
             Call::Registering { join: Some((group, data_addr)) } => match self.view.challenge {
                 Some(nonce) => {
+                    debug_assert!(self.view.registered.is_none(), "Join goes out once registered");
                     let proof = self.config.key.as_ref().map_or([0; 32], |key| key.prove(&nonce));
                     self.outbox.push_back(Message::Join { group, data_addr, proof });
                     self.call = Some((id, deadline, Call::Registering { join: None }));
@@ -1433,6 +1483,7 @@ impl Peer {
             },
             Call::Registering { join: None } => match self.view.registered {
                 Some((me, session)) => {
+                    debug_assert!(self.taken_up.is_none(), "a newcomer runs in a topology before it joined");
                     let data_key = self.view.data_key.clone().expect("registered with the run's data key");
                     self.actions.push_back(Action::Registered { me, session, data_key });
                     let call = Call::Topology { purpose: Purpose::Connect, handled: None, establishing: None };
@@ -1471,6 +1522,7 @@ impl Peer {
                         if let Some((_, _, Call::Topology { establishing, .. })) = &mut self.call {
                             *establishing = Some(epoch);
                         }
+                        debug_assert!(self.establishing(epoch), "{id:?} ended as it began to establish");
                     }
                     Some(TopologyStep::InForce(..)) => {
                         self.take_up();
@@ -1501,6 +1553,7 @@ impl Peer {
     }
 
     fn step_sync(&mut self, id: CallId, deadline: Instant, stage: SyncStage, now: Instant) -> bool {
+        debug_assert!(matches!(&self.call, Some((c, _, Call::Sync(_))) if *c == id), "{id:?} is no sync");
         match stage {
             SyncStage::Voted(ballot) => {
                 if let Some((round, Err(SyncAbort { retryable, reason }))) = self.view.sync_end.take() {
@@ -1533,6 +1586,7 @@ impl Peer {
                             Err(SyncAbort { retryable, reason }) => Err(sync_failed(retryable, reason)),
                         },
                     );
+                    debug_assert!(self.call.is_none(), "{id:?} ended and runs on");
                     true
                 }
                 _ => self.timed_out(id, deadline, now),
@@ -1628,6 +1682,8 @@ impl Peer {
     /// Ends the call that runs alone with a timeout once `deadline` passed; false (it waits)
     /// otherwise.
     fn timed_out(&mut self, id: CallId, deadline: Instant, now: Instant) -> bool {
+        debug_assert!(self.call.as_ref().is_some_and(|(c, ..)| *c == id), "{id:?} times out, yet never ran");
+
         if now >= deadline {
             self.finish(id, Err(CallError::Timeout));
             assert!(self.call.as_ref().is_none_or(|(c, ..)| *c != id), "{id:?} timed out, yet runs");
@@ -1640,6 +1696,8 @@ impl Peer {
 /// Member `waiter`'s transfer with us (`note`) and our call `ours` can never complete together
 /// (`ended`: ours ended already, as one of calls that cannot complete together).
 fn p2p_misuse(waiter: PeerId, note: &WaitNote, me: PeerId, ours: Made, ended: bool) -> Misuse {
+    debug_assert!(waiter != me, "we wait on ourselves");
+
     let misuse = Misuse::new(
         Called::new([waiter], Made::Transfer { send: note.send, peer: me, tag: note.tag }),
         Called::new([me], ours),

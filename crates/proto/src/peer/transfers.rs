@@ -184,6 +184,7 @@ impl<T, E> Transfers<T, E> {
         };
         let first = self.calls.values().find(|t| apart(peer, t)).map(Transfer::call);
         let settled = first.and_then(|call| peer.p2p_settled(call));
+        debug_assert!(settled.is_none() || first.is_some(), "a transfer told of calls it is not among");
         let mut stopped: Vec<(CallId, Stop<E>)> = Vec::new();
         for (call, t) in &mut self.calls {
             let stop = if peer.removed(t.peer) {
@@ -201,9 +202,11 @@ impl<T, E> Transfers<T, E> {
             };
             stopped.extend(stop.map(|s| (*call, s)));
         }
+        let ended = self.ended.len() + stopped.len();
         for (call, stop) in stopped {
             self.end(call, Err(stop));
         }
+        debug_assert_eq!(self.ended.len(), ended, "a transfer stopped is not ended once");
         assert!(
             self.calls.values().all(|t| now < t.deadline || t.failing.is_some()),
             "a transfer past its bound is neither ended nor held"
@@ -261,8 +264,10 @@ impl<T, E> Transfers<T, E> {
 
     fn end(&mut self, call: CallId, result: Result<(), Stop<E>>) {
         let Some(mut transfer) = self.calls.remove(&call) else { return };
+        debug_assert!(self.ended.iter().all(|e| e.call != call), "{call:?} ends twice");
         transfer.failing = None;
         self.ended.push_back(Ended { call, transfer, result });
+
         assert!(!self.calls.contains_key(&call), "{call:?} ended, yet in flight");
     }
 }

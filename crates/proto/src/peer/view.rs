@@ -330,6 +330,7 @@ impl PeerView {
                 self.registered = Some((peer, session));
                 self.data_key = Some(DataKey(data_key));
                 self.heartbeat_interval = Some(Duration::from_millis(heartbeat_ms.max(1).into()));
+                debug_assert!(self.committed.is_none() && self.issued.is_none(), "a topology before registration");
                 PeerEvent::Registered
             }
             Message::PeerRemoved { peer } => {
@@ -359,6 +360,11 @@ impl PeerView {
                     self.queried.remove(&(e, s));
                     self.never_started(e, s);
                 }
+                debug_assert!(self.vote_open.is_none(), "a vote announced in the topology left still blocks");
+                debug_assert!(
+                    self.queried.iter().all(|&(e, s)| !self.never_starts(e, s)),
+                    "a query about a collective that never starts waits for it"
+                );
                 PeerEvent::TopologyIssued(epoch)
             }
             Message::TopologyCommitted { epoch } => match self.issued.take() {
@@ -387,6 +393,11 @@ impl PeerView {
                     self.verdicts.retain(|(e, _), _| *e >= epoch);
                     self.queried.retain(|(e, _)| *e >= epoch);
                     self.committed_ops.retain(|(e, _)| *e >= epoch);
+                    debug_assert!(self.issued.is_none() && self.ready_in.is_none(), "a commit leaves {epoch:?} issued");
+                    debug_assert!(
+                        self.missed.iter().all(|(e, _, f)| *e < epoch && f.kind != FailureKind::Misuse),
+                        "a collective missed in the topology in force"
+                    );
                     PeerEvent::TopologyCommitted(epoch)
                 }
                 other => {
@@ -434,6 +445,15 @@ impl PeerView {
                 if self.announced.as_ref().is_none_or(|o| o.epoch != epoch || collectives < o.collectives) {
                     self.announced = Some(open);
                 }
+                // The vote that blocks is the earliest voter's: a later count blocks nothing more.
+                debug_assert!(self
+                    .vote_open
+                    .as_ref()
+                    .is_some_and(|o| o.epoch == epoch && o.collectives <= collectives));
+                debug_assert!(self
+                    .announced
+                    .as_ref()
+                    .is_some_and(|o| o.epoch == epoch && o.collectives <= collectives));
                 PeerEvent::Nothing
             }
             Message::PeersPendingAborted { retry, reason } => {
@@ -503,6 +523,10 @@ impl PeerView {
                 } else {
                     self.queried.insert((epoch, seq));
                 }
+                debug_assert!(
+                    !self.queried.contains(&(epoch, seq)) || !(committed || self.never_starts(epoch, seq)),
+                    "a query answered now is kept to answer later"
+                );
                 PeerEvent::Query { epoch, seq, committed }
             }
             Message::Kicked { reason } => {
@@ -536,6 +560,10 @@ impl PeerView {
     /// If no topology is in force: the caller checks that it is connected first.
     pub fn start_collective(&mut self) -> Result<(Epoch, u64), (Epoch, u64, OpFailure)> {
         if let Some(missed) = self.missed.pop_front() {
+            debug_assert!(
+                self.committed.as_ref().is_some_and(|(c, _)| missed.0 < *c),
+                "a collective missed in the topology in force"
+            );
             // It failed in the topology we left, like the others' calls of it.
             self.failed_in = self.failed_in.max(Some(missed.0));
             return Err(missed);
@@ -562,6 +590,8 @@ impl PeerView {
         self.started += 1;
         self.failed_in = self.failed_in.max(Some(epoch));
         self.called();
+        debug_assert!(self.settled_here.is_none() && self.announced.is_none(), "a call made keeps older news");
+
         assert!(self.failed_in >= Some(epoch), "a failure this peer took on is forgotten");
         Some(failed)
     }
@@ -576,6 +606,7 @@ impl PeerView {
     /// earlier call of that kind left behind, and the collective it missed (a vote is another
     /// call); returns the count of collectives the vote carries (`VoteOpened`).
     pub fn cast_vote(&mut self, vote: Vote) -> u64 {
+        debug_assert!(self.committed.is_some(), "a vote cast outside any topology");
         self.missed.clear();
         self.called();
         match vote {
@@ -594,6 +625,7 @@ impl PeerView {
     /// unreachable) topology `handled` so far; `voting` when the call is our `update_topology`
     /// vote. `None`: wait for the master.
     pub fn topology_step(&mut self, handled: Option<Epoch>, voting: bool) -> Option<TopologyStep> {
+        debug_assert!(self.registered.is_some(), "a call waits for a topology before registration");
         if voting {
             match self.vote_aborted.take() {
                 Some(VoteAbort::Retry) => return Some(TopologyStep::VoteRefused),
@@ -614,6 +646,9 @@ impl PeerView {
     /// Whether collective `seq` of `epoch`, still moving data here with `waits_on`, must stop.
     /// The driver asks before it sleeps: what the master said since may end it.
     pub fn interrupt(&self, epoch: Epoch, seq: u64, api: Api, waits_on: &[PeerId]) -> Option<Interrupt> {
+        // A collective running here was started here, in a topology committed.
+        let in_force = self.committed.as_ref().map(|(e, _)| *e);
+        debug_assert!(in_force.is_some_and(|c| epoch < c || (epoch == c && seq < self.started)), "{seq} never started");
         if let Some(Verdict::Aborted(f)) = self.verdicts.get(&(epoch, seq)) {
             return Some(Interrupt::Aborted(f.clone()));
         }
@@ -627,6 +662,8 @@ impl PeerView {
     /// Whether the confirmation lap of collective `seq` of `epoch` (among `members`) must stop;
     /// takes the verdict if there is one.
     pub fn lap_interrupt(&mut self, epoch: Epoch, seq: u64, members: &[PeerId]) -> Option<LapInterrupt> {
+        debug_assert!(members.len() >= 2, "a lap of {} member", members.len());
+        debug_assert!(self.committed.as_ref().is_some_and(|(c, _)| epoch <= *c), "a lap in a topology never committed");
         if let Some(v) = self.verdicts.remove(&(epoch, seq)) {
             return Some(LapInterrupt::Verdict(v));
         }
@@ -682,6 +719,8 @@ impl PeerView {
     /// and newcomers are admitted at the next vote every peer makes. Consumes the failure.
     pub fn vote_needed(&mut self) -> bool {
         let committed = self.committed.as_ref().map(|(e, _)| *e);
+        debug_assert!(self.failed_in <= committed, "a failure in a topology never committed");
+
         if self.failed_in.is_some_and(|failed| committed > Some(failed)) {
             self.failed_in = None;
             return false;
@@ -865,6 +904,9 @@ mod tests {
     fn a_running_collective_is_interrupted_by_an_abort_a_blocking_vote_or_a_lost_member() {
         let mut v = registered_alone();
         commit(&mut v, 1);
+        for _ in 0..3 {
+            v.start_collective().unwrap();
+        }
         let members = [PeerId(0), PeerId(1)];
         assert_eq!(v.interrupt(Epoch(1), 2, Api::AllReduce, &members), None);
         v.handle_message(Message::PeerRemoved { peer: PeerId(1) }).unwrap();
