@@ -1294,11 +1294,12 @@ impl Peer {
     /// Ends the call that runs alone (or a queued one): the driver hears of it, and the retry
     /// rule of how it ended ([`PeerView::vote_needed`]).
     fn finish(&mut self, id: CallId, result: Result<Value, CallError>) {
-        if matches!(result, Err(CallError::Misuse(_) | CallError::SyncFailed { retryable: false, .. })) {
-            self.view.told = true;
-            self.last_apart = true;
-        }
-        if matches!(&result, Err(CallError::Aborted { failure, .. }) if failure.kind == FailureKind::Misuse) {
+        let told = matches!(result, Err(CallError::Misuse(_) | CallError::SyncFailed { retryable: false, .. }));
+        self.view.told |= told;
+        let misuse = matches!(&result, Err(CallError::Aborted { failure, .. }) if failure.kind == FailureKind::Misuse);
+        // Ended apart, unless a call was made since (queued behind this one, by another thread):
+        // then that one is our last, and it has not met anyone yet.
+        if (told || misuse) && self.last_call.is_some() {
             self.last_apart = true;
         }
         match &result {

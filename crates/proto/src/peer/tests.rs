@@ -294,6 +294,25 @@ fn a_refused_vote_joins_the_issued_topology_and_votes_again() {
     assert_eq!(actions(&mut p), vec![done(Err(CallError::Misuse(apart())))]);
 }
 
+/// A call made while our vote runs (from another thread) waits behind it; the vote then ends with
+/// a usage error, and the queued call begins by joining a topology issued meanwhile. That call is
+/// our last call made, so nothing ended apart at our point: this broke the peer's own invariant
+/// and panicked its driver before (found by the fuzzer).
+#[test]
+fn a_vote_ended_apart_with_a_call_queued_behind_it_leaves_that_call_to_run() {
+    let (mut p, t0) = joined(&[0, 1]);
+    p.call(CallKind::UpdateTopology, BOUND, t0);
+    assert_eq!(sent(&mut p), vec![Message::VoteUpdateTopology { collectives: 0, measured: None }]);
+    p.call(CallKind::Collective(Api::AllReduce), BOUND, t0);
+    p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1]), limits: None }, t0).unwrap();
+    assert!(matches!(&actions(&mut p)[..], [Action::Establish { position, .. }] if position.epoch == Epoch(2)));
+    p.handle_message(Message::TopologyVoteAborted { retry: false, reason: apart().into() }, t0).unwrap();
+    let ended = actions(&mut p);
+    assert_eq!(ended[0], done(Err(CallError::Misuse(apart()))));
+    assert!(matches!(&ended[1..], [Action::Establish { position, .. }] if position.epoch == Epoch(2)), "{ended:?}");
+    assert_eq!(p.apart(), None, "the collective is our last call, and it joins the topology");
+}
+
 /// Peer 1 ran a collective while peer 2 voted sync_shared_state: both ended with a usage error,
 /// and the ring re-formed. This peer was in no call at that point; its sync_shared_state comes
 /// later. It used to join the re-formed ring and wait there for the others, who are in no call,
