@@ -63,17 +63,19 @@ impl OpCounters {
         self.duration_sum_us = self.duration_sum_us.saturating_add(micros);
     }
 
-    /// Adds `other`'s counts to these.
+    /// Adds `other`'s counts to these. They are a peer's word, so they saturate rather than
+    /// overflow, however large.
     pub fn add(&mut self, other: &OpCounters) {
-        self.started += other.started;
-        self.succeeded += other.succeeded;
-        self.failed += other.failed;
-        self.tx_bytes += other.tx_bytes;
-        self.rx_bytes += other.rx_bytes;
+        let sum = |a: &mut u64, b: u64| *a = a.saturating_add(b);
+        sum(&mut self.started, other.started);
+        sum(&mut self.succeeded, other.succeeded);
+        sum(&mut self.failed, other.failed);
+        sum(&mut self.tx_bytes, other.tx_bytes);
+        sum(&mut self.rx_bytes, other.rx_bytes);
         for (a, b) in self.durations.iter_mut().zip(other.durations) {
-            *a += b;
+            sum(a, b);
         }
-        self.duration_sum_us = self.duration_sum_us.saturating_add(other.duration_sum_us);
+        sum(&mut self.duration_sum_us, other.duration_sum_us);
     }
 }
 

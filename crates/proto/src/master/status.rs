@@ -59,8 +59,14 @@ impl Totals {
                 .add(o);
         }
         for (cause, n) in &report.failures {
-            *self.failures.entry(cause.clone()).or_default() += n;
+            let count = self.failures.entry(cause.clone()).or_default();
+            *count = count.saturating_add(*n);
         }
+        debug_assert!(report.ops.iter().all(|o| self.ops.contains_key(&o.kind)), "a kind reported is not counted");
+        debug_assert!(
+            report.failures.iter().all(|(c, _)| self.failures.contains_key(c)),
+            "a cause reported is not counted"
+        );
     }
 }
 
@@ -159,6 +165,8 @@ impl Master {
             ranks.insert(*p, *n);
             *n += 1;
         }
+        debug_assert_eq!(ranks.len(), self.ring.len(), "a ring member twice");
+        debug_assert!(self.reports.keys().all(|p| self.peers.contains_key(p)), "a report of a peer gone");
         let peers = self
             .peers
             .iter()

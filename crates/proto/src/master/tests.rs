@@ -1310,6 +1310,27 @@ fn link_totals_at_the_top_of_their_range_add_up_without_overflow() {
     assert!(h.master.peers().any(|(p, _)| p == from), "still in the run");
 }
 
+/// Counts in reports are a peer's word too: two peers reporting counts at the top of their range
+/// leave the run's totals at the top, not wrapped round (or a panicking status page).
+#[test]
+fn reported_counts_at_the_top_of_their_range_saturate_in_the_totals() {
+    let (mut h, _) = run_with(2);
+    let top = shoal_wire::OpCounters {
+        kind: "all_reduce".into(),
+        started: u64::MAX,
+        tx_bytes: u64::MAX,
+        durations: [u64::MAX; shoal_wire::DURATION_BUCKETS],
+        ..Default::default()
+    };
+    let report = PeerReport { ops: vec![top], failures: vec![("peer_lost".into(), u64::MAX)], ..Default::default() };
+    h.send(1, Message::Report { report: report.clone() });
+    h.send(2, Message::Report { report });
+    let totals = h.master.status(h.now).totals;
+    assert_eq!((totals.ops["all_reduce"].started, totals.ops["all_reduce"].tx_bytes), (u64::MAX, u64::MAX));
+    assert!(totals.ops["all_reduce"].durations.iter().all(|d| *d == u64::MAX));
+    assert_eq!(totals.failures["peer_lost"], u64::MAX);
+}
+
 /// A kept run that does not hold together is refused, saying what is wrong with it.
 #[test]
 fn a_kept_run_that_no_master_wrote_is_refused_with_its_fault() {
