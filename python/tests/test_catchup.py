@@ -130,18 +130,20 @@ def test_a_catch_up_with_nothing_to_fetch_or_another_state_is_answered_at_once()
     def state(name: str, value: float) -> shoal.SharedState:
         return shoal.SharedState({name: np.full(4, value, np.float32)})
 
-    with shoal.Master("127.0.0.1:0") as master, shoal.Communicator(master.address) as first:
+    group = 4  # any but 0: the state caught up with is the group's
+
+    with shoal.Master("127.0.0.1:0") as master, shoal.Communicator(master.address, peer_group=group) as first:
         # The first peer: nobody holds a state to fetch.
         info = first.connect(timeout=10, catch_up=state("w", 1))
         assert info is not None and info.revision is None and "no shared state" in (info.skipped or "")
         first.sync_shared_state(state("w", 1))
         other = state("other", 0)
-        with shoal.Communicator(master.address) as second:
+        with shoal.Communicator(master.address, peer_group=group) as second:
             with pytest.raises(shoal.UsageError, match='the run has "w" where peer#1 has "other"'):
                 second.connect(timeout=10, catch_up=other)
         assert other.tensors["other"].tolist() == [0, 0, 0, 0], "nothing written"
         # No sync comes: the catch-up ends with connect's own bound, not SHOAL_TIMEOUT's.
-        with shoal.Communicator(master.address) as late:
+        with shoal.Communicator(master.address, peer_group=group) as late:
             started = time.monotonic()
             with pytest.raises(shoal.ShoalTimeoutError, match="next sync"):
                 late.connect(timeout=1, catch_up=state("w", 0))
@@ -156,7 +158,7 @@ def test_a_catch_up_with_nothing_to_fetch_or_another_state_is_answered_at_once()
             first.update_topology()
 
         mine = state("w", 0)
-        with shoal.Communicator(master.address) as third:
+        with shoal.Communicator(master.address, peer_group=group) as third:
             t = threading.Thread(target=member)
             t.start()
             seen = []

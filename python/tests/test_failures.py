@@ -56,9 +56,10 @@ def result(p: subprocess.Popen, timeout: float = 60) -> dict:
 def test_survivors_fail_fast_and_carry_on_without_the_lost_peer(sig, retry_only, transport):
     """Both loop shapes recover: one that votes update_topology after the error, and one that
     simply retries (the master re-forms the ring by itself; a retry once failed forever). Over
-    shared memory (peers on one host) and over TCP."""
+    shared memory (peers on one host) and over TCP, the latter in a peer group other than 0."""
     with shoal.Master("127.0.0.1:0", heartbeat_timeout=HEARTBEAT_TIMEOUT) as master:
-        procs = start_survivors(master, 3, retry_only=retry_only, transport=transport)
+        group = 6 if transport == "tcp" else 0
+        procs = start_survivors(master, 3, retry_only=retry_only, transport=transport, group=group)
         victim, survivors = procs[1], [procs[0], procs[2]]
         lost_at = time.time()
         victim.send_signal(sig)

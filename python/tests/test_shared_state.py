@@ -14,8 +14,9 @@ import shoal
 
 
 def test_a_newcomer_is_repaired_and_then_stays_identical(master, tmp_path):
-    # Three peers train from the start; the fourth arrives later with zeros.
-    results = run_peers(master, tmp_path, "sgd", 4, steps=60, late=0.4, timeout=120)
+    # Three peers train from the start; the fourth arrives later with zeros. In a peer group other
+    # than 0: the state, its revision and the newcomer's admission are the group's.
+    results = run_peers(master, tmp_path, "sgd", 4, steps=60, late=0.4, timeout=120, group=5)
     by_revision: dict[int, set] = {}
     for r in results:
         for rec in r["records"]:

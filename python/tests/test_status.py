@@ -22,6 +22,8 @@ from conftest import clean_env, worker_argv
 import shoal
 
 PEERS, ROUNDS, HEARTBEAT = 3, 25, 1.0
+# The run's one group: any but 0, so that nothing counts on the default.
+GROUP = 3
 # The page's colours of a ring member and of an accepted peer's mark in the list (status.html).
 RING_RGB, ACCEPTED_RGB = (0xE6, 0x55, 0x0D), (0x31, 0xA3, 0x54)
 
@@ -62,7 +64,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         procs = []
         for i in range(PEERS):
             spec = {"master": master.address, "index": i, "peers": PEERS, "rounds": ROUNDS, "stop": str(stop),
-                    "heartbeat": HEARTBEAT, "out": str(tmp / f"peer{i}")}
+                    "heartbeat": HEARTBEAT, "out": str(tmp / f"peer{i}"), "group": GROUP}
             procs.append(subprocess.Popen(worker_argv("watched", spec), stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True, env=clean_env()))
             time.sleep(0.2)
@@ -102,9 +104,10 @@ def test_status_lists_the_run(run: Run) -> None:
     assert [p["state"] for p in s["peers"]] == ["accepted"] * PEERS
     assert {p["id"] for p in s["peers"]} == set(s["ring"]) and len(s["ring"]) == PEERS
     for p in s["peers"]:
-        assert re.fullmatch(r"127\.0\.0\.1:\d+", p["addr"]) and p["group"] == 0 and p["rank"] in range(PEERS)
+        assert re.fullmatch(r"127\.0\.0\.1:\d+", p["addr"]) and p["group"] == GROUP and p["rank"] in range(PEERS)
         assert p["operations"]["all_reduce"]["succeeded"] >= ROUNDS
         assert len(p["links"]) == PEERS - 1
+    assert [g["group"] for g in s["groups"]] == [GROUP] and s["groups"][0]["ring"] == s["ring"]
     assert s["groups"][0]["revision"] == 7 and set(s["groups"][0]["hashes"]) == {"w"}
     # optimize_topology measured every link but the diagonal.
     m = s["matrix"]
@@ -129,7 +132,7 @@ def test_metrics_in_prometheus_text(run: Run) -> None:
     assert metric(text, 'shoal_operation_duration_seconds_bucket{le="+Inf",kind="all_reduce"}') == ok
     assert metric(text, 'shoal_operation_bytes_total{kind="all_reduce",direction="tx"}') >= ok * (64 << 10) / 2
     assert metric(text, 'shoal_syncs_total{outcome="completed"}') == 1
-    assert metric(text, 'shoal_shared_state_revision{group="0"}') == 7
+    assert metric(text, f'shoal_shared_state_revision{{group="{GROUP}"}}') == 7
     assert metric(text, 'shoal_votes_total{vote="update_topology"}') >= 2
     assert metric(text, "shoal_peers_joined_total") == PEERS
     assert metric(text, "shoal_topology_epoch") >= PEERS
@@ -158,9 +161,9 @@ def test_shoal_status_prints_the_run(run: Run) -> None:
     text = out.stdout
     assert f"peers: {PEERS} accepted, 0 registered" in text
     for p in run.status["peers"]:
-        assert re.search(rf"^p{p['id']}\s+0\s+\d\s+accepted\s+{re.escape(p['addr'])}", text, re.M), text
+        assert re.search(rf"^p{p['id']}\s+{GROUP}\s+\d\s+accepted\s+{re.escape(p['addr'])}", text, re.M), text
     ring = " -> ".join(f"p{m}" for m in run.status["ring"] + run.status["ring"][:1])
-    assert f"ring of group 0: {ring}; shared state at revision 7 (1 tensors)" in text
+    assert f"ring of group {GROUP}: {ring}; shared state at revision 7 (1 tensors)" in text
     assert re.search(r"^all_reduce\s+\d+", text, re.M) and "links measured by optimize_topology" in text
     dead = subprocess.run([sys.executable, "-m", "shoal.cli", "status", "127.0.0.1:1"], capture_output=True,
                           text=True, timeout=30, env=clean_env())

@@ -29,6 +29,11 @@ def inputs(dtype: str, op: str, rank_seed: int) -> np.ndarray:
     return values.astype(dtype)
 
 
+def communicator(spec: dict, **options) -> shoal.Communicator:
+    """The spec's communicator: to its master, in its peer group (``group``; 0 unless it names one)."""
+    return shoal.Communicator(spec["master"], peer_group=spec.get("group", 0), **options)
+
+
 def join_all(comm: shoal.Communicator, peers: int) -> None:
     """Admit newcomers until the group has ``peers`` members, all-reducing at every size."""
     while comm.group_world_size < peers:
@@ -43,7 +48,7 @@ def join_all(comm: shoal.Communicator, peers: int) -> None:
 
 def matrix(spec: dict) -> dict:
     """Every dtype and op once; results saved for the test to compare."""
-    comm = shoal.Communicator(spec["master"], connections=spec.get("connections"), chunk_bytes=spec.get("chunk_bytes"))
+    comm = communicator(spec, connections=spec.get("connections"), chunk_bytes=spec.get("chunk_bytes"))
     comm.connect(timeout=30)
     join_all(comm, spec["peers"])
     results = {}
@@ -63,7 +68,7 @@ def matrix(spec: dict) -> dict:
 def verbs(spec: dict) -> dict:
     """all_gather, reduce_scatter (every op), broadcast (both algorithms) and barrier over every
     dtype; results saved for the test to compare."""
-    comm = shoal.Communicator(spec["master"], connections=2, chunk_bytes=4096)
+    comm = communicator(spec, connections=2, chunk_bytes=4096)
     comm.connect(timeout=30)
     join_all(comm, spec["peers"])
     rank, n, results = comm.rank, spec["peers"], {}
@@ -105,7 +110,7 @@ def verbs(spec: dict) -> dict:
 def torch_tensors(spec: dict) -> dict:
     import torch
 
-    comm = shoal.Communicator(spec["master"])
+    comm = communicator(spec)
     comm.connect(timeout=30)
     join_all(comm, spec["peers"])
     out = {}
@@ -132,7 +137,7 @@ def torch_tensors(spec: dict) -> dict:
 def join_late(spec: dict) -> dict:
     """Peer i arrives i * delay seconds late; the ones in keep all-reducing until all are in."""
     time.sleep(spec["index"] * spec["delay"])
-    comm = shoal.Communicator(spec["master"])
+    comm = communicator(spec)
     comm.connect(timeout=60)
     seen = [comm.group_world_size]
     while comm.group_world_size < spec["peers"]:
@@ -150,7 +155,7 @@ def join_late(spec: dict) -> dict:
 def overlap(spec: dict) -> dict:
     """Many all-reduces in flight at once, of mixed sizes and dtypes, while the caller computes;
     a tag reused in flight is refused at once; then all_reduce_many. Checks every result."""
-    comm = shoal.Communicator(spec["master"], timeout=60)
+    comm = communicator(spec, timeout=60)
     comm.connect(timeout=30)
     join_all(comm, spec["peers"])
     rank, n = spec["index"], spec["peers"]
@@ -182,7 +187,7 @@ def w_done(work: shoal.Work) -> bool:
 def many_survive(spec: dict) -> dict:
     """all_reduce_many over batches while a peer is killed: every batch returns with every tensor
     reduced exactly once in the world it returned in."""
-    comm = shoal.Communicator(spec["master"], timeout=60, heartbeat_timeout=spec.get("heartbeat_timeout"))
+    comm = communicator(spec, timeout=60, heartbeat_timeout=spec.get("heartbeat_timeout"))
     comm.connect(timeout=30)
     join_all(comm, spec["peers"])
     print(json.dumps({"ready": comm.peer_id}), flush=True)
@@ -201,7 +206,7 @@ def survive(spec: dict) -> dict:
     """All-reduce in a loop; on PeerLostError vote update_topology (or, with ``retry_only``, simply
     try again) and go on, until ``steps_after`` all-reduces succeeded in a smaller world. Prints
     "ready" once all are in. Reports every error and when the first smaller world succeeded."""
-    comm = shoal.Communicator(spec["master"], timeout=60, listen_addr=spec.get("listen"),
+    comm = communicator(spec, timeout=60, listen_addr=spec.get("listen"),
                               advertise_addr=spec.get("advertise"), heartbeat_timeout=spec.get("heartbeat_timeout"))
     comm.connect(timeout=30)
     join_all(comm, spec["peers"])
@@ -241,7 +246,7 @@ def agree(spec: dict) -> dict:
     hash, or the error and whether the buffer came back exactly as it was. A peer given
     ``failpoint`` arms it once everyone is in, and so dies at that step of its first all-reduce.
     On PeerLostError the others vote update_topology and go on."""
-    comm = shoal.Communicator(spec["master"], timeout=60)
+    comm = communicator(spec, timeout=60)
     comm.connect(timeout=30)
     join_all(comm, spec["peers"])
     print(json.dumps({"ready": comm.peer_id}), flush=True)
@@ -269,7 +274,7 @@ def agree(spec: dict) -> dict:
 def min_world(spec: dict) -> dict:
     """Arrive ``index * delay`` seconds late; connect waits until everyone is in."""
     time.sleep(spec["index"] * spec["delay"])
-    comm = shoal.Communicator(spec["master"])
+    comm = communicator(spec)
     comm.connect(timeout=30, min_world_size=spec["peers"])
     world = comm.world_size
     x = np.ones(8, np.float32)
@@ -279,7 +284,7 @@ def min_world(spec: dict) -> dict:
 
 def master_loss(spec: dict) -> dict:
     """All-reduce until the master is lost; then every other call must fail the same way."""
-    comm = shoal.Communicator(spec["master"], heartbeat_timeout=spec["heartbeat_timeout"], timeout=60)
+    comm = communicator(spec, heartbeat_timeout=spec["heartbeat_timeout"], timeout=60)
     comm.connect(timeout=30)
     join_all(comm, spec["peers"])
     print(json.dumps({"ready": comm.peer_id}), flush=True)
@@ -308,7 +313,7 @@ def master_loss(spec: dict) -> dict:
 def admission_misuse(spec: dict) -> dict:
     """Peer 0 calls update_topology while the others all-reduce: every one of them gets a
     UsageError naming the other call; then all vote together and the run goes on."""
-    comm = shoal.Communicator(spec["master"], timeout=30)
+    comm = communicator(spec, timeout=30)
     comm.connect(timeout=30)
     join_all(comm, spec["peers"])
     x = np.arange(1000, dtype=np.float32)
@@ -344,7 +349,7 @@ def chaos(spec: dict) -> dict:
     every peer sees: after each fifth collective of a topology ask peers_pending. A failed call is
     retried; before the retry, after PeerLostError, the README's loop votes update_topology, and a
     ``retry_only`` peer does not."""
-    comm = shoal.Communicator(spec["master"], timeout=spec["call_timeout"],
+    comm = communicator(spec, timeout=spec["call_timeout"],
                               heartbeat_timeout=spec.get("heartbeat_timeout"))
     log = open(spec["log"], "a")
 
@@ -422,7 +427,7 @@ def die_at(spec: dict) -> dict:
     """The peer of index ``victim`` dies at ``failpoint``; the others make the call it names and
     then all-reduce until they succeed in the smaller world. Records what every call did."""
     point, victim = spec["failpoint"], spec["index"] == spec["victim"]
-    comm = shoal.Communicator(spec["master"], timeout=30, chunk_bytes=spec.get("chunk_bytes"))
+    comm = communicator(spec, timeout=30, chunk_bytes=spec.get("chunk_bytes"))
     if point.startswith("connect"):
         # The victim arrives last and dies while being admitted.
         if victim:
@@ -499,7 +504,7 @@ def sgd(spec: dict) -> dict:
     w = np.zeros(16, np.float32)
     momentum = np.zeros(16, np.float32)
     state = shoal.SharedState({"w": w, "momentum": momentum}, revision=0)
-    comm = shoal.Communicator(spec["master"], timeout=30)
+    comm = communicator(spec, timeout=30)
     comm.connect(timeout=30)
     newcomer = comm.world_size > 1
     records = []
@@ -534,7 +539,7 @@ def restart_loop(spec: dict) -> dict:
     y_all = x_all @ np.arange(16, dtype=np.float32)
     w = np.zeros(16, np.float32)
     state = shoal.SharedState({"w": w}, revision=0)
-    comm = shoal.Communicator(spec["master"], timeout=30, heartbeat_timeout=spec["heartbeat"])
+    comm = communicator(spec, timeout=30, heartbeat_timeout=spec["heartbeat"])
     comm.connect(timeout=30)
     while comm.world_size < spec["peers"]:
         if comm.peers_pending():
@@ -580,7 +585,7 @@ def diloco(spec: dict) -> dict:
     x_eval = torch.randn(512, 8, generator=torch.Generator().manual_seed(7))
     y_eval = x_eval @ truth + 0.5
     errors: list = []
-    comm = shoal.Communicator(spec["master"], timeout=30)
+    comm = communicator(spec, timeout=30)
     late = spec.get("late") == spec["index"]
     if late:  # connects once the founders are past outer step 3; their next outer step admits it
         while not os.path.exists(spec["out"].replace(f"peer{spec['index']}", "peer0") + ".outer4"):
@@ -646,7 +651,7 @@ def ddp(spec: dict) -> dict:
     g = torch.Generator().manual_seed(100 + spec["index"])
     x = torch.randn(256, 8, generator=g)
     y = 0.5 * x[:, 0] - 0.25 * x[:, 1]
-    comm = shoal.Communicator(spec["master"], timeout=30)
+    comm = communicator(spec, timeout=30)
     comm.connect(timeout=30)
     while comm.world_size < spec["peers"]:
         if comm.peers_pending():
@@ -679,7 +684,7 @@ def ddp(spec: dict) -> dict:
 def sync_case(spec: dict) -> dict:
     """One sync among ``peers`` peers whose states and strategies ``case`` sets by index."""
     case, i = spec["case"], spec["index"]
-    comm = shoal.Communicator(spec["master"], timeout=30)
+    comm = communicator(spec, timeout=30)
     comm.connect(timeout=30, min_world_size=spec["peers"])
     strategy = "enforce_popular"
     if case in ("send_only", "receive_only") and i == 0:
@@ -711,7 +716,7 @@ def sync_case(spec: dict) -> dict:
 def repairs(spec: dict) -> dict:
     """``rounds`` syncs in each of which peer 0's small tensor differs from the others': it is
     repaired every time. Returns who delivered it each time."""
-    comm = shoal.Communicator(spec["master"], timeout=30)
+    comm = communicator(spec, timeout=30)
     comm.connect(timeout=30, min_world_size=spec["peers"])
     w = np.ones(1000, np.float32)
     state = shoal.SharedState({"w": w})
@@ -729,7 +734,7 @@ def mismatch(spec: dict) -> dict:
     quantization, as ``vary`` says); every peer retries its call until it succeeds (the odd one now matching),
     then all run one more. A peer that had not started the mismatched collective when it was
     aborted joins the re-formed ring directly and sees no error: the call did not happen."""
-    comm = shoal.Communicator(spec["master"], timeout=30)
+    comm = communicator(spec, timeout=30)
     comm.connect(timeout=30)
     join_all(comm, spec["peers"])
     error, attempt = None, 0
@@ -758,7 +763,7 @@ def late_misuse(spec: dict) -> dict:
     after the others (their calls failed by then); then all call a correct all_reduce. Each
     broadcast must fail with UsageError, the late one's too, and the all_reduce succeed on every
     peer: a usage error never outlives its call."""
-    comm = shoal.Communicator(spec["master"], timeout=20)
+    comm = communicator(spec, timeout=20)
     comm.connect(timeout=30)
     join_all(comm, spec["peers"])
     if spec["index"] == spec["late"]:
@@ -786,7 +791,7 @@ def loop(spec: dict) -> dict:
     sync and all_reduce; any error goes back to the top, as PCCL's loop does). Runs until revision
     ``steps``; records every step's revision, world and state hash, every error, and the longest
     call."""
-    comm = shoal.Communicator(spec["master"], timeout=30, heartbeat_timeout=spec.get("heartbeat_timeout"))
+    comm = communicator(spec, timeout=30, heartbeat_timeout=spec.get("heartbeat_timeout"))
     comm.connect(timeout=30)
     print(json.dumps({"ready": comm.peer_id}), flush=True)
     w = np.zeros(1024, np.float32)
@@ -831,7 +836,7 @@ def mismatched_calls(spec: dict) -> dict:
     later, then peer 2 at 0.3 s). Every one must end with UsageError naming the calls, quickly,
     while every peer stays alive and calls nothing else until all have ended (a file each in
     ``out``'s folder); then all run one matching all-reduce (retried, as a failed call may be)."""
-    comm = shoal.Communicator(spec["master"], timeout=spec.get("call_timeout", 60))
+    comm = communicator(spec, timeout=spec.get("call_timeout", 60))
     comm.connect(timeout=30)
     join_all(comm, spec["peers"])
     comm.all_reduce(np.ones(1, np.float32))  # nobody is a newcomer at the top of its loop
@@ -883,7 +888,7 @@ def mismatched_calls(spec: dict) -> dict:
 def links(spec: dict) -> dict:
     """The links ring all-reduces and then one-shot ones open, as ``links()`` shows them."""
     os.environ["SHOAL_ALGO"] = "ring"  # calls that name no algorithm, as while joining
-    comm = shoal.Communicator(spec["master"], timeout=30)
+    comm = communicator(spec, timeout=30)
     comm.connect(timeout=30)
     join_all(comm, spec["peers"])
     big = np.ones(1 << 18, np.float32)
@@ -905,7 +910,7 @@ def links(spec: dict) -> dict:
 def shapes(spec: dict) -> dict:
     """A zero-element all-reduce across peers, then an ordinary one, then arrays of other
     shapes (taken natively as they are), and arrays refused by name without traffic."""
-    comm = shoal.Communicator(spec["master"], timeout=30)
+    comm = communicator(spec, timeout=30)
     comm.connect(timeout=30)
     join_all(comm, spec["peers"])
     comm.all_reduce(np.zeros(0, np.float32), op="sum")
@@ -943,7 +948,7 @@ def may_read_other_processes() -> bool:
 def p2p(spec: dict) -> dict:
     """Tagged sends and receives around the ring in every dtype, posted in opposite orders on
     the two ends, beside collectives; then mismatched and misused calls."""
-    comm = shoal.Communicator(spec["master"], connections=3, chunk_bytes=4096, timeout=30)
+    comm = communicator(spec, connections=3, chunk_bytes=4096, timeout=30)
     comm.connect(timeout=30)
     join_all(comm, spec["peers"])
     rank, n = comm.rank, spec["peers"]
@@ -1000,7 +1005,7 @@ def p2p_ring(spec: dict) -> dict:
     """Sends to the next rank and receives from the previous one, step after step, until a
     transfer fails (a peer is killed or frozen); then all-reduces until the smaller world forms,
     and runs ``steps_after`` more steps of transfers in it."""
-    comm = shoal.Communicator(spec["master"], timeout=60, heartbeat_timeout=spec.get("heartbeat_timeout"))
+    comm = communicator(spec, timeout=60, heartbeat_timeout=spec.get("heartbeat_timeout"))
     comm.connect(timeout=30)
     join_all(comm, spec["peers"])
     print(json.dumps({"ready": comm.peer_id}), flush=True)
@@ -1039,7 +1044,7 @@ def p2p_ring(spec: dict) -> dict:
 def optimize(spec: dict) -> dict:
     """Joins, re-orders the ring by measured links, then all-reduces: reports the ring (peer ids
     by rank), the measured matrix and the sum."""
-    comm = shoal.Communicator(spec["master"], timeout=60)
+    comm = communicator(spec, timeout=60)
     comm.connect(timeout=30)
     join_all(comm, spec["peers"])
     before = comm.rank
@@ -1060,7 +1065,7 @@ def drift(spec: dict) -> dict:
     one of its links lossy); all-reduces through the ring until ``peers_pending`` says the master
     re-planned it, and takes the new ring with ``update_topology``. Reports both rings (each
     rank's launch index) and the sum in the new one."""
-    comm = shoal.Communicator(spec["master"], timeout=120, heartbeat_timeout=spec["heartbeat"])
+    comm = communicator(spec, timeout=120, heartbeat_timeout=spec["heartbeat"])
     comm.connect(timeout=30)
     join_all(comm, spec["peers"])
     comm.optimize_topology()
@@ -1094,7 +1099,7 @@ def watched(spec: dict) -> dict:
     """Joins, measures the links, syncs a shared state and all-reduces ``rounds`` times, then
     stays in the run (the test reads the master's status) until the file ``stop`` appears;
     reports ``stats()``."""
-    comm = shoal.Communicator(spec["master"], timeout=60, heartbeat_timeout=spec["heartbeat"])
+    comm = communicator(spec, timeout=60, heartbeat_timeout=spec["heartbeat"])
     comm.connect(timeout=30)
     join_all(comm, spec["peers"])
     comm.optimize_topology()
@@ -1114,7 +1119,7 @@ def watched(spec: dict) -> dict:
 def barrier_lost(spec: dict) -> dict:
     """Every peer but the victim waits in a barrier the victim never enters (the test kills or
     freezes it); then all-reduces until it succeeds in the smaller world."""
-    comm = shoal.Communicator(spec["master"], timeout=60, heartbeat_timeout=spec.get("heartbeat_timeout"))
+    comm = communicator(spec, timeout=60, heartbeat_timeout=spec.get("heartbeat_timeout"))
     comm.connect(timeout=30)
     join_all(comm, spec["peers"])
     print(json.dumps({"ready": comm.peer_id}), flush=True)
@@ -1148,7 +1153,7 @@ def quantized(spec: dict) -> dict:
     gather and scatter variants; results saved for the test to compare across peers. Reports the
     bytes sent (and those of the same call unquantized), each result's error against the exact
     average of every peer's input, the refusals, and error feedback's accumulated error."""
-    comm = shoal.Communicator(spec["master"], connections=2, chunk_bytes=16384)
+    comm = communicator(spec, connections=2, chunk_bytes=16384)
     comm.connect(timeout=30)
     join_all(comm, spec["peers"])
     rank, n = comm.rank, spec["peers"]
@@ -1220,7 +1225,7 @@ def catchup(spec: dict) -> dict:
     (``role: "newcomer"``) catches up while they go on, printing its progress, then takes
     ``steps_after`` steps. Every peer reports the hashes of its state at each revision once the
     group is whole. A lost peer's step is retried."""
-    comm = shoal.Communicator(spec["master"], timeout=120, heartbeat_timeout=spec.get("heartbeat_timeout"))
+    comm = communicator(spec, timeout=120, heartbeat_timeout=spec.get("heartbeat_timeout"))
     w = np.zeros(spec["mib"] << 18, np.float32)
     step = np.zeros(1, np.uint64)
     state = shoal.SharedState({"w": w, "step": step})
