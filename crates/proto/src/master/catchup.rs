@@ -135,8 +135,11 @@ impl Master {
     /// `peer` reports how far it is.
     pub(super) fn catch_up_progress(&mut self, peer: PeerId, done: u64, total: u64, eta_ms: u64) {
         if let Some(n) = self.catching_up.get_mut(&peer) {
-            n.progress = Some((done, total, eta_ms));
+            // The peer's word: bytes fetched again (a donor lost mid-piece) never show as more
+            // than the whole.
+            n.progress = Some((done.min(total), total, eta_ms));
         }
+        debug_assert!(self.catching_up.values().all(|n| n.progress.is_none_or(|(d, t, _)| d <= t)));
     }
 
     /// `peer`'s catch-up ended: it awaits admission now.

@@ -575,6 +575,11 @@ fn a_newcomer_catches_up_from_the_copies_of_the_next_sync_then_awaits_admission(
     h.send(3, Message::CatchUpProgress { done: 10, total: 20, eta_ms: 300 });
     let status = h.master.status(h.now);
     assert_eq!(status.peers.iter().find(|p| p.peer == PeerId(2)).unwrap().catch_up, Some((10, 20, 300)));
+    // More done than there is (bytes fetched again from another donor, or a peer's bad count):
+    // shown as done, not as more than the whole.
+    h.send(3, Message::CatchUpProgress { done: 30, total: 20, eta_ms: 0 });
+    let status = h.master.status(h.now);
+    assert_eq!(status.peers.iter().find(|p| p.peer == PeerId(2)).unwrap().catch_up, Some((20, 20, 0)));
     assert_eq!(status.groups[0].snapshot, Some((round, 5, vec![PeerId(0), PeerId(1)])));
     let out = h.send(3, Message::CatchUpEnd { fetched: true, revision: 5 });
     for c in [1, 2] {
