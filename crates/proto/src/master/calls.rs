@@ -272,7 +272,6 @@ impl Master {
     fn mismatch_at(&self, peer: PeerId, at: LastVote) -> Option<(Vote, BTreeSet<PeerId>)> {
         debug_assert!(at.epoch == self.ring_epoch, "a vote at {:?} judged in {:?}", at.epoch, self.ring_epoch);
         let group = self.peers[&peer].group;
-
         let apart = || {
             self.peers.iter().filter(|(p, _)| **p != peer).filter_map(move |(p, e)| {
                 let l = e.last_vote?;

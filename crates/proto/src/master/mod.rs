@@ -584,7 +584,6 @@ impl Master {
         let peer = PeerId(self.next_peer);
         assert!(!self.peers.contains_key(&peer), "{peer} is issued twice");
         debug_assert!(self.peers.keys().all(|p| *p < peer), "peer ids go back");
-
         self.next_peer = self.next_peer.checked_add(1).expect("peer ids exhausted");
         let entry = PeerEntry {
             conn: Some(conn),
@@ -611,7 +610,6 @@ impl Master {
     /// counted.
     fn proven(&mut self, now: Instant, conn: ConnId, first: &str, who: &str, proof: &[u8; 32]) -> bool {
         debug_assert!(!self.conns.contains_key(&conn), "a peer's connection proves itself again");
-
         let Some(nonce) = self.challenges.remove(&conn) else {
             let reason = format!("{first} on a connection that was not challenged");
             if let Some(note) = self.refusals.admit(now) {

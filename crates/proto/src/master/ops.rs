@@ -144,7 +144,6 @@ impl Master {
     /// A new topology replaces the ring: collectives of the old one that cannot commit abort.
     pub(super) fn close_ops(&mut self, next: Epoch) {
         debug_assert_eq!(next, self.epoch, "the ring's collectives close for a topology issued");
-
         assert!(self.ops.keys().all(|(_, old, _)| *old < next), "a topology replaces only older ones");
         let keys: Vec<OpKey> = self.ops.keys().copied().collect();
         for key in keys {

@@ -45,7 +45,6 @@ impl Master {
             return; // The wait ended meanwhile, or was never with this member.
         }
         debug_assert!(self.peers.get(&member).is_some_and(|e| e.status == Status::Accepted), "{member} is no member");
-
         if misuse.ours.peers != [waiter] || misuse.theirs.peers != [member] {
             return self.violation(member, super::PeerMisbehaved::ApartNamesOthers { waiter });
         }

@@ -118,7 +118,6 @@ impl Master {
             !matches!(self.phase, super::Phase::AwaitingConnections { .. }),
             "links measured while a topology connects"
         );
-
         if let Some(links) = &measured {
             let mut seen = std::collections::BTreeSet::new();
             for l in links {

@@ -173,7 +173,6 @@ impl Master {
     /// A member left: it no longer votes, and nobody waits for it to finish.
     pub(super) fn sync_member_removed(&mut self, peer: PeerId) {
         debug_assert!(!self.peers.contains_key(&peer), "{peer} leaves the syncs while in the run");
-
         let groups: Vec<GroupId> = self.syncs.keys().copied().collect();
         for group in groups {
             let sync = self.syncs.get_mut(&group).expect("listed");
@@ -409,7 +408,6 @@ fn popular(hashes: impl Iterator<Item = [u8; 32]>) -> [u8; 32] {
 
 fn describe_layout_difference(a: PeerId, va: &Vote, b: PeerId, vb: &Vote) -> String {
     debug_assert!(a != b && va.entries != vb.entries, "{a}'s layout differs from itself");
-
     let show = |e: &StateDigest| {
         format!(
             "{:?} (dtype {}, shape {:?}{})",

@@ -419,7 +419,7 @@ impl Peer {
     pub fn new(config: PeerConfig, now: Instant) -> Self {
         let interval = heartbeat_interval(config.heartbeat_timeout);
         assert!(interval <= config.heartbeat_timeout, "heartbeats go out before the master misses them");
-        Peer {
+        let peer = Peer {
             view: PeerView::default(),
             call: None,
             ops: std::collections::BTreeMap::new(),
@@ -436,15 +436,10 @@ impl Peer {
             last_call: None,
             last_apart: false,
             config,
-        }
-        .checked_new()
-    }
-
-    /// A peer just made: in no call, in the run, with nothing to say yet.
-    fn checked_new(self) -> Self {
-        debug_assert!(!self.busy() && self.gone().is_none() && self.outbox.is_empty(), "a new peer is in a call");
-        debug_assert!(self.poll_timeout().is_some(), "a new peer sends no heartbeat");
-        self
+        };
+        debug_assert!(!peer.busy() && peer.gone().is_none() && peer.outbox.is_empty(), "a new peer is in a call");
+        debug_assert!(peer.poll_timeout().is_some(), "a new peer sends no heartbeat");
+        peer
     }
 
     /// How long a stalled collective waits for the live members' bytes once a member it has
@@ -1684,7 +1679,6 @@ impl Peer {
     /// otherwise.
     fn timed_out(&mut self, id: CallId, deadline: Instant, now: Instant) -> bool {
         debug_assert!(self.call.as_ref().is_some_and(|(c, ..)| *c == id), "{id:?} times out, yet never ran");
-
         if now >= deadline {
             self.finish(id, Err(CallError::Timeout));
             assert!(self.call.as_ref().is_none_or(|(c, ..)| *c != id), "{id:?} timed out, yet runs");
@@ -1698,7 +1692,6 @@ impl Peer {
 /// (`ended`: ours ended already, as one of calls that cannot complete together).
 fn p2p_misuse(waiter: PeerId, note: &WaitNote, me: PeerId, ours: Made, ended: bool) -> Misuse {
     debug_assert!(waiter != me, "we wait on ourselves");
-
     let misuse = Misuse::new(
         Called::new([waiter], Made::Transfer { send: note.send, peer: me, tag: note.tag }),
         Called::new([me], ours),

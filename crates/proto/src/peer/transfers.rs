@@ -267,7 +267,6 @@ impl<T, E> Transfers<T, E> {
         debug_assert!(self.ended.iter().all(|e| e.call != call), "{call:?} ends twice");
         transfer.failing = None;
         self.ended.push_back(Ended { call, transfer, result });
-
         assert!(!self.calls.contains_key(&call), "{call:?} ended, yet in flight");
     }
 }

@@ -591,7 +591,6 @@ impl PeerView {
         self.failed_in = self.failed_in.max(Some(epoch));
         self.called();
         debug_assert!(self.settled_here.is_none() && self.announced.is_none(), "a call made keeps older news");
-
         assert!(self.failed_in >= Some(epoch), "a failure this peer took on is forgotten");
         Some(failed)
     }
@@ -720,7 +719,6 @@ impl PeerView {
     pub fn vote_needed(&mut self) -> bool {
         let committed = self.committed.as_ref().map(|(e, _)| *e);
         debug_assert!(self.failed_in <= committed, "a failure in a topology never committed");
-
         if self.failed_in.is_some_and(|failed| committed > Some(failed)) {
             self.failed_in = None;
             return false;
