@@ -202,9 +202,12 @@ fuzz_target!(|session: Session| {
             Step::Call(c) => {
                 peer.call(call(c), bound, now);
             }
-            Step::Master(m) => {
+            // Nothing comes from the master while its connection is down and dialed again: the
+            // driver reads the new connection only once it was challenged (`Reconnected`).
+            Step::Master(m) if peer.reconnecting().is_none() => {
                 let _ = peer.handle_message(message(m), now);
             }
+            Step::Master(_) => {}
             Step::Wait(ms) => {
                 now += Duration::from_millis(ms.into());
                 peer.handle_timeout(now);
