@@ -583,7 +583,7 @@ impl Master {
         }
         let peer = PeerId(self.next_peer);
         assert!(!self.peers.contains_key(&peer), "{peer} is issued twice");
-        debug_assert!(self.peers.keys().all(|p| *p < peer), "peer ids go back");
+        debug_assert!(self.peers.last_key_value().is_none_or(|(p, _)| *p < peer), "peer ids go back");
         self.next_peer = self.next_peer.checked_add(1).expect("peer ids exhausted");
         let entry = PeerEntry {
             conn: Some(conn),
