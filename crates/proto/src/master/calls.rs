@@ -235,10 +235,7 @@ impl Master {
     /// An open vote of another kind than `vote` that has votes and waits for `peer`, which is
     /// in `vote`: (its kind, its voters).
     fn vote_awaiting(&self, peer: PeerId, vote: Vote) -> Option<(Vote, BTreeSet<PeerId>)> {
-        debug_assert!(
-            self.peers.get(&peer).is_some_and(|e| e.status == super::Status::Accepted),
-            "{peer} votes unaccepted"
-        );
+        debug_assert!(self.accepted(peer), "{peer} votes unaccepted");
         let group = self.peers[&peer].group;
         let awaiting = [Vote::UpdateTopology, Vote::PeersPending, Vote::SyncSharedState]
             .into_iter()

@@ -419,7 +419,7 @@ impl Master {
         if let Some(e) = self.peers.get_mut(&peer) {
             e.last_heard = now;
         }
-        let accepted = self.peers.get(&peer).is_some_and(|e| e.status == Status::Accepted);
+        let accepted = self.accepted(peer);
         match message {
             Message::Heartbeat => {}
             Message::Report { report } => {
@@ -884,7 +884,7 @@ impl Master {
     }
 
     fn vote_peers_pending(&mut self, now: Instant, peer: PeerId, collectives: u64) {
-        debug_assert!(self.peers.get(&peer).is_some_and(|e| e.status == Status::Accepted), "{peer} votes unaccepted");
+        debug_assert!(self.accepted(peer), "{peer} votes unaccepted");
         if let Phase::AwaitingConnections { epoch, .. } = self.phase {
             // Sent before the voter saw the topology: the members that did wait for the voter to
             // join it, and the vote for them. Not counted: the voter joins and votes again.
@@ -1042,6 +1042,11 @@ impl Master {
             !matches!(&self.phase, Phase::AwaitingConnections { epoch, .. } if *epoch != self.epoch),
             "the topology being connected is the last one issued"
         );
+    }
+
+    /// Whether `peer` is in the run and accepted (a member of its group's ring).
+    pub(super) fn accepted(&self, peer: PeerId) -> bool {
+        self.peers.get(&peer).is_some_and(|e| e.status == Status::Accepted)
     }
 
     fn registered(&self) -> Vec<PeerId> {

@@ -44,7 +44,7 @@ impl Master {
         if self.p2p_waits.get(&waiter) != Some(&member) {
             return; // The wait ended meanwhile, or was never with this member.
         }
-        debug_assert!(self.peers.get(&member).is_some_and(|e| e.status == Status::Accepted), "{member} is no member");
+        debug_assert!(self.accepted(member), "{member} is no member");
         if misuse.ours.peers != [waiter] || misuse.theirs.peers != [member] {
             return self.violation(member, super::PeerMisbehaved::ApartNamesOthers { waiter });
         }

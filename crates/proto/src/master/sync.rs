@@ -101,10 +101,7 @@ impl Master {
         entries: Vec<StateDigest>,
         collectives: u64,
     ) {
-        debug_assert!(
-            self.peers.get(&peer).is_some_and(|e| e.status == super::Status::Accepted),
-            "{peer} is a newcomer"
-        );
+        debug_assert!(self.accepted(peer), "{peer} is a newcomer");
         let Some(strategy) = Strategy::from_code(strategy) else {
             return self.violation(peer, super::PeerMisbehaved::UnknownStrategy { code: strategy });
         };
