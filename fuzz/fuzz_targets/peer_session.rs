@@ -56,7 +56,7 @@ enum Msg {
     Registered { peer: u8, session: u8, heartbeat_ms: u16 },
     AuthFailed,
     Heartbeat,
-    Topology { epoch: u8, members: Vec<(u8, u8, Option<u16>)>, limits: Option<(u16, u16)> },
+    Topology { epoch: u8, members: Vec<(u8, u8, Option<u16>)>, world: u8, limits: Option<(u16, u16)> },
     TopologyCommitted(u8),
     PeersPendingResult(bool),
     PeerRemoved(u8),
@@ -110,18 +110,20 @@ fn message(m: Msg) -> Message {
         },
         Msg::AuthFailed => Message::AuthFailed { reason: "fuzz".into() },
         Msg::Heartbeat => Message::Heartbeat,
-        Msg::Topology { epoch, members, limits } => Message::Topology {
+        Msg::Topology { epoch, members, world, limits } => Message::Topology {
             epoch: Epoch(epoch.into()),
             members: members
                 .into_iter()
                 .take(8)
                 .map(|(p, g, site)| Member {
                     peer: PeerId(p.into()),
-                    group: GroupId((g % 2).into()),
+                    // Now and then a member of another group: a topology the peer refuses.
+                    group: GroupId(u32::from(g == u8::MAX)),
                     addr: format!("h:{p}"),
                     site,
                 })
                 .collect(),
+            world: world.into(),
             limits: limits.map(|(one, two)| AlgorithmLimits { oneshot_max: one.into(), twoshot_max: two.into() }),
         },
         Msg::TopologyCommitted(e) => Message::TopologyCommitted { epoch: Epoch(e.into()) },

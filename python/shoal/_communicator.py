@@ -76,9 +76,10 @@ class Communicator:
     ) -> "Optional[CatchUpInfo]":
         """Register with the master and wait until accepted.
 
-        With ``min_world_size``, then wait until the run has that many accepted peers, admitting
-        newcomers as they register; every accepted peer must be in this call (admission is their
-        vote). Raises :class:`TooFewPeersError` when ``timeout`` passes first, and leaves the run.
+        With ``min_world_size``, then wait until this peer's group has that many accepted members,
+        admitting newcomers as they register; every accepted member must be in this call
+        (admission is their vote; other groups neither count nor vote). Raises
+        :class:`TooFewPeersError` when ``timeout`` passes first, and leaves the run.
 
         With ``catch_up`` (an addition to the API of ``DESIGN.md``), fetch the group's shared state
         into it between registering and being admitted, while the accepted peers go on training
@@ -442,7 +443,7 @@ class Communicator:
 
     @property
     def world_size(self) -> int:
-        """Accepted peers in the whole run."""
+        """Accepted peers in the whole run, every group's, when this group's topology was issued."""
         return _accepted(self._native.world_size)
 
     @property

@@ -55,7 +55,7 @@ def render(s: dict[str, Any]) -> str:
     catching_up = sum(1 for p in peers if p["state"] == "catching_up")
     c = s["counters"]
     out = [
-        f"run {s['session']}: topology {s['ring_epoch']} in force (last issued {s['epoch']}), {s['phase']}",
+        f"run {s['session']}: {len(s['groups'])} groups, last topology issued {s['epoch']}",
         f"peers: {accepted} accepted, {len(peers) - accepted - catching_up} registered, {catching_up} catching up; "
         f"since start {c['joins']} joined, {c['left']} left, {c['lost']} lost, {c['expelled']} expelled",
         "",
@@ -72,7 +72,7 @@ def render(s: dict[str, Any]) -> str:
     for g in s["groups"]:
         members = [f"p{m}" for m in g["ring"]]
         ring = " -> ".join(members + members[:1]) if members else "(empty)"
-        line = f"ring of group {g['group']}: {ring}"
+        line = f"ring of group {g['group']} (topology {g['ring_epoch']}, {g['phase']}): {ring}"
         if g["revision"] is not None:
             line += f"; shared state at revision {g['revision']} ({len(g['hashes'])} tensors)"
         if g.get("snapshot"):
@@ -95,8 +95,10 @@ def render(s: dict[str, Any]) -> str:
     if s["running"]:
         rows = [[f"p{r['peer']}", r["kind"], size(r["bytes"]), f"{r['elapsed_s']:.1f} s"] for r in s["running"]]
         out += ["", table(["running on", "operation", "bytes", "for"], rows)]
-    m = s["matrix"]
-    if m:
+    for g in s["groups"]:
+        m = g["matrix"]
+        if not m:
+            continue
         names = [f"p{p}" for p in m["peers"]]
         rows = []
         for i, name in enumerate(names):
@@ -105,7 +107,8 @@ def render(s: dict[str, Any]) -> str:
                 bw, rtt = m["bytes_per_s"][i][j], m["rtt_us"][i][j]
                 row.append("-" if bw is None else f"{size(bw)}/s {rtt / 1000:.1f} ms")
             rows.append(row)
-        out += ["", "links measured by optimize_topology (row to column):", table(["", *names], rows)]
+        heading = f"links measured by optimize_topology in group {g['group']} (row to column):"
+        out += ["", heading, table(["", *names], rows)]
     return "\n".join(out)
 
 

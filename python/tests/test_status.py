@@ -107,16 +107,17 @@ def test_status_lists_the_run(run: Run) -> None:
         assert re.fullmatch(r"127\.0\.0\.1:\d+", p["addr"]) and p["group"] == GROUP and p["rank"] in range(PEERS)
         assert p["operations"]["all_reduce"]["succeeded"] >= ROUNDS
         assert len(p["links"]) == PEERS - 1
-    assert [g["group"] for g in s["groups"]] == [GROUP] and s["groups"][0]["ring"] == s["ring"]
-    assert s["groups"][0]["revision"] == 7 and set(s["groups"][0]["hashes"]) == {"w"}
+    (g,) = s["groups"]
+    assert g["group"] == GROUP and g["ring"] == s["ring"] and g["phase"] == "idle" and g["ring_epoch"] <= s["epoch"]
+    assert g["revision"] == 7 and set(g["hashes"]) == {"w"}
     # optimize_topology measured every link but the diagonal.
-    m = s["matrix"]
+    m = g["matrix"]
     assert sorted(m["peers"]) == sorted(s["ring"])
     assert all((m["bytes_per_s"][i][j] is None) == (i == j) for i in range(PEERS) for j in range(PEERS))
     assert s["operations"]["all_reduce"]["succeeded"] >= PEERS * ROUNDS
     assert "probe" in s["operations"], "the measurement counts apart from the application's calls"
     assert s["counters"]["joins"] == PEERS and s["counters"]["syncs_completed"] == 1
-    assert s["running"] == [] and s["phase"] == "idle"
+    assert s["running"] == []
 
 
 def test_metrics_in_prometheus_text(run: Run) -> None:
@@ -136,6 +137,7 @@ def test_metrics_in_prometheus_text(run: Run) -> None:
     assert metric(text, 'shoal_votes_total{vote="update_topology"}') >= 2
     assert metric(text, "shoal_peers_joined_total") == PEERS
     assert metric(text, "shoal_topology_epoch") >= PEERS
+    assert metric(text, f'shoal_ring_epoch{{group="{GROUP}"}}') >= PEERS
     assert len(re.findall(r"^shoal_link_measured_bytes_per_second\{", text, re.M)) == PEERS * (PEERS - 1)
     # Every family has its HELP and TYPE, and every sample a family.
     families = set(re.findall(r"^# TYPE (\S+) ", text, re.M))
@@ -163,7 +165,8 @@ def test_shoal_status_prints_the_run(run: Run) -> None:
     for p in run.status["peers"]:
         assert re.search(rf"^p{p['id']}\s+{GROUP}\s+\d\s+accepted\s+{re.escape(p['addr'])}", text, re.M), text
     ring = " -> ".join(f"p{m}" for m in run.status["ring"] + run.status["ring"][:1])
-    assert f"ring of group {GROUP}: {ring}; shared state at revision 7 (1 tensors)" in text
+    epoch = run.status["groups"][0]["ring_epoch"]
+    assert f"ring of group {GROUP} (topology {epoch}, idle): {ring}; shared state at revision 7 (1 tensors)" in text
     assert re.search(r"^all_reduce\s+\d+", text, re.M) and "links measured by optimize_topology" in text
     dead = subprocess.run([sys.executable, "-m", "shoal.cli", "status", "127.0.0.1:1"], capture_output=True,
                           text=True, timeout=30, env=clean_env())

@@ -275,11 +275,55 @@ def min_world(spec: dict) -> dict:
     """Arrive ``index * delay`` seconds late; connect waits until everyone is in."""
     time.sleep(spec["index"] * spec["delay"])
     comm = communicator(spec)
+    t0 = time.monotonic()
     comm.connect(timeout=30, min_world_size=spec["peers"])
-    world = comm.world_size
+    connect_s = time.monotonic() - t0
+    world = comm.group_world_size
     x = np.ones(8, np.float32)
     comm.all_reduce(x, op="sum")
-    return {"world": world, "sum": float(x[0])}
+    return {"world": world, "sum": float(x[0]), "connect_s": connect_s}
+
+
+def pipeline_dp(spec: dict) -> dict:
+    """One process of a two-stage pipeline replicated twice (``index`` = replica * 2 + stage),
+    written the obvious way: one communicator for its pipeline (send/recv), one for its stage's
+    replicas (all-reduce), each connected in turn, then a few steps of both."""
+    replica, stage = divmod(spec["index"], 2)
+    pipe = shoal.Communicator(spec["master"], peer_group=200 + replica)
+    dp = shoal.Communicator(spec["master"], peer_group=100 + stage)
+    t0 = time.monotonic()
+    pipe.connect(timeout=spec["connect_timeout"], min_world_size=2)
+    dp.connect(timeout=spec["connect_timeout"], min_world_size=2)
+    connected_s = time.monotonic() - t0
+    other = 1 - pipe.rank
+    grads = []
+    for step in range(spec["steps"]):
+        activation = np.full(16, replica * 10 + step, np.float32)
+        grad = np.empty(16, np.float32)
+        if stage == 0:
+            pipe.send(activation, peer=other, tag=step)
+            pipe.recv(grad, peer=other, tag=1000 + step)
+        else:
+            pipe.recv(activation, peer=other, tag=step)
+            grad = activation * 2
+            pipe.send(grad, peer=other, tag=1000 + step)
+        info = dp.all_reduce(grad, op="sum")
+        assert info.world_size == 2, info
+        grads.append(float(grad[0]))
+    sizes = [pipe.group_world_size, dp.group_world_size, dp.world_size]
+    pipe.close()
+    dp.close()
+    return {"connected_s": connected_s, "grads": grads, "sizes": sizes}
+
+
+def busy(spec: dict) -> dict:
+    """Join (the group's members admitting each other), say so, then stay in the run without a
+    call for ``busy`` seconds: alive, heartbeating, voting nothing."""
+    comm = communicator(spec)
+    comm.connect(timeout=30, min_world_size=spec["peers"])
+    print("ready", flush=True)
+    time.sleep(spec["busy"])
+    return {"peer": comm.peer_id}
 
 
 def master_loss(spec: dict) -> dict:
@@ -1279,7 +1323,8 @@ if __name__ == "__main__":
     scenario, spec = sys.argv[1], json.loads(sys.argv[2])
     scenarios = {"overlap": overlap, "many_survive": many_survive,
                  "matrix": matrix, "torch": torch_tensors, "join_late": join_late, "survive": survive,
-                 "agree": agree, "min_world": min_world, "master_loss": master_loss,
+                 "agree": agree, "min_world": min_world, "pipeline_dp": pipeline_dp, "busy": busy,
+                 "master_loss": master_loss,
                  "admission_misuse": admission_misuse, "chaos": chaos, "die_at": die_at, "sgd": sgd,
                  "sync_case": sync_case, "repairs": repairs, "mismatch": mismatch, "shapes": shapes, "loop": loop,
                  "mismatched_calls": mismatched_calls, "late_misuse": late_misuse, "links": links, "verbs": verbs,

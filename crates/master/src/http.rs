@@ -301,7 +301,14 @@ pub fn status_json(s: &RunStatus) -> Value {
         .map(|g| {
             json!({
                 "group": g.group.0,
+                "ring_epoch": g.ring_epoch.0,
+                "phase": g.phase,
                 "ring": g.ring.iter().map(id).collect::<Vec<_>>(),
+                "matrix": g.matrix.as_ref().map(|m| json!({
+                    "peers": m.members.iter().map(id).collect::<Vec<_>>(),
+                    "bytes_per_s": m.links.iter().map(|row| row.iter().map(|l| l.map(|l| l.bytes_per_s)).collect::<Vec<_>>()).collect::<Vec<_>>(),
+                    "rtt_us": m.links.iter().map(|row| row.iter().map(|l| l.map(|l| l.rtt_us)).collect::<Vec<_>>()).collect::<Vec<_>>(),
+                })),
                 "revision": g.revision,
                 "hashes": g.hashes.iter().map(|(name, h)| (name.clone(), json!(hex(h)))).collect::<serde_json::Map<_, _>>(),
                 "syncing": g.syncing,
@@ -311,13 +318,6 @@ pub fn status_json(s: &RunStatus) -> Value {
             })
         })
         .collect();
-    let matrix = s.matrix.as_ref().map(|m| {
-        json!({
-            "peers": m.members.iter().map(id).collect::<Vec<_>>(),
-            "bytes_per_s": m.links.iter().map(|row| row.iter().map(|l| l.map(|l| l.bytes_per_s)).collect::<Vec<_>>()).collect::<Vec<_>>(),
-            "rtt_us": m.links.iter().map(|row| row.iter().map(|l| l.map(|l| l.rtt_us)).collect::<Vec<_>>()).collect::<Vec<_>>(),
-        })
-    });
     let running: Vec<Value> = s
         .peers
         .iter()
@@ -328,12 +328,9 @@ pub fn status_json(s: &RunStatus) -> Value {
     json!({
         "session": format!("{:016x}", s.session.0),
         "epoch": s.epoch.0,
-        "ring_epoch": s.ring_epoch.0,
-        "phase": s.phase,
         "ring": s.ring.iter().map(id).collect::<Vec<_>>(),
         "peers": peers,
         "groups": groups,
-        "matrix": matrix,
         "running": running,
         "open_collectives": s.open_collectives,
         "counters": {
@@ -463,7 +460,13 @@ impl Collector for Run {
         )?;
         family(&mut e, "groups", "Peer groups with a member", None, [(none(), gauge(s.groups.len() as i64))])?;
         family(&mut e, "topology_epoch", "The last topology issued", None, [(none(), gauge(s.epoch.0 as i64))])?;
-        family(&mut e, "ring_epoch", "The topology in force", None, [(none(), gauge(s.ring_epoch.0 as i64))])?;
+        family(
+            &mut e,
+            "ring_epoch",
+            "The topology in force, by group",
+            None,
+            s.groups.iter().map(|g| (vec![("group", g.group.0.to_string())], gauge(g.ring_epoch.0 as i64))),
+        )?;
         family(&mut e, "peers_joined", "Peers registered", None, [(none(), counter(c.joins))])?;
         family(
             &mut e,
@@ -545,10 +548,11 @@ impl Collector for Run {
                 })
             }),
         )?;
-        if let Some(m) = &s.matrix {
+        let matrices: Vec<_> = s.groups.iter().filter_map(|g| g.matrix.as_ref()).collect();
+        if !matrices.is_empty() {
             let measured = |f: fn(&shoal_topology::Link) -> i64| {
                 let mut samples = Vec::new();
-                for (i, row) in m.links.iter().enumerate() {
+                for (m, (i, row)) in matrices.iter().flat_map(|m| m.links.iter().enumerate().map(move |r| (m, r))) {
                     for (j, l) in row.iter().enumerate() {
                         if let Some(l) = l {
                             let labels = vec![("from", m.members[i].0.to_string()), ("to", m.members[j].0.to_string())];

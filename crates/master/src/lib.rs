@@ -419,19 +419,20 @@ fn log_event(event: &MasterEvent) {
             log::info!("{peer} registered in group {} at {addr}", group.0)
         }
         MasterEvent::PeerRemoved { peer, reason } => log::info!("{peer} removed: {reason}"),
-        MasterEvent::TopologyIssued { epoch, members } => {
-            log::debug!("topology {} issued: {members:?}", epoch.0)
+        MasterEvent::TopologyIssued { group, epoch, members } => {
+            log::debug!("group {}: topology {} issued: {members:?}", group.0, epoch.0)
         }
-        MasterEvent::RingPlanned { members, cost_us, before_us } => {
+        MasterEvent::RingPlanned { group, members, cost_us, before_us } => {
             let ids: Vec<String> = members.iter().map(ToString::to_string).collect();
             log::info!(
-                "ring ordered by measured links: [{}], {cost_us} µs per round of steps ({before_us} µs before)",
+                "group {}: ring ordered by measured links: [{}], {cost_us} µs per round of steps ({before_us} µs before)",
+                group.0,
                 ids.join(" -> ")
             )
         }
-        MasterEvent::TopologyCommitted { epoch, members } => {
+        MasterEvent::TopologyCommitted { group, epoch, members } => {
             let ids: Vec<String> = members.iter().map(ToString::to_string).collect();
-            log::info!("topology {} committed: ring [{}]", epoch.0, ids.join(" -> "))
+            log::info!("group {}: topology {} committed: ring [{}]", group.0, epoch.0, ids.join(" -> "))
         }
     }
 }

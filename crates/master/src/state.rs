@@ -10,15 +10,15 @@
 //! and never followed through a link.
 
 use serde_json::{json, Value};
-use shoal_proto::master::{Durable, DurableGroup, DurablePeer};
+use shoal_proto::master::{Durable, DurableGroup, DurablePeer, DurableRing};
 use shoal_wire::{Epoch, GroupId, PeerId, SessionId};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-/// The state file's format version.
-const VERSION: u64 = 1;
+/// The state file's format version: 2 keeps a ring per group.
+const VERSION: u64 = 2;
 const FILE: &str = "run.json";
 
 /// A state directory.
@@ -124,8 +124,10 @@ fn encode(d: &Durable) -> Value {
         "data_key": hex(&d.data_key),
         "next_peer": d.next_peer,
         "epoch": d.epoch.0,
-        "ring_epoch": d.ring_epoch.0,
-        "ring": d.ring.iter().map(|p| p.0).collect::<Vec<_>>(),
+        "rings": d.rings.iter().map(|r| json!({
+            "group": r.group.0, "epoch": r.epoch.0, "issued": r.issued.0,
+            "members": r.members.iter().map(|p| p.0).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
         "peers": d.peers.iter().map(|p| json!({
             "id": p.peer.0, "group": p.group.0, "addr": p.addr, "accepted": p.accepted,
         })).collect::<Vec<_>>(),
@@ -169,6 +171,17 @@ fn decode(v: &Value) -> Result<Durable, String> {
             })
         })
         .collect::<Result<Vec<_>, String>>()?;
+    let rings = list(v, "rings")?
+        .iter()
+        .map(|r| {
+            Ok(DurableRing {
+                group: GroupId(u32_of(r, "group")?),
+                epoch: Epoch(u64_of(r, "epoch")?),
+                issued: Epoch(u64_of(r, "issued")?),
+                members: ids(r, "members")?,
+            })
+        })
+        .collect::<Result<Vec<_>, String>>()?;
     let groups = list(v, "groups")?
         .iter()
         .map(|g| {
@@ -192,8 +205,7 @@ fn decode(v: &Value) -> Result<Durable, String> {
         data_key: unhex32(field(v, "data_key")?.as_str().ok_or("\"data_key\" is not a string")?)?,
         next_peer: u32_of(v, "next_peer")?,
         epoch: Epoch(u64_of(v, "epoch")?),
-        ring_epoch: Epoch(u64_of(v, "ring_epoch")?),
-        ring: ids(v, "ring")?,
+        rings,
         peers,
         groups,
     })
@@ -210,8 +222,15 @@ mod tests {
             data_key: [7; 32],
             next_peer: 5,
             epoch: Epoch(9),
-            ring_epoch: Epoch(8),
-            ring: vec![PeerId(3), PeerId(1)],
+            rings: vec![
+                DurableRing {
+                    group: GroupId(0),
+                    epoch: Epoch(8),
+                    issued: Epoch(8),
+                    members: vec![PeerId(3), PeerId(1)],
+                },
+                DurableRing { group: GroupId(2), epoch: Epoch(0), issued: Epoch(9), members: vec![] },
+            ],
             peers: vec![
                 DurablePeer { peer: PeerId(1), group: GroupId(0), addr: "10.0.0.1:4000".into(), accepted: true },
                 DurablePeer { peer: PeerId(3), group: GroupId(0), addr: "[::1]:4001".into(), accepted: true },
@@ -237,9 +256,9 @@ mod tests {
         assert_eq!(std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777, 0o600, "it holds the data key");
         // What cannot be read is an error naming the file and the problem, never a new run.
         for (text, problem) in [
-            ("{\"version\": 1, \"session\": 3}", "no \"peers\""),
-            ("{\"version\": 2}", "state format 2, this master reads 1"),
-            ("{\"version\": 1, \"sess", "EOF while parsing"),
+            ("{\"version\": 2, \"session\": 3}", "no \"peers\""),
+            ("{\"version\": 1}", "state format 1, this master reads 2"),
+            ("{\"version\": 2, \"sess", "EOF while parsing"),
         ] {
             fs::write(dir.join(FILE), text).unwrap();
             let e = state.load().unwrap_err().to_string();

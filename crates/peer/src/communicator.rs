@@ -88,9 +88,10 @@ impl Communicator {
         self.connect_until(timeout, 1)
     }
 
-    /// [`Communicator::connect`], then waits until the run has at least `min_world_size`
-    /// accepted peers, admitting newcomers as they register. Every accepted peer must be in this
-    /// call (or in the same `peers_pending` / `update_topology` loop): admission is their vote.
+    /// [`Communicator::connect`], then waits until this peer's group has at least `min_world_size`
+    /// accepted members, admitting newcomers as they register. Every accepted member must be in
+    /// this call (or in the same `peers_pending` / `update_topology` loop): admission is their
+    /// vote. Other groups neither count nor vote.
     ///
     /// # Errors
     /// As [`Communicator::connect`]; [`Error::TooFewPeers`] if the bound passes first, in which
@@ -110,7 +111,7 @@ impl Communicator {
         self.join(deadline, catch_up)?;
         let too_few = |have| Error::TooFewPeers { have, want: min_world_size, after: deadline.bound() };
         loop {
-            let have = self.world_size().unwrap_or(0);
+            let have = self.group_world_size().unwrap_or(0);
             if have >= min_world_size {
                 return Ok(());
             }
@@ -752,7 +753,8 @@ impl Communicator {
         data.calls.ended.remove(&call).expect("driven until it ended")
     }
 
-    /// Members of the whole run, once accepted.
+    /// Accepted peers of the whole run, every group's, when this peer's group's topology was
+    /// issued; once accepted.
     pub fn world_size(&self) -> Option<usize> {
         self.position().map(|p| p.world_size)
     }

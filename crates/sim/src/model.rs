@@ -498,10 +498,10 @@ struct Sim {
     batch: usize,
     /// The peers' limit on collectives in flight: a batch beyond it queues.
     max_in_flight: usize,
-    /// The group every peer joins: 0, or another (whose numbers must mean nothing special).
-    /// Several groups in one run vote `update_topology` and `peers_pending` run-wide, which
-    /// the application's loop here does not do in step (issue 37's to settle).
-    group: GroupId,
+    /// The groups peers join, each one of them at random: 0, or others (whose numbers must mean
+    /// nothing special). Groups are admitted, voted and re-formed apart, and the checks hold in
+    /// each ([`check`]).
+    groups: Vec<GroupId>,
     /// Whether every other vote of a peer is `optimize_topology`'s, with links measured as if
     /// even and odd peers sat on two sites 40 ms apart.
     optimizes: bool,
@@ -524,7 +524,10 @@ pub fn run(seed: u64) -> Report {
     sim.max_in_flight = 1 + sim.rng.below(4) as usize;
     sim.optimizes = sim.rng.chance(50);
     sim.p2p = sim.rng.chance(50);
-    sim.group = GroupId([0, 1, 7][sim.rng.below(3) as usize]);
+    sim.groups = vec![GroupId([0, 1, 7][sim.rng.below(3) as usize])];
+    if sim.rng.chance(33) {
+        sim.groups.push(GroupId(sim.groups[0].0 + 1 + sim.rng.below(3) as u32));
+    }
     if sim.shape == Shape::Pccl {
         // A newcomer's first `peers_pending` is cast tentatively (`proto::master::calls`): with a
         // batch queued beyond the limit, the others' failed iteration may end in a collective
@@ -542,7 +545,8 @@ pub fn run(seed: u64) -> Report {
     );
     // One run in 1000 starts with a large world (up to 64 peers): slow, so rare.
     let initial = if sim.rng.below(1000) == 0 { 8 + sim.rng.below(57) } else { 2 + sim.rng.below(4) } as usize;
-    sim.report.shape += &format!(", {initial} peers at first in group {}", sim.group.0);
+    let groups: Vec<String> = sim.groups.iter().map(|g| g.0.to_string()).collect();
+    sim.report.shape += &format!(", {initial} peers at first in groups {}", groups.join(" and "));
     for _ in 0..initial {
         sim.add_peer();
     }
@@ -558,7 +562,7 @@ pub fn run(seed: u64) -> Report {
 pub fn run_calls(seed: u64, first: Call, others: Call) -> Report {
     let mut sim = Sim::new(seed);
     (sim.shape, sim.syncs) = (Shape::Pccl, true);
-    sim.group = GroupId([0, 1, 7][sim.rng.below(3) as usize]);
+    sim.groups = vec![GroupId([0, 1, 7][sim.rng.below(3) as usize])];
     let mut delays = [ms(0), ms(150), ms(300)];
     for k in (1..3).rev() {
         delays.swap(k, sim.rng.below(k as u64 + 1) as usize);
@@ -610,7 +614,7 @@ impl Sim {
             syncs: false,
             batch: 1,
             max_in_flight: 1,
-            group: GroupId(0),
+            groups: vec![GroupId(0)],
             optimizes: false,
             p2p: false,
             trace: std::env::var_os("SHOAL_SIM_TRACE").is_some(),
@@ -675,7 +679,10 @@ impl Sim {
         let at = self.instant();
         let mut peer = SimPeer::new(self.now, at, self.max_in_flight);
         peer.pending_due = self.shape == Shape::Pccl;
-        peer.group = self.group;
+        peer.group = match self.groups[..] {
+            [only] => only,
+            ref several => several[self.rng.below(several.len() as u64) as usize],
+        };
         peer.proto.connect(peer.group, format!("sim:{i}"), CALL_TIMEOUT, at);
         self.peers.push(peer);
         // The master challenges the new connection; the peer answers with its Join.
@@ -738,7 +745,7 @@ impl Sim {
                     let to = Node::Peer(conn.0 as usize);
                     self.send(Node::Master, to, Ev::ControlClosed { to, peer: conn.0 as usize });
                 }
-                Output::Event(MasterEvent::TopologyCommitted { epoch, members }) => {
+                Output::Event(MasterEvent::TopologyCommitted { epoch, members, .. }) => {
                     self.commits.push((self.now, epoch, members))
                 }
                 Output::Event(_) => {}
@@ -1856,7 +1863,7 @@ impl Sim {
         self.report.live = live.iter().filter_map(|&i| self.peers[i].me()).collect();
         self.report.live_index = live.iter().copied().collect();
         self.report.groups = self.peers.iter().filter_map(|p| Some((p.me()?, p.group))).collect();
-        self.report.ring = self.master.ring().to_vec();
+        self.report.ring = self.master.rings().flat_map(|(_, ring)| ring.iter().copied()).collect();
         self.report.views = live
             .iter()
             .map(|&i| {

@@ -495,12 +495,15 @@ pub enum Message {
         /// keyed hash under it, so a stranger who reaches a peer's data port cannot speak there.
         data_key: [u8; 32],
     },
-    /// Master → peer: the members of the run, in ring order; open your data connections.
+    /// Master → peer: the members of the peer's group, in ring order; open your data connections.
     Topology {
         /// This topology's number.
         epoch: Epoch,
-        /// Every member; a group's ring is its members in this order.
+        /// Every member of the group, in ring order.
         members: Vec<Member>,
+        /// Peers of the whole run (every group) accepted or admitted by this topology, when it
+        /// was issued: at least `members`' count.
+        world: u32,
         /// Where the small-message all-reduces stop, if the master derived it from measured links.
         limits: Option<AlgorithmLimits>,
     },
@@ -939,9 +942,10 @@ impl Message {
                 w.u64(*seq);
                 failure.encode(w);
             }
-            Message::Topology { epoch, members, limits } => {
+            Message::Topology { epoch, members, world, limits } => {
                 w.u64(epoch.0);
                 encode_members(w, members);
+                w.u32(*world);
                 w.bool(limits.is_some());
                 let l = limits.unwrap_or(AlgorithmLimits { oneshot_max: 0, twoshot_max: 0 });
                 w.u64(l.oneshot_max);
@@ -1075,10 +1079,10 @@ impl Message {
                 Message::OpAborted { epoch: Epoch(r.u64()?), seq: r.u64()?, failure: OpFailure::decode(&mut r)? }
             }
             kind::TOPOLOGY => {
-                let (epoch, members) = (Epoch(r.u64()?), decode_members(&mut r)?);
+                let (epoch, members, world) = (Epoch(r.u64()?), decode_members(&mut r)?, r.u32()?);
                 let (known, oneshot_max, twoshot_max) = (r.bool("limits")?, r.u64()?, r.u64()?);
                 let limits = known.then_some(AlgorithmLimits { oneshot_max, twoshot_max });
-                Message::Topology { epoch, members, limits }
+                Message::Topology { epoch, members, world, limits }
             }
             kind::TOPOLOGY_COMMITTED => Message::TopologyCommitted { epoch: Epoch(r.u64()?) },
             kind::PEERS_PENDING_RESULT => Message::PeersPendingResult { pending: r.bool("pending")? },
@@ -1338,10 +1342,16 @@ mod tests {
                 .prop_map(|(e, seq, failure)| { Message::OpFailed { epoch: Epoch(e), seq, failure } }),
             (any::<u64>(), any::<u64>(), failure())
                 .prop_map(|(e, seq, failure)| { Message::OpAborted { epoch: Epoch(e), seq, failure } }),
-            (any::<u64>(), prop::collection::vec(member(), 0..20), proptest::option::of((any::<u64>(), any::<u64>())))
-                .prop_map(|(e, members, limits)| Message::Topology {
+            (
+                any::<u64>(),
+                prop::collection::vec(member(), 0..20),
+                any::<u32>(),
+                proptest::option::of((any::<u64>(), any::<u64>()))
+            )
+                .prop_map(|(e, members, world, limits)| Message::Topology {
                     epoch: Epoch(e),
                     members,
+                    world,
                     limits: limits.map(|(oneshot_max, twoshot_max)| AlgorithmLimits { oneshot_max, twoshot_max }),
                 }),
             any::<u64>().prop_map(|e| Message::TopologyCommitted { epoch: Epoch(e) }),

@@ -51,7 +51,7 @@ impl Master {
     /// committed topology, against the calls its group is in. False when the vote must not be
     /// cast: it was answered or abandoned here.
     pub(super) fn admit_vote(&mut self, now: Instant, peer: PeerId, vote: Vote, collectives: u64) -> bool {
-        let at = LastVote { vote, epoch: self.ring_epoch, collectives, mismatched: false };
+        let at = LastVote { vote, epoch: self.g.ring_epoch, collectives, mismatched: false };
         let entry = self.peers.get_mut(&peer).expect("votes come from known peers");
         let (group, fresh) = (entry.group, std::mem::take(&mut entry.fresh));
         let settled = entry.last_vote.replace(at).is_some_and(|last| last.mismatched);
@@ -59,11 +59,11 @@ impl Master {
             if self.vote_awaiting(peer, vote).is_some() {
                 log::debug!("{peer}'s first call since its admission is peers_pending, the others vote another");
                 self.send_to_peer(peer, Message::PeersPendingResult { pending: false });
-                self.sent_on.insert(peer);
+                self.g.sent_on.insert(peer);
                 return false;
             }
             let at = now + heartbeat_interval(self.config.heartbeat_timeout);
-            self.tentative.insert(peer, at);
+            self.g.tentative.insert(peer, at);
             self.arm_tentative_votes();
             return true;
         }
@@ -73,16 +73,16 @@ impl Master {
         while let Some((other, voters)) = self.vote_awaiting(peer, vote) {
             let misuse =
                 Misuse::new(Called::new([peer], Call::api(vote)), Called::new(voters.clone(), Call::api(other)));
-            if self.sent_on.remove(&peer) {
+            if self.g.sent_on.remove(&peer) {
                 // A newcomer sent on to a call the others have left: it goes back to meet them.
                 log::debug!("{misuse}: {peer} was sent on as a newcomer, and tries again");
                 self.refuse(peer, vote, misuse, true);
                 return false;
             }
-            if voters.iter().all(|v| self.sent_on.contains(v)) {
+            if voters.iter().all(|v| self.g.sent_on.contains(v)) {
                 // The newcomers wait in a call the others have left: they try again, this vote counts.
                 log::debug!("{misuse}: the newcomers sent on try again");
-                self.sent_on.retain(|v| !voters.contains(v));
+                self.g.sent_on.retain(|v| !voters.contains(v));
                 self.withdraw(other, group, &misuse, true);
                 continue;
             }
@@ -116,9 +116,9 @@ impl Master {
     /// `collectives` collectives: its ballot found that fewer than announced so far
     /// ([`crate::ballot::Ballot::announce`]).
     pub(super) fn announce_vote(&mut self, peer: PeerId, vote: Vote, collectives: u64) {
-        let epoch = self.ring_epoch;
+        let epoch = self.g.ring_epoch;
         debug_assert_eq!(self.peers[&peer].last_vote.map(|l| (l.vote, l.collectives)), Some((vote, collectives)));
-        debug_assert!(self.ring.contains(&peer), "{peer} announces a vote outside the ring");
+        debug_assert!(self.g.ring.contains(&peer), "{peer} announces a vote outside the ring");
         for p in self.group_ring(self.peers[&peer].group).into_iter().filter(|p| *p != peer) {
             self.send_to_peer(p, Message::VoteOpened { vote, epoch, voter: peer, collectives });
         }
@@ -126,53 +126,57 @@ impl Master {
 
     /// Answers `false` to the tentative `peers_pending` votes whose time is up.
     pub(super) fn answer_tentative_votes(&mut self, now: Instant) {
-        let due: Vec<PeerId> = self.tentative.iter().filter(|(_, at)| **at <= now).map(|(p, _)| *p).collect();
+        let due: Vec<PeerId> = self.g.tentative.iter().filter(|(_, at)| **at <= now).map(|(p, _)| *p).collect();
         self.release_tentative(&due);
         self.arm_tentative_votes();
-        assert!(self.tentative.values().all(|at| *at > now), "a tentative vote past its time is answered");
+        assert!(self.g.tentative.values().all(|at| *at > now), "a tentative vote past its time is answered");
     }
 
     /// `member` votes another call: a ballot of tentative newcomers' votes that waits for it
     /// can never pass, and its newcomers go on to the call the others are in.
     fn release_tentative_votes_awaiting(&mut self, member: PeerId) {
-        let Some(ballot) = &self.pending_vote else { return };
-        if ballot.awaits(member) && ballot.voters().iter().all(|p| self.tentative.contains_key(p)) {
+        let Some(ballot) = &self.g.pending_vote else { return };
+        if ballot.awaits(member) && ballot.voters().iter().all(|p| self.g.tentative.contains_key(p)) {
             let voters: Vec<PeerId> = ballot.voters().iter().copied().collect();
             self.release_tentative(&voters);
         }
         // No tentative ballot is left waiting for a member that votes another call.
         debug_assert!(self
+            .g
             .pending_vote
             .as_ref()
-            .is_none_or(|b| !b.awaits(member) || !b.voters().iter().all(|p| self.tentative.contains_key(p))));
+            .is_none_or(|b| !b.awaits(member) || !b.voters().iter().all(|p| self.g.tentative.contains_key(p))));
     }
 
     fn release_tentative(&mut self, peers: &[PeerId]) {
         for p in peers {
-            self.tentative.remove(p);
-            self.sent_on.insert(*p);
-            if let Some(ballot) = &mut self.pending_vote {
+            self.g.tentative.remove(p);
+            self.g.sent_on.insert(*p);
+            if let Some(ballot) = &mut self.g.pending_vote {
                 ballot.uncast(*p);
                 log::debug!("{p}'s first peers_pending since its admission: false");
                 self.send_to_peer(*p, Message::PeersPendingResult { pending: false });
             }
         }
-        if self.pending_vote.as_ref().is_some_and(|b| b.voters().is_empty()) {
-            self.pending_vote = None;
+        if self.g.pending_vote.as_ref().is_some_and(|b| b.voters().is_empty()) {
+            self.g.pending_vote = None;
         }
-        assert!(peers.iter().all(|p| !self.tentative.contains_key(p)), "a released vote is no longer tentative");
+        assert!(peers.iter().all(|p| !self.g.tentative.contains_key(p)), "a released vote is no longer tentative");
         assert!(
-            self.pending_vote.as_ref().is_none_or(|b| peers.iter().all(|p| !b.voters().contains(p))),
+            self.g.pending_vote.as_ref().is_none_or(|b| peers.iter().all(|p| !b.voters().contains(p))),
             "a released tentative vote is taken back"
         );
     }
 
     fn arm_tentative_votes(&mut self) {
-        match self.tentative.values().min() {
-            Some(at) => self.timers.set(Timer::TentativeVotes, *at),
-            None => self.timers.clear(Timer::TentativeVotes),
+        match self.g.tentative.values().min() {
+            Some(at) => self.timers.set(Timer::TentativeVotes(self.focus), *at),
+            None => self.timers.clear(Timer::TentativeVotes(self.focus)),
         }
-        debug_assert!(self.tentative.is_empty() || self.timers.next_deadline().is_some(), "a tentative vote waits on");
+        debug_assert!(
+            self.g.tentative.is_empty() || self.timers.next_deadline().is_some(),
+            "a tentative vote waits on"
+        );
     }
 
     /// A member of `group` gave up a collective because others wait in a vote, or two votes wait
@@ -207,18 +211,18 @@ impl Master {
                 || voters.iter().all(|p| self.peers.get(p).is_some_and(|e| e.last_vote.is_some_and(|l| l.mismatched))),
             "a voter of a vote that ended apart may wait at its point"
         );
-        let told: Vec<PeerId> = if retry { voters.into_iter().collect() } else { self.ring.clone() };
+        let told: Vec<PeerId> = if retry { voters.into_iter().collect() } else { self.g.ring.clone() };
         match vote {
-            Vote::UpdateTopology if matches!(self.phase, Phase::AwaitingTopologyVotes { .. }) => {
+            Vote::UpdateTopology if matches!(self.g.phase, Phase::AwaitingTopologyVotes { .. }) => {
                 log::warn!("update_topology vote ended: {misuse}");
                 for p in told {
                     self.send_to_peer(p, Message::TopologyVoteAborted { retry, reason: misuse.clone().into() });
                 }
                 self.set_phase(Phase::Idle);
             }
-            Vote::PeersPending if self.pending_vote.is_some() => {
-                self.pending_vote = None;
-                self.tentative.clear();
+            Vote::PeersPending if self.g.pending_vote.is_some() => {
+                self.g.pending_vote = None;
+                self.g.tentative.clear();
                 log::warn!("peers_pending vote ended: {misuse}");
                 for p in told {
                     self.send_to_peer(p, Message::PeersPendingAborted { retry, reason: misuse.clone().into() });
@@ -253,11 +257,11 @@ impl Master {
     /// The ballot of `vote` open for `group`'s members, if any.
     fn open_ballot(&self, vote: Vote, group: GroupId) -> Option<&crate::ballot::Ballot> {
         match vote {
-            Vote::UpdateTopology => match &self.phase {
+            Vote::UpdateTopology => match &self.g.phase {
                 Phase::AwaitingTopologyVotes { ballot } => Some(ballot),
                 _ => None,
             },
-            Vote::PeersPending => self.pending_vote.as_ref(),
+            Vote::PeersPending => self.g.pending_vote.as_ref(),
             Vote::SyncSharedState => self.syncs.get(&group).and_then(|s| s.voting()),
         }
     }
@@ -267,7 +271,7 @@ impl Master {
     /// mismatch best; failing one, the same call, whose ballot ended there (a transfer or a
     /// collective of a third member's could never meet it): its voters are in no call now.
     fn mismatch_at(&self, peer: PeerId, at: LastVote) -> Option<(Vote, BTreeSet<PeerId>)> {
-        debug_assert!(at.epoch == self.ring_epoch, "a vote at {:?} judged in {:?}", at.epoch, self.ring_epoch);
+        debug_assert!(at.epoch == self.g.ring_epoch, "a vote at {:?} judged in {:?}", at.epoch, self.g.ring_epoch);
         let group = self.peers[&peer].group;
         let apart = || {
             self.peers.iter().filter(|(p, _)| **p != peer).filter_map(move |(p, e)| {
@@ -309,8 +313,8 @@ impl Master {
         debug_assert!(self.open_ballot(vote, self.peers[&peer].group).is_none_or(|b| !b.voters().contains(&peer)));
     }
 
-    /// The committed ring's members of `group`, in ring order.
+    /// `group`'s committed ring, in ring order.
     pub(super) fn group_ring(&self, group: GroupId) -> Vec<PeerId> {
-        self.ring.iter().copied().filter(|p| self.peers.get(p).is_some_and(|e| e.group == group)).collect()
+        self.ring(group).to_vec()
     }
 }

@@ -53,7 +53,7 @@ impl Master {
         );
         let group = entry.group;
         let admitting =
-            matches!(&self.phase, super::Phase::AwaitingConnections { members, .. } if members.contains(&peer));
+            matches!(&self.g.phase, super::Phase::AwaitingConnections { members, .. } if members.contains(&peer));
         if entry.status != Status::Registered || admitting {
             // Admitted meanwhile (or asked twice): the sync after its admission repairs it.
             return self.send_plan(peer, None, String::new());
@@ -159,16 +159,14 @@ impl Master {
         assert!(!self.catching_up.contains_key(&peer), "a catch-up that ended is over");
     }
 
-    /// `peer` left the run: it no longer catches up, nor donates.
+    /// `peer`, of the focused group, left the run: it no longer catches up, nor donates.
     pub(super) fn catch_up_member_removed(&mut self, peer: PeerId) {
         debug_assert!(!self.peers.contains_key(&peer), "{peer} is removed while in the run");
         self.catching_up.remove(&peer);
-        let groups: Vec<GroupId> = self.snapshots.keys().copied().collect();
-        for g in groups {
-            let s = self.snapshots.get_mut(&g).expect("listed");
+        if let Some(s) = self.snapshots.get_mut(&self.focus) {
             s.asked.remove(&peer);
             s.held.remove(&peer);
-            self.send_plans(g);
+            self.send_plans(self.focus);
         }
         self.drop_unneeded_snapshots();
         assert!(self.snapshots.values().all(|s| !s.held.contains(&peer)), "a removed member donates nothing");

@@ -1,6 +1,6 @@
 //! What a restarted master needs to carry on the run (`docs/protocol.md`, "Master restart"): the
-//! session and its data key, who is in the run and where, the committed ring, the last epoch,
-//! and every group's last synced revision and elected hashes. The driver writes it to its state
+//! session and its data key, who is in the run and where, every group's committed ring, the last
+//! epoch, and every group's last synced revision and elected hashes. The driver writes it to its state
 //! directory whenever it changes ([`Master::generation`]) and starts from it again
 //! ([`Master::restore`]).
 //!
@@ -9,10 +9,10 @@
 //! progress (votes, syncs, collectives awaiting a verdict) is not kept: peers end their votes and
 //! syncs with a retryable error when the connection breaks, and ask again about collectives once
 //! rejoined. A topology being connected when the master stopped is issued again once every peer
-//! is back.
+//! of its group is back.
 
 use super::sync::GroupState;
-use super::{ConnId, Master, MasterConfig, Message, PeerEntry, Status};
+use super::{ConnId, Group, Master, MasterConfig, Message, PeerEntry, Status};
 use shoal_wire::{Epoch, GroupId, PeerId, SessionId};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
@@ -28,6 +28,19 @@ pub struct DurablePeer {
     pub addr: String,
     /// Whether it is a member of the committed ring (else it awaits admission).
     pub accepted: bool,
+}
+
+/// A group's committed ring, as kept.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DurableRing {
+    /// The group.
+    pub group: GroupId,
+    /// The committed topology.
+    pub epoch: Epoch,
+    /// The last topology issued to the group: later than `epoch` while one was being connected.
+    pub issued: Epoch,
+    /// Its members in ring order.
+    pub members: Vec<PeerId>,
 }
 
 /// A group's last completed sync, as kept.
@@ -52,12 +65,10 @@ pub struct Durable {
     pub data_key: [u8; 32],
     /// The next peer id to hand out: ids are never reused.
     pub next_peer: u32,
-    /// The last topology issued.
+    /// The last topology issued, to any group.
     pub epoch: Epoch,
-    /// The committed topology.
-    pub ring_epoch: Epoch,
-    /// The committed ring, every group's members in ring order.
-    pub ring: Vec<PeerId>,
+    /// Every group's committed ring, by group.
+    pub rings: Vec<DurableRing>,
     /// Every peer.
     pub peers: Vec<DurablePeer>,
     /// Every group's last completed sync.
@@ -70,9 +81,9 @@ pub enum Incoherent {
     /// Its session or data key is not the configuration's.
     #[error("the state is of another session than the configuration")]
     OtherSession,
-    /// The committed ring is not exactly the accepted peers.
-    #[error("the ring is not the set of accepted peers")]
-    RingNotAccepted,
+    /// A group's committed ring is not exactly its accepted peers, or a group is listed twice.
+    #[error("the ring of {0:?} is not the set of its accepted peers")]
+    RingNotAccepted(GroupId),
     /// A peer id at or past the next id to hand out.
     #[error("{peer} was never handed out (next id {next})")]
     NeverHandedOut {
@@ -81,9 +92,9 @@ pub enum Incoherent {
         /// The next id the state says it hands out.
         next: u32,
     },
-    /// The committed topology is newer than the last one issued.
-    #[error("the committed topology is newer than the last issued")]
-    CommittedAhead,
+    /// A group's committed topology is newer than the last one issued.
+    #[error("the committed topology of {0:?} is newer than the last issued")]
+    CommittedAhead(GroupId),
     /// A peer listed twice.
     #[error("{0} is listed twice")]
     Twice(PeerId),
@@ -98,15 +109,19 @@ impl Master {
     /// What a restarted master needs.
     pub fn durable(&self) -> Durable {
         // What a restart checks ([`Master::restore`]) holds of every state written.
-        assert!(self.ring_epoch <= self.epoch, "topology {:?} committed ahead of {:?}", self.ring_epoch, self.epoch);
+        let rings: Vec<DurableRing> = self
+            .each_group()
+            .filter(|(_, g)| g.issued > Epoch(0))
+            .map(|(group, g)| DurableRing { group, epoch: g.ring_epoch, issued: g.issued, members: g.ring.clone() })
+            .collect();
+        assert!(rings.iter().all(|r| r.epoch <= r.issued && r.issued <= self.epoch), "a ring committed ahead");
         debug_assert!(self.peers.keys().all(|p| p.0 < self.next_peer), "a peer id was handed out twice");
         Durable {
             session: self.config.session,
             data_key: self.config.data_key.0,
             next_peer: self.next_peer,
             epoch: self.epoch,
-            ring_epoch: self.ring_epoch,
-            ring: self.ring.clone(),
+            rings,
             peers: self
                 .peers
                 .iter()
@@ -140,16 +155,37 @@ impl Master {
         if durable.session != config.session || durable.data_key != config.data_key.0 {
             return Err(Incoherent::OtherSession);
         }
-        let accepted: BTreeSet<PeerId> = durable.peers.iter().filter(|p| p.accepted).map(|p| p.peer).collect();
-        let ring: BTreeSet<PeerId> = durable.ring.iter().copied().collect();
-        if ring != accepted || ring.len() != durable.ring.len() {
-            return Err(Incoherent::RingNotAccepted);
+        let mut accepted: BTreeMap<GroupId, BTreeSet<PeerId>> = BTreeMap::new();
+        for p in durable.peers.iter().filter(|p| p.accepted) {
+            accepted.entry(p.group).or_default().insert(p.peer);
+        }
+        let mut groups: BTreeMap<GroupId, Group> = BTreeMap::new();
+        for r in &durable.rings {
+            let members: BTreeSet<PeerId> = r.members.iter().copied().collect();
+            let theirs = accepted.remove(&r.group).unwrap_or_default();
+            if members != theirs || members.len() != r.members.len() || groups.contains_key(&r.group) {
+                return Err(Incoherent::RingNotAccepted(r.group));
+            }
+            if r.epoch > r.issued || r.issued > durable.epoch {
+                return Err(Incoherent::CommittedAhead(r.group));
+            }
+            // A topology issued and not committed was lost with its phase: one is issued again
+            // once every peer of the group is back.
+            let reform_due = r.issued != r.epoch;
+            let group = Group {
+                ring_epoch: r.epoch,
+                issued: r.issued,
+                ring: r.members.clone(),
+                reform_due,
+                ..Group::default()
+            };
+            groups.insert(r.group, group);
+        }
+        if let Some((group, _)) = accepted.pop_first() {
+            return Err(Incoherent::RingNotAccepted(group));
         }
         if let Some(p) = durable.peers.iter().find(|p| p.peer.0 >= durable.next_peer) {
             return Err(Incoherent::NeverHandedOut { peer: p.peer, next: durable.next_peer });
-        }
-        if durable.ring_epoch > durable.epoch {
-            return Err(Incoherent::CommittedAhead);
         }
         let mut master = Master::new(config, now);
         for p in durable.peers {
@@ -166,28 +202,29 @@ impl Master {
             if master.peers.insert(p.peer, entry).is_some() {
                 return Err(Incoherent::Twice(p.peer));
             }
+            groups.entry(p.group).or_default().peers += 1;
         }
         master.next_peer = durable.next_peer;
         master.epoch = durable.epoch;
-        master.ring_epoch = durable.ring_epoch;
-        master.ring = durable.ring;
+        master.g = groups.remove(&master.focus).unwrap_or_default();
+        master.groups = groups;
         for g in durable.groups {
             master
                 .group_states
                 .insert(g.group, GroupState { revision: g.revision, hashes: g.hashes, synced: g.synced });
         }
-        // A topology issued and not committed was lost with its phase: issue one again once
-        // every peer is back.
-        master.reform_due = master.epoch != master.ring_epoch;
         master.arm_heartbeat_check();
-        assert!(master.ring.iter().all(|p| master.peers[p].status == Status::Accepted), "the ring is accepted members");
+        assert!(
+            master.rings().all(|(_, ring)| ring.iter().all(|p| master.peers[p].status == Status::Accepted)),
+            "the rings are accepted members"
+        );
         debug_assert!(master.peers.keys().all(|p| p.0 < master.next_peer), "a restored id is handed out again");
         debug_assert!(master.peers.values().all(|e| e.conn.is_none()), "a restored peer is attached before it rejoins");
         log::info!(
-            "restored the run: {} peers ({} in the ring of topology {}); waiting for them to rejoin",
+            "restored the run: {} peers in {} groups ({} in rings); waiting for them to rejoin",
             master.peers.len(),
-            master.ring.len(),
-            master.ring_epoch.0
+            master.groups.len(),
+            master.rings().map(|(_, ring)| ring.len()).sum::<usize>(),
         );
         Ok(master)
     }
@@ -215,7 +252,12 @@ impl Master {
         self.conns.insert(conn, peer);
         log::info!("{peer} rejoined");
         self.send(conn, self.registered_message(peer));
+        self.focus_on(peer);
         self.reform_if_due();
+        if self.group_back() {
+            // A group whose first topology was lost with the master's phase.
+            self.admit_without_vote_if_alone();
+        }
         assert_eq!(self.peers.get(&peer).and_then(|e| e.conn), Some(conn), "{peer} rejoined on another connection");
         debug_assert_eq!(
             self.conns.values().filter(|p| **p == peer).count(),

@@ -23,7 +23,7 @@ mod timers;
 
 use crate::auth::{DataKey, RunKey};
 use crate::ballot::Ballot;
-pub use durable::{Durable, DurableGroup, DurablePeer, Incoherent};
+pub use durable::{Durable, DurableGroup, DurablePeer, DurableRing, Incoherent};
 pub use ops::MAX_TRACKED_OPS;
 pub use plan::Plan;
 use shoal_wire::{Epoch, GroupId, Member, Message, PeerId, PeerReport, Reason, SessionId, Vote};
@@ -33,8 +33,9 @@ use std::time::{Duration, Instant};
 pub use sync::Strategy;
 pub use timers::{Timer, TimerTable};
 
-/// Peers a run holds at most, registered or accepted: every topology lists every member, and a
-/// peer's decoder refuses a longer list. A `Join` beyond it is refused with `Kicked`.
+/// Peers a run holds at most, registered or accepted: a topology lists every member of its group,
+/// which may be every peer, and a peer's decoder refuses a longer list. A `Join` beyond it is
+/// refused with `Kicked`.
 pub const MAX_PEERS: usize = shoal_wire::MAX_MEMBERS;
 
 /// A control connection, as numbered by the driver.
@@ -103,6 +104,8 @@ pub enum MasterEvent {
     },
     /// A topology was issued for peers to connect.
     TopologyIssued {
+        /// The group.
+        group: GroupId,
         /// Its number.
         epoch: Epoch,
         /// Its members in ring order.
@@ -110,6 +113,8 @@ pub enum MasterEvent {
     },
     /// `optimize_topology` passed: the ring is ordered by what its members measured.
     RingPlanned {
+        /// The group.
+        group: GroupId,
         /// The measured members in the planned order.
         members: Vec<PeerId>,
         /// The planned ring's cost (`shoal_topology::Costs`), microseconds per round of steps.
@@ -119,6 +124,8 @@ pub enum MasterEvent {
     },
     /// A topology came into force.
     TopologyCommitted {
+        /// The group.
+        group: GroupId,
         /// Its number.
         epoch: Epoch,
         /// Its members in ring order.
@@ -137,10 +144,11 @@ enum Removal {
     Expelled,
 }
 
-/// What the run as a whole is doing.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// What a group is doing.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum Phase {
     /// No major operation.
+    #[default]
     Idle,
     /// Accepted peers are voting to update the topology.
     AwaitingTopologyVotes {
@@ -253,32 +261,20 @@ struct PeerEntry {
     last_vote: Option<calls::LastVote>,
 }
 
-/// The master's protocol state machine.
-#[derive(Debug)]
-pub struct Master {
-    config: MasterConfig,
-    peers: BTreeMap<PeerId, PeerEntry>,
-    conns: BTreeMap<ConnId, PeerId>,
-    next_peer: u32,
-    epoch: Epoch,
+/// One peer group's membership: its committed ring, the major operation it runs and its votes.
+/// Groups are independent: each is admitted, voted, re-formed and planned on its own, and no
+/// group's call waits for another's (`docs/protocol.md`, "Groups"). Only the run's peer ids,
+/// epochs, connections and heartbeats are shared.
+#[derive(Debug, Default)]
+struct Group {
+    /// Peers of the group in the run, registered or accepted: a group without any is dropped.
+    peers: usize,
     /// Accepted peers in ring order: the committed topology.
     ring: Vec<PeerId>,
     /// The epoch of `ring`.
     ring_epoch: Epoch,
-    /// Collectives of the committed ring reported by some member and not yet settled.
-    ops: BTreeMap<ops::OpKey, ops::OpRecord>,
-    /// Shared-state syncs in progress, by group.
-    syncs: BTreeMap<GroupId, sync::SyncRound>,
-    /// Members whose call waits on a tagged transfer with another member, announced and not
-    /// over: (waiter, the other end) (`p2p.rs`).
-    p2p_waits: BTreeMap<PeerId, PeerId>,
-    next_sync: u64,
-    /// Each group's last completed sync.
-    group_states: BTreeMap<GroupId, sync::GroupState>,
-    /// Registered peers fetching their group's state (`catchup.rs`).
-    catching_up: BTreeMap<PeerId, catchup::Newcomer>,
-    /// The copy of each group's state its members keep while newcomers catch up.
-    snapshots: BTreeMap<GroupId, catchup::Snapshot>,
+    /// The last epoch issued to the group: later than `ring_epoch` while one is being connected.
+    issued: Epoch,
     phase: Phase,
     pending_vote: Option<Ballot>,
     /// Newcomers' first `peers_pending` votes, cast tentatively, and when each is answered `false`
@@ -297,6 +293,40 @@ pub struct Master {
     measured: BTreeMap<PeerId, Option<Vec<shoal_wire::Measured>>>,
     /// The ring's order from the last `optimize_topology`.
     plan: Option<Plan>,
+}
+
+/// The master's protocol state machine.
+///
+/// Every input concerns one group at a time (a peer's message, its loss, a group's timer): the
+/// machine *focuses* on that group first (`Master::focus`), so that `g` is its state and the
+/// code of a transition reads one group's ring and votes as `self.g`, and can reach no other.
+#[derive(Debug)]
+pub struct Master {
+    config: MasterConfig,
+    peers: BTreeMap<PeerId, PeerEntry>,
+    conns: BTreeMap<ConnId, PeerId>,
+    next_peer: u32,
+    /// The last epoch issued, to any group: epochs name topologies across the run.
+    epoch: Epoch,
+    /// The group in focus, and its state.
+    focus: GroupId,
+    g: Group,
+    /// Every other group with a peer in the run.
+    groups: BTreeMap<GroupId, Group>,
+    /// Collectives reported by some member and not yet settled, of every group's committed ring.
+    ops: BTreeMap<ops::OpKey, ops::OpRecord>,
+    /// Shared-state syncs in progress, by group.
+    syncs: BTreeMap<GroupId, sync::SyncRound>,
+    /// Members whose call waits on a tagged transfer with another member, announced and not
+    /// over: (waiter, the other end) (`p2p.rs`).
+    p2p_waits: BTreeMap<PeerId, PeerId>,
+    next_sync: u64,
+    /// Each group's last completed sync.
+    group_states: BTreeMap<GroupId, sync::GroupState>,
+    /// Registered peers fetching their group's state (`catchup.rs`).
+    catching_up: BTreeMap<PeerId, catchup::Newcomer>,
+    /// The copy of each group's state its members keep while newcomers catch up.
+    snapshots: BTreeMap<GroupId, catchup::Snapshot>,
     /// The nonce each connection was challenged with, until its `Join`.
     challenges: BTreeMap<ConnId, [u8; 32]>,
     /// What each peer last reported of its work (`Message::Report`).
@@ -326,8 +356,9 @@ impl Master {
             conns: BTreeMap::new(),
             next_peer: 0,
             epoch: Epoch(0),
-            ring: Vec::new(),
-            ring_epoch: Epoch(0),
+            focus: GroupId(0),
+            g: Group::default(),
+            groups: BTreeMap::new(),
             ops: BTreeMap::new(),
             syncs: BTreeMap::new(),
             p2p_waits: BTreeMap::new(),
@@ -335,13 +366,6 @@ impl Master {
             group_states: BTreeMap::new(),
             catching_up: BTreeMap::new(),
             snapshots: BTreeMap::new(),
-            phase: Phase::Idle,
-            pending_vote: None,
-            tentative: BTreeMap::new(),
-            sent_on: BTreeSet::new(),
-            reform_due: false,
-            measured: BTreeMap::new(),
-            plan: None,
             challenges: BTreeMap::new(),
             reports: BTreeMap::new(),
             retired: Totals::default(),
@@ -354,6 +378,39 @@ impl Master {
         };
         debug_assert!(master.poll_timeout().is_some_and(|t| t > now), "a new master sends no heartbeat");
         master
+    }
+
+    /// Makes `group` the group in focus: its state is `self.g` until the next focus. The group
+    /// left is kept while it has a peer, and forgotten with its last.
+    fn focus(&mut self, group: GroupId) {
+        if group == self.focus {
+            return;
+        }
+        let next = self.groups.remove(&group).unwrap_or_default();
+        let left = std::mem::replace(&mut self.g, next);
+        let left_id = std::mem::replace(&mut self.focus, group);
+        if left.peers > 0 {
+            self.groups.insert(left_id, left);
+        } else {
+            debug_assert!(left.ring.is_empty() && left.phase == Phase::Idle, "{left_id:?} is left busy, and empty");
+            debug_assert!(!self.peers.values().any(|e| e.group == left_id), "{left_id:?} is forgotten with a peer");
+        }
+        assert!(self.focus == group && !self.groups.contains_key(&group), "{group:?} is kept twice");
+    }
+
+    /// Focuses on `peer`'s group, if `peer` is in the run.
+    fn focus_on(&mut self, peer: PeerId) -> bool {
+        let Some(group) = self.peers.get(&peer).map(|e| e.group) else { return false };
+        self.focus(group);
+        true
+    }
+
+    /// Every group with a peer in the run, by id.
+    fn each_group(&self) -> impl Iterator<Item = (GroupId, &Group)> + '_ {
+        let focused = (self.g.peers > 0).then_some((self.focus, &self.g));
+        let mut all: Vec<(GroupId, &Group)> = self.groups.iter().map(|(id, g)| (*id, g)).chain(focused).collect();
+        all.sort_unstable_by_key(|(id, _)| *id);
+        all.into_iter()
     }
 
     // ----- getters -----
@@ -374,14 +431,27 @@ impl Master {
         self.counters.tls_failures += 1;
     }
 
-    /// The current phase.
-    pub fn phase(&self) -> &Phase {
-        &self.phase
+    /// What `group` is doing.
+    pub fn phase(&self, group: GroupId) -> &Phase {
+        self.group(group).map_or(&Phase::Idle, |g| &g.phase)
     }
 
-    /// The committed ring: accepted peers in ring order.
-    pub fn ring(&self) -> &[PeerId] {
-        &self.ring
+    /// `group`'s committed ring: its accepted peers in ring order.
+    pub fn ring(&self, group: GroupId) -> &[PeerId] {
+        self.group(group).map_or(&[], |g| &g.ring)
+    }
+
+    /// Every group's committed ring, by group: the run's accepted peers.
+    pub fn rings(&self) -> impl Iterator<Item = (GroupId, &[PeerId])> + '_ {
+        self.each_group().map(|(id, g)| (id, g.ring.as_slice()))
+    }
+
+    fn group(&self, group: GroupId) -> Option<&Group> {
+        if group == self.focus {
+            Some(&self.g)
+        } else {
+            self.groups.get(&group)
+        }
     }
 
     /// Every known peer and its status.
@@ -412,6 +482,7 @@ impl Master {
             return self.handle_first_message(now, conn, message);
         };
         debug_assert!(self.peers.get(&peer).is_some_and(|e| e.conn == Some(conn)), "{conn:?} names a peer gone");
+        self.focus_on(peer);
         if session != self.config.session {
             return self.violation(peer, PeerMisbehaved::WrongSession { got: session });
         }
@@ -484,13 +555,13 @@ impl Master {
     /// own invariants are checked where it changes, as a topology commits.)
     fn check(&self) {
         debug_assert!(
-            self.ring_epoch <= self.epoch,
+            self.g.ring_epoch <= self.epoch,
             "{:?} committed ahead of {:?} issued",
-            self.ring_epoch,
+            self.g.ring_epoch,
             self.epoch
         );
         debug_assert!(
-            self.tentative.keys().all(|p| self.pending_vote.as_ref().is_some_and(|b| b.voters().contains(p))),
+            self.g.tentative.keys().all(|p| self.g.pending_vote.as_ref().is_some_and(|b| b.voters().contains(p))),
             "a tentative vote not cast"
         );
         debug_assert!(
@@ -521,9 +592,18 @@ impl Master {
                 }
                 // Only a wake-up: the scan for silent peers below runs on every timeout.
                 Timer::CheckHeartbeats => {}
-                Timer::NewcomersReady => self.drop_late_newcomers(now),
-                Timer::TentativeVotes => self.answer_tentative_votes(now),
-                Timer::ImprovePlan => self.improve_plan(now),
+                Timer::NewcomersReady(group) => {
+                    self.focus(group);
+                    self.drop_late_newcomers(now)
+                }
+                Timer::TentativeVotes(group) => {
+                    self.focus(group);
+                    self.answer_tentative_votes(now)
+                }
+                Timer::ImprovePlan(group) => {
+                    self.focus(group);
+                    self.improve_plan(now)
+                }
             }
         }
         let timeout = self.config.heartbeat_timeout;
@@ -572,7 +652,7 @@ impl Master {
             return;
         }
         if self.peers.len() >= MAX_PEERS {
-            // Every topology lists every member: one more could not be sent to anyone.
+            // A topology lists every member of a group: one more could not be sent to anyone.
             self.counters.refused_full += 1;
             let reason = format!("the run is full: {MAX_PEERS} peers, the most a topology can list");
             if let Some(note) = self.refusals.admit(now) {
@@ -596,6 +676,8 @@ impl Master {
         };
         self.peers.insert(peer, entry);
         self.conns.insert(conn, peer);
+        self.focus(group);
+        self.g.peers += 1;
         self.counters.joins += 1;
         self.touch();
         self.outputs.push_back(Output::Event(MasterEvent::PeerRegistered { peer, group, addr: data_addr }));
@@ -640,21 +722,21 @@ impl Master {
         Message::Registered { peer, session: self.config.session, heartbeat_ms, data_key: self.config.data_key.0 }
     }
 
-    /// The first peers of a run (or the first after every accepted peer left) have nobody to
+    /// The first peers of a group (or the first after every accepted member left) have nobody to
     /// vote them in: they are admitted at once.
     fn admit_without_vote_if_alone(&mut self) {
-        if self.phase == Phase::Idle && self.ring.is_empty() {
+        if self.g.phase == Phase::Idle && self.g.ring.is_empty() {
             let newcomers = self.registered();
             if !newcomers.is_empty() {
                 self.issue_topology(newcomers);
                 debug_assert!(
-                    matches!(self.phase, Phase::AwaitingConnections { .. }),
+                    matches!(self.g.phase, Phase::AwaitingConnections { .. }),
                     "the first peers connect theirs"
                 );
             }
         }
         debug_assert!(
-            !(self.phase == Phase::Idle && self.ring.is_empty()) || self.registered().is_empty(),
+            !(self.g.phase == Phase::Idle && self.g.ring.is_empty()) || self.registered().is_empty(),
             "the first peers wait for a vote nobody can cast"
         );
     }
@@ -663,11 +745,11 @@ impl Master {
     /// the survivors' next calls run in it, whatever they are (`docs/protocol.md`, "Retry").
     /// Newcomers wait for the admission vote.
     pub(super) fn reform_if_due(&mut self) {
-        let back = self.peers.values().all(|e| e.conn.is_some());
-        if self.reform_due && back && self.phase == Phase::Idle && self.syncs.is_empty() && !self.ring.is_empty() {
-            log::info!("re-forming the ring of {} peers after a failure", self.ring.len());
-            self.issue_topology(self.ring.clone());
-            debug_assert!(!self.reform_due && matches!(self.phase, Phase::AwaitingConnections { .. }));
+        let (g, syncing) = (&self.g, self.syncs.contains_key(&self.focus));
+        if g.reform_due && g.phase == Phase::Idle && !syncing && !g.ring.is_empty() && self.group_back() {
+            log::info!("re-forming the ring of {} peers after a failure", self.g.ring.len());
+            self.issue_topology(self.g.ring.clone());
+            debug_assert!(!self.g.reform_due && matches!(self.g.phase, Phase::AwaitingConnections { .. }));
         }
     }
 
@@ -678,7 +760,7 @@ impl Master {
         collectives: u64,
         measured: Option<Vec<shoal_wire::Measured>>,
     ) {
-        if let Phase::AwaitingConnections { epoch, .. } = self.phase {
+        if let Phase::AwaitingConnections { epoch, .. } = self.g.phase {
             // A retry that crossed a topology issued meanwhile (a member was lost): not counted;
             // the voter joins that topology and votes again.
             let reason =
@@ -692,9 +774,9 @@ impl Master {
             return self.violation(peer, reason);
         }
         let group = self.peers[&peer].group;
-        let fewer = match &mut self.phase {
+        let fewer = match &mut self.g.phase {
             Phase::Idle => {
-                let mut ballot = Ballot::new(self.ring.iter().copied().collect());
+                let mut ballot = Ballot::new(self.g.ring.iter().copied().collect());
                 let fewer = ballot.announce(group, collectives);
                 ballot.cast(peer);
                 self.set_phase(Phase::AwaitingTopologyVotes { ballot });
@@ -707,7 +789,7 @@ impl Master {
             Phase::AwaitingConnections { .. } => unreachable!("refused above"),
         };
         debug_assert!(
-            matches!(&self.phase, Phase::AwaitingTopologyVotes { ballot } if ballot.voters().contains(&peer)),
+            matches!(&self.g.phase, Phase::AwaitingTopologyVotes { ballot } if ballot.voters().contains(&peer)),
             "{peer}'s vote is cast"
         );
         if fewer {
@@ -715,7 +797,7 @@ impl Master {
         }
         self.tally_topology_votes();
         debug_assert!(
-            !matches!(&self.phase, Phase::AwaitingTopologyVotes { ballot } if ballot.tally().is_some()),
+            !matches!(&self.g.phase, Phase::AwaitingTopologyVotes { ballot } if ballot.tally().is_some()),
             "a complete topology ballot is tallied at once"
         );
     }
@@ -723,11 +805,11 @@ impl Master {
     /// Newcomers that did not report ready a heartbeat timeout after every accepted member did are
     /// expelled; the topology is issued again without them.
     fn drop_late_newcomers(&mut self, now: Instant) {
-        let Phase::AwaitingConnections { epoch, members, ready, newcomers_by: Some(by) } = &self.phase else {
+        let Phase::AwaitingConnections { epoch, members, ready, newcomers_by: Some(by) } = &self.g.phase else {
             return;
         };
         if now < *by {
-            return self.timers.set(Timer::NewcomersReady, *by);
+            return self.timers.set(Timer::NewcomersReady(self.focus), *by);
         }
         let (epoch, bound) = (*epoch, self.config.heartbeat_timeout.as_secs_f64());
         let late: Vec<PeerId> = members.iter().copied().filter(|p| !ready.contains(p)).collect();
@@ -738,7 +820,7 @@ impl Master {
         }
         // Each removal re-issued the topology without the late member (or ended it: none left).
         debug_assert!(
-            !matches!(&self.phase, Phase::AwaitingConnections { epoch: e, .. } if *e == epoch),
+            !matches!(&self.g.phase, Phase::AwaitingConnections { epoch: e, .. } if *e == epoch),
             "{epoch:?} still waits for newcomers that were late"
         );
     }
@@ -748,12 +830,12 @@ impl Master {
         if let Some(e) = self.peers.get_mut(&peer) {
             e.fresh = false;
         }
-        self.sent_on.remove(&peer);
+        self.g.sent_on.remove(&peer);
         debug_assert!(self.peers.get(&peer).is_none_or(|e| !e.fresh), "{peer} called, yet is fresh");
     }
 
     fn tally_topology_votes(&mut self) {
-        let Phase::AwaitingTopologyVotes { ballot } = &self.phase else {
+        let Phase::AwaitingTopologyVotes { ballot } = &self.g.phase else {
             return;
         };
         if ballot.is_empty() {
@@ -762,8 +844,8 @@ impl Master {
         }
         let Some(quorum) = ballot.tally() else { return };
         self.counters.topology_votes += 1;
-        self.sent_on.retain(|p| !quorum.voters().contains(p));
-        let mut members: Vec<PeerId> = self.ring.iter().copied().filter(|p| quorum.voters().contains(p)).collect();
+        self.g.sent_on.retain(|p| !quorum.voters().contains(p));
+        let mut members: Vec<PeerId> = self.g.ring.iter().copied().filter(|p| quorum.voters().contains(p)).collect();
         assert_eq!(members.len(), quorum.voters().len(), "a topology quorum is the ring's members");
         if self.every_voter_measured(&members) {
             // optimize_topology: the ring re-ordered; newcomers wait for update_topology.
@@ -772,7 +854,7 @@ impl Master {
             members.extend(self.registered());
         }
         self.issue_topology(members);
-        debug_assert!(matches!(self.phase, Phase::AwaitingConnections { .. }), "a passed vote issues a topology");
+        debug_assert!(matches!(self.g.phase, Phase::AwaitingConnections { .. }), "a passed vote issues a topology");
     }
 
     fn issue_topology(&mut self, members: Vec<PeerId>) {
@@ -781,19 +863,20 @@ impl Master {
         self.arm_plan_slice(self.now);
         debug_assert!(members.iter().all(|p| self.peers.contains_key(p)), "unknown member");
         self.epoch = Epoch(self.epoch.0 + 1);
-        assert!(self.epoch > self.ring_epoch, "a topology issued behind the committed one");
+        self.g.issued = self.epoch;
+        assert!(self.epoch > self.g.ring_epoch, "a topology issued behind the committed one");
         self.counters.topologies += 1;
         self.touch();
         let epoch = self.epoch;
         // The ring's collectives stay open until this topology commits: members still running
         // one (the ring re-forms without waiting for anyone's call) may yet report on it.
-        self.reform_due = false;
-        self.abort_every_sync("the topology changed during the sync");
+        self.g.reform_due = false;
+        self.abort_sync(self.focus, true, Reason::text("the topology changed during the sync"));
         // Its members join it at their next call: a peers_pending vote cast before cannot pass.
-        if let Some(ballot) = self.pending_vote.take() {
+        if let Some(ballot) = self.g.pending_vote.take() {
             // A newcomer's first peers_pending, cast tentatively, did not count: the vote it
             // casts again once in this topology is still its first (`calls.rs`).
-            for p in std::mem::take(&mut self.tentative).into_keys() {
+            for p in std::mem::take(&mut self.g.tentative).into_keys() {
                 if let Some(e) = self.peers.get_mut(&p) {
                     e.fresh = true;
                 }
@@ -803,25 +886,36 @@ impl Master {
                 self.send_to_peer(p, Message::PeersPendingAborted { retry: true, reason: Reason::text(&reason) });
             }
         }
-        let sites = self.sites();
+        let sites = self.g.plan.as_ref().map(Plan::sites).unwrap_or_default();
         let limits = self.limits(&members);
         let wire_members: Vec<Member> = members
             .iter()
             .map(|p| {
                 let e = &self.peers[p];
+                debug_assert_eq!(e.group, self.focus, "{p} is issued another group's topology");
                 Member { peer: *p, group: e.group, addr: e.addr.clone(), site: sites.get(p).copied() }
             })
             .collect();
+        // The run's size: the other groups' rings, and this topology.
+        let others: usize = self.groups.values().map(|g| g.ring.len()).sum();
+        let world = u32::try_from(others + members.len()).expect("a run holds at most MAX_PEERS");
         for p in &members {
-            self.send_to_peer(*p, Message::Topology { epoch, members: wire_members.clone(), limits });
+            self.send_to_peer(*p, Message::Topology { epoch, members: wire_members.clone(), world, limits });
         }
-        self.outputs.push_back(Output::Event(MasterEvent::TopologyIssued { epoch, members: members.clone() }));
+        self.outputs.push_back(Output::Event(MasterEvent::TopologyIssued {
+            group: self.focus,
+            epoch,
+            members: members.clone(),
+        }));
         self.set_phase(Phase::AwaitingConnections { epoch, members, ready: BTreeSet::new(), newcomers_by: None });
-        assert!(self.syncs.is_empty() && self.pending_vote.is_none(), "a new topology ends the votes of the old one");
+        assert!(
+            !self.syncs.contains_key(&self.focus) && self.g.pending_vote.is_none(),
+            "a new topology ends the votes of the old one"
+        );
     }
 
     fn topology_ready(&mut self, now: Instant, peer: PeerId, epoch: Epoch) {
-        let Phase::AwaitingConnections { epoch: current, members, ready, newcomers_by } = &mut self.phase else {
+        let Phase::AwaitingConnections { epoch: current, members, ready, newcomers_by } = &mut self.g.phase else {
             return; // A late report for a topology that was replaced.
         };
         if epoch != *current {
@@ -840,14 +934,14 @@ impl Master {
             if accepted_ready && newcomers_by.is_none() {
                 let at = now + self.config.heartbeat_timeout;
                 *newcomers_by = Some(at);
-                self.timers.set(Timer::NewcomersReady, at);
+                self.timers.set(Timer::NewcomersReady(self.focus), at);
             }
             return;
         }
-        self.timers.clear(Timer::NewcomersReady);
+        self.timers.clear(Timer::NewcomersReady(self.focus));
         let members = members.clone();
         // Newcomers admitted by the accepted peers' vote (not the first peers of a run).
-        let by_vote = !self.ring.is_empty();
+        let by_vote = !self.g.ring.is_empty();
         for p in &members {
             let e = self.peers.get_mut(p).expect("members are known peers");
             if e.status == Status::Registered {
@@ -856,20 +950,20 @@ impl Master {
             e.status = Status::Accepted;
             self.send_to_peer(*p, Message::TopologyCommitted { epoch });
         }
-        self.ring = members.clone();
+        self.g.ring = members.clone();
         self.touch();
         // Reports about the old ring that arrived while this one connected are settled now.
         self.close_ops(epoch);
-        assert!(epoch > self.ring_epoch && epoch <= self.epoch, "commit of {epoch:?} after {:?}", self.ring_epoch);
-        self.ring_epoch = epoch;
-        assert!(self.ring.iter().all(|p| self.peers[p].status == Status::Accepted), "the ring is accepted members");
-        debug_assert_eq!(self.ring.iter().collect::<BTreeSet<_>>().len(), self.ring.len(), "a ring member twice");
-        self.outputs.push_back(Output::Event(MasterEvent::TopologyCommitted { epoch, members }));
+        assert!(epoch > self.g.ring_epoch && epoch <= self.epoch, "commit of {epoch:?} after {:?}", self.g.ring_epoch);
+        self.g.ring_epoch = epoch;
+        assert!(self.g.ring.iter().all(|p| self.peers[p].status == Status::Accepted), "the ring is accepted members");
+        debug_assert_eq!(self.g.ring.iter().collect::<BTreeSet<_>>().len(), self.g.ring.len(), "a ring member twice");
+        self.outputs.push_back(Output::Event(MasterEvent::TopologyCommitted { group: self.focus, epoch, members }));
         self.set_phase(Phase::Idle);
     }
 
     fn peer_unreachable(&mut self, reporter: PeerId, epoch: Epoch, target: PeerId) {
-        let Phase::AwaitingConnections { epoch: current, members, .. } = &self.phase else {
+        let Phase::AwaitingConnections { epoch: current, members, .. } = &self.g.phase else {
             return;
         };
         if epoch != *current || !members.contains(&target) {
@@ -880,12 +974,12 @@ impl Master {
         // peers we cannot tell who is at fault, and drop the one that was reported.
         log::warn!("{reporter} cannot reach {target}; removing {target} from the run");
         self.remove_peer(target, format!("{reporter} could not connect to it"), Removal::Expelled);
-        assert!(!self.peers.contains_key(&target) && !self.ring.contains(&target), "{target} stays after removal");
+        assert!(!self.peers.contains_key(&target) && !self.g.ring.contains(&target), "{target} stays after removal");
     }
 
     fn vote_peers_pending(&mut self, now: Instant, peer: PeerId, collectives: u64) {
         debug_assert!(self.accepted(peer), "{peer} votes unaccepted");
-        if let Phase::AwaitingConnections { epoch, .. } = self.phase {
+        if let Phase::AwaitingConnections { epoch, .. } = self.g.phase {
             // Sent before the voter saw the topology: the members that did wait for the voter to
             // join it, and the vote for them. Not counted: the voter joins and votes again.
             let reason = format!("{peer} called peers_pending while topology {} was being connected", epoch.0);
@@ -896,49 +990,52 @@ impl Master {
         }
         // A tentative vote is not announced (`calls.rs`); an ordinary one makes the ballot's
         // tentative votes ordinary too: the others are asking as well.
-        let (group, tentative) = (self.peers[&peer].group, self.tentative.contains_key(&peer));
+        let (group, tentative) = (self.peers[&peer].group, self.g.tentative.contains_key(&peer));
         if !tentative {
-            self.tentative.clear();
-            self.timers.clear(Timer::TentativeVotes);
+            self.g.tentative.clear();
+            self.timers.clear(Timer::TentativeVotes(self.focus));
         }
-        let ring = &self.ring;
-        let ballot = self.pending_vote.get_or_insert_with(|| Ballot::new(ring.iter().copied().collect()));
+        let ring = &self.g.ring;
+        let ballot = self.g.pending_vote.get_or_insert_with(|| Ballot::new(ring.iter().copied().collect()));
         let fewer = !tentative && ballot.announce(group, collectives);
-        assert!(self.ring.contains(&peer), "{peer} votes peers_pending outside the ring");
+        assert!(self.g.ring.contains(&peer), "{peer} votes peers_pending outside the ring");
         ballot.cast(peer);
         if fewer {
             self.announce_vote(peer, Vote::PeersPending, collectives);
         }
         self.tally_pending_votes();
-        debug_assert!(self.pending_vote.as_ref().is_none_or(|b| b.voters().contains(&peer)), "{peer}'s vote is lost");
+        debug_assert!(self.g.pending_vote.as_ref().is_none_or(|b| b.voters().contains(&peer)), "{peer}'s vote is lost");
     }
 
     fn tally_pending_votes(&mut self) {
-        let Some(quorum) = self.pending_vote.as_ref().and_then(Ballot::tally) else {
-            if self.pending_vote.as_ref().is_some_and(Ballot::is_empty) {
-                self.pending_vote = None;
+        let Some(quorum) = self.g.pending_vote.as_ref().and_then(Ballot::tally) else {
+            if self.g.pending_vote.as_ref().is_some_and(Ballot::is_empty) {
+                self.g.pending_vote = None;
             }
             return;
         };
-        self.pending_vote = None;
+        self.g.pending_vote = None;
         self.counters.pending_votes += 1;
-        self.tentative.clear();
+        self.g.tentative.clear();
         // A ring re-planned for drifted links waits for update_topology too (`plan.rs`).
-        let pending = !self.registered().is_empty() || self.plan.as_ref().is_some_and(Plan::replanned);
-        self.sent_on.retain(|p| !quorum.voters().contains(p));
+        let pending = !self.registered().is_empty() || self.g.plan.as_ref().is_some_and(Plan::replanned);
+        self.g.sent_on.retain(|p| !quorum.voters().contains(p));
         debug_assert!(quorum.voters().iter().all(|p| self.peers.contains_key(p)), "a quorum of known peers");
         for p in quorum.voters() {
             self.send_to_peer(*p, Message::PeersPendingResult { pending });
         }
-        debug_assert!(self.pending_vote.is_none() && self.tentative.is_empty(), "a passed vote is still open");
+        debug_assert!(self.g.pending_vote.is_none() && self.g.tentative.is_empty(), "a passed vote is still open");
     }
 
-    /// Removes `peer` from the run. An expelled peer is told why first (it may be alive: frozen,
-    /// misbehaving, unreachable); one that left or hung up by itself is not.
+    /// Removes `peer` from the run, focusing on its group. An expelled peer is told why first (it
+    /// may be alive: frozen, misbehaving, unreachable); one that left or hung up by itself is not.
     fn remove_peer(&mut self, peer: PeerId, reason: String, how: Removal) {
         let Some(entry) = self.peers.remove(&peer) else {
             return;
         };
+        self.focus(entry.group);
+        assert!(self.g.peers > 0, "{peer} leaves a group that counts none");
+        self.g.peers -= 1;
         if let Some(conn) = entry.conn {
             self.conns.remove(&conn);
         }
@@ -959,18 +1056,20 @@ impl Master {
             self.outputs.push_back(Output::Close { conn, reason: reason.clone() });
         }
         self.outputs.push_back(Output::Event(MasterEvent::PeerRemoved { peer, reason: reason.clone() }));
-        // The others must hear of it: an expelled peer may still hold its data streams open
+        // Its group must hear of it: an expelled peer may still hold its data streams open
         // (frozen, cut off), and participants of a collective that wait on tokens routed
         // through a dead peer ask the master once they know it is gone. Nobody can still need
-        // a peer that left on purpose: it left after its collectives were committed.
-        let conns: Vec<ConnId> = self.peers.values().filter_map(|e| e.conn).collect();
+        // a peer that left on purpose: it left after its collectives were committed. Other
+        // groups never connect to it.
+        let group = entry.group;
+        let conns: Vec<ConnId> = self.peers.values().filter(|e| e.group == group).filter_map(|e| e.conn).collect();
         for conn in conns {
             self.send(conn, Message::PeerRemoved { peer });
         }
-        if self.ring.contains(&peer) {
-            self.ring.retain(|p| *p != peer);
+        if self.g.ring.contains(&peer) {
+            self.g.ring.retain(|p| *p != peer);
             // A topology being connected is re-issued without the peer below instead.
-            self.reform_due |= !matches!(self.phase, Phase::AwaitingConnections { .. });
+            self.g.reform_due |= !matches!(self.g.phase, Phase::AwaitingConnections { .. });
         }
         // What ends a call because of this loss (an abort, a sync aborted, a vote answered without
         // the peer) goes out after the topology the loss brings, so that whoever calls again at
@@ -980,13 +1079,13 @@ impl Master {
         self.sync_member_removed(peer);
         self.catch_up_member_removed(peer);
         self.p2p_member_removed(peer);
-        self.tentative.remove(&peer);
-        self.sent_on.remove(&peer);
-        if let Some(b) = &mut self.pending_vote {
+        self.g.tentative.remove(&peer);
+        self.g.sent_on.remove(&peer);
+        if let Some(b) = &mut self.g.pending_vote {
             b.remove(peer);
             self.tally_pending_votes();
         }
-        match &mut self.phase {
+        match &mut self.g.phase {
             Phase::Idle => self.admit_without_vote_if_alone(),
             Phase::AwaitingTopologyVotes { ballot } => {
                 ballot.remove(peer);
@@ -1010,9 +1109,9 @@ impl Master {
         self.reform_if_due();
         self.outputs.extend(ended);
         self.arm_heartbeat_check();
-        assert!(!self.ring.contains(&peer) && !self.tentative.contains_key(&peer), "a removed peer still counts");
+        assert!(!self.g.ring.contains(&peer) && !self.g.tentative.contains_key(&peer), "a removed peer still counts");
         assert!(
-            !matches!(&self.phase, Phase::AwaitingConnections { members, .. } if members.contains(&peer)),
+            !matches!(&self.g.phase, Phase::AwaitingConnections { members, .. } if members.contains(&peer)),
             "a topology issued with a removed peer"
         );
     }
@@ -1024,7 +1123,7 @@ impl Master {
 
     fn set_phase(&mut self, next: Phase) {
         let legal = matches!(
-            (&self.phase, &next),
+            (&self.g.phase, &next),
             (Phase::Idle, Phase::AwaitingTopologyVotes { .. })
                 | (Phase::Idle, Phase::AwaitingConnections { .. })
                 | (Phase::AwaitingTopologyVotes { .. }, Phase::AwaitingConnections { .. })
@@ -1032,14 +1131,14 @@ impl Master {
                 | (Phase::AwaitingConnections { .. }, Phase::AwaitingConnections { .. })
                 | (Phase::AwaitingConnections { .. }, Phase::Idle)
         );
-        assert!(legal, "illegal phase transition {:?} -> {:?}", self.phase, next);
-        log::debug!("phase {} -> {}", phase_name(&self.phase), phase_name(&next));
+        assert!(legal, "illegal phase transition {:?} -> {:?}", self.g.phase, next);
+        log::debug!("phase {} -> {}", phase_name(&self.g.phase), phase_name(&next));
         if !matches!(next, Phase::AwaitingTopologyVotes { .. }) {
-            self.measured.clear();
+            self.g.measured.clear();
         }
-        self.phase = next;
+        self.g.phase = next;
         debug_assert!(
-            !matches!(&self.phase, Phase::AwaitingConnections { epoch, .. } if *epoch != self.epoch),
+            !matches!(&self.g.phase, Phase::AwaitingConnections { epoch, .. } if *epoch != self.epoch),
             "the topology being connected is the last one issued"
         );
     }
@@ -1049,8 +1148,18 @@ impl Master {
         self.peers.get(&peer).is_some_and(|e| e.status == Status::Accepted)
     }
 
+    /// The focused group's peers that await admission.
     fn registered(&self) -> Vec<PeerId> {
-        self.peers.iter().filter(|(_, e)| e.status == Status::Registered).map(|(id, _)| *id).collect()
+        let group = self.focus;
+        let waits = |e: &PeerEntry| e.group == group && e.status == Status::Registered;
+        self.peers.iter().filter(|(_, e)| waits(e)).map(|(id, _)| *id).collect()
+    }
+
+    /// Whether every peer of the focused group is attached: a restored master waits for them
+    /// to rejoin before it issues their group a topology (`durable.rs`).
+    fn group_back(&self) -> bool {
+        let group = self.focus;
+        self.peers.values().all(|e| e.group != group || e.conn.is_some())
     }
 
     fn send(&mut self, conn: ConnId, message: Message) {

@@ -108,7 +108,7 @@ impl Master {
                 // The participants dropped the ring's streams: re-form it (unless a topology being
                 // connected replaces the ring anyway), and announce the new topology before the
                 // verdict.
-                self.reform_due |= !matches!(self.phase, super::Phase::AwaitingConnections { .. });
+                self.g.reform_due |= !matches!(self.g.phase, super::Phase::AwaitingConnections { .. });
                 self.reform_if_due();
                 self.outputs.extend(abandoned);
                 for p in members {
@@ -141,11 +141,13 @@ impl Master {
         );
     }
 
-    /// A new topology replaces the ring: collectives of the old one that cannot commit abort.
+    /// A new topology replaces the focused group's ring: collectives of the old one that cannot
+    /// commit abort.
     pub(super) fn close_ops(&mut self, next: Epoch) {
-        debug_assert_eq!(next, self.epoch, "the ring's collectives close for a topology issued");
-        assert!(self.ops.keys().all(|(_, old, _)| *old < next), "a topology replaces only older ones");
-        let keys: Vec<OpKey> = self.ops.keys().copied().collect();
+        let group = self.focus;
+        let ours = (group, Epoch(0), 0)..=(group, Epoch(u64::MAX), u64::MAX);
+        let keys: Vec<OpKey> = self.ops.range(ours).map(|(key, _)| *key).collect();
+        assert!(keys.iter().all(|(_, old, _)| *old < next), "a topology replaces only older ones");
         for key in keys {
             self.settle(key);
             let Some(record) = self.ops.get(&key) else {
@@ -161,8 +163,9 @@ impl Master {
                     self.send_to_peer(p, Message::OpAborted { epoch: old, seq, failure: failure.clone() });
                 }
             }
+            self.ops.remove(&key);
         }
-        self.ops.clear();
+        debug_assert!(self.ops.keys().all(|(g, _, _)| *g != group), "a replaced ring's collective is open");
     }
 
     /// Commits if the rules allow, answers whoever waits, and forgets what is settled.
@@ -217,9 +220,9 @@ impl Master {
             return None;
         }
         let group = entry.group;
-        if epoch != self.ring_epoch {
+        if epoch != self.g.ring_epoch {
             // A report for a replaced topology: that ring's collectives were settled with it.
-            let reason = format!("topology {} was replaced by topology {}", epoch.0, self.ring_epoch.0);
+            let reason = format!("topology {} was replaced by topology {}", epoch.0, self.g.ring_epoch.0);
             let failure = OpFailure::new(FailureKind::Superseded, peer, reason);
             self.send_to_peer(peer, Message::OpAborted { epoch, seq, failure });
             return None;
@@ -230,8 +233,7 @@ impl Master {
                 self.violation(peer, super::PeerMisbehaved::TooManyOpenCollectives);
                 return None;
             }
-            let members: BTreeSet<PeerId> =
-                self.ring.iter().copied().filter(|p| self.peers[p].group == group).collect();
+            let members: BTreeSet<PeerId> = self.g.ring.iter().copied().collect();
             let record = OpRecord {
                 members,
                 done: BTreeSet::new(),

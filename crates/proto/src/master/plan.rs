@@ -23,7 +23,7 @@
 
 use super::{Master, MasterEvent, Output, Timer};
 use shoal_topology::{kicks_within, solve, tour_cost, Costs, Link, Links, Search, EXACT_MAX};
-use shoal_wire::{AlgorithmLimits, Measured, PeerId, PeerReport};
+use shoal_wire::{AlgorithmLimits, GroupId, Measured, PeerId, PeerReport};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -99,12 +99,25 @@ impl Plan {
     pub fn replanned(&self) -> bool {
         self.replanned
     }
+
+    /// The site of every measured member, where scheduling by sites pays for the planned order
+    /// (`shoal_topology::grouping_pays`); none otherwise.
+    pub fn sites(&self) -> BTreeMap<PeerId, u16> {
+        let sites = shoal_topology::sites(&self.links, shoal_topology::sites::DEFAULT_NEAR_US);
+        let order: Vec<usize> = self.order.iter().map(|p| index(&self.members, *p)).collect();
+        if !shoal_topology::grouping_pays(&self.links, &order, &sites) {
+            return BTreeMap::new();
+        }
+        let sites: BTreeMap<PeerId, u16> = self.members.iter().zip(sites).map(|(p, s)| (*p, s as u16)).collect();
+        debug_assert_eq!(sites.len(), self.members.len(), "a site for every member planned");
+        sites
+    }
 }
 
 impl Master {
-    /// The plan of the last `optimize_topology`, if one passed.
-    pub fn plan(&self) -> Option<&Plan> {
-        self.plan.as_ref()
+    /// The plan of `group`'s last `optimize_topology`, if one passed.
+    pub fn plan(&self, group: GroupId) -> Option<&Plan> {
+        self.group(group)?.plan.as_ref()
     }
 
     /// Checks what `voter` measured (links to members of the ring, each at most once, none to
@@ -115,7 +128,7 @@ impl Master {
         measured: Option<Vec<Measured>>,
     ) -> Result<(), super::PeerMisbehaved> {
         debug_assert!(
-            !matches!(self.phase, super::Phase::AwaitingConnections { .. }),
+            !matches!(self.g.phase, super::Phase::AwaitingConnections { .. }),
             "links measured while a topology connects"
         );
         if let Some(links) = &measured {
@@ -130,13 +143,13 @@ impl Master {
             measured.as_ref().is_none_or(|l| l.len() <= shoal_wire::MAX_MEMBERS),
             "the wire caps what a vote measured"
         );
-        self.measured.insert(voter, measured);
+        self.g.measured.insert(voter, measured);
         Ok(())
     }
 
     /// Whether every voter of the passed ballot measured: the vote was `optimize_topology`'s.
     pub(super) fn every_voter_measured(&self, voters: &[PeerId]) -> bool {
-        voters.iter().all(|v| self.measured.get(v).is_some_and(Option::is_some))
+        voters.iter().all(|v| self.g.measured.get(v).is_some_and(Option::is_some))
     }
 
     /// A new plan over `voters` (in ring order) from what they measured; links to members that
@@ -145,7 +158,7 @@ impl Master {
         debug_assert!(self.every_voter_measured(voters), "a ring planned over links nobody measured");
         let mut links = Links::new(voters.len());
         for (i, v) in voters.iter().enumerate() {
-            for m in self.measured.get(v).cloned().flatten().unwrap_or_default() {
+            for m in self.g.measured.get(v).cloned().flatten().unwrap_or_default() {
                 if let Some(j) = voters.iter().position(|p| *p == m.peer) {
                     links.set(i, j, Link { rtt_us: m.rtt_us, bytes_per_s: m.bytes_per_s });
                 }
@@ -162,7 +175,7 @@ impl Master {
         let level = if voters.len() <= LOGGED_MATRIX { log::Level::Info } else { log::Level::Debug };
         log::log!(level, "measured links (from -> to: round trip, rate):\n{}", describe(voters, &links));
         let search = (voters.len() > EXACT_MAX).then(|| Search::new(costs, Some(tour), voters.len() as u64));
-        self.plan = Some(Plan {
+        self.g.plan = Some(Plan {
             members: voters.to_vec(),
             links,
             order: order.clone(),
@@ -172,6 +185,7 @@ impl Master {
             replanned: false,
         });
         self.outputs.push_back(Output::Event(MasterEvent::RingPlanned {
+            group: self.focus,
             members: order,
             cost_us: after,
             before_us: before,
@@ -182,7 +196,7 @@ impl Master {
     /// the others as given.
     pub(super) fn planned(&mut self, members: Vec<PeerId>) -> Vec<PeerId> {
         let effort = self.config.search_effort;
-        let Some(plan) = &mut self.plan else { return members };
+        let Some(plan) = &mut self.g.plan else { return members };
         debug_assert!(same_members(&plan.order, &plan.members), "the plan's order is not its members");
         plan.replanned = false;
         let kept: Vec<usize> =
@@ -208,7 +222,7 @@ impl Master {
     /// drifted (see the module docs).
     pub(super) fn watch_drift(&mut self, now: Instant, from: PeerId, report: &PeerReport) {
         debug_assert!(self.peers.contains_key(&from), "links reported by {from}, which is gone");
-        let Some(plan) = &mut self.plan else { return };
+        let Some(plan) = &mut self.g.plan else { return };
         let mut drifted = Vec::new();
         for l in &report.links {
             // Shared memory's rate is the cores', not the network's: no ring order changes it.
@@ -244,7 +258,7 @@ impl Master {
     /// Re-solves the ring with the new `rate` of each link from `from` that `drifted`.
     fn replan(&mut self, now: Instant, from: PeerId, drifted: &[(PeerId, Link, u64)]) {
         let effort = self.config.search_effort;
-        let plan = self.plan.as_mut().expect("a plan to drift from");
+        let plan = self.g.plan.as_mut().expect("a plan to drift from");
         let i = index(&plan.members, from);
         for &(to, planned, rate) in drifted {
             let mbit = |b: u64| b as f64 * 8.0 / 1e6;
@@ -273,6 +287,7 @@ impl Master {
             );
             let members = plan.order.clone();
             self.outputs.push_back(Output::Event(MasterEvent::RingPlanned {
+                group: self.focus,
                 members,
                 cost_us: after,
                 before_us: before,
@@ -285,7 +300,7 @@ impl Master {
     /// topology.
     pub(super) fn improve_plan(&mut self, now: Instant) {
         let effort = self.config.search_effort;
-        let Some(plan) = &mut self.plan else { return };
+        let Some(plan) = &mut self.g.plan else { return };
         let Some(search) = &mut plan.search else { return };
         debug_assert!(plan.members.len() > EXACT_MAX, "an exact plan is searched on");
         if search.run(kicks(plan.members.len(), SLICE, effort)) {
@@ -306,22 +321,10 @@ impl Master {
     /// Each planned member's site (`shoal_topology::sites`), where grouping by them pays
     /// (`shoal_topology::grouping_pays`): the hierarchical all-reduce follows them. Empty
     /// otherwise, and members are grouped by host as their addresses say.
-    pub(super) fn sites(&self) -> BTreeMap<PeerId, u16> {
-        let Some(plan) = &self.plan else { return BTreeMap::new() };
-        let sites = shoal_topology::sites(&plan.links, shoal_topology::sites::DEFAULT_NEAR_US);
-        let order: Vec<usize> = plan.order.iter().map(|p| index(&plan.members, *p)).collect();
-        if !shoal_topology::grouping_pays(&plan.links, &order, &sites) {
-            return BTreeMap::new();
-        }
-        let sites: BTreeMap<PeerId, u16> = plan.members.iter().zip(sites).map(|(p, s)| (*p, s as u16)).collect();
-        debug_assert_eq!(sites.len(), plan.members.len(), "a site for every member planned");
-        sites
-    }
-
     /// The small-message limits of a ring of `members` in this order
     /// (`shoal_topology::limits`), where every one of them was measured.
     pub(super) fn limits(&self, members: &[PeerId]) -> Option<AlgorithmLimits> {
-        let plan = self.plan.as_ref()?;
+        let plan = self.g.plan.as_ref()?;
         let order: Vec<usize> =
             members.iter().map(|p| plan.members.iter().position(|m| m == p)).collect::<Option<_>>()?;
         let l = shoal_topology::limits(&plan.links, &order)?;
@@ -329,9 +332,9 @@ impl Master {
     }
 
     pub(super) fn arm_plan_slice(&mut self, now: Instant) {
-        match self.plan.as_ref().and_then(|p| p.search.as_ref()) {
-            Some(_) => self.timers.set(Timer::ImprovePlan, now + SLICE_EVERY),
-            None => self.timers.clear(Timer::ImprovePlan),
+        match self.g.plan.as_ref().and_then(|p| p.search.as_ref()) {
+            Some(_) => self.timers.set(Timer::ImprovePlan(self.focus), now + SLICE_EVERY),
+            None => self.timers.clear(Timer::ImprovePlan(self.focus)),
         }
     }
 }

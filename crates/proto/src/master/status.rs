@@ -3,7 +3,7 @@
 //! a collective that went well, so the data plane's counters are the peers'; those of peers that
 //! left are kept, so that the run's totals never go down.
 
-use super::{Master, Phase, Status};
+use super::{Master, Phase, Plan, Status};
 use shoal_topology::Link;
 use shoal_wire::{Epoch, GroupId, OpCounters, PeerId, PeerReport, SessionId};
 use std::collections::BTreeMap;
@@ -99,8 +99,15 @@ pub struct PeerStatus {
 pub struct GroupStatus {
     /// The group.
     pub group: GroupId,
+    /// Its committed topology.
+    pub ring_epoch: Epoch,
+    /// `"idle"`, `"voting"` (an `update_topology` vote is open) or `"connecting"` (a topology
+    /// was issued and its members connect).
+    pub phase: &'static str,
     /// Its members in the committed ring, in ring order.
     pub ring: Vec<PeerId>,
+    /// The links its members measured, once its `optimize_topology` passed.
+    pub matrix: Option<Matrix>,
     /// The revision of its last completed shared-state sync.
     pub revision: Option<u64>,
     /// The elected hash of every tensor at that sync, by name.
@@ -126,21 +133,14 @@ pub struct Matrix {
 pub struct RunStatus {
     /// The run's session.
     pub session: SessionId,
-    /// The last topology issued.
+    /// The last topology issued, to any group.
     pub epoch: Epoch,
-    /// The committed topology.
-    pub ring_epoch: Epoch,
-    /// `"idle"`, `"voting"` (an `update_topology` vote is open) or `"connecting"` (a topology
-    /// was issued and its members connect).
-    pub phase: &'static str,
-    /// The committed ring, every group's members in ring order.
+    /// Every group's committed ring, group by group: the run's accepted peers.
     pub ring: Vec<PeerId>,
     /// Every peer, registered or accepted, by id.
     pub peers: Vec<PeerStatus>,
-    /// Every group with a member.
+    /// Every group with a member, by id.
     pub groups: Vec<GroupStatus>,
-    /// The measured links, once `optimize_topology` passed.
-    pub matrix: Option<Matrix>,
     /// Collectives that some participant reported trouble with, not yet settled.
     pub open_collectives: usize,
     /// The master's counters.
@@ -157,15 +157,35 @@ impl Master {
 
     /// The whole run as it stands at `now`.
     pub fn status(&self, now: Instant) -> RunStatus {
-        let sites = self.sites();
+        let mut sites: BTreeMap<PeerId, u16> = BTreeMap::new();
         let mut ranks: BTreeMap<PeerId, usize> = BTreeMap::new();
-        let mut next: BTreeMap<GroupId, usize> = BTreeMap::new();
-        for p in &self.ring {
-            let n = next.entry(self.peers[p].group).or_default();
-            ranks.insert(*p, *n);
-            *n += 1;
+        let mut groups = Vec::new();
+        for (id, g) in self.each_group() {
+            sites.extend(g.plan.as_ref().map(Plan::sites).unwrap_or_default());
+            ranks.extend(g.ring.iter().enumerate().map(|(rank, p)| (*p, rank)));
+            let state = self.group_states.get(&id);
+            groups.push(GroupStatus {
+                group: id,
+                ring_epoch: g.ring_epoch,
+                phase: match g.phase {
+                    Phase::Idle => "idle",
+                    Phase::AwaitingTopologyVotes { .. } => "voting",
+                    Phase::AwaitingConnections { .. } => "connecting",
+                },
+                ring: g.ring.clone(),
+                matrix: g.plan.as_ref().map(|plan| {
+                    let members = plan.members().to_vec();
+                    let links = members.iter().map(|a| members.iter().map(|b| plan.link(*a, *b)).collect()).collect();
+                    Matrix { members, links }
+                }),
+                revision: state.map(|s| s.revision()),
+                hashes: state.map(|s| s.hashes().clone()).unwrap_or_default(),
+                syncing: self.syncs.get(&id).map(|s| s.round()),
+                snapshot: self.snapshots.get(&id).map(|s| (s.round, s.revision, s.held.iter().copied().collect())),
+            });
         }
-        debug_assert_eq!(ranks.len(), self.ring.len(), "a ring member twice");
+        let ring: Vec<PeerId> = groups.iter().flat_map(|g| g.ring.iter().copied()).collect();
+        debug_assert_eq!(ranks.len(), ring.len(), "a ring member twice");
         debug_assert!(self.reports.keys().all(|p| self.peers.contains_key(p)), "a report of a peer gone");
         let peers = self
             .peers
@@ -182,28 +202,6 @@ impl Master {
                 catch_up: self.catching_up.get(id).and_then(|n| n.progress),
             })
             .collect();
-        let mut groups: Vec<GroupId> = self.peers.values().map(|e| e.group).collect();
-        groups.sort_unstable();
-        groups.dedup();
-        let groups = groups
-            .into_iter()
-            .map(|g| {
-                let state = self.group_states.get(&g);
-                GroupStatus {
-                    group: g,
-                    ring: self.group_ring(g),
-                    revision: state.map(|s| s.revision()),
-                    hashes: state.map(|s| s.hashes().clone()).unwrap_or_default(),
-                    syncing: self.syncs.get(&g).map(|s| s.round()),
-                    snapshot: self.snapshots.get(&g).map(|s| (s.round, s.revision, s.held.iter().copied().collect())),
-                }
-            })
-            .collect();
-        let matrix = self.plan.as_ref().map(|plan| {
-            let members = plan.members().to_vec();
-            let links = members.iter().map(|a| members.iter().map(|b| plan.link(*a, *b)).collect()).collect();
-            Matrix { members, links }
-        });
         let mut totals = self.retired.clone();
         for report in self.reports.values() {
             totals.add(report);
@@ -211,16 +209,9 @@ impl Master {
         RunStatus {
             session: self.config.session,
             epoch: self.epoch,
-            ring_epoch: self.ring_epoch,
-            phase: match self.phase {
-                Phase::Idle => "idle",
-                Phase::AwaitingTopologyVotes { .. } => "voting",
-                Phase::AwaitingConnections { .. } => "connecting",
-            },
-            ring: self.ring.clone(),
+            ring,
             peers,
             groups,
-            matrix,
             open_collectives: self.ops.len(),
             counters: self.counters,
             totals,

@@ -105,7 +105,7 @@ impl Master {
         let Some(strategy) = Strategy::from_code(strategy) else {
             return self.violation(peer, super::PeerMisbehaved::UnknownStrategy { code: strategy });
         };
-        if let super::Phase::AwaitingConnections { epoch, .. } = self.phase {
+        if let super::Phase::AwaitingConnections { epoch, .. } = self.g.phase {
             // A call that crossed a topology issued meanwhile (a member was lost): retryable, and
             // the retry joins that topology first.
             let reason = format!("topology {} was being connected when {peer} called sync_shared_state", epoch.0);
@@ -118,7 +118,7 @@ impl Master {
         let group = self.peers[&peer].group;
         if !self.syncs.contains_key(&group) {
             self.next_sync += 1;
-            let electorate = self.ring.iter().copied().filter(|p| self.peers[p].group == group).collect();
+            let electorate = self.g.ring.iter().copied().collect();
             let round = SyncRound {
                 round: self.next_sync,
                 ballot: Ballot::new(electorate),
@@ -167,12 +167,11 @@ impl Master {
         debug_assert!(self.syncs.get(&group).is_none_or(|s| s.round != round), "a failed round is over");
     }
 
-    /// A member left: it no longer votes, and nobody waits for it to finish.
+    /// A member of the focused group left: it no longer votes, and nobody waits for it to finish.
     pub(super) fn sync_member_removed(&mut self, peer: PeerId) {
         debug_assert!(!self.peers.contains_key(&peer), "{peer} leaves the syncs while in the run");
-        let groups: Vec<GroupId> = self.syncs.keys().copied().collect();
-        for group in groups {
-            let sync = self.syncs.get_mut(&group).expect("listed");
+        let group = self.focus;
+        if let Some(sync) = self.syncs.get_mut(&group) {
             sync.ballot.remove(peer);
             sync.votes.remove(&peer);
             if let Some(t) = &mut sync.transfer {
@@ -190,7 +189,7 @@ impl Master {
         );
     }
 
-    /// Ends every sync of `group` (or of every group) with an error for its voters.
+    /// Ends the sync of `group`, if one is open, with an error for its voters.
     pub(super) fn abort_sync(&mut self, group: GroupId, retryable: bool, reason: Reason) {
         let Some(sync) = self.syncs.remove(&group) else { return };
         debug_assert!(sync.ballot.voters().iter().eq(sync.votes.keys()), "a sync's ballot counts a vote it never got");
@@ -205,14 +204,6 @@ impl Master {
             self.send_to_peer(p, Message::SyncAborted { round: sync.round, retryable, reason: reason.clone() });
         }
         assert!(!self.syncs.contains_key(&group), "an aborted sync is over");
-    }
-
-    pub(super) fn abort_every_sync(&mut self, reason: &str) {
-        let groups: Vec<GroupId> = self.syncs.keys().copied().collect();
-        for g in groups {
-            self.abort_sync(g, true, Reason::text(reason));
-        }
-        assert!(self.syncs.is_empty(), "every sync aborted");
     }
 
     fn tally_sync(&mut self, group: GroupId) {
@@ -234,7 +225,7 @@ impl Master {
             Ok((revision, hashes, plans)) => {
                 let participants: BTreeSet<PeerId> = votes.keys().copied().collect();
                 assert!(plans.iter().map(|(p, _)| p).eq(participants.iter()), "every voter gets a plan, once");
-                self.sent_on.retain(|p| !participants.contains(p));
+                self.g.sent_on.retain(|p| !participants.contains(p));
                 let sync = self.syncs.get_mut(&group).expect("present");
                 sync.transfer = Some(Transfer { revision, hashes, participants, done: BTreeSet::new() });
                 log::info!("sync {round} of group {}: revision {revision}, {} peers", group.0, votes.len());

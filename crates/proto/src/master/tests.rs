@@ -11,6 +11,8 @@ fn at(api: impl Into<Api>, epoch: Epoch, collectives: u64) -> Call {
 }
 
 const SESSION: SessionId = SessionId(77);
+/// The group the tests' peers join, unless one says otherwise.
+const G0: GroupId = GroupId(0);
 
 struct Harness {
     master: Master,
@@ -48,8 +50,11 @@ impl Harness {
         nonce
     }
     fn join(&mut self, conn: u64) -> Vec<Output> {
+        self.join_in(conn, G0)
+    }
+    fn join_in(&mut self, conn: u64, group: GroupId) -> Vec<Output> {
         self.connect(conn);
-        let join = Message::Join { group: GroupId(0), data_addr: format!("127.0.0.1:{conn}"), proof: [0; 32] };
+        let join = Message::Join { group, data_addr: format!("127.0.0.1:{conn}"), proof: [0; 32] };
         self.send(conn, join)
     }
     fn drain(&mut self) -> Vec<Output> {
@@ -92,7 +97,7 @@ fn run_with(n: u64) -> (Harness, Epoch) {
         }
         assert!(sent_to(&out, c).contains(&&Message::TopologyCommitted { epoch }));
     }
-    assert_eq!(h.master.ring().len(), n as usize);
+    assert_eq!(h.master.ring(G0).len(), n as usize);
     (h, epoch)
 }
 
@@ -107,7 +112,7 @@ fn first_peer_is_admitted_without_a_vote() {
     let epoch = issued_epoch(&out, 1).unwrap();
     let out = h.send(1, Message::TopologyReady { epoch });
     assert_eq!(sent_to(&out, 1), vec![&Message::TopologyCommitted { epoch }]);
-    assert_eq!(h.master.phase(), &Phase::Idle);
+    assert_eq!(h.master.phase(G0), &Phase::Idle);
 }
 
 #[test]
@@ -127,9 +132,9 @@ fn newcomer_waits_until_every_accepted_peer_votes() {
     assert_eq!(issued_epoch(&out, 1), Some(epoch));
     h.send(1, Message::TopologyReady { epoch });
     h.send(3, Message::TopologyReady { epoch });
-    assert!(matches!(h.master.phase(), Phase::AwaitingConnections { .. }));
+    assert!(matches!(h.master.phase(G0), Phase::AwaitingConnections { .. }));
     h.send(2, Message::TopologyReady { epoch });
-    assert_eq!(h.master.ring(), &[PeerId(0), PeerId(1), PeerId(2)]);
+    assert_eq!(h.master.ring(G0), &[PeerId(0), PeerId(1), PeerId(2)]);
 }
 
 #[test]
@@ -167,7 +172,7 @@ fn member_lost_while_connecting_reissues_the_topology() {
     h.send(1, Message::TopologyReady { epoch: second });
     let out = h.send(2, Message::TopologyReady { epoch: second });
     assert!(sent_to(&out, 2).contains(&&Message::TopologyCommitted { epoch: second }));
-    assert_eq!(h.master.ring(), &[PeerId(0), PeerId(1)]);
+    assert_eq!(h.master.ring(G0), &[PeerId(0), PeerId(1)]);
 }
 
 #[test]
@@ -183,7 +188,7 @@ fn silent_peer_is_removed_after_the_heartbeat_timeout() {
     }
     let out = h.drain();
     assert!(out.iter().any(|o| matches!(o, Output::Close { conn: ConnId(2), .. })));
-    assert_eq!(h.master.ring(), &[PeerId(0)]);
+    assert_eq!(h.master.ring(G0), &[PeerId(0)]);
     // The survivor is told, so that a collective it runs with the silent peer ends now, and
     // the silent peer finds out why if it wakes up.
     assert!(sent_to(&out, 1).contains(&&Message::PeerRemoved { peer: PeerId(1) }));
@@ -204,7 +209,7 @@ fn protocol_violations_expel_only_the_offender() {
     // Anything but Join on a new connection closes it.
     let out = h.send(9, Message::Heartbeat);
     assert!(matches!(out[0], Output::Close { conn: ConnId(9), .. }));
-    assert_eq!(h.master.ring(), &[PeerId(0)]);
+    assert_eq!(h.master.ring(G0), &[PeerId(0)]);
 }
 
 #[test]
@@ -226,7 +231,7 @@ fn every_removal_is_reported_to_the_others() {
     h.master.handle_disconnect(h.now, ConnId(2), "reset");
     let out = h.drain();
     assert!(sent_to(&out, 3).contains(&&Message::PeerRemoved { peer: PeerId(1) }));
-    assert_eq!(h.master.ring(), &[PeerId(2)]);
+    assert_eq!(h.master.ring(G0), &[PeerId(2)]);
 }
 
 fn done(epoch: Epoch, seq: u64, decided: bool) -> Message {
@@ -331,7 +336,7 @@ fn a_lost_member_re_forms_the_ring_without_a_vote() {
     h.send(1, Message::TopologyReady { epoch: next });
     let out = h.send(3, Message::TopologyReady { epoch: next });
     assert!(sent_to(&out, 3).contains(&&Message::TopologyCommitted { epoch: next }));
-    assert_eq!(h.master.ring(), &[PeerId(0), PeerId(2)]);
+    assert_eq!(h.master.ring(G0), &[PeerId(0), PeerId(2)]);
 }
 
 /// A collective aborted without losing anyone (a mismatch) still broke the ring's streams: the
@@ -392,7 +397,7 @@ fn a_collective_run_during_an_admission_vote_abandons_the_vote() {
     }
     // The aborted collective broke the ring's streams: it re-forms, with the same members, and
     // the new topology reaches the voter before the news that ends its call.
-    assert!(matches!(h.master.phase(), Phase::AwaitingConnections { members, .. } if members.len() == 3));
+    assert!(matches!(h.master.phase(G0), Phase::AwaitingConnections { members, .. } if members.len() == 3));
     let kinds: Vec<&str> = sent_to(&out, 1).iter().map(|m| m.name()).collect();
     assert_eq!(kinds, vec!["Topology", "TopologyVoteAborted", "OpAborted"]);
 }
@@ -696,7 +701,7 @@ fn votes_that_wait_for_each_other_end_together_with_a_usage_error() {
     }
     assert!(sent_to(&out, 3).iter().any(|m| matches!(m, Message::SyncAborted { retryable: false, .. })), "{out:?}");
     // Nothing is left open: the same calls made together pass.
-    assert_eq!(h.master.phase(), &Phase::Idle);
+    assert_eq!(h.master.phase(G0), &Phase::Idle);
     for c in 1..=2 {
         h.send(c, Message::VotePeersPending { collectives: 2 });
     }
@@ -826,7 +831,7 @@ fn a_newcomer_that_never_reports_ready_is_dropped_and_the_rest_go_on() {
     h.send(1, Message::TopologyReady { epoch: again });
     let out = h.send(2, Message::TopologyReady { epoch: again });
     assert!(sent_to(&out, 1).contains(&&Message::TopologyCommitted { epoch: again }));
-    assert_eq!(h.master.ring(), &[PeerId(0), PeerId(1)]);
+    assert_eq!(h.master.ring(G0), &[PeerId(0), PeerId(1)]);
 }
 
 /// A newcomer's first peers_pending when the others ask too (connect(min_world_size)'s loop):
@@ -975,6 +980,7 @@ fn a_full_run_refuses_the_next_join_and_goes_on() {
                 site: Some(1),
             })
             .collect(),
+        world: MAX_PEERS as u32,
         limits: Some(shoal_wire::AlgorithmLimits { oneshot_max: u64::MAX, twoshot_max: u64::MAX }),
     };
     assert!(shoal_wire::encode_frame(SESSION, &topology).is_ok(), "the largest topology must encode");
@@ -1058,8 +1064,8 @@ fn optimize_orders_the_ring_by_measured_links_and_admits_nobody() {
     for c in 1..=6 {
         h.send(c, Message::TopologyReady { epoch });
     }
-    assert_eq!(h.master.ring(), ring.as_slice());
-    let link = h.master.plan().unwrap().link(PeerId(0), PeerId(1)).unwrap();
+    assert_eq!(h.master.ring(G0), ring.as_slice());
+    let link = h.master.plan(G0).unwrap().link(PeerId(0), PeerId(1)).unwrap();
     assert_eq!((link.rtt_us, link.bytes_per_s), (40_000, 50_000_000));
 
     // The admission vote keeps the planned order and puts the newcomer last.
@@ -1092,7 +1098,7 @@ fn a_measurement_naming_a_member_twice_is_a_violation() {
     links.push(links[0]);
     let out = h.send(1, Message::VoteUpdateTopology { collectives: 0, measured: Some(links) });
     assert!(sent_to(&out, 1).iter().any(|m| matches!(m, Message::Kicked { reason } if reason.contains("twice"))));
-    assert_eq!(h.master.ring().len(), 2);
+    assert_eq!(h.master.ring(G0).len(), 2);
 }
 
 /// What peers report is summed in the run's status, and what a peer that left reported stays in
@@ -1130,7 +1136,8 @@ fn reports_are_summed_and_outlive_the_peers_that_sent_them() {
 fn a_restored_master_takes_back_the_peers_that_rejoin() {
     let (h, epoch) = run_with(3);
     let durable = h.master.durable();
-    assert_eq!((durable.ring.len(), durable.ring_epoch, durable.epoch), (3, epoch, epoch));
+    let ring = DurableRing { group: G0, epoch, issued: epoch, members: h.master.ring(G0).to_vec() };
+    assert_eq!((&durable.rings[..], durable.epoch), (&[ring][..], epoch));
     let config = h.master.config.clone();
     let now = h.now;
     let mut h = Harness { master: Master::restore(config, durable.clone(), now).unwrap(), now };
@@ -1173,7 +1180,7 @@ fn a_topology_lost_with_the_master_is_issued_again_once_everyone_rejoined() {
     let out = h.send(2, Message::VoteUpdateTopology { collectives: 0, measured: None });
     let issued = issued_epoch(&out, 3).expect("the vote issued a topology");
     let durable = h.master.durable();
-    assert_eq!((durable.epoch, durable.ring_epoch), (issued, epoch));
+    assert_eq!((durable.epoch, durable.rings[0].epoch, durable.rings[0].issued), (issued, epoch, issued));
     let (config, now) = (h.master.config.clone(), h.now);
     let mut h = Harness { master: Master::restore(config, durable, now).unwrap(), now };
     for (conn, peer) in [(10, 0), (11, 1)] {
@@ -1262,7 +1269,7 @@ fn a_ring_link_that_drifts_is_planned_around_at_the_next_topology() {
     assert!(!peers_pending(&mut h, 4));
     let out = h.send(conn_of(from), saturated(to, "tcp", 300_000, 100_000_000));
     assert!(replanned(&out), "{out:?}");
-    let plan = h.master.plan().unwrap();
+    let plan = h.master.plan(G0).unwrap();
     assert_eq!(plan.link(from, to).unwrap().bytes_per_s, 100_000_000);
     let order = plan.order().to_vec();
     let at = order.iter().position(|p| *p == from).unwrap();
@@ -1288,12 +1295,12 @@ fn a_drift_that_no_order_avoids_better_keeps_the_ring() {
     let (mut h, ring) = planned_ring_of_four();
     // A link the ring does not use got slower.
     assert!(!replanned(&h.send(conn_of(ring[0]), saturated(ring[2], "tcp", 300_000, 100_000_000))));
-    assert_eq!(h.master.plan().unwrap().link(ring[0], ring[2]).unwrap().bytes_per_s, 100_000_000);
+    assert_eq!(h.master.plan(G0).unwrap().link(ring[0], ring[2]).unwrap().bytes_per_s, 100_000_000);
     // Faster than measured: short saturated stretches read fast, so only slowdowns are judged.
     let out = h.send(conn_of(ring[0]), saturated(ring[1], "tcp", 300_000, 3_000_000_000));
     assert!(!replanned(&out));
-    assert_eq!(h.master.plan().unwrap().link(ring[0], ring[1]).unwrap().bytes_per_s, 1_000_000_000);
-    assert_eq!(h.master.plan().unwrap().order(), ring.as_slice());
+    assert_eq!(h.master.plan(G0).unwrap().link(ring[0], ring[1]).unwrap().bytes_per_s, 1_000_000_000);
+    assert_eq!(h.master.plan(G0).unwrap().order(), ring.as_slice());
     assert!(!peers_pending(&mut h, 4));
 }
 
@@ -1350,13 +1357,16 @@ fn a_kept_run_that_no_master_wrote_is_refused_with_its_fault() {
     assert_eq!(refused(&|d| d.session = SessionId(d.session.0 + 1)), Some(Incoherent::OtherSession));
     assert_eq!(
         refused(&|d| {
-            d.ring.pop();
+            d.rings[0].members.pop();
         }),
-        Some(Incoherent::RingNotAccepted)
+        Some(Incoherent::RingNotAccepted(G0))
     );
+    assert_eq!(refused(&|d| d.rings.clear()), Some(Incoherent::RingNotAccepted(G0)), "accepted, in no ring");
+    assert_eq!(refused(&|d| d.rings.push(d.rings[0].clone())), Some(Incoherent::RingNotAccepted(G0)), "a group twice");
     let last = kept.peers.last().unwrap().peer;
     assert_eq!(refused(&|d| d.next_peer = last.0), Some(Incoherent::NeverHandedOut { peer: last, next: last.0 }));
-    assert_eq!(refused(&|d| d.ring_epoch = Epoch(d.epoch.0 + 1)), Some(Incoherent::CommittedAhead));
+    assert_eq!(refused(&|d| d.rings[0].epoch = Epoch(d.epoch.0 + 1)), Some(Incoherent::CommittedAhead(G0)));
+    assert_eq!(refused(&|d| d.rings[0].issued = Epoch(d.epoch.0 + 1)), Some(Incoherent::CommittedAhead(G0)));
     let first = kept.peers[0].clone();
     assert_eq!(
         refused(&|d| d.peers.push(DurablePeer { accepted: false, ..first.clone() })),
@@ -1390,7 +1400,7 @@ fn a_transfer_waiting_on_a_voter_ends_the_wait_and_the_vote() {
     for conn in [1, 2] {
         assert!(sent_to(&out, conn).contains(&&aborted), "{out:?}");
     }
-    assert_eq!(h.master.phase(), &Phase::Idle);
+    assert_eq!(h.master.phase(G0), &Phase::Idle);
     // The wait is over: a second answer, or one about a wait that ended, changes nothing.
     assert!(h.send(1, Message::P2pApart { peer: PeerId(2), misuse }).is_empty());
 }
@@ -1442,4 +1452,89 @@ fn a_wait_is_forgotten_when_it_ends_and_relayed_only_to_members() {
     h.send(3, waits(1, false, epoch));
     h.master.handle_disconnect(h.now, ConnId(2), "gone");
     assert!(h.master.p2p_waits.is_empty(), "the other end left: nobody waits on it");
+}
+
+/// Groups are admitted apart: a group's first peer needs no vote even where another group has
+/// members, a newcomer is voted in by its own group's members alone while the other group's
+/// members are busy (no vote of theirs is needed, none of their calls is touched), and a
+/// topology lists one group while counting the whole run.
+#[test]
+fn a_group_admits_its_newcomers_without_the_other_groups() {
+    let (mut h, epoch0) = run_with(2);
+    let g1 = GroupId(1);
+    let out = h.join_in(10, g1);
+    let first = issued_epoch(&out, 10).expect("the first peer of a group is admitted without a vote");
+    assert!(sent_to(&out, 1).is_empty() && sent_to(&out, 2).is_empty(), "group 0 hears nothing: {out:?}");
+    let out = h.send(10, Message::TopologyReady { epoch: first });
+    assert_eq!(sent_to(&out, 10), vec![&Message::TopologyCommitted { epoch: first }]);
+    // Group 0 is in a vote its second member never joins (busy elsewhere); group 1 grows anyway.
+    h.join(3);
+    h.send(1, Message::VoteUpdateTopology { collectives: 4, measured: None });
+    h.join_in(11, g1);
+    let out = h.send(10, Message::VoteUpdateTopology { collectives: 0, measured: None });
+    let second = issued_epoch(&out, 11).expect("group 1's member alone votes its newcomer in");
+    assert!(second > first && [1, 2, 3].iter().all(|c| sent_to(&out, *c).is_empty()), "group 0 is untouched");
+    let Some(Message::Topology { members, world, .. }) = sent_to(&out, 11).into_iter().find(|m| m.name() == "Topology")
+    else {
+        unreachable!("checked above")
+    };
+    let ids: Vec<PeerId> = members.iter().map(|m| m.peer).collect();
+    assert_eq!((ids.len(), *world), (2, 4), "group 1's two members, of a run of 2 + 2: {ids:?}");
+    assert!(members.iter().all(|m| m.group == g1));
+    h.send(10, Message::TopologyReady { epoch: second });
+    h.send(11, Message::TopologyReady { epoch: second });
+    assert_eq!(h.master.ring(g1).len(), 2);
+    assert!(matches!(h.master.phase(G0), Phase::AwaitingTopologyVotes { .. }), "group 0 still votes");
+    assert_eq!((h.master.ring(G0).len(), h.master.phase(g1)), (2, &Phase::Idle));
+    // Group 0's vote passes with its own members, admitting its own newcomer only.
+    let out = h.send(2, Message::VoteUpdateTopology { collectives: 4, measured: None });
+    let next0 = issued_epoch(&out, 3).expect("group 0 admits its newcomer");
+    assert!(next0 > epoch0 && issued_epoch(&out, 10).is_none() && issued_epoch(&out, 11).is_none());
+    let status = h.master.status(h.now);
+    let phases: Vec<(u32, &str, usize)> = status.groups.iter().map(|g| (g.group.0, g.phase, g.ring.len())).collect();
+    assert_eq!(phases, [(0, "connecting", 2), (1, "idle", 2)]);
+    assert_eq!(status.ring.len(), 4, "the run's ring is every group's");
+}
+
+/// A member lost by one group re-forms that group alone: the other group's members hear
+/// nothing of it, and their collectives, votes and syncs go on.
+#[test]
+fn a_loss_in_one_group_leaves_the_other_alone() {
+    let (mut h, _) = run_with(2);
+    let g7 = GroupId(7);
+    let first = issued_epoch(&h.join_in(10, g7), 10).unwrap();
+    h.send(10, Message::TopologyReady { epoch: first });
+    h.join_in(11, g7);
+    let out = h.send(10, Message::VoteUpdateTopology { collectives: 0, measured: None });
+    let epoch7 = issued_epoch(&out, 11).unwrap();
+    h.send(10, Message::TopologyReady { epoch: epoch7 });
+    h.send(11, Message::TopologyReady { epoch: epoch7 });
+    // Group 7 is in a peers_pending vote, and a collective of it was reported.
+    h.send(10, Message::VotePeersPending { collectives: 3 });
+    h.send(11, Message::OpDone { epoch: epoch7, seq: 2, decided: false });
+    h.master.handle_disconnect(h.now, ConnId(2), "reset");
+    let out = h.drain();
+    assert!(issued_epoch(&out, 1).is_some(), "group 0 re-forms without its lost member");
+    assert!(sent_to(&out, 10).is_empty() && sent_to(&out, 11).is_empty(), "group 7 hears nothing: {out:?}");
+    assert_eq!(h.master.ring(g7), &[PeerId(2), PeerId(3)]);
+    // Its vote passes as if nothing happened.
+    let out = h.send(11, Message::VotePeersPending { collectives: 3 });
+    assert_eq!(sent_to(&out, 10), vec![&Message::PeersPendingResult { pending: false }]);
+}
+
+/// A restarted master keeps every group's ring and epoch.
+#[test]
+fn a_restored_master_keeps_every_group() {
+    let (mut h, epoch0) = run_with(2);
+    let g3 = GroupId(3);
+    let first = issued_epoch(&h.join_in(10, g3), 10).unwrap();
+    h.send(10, Message::TopologyReady { epoch: first });
+    let durable = h.master.durable();
+    let rings: Vec<(GroupId, Epoch, usize)> =
+        durable.rings.iter().map(|r| (r.group, r.epoch, r.members.len())).collect();
+    assert_eq!(rings, [(G0, epoch0, 2), (g3, first, 1)]);
+    let (config, now) = (h.master.config.clone(), h.now);
+    let restored = Master::restore(config, durable.clone(), now).unwrap();
+    assert_eq!(restored.durable(), durable, "restoring loses nothing");
+    assert_eq!((restored.ring(G0).len(), restored.ring(g3)), (2, &[PeerId(2)][..]));
 }

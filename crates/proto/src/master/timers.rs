@@ -1,9 +1,10 @@
 //! The master's timers, by name.
 
+use shoal_wire::GroupId;
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-/// Every timer the master arms.
+/// Every timer the master arms; a group's are its own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Timer {
     /// Send a heartbeat to every peer, so peers can tell a live master from a lost one.
@@ -12,11 +13,11 @@ pub enum Timer {
     CheckHeartbeats,
     /// Newcomers of an issued topology are overdue with their `TopologyReady`: every accepted
     /// member is ready, and a newcomer that can be reached is ready within moments.
-    NewcomersReady,
+    NewcomersReady(GroupId),
     /// A newcomer's first `peers_pending`, cast tentatively, is due its answer (`calls.rs`).
-    TentativeVotes,
+    TentativeVotes(GroupId),
     /// A slice of the background search for a better ring is due (`plan.rs`).
-    ImprovePlan,
+    ImprovePlan(GroupId),
 }
 
 /// Deadlines indexed by [`Timer`]; at most one per timer.

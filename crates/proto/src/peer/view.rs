@@ -2,8 +2,8 @@
 
 use crate::auth::DataKey;
 use shoal_wire::{
-    AlgorithmLimits, Api, Call, Called, Epoch, FailureKind, GroupId, Member, Message, Misuse, OpFailure, PeerId,
-    PlanEntry, Point, Reason, SessionId, Vote,
+    AlgorithmLimits, Api, Call, Called, Epoch, FailureKind, Member, Message, Misuse, OpFailure, PeerId, PlanEntry,
+    Point, Reason, SessionId, Vote,
 };
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
@@ -21,8 +21,9 @@ pub struct PeerView {
     pub issued: Option<(Epoch, Vec<Member>)>,
     /// The topology in force for us.
     pub committed: Option<(Epoch, Vec<Member>)>,
-    /// The master's small-message limits of the topologies issued since the one in force.
-    pub limits: BTreeMap<Epoch, AlgorithmLimits>,
+    /// What the master said of the topologies issued since the one in force, besides their
+    /// members: the run's size, and its small-message limits.
+    pub issued_with: BTreeMap<Epoch, (u32, Option<AlgorithmLimits>)>,
     /// The issued topology this peer established and reported ready in, until it commits: a
     /// later call does not establish it again.
     pub ready_in: Option<Epoch>,
@@ -337,21 +338,25 @@ impl PeerView {
                 self.removed.insert(peer);
                 PeerEvent::PeerRemoved(peer)
             }
-            Message::Topology { epoch, ref members, limits } => {
+            Message::Topology { epoch, ref members, world, limits } => {
                 let Some((me, _)) = self.registered else {
                     return unexpected("not registered");
                 };
-                if !members.iter().any(|m| m.peer == me) {
+                let Some(ours) = members.iter().find(|m| m.peer == me) else {
                     return unexpected("topology without us");
+                };
+                if members.iter().any(|m| m.group != ours.group) {
+                    return unexpected("topology with members of another group");
+                }
+                if (world as usize) < members.len() {
+                    return unexpected("topology with more members than the run");
                 }
                 if self.committed.as_ref().is_some_and(|(e, _)| *e >= epoch) {
                     return unexpected("topology epoch went backwards");
                 }
                 self.issued = Some((epoch, members.clone()));
-                self.limits.retain(|e, _| *e >= self.committed.as_ref().map_or(Epoch(0), |(c, _)| *c));
-                if let Some(l) = limits {
-                    self.limits.insert(epoch, l);
-                }
+                self.issued_with.retain(|e, _| *e >= self.committed.as_ref().map_or(Epoch(0), |(c, _)| *c));
+                self.issued_with.insert(epoch, (world, limits));
                 self.vote_open = None;
                 // Queries about collectives we will now never start: answered.
                 let never: Vec<(Epoch, u64)> =
@@ -778,11 +783,12 @@ impl PeerView {
     /// topologies.
     pub fn position(&self, epoch: Epoch, members: &[Member]) -> RingPosition {
         let (me, _) = self.registered.expect("a topology is only accepted once registered");
-        let group: GroupId = members.iter().find(|m| m.peer == me).expect("we are a member").group;
-        let ring: Arc<[Member]> = members.iter().filter(|m| m.group == group).cloned().collect();
-        let rank = ring.iter().position(|m| m.peer == me).expect("we are in our group's ring");
-        assert!(ring.len() <= members.len() && ring[rank].peer == me, "our rank names another member");
-        RingPosition { epoch, rank, ring, world_size: members.len(), limits: self.limits.get(&epoch).copied() }
+        let ring: Arc<[Member]> = members.into();
+        let rank = ring.iter().position(|m| m.peer == me).expect("we are a member");
+        let (world, limits) = self.issued_with.get(&epoch).copied().unwrap_or((0, None));
+        let world_size = (world as usize).max(ring.len());
+        assert!(ring[rank].peer == me && world_size >= ring.len(), "our rank names another member");
+        RingPosition { epoch, rank, ring, world_size, limits }
     }
 }
 
@@ -865,7 +871,8 @@ mod tests {
         v.handle_message(query(1)).unwrap();
         assert_eq!(v.poll_output(), None, "we may yet start it");
         v.handle_message(query(0)).unwrap();
-        v.handle_message(Message::Topology { epoch: Epoch(2), members: vec![member(0, 0)], limits: None }).unwrap();
+        v.handle_message(Message::Topology { epoch: Epoch(2), members: vec![member(0, 0)], world: 1, limits: None })
+            .unwrap();
         assert!(
             matches!(v.poll_output(), Some(Message::OpFailed { epoch: Epoch(1), seq: 1, failure })
                 if failure.kind == FailureKind::Superseded),
@@ -933,7 +940,8 @@ mod tests {
         let mut v = registered_alone();
         assert_eq!(v.topology_step(None, false), None);
         let members = vec![member(0, 0)];
-        v.handle_message(Message::Topology { epoch: Epoch(1), members: members.clone(), limits: None }).unwrap();
+        v.handle_message(Message::Topology { epoch: Epoch(1), members: members.clone(), world: 3, limits: None })
+            .unwrap();
         assert_eq!(v.topology_step(None, false), Some(TopologyStep::Establish(Epoch(1), members.clone())));
         assert_eq!(v.topology_step(Some(Epoch(1)), false), None, "established: wait for the commit");
         v.handle_message(Message::TopologyCommitted { epoch: Epoch(1) }).unwrap();
@@ -1005,19 +1013,26 @@ mod tests {
 
     /// Topology `e` with peer 0 alone is issued and comes into force.
     fn commit(v: &mut PeerView, e: u64) {
-        v.handle_message(Message::Topology { epoch: Epoch(e), members: vec![member(0, 0)], limits: None }).unwrap();
+        let members = vec![member(0, 0)];
+        v.handle_message(Message::Topology { epoch: Epoch(e), members, world: 1, limits: None }).unwrap();
         v.handle_message(Message::TopologyCommitted { epoch: Epoch(e) }).unwrap();
     }
 
     fn member(p: u32, g: u32) -> Member {
-        Member { peer: PeerId(p), group: GroupId(g), addr: format!("h:{p}"), site: None }
+        Member { peer: PeerId(p), group: shoal_wire::GroupId(g), addr: format!("h:{p}"), site: None }
     }
 
+    /// A topology lists our group's members; the run's other groups count only in its size.
     #[test]
-    fn ring_position_is_taken_within_our_group() {
+    fn ring_position_is_taken_in_our_group_and_the_world_counts_every_group() {
         let mut v = registered(3);
-        let members = vec![member(1, 0), member(2, 1), member(3, 0), member(4, 0)];
-        let ev = v.handle_message(Message::Topology { epoch: Epoch(2), members: members.clone(), limits: None });
+        let mixed = vec![member(1, 0), member(2, 1), member(3, 0)];
+        let topology =
+            |members: Vec<Member>, world| Message::Topology { epoch: Epoch(2), members, world, limits: None };
+        assert!(v.handle_message(topology(mixed, 4)).is_err(), "a topology of two groups");
+        let members = vec![member(1, 0), member(3, 0), member(4, 0)];
+        assert!(v.handle_message(topology(members.clone(), 2)).is_err(), "a run smaller than its group");
+        let ev = v.handle_message(topology(members.clone(), 4));
         assert_eq!(ev, Ok(PeerEvent::TopologyIssued(Epoch(2))));
         let pos = v.position(Epoch(2), &members);
         assert_eq!((pos.rank, pos.group_size(), pos.world_size), (1, 3, 4));
@@ -1027,7 +1042,7 @@ mod tests {
             v.handle_message(Message::TopologyCommitted { epoch: Epoch(2) }),
             Ok(PeerEvent::TopologyCommitted(Epoch(2)))
         );
-        assert!(v.handle_message(Message::Topology { epoch: Epoch(2), members, limits: None }).is_err());
+        assert!(v.handle_message(topology(members, 4)).is_err(), "an epoch issued twice");
         assert!(v.handle_message(Message::VotePeersPending { collectives: 0 }).is_err());
     }
 }

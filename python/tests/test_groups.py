@@ -1,0 +1,47 @@
+"""Peer groups are admitted, voted and re-formed apart: several communicators in one process, each
+in its own group, connect and run side by side, and a group's newcomers are admitted by its own
+members while another group's members are busy elsewhere."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import run_peers, start_ready
+
+import shoal
+
+STEPS = 5
+
+
+def test_a_pipeline_of_two_stages_replicated_twice_connects_and_trains(master: shoal.Master,
+                                                                      tmp_path: Path) -> None:
+    """Four processes, each with a communicator for its pipeline (group 200 + replica: send/recv)
+    and one for its stage's replicas (group 100 + stage: all-reduce), connected in turn. With
+    admission run-wide every second connect() waited for members blocked in their own connect()
+    (60 s, then a timeout); per group, each connect waits only for its own group's members."""
+    out = run_peers(master, tmp_path, "pipeline_dp", 4, timeout=60, connect_timeout=20, steps=STEPS)
+    for i, o in enumerate(out):
+        replica, stage = divmod(i, 2)
+        # Stage 1 doubles what stage 0 sent it (replica * 10 + step); the replicas' sum of that.
+        assert o["grads"] == [2 * (0 + step) + 2 * (10 + step) for step in range(STEPS)], (i, o)
+        pipe, dp, world = o["sizes"]
+        assert (pipe, dp) == (2, 2) and 4 <= world <= 8, o
+        assert o["connected_s"] < 15, f"process {i} (replica {replica}, stage {stage}) took {o['connected_s']:.1f} s"
+
+
+def test_a_group_admits_its_newcomers_while_another_group_is_busy(master: shoal.Master, tmp_path: Path) -> None:
+    """Two members of group 0 join and then sit in no call (alive, not voting) for longer than the
+    test; two peers of group 1 register meanwhile and are admitted at once, by each other. Before,
+    they waited for group 0's members to vote or leave (12 s in the issue's run)."""
+    specs = [{"master": master.address, "index": i, "peers": 2, "busy": 30.0} for i in range(2)]
+    busy = start_ready("busy", specs)
+    try:
+        out = run_peers(master, tmp_path, "min_world", 2, timeout=40, group=1, delay=0.0)
+        for o in out:
+            assert o["world"] == 2 and o["sum"] == 2.0, o
+            assert o["connect_s"] < 5, f"a newcomer of group 1 waited {o['connect_s']:.1f} s for group 0"
+        assert all(p.poll() is None for p in busy), "group 0's members are still in the run, untouched"
+    finally:
+        for p in busy:
+            p.kill()
+            p.communicate(timeout=10)
