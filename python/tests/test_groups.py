@@ -4,9 +4,12 @@ members while another group's members are busy elsewhere."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
-from conftest import run_peers, start_ready
+import pytest
+from conftest import clean_env, run_peers, start_ready
 
 import shoal
 
@@ -45,3 +48,17 @@ def test_a_group_admits_its_newcomers_while_another_group_is_busy(master: shoal.
         for p in busy:
             p.kill()
             p.communicate(timeout=10)
+
+
+def test_the_hybrid_example_loses_a_stage_and_grows_a_replica_back() -> None:
+    """``examples/hybrid_pp_dp.py --demo``: three replicas of a two-stage torch pipeline; one
+    stage is SIGKILLed mid-step, its partner leaves, the others go on with a smaller
+    data-parallel world, a new replica catches up and joins, every stage ends bit-identical (the
+    example checks each of these and exits non-zero otherwise)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    example = Path(__file__).parents[2] / "examples" / "hybrid_pp_dp.py"
+    out = subprocess.run([sys.executable, str(example), "--demo", "--replicas", "3", "--steps", "40"],
+                         capture_output=True, text=True, timeout=240, env=clean_env())
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "[demo] ok: replica 2 lost its stage 1" in out.stdout, out.stdout[-2000:]
