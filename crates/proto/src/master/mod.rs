@@ -3,13 +3,14 @@
 //! A peer's life at the master (see `docs/protocol.md`):
 //!
 //! ```text
-//!  Join ──▶ Registered ──(update_topology vote passes, or no accepted peer exists)──▶ in a
-//!  Topology being connected ──(every member TopologyReady)──▶ Accepted
+//!  Join ──▶ Registered ──(its group's update_topology vote passes, or the group has no accepted
+//!  member)──▶ in a Topology being connected ──(every member TopologyReady)──▶ Accepted
 //!  Registered ──(CatchUpStart)──▶ CatchingUp ──(CatchUpEnd)──▶ Registered   (`catchup.rs`)
 //!  any state ──(connection closed, missed heartbeats, Leave, protocol violation)──▶ removed
 //! ```
 //!
-//! The run has one [`Phase`] at a time. `peers_pending` votes are independent of the phase.
+//! Each peer group has one [`Phase`] at a time, its own ring and its own votes (`Group`): groups
+//! never wait for each other. `peers_pending` votes are independent of the phase.
 
 mod calls;
 mod catchup;
