@@ -45,9 +45,10 @@ BOUNDS = {"other": HEARTBEAT_TIMEOUT + 10.0, "connect": CALL_TIMEOUT + 5.0, "cut
 
 
 def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive: int = 6,
-        lab: Optional[Lab] = None) -> dict:
+        lab: Optional[Lab] = None, groups: tuple[int, ...] = (0,)) -> dict:
     """With ``lab``, the master runs on its first host, peers round the others, and partitions
-    join the chaos."""
+    join the chaos. Peer i joins group ``groups[i % len(groups)]``: each group is checked on its
+    own (its collectives, its states by revision)."""
     rng = random.Random(seed)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
     stop = workdir / "stop"
@@ -68,7 +69,8 @@ def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive
 
         def start(i: int) -> None:
             # Odd peers only retry a failed call; even ones vote update_topology first (README).
-            spec = {"master": address, "index": i, "log": str(workdir / f"peer{i}.jsonl"),
+            spec = {"master": address, "index": i, "group": groups[i % len(groups)],
+                    "log": str(workdir / f"peer{i}.jsonl"),
                     "retry_only": i % 2 == 1,
                     "stop": str(stop), "call_timeout": CALL_TIMEOUT, "may_be_cut_off": bool(lab),
                     "heartbeat_timeout": CUT_OFF_HEARTBEAT_TIMEOUT if lab else None}
@@ -76,7 +78,7 @@ def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive
             procs[i] = subprocess.Popen(lab.argv(host(i), argv) if lab else argv,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
 
-        for i in range(4):
+        for i in range(4 * len(groups)):
             start(i)
         end = time.time() + duration
         while time.time() < end:
@@ -129,7 +131,7 @@ def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive
                 raise AssertionError(f"peer{i} did not stop: a call hangs") from None
             if p.returncode not in (0, -signal.SIGKILL):
                 raise AssertionError(f"peer{i} exited {p.returncode}:\n{err.decode()[-3000:]}")
-    return analyse(workdir, len(procs), actions, ever_cut)
+    return analyse(workdir, len(procs), actions, ever_cut, groups)
 
 
 def _log(workdir: Path, i: int) -> str:
@@ -138,9 +140,10 @@ def _log(workdir: Path, i: int) -> str:
     return path.read_text() if path.exists() else ""
 
 
-def analyse(workdir: Path, peers: int, actions: list[str], ever_cut: set[int] = frozenset()) -> dict:
+def analyse(workdir: Path, peers: int, actions: list[str], ever_cut: set[int] = frozenset(),
+            groups: tuple[int, ...] = (0,)) -> dict:
     results: dict[tuple, set] = defaultdict(set)
-    states: dict[int, set] = defaultdict(set)
+    states: dict[tuple[int, int], set] = defaultdict(set)
     syncs = repaired = cut_off = 0
     successes = errors = 0
     longest = {"connect": 0.0, "cut_off": 0.0, "other": 0.0}
@@ -162,7 +165,7 @@ def analyse(workdir: Path, peers: int, actions: list[str], ever_cut: set[int] = 
             if "revision" in r:
                 syncs += 1
                 repaired += bool(r["received"])
-                states[r["revision"]].add(r["state"])
+                states[(groups[i % len(groups)], r["revision"])].add(r["state"])
             if "error" in r:
                 errors += 1
                 assert r["restored"], f"buffer not restored: {where}"
@@ -172,8 +175,8 @@ def analyse(workdir: Path, peers: int, actions: list[str], ever_cut: set[int] = 
                 assert i in ever_cut, f"a peer lost the master without being cut off: {where}"
     for key, shas in results.items():
         assert len(shas) == 1, f"collective {key} differs between participants"
-    for revision, hashes in states.items():
-        assert len(hashes) == 1, f"peers hold different states at revision {revision}"
+    for (group, revision), hashes in states.items():
+        assert len(hashes) == 1, f"peers of group {group} hold different states at revision {revision}"
     return {"collectives": len(results), "successes": successes, "errors": errors, "syncs": syncs,
             "repaired": repaired, "cut_off": cut_off,
             "longest_call_s": round(longest["other"], 2), "longest_connect_s": round(longest["connect"], 2),
@@ -188,7 +191,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=int(time.time()))
     parser.add_argument("--lab", help="a lab profile to run in (root; builds a lab named 'chaos')")
     parser.add_argument("--keep", help="write the peers' logs (JSON lines) to this new folder, and keep them")
+    parser.add_argument("--groups", default="0", help="peer groups to spread the peers over, e.g. 3,8")
     args = parser.parse_args()
+    groups = tuple(int(g) for g in args.groups.split(","))
     if args.keep:
         os.makedirs(args.keep)  # new: an old stop file would end the peers at once
     with ExitStack() as stack:
@@ -196,7 +201,8 @@ def main() -> None:
         lab = stack.enter_context(Lab.up(shoal.lab.load(args.lab), name="chaos", subnet="10.209.0.0/24",
                                          ttl=args.duration + 600)) if args.lab else None
         print(f"seed {args.seed}", flush=True)
-        print(json.dumps(run(args.duration, args.seed, Path(d), lab=lab)))
+        min_alive, max_alive = 2 * len(groups), 6 * len(groups)
+        print(json.dumps(run(args.duration, args.seed, Path(d), min_alive, max_alive, lab=lab, groups=groups)))
 
 
 if __name__ == "__main__":
