@@ -1538,3 +1538,28 @@ fn a_restored_master_keeps_every_group() {
     assert_eq!(restored.durable(), durable, "restoring loses nothing");
     assert_eq!((restored.ring(G0).len(), restored.ring(g3)), (2, &[PeerId(2)][..]));
 }
+
+/// `optimize_topology` plans the ring of the group that voted it: the other group's members hear
+/// nothing, and its ring, plan and status stay as they were.
+#[test]
+fn a_group_optimizes_its_own_ring() {
+    let (mut h, _) = run_with(4);
+    let g1 = GroupId(1);
+    let first = issued_epoch(&h.join_in(10, g1), 10).unwrap();
+    h.send(10, Message::TopologyReady { epoch: first });
+    let mut out = Vec::new();
+    for c in 1..=4 {
+        out = h.send(c, Message::VoteUpdateTopology { collectives: 0, measured: Some(two_site_links(c, 4)) });
+    }
+    let planned = out.iter().find_map(|o| match o {
+        Output::Event(MasterEvent::RingPlanned { group, .. }) => Some(*group),
+        _ => None,
+    });
+    assert_eq!(planned, Some(G0));
+    assert!(sent_to(&out, 10).is_empty(), "group 1 hears nothing: {out:?}");
+    assert!(h.master.plan(G0).is_some() && h.master.plan(g1).is_none());
+    let status = h.master.status(h.now);
+    let matrices: Vec<bool> = status.groups.iter().map(|g| g.matrix.is_some()).collect();
+    assert_eq!(matrices, [true, false]);
+    assert_eq!((h.master.ring(g1), h.master.phase(g1)), (&[PeerId(4)][..], &Phase::Idle));
+}
