@@ -107,8 +107,12 @@ def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive
                 actions.append(f"{time.time():.2f} start peer{len(procs) - 1}")
             elif action != "join" and len(running) > min_alive:
                 # A peer that has run collectives, so that the fault lands in the run, not in a
-                # newcomer's admission (on a loaded machine every kill could miss otherwise).
-                busy = [i for i in running if '"key"' in _log(workdir, i)] or running
+                # newcomer's admission (on a loaded machine every kill could miss otherwise): none
+                # yet, no fault this time (once, every peer was slow to start under the full
+                # suite, and a round's kills all hit peers that had never run a collective).
+                busy = [i for i in running if '"key"' in _log(workdir, i)]
+                if not busy:
+                    continue
                 v = rng.choice(busy)
                 if action == "kill":
                     procs[v].kill()
