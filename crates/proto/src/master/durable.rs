@@ -1,7 +1,7 @@
 //! What a restarted master needs to carry on the run (`docs/protocol.md`, "Master restart"): the
 //! session and its data key, who is in the run and where, every group's committed ring, the last
-//! epoch, and every group's last synced revision and elected hashes. The driver writes it to its state
-//! directory whenever it changes ([`Master::generation`]) and starts from it again
+//! epoch, and every group's last synced revision and elected hashes. The driver writes it to its
+//! state directory whenever it changes ([`Master::generation`]) and starts from it again
 //! ([`Master::restore`]).
 //!
 //! A restored master holds every peer detached until it rejoins (`Rejoin` on a new connection)
@@ -223,7 +223,7 @@ impl Master {
         log::info!(
             "restored the run: {} peers in {} groups ({} in rings); waiting for them to rejoin",
             master.peers.len(),
-            master.groups.len(),
+            master.each_group().count(),
             master.rings().map(|(_, ring)| ring.len()).sum::<usize>(),
         );
         Ok(master)
