@@ -224,8 +224,8 @@ ShoalStatus shoal_comm_new(const char *master_addr, uint32_t group, ShoalComm **
 void shoal_comm_free(ShoalComm *comm);
 
 /**
- * Joins the run; returns once accepted with at least `min_world_size` peers (0 or 1: at once
- * when accepted). `timeout_s <= 0`: the configured bound.
+ * Joins the run; returns once accepted, with at least `min_world_size` members in this peer's
+ * group (0 or 1: at once when accepted). `timeout_s <= 0`: the configured bound.
  */
 ShoalStatus shoal_comm_connect(const ShoalComm *comm, double timeout_s, size_t min_world_size);
 

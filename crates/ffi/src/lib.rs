@@ -343,8 +343,8 @@ pub unsafe extern "C" fn shoal_comm_free(comm: *mut ShoalComm) {
     }
 }
 
-/// Joins the run; returns once accepted with at least `min_world_size` peers (0 or 1: at once
-/// when accepted). `timeout_s <= 0`: the configured bound.
+/// Joins the run; returns once accepted, with at least `min_world_size` members in this peer's
+/// group (0 or 1: at once when accepted). `timeout_s <= 0`: the configured bound.
 #[no_mangle]
 pub unsafe extern "C" fn shoal_comm_connect(
     comm: *const ShoalComm,

@@ -119,7 +119,8 @@ impl Master {
         let epoch = self.g.ring_epoch;
         debug_assert_eq!(self.peers[&peer].last_vote.map(|l| (l.vote, l.collectives)), Some((vote, collectives)));
         debug_assert!(self.g.ring.contains(&peer), "{peer} announces a vote outside the ring");
-        for p in self.group_ring(self.peers[&peer].group).into_iter().filter(|p| *p != peer) {
+        let others: Vec<PeerId> = self.g.ring.iter().copied().filter(|p| *p != peer).collect();
+        for p in others {
             self.send_to_peer(p, Message::VoteOpened { vote, epoch, voter: peer, collectives });
         }
     }
@@ -311,10 +312,5 @@ impl Master {
         self.send_to_peer(peer, message);
         // Refused, never cast: no ballot counts it.
         debug_assert!(self.open_ballot(vote, self.peers[&peer].group).is_none_or(|b| !b.voters().contains(&peer)));
-    }
-
-    /// `group`'s committed ring, in ring order.
-    pub(super) fn group_ring(&self, group: GroupId) -> Vec<PeerId> {
-        self.ring(group).to_vec()
     }
 }

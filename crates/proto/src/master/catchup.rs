@@ -58,7 +58,7 @@ impl Master {
             // Admitted meanwhile (or asked twice): the sync after its admission repairs it.
             return self.send_plan(peer, None, String::new());
         }
-        let Some(state) = self.group_states.get(&group).filter(|_| !self.group_ring(group).is_empty()) else {
+        let Some(state) = self.group_states.get(&group).filter(|_| !self.g.ring.is_empty()) else {
             // Nobody holds a state to fetch: its first sync elects one.
             return self.send_plan(peer, None, String::new());
         };

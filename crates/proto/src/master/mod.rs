@@ -400,10 +400,10 @@ impl Master {
     }
 
     /// Focuses on `peer`'s group, if `peer` is in the run.
-    fn focus_on(&mut self, peer: PeerId) -> bool {
-        let Some(group) = self.peers.get(&peer).map(|e| e.group) else { return false };
-        self.focus(group);
-        true
+    fn focus_on(&mut self, peer: PeerId) {
+        if let Some(group) = self.peers.get(&peer).map(|e| e.group) {
+            self.focus(group);
+        }
     }
 
     /// Every group with a peer in the run, by id.

@@ -189,8 +189,9 @@ impl Master {
         );
     }
 
-    /// Ends the sync of `group`, if one is open, with an error for its voters.
+    /// Ends the sync of `group` (the focused one), if one is open, with an error for its voters.
     pub(super) fn abort_sync(&mut self, group: GroupId, retryable: bool, reason: Reason) {
+        debug_assert_eq!(group, self.focus, "a sync is aborted by an input of its group");
         let Some(sync) = self.syncs.remove(&group) else { return };
         debug_assert!(sync.ballot.voters().iter().eq(sync.votes.keys()), "a sync's ballot counts a vote it never got");
         self.counters.syncs_aborted += 1;
@@ -198,7 +199,7 @@ impl Master {
         // While voting, every member of the group hears of it: the vote was announced to them.
         let voters: Vec<PeerId> = match &sync.transfer {
             Some(t) => t.participants.iter().copied().collect(),
-            None => self.group_ring(group),
+            None => self.g.ring.clone(),
         };
         for p in voters {
             self.send_to_peer(p, Message::SyncAborted { round: sync.round, retryable, reason: reason.clone() });
