@@ -16,6 +16,7 @@ pub fn failure(kind: u8, peer: u8) -> OpFailure {
                 collective: 1,
                 algorithm: 1,
                 epoch: Epoch(1),
+                derived: 0,
                 seq: kind.into(),
                 tag: 0,
                 dtype: 9,

@@ -167,6 +167,12 @@ pub enum Malformed {
         /// The collective's number.
         seq: u64,
     },
+    /// A frame of a collective of a derived group that the sender is not in.
+    #[error("a frame of derived group {derived:#x}, which the sender is not in")]
+    Outsider {
+        /// The derived group.
+        derived: u64,
+    },
     /// An early chunk (of a collective not posted here yet) larger than can be kept.
     #[error("an early chunk of {len} bytes (at most {MAX_EARLY_BYTES})")]
     EarlyTooLarge {
@@ -329,10 +335,31 @@ impl RawBuf {
     }
 }
 
+/// Names a collective among those over one topology's links: the group it runs in (0, the
+/// topology's whole group, or a derived group's name) and its number in that group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct OpKey {
+    /// The derived group ([`OpHeader::derived`]); 0 for the whole group.
+    pub derived: u64,
+    /// Its number there ([`OpHeader::seq`]).
+    pub seq: u64,
+}
+
+impl OpKey {
+    /// The key of the collective `header` names.
+    pub fn of(header: &OpHeader) -> Self {
+        OpKey { derived: header.derived, seq: header.seq }
+    }
+}
+
 /// One collective to post: `buf` is the whole buffer its schedule works on.
 pub struct OpSpec {
     /// The call every member must have made alike: its first frame carries it.
     pub header: OpHeader,
+    /// The topology's ranks of the members of the group it runs in, by their rank there; empty
+    /// for the topology's whole group. A derived group's collective runs its schedule over
+    /// these members alone, on the links the topology has.
+    pub members: Vec<usize>,
     /// The verb.
     pub kind: CollectiveKind,
     /// The buffer its schedule works on.
@@ -619,18 +646,18 @@ impl<L: Lane> Exec<L> {
         self.machine.handle_broken(LinkError::Lost { rank, reason });
     }
 
-    /// Takes collective `seq` out ([`Machine::take`]).
-    pub fn take(&mut self, seq: u64) -> Option<Taken> {
-        self.machine.take(seq)
+    /// Takes collective `key` out ([`Machine::take`]).
+    pub fn take(&mut self, key: OpKey) -> Option<Taken> {
+        self.machine.take(key)
     }
 
-    /// The members collective `seq` still moves data with (none once its data moved).
-    pub fn waits_on(&self, seq: u64) -> Vec<usize> {
-        self.machine.waits_on(seq)
+    /// The members collective `key` still moves data with (none once its data moved).
+    pub fn waits_on(&self, key: OpKey) -> Vec<usize> {
+        self.machine.waits_on(key)
     }
 
     /// What happened to collectives since the last call.
-    pub fn events(&mut self) -> Vec<(u64, OpEvent)> {
+    pub fn events(&mut self) -> Vec<(OpKey, OpEvent)> {
         self.machine.poll_events()
     }
 
@@ -790,7 +817,7 @@ impl<L: Lane> Exec<L> {
             if rx.reduced_from_aside() {
                 // A lane that can lend the chunk where it lies (shared memory) is reduced from
                 // there: one copy fewer than reading it into the scratch buffer first.
-                let (len, elem) = (rx.len(), machine.elem_of(rx.seq()));
+                let (len, elem) = (rx.len(), machine.elem_of(rx.key()));
                 let failed = |machine: &mut Machine, e: std::io::Error| {
                     let closed = e.kind() == ErrorKind::UnexpectedEof;
                     lost(machine, if closed { "connection closed mid-frame".into() } else { e.to_string() })
@@ -961,6 +988,7 @@ mod tests {
     fn sum_spec(buf: &mut [u64], seq: u64, tag: u64, algorithm: Algorithm, chunk_bytes: usize) -> OpSpec {
         OpSpec {
             header: header_of(seq, buf.len(), tag, algorithm),
+            members: Vec::new(),
             kind: CollectiveKind::AllReduce,
             root: 0,
             hosts: Vec::new(),
@@ -1008,6 +1036,7 @@ mod tests {
             collective: CollectiveKind::AllReduce.code(),
             algorithm: algorithm.code(),
             epoch: Epoch(1),
+            derived: 0,
             seq,
             tag,
             dtype: DType::U64.code(),
@@ -1017,6 +1046,11 @@ mod tests {
             quantization: 0,
             block: 0,
         }
+    }
+
+    /// The key of collective `seq` of the topology's whole group.
+    fn key(seq: u64) -> OpKey {
+        OpKey { derived: 0, seq }
     }
 
     /// Rank `rank`'s input to collective `seq`.
@@ -1099,7 +1133,7 @@ mod tests {
                 // As the driver does while it waits.
                 while exec.save_ahead() {}
                 for (seq, event) in exec.events() {
-                    let run = &mut runs[rank][seq as usize];
+                    let run = &mut runs[rank][seq.seq as usize];
                     let ended = match event {
                         OpEvent::DataDone => continue,
                         OpEvent::Confirmed => Ok(()),
@@ -1131,6 +1165,101 @@ mod tests {
     /// each peer (frames arrive before their collective is posted), over lanes that fragment
     /// every read and write and hold little: every peer ends with every sum, for every pool and
     /// ring size.
+    /// Collectives of derived groups run beside the whole group's over the same links, each
+    /// over its members alone and numbered on its own (every group has a collective 0 and 1),
+    /// posted in a different order on every member: each member ends with its group's sum.
+    #[test]
+    fn derived_groups_run_beside_the_whole_group_over_the_same_links() {
+        let world = 4;
+        let mut execs = mesh(world, 2, Faults::default());
+        let groups: [(u64, Vec<usize>, Algorithm); 4] = [
+            (0, Vec::new(), Algorithm::Ring),
+            (0xa, vec![3, 1], Algorithm::Ring),
+            (0xb, vec![0, 2], Algorithm::OneShot),
+            (0xc, vec![2, 0, 3], Algorithm::Ring),
+        ];
+        let members = |g: usize| if g == 0 { (0..world).collect() } else { groups[g].1.clone() };
+        let words = 301;
+        let name = |g: usize, seq: u64| g as u64 * 10 + seq;
+        // Each rank's collectives: (group, number), its buffer.
+        type Ops = Vec<((usize, u64), Vec<u64>)>;
+        let mut runs: Vec<Ops> = (0..world)
+            .map(|r| {
+                let mine = (0..groups.len()).filter(|&g| members(g).contains(&r));
+                let mut ops: Vec<(usize, u64)> = mine.flat_map(|g| [(g, 0), (g, 1)]).collect();
+                if r % 2 == 1 {
+                    // Groups in another order (each group's collectives in order).
+                    ops.sort_by_key(|&(g, seq)| (std::cmp::Reverse(g), seq));
+                }
+                ops.into_iter().map(|(g, seq)| ((g, seq), input(r, name(g, seq), words))).collect()
+            })
+            .collect();
+        for (r, exec) in execs.iter_mut().enumerate() {
+            for ((g, seq), buf) in &mut runs[r] {
+                let mut spec = sum_spec(buf, *seq, 1, groups[*g].2, 256);
+                (spec.header.derived, spec.members) = (groups[*g].0, groups[*g].1.clone());
+                exec.post(spec);
+            }
+        }
+        let mut confirmed = vec![0; world];
+        for _ in 0..100_000 {
+            for (r, exec) in execs.iter_mut().enumerate() {
+                exec.pump(now());
+                for (key, event) in exec.events() {
+                    match event {
+                        OpEvent::DataDone => {}
+                        OpEvent::Confirmed => {
+                            confirmed[r] += 1;
+                            exec.take(key).expect("posted");
+                        }
+                        other => panic!("rank {r}, {key:?}: {other:?}"),
+                    }
+                }
+            }
+            if (0..world).all(|r| confirmed[r] == runs[r].len()) {
+                break;
+            }
+        }
+        for (r, ops) in runs.iter().enumerate() {
+            assert_eq!(confirmed[r], ops.len(), "rank {r}");
+            for ((g, seq), buf) in ops {
+                let want: Vec<u64> =
+                    (0..words).map(|k| members(*g).iter().map(|&m| input(m, name(*g, *seq), words)[k]).sum()).collect();
+                assert_eq!(*buf, want, "rank {r}, group {g}, collective {seq}");
+            }
+        }
+    }
+
+    /// A frame of a derived group from a member of the topology outside it fails the links,
+    /// named; the collective's buffer is put back.
+    #[test]
+    fn a_frame_of_a_derived_group_from_outside_it_is_refused() {
+        let mut execs = mesh(3, 1, Faults::default());
+        let mut ours = input(1, 0, 64);
+        let mut theirs = input(0, 0, 64);
+        let mut spec = sum_spec(&mut ours, 0, 1, Algorithm::Ring, 256);
+        (spec.header.derived, spec.members) = (0xa, vec![2, 1]);
+        execs[1].post(spec);
+        // Rank 0 believes itself in the group, with rank 1.
+        let mut spec = sum_spec(&mut theirs, 0, 1, Algorithm::Ring, 256);
+        (spec.header.derived, spec.members) = (0xa, vec![0, 1]);
+        execs[0].post(spec);
+        let mut events = Vec::new();
+        for _ in 0..20 {
+            execs[0].pump(now());
+            execs[1].pump(now());
+            events.extend(execs[1].events());
+        }
+        let outsider = Malformed::Outsider { derived: 0xa };
+        let key = OpKey { derived: 0xa, seq: 0 };
+        assert!(
+            matches!(&events[..], [(k, OpEvent::Failed(LinkError::Malformed { rank: 0, what }))] if *k == key && *what == outsider),
+            "{events:?}"
+        );
+        execs[1].take(key).expect("posted").restore();
+        assert_eq!(ours, input(1, 0, 64), "restored");
+    }
+
     #[test]
     fn concurrent_collectives_hold_their_sums_over_fragmented_backpressured_lanes() {
         for (world, pool, max_io, chunk) in [(2, 1, 7, 4096), (3, 2, 13, 4096), (4, 3, 4096, 16 << 10)] {
@@ -1183,7 +1312,7 @@ mod tests {
                         if matches!(event, OpEvent::Confirmed) {
                             confirmed[rank] += 1;
                             exec.take(seq);
-                            if (rank, seq) == (1, 0) {
+                            if (rank, seq) == (1, key(0)) {
                                 exec.post(sum_spec(&mut bufs[1][1], 1, 2, Algorithm::Ring, 4096));
                             }
                         }
@@ -1306,7 +1435,7 @@ mod tests {
                 exec.pump(now());
                 for (seq, event) in exec.events() {
                     if matches!(event, OpEvent::Confirmed) {
-                        finished.push((round, seq));
+                        finished.push((round, seq.seq));
                         exec.take(seq);
                     }
                 }
@@ -1323,7 +1452,7 @@ mod tests {
 
     /// What member 0's collective 0 (an all-reduce of 64 words, rank 1 of 2) ends with when
     /// `bytes` arrive on its lane from member 0 instead of its frames.
-    fn fed(bytes: &[u8]) -> Vec<(u64, OpEvent)> {
+    fn fed(bytes: &[u8]) -> Vec<(OpKey, OpEvent)> {
         let (tx, rx, _) = mem::pair("0->1", Faults::default());
         let (tx2, _rx2, _) = mem::pair("1->0", Faults::default());
         let mut exec = Exec::new(Epoch(1), 1, 2);
@@ -1345,7 +1474,7 @@ mod tests {
         let events = fed(&[0xab; FRAME_BYTES]);
         let bad_magic = Malformed::Header(DataFrameError::BadMagic { got: 0xabab_abab });
         assert!(
-            matches!(&events[..], [(0, OpEvent::Failed(LinkError::Malformed { rank: 0, what }))] if *what == bad_magic),
+            matches!(&events[..], [(k, OpEvent::Failed(LinkError::Malformed { rank: 0, what }))] if *what == bad_magic && *k == key(0)),
             "{events:?}"
         );
     }
@@ -1407,7 +1536,7 @@ mod tests {
             for (r, m) in machines.iter_mut().enumerate() {
                 m.advance();
                 for (seq, event) in m.poll_events() {
-                    assert!(matches!(event, OpEvent::DataDone | OpEvent::Confirmed), "rank {r} #{seq}: {event:?}");
+                    assert!(matches!(event, OpEvent::DataDone | OpEvent::Confirmed), "rank {r} {seq:?}: {event:?}");
                     confirmed[r] += usize::from(matches!(event, OpEvent::Confirmed));
                 }
             }
@@ -1433,10 +1562,10 @@ mod tests {
         let events = machines[1].poll_events();
         let what = Malformed::ForeignTopology { got: 9, ours: 1 };
         assert!(
-            matches!(&events[..], [(2, OpEvent::Failed(LinkError::Malformed { rank: 0, what: w }))] if *w == what),
+            matches!(&events[..], [(k, OpEvent::Failed(LinkError::Malformed { rank: 0, what: w }))] if *w == what && *k == key(2)),
             "{events:?}"
         );
-        machines[1].take(2).expect("posted").restore();
+        machines[1].take(key(2)).expect("posted").restore();
         assert_eq!(bufs[1][2], input(1, 2, sizes[2]), "restored");
     }
 
@@ -1459,7 +1588,7 @@ mod tests {
         for (sent, want) in cases {
             let events = fed(&sent.encode());
             assert!(
-                matches!(&events[..], [(0, OpEvent::Failed(LinkError::Malformed { rank: 0, what }))] if *what == want),
+                matches!(&events[..], [(k, OpEvent::Failed(LinkError::Malformed { rank: 0, what }))] if *what == want && *k == key(0)),
                 "{sent:?}: {events:?}"
             );
         }
@@ -1579,7 +1708,7 @@ mod tests {
             }
         }
         // Rank 2's token to rank 0 (the frame after its data) arrives only once rank 1 left.
-        let got_data_of_2 = |exec: &Exec<MemLane>| exec.machine.received_all_from(0, 2);
+        let got_data_of_2 = |exec: &Exec<MemLane>| exec.machine.received_all_from(key(0), 2);
         let mut execs: Vec<Option<Exec<MemLane>>> = linked.into_iter().map(Some).collect();
         let mut bufs: Vec<Vec<u64>> = (0..world).map(|r| input(r, 0, 32)).collect();
         let spec = |buf: &mut Vec<u64>, seq: u64| sum_spec(buf, seq, 1 + seq, Algorithm::OneShot, 4096);
@@ -1620,7 +1749,10 @@ mod tests {
         }
         exec.post(spec(&mut next, 1));
         let events = exec.events();
-        assert!(matches!(&events[..], [(1, OpEvent::Failed(LinkError::Lost { rank: 1, .. }))]), "{events:?}");
+        assert!(
+            matches!(&events[..], [(k, OpEvent::Failed(LinkError::Lost { rank: 1, .. }))] if *k == key(1)),
+            "{events:?}"
+        );
         assert_eq!(exec.stats()[&1].lanes_in, 0);
     }
 

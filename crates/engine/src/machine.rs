@@ -23,8 +23,8 @@
 
 use crate::p2p::{self, Pull};
 use crate::{
-    Backup, LinkError, LinkStats, Malformed, Missing, OpEvent, OpSpec, Taken, Traffic, TransferSpec, EARLY_GRACE,
-    MAX_EARLY_BYTES, SPARE_BODIES,
+    Backup, LinkError, LinkStats, Malformed, Missing, OpEvent, OpKey, OpSpec, Taken, Traffic, TransferSpec,
+    EARLY_GRACE, MAX_EARLY_BYTES, SPARE_BODIES,
 };
 use shoal_collective::schedule::{RecvAction, Schedule};
 use shoal_collective::{finish_avg, reduce_into, Codec, ReduceOp};
@@ -79,8 +79,8 @@ impl Incoming {
     }
 
     /// The collective it belongs to.
-    pub fn seq(&self) -> u64 {
-        self.frame.op.seq
+    pub fn key(&self) -> OpKey {
+        OpKey::of(&self.frame.op)
     }
 }
 
@@ -104,17 +104,17 @@ pub struct Outgoing {
 /// What a frame going out carries.
 enum Sending {
     Chunk {
-        seq: u64,
+        key: OpKey,
         start: usize,
         len: usize,
     },
     /// A quantized collective's chunk, encoded.
     Encoded {
-        seq: u64,
+        key: OpKey,
         body: Arc<[u8]>,
     },
     Token {
-        seq: u64,
+        key: OpKey,
     },
     /// A part of transfer `id`.
     Part {
@@ -160,26 +160,27 @@ pub struct Machine {
     stats: BTreeMap<usize, LinkStats>,
     /// Members every lane from which was closed: they left.
     gone: Vec<bool>,
-    ops: BTreeMap<u64, OpExec>,
+    ops: BTreeMap<OpKey, OpExec>,
     /// The tagged point-to-point transfers in flight.
     p2p: p2p::Transfers,
     /// Whether the next free lane looks at the transfers before the collectives: they take
     /// turns.
     p2p_turn: bool,
-    /// The highest number posted so far: frames of lower numbers not in `ops` are stale.
-    posted: Option<u64>,
-    early: BTreeMap<u64, Vec<Early>>,
+    /// The highest number posted so far in each group: frames of lower numbers not in `ops`
+    /// are stale.
+    posted: BTreeMap<u64, u64>,
+    early: BTreeMap<OpKey, Vec<Early>>,
     early_bytes: usize,
     /// How long an early chunk waits in its lane before it is read aside ([`EARLY_GRACE`]).
     pub(crate) early_grace: Duration,
     /// Buffers of early frames applied, to receive the next ones without allocating.
     spare_bodies: Vec<Vec<u8>>,
     /// The collective the last free lane took a frame of: the next lane starts after it.
-    turn: u64,
+    turn: OpKey,
     /// The collective whose chunk arrived last, and whether the next free lane looks at it
     /// first: what it forwards next was just reduced, and is still in the cache. Every other
     /// frame goes round-robin, so it cannot starve the others.
-    hot: Option<u64>,
+    hot: Option<OpKey>,
     hot_turn: bool,
     /// Why the links failed, once they did: nothing more moves.
     broken: Option<LinkError>,
@@ -200,12 +201,12 @@ impl Machine {
             ops: BTreeMap::new(),
             p2p: p2p::Transfers::new(epoch, world),
             p2p_turn: false,
-            posted: None,
+            posted: BTreeMap::new(),
             early: BTreeMap::new(),
             early_bytes: 0,
             early_grace: EARLY_GRACE,
             spare_bodies: Vec::new(),
-            turn: 0,
+            turn: OpKey::default(),
             hot: None,
             hot_turn: false,
             broken: None,
@@ -304,20 +305,21 @@ impl Machine {
         self.awaiting = !self.missing().is_empty();
     }
 
-    /// Starts collective `spec`, numbered `spec.header.seq` (above every number posted before):
-    /// frames that came early for it are applied now. Lanes it needs and that are not here yet
-    /// ([`Machine::missing`]) may be added while it runs.
+    /// Starts collective `spec`, numbered `spec.header.seq` (above every number posted before in
+    /// its group): frames that came early for it are applied now. Lanes it needs and that are
+    /// not here yet ([`Machine::missing`]) may be added while it runs.
     pub fn post(&mut self, spec: OpSpec) {
-        let seq = spec.header.seq;
-        debug_assert!(self.posted.is_none_or(|p| p < seq), "collectives are posted in order");
+        let key = OpKey::of(&spec.header);
+        let seq = key.seq;
+        debug_assert!(self.posted.get(&key.derived).is_none_or(|&p| p < seq), "collectives are posted in order");
         debug_assert_eq!(spec.header.epoch, self.epoch, "a collective of this topology");
-        self.posted = Some(seq);
+        self.posted.insert(key.derived, seq);
         let mut op = OpExec::new(spec, self.rank, self.world);
         if let Some(e) = &self.broken {
             op.events.push(OpEvent::Failed(e.clone()));
             op.finished = true;
         } else {
-            for early in self.early.remove(&seq).unwrap_or_default() {
+            for early in self.early.remove(&key).unwrap_or_default() {
                 self.early_bytes -= early.body.len();
                 match apply_early(&mut op, early) {
                     Ok(body) => self.spare_body(body),
@@ -335,20 +337,25 @@ impl Machine {
             op.finished = true;
         }
         let failed = self.broken.is_none() && op.finished;
-        self.ops.insert(seq, op);
+        self.ops.insert(key, op);
         if failed {
             let reason = format!("collective {seq} failed over these streams");
             self.break_lanes(LinkError::Lost { rank: self.rank, reason });
         }
         // A group of one moves nothing: done at once.
-        let op = self.ops.get_mut(&seq).expect("posted");
+        let op = self.ops.get_mut(&key).expect("posted");
         op.check();
         if self.broken.is_none() && !self.awaiting {
             let mut missing = Missing::default();
-            self.missing_for(&self.ops[&seq], &mut missing);
+            self.missing_for(&self.ops[&key], &mut missing);
             self.awaiting = !missing.is_empty();
         }
-        debug_assert!(self.posted == Some(seq) && self.ops.contains_key(&seq));
+        debug_assert!(self.posted.get(&key.derived) == Some(&seq) && self.ops.contains_key(&key));
+    }
+
+    /// Whether a collective of `key` was posted here (it may have ended since).
+    fn was_posted(&self, key: OpKey) -> bool {
+        self.posted.get(&key.derived).is_some_and(|&p| key.seq <= p)
     }
 
     /// Starts tagged transfer `id` (a number of the caller's, unique among those in flight)
@@ -394,24 +401,24 @@ impl Machine {
         rank < self.world && rank != self.rank && self.p2p.stuck(rank, send, tag, seen)
     }
 
-    /// Takes collective `seq` out: done, failed, or stopped by the peer. One that had not
+    /// Takes collective `key` out: done, failed, or stopped by the peer. One that had not
     /// finished leaves half its frames in the lanes, which fail for every other collective.
-    pub fn take(&mut self, seq: u64) -> Option<Taken> {
-        let op = self.ops.remove(&seq)?;
+    pub fn take(&mut self, key: OpKey) -> Option<Taken> {
+        let op = self.ops.remove(&key)?;
         if !op.finished {
-            let reason = format!("collective {seq} stopped mid-flight");
+            let reason = format!("collective {} stopped mid-flight", key.seq);
             self.break_lanes(LinkError::Lost { rank: self.rank, reason });
         }
         if self.awaiting {
             self.awaiting = !self.missing().is_empty();
         }
-        debug_assert!(!self.ops.contains_key(&seq));
+        debug_assert!(!self.ops.contains_key(&key));
         Some(Taken { traffic: op.traffic, backup: op.backup, buf: op.spec.buf })
     }
 
-    /// The members collective `seq` still moves data with (none once its data moved).
-    pub fn waits_on(&self, seq: u64) -> Vec<usize> {
-        self.ops.get(&seq).map_or_else(Vec::new, |op| (0..self.world).filter(|&r| op.waits_on(r)).collect())
+    /// The members collective `key` still moves data with (none once its data moved).
+    pub fn waits_on(&self, key: OpKey) -> Vec<usize> {
+        self.ops.get(&key).map_or_else(Vec::new, |op| (0..self.world).filter(|&r| op.waits_on(r)).collect())
     }
 
     /// Saves ahead the next range a collective will change, while nothing else can move; false
@@ -440,10 +447,10 @@ impl Machine {
         self.early_bytes < MAX_EARLY_BYTES || self.ops.values().any(|o| !o.finished) || self.p2p.busy()
     }
 
-    /// The size of an element of collective `seq` (posted): a chunk reduced where a lane lends
+    /// The size of an element of collective `key` (posted): a chunk reduced where a lane lends
     /// it must be aligned to it.
-    pub fn elem_of(&self, seq: u64) -> usize {
-        self.ops[&seq].elem
+    pub fn elem_of(&self, key: OpKey) -> usize {
+        self.ops[&key].elem
     }
 
     /// Whether a frame for member `to` may leave now ([`Machine::poll_frame`]).
@@ -452,10 +459,10 @@ impl Machine {
     }
 
     /// What happened to collectives since the last call.
-    pub fn poll_events(&mut self) -> Vec<(u64, OpEvent)> {
+    pub fn poll_events(&mut self) -> Vec<(OpKey, OpEvent)> {
         let mut out = Vec::new();
-        for (seq, op) in &mut self.ops {
-            out.extend(op.events.drain(..).map(|e| (*seq, e)));
+        for (key, op) in &mut self.ops {
+            out.extend(op.events.drain(..).map(|e| (*key, e)));
         }
         out
     }
@@ -504,10 +511,10 @@ impl Machine {
         self.gone.fill(false);
     }
 
-    /// A failure `e` of collective `seq` (or, without one, of the lanes): every collective fails,
-    /// the others as lost over the lanes `e` broke.
-    fn fail(&mut self, seq: Option<u64>, e: LinkError) -> LinksFailed {
-        match seq.and_then(|s| self.ops.get_mut(&s)).filter(|o| !o.finished) {
+    /// A failure `e` of collective `key` (or, without one, of the lanes): every collective
+    /// fails, the others as lost over the lanes `e` broke.
+    fn fail(&mut self, key: Option<OpKey>, e: LinkError) -> LinksFailed {
+        match key.and_then(|k| self.ops.get_mut(&k)).filter(|o| !o.finished) {
             Some(op) => {
                 // Once its data moved, another member may hold every token and have committed:
                 // only a mismatch (whose member never counts a token of ours, nor we of theirs,
@@ -519,7 +526,7 @@ impl Machine {
                     OpEvent::Failed(e.clone())
                 });
                 op.finished = true;
-                let reason = format!("collective {} failed over these streams: {e:?}", seq.expect("found"));
+                let reason = format!("collective {} failed over these streams: {e:?}", key.expect("found").seq);
                 self.break_lanes(LinkError::Lost { rank: e.rank(), reason });
             }
             None => self.break_lanes(e),
@@ -564,7 +571,7 @@ impl Machine {
         self.gone[from] = true;
         let lost = LinkError::Lost { rank: from, reason: "connection closed".into() };
         match self.ops.iter().find(|(_, o)| o.expects_from(from)) {
-            Some((&seq, _)) => Err(self.fail(Some(seq), lost)),
+            Some((&key, _)) => Err(self.fail(Some(key), lost)),
             // Closed between frames: the other links hold no half frame, and go on.
             None => {
                 self.p2p.fail_peer(from, &lost);
@@ -584,7 +591,7 @@ impl Machine {
     ) -> Result<Option<Incoming>, LinksFailed> {
         debug_assert!(self.broken.is_none(), "nothing is read once the links failed");
         match Frame::decode(header) {
-            Ok(frame) => self.begin_frame(from, frame, now).map_err(|(seq, e)| self.fail(seq, e)),
+            Ok(frame) => self.begin_frame(from, frame, now).map_err(|(key, e)| self.fail(key, e)),
             Err(e) => Err(self.fail(None, LinkError::Malformed { rank: from, what: e.into() })),
         }
     }
@@ -595,8 +602,8 @@ impl Machine {
         from: usize,
         frame: Frame,
         now: Instant,
-    ) -> Result<Option<Incoming>, (Option<u64>, LinkError)> {
-        let seq = frame.op.seq;
+    ) -> Result<Option<Incoming>, (Option<OpKey>, LinkError)> {
+        let key = OpKey::of(&frame.op);
         let malformed = |what: Malformed| (None, LinkError::Malformed { rank: from, what });
         if frame.op.epoch != self.epoch {
             return Err(malformed(Malformed::ForeignTopology { got: frame.op.epoch.0, ours: self.epoch.0 }));
@@ -605,27 +612,27 @@ impl Machine {
             let dest = self.p2p.on_frame(from, &frame).map_err(|e| (None, e))?;
             return Ok(dest.map(|dest| Incoming { frame, unit: 0, got: 0, dest: Dest::Part(dest) }));
         }
-        let Some(op) = self.ops.get_mut(&seq) else {
-            if self.posted.is_some_and(|p| seq <= p) {
-                return Err(malformed(Malformed::Ended { seq }));
+        let Some(op) = self.ops.get_mut(&key) else {
+            if self.was_posted(key) {
+                return Err(malformed(Malformed::Ended { seq: key.seq }));
             }
             // Early: its chunk waits in the lane for the collective to be posted here.
             if frame.kind == FrameKind::Chunk && frame.len as usize > MAX_EARLY_BYTES {
                 return Err(malformed(Malformed::EarlyTooLarge { len: frame.len }));
             }
             if frame.kind == FrameKind::Token || frame.len == 0 {
-                self.early.entry(seq).or_default().push(Early { from, frame, body: Vec::new() });
+                self.early.entry(key).or_default().push(Early { from, frame, body: Vec::new() });
                 return Ok(None);
             }
             return Ok(Some(Incoming { frame, unit: 0, got: 0, dest: Dest::Unposted(now) }));
         };
         if frame.op != op.spec.header {
-            return Err((Some(seq), LinkError::Mismatch { rank: from, theirs: frame.op }));
+            return Err((Some(key), LinkError::Mismatch { rank: from, theirs: frame.op }));
         }
         if frame.kind == FrameKind::Token {
-            return op.token(from, frame.unit).map(|()| None).map_err(|e| (Some(seq), e));
+            return op.token(from, frame.unit).map(|()| None).map_err(|e| (Some(key), e));
         }
-        let (unit, dest) = chunk_dest(op, &frame, from).map_err(|e| (Some(seq), e))?;
+        let (unit, dest) = chunk_dest(op, &frame, from).map_err(|e| (Some(key), e))?;
         if frame.len == 0 {
             op.complete_recv(unit, Some(&[]));
             return Ok(None);
@@ -637,10 +644,10 @@ impl Machine {
     /// `now`: placed if the collective was posted since, read aside once the grace is over.
     pub fn handle_held(&mut self, from: usize, mut rx: Incoming, now: Instant) -> Result<Held, LinksFailed> {
         let since = rx.held().expect("a frame held in its lane");
-        let (seq, len) = (rx.seq(), rx.len());
+        let (key, len) = (rx.key(), rx.len());
         // Posted since (even ended since): placed as if it arrived now.
-        if self.posted.is_some_and(|p| seq <= p) {
-            return self.begin_frame(from, rx.frame, now).map(Held::Placed).map_err(|(seq, e)| self.fail(seq, e));
+        if self.was_posted(key) {
+            return self.begin_frame(from, rx.frame, now).map(Held::Placed).map_err(|(key, e)| self.fail(key, e));
         }
         if now.saturating_duration_since(since) < self.early_grace {
             return Ok(Held::Waiting(rx));
@@ -657,16 +664,16 @@ impl Machine {
     /// Where the rest of `rx`'s body is to be read: into the caller's buffer, a stash, the
     /// lane's `scratch` (grown to fit), a buffer of its own. Not for a frame held in its lane.
     pub fn body_target<'a>(&'a mut self, rx: &'a mut Incoming, scratch: &'a mut Vec<u64>) -> &'a mut [u8] {
-        let (got, len) = (rx.got, rx.len());
+        let (got, len, key) = (rx.got, rx.len(), rx.key());
         match &mut rx.dest {
             Dest::Buf(start) => {
-                let op = self.ops.get(&rx.frame.op.seq).expect("a frame into a buffer has its collective");
+                let op = self.ops.get(&key).expect("a frame into a buffer has its collective");
                 // SAFETY: lent to the engine; the only slice of it in use until the read ends.
                 let whole = unsafe { op.spec.buf.slice() };
                 &mut whole[*start + got..*start + len]
             }
             Dest::Stash(start) => {
-                let op = self.ops.get_mut(&rx.frame.op.seq).expect("a frame into a stash has its collective");
+                let op = self.ops.get_mut(&key).expect("a frame into a stash has its collective");
                 let stash: &mut [u8] = bytemuck::cast_slice_mut(&mut op.stash);
                 &mut stash[*start + got..*start + len]
             }
@@ -695,7 +702,7 @@ impl Machine {
         match &rx.dest {
             Dest::Part(p) => self.p2p.count(p.id, n, false),
             _ => {
-                if let Some(op) = self.ops.get_mut(&rx.seq()) {
+                if let Some(op) = self.ops.get_mut(&rx.key()) {
                     op.traffic.rx_bytes += n as u64;
                 }
             }
@@ -707,30 +714,30 @@ impl Machine {
     /// read aside (the lane's scratch, or where the lane lends it).
     pub fn handle_chunk(&mut self, from: usize, rx: Incoming, aside: &[u8]) -> Result<(), LinksFailed> {
         debug_assert_eq!(rx.got, rx.len(), "a whole body");
-        let (seq, unit, len) = (rx.seq(), rx.unit, rx.len());
+        let (key, unit, len) = (rx.key(), rx.unit, rx.len());
         match rx.dest {
             Dest::Buf(_) | Dest::Stash(_) => {
-                self.ops.get_mut(&seq).expect("posted").complete_recv(unit, None);
-                self.hot = Some(seq);
+                self.ops.get_mut(&key).expect("posted").complete_recv(unit, None);
+                self.hot = Some(key);
             }
             Dest::Part(p) => self.p2p.part_done(p.id),
             Dest::Unposted(_) => unreachable!("a held frame is placed first"),
             Dest::Scratch => {
-                self.ops.get_mut(&seq).expect("posted").complete_recv(unit, Some(&aside[..len]));
-                self.hot = Some(seq);
+                self.ops.get_mut(&key).expect("posted").complete_recv(unit, Some(&aside[..len]));
+                self.hot = Some(key);
             }
             Dest::Early(body) => {
                 let early = Early { from, frame: rx.frame, body };
                 self.early_bytes -= early.body.len();
                 // Posted while its chunk arrived: applied now.
-                match self.ops.get_mut(&seq) {
+                match self.ops.get_mut(&key) {
                     Some(op) => match apply_early(op, early) {
                         Ok(body) => self.spare_body(body),
-                        Err(e) => return Err(self.fail(Some(seq), e)),
+                        Err(e) => return Err(self.fail(Some(key), e)),
                     },
                     None => {
                         self.early_bytes += early.body.len();
-                        self.early.entry(seq).or_default().push(early);
+                        self.early.entry(key).or_default().push(early);
                     }
                 }
             }
@@ -766,30 +773,28 @@ impl Machine {
         self.hot_turn = !self.hot_turn;
         let hot = self.hot.filter(|s| self.hot_turn && self.ops.get(s).is_some_and(|o| o.has_frame_for(to)));
         let pick = hot.or_else(|| {
-            let mut order = self.ops.range(turn + 1..).chain(self.ops.range(..=turn)).map(|(s, _)| *s);
-            order.find(|s| self.ops[s].has_frame_for(to))
+            let after = (std::ops::Bound::Excluded(turn), std::ops::Bound::Unbounded);
+            let mut order = self.ops.range(after).chain(self.ops.range(..=turn)).map(|(k, _)| *k);
+            order.find(|k| self.ops[k].has_frame_for(to))
         });
-        let seq = pick?;
+        let key = pick?;
         if hot.is_none() {
-            self.turn = seq;
+            self.turn = key;
         }
-        let op = self.ops.get_mut(&seq).expect("picked");
+        let op = self.ops.get_mut(&key).expect("picked");
         let token = op.outbox.iter().position(|(t, _)| *t == to);
         let (frame, body) = if let Some(origin) = token.and_then(|k| op.outbox.remove(k)).map(|(_, o)| o) {
-            (Frame { kind: FrameKind::Token, len: 0, unit: origin, op: op.spec.header }, Sending::Token { seq })
+            (Frame { kind: FrameKind::Token, len: 0, unit: origin, op: op.spec.header }, Sending::Token { key })
         } else {
-            let unit = op.sendable(to).expect("picked");
-            // Its place among our units for `to`: the receiver's among its units from us.
-            let place = op.next_send[to] as u32;
-            op.next_send[to] += 1;
+            let (unit, place) = op.next_unit_for(to);
             let range = op.plan.sends[unit].range.clone();
             let len = op.wire_len(&range) as u32;
             let frame = Frame { kind: FrameKind::Chunk, len, unit: place, op: op.spec.header };
             match op.spec.codec {
-                Some(codec) => (frame, Sending::Encoded { seq, body: op.encoded_send(codec, unit) }),
+                Some(codec) => (frame, Sending::Encoded { key, body: op.encoded_send(codec, unit) }),
                 None => {
                     let r = op.bytes(&range);
-                    (frame, Sending::Chunk { seq, start: r.start, len: r.len() })
+                    (frame, Sending::Chunk { key, start: r.start, len: r.len() })
                 }
             }
         };
@@ -799,9 +804,9 @@ impl Machine {
     /// The body of frame `out`, to write after its header.
     pub fn payload<'a>(&'a self, out: &'a Outgoing) -> &'a [u8] {
         match &out.body {
-            Sending::Chunk { seq, start, len, .. } => {
+            Sending::Chunk { key, start, len, .. } => {
                 // SAFETY: lent to the engine; the only slice of it in use until the write ends.
-                let whole: &[u8] = unsafe { self.ops[seq].spec.buf.slice() };
+                let whole: &[u8] = unsafe { self.ops[key].spec.buf.slice() };
                 &whole[*start..*start + *len]
             }
             Sending::Encoded { body, .. } => body,
@@ -822,8 +827,8 @@ impl Machine {
         link.tx_bytes += body as u64;
         link.wrote(n);
         match out.body {
-            Sending::Chunk { seq, .. } | Sending::Encoded { seq, .. } | Sending::Token { seq } => {
-                let op = self.ops.get_mut(&seq).expect("a frame of a collective in flight");
+            Sending::Chunk { key, .. } | Sending::Encoded { key, .. } | Sending::Token { key } => {
+                let op = self.ops.get_mut(&key).expect("a frame of a collective in flight");
                 op.traffic.tx_bytes += body as u64;
             }
             Sending::Part { id, .. } => self.p2p.count(id, body, true),
@@ -844,15 +849,13 @@ impl Machine {
     /// Frame `out` to member `to` went into its stream whole.
     pub fn handle_sent(&mut self, to: usize, out: Outgoing) {
         match out.body {
-            Sending::Chunk { seq, .. } | Sending::Encoded { seq, .. } => {
-                let op = self.ops.get_mut(&seq).expect("in flight");
-                debug_assert!(op.sends_left[to] > 0, "a chunk more than the schedule sends");
-                op.sent += 1;
-                op.sends_left[to] -= 1;
+            Sending::Chunk { key, .. } | Sending::Encoded { key, .. } => {
+                let op = self.ops.get_mut(&key).expect("in flight");
+                op.chunk_sent(to);
                 op.check();
             }
-            Sending::Token { seq } => {
-                let op = self.ops.get_mut(&seq).expect("in flight");
+            Sending::Token { key } => {
+                let op = self.ops.get_mut(&key).expect("in flight");
                 op.tokens_out += 1;
                 op.check();
             }
@@ -873,17 +876,20 @@ impl Machine {
         let ops: Vec<String> = self
             .ops
             .iter()
-            .map(|(s, o)| {
-                format!("#{s}: sent {}/{}, received {}/{}", o.sent, o.plan.sends.len(), o.received, o.plan.recvs.len())
+            .map(|(k, o)| {
+                let (sent, received) = (o.sent, o.received);
+                let (sends, recvs) = (o.plan.sends.len(), o.plan.recvs.len());
+                let group = if k.derived == 0 { String::new() } else { format!(" of {:#x}", k.derived) };
+                format!("#{}{group}: sent {sent}/{sends}, received {received}/{recvs}", k.seq)
             })
             .collect();
         format!("collectives [{}], {}", ops.join("; "), self.p2p.describe())
     }
 
-    /// Whether collective `seq` received everything it receives from member `from`.
+    /// Whether collective `key` received everything it receives from member `from`.
     #[cfg(test)]
-    pub(crate) fn received_all_from(&self, seq: u64, from: usize) -> bool {
-        self.ops.get(&seq).is_some_and(|o| o.recvs_from[from].iter().all(|&u| o.recv_done[u]))
+    pub(crate) fn received_all_from(&self, key: OpKey, from: usize) -> bool {
+        self.ops.get(&key).is_some_and(|o| o.sub(from).is_some_and(|f| o.recvs_from[f].iter().all(|&u| o.recv_done[u])))
     }
 
     /// Bytes kept for collectives not posted here.
@@ -893,17 +899,25 @@ impl Machine {
     }
 }
 
+/// A collective in flight. Its schedule runs over the members of its group, by their rank there
+/// (`plan.rank`, `plan.world`); what it says to the machine names the topology's ranks
+/// (`members` and [`OpExec::sub`] translate).
 struct OpExec {
     spec: OpSpec,
     plan: Schedule,
+    /// The topology's rank of each member of its group, by rank in the group.
+    members: Vec<usize>,
+    /// By the topology's rank: its rank in the group, [`NOT_A_MEMBER`] if none.
+    index: Vec<usize>,
     elem: usize,
-    /// For each member, the indices of the units we send it in order, the next one's place, and
-    /// how many are still to be written whole.
+    /// For each member (by rank in the group, as every array of members below), the indices of
+    /// the units we send it in order, the next one's place, and how many are still to be written
+    /// whole.
     sends_to: Vec<Vec<usize>>,
     next_send: Vec<usize>,
     sends_left: Vec<usize>,
-    /// The members it sends chunks or tokens to, and those it receives them from: the links it
-    /// needs (the schedule's, computed once).
+    /// The members it sends chunks or tokens to, and those it receives them from, by the
+    /// topology's rank: the links it needs (the schedule's, computed once).
     peers_to: Vec<usize>,
     peers_from: Vec<usize>,
     /// For each member, the indices of the units we receive from it in order: a frame names
@@ -930,8 +944,8 @@ struct OpExec {
     stash: Vec<u64>,
     traffic: Traffic,
     data_done: bool,
-    /// Tokens received, in all and from each member, and those to send: (to whom, whose), ours
-    /// first once the data moved.
+    /// Tokens received, in all and from each member, and those to send: (to whom by the
+    /// topology's rank, whose), ours first once the data moved.
     tokens_in: usize,
     tokens_from: Vec<usize>,
     tokens_out: usize,
@@ -953,8 +967,21 @@ struct OpExec {
     forwarded: Vec<bool>,
 }
 
+/// In [`OpExec::index`]: a rank of the topology outside the collective's group.
+const NOT_A_MEMBER: usize = usize::MAX;
+
 impl OpExec {
+    /// Collective `spec`, where we are `rank` of the topology's `world`.
     fn new(mut spec: OpSpec, rank: usize, world: usize) -> Self {
+        let members: Vec<usize> =
+            if spec.members.is_empty() { (0..world).collect() } else { std::mem::take(&mut spec.members) };
+        let mut index = vec![NOT_A_MEMBER; world];
+        for (r, &m) in members.iter().enumerate() {
+            assert!(m < world && index[m] == NOT_A_MEMBER, "member {m} of a group of a topology of {world}, twice?");
+            index[m] = r;
+        }
+        assert_ne!(index[rank], NOT_A_MEMBER, "a collective of a group we are not in");
+        let (rank, world) = (index[rank], members.len());
         let elem = spec.dtype.size();
         let chunk_elems = (spec.chunk_bytes / elem).max(1);
         let len = spec.buf.len / elem;
@@ -994,8 +1021,10 @@ impl OpExec {
             first_unit,
             lasts,
             sends_left: sends_to.iter().map(Vec::len).collect(),
-            peers_to: plan.peers_to().into_iter().collect(),
-            peers_from: plan.peers_from().into_iter().collect(),
+            peers_to: plan.peers_to().into_iter().map(|r| members[r]).collect(),
+            peers_from: plan.peers_from().into_iter().map(|r| members[r]).collect(),
+            members,
+            index,
             sends_to,
             recvs_from,
             next_send: vec![0; world],
@@ -1127,11 +1156,44 @@ impl OpExec {
         }
     }
 
-    /// The next unit for member `to`, if it may leave now.
+    /// The group's rank of the topology's member `member`, if it is in the group.
+    fn sub(&self, member: usize) -> Option<usize> {
+        self.index.get(member).copied().filter(|&r| r != NOT_A_MEMBER)
+    }
+
+    /// The next unit for the topology's member `to`, if it may leave now.
     fn sendable(&self, to: usize) -> Option<usize> {
+        let to = self.sub(to)?;
         let i = *self.sends_to[to].get(self.next_send[to])?;
         let u = &self.plan.sends[i];
         u.ready(|j| self.recv_done[j], self.folded).then_some(i)
+    }
+
+    /// Takes the next unit for the topology's member `to` (it may leave now): the unit, and its
+    /// place among our units for `to`, which is the receiver's among its units from us.
+    fn next_unit_for(&mut self, to: usize) -> (usize, u32) {
+        let unit = self.sendable(to).expect("a unit that may leave");
+        let t = self.index[to];
+        let place = self.next_send[t] as u32;
+        self.next_send[t] += 1;
+        (unit, place)
+    }
+
+    /// A chunk for the topology's member `to` went into its stream whole.
+    fn chunk_sent(&mut self, to: usize) {
+        let t = self.index[to];
+        debug_assert!(self.sends_left[t] > 0, "a chunk more than the schedule sends");
+        self.sent += 1;
+        self.sends_left[t] -= 1;
+    }
+
+    /// Queues the tokens of `origins` (ranks in the group) for the members the schedule forwards
+    /// each to.
+    fn forward_tokens(&mut self, origins: impl IntoIterator<Item = u32>) {
+        for origin in origins {
+            let to = self.plan.forward_token(origin as usize);
+            self.outbox.extend(to.map(|r| (self.members[r], origin)));
+        }
     }
 
     /// Whether a frame for member `to` may leave now.
@@ -1208,45 +1270,49 @@ impl OpExec {
         }
     }
 
-    /// A token of `origin`'s arrived from member `from`.
-    fn token(&mut self, from: usize, origin: u32) -> Result<(), LinkError> {
+    /// A token of `origin`'s (a rank in the group) arrived from the topology's member `member`.
+    fn token(&mut self, member: usize, origin: u32) -> Result<(), LinkError> {
         let world = self.plan.world as u32;
         let o = origin as usize;
+        let malformed = |what| LinkError::Malformed { rank: member, what };
+        let from = self.sub(member).ok_or(malformed(Malformed::Outsider { derived: self.spec.header.derived }))?;
         let expected = self.tokens_expected(from);
         if origin >= world
             || o == self.plan.rank
             || self.plan.token_from(o) != from
             || self.tokens_from[from] == expected
         {
-            return Err(LinkError::Malformed { rank: from, what: Malformed::BadToken { origin, world } });
+            return Err(malformed(Malformed::BadToken { origin, world }));
         }
         self.tokens_in += 1;
         self.tokens_from[from] += 1;
         if self.data_done {
-            self.outbox.extend(self.plan.forward_token(o).map(|to| (to, origin)));
+            self.forward_tokens([origin]);
         } else {
             self.held.push(origin);
         }
         Ok(())
     }
 
-    /// How many tokens come from member `from`.
+    /// How many tokens come from the group's member `from`.
     fn tokens_expected(&self, from: usize) -> usize {
         let (world, rank) = (self.plan.world, self.plan.rank);
         (0..world).filter(|&o| o != rank && self.plan.token_from(o) == from).count()
     }
 
-    /// Whether anything more of it is to come from member `from`.
-    fn expects_from(&self, from: usize) -> bool {
+    /// Whether anything more of it is to come from the topology's member `member`.
+    fn expects_from(&self, member: usize) -> bool {
+        let Some(from) = self.sub(member) else { return false };
         !self.finished
             && (self.recvs_from[from].iter().any(|&u| !self.recv_done[u])
                 || self.tokens_from[from] < self.tokens_expected(from))
     }
 
-    /// Whether it still moves data to or from member `rank`: a frozen member it does never
-    /// lets it finish, one it is done with cannot stop it.
-    fn waits_on(&self, rank: usize) -> bool {
-        !self.data_done && (self.sends_left[rank] > 0 || self.recvs_from[rank].iter().any(|&u| !self.recv_done[u]))
+    /// Whether it still moves data to or from the topology's member `member`: a frozen member it
+    /// does never lets it finish, one it is done with cannot stop it.
+    fn waits_on(&self, member: usize) -> bool {
+        let Some(r) = self.sub(member) else { return false };
+        !self.data_done && (self.sends_left[r] > 0 || self.recvs_from[r].iter().any(|&u| !self.recv_done[u]))
     }
 
     /// Records what the latest moves completed.
@@ -1263,10 +1329,11 @@ impl OpExec {
             self.data_done = true;
             self.events.push(OpEvent::DataDone);
             let me = self.plan.rank as u32;
-            self.outbox.extend(self.plan.token_targets().into_iter().map(|to| (to, me)));
-            for origin in std::mem::take(&mut self.held) {
-                self.outbox.extend(self.plan.forward_token(origin as usize).map(|to| (to, origin)));
-            }
+            let ours: Vec<(usize, u32)> =
+                self.plan.token_targets().into_iter().map(|r| (self.members[r], me)).collect();
+            self.outbox.extend(ours);
+            let held = std::mem::take(&mut self.held);
+            self.forward_tokens(held);
         }
         let others = self.plan.world - 1;
         if self.data_done && self.tokens_in == others && self.tokens_out == others {
@@ -1276,11 +1343,12 @@ impl OpExec {
     }
 }
 
-/// Where the chunk of `frame` (a frame of `op` from member `from`) goes, checked against the
-/// schedule.
-fn chunk_dest(op: &mut OpExec, frame: &Frame, from: usize) -> Result<(usize, Dest), LinkError> {
+/// Where the chunk of `frame` (a frame of `op` from the topology's member `member`) goes,
+/// checked against the schedule.
+fn chunk_dest(op: &mut OpExec, frame: &Frame, member: usize) -> Result<(usize, Dest), LinkError> {
     let place = frame.unit as usize;
-    let malformed = |what: Malformed| LinkError::Malformed { rank: from, what };
+    let malformed = |what: Malformed| LinkError::Malformed { rank: member, what };
+    let from = op.sub(member).ok_or(malformed(Malformed::Outsider { derived: frame.op.derived }))?;
     let Some(&unit) = op.recvs_from[from].get(place) else {
         return Err(malformed(Malformed::NoSuchChunk { place, expected: op.recvs_from[from].len() }));
     };

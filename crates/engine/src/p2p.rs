@@ -676,6 +676,7 @@ fn header(epoch: Epoch, spec: &TransferSpec, number: u64) -> OpHeader {
         collective: 0,
         algorithm: Algorithm::Direct.code(),
         epoch,
+        derived: 0,
         seq: number,
         tag: spec.tag,
         dtype: spec.dtype.code(),

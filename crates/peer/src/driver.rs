@@ -13,7 +13,7 @@ use crate::plane::{CallResult, Collective, DataPlane, Extra, Placement, Posted, 
 use crate::Deadline;
 use shoal_collective::{Algorithm, CollectiveKind, Quantization};
 use shoal_config::failpoint;
-use shoal_engine::{Backup, Exec, LinkError, OpEvent, OpSpec, Pumped};
+use shoal_engine::{Backup, Exec, LinkError, OpEvent, OpKey, OpSpec, Pumped};
 use shoal_proto::auth::DataKey;
 use shoal_proto::peer::{
     Action, CallError, CallId, Established, OpId, OpProgress, RingPosition, Value, WaitNote, P2P_PATIENCE,
@@ -116,12 +116,18 @@ pub(crate) fn operation(header: &OpHeader) -> &'static str {
     CollectiveKind::from_code(header.collective).map_or("collective", CollectiveKind::name)
 }
 
+/// The engine's key of collective `id`.
+pub(crate) fn op_key(id: OpId) -> OpKey {
+    OpKey { derived: 0, seq: id.seq.0 }
+}
+
 pub(crate) fn op_header(id: OpId, request: &Request, algorithm: Algorithm, count: u64) -> OpHeader {
     let (quantization, block) = Quantization::to_wire(request.quantization);
     OpHeader {
         collective: request.kind.code(),
         algorithm: algorithm.code(),
         epoch: id.epoch,
+        derived: 0,
         seq: id.seq.0,
         tag: request.tag,
         dtype: request.dtype.code(),
@@ -390,11 +396,11 @@ impl Driver {
         }
         // Whatever stops a collective short of the master's decision (the removal of a member
         // it moves data with, a vote it can never complete against) stops it now.
-        let waits_on = |seq: u64| match (data.exec.as_ref(), data.position.as_ref()) {
-            (Some(exec), Some(position)) => exec.waits_on(seq).into_iter().map(|r| position.ring[r].peer).collect(),
+        let waits_on = |key: OpKey| match (data.exec.as_ref(), data.position.as_ref()) {
+            (Some(exec), Some(position)) => exec.waits_on(key).into_iter().map(|r| position.ring[r].peer).collect(),
             _ => Vec::new(),
         };
-        let stalled: Vec<(OpId, Vec<PeerId>)> = data.calls.posted().map(|(seq, id)| (id, waits_on(seq))).collect();
+        let stalled: Vec<(OpId, Vec<PeerId>)> = data.calls.posted().map(|(key, id)| (id, waits_on(key))).collect();
         control.own_input(|p, now| {
             for (id, waits_on) in stalled {
                 p.handle_collective(id, OpProgress::Stalled { waits_on }, now);
@@ -528,7 +534,7 @@ impl Driver {
             let me = position.ring[rank].peer;
             let failure = OpFailure::new(FailureKind::Misuse, me, why.to_string());
             record.local = Some(Usage::Misfit(why).into());
-            data.calls.by_seq.insert(id.seq.0, call);
+            data.calls.by_key.insert(op_key(id), call);
             control.own_input(|p, now| p.handle_collective(id, OpProgress::Failed(failure), now));
             return;
         }
@@ -539,6 +545,7 @@ impl Driver {
         }
         let spec = OpSpec {
             header,
+            members: Vec::new(),
             kind: request.kind,
             buf: record.buf,
             dtype: request.dtype,
@@ -554,7 +561,7 @@ impl Driver {
         debug_assert_eq!(exec.epoch(), id.epoch, "a collective runs in the topology taken up");
         exec.post(spec);
         let awaiting = exec.awaiting();
-        data.calls.by_seq.insert(id.seq.0, call);
+        data.calls.by_key.insert(op_key(id), call);
         if awaiting {
             self.link(listener, data);
         }
@@ -598,14 +605,14 @@ impl Driver {
     }
 
     /// Tells the state machine what the engine did.
-    pub(crate) fn report(&self, control: &Control, data: &mut DataPlane, events: Vec<(u64, OpEvent)>) {
+    pub(crate) fn report(&self, control: &Control, data: &mut DataPlane, events: Vec<(OpKey, OpEvent)>) {
         if events.is_empty() {
             return;
         }
         let me = control.lock().registered().map_or(PeerId(0), |(me, _)| me);
         let mut news = Vec::with_capacity(events.len());
-        for (seq, event) in events {
-            let Some(record) = data.calls.by_seq.get(&seq).and_then(|c| data.calls.collectives.get_mut(c)) else {
+        for (key, event) in events {
+            let Some(record) = data.calls.by_key.get(&key).and_then(|c| data.calls.collectives.get_mut(c)) else {
                 continue;
             };
             let Posted { id, header, .. } = record.posted.expect("posted");
@@ -647,14 +654,14 @@ impl Driver {
     /// (holding them open until the verdict kept them waiting for tokens until their bound).
     pub(crate) fn take_stopped(&self, control: &Control, data: &mut DataPlane) {
         let Some(exec) = data.exec.as_mut() else { return };
-        let posted: Vec<(u64, OpId)> = data.calls.posted().collect();
+        let posted: Vec<(OpKey, OpId)> = data.calls.posted().collect();
         let peer = control.lock();
-        let stopped: Vec<u64> = posted.iter().filter(|(_, id)| !peer.running(*id)).map(|(s, _)| *s).collect();
+        let stopped: Vec<OpKey> = posted.iter().filter(|(_, id)| !peer.running(*id)).map(|(k, _)| *k).collect();
         let asking = posted.iter().any(|(_, id)| peer.asking(*id));
         drop(peer);
-        for seq in stopped {
-            if let Some(taken) = exec.take(seq) {
-                data.calls.taken.insert(seq, taken);
+        for key in stopped {
+            if let Some(taken) = exec.take(key) {
+                data.calls.taken.insert(key, taken);
             }
         }
         if asking && exec.in_flight() == 0 {
@@ -668,16 +675,16 @@ impl Driver {
             data.calls.ended.insert(call, result);
             return;
         };
-        let seq = record.posted.map(|p| p.id.seq.0);
-        let taken = seq.and_then(|seq| {
-            data.calls.by_seq.remove(&seq);
-            data.exec.as_mut().and_then(|e| e.take(seq)).or_else(|| data.calls.taken.remove(&seq))
+        let key = record.posted.map(|p| op_key(p.id));
+        let taken = key.and_then(|key| {
+            data.calls.by_key.remove(&key);
+            data.exec.as_mut().and_then(|e| e.take(key)).or_else(|| data.calls.taken.remove(&key))
         });
         // Failed streams close once every collective over them has its verdict, as the old
         // ring did: the first failure reached the master before the neighbours see them close
         // (a mismatch, not the "connection closed" that follows it). A participant that asks
         // for the verdict cannot wait that long: see take_stopped.
-        if data.calls.by_seq.is_empty() {
+        if data.calls.by_key.is_empty() {
             if let Some(exec) = data.exec.as_mut() {
                 exec.release_if_broken();
             }

@@ -9,7 +9,7 @@ use crate::info::Info;
 use crate::links::Staged;
 use crate::named::Described;
 use shoal_collective::{Algorithm, Codec, CollectiveKind, DType, Quantization, ReduceOp};
-use shoal_engine::{Backup, Direction, Exec, LinkError, RawBuf, Taken};
+use shoal_engine::{Backup, Direction, Exec, LinkError, OpKey, RawBuf, Taken};
 use shoal_proto::peer::{CallError, CallId, Ended, OpId, Peer, RingPosition, Stop, Transfers, Value};
 use shoal_wire::{Epoch, Misuse, OpHeader, PeerId};
 use std::any::Any;
@@ -200,11 +200,11 @@ pub(crate) struct Posted {
 #[derive(Default)]
 pub(crate) struct Calls {
     pub collectives: HashMap<CallId, Collective>,
-    /// The collectives posted to the engine, by number.
-    pub by_seq: HashMap<u64, CallId>,
-    /// Collectives taken out of the engine before they ended, by number, with what the caller
-    /// gets back of them.
-    pub taken: HashMap<u64, Taken>,
+    /// The collectives posted to the engine, by their key there.
+    pub by_key: HashMap<OpKey, CallId>,
+    /// Collectives taken out of the engine before they ended, by key, with what the caller gets
+    /// back of them.
+    pub taken: HashMap<OpKey, Taken>,
     /// Tagged transfers called and not yet ended.
     pub transfers: Transfers<TransferCall, Error>,
     /// Collectives and transfers that ended: their result, their buffer's owner, and what their
@@ -215,9 +215,9 @@ pub(crate) struct Calls {
 }
 
 impl Calls {
-    /// The collectives in the engine: their number there, and their name.
-    pub fn posted(&self) -> impl Iterator<Item = (u64, OpId)> + '_ {
-        self.by_seq.iter().filter_map(|(seq, call)| Some((*seq, self.collectives.get(call)?.posted?.id)))
+    /// The collectives in the engine: their key there, and their name.
+    pub fn posted(&self) -> impl Iterator<Item = (OpKey, OpId)> + '_ {
+        self.by_key.iter().filter_map(|(key, call)| Some((*key, self.collectives.get(call)?.posted?.id)))
     }
 
     /// Whether a call with `tag` is in flight for `what`, or ended and not waited for yet (in
@@ -343,7 +343,7 @@ fn described(t: &Transfer) -> Described {
 /// other ends' transfers over the lanes that did not fail would wait for their bound.
 pub(crate) fn engine_ended(data: &mut DataPlane, events: Vec<(u64, std::result::Result<(), LinkError>)>) {
     let now = Instant::now();
-    if events.iter().any(|(_, r)| r.is_err()) && data.calls.by_seq.is_empty() {
+    if events.iter().any(|(_, r)| r.is_err()) && data.calls.by_key.is_empty() {
         if let Some(exec) = data.exec.as_mut() {
             exec.release_if_broken();
         }

@@ -40,6 +40,7 @@ pub(crate) fn mismatched(epoch: u64, seq: u64, ours: u32, theirs: u32) -> shoal_
         collective: 1,
         algorithm: 1,
         epoch: Epoch(epoch),
+        derived: 0,
         seq,
         tag: 0,
         dtype: 9,

@@ -2,7 +2,7 @@
 
 use crate::net::{Conn, Dirty, SimLane};
 use shoal_collective::{Algorithm, CollectiveKind, DType, Format, Quantization, ReduceOp};
-use shoal_engine::{Backup, Direction, Exec, LinkError, OpEvent, OpSpec, Pumped, RawBuf, Taken, TransferSpec};
+use shoal_engine::{Backup, Direction, Exec, LinkError, OpEvent, OpKey, OpSpec, Pumped, RawBuf, Taken, TransferSpec};
 use shoal_proto::auth::{DataKey, RunKey};
 use shoal_proto::master::Strategy;
 use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output};
@@ -1535,7 +1535,7 @@ impl Sim {
         if let Some(mut old) = p.exec.take() {
             let epoch = old.epoch();
             for op in p.ops.values_mut().filter(|op| op.id.epoch == epoch && op.taken.is_none()) {
-                op.taken = old.take(op.id.seq.0);
+                op.taken = old.take(op_key(op.id));
             }
         }
         p.exec = Some(Exec::new(position.epoch, position.rank, position.group_size()));
@@ -1568,6 +1568,7 @@ impl Sim {
             collective: kind.code(),
             algorithm: algorithm.code(),
             epoch: id.epoch,
+            derived: 0,
             seq: id.seq.0,
             tag: barrier.unwrap_or(0),
             dtype: dtype.code(),
@@ -1580,6 +1581,7 @@ impl Sim {
         let hierarchical = algorithm == Algorithm::Hierarchical;
         let spec = OpSpec {
             header,
+            members: Vec::new(),
             kind,
             buf: RawBuf::new(&mut bytemuck::cast_slice_mut(&mut buf)[..count * dtype.size()]),
             dtype,
@@ -1662,7 +1664,7 @@ impl Sim {
         let mut stopped = false;
         let asking = p.ops.values().any(|op| posted(op) && p.proto.asking(op.id));
         for op in p.ops.values_mut().filter(|op| posted(op) && !p.proto.running(op.id)) {
-            op.taken = exec.take(op.id.seq.0);
+            op.taken = exec.take(op_key(op.id));
             stopped = true;
         }
         if stopped {
@@ -1694,8 +1696,8 @@ impl Sim {
             self.transfers_ended(i);
         }
         if !events.is_empty() {
-            for (seq, event) in events {
-                self.report_event(i, OpId { epoch, seq: Seq(seq) }, event);
+            for (key, event) in events {
+                self.report_event(i, OpId { epoch, seq: Seq(key.seq) }, event);
             }
             return true;
         }
@@ -1708,7 +1710,7 @@ impl Sim {
             .ops
             .values()
             .filter(|op| posted(op))
-            .map(|op| (op.id, exec.waits_on(op.id.seq.0).into_iter().map(|r| position.ring[r].peer).collect()))
+            .map(|op| (op.id, exec.waits_on(op_key(op.id)).into_iter().map(|r| position.ring[r].peer).collect()))
             .collect();
         let mut stopped = false;
         for (id, waits_on) in stalled {
@@ -1784,7 +1786,7 @@ impl Sim {
         let p = &mut self.peers[i];
         let op = op.map(|mut op| {
             if op.taken.is_none() {
-                op.taken = p.exec.as_mut().filter(|e| e.epoch() == op.id.epoch).and_then(|e| e.take(op.id.seq.0));
+                op.taken = p.exec.as_mut().filter(|e| e.epoch() == op.id.epoch).and_then(|e| e.take(op_key(op.id)));
             }
             op
         });
@@ -2085,4 +2087,9 @@ pub fn check_calls(r: &Report, heartbeat: Duration) -> Result<(), Violation> {
         None if r.after.len() == 3 => Ok(()),
         None => fail(format!("{} of 3 peers ran the all-reduce after the calls", r.after.len())),
     }
+}
+
+/// The engine's key of collective `id`.
+fn op_key(id: OpId) -> OpKey {
+    OpKey { derived: 0, seq: id.seq.0 }
 }

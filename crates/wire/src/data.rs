@@ -1,17 +1,17 @@
 //! The header of a data frame: what opens every chunk, token and tagged-transfer frame on the
 //! streams between peers (`docs/wire.md`, "Data frames"). The engine writes the body straight
-//! from (and reads it straight into) the caller's buffer; this is only the fixed 56 bytes before
+//! from (and reads it straight into) the caller's buffer; this is only the fixed 64 bytes before
 //! it, so the data path decodes nothing but these.
 //!
 //! Layout, little-endian: magic `SHF1` (4), kind (1), collective (1), dtype (1), op (1), body
 //! length (4), unit (4), epoch (8), seq (8), tag (8), count (8), algorithm (1), quantization
-//! (1), block (2), root (4). The collective's whole [`OpHeader`] travels in every frame, so a
+//! (1), block (2), root (4), derived group (8). The collective's whole [`OpHeader`] travels in every frame, so a
 //! peer that runs another collective is caught at its first frame.
 
 use crate::{Epoch, OpHeader};
 
 /// Bytes of a data frame's header.
-pub const DATA_FRAME_BYTES: usize = 56;
+pub const DATA_FRAME_BYTES: usize = 64;
 /// The four bytes that open every data frame: `SHF1` read as a little-endian u32.
 pub const DATA_MAGIC: u32 = u32::from_le_bytes(*b"SHF1");
 
@@ -20,7 +20,7 @@ const _: () = assert!(
     size_of::<u32>() // magic
         + 4 * size_of::<u8>() // kind, collective, dtype, op
         + 2 * size_of::<u32>() // len, unit
-        + 4 * size_of::<u64>() // epoch, seq, tag, count
+        + 5 * size_of::<u64>() // epoch, seq, tag, count, derived
         + 2 * size_of::<u8>() // algorithm, quantization
         + size_of::<u16>() // block
         + size_of::<u32>() // root
@@ -115,6 +115,7 @@ impl DataFrame {
         b[49] = self.op.quantization;
         b[50..52].copy_from_slice(&self.op.block.to_le_bytes());
         b[52..56].copy_from_slice(&self.op.root.to_le_bytes());
+        b[56..64].copy_from_slice(&self.op.derived.to_le_bytes());
         b
     }
 
@@ -134,6 +135,7 @@ impl DataFrame {
             collective: b[5],
             algorithm: b[48],
             epoch: Epoch(u64_at(16)),
+            derived: u64_at(56),
             seq: u64_at(24),
             tag: u64_at(32),
             dtype: b[6],
@@ -159,6 +161,7 @@ mod tests {
             collective: 1,
             algorithm: 2,
             epoch: Epoch(3),
+            derived: 0,
             seq,
             tag,
             dtype: 11,
@@ -182,10 +185,10 @@ mod tests {
     }
 
     proptest! {
-        /// Any 56 bytes decode without panicking, and whatever decodes encodes back to them.
+        /// Any 64 bytes decode without panicking, and whatever decodes encodes back to them.
         #[test]
         fn any_bytes_decode_or_are_refused_and_decoded_ones_encode_back(bytes in prop::array::uniform32(any::<u8>()),
-                                                                        more in prop::array::uniform24(any::<u8>()),
+                                                                        more in prop::array::uniform32(any::<u8>()),
                                                                         kind in 0u8..12) {
             let mut b = [0u8; DATA_FRAME_BYTES];
             b[..32].copy_from_slice(&bytes);

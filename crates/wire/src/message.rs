@@ -73,7 +73,10 @@ pub struct OpHeader {
     pub algorithm: u8,
     /// The topology the sender runs it in.
     pub epoch: Epoch,
-    /// The sender's count of collectives started on this communicator.
+    /// The derived group it runs in (`docs/protocol.md`, "Derived groups"): 0 for the topology's
+    /// whole group, else the name every member of a subset of it computed alike.
+    pub derived: u64,
+    /// The sender's count of collectives started in that group and topology.
     pub seq: u64,
     /// The application's tag.
     pub tag: u64,
@@ -96,6 +99,7 @@ impl OpHeader {
         w.u8(self.collective);
         w.u8(self.algorithm);
         w.u64(self.epoch.0);
+        w.u64(self.derived);
         w.u64(self.seq);
         w.u64(self.tag);
         w.u8(self.dtype);
@@ -108,10 +112,10 @@ impl OpHeader {
 
     pub(crate) fn decode(r: &mut Reader<'_>) -> Result<Self, WireError> {
         let (collective, algorithm) = (r.u8()?, r.u8()?);
-        let (epoch, seq, tag) = (Epoch(r.u64()?), r.u64()?, r.u64()?);
+        let (epoch, derived, seq, tag) = (Epoch(r.u64()?), r.u64()?, r.u64()?, r.u64()?);
         let (dtype, op, count, root) = (r.u8()?, r.u8()?, r.u64()?, r.u32()?);
         let (quantization, block) = (r.u8()?, r.u16()?);
-        Ok(OpHeader { collective, algorithm, epoch, seq, tag, dtype, op, count, root, quantization, block })
+        Ok(OpHeader { collective, algorithm, epoch, derived, seq, tag, dtype, op, count, root, quantization, block })
     }
 }
 
@@ -133,7 +137,11 @@ impl fmt::Display for OpHeader {
             self.algorithm,
             self.epoch.0,
             self.seq
-        )
+        )?;
+        if self.derived != 0 {
+            write!(f, " of derived group {:#x}", self.derived)?;
+        }
+        Ok(())
     }
 }
 

@@ -472,19 +472,23 @@ pub(crate) mod strategy {
 
     pub fn op_header() -> impl Strategy<Value = OpHeader> {
         let codes = (any::<u8>(), any::<u8>(), any::<u8>(), any::<u8>(), any::<u8>());
-        (codes, any::<u64>(), any::<u64>(), any::<u64>(), any::<u64>(), any::<u32>(), any::<u16>()).prop_map(
-            |((collective, algorithm, dtype, op, quantization), epoch, seq, tag, count, root, block)| OpHeader {
-                collective,
-                algorithm,
-                epoch: Epoch(epoch),
-                seq,
-                tag,
-                dtype,
-                op,
-                count,
-                root,
-                quantization,
-                block,
+        let numbers = (any::<u64>(), any::<u64>(), any::<u64>(), any::<u64>(), any::<u64>());
+        (codes, numbers, any::<u32>(), any::<u16>()).prop_map(
+            |((collective, algorithm, dtype, op, quantization), (epoch, derived, seq, tag, count), root, block)| {
+                OpHeader {
+                    collective,
+                    algorithm,
+                    epoch: Epoch(epoch),
+                    derived,
+                    seq,
+                    tag,
+                    dtype,
+                    op,
+                    count,
+                    root,
+                    quantization,
+                    block,
+                }
             },
         )
     }
@@ -535,6 +539,7 @@ mod tests {
             collective: 1,
             algorithm: 1,
             epoch: Epoch(2),
+            derived: 0,
             seq: 7,
             tag: 3,
             dtype: 9,
