@@ -71,9 +71,9 @@ fn message(m: Msg, key: &RunKey, conn: ConnId) -> Message {
         Msg::VotePeersPending(c) => Message::VotePeersPending { collectives: c.into() },
         Msg::TopologyReady(e) => Message::TopologyReady { epoch: Epoch(e.into()) },
         Msg::PeerUnreachable(e, p) => Message::PeerUnreachable { epoch: Epoch(e.into()), peer: PeerId(p.into()) },
-        Msg::OpDone(e, seq, decided) => Message::OpDone { epoch: Epoch(e.into()), seq: seq.into(), decided },
+        Msg::OpDone(e, seq, decided) => Message::OpDone { derived: 0, members: Vec::new(), epoch: Epoch(e.into()), seq: seq.into(), decided },
         Msg::OpFailed(e, seq, kind, peer) => {
-            Message::OpFailed { epoch: Epoch(e.into()), seq: seq.into(), failure: failure(kind, peer) }
+            Message::OpFailed { derived: 0, members: Vec::new(), epoch: Epoch(e.into()), seq: seq.into(), failure: failure(kind, peer) }
         }
         Msg::SyncVote { revision, strategy, override_resume, tensors, hash, collectives } => Message::SyncVote {
             revision: revision.into(),

@@ -95,7 +95,7 @@ fn call(c: CallMsg) -> CallKind {
             override_resume: hash % 2 == 0,
             entries: digests(tensors, hash),
         }),
-        CallMsg::Collective => CallKind::Collective(shoal_wire::Api::AllReduce),
+        CallMsg::Collective => CallKind::Collective(shoal_wire::Api::AllReduce, None),
     }
 }
 
@@ -130,11 +130,11 @@ fn message(m: Msg) -> Message {
         Msg::PeersPendingResult(pending) => Message::PeersPendingResult { pending },
         Msg::PeerRemoved(p) => Message::PeerRemoved { peer: PeerId(p.into()) },
         Msg::Kicked => Message::Kicked { reason: "fuzz".into() },
-        Msg::OpCommitted(e, seq) => Message::OpCommitted { epoch: Epoch(e.into()), seq: seq.into() },
+        Msg::OpCommitted(e, seq) => Message::OpCommitted { derived: 0, epoch: Epoch(e.into()), seq: seq.into() },
         Msg::OpAborted(e, seq, kind, peer) => {
-            Message::OpAborted { epoch: Epoch(e.into()), seq: seq.into(), failure: failure(kind, peer) }
+            Message::OpAborted { derived: 0, epoch: Epoch(e.into()), seq: seq.into(), failure: failure(kind, peer) }
         }
-        Msg::OpQuery(e, seq) => Message::OpQuery { epoch: Epoch(e.into()), seq: seq.into() },
+        Msg::OpQuery(e, seq) => Message::OpQuery { derived: 0, epoch: Epoch(e.into()), seq: seq.into() },
         Msg::P2pWaits { peer, send, epoch, collectives } => Message::P2pWaits {
             peer: PeerId(peer.into()),
             send,

@@ -441,6 +441,29 @@ class Communicator:
             elapsed=elapsed,
         )
 
+    def split(self, color: Optional[int], key: int = 0) -> Optional["Communicator"]:
+        """A derived group of this group's members, like ``MPI_Comm_split``; no new admission.
+
+        Every member calls it (it is a collective of this group). Those that give the same
+        ``color`` form one group, ranked by ``key`` and then by their rank here; ``color=None``
+        leaves this member out and returns ``None``. The group runs collectives and ``send``/
+        ``recv`` by its own ranks over this communicator's connections: its first collective
+        opens nothing that this group's collectives opened already. Admission, votes and
+        shared-state syncs stay calls of the whole group (``ValueError`` on a derived one). After
+        a member is lost, a derived group is its members still in the run, in their order; it
+        leaves with the communicator it came from (its ``close()`` does nothing).
+        """
+        return _derived(self._native.split(color, key))
+
+    def new_group(self, ranks: "list[int]") -> Optional["Communicator"]:
+        """The derived group of the members at ``ranks``, like ``torch.distributed.new_group``.
+
+        Every member of this group calls it with the same ranks (a collective of the group);
+        those at ``ranks`` get the group, ranked as ``ranks`` sorted, the others ``None``.
+        Different ranks on different members raise ``ValueError`` on every one. See ``split``.
+        """
+        return _derived(self._native.new_group(list(ranks)))
+
     @property
     def world_size(self) -> int:
         """Accepted peers in the whole run, every group's, when this group's topology was issued."""
@@ -470,6 +493,15 @@ class Communicator:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _derived(native: Optional[_native.Communicator]) -> Optional[Communicator]:
+    """The user-facing communicator around a derived group's native one."""
+    if native is None:
+        return None
+    comm = Communicator.__new__(Communicator)
+    comm._native = native
+    return comm
 
 
 def _accepted(value: Optional[int]) -> int:

@@ -775,6 +775,19 @@ impl Communicator {
             .collect()
     }
 
+    /// The derived group of the members that gave `color` (None: in none), ranked by `key`.
+    #[pyo3(signature = (color, key=0))]
+    fn split(&self, py: Python<'_>, color: Option<u32>, key: i64) -> PyResult<Option<Communicator>> {
+        let derived = py.detach(|| self.inner.split(color, key)).map_err(to_py)?;
+        Ok(derived.map(|c| Communicator { inner: Arc::new(c) }))
+    }
+
+    /// The derived group of the members at `ranks`, if we are one of them.
+    fn new_group(&self, py: Python<'_>, ranks: Vec<usize>) -> PyResult<Option<Communicator>> {
+        let derived = py.detach(|| self.inner.new_group(&ranks)).map_err(to_py)?;
+        Ok(derived.map(|c| Communicator { inner: Arc::new(c) }))
+    }
+
     #[getter]
     fn world_size(&self) -> Option<usize> {
         self.inner.world_size()

@@ -32,6 +32,23 @@ def test_a_pipeline_of_two_stages_replicated_twice_connects_and_trains(master: s
         assert o["connected_s"] < 15, f"process {i} (replica {replica}, stage {stage}) took {o['connected_s']:.1f} s"
 
 
+def test_groups_derived_from_one_communicator_run_a_pipeline_without_a_new_admission(
+        master: shoal.Master, tmp_path: Path) -> None:
+    """Four processes in one group derive each pipeline and each stage's replicas with ``split``,
+    ranked by the keys they give, and train a few steps over the group's connections;
+    ``new_group`` picks the first and last. Then the last process is SIGKILLed while its stage's
+    other replica waits for it in an all-reduce: that call fails as ``PeerLostError`` and the
+    retry runs in the derived group of the one member left."""
+    out = run_peers(master, tmp_path, "derived", 4, timeout=60, steps=STEPS, die=str(tmp_path / "waiting"),
+                    expect_killed=frozenset({3}))
+    for i, o in enumerate(out[:3]):
+        replica, stage = divmod(i, 2)
+        assert o["grads"] == [2 * (0 + step) + 2 * (10 + step) for step in range(STEPS)], o
+        assert o["sizes"] == [2, 2] and o["ranks"] == [stage, replica], o
+        assert o["ends"] == (2.0 if o["rank"] in (0, 3) else None), o
+    assert out[1]["after"] == {"errors": ["PeerLostError"], "world": 1, "sum": 1.0}, out[1]
+
+
 def test_a_group_admits_its_newcomers_while_another_group_is_busy(master: shoal.Master, tmp_path: Path) -> None:
     """Two members of group 0 join and then sit in no call (alive, not voting) for longer than the
     test; two peers of group 1 register meanwhile and are admitted at once, by each other. Before,

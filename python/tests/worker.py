@@ -316,6 +316,74 @@ def pipeline_dp(spec: dict) -> dict:
     return {"connected_s": connected_s, "grads": grads, "sizes": sizes}
 
 
+def derived(spec: dict) -> dict:
+    """One process of a two-stage pipeline replicated twice, all four in one communicator's group:
+    each pipeline and each stage's replicas are groups derived from it with ``split`` (no new
+    admission), then a few steps of both, and ``new_group`` of its first and last rank. With
+    ``die``, process 3 kills itself while process 1, its stage's other replica, waits for it in
+    an all-reduce: that fails as retryable, and the retry runs in the group of the one left."""
+    comm = communicator(spec)
+    comm.connect(timeout=30, min_world_size=spec["peers"])
+    rank = comm.rank
+    replica, stage = divmod(spec["index"], 2)
+    pipe = comm.split(color=replica, key=stage)
+    dp = comm.split(color=stage, key=replica)
+    assert pipe is not None and dp is not None
+    grads = []
+    for step in range(spec["steps"]):
+        activation = np.full(16, replica * 10 + step, np.float32)
+        grad = np.empty(16, np.float32)
+        if pipe.rank == 0:
+            pipe.send(activation, peer=1, tag=step)
+            pipe.recv(grad, peer=1, tag=1000 + step)
+        else:
+            pipe.recv(activation, peer=0, tag=step)
+            grad = activation * 2
+            pipe.send(grad, peer=0, tag=1000 + step)
+        info = dp.all_reduce(grad, op="sum")
+        assert info.world_size == 2, info
+        grads.append(float(grad[0]))
+    ends = comm.new_group([0, comm.group_world_size - 1])
+    ends_sum = None
+    if ends is not None:
+        x = np.ones(4, np.float32)
+        ends.all_reduce(x, op="sum")
+        ends_sum = float(x[0])
+    result = {"rank": rank, "grads": grads, "sizes": [pipe.group_world_size, dp.group_world_size],
+              "ranks": [pipe.rank, dp.rank], "ends": ends_sum}
+    if spec.get("die"):
+        waiting, done = Path(spec["die"] + ".waiting"), Path(spec["die"] + ".done")
+        if spec["index"] == 3:
+            # Dies once its partner waits for it in the all-reduce it never joins.
+            while not waiting.exists():
+                time.sleep(0.01)
+            os.kill(os.getpid(), 9)
+        elif spec["index"] == 1:
+            errors = []
+            x = np.ones(4, np.float32)
+            work = dp.all_reduce_async(x, op="sum")
+            waiting.touch()
+            while True:
+                try:
+                    info = work.wait()
+                    break
+                except shoal.PeerLostError as e:
+                    errors.append(type(e).__name__)
+                    x = np.ones(4, np.float32)
+                    work = dp.all_reduce_async(x, op="sum")
+            result["after"] = {"errors": errors, "world": info.world_size, "sum": float(x[0])}
+            done.touch()
+        else:
+            # Stage 0 trains on meanwhile: its calls take up the topology the loss re-forms.
+            while not done.exists():
+                try:
+                    dp.all_reduce(np.ones(4, np.float32), op="sum")
+                except shoal.PeerLostError:
+                    pass
+                time.sleep(0.01)
+    return result
+
+
 def busy(spec: dict) -> dict:
     """Join (the group's members admitting each other), say so, then stay in the run without a
     call for ``busy`` seconds: alive, heartbeating, voting nothing."""
@@ -1323,7 +1391,7 @@ if __name__ == "__main__":
     scenario, spec = sys.argv[1], json.loads(sys.argv[2])
     scenarios = {"overlap": overlap, "many_survive": many_survive,
                  "matrix": matrix, "torch": torch_tensors, "join_late": join_late, "survive": survive,
-                 "agree": agree, "min_world": min_world, "pipeline_dp": pipeline_dp, "busy": busy,
+                 "agree": agree, "min_world": min_world, "pipeline_dp": pipeline_dp, "derived": derived, "busy": busy,
                  "master_loss": master_loss,
                  "admission_misuse": admission_misuse, "chaos": chaos, "die_at": die_at, "sgd": sgd,
                  "sync_case": sync_case, "repairs": repairs, "mismatch": mismatch, "shapes": shapes, "loop": loop,

@@ -16,12 +16,12 @@ use shoal_collective::{CollectiveKind, DType, Quantization, ReduceOp};
 use shoal_config::failpoint;
 use shoal_engine::RawBuf;
 use shoal_proto::auth::{DataKey, RunKey};
-use shoal_proto::peer::{Action, CallId, CallKind, PeerConfig, RingPosition, Value};
+use shoal_proto::peer::{Action, CallId, CallKind, Derived, PeerConfig, RingPosition, Value};
 use shoal_transport::{Conn, TlsConfig};
 use shoal_wire::PeerReport;
 use shoal_wire::{GroupId, PeerId, SessionId};
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -34,7 +34,24 @@ const ADMISSION_POLL: Duration = Duration::from_millis(50);
 /// Every method takes `&self` and is safe to call from several threads. Collectives run several
 /// at once; other calls wait for those called before them. Every blocking call ends within its
 /// bound.
+///
+/// A communicator may also be a *derived group* ([`Communicator::split`],
+/// [`Communicator::new_group`]): some members of the group it was derived from, admitted by
+/// none, whose collectives and transfers run over that group's connections by their own ranks.
+/// It shares everything else with the communicator it came from; the calls of the whole group
+/// (admission, votes, shared-state syncs) are refused on it.
 pub struct Communicator {
+    pub(crate) shared: Arc<Shared>,
+    /// The derived group this handle runs in; `None` for the whole group.
+    pub(crate) derived: Option<Derived>,
+    /// Groups derived from this one so far (at least as many as any member derived): numbers
+    /// the next one's name.
+    pub(crate) derivations: AtomicU64,
+}
+
+/// What a communicator and the groups derived from it share: the membership, the connections,
+/// the data plane.
+pub struct Shared {
     pub(crate) config: CommunicatorConfig,
     connected: Mutex<Option<Arc<Connected>>>,
     /// The data plane: whoever holds it drives every collective in flight.
@@ -65,7 +82,7 @@ impl Communicator {
         let tls =
             config.tls.as_ref().map(TlsConfig::load).transpose().map_err(|e| Error::InvalidArgument(e.to_string()))?;
         let stats = Arc::new(Stats::default());
-        Ok(Communicator {
+        let shared = Shared {
             connected: Mutex::new(None),
             data: Arc::new(Mutex::new(DataPlane { stats: Arc::clone(&stats), ..DataPlane::default() })),
             stats,
@@ -73,7 +90,8 @@ impl Communicator {
             measured: Mutex::new(None),
             config,
             tls,
-        })
+        };
+        Ok(Communicator { shared: Arc::new(shared), derived: None, derivations: AtomicU64::new(0) })
     }
 
     /// Registers with the master and returns once this peer is accepted: at once if it is the
@@ -107,6 +125,7 @@ impl Communicator {
         min_world_size: usize,
         catch_up: Option<&mut CatchUp<'_>>,
     ) -> Result<()> {
+        self.whole_group("connect")?;
         let deadline = Deadline::after(timeout.unwrap_or(self.config.timeout));
         self.join(deadline, catch_up)?;
         let too_few = |have| Error::TooFewPeers { have, want: min_world_size, after: deadline.bound() };
@@ -221,6 +240,7 @@ impl Communicator {
     /// # Errors
     /// [`Error::NotConnected`]; the vote's own errors come from [`Communicator::wait_vote`].
     pub fn peers_pending_async(&self) -> Result<Vote> {
+        self.whole_group("peers_pending")?;
         let c = self.connected()?;
         let _data = self.lock_data(); // in order with the collectives this thread starts
         let call = c.control.own_input(|p, now| p.call(CallKind::PeersPending, self.config.timeout, now));
@@ -251,6 +271,7 @@ impl Communicator {
 
     /// A call that moves no data of its own: `update_topology` or `peers_pending`.
     pub(crate) fn vote(&self, kind: CallKind, bound: Duration) -> Result<Value> {
+        self.whole_group(kind.api().name())?;
         let c = self.connected()?;
         let operation = kind.api().name();
         let mut data = self.lock_data();
@@ -688,38 +709,28 @@ impl Communicator {
             // Quantizing changes nothing here (fp16 of an f16 tensor): it runs as it is.
             request.quantization = None;
         }
-        if data.calls.in_use(TagUse::Collective(tag)) {
+        let derived = self.derived().map_or(0, |d| d.id);
+        if data.calls.in_use(TagUse::Collective(derived, tag)) {
             return Err(Usage::TagInFlight { call: kind.name(), tag, rank: None }.into());
         }
         let bound = self.config.timeout;
-        let call = c.control.own_input(|p, now| p.call(CallKind::Collective(verb(kind, tag)), bound, now));
+        let collective = CallKind::Collective(verb(kind, tag), self.derived().cloned());
+        let call = c.control.own_input(|p, now| p.call(collective, bound, now));
         let count = (buf.len() / dtype.size()) as u64;
         data.stats.started(call, kind.name(), tag, buf.len() as u64);
-        let record =
-            Collective { buf, owner, request, extra, count, started: Instant::now(), posted: None, local: None };
+        let record = Collective {
+            buf,
+            owner,
+            request,
+            derived,
+            extra,
+            count,
+            started: Instant::now(),
+            posted: None,
+            local: None,
+        };
         data.calls.collectives.insert(call, record);
         Ok(call)
-    }
-
-    /// Locks the data plane, asking the progress thread to let go of it first.
-    pub(crate) fn lock_data(&self) -> DataGuard<'_> {
-        let progress = &self.driver.progress;
-        // Uncontended (no progress thread driving): no wake-up, which would cost a lone
-        // collective system calls.
-        let data = match self.data.try_lock() {
-            Ok(data) => data,
-            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => {
-                progress.waiters.fetch_add(1, Ordering::SeqCst);
-                if let Some(control) = progress.control.lock().unwrap_or_else(PoisonError::into_inner).as_ref() {
-                    control.interrupt();
-                }
-                let data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
-                progress.waiters.fetch_sub(1, Ordering::SeqCst);
-                data
-            }
-        };
-        DataGuard { data, progress }
     }
 
     /// The thread that drives collectives in flight while no caller waits, started once.
@@ -759,14 +770,18 @@ impl Communicator {
         self.position().map(|p| p.world_size)
     }
 
-    /// Members of this peer's group, once accepted.
+    /// Members of this peer's group (of a derived group: those of its members still in the
+    /// run), once accepted.
     pub fn group_world_size(&self) -> Option<usize> {
-        self.position().map(|p| p.group_size())
+        self.position().map(|p| match self.placed(&p).1.len() {
+            0 => p.group_size(),
+            derived => derived,
+        })
     }
 
-    /// This peer's index in its group's ring, once accepted.
+    /// This peer's index in its group's ring (in a derived group's order), once accepted.
     pub fn rank(&self) -> Option<usize> {
-        self.position().map(|p| p.rank)
+        self.position().map(|p| self.placed(&p).0)
     }
 
     /// This peer's id, once registered.
@@ -775,8 +790,40 @@ impl Communicator {
     }
 
     /// Leaves the run and closes every connection. Later calls fail with [`Error::Closed`] or
-    /// [`Error::NotConnected`]; closing twice is harmless.
+    /// [`Error::NotConnected`], on this communicator and every group derived from it; closing
+    /// twice is harmless. A derived group's `close` does nothing: it was admitted by none, and
+    /// leaves with the communicator it came from.
     pub fn close(&self) {
+        if self.derived.is_none() {
+            self.leave();
+        }
+    }
+}
+
+impl Shared {
+    /// Locks the data plane, asking the progress thread to let go of it first.
+    pub(crate) fn lock_data(&self) -> DataGuard<'_> {
+        let progress = &self.driver.progress;
+        // Uncontended (no progress thread driving): no wake-up, which would cost a lone
+        // collective system calls.
+        let data = match self.data.try_lock() {
+            Ok(data) => data,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => {
+                progress.waiters.fetch_add(1, Ordering::SeqCst);
+                if let Some(control) = progress.control.lock().unwrap_or_else(PoisonError::into_inner).as_ref() {
+                    control.interrupt();
+                }
+                let data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
+                progress.waiters.fetch_sub(1, Ordering::SeqCst);
+                data
+            }
+        };
+        DataGuard { data, progress }
+    }
+
+    /// Leaves the run and closes every connection ([`Communicator::close`]).
+    fn leave(&self) {
         if let Some(c) = self.connected.lock().unwrap_or_else(PoisonError::into_inner).take() {
             c.control.close();
         }
@@ -828,9 +875,18 @@ pub(crate) fn dial_error(addr: &str, e: std::io::Error) -> Error {
     Error::MasterUnreachable { addr: addr.to_string(), reason: e.to_string() }
 }
 
-impl Drop for Communicator {
+impl std::ops::Deref for Communicator {
+    type Target = Shared;
+
+    fn deref(&self) -> &Shared {
+        &self.shared
+    }
+}
+
+impl Drop for Shared {
+    /// The last handle on the run (the communicator, or a group derived from it) leaves it.
     fn drop(&mut self) {
-        self.close();
+        self.leave();
     }
 }
 

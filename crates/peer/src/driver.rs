@@ -118,7 +118,7 @@ pub(crate) fn operation(header: &OpHeader) -> &'static str {
 
 /// The engine's key of collective `id`.
 pub(crate) fn op_key(id: OpId) -> OpKey {
-    OpKey { derived: 0, seq: id.seq.0 }
+    OpKey { derived: id.derived, seq: id.seq.0 }
 }
 
 pub(crate) fn op_header(id: OpId, request: &Request, algorithm: Algorithm, count: u64) -> OpHeader {
@@ -127,7 +127,7 @@ pub(crate) fn op_header(id: OpId, request: &Request, algorithm: Algorithm, count
         collective: request.kind.code(),
         algorithm: algorithm.code(),
         epoch: id.epoch,
-        derived: 0,
+        derived: id.derived,
         seq: id.seq.0,
         tag: request.tag,
         dtype: request.dtype.code(),
@@ -352,7 +352,9 @@ impl Driver {
                 control.own_input(|p, now| p.handle_established(position.epoch, outcome, now));
             }
             Action::TakeUp(position) => take_up(data, &position),
-            Action::RunCollective { call: c, op, position, .. } => self.post(control, listener, data, c, op, &position),
+            Action::RunCollective { call: c, op, position, group, .. } => {
+                self.post(control, listener, data, c, op, (&position, group))
+            }
             Action::MemberWaits(_) => self.judge_waiters(control, data, call),
             Action::P2pApart { peer, misuse } => crate::plane::p2p_apart(data, peer, misuse),
             action => {
@@ -504,7 +506,9 @@ impl Driver {
         }
     }
 
-    /// Posts collective `id` of call `call` to the engine, and links to the members it needs.
+    /// Posts collective `id` of call `call` to the engine, and links to the members it needs:
+    /// at our `position` in the topology, among the ring's members or those of a derived group
+    /// (`members`: the ring's rank of each, by their rank in the group; empty: the whole ring).
     pub(crate) fn post(
         &self,
         control: &Control,
@@ -512,15 +516,19 @@ impl Driver {
         data: &mut DataPlane,
         call: CallId,
         id: OpId,
-        position: &RingPosition,
+        (position, members): (&RingPosition, Vec<usize>),
     ) {
         let record = data.calls.collectives.get_mut(&call).expect("a collective called here");
-        let (world, rank) = (position.group_size(), position.rank);
+        let (world, rank) = match members.iter().position(|&r| r == position.rank) {
+            Some(rank) => (members.len(), rank),
+            None => (position.group_size(), position.rank),
+        };
+        debug_assert!(members.is_empty() || members.len() == world, "we are in the group we run in");
         let request = record.request;
         if data.placement.epoch != Some(position.epoch) {
             data.placement = Placement::of(position);
         }
-        let hosts = &data.placement.hosts;
+        let hosts = data.placement.hosts_of(&members);
         let group = (world, hosts.iter().max().map_or(1, |h| h + 1));
         let codec = request.codec().expect("checked when called");
         // What travels decides: a quantized buffer is as small as its encoding.
@@ -531,7 +539,7 @@ impl Driver {
         log::trace!("{}", Described::Collective(header));
         // Buffers shaped for another group (it changed since the call) fail on every member alike.
         if let Err(why) = fits(record, world) {
-            let me = position.ring[rank].peer;
+            let me = position.ring[position.rank].peer;
             let failure = OpFailure::new(FailureKind::Misuse, me, why.to_string());
             record.local = Some(Usage::Misfit(why).into());
             data.calls.by_key.insert(op_key(id), call);
@@ -545,19 +553,19 @@ impl Driver {
         }
         let spec = OpSpec {
             header,
-            members: Vec::new(),
+            members,
             kind: request.kind,
             buf: record.buf,
             dtype: request.dtype,
             op: request.op,
             algorithm,
             root: request.root,
-            hosts: if algorithm == Algorithm::Hierarchical { hosts.clone() } else { Vec::new() },
+            hosts: if algorithm == Algorithm::Hierarchical { hosts } else { Vec::new() },
             chunk_bytes: self.config.chunk_bytes.unwrap_or(DEFAULT_CHUNK_BYTES),
             codec,
             backup: spare_backup(&mut data.spare_backups, record.buf.len()),
         };
-        let exec = data.exec.get_or_insert_with(|| Exec::new(id.epoch, rank, world));
+        let exec = data.exec.get_or_insert_with(|| Exec::new(id.epoch, position.rank, position.group_size()));
         debug_assert_eq!(exec.epoch(), id.epoch, "a collective runs in the topology taken up");
         exec.post(spec);
         let awaiting = exec.awaiting();
@@ -756,7 +764,7 @@ impl Driver {
             data.spare_backups.push(t.into_backup());
         }
         data.record_end(call, &outcome);
-        data.calls.finished.insert(call, (outcome, record.owner, TagUse::Collective(request.tag)));
+        data.calls.finished.insert(call, (outcome, record.owner, TagUse::Collective(record.derived, request.tag)));
     }
 }
 

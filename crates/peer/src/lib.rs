@@ -22,6 +22,7 @@ mod deadline;
 mod driver;
 mod error;
 mod fetch;
+mod groups;
 mod info;
 mod links;
 mod named;

@@ -64,6 +64,18 @@ impl Default for Placement {
 }
 
 impl Placement {
+    /// The host of each of `members` (ranks of the topology; empty: every member), numbered
+    /// in order of first appearance among them.
+    pub fn hosts_of(&self, members: &[usize]) -> Vec<usize> {
+        if members.is_empty() {
+            return self.hosts.clone();
+        }
+        let mut seen: Vec<usize> = Vec::new();
+        let mut number =
+            |h: usize| seen.iter().position(|&s| s == h).unwrap_or_else(|| (seen.push(h), seen.len() - 1).1);
+        members.iter().map(|&r| number(self.hosts[r])).collect()
+    }
+
     pub fn of(position: &RingPosition) -> Placement {
         let host = |addr: &str| match addr.parse::<SocketAddr>() {
             Ok(a) => a.ip().to_string(),
@@ -105,6 +117,8 @@ pub(crate) struct Collective {
     /// What keeps the buffer alive where the caller does not wait ([`crate::Work`]).
     pub owner: Option<Owner>,
     pub request: Request,
+    /// The derived group it runs in (0: the whole group).
+    pub derived: u64,
     pub extra: Extra,
     pub count: u64,
     pub started: Instant,
@@ -226,7 +240,9 @@ impl Calls {
     pub fn in_use(&self, what: TagUse) -> bool {
         self.finished.values().any(|f| f.2 == what)
             || match what {
-                TagUse::Collective(tag) => self.collectives.values().any(|o| o.request.tag == tag),
+                TagUse::Collective(derived, tag) => {
+                    self.collectives.values().any(|o| (o.derived, o.request.tag) == (derived, tag))
+                }
                 TagUse::Transfer(direction, peer, tag) => {
                     self.transfers.iter().any(|(_, t)| uses(t) == (direction, peer, tag))
                 }
@@ -244,11 +260,11 @@ impl Calls {
     }
 }
 
-/// What a call's tag is in use for: collectives share one space of tags, transfers one per
-/// direction and member.
+/// What a call's tag is in use for: the collectives of a group (the whole one, 0, or a derived
+/// one) share one space of tags, transfers one per direction and member.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum TagUse {
-    Collective(u64),
+    Collective(u64, u64),
     Transfer(Direction, PeerId, u64),
 }
 

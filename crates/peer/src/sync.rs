@@ -51,6 +51,7 @@ impl Communicator {
         strategy: Strategy,
         override_resume: bool,
     ) -> Result<SyncInfo> {
+        self.whole_group("sync_shared_state")?;
         let started = Instant::now();
         let c = self.connected()?;
         tensors.sort_by(|a, b| a.name.cmp(&b.name));

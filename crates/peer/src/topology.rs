@@ -72,6 +72,7 @@ impl Communicator {
     /// [`Error::PeerLost`] (retryable) if a member dies, freezes or leaves meanwhile; as
     /// [`Communicator::update_topology`] otherwise.
     pub fn optimize_topology(&self) -> Result<()> {
+        self.whole_group("optimize_topology")?;
         for round in 1..=SIZING_ROUNDS {
             let grew = self.measure_and_vote()?;
             if !grew {

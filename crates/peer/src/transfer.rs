@@ -126,14 +126,17 @@ impl Communicator {
         let (Some(position), Some(exec)) = (data.position.as_ref(), data.exec.as_mut()) else {
             return Err(Error::NotConnected);
         };
-        let (ours, world) = (position.rank, position.group_size());
+        // A derived group's ranks name its members.
+        let (ours, members) = self.placed(position);
+        let world = if members.is_empty() { position.group_size() } else { members.len() };
         if rank >= world || rank == ours {
             return Err(Error::InvalidArgument(format!(
                 "{} with rank {rank}: the group's ranks are 0..{world}, and {ours} is ours",
                 direction.name()
             )));
         }
-        let peer = position.ring[rank].peer;
+        let to = members.get(rank).copied().unwrap_or(rank);
+        let peer = position.ring[to].peer;
         if data.calls.in_use(TagUse::Transfer(direction, peer, tag)) {
             return Err(Usage::TagInFlight { call: direction.name(), tag, rank: Some(rank) }.into());
         }
@@ -145,11 +148,11 @@ impl Communicator {
         let call = c.control.own_input(|p, _| p.reserve_call());
         let chunk_bytes = self.config.chunk_bytes.unwrap_or(crate::DEFAULT_CHUNK_BYTES);
         data.stats.started(call, direction.name(), tag, buf.len() as u64);
-        exec.post_transfer(call.0, TransferSpec { direction, peer: rank, tag, dtype, buf, chunk_bytes });
+        exec.post_transfer(call.0, TransferSpec { direction, peer: to, tag, dtype, buf, chunk_bytes });
         let started = Instant::now();
         let kept = TransferCall { buf, owner, dtype, world, started };
         let send = direction == Direction::Send;
-        let transfer = Transfer::new(peer, rank, send, tag, position.epoch, started + self.config.timeout, kept);
+        let transfer = Transfer::new(peer, to, send, tag, position.epoch, started + self.config.timeout, kept);
         data.calls.transfers.start(call, transfer);
         Ok(call)
     }

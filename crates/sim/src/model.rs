@@ -1077,11 +1077,14 @@ impl Sim {
         (p.batch_ok, p.batch_pending_due) = (true, false);
         let call = p.proto.call(
             // As `crates/peer` names it: the barrier `optimize_topology` starts with is that call.
-            CallKind::Collective(match barrier {
-                Some(OPTIMIZE_BARRIER_TAG) => Api::OptimizeTopology,
-                Some(_) => Api::Barrier,
-                None => Api::AllReduce,
-            }),
+            CallKind::Collective(
+                match barrier {
+                    Some(OPTIMIZE_BARRIER_TAG) => Api::OptimizeTopology,
+                    Some(_) => Api::Barrier,
+                    None => Api::AllReduce,
+                },
+                None,
+            ),
             CALL_TIMEOUT,
             at,
         );
@@ -1345,7 +1348,7 @@ impl Sim {
         if next == Next::Collective {
             (p.batch_ok, p.batch_pending_due) = (true, false);
             for k in 0..self.batch {
-                let call = p.proto.call(CallKind::Collective(Api::AllReduce), CALL_TIMEOUT, at);
+                let call = p.proto.call(CallKind::Collective(Api::AllReduce, None), CALL_TIMEOUT, at);
                 p.batch.insert(call);
                 if k == 0 {
                     p.waits_in = Some(call);
@@ -1362,7 +1365,7 @@ impl Sim {
                 override_resume: std::mem::take(&mut p.override_resume),
                 entries: vec![state_digest(p.revision)],
             }),
-            Next::Collective => CallKind::Collective(Api::AllReduce),
+            Next::Collective => CallKind::Collective(Api::AllReduce, None),
             Next::Connect | Next::P2p => unreachable!("a peer connects once; p2p is scripted"),
         };
         p.waits_in = Some(p.proto.call(kind, CALL_TIMEOUT, at));
@@ -1662,17 +1665,19 @@ impl Sim {
         let epoch = exec.epoch();
         let posted = |op: &Op| op.id.epoch == epoch && op.taken.is_none();
         let mut stopped = false;
-        let asking = p.ops.values().any(|op| posted(op) && p.proto.asking(op.id));
+        // Taken out or not, as the driver's calls stay posted until they end.
+        let asking = p.ops.values().any(|op| op.id.epoch == epoch && p.proto.asking(op.id));
         for op in p.ops.values_mut().filter(|op| posted(op) && !p.proto.running(op.id)) {
             op.taken = exec.take(op_key(op.id));
             stopped = true;
         }
+        // As the real driver (`take_stopped`), whether or not one stopped now: where one asks
+        // the master, failed lanes close once nothing moves over them (the last transfer over
+        // them may have ended since); otherwise with the verdicts.
+        if asking && exec.in_flight() == 0 {
+            exec.release_if_broken();
+        }
         if stopped {
-            // As the real driver: where one asks the master, failed lanes close once nothing
-            // moves over them; otherwise with the verdicts.
-            if asking && exec.in_flight() == 0 {
-                exec.release_if_broken();
-            }
             return true;
         }
         let moved = exec.pump(at) == Pumped::Progress;
@@ -1697,7 +1702,7 @@ impl Sim {
         }
         if !events.is_empty() {
             for (key, event) in events {
-                self.report_event(i, OpId { epoch, seq: Seq(key.seq) }, event);
+                self.report_event(i, OpId { epoch, derived: key.derived, seq: Seq(key.seq) }, event);
             }
             return true;
         }
@@ -1960,7 +1965,7 @@ pub fn check(r: &Report) -> Result<(), Violation> {
             if let Outcome::Ok { rank, values } = o {
                 let world = members.len();
                 let sum = |k: usize| members.iter().fold(0i64, |a, m| a.wrapping_add(input(*m, *s, k)));
-                let (kind, _, root, format) = collective_of(OpId { epoch: *e, seq: Seq(*s) }, world);
+                let (kind, _, root, format) = collective_of(OpId { epoch: *e, derived: 0, seq: Seq(*s) }, world);
                 if let Some(format) = format {
                     // Quantized: near the sum (each hop may round), and bit-identical on every
                     // member (checked below).
@@ -2000,7 +2005,7 @@ pub fn check(r: &Report) -> Result<(), Violation> {
         if let Some((_, _, Outcome::Ok { values, .. })) =
             results.iter().find(|(_, _, o)| matches!(o, Outcome::Ok { .. }))
         {
-            let (kind, _, _, _) = collective_of(OpId { epoch: *e, seq: Seq(*s) }, values.len());
+            let (kind, _, _, _) = collective_of(OpId { epoch: *e, derived: 0, seq: Seq(*s) }, values.len());
             let differ = results.iter().any(|(_, _, o)| matches!(o, Outcome::Ok { values: v, .. } if v != values));
             if kind == CollectiveKind::AllReduce && differ {
                 return Err(Violation(format!("({e:?}, {s}): members hold different results: {results:?}")));
@@ -2091,5 +2096,5 @@ pub fn check_calls(r: &Report, heartbeat: Duration) -> Result<(), Violation> {
 
 /// The engine's key of collective `id`.
 fn op_key(id: OpId) -> OpKey {
-    OpKey { derived: 0, seq: id.seq.0 }
+    OpKey { derived: id.derived, seq: id.seq.0 }
 }

@@ -382,8 +382,13 @@ pub enum Message {
     OpDone {
         /// The topology the collective runs in.
         epoch: Epoch,
-        /// The collective's number within the epoch.
+        /// The derived group it runs in ([`OpHeader::derived`]; 0: the topology's whole group).
+        derived: u64,
+        /// The collective's number within its group and epoch.
         seq: u64,
+        /// A derived group's members, by their rank there (empty for the whole group, or once the
+        /// master knows the collective): the participants whose reports decide it.
+        members: Vec<PeerId>,
         /// The peer already learned from the other participants that all of them finished, and
         /// returned success (no answer wanted). Otherwise it awaits the master's verdict.
         decided: bool,
@@ -392,8 +397,13 @@ pub enum Message {
     OpFailed {
         /// The topology the collective runs in.
         epoch: Epoch,
-        /// The collective's number within the epoch.
+        /// The derived group it runs in ([`OpHeader::derived`]; 0: the topology's whole group).
+        derived: u64,
+        /// The collective's number within its group and epoch.
         seq: u64,
+        /// A derived group's members, by their rank there (empty for the whole group, or once the
+        /// master knows the collective): the participants whose reports decide it.
+        members: Vec<PeerId>,
         /// What went wrong.
         failure: OpFailure,
     },
@@ -540,14 +550,18 @@ pub enum Message {
     OpCommitted {
         /// The topology the collective ran in.
         epoch: Epoch,
-        /// The collective's number within the epoch.
+        /// The derived group it runs in ([`OpHeader::derived`]; 0: the topology's whole group).
+        derived: u64,
+        /// The collective's number within its group and epoch.
         seq: u64,
     },
     /// Master → peer: collective `seq` of `epoch` failed; every participant restores its buffers.
     OpAborted {
         /// The topology the collective ran in.
         epoch: Epoch,
-        /// The collective's number within the epoch.
+        /// The derived group it runs in ([`OpHeader::derived`]; 0: the topology's whole group).
+        derived: u64,
+        /// The collective's number within its group and epoch.
         seq: u64,
         /// Why.
         failure: OpFailure,
@@ -558,7 +572,9 @@ pub enum Message {
     OpQuery {
         /// The topology the collective runs in.
         epoch: Epoch,
-        /// The collective's number within the epoch.
+        /// The derived group it runs in ([`OpHeader::derived`]; 0: the topology's whole group).
+        derived: u64,
+        /// The collective's number within its group and epoch.
         seq: u64,
     },
     /// Master → peer: `voter` made the call `vote` after starting `collectives` collectives of
@@ -936,18 +952,21 @@ impl Message {
                 w.bytes(data_key);
             }
             Message::PeerRemoved { peer } => w.u32(peer.0),
-            Message::OpDone { epoch, seq, decided } => {
-                w.u64(epoch.0);
-                w.u64(*seq);
+            Message::OpDone { epoch, derived, seq, members, decided } => {
+                encode_op(w, *epoch, *derived, *seq);
+                encode_peers(w, members);
                 w.bool(*decided);
             }
-            Message::OpCommitted { epoch, seq } | Message::OpQuery { epoch, seq } => {
-                w.u64(epoch.0);
-                w.u64(*seq);
+            Message::OpCommitted { epoch, derived, seq } | Message::OpQuery { epoch, derived, seq } => {
+                encode_op(w, *epoch, *derived, *seq);
             }
-            Message::OpFailed { epoch, seq, failure } | Message::OpAborted { epoch, seq, failure } => {
-                w.u64(epoch.0);
-                w.u64(*seq);
+            Message::OpFailed { epoch, derived, seq, members, failure } => {
+                encode_op(w, *epoch, *derived, *seq);
+                encode_peers(w, members);
+                failure.encode(w);
+            }
+            Message::OpAborted { epoch, derived, seq, failure } => {
+                encode_op(w, *epoch, *derived, *seq);
                 failure.encode(w);
             }
             Message::Topology { epoch, members, world, limits } => {
@@ -1077,14 +1096,19 @@ impl Message {
                 data_key: r.hash()?,
             },
             kind::PEER_REMOVED => Message::PeerRemoved { peer: PeerId(r.u32()?) },
-            kind::OP_DONE => Message::OpDone { epoch: Epoch(r.u64()?), seq: r.u64()?, decided: r.bool("decided")? },
-            kind::OP_COMMITTED => Message::OpCommitted { epoch: Epoch(r.u64()?), seq: r.u64()? },
-            kind::OP_QUERY => Message::OpQuery { epoch: Epoch(r.u64()?), seq: r.u64()? },
+            kind::OP_DONE => {
+                let (epoch, derived, seq, members) = (Epoch(r.u64()?), r.u64()?, r.u64()?, decode_peers(&mut r)?);
+                Message::OpDone { epoch, derived, seq, members, decided: r.bool("decided")? }
+            }
+            kind::OP_COMMITTED => Message::OpCommitted { epoch: Epoch(r.u64()?), derived: r.u64()?, seq: r.u64()? },
+            kind::OP_QUERY => Message::OpQuery { epoch: Epoch(r.u64()?), derived: r.u64()?, seq: r.u64()? },
             kind::OP_FAILED => {
-                Message::OpFailed { epoch: Epoch(r.u64()?), seq: r.u64()?, failure: OpFailure::decode(&mut r)? }
+                let (epoch, derived, seq, members) = (Epoch(r.u64()?), r.u64()?, r.u64()?, decode_peers(&mut r)?);
+                Message::OpFailed { epoch, derived, seq, members, failure: OpFailure::decode(&mut r)? }
             }
             kind::OP_ABORTED => {
-                Message::OpAborted { epoch: Epoch(r.u64()?), seq: r.u64()?, failure: OpFailure::decode(&mut r)? }
+                let (epoch, derived, seq) = (Epoch(r.u64()?), r.u64()?, r.u64()?);
+                Message::OpAborted { epoch, derived, seq, failure: OpFailure::decode(&mut r)? }
             }
             kind::TOPOLOGY => {
                 let (epoch, members, world) = (Epoch(r.u64()?), decode_members(&mut r)?, r.u32()?);
@@ -1162,6 +1186,26 @@ fn decode_plan(r: &mut Reader<'_>) -> Result<Vec<PlanEntry>, WireError> {
     Ok(entries)
 }
 
+/// A collective's name in the messages about it: its topology, derived group and number.
+fn encode_op(w: &mut Writer, epoch: Epoch, derived: u64, seq: u64) {
+    w.u64(epoch.0);
+    w.u64(derived);
+    w.u64(seq);
+}
+
+fn encode_peers(w: &mut Writer, peers: &[PeerId]) {
+    assert!(peers.len() <= MAX_MEMBERS, "peers exceed MAX_MEMBERS: a bug");
+    w.u32(peers.len() as u32);
+    for p in peers {
+        w.u32(p.0);
+    }
+}
+
+fn decode_peers(r: &mut Reader<'_>) -> Result<Vec<PeerId>, WireError> {
+    let count = r.count(MAX_MEMBERS, 4)?;
+    (0..count).map(|_| r.u32().map(PeerId)).collect()
+}
+
 fn encode_members(w: &mut Writer, members: &[Member]) {
     assert!(members.len() <= MAX_MEMBERS, "members exceed MAX_MEMBERS: a bug");
     w.u32(members.len() as u32);
@@ -1194,6 +1238,15 @@ mod tests {
     use crate::{decode_frame, encode_frame, HEADER_BYTES, MAX_STRING_BYTES};
     use crate::{Api, Call, Called};
     use proptest::prelude::*;
+
+    /// A collective's topology, derived group and number.
+    fn op_name() -> impl Strategy<Value = (u64, u64, u64)> {
+        (any::<u64>(), prop_oneof![Just(0u64), any::<u64>()], any::<u64>())
+    }
+
+    fn peers() -> impl Strategy<Value = Vec<PeerId>> {
+        proptest::collection::vec(any::<u32>().prop_map(PeerId), 0..6)
+    }
 
     fn member() -> impl Strategy<Value = Member> {
         (any::<u32>(), any::<u32>(), "[a-z0-9.:]{0,40}", proptest::option::of(0u16..u16::MAX))
@@ -1342,14 +1395,17 @@ mod tests {
                 Message::Registered { peer: PeerId(p), session: SessionId(s), heartbeat_ms: h, data_key: k }
             }),
             any::<u32>().prop_map(|p| Message::PeerRemoved { peer: PeerId(p) }),
-            (any::<u64>(), any::<u64>(), any::<bool>())
-                .prop_map(|(e, seq, decided)| { Message::OpDone { epoch: Epoch(e), seq, decided } }),
-            (any::<u64>(), any::<u64>()).prop_map(|(e, seq)| Message::OpCommitted { epoch: Epoch(e), seq }),
-            (any::<u64>(), any::<u64>()).prop_map(|(e, seq)| Message::OpQuery { epoch: Epoch(e), seq }),
-            (any::<u64>(), any::<u64>(), failure())
-                .prop_map(|(e, seq, failure)| { Message::OpFailed { epoch: Epoch(e), seq, failure } }),
-            (any::<u64>(), any::<u64>(), failure())
-                .prop_map(|(e, seq, failure)| { Message::OpAborted { epoch: Epoch(e), seq, failure } }),
+            (op_name(), peers(), any::<bool>()).prop_map(|((e, derived, seq), members, decided)| {
+                Message::OpDone { epoch: Epoch(e), derived, seq, members, decided }
+            }),
+            op_name().prop_map(|(e, derived, seq)| Message::OpCommitted { epoch: Epoch(e), derived, seq }),
+            op_name().prop_map(|(e, derived, seq)| Message::OpQuery { epoch: Epoch(e), derived, seq }),
+            (op_name(), peers(), failure()).prop_map(|((e, derived, seq), members, failure)| {
+                Message::OpFailed { epoch: Epoch(e), derived, seq, members, failure }
+            }),
+            (op_name(), failure()).prop_map(|((e, derived, seq), failure)| {
+                Message::OpAborted { epoch: Epoch(e), derived, seq, failure }
+            }),
             (
                 any::<u64>(),
                 prop::collection::vec(member(), 0..20),
@@ -1432,8 +1488,7 @@ mod tests {
         let f = OpFailure::new(FailureKind::PeerLost, PeerId(1), format!("x{}", "é".repeat(200)));
         assert_eq!(f.reason.to_string().len(), MAX_STRING_BYTES - 1);
         let mut w = Writer::with_capacity(32);
-        w.u64(1);
-        w.u64(2);
+        encode_op(&mut w, Epoch(1), 0, 2);
         w.u8(9);
         assert_eq!(
             Message::decode_body(kind::OP_ABORTED, w.as_bytes()),
@@ -1443,7 +1498,8 @@ mod tests {
         let ours = Called::new([PeerId(1)], Call::api(Vote::PeersPending));
         let misuse = Misuse::new(ours, Called::new([PeerId(2)], Call::api(Api::AllReduce)));
         let failure = OpFailure { kind: FailureKind::PeerLost, ..OpFailure::misuse(PeerId(1), misuse) };
-        let bytes = encode_frame(SessionId(1), &Message::OpAborted { epoch: Epoch(1), seq: 2, failure }).unwrap();
+        let bytes =
+            encode_frame(SessionId(1), &Message::OpAborted { epoch: Epoch(1), derived: 0, seq: 2, failure }).unwrap();
         assert_eq!(
             decode_frame(&bytes),
             Err(WireError::InvalidValue { field: "failure kind of a misuse", value: FailureKind::PeerLost as u64 })

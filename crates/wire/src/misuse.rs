@@ -565,7 +565,7 @@ mod tests {
         let words = crate::OpFailure { kind: crate::FailureKind::Mismatch, peer: PeerId(2), reason: Reason::text("x") };
         let other = crate::OpFailure { peer: PeerId(1), ..crate::OpFailure::mismatch(m) };
         for failure in [words, other] {
-            let aborted = crate::Message::OpAborted { epoch: Epoch(2), seq: 7, failure };
+            let aborted = crate::Message::OpAborted { epoch: Epoch(2), derived: 0, seq: 7, failure };
             let bytes = crate::encode_frame(crate::SessionId(1), &aborted).unwrap();
             assert!(crate::decode_frame(&bytes).is_err(), "a mismatch's failure without its calls");
         }

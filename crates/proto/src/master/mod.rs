@@ -219,6 +219,16 @@ pub enum PeerMisbehaved {
         /// Who reported.
         peer: PeerId,
     },
+    /// A report about a collective of a derived group whose members are not members of the
+    /// reporter's ring (or do not include it, or name one twice), or differ from those another
+    /// member reported.
+    #[error("{peer} reported a collective of derived group {derived:#x} with members outside its ring or others'")]
+    DerivedMembers {
+        /// Who reported.
+        peer: PeerId,
+        /// The derived group.
+        derived: u64,
+    },
     /// `P2pApart` that names other calls than the waiter's transfer and the sender's own call.
     #[error("P2pApart for {waiter} names other peers' calls")]
     ApartNamesOthers {
@@ -504,13 +514,13 @@ impl Master {
             Message::VotePeersPending { collectives } if accepted => self.vote_peers_pending(now, peer, collectives),
             Message::TopologyReady { epoch } => self.topology_ready(now, peer, epoch),
             Message::PeerUnreachable { epoch, peer: target } => self.peer_unreachable(peer, epoch, target),
-            Message::OpDone { epoch, seq, decided } => {
+            Message::OpDone { epoch, derived, seq, members, decided } => {
                 self.made_a_call(peer);
-                self.op_done(peer, epoch, seq, decided)
+                self.op_done(peer, ops::OpName { epoch, derived, seq }, members, decided)
             }
-            Message::OpFailed { epoch, seq, failure } => {
+            Message::OpFailed { epoch, derived, seq, members, failure } => {
                 self.made_a_call(peer);
-                self.op_failed(peer, epoch, seq, failure)
+                self.op_failed(peer, ops::OpName { epoch, derived, seq }, members, failure)
             }
             Message::SyncVote { revision, strategy, override_resume, entries, collectives } if accepted => {
                 self.sync_vote(now, peer, revision, strategy, override_resume, entries, collectives)

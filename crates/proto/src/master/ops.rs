@@ -25,15 +25,25 @@ use std::collections::BTreeSet;
 /// one after another, so only a peer that invents sequence numbers gets near this.
 pub const MAX_TRACKED_OPS: usize = 4096;
 
-/// Names a collective: its group, the topology it ran in, its number there. Numbers restart in
-/// every topology, so the epoch must be part of the name: a late report about collective 12 of
-/// a replaced topology must never be taken for collective 12 of the next one.
-pub(super) type OpKey = (GroupId, Epoch, u64);
+/// Names a collective: its group, the topology it ran in, the derived group it ran in (0: the
+/// topology's whole group), its number there. Numbers restart in every topology, so the epoch
+/// must be part of the name: a late report about collective 12 of a replaced topology must never
+/// be taken for collective 12 of the next one.
+pub(super) type OpKey = (GroupId, Epoch, u64, u64);
+
+/// A collective as a report names it: its topology, derived group and number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct OpName {
+    pub epoch: Epoch,
+    pub derived: u64,
+    pub seq: u64,
+}
 
 /// A collective the master has heard of and not yet forgotten.
 #[derive(Debug, Clone)]
 pub(super) struct OpRecord {
-    /// The group's members when the master first heard of it.
+    /// Its participants: the ring's members when the master first heard of it, or those of
+    /// its derived group as the first report named them.
     members: BTreeSet<PeerId>,
     /// Members that reported `OpDone`.
     done: BTreeSet<PeerId>,
@@ -53,10 +63,11 @@ enum Outcome {
 }
 
 impl Master {
-    pub(super) fn op_done(&mut self, peer: PeerId, epoch: Epoch, seq: u64, decided: bool) {
-        let Some(key) = self.op_key(peer, epoch, seq) else {
+    pub(super) fn op_done(&mut self, peer: PeerId, name: OpName, members: Vec<PeerId>, decided: bool) {
+        let Some(key) = self.op_key(peer, name, members) else {
             return;
         };
+        let seq = name.seq;
         let record = self.ops.get_mut(&key).expect("op_key creates the record");
         record.done.insert(peer);
         if decided {
@@ -76,13 +87,14 @@ impl Master {
         );
     }
 
-    pub(super) fn op_failed(&mut self, peer: PeerId, epoch: Epoch, seq: u64, failure: OpFailure) {
-        let Some(key) = self.op_key(peer, epoch, seq) else {
+    pub(super) fn op_failed(&mut self, peer: PeerId, name: OpName, members: Vec<PeerId>, failure: OpFailure) {
+        let Some(key) = self.op_key(peer, name, members) else {
             return;
         };
+        let OpName { epoch, derived, seq } = name;
         let record = self.ops.get_mut(&key).expect("op_key creates the record");
         if let Some(m) = failure.reason.mismatch() {
-            let of_it = |h: &shoal_wire::OpHeader| (h.epoch, h.seq) == (epoch, seq);
+            let of_it = |h: &shoal_wire::OpHeader| (h.epoch, h.derived, h.seq) == (epoch, derived, seq);
             if m.ours.0 != peer || !record.members.contains(&m.theirs.0) || !of_it(&m.ours.1) || !of_it(&m.theirs.1) {
                 return self.violation(peer, super::PeerMisbehaved::MismatchNamesOthers { peer });
             }
@@ -112,7 +124,7 @@ impl Master {
                 self.reform_if_due();
                 self.outputs.extend(abandoned);
                 for p in members {
-                    self.send_to_peer(p, Message::OpAborted { epoch, seq, failure: failure.clone() });
+                    self.send_to_peer(p, Message::OpAborted { epoch, derived, seq, failure: failure.clone() });
                 }
             }
             Some(Outcome::Committed) => {
@@ -145,27 +157,27 @@ impl Master {
     /// commit abort.
     pub(super) fn close_ops(&mut self, next: Epoch) {
         let group = self.focus;
-        let ours = (group, Epoch(0), 0)..=(group, Epoch(u64::MAX), u64::MAX);
+        let ours = (group, Epoch(0), 0, 0)..=(group, Epoch(u64::MAX), u64::MAX, u64::MAX);
         let keys: Vec<OpKey> = self.ops.range(ours).map(|(key, _)| *key).collect();
-        assert!(keys.iter().all(|(_, old, _)| *old < next), "a topology replaces only older ones");
+        assert!(keys.iter().all(|(_, old, _, _)| *old < next), "a topology replaces only older ones");
         for key in keys {
             self.settle(key);
             let Some(record) = self.ops.get(&key) else {
                 continue;
             };
             if record.outcome.is_none() {
-                let (_, old, seq) = key;
+                let (_, old, derived, seq) = key;
                 let reason = format!("topology {} was replaced by topology {} during collective {seq}", old.0, next.0);
                 let any_member = *record.members.iter().next().expect("records have members");
                 let failure = OpFailure::new(FailureKind::Superseded, any_member, reason);
                 let members: Vec<PeerId> = record.members.iter().copied().collect();
                 for p in members {
-                    self.send_to_peer(p, Message::OpAborted { epoch: old, seq, failure: failure.clone() });
+                    self.send_to_peer(p, Message::OpAborted { epoch: old, derived, seq, failure: failure.clone() });
                 }
             }
             self.ops.remove(&key);
         }
-        debug_assert!(self.ops.keys().all(|(g, _, _)| *g != group), "a replaced ring's collective is open");
+        debug_assert!(self.ops.keys().all(|(g, ..)| *g != group), "a replaced ring's collective is open");
     }
 
     /// Commits if the rules allow, answers whoever waits, and forgets what is settled.
@@ -179,7 +191,7 @@ impl Master {
         if record.outcome.is_none() && all_done {
             record.outcome = Some(Outcome::Committed);
         }
-        let (_, epoch, seq) = key;
+        let (_, epoch, derived, seq) = key;
         let answer = match &record.outcome {
             None if record.waiting.is_empty() => return,
             None => {
@@ -192,12 +204,12 @@ impl Master {
                     .collect();
                 record.queried.extend(ask.iter().copied());
                 for p in ask {
-                    self.send_to_peer(p, Message::OpQuery { epoch, seq });
+                    self.send_to_peer(p, Message::OpQuery { epoch, derived, seq });
                 }
                 return;
             }
-            Some(Outcome::Committed) => Message::OpCommitted { epoch, seq },
-            Some(Outcome::Aborted(failure)) => Message::OpAborted { epoch, seq, failure: failure.clone() },
+            Some(Outcome::Committed) => Message::OpCommitted { epoch, derived, seq },
+            Some(Outcome::Aborted(failure)) => Message::OpAborted { epoch, derived, seq, failure: failure.clone() },
         };
         let waiting = std::mem::take(&mut record.waiting);
         // Only members report (`op_key`), so only members hear a verdict.
@@ -211,9 +223,11 @@ impl Master {
         debug_assert!(self.ops.get(&key).is_none_or(|r| r.waiting.is_empty()), "answered, yet waiting");
     }
 
-    /// The record of collective `seq` in `peer`'s group, created on first report. `None` (and
-    /// the reporter answered or expelled) when the report cannot concern the current ring.
-    fn op_key(&mut self, peer: PeerId, epoch: Epoch, seq: u64) -> Option<OpKey> {
+    /// The record of collective `name` in `peer`'s group, created on first report (of a derived
+    /// group's, with the `members` the report names). `None` (and the reporter answered or
+    /// expelled) when the report cannot concern the current ring.
+    fn op_key(&mut self, peer: PeerId, name: OpName, members: Vec<PeerId>) -> Option<OpKey> {
+        let OpName { epoch, derived, seq } = name;
         let entry = self.peers.get(&peer)?;
         if entry.status != Status::Accepted {
             self.violation(peer, super::PeerMisbehaved::ReportFromNonMember { peer });
@@ -224,16 +238,31 @@ impl Master {
             // A report for a replaced topology: that ring's collectives were settled with it.
             let reason = format!("topology {} was replaced by topology {}", epoch.0, self.g.ring_epoch.0);
             let failure = OpFailure::new(FailureKind::Superseded, peer, reason);
-            self.send_to_peer(peer, Message::OpAborted { epoch, seq, failure });
+            self.send_to_peer(peer, Message::OpAborted { epoch, derived, seq, failure });
             return None;
         }
-        let key = (group, epoch, seq);
+        let key = (group, epoch, derived, seq);
+        let named: BTreeSet<PeerId> = members.iter().copied().collect();
+        let known = self.ops.get(&key).map(|r| &r.members);
+        // A derived group's members: within the ring (or removed from the run since: the
+        // reporter may not have heard yet), the reporter among them, each once, and the same in
+        // every report that names them (a member answering a query need not).
+        let fits = named.len() == members.len()
+            && named.contains(&peer)
+            && named.iter().all(|p| self.g.ring.contains(p) || (!self.peers.contains_key(p) && p.0 < self.next_peer))
+            && known.is_none_or(|k| *k == named);
+        let named_well =
+            if derived == 0 { members.is_empty() } else { fits || (members.is_empty() && known.is_some()) };
+        if !named_well {
+            self.violation(peer, super::PeerMisbehaved::DerivedMembers { peer, derived });
+            return None;
+        }
         if !self.ops.contains_key(&key) {
             if self.ops.len() >= MAX_TRACKED_OPS {
                 self.violation(peer, super::PeerMisbehaved::TooManyOpenCollectives);
                 return None;
             }
-            let members: BTreeSet<PeerId> = self.g.ring.iter().copied().collect();
+            let members = if derived == 0 { self.g.ring.iter().copied().collect() } else { named };
             let record = OpRecord {
                 members,
                 done: BTreeSet::new(),

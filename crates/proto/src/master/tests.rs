@@ -235,7 +235,7 @@ fn every_removal_is_reported_to_the_others() {
 }
 
 fn done(epoch: Epoch, seq: u64, decided: bool) -> Message {
-    Message::OpDone { epoch, seq, decided }
+    Message::OpDone { derived: 0, members: Vec::new(), epoch, seq, decided }
 }
 
 fn lost(peer: u32) -> OpFailure {
@@ -247,14 +247,14 @@ fn a_collective_commits_once_every_member_still_in_the_run_has_it() {
     let (mut h, epoch) = run_with(3);
     // The first to ask makes the master query the others, once.
     let out = h.send(1, done(epoch, 0, false));
-    let query = Message::OpQuery { epoch, seq: 0 };
+    let query = Message::OpQuery { derived: 0, epoch, seq: 0 };
     assert_eq!((sent_to(&out, 1), sent_to(&out, 2), sent_to(&out, 3)), (vec![], vec![&query], vec![&query]));
     assert!(h.send(2, done(epoch, 0, false)).is_empty());
     // The third died holding or not holding the result: it counts for nothing either way.
     h.master.handle_disconnect(h.now, ConnId(3), "eof");
     let out = h.drain();
     for conn in [1, 2] {
-        assert!(sent_to(&out, conn).contains(&&Message::OpCommitted { epoch, seq: 0 }), "{out:?}");
+        assert!(sent_to(&out, conn).contains(&&Message::OpCommitted { derived: 0, epoch, seq: 0 }), "{out:?}");
     }
 }
 
@@ -262,9 +262,9 @@ fn a_collective_commits_once_every_member_still_in_the_run_has_it() {
 fn a_participant_that_committed_on_its_own_commits_it_for_those_that_ask() {
     let (mut h, epoch) = run_with(3);
     let out = h.send(2, done(epoch, 4, false));
-    assert_eq!(sent_to(&out, 1), vec![&Message::OpQuery { epoch, seq: 4 }]);
+    assert_eq!(sent_to(&out, 1), vec![&Message::OpQuery { derived: 0, epoch, seq: 4 }]);
     let out = h.send(1, done(epoch, 4, true));
-    assert_eq!(sent_to(&out, 2), vec![&Message::OpCommitted { epoch, seq: 4 }]);
+    assert_eq!(sent_to(&out, 2), vec![&Message::OpCommitted { derived: 0, epoch, seq: 4 }]);
     assert!(h.send(3, done(epoch, 4, true)).is_empty(), "nobody else asked");
     // Settled and forgotten: the same number may not be reported again in this topology, but
     // if it is, it starts a new record rather than inheriting the old verdict.
@@ -274,13 +274,64 @@ fn a_participant_that_committed_on_its_own_commits_it_for_those_that_ask() {
 #[test]
 fn a_failure_aborts_for_every_member_including_those_that_report_later() {
     let (mut h, epoch) = run_with(3);
-    let out = h.send(2, Message::OpFailed { epoch, seq: 1, failure: lost(2) });
-    let aborted = Message::OpAborted { epoch, seq: 1, failure: lost(2) };
+    let out = h.send(2, Message::OpFailed { derived: 0, members: Vec::new(), epoch, seq: 1, failure: lost(2) });
+    let aborted = Message::OpAborted { derived: 0, epoch, seq: 1, failure: lost(2) };
     for conn in [1, 2, 3] {
         assert!(sent_to(&out, conn).contains(&&aborted), "{out:?}");
     }
     let out = h.send(1, done(epoch, 1, false));
     assert_eq!(sent_to(&out, 1), vec![&aborted]);
+}
+
+/// A derived group's collective is agreed among its members alone, named by its group as well
+/// as its number: the first report names them, the master queries and tells only them, and a
+/// collective of the same number in the whole group is another.
+#[test]
+fn a_derived_groups_collective_is_agreed_among_its_members() {
+    let (mut h, epoch) = run_with(3);
+    let (d, members) = (0xd, vec![PeerId(2), PeerId(0)]);
+    let asked = Message::OpDone { derived: d, members: members.clone(), epoch, seq: 0, decided: false };
+    let out = h.send(1, asked);
+    let query = Message::OpQuery { derived: d, epoch, seq: 0 };
+    assert_eq!((sent_to(&out, 2), sent_to(&out, 3)), (vec![], vec![&query]), "peer#1 is not in it");
+    assert!(h.send(2, done(epoch, 0, false)).iter().any(|o| matches!(o, Output::Send { .. })), "the whole group's");
+    // Peer#2 answers the query without naming the members again.
+    let out = h.send(3, Message::OpDone { derived: d, members: Vec::new(), epoch, seq: 0, decided: true });
+    assert_eq!(sent_to(&out, 1), vec![&Message::OpCommitted { derived: d, epoch, seq: 0 }]);
+    let failed = Message::OpFailed { derived: d, members: members.clone(), epoch, seq: 1, failure: lost(2) };
+    let out = h.send(3, failed);
+    let aborted = Message::OpAborted { derived: d, epoch, seq: 1, failure: lost(2) };
+    assert!(sent_to(&out, 1).contains(&&aborted) && sent_to(&out, 3).contains(&&aborted), "{out:?}");
+    assert!(!sent_to(&out, 2).contains(&&aborted), "peer#1 is not in it");
+}
+
+/// A report naming a derived group's members that are not the ring's (or without the reporter,
+/// or others than an earlier report named) is a protocol violation, and expels the reporter.
+#[test]
+fn a_derived_group_named_outside_the_ring_or_unlike_before_expels_the_reporter() {
+    let (mut h, epoch) = run_with(3);
+    let report = |members: Vec<u32>, seq| Message::OpDone {
+        derived: 7,
+        members: members.into_iter().map(PeerId).collect(),
+        epoch,
+        seq,
+        decided: false,
+    };
+    let kicked = |out: &[Output], conn| sent_to(out, conn).iter().any(|m| matches!(m, Message::Kicked { .. }));
+    assert!(kicked(&h.send(1, report(vec![0, 9], 0)), 1), "peer#9 was never in the run");
+    assert!(kicked(&h.send(2, report(vec![2], 0)), 2), "without the reporter");
+    assert!(!kicked(&h.send(3, report(vec![2, 0], 1)), 3));
+    let (mut h, epoch) = run_with(3);
+    let report = |members: Vec<u32>| Message::OpDone {
+        derived: 7,
+        members: members.into_iter().map(PeerId).collect(),
+        epoch,
+        seq: 0,
+        decided: false,
+    };
+    assert!(!kicked(&h.send(1, report(vec![0, 1])), 1));
+    assert!(kicked(&h.send(2, report(vec![1, 2])), 2), "unlike the first report");
+    assert!(kicked(&h.send(3, report(Vec::new())), 3), "a first report names the members");
 }
 
 #[test]
@@ -289,7 +340,7 @@ fn reports_about_a_replaced_topology_get_an_abort() {
     let stale = Epoch(epoch.0 - 1);
     let out = h.send(1, done(stale, 0, false));
     match sent_to(&out, 1)[..] {
-        [Message::OpAborted { epoch: e, seq: 0, failure }] => {
+        [Message::OpAborted { derived: 0, epoch: e, seq: 0, failure }] => {
             assert_eq!((*e, failure.kind), (stale, FailureKind::Superseded))
         }
         _ => panic!("{out:?}"),
@@ -312,7 +363,7 @@ fn an_undecided_collective_aborts_when_the_ring_is_replaced() {
     for c in 1..=4 {
         out = h.send(c, Message::TopologyReady { epoch: next });
     }
-    assert!(sent_to(&out, 1).iter().any(|m| matches!(m, Message::OpAborted { seq: 0, .. })), "{out:?}");
+    assert!(sent_to(&out, 1).iter().any(|m| matches!(m, Message::OpAborted { derived: 0, seq: 0, .. })), "{out:?}");
 }
 
 /// The retry rule: a member lost between or during collectives makes the master issue a
@@ -346,14 +397,14 @@ fn a_lost_member_re_forms_the_ring_without_a_vote() {
 fn an_aborted_collective_re_forms_the_ring_before_its_verdict_goes_out() {
     let (mut h, epoch) = run_with(2);
     let failure = crate::mismatched(epoch.0, 3, 1, 0);
-    let out = h.send(2, Message::OpFailed { epoch, seq: 3, failure });
+    let out = h.send(2, Message::OpFailed { derived: 0, members: Vec::new(), epoch, seq: 3, failure });
     for conn in [1, 2] {
         let kinds: Vec<&str> = sent_to(&out, conn).iter().map(|m| m.name()).collect();
         assert_eq!(kinds, vec!["Topology", "OpAborted"], "to {conn}");
     }
     // A late report about the aborted collective still gets the same verdict.
     let out = h.send(1, done(epoch, 3, false));
-    assert!(matches!(sent_to(&out, 1)[..], [Message::OpAborted { seq: 3, .. }]), "{out:?}");
+    assert!(matches!(sent_to(&out, 1)[..], [Message::OpAborted { derived: 0, seq: 3, .. }]), "{out:?}");
 }
 
 /// A mismatch is the reporter's own call against a member's, both of the collective reported: one
@@ -363,7 +414,7 @@ fn a_mismatch_of_other_calls_than_the_reporters_expels_it() {
     for (seq, ours, theirs) in [(3, 2, 0), (4, 1, 0), (3, 1, 9), (3, 1, 0)] {
         let (mut h, epoch) = run_with(3);
         let failure = crate::mismatched(epoch.0, seq, ours, theirs);
-        let out = h.send(2, Message::OpFailed { epoch, seq: 3, failure });
+        let out = h.send(2, Message::OpFailed { derived: 0, members: Vec::new(), epoch, seq: 3, failure });
         let expelled = sent_to(&out, 1).contains(&&Message::PeerRemoved { peer: PeerId(1) });
         assert_eq!(expelled, (seq, ours, theirs) != (3, 1, 0), "{out:?}");
     }
@@ -390,7 +441,7 @@ fn a_collective_run_during_an_admission_vote_abandons_the_vote() {
     // Peer 1 was running collective 7, which the voter never started.
     let misuse = Misuse::new(made(&[1], at(Api::AllReduce, epoch, 7)), made(&[0], at(Vote::UpdateTopology, epoch, 7)));
     let failure = OpFailure::misuse(PeerId(1), misuse.clone());
-    let out = h.send(2, Message::OpFailed { epoch, seq: 7, failure });
+    let out = h.send(2, Message::OpFailed { derived: 0, members: Vec::new(), epoch, seq: 7, failure });
     let aborted = Message::TopologyVoteAborted { retry: false, reason: misuse.into() };
     for conn in [1, 2, 3] {
         assert!(sent_to(&out, conn).contains(&&aborted), "{out:?}");
@@ -657,10 +708,10 @@ fn a_late_report_about_the_old_ring_never_decides_the_same_number_in_the_new_one
         h.send(c, Message::TopologyReady { epoch: new });
     }
     // Collective 12 of the new ring fails at one member; another finished and asks.
-    let out = h.send(1, Message::OpFailed { epoch: new, seq: 12, failure: lost(3) });
-    assert!(sent_to(&out, 3).iter().any(|m| matches!(m, Message::OpAborted { seq: 12, .. })), "{out:?}");
+    let out = h.send(1, Message::OpFailed { derived: 0, members: Vec::new(), epoch: new, seq: 12, failure: lost(3) });
+    assert!(sent_to(&out, 3).iter().any(|m| matches!(m, Message::OpAborted { derived: 0, seq: 12, .. })), "{out:?}");
     let out = h.send(3, done(new, 12, false));
-    assert!(matches!(sent_to(&out, 3)[..], [Message::OpAborted { .. }]), "{out:?}");
+    assert!(matches!(sent_to(&out, 3)[..], [Message::OpAborted { derived: 0, .. }]), "{out:?}");
 }
 
 /// PCCL's loop: `peers_pending`, `update_topology`, then the sync. A newcomer's first call is
@@ -794,7 +845,7 @@ fn a_vote_is_announced_to_the_group_and_a_collective_it_blocks_abandons_it() {
     let out = h.send(2, Message::VotePeersPending { collectives: 4 });
     assert!(sent_to(&out, 3).is_empty(), "announced already: {out:?}");
     let failure = OpFailure::new(FailureKind::Misuse, PeerId(2), "peer#0 called peers_pending after 4 collectives");
-    let out = h.send(3, Message::OpFailed { epoch, seq: 4, failure });
+    let out = h.send(3, Message::OpFailed { derived: 0, members: Vec::new(), epoch, seq: 4, failure });
     for conn in [1, 2] {
         assert!(sent_to(&out, conn).iter().any(|m| matches!(m, Message::PeersPendingAborted { .. })), "{out:?}");
     }
@@ -1430,7 +1481,7 @@ fn a_transfer_waiting_on_a_collective_ends_after_the_ring_re_formed() {
     let send = Call::Transfer { send: true, peer: PeerId(0), tag: 3 };
     let misuse = Misuse::new(made(&[2], send), made(&[0], at(Api::Barrier, epoch, 0)));
     let failure = OpFailure::misuse(PeerId(0), misuse.clone());
-    let out = h.send(1, Message::OpFailed { epoch, seq: 0, failure });
+    let out = h.send(1, Message::OpFailed { derived: 0, members: Vec::new(), epoch, seq: 0, failure });
     let kinds: Vec<&str> = sent_to(&out, 3).iter().map(|m| m.name()).collect();
     assert_eq!(kinds, vec!["Topology", "OpAborted"], "the waiter hears of the new ring first");
     let out = h.send(1, Message::P2pApart { peer: PeerId(2), misuse: misuse.clone() });
@@ -1511,7 +1562,7 @@ fn a_loss_in_one_group_leaves_the_other_alone() {
     h.send(11, Message::TopologyReady { epoch: epoch7 });
     // Group 7 is in a peers_pending vote, and a collective of it was reported.
     h.send(10, Message::VotePeersPending { collectives: 3 });
-    h.send(11, Message::OpDone { epoch: epoch7, seq: 2, decided: false });
+    h.send(11, Message::OpDone { derived: 0, members: Vec::new(), epoch: epoch7, seq: 2, decided: false });
     h.master.handle_disconnect(h.now, ConnId(2), "reset");
     let out = h.drain();
     assert!(issued_epoch(&out, 1).is_some(), "group 0 re-forms without its lost member");

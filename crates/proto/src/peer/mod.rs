@@ -41,18 +41,25 @@ pub struct Seq(pub u64);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Revision(pub u64);
 
-/// A collective's name on every participant: its topology and its number there.
+/// A collective's name on every participant: its topology, the derived group it runs in, and
+/// its number there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct OpId {
     /// The topology it runs in.
     pub epoch: Epoch,
+    /// The derived group it runs in ([`Derived::id`]); 0 for the topology's whole group.
+    pub derived: u64,
     /// Its number there.
     pub seq: Seq,
 }
 
 impl fmt::Display for OpId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "collective {} of topology {}", self.seq.0, self.epoch.0)
+        write!(f, "collective {} of topology {}", self.seq.0, self.epoch.0)?;
+        if self.derived != 0 {
+            write!(f, " in derived group {:#x}", self.derived)?;
+        }
+        Ok(())
     }
 }
 
@@ -89,8 +96,29 @@ pub enum CallKind {
     /// `sync_shared_state` with this peer's ballot.
     SyncSharedState(SyncBallot),
     /// A collective, by the call users know it as (`all_reduce`, `barrier`, the barrier
-    /// `optimize_topology` starts with, ...): its data moves in [`Action::RunCollective`].
-    Collective(Api),
+    /// `optimize_topology` starts with, ...), in the topology's whole group or a group derived
+    /// from it: its data moves in [`Action::RunCollective`].
+    Collective(Api, Option<Derived>),
+}
+
+/// A group derived from the whole group without admission (`split`, `new_group`): its name, the
+/// same on each of its members and unlike any other group's they derived, and its members as it
+/// was derived, by their rank there. In each topology it is those of them still members, in that
+/// order; its collectives are numbered on their own (`docs/protocol.md`, "Derived groups").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Derived {
+    /// Its name (never 0, the whole group's).
+    pub id: u64,
+    /// Its members as derived, by rank.
+    pub members: std::sync::Arc<[PeerId]>,
+}
+
+impl Derived {
+    /// Its members in the topology whose ring is `ring`: the topology's rank of each, by their
+    /// rank in the group.
+    pub fn ranks_in(&self, ring: &[shoal_wire::Member]) -> Vec<usize> {
+        self.members.iter().filter_map(|p| ring.iter().position(|m| m.peer == *p)).collect()
+    }
 }
 
 impl CallKind {
@@ -101,7 +129,7 @@ impl CallKind {
             CallKind::OptimizeTopology(_) => Api::OptimizeTopology,
             CallKind::PeersPending => Api::PeersPending,
             CallKind::SyncSharedState(_) => Api::SyncSharedState,
-            CallKind::Collective(api) => *api,
+            CallKind::Collective(api, _) => *api,
         }
     }
 }
@@ -149,8 +177,11 @@ pub enum Action {
         call: CallId,
         /// The collective.
         op: OpId,
-        /// Our place in its ring.
+        /// Our place in its topology's ring.
         position: RingPosition,
+        /// For a derived group's collective, the ring's rank of each of its members, by their
+        /// rank in the group (empty: the whole ring).
+        group: Vec<usize>,
         /// When the call's bound ends.
         deadline: Instant,
     },
@@ -305,8 +336,21 @@ struct InFlight {
     /// Its call, as users know it.
     api: Api,
     deadline: Instant,
+    /// Its participants, by rank: the ring's members, or its derived group's.
     members: Vec<PeerId>,
     stage: OpStage,
+}
+
+impl InFlight {
+    /// The members a report about derived collective `op` names for the master (none for the
+    /// whole group's: the master knows the ring).
+    fn named(&self, op: OpId) -> Vec<PeerId> {
+        if op.derived == 0 {
+            Vec::new()
+        } else {
+            self.members.clone()
+        }
+    }
 }
 
 /// Why a call waits for a topology.
@@ -976,7 +1020,7 @@ impl Peer {
             (OpProgress::Confirmed, OpStage::Lap) => {
                 // Every participant holds the result: committed without the master, which hears
                 // of it only if it asks (to answer a participant that could not tell).
-                self.view.commit_on_our_own(op.epoch, op.seq.0);
+                self.view.commit_on_our_own(op);
                 while let Some(m) = self.view.poll_output() {
                     self.outbox.push_back(m);
                 }
@@ -1125,10 +1169,10 @@ impl Peer {
     /// ([`PeerView::fail_next`]).
     fn ended_apart(&mut self, id: CallId, kind: &CallKind) -> bool {
         debug_assert!(self.view.committed.is_some(), "{id:?} ends apart outside any topology");
-        if let CallKind::Collective(api) = kind {
-            let Some((epoch, seq, failure)) = self.view.fail_next() else { return false };
-            self.calling(seq, Made::api(*api));
-            self.finish(id, Err(CallError::Aborted { op: OpId { epoch, seq: Seq(seq) }, failure }));
+        if let CallKind::Collective(api, derived) = kind {
+            let Some((op, failure)) = self.view.fail_next(derived.as_ref().map_or(0, |d| d.id)) else { return false };
+            self.calling(self.point_of(op), Made::api(*api));
+            self.finish(id, Err(CallError::Aborted { op, failure }));
             return true;
         }
         let Some(theirs) = self.view.settled_here.take() else { return false };
@@ -1205,7 +1249,7 @@ impl Peer {
                 self.outbox.push_back(vote);
                 Call::Sync(SyncStage::Voted(ballot))
             }
-            CallKind::Collective(api) => return self.start_collective(id, api, deadline),
+            CallKind::Collective(api, derived) => return self.start_collective(id, api, derived, deadline),
         };
         assert!(self.call.as_ref().is_none_or(|(c, ..)| *c == id), "{id:?} votes while another call runs");
         self.call = Some((id, deadline, call));
@@ -1221,25 +1265,36 @@ impl Peer {
         }
     }
 
-    fn start_collective(&mut self, id: CallId, api: Api, deadline: Instant) {
+    /// The whole group's point (collectives started there) a call of collective `op` is made at:
+    /// a derived group's collective is a call between two of the whole group's.
+    fn point_of(&self, op: OpId) -> u64 {
+        if op.derived == 0 {
+            op.seq.0
+        } else {
+            self.view.started
+        }
+    }
+
+    fn start_collective(&mut self, id: CallId, api: Api, derived: Option<Derived>, deadline: Instant) {
         self.call = None;
-        match self.view.start_collective() {
+        match self.view.start_collective(derived.as_ref().map_or(0, |d| d.id)) {
             // The others failed it before we started it: it fails here too, untouched.
-            Err((epoch, seq, failure)) => {
-                self.finish(id, Err(CallError::Aborted { op: OpId { epoch, seq: Seq(seq) }, failure }))
-            }
-            Ok((epoch, seq)) => {
-                self.calling(seq, Made::api(api));
-                let op = OpId { epoch, seq: Seq(seq) };
+            Err((op, failure)) => self.finish(id, Err(CallError::Aborted { op, failure })),
+            Ok(op) => {
+                self.calling(self.point_of(op), Made::api(api));
                 let position = self.position().expect("a collective runs in the topology taken up");
-                if position.group_size() == 1 {
-                    self.view.collective_ended(epoch, true);
+                let group = derived.as_ref().map_or_else(Vec::new, |d| d.ranks_in(&position.ring));
+                let members: Vec<PeerId> = match derived {
+                    None => position.ring.iter().map(|m| m.peer).collect(),
+                    Some(_) => group.iter().map(|&r| position.ring[r].peer).collect(),
+                };
+                let me = self.view.registered.map(|(p, _)| p);
+                assert!(me.is_some_and(|me| members.contains(&me)), "a collective of a group we are not in");
+                if members.len() == 1 {
+                    self.view.collective_ended(op.epoch, true);
                     return self.actions.push_back(Action::Done { call: id, result: Ok(Value::Collective(op)) });
                 }
-                let members: Vec<PeerId> = position.ring.iter().map(|m| m.peer).collect();
-                let me = self.view.registered.map(|(p, _)| p);
-                assert_eq!(Some(members[position.rank]), me, "a collective runs at our own rank");
-                self.actions.push_back(Action::RunCollective { call: id, op, position, deadline });
+                self.actions.push_back(Action::RunCollective { call: id, op, position, group, deadline });
                 self.ask_judgement();
                 let previous =
                     self.ops.insert(op, InFlight { call: id, api, deadline, members, stage: OpStage::Running });
@@ -1359,11 +1414,12 @@ impl Peer {
     /// followed it). An abort already decided is the answer.
     fn report(&mut self, op: OpId, failure: OpFailure, now: Instant) {
         debug_assert!(self.ops.contains_key(&op), "{op} reports a failure out of flight");
-        if let Some(Verdict::Aborted(f)) = self.view.verdicts.remove(&(op.epoch, op.seq.0)) {
+        if let Some(Verdict::Aborted(f)) = self.view.verdicts.remove(&op) {
             return self.end_op(op, Err(CallError::Aborted { op, failure: f }));
         }
         self.set_stage(op, OpStage::Reporting(now + self.config.heartbeat_timeout, failure.clone()));
-        self.outbox.push_back(Message::OpFailed { epoch: op.epoch, seq: op.seq.0, failure });
+        let (epoch, derived, seq, members) = (op.epoch, op.derived, op.seq.0, self.ops[&op].named(op));
+        self.outbox.push_back(Message::OpFailed { epoch, derived, seq, members, failure });
         debug_assert!(self.ops.get(&op).is_none_or(|o| matches!(o.stage, OpStage::Reporting(..))));
     }
 
@@ -1375,7 +1431,8 @@ impl Peer {
         debug_assert!(!matches!(self.ops[&op].stage, OpStage::Reporting(..)), "{op} failed here, yet asks");
         log::info!("{op} finished here, asking the master ({reason})");
         self.set_stage(op, OpStage::Asking(deadline.max(now) + self.config.heartbeat_timeout));
-        self.outbox.push_back(Message::OpDone { epoch: op.epoch, seq: op.seq.0, decided: false });
+        let (epoch, derived, seq, members) = (op.epoch, op.derived, op.seq.0, self.ops[&op].named(op));
+        self.outbox.push_back(Message::OpDone { epoch, derived, seq, members, decided: false });
         debug_assert!(matches!(self.ops[&op].stage, OpStage::Asking(until) if until > now));
     }
 
@@ -1447,7 +1504,7 @@ impl Peer {
         let Some(next) = self.queue.front() else { return false };
         let ready = self.call.is_none()
             && match next.kind {
-                CallKind::Collective(_) => {
+                CallKind::Collective(..) => {
                     self.ops.len() < self.config.max_in_flight.max(1)
                         && (self.ops.is_empty() || !self.topology_issued())
                 }
@@ -1598,20 +1655,23 @@ impl Peer {
     /// [`Peer::removal_grace`] after the news.
     fn step_op(&mut self, op: OpId, now: Instant, stalled: Option<&[PeerId]>) -> bool {
         let Some(InFlight { deadline, members, stage, api, .. }) = self.ops.get(&op).cloned() else { return false };
-        let (epoch, seq) = (op.epoch, op.seq.0);
         let before = std::mem::discriminant(&stage);
         let moved = match stage {
             OpStage::Running => {
                 let me = self.view.registered.expect("a collective runs once registered").0;
-                let interrupt = self.view.interrupt(epoch, seq, api, stalled.unwrap_or_default());
+                let interrupt = self.view.interrupt(op, api, stalled.unwrap_or_default());
                 let late = stalled.and_then(|_| self.removed_long_ago(&members, now));
                 let failure = match interrupt.or(late.map(Interrupt::MemberLost)) {
                     Some(Interrupt::Aborted(failure)) => {
-                        self.view.verdicts.remove(&(epoch, seq));
+                        self.view.verdicts.remove(&op);
                         self.end_op(op, Err(CallError::Aborted { op, failure }));
                         return true;
                     }
                     Some(Interrupt::Blocked(misuse)) if stalled.is_some() => OpFailure::misuse(me, misuse),
+                    Some(Interrupt::Superseded(issued)) if stalled.is_some() => {
+                        let why = format!("topology {} was issued while {op} waited for its members", issued.0);
+                        OpFailure::new(FailureKind::Superseded, me, why)
+                    }
                     Some(Interrupt::MemberLost(peer)) => {
                         OpFailure::new(FailureKind::PeerLost, peer, "the master removed it from the run")
                     }
@@ -1625,7 +1685,7 @@ impl Peer {
                 true
             }
             OpStage::Lap => {
-                match self.view.lap_interrupt(epoch, seq, &members) {
+                match self.view.lap_interrupt(op, &members) {
                     Some(LapInterrupt::Verdict(v)) => self.verdict(op, v, None),
                     Some(LapInterrupt::MemberLost(peer)) if stalled.is_some() => {
                         self.ask(op, &format!("the master removed {peer}"), now)
@@ -1636,7 +1696,7 @@ impl Peer {
                 true
             }
             OpStage::Asking(until) => {
-                match self.view.verdicts.remove(&(epoch, seq)) {
+                match self.view.verdicts.remove(&op) {
                     Some(v) => self.verdict(op, v, None),
                     None if now >= until => self.end_op(op, Err(CallError::Timeout)),
                     None => return false,
@@ -1644,7 +1704,7 @@ impl Peer {
                 true
             }
             OpStage::Reporting(until, failure) => {
-                match self.view.verdicts.remove(&(epoch, seq)) {
+                match self.view.verdicts.remove(&op) {
                     Some(v) => self.verdict(op, v, Some(failure)),
                     None if now >= until => self.end_op(op, Err(CallError::Unconfirmed { op, failure })),
                     None => return false,
@@ -1666,7 +1726,7 @@ impl Peer {
             // The master never commits a collective a participant failed; the local error stands.
             (Verdict::Committed, Some(failure)) => Err(CallError::Unconfirmed { op, failure }),
             (Verdict::Committed, None) => {
-                self.view.remember_commit(op.epoch, op.seq.0);
+                self.view.remember_commit(op);
                 Ok(Value::Collective(op))
             }
             (Verdict::Aborted(failure), _) => Err(CallError::Aborted { op, failure }),

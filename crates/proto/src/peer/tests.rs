@@ -41,7 +41,7 @@ fn actions(p: &mut Peer) -> Vec<Action> {
         .map(|a| match a {
             Action::Done { result, .. } => done(result),
             Action::RunCollective { op, position, deadline, .. } => {
-                Action::RunCollective { call: CallId(0), op, position, deadline }
+                Action::RunCollective { call: CallId(0), op, position, group: Vec::new(), deadline }
             }
             a => a,
         })
@@ -95,7 +95,7 @@ fn joined_with(ring: &[u32], reconnect: bool) -> (Peer, Instant) {
 
 /// Starts a collective; returns its name.
 fn start_collective(p: &mut Peer, now: Instant) -> OpId {
-    p.call(CallKind::Collective(Api::AllReduce), BOUND, now);
+    p.call(CallKind::Collective(Api::AllReduce, None), BOUND, now);
     match &actions(p)[..] {
         [Action::RunCollective { op, .. }] => *op,
         other => panic!("expected the collective to run: {other:?}"),
@@ -134,7 +134,7 @@ fn heartbeats_follow_the_master_and_a_silent_master_ends_the_call() {
 fn a_removed_member_stops_the_collective_once_it_stalls_and_the_verdict_ends_it() {
     let (mut p, t0) = joined(&[0, 1, 2]);
     let op = start_collective(&mut p, t0);
-    assert_eq!(op, OpId { epoch: Epoch(1), seq: Seq(0) });
+    assert_eq!(op, OpId { epoch: Epoch(1), derived: 0, seq: Seq(0) });
     assert!(p.running(op));
     p.handle_message(Message::PeerRemoved { peer: PeerId(2) }, t0).unwrap();
     assert!(p.running(op), "bytes may still be flowing");
@@ -143,14 +143,14 @@ fn a_removed_member_stops_the_collective_once_it_stalls_and_the_verdict_ends_it(
     assert!(!p.running(op), "the data plane must stop");
     let failed = sent(&mut p);
     assert!(
-        matches!(&failed[..], [Message::OpFailed { epoch: Epoch(1), seq: 0, failure }] if failure.peer == PeerId(2)),
+        matches!(&failed[..], [Message::OpFailed { derived: 0, epoch: Epoch(1), seq: 0, failure, .. }] if failure.peer == PeerId(2)),
         "{failed:?}"
     );
     // What the data plane says after the decision changes nothing.
     p.handle_collective(op, OpProgress::DataDone, t0);
     assert!(actions(&mut p).is_empty());
     let failure = OpFailure::new(FailureKind::PeerLost, PeerId(2), "gone");
-    p.handle_message(Message::OpAborted { epoch: Epoch(1), seq: 0, failure: failure.clone() }, t0).unwrap();
+    p.handle_message(Message::OpAborted { derived: 0, epoch: Epoch(1), seq: 0, failure: failure.clone() }, t0).unwrap();
     assert_eq!(actions(&mut p), vec![done(Err(CallError::Aborted { op, failure }))]);
     assert!(!p.busy());
 }
@@ -171,7 +171,7 @@ fn a_removed_member_it_is_done_with_stops_the_collective_only_a_grace_later() {
     assert!(sent(&mut p).is_empty());
     p.handle_collective(op, OpProgress::Stalled { waits_on: vec![PeerId(1)] }, t0 + p.removal_grace());
     assert!(!p.running(op), "past the grace it stops");
-    assert!(matches!(&sent(&mut p)[..], [Message::OpFailed { failure, .. }] if failure.peer == PeerId(2)));
+    assert!(matches!(&sent(&mut p)[..], [Message::OpFailed { derived: 0, failure, .. }] if failure.peer == PeerId(2)));
 
     let (mut p, t0) = joined(&[0, 1, 2]);
     let op = start_collective(&mut p, t0);
@@ -181,10 +181,10 @@ fn a_removed_member_it_is_done_with_stops_the_collective_only_a_grace_later() {
     p.handle_collective(op, OpProgress::Stalled { waits_on: vec![] }, t0);
     assert_eq!(
         sent(&mut p),
-        vec![Message::OpDone { epoch: Epoch(1), seq: 0, decided: false }],
+        vec![Message::OpDone { derived: 0, members: Vec::new(), epoch: Epoch(1), seq: 0, decided: false }],
         "the lap cannot finish"
     );
-    p.handle_message(Message::OpCommitted { epoch: Epoch(1), seq: 0 }, t0).unwrap();
+    p.handle_message(Message::OpCommitted { derived: 0, epoch: Epoch(1), seq: 0 }, t0).unwrap();
     assert_eq!(actions(&mut p), vec![done(Ok(Value::Collective(op)))]);
 }
 
@@ -193,14 +193,17 @@ fn a_removed_member_it_is_done_with_stops_the_collective_only_a_grace_later() {
 fn a_confirmed_lap_commits_on_its_own_and_answers_the_query_it_had() {
     let (mut p, t0) = joined(&[0, 1]);
     let op = start_collective(&mut p, t0);
-    p.handle_message(Message::OpQuery { epoch: Epoch(1), seq: 0 }, t0).unwrap();
+    p.handle_message(Message::OpQuery { derived: 0, epoch: Epoch(1), seq: 0 }, t0).unwrap();
     assert!(sent(&mut p).is_empty(), "not committed yet: answered when it is");
     p.handle_collective(op, OpProgress::DataDone, t0);
     assert!(p.running(op), "the lap runs");
     p.handle_collective(op, OpProgress::Confirmed, t0);
-    assert_eq!(sent(&mut p), vec![Message::OpDone { epoch: Epoch(1), seq: 0, decided: true }]);
+    assert_eq!(
+        sent(&mut p),
+        vec![Message::OpDone { derived: 0, members: Vec::new(), epoch: Epoch(1), seq: 0, decided: true }]
+    );
     assert_eq!(actions(&mut p), vec![done(Ok(Value::Collective(op)))]);
-    assert_eq!(start_collective(&mut p, t0), OpId { epoch: Epoch(1), seq: Seq(1) }, "numbered in order");
+    assert_eq!(start_collective(&mut p, t0), OpId { epoch: Epoch(1), derived: 0, seq: Seq(1) }, "numbered in order");
 }
 
 /// A lap that cannot finish asks the master, which decides for every participant.
@@ -211,11 +214,14 @@ fn a_broken_lap_asks_the_master_and_takes_its_verdict() {
     p.handle_collective(op, OpProgress::DataDone, t0);
     p.handle_collective(op, OpProgress::LapBroken("predecessor closed the stream".into()), t0);
     assert!(!p.running(op));
-    assert_eq!(sent(&mut p), vec![Message::OpDone { epoch: Epoch(1), seq: 0, decided: false }]);
+    assert_eq!(
+        sent(&mut p),
+        vec![Message::OpDone { derived: 0, members: Vec::new(), epoch: Epoch(1), seq: 0, decided: false }]
+    );
     // A lap the data plane finishes after the peer asked does not commit on its own.
     p.handle_collective(op, OpProgress::Confirmed, t0);
     assert!(actions(&mut p).is_empty() && sent(&mut p).is_empty());
-    p.handle_message(Message::OpCommitted { epoch: Epoch(1), seq: 0 }, t0).unwrap();
+    p.handle_message(Message::OpCommitted { derived: 0, epoch: Epoch(1), seq: 0 }, t0).unwrap();
     assert_eq!(actions(&mut p), vec![done(Ok(Value::Collective(op)))]);
 }
 
@@ -230,8 +236,12 @@ fn a_mismatch_after_the_data_moved_is_reported_and_other_failures_then_ask() {
     let mismatch = crate::mismatched(1, 0, 0, 1);
     p.handle_collective(op, OpProgress::Failed(mismatch.clone()), t0);
     assert!(!p.running(op));
-    assert_eq!(sent(&mut p), vec![Message::OpFailed { epoch: Epoch(1), seq: 0, failure: mismatch.clone() }]);
-    p.handle_message(Message::OpAborted { epoch: Epoch(1), seq: 0, failure: mismatch.clone() }, t0).unwrap();
+    assert_eq!(
+        sent(&mut p),
+        vec![Message::OpFailed { derived: 0, members: Vec::new(), epoch: Epoch(1), seq: 0, failure: mismatch.clone() }]
+    );
+    p.handle_message(Message::OpAborted { derived: 0, epoch: Epoch(1), seq: 0, failure: mismatch.clone() }, t0)
+        .unwrap();
     let ended = actions(&mut p);
     assert!(
         matches!(
@@ -262,7 +272,10 @@ fn without_a_verdict_a_failure_stands_and_a_question_times_out() {
     p.handle_collective(op, OpProgress::DataDone, after);
     p.handle_message(Message::PeerRemoved { peer: PeerId(1) }, after).unwrap();
     p.handle_collective(op, OpProgress::Stalled { waits_on: vec![] }, after);
-    assert_eq!(sent(&mut p).last(), Some(&Message::OpDone { epoch: Epoch(1), seq: 1, decided: false }));
+    assert_eq!(
+        sent(&mut p).last(),
+        Some(&Message::OpDone { derived: 0, members: Vec::new(), epoch: Epoch(1), seq: 1, decided: false })
+    );
     // Asked at `after`, within the call's bound: the answer may take that bound and a heartbeat
     // timeout more.
     let end = after + BOUND + HEARTBEAT_TIMEOUT;
@@ -305,7 +318,7 @@ fn a_vote_ended_apart_with_a_call_queued_behind_it_leaves_that_call_to_run() {
     let (mut p, t0) = joined(&[0, 1]);
     p.call(CallKind::UpdateTopology, BOUND, t0);
     assert_eq!(sent(&mut p), vec![Message::VoteUpdateTopology { collectives: 0, measured: None }]);
-    p.call(CallKind::Collective(Api::AllReduce), BOUND, t0);
+    p.call(CallKind::Collective(Api::AllReduce, None), BOUND, t0);
     p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1]), world: 8, limits: None }, t0)
         .unwrap();
     assert!(matches!(&actions(&mut p)[..], [Action::Establish { position, .. }] if position.epoch == Epoch(2)));
@@ -371,7 +384,7 @@ fn a_peer_told_of_its_own_mismatch_is_not_held_to_it() {
     assert_eq!(actions(&mut p), vec![done(Err(CallError::Misuse(apart())))]);
     p.handle_message(Message::SyncAborted { round: 1, retryable: false, reason: apart().into() }, t0).unwrap();
     let failure = OpFailure::new(FailureKind::Misuse, PeerId(1), "apart");
-    p.handle_message(Message::OpAborted { epoch: Epoch(1), seq: 0, failure }, t0).unwrap();
+    p.handle_message(Message::OpAborted { derived: 0, epoch: Epoch(1), seq: 0, failure }, t0).unwrap();
     p.call(CallKind::PeersPending, BOUND, t0);
     assert_eq!(sent(&mut p), vec![Message::VotePeersPending { collectives: 0 }]);
 }
@@ -389,8 +402,8 @@ fn a_voter_told_of_the_misuse_runs_its_next_collective() {
     p.handle_message(Message::PeersPendingAborted { retry: false, reason: apart().into() }, t0).unwrap();
     assert_eq!(actions(&mut p), vec![done(Err(CallError::Misuse(apart())))]);
     let failure = OpFailure::new(FailureKind::Misuse, PeerId(1), "apart");
-    p.handle_message(Message::OpAborted { epoch: Epoch(1), seq: 0, failure }, t0).unwrap();
-    p.call(CallKind::Collective(Api::AllReduce), BOUND, t0);
+    p.handle_message(Message::OpAborted { derived: 0, epoch: Epoch(1), seq: 0, failure }, t0).unwrap();
+    p.call(CallKind::Collective(Api::AllReduce, None), BOUND, t0);
     assert!(matches!(&actions(&mut p)[..], [Action::Establish { .. }]), "it follows the re-formed ring");
 }
 
@@ -401,11 +414,11 @@ fn a_voter_told_of_the_misuse_runs_its_next_collective() {
 fn a_collective_the_others_failed_first_fails_here_before_it_runs() {
     let (mut p, t0) = joined(&[0, 1, 2]);
     let failure = OpFailure::new(FailureKind::PeerLost, PeerId(2), "gone");
-    p.handle_message(Message::OpAborted { epoch: Epoch(1), seq: 0, failure: failure.clone() }, t0).unwrap();
+    p.handle_message(Message::OpAborted { derived: 0, epoch: Epoch(1), seq: 0, failure: failure.clone() }, t0).unwrap();
     p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1]), world: 8, limits: None }, t0)
         .unwrap();
-    p.call(CallKind::Collective(Api::AllReduce), BOUND, t0);
-    let op = OpId { epoch: Epoch(1), seq: Seq(0) };
+    p.call(CallKind::Collective(Api::AllReduce, None), BOUND, t0);
+    let op = OpId { epoch: Epoch(1), derived: 0, seq: Seq(0) };
     assert_eq!(actions(&mut p), vec![done(Err(CallError::Aborted { op, failure }))], "before it follows the ring");
     // update_topology after that failure has nothing to vote on: the ring re-formed already.
     p.call(CallKind::UpdateTopology, BOUND, t0);
@@ -415,7 +428,7 @@ fn a_collective_the_others_failed_first_fails_here_before_it_runs() {
     let ended = actions(&mut p);
     assert!(matches!(&ended[..], [Action::TakeUp(_), Action::Done { result: Ok(Value::TopologyInForce), .. }]));
     assert!(sent(&mut p).iter().all(|m| !matches!(m, Message::VoteUpdateTopology { .. })));
-    assert_eq!(start_collective(&mut p, t0), OpId { epoch: Epoch(2), seq: Seq(0) });
+    assert_eq!(start_collective(&mut p, t0), OpId { epoch: Epoch(2), derived: 0, seq: Seq(0) });
 }
 
 /// A vote nobody answers ends at the call's bound; a collective called meanwhile waits behind
@@ -425,7 +438,7 @@ fn a_call_ends_at_its_bound_and_calls_behind_it_wait() {
     let (mut p, t0) = joined(&[0, 1]);
     let vote = p.call(CallKind::PeersPending, BOUND, t0);
     let later = t0 + Duration::from_millis(500);
-    let collective = p.call(CallKind::Collective(Api::AllReduce), BOUND, later);
+    let collective = p.call(CallKind::Collective(Api::AllReduce, None), BOUND, later);
     assert!(actions(&mut p).is_empty(), "the collective waits for the vote");
     let mut now = t0;
     while now < t0 + BOUND {
@@ -529,7 +542,7 @@ fn a_join_proves_the_secret_on_the_nonce_and_a_refusal_ends_connect() {
 
 /// Starts `n` collectives at once; returns (call, collective) of each, in call order.
 fn start_many(p: &mut Peer, n: usize, now: Instant) -> Vec<(CallId, OpId)> {
-    let calls: Vec<CallId> = (0..n).map(|_| p.call(CallKind::Collective(Api::AllReduce), BOUND, now)).collect();
+    let calls: Vec<CallId> = (0..n).map(|_| p.call(CallKind::Collective(Api::AllReduce, None), BOUND, now)).collect();
     let started: Vec<(CallId, OpId)> = tagged_actions(p)
         .into_iter()
         .map(|a| match a {
@@ -555,7 +568,7 @@ fn collectives_overlap_up_to_the_limit_and_a_vote_waits_for_them() {
     let running = start_many(&mut p, 4, t0);
     let seqs: Vec<u64> = running.iter().map(|(_, op)| op.seq.0).collect();
     assert_eq!(seqs, vec![0, 1, 2, 3]);
-    let fifth = p.call(CallKind::Collective(Api::AllReduce), BOUND, t0);
+    let fifth = p.call(CallKind::Collective(Api::AllReduce, None), BOUND, t0);
     assert!(actions(&mut p).is_empty(), "four are in flight already");
     let vote = p.call(CallKind::PeersPending, BOUND, t0);
     confirm(&mut p, running[2].1, t0);
@@ -569,7 +582,7 @@ fn collectives_overlap_up_to_the_limit_and_a_vote_waits_for_them() {
         confirm(&mut p, op, t0);
     }
     assert!(sent(&mut p).is_empty(), "the vote waits for the last collective");
-    confirm(&mut p, OpId { epoch: Epoch(1), seq: Seq(4) }, t0);
+    confirm(&mut p, OpId { epoch: Epoch(1), derived: 0, seq: Seq(4) }, t0);
     assert_eq!(sent(&mut p), vec![Message::VotePeersPending { collectives: 5 }]);
     p.handle_message(Message::PeersPendingResult { pending: false }, t0).unwrap();
     let ended = tagged_actions(&mut p);
@@ -584,10 +597,13 @@ fn a_query_about_a_collective_still_running_waits_though_a_later_one_committed()
     let (mut p, t0) = joined(&[0, 1]);
     let running = start_many(&mut p, 2, t0);
     confirm(&mut p, running[1].1, t0);
-    p.handle_message(Message::OpQuery { epoch: Epoch(1), seq: 0 }, t0).unwrap();
+    p.handle_message(Message::OpQuery { derived: 0, epoch: Epoch(1), seq: 0 }, t0).unwrap();
     assert!(sent(&mut p).is_empty(), "collective 0 has not committed here");
     confirm(&mut p, running[0].1, t0);
-    assert_eq!(sent(&mut p), vec![Message::OpDone { epoch: Epoch(1), seq: 0, decided: true }]);
+    assert_eq!(
+        sent(&mut p),
+        vec![Message::OpDone { derived: 0, members: Vec::new(), epoch: Epoch(1), seq: 0, decided: true }]
+    );
 }
 
 /// A member lost with several collectives in flight: each is reported and aborted on its own;
@@ -600,7 +616,7 @@ fn a_lost_member_aborts_every_collective_in_flight_and_the_missed_ones_fail_alik
     let lost = OpFailure::new(FailureKind::PeerLost, PeerId(2), "gone");
     // The others had started collectives 2 and 3 too: the master aborted all four.
     for seq in 0..4 {
-        let abort = Message::OpAborted { epoch: Epoch(1), seq, failure: lost.clone() };
+        let abort = Message::OpAborted { derived: 0, epoch: Epoch(1), seq, failure: lost.clone() };
         p.handle_message(abort, t0).unwrap();
     }
     let ended = tagged_actions(&mut p);
@@ -614,19 +630,21 @@ fn a_lost_member_aborts_every_collective_in_flight_and_the_missed_ones_fail_alik
     p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1]), world: 8, limits: None }, t0)
         .unwrap();
     for seq in [2, 3] {
-        let retry = p.call(CallKind::Collective(Api::AllReduce), BOUND, t0);
-        let missed = OpId { epoch: Epoch(1), seq: Seq(seq) };
+        let retry = p.call(CallKind::Collective(Api::AllReduce, None), BOUND, t0);
+        let missed = OpId { epoch: Epoch(1), derived: 0, seq: Seq(seq) };
         assert_eq!(
             tagged_actions(&mut p),
             vec![Action::Done { call: retry, result: Err(CallError::Aborted { op: missed, failure: lost.clone() }) }]
         );
     }
-    p.call(CallKind::Collective(Api::AllReduce), BOUND, t0);
+    p.call(CallKind::Collective(Api::AllReduce, None), BOUND, t0);
     assert!(matches!(&actions(&mut p)[..], [Action::Establish { .. }]), "the next call follows the re-formed ring");
     p.handle_established(Epoch(2), Established::Ready, t0);
     p.handle_message(Message::TopologyCommitted { epoch: Epoch(2) }, t0).unwrap();
     match &actions(&mut p)[..] {
-        [Action::TakeUp(_), Action::RunCollective { op, .. }] => assert_eq!(*op, OpId { epoch: Epoch(2), seq: Seq(0) }),
+        [Action::TakeUp(_), Action::RunCollective { op, .. }] => {
+            assert_eq!(*op, OpId { epoch: Epoch(2), derived: 0, seq: Seq(0) })
+        }
         other => panic!("{other:?}"),
     }
 }
@@ -681,7 +699,7 @@ fn a_collective_asks_again_after_a_rejoin_and_a_master_not_back_is_lost() {
     let op = start_collective(&mut p, t0);
     p.handle_collective(op, OpProgress::DataDone, t0);
     p.handle_collective(op, OpProgress::LapBroken("stream closed".into()), t0);
-    let asking = Message::OpDone { epoch: op.epoch, seq: op.seq.0, decided: false };
+    let asking = Message::OpDone { derived: 0, members: Vec::new(), epoch: op.epoch, seq: op.seq.0, decided: false };
     assert_eq!(sent(&mut p), vec![asking.clone()]);
     p.handle_disconnect("reset by peer".into(), t0);
     p.handle_reconnected([9; 32], t0 + Duration::from_millis(300));
@@ -816,7 +834,7 @@ fn a_wait_at_the_point_where_our_call_ended_apart_ends_at_once() {
     assert_eq!(actions(&mut p), vec![Action::MemberWaits(PeerId(1))]);
     p.handle_message(Message::TopologyVoteAborted { retry: false, reason: apart().into() }, t0).unwrap();
     actions(&mut p);
-    p.call(CallKind::Collective(Api::AllReduce), BOUND, t0);
+    p.call(CallKind::Collective(Api::AllReduce, None), BOUND, t0);
     assert!(matches!(&actions(&mut p)[..], [Action::RunCollective { .. }, Action::MemberWaits(PeerId(1))]));
 }
 
@@ -827,7 +845,7 @@ fn a_wait_at_the_point_where_our_call_ended_apart_ends_at_once() {
 #[test]
 fn a_collective_a_waiter_never_joins_fails_before_the_waiter_hears_of_it() {
     let (mut p, t0) = joined(&[0, 1, 2]);
-    p.call(CallKind::Collective(Api::Barrier), BOUND, t0);
+    p.call(CallKind::Collective(Api::Barrier, None), BOUND, t0);
     let [Action::RunCollective { op, .. }] = actions(&mut p)[..] else { panic!("runs") };
     p.handle_message(waits(1, 0), t0).unwrap();
     p.handle_message(waits(2, 1), t0).unwrap();
@@ -839,7 +857,7 @@ fn a_collective_a_waiter_never_joins_fails_before_the_waiter_hears_of_it() {
     let misuse = p2p_misuse(PeerId(1), &waits_note(0), PeerId(0), barrier, false);
     assert_eq!(misuse.ours, made(&[1], Made::Transfer { send: false, peer: PeerId(0), tag: 3 }));
     let failure = OpFailure::misuse(PeerId(0), misuse.clone());
-    let failed = Message::OpFailed { epoch: op.epoch, seq: op.seq.0, failure };
+    let failed = Message::OpFailed { derived: 0, members: Vec::new(), epoch: op.epoch, seq: op.seq.0, failure };
     assert_eq!(sent(&mut p), vec![failed, Message::P2pApart { peer: PeerId(1), misuse }]);
     assert_eq!(p.waiters().map(|(w, _)| w).collect::<Vec<_>>(), vec![PeerId(2)]);
 }
@@ -867,7 +885,7 @@ fn a_lost_transfer_waits_a_grace_for_the_news_that_settles_its_point() {
     assert!(ended(&mut transfers).is_empty(), "held");
     let recv = Made::Transfer { send: false, peer: PeerId(0), tag: 3 };
     let failure = OpFailure::misuse(PeerId(2), Misuse::new(made(&[2], Made::api(Api::Barrier)), made(&[1], recv)));
-    p.handle_message(Message::OpAborted { epoch: Epoch(1), seq: 0, failure }, t0).unwrap();
+    p.handle_message(Message::OpAborted { derived: 0, epoch: Epoch(1), seq: 0, failure }, t0).unwrap();
     transfers.handle_stalled(&mut p, t0 + APART_GRACE / 2);
     // Our send to peer 1 is one of the calls there, unlike peer 2's barrier.
     let send = made(&[0], Made::Transfer { send: true, peer: PeerId(1), tag: 3 });

@@ -1,5 +1,6 @@
 //! A peer's view of the protocol: what the master has told it, and where it stands in its ring.
 
+use super::{OpId, Seq};
 use crate::auth::DataKey;
 use shoal_wire::{
     AlgorithmLimits, Api, Call, Called, Epoch, FailureKind, Member, Message, Misuse, OpFailure, PeerId, PlanEntry,
@@ -29,14 +30,18 @@ pub struct PeerView {
     pub ready_in: Option<Epoch>,
     /// Collectives this peer started in the committed topology: the next one's number there.
     pub started: u64,
+    /// Collectives this peer started in each derived group in the committed topology (none:
+    /// 0), as [`PeerView::started`] counts the whole group's.
+    pub derived_started: BTreeMap<u64, u64>,
     /// Members whose call waits on a tagged transfer with us that found nothing to match it, as
     /// the master relayed them ([`WaitNote`]); one wait per member at a time.
     pub waiters: BTreeMap<PeerId, WaitNote>,
     /// The collectives this peer would have run next in the topology it left, which the others
     /// failed before it started them (it joined the re-formed ring first): (topology, number,
-    /// why), in order. Its next collective calls fail the same way, so that every member's k-th
-    /// call has one outcome ([`PeerView::start_collective`]).
-    pub missed: VecDeque<(Epoch, u64, OpFailure)>,
+    /// why), in order; of each derived group likewise. Its next collective calls there fail the
+    /// same way, so that every member's k-th call has one outcome
+    /// ([`PeerView::start_collective`]).
+    pub missed: VecDeque<(OpId, OpFailure)>,
     /// The answer of the last `peers_pending` vote, until consumed.
     pub pending_result: Option<bool>,
     /// Why the master expelled us, if it did.
@@ -51,17 +56,17 @@ pub struct PeerView {
     pub heartbeat_interval: Option<Duration>,
     /// Peers the master reported gone. Ids are never reused, so this only grows.
     pub removed: BTreeSet<PeerId>,
-    /// The master's verdicts on collectives, by (epoch, seq), until consumed. An abort may
-    /// arrive before this peer even starts the collective; verdicts of replaced topologies are
-    /// dropped when a new one is committed.
-    pub verdicts: BTreeMap<(Epoch, u64), Verdict>,
+    /// The master's verdicts on collectives, until consumed. An abort may arrive before this
+    /// peer even starts the collective; verdicts of replaced topologies are dropped when a new
+    /// one is committed.
+    pub verdicts: BTreeMap<OpId, Verdict>,
     /// The latest collectives this peer committed (on its own or by verdict), at most
     /// `REMEMBERED_COMMITS`: several may be in flight and commit in any order, and the master
     /// only ever asks about one a participant still waits on, which is among the latest.
-    pub committed_ops: BTreeSet<(Epoch, u64)>,
+    pub committed_ops: BTreeSet<OpId>,
     /// Collectives the master asked about that this peer had not committed when asked: it
     /// reports them if it commits them on its own.
-    pub queried: BTreeSet<(Epoch, u64)>,
+    pub queried: BTreeSet<OpId>,
     /// A member of our group waits in a vote (the one that had started the fewest collectives).
     /// A collective numbered at least its count can never complete.
     pub vote_open: Option<VoteOpen>,
@@ -125,6 +130,13 @@ pub struct VoteOpen {
     pub collectives: u64,
 }
 
+/// The answer to the master's query about collective `op`: we committed it on our own. The
+/// master asked, so it knows a derived group's members already.
+fn done_on_our_own(op: OpId) -> Message {
+    let (epoch, derived, seq) = (op.epoch, op.derived, op.seq.0);
+    Message::OpDone { epoch, derived, seq, members: Vec::new(), decided: true }
+}
+
 impl VoteOpen {
     /// Whether our collective `seq` of `epoch` (of call `api`) can never complete; then why,
     /// naming both calls.
@@ -134,6 +146,17 @@ impl VoteOpen {
             let vote = Call::Api { api: self.vote.into(), at: Some(Point { epoch, collectives: self.collectives }) };
             let ours = Call::Api { api, at: Some(Point { epoch, collectives: seq }) };
             Misuse::new(Called::new([me], ours), Called::new([self.voter], vote))
+        })
+    }
+
+    /// Whether our collective of a derived group in `epoch` (of call `api`), which still moves
+    /// data with `waits_on`, can never complete; then why, naming both calls. A voter runs
+    /// nothing beside its vote: if the collective still moves data with it, it never started it.
+    pub fn blocks_derived(&self, epoch: Epoch, api: Api, me: PeerId, waits_on: &[PeerId]) -> Option<Misuse> {
+        debug_assert!(self.voter != me, "our own vote was announced to us");
+        (self.epoch == epoch && waits_on.contains(&self.voter)).then(|| {
+            let vote = Call::Api { api: self.vote.into(), at: Some(Point { epoch, collectives: self.collectives }) };
+            Misuse::new(Called::new([me], Call::Api { api, at: None }), Called::new([self.voter], vote))
         })
     }
 }
@@ -148,6 +171,10 @@ pub enum Interrupt {
     /// The master removed a participant it still moves data with (a frozen or cut-off peer never
     /// closes its streams).
     MemberLost(PeerId),
+    /// A derived group's collective waits for members while a newer topology was issued (a
+    /// member of the whole group outside it left, say): those that did not start it join that
+    /// topology first and never will, and nothing else stops it.
+    Superseded(Epoch),
 }
 
 /// Why a confirmation lap stops before every token came round ([`PeerView::lap_interrupt`]).
@@ -233,7 +260,7 @@ pub enum PeerEvent {
     /// Another peer left the run.
     PeerRemoved(PeerId),
     /// The master decided a collective.
-    Verdict(Epoch, u64),
+    Verdict(OpId),
     /// A member's call waits on a transfer with us ([`PeerView::waiters`]).
     MemberWaits(PeerId),
     /// The transfer we wait on with `peer` can never complete: `reason` names both calls.
@@ -248,10 +275,8 @@ pub enum PeerEvent {
     /// The master asked whether we committed a collective: `committed` says we did and must
     /// tell it so now; otherwise we will when we do.
     Query {
-        /// The topology.
-        epoch: Epoch,
         /// The collective.
-        seq: u64,
+        op: OpId,
         /// Whether we already committed it.
         committed: bool,
     },
@@ -359,15 +384,14 @@ impl PeerView {
                 self.issued_with.insert(epoch, (world, limits));
                 self.vote_open = None;
                 // Queries about collectives we will now never start: answered.
-                let never: Vec<(Epoch, u64)> =
-                    self.queried.iter().copied().filter(|&(e, s)| self.never_starts(e, s)).collect();
-                for (e, s) in never {
-                    self.queried.remove(&(e, s));
-                    self.never_started(e, s);
+                let never: Vec<OpId> = self.queried.iter().copied().filter(|&op| self.never_starts(op)).collect();
+                for op in never {
+                    self.queried.remove(&op);
+                    self.never_started(op);
                 }
                 debug_assert!(self.vote_open.is_none(), "a vote announced in the topology left still blocks");
                 debug_assert!(
-                    self.queried.iter().all(|&(e, s)| !self.never_starts(e, s)),
+                    self.queried.iter().all(|&op| !self.never_starts(op)),
                     "a query about a collective that never starts waits for it"
                 );
                 PeerEvent::TopologyIssued(epoch)
@@ -379,14 +403,22 @@ impl PeerView {
                     // next means the others failed it without us. Not for misuse: then we were in
                     // the other call, which failed with the same usage error already.
                     // So do the collectives after it that the others had started too.
+                    // Each derived group's likewise.
                     self.missed.clear();
                     if let Some((left, _)) = self.committed.as_ref() {
-                        for seq in self.started.. {
-                            match self.verdicts.get(&(*left, seq)) {
-                                Some(Verdict::Aborted(f)) if f.kind != FailureKind::Misuse => {
-                                    self.missed.push_back((*left, seq, f.clone()))
+                        let derived = self.verdicts.keys().filter(|op| op.epoch == *left && op.derived != 0);
+                        let mut groups: Vec<u64> = derived.map(|op| op.derived).collect();
+                        groups.dedup();
+                        for derived in std::iter::once(0).chain(groups) {
+                            let from = self.started_in(derived);
+                            for seq in from.. {
+                                let op = OpId { epoch: *left, derived, seq: Seq(seq) };
+                                match self.verdicts.get(&op) {
+                                    Some(Verdict::Aborted(f)) if f.kind != FailureKind::Misuse => {
+                                        self.missed.push_back((op, f.clone()))
+                                    }
+                                    _ => break,
                                 }
-                                _ => break,
                             }
                         }
                     }
@@ -395,12 +427,13 @@ impl PeerView {
                     self.committed = Some((epoch, members));
                     self.ready_in = None;
                     self.started = 0;
-                    self.verdicts.retain(|(e, _), _| *e >= epoch);
-                    self.queried.retain(|(e, _)| *e >= epoch);
-                    self.committed_ops.retain(|(e, _)| *e >= epoch);
+                    self.derived_started.clear();
+                    self.verdicts.retain(|op, _| op.epoch >= epoch);
+                    self.queried.retain(|op| op.epoch >= epoch);
+                    self.committed_ops.retain(|op| op.epoch >= epoch);
                     debug_assert!(self.issued.is_none() && self.ready_in.is_none(), "a commit leaves {epoch:?} issued");
                     debug_assert!(
-                        self.missed.iter().all(|(e, _, f)| *e < epoch && f.kind != FailureKind::Misuse),
+                        self.missed.iter().all(|(op, f)| op.epoch < epoch && f.kind != FailureKind::Misuse),
                         "a collective missed in the topology in force"
                     );
                     PeerEvent::TopologyCommitted(epoch)
@@ -415,29 +448,33 @@ impl PeerView {
                 self.pending_result = Some(pending);
                 PeerEvent::PeersPendingResult(pending)
             }
-            Message::OpCommitted { epoch, seq } => {
+            Message::OpCommitted { epoch, derived, seq } => {
+                let op = OpId { epoch, derived, seq: Seq(seq) };
                 // Verdicts never change: a member that failed the collective never finished it.
-                if matches!(self.verdicts.get(&(epoch, seq)), Some(Verdict::Aborted(_))) {
+                if matches!(self.verdicts.get(&op), Some(Verdict::Aborted(_))) {
                     return unexpected("a commit of a collective it aborted");
                 }
-                self.verdicts.insert((epoch, seq), Verdict::Committed);
-                PeerEvent::Verdict(epoch, seq)
+                self.verdicts.insert(op, Verdict::Committed);
+                PeerEvent::Verdict(op)
             }
-            Message::OpAborted { epoch, seq, failure } => {
+            Message::OpAborted { epoch, derived, seq, failure } => {
+                let op = OpId { epoch, derived, seq: Seq(seq) };
                 // Our lap came round (every member finished), or the master said so: the
                 // collective committed, and the master aborts none that did.
-                let committed = self.verdicts.get(&(epoch, seq)) == Some(&Verdict::Committed);
-                if committed || self.committed_ops.contains(&(epoch, seq)) {
+                let committed = self.verdicts.get(&op) == Some(&Verdict::Committed);
+                if committed || self.committed_ops.contains(&op) {
                     return Err(UnexpectedMessage { got: "OpAborted", why: "an abort of a collective that committed" });
                 }
-                let next = self.committed.as_ref().is_some_and(|(e, _)| *e == epoch) && self.started == seq;
+                // (Calls at the whole group's point: a derived group's collective is at none.)
+                let next =
+                    derived == 0 && self.committed.as_ref().is_some_and(|(e, _)| *e == epoch) && self.started == seq;
                 if let Some(misuse) = failure.reason.misuse().filter(|_| next && !self.told) {
                     // The others ended the collective we would run next as calls that cannot
                     // complete together: whatever we call there is one of them.
                     self.settled_here = Some(misuse.clone());
                 }
-                self.verdicts.insert((epoch, seq), Verdict::Aborted(failure));
-                PeerEvent::Verdict(epoch, seq)
+                self.verdicts.insert(op, Verdict::Aborted(failure));
+                PeerEvent::Verdict(op)
             }
             Message::VoteOpened { vote, epoch, voter, collectives } => {
                 if self.registered.is_some_and(|(me, _)| me == voter) {
@@ -518,21 +555,22 @@ impl PeerView {
                 self.sync_end = Some((round, Err(SyncAbort { retryable, reason })));
                 PeerEvent::Nothing
             }
-            Message::OpQuery { epoch, seq } => {
+            Message::OpQuery { epoch, derived, seq } => {
+                let op = OpId { epoch, derived, seq: Seq(seq) };
                 // The master needs the answer to decide for a participant that could not tell.
-                let committed = self.committed_ops.contains(&(epoch, seq));
+                let committed = self.committed_ops.contains(&op);
                 if committed {
-                    self.outbox.push_back(Message::OpDone { epoch, seq, decided: true });
-                } else if self.never_starts(epoch, seq) {
-                    self.never_started(epoch, seq);
+                    self.outbox.push_back(done_on_our_own(op));
+                } else if self.never_starts(op) {
+                    self.never_started(op);
                 } else {
-                    self.queried.insert((epoch, seq));
+                    self.queried.insert(op);
                 }
                 debug_assert!(
-                    !self.queried.contains(&(epoch, seq)) || !(committed || self.never_starts(epoch, seq)),
+                    !self.queried.contains(&op) || !(committed || self.never_starts(op)),
                     "a query answered now is kept to answer later"
                 );
-                PeerEvent::Query { epoch, seq, committed }
+                PeerEvent::Query { op, committed }
             }
             Message::Kicked { reason } => {
                 self.kicked = Some(reason);
@@ -553,8 +591,33 @@ impl PeerView {
         })
     }
 
-    /// Numbers this peer's next collective: (the committed topology, its number there), the same
-    /// on every member since each starts the same collectives in the same order.
+    /// Collectives this peer started in derived group `derived` (0: the whole group) in the
+    /// committed topology.
+    pub fn started_in(&self, derived: u64) -> u64 {
+        if derived == 0 {
+            self.started
+        } else {
+            self.derived_started.get(&derived).copied().unwrap_or(0)
+        }
+    }
+
+    /// Counts a collective started in derived group `derived` (0: the whole group): the next
+    /// one's number there. A collective of the whole group is a call at the group's point.
+    fn count_started(&mut self, derived: u64) -> u64 {
+        let seq = self.started_in(derived);
+        if derived == 0 {
+            self.started += 1;
+            self.called();
+        } else {
+            self.derived_started.insert(derived, seq + 1);
+        }
+        assert_eq!(self.started_in(derived), seq + 1, "collective {seq} started twice");
+        seq
+    }
+
+    /// Numbers this peer's next collective in derived group `derived` (0: the topology's whole
+    /// group): the committed topology, the group, its number there; the same on every member
+    /// since each starts the same collectives of a group in the same order.
     ///
     /// # Errors
     /// The collective it would have run in the topology it left, with the failure the others
@@ -563,39 +626,41 @@ impl PeerView {
     ///
     /// # Panics
     /// If no topology is in force: the caller checks that it is connected first.
-    pub fn start_collective(&mut self) -> Result<(Epoch, u64), (Epoch, u64, OpFailure)> {
-        if let Some(missed) = self.missed.pop_front() {
+    pub fn start_collective(&mut self, derived: u64) -> Result<OpId, (OpId, OpFailure)> {
+        if let Some(i) = self.missed.iter().position(|(op, _)| op.derived == derived) {
+            let missed = self.missed.remove(i).expect("found");
             debug_assert!(
-                self.committed.as_ref().is_some_and(|(c, _)| missed.0 < *c),
+                self.committed.as_ref().is_some_and(|(c, _)| missed.0.epoch < *c),
                 "a collective missed in the topology in force"
             );
             // It failed in the topology we left, like the others' calls of it.
-            self.failed_in = self.failed_in.max(Some(missed.0));
+            self.failed_in = self.failed_in.max(Some(missed.0.epoch));
             return Err(missed);
         }
         let epoch = self.committed.as_ref().expect("a collective needs a topology in force").0;
-        let seq = self.started;
-        self.started += 1;
-        self.called();
-        assert!(self.started > seq && self.settled_here.is_none(), "collective {seq} started twice");
-        Ok((epoch, seq))
+        let seq = self.count_started(derived);
+        assert!(derived != 0 || self.settled_here.is_none(), "a collective begun at a point settled apart");
+        Ok(OpId { epoch, derived, seq: Seq(seq) })
     }
 
-    /// The collective this peer would run next, if the others failed it already: it fails here
-    /// too, untouched, before this peer joins a re-formed ring (the others may be in no call).
-    /// Not for misuse this peer was told of: it was in the other call, which failed already (as
-    /// [`PeerView::missed`] leaves misuse out). (topology, number, why).
-    pub fn fail_next(&mut self) -> Option<(Epoch, u64, OpFailure)> {
+    /// The collective this peer would run next in derived group `derived` (0: the whole group),
+    /// if the others failed it already: it fails here too, untouched, before this peer joins a
+    /// re-formed ring (the others may be in no call). Not for misuse this peer was told of: it
+    /// was in the other call, which failed already (as [`PeerView::missed`] leaves misuse out).
+    pub fn fail_next(&mut self, derived: u64) -> Option<(OpId, OpFailure)> {
         let epoch = self.committed.as_ref()?.0;
-        let Some(Verdict::Aborted(failure)) = self.verdicts.get(&(epoch, self.started)) else { return None };
-        if failure.kind == FailureKind::Misuse && self.told {
+        let op = OpId { epoch, derived, seq: Seq(self.started_in(derived)) };
+        let Some(Verdict::Aborted(failure)) = self.verdicts.get(&op) else { return None };
+        if failure.kind == FailureKind::Misuse && self.told && derived == 0 {
             return None;
         }
-        let failed = (epoch, self.started, failure.clone());
-        self.started += 1;
+        let failed = (op, failure.clone());
+        self.count_started(derived);
         self.failed_in = self.failed_in.max(Some(epoch));
-        self.called();
-        debug_assert!(self.settled_here.is_none() && self.announced.is_none(), "a call made keeps older news");
+        debug_assert!(
+            derived != 0 || (self.settled_here.is_none() && self.announced.is_none()),
+            "a call made keeps older news"
+        );
         assert!(self.failed_in >= Some(epoch), "a failure this peer took on is forgotten");
         Some(failed)
     }
@@ -647,28 +712,47 @@ impl PeerView {
         }
     }
 
-    /// Whether collective `seq` of `epoch`, still moving data here with `waits_on`, must stop.
-    /// The driver asks before it sleeps: what the master said since may end it.
-    pub fn interrupt(&self, epoch: Epoch, seq: u64, api: Api, waits_on: &[PeerId]) -> Option<Interrupt> {
+    /// Whether collective `op`, still moving data here with `waits_on`, must stop. The driver
+    /// asks before it sleeps: what the master said since may end it.
+    pub fn interrupt(&self, op: OpId, api: Api, waits_on: &[PeerId]) -> Option<Interrupt> {
+        let (epoch, seq) = (op.epoch, op.seq.0);
         // A collective running here was started here, in a topology committed.
         let in_force = self.committed.as_ref().map(|(e, _)| *e);
-        debug_assert!(in_force.is_some_and(|c| epoch < c || (epoch == c && seq < self.started)), "{seq} never started");
-        if let Some(Verdict::Aborted(f)) = self.verdicts.get(&(epoch, seq)) {
+        debug_assert!(
+            in_force.is_some_and(|c| epoch < c || (epoch == c && seq < self.started_in(op.derived))),
+            "{op} never started"
+        );
+        if let Some(Verdict::Aborted(f)) = self.verdicts.get(&op) {
             return Some(Interrupt::Aborted(f.clone()));
         }
         let (me, _) = self.registered.expect("a collective runs once registered");
-        if let Some(why) = self.vote_open.as_ref().and_then(|o| o.blocks(epoch, seq, api, me)) {
+        let blocked = self.vote_open.as_ref().and_then(|o| match op.derived {
+            0 => o.blocks(epoch, seq, api, me),
+            // A voter runs nothing else: one this collective still moves data with never
+            // started it.
+            _ => o.blocks_derived(epoch, api, me, waits_on),
+        });
+        if let Some(why) = blocked {
             return Some(Interrupt::Blocked(why));
         }
-        waits_on.iter().find(|p| self.removed.contains(p)).map(|p| Interrupt::MemberLost(*p))
+        if let Some(p) = waits_on.iter().find(|p| self.removed.contains(p)) {
+            return Some(Interrupt::MemberLost(*p));
+        }
+        // (The whole group's collectives: a topology is issued after one of their members was
+        // lost, which stops them above, at its neighbours first.)
+        let newer = self.issued.as_ref().map(|(e, _)| *e).filter(|e| *e > epoch);
+        newer.filter(|_| op.derived != 0 && !waits_on.is_empty()).map(Interrupt::Superseded)
     }
 
-    /// Whether the confirmation lap of collective `seq` of `epoch` (among `members`) must stop;
-    /// takes the verdict if there is one.
-    pub fn lap_interrupt(&mut self, epoch: Epoch, seq: u64, members: &[PeerId]) -> Option<LapInterrupt> {
+    /// Whether the confirmation lap of collective `op` (among `members`) must stop; takes the
+    /// verdict if there is one.
+    pub fn lap_interrupt(&mut self, op: OpId, members: &[PeerId]) -> Option<LapInterrupt> {
         debug_assert!(members.len() >= 2, "a lap of {} member", members.len());
-        debug_assert!(self.committed.as_ref().is_some_and(|(c, _)| epoch <= *c), "a lap in a topology never committed");
-        if let Some(v) = self.verdicts.remove(&(epoch, seq)) {
+        debug_assert!(
+            self.committed.as_ref().is_some_and(|(c, _)| op.epoch <= *c),
+            "a lap in a topology never committed"
+        );
+        if let Some(v) = self.verdicts.remove(&op) {
             return Some(LapInterrupt::Verdict(v));
         }
         members.iter().find(|p| self.removed.contains(p)).map(|p| LapInterrupt::MemberLost(*p))
@@ -731,38 +815,40 @@ impl PeerView {
         true
     }
 
-    /// Whether collective `seq` of `epoch` will never start here: it is beyond those we started
-    /// in the topology in force, and a newer one was issued (our next call joins it first).
-    fn never_starts(&self, epoch: Epoch, seq: u64) -> bool {
-        let in_force = self.committed.as_ref().is_some_and(|(e, _)| *e == epoch);
-        let newer = self.issued.as_ref().is_some_and(|(e, _)| *e > epoch);
-        in_force && newer && seq >= self.started
+    /// Whether collective `op` will never start here: it is beyond those we started in its
+    /// group in the topology in force, and a newer one was issued (our next call joins it first).
+    fn never_starts(&self, op: OpId) -> bool {
+        let in_force = self.committed.as_ref().is_some_and(|(e, _)| *e == op.epoch);
+        let newer = self.issued.as_ref().is_some_and(|(e, _)| *e > op.epoch);
+        in_force && newer && op.seq.0 >= self.started_in(op.derived)
     }
 
-    /// Tells the master that we never started collective `seq` of `epoch` and never will: we
-    /// sent no token of it, so nobody committed it, and the master may abort it for the members
-    /// that wait for its verdict (they would otherwise wait out their bound).
-    fn never_started(&mut self, epoch: Epoch, seq: u64) {
-        debug_assert!(self.never_starts(epoch, seq), "{seq} of {epoch:?} may yet start here");
+    /// Tells the master that we never started collective `op` and never will: we sent no token
+    /// of it, so nobody committed it, and the master may abort it for the members that wait for
+    /// its verdict (they would otherwise wait out their bound). The master asked about it, so
+    /// it knows a derived group's members already.
+    fn never_started(&mut self, op: OpId) {
+        debug_assert!(self.never_starts(op), "{op} may yet start here");
         let me = self.registered.map_or(PeerId(0), |(me, _)| me);
         let reason = format!("{me} never started it: a newer topology was issued first");
         let failure = OpFailure::new(FailureKind::Superseded, me, reason);
-        self.outbox.push_back(Message::OpFailed { epoch, seq, failure });
+        let (epoch, derived, seq) = (op.epoch, op.derived, op.seq.0);
+        self.outbox.push_back(Message::OpFailed { epoch, derived, seq, members: Vec::new(), failure });
     }
 
-    /// Records that we committed collective `seq` of `epoch` on our own; if the master asked
-    /// about it meanwhile, the answer waits in [`PeerView::poll_output`].
-    pub fn commit_on_our_own(&mut self, epoch: Epoch, seq: u64) {
-        self.remember_commit(epoch, seq);
-        if self.queried.remove(&(epoch, seq)) {
-            self.outbox.push_back(Message::OpDone { epoch, seq, decided: true });
+    /// Records that we committed collective `op` on our own; if the master asked about it
+    /// meanwhile, the answer waits in [`PeerView::poll_output`].
+    pub fn commit_on_our_own(&mut self, op: OpId) {
+        self.remember_commit(op);
+        if self.queried.remove(&op) {
+            self.outbox.push_back(done_on_our_own(op));
         }
-        debug_assert!(self.committed_ops.contains(&(epoch, seq)) && !self.queried.contains(&(epoch, seq)));
+        debug_assert!(self.committed_ops.contains(&op) && !self.queried.contains(&op));
     }
 
-    /// Records that collective `seq` of `epoch` committed here, to answer a query about it.
-    pub fn remember_commit(&mut self, epoch: Epoch, seq: u64) {
-        self.committed_ops.insert((epoch, seq));
+    /// Records that collective `op` committed here, to answer a query about it.
+    pub fn remember_commit(&mut self, op: OpId) {
+        self.committed_ops.insert(op);
         if self.committed_ops.len() > REMEMBERED_COMMITS {
             self.committed_ops.pop_first();
         }
@@ -796,22 +882,27 @@ impl PeerView {
 mod tests {
     use super::*;
 
+    /// Collective `seq` of the whole group of topology `epoch`.
+    fn op(epoch: Epoch, seq: u64) -> OpId {
+        OpId { epoch, derived: 0, seq: Seq(seq) }
+    }
+
     #[test]
     fn a_query_is_answered_now_if_we_committed_and_remembered_otherwise() {
         let mut v = PeerView::default();
         let (e, later) = (Epoch(3), Epoch(4));
-        v.commit_on_our_own(e, 0);
+        v.commit_on_our_own(op(e, 0));
         assert_eq!(v.poll_output(), None, "nobody asked");
-        let query = |seq| Message::OpQuery { epoch: e, seq };
-        let done = |seq| Some(Message::OpDone { epoch: e, seq, decided: true });
-        assert_eq!(v.handle_message(query(0)), Ok(PeerEvent::Query { epoch: e, seq: 0, committed: true }));
+        let query = |seq| Message::OpQuery { derived: 0, epoch: e, seq };
+        let done = |seq| Some(Message::OpDone { derived: 0, members: Vec::new(), epoch: e, seq, decided: true });
+        assert_eq!(v.handle_message(query(0)), Ok(PeerEvent::Query { op: op(e, 0), committed: true }));
         assert_eq!(v.poll_output(), done(0), "committed already: answered at once");
-        assert_eq!(v.handle_message(query(1)), Ok(PeerEvent::Query { epoch: e, seq: 1, committed: false }));
+        assert_eq!(v.handle_message(query(1)), Ok(PeerEvent::Query { op: op(e, 1), committed: false }));
         assert_eq!(v.poll_output(), None);
-        v.commit_on_our_own(e, 1);
+        v.commit_on_our_own(op(e, 1));
         assert_eq!(v.poll_output(), done(1), "asked before we committed: told when we do");
-        let other = Message::OpQuery { epoch: later, seq: 0 };
-        assert_eq!(v.handle_message(other), Ok(PeerEvent::Query { epoch: later, seq: 0, committed: false }));
+        let other = Message::OpQuery { derived: 0, epoch: later, seq: 0 };
+        assert_eq!(v.handle_message(other), Ok(PeerEvent::Query { op: op(later, 0), committed: false }));
         assert_eq!(v.poll_output(), None);
     }
 
@@ -866,21 +957,24 @@ mod tests {
     fn a_query_about_a_collective_we_will_never_start_is_answered_with_a_failure() {
         let mut v = registered_alone();
         commit(&mut v, 1);
-        assert_eq!(v.start_collective(), Ok((Epoch(1), 0)));
-        let query = |seq| Message::OpQuery { epoch: Epoch(1), seq };
+        assert_eq!(v.start_collective(0), Ok(op(Epoch(1), 0)));
+        let query = |seq| Message::OpQuery { derived: 0, epoch: Epoch(1), seq };
         v.handle_message(query(1)).unwrap();
         assert_eq!(v.poll_output(), None, "we may yet start it");
         v.handle_message(query(0)).unwrap();
         v.handle_message(Message::Topology { epoch: Epoch(2), members: vec![member(0, 0)], world: 1, limits: None })
             .unwrap();
         assert!(
-            matches!(v.poll_output(), Some(Message::OpFailed { epoch: Epoch(1), seq: 1, failure })
+            matches!(v.poll_output(), Some(Message::OpFailed { derived: 0, epoch: Epoch(1), seq: 1, failure, .. })
                 if failure.kind == FailureKind::Superseded),
             "a newer topology was issued: we never will"
         );
         assert_eq!(v.poll_output(), None, "collective 0 is ours: it reports on its own");
         v.handle_message(query(2)).unwrap();
-        assert!(matches!(v.poll_output(), Some(Message::OpFailed { epoch: Epoch(1), seq: 2, .. })), "asked later");
+        assert!(
+            matches!(v.poll_output(), Some(Message::OpFailed { derived: 0, epoch: Epoch(1), seq: 2, .. })),
+            "asked later"
+        );
     }
 
     /// A member that had not started the collective the others failed (it joined the re-formed
@@ -889,18 +983,55 @@ mod tests {
     fn a_collective_the_others_failed_before_we_started_it_fails_here_too() {
         let mut v = registered_alone();
         commit(&mut v, 1);
-        assert_eq!(v.start_collective(), Ok((Epoch(1), 0)));
-        assert_eq!(v.start_collective(), Ok((Epoch(1), 1)));
+        assert_eq!(v.start_collective(0), Ok(op(Epoch(1), 0)));
+        assert_eq!(v.start_collective(0), Ok(op(Epoch(1), 1)));
         let failure = OpFailure::new(FailureKind::PeerLost, PeerId(3), "gone");
-        v.handle_message(Message::OpAborted { epoch: Epoch(1), seq: 2, failure: failure.clone() }).unwrap();
+        v.handle_message(Message::OpAborted { derived: 0, epoch: Epoch(1), seq: 2, failure: failure.clone() }).unwrap();
         commit(&mut v, 2);
-        assert_eq!(v.start_collective(), Err((Epoch(1), 2, failure)));
-        assert_eq!(v.start_collective(), Ok((Epoch(2), 0)), "the retry runs in the new topology");
+        assert_eq!(v.start_collective(0), Err((op(Epoch(1), 2), failure)));
+        assert_eq!(v.start_collective(0), Ok(op(Epoch(2), 0)), "the retry runs in the new topology");
         // An abort of a collective we started (and failed ourselves) voids nothing.
         let failure = OpFailure::new(FailureKind::PeerLost, PeerId(3), "gone");
-        v.handle_message(Message::OpAborted { epoch: Epoch(2), seq: 0, failure }).unwrap();
+        v.handle_message(Message::OpAborted { derived: 0, epoch: Epoch(2), seq: 0, failure }).unwrap();
         commit(&mut v, 3);
-        assert_eq!(v.start_collective(), Ok((Epoch(3), 0)));
+        assert_eq!(v.start_collective(0), Ok(op(Epoch(3), 0)));
+    }
+
+    /// A derived group numbers its collectives apart from the whole group's and every other's;
+    /// after a re-form, its next call fails like the one the others failed before this member
+    /// started it, and the whole group's calls are not touched by it.
+    #[test]
+    fn a_derived_group_numbers_its_collectives_apart_and_misses_what_the_others_failed() {
+        let mut v = registered_alone();
+        commit(&mut v, 1);
+        let of = |derived, seq| OpId { epoch: Epoch(1), derived, seq: Seq(seq) };
+        assert_eq!(v.start_collective(0), Ok(op(Epoch(1), 0)));
+        assert_eq!(v.start_collective(5), Ok(of(5, 0)));
+        assert_eq!(v.start_collective(5), Ok(of(5, 1)));
+        assert_eq!(v.start_collective(9), Ok(of(9, 0)));
+        assert_eq!(v.start_collective(0), Ok(op(Epoch(1), 1)));
+        let failure = OpFailure::new(FailureKind::PeerLost, PeerId(3), "gone");
+        v.handle_message(Message::OpAborted { derived: 5, epoch: Epoch(1), seq: 2, failure: failure.clone() }).unwrap();
+        commit(&mut v, 2);
+        assert_eq!(v.start_collective(0), Ok(op(Epoch(2), 0)), "the whole group missed nothing");
+        assert_eq!(v.start_collective(5), Err((of(5, 2), failure)));
+        assert_eq!(v.start_collective(5), Ok(OpId { epoch: Epoch(2), derived: 5, seq: Seq(0) }));
+    }
+
+    /// A vote in the whole group blocks a derived group's collective only while that still moves
+    /// data with the voter, which runs nothing beside its vote.
+    #[test]
+    fn a_vote_blocks_a_derived_collective_that_moves_data_with_the_voter() {
+        let mut v = registered_alone();
+        commit(&mut v, 1);
+        let ours = v.start_collective(5).unwrap();
+        let open =
+            Message::VoteOpened { vote: Vote::UpdateTopology, epoch: Epoch(1), voter: PeerId(1), collectives: 0 };
+        v.handle_message(open).unwrap();
+        assert_eq!(v.interrupt(ours, Api::AllReduce, &[PeerId(2)]), None, "data only with peer#2 left");
+        assert!(
+            matches!(v.interrupt(ours, Api::AllReduce, &[PeerId(1)]), Some(Interrupt::Blocked(why)) if why.names(Api::UpdateTopology))
+        );
     }
 
     /// What stops a running collective, in the order the peer and the simulator both apply: the
@@ -910,27 +1041,27 @@ mod tests {
         let mut v = registered_alone();
         commit(&mut v, 1);
         for _ in 0..3 {
-            v.start_collective().unwrap();
+            v.start_collective(0).unwrap();
         }
         let members = [PeerId(0), PeerId(1)];
-        assert_eq!(v.interrupt(Epoch(1), 2, Api::AllReduce, &members), None);
+        assert_eq!(v.interrupt(op(Epoch(1), 2), Api::AllReduce, &members), None);
         v.handle_message(Message::PeerRemoved { peer: PeerId(1) }).unwrap();
-        assert_eq!(v.interrupt(Epoch(1), 2, Api::AllReduce, &members), Some(Interrupt::MemberLost(PeerId(1))));
-        assert_eq!(v.lap_interrupt(Epoch(1), 2, &members), Some(LapInterrupt::MemberLost(PeerId(1))));
+        assert_eq!(v.interrupt(op(Epoch(1), 2), Api::AllReduce, &members), Some(Interrupt::MemberLost(PeerId(1))));
+        assert_eq!(v.lap_interrupt(op(Epoch(1), 2), &members), Some(LapInterrupt::MemberLost(PeerId(1))));
         let open = Message::VoteOpened { vote: Vote::PeersPending, epoch: Epoch(1), voter: PeerId(1), collectives: 2 };
         v.handle_message(open).unwrap();
         assert!(
-            matches!(v.interrupt(Epoch(1), 2, Api::AllReduce, &members), Some(Interrupt::Blocked(why)) if why.names(Api::PeersPending))
+            matches!(v.interrupt(op(Epoch(1), 2), Api::AllReduce, &members), Some(Interrupt::Blocked(why)) if why.names(Api::PeersPending))
         );
         assert_eq!(
-            v.interrupt(Epoch(1), 1, Api::AllReduce, &members),
+            v.interrupt(op(Epoch(1), 1), Api::AllReduce, &members),
             Some(Interrupt::MemberLost(PeerId(1))),
             "started before the vote"
         );
         let failure = crate::mismatched(1, 2, 0, 1);
-        v.handle_message(Message::OpAborted { epoch: Epoch(1), seq: 2, failure: failure.clone() }).unwrap();
-        assert_eq!(v.interrupt(Epoch(1), 2, Api::AllReduce, &members), Some(Interrupt::Aborted(failure.clone())));
-        assert_eq!(v.lap_interrupt(Epoch(1), 2, &members), Some(LapInterrupt::Verdict(Verdict::Aborted(failure))));
+        v.handle_message(Message::OpAborted { derived: 0, epoch: Epoch(1), seq: 2, failure: failure.clone() }).unwrap();
+        assert_eq!(v.interrupt(op(Epoch(1), 2), Api::AllReduce, &members), Some(Interrupt::Aborted(failure.clone())));
+        assert_eq!(v.lap_interrupt(op(Epoch(1), 2), &members), Some(LapInterrupt::Verdict(Verdict::Aborted(failure))));
     }
 
     /// A call waiting for a topology establishes each issued one once, is done when the one it
@@ -988,14 +1119,18 @@ mod tests {
     #[test]
     fn a_verdict_against_a_commit_or_an_earlier_verdict_is_refused() {
         let mut v = registered_alone();
-        let abort = |seq| Message::OpAborted { epoch: Epoch(1), seq, failure: crate::mismatched(1, seq, 1, 0) };
-        v.commit_on_our_own(Epoch(1), 3);
+        let abort =
+            |seq| Message::OpAborted { derived: 0, epoch: Epoch(1), seq, failure: crate::mismatched(1, seq, 1, 0) };
+        v.commit_on_our_own(op(Epoch(1), 3));
         assert!(v.handle_message(abort(3)).is_err(), "our lap came round");
-        v.handle_message(Message::OpCommitted { epoch: Epoch(1), seq: 4 }).unwrap();
+        v.handle_message(Message::OpCommitted { derived: 0, epoch: Epoch(1), seq: 4 }).unwrap();
         assert!(v.handle_message(abort(4)).is_err(), "the master committed it");
         v.handle_message(abort(5)).unwrap();
         v.handle_message(abort(5)).unwrap();
-        assert!(v.handle_message(Message::OpCommitted { epoch: Epoch(1), seq: 5 }).is_err(), "it aborted it");
+        assert!(
+            v.handle_message(Message::OpCommitted { derived: 0, epoch: Epoch(1), seq: 5 }).is_err(),
+            "it aborted it"
+        );
     }
 
     fn registered_alone() -> PeerView {
