@@ -1291,7 +1291,7 @@ impl Peer {
                 let me = self.view.registered.map(|(p, _)| p);
                 assert!(me.is_some_and(|me| members.contains(&me)), "a collective of a group we are not in");
                 if members.len() == 1 {
-                    self.view.collective_ended(op.epoch, true);
+                    self.view.collective_ended(op, true);
                     return self.actions.push_back(Action::Done { call: id, result: Ok(Value::Collective(op)) });
                 }
                 self.actions.push_back(Action::RunCollective { call: id, op, position, group, deadline });
@@ -1385,9 +1385,9 @@ impl Peer {
             "{op} ends with another value"
         );
         match &result {
-            Ok(_) => self.view.collective_ended(op.epoch, true),
+            Ok(_) => self.view.collective_ended(op, true),
             Err(CallError::Gone(_)) => {}
-            Err(_) => self.view.collective_ended(op.epoch, false),
+            Err(_) => self.view.collective_ended(op, false),
         }
         self.actions.push_back(Action::Done { call: o.call, result });
     }

@@ -634,7 +634,7 @@ impl PeerView {
                 "a collective missed in the topology in force"
             );
             // It failed in the topology we left, like the others' calls of it.
-            self.failed_in = self.failed_in.max(Some(missed.0.epoch));
+            self.collective_ended(missed.0, false);
             return Err(missed);
         }
         let epoch = self.committed.as_ref().expect("a collective needs a topology in force").0;
@@ -656,12 +656,12 @@ impl PeerView {
         }
         let failed = (op, failure.clone());
         self.count_started(derived);
-        self.failed_in = self.failed_in.max(Some(epoch));
+        self.collective_ended(op, false);
         debug_assert!(
             derived != 0 || (self.settled_here.is_none() && self.announced.is_none()),
             "a call made keeps older news"
         );
-        assert!(self.failed_in >= Some(epoch), "a failure this peer took on is forgotten");
+        assert!(derived != 0 || self.failed_in >= Some(epoch), "a failure this peer took on is forgotten");
         Some(failed)
     }
 
@@ -781,12 +781,17 @@ impl PeerView {
         assert!(ok || self.committed.is_none() || self.failed_in.is_some(), "a failed call is forgotten");
     }
 
-    /// Records how a collective of `epoch` ended. Several run at once and end in any order, so
-    /// only a success in a later topology than the latest failure forgets it: every member then
-    /// comes to the same answer in [`PeerView::vote_needed`], whatever order its collectives
-    /// ended in (a failure in topology 5, then one in 6 and a success in 6 leave the failure in 6
-    /// standing: the ring re-forms after it).
-    pub fn collective_ended(&mut self, epoch: Epoch, ok: bool) {
+    /// Records how collective `op` ended. Several run at once and end in any order, so only a
+    /// success in a later topology than the latest failure forgets it: every member then comes to
+    /// the same answer in [`PeerView::vote_needed`], whatever order its collectives ended in (a
+    /// failure in topology 5, then one in 6 and a success in 6 leave the failure in 6 standing:
+    /// the ring re-forms after it). A derived group's collective counts for nothing here: its
+    /// outcome is agreed among its members alone, and the whole group's members must agree.
+    pub fn collective_ended(&mut self, op: OpId, ok: bool) {
+        if op.derived != 0 {
+            return;
+        }
+        let epoch = op.epoch;
         let before = self.failed_in;
         if !ok {
             self.failed_in = self.failed_in.max(Some(epoch));
@@ -933,19 +938,19 @@ mod tests {
     fn a_success_forgets_only_failures_of_earlier_topologies() {
         let mut v = registered_alone();
         commit(&mut v, 1);
-        v.collective_ended(Epoch(1), false);
+        v.collective_ended(op(Epoch(1), 0), false);
         commit(&mut v, 2);
-        v.collective_ended(Epoch(2), false);
-        v.collective_ended(Epoch(2), true);
+        v.collective_ended(op(Epoch(2), 0), false);
+        v.collective_ended(op(Epoch(2), 0), true);
         commit(&mut v, 3);
         assert!(!v.vote_needed(), "re-formed after the failure in 2: nothing to vote on");
         // In the other order the answer is the same.
         let mut w = registered_alone();
         commit(&mut w, 1);
-        w.collective_ended(Epoch(1), false);
+        w.collective_ended(op(Epoch(1), 0), false);
         commit(&mut w, 2);
-        w.collective_ended(Epoch(2), true);
-        w.collective_ended(Epoch(2), false);
+        w.collective_ended(op(Epoch(2), 0), true);
+        w.collective_ended(op(Epoch(2), 0), false);
         commit(&mut w, 3);
         assert!(!w.vote_needed());
     }
@@ -999,7 +1004,9 @@ mod tests {
 
     /// A derived group numbers its collectives apart from the whole group's and every other's;
     /// after a re-form, its next call fails like the one the others failed before this member
-    /// started it, and the whole group's calls are not touched by it.
+    /// started it, and the whole group's calls are not touched by it (nor is whether the whole
+    /// group's `update_topology` after a failure must vote: a member of another derived group
+    /// never learns how this one's collectives ended).
     #[test]
     fn a_derived_group_numbers_its_collectives_apart_and_misses_what_the_others_failed() {
         let mut v = registered_alone();
@@ -1015,7 +1022,11 @@ mod tests {
         commit(&mut v, 2);
         assert_eq!(v.start_collective(0), Ok(op(Epoch(2), 0)), "the whole group missed nothing");
         assert_eq!(v.start_collective(5), Err((of(5, 2), failure)));
-        assert_eq!(v.start_collective(5), Ok(OpId { epoch: Epoch(2), derived: 5, seq: Seq(0) }));
+        let next = v.start_collective(5).unwrap();
+        assert_eq!(next, OpId { epoch: Epoch(2), derived: 5, seq: Seq(0) });
+        // Only the group's members agree on its outcomes: the whole group's answers ignore them.
+        v.collective_ended(next, false);
+        assert_eq!(v.failed_in, None, "a derived group's failure decides nothing of the whole group's calls");
     }
 
     /// A vote in the whole group blocks a derived group's collective only while that still moves
