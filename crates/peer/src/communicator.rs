@@ -709,12 +709,12 @@ impl Communicator {
             // Quantizing changes nothing here (fp16 of an f16 tensor): it runs as it is.
             request.quantization = None;
         }
-        let derived = self.derived().map_or(0, |d| d.id);
+        let derived = self.derived.as_ref().map_or(0, |d| d.id);
         if data.calls.in_use(TagUse::Collective(derived, tag)) {
             return Err(Usage::TagInFlight { call: kind.name(), tag, rank: None }.into());
         }
         let bound = self.config.timeout;
-        let collective = CallKind::Collective(verb(kind, tag), self.derived().cloned());
+        let collective = CallKind::Collective(verb(kind, tag), self.derived.clone());
         let call = c.control.own_input(|p, now| p.call(collective, bound, now));
         let count = (buf.len() / dtype.size()) as u64;
         data.stats.started(call, kind.name(), tag, buf.len() as u64);
@@ -773,10 +773,7 @@ impl Communicator {
     /// Members of this peer's group (of a derived group: those of its members still in the
     /// run), once accepted.
     pub fn group_world_size(&self) -> Option<usize> {
-        self.position().map(|p| match self.placed(&p).1.len() {
-            0 => p.group_size(),
-            derived => derived,
-        })
+        self.position().map(|p| self.placed(&p).1)
     }
 
     /// This peer's index in its group's ring (in a derived group's order), once accepted.

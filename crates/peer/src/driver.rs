@@ -519,11 +519,7 @@ impl Driver {
         (position, members): (&RingPosition, Vec<usize>),
     ) {
         let record = data.calls.collectives.get_mut(&call).expect("a collective called here");
-        let (world, rank) = match members.iter().position(|&r| r == position.rank) {
-            Some(rank) => (members.len(), rank),
-            None => (position.group_size(), position.rank),
-        };
-        debug_assert!(members.is_empty() || members.len() == world, "we are in the group we run in");
+        let (rank, world) = crate::plane::place(position, &members);
         let request = record.request;
         if data.placement.epoch != Some(position.epoch) {
             data.placement = Placement::of(position);
@@ -560,7 +556,7 @@ impl Driver {
             op: request.op,
             algorithm,
             root: request.root,
-            hosts: if algorithm == Algorithm::Hierarchical { hosts } else { Vec::new() },
+            hosts: if algorithm == Algorithm::Hierarchical { hosts.into_owned() } else { Vec::new() },
             chunk_bytes: self.config.chunk_bytes.unwrap_or(DEFAULT_CHUNK_BYTES),
             codec,
             backup: spare_backup(&mut data.spare_backups, record.buf.len()),

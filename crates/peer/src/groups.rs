@@ -9,6 +9,7 @@
 //! group's. In each later topology it is those of its members still in the run, in their order.
 
 use crate::error::{Error, Result};
+use crate::plane::place;
 use crate::tags::SPLIT_TAG;
 use crate::Communicator;
 use shoal_collective::DType;
@@ -111,18 +112,12 @@ impl Communicator {
         }
     }
 
-    /// This handle's group in the topology of `position`: our rank in it, and the topology's
-    /// rank of each member by their rank in the group (empty: the whole group).
-    pub(crate) fn placed(&self, position: &RingPosition) -> (usize, Vec<usize>) {
-        let Some(derived) = &self.derived else { return (position.rank, Vec::new()) };
-        let members = derived.ranks_in(&position.ring);
-        let rank = members.iter().position(|&r| r == position.rank).expect("a member of the groups it derived");
-        (rank, members)
-    }
-
-    /// The derived group this handle runs in, if any.
-    pub(crate) fn derived(&self) -> Option<&Derived> {
-        self.derived.as_ref()
+    /// This handle's group in the topology of `position`: our rank in it, its size, and the
+    /// topology's rank of each member by their rank in the group (empty: the whole group).
+    pub(crate) fn placed(&self, position: &RingPosition) -> (usize, usize, Vec<usize>) {
+        let members = self.derived.as_ref().map_or_else(Vec::new, |d| d.ranks_in(&position.ring));
+        let (rank, world) = place(position, &members);
+        (rank, world, members)
     }
 }
 

@@ -64,16 +64,13 @@ impl Default for Placement {
 }
 
 impl Placement {
-    /// The host of each of `members` (ranks of the topology; empty: every member), numbered
-    /// in order of first appearance among them.
-    pub fn hosts_of(&self, members: &[usize]) -> Vec<usize> {
+    /// The host of each of `members` (ranks of the topology; empty: every member, as they are),
+    /// numbered in order of first appearance among them.
+    pub fn hosts_of(&self, members: &[usize]) -> std::borrow::Cow<'_, [usize]> {
         if members.is_empty() {
-            return self.hosts.clone();
+            return std::borrow::Cow::Borrowed(&self.hosts);
         }
-        let mut seen: Vec<usize> = Vec::new();
-        let mut number =
-            |h: usize| seen.iter().position(|&s| s == h).unwrap_or_else(|| (seen.push(h), seen.len() - 1).1);
-        members.iter().map(|&r| number(self.hosts[r])).collect()
+        numbered(members.iter().map(|&r| self.hosts[r])).into()
     }
 
     pub fn of(position: &RingPosition) -> Placement {
@@ -106,6 +103,16 @@ pub(crate) fn numbered<T: PartialEq>(items: impl IntoIterator<Item = T>) -> Vec<
             })
         })
         .collect()
+}
+
+/// Our rank in, and the size of, the group of `members` (the topology's rank of each, by their
+/// rank in the group; empty: the topology's whole group) at `position`.
+pub(crate) fn place(position: &RingPosition, members: &[usize]) -> (usize, usize) {
+    if members.is_empty() {
+        return (position.rank, position.group_size());
+    }
+    let rank = members.iter().position(|&r| r == position.rank).expect("we are in the group we run in");
+    (rank, members.len())
 }
 
 pub(crate) type Owner = Box<dyn Any + Send>;

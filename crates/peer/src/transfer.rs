@@ -127,8 +127,7 @@ impl Communicator {
             return Err(Error::NotConnected);
         };
         // A derived group's ranks name its members.
-        let (ours, members) = self.placed(position);
-        let world = if members.is_empty() { position.group_size() } else { members.len() };
+        let (ours, world, members) = self.placed(position);
         if rank >= world || rank == ours {
             return Err(Error::InvalidArgument(format!(
                 "{} with rank {rank}: the group's ranks are 0..{world}, and {ours} is ours",
