@@ -464,6 +464,22 @@ class Communicator:
         """
         return _derived(self._native.new_group(list(ranks)))
 
+    def subgroup(self, ranks: "list[int]", name: "str | bytes") -> Optional["Communicator"]:
+        """The derived group of the members at ``ranks`` (in that order: the member at
+        ``ranks[i]`` is the group's rank ``i``), formed without a collective.
+
+        Unlike ``new_group``, only those members call it, each with the same ``ranks`` and a
+        ``name`` that no other subgroup of this group was given (``torch.distributed`` names its
+        groups alike on every member); the others get ``None`` and need not call it. Members that
+        give different ranks or names form different groups, whose collectives never meet. An
+        addition to the API of ``DESIGN.md``: what ``shoal.torch`` builds torch's subgroups on.
+        """
+        if isinstance(name, str):
+            name = name.encode()
+        if not isinstance(name, bytes):
+            raise TypeError(f"name must be str or bytes, got {type(name).__name__}")
+        return _derived(self._native.subgroup(list(ranks), name))
+
     @property
     def world_size(self) -> int:
         """Accepted peers in the whole run, every group's, when this group's topology was issued."""

@@ -788,6 +788,12 @@ impl Communicator {
         Ok(derived.map(|c| Communicator { inner: Arc::new(c) }))
     }
 
+    /// The derived group of the members at `ranks` named `name`, formed by those members alone.
+    fn subgroup(&self, py: Python<'_>, ranks: Vec<usize>, name: Vec<u8>) -> PyResult<Option<Communicator>> {
+        let derived = py.detach(|| self.inner.subgroup(&ranks, &name)).map_err(to_py)?;
+        Ok(derived.map(|c| Communicator { inner: Arc::new(c) }))
+    }
+
     #[getter]
     fn world_size(&self) -> Option<usize> {
         self.inner.world_size()

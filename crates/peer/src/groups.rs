@@ -62,6 +62,42 @@ impl Communicator {
         self.derive(color, me as i64, named.max(1))
     }
 
+    /// The derived group of the members at `ranks` (this group's ranks, in their order), named
+    /// `name`, formed without a collective: only those members call it, each with the same
+    /// `ranks` and `name` (a name no other subgroup of this group was given, such as
+    /// `torch.distributed`'s group name). It runs like a group of [`Communicator::new_group`],
+    /// ranked as `ranks`; the members that are not at `ranks` get `None` and need not call it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if a rank is out of the group or named twice;
+    /// [`Error::NotConnected`] before `connect()`. Members that give different ranks or names
+    /// form different groups, whose collectives never meet (each fails at its bound).
+    pub fn subgroup(&self, ranks: &[usize], name: &[u8]) -> Result<Option<Communicator>> {
+        let position = self.position().ok_or(Error::NotConnected)?;
+        let (me, world, topology_ranks) = self.placed(&position);
+        let mut seen = vec![false; world];
+        for &r in ranks {
+            if r >= world || std::mem::replace(&mut seen[r], true) {
+                return Err(Error::InvalidArgument(format!(
+                    "subgroup({ranks:?}): ranks of a group of {world}, each once"
+                )));
+            }
+        }
+        if !ranks.contains(&me) {
+            return Ok(None);
+        }
+        let topology_rank = |r: usize| if topology_ranks.is_empty() { r } else { topology_ranks[r] };
+        let members: Arc<[PeerId]> = ranks.iter().map(|&r| position.ring[topology_rank(r)].peer).collect();
+        let parent = self.derived.as_ref().map_or(0, |d| d.id);
+        let id = group_id(&[b"subgroup", &parent.to_le_bytes(), name], &members);
+        log::info!("{}: subgroup {id:#x} of {} members: {members:?}", position.ring[position.rank].peer, members.len());
+        Ok(Some(Communicator {
+            shared: Arc::clone(&self.shared),
+            derived: Some(Derived { id, members }),
+            derivations: AtomicU64::new(0),
+        }))
+    }
+
     /// The split every member asked for (`named`: the hash of `new_group`'s ranks, else 0).
     fn derive(&self, color: Option<u32>, key: i64, named: u64) -> Result<Option<Communicator>> {
         let me = self.peer_id().ok_or(Error::NotConnected)?;
@@ -124,10 +160,15 @@ impl Communicator {
 /// The name of the derived group of `members` with `color`, the `round`-th derived from group
 /// `parent` (0: the whole group): the same on every member, never 0.
 fn derived_id(parent: u64, round: u64, color: u32, members: &[PeerId]) -> u64 {
+    group_id(&[&parent.to_le_bytes(), &round.to_le_bytes(), &color.to_le_bytes()], members)
+}
+
+/// A derived group's name: a hash of what names it and of its members, never 0.
+fn group_id(parts: &[&[u8]], members: &[PeerId]) -> u64 {
     let mut h = blake3::Hasher::new();
-    h.update(&parent.to_le_bytes());
-    h.update(&round.to_le_bytes());
-    h.update(&color.to_le_bytes());
+    for part in parts {
+        h.update(part);
+    }
     for p in members {
         h.update(&p.0.to_le_bytes());
     }

@@ -157,3 +157,36 @@ fn a_derived_group_follows_a_re_form_that_members_outside_it_caused() {
         assert_eq!(o.last().map(String::as_str), Some("ok 2 2"), "{o:?}");
     }
 }
+
+/// `subgroup` forms a group from its members alone, ranked in the order given: two pairs run
+/// all-reduces side by side, a third group of a split group (its ranks, not the whole group's)
+/// passes a tensor; ranks out of the group or named twice are refused.
+#[test]
+fn subgroups_are_formed_by_their_members_alone_in_the_order_given() {
+    with_peers(4, |_, comm| {
+        let rank = comm.rank().unwrap();
+        let ranks = if rank % 2 == 0 { [2, 0] } else { [1, 3] };
+        let name = if rank % 2 == 0 { b"even".as_slice() } else { b"odd" };
+        let pair = comm.subgroup(&ranks, name).unwrap().expect("a member");
+        assert_eq!(pair.rank(), Some(ranks.iter().position(|&r| r == rank).unwrap()), "ranked as given");
+        let mut mine = f32_bytes(&[rank as f32; 100]);
+        pair.all_reduce(&mut mine, DType::F32, ReduceOp::Sum, 0, None, None).unwrap();
+        let want = (ranks[0] + ranks[1]) as f32;
+        assert!(f32s(&mine).iter().all(|&x| x == want), "rank {rank}: {:?}", &f32s(&mine)[..2]);
+        assert!(matches!(comm.subgroup(&[0, 4], b"x"), Err(Error::InvalidArgument(_))));
+        assert!(matches!(comm.subgroup(&[1, 1], b"x"), Err(Error::InvalidArgument(_))));
+        assert!(comm.subgroup(&[(rank + 1) % 4], b"not me").unwrap().is_none());
+
+        // Ranked backwards: the split's rank 0 is the whole group's rank 3.
+        let all = comm.split(Some(0), -(rank as i64)).unwrap().unwrap();
+        if let Some(inner) = all.subgroup(&[0, 3], b"ends").unwrap() {
+            let mut passed = f32_bytes(&[rank as f32; 8]);
+            match inner.rank().unwrap() {
+                0 => drop(inner.send(&passed, DType::F32, 1, 0).unwrap()),
+                _ => drop(inner.recv(&mut passed, DType::F32, 0, 0).unwrap()),
+            }
+            assert!(f32s(&passed).iter().all(|&x| x == 3.0), "rank {rank}: from the whole group's rank 3");
+            assert!(rank == 0 || rank == 3);
+        }
+    });
+}
