@@ -29,8 +29,11 @@ import queue
 import threading
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
+from ._c10d import ERRORS, Options, ShoalBackend, register
 from ._state import SharedState
 from .errors import ShoalError
+
+__all__ = ["ERRORS", "Options", "ShoalBackend", "DDPHook", "DiLoCo", "AsyncDiLoCo"]
 
 if TYPE_CHECKING:
     import torch
@@ -358,3 +361,6 @@ class AsyncDiLoCo(DiLoCo):
         self._vote_done()
         self.flat.copy_(self.anchor)
 
+
+
+register()

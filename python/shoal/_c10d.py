@@ -1,0 +1,577 @@
+"""shoal as a ``torch.distributed`` backend: ``import shoal.torch``, then
+``dist.init_process_group("shoal")`` (``docs/training.md``, "Three ways in").
+
+The backend is a c10d ``Backend`` written in Python over shoal's communicator, so everything
+that reaches a process group through c10d's dispatcher reaches it: ``dist.*`` calls, DDP's
+reducer, functional collectives, ``DeviceMesh``. Its world is a group derived from the run's
+group and ranked by torch's ranks (``Communicator.split``); ``dist.new_group`` forms its
+subgroups from their members alone (``Communicator.subgroup``). Every operation starts shoal's
+asynchronous call and returns a :class:`Work` whose ``wait`` waits for it; results that torch
+wants somewhere other than where shoal put them (a list of tensors, a non-contiguous tensor, the
+root of a ``reduce``) are copied there once the call ended. An error is raised as the same
+shoal error, which is also a ``torch.distributed.DistBackendError``: ``PeerLostError`` stays
+retryable.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ipaddress
+import os
+import queue
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as _Backend
+
+from . import errors
+from ._communicator import Communicator
+from ._communicator import Work as _ShoalWork
+from ._native import Master
+
+__all__ = ["Options", "ShoalBackend", "NAME"]
+
+NAME = "shoal"
+
+_OPS: "dict[Any, str]" = {
+    dist.ReduceOp.SUM: "sum",
+    dist.ReduceOp.AVG: "avg",
+    dist.ReduceOp.PRODUCT: "prod",
+    dist.ReduceOp.MIN: "min",
+    dist.ReduceOp.MAX: "max",
+}
+
+# Tags. Collectives are numbered per group from 0; collectives built on tagged transfers
+# (gather, scatter, all-to-all) take theirs above _COMPOSED; torch's send/recv above _P2P, the
+# user's tag and the n-th transfer with it between the two ranks: torch matches sends and
+# receives of one tag in order, shoal by tag, so the n-th send meets the n-th receive.
+# Tags from 2**63 up are shoal's own.
+_COMPOSED = 1 << 61
+_P2P = 1 << 62
+_SEQ_BITS = 24
+_USER_TAGS = 1 << (62 - _SEQ_BITS)
+
+
+def _torch_error_classes() -> "dict[type, type]":
+    """For each shoal error, a subclass of it and of ``DistBackendError``, named alike."""
+    classes: "dict[type, type]" = {}
+    for name in errors.__all__:
+        shoal_class = getattr(errors, name)
+        classes[shoal_class] = type(name, (shoal_class, dist.DistBackendError), {
+            "__module__": "shoal.torch",
+            "__doc__": f"{shoal_class.__doc__}\n\nRaised by the ``shoal`` torch backend: also a "
+                       "``torch.distributed.DistBackendError``.",
+        })
+    return classes
+
+
+ERRORS = _torch_error_classes()
+
+
+def _as_torch_error(e: BaseException) -> BaseException:
+    """``e`` as the torch backend raises it (the same error, also a ``DistBackendError``)."""
+    cls = ERRORS.get(type(e))
+    if cls is None:
+        return e
+    out = cls(*e.args)
+    out.__dict__.update(e.__dict__)
+    out.__cause__ = e.__cause__
+    return out
+
+
+@dataclass
+class Options:
+    """The ``shoal`` backend's options: ``init_process_group("shoal", pg_options=Options(...))``.
+
+    ``master`` is the address of a running ``shoal master`` (default ``SHOAL_MASTER``; without
+    either, rank 0 starts one in its process and tells the others through torch's store).
+    ``communicator`` holds keyword arguments of :class:`shoal.Communicator` (``connections``,
+    ``secret``, TLS, timeouts...); unset ones come from the ``SHOAL_*`` settings as usual.
+    """
+
+    master: Optional[str] = None
+    communicator: "Optional[dict[str, Any]]" = None
+
+
+class _Run:
+    """This process's membership behind the default group: the master it may host, the run's
+    communicator, and the world group derived from it by torch's ranks."""
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: timedelta, options: Options) -> None:
+        self.master: Optional[Master] = None
+        address = options.master or os.environ.get("SHOAL_MASTER")
+        if address is None:
+            if rank == 0:
+                host = _store_host(store)
+                self.master = Master(f"{_bind_host(host)}:0")
+                self.master.start()
+                address = f"{host}:{self.master.address.rsplit(':', 1)[1]}"
+                store.set("shoal/master", address)
+            else:
+                address = store.get("shoal/master").decode()
+        self.comm = Communicator(address, **(options.communicator or {}))
+        try:
+            self.comm.connect(timeout.total_seconds(), min_world_size=size)
+            world = self.comm.split(0, key=rank)
+        except BaseException:
+            self.close()
+            raise
+        assert world is not None and world.rank == rank, "the world is ranked by torch's ranks"
+        self.world = world
+        self.closed = False
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Leaves the run, then stops the master this process hosts. Idempotent."""
+        atexit.unregister(self.close)
+        self.closed = True
+        self.comm.close()
+        if self.master is not None:
+            self.master.stop()
+
+
+def _store_host(store: Any) -> str:
+    """The host other ranks reach this one at: the TCP store's, else ``MASTER_ADDR``, else
+    loopback (a file or hash store: one host)."""
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    host = getattr(store, "host", None) or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    return "127.0.0.1" if host == "localhost" else host
+
+
+def _bind_host(host: str) -> str:
+    """Where the master listens: loopback for a run on one host, every interface otherwise."""
+    try:
+        return "127.0.0.1" if ipaddress.ip_address(host).is_loopback else "0.0.0.0"
+    except ValueError:
+        return "0.0.0.0"
+
+
+_run: Optional[_Run] = None
+_run_lock = threading.Lock()
+
+
+def _create(opts: Any, options: Optional[Options]) -> "ShoalBackend":
+    """c10d's constructor of the backend (``register_backend(..., extended_api=True)``)."""
+    global _run
+    if options is not None and not isinstance(options, Options):
+        raise TypeError(f"pg_options of the shoal backend must be shoal.torch.Options, got {type(options).__name__}")
+    ranks = list(opts.global_ranks_in_group)
+    with _run_lock:
+        if not ranks:  # the default group
+            if _run is not None and not _run.closed:
+                _run.close()
+            _run = _Run(opts.store, opts.group_rank, opts.group_size, opts.timeout, options or Options())
+            return ShoalBackend(_run.world, opts.group_rank, opts.group_size)
+        if _run is None or _run.closed:
+            raise errors.UsageError("a shoal subgroup needs the default group on shoal: init_process_group('shoal')")
+        group = _run.world.subgroup(ranks, str(opts.group_id))
+    if group is None or group.rank != opts.group_rank:
+        raise errors.UsageError(f"subgroup {ranks}: this process is not its rank {opts.group_rank}")
+    return ShoalBackend(group, opts.group_rank, opts.group_size)
+
+
+def register() -> None:
+    """Registers the backend under the name ``shoal`` (``import shoal.torch`` does)."""
+    if NAME not in dist.Backend.backend_list:
+        dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu"])
+    _patch_work()
+
+
+# Completes the futures of operations that torch asks for one (DDP does, for every bucket): each
+# waits on a thread of a pool that grows to this many threads (a receive that waits long holds
+# one; the calls move meanwhile, whoever waits).
+COMPLETERS = 64
+
+
+class _Completers:
+    """Threads that wait for operations and complete their futures, started as needed."""
+
+    def __init__(self) -> None:
+        self._queue: "queue.SimpleQueue[Work]" = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = 0
+        self._idle = 0
+
+    def submit(self, work: "Work") -> None:
+        with self._lock:
+            grow = self._idle == 0 and self._threads < COMPLETERS
+            if grow:
+                self._threads += 1
+            elif self._idle:
+                self._idle -= 1
+        self._queue.put(work)
+        if grow:
+            threading.Thread(target=self._serve, name="shoal-c10d", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            self._queue.get()._settle()
+            with self._lock:
+                self._idle += 1
+
+
+_completers = _Completers()
+
+
+class Work(dist._Work):  # type: ignore[misc]
+    """One torch operation in flight: the shoal calls it started, and what runs once they all
+    ended (copying results where torch wants them). ``wait`` waits for them in the caller's
+    thread; ``get_future`` has a completer thread wait (DDP asks for the future of every bucket).
+
+    torch hands a Python backend's works to users through a holder that forwards ``wait`` and
+    ``get_future`` only; ``shoal.torch`` teaches torch's ``Work.is_completed`` and ``exception``
+    to ask the future (:func:`_patch_work`)."""
+
+    def __init__(self, works: "list[_ShoalWork]", result: "list[torch.Tensor]",
+                 finish: Optional[Callable[[], None]] = None) -> None:
+        super().__init__()
+        self._works, self._result, self._finish = works, result, finish
+        self._lock = threading.Lock()
+        self._ended = False
+        self._error: Optional[BaseException] = None
+        self._future: "Optional[torch.futures.Future[list[torch.Tensor]]]" = None
+
+    def _end(self, timeout: Optional[float] = None) -> None:
+        """Waits for every call (each restores its buffer on failure and frees its tag), then
+        finishes; raises the first error. Past ``timeout`` the calls go on: wait again."""
+        with self._lock:
+            if not self._ended:
+                while self._works:
+                    try:
+                        self._works[0].wait(timeout)
+                    except errors.ShoalTimeoutError as e:
+                        if timeout is not None:
+                            raise _as_torch_error(e) from None
+                        self._error = self._error or _as_torch_error(e)
+                    except errors.ShoalError as e:
+                        self._error = self._error or _as_torch_error(e)
+                    self._works.pop(0)
+                if self._error is None and self._finish is not None:
+                    try:
+                        self._finish()
+                    except BaseException as e:  # noqa: BLE001 - the waiter's error
+                        self._error = e
+                self._ended = True
+                if self._future is not None:
+                    self._settle_ended()
+        if self._error is not None:
+            raise self._error
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        seconds = timeout.total_seconds() if timeout else 0.0
+        self._end(seconds if seconds > 0 else None)
+        return True
+
+    def get_future(self) -> "torch.futures.Future[list[torch.Tensor]]":
+        with self._lock:
+            if self._future is None:
+                self._future = torch.futures.Future()
+                if self._ended:
+                    self._settle_ended()
+                else:
+                    _completers.submit(self)
+            return self._future
+
+    def _settle(self) -> None:
+        try:
+            self._end()
+        except BaseException:  # noqa: BLE001 - the future's error
+            pass
+
+    def _settle_ended(self) -> None:
+        """Completes the future of the ended work (under its lock)."""
+        assert self._future is not None
+        if not self._future.done():
+            if self._error is not None:
+                self._future.set_exception(self._error)  # type: ignore[arg-type]
+            else:
+                self._future.set_result(self._result)
+
+
+def _patch_work() -> None:
+    """torch's ``Work.is_completed`` and ``exception``, for the works of Python backends too:
+    torch's holder of such a work forwards only ``wait`` and ``get_future``, so its own answers
+    stay "not completed" and "no error". A work that says it is not completed is asked its
+    future, which every backend's work completes when it ends."""
+    cls = dist.Work
+    if getattr(cls, "_shoal_patched", False):
+        return
+    is_completed, exception = cls.is_completed, cls.exception
+
+    def future_of(work: Any) -> "Optional[torch.futures.Future[Any]]":
+        try:
+            return work.get_future()
+        except RuntimeError:  # a backend without futures
+            return None
+
+    def patched_is_completed(self: Any) -> bool:
+        if is_completed(self):
+            return True
+        future = future_of(self)
+        return future is not None and future.done()
+
+    def patched_exception(self: Any) -> Any:
+        error = exception(self)
+        if error is not None:
+            return error
+        future = future_of(self)
+        if future is None or not future.done():
+            return None
+        try:
+            future.value()
+        except Exception as e:  # noqa: BLE001 - the answer
+            return e
+        return None
+
+    cls.is_completed, cls.exception = patched_is_completed, patched_exception  # type: ignore[method-assign]
+    cls._shoal_patched = True  # type: ignore[attr-defined]
+
+
+def _op(opts: Any) -> str:
+    op = _OPS.get(opts.reduceOp.op)
+    if op is None:
+        raise ValueError(f"the shoal backend reduces with SUM, AVG, PRODUCT, MIN and MAX, not {opts.reduceOp.op}")
+    return op
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _copy_back(pairs: "Sequence[tuple[torch.Tensor, torch.Tensor]]") -> Optional[Callable[[], None]]:
+    """Copies each work buffer into the tensor torch gave where they differ."""
+    pairs = [(dst, src) for dst, src in pairs if dst is not src]
+    if not pairs:
+        return None
+
+    def finish() -> None:
+        for dst, src in pairs:
+            dst.copy_(src)
+
+    return finish
+
+
+def _then(*steps: Optional[Callable[[], None]]) -> Optional[Callable[[], None]]:
+    todo = [s for s in steps if s is not None]
+    if not todo:
+        return None
+    if len(todo) == 1:
+        return todo[0]
+
+    def finish() -> None:
+        for step in todo:
+            step()
+
+    return finish
+
+
+class ShoalBackend(_Backend):  # type: ignore[misc]
+    """c10d's view of one shoal group; made by ``init_process_group("shoal")`` and
+    ``dist.new_group``, not by hand."""
+
+    def __init__(self, group: Communicator, rank: int, size: int) -> None:
+        super().__init__(rank, size)
+        self.group = group
+        self._seq = 0
+        self._p2p: "dict[tuple[str, int, int], int]" = {}
+        self._lock = threading.Lock()
+
+    def getBackendName(self) -> str:  # noqa: N802 - c10d's name
+        return NAME
+
+    # Asked by batch_isend_irecv; the base class's answer asks this class again, without end.
+    supports_coalescing = False
+
+    @property
+    def communicator(self) -> Communicator:
+        """The shoal group behind this process group, ranked as torch ranks it."""
+        return self.group
+
+    def _tag(self, base: int = 0) -> int:
+        with self._lock:
+            self._seq += 1
+            return base | (self._seq % _COMPOSED)
+
+    def _p2p_tag(self, kind: str, peer: int, tag: int) -> int:
+        if not 0 <= tag < _USER_TAGS:
+            raise ValueError(f"the shoal backend's send/recv tags run from 0 to 2**{62 - _SEQ_BITS} - 1, got {tag}")
+        with self._lock:
+            n = self._p2p.get((kind, peer, tag), 0)
+            self._p2p[(kind, peer, tag)] = n + 1
+        return _P2P | (tag << _SEQ_BITS) | (n % (1 << _SEQ_BITS))
+
+    # -- all-reduce, broadcast, barrier -----------------------------------------------------
+
+    def allreduce(self, tensors: "list[torch.Tensor]", opts: Any = None) -> Work:
+        op = _op(opts)
+        bufs = [_contiguous(t) for t in tensors]
+        works = [self.group.all_reduce_async(b, op=op, tag=self._tag()) for b in bufs]
+        return Work(works, tensors, _copy_back(list(zip(tensors, bufs))))
+
+    def allreduce_coalesced(self, tensors: "list[torch.Tensor]", opts: Any = None) -> Work:
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensors: "list[torch.Tensor]", opts: Any = None) -> Work:
+        bufs = [_contiguous(t) for t in tensors]
+        works = [self.group.broadcast_async(b, root=opts.rootRank, tag=self._tag()) for b in bufs]
+        return Work(works, tensors, _copy_back(list(zip(tensors, bufs))))
+
+    def barrier(self, opts: Any = None) -> Work:
+        return Work([self.group.barrier_async(tag=self._tag())], [])
+
+    def reduce(self, tensors: "list[torch.Tensor]", opts: Any = None) -> Work:
+        """An all-reduce whose result only the root keeps: the others reduce a copy."""
+        op, root = _op(opts), opts.rootRank
+        bufs = [_contiguous(t) if self.rank() == root else t.clone(memory_format=torch.contiguous_format)
+                for t in tensors]
+        works = [self.group.all_reduce_async(b, op=op, tag=self._tag()) for b in bufs]
+        if self.rank() != root:
+            return Work(works, tensors)
+        return Work(works, tensors, _copy_back(list(zip(tensors, bufs))))
+
+    # -- all-gather, reduce-scatter ---------------------------------------------------------
+
+    def allgather(self, outputs: "list[list[torch.Tensor]]", inputs: "list[torch.Tensor]", opts: Any = None) -> Work:
+        works, finishes = [], []
+        for outs, inp in zip(outputs, inputs):
+            _same_shapes("allgather", outs, inp, self.size())
+            flat = torch.empty((self.size(), *inp.shape), dtype=inp.dtype)
+            works.append(self.group.all_gather_async(flat, _contiguous(inp), tag=self._tag()))
+            finishes.append(_copy_back(list(zip(outs, flat.unbind(0)))))
+        return Work(works, [t for outs in outputs for t in outs], _then(*finishes))
+
+    def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> Work:
+        out = _contiguous(output)
+        work = self.group.all_gather_async(out, _contiguous(inp), tag=self._tag())
+        return Work([work], [output], _copy_back([(output, out)]))
+
+    _allgather_base = all_gather_single
+
+    def allgather_coalesced(self, outputs: "list[list[torch.Tensor]]", inputs: "list[torch.Tensor]",
+                            opts: Any = None) -> Work:
+        return self.allgather(outputs, inputs, opts)
+
+    def all_gather_single_coalesced(self, outputs: "list[torch.Tensor]", inputs: "list[torch.Tensor]",
+                                    opts: Any = None) -> Work:
+        out = [_contiguous(o) for o in outputs]
+        works = [self.group.all_gather_async(o, _contiguous(i), tag=self._tag()) for o, i in zip(out, inputs)]
+        return Work(works, outputs, _copy_back(list(zip(outputs, out))))
+
+    def reduce_scatter(self, outputs: "list[torch.Tensor]", inputs: "list[list[torch.Tensor]]",
+                       opts: Any = None) -> Work:
+        op, works, finishes = _op(opts), [], []
+        for out, ins in zip(outputs, inputs):
+            _same_shapes("reduce_scatter", ins, out, self.size())
+            buf = _contiguous(out)
+            works.append(self.group.reduce_scatter_async(buf, torch.stack(ins), op=op, tag=self._tag()))
+            finishes.append(_copy_back([(out, buf)]))
+        return Work(works, outputs, _then(*finishes))
+
+    def reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> Work:
+        out = _contiguous(output)
+        work = self.group.reduce_scatter_async(out, _contiguous(inp), op=_op(opts), tag=self._tag())
+        return Work([work], [output], _copy_back([(output, out)]))
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: "list[torch.Tensor]", inputs: "list[torch.Tensor]",
+                                        opts: Any = None) -> Work:
+        op, out = _op(opts), [_contiguous(o) for o in outputs]
+        works = [self.group.reduce_scatter_async(o, _contiguous(i), op=op, tag=self._tag())
+                 for o, i in zip(out, inputs)]
+        return Work(works, outputs, _copy_back(list(zip(outputs, out))))
+
+    # -- gather, scatter, all-to-all: tagged transfers --------------------------------------
+
+    def gather(self, outputs: "list[list[torch.Tensor]]", inputs: "list[torch.Tensor]", opts: Any = None) -> Work:
+        root, tag, (inp,) = opts.rootRank, self._tag(_COMPOSED), inputs
+        if self.rank() != root:
+            return Work([self.group.isend(_contiguous(inp), peer=root, tag=tag)], [])
+        (outs,) = outputs
+        _same_shapes("gather", outs, inp, self.size())
+        bufs = [_contiguous(t) for t in outs]
+        bufs[root].copy_(inp)
+        works = [self.group.irecv(b, peer=r, tag=tag) for r, b in enumerate(bufs) if r != root]
+        return Work(works, outs, _copy_back(list(zip(outs, bufs))))
+
+    def scatter(self, outputs: "list[torch.Tensor]", inputs: "list[list[torch.Tensor]]", opts: Any = None) -> Work:
+        root, tag, (out,) = opts.rootRank, self._tag(_COMPOSED), outputs
+        buf = _contiguous(out)
+        if self.rank() != root:
+            return Work([self.group.irecv(buf, peer=root, tag=tag)], [out], _copy_back([(out, buf)]))
+        (ins,) = inputs
+        _same_shapes("scatter", ins, out, self.size())
+        works = [self.group.isend(_contiguous(t), peer=r, tag=tag) for r, t in enumerate(ins) if r != root]
+        buf.copy_(ins[root])
+        return Work(works, [out], _copy_back([(out, buf)]))
+
+    def alltoall(self, outputs: "list[torch.Tensor]", inputs: "list[torch.Tensor]", opts: Any = None) -> Work:
+        bufs = [_contiguous(t) for t in outputs]
+        works = self._exchange(bufs, [_contiguous(t) for t in inputs])
+        return Work(works, outputs, _copy_back(list(zip(outputs, bufs))))
+
+    def all_to_all_single(self, output: torch.Tensor, inp: torch.Tensor, output_splits: "list[int]",
+                          input_splits: "list[int]", opts: Any = None) -> Work:
+        out = _contiguous(output)
+        outs = _split(out, output_splits, self.size())
+        ins = _split(_contiguous(inp), input_splits, self.size())
+        return Work(self._exchange(outs, ins), [output], _copy_back([(output, out)]))
+
+    alltoall_base = all_to_all_single
+
+    def _exchange(self, outs: "list[torch.Tensor]", ins: "list[torch.Tensor]") -> "list[_ShoalWork]":
+        """Rank ``r`` gets ``ins[r]`` into its ``outs[self]``: one send and one receive per
+        other rank, all in flight at once."""
+        me, tag = self.rank(), self._tag(_COMPOSED)
+        if len(outs) != self.size() or len(ins) != self.size():
+            raise ValueError(f"all_to_all over {self.size()} ranks needs {self.size()} inputs and outputs")
+        works = []
+        for r in range(self.size()):
+            if r == me:
+                outs[r].copy_(ins[r])
+                continue
+            if ins[r].numel():
+                works.append(self.group.isend(ins[r], peer=r, tag=tag))
+            if outs[r].numel():
+                works.append(self.group.irecv(outs[r], peer=r, tag=tag))
+        return works
+
+    # -- send, recv -------------------------------------------------------------------------
+
+    def send(self, tensors: "list[torch.Tensor]", dst: int, tag: int) -> Work:
+        (t,) = tensors
+        return Work([self.group.isend(_contiguous(t), peer=dst, tag=self._p2p_tag("send", dst, tag))], [])
+
+    def recv(self, tensors: "list[torch.Tensor]", src: int, tag: int) -> Work:
+        (t,) = tensors
+        buf = _contiguous(t)
+        work = self.group.irecv(buf, peer=src, tag=self._p2p_tag("recv", src, tag))
+        return Work([work], tensors, _copy_back([(t, buf)]))
+
+    def recv_anysource(self, tensors: "list[torch.Tensor]", tag: int) -> Work:
+        raise errors.UsageError("the shoal backend receives from a named rank only: recv(src=...), not any source")
+
+
+def _same_shapes(verb: str, tensors: "list[torch.Tensor]", like: torch.Tensor, size: int) -> None:
+    if len(tensors) != size:
+        raise ValueError(f"{verb} over {size} ranks needs a list of {size} tensors, got {len(tensors)}")
+    for t in tensors:
+        if t.shape != like.shape or t.dtype != like.dtype:
+            raise ValueError(f"{verb}: every tensor must be {like.dtype} of shape {tuple(like.shape)}, "
+                             f"got {t.dtype} of {tuple(t.shape)}")
+
+
+def _split(t: torch.Tensor, splits: "list[int]", size: int) -> "list[torch.Tensor]":
+    """``t`` cut along its first dimension into ``size`` parts (even ones without ``splits``)."""
+    if not splits:
+        if t.shape[0] % size:
+            raise ValueError(f"all_to_all_single: {t.shape[0]} rows do not split evenly over {size} ranks")
+        splits = [t.shape[0] // size] * size
+    if len(splits) != size or sum(splits) != t.shape[0]:
+        raise ValueError(f"all_to_all_single: splits {splits} do not cut {t.shape[0]} rows into {size} parts")
+    return list(torch.split(t, splits))
