@@ -1,4 +1,5 @@
-"""The same benchmark as ``shoal bench``, run by torch.distributed's Gloo backend.
+"""The same benchmark as ``shoal bench``, run by torch.distributed's Gloo backend (or, with
+``--backend shoal``, by torch.distributed on shoal's backend).
 
     python bench/gloo.py --peers 4 --sizes 4K,64M,256M --op all_reduce
 
@@ -34,16 +35,21 @@ def _worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if args.backend == "shoal":
+        import shoal.torch  # noqa: F401 - registers the backend
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=args.peers
+        args.backend, init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=args.peers
     )
     reduction = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}[args.reduction]
     world, rank = args.peers, args.rank
     blocks: dict[tuple[int, int], torch.Tensor] = {}
 
     def block_of(t: torch.Tensor, rows: int) -> torch.Tensor:
-        # By shape: an object's id comes back once it is freed.
-        return blocks.setdefault((len(t), rows), torch.ones(rows, dtype=t.dtype))
+        # By shape: an object's id comes back once it is freed. Made once, not per iteration
+        # (setdefault's default would be: an allocation and a fill timed with every call).
+        if (len(t), rows) not in blocks:
+            blocks[(len(t), rows)] = torch.ones(rows, dtype=t.dtype)
+        return blocks[(len(t), rows)]
 
     def batch(xs: list) -> str:
         t = torch.from_numpy(xs[0])
@@ -69,13 +75,14 @@ def _worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def run(peers: int, sizes: str, dtype: str = "float32", op: str = "all_reduce", reduction: str = "sum") -> list[dict]:
-    """Runs the benchmark of ``op`` and returns its rows."""
+def run(peers: int, sizes: str, dtype: str = "float32", op: str = "all_reduce", reduction: str = "sum",
+        backend: str = "gloo") -> list[dict]:
+    """Runs the benchmark of ``op`` on torch.distributed's ``backend`` and returns its rows."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--peers", str(peers), "--sizes", sizes]
-    argv += ["--dtype", dtype, "--op", op, "--reduction", reduction, "--port", str(port)]
+    argv += ["--dtype", dtype, "--op", op, "--reduction", reduction, "--port", str(port), "--backend", backend]
     outputs = spawn_workers(lambda i: [*argv, "--rank", str(i)], peers)
     return summarize(outputs, peers, op)
 
@@ -87,14 +94,16 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--op", default="all_reduce", choices=list(BUS_FACTOR))
     parser.add_argument("--reduction", default="sum", choices=["sum", "avg", "max"])
+    parser.add_argument("--backend", default="gloo", choices=["gloo", "shoal"])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return _worker(args)
-    rows = run(args.peers, args.sizes, args.dtype, args.op, args.reduction)
-    print(format_table(rows, f"torch.distributed gloo {args.op}, {args.peers} peers, {args.dtype} {args.reduction}"))
+    rows = run(args.peers, args.sizes, args.dtype, args.op, args.reduction, args.backend)
+    title = f"torch.distributed {args.backend} {args.op}, {args.peers} peers, {args.dtype} {args.reduction}"
+    print(format_table(rows, title))
 
 
 if __name__ == "__main__":
