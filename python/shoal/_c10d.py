@@ -19,6 +19,7 @@ import atexit
 import ipaddress
 import os
 import queue
+import secrets
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
@@ -89,17 +90,25 @@ class Options:
 
     ``master`` is the address of a running ``shoal master`` (default ``SHOAL_MASTER``; without
     either, rank 0 starts one in its process and tells the others through torch's store).
-    ``communicator`` holds keyword arguments of :class:`shoal.Communicator` (``connections``,
-    ``secret``, TLS, timeouts...); unset ones come from the ``SHOAL_*`` settings as usual.
+    ``min_world_size`` (default ``SHOAL_MIN_WORLD_SIZE``, else torch's world size) is how many
+    members the run must have before ``init_process_group`` returns: several ``torchrun``s
+    that start one run together (one per replica, as a run that survives churn is launched)
+    each give the run's size. ``communicator`` holds keyword arguments of
+    :class:`shoal.Communicator` (``connections``, ``secret``, TLS, timeouts...); unset ones
+    come from the ``SHOAL_*`` settings as usual.
     """
 
     master: Optional[str] = None
+    min_world_size: Optional[int] = None
     communicator: "Optional[dict[str, Any]]" = None
 
 
 class _Run:
     """This process's membership behind the default group: the master it may host, the run's
-    communicator, and the world group derived from it by torch's ranks."""
+    communicator (:func:`run_communicator`), and torch's world, a group of the run's members
+    that torch's store names, ranked by torch's ranks. Forming it takes no call of the run's
+    other members: a ``torchrun`` started later joins the run as newcomers do, admitted by the
+    members' next ``update_topology()``."""
 
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta, options: Options) -> None:
         self.master: Optional[Master] = None
@@ -113,10 +122,16 @@ class _Run:
                 store.set("shoal/master", address)
             else:
                 address = store.get("shoal/master").decode()
+        min_world = options.min_world_size or int(os.environ.get("SHOAL_MIN_WORLD_SIZE") or size)
         self.comm = Communicator(address, **(options.communicator or {}))
         try:
-            self.comm.connect(timeout.total_seconds(), min_world_size=size)
-            world = self.comm.split(0, key=rank)
+            self.comm.connect(timeout.total_seconds(), min_world_size=max(min_world, size))
+            if rank == 0:
+                store.set("shoal/world", secrets.token_hex(8))
+            store.set(f"shoal/peer/{rank}", str(self.comm.peer_id))
+            name = store.get("shoal/world")
+            peers = [int(store.get(f"shoal/peer/{r}")) for r in range(size)]
+            world = self.comm.subgroup_of_peers(peers, b"torch world " + name)
         except BaseException:
             self.close()
             raise
@@ -173,6 +188,14 @@ def _create(opts: Any, options: Optional[Options]) -> "ShoalBackend":
     if group is None or group.rank != opts.group_rank:
         raise errors.UsageError(f"subgroup {ranks}: this process is not its rank {opts.group_rank}")
     return ShoalBackend(group, opts.group_rank, opts.group_size)
+
+
+def run_communicator() -> Communicator:
+    """The run's communicator behind the default ``shoal`` process group: the whole group, with
+    its admission, votes and shared-state syncs (what :class:`shoal.torch.Elastic` uses)."""
+    if _run is None or _run.closed:
+        raise errors.UsageError("no shoal process group: call init_process_group('shoal') first")
+    return _run.comm
 
 
 def register() -> None:

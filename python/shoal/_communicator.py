@@ -474,11 +474,13 @@ class Communicator:
         give different ranks or names form different groups, whose collectives never meet. An
         addition to the API of ``DESIGN.md``: what ``shoal.torch`` builds torch's subgroups on.
         """
-        if isinstance(name, str):
-            name = name.encode()
-        if not isinstance(name, bytes):
-            raise TypeError(f"name must be str or bytes, got {type(name).__name__}")
-        return _derived(self._native.subgroup(list(ranks), name))
+        return _derived(self._native.subgroup(list(ranks), _name(name)))
+
+    def subgroup_of_peers(self, peers: "list[int]", name: "str | bytes") -> Optional["Communicator"]:
+        """``subgroup`` of the members with ids ``peers`` (their ``peer_id``), in that order: for
+        members that know each other by id (a rendezvous outside shoal told them, as torch's
+        store does), not by a rank that a new topology may change meanwhile."""
+        return _derived(self._native.subgroup_of_peers(list(peers), _name(name)))
 
     @property
     def world_size(self) -> int:
@@ -518,6 +520,14 @@ def _derived(native: Optional[_native.Communicator]) -> Optional[Communicator]:
     comm = Communicator.__new__(Communicator)
     comm._native = native
     return comm
+
+
+def _name(name: "str | bytes") -> bytes:
+    if isinstance(name, str):
+        return name.encode()
+    if not isinstance(name, bytes):
+        raise TypeError(f"name must be str or bytes, got {type(name).__name__}")
+    return name
 
 
 def _accepted(value: Optional[int]) -> int:

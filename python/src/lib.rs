@@ -794,6 +794,13 @@ impl Communicator {
         Ok(derived.map(|c| Communicator { inner: Arc::new(c) }))
     }
 
+    /// The derived group of the members with ids `peers` named `name`, formed by those alone.
+    fn subgroup_of_peers(&self, py: Python<'_>, peers: Vec<u32>, name: Vec<u8>) -> PyResult<Option<Communicator>> {
+        let peers: Vec<shoal_peer::PeerId> = peers.into_iter().map(shoal_peer::PeerId).collect();
+        let derived = py.detach(|| self.inner.subgroup_of(&peers, &name)).map_err(to_py)?;
+        Ok(derived.map(|c| Communicator { inner: Arc::new(c) }))
+    }
+
     #[getter]
     fn world_size(&self) -> Option<usize> {
         self.inner.world_size()

@@ -74,7 +74,7 @@ impl Communicator {
     /// form different groups, whose collectives never meet (each fails at its bound).
     pub fn subgroup(&self, ranks: &[usize], name: &[u8]) -> Result<Option<Communicator>> {
         let position = self.position().ok_or(Error::NotConnected)?;
-        let (me, world, topology_ranks) = self.placed(&position);
+        let (_, world, topology_ranks) = self.placed(&position);
         let mut seen = vec![false; world];
         for &r in ranks {
             if r >= world || std::mem::replace(&mut seen[r], true) {
@@ -83,14 +83,39 @@ impl Communicator {
                 )));
             }
         }
-        if !ranks.contains(&me) {
+        let topology_rank = |r: usize| if topology_ranks.is_empty() { r } else { topology_ranks[r] };
+        let peers: Vec<PeerId> = ranks.iter().map(|&r| position.ring[topology_rank(r)].peer).collect();
+        self.subgroup_of(&peers, name)
+    }
+
+    /// [`Communicator::subgroup`] of the members with ids `peers`, in that order: for members
+    /// that know each other by id (a rendezvous outside shoal told them), not by a rank that a
+    /// new topology may change meanwhile.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if a peer is not a member of this group or is named twice;
+    /// [`Error::NotConnected`] before `connect()`.
+    pub fn subgroup_of(&self, peers: &[PeerId], name: &[u8]) -> Result<Option<Communicator>> {
+        let position = self.position().ok_or(Error::NotConnected)?;
+        let (_, _, topology_ranks) = self.placed(&position);
+        let is_member = |p: &PeerId| match &self.derived {
+            None => position.ring.iter().any(|m| m.peer == *p),
+            Some(_) => topology_ranks.iter().any(|&r| position.ring[r].peer == *p),
+        };
+        let mut sorted = peers.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        if sorted.len() != peers.len() || !peers.iter().all(is_member) {
+            return Err(Error::InvalidArgument(format!("subgroup of {peers:?}: members of this group, each once")));
+        }
+        let me = position.ring[position.rank].peer;
+        if !peers.contains(&me) {
             return Ok(None);
         }
-        let topology_rank = |r: usize| if topology_ranks.is_empty() { r } else { topology_ranks[r] };
-        let members: Arc<[PeerId]> = ranks.iter().map(|&r| position.ring[topology_rank(r)].peer).collect();
+        let members: Arc<[PeerId]> = peers.into();
         let parent = self.derived.as_ref().map_or(0, |d| d.id);
         let id = group_id(&[b"subgroup", &parent.to_le_bytes(), name], &members);
-        log::info!("{}: subgroup {id:#x} of {} members: {members:?}", position.ring[position.rank].peer, members.len());
+        log::info!("{me}: subgroup {id:#x} of {} members: {members:?}", members.len());
         Ok(Some(Communicator {
             shared: Arc::clone(&self.shared),
             derived: Some(Derived { id, members }),
