@@ -27,13 +27,13 @@ from __future__ import annotations
 import atexit
 import queue
 import threading
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
-from ._c10d import ERRORS, Options, ShoalBackend, register
+from ._c10d import ERRORS, Options, ShoalBackend, register, run_communicator
 from ._state import SharedState
-from .errors import ShoalError
+from .errors import PeerLostError, ShoalError
 
-__all__ = ["ERRORS", "Options", "ShoalBackend", "DDPHook", "DiLoCo", "AsyncDiLoCo"]
+__all__ = ["ERRORS", "Options", "ShoalBackend", "run_communicator", "Elastic", "DDPHook", "DiLoCo", "AsyncDiLoCo"]
 
 if TYPE_CHECKING:
     import torch
@@ -124,6 +124,130 @@ class DDPHook:
             failed, self._failed = self._failed, None
         if failed is not None:
             raise failed
+
+
+class Elastic:
+    """Turns a DDP training step into one that survives lost peers and admits newcomers:
+    ``elastic = Elastic(ddp, optimizer)``, then ``loss = elastic.step(lambda: train(batch))``
+    where ``train`` runs forward, backward and ``optimizer.step()`` once.
+
+    The run is the one behind the default ``shoal`` process group (:func:`run_communicator`),
+    which may span several ``torchrun``s and processes started later. DDP's gradient buckets are
+    averaged over the run's live members (a :class:`DDPHook`, so no rank counts that is gone).
+    A step during which a member was lost raises :class:`shoal.PeerLostError` from
+    ``optimizer.step()`` before it changes anything (a step pre-hook): :meth:`step` zeroes the
+    gradients and runs it again in the re-formed run, where every member agreed the same
+    buckets failed. Every ``admit_every`` steps the members vote on the peers waiting to join,
+    admit them and sync the model's parameters and buffers, the optimizer's state and the step
+    count with them (a :class:`shoal.SharedState`): a newcomer's ``Elastic`` (made the same way
+    after ``init_process_group``) takes that state up and trains on from the run's step.
+
+    The optimizer's state is made at once (one step of zero gradients whose parameter change
+    is undone), so that newcomers receive it. Learning-rate schedules should follow
+    :attr:`steps`, which every member shares.
+    """
+
+    def __init__(self, ddp: Any, optimizer: "torch.optim.Optimizer", *, admit_every: int = 10,
+                 comm: "Optional[Communicator]" = None, tag: int = 1 << 41) -> None:
+        import torch
+
+        if admit_every < 1:
+            raise ValueError(f"admit_every must be at least 1, got {admit_every}")
+        self.comm = comm if comm is not None else run_communicator()
+        self.ddp, self.optimizer, self.admit_every = ddp, optimizer, admit_every
+        _prime(optimizer)
+        # DDP lays its buckets out in reverse order, then after the first backward in the order
+        # the gradients came: a newcomer's first buckets would not be the members' (the same
+        # bytes, other parameters). Every member lays them out by the parameters' order at once.
+        reducer = getattr(ddp, "reducer", None)
+        if reducer is not None:
+            reducer._push_all_rebuilt_params()
+        self.hook = DDPHook(self.comm, tag=tag)
+        self.hook.register(ddp)
+        optimizer.register_step_pre_hook(lambda *_: self.hook.check())
+        self._steps = torch.zeros(1, dtype=torch.int64)
+        module = getattr(ddp, "module", ddp)
+        tensors: "dict[str, torch.Tensor]" = {"steps": self._steps}
+        tensors.update({f"param.{n}": p.data for n, p in module.named_parameters()})
+        tensors.update({f"buffer.{n}": b for n, b in module.named_buffers()})
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for i, p in enumerate(params):
+            for key, value in optimizer.state[p].items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"optimizer.{i}.{key}"] = value
+        self.state = SharedState(tensors)
+        self._admitting = False
+        # The step whose admission vote ran (or that the sync a newcomer joined by ended at).
+        self._voted: Optional[int] = None
+        self.join()
+
+    @property
+    def steps(self) -> int:
+        """Steps the run has taken (a newcomer receives the count)."""
+        return int(self._steps[0])
+
+    def join(self) -> None:
+        """Takes up the run's state: every founder, and each newcomer (the other half of the
+        sync of the step that admitted it). Retries a lost peer itself."""
+        _until_done(lambda: self.comm.sync_shared_state(self.state))
+        self._voted = self.steps
+
+    def step(self, train: "Callable[[], Any]") -> Any:
+        """Runs ``train()`` (forward, backward, ``optimizer.step()``) until a try ends without a
+        lost peer, admitting the waiting peers first every ``admit_every`` steps; returns what
+        the try that counted returned."""
+        while True:
+            try:
+                if self.steps % self.admit_every == 0 and self._voted != self.steps:
+                    self._admit()
+                result = train()
+            except PeerLostError:
+                self.optimizer.zero_grad(set_to_none=True)
+                continue
+            self._steps += 1
+            return result
+
+    def _admit(self) -> None:
+        """Admits the peers waiting to join, if any, and syncs the state with them. A lost peer
+        raises having changed nothing but its progress: the retry goes on where it stopped."""
+        if not self._admitting:
+            if not self.comm.peers_pending():
+                self._voted = self.steps
+                return
+            self.comm.update_topology()
+            self._admitting = True
+            self.state.revision += 1
+        self.comm.sync_shared_state(self.state)
+        self._admitting = False
+        self._voted = self.steps
+
+
+def _prime(optimizer: "torch.optim.Optimizer") -> None:
+    """Makes ``optimizer``'s state (momentum buffers, moments, step counts) by one step of zero
+    gradients, then puts the parameters back as they were."""
+    import torch
+
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if all(optimizer.state.get(p) for p in params):
+        return
+    saved = [p.detach().clone() for p in params]
+    grads = [p.grad for p in params]
+    with torch.no_grad():
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        for p, s, g in zip(params, saved, grads):
+            p.copy_(s)
+            p.grad = g
+
+
+def _until_done(call: "Callable[[], Any]") -> Any:
+    """Calls ``call`` until it does not raise :class:`shoal.PeerLostError`."""
+    while True:
+        try:
+            return call()
+        except PeerLostError:
+            continue
 
 
 class DiLoCo:

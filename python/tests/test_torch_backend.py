@@ -6,12 +6,20 @@ it computes from every rank's inputs; DDP and FSDP2 train as on the gloo backend
 from __future__ import annotations
 
 import json
+import os
+import queue
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 from conftest import clean_env
+
+import shoal
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -90,3 +98,77 @@ def test_a_lost_rank_fails_the_call_retryably_and_the_retry_runs_without_it() ->
     for o in outs[:2]:
         assert o["errors"] and set(o["errors"]) == {"PeerLostError"}, o
         assert o["sum"] == 1.0 + 2.0, o
+
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "torchrun_elastic.py"
+
+
+class Torchrun:
+    """One ``torchrun --standalone --nproc-per-node 1`` of the elastic example, its events read
+    as they come."""
+
+    def __init__(self, env: dict, *args: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                      "--nproc-per-node", "1", str(EXAMPLE), *args],
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.events: "queue.Queue[dict]" = queue.Queue()
+        self.seen: list[dict] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        with self.proc.stdout:
+            for line in self.proc.stdout:
+                if line.startswith("{"):
+                    self.events.put(json.loads(line))
+
+    def until(self, check: "Callable[[dict], bool]", timeout: float = 120) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            event = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            self.seen.append(event)
+            if check(event):
+                return event
+
+
+def elastic_run(master: str, churn: bool, tmp_path: Path, steps: int = 150) -> "list[Torchrun]":
+    """Three founders (a torchrun each); with ``churn``, the third is SIGKILLed at step 30 and a
+    newcomer, started ahead, connects then. Returns every torchrun once each ended."""
+    env = clean_env() | {"SHOAL_MASTER": master}
+    args = ["--steps", str(steps), "--pause", "0.02"]
+    founders = [Torchrun(env | {"SHOAL_MIN_WORLD_SIZE": "3"}, *args) for _ in range(3)]
+    runs = list(founders)
+    if churn:
+        go = tmp_path / "go"
+        runs.append(Torchrun(env, *args, "--wait-for", str(go)))
+        victim = founders[2].until(lambda e: e["event"] == "started")["pid"]
+        founders[0].until(lambda e: e["event"] == "step" and e["step"] >= 30)
+        os.kill(victim, signal.SIGKILL)
+        go.touch()
+    for r in runs:
+        r.proc.wait(timeout=120)
+    return runs
+
+
+def test_a_torchrun_ddp_run_survives_a_kill_and_a_newcomer_and_ends_at_the_loss_of_the_run_without(
+        master: "shoal.Master", tmp_path: Path) -> None:
+    """examples/torchrun_elastic.py, a DDP program whose step runs through ``Elastic``: three
+    founders, each its own torchrun; one SIGKILLed at step 30, a newcomer started then joins at
+    an admission step and takes up the run's state. Every survivor ends at the same step with
+    bit-identical parameters, and the held-out loss is within the tolerance test_train.py allows
+    churn (1.25x the clean run's)."""
+    def done(run: Torchrun) -> dict:
+        return run.until(lambda e: e["event"] == "done")
+
+    clean = [done(r) for r in elastic_run(master.address, False, tmp_path)]
+    assert len({e["hash"] for e in clean}) == 1 and {e["world"] for e in clean} == {3}, clean
+    churned_runs = elastic_run(master.address, True, tmp_path)
+    assert churned_runs[2].proc.returncode != 0, "the killed founder's torchrun failed"
+    survivors = [churned_runs[i] for i in (0, 1, 3)]
+    churned = [done(r) for r in survivors]
+    assert len({e["hash"] for e in churned}) == 1 and {e["step"] for e in churned} == {150}, churned
+    joined = next(e for e in churned_runs[3].seen if e["event"] == "started")
+    assert 30 <= joined["step"] < 150 and joined["step"] % 5 == 0, joined
+    worlds = [e["world"] for e in survivors[0].seen if e["event"] == "step"]
+    assert min(worlds) == 2 and churned[0]["world"] == 3, worlds
+    assert clean[0]["loss"] < 0.4 and churned[0]["loss"] <= 1.25 * clean[0]["loss"], (churned[0], clean[0])
