@@ -21,6 +21,7 @@ import os
 import queue
 import secrets
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
@@ -141,11 +142,16 @@ class _Run:
         atexit.register(self.close)
 
     def close(self) -> None:
-        """Leaves the run, then stops the master this process hosts. Idempotent."""
+        """Leaves the run, then stops the master this process hosts once the other members left
+        too (at most ``MASTER_LINGER`` seconds: the ranks of one torch program end about
+        together, and a master gone under a member still running fails its calls). Idempotent."""
         atexit.unregister(self.close)
         self.closed = True
         self.comm.close()
         if self.master is not None:
+            until = time.monotonic() + MASTER_LINGER
+            while time.monotonic() < until and (self.master.status() or {}).get("peers"):
+                time.sleep(0.05)
             self.master.stop()
 
 
@@ -165,6 +171,9 @@ def _bind_host(host: str) -> str:
     except ValueError:
         return "0.0.0.0"
 
+
+# Most seconds rank 0's process keeps the master it hosts for the members still in the run.
+MASTER_LINGER = 10.0
 
 _run: Optional[_Run] = None
 _run_lock = threading.Lock()
@@ -251,12 +260,12 @@ class Work(dist._Work):  # type: ignore[misc]
     to ask the future (:func:`_patch_work`)."""
 
     def __init__(self, works: "list[_ShoalWork]", result: "list[torch.Tensor]",
-                 finish: Optional[Callable[[], None]] = None) -> None:
+                 finish: Optional[Callable[[], None]] = None, error: Optional[BaseException] = None) -> None:
         super().__init__()
         self._works, self._result, self._finish = works, result, finish
         self._lock = threading.Lock()
         self._ended = False
-        self._error: Optional[BaseException] = None
+        self._error = error
         self._future: "Optional[torch.futures.Future[list[torch.Tensor]]]" = None
 
     def _end(self, timeout: Optional[float] = None) -> None:
@@ -293,7 +302,11 @@ class Work(dist._Work):  # type: ignore[misc]
     def get_future(self) -> "torch.futures.Future[list[torch.Tensor]]":
         with self._lock:
             if self._future is None:
-                self._future = torch.futures.Future()
+                # Completed through a callback that raises the error: a Python future's own
+                # set_exception is a value with an unwrapper that C++ (DDP's reducer, torch's
+                # Work) never sees, so the error would read as a result there.
+                self._source: "torch.futures.Future[Any]" = torch.futures.Future()
+                self._future = self._source.then(_raise_error)
                 if self._ended:
                     self._settle_ended()
                 else:
@@ -308,19 +321,24 @@ class Work(dist._Work):  # type: ignore[misc]
 
     def _settle_ended(self) -> None:
         """Completes the future of the ended work (under its lock)."""
-        assert self._future is not None
-        if not self._future.done():
-            if self._error is not None:
-                self._future.set_exception(self._error)  # type: ignore[arg-type]
-            else:
-                self._future.set_result(self._result)
+        if not self._source.done():
+            self._source.set_result(self._error if self._error is not None else self._result)
+
+
+def _raise_error(source: "torch.futures.Future[Any]") -> Any:
+    """The result of an operation's future, or its error raised."""
+    value = source.value()
+    if isinstance(value, BaseException):
+        raise value
+    return value
 
 
 def _patch_work() -> None:
     """torch's ``Work.is_completed`` and ``exception``, for the works of Python backends too:
     torch's holder of such a work forwards only ``wait`` and ``get_future``, so its own answers
     stay "not completed" and "no error". A work that says it is not completed is asked its
-    future, which every backend's work completes when it ends."""
+    future, which every backend's work completes when it ends; the error of an ended work is
+    what its ``wait`` raises (its future's error is torch's ``RuntimeError`` naming it)."""
     cls = dist.Work
     if getattr(cls, "_shoal_patched", False):
         return
@@ -340,13 +358,10 @@ def _patch_work() -> None:
 
     def patched_exception(self: Any) -> Any:
         error = exception(self)
-        if error is not None:
+        if error is not None or not patched_is_completed(self):
             return error
-        future = future_of(self)
-        if future is None or not future.done():
-            return None
         try:
-            future.value()
+            self.wait()  # ended: returns at once, or raises the work's own error (its type kept)
         except Exception as e:  # noqa: BLE001 - the answer
             return e
         return None
@@ -428,50 +443,61 @@ class ShoalBackend(_Backend):  # type: ignore[misc]
             self._p2p[(kind, peer, tag)] = n + 1
         return _P2P | (tag << _SEQ_BITS) | (n % (1 << _SEQ_BITS))
 
+    def _run(self, opts: Any, calls: "list[tuple[Callable[..., Any], Callable[..., Any], tuple, dict]]",
+             result: "list[torch.Tensor]", finish: Optional[Callable[[], None]] = None) -> Work:
+        """Runs shoal's ``calls``, each ``(blocking, asynchronous, args, kwargs)``, a tag added.
+        A call torch waits for at once (``opts.asyncOp`` false: ``async_op=False``) runs each to
+        its end in this thread, shoal's fastest way; the others start each and return."""
+        if getattr(opts, "asyncOp", True):
+            return Work([start(*args, tag=self._tag(), **kw) for _, start, args, kw in calls], result, finish)
+        error: Optional[BaseException] = None
+        for call, _, args, kw in calls:  # every one, as every member does
+            try:
+                call(*args, tag=self._tag(), **kw)
+            except errors.ShoalError as e:
+                error = error or _as_torch_error(e)
+        return Work([], result, finish, error)
+
     # -- all-reduce, broadcast, barrier -----------------------------------------------------
 
     def allreduce(self, tensors: "list[torch.Tensor]", opts: Any = None) -> Work:
-        op = _op(opts)
+        g, op = self.group, _op(opts)
         bufs = [_contiguous(t) for t in tensors]
-        works = [self.group.all_reduce_async(b, op=op, tag=self._tag()) for b in bufs]
-        return Work(works, tensors, _copy_back(list(zip(tensors, bufs))))
+        calls = [(g.all_reduce, g.all_reduce_async, (b,), {"op": op}) for b in bufs]
+        return self._run(opts, calls, tensors, _copy_back(list(zip(tensors, bufs))))
 
     def allreduce_coalesced(self, tensors: "list[torch.Tensor]", opts: Any = None) -> Work:
         return self.allreduce(tensors, opts)
 
     def broadcast(self, tensors: "list[torch.Tensor]", opts: Any = None) -> Work:
-        bufs = [_contiguous(t) for t in tensors]
-        works = [self.group.broadcast_async(b, root=opts.rootRank, tag=self._tag()) for b in bufs]
-        return Work(works, tensors, _copy_back(list(zip(tensors, bufs))))
+        g, bufs = self.group, [_contiguous(t) for t in tensors]
+        calls = [(g.broadcast, g.broadcast_async, (b,), {"root": opts.rootRank}) for b in bufs]
+        return self._run(opts, calls, tensors, _copy_back(list(zip(tensors, bufs))))
 
     def barrier(self, opts: Any = None) -> Work:
-        return Work([self.group.barrier_async(tag=self._tag())], [])
+        return self._run(opts, [(self.group.barrier, self.group.barrier_async, (), {})], [])
 
     def reduce(self, tensors: "list[torch.Tensor]", opts: Any = None) -> Work:
         """An all-reduce whose result only the root keeps: the others reduce a copy."""
-        op, root = _op(opts), opts.rootRank
+        g, op, root = self.group, _op(opts), opts.rootRank
         bufs = [_contiguous(t) if self.rank() == root else t.clone(memory_format=torch.contiguous_format)
                 for t in tensors]
-        works = [self.group.all_reduce_async(b, op=op, tag=self._tag()) for b in bufs]
-        if self.rank() != root:
-            return Work(works, tensors)
-        return Work(works, tensors, _copy_back(list(zip(tensors, bufs))))
+        calls = [(g.all_reduce, g.all_reduce_async, (b,), {"op": op}) for b in bufs]
+        return self._run(opts, calls, tensors, _copy_back(list(zip(tensors, bufs))) if self.rank() == root else None)
 
     # -- all-gather, reduce-scatter ---------------------------------------------------------
 
     def allgather(self, outputs: "list[list[torch.Tensor]]", inputs: "list[torch.Tensor]", opts: Any = None) -> Work:
-        works, finishes = [], []
+        g, calls, finishes = self.group, [], []
         for outs, inp in zip(outputs, inputs):
             _same_shapes("allgather", outs, inp, self.size())
             flat = torch.empty((self.size(), *inp.shape), dtype=inp.dtype)
-            works.append(self.group.all_gather_async(flat, _contiguous(inp), tag=self._tag()))
+            calls.append((g.all_gather, g.all_gather_async, (flat, _contiguous(inp)), {}))
             finishes.append(_copy_back(list(zip(outs, flat.unbind(0)))))
-        return Work(works, [t for outs in outputs for t in outs], _then(*finishes))
+        return self._run(opts, calls, [t for outs in outputs for t in outs], _then(*finishes))
 
     def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> Work:
-        out = _contiguous(output)
-        work = self.group.all_gather_async(out, _contiguous(inp), tag=self._tag())
-        return Work([work], [output], _copy_back([(output, out)]))
+        return self.all_gather_single_coalesced([output], [inp], opts)
 
     _allgather_base = all_gather_single
 
@@ -481,33 +507,31 @@ class ShoalBackend(_Backend):  # type: ignore[misc]
 
     def all_gather_single_coalesced(self, outputs: "list[torch.Tensor]", inputs: "list[torch.Tensor]",
                                     opts: Any = None) -> Work:
-        out = [_contiguous(o) for o in outputs]
-        works = [self.group.all_gather_async(o, _contiguous(i), tag=self._tag()) for o, i in zip(out, inputs)]
-        return Work(works, outputs, _copy_back(list(zip(outputs, out))))
+        g, out = self.group, [_contiguous(o) for o in outputs]
+        calls = [(g.all_gather, g.all_gather_async, (o, _contiguous(i)), {}) for o, i in zip(out, inputs)]
+        return self._run(opts, calls, outputs, _copy_back(list(zip(outputs, out))))
 
     def reduce_scatter(self, outputs: "list[torch.Tensor]", inputs: "list[list[torch.Tensor]]",
                        opts: Any = None) -> Work:
-        op, works, finishes = _op(opts), [], []
+        g, op, calls, finishes = self.group, _op(opts), [], []
         for out, ins in zip(outputs, inputs):
             _same_shapes("reduce_scatter", ins, out, self.size())
             buf = _contiguous(out)
-            works.append(self.group.reduce_scatter_async(buf, torch.stack(ins), op=op, tag=self._tag()))
+            calls.append((g.reduce_scatter, g.reduce_scatter_async, (buf, torch.stack(ins)), {"op": op}))
             finishes.append(_copy_back([(out, buf)]))
-        return Work(works, outputs, _then(*finishes))
+        return self._run(opts, calls, outputs, _then(*finishes))
 
     def reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> Work:
-        out = _contiguous(output)
-        work = self.group.reduce_scatter_async(out, _contiguous(inp), op=_op(opts), tag=self._tag())
-        return Work([work], [output], _copy_back([(output, out)]))
+        return self.reduce_scatter_single_coalesced([output], [inp], opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs: "list[torch.Tensor]", inputs: "list[torch.Tensor]",
                                         opts: Any = None) -> Work:
-        op, out = _op(opts), [_contiguous(o) for o in outputs]
-        works = [self.group.reduce_scatter_async(o, _contiguous(i), op=op, tag=self._tag())
+        g, op, out = self.group, _op(opts), [_contiguous(o) for o in outputs]
+        calls = [(g.reduce_scatter, g.reduce_scatter_async, (o, _contiguous(i)), {"op": op})
                  for o, i in zip(out, inputs)]
-        return Work(works, outputs, _copy_back(list(zip(outputs, out))))
+        return self._run(opts, calls, outputs, _copy_back(list(zip(outputs, out))))
 
     # -- gather, scatter, all-to-all: tagged transfers --------------------------------------
 

@@ -169,6 +169,6 @@ def test_a_torchrun_ddp_run_survives_a_kill_and_a_newcomer_and_ends_at_the_loss_
     assert len({e["hash"] for e in churned}) == 1 and {e["step"] for e in churned} == {150}, churned
     joined = next(e for e in churned_runs[3].seen if e["event"] == "started")
     assert 30 <= joined["step"] < 150 and joined["step"] % 5 == 0, joined
-    worlds = [e["world"] for e in survivors[0].seen if e["event"] == "step"]
-    assert min(worlds) == 2 and churned[0]["world"] == 3, worlds
+    # Three founders, one killed, one newcomer: the three that end are the run's world.
+    assert {e["world"] for e in churned} == {3}, churned
     assert clean[0]["loss"] < 0.4 and churned[0]["loss"] <= 1.25 * clean[0]["loss"], (churned[0], clean[0])
