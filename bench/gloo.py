@@ -6,7 +6,8 @@
 ``--op`` is ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``broadcast`` or ``sendrecv``, with
 the sizes meaning what they mean to ``shoal bench`` (the whole output of an all-gather, the whole
 input of a reduce-scatter; what each peer sends to the next for sendrecv, with ``isend`` and
-``recv``).
+``recv``), or one of torch's own: ``reduce`` (to rank 0), ``gather`` and ``scatter`` (of the
+whole size, at rank 0), ``all_to_all`` (``all_to_all_single`` of the whole size), ``barrier``.
 
 Iteration counts, timing and the table come from ``shoal.bench``, so the two are measured the
 same way. Needs torch (``pip install torch``; scripts/env installs it).
@@ -28,6 +29,10 @@ from shoal.bench import (
     spawn_workers,
     summarize,
 )
+
+# torch.distributed's operations that shoal's API has no verb of its own for (the sizes, as for
+# all_gather: the whole of the world's blocks; a barrier moves none).
+TORCH_ONLY = ("reduce", "gather", "scatter", "all_to_all", "barrier")
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -63,12 +68,22 @@ def _worker(args: argparse.Namespace) -> None:
             work = dist.isend(t, dst=(rank + 1) % world)
             dist.recv(block_of(t, len(t)), src=(rank - 1) % world)
             work.wait()
+        elif args.op == "reduce":
+            dist.reduce(t, dst=0, op=reduction)
+        elif args.op == "gather":
+            dist.gather(block_of(t, len(t) // world), list(t.chunk(world)) if rank == 0 else None, dst=0)
+        elif args.op == "scatter":
+            dist.scatter(block_of(t, len(t) // world), list(t.chunk(world)) if rank == 0 else None, src=0)
+        elif args.op == "all_to_all":
+            dist.all_to_all_single(block_of(t, len(t)), t)
+        elif args.op == "barrier":
+            dist.barrier()
         else:
             dist.all_reduce(t, op=reduction)
         return ""
 
     sizes = parse_sizes(args.sizes)
-    if args.op in ("all_gather", "reduce_scatter"):
+    if args.op in ("all_gather", "reduce_scatter", "gather", "scatter", "all_to_all"):
         item = torch.tensor([], dtype=getattr(torch, args.dtype)).element_size()
         sizes = [max(1, size // item // world) * world * item for size in sizes]
     run_loop(batch, sizes, args.dtype)
@@ -92,7 +107,7 @@ def main() -> None:
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--sizes", default=DEFAULT_SIZES)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--op", default="all_reduce", choices=list(BUS_FACTOR))
+    parser.add_argument("--op", default="all_reduce", choices=[*BUS_FACTOR, *TORCH_ONLY])
     parser.add_argument("--reduction", default="sum", choices=["sum", "avg", "max"])
     parser.add_argument("--backend", default="gloo", choices=["gloo", "shoal"])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

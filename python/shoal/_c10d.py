@@ -1,12 +1,13 @@
 """shoal as a ``torch.distributed`` backend: ``import shoal.torch``, then
-``dist.init_process_group("shoal")`` (``docs/training.md``, "Three ways in").
+``dist.init_process_group("shoal")`` (``docs/training.md``, section 7).
 
 The backend is a c10d ``Backend`` written in Python over shoal's communicator, so everything
 that reaches a process group through c10d's dispatcher reaches it: ``dist.*`` calls, DDP's
-reducer, functional collectives, ``DeviceMesh``. Its world is a group derived from the run's
-group and ranked by torch's ranks (``Communicator.split``); ``dist.new_group`` forms its
-subgroups from their members alone (``Communicator.subgroup``). Every operation starts shoal's
-asynchronous call and returns a :class:`Work` whose ``wait`` waits for it; results that torch
+reducer, functional collectives, ``DeviceMesh``. Its world is a subgroup of the run's members
+that torch's store names, ranked by torch's ranks (``Communicator.subgroup_of_peers``);
+``dist.new_group`` forms its subgroups from their members alone (``Communicator.subgroup``).
+An operation torch waits for at once runs shoal's blocking call; the others start shoal's
+asynchronous call and return a :class:`Work` whose ``wait`` waits for it. Results that torch
 wants somewhere other than where shoal put them (a list of tensors, a non-contiguous tensor, the
 root of a ``reduce``) are copied there once the call ended. An error is raised as the same
 shoal error, which is also a ``torch.distributed.DistBackendError``: ``PeerLostError`` stays
@@ -113,6 +114,7 @@ class _Run:
 
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta, options: Options) -> None:
         self.master: Optional[Master] = None
+        self.closed = False
         address = options.master or os.environ.get("SHOAL_MASTER")
         if address is None:
             if rank == 0:
@@ -123,7 +125,7 @@ class _Run:
                 store.set("shoal/master", address)
             else:
                 address = store.get("shoal/master").decode()
-        min_world = options.min_world_size or int(os.environ.get("SHOAL_MIN_WORLD_SIZE") or size)
+        min_world = options.min_world_size or _env_count("SHOAL_MIN_WORLD_SIZE") or size
         self.comm = Communicator(address, **(options.communicator or {}))
         try:
             self.comm.connect(timeout.total_seconds(), min_world_size=max(min_world, size))
@@ -138,7 +140,6 @@ class _Run:
             raise
         assert world is not None and world.rank == rank, "the world is ranked by torch's ranks"
         self.world = world
-        self.closed = False
         atexit.register(self.close)
 
     def close(self) -> None:
@@ -146,6 +147,8 @@ class _Run:
         too (at most ``MASTER_LINGER`` seconds: the ranks of one torch program end about
         together, and a master gone under a member still running fails its calls). Idempotent."""
         atexit.unregister(self.close)
+        if self.closed:
+            return
         self.closed = True
         self.comm.close()
         if self.master is not None:
@@ -153,6 +156,15 @@ class _Run:
             while time.monotonic() < until and (self.master.status() or {}).get("peers"):
                 time.sleep(0.05)
             self.master.stop()
+
+
+def _env_count(name: str) -> Optional[int]:
+    value = os.environ.get(name)
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{name}={value!r}: expected a positive count of members")
+    return int(value)
 
 
 def _store_host(store: Any) -> str:
@@ -190,7 +202,7 @@ def _create(opts: Any, options: Optional[Options]) -> "ShoalBackend":
             if _run is not None and not _run.closed:
                 _run.close()
             _run = _Run(opts.store, opts.group_rank, opts.group_size, opts.timeout, options or Options())
-            return ShoalBackend(_run.world, opts.group_rank, opts.group_size)
+            return ShoalBackend(_run.world, opts.group_rank, opts.group_size, run=_run)
         if _run is None or _run.closed:
             raise errors.UsageError("a shoal subgroup needs the default group on shoal: init_process_group('shoal')")
         group = _run.world.subgroup(ranks, str(opts.group_id))
@@ -412,9 +424,10 @@ class ShoalBackend(_Backend):  # type: ignore[misc]
     """c10d's view of one shoal group; made by ``init_process_group("shoal")`` and
     ``dist.new_group``, not by hand."""
 
-    def __init__(self, group: Communicator, rank: int, size: int) -> None:
+    def __init__(self, group: Communicator, rank: int, size: int, run: Optional[_Run] = None) -> None:
         super().__init__(rank, size)
         self.group = group
+        self._owned_run = run  # the default group's: destroy_process_group leaves the run
         self._seq = 0
         self._p2p: "dict[tuple[str, int, int], int]" = {}
         self._lock = threading.Lock()
@@ -424,6 +437,12 @@ class ShoalBackend(_Backend):  # type: ignore[misc]
 
     # Asked by batch_isend_irecv; the base class's answer asks this class again, without end.
     supports_coalescing = False
+
+    def shutdown(self) -> None:
+        """``destroy_process_group()``: the default group's backend leaves the run (and stops
+        the master it hosts); a subgroup's has nothing of its own to close."""
+        if self._owned_run is not None:
+            self._owned_run.close()
 
     @property
     def communicator(self) -> Communicator:
@@ -478,7 +497,10 @@ class ShoalBackend(_Backend):  # type: ignore[misc]
         return self._run(opts, [(self.group.barrier, self.group.barrier_async, (), {})], [])
 
     def reduce(self, tensors: "list[torch.Tensor]", opts: Any = None) -> Work:
-        """An all-reduce whose result only the root keeps: the others reduce a copy."""
+        """An all-reduce whose result only the root keeps: the others reduce a copy and keep
+        their tensors as they were. (A reduce-scatter and a gather to the root would move half
+        the bytes, but shoal's reduce-scatter is slower than its all-reduce: 66 against 19 ms at
+        64 MiB between 2 processes, `docs/benchmarks.md`.)"""
         g, op, root = self.group, _op(opts), opts.rootRank
         bufs = [_contiguous(t) if self.rank() == root else t.clone(memory_format=torch.contiguous_format)
                 for t in tensors]

@@ -118,7 +118,7 @@ def summarize(per_peer: Sequence[Sequence[dict]], peers: int, collective: str = 
                 "time_us": median * 1e6,
                 "p99_us": p99 * 1e6,
                 "algbw_gbs": algbw,
-                "busbw_gbs": algbw * BUS_FACTOR[collective](peers) if peers > 1 else 0.0,
+                "busbw_gbs": algbw * BUS_FACTOR.get(collective, lambda n: 1.0)(peers) if peers > 1 else 0.0,
             }
         )
     return rows

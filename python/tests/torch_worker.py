@@ -99,6 +99,10 @@ def every_operation() -> "dict[str, Any]":
         if RANK == 1 % WORLD:
             want = reference("prod", [data(r, n, dtype) for r in ranks], dtype)
         same(red, want, f"reduce {dtype} (the others' input untouched)")
+        even = data(RANK, 12, dtype)  # parts of equal size on 2, 3 and 4 ranks: none padded
+        dist.reduce(even, dst=0, op=dist.ReduceOp.MAX)
+        want = reference("max", [data(r, 12, dtype) for r in ranks], dtype) if RANK == 0 else data(RANK, 12, dtype)
+        same(even, want, f"reduce {dtype} of equal parts")
 
         gathered = [torch.empty(n, dtype=dtype) for _ in ranks] if RANK == 0 else None
         dist.gather(data(RANK, n, dtype), gathered, dst=0)
