@@ -469,19 +469,21 @@ class ShoalBackend(_Backend):  # type: ignore[misc]
         its end in this thread, shoal's fastest way; the others start each and return."""
         if getattr(opts, "asyncOp", True):
             return Work([start(*args, tag=self._tag(), **kw) for _, start, args, kw in calls], result, finish)
-        error: Optional[BaseException] = None
-        for call, _, args, kw in calls:  # every one, as every member does
+        for call, _, args, kw in calls:
             try:
                 call(*args, tag=self._tag(), **kw)
-            except errors.ShoalError as e:
-                error = error or _as_torch_error(e)
-        return Work([], result, finish, error)
+            except errors.ShoalError as e:  # every member stops at the same call: its outcome is agreed
+                return Work([], result, finish, _as_torch_error(e))
+        return Work([], result, finish)
 
     # -- all-reduce, broadcast, barrier -----------------------------------------------------
 
     def allreduce(self, tensors: "list[torch.Tensor]", opts: Any = None) -> Work:
         g, op = self.group, _op(opts)
-        bufs = [_contiguous(t) for t in tensors]
+        # Several at once (coalesced) reduce copies, put back only if every one succeeded: a
+        # retry after a lost peer must not reduce again the tensors that were reduced before it.
+        bufs = [_contiguous(t) for t in tensors] if len(tensors) == 1 else \
+            [t.clone(memory_format=torch.contiguous_format) for t in tensors]
         calls = [(g.all_reduce, g.all_reduce_async, (b,), {"op": op}) for b in bufs]
         return self._run(opts, calls, tensors, _copy_back(list(zip(tensors, bufs))))
 

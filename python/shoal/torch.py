@@ -1,11 +1,12 @@
-"""PyTorch recipes over a :class:`shoal.Communicator`: a DDP communication hook, and DiLoCo,
-synchronous and asynchronous.
+"""shoal for PyTorch: importing this module registers the ``torch.distributed`` backend
+``shoal`` (``dist.init_process_group("shoal")``; ``_c10d.py``), and it holds the recipes over a
+:class:`shoal.Communicator`: ``Elastic``, a DDP step that survives churn; a DDP communication
+hook; DiLoCo, synchronous and asynchronous.
 
 ``DDPHook`` averages a ``DistributedDataParallel`` model's gradient buckets across the peers
 through shoal, each bucket's all-reduce starting as soon as backward fills it, so it overlaps the
-rest of the backward pass. DDP itself only needs a process group to exist: a one-process gloo
-group per peer does (``init_process_group("gloo", store=HashStore(), rank=0, world_size=1)``);
-shoal moves the data, with its admission, fault tolerance and retry.
+rest of the backward pass; ``Elastic`` uses it over the run's live members. DDP on the ``shoal``
+backend needs no hook: the hook is for a communicator of your own.
 
 DiLoCo (Douillard et al., 2023): every peer takes ``inner_steps`` steps of its own optimizer on its
 own data, then the peers average their *pseudo-gradients* (how far each moved from the shared
