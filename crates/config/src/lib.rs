@@ -34,6 +34,8 @@ pub const KNOWN_VARS: &[(&str, &str)] = &[
     ("SHOAL_TLS_CA", "TLS: the run's CA certificate (PEM) that every other end's certificate must chain to"),
     ("SHOAL_HTTP_ADDR", "where the master serves /metrics, /status and its status page"),
     ("SHOAL_TIMEOUT", "bound in seconds on any blocking call (float)"),
+    ("SHOAL_MASTER", "torch backend: the master's host:port (default: rank 0 hosts one)"),
+    ("SHOAL_MIN_WORLD_SIZE", "torch backend: members the run must have before init_process_group returns"),
     (
         "SHOAL_CATCHUP_RATE",
         "most bytes per second a peer serves newcomers catching up, all together (default: no bound)",
