@@ -74,17 +74,17 @@ impl Communicator {
     /// form different groups, whose collectives never meet (each fails at its bound).
     pub fn subgroup(&self, ranks: &[usize], name: &[u8]) -> Result<Option<Communicator>> {
         let position = self.position().ok_or(Error::NotConnected)?;
-        let (_, world, topology_ranks) = self.placed(&position);
-        let mut seen = vec![false; world];
+        let ids = self.member_ids(&position);
+        let mut seen = vec![false; ids.len()];
         for &r in ranks {
-            if r >= world || std::mem::replace(&mut seen[r], true) {
+            if r >= ids.len() || std::mem::replace(&mut seen[r], true) {
                 return Err(Error::InvalidArgument(format!(
-                    "subgroup({ranks:?}): ranks of a group of {world}, each once"
+                    "subgroup({ranks:?}): ranks of a group of {}, each once",
+                    ids.len()
                 )));
             }
         }
-        let topology_rank = |r: usize| if topology_ranks.is_empty() { r } else { topology_ranks[r] };
-        let peers: Vec<PeerId> = ranks.iter().map(|&r| position.ring[topology_rank(r)].peer).collect();
+        let peers: Vec<PeerId> = ranks.iter().map(|&r| ids[r]).collect();
         self.subgroup_of(&peers, name)
     }
 
@@ -97,15 +97,11 @@ impl Communicator {
     /// [`Error::NotConnected`] before `connect()`.
     pub fn subgroup_of(&self, peers: &[PeerId], name: &[u8]) -> Result<Option<Communicator>> {
         let position = self.position().ok_or(Error::NotConnected)?;
-        let (_, _, topology_ranks) = self.placed(&position);
-        let is_member = |p: &PeerId| match &self.derived {
-            None => position.ring.iter().any(|m| m.peer == *p),
-            Some(_) => topology_ranks.iter().any(|&r| position.ring[r].peer == *p),
-        };
+        let ids = self.member_ids(&position);
         let mut sorted = peers.to_vec();
         sorted.sort_unstable();
         sorted.dedup();
-        if sorted.len() != peers.len() || !peers.iter().all(is_member) {
+        if sorted.len() != peers.len() || !peers.iter().all(|p| ids.contains(p)) {
             return Err(Error::InvalidArgument(format!("subgroup of {peers:?}: members of this group, each once")));
         }
         let me = position.ring[position.rank].peer;
@@ -170,6 +166,14 @@ impl Communicator {
                  was derived from",
                 d.id
             ))),
+        }
+    }
+
+    /// The ids of this handle's group's members in the topology of `position`, by their rank.
+    fn member_ids(&self, position: &RingPosition) -> Vec<PeerId> {
+        match &self.derived {
+            None => position.ring.iter().map(|m| m.peer).collect(),
+            Some(d) => d.ranks_in(&position.ring).into_iter().map(|r| position.ring[r].peer).collect(),
         }
     }
 
