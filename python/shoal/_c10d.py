@@ -57,6 +57,8 @@ _COMPOSED = 1 << 61
 _P2P = 1 << 62
 _SEQ_BITS = 24
 _USER_TAGS = 1 << (62 - _SEQ_BITS)
+# The barrier of the world's members leaving (above every collective's numbered tag).
+_LEAVING = _COMPOSED - 1
 
 
 def _torch_error_classes() -> "dict[type, type]":
@@ -150,7 +152,19 @@ class _Run:
         if self.closed:
             return
         self.closed = True
+        # Leaving re-forms the run, failing what the others still run in it (retryably): wait
+        # for torch's world to end too, as far as LEAVE_WAIT allows (a member lost meanwhile
+        # ends the wait).
+        world = getattr(self, "world", None)  # none where joining failed
+        parting = None
+        try:
+            if world is not None:
+                parting = world.barrier_async(tag=_LEAVING)
+                parting.wait(LEAVE_WAIT)
+        except errors.ShoalError:
+            pass
         self.comm.close()
+        del parting  # still in flight past the wait: dropped once closed, which ends it
         if self.master is not None:
             until = time.monotonic() + MASTER_LINGER
             while time.monotonic() < until and (self.master.status() or {}).get("peers"):
@@ -186,6 +200,8 @@ def _bind_host(host: str) -> str:
 
 # Most seconds rank 0's process keeps the master it hosts for the members still in the run.
 MASTER_LINGER = 10.0
+# Most seconds a process leaving waits for the other members of torch's world to leave too.
+LEAVE_WAIT = 10.0
 
 _run: Optional[_Run] = None
 _run_lock = threading.Lock()
@@ -269,21 +285,24 @@ class Work(dist._Work):  # type: ignore[misc]
 
     torch hands a Python backend's works to users through a holder that forwards ``wait`` and
     ``get_future`` only; ``shoal.torch`` teaches torch's ``Work.is_completed`` and ``exception``
-    to ask the future (:func:`_patch_work`)."""
+    to ask the future (:func:`_patch_work`), so ``get_future`` never waits for the calls: only
+    ``_end`` holds ``_ending`` across them."""
 
     def __init__(self, works: "list[_ShoalWork]", result: "list[torch.Tensor]",
                  finish: Optional[Callable[[], None]] = None, error: Optional[BaseException] = None) -> None:
         super().__init__()
         self._works, self._result, self._finish = works, result, finish
-        self._lock = threading.Lock()
+        self._ending = threading.Lock()
+        self._futures = threading.Lock()
         self._ended = False
         self._error = error
         self._future: "Optional[torch.futures.Future[list[torch.Tensor]]]" = None
 
     def _end(self, timeout: Optional[float] = None) -> None:
         """Waits for every call (each restores its buffer on failure and frees its tag), then
-        finishes; raises the first error. Past ``timeout`` the calls go on: wait again."""
-        with self._lock:
+        finishes and completes the future if one was asked for; raises the first error. Past
+        ``timeout`` the calls go on: wait again."""
+        with self._ending:
             if not self._ended:
                 while self._works:
                     try:
@@ -301,8 +320,7 @@ class Work(dist._Work):  # type: ignore[misc]
                     except BaseException as e:  # noqa: BLE001 - the waiter's error
                         self._error = e
                 self._ended = True
-                if self._future is not None:
-                    self._settle_ended()
+        self._settle_future()
         if self._error is not None:
             raise self._error
 
@@ -312,18 +330,21 @@ class Work(dist._Work):  # type: ignore[misc]
         return True
 
     def get_future(self) -> "torch.futures.Future[list[torch.Tensor]]":
-        with self._lock:
-            if self._future is None:
+        with self._futures:
+            made = self._future is None
+            if made:
                 # Completed through a callback that raises the error: a Python future's own
                 # set_exception is a value with an unwrapper that C++ (DDP's reducer, torch's
                 # Work) never sees, so the error would read as a result there.
                 self._source: "torch.futures.Future[Any]" = torch.futures.Future()
                 self._future = self._source.then(_raise_error)
-                if self._ended:
-                    self._settle_ended()
-                else:
-                    _completers.submit(self)
-            return self._future
+            future = self._future
+        if made:
+            if self._ended:
+                self._settle_future()
+            else:
+                _completers.submit(self)
+        return future
 
     def _settle(self) -> None:
         try:
@@ -331,10 +352,11 @@ class Work(dist._Work):  # type: ignore[misc]
         except BaseException:  # noqa: BLE001 - the future's error
             pass
 
-    def _settle_ended(self) -> None:
-        """Completes the future of the ended work (under its lock)."""
-        if not self._source.done():
-            self._source.set_result(self._error if self._error is not None else self._result)
+    def _settle_future(self) -> None:
+        """Completes the future of the ended work, if one was asked for and is not complete."""
+        with self._futures:
+            if self._future is not None and not self._source.done():
+                self._source.set_result(self._error if self._error is not None else self._result)
 
 
 def _raise_error(source: "torch.futures.Future[Any]") -> Any:
@@ -560,23 +582,24 @@ class ShoalBackend(_Backend):  # type: ignore[misc]
     # -- gather, scatter, all-to-all: tagged transfers --------------------------------------
 
     def gather(self, outputs: "list[list[torch.Tensor]]", inputs: "list[torch.Tensor]", opts: Any = None) -> Work:
-        root, tag, (inp,) = opts.rootRank, self._tag(_COMPOSED), inputs
+        root, (inp,) = opts.rootRank, inputs
         if self.rank() != root:
-            return Work([self.group.isend(_contiguous(inp), peer=root, tag=tag)], [])
+            return Work([self.group.isend(_contiguous(inp), peer=root, tag=self._tag(_COMPOSED))], [])
         (outs,) = outputs
         _same_shapes("gather", outs, inp, self.size())
-        bufs = [_contiguous(t) for t in outs]
+        tag, bufs = self._tag(_COMPOSED), [_contiguous(t) for t in outs]
         bufs[root].copy_(inp)
         works = [self.group.irecv(b, peer=r, tag=tag) for r, b in enumerate(bufs) if r != root]
         return Work(works, outs, _copy_back(list(zip(outs, bufs))))
 
     def scatter(self, outputs: "list[torch.Tensor]", inputs: "list[list[torch.Tensor]]", opts: Any = None) -> Work:
-        root, tag, (out,) = opts.rootRank, self._tag(_COMPOSED), outputs
+        root, (out,) = opts.rootRank, outputs
         buf = _contiguous(out)
         if self.rank() != root:
-            return Work([self.group.irecv(buf, peer=root, tag=tag)], [out], _copy_back([(out, buf)]))
+            return Work([self.group.irecv(buf, peer=root, tag=self._tag(_COMPOSED))], [out], _copy_back([(out, buf)]))
         (ins,) = inputs
         _same_shapes("scatter", ins, out, self.size())
+        tag = self._tag(_COMPOSED)
         works = [self.group.isend(_contiguous(t), peer=r, tag=tag) for r, t in enumerate(ins) if r != root]
         buf.copy_(ins[root])
         return Work(works, [out], _copy_back([(out, buf)]))
@@ -598,10 +621,9 @@ class ShoalBackend(_Backend):  # type: ignore[misc]
     def _exchange(self, outs: "list[torch.Tensor]", ins: "list[torch.Tensor]") -> "list[_ShoalWork]":
         """Rank ``r`` gets ``ins[r]`` into its ``outs[self]``: one send and one receive per
         other rank, all in flight at once."""
-        me, tag = self.rank(), self._tag(_COMPOSED)
         if len(outs) != self.size() or len(ins) != self.size():
             raise ValueError(f"all_to_all over {self.size()} ranks needs {self.size()} inputs and outputs")
-        works = []
+        me, tag, works = self.rank(), self._tag(_COMPOSED), []
         for r in range(self.size()):
             if r == me:
                 outs[r].copy_(ins[r])
