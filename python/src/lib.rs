@@ -19,6 +19,7 @@ use shoal_peer::{
     Strategy, Usage, Vote, Work,
 };
 use shoal_transport::TlsFiles;
+use std::os::raw::c_char;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -824,6 +825,66 @@ impl Communicator {
     fn close(&self, py: Python<'_>) {
         py.detach(|| self.inner.close())
     }
+
+    /// This group's blocking all-reduce for the torch backend's compiled part, which calls it
+    /// without Python in between: a capsule named `shoal._native.TorchApi` holding a
+    /// [`TorchApi`] (the capsule keeps the group alive).
+    fn torch_api<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyCapsule>> {
+        let api = TorchApi { version: TorchApi::VERSION, group: Arc::into_raw(Arc::clone(&self.inner)), all_reduce };
+        pyo3::types::PyCapsule::new_with_value_and_destructor(py, api, TorchApi::NAME, |api, _| {
+            // SAFETY: `group` came from `Arc::into_raw` above and is released once, here.
+            #[allow(unsafe_code)]
+            drop(unsafe { Arc::from_raw(api.group) });
+        })
+    }
+}
+
+/// What `torch_api` hands to `python/shoal/_torch_backend.cpp` (its `Api` mirrors this layout).
+#[repr(C)]
+struct TorchApi {
+    /// The layout's version, checked by the compiled part.
+    version: u32,
+    group: *const Core,
+    /// `all_reduce(group, data, bytes, dtype, op, tag)`: 0 once `data` holds the result; -1 with
+    /// the Python error set (the GIL is taken for it) otherwise, `data` as it was.
+    all_reduce: extern "C" fn(*const Core, *mut u8, usize, *const c_char, *const c_char, u64) -> i32,
+}
+
+impl TorchApi {
+    const VERSION: u32 = 1;
+    const NAME: &'static std::ffi::CStr = c"shoal._native.TorchApi";
+}
+
+// SAFETY: `group` is an `Arc<Core>`'s (Core is Send + Sync); the capsule owns that reference.
+#[allow(unsafe_code)]
+unsafe impl Send for TorchApi {}
+
+/// [`TorchApi::all_reduce`]: a blocking all-reduce of `bytes` bytes at `data` (a CPU tensor's,
+/// which the caller keeps alive and does not touch meanwhile), with the GIL not held.
+#[allow(unsafe_code)]
+extern "C" fn all_reduce(
+    group: *const Core,
+    data: *mut u8,
+    bytes: usize,
+    dtype: *const c_char,
+    op: *const c_char,
+    tag: u64,
+) -> i32 {
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> PyResult<()> {
+        // SAFETY: the capsule that holds `group` outlives the call; `dtype` and `op` are the
+        // compiled part's static names; `data` is `bytes` long and lent for the call (above).
+        let (group, dtype, op) = unsafe { (&*group, std::ffi::CStr::from_ptr(dtype), std::ffi::CStr::from_ptr(op)) };
+        let buf: &mut [u8] = if bytes == 0 { &mut [] } else { unsafe { std::slice::from_raw_parts_mut(data, bytes) } };
+        let (dtype, op, _) = reduction(dtype.to_str().unwrap_or("?"), op.to_str().unwrap_or("?"), None)?;
+        group.all_reduce(buf, dtype, op, tag, None, None).map(drop).map_err(to_py)
+    }));
+    let error = match outcome {
+        Ok(Ok(())) => return 0,
+        Ok(Err(e)) => e,
+        Err(_) => PyRuntimeError::new_err("shoal's all-reduce panicked (a bug: please report it)"),
+    };
+    Python::attach(|py| error.restore(py));
+    -1
 }
 
 /// The master (native part; `shoal.Master` is this class).
