@@ -6,6 +6,13 @@ that reaches a process group through c10d's dispatcher reaches it: ``dist.*`` ca
 reducer, functional collectives, ``DeviceMesh``. Its world is a subgroup of the run's members
 that torch's store names, ranked by torch's ranks (``Communicator.subgroup_of_peers``);
 ``dist.new_group`` forms its subgroups from their members alone (``Communicator.subgroup``).
+
+Its base class is compiled where it can be (``_torch_backend.cpp``, built once per machine with
+``torch.utils.cpp_extension``): that part runs the blocking all-reduce of one tensor, c10d's
+hottest call, without Python; every other call reaches the Python methods below.
+``SHOAL_TORCH_COMPILED=0``, or a machine without a C++ compiler, keeps the backend in Python
+alone: the same results, slower on small tensors.
+
 An operation torch waits for at once runs shoal's blocking call; the others start shoal's
 asynchronous call and return a :class:`Work` whose ``wait`` waits for it. Results that torch
 wants somewhere other than where shoal put them (a list of tensors, a non-contiguous tensor, the
@@ -17,12 +24,18 @@ retryable.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import fcntl
+import hashlib
 import ipaddress
+import itertools
 import os
 import queue
 import secrets
+import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
@@ -117,6 +130,7 @@ class _Run:
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta, options: Options) -> None:
         self.master: Optional[Master] = None
         self.closed = False
+        self.backends: "list[ShoalBackend]" = []
         address = options.master or os.environ.get("SHOAL_MASTER")
         if address is None:
             if rank == 0:
@@ -143,6 +157,12 @@ class _Run:
         assert world is not None and world.rank == rank, "the world is ranked by torch's ranks"
         self.world = world
         atexit.register(self.close)
+
+    def keep(self, backend: "ShoalBackend") -> "ShoalBackend":
+        """Keeps ``backend``'s Python object while the run lasts: torch holds the C++ object of
+        a compiled one, whose Python methods must outlive the Python references."""
+        self.backends.append(backend)
+        return backend
 
     def close(self) -> None:
         """Leaves the run, then stops the master this process hosts once the other members left
@@ -218,13 +238,13 @@ def _create(opts: Any, options: Optional[Options]) -> "ShoalBackend":
             if _run is not None and not _run.closed:
                 _run.close()
             _run = _Run(opts.store, opts.group_rank, opts.group_size, opts.timeout, options or Options())
-            return ShoalBackend(_run.world, opts.group_rank, opts.group_size, run=_run)
+            return _run.keep(ShoalBackend(_run.world, opts.group_rank, opts.group_size, run=_run))
         if _run is None or _run.closed:
             raise errors.UsageError("a shoal subgroup needs the default group on shoal: init_process_group('shoal')")
-        group = _run.world.subgroup(ranks, str(opts.group_id))
+        run, group = _run, _run.world.subgroup(ranks, str(opts.group_id))
     if group is None or group.rank != opts.group_rank:
         raise errors.UsageError(f"subgroup {ranks}: this process is not its rank {opts.group_rank}")
-    return ShoalBackend(group, opts.group_rank, opts.group_size)
+    return run.keep(ShoalBackend(group, opts.group_rank, opts.group_size))
 
 
 def run_communicator() -> Communicator:
@@ -442,17 +462,68 @@ def _then(*steps: Optional[Callable[[], None]]) -> Optional[Callable[[], None]]:
     return finish
 
 
-class ShoalBackend(_Backend):  # type: ignore[misc]
+class _PythonBase(_Backend):  # type: ignore[misc]
+    """The base class where the compiled one cannot be built: the same calls, in Python."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        super().__init__(rank, size)
+        self._seqs = itertools.count(1)
+
+    def _attach(self, api: Any, as_torch_error: Callable[[BaseException], BaseException]) -> None:
+        pass  # no compiled all-reduce to hand the group to
+
+    def _next_seq(self) -> int:
+        return next(self._seqs)  # atomic under the GIL
+
+
+def _compiled_base() -> Optional[type]:
+    """``FastBackend`` of ``_torch_backend.cpp``, built on first use into shoal's cache (one
+    build per source, torch and Python version; the processes of one machine share it), or None
+    where it cannot be (no compiler, ``SHOAL_TORCH_COMPILED=0``)."""
+    if os.environ.get("SHOAL_TORCH_COMPILED", "1") == "0":
+        return None
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_torch_backend.cpp")
+    try:
+        from torch.utils import cpp_extension
+
+        with open(source, "rb") as f:
+            key = hashlib.blake2b(f.read(), digest_size=8)
+        key.update(f"{torch.__version__} {sys.version}".encode())
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        build = os.path.join(cache, "shoal", f"torch-backend-{key.hexdigest()}")
+        os.makedirs(build, exist_ok=True)
+        # One process of the machine builds at a time, under a lock the kernel drops with its
+        # holder: torch's own lock file, left behind by a builder killed, would block the next
+        # one for ever, so whoever holds this lock removes it.
+        with open(os.path.join(build, "shoal.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(build, "lock"))
+            module = cpp_extension.load(name="shoal_torch_backend", sources=[source], build_directory=build,
+                                        extra_cflags=["-O2"], verbose=False)
+        return module.FastBackend  # type: ignore[no-any-return]
+    except Exception as e:  # noqa: BLE001 - any failure to build leaves the Python backend
+        warnings.warn(f"shoal: the torch backend runs in Python alone (slower on small tensors): its compiled "
+                      f"part did not build: {e}", RuntimeWarning, stacklevel=2)
+        return None
+
+
+_Base: type = _compiled_base() or _PythonBase
+
+
+class ShoalBackend(_Base):  # type: ignore[misc, valid-type]
     """c10d's view of one shoal group; made by ``init_process_group("shoal")`` and
-    ``dist.new_group``, not by hand."""
+    ``dist.new_group``, not by hand. ``compiled`` says whether its base class is the compiled one."""
+
+    compiled = _Base is not _PythonBase
 
     def __init__(self, group: Communicator, rank: int, size: int, run: Optional[_Run] = None) -> None:
         super().__init__(rank, size)
         self.group = group
         self._owned_run = run  # the default group's: destroy_process_group leaves the run
-        self._seq = 0
         self._p2p: "dict[tuple[str, int, int], int]" = {}
         self._lock = threading.Lock()
+        self._attach(group._native.torch_api(), _as_torch_error)
 
     def getBackendName(self) -> str:  # noqa: N802 - c10d's name
         return NAME
@@ -472,9 +543,8 @@ class ShoalBackend(_Backend):  # type: ignore[misc]
         return self.group
 
     def _tag(self, base: int = 0) -> int:
-        with self._lock:
-            self._seq += 1
-            return base | (self._seq % _COMPOSED)
+        # One count with the compiled all-reduce's: every member numbers the same call alike.
+        return base | (self._next_seq() % _COMPOSED)
 
     def _p2p_tag(self, kind: str, peer: int, tag: int) -> int:
         if not 0 <= tag < _USER_TAGS:

@@ -28,12 +28,13 @@ WORKER = Path(__file__).with_name("torch_worker.py")
 
 
 def launch(scenario: str, backend: str, world: int, timeout: float = 120,
-           killed: frozenset[int] = frozenset()) -> list[dict]:
-    """Runs ``world`` workers as torchrun would (its agent's store in this process) and returns
-    what each printed; the ranks in ``killed`` must die of SIGKILL."""
+           killed: frozenset[int] = frozenset(), env: "dict[str, str] | None" = None) -> list[dict]:
+    """Runs ``world`` workers as torchrun would (its agent's store in this process), ``env``
+    added to their environment, and returns what each printed; the ranks in ``killed`` must die
+    of SIGKILL."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     env = clean_env() | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(world),
-                         "TORCHELASTIC_USE_AGENT_STORE": "True"}
+                         "TORCHELASTIC_USE_AGENT_STORE": "True"} | (env or {})
     procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, backend], env=env | {"RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(world)]
@@ -54,14 +55,15 @@ def launch(scenario: str, backend: str, world: int, timeout: float = 120,
     return outs
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_every_operation_dtype_and_reduction_matches_the_reference(world: int) -> None:
+@pytest.mark.parametrize("world,compiled", [(2, True), (3, True), (4, True), (2, False)],
+                         ids=["2", "3", "4", "2-python"])
+def test_every_operation_dtype_and_reduction_matches_the_reference(world: int, compiled: bool) -> None:
     """all_reduce (every dtype, SUM/AVG/PRODUCT/MIN/MAX, 1 to 4099 elements), coalesced and async
     ones, broadcast, all_gather (list and into one tensor), reduce_scatter (both), reduce, gather,
     scatter, all_to_all (uneven, and single with splits), batch_isend_irecv (two sends of one tag
     meet their receives in order), send/recv with a tag, barrier, a non-contiguous tensor and two
-    subgroups side by side."""
-    outs = launch("ops", "shoal", world)
+    subgroups side by side. With the backend's compiled part, and once without it."""
+    outs = launch("ops", "shoal", world, env={} if compiled else {"SHOAL_TORCH_COMPILED": "0"})
     assert all(o["checks"] == outs[0]["checks"] > 300 for o in outs), outs
 
 
@@ -90,14 +92,30 @@ def test_fsdp2_trains_as_on_gloo(scenario: str, world: int) -> None:
         assert a == pytest.approx(b, abs=1e-6)
 
 
-def test_a_lost_rank_fails_the_call_retryably_and_the_retry_runs_without_it() -> None:
-    """A rank SIGKILLed: the others' ``dist.all_reduce`` raises ``PeerLostError`` (shoal's, and
-    torch's ``DistBackendError``) with their tensor as it was; called again as is, it sums the
-    ranks left."""
-    outs = launch("lost", "shoal", 3, killed=frozenset({2}))
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_a_lost_rank_fails_the_call_retryably_and_the_retry_runs_without_it(compiled: bool) -> None:
+    """A rank SIGKILLed, then another: the others' ``dist.all_reduce``, asynchronous the first
+    time and blocking the second, raises ``PeerLostError`` (shoal's, and torch's
+    ``DistBackendError``) with their tensor as it was; called again as is, it sums the ranks
+    left. With the backend's compiled part and without it (``SHOAL_TORCH_COMPILED=0``)."""
+    env = {} if compiled else {"SHOAL_TORCH_COMPILED": "0"}
+    outs = launch("lost", "shoal", 4, killed=frozenset({2, 3}), env=env)
     for o in outs[:2]:
+        assert o["compiled"] is compiled, o
         assert o["errors"] and set(o["errors"]) == {"PeerLostError"}, o
-        assert o["sum"] == 1.0 + 2.0, o
+        assert o["sum"] == 1.0 + 2.0 + 3.0, o
+        assert o["blocking_errors"] and set(o["blocking_errors"]) == {"PeerLostError"}, o
+        assert o["sum_after"] == 1.0 + 2.0, o
+
+
+def test_without_a_compiler_the_backend_runs_in_python_and_says_so(tmp_path: Path) -> None:
+    """Where the compiled part cannot be built (here: a compiler that always fails, a cache of
+    its own), importing the backend still works, warns once, and its base class is Python's."""
+    env = clean_env() | {"XDG_CACHE_HOME": str(tmp_path), "CXX": "false"}
+    probe = "from shoal import _c10d; print(_c10d.ShoalBackend.compiled)"
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-3000:]
+    assert out.stderr.count("the torch backend runs in Python alone") == 1, out.stderr[-3000:]
 
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "torchrun_elastic.py"

@@ -261,36 +261,54 @@ def fsdp(steps: int = 3, hybrid: bool = False) -> "dict[str, Any]":
 
 
 def lost() -> "dict[str, Any]":
-    """The last rank is SIGKILLed after a barrier; the others' all-reduce fails with shoal's
-    ``PeerLostError`` (also torch's ``DistBackendError``), their tensor as it was, and the same
-    call again runs over the ranks left."""
+    """The last rank is SIGKILLed after a barrier: the others' asynchronous all-reduce fails with
+    shoal's ``PeerLostError`` (also torch's ``DistBackendError``), their tensor as it was, and the
+    same call again runs over the ranks left. Then the next-to-last rank is: the others' blocking
+    all-reduce (which the compiled part runs, where it is built) fails and is retried alike."""
     import signal
 
     import shoal
+
+    def expect_lost(e: BaseException, t: torch.Tensor) -> str:
+        assert isinstance(e, dist.DistBackendError), type(e).__mro__
+        assert torch.equal(t, torch.full((1000,), float(RANK + 1))), "the tensor is as it was"
+        return type(e).__name__
+
+    def retry(t: torch.Tensor, errors: "list[str]") -> None:
+        while True:
+            try:
+                dist.all_reduce(t)
+                return
+            except shoal.PeerLostError as e:
+                errors.append(expect_lost(e, t))
 
     dist.barrier()
     if RANK == WORLD - 1:
         os.kill(os.getpid(), signal.SIGKILL)
     t = torch.full((1000,), float(RANK + 1))
-    errors = []
+    errors: "list[str]" = []
     # The first try as torch's async Work: wait() raises, and the Work says it ended with that.
     work = dist.all_reduce(t, async_op=True)
     try:
-        done = work.wait()
+        work.wait()
     except shoal.PeerLostError as e:
         assert work.is_completed() and type(work.exception()) is type(e), (work.is_completed(), work.exception())
-        assert torch.equal(t, torch.full((1000,), float(RANK + 1))), "the tensor is as it was"
-        errors.append(type(e).__name__)
-        done = False
-    while not done:
-        try:
-            dist.all_reduce(t)
-            done = True
-        except shoal.PeerLostError as e:
-            assert isinstance(e, dist.DistBackendError), type(e).__mro__
-            assert torch.equal(t, torch.full((1000,), float(RANK + 1))), "the tensor is as it was"
-            errors.append(type(e).__name__)
-    return {"errors": errors, "sum": t[0].item()}
+        errors.append(expect_lost(e, t))
+        retry(t, errors)
+    first = t[0].item()
+
+    dist.barrier()
+    if RANK == WORLD - 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t = torch.full((1000,), float(RANK + 1))
+    blocking: "list[str]" = []
+    try:
+        dist.all_reduce(t)
+    except shoal.PeerLostError as e:
+        blocking.append(expect_lost(e, t))
+        retry(t, blocking)
+    return {"errors": errors, "sum": first, "blocking_errors": blocking, "sum_after": t[0].item(),
+            "compiled": dist.group.WORLD._get_backend(torch.device("cpu")).compiled}
 
 
 SCENARIOS = {"ops": every_operation, "ddp": ddp, "pipeline": pipeline, "fsdp": fsdp,

@@ -36,6 +36,7 @@ pub const KNOWN_VARS: &[(&str, &str)] = &[
     ("SHOAL_TIMEOUT", "bound in seconds on any blocking call (float)"),
     ("SHOAL_MASTER", "torch backend: the master's host:port (default: rank 0 hosts one)"),
     ("SHOAL_MIN_WORLD_SIZE", "torch backend: members the run must have before init_process_group returns"),
+    ("SHOAL_TORCH_COMPILED", "torch backend: 0 keeps it in Python alone (default: its compiled part, built once)"),
     (
         "SHOAL_CATCHUP_RATE",
         "most bytes per second a peer serves newcomers catching up, all together (default: no bound)",
