@@ -45,6 +45,23 @@ def _worker(args: argparse.Namespace) -> None:
     dist.init_process_group(
         args.backend, init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=args.peers
     )
+    if args.floor:
+        # What no backend can go below: shoal's own all-reduce of the array, then torch's
+        # dispatch of dist.all_reduce to its "fake" backend, which returns at once.
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401 - registers "fake"
+
+        fake = dist.new_group(backend="fake")
+        world_group = dist.group.WORLD._get_backend(torch.device("cpu")).communicator
+        op = args.reduction
+
+        def floor(xs: list) -> str:
+            world_group.all_reduce(xs[0], op=op)
+            dist.all_reduce(torch.from_numpy(xs[0]), group=fake)
+            return ""
+
+        run_loop(floor, parse_sizes(args.sizes), args.dtype)
+        dist.destroy_process_group()
+        return
     reduction = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}[args.reduction]
     world, rank = args.peers, args.rank
     blocks: dict[tuple[int, int], torch.Tensor] = {}
@@ -91,13 +108,16 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def run(peers: int, sizes: str, dtype: str = "float32", op: str = "all_reduce", reduction: str = "sum",
-        backend: str = "gloo") -> list[dict]:
-    """Runs the benchmark of ``op`` on torch.distributed's ``backend`` and returns its rows."""
+        backend: str = "gloo", floor: bool = False) -> list[dict]:
+    """Runs the benchmark of ``op`` on torch.distributed's ``backend`` and returns its rows;
+    with ``floor`` (backend shoal, op all_reduce), the rows of the floor instead: shoal's
+    all-reduce and torch's dispatch to a backend that does nothing, one after the other."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--peers", str(peers), "--sizes", sizes]
     argv += ["--dtype", dtype, "--op", op, "--reduction", reduction, "--port", str(port), "--backend", backend]
+    argv += ["--floor"] if floor else []
     outputs = spawn_workers(lambda i: [*argv, "--rank", str(i)], peers)
     return summarize(outputs, peers, op)
 
@@ -110,6 +130,7 @@ def main() -> None:
     parser.add_argument("--op", default="all_reduce", choices=[*BUS_FACTOR, *TORCH_ONLY])
     parser.add_argument("--reduction", default="sum", choices=["sum", "avg", "max"])
     parser.add_argument("--backend", default="gloo", choices=["gloo", "shoal"])
+    parser.add_argument("--floor", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
