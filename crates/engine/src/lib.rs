@@ -317,6 +317,26 @@ impl RawBuf {
         whole[range].to_vec()
     }
 
+    /// Copies `range` of the buffer into `into`, under the promise of [`RawBuf::read`].
+    pub fn read_into(&self, range: std::ops::Range<usize>, into: &mut [u8]) {
+        // SAFETY: the caller's promise, as above.
+        let whole = unsafe { self.slice() };
+        into.copy_from_slice(&whole[range]);
+    }
+
+    /// Copies `range` of the buffer to the start of `to`, another buffer (they must not
+    /// overlap), both under the promise of [`RawBuf::read`].
+    pub fn copy_to(&self, range: std::ops::Range<usize>, to: &RawBuf) {
+        let (from, to_start) = (self.ptr.as_ptr() as usize, to.ptr.as_ptr() as usize);
+        assert!(
+            from + self.len <= to_start || to_start + to.len <= from || range.is_empty(),
+            "copy between overlapping buffers"
+        );
+        // SAFETY: the caller's promise, as above; the two do not overlap (checked).
+        let (whole, to) = unsafe { (self.slice(), to.slice()) };
+        to[..range.len()].copy_from_slice(&whole[range]);
+    }
+
     /// Writes `bytes` at `at`, under the promise of [`RawBuf::read`].
     pub fn write(&self, at: usize, bytes: &[u8]) {
         // SAFETY: the caller's promise, as above.

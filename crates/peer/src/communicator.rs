@@ -8,7 +8,7 @@ use crate::fetch::Snapshots;
 use crate::info::{Info, LinkInfo};
 use crate::links::Listener;
 use crate::named::verb;
-use crate::plane::{AlignedBytes, CallResult, Collective, DataPlane, Extra, Owner, Request, TagUse};
+use crate::plane::{CallResult, Collective, DataPlane, Extra, Owner, Request, Spares, TagUse};
 use crate::stats::Stats;
 use crate::Deadline;
 use shoal_collective::Algorithm;
@@ -64,6 +64,8 @@ pub struct Shared {
     stats: Arc<Stats>,
     /// TLS for every connection, loaded from `config.tls`.
     tls: Option<TlsConfig>,
+    /// The buffers of all-gathers' and reduce-scatters' copies, shared with the data plane.
+    spares: Spares,
 }
 
 /// What [`Communicator::connect_catching_up`] runs once registered, before admission; false
@@ -81,15 +83,17 @@ impl Communicator {
         shoal_config::init_logging();
         let tls =
             config.tls.as_ref().map(TlsConfig::load).transpose().map_err(|e| Error::InvalidArgument(e.to_string()))?;
-        let stats = Arc::new(Stats::default());
+        let (stats, spares) = (Arc::new(Stats::default()), Spares::default());
+        let data = DataPlane { stats: Arc::clone(&stats), spares: spares.clone(), ..DataPlane::default() };
         let shared = Shared {
             connected: Mutex::new(None),
-            data: Arc::new(Mutex::new(DataPlane { stats: Arc::clone(&stats), ..DataPlane::default() })),
+            data: Arc::new(Mutex::new(data)),
             stats,
             driver: Arc::new(Driver { config: config.clone(), progress: Progress::default() }),
             measured: Mutex::new(None),
             config,
             tls,
+            spares,
         };
         Ok(Communicator { shared: Arc::new(shared), derived: None, derivations: AtomicU64::new(0) })
     }
@@ -327,7 +331,7 @@ impl Communicator {
     ) -> Result<Info> {
         check_buffer(out, dtype)?;
         check_buffer(inp, dtype)?;
-        let extra = Extra::Gather { inp: inp.to_vec(), before: None };
+        let extra = Extra::Gather { inp: self.shared.spares.copy_of(inp), before: None };
         self.collective(RawBuf::new(out), gather_request(dtype, tag, quantization), extra)
     }
 
@@ -347,7 +351,7 @@ impl Communicator {
     ) -> Result<Info> {
         check_buffer(out, dtype)?;
         check_buffer(inp, dtype)?;
-        let (buf, extra) = scatter_work(out, inp);
+        let (buf, extra) = scatter_work(&self.shared.spares, out, inp);
         self.collective(buf, scatter_request(dtype, op, tag, quantization), extra)
     }
 
@@ -465,7 +469,7 @@ impl Communicator {
     {
         check_buffer(out.as_mut(), dtype)?;
         check_buffer(inp, dtype)?;
-        let extra = Extra::Gather { inp: inp.to_vec(), before: None };
+        let extra = Extra::Gather { inp: self.shared.spares.copy_of(inp), before: None };
         self.start_async(out, gather_request(dtype, tag, quantization), |b| (RawBuf::new(b.as_mut()), extra))
     }
 
@@ -489,7 +493,8 @@ impl Communicator {
         check_buffer(out.as_mut(), dtype)?;
         check_buffer(inp, dtype)?;
         let request = scatter_request(dtype, op, tag, quantization);
-        self.start_async(out, request, |b| scatter_work(b.as_mut(), inp))
+        let spares = &self.shared.spares;
+        self.start_async(out, request, |b| scatter_work(spares, b.as_mut(), inp))
     }
 
     /// Starts [`Communicator::broadcast`] of `buf` and returns at once, like
@@ -935,8 +940,8 @@ fn barrier_work() -> (RawBuf, Extra) {
 
 /// A reduce-scatter's buffers: the schedule reduces into a copy of the input, whose block goes
 /// to `out` on success.
-fn scatter_work(out: &mut [u8], inp: &[u8]) -> (RawBuf, Extra) {
-    let mut work = AlignedBytes::copy_of(inp);
+fn scatter_work(spares: &Spares, out: &mut [u8], inp: &[u8]) -> (RawBuf, Extra) {
+    let mut work = spares.copy_of(inp);
     let buf = RawBuf::new(work.as_mut());
     (buf, Extra::Scatter { out: RawBuf::new(out), _work: work })
 }

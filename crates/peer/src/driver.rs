@@ -145,7 +145,7 @@ pub(crate) fn op_header(id: OpId, request: &Request, algorithm: Algorithm, count
 pub(crate) fn fits(record: &Collective, world: usize) -> std::result::Result<(), Misfit> {
     let kind = record.request.kind.name();
     let (whole, block) = match &record.extra {
-        Extra::Gather { inp, .. } => (record.buf.len(), inp.len()),
+        Extra::Gather { inp, .. } => (record.buf.len(), inp.len),
         Extra::Scatter { out, .. } => (record.buf.len(), out.len()),
         Extra::None if record.request.kind == CollectiveKind::Broadcast && record.request.root >= world => {
             return Err(Misfit::NoSuchRoot { kind, root: record.request.root, world });
@@ -543,9 +543,11 @@ impl Driver {
             return;
         }
         if let Extra::Gather { inp, before } = &mut record.extra {
-            let block = rank * inp.len()..(rank + 1) * inp.len();
-            *before = Some(record.buf.read(block.clone()));
-            record.buf.write(block.start, inp);
+            let block = rank * inp.len..(rank + 1) * inp.len;
+            let mut held = data.spares.take(block.len());
+            record.buf.read_into(block.clone(), held.as_mut());
+            *before = Some(held);
+            record.buf.write(block.start, inp.as_ref());
         }
         let spec = OpSpec {
             header,
@@ -704,11 +706,9 @@ impl Driver {
                 failpoint("all_reduce.after_commit");
                 let rank = record.posted.map_or(0, |p| p.rank);
                 match &record.extra {
-                    Extra::Scatter { out, .. } => {
-                        out.write(0, &record.buf.read(rank * out.len()..(rank + 1) * out.len()))
-                    }
+                    Extra::Scatter { out, .. } => record.buf.copy_to(rank * out.len()..(rank + 1) * out.len(), out),
                     // Posted, the input went into place then; alone, it is all there is.
-                    Extra::Gather { inp, .. } if record.posted.is_none() => record.buf.write(0, inp),
+                    Extra::Gather { inp, .. } if record.posted.is_none() => record.buf.write(0, inp.as_ref()),
                     _ => {}
                 }
                 Ok(Info {
@@ -732,7 +732,7 @@ impl Driver {
                     t.restore();
                 }
                 if let (Extra::Gather { inp, before: Some(before) }, Some(posted)) = (&record.extra, record.posted) {
-                    record.buf.write(posted.rank * inp.len(), before);
+                    record.buf.write(posted.rank * inp.len, before.as_ref());
                 }
                 let algorithm = record.posted.map_or(Algorithm::Ring, |p| p.algorithm);
                 let header = |id: OpId| op_header(id, &request, algorithm, record.count);
