@@ -90,8 +90,8 @@ class DoneWork : public c10d::Work {
 };
 
 // The Python method `name` of the subclass, with the arguments after it: its work, held for
-// c10d; the base class's method where the subclass has none.
-#define SHOAL_FORWARD(method, name, ...)                                                     \
+// c10d; the base class's `method` where the subclass has none. SHOAL_FORWARD: the same name.
+#define SHOAL_FORWARD_AS(method, name, ...)                                                   \
   do {                                                                                      \
     py::gil_scoped_acquire gil;                                                             \
     py::function override = py::get_override(static_cast<const FastBackend*>(this), name); \
@@ -104,6 +104,7 @@ class DoneWork : public c10d::Work {
     }                                                                                       \
     return c10d::Backend::method(__VA_ARGS__);                                              \
   } while (false)
+#define SHOAL_FORWARD(method, ...) SHOAL_FORWARD_AS(method, #method, __VA_ARGS__)
 
 using Tensors = std::vector<at::Tensor>;
 using TensorLists = std::vector<std::vector<at::Tensor>>;
@@ -157,7 +158,7 @@ class FastBackend : public c10d::Backend {
         return c10::make_intrusive<DoneWork>(tensors);
       }
     }
-    SHOAL_FORWARD(allreduce, "allreduce", tensors, opts);
+    SHOAL_FORWARD(allreduce, tensors, opts);
   }
 
   const std::string getBackendName() const override { return "shoal"; }
@@ -169,49 +170,49 @@ class FastBackend : public c10d::Backend {
     }
   }
 
-  WorkPtr broadcast(Tensors& t, const c10d::BroadcastOptions& o) override { SHOAL_FORWARD(broadcast, "broadcast", t, o); }
+  WorkPtr broadcast(Tensors& t, const c10d::BroadcastOptions& o) override { SHOAL_FORWARD(broadcast, t, o); }
   WorkPtr allreduce_coalesced(Tensors& t, const c10d::AllreduceCoalescedOptions& o) override {
-    SHOAL_FORWARD(allreduce_coalesced, "allreduce_coalesced", t, o);
+    SHOAL_FORWARD(allreduce_coalesced, t, o);
   }
-  WorkPtr reduce(Tensors& t, const c10d::ReduceOptions& o) override { SHOAL_FORWARD(reduce, "reduce", t, o); }
+  WorkPtr reduce(Tensors& t, const c10d::ReduceOptions& o) override { SHOAL_FORWARD(reduce, t, o); }
   WorkPtr allgather(TensorLists& out, Tensors& in, const c10d::AllgatherOptions& o) override {
-    SHOAL_FORWARD(allgather, "allgather", out, in, o);
+    SHOAL_FORWARD(allgather, out, in, o);
   }
   WorkPtr all_gather_single(at::Tensor& out, at::Tensor& in, const c10d::AllgatherOptions& o) override {
-    SHOAL_FORWARD(all_gather_single, "all_gather_single", out, in, o);
+    SHOAL_FORWARD(all_gather_single, out, in, o);
   }
   WorkPtr allgather_coalesced(TensorLists& out, Tensors& in, const c10d::AllgatherOptions& o) override {
-    SHOAL_FORWARD(allgather_coalesced, "allgather_coalesced", out, in, o);
+    SHOAL_FORWARD(allgather_coalesced, out, in, o);
   }
   WorkPtr all_gather_single_coalesced(Tensors& out, Tensors& in, const c10d::AllgatherOptions& o) override {
-    SHOAL_FORWARD(all_gather_single_coalesced, "all_gather_single_coalesced", out, in, o);
+    SHOAL_FORWARD(all_gather_single_coalesced, out, in, o);
   }
   WorkPtr gather(TensorLists& out, Tensors& in, const c10d::GatherOptions& o) override {
-    SHOAL_FORWARD(gather, "gather", out, in, o);
+    SHOAL_FORWARD(gather, out, in, o);
   }
   WorkPtr scatter(Tensors& out, TensorLists& in, const c10d::ScatterOptions& o) override {
-    SHOAL_FORWARD(scatter, "scatter", out, in, o);
+    SHOAL_FORWARD(scatter, out, in, o);
   }
   WorkPtr reduce_scatter(Tensors& out, TensorLists& in, const c10d::ReduceScatterOptions& o) override {
-    SHOAL_FORWARD(reduce_scatter, "reduce_scatter", out, in, o);
+    SHOAL_FORWARD(reduce_scatter, out, in, o);
   }
   WorkPtr reduce_scatter_single(at::Tensor& out, at::Tensor& in, const c10d::ReduceScatterOptions& o) override {
-    SHOAL_FORWARD(reduce_scatter_single, "reduce_scatter_single", out, in, o);
+    SHOAL_FORWARD(reduce_scatter_single, out, in, o);
   }
   WorkPtr reduce_scatter_single_coalesced(Tensors& out, Tensors& in, const c10d::ReduceScatterOptions& o) override {
-    SHOAL_FORWARD(reduce_scatter_single_coalesced, "reduce_scatter_single_coalesced", out, in, o);
+    SHOAL_FORWARD(reduce_scatter_single_coalesced, out, in, o);
   }
   WorkPtr all_to_all_single(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& out_splits,
                             std::vector<int64_t>& in_splits, const c10d::AllToAllOptions& o) override {
-    SHOAL_FORWARD(all_to_all_single, "all_to_all_single", out, in, out_splits, in_splits, o);
+    SHOAL_FORWARD(all_to_all_single, out, in, out_splits, in_splits, o);
   }
   WorkPtr alltoall(Tensors& out, Tensors& in, const c10d::AllToAllOptions& o) override {
-    SHOAL_FORWARD(alltoall, "alltoall", out, in, o);
+    SHOAL_FORWARD(alltoall, out, in, o);
   }
-  WorkPtr send(Tensors& t, int dst, int tag) override { SHOAL_FORWARD(send, "send", t, dst, tag); }
-  WorkPtr recv(Tensors& t, int src, int tag) override { SHOAL_FORWARD(recv, "recv", t, src, tag); }
-  WorkPtr recvAnysource(Tensors& t, int tag) override { SHOAL_FORWARD(recvAnysource, "recv_anysource", t, tag); }
-  WorkPtr barrier(const c10d::BarrierOptions& o) override { SHOAL_FORWARD(barrier, "barrier", o); }
+  WorkPtr send(Tensors& t, int dst, int tag) override { SHOAL_FORWARD(send, t, dst, tag); }
+  WorkPtr recv(Tensors& t, int src, int tag) override { SHOAL_FORWARD(recv, t, src, tag); }
+  WorkPtr recvAnysource(Tensors& t, int tag) override { SHOAL_FORWARD_AS(recvAnysource, "recv_anysource", t, tag); }
+  WorkPtr barrier(const c10d::BarrierOptions& o) override { SHOAL_FORWARD(barrier, o); }
 
  private:
   // Raises the error shoal set as its torch twin (a DistBackendError that keeps its class).
