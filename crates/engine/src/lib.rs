@@ -309,15 +309,8 @@ impl RawBuf {
         RawBuf { ptr: NonNull::new(buf.as_ptr().cast_mut()).unwrap_or(NonNull::dangling()), len: buf.len() }
     }
 
-    /// A copy of `range` of the buffer, which must still be lent and not in the engine's use
-    /// (the call is not posted yet, or has been taken out).
-    pub fn read(&self, range: std::ops::Range<usize>) -> Vec<u8> {
-        // SAFETY: the caller's promise, as above.
-        let whole = unsafe { self.slice() };
-        whole[range].to_vec()
-    }
-
-    /// Copies `range` of the buffer into `into`, under the promise of [`RawBuf::read`].
+    /// Copies `range` of the buffer into `into`. The buffer must still be lent and not in the
+    /// engine's use (the call is not posted yet, or has been taken out).
     pub fn read_into(&self, range: std::ops::Range<usize>, into: &mut [u8]) {
         // SAFETY: the caller's promise, as above.
         let whole = unsafe { self.slice() };
@@ -325,7 +318,7 @@ impl RawBuf {
     }
 
     /// Copies `range` of the buffer to the start of `to`, another buffer (they must not
-    /// overlap), both under the promise of [`RawBuf::read`].
+    /// overlap), both under the promise of [`RawBuf::read_into`].
     pub fn copy_to(&self, range: std::ops::Range<usize>, to: &RawBuf) {
         let (from, to_start) = (self.ptr.as_ptr() as usize, to.ptr.as_ptr() as usize);
         assert!(
@@ -337,7 +330,7 @@ impl RawBuf {
         to[..range.len()].copy_from_slice(&whole[range]);
     }
 
-    /// Writes `bytes` at `at`, under the promise of [`RawBuf::read`].
+    /// Writes `bytes` at `at`, under the promise of [`RawBuf::read_into`].
     pub fn write(&self, at: usize, bytes: &[u8]) {
         // SAFETY: the caller's promise, as above.
         let whole = unsafe { self.slice() };
