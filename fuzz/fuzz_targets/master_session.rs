@@ -71,10 +71,16 @@ fn message(m: Msg, key: &RunKey, conn: ConnId) -> Message {
         Msg::VotePeersPending(c) => Message::VotePeersPending { collectives: c.into() },
         Msg::TopologyReady(e) => Message::TopologyReady { epoch: Epoch(e.into()) },
         Msg::PeerUnreachable(e, p) => Message::PeerUnreachable { epoch: Epoch(e.into()), peer: PeerId(p.into()) },
-        Msg::OpDone(e, seq, decided) => Message::OpDone { derived: 0, members: Vec::new(), epoch: Epoch(e.into()), seq: seq.into(), decided },
-        Msg::OpFailed(e, seq, kind, peer) => {
-            Message::OpFailed { derived: 0, members: Vec::new(), epoch: Epoch(e.into()), seq: seq.into(), failure: failure(kind, peer) }
+        Msg::OpDone(e, seq, decided) => {
+            Message::OpDone { derived: 0, members: Vec::new(), epoch: Epoch(e.into()), seq: seq.into(), decided }
         }
+        Msg::OpFailed(e, seq, kind, peer) => Message::OpFailed {
+            derived: 0,
+            members: Vec::new(),
+            epoch: Epoch(e.into()),
+            seq: seq.into(),
+            failure: failure(kind, peer),
+        },
         Msg::SyncVote { revision, strategy, override_resume, tensors, hash, collectives } => Message::SyncVote {
             revision: revision.into(),
             strategy: strategy % 4,
@@ -90,8 +96,10 @@ fn message(m: Msg, key: &RunKey, conn: ConnId) -> Message {
         }
         Msg::CatchUpEnd(fetched, revision) => Message::CatchUpEnd { fetched, revision: revision.into() },
         Msg::SnapshotHeld(round, held) => Message::SnapshotHeld { round: round.into(), held },
+        // A peer number of 255: a receive from any member.
         Msg::P2pWaits(p, send) => Message::P2pWaits {
-            peer: PeerId(p.into()),
+            peer: if p == u8::MAX { PeerId::ANY } else { PeerId(p.into()) },
+            any: p == u8::MAX,
             send,
             tag: 3,
             seen: 0,

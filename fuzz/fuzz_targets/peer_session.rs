@@ -72,7 +72,7 @@ enum Msg {
     SyncAborted(u8, bool),
     Snapshot(u8),
     CatchUpPlan { round: u8, revision: u8, entries: Vec<(u8, Vec<u8>)> },
-    P2pWaits { peer: u8, send: bool, epoch: u8, collectives: u8 },
+    P2pWaits { peer: u8, any: bool, send: bool, epoch: u8, collectives: u8 },
     P2pResumed(u8),
     P2pApart(u8),
     // A peer-to-master message, which a master never sends.
@@ -135,8 +135,9 @@ fn message(m: Msg) -> Message {
             Message::OpAborted { derived: 0, epoch: Epoch(e.into()), seq: seq.into(), failure: failure(kind, peer) }
         }
         Msg::OpQuery(e, seq) => Message::OpQuery { derived: 0, epoch: Epoch(e.into()), seq: seq.into() },
-        Msg::P2pWaits { peer, send, epoch, collectives } => Message::P2pWaits {
+        Msg::P2pWaits { peer, any, send, epoch, collectives } => Message::P2pWaits {
             peer: PeerId(peer.into()),
+            any,
             send,
             tag: 3,
             seen: 0,

@@ -10,6 +10,12 @@ use std::fmt;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct PeerId(pub u32);
 
+impl PeerId {
+    /// Names no peer: the other end of a receive from any member ([`crate::Call::Transfer`],
+    /// [`Message::P2pWaits`]). The master assigns every id below it.
+    pub const ANY: PeerId = PeerId(u32::MAX);
+}
+
 /// A peer group: collectives run within one group; admission is run-wide.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub struct GroupId(pub u32);
@@ -20,6 +26,9 @@ pub struct Epoch(pub u64);
 
 impl std::fmt::Display for PeerId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if *self == PeerId::ANY {
+            return f.write_str("any member");
+        }
         write!(f, "peer#{}", self.0)
     }
 }
@@ -471,9 +480,15 @@ pub enum Message {
     /// and relays this with `peer` naming the waiter). The other end, if its own call can never
     /// let that transfer complete, answers [`Message::P2pApart`] (`docs/protocol.md`, "No call
     /// waits for a call that will never come").
+    ///
+    /// A receive from any member (`any`) names [`PeerId::ANY`]: the master asks every other
+    /// member of the group, and answers the waiter once each has answered `P2pApart`; their calls
+    /// go on (another member may still send).
     P2pWaits {
-        /// The other end (relayed: the waiter).
+        /// The other end (relayed: the waiter); [`PeerId::ANY`] from a receive from any member.
         peer: PeerId,
+        /// A receive from any member waits: the other end's call ends with no verdict of its own.
+        any: bool,
         /// The waiter sends; otherwise it receives.
         send: bool,
         /// The transfer's tag.
@@ -887,8 +902,9 @@ impl Message {
                 w.u64(*round);
                 w.bool(*held);
             }
-            Message::P2pWaits { peer, send, tag, seen, epoch, collectives } => {
+            Message::P2pWaits { peer, any, send, tag, seen, epoch, collectives } => {
                 w.u32(peer.0);
+                w.bool(*any);
                 w.bool(*send);
                 w.u64(*tag);
                 w.u64(*seen);
@@ -1042,6 +1058,7 @@ impl Message {
             kind::SNAPSHOT_HELD => Message::SnapshotHeld { round: r.u64()?, held: r.bool("held")? },
             kind::P2P_WAITS => Message::P2pWaits {
                 peer: PeerId(r.u32()?),
+                any: r.bool("any")?,
                 send: r.bool("send")?,
                 tag: r.u64()?,
                 seen: r.u64()?,
@@ -1315,9 +1332,9 @@ mod tests {
             any::<(u64, u64, u64)>().prop_map(|(done, total, eta_ms)| Message::CatchUpProgress { done, total, eta_ms }),
             any::<(bool, u64)>().prop_map(|(fetched, revision)| Message::CatchUpEnd { fetched, revision }),
             any::<(u64, bool)>().prop_map(|(round, held)| Message::SnapshotHeld { round, held }),
-            (any::<(u32, bool, u64, u64)>(), any::<(u64, u64)>()).prop_map(
-                |((p, send, tag, seen), (e, collectives))| {
-                    Message::P2pWaits { peer: PeerId(p), send, tag, seen, epoch: Epoch(e), collectives }
+            (any::<(u32, bool, u64, u64)>(), any::<(u64, u64, bool)>()).prop_map(
+                |((p, send, tag, seen), (e, collectives, any))| {
+                    Message::P2pWaits { peer: PeerId(p), any, send, tag, seen, epoch: Epoch(e), collectives }
                 }
             ),
             any::<u32>().prop_map(|p| Message::P2pResumed { peer: PeerId(p) }),

@@ -329,8 +329,8 @@ pub struct Master {
     /// Shared-state syncs in progress, by group.
     syncs: BTreeMap<GroupId, sync::SyncRound>,
     /// Members whose call waits on a tagged transfer with another member, announced and not
-    /// over: (waiter, the other end) (`p2p.rs`).
-    p2p_waits: BTreeMap<PeerId, PeerId>,
+    /// over: (waiter, the other end, or the members asked about a receive from any) (`p2p.rs`).
+    p2p_waits: BTreeMap<PeerId, p2p::Wait>,
     next_sync: u64,
     /// Each group's last completed sync.
     group_states: BTreeMap<GroupId, sync::GroupState>,
@@ -576,7 +576,9 @@ impl Master {
             "a tentative vote not cast"
         );
         debug_assert!(
-            self.p2p_waits.iter().all(|(w, o)| self.peers.contains_key(w) && self.peers.contains_key(o)),
+            self.p2p_waits
+                .iter()
+                .all(|(w, o)| self.peers.contains_key(w) && o.asked().all(|o| self.peers.contains_key(&o))),
             "a wait on a peer gone"
         );
     }
@@ -673,6 +675,7 @@ impl Master {
             return self.outputs.push_back(Output::Close { conn, reason });
         }
         let peer = PeerId(self.next_peer);
+        assert!(peer != PeerId::ANY, "peer ids exhausted");
         assert!(!self.peers.contains_key(&peer), "{peer} is issued twice");
         debug_assert!(self.peers.last_key_value().is_none_or(|(p, _)| *p < peer), "peer ids go back");
         self.next_peer = self.next_peer.checked_add(1).expect("peer ids exhausted");

@@ -8,45 +8,99 @@
 //! the other end, which alone can tell whether its own call lets the transfer complete: it
 //! answers `P2pApart` if not, and the master ends the waiter's call with that reason, and any vote
 //! of the other end's group with it.
+//!
+//! A receive from any member waits on all of them: each is asked, each answers for its own call,
+//! and the waiter's call ends once every one has answered `P2pApart`. Their calls go on: another
+//! member's send could still have served the receive until the last answer, so no verdict of one
+//! member ends its call, and the waiter, its receive ended, may still make the calls they wait for.
 
 use super::{Master, Status};
-use shoal_wire::{Message, Misuse, PeerId};
+use shoal_wire::{Call, Called, Message, Misuse, PeerId};
+use std::collections::BTreeSet;
+
+/// A member's announced wait on a tagged transfer (`Master::p2p_waits`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Wait {
+    /// With this member.
+    One(PeerId),
+    /// A receive from any member, with `tag`: the members asked that have not answered yet, and
+    /// the answers of those that have.
+    Any { tag: u64, asked: BTreeSet<PeerId>, apart: Vec<Misuse> },
+}
+
+impl Wait {
+    /// The members asked about it, and not answered yet.
+    pub(super) fn asked(&self) -> impl Iterator<Item = PeerId> + '_ {
+        let (one, any) = match self {
+            Wait::One(other) => (Some(*other), None),
+            Wait::Any { asked, .. } => (None, Some(asked)),
+        };
+        one.into_iter().chain(any.into_iter().flatten().copied())
+    }
+}
 
 impl Master {
-    /// `waiter` waits on a transfer with `other` (the fields of `P2pWaits`): the other end hears
-    /// of it. Only between accepted members of one group: anything else is dropped.
+    /// `waiter` waits on a transfer with `other` (the fields of `P2pWaits`), or, as a receive from
+    /// any member, with every other member of its group: they hear of it. Only between accepted
+    /// members of one group: anything else is dropped.
     pub(super) fn p2p_waits(&mut self, waiter: PeerId, other: PeerId, message: Message) {
-        let Message::P2pWaits { send, tag, seen, epoch, collectives, .. } = message else {
+        let Message::P2pWaits { any, send, tag, seen, epoch, collectives, .. } = message else {
             unreachable!("called with P2pWaits")
         };
         let group = |p: &PeerId| self.peers.get(p).filter(|e| e.status == Status::Accepted).map(|e| e.group);
-        if other == waiter || group(&waiter).is_none() || group(&waiter) != group(&other) {
+        let Some(ours) = group(&waiter) else { return };
+        let asked: BTreeSet<PeerId> = if any && other == PeerId::ANY && !send {
+            self.peers.keys().filter(|p| **p != waiter && group(p) == Some(ours)).copied().collect()
+        } else if !any && other != waiter && group(&other) == Some(ours) {
+            BTreeSet::from([other])
+        } else {
+            BTreeSet::new()
+        };
+        if asked.is_empty() {
             log::debug!("{waiter} waits on a transfer with {other}, not a member of its group: not relayed");
             return;
         }
-        self.p2p_waits.insert(waiter, other);
-        self.send_to_peer(other, Message::P2pWaits { peer: waiter, send, tag, seen, epoch, collectives });
-        assert!(self.p2p_waits.iter().all(|(w, o)| w != o), "a member waits on itself");
-        debug_assert_eq!(self.p2p_waits.get(&waiter), Some(&other), "{waiter} waits on one transfer at a time");
+        for p in &asked {
+            self.send_to_peer(*p, Message::P2pWaits { peer: waiter, any, send, tag, seen, epoch, collectives });
+        }
+        let wait = if any { Wait::Any { tag, asked, apart: Vec::new() } } else { Wait::One(other) };
+        let old = self.p2p_waits.insert(waiter, wait);
+        debug_assert!(old.is_none(), "{waiter} waits on one transfer at a time");
+        assert!(self.p2p_waits.iter().all(|(w, o)| o.asked().all(|o| o != *w)), "a member waits on itself");
     }
 
     /// `waiter`'s wait announced earlier is over.
     pub(super) fn p2p_resumed(&mut self, waiter: PeerId) {
-        if let Some(other) = self.p2p_waits.remove(&waiter) {
-            self.send_to_peer(other, Message::P2pResumed { peer: waiter });
+        if let Some(wait) = self.p2p_waits.remove(&waiter) {
+            for other in wait.asked() {
+                self.send_to_peer(other, Message::P2pResumed { peer: waiter });
+            }
         }
         assert!(!self.p2p_waits.contains_key(&waiter), "a wait outlives its end");
     }
 
     /// `member`'s call can never let `waiter`'s transfer complete: every vote of the member's
-    /// group ends with `misuse` (the member's own among them), and then the waiter's call.
+    /// group ends with `misuse` (the member's own among them), and then the waiter's call. For a
+    /// receive from any member, only the waiter's call ends, once every member asked said so.
     pub(super) fn p2p_apart(&mut self, member: PeerId, waiter: PeerId, misuse: Misuse) {
-        if self.p2p_waits.get(&waiter) != Some(&member) {
+        if !self.p2p_waits.get(&waiter).is_some_and(|w| w.asked().any(|o| o == member)) {
             return; // The wait ended meanwhile, or was never with this member.
         }
         debug_assert!(self.accepted(member), "{member} is no member");
         if misuse.ours.peers != [waiter] || misuse.theirs.peers != [member] {
             return self.violation(member, super::PeerMisbehaved::ApartNamesOthers { waiter });
+        }
+        if let Some(Wait::Any { asked, apart, .. }) = self.p2p_waits.get_mut(&waiter) {
+            asked.remove(&member);
+            apart.push(misuse);
+            if !asked.is_empty() {
+                return;
+            }
+            let Some(Wait::Any { tag, apart, .. }) = self.p2p_waits.remove(&waiter) else { unreachable!("found") };
+            let misuse = apart_from_all(waiter, tag, &apart);
+            log::warn!("{misuse}");
+            self.send_to_peer(waiter, Message::P2pApart { peer: PeerId::ANY, misuse });
+            return;
         }
         self.p2p_waits.remove(&waiter);
         log::warn!("{misuse}");
@@ -59,9 +113,25 @@ impl Master {
     }
 
     /// `peer` left the run: its waits are over, and nobody waits on it any more (the transfers
-    /// with it fail on the `PeerRemoved` every member hears).
+    /// with it fail on the `PeerRemoved` every member hears; a receive from any member, on the
+    /// topology that follows).
     pub(super) fn p2p_member_removed(&mut self, peer: PeerId) {
-        self.p2p_waits.retain(|waiter, other| *waiter != peer && *other != peer);
-        debug_assert!(!self.p2p_waits.iter().any(|(w, o)| *w == peer || *o == peer));
+        self.p2p_waits.retain(|waiter, wait| {
+            if let Wait::Any { asked, .. } = wait {
+                asked.remove(&peer);
+            }
+            *waiter != peer && wait.asked().any(|o| o != peer)
+        });
+        debug_assert!(!self.p2p_waits.iter().any(|(w, o)| *w == peer || o.asked().any(|o| o == peer)));
     }
+}
+
+/// `waiter`'s receive from any member with `tag` can never complete: every other member said so
+/// (`apart`). The usage error names the receive and the call most of them are in.
+fn apart_from_all(waiter: PeerId, tag: u64, apart: &[Misuse]) -> Misuse {
+    let most = apart.iter().max_by_key(|m| apart.iter().filter(|o| o.theirs.call == m.theirs.call).count());
+    let call = most.expect("every member asked answered").theirs.call;
+    let peers = apart.iter().filter(|m| m.theirs.call == call).flat_map(|m| m.theirs.peers.iter().copied());
+    let ours = Called::new([waiter], Call::Transfer { send: false, peer: PeerId::ANY, tag });
+    Misuse::new(ours, Called::new(peers, call))
 }

@@ -1426,7 +1426,7 @@ fn a_kept_run_that_no_master_wrote_is_refused_with_its_fault() {
 }
 
 fn waits(peer: u32, send: bool, epoch: Epoch) -> Message {
-    Message::P2pWaits { peer: PeerId(peer), send, tag: 3, seen: 0, epoch, collectives: 0 }
+    Message::P2pWaits { peer: PeerId(peer), any: false, send, tag: 3, seen: 0, epoch, collectives: 0 }
 }
 
 /// A member's transfer that waits on a voter: the master relays the wait to the voter (naming the
@@ -1486,6 +1486,42 @@ fn a_transfer_waiting_on_a_collective_ends_after_the_ring_re_formed() {
     assert_eq!(kinds, vec!["Topology", "OpAborted"], "the waiter hears of the new ring first");
     let out = h.send(1, Message::P2pApart { peer: PeerId(2), misuse: misuse.clone() });
     assert_eq!(sent_to(&out, 3), vec![&Message::P2pApart { peer: PeerId(0), misuse }]);
+}
+
+/// A receive from any member waits on all of them: each is asked; one's answer ends nothing (the
+/// other may still send); once every member answered, the waiter's call alone ends, naming the call
+/// they are in, and no vote is abandoned. A resume reaches those not answered yet.
+#[test]
+fn a_receive_from_any_member_ends_once_every_member_answered_and_only_it() {
+    let (mut h, epoch) = run_with(3);
+    h.send(1, Message::VoteUpdateTopology { collectives: 0, measured: None });
+    h.send(2, Message::VoteUpdateTopology { collectives: 0, measured: None });
+    let any = Message::P2pWaits { peer: PeerId::ANY, any: true, send: false, tag: 3, seen: 0, epoch, collectives: 0 };
+    let out = h.send(3, any);
+    let relayed = Message::P2pWaits { peer: PeerId(2), any: true, send: false, tag: 3, seen: 0, epoch, collectives: 0 };
+    for conn in [1, 2] {
+        assert_eq!(sent_to(&out, conn), vec![&relayed], "every other member is asked");
+    }
+    let vote = Call::api(Vote::UpdateTopology);
+    let apart = |from: u32| {
+        let recv = Call::Transfer { send: false, peer: PeerId(from), tag: 3 };
+        Message::P2pApart { peer: PeerId(2), misuse: Misuse::new(made(&[2], recv), made(&[from], vote)) }
+    };
+    assert!(h.send(1, apart(0)).is_empty(), "peer#1 may still send");
+    let out = h.send(2, apart(1));
+    let recv_any = Call::Transfer { send: false, peer: PeerId::ANY, tag: 3 };
+    let misuse = Misuse::new(made(&[2], recv_any), made(&[0, 1], vote));
+    assert!(misuse.to_string().contains("recv from any member"), "{misuse}");
+    assert_eq!(sent_to(&out, 3), vec![&Message::P2pApart { peer: PeerId::ANY, misuse }]);
+    assert!(sent_to(&out, 1).is_empty() && sent_to(&out, 2).is_empty(), "no vote abandoned: {out:?}");
+    assert!(h.master.p2p_waits.is_empty());
+    assert_ne!(h.master.phase(G0), &Phase::Idle, "the vote goes on: the waiter may still cast its own");
+    // A resume before every answer reaches the members not answered yet.
+    h.send(3, Message::P2pWaits { peer: PeerId::ANY, any: true, send: false, tag: 4, seen: 0, epoch, collectives: 0 });
+    h.send(1, apart(0));
+    let out = h.send(3, Message::P2pResumed { peer: PeerId::ANY });
+    assert_eq!(sent_to(&out, 2), vec![&Message::P2pResumed { peer: PeerId(2) }]);
+    assert!(sent_to(&out, 1).is_empty(), "peer#0 answered already");
 }
 
 /// Waits end with a resume, with a removal of either end, and are relayed only within a group's

@@ -617,11 +617,14 @@ impl Peer {
     /// Announces that our call waits on a tagged transfer with member `other` that found nothing
     /// to match it (`send`: ours is the send; `seen`: a receive's count of `other`'s sends to us
     /// offered so far): `other` tells, through the master, whether its own call lets it complete.
+    /// A receive from any member names [`PeerId::ANY`]: every other member tells.
     pub fn p2p_waits(&mut self, other: PeerId, send: bool, tag: u64, seen: u64) {
         let Some((epoch, _)) = &self.view.committed else { return };
         let (epoch, collectives) = (*epoch, self.view.started);
         assert!(self.view.registered.is_some_and(|(me, _)| me != other), "a transfer with ourselves waits");
-        self.outbox.push_back(Message::P2pWaits { peer: other, send, tag, seen, epoch, collectives });
+        let any = other == PeerId::ANY;
+        assert!(!(any && send), "a send goes to a member");
+        self.outbox.push_back(Message::P2pWaits { peer: other, any, send, tag, seen, epoch, collectives });
     }
 
     /// The wait announced with [`Peer::p2p_waits`] is over.
@@ -652,7 +655,8 @@ impl Peer {
     }
 
     /// Our call can never let the transfer `waiter` waits on complete: its call ends with
-    /// `misuse`, and the master abandons our group's votes with it (ours among them).
+    /// `misuse`, and the master abandons our group's votes with it (ours among them); for a
+    /// receive from any member, once every other member said so, and only the waiter's call.
     pub fn p2p_apart(&mut self, waiter: PeerId, misuse: Misuse) {
         let removed = self.view.waiters.remove(&waiter);
         assert!(removed.is_some(), "{waiter} does not wait on us");
@@ -693,18 +697,19 @@ impl Peer {
         let ours = collective.map(|(op, api)| (api, Some(op))).or_else(|| self.voting(call).map(|api| (api, None)));
         let Some((api, op)) = ours else { return };
         let at = op.map(|op| shoal_wire::Point { epoch: op.epoch, collectives: op.seq.0 });
-        let apart: Vec<(PeerId, Misuse)> = self
+        let apart: Vec<(PeerId, bool, Misuse)> = self
             .waiters()
             .filter(|(waiter, note)| {
                 // A collective the waiter started already moves without its call.
                 let needs = op.is_none_or(|op| note.point.0 == op.epoch && note.point.1 <= op.seq.0);
                 needs && stuck(*waiter, note)
             })
-            .map(|(waiter, note)| (waiter, p2p_misuse(waiter, &note, me, Made::Api { api, at }, false)))
+            .map(|(waiter, note)| (waiter, note.any, p2p_misuse(waiter, &note, me, Made::Api { api, at }, false)))
             .collect();
-        for (waiter, misuse) in apart {
+        for (waiter, any, misuse) in apart {
             log::warn!("{misuse}");
-            match op {
+            // A receive from any member may yet be served by another: our call goes on.
+            match op.filter(|_| !any) {
                 Some(op) => self.p2p_apart_in(op, waiter, misuse, now),
                 None => self.p2p_apart(waiter, misuse),
             }
@@ -789,9 +794,11 @@ impl Peer {
             Ok(PeerEvent::P2pApart { peer, misuse }) => {
                 // Our call is one of those told: what the master said of the others' calls at
                 // this point, before or after, concerns no later call of ours (as for a vote
-                // ended with a usage error).
-                self.view.told = true;
-                self.view.settled_here = None;
+                // ended with a usage error). A receive from any member ends no other call.
+                if *peer != PeerId::ANY {
+                    self.view.told = true;
+                    self.view.settled_here = None;
+                }
                 self.actions.push_back(Action::P2pApart { peer: *peer, misuse: misuse.clone() });
             }
             _ => {}

@@ -746,12 +746,12 @@ fn a_lost_master_and_a_closed_peer_stay_so() {
 }
 
 fn waits(peer: u32, collectives: u64) -> Message {
-    Message::P2pWaits { peer: PeerId(peer), send: false, tag: 3, seen: 0, epoch: Epoch(1), collectives }
+    Message::P2pWaits { peer: PeerId(peer), any: false, send: false, tag: 3, seen: 0, epoch: Epoch(1), collectives }
 }
 
 /// What [`waits`] tells us.
 fn waits_note(collectives: u64) -> WaitNote {
-    WaitNote { send: false, tag: 3, seen: 0, point: (Epoch(1), collectives) }
+    WaitNote { any: false, send: false, tag: 3, seen: 0, point: (Epoch(1), collectives) }
 }
 
 /// A member's transfer waits on us while we vote: the driver is asked to judge it, by what its
@@ -779,7 +779,8 @@ fn a_transfer_waiting_on_us_is_judged_by_the_driver_and_its_verdict_goes_to_the_
     assert_eq!(p.waiters().count(), 0);
     // Our own wait, announced at our point, and the master's answer to it.
     p.p2p_waits(PeerId(1), true, 9, 0);
-    let ours = Message::P2pWaits { peer: PeerId(1), send: true, tag: 9, seen: 0, epoch: Epoch(1), collectives: 0 };
+    let ours =
+        Message::P2pWaits { peer: PeerId(1), any: false, send: true, tag: 9, seen: 0, epoch: Epoch(1), collectives: 0 };
     assert_eq!(sent(&mut p), vec![ours]);
     p.handle_message(Message::P2pApart { peer: PeerId(1), misuse: ours_apart_from(1) }, t0).unwrap();
     assert_eq!(actions(&mut p), vec![Action::P2pApart { peer: PeerId(1), misuse: ours_apart_from(1) }]);
@@ -862,10 +863,51 @@ fn a_collective_a_waiter_never_joins_fails_before_the_waiter_hears_of_it() {
     assert_eq!(p.waiters().map(|(w, _)| w).collect::<Vec<_>>(), vec![PeerId(2)]);
 }
 
+/// A member's receive from any member waits on our collective: our verdict goes to the master,
+/// but our collective goes on (another member may still send to it), and runs with the waiter
+/// once its receive ends. The waiter, told every member's verdict, ends only a receive that
+/// still found nothing to take.
+#[test]
+fn a_receive_from_any_member_judged_apart_leaves_our_collective_running() {
+    let (mut p, t0) = joined(&[0, 1, 2]);
+    p.call(CallKind::Collective(Api::Barrier, None), BOUND, t0);
+    let [Action::RunCollective { op, .. }] = actions(&mut p)[..] else { panic!("runs") };
+    let any = Message::P2pWaits {
+        peer: PeerId(1),
+        any: true,
+        send: false,
+        tag: 3,
+        seen: u64::MAX,
+        epoch: Epoch(1),
+        collectives: 0,
+    };
+    p.handle_message(any, t0).unwrap();
+    assert_eq!(actions(&mut p), vec![Action::MemberWaits(PeerId(1))]);
+    p.judge_waiters(CallId(2), Some((op, Api::Barrier)), |_, note| note.any, t0);
+    let [Message::P2pApart { peer: PeerId(1), .. }] = &sent(&mut p)[..] else { panic!("only the verdict") };
+    assert!(actions(&mut p).is_empty() && p.waiters().count() == 0, "our barrier still runs");
+    // The waiter's end: the master's answer for a receive from any member.
+    let mut transfers: Transfers<(), &str> = Transfers::default();
+    let recv = Transfer::new(PeerId::ANY, None, false, 3, Epoch(1), t0 + BOUND, ());
+    transfers.start(CallId(9), recv);
+    assert_eq!(transfers.get(CallId(9)).unwrap().call().to_string(), "recv from any member (p2p, tag 3)");
+    let (mut waiter, _) = joined(&[0, 1, 2]);
+    assert!(transfers.handle_waiting(CallId(9), P2P_PATIENCE, || Some(u64::MAX), &mut waiter));
+    let [Message::P2pWaits { peer: PeerId::ANY, any: true, .. }] = &sent(&mut waiter)[..] else { panic!("announced") };
+    let ours = made(&[0], Made::Transfer { send: false, peer: PeerId::ANY, tag: 3 });
+    let misuse = Misuse::new(ours, made(&[1, 2], Made::api(Api::Barrier)));
+    assert!(!transfers.handle_apart(PeerId::ANY, misuse.clone(), |_| false), "it took a send meanwhile");
+    assert!(transfers.poll_ended().is_none() && !transfers.announced(CallId(9)));
+    assert!(transfers.handle_waiting(CallId(9), P2P_PATIENCE, || Some(u64::MAX), &mut waiter));
+    assert!(transfers.handle_apart(PeerId::ANY, misuse.clone(), |_| true));
+    let ended = transfers.poll_ended().expect("ended");
+    assert_eq!(ended.result, Err(Stop::Apart(misuse)));
+}
+
 /// A transfer of ours with peer 1, in topology 1, bound at [`BOUND`].
 fn transfer(t0: Instant) -> (Transfers<(), &'static str>, CallId) {
     let mut transfers = Transfers::default();
-    transfers.start(CallId(9), Transfer::new(PeerId(1), 1, true, 3, Epoch(1), t0 + BOUND, ()));
+    transfers.start(CallId(9), Transfer::new(PeerId(1), Some(1), true, 3, Epoch(1), t0 + BOUND, ()));
     (transfers, CallId(9))
 }
 
@@ -913,12 +955,13 @@ fn a_long_wait_is_announced_once_and_ends_by_the_answer_or_a_resume() {
     assert!(!transfers.handle_waiting(call, P2P_PATIENCE / 2, || Some(0), &mut p));
     assert!(!transfers.handle_waiting(call, P2P_PATIENCE, || None, &mut p), "matched: nothing to ask");
     assert!(transfers.handle_waiting(call, P2P_PATIENCE, || Some(4), &mut p));
-    let waits = Message::P2pWaits { peer: PeerId(1), send: true, tag: 3, seen: 4, epoch: Epoch(1), collectives: 0 };
+    let waits =
+        Message::P2pWaits { peer: PeerId(1), any: false, send: true, tag: 3, seen: 4, epoch: Epoch(1), collectives: 0 };
     assert_eq!(sent(&mut p), vec![waits]);
     assert!(!transfers.handle_waiting(call, P2P_PATIENCE * 2, || Some(4), &mut p), "announced already");
     let waits_on_1 = Misuse::new(made(&[0], Made::api(Api::AllReduce)), made(&[1], Made::api(Api::PeersPending)));
-    assert!(!transfers.handle_apart(PeerId(2), apart()), "not the member it waits on");
-    assert!(transfers.handle_apart(PeerId(1), waits_on_1.clone()));
+    assert!(!transfers.handle_apart(PeerId(2), apart(), |_| true), "not the member it waits on");
+    assert!(transfers.handle_apart(PeerId(1), waits_on_1.clone(), |_| true));
     assert_eq!(ended(&mut transfers), vec![(call, Err(Stop::Apart(waits_on_1)))]);
     transfers.handle_resumed(call, &mut p);
     assert!(sent(&mut p).is_empty(), "the master ended the wait itself");

@@ -28,10 +28,10 @@ pub const APART_GRACE: Duration = Duration::from_millis(200);
 /// keeps with it (its buffer, ...).
 #[derive(Debug)]
 pub struct Transfer<T, E> {
-    /// The member at the other end.
+    /// The member at the other end: [`PeerId::ANY`] for a receive from any member.
     pub peer: PeerId,
-    /// Its rank in `epoch`.
-    pub rank: usize,
+    /// Its rank in `epoch`, where one member is named.
+    pub rank: Option<usize>,
     /// Ours is the send; otherwise the receive.
     pub send: bool,
     /// What it is matched by, besides its member and direction.
@@ -49,8 +49,19 @@ pub struct Transfer<T, E> {
 }
 
 impl<T, E> Transfer<T, E> {
-    /// A transfer with member `peer` (rank `rank` of topology `epoch`), bound by `deadline`.
-    pub fn new(peer: PeerId, rank: usize, send: bool, tag: u64, epoch: Epoch, deadline: Instant, data: T) -> Self {
+    /// A transfer with member `peer` (rank `rank` of topology `epoch`, or any member: `None`),
+    /// bound by `deadline`.
+    pub fn new(
+        peer: PeerId,
+        rank: Option<usize>,
+        send: bool,
+        tag: u64,
+        epoch: Epoch,
+        deadline: Instant,
+        data: T,
+    ) -> Self {
+        assert_eq!(rank.is_none(), peer == PeerId::ANY, "a member named by its id and rank, or any");
+        assert!(rank.is_some() || !send, "a send goes to a member");
         Transfer { peer, rank, send, tag, epoch, deadline, data, failing: None }
     }
 
@@ -161,9 +172,19 @@ impl<T, E> Transfers<T, E> {
 
     /// The master says that member `peer`'s call can never let the transfer our caller waits on
     /// complete (`misuse` names both calls): it ends. Whether it did (nothing if that wait is over).
-    pub fn handle_apart(&mut self, peer: PeerId, misuse: Misuse) -> bool {
+    ///
+    /// For a receive from any member ([`PeerId::ANY`]) every other member said so, each as it
+    /// judged its own sends; one whose send matched the receive since may have answered before
+    /// that send's offer arrived here, so the receive ends only if it still finds no match
+    /// (`unmatched`).
+    pub fn handle_apart(&mut self, peer: PeerId, misuse: Misuse, unmatched: impl FnOnce(CallId) -> bool) -> bool {
         let Some((call, _)) = self.announced.filter(|(_, p)| *p == peer) else { return false };
-        assert!(misuse.theirs.peers == [peer], "the other end's call is named: {misuse}");
+        if peer == PeerId::ANY && !unmatched(call) {
+            log::debug!("{call:?}, a receive from any member, matched a send as every member answered");
+            self.announced = None;
+            return false;
+        }
+        assert!(peer == PeerId::ANY || misuse.theirs.peers == [peer], "the other end's call is named: {misuse}");
         self.announced = None;
         log::warn!("{misuse}");
         self.end(call, Err(Stop::Apart(misuse)));

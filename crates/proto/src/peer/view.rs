@@ -285,6 +285,8 @@ pub enum PeerEvent {
 /// What a member's call waits on from us: a tagged transfer it announced (`P2pWaits`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WaitNote {
+    /// It receives from any member, us among them: our verdict ends no call of ours.
+    pub any: bool,
     /// It sends to us; otherwise it receives from us.
     pub send: bool,
     /// The transfer's tag.
@@ -519,11 +521,11 @@ impl PeerView {
                 self.sync_end = Some((round, Ok(())));
                 PeerEvent::Nothing
             }
-            Message::P2pWaits { peer, send, tag, seen, epoch, collectives } => {
-                if self.registered.is_none_or(|(me, _)| me == peer) {
+            Message::P2pWaits { peer, any, send, tag, seen, epoch, collectives } => {
+                if self.registered.is_none_or(|(me, _)| me == peer) || peer == PeerId::ANY {
                     return unexpected("a wait on a transfer with ourselves");
                 }
-                self.waiters.insert(peer, WaitNote { send, tag, seen, point: (epoch, collectives) });
+                self.waiters.insert(peer, WaitNote { any, send, tag, seen, point: (epoch, collectives) });
                 PeerEvent::MemberWaits(peer)
             }
             Message::P2pResumed { peer } => {
@@ -532,7 +534,9 @@ impl PeerView {
             }
             Message::P2pApart { peer, misuse } => {
                 // Relayed to the waiter, us: it names our transfer and the other end's call.
-                if self.registered.is_none_or(|(me, _)| misuse.ours.peers != [me]) || misuse.theirs.peers != [peer] {
+                // From a receive of ours from any member: the call most of the others are in.
+                let theirs = peer == PeerId::ANY || misuse.theirs.peers == [peer];
+                if self.registered.is_none_or(|(me, _)| misuse.ours.peers != [me]) || !theirs {
                     return Err(UnexpectedMessage { got: "P2pApart", why: "it names other calls than our wait's" });
                 }
                 PeerEvent::P2pApart { peer, misuse }
@@ -1108,7 +1112,15 @@ mod tests {
         commit(&mut v, 1);
         let ours = Message::VoteOpened { vote: Vote::PeersPending, epoch: Epoch(1), voter: PeerId(0), collectives: 0 };
         assert_eq!(v.handle_message(ours).map_err(|e| e.why), Err("our own vote announced to us"));
-        let waits = Message::P2pWaits { peer: PeerId(0), send: true, tag: 3, seen: 0, epoch: Epoch(1), collectives: 0 };
+        let waits = Message::P2pWaits {
+            peer: PeerId(0),
+            any: false,
+            send: true,
+            tag: 3,
+            seen: 0,
+            epoch: Epoch(1),
+            collectives: 0,
+        };
         assert_eq!(v.handle_message(waits).map_err(|e| e.why), Err("a wait on a transfer with ourselves"));
         let send = |from: u32| Called::new([PeerId(from)], Call::Transfer { send: true, peer: PeerId(1), tag: 3 });
         let vote = Called::new([PeerId(1)], Call::api(Vote::PeersPending));
