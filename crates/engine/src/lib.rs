@@ -33,7 +33,7 @@ mod machine;
 mod p2p;
 
 pub use machine::{Held, Incoming, LinksFailed, Machine, Outgoing};
-pub use p2p::{Direction, Pull, TransferSpec};
+pub use p2p::{Direction, End, Pull, TransferSpec};
 
 use shoal_collective::Algorithm;
 use shoal_collective::{Codec, CollectiveKind, DType, ReduceOp};
@@ -221,6 +221,16 @@ pub enum Malformed {
     PullNotOffered {
         /// The send's number.
         n: u64,
+    },
+    /// An offer whose order among its sender's with its tag was taken or withdrawn already.
+    #[error("offer {n} with tag {tag} comes {order}th with it, a place taken already")]
+    OfferTwice {
+        /// The send's number.
+        n: u64,
+        /// Its tag.
+        tag: u64,
+        /// Its order with that tag.
+        order: u64,
     },
     /// A confirmation of a transfer that pulled nothing here.
     #[error("a confirmation of transfer {n}, which pulled nothing here")]
@@ -635,6 +645,12 @@ impl<L: Lane> Exec<L> {
     /// Takes transfer `id` out ([`Machine::take_transfer`]).
     pub fn take_transfer(&mut self, id: u64) -> Option<Traffic> {
         self.machine.take_transfer(id)
+    }
+
+    /// The member at the other end of transfer `id`, once known: a receive from any member's is
+    /// the member whose offer it took ([`Machine::transfer_peer`]).
+    pub fn transfer_peer(&self, id: u64) -> Option<usize> {
+        self.machine.transfer_peer(id)
     }
 
     /// Whether transfer `id` still waits for the other end's call
@@ -1929,7 +1945,12 @@ mod tests {
     /// A transfer of rank `peer`'s.
     fn transfer(direction: Direction, peer: usize, tag: u64, buf: &mut [u64]) -> TransferSpec {
         let buf = RawBuf::new(bytemuck::cast_slice_mut(buf));
-        TransferSpec { direction, peer, tag, dtype: DType::U64, buf, chunk_bytes: 1000 }
+        TransferSpec { direction, peer: End::Member(peer), tag, dtype: DType::U64, buf, chunk_bytes: 1000 }
+    }
+
+    /// A receive from any other member of three.
+    fn recv_any(tag: u64, buf: &mut [u64]) -> TransferSpec {
+        TransferSpec { peer: End::AnyOf(vec![1, 2]), ..transfer(Direction::Recv, 0, tag, buf) }
     }
 
     /// Pumps every engine until `done` holds of the transfers' ends, by (rank, id); takes each
@@ -1996,6 +2017,77 @@ mod tests {
         assert_eq!(confirmed, 2);
         assert_eq!(reduce[0], sum(2, 7, 3000));
         assert_eq!(reduce[0], reduce[1]);
+    }
+
+    /// Several sends with one tag match the receives with it in the order each side made them,
+    /// whichever lane each offer takes and whether the receives come first or last; a send taken
+    /// out before its offer left holds none of the later ones up.
+    #[test]
+    fn sends_with_one_tag_match_its_receives_in_the_order_both_sides_made_them() {
+        let faults = Faults { capacity: 700, max_io: 90, reset_after: None };
+        let mut execs = mesh(2, 4, faults);
+        let mut ended = BTreeMap::new();
+        let mut sent: Vec<Vec<u64>> = (0..12).map(|i| input(0, i, 40)).collect();
+        let mut got: Vec<Vec<u64>> = vec![vec![0; 40]; 12];
+        // Half the receives first, then every send (one given up at once), then the rest.
+        for (i, buf) in got.iter_mut().enumerate().take(6) {
+            execs[1].post_transfer(100 + i as u64, transfer(Direction::Recv, 0, 4, buf));
+        }
+        let mut dropped = vec![0u64; 40];
+        for (i, buf) in sent.iter_mut().enumerate() {
+            execs[0].post_transfer(i as u64, transfer(Direction::Send, 1, 4, buf));
+            if i == 3 {
+                execs[0].post_transfer(50, transfer(Direction::Send, 1, 4, &mut dropped));
+                assert!(execs[0].take_transfer(50).is_some());
+            }
+        }
+        for (i, buf) in got.iter_mut().enumerate().skip(6) {
+            execs[1].post_transfer(100 + i as u64, transfer(Direction::Recv, 0, 4, buf));
+        }
+        pump_transfers(&mut execs, &mut ended, |e| e.len() == 24);
+        assert!(ended.values().all(Result::is_ok), "{ended:?}");
+        assert_eq!(got, sent, "the n-th receive gets the n-th send");
+    }
+
+    /// A receive from any member takes the offer of whichever member sends first, and says whose;
+    /// offers arrived before it are taken in the order they came; one from a member it does not
+    /// wait on serves a named receive posted earlier first.
+    #[test]
+    fn a_receive_from_any_member_takes_the_first_send_with_its_tag_and_names_its_sender() {
+        let mut execs = mesh(3, 2, Faults::default());
+        let mut ended = BTreeMap::new();
+        let (mut from1, mut from2) = (input(1, 0, 30), input(2, 0, 30));
+        let (mut a, mut b) = (vec![0u64; 30], vec![0u64; 30]);
+        execs[0].post_transfer(1, recv_any(5, &mut a));
+        assert_eq!((execs[0].transfer_unmatched(1), execs[0].transfer_peer(1)), (Some(u64::MAX), None));
+        // It serves any member's send while it waits: neither holds anything up.
+        assert!(!execs[0].transfer_stuck(1, true, 5, 0) && !execs[0].transfer_stuck(2, true, 5, 0));
+        assert!(execs[0].transfer_stuck(1, true, 6, 0), "another tag");
+        execs[2].post_transfer(1, transfer(Direction::Send, 0, 5, &mut from2));
+        pump_transfers(&mut execs, &mut ended, |e| e.contains_key(&(0, 1)));
+        assert_eq!(ended[&(0, 1)], Ok(()));
+        assert_eq!(a, from2);
+        // A named receive from rank 1 posted before a receive from any gets rank 1's send.
+        execs[0].post_transfer(2, transfer(Direction::Recv, 1, 5, &mut b));
+        execs[0].post_transfer(3, recv_any(5, &mut a));
+        execs[1].post_transfer(1, transfer(Direction::Send, 0, 5, &mut from1));
+        pump_transfers(&mut execs, &mut ended, |e| e.contains_key(&(0, 2)) && e.contains_key(&(1, 1)));
+        assert_eq!((b.clone(), execs[0].transfer_unmatched(3)), (from1.clone(), Some(u64::MAX)));
+        // Offers waiting before it: the first to arrive.
+        let mut again = input(2, 1, 30);
+        execs[2].post_transfer(2, transfer(Direction::Send, 0, 5, &mut again));
+        pump_transfers(&mut execs, &mut ended, |e| e.contains_key(&(0, 3)));
+        assert_eq!(a, again);
+        execs[1].post_transfer(2, transfer(Direction::Send, 0, 5, &mut from1));
+        pump_transfers(&mut execs, &mut ended, |_| true);
+        for _ in 0..200 {
+            execs.iter_mut().for_each(|e| _ = e.pump(now()));
+        }
+        execs[0].post_transfer(4, recv_any(5, &mut a));
+        assert_eq!(execs[0].transfer_peer(4), Some(1), "it took the offer waiting from rank 1");
+        pump_transfers(&mut execs, &mut ended, |e| e.contains_key(&(0, 4)));
+        assert!(ended.values().all(Result::is_ok), "{ended:?}");
+        assert_eq!(a, from1);
     }
 
     /// What a waiting transfer reports of itself, and how its other end judges it: a receive

@@ -359,14 +359,16 @@ impl Machine {
     }
 
     /// Starts tagged transfer `id` (a number of the caller's, unique among those in flight)
-    /// with member `spec.peer`, alongside the collectives.
+    /// with member `spec.peer` (or from any), alongside the collectives.
     pub fn post_transfer(&mut self, id: u64, spec: TransferSpec) {
-        let peer = spec.peer;
-        assert!(peer < self.world && peer != self.rank, "a transfer with member {peer}");
+        let others: Vec<usize> = (0..self.world).filter(|&r| r != self.rank && spec.peer.admits(r)).collect();
+        assert!(!others.is_empty(), "a transfer with {:?}", spec.peer);
+        // A receive from any of several members fails once none is left to send.
+        let gone = others.iter().all(|&r| self.gone[r]).then(|| others[others.len() - 1]);
         self.p2p.post(id, spec);
         if let Some(e) = &self.broken {
             self.p2p.fail(id, e.clone());
-        } else if self.gone[peer] {
+        } else if let Some(peer) = gone {
             let reason = "connection closed: it left earlier".to_string();
             self.p2p.fail(id, LinkError::Lost { rank: peer, reason });
         } else if !self.awaiting {
@@ -387,6 +389,12 @@ impl Machine {
             self.awaiting = !self.missing().is_empty();
         }
         Some(traffic)
+    }
+
+    /// The member at the other end of transfer `id`, once known: for a receive from any member,
+    /// once it took an offer.
+    pub fn transfer_peer(&self, id: u64) -> Option<usize> {
+        self.p2p.peer(id)
     }
 
     /// Whether transfer `id` still waits for the other end's call ([`Machine::transfer_stuck`]

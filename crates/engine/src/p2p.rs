@@ -35,7 +35,14 @@
 //! to `Accept` and parts; after a refusal, that member's offers are answered with `Accept`.
 //!
 //! `#n` numbers the sender's transfers to that member, so parts of two transfers with one tag
-//! never mix, whatever lane each part takes. No data moves before its receive is posted: calls in
+//! never mix, whatever lane each part takes. An offer also carries its order among the sender's
+//! transfers to that member with its tag: several with one tag match the receives posted for it
+//! in the order both sides made them (MPI's "non-overtaking"), whatever lane each offer takes; an
+//! offer arrived ahead of an earlier one with its tag waits for it, or for its withdrawal.
+//!
+//! A receive from any member (`peer: None`) takes the earliest offer with its tag, from whichever
+//! member, that is next in its sender's order; an arriving offer goes to the earliest posted
+//! receive that can take it, from its member or from any. No data moves before its receive is posted: calls in
 //! any order need no buffer beyond a few bytes per waiting offer ([`MAX_WAITING_OFFERS`]), and a
 //! lane never carries bytes nobody asked for ahead of those somebody waits for.
 
@@ -43,7 +50,7 @@ use super::{Frame, LinkError, Malformed, RawBuf, Traffic};
 use shoal_collective::Algorithm;
 use shoal_collective::DType;
 use shoal_wire::{Epoch, FrameKind, OpHeader};
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 
 /// Smallest transfer a receiver on the same host reads straight out of the sender's memory;
 /// below it the two copies through a ring cost less than the system call.
@@ -76,12 +83,39 @@ impl Direction {
     }
 }
 
+/// The other end of a transfer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum End {
+    /// This member, by rank.
+    Member(usize),
+    /// Whichever of these members (by rank) sends first: a receive from any member of a group.
+    AnyOf(Vec<usize>),
+}
+
+impl End {
+    /// The member, where one is named.
+    pub fn member(&self) -> Option<usize> {
+        match self {
+            End::Member(p) => Some(*p),
+            End::AnyOf(_) => None,
+        }
+    }
+
+    /// Whether member `rank` may be the other end.
+    pub fn admits(&self, rank: usize) -> bool {
+        match self {
+            End::Member(p) => *p == rank,
+            End::AnyOf(members) => members.contains(&rank),
+        }
+    }
+}
+
 /// A transfer to post: `buf` is sent to, or received from, member `peer`.
 pub struct TransferSpec {
     /// Which end we are.
     pub direction: Direction,
-    /// The member at the other end, by rank.
-    pub peer: usize,
+    /// The member at the other end: a receive may take the first of several.
+    pub peer: End,
     /// What matches it with the other end's call.
     pub tag: u64,
     /// Its elements' type: both ends must agree, as on its size.
@@ -110,8 +144,12 @@ enum Stage {
 
 struct Transfer {
     spec: TransferSpec,
+    /// The member at the other end, once known (a receive from any member: once it took an offer).
+    peer: Option<usize>,
     /// The sender's number of it among its transfers to the receiver, once known here.
     number: Option<u64>,
+    /// A send's order among ours to its member with its tag.
+    order: u64,
     stage: Stage,
     part_bytes: usize,
     parts: usize,
@@ -167,8 +205,14 @@ pub(super) struct Transfers {
     /// Per member: the numbers of its offers a receive of ours took, or that it withdrew. A send
     /// waiting on us whose offer is among them waits only for news already on its way.
     answered: Vec<Answered>,
-    /// Offers no receive matched yet: (member, its offer, the address it offers to pull, or 0).
+    /// Offers no receive matched yet, as they arrived: (member, its offer, the address it offers
+    /// to pull, or 0).
     offers: Vec<(usize, OpHeader, u64)>,
+    /// Per (member, tag): the order our next send there takes.
+    next_order: HashMap<(usize, u64), u64>,
+    /// Per (member, tag): the orders of its offers that a receive took or that it withdrew. Its
+    /// offer whose order is the lowest not among them is the next to match.
+    taken: HashMap<(usize, u64), Answered>,
     /// Per member: its process where our lanes to it say it runs on this host and may be read
     /// from (`Some(None)` where a lane says otherwise, or the kernel refused a read).
     partners: Vec<Option<Option<u32>>>,
@@ -191,6 +235,8 @@ impl Transfers {
             offers_seen: vec![0; world],
             answered: (0..world).map(|_| Answered::default()).collect(),
             offers: Vec::new(),
+            next_order: HashMap::new(),
+            taken: HashMap::new(),
             partners: vec![None; world],
             pulled: Vec::new(),
             control: VecDeque::new(),
@@ -225,9 +271,12 @@ impl Transfers {
         self.ops.values().any(|t| !t.finished)
     }
 
-    /// The members the transfers still moving exchange frames with (both ways: answers go back).
+    /// The members the transfers still moving exchange frames with (both ways: answers go back);
+    /// a receive from any member, with every member until it took an offer.
     pub fn peers(&self) -> impl Iterator<Item = usize> + '_ {
-        self.ops.values().filter(|t| !t.finished).map(|t| t.spec.peer)
+        let world = self.next_number.len();
+        let moving = self.ops.values().filter(|t| !t.finished);
+        moving.flat_map(move |t| (0..world).filter(move |&r| t.peer.map_or(t.spec.peer.admits(r), |p| p == r)))
     }
 
     /// Starts transfer `id`. A receive takes the earliest waiting offer that fits it.
@@ -236,19 +285,24 @@ impl Transfers {
         let elem = spec.dtype.size();
         let part_bytes = (spec.chunk_bytes / elem).max(1) * elem;
         let parts = spec.buf.len().div_ceil(part_bytes);
-        let (number, stage) = match spec.direction {
-            Direction::Send => {
-                let n = &mut self.next_number[spec.peer];
+        let (number, order, stage) = match (spec.direction, spec.peer.member()) {
+            (Direction::Send, Some(peer)) => {
+                let n = &mut self.next_number[peer];
                 *n += 1;
-                (Some(*n - 1), Stage::Offering)
+                let order = self.next_order.entry((peer, spec.tag)).or_default();
+                *order += 1;
+                (Some(*n - 1), *order - 1, Stage::Offering)
             }
-            Direction::Recv => (None, Stage::Waiting),
+            (Direction::Send, None) => panic!("a send goes to a member"),
+            (Direction::Recv, _) => (None, 0, Stage::Waiting),
         };
         let got = if spec.direction == Direction::Recv { vec![false; parts] } else { Vec::new() };
-        let (peer, tag, direction) = (spec.peer, spec.tag, spec.direction);
+        let (peer, direction) = (spec.peer.member(), spec.direction);
         let transfer = Transfer {
             spec,
+            peer,
             number,
+            order,
             stage,
             part_bytes,
             parts,
@@ -262,13 +316,46 @@ impl Transfers {
         };
         self.ops.insert(id, transfer);
         if direction == Direction::Recv {
-            self.match_waiting(id, peer, tag);
+            self.match_waiting(id);
         }
     }
 
-    /// Receive `id` (from `peer` with `tag`) takes the earliest waiting offer that fits it.
-    fn match_waiting(&mut self, id: u64, peer: usize, tag: u64) {
-        if let Some(k) = self.offers.iter().position(|(from, o, _)| *from == peer && o.tag == tag) {
+    /// Receive `id` takes the earliest waiting offer that fits it and is next in its sender's
+    /// order.
+    fn match_waiting(&mut self, id: u64) {
+        let t = &self.ops[&id];
+        let fits = |(from, o, _): &(usize, OpHeader, u64)| {
+            t.spec.peer.admits(*from) && o.tag == t.spec.tag && self.is_next(*from, o)
+        };
+        if let Some(k) = self.offers.iter().position(fits) {
+            let (from, offer, addr) = self.offers.remove(k);
+            self.answer(id, from, offer, addr);
+        }
+    }
+
+    /// Whether `offer` from member `from` is the next of its tag from there to match.
+    fn is_next(&self, from: usize, offer: &OpHeader) -> bool {
+        self.taken.get(&(from, offer.tag)).map_or(0, |t| t.below) == offer.derived
+    }
+
+    /// The earliest posted receive still waiting that may take an offer from `from` with `tag`.
+    fn waiting_for(&self, from: usize, tag: u64) -> Option<u64> {
+        let waiting = |t: &Transfer| {
+            t.spec.direction == Direction::Recv
+                && t.stage == Stage::Waiting
+                && !t.finished
+                && t.spec.peer.admits(from)
+                && t.spec.tag == tag
+        };
+        self.ops.iter().find(|(_, t)| waiting(t)).map(|(id, _)| *id)
+    }
+
+    /// The offer with `tag` from `from` numbered `order` is taken or withdrawn: the next one, if
+    /// it waits here, goes to the earliest receive waiting for it.
+    fn taken(&mut self, from: usize, tag: u64, order: u64) {
+        self.taken.entry((from, tag)).or_default().insert(order);
+        let next = self.offers.iter().position(|(f, o, _)| *f == from && o.tag == tag && self.is_next(from, o));
+        if let (Some(k), Some(id)) = (next, self.waiting_for(from, tag)) {
             let (from, offer, addr) = self.offers.remove(k);
             self.answer(id, from, offer, addr);
         }
@@ -279,32 +366,38 @@ impl Transfers {
     fn answer(&mut self, id: u64, from: usize, offer: OpHeader, addr: u64) {
         let pid = self.partner(from).filter(|_| addr != 0);
         let t = self.ops.get_mut(&id).expect("posted");
-        let ours = header(self.epoch, &t.spec, offer.seq);
+        let ours = header(self.epoch, &t.spec, offer.seq, offer.derived);
+        t.peer = Some(from);
         if offer.dtype != ours.dtype || offer.count != ours.count {
             self.control.push_back((from, control_frame(FrameKind::Refuse, ours)));
             self.end(id, Err(LinkError::Mismatch { rank: from, theirs: offer }));
+            self.taken(from, offer.tag, offer.derived);
             return;
         }
         t.number = Some(offer.seq);
+        t.order = offer.derived;
         self.answered[from].insert(offer.seq);
         if let Some(pid) = pid {
             (t.stage, t.pulled) = (Stage::Pulling { pid, addr }, 0);
-            return;
+        } else {
+            self.control.push_back((from, control_frame(FrameKind::Accept, ours)));
+            t.stage = Stage::Moving;
+            self.check(id);
         }
-        self.control.push_back((from, control_frame(FrameKind::Accept, ours)));
-        t.stage = Stage::Moving;
-        self.check(id);
+        self.taken(from, offer.tag, offer.derived);
     }
 
     /// Whether transfer `id` waits for the other end to make its call: a send not yet answered, or
     /// a receive no offer matched; for a send, its number among our sends to that member, and for
     /// a receive, how many offers from that member arrived so far (the other end compares them
-    /// with those it answered, or sent: [`Transfers::stuck`]).
+    /// with those it answered, or sent: [`Transfers::stuck`]); for a receive from any member,
+    /// `u64::MAX` (each member judges by its sends in flight alone).
     pub fn unmatched(&self, id: u64) -> Option<u64> {
         let t = self.ops.get(&id).filter(|t| !t.finished)?;
-        match t.stage {
-            Stage::Offering | Stage::Offered => Some(t.number.expect("a send is numbered")),
-            Stage::Waiting => Some(self.offers_seen[t.spec.peer]),
+        match (t.stage, t.peer) {
+            (Stage::Offering | Stage::Offered, _) => Some(t.number.expect("a send is numbered")),
+            (Stage::Waiting, Some(peer)) => Some(self.offers_seen[peer]),
+            (Stage::Waiting, None) => Some(u64::MAX),
             _ => None,
         }
     }
@@ -316,10 +409,11 @@ impl Transfers {
     /// in flight and no offer it has not seen yet.
     pub fn stuck(&self, peer: usize, send: bool, tag: u64, seen: u64) -> bool {
         let ours = if send { Direction::Recv } else { Direction::Send };
-        let serving = self
-            .ops
-            .values()
-            .any(|t| !t.finished && t.spec.peer == peer && t.spec.tag == tag && t.spec.direction == ours);
+        let serving = self.ops.values().any(|t| {
+            // A receive of ours from any member serves its send while it waits.
+            let with = t.peer == Some(peer) || (t.peer.is_none() && t.spec.peer.admits(peer));
+            !t.finished && with && t.spec.tag == tag && t.spec.direction == ours
+        });
         !serving && if send { !self.answered[peer].contains(seen) } else { self.offers_sent[peer] <= seen }
     }
 
@@ -344,7 +438,7 @@ impl Transfers {
         let t = self.ops.get_mut(&id).expect("pulling");
         let Stage::Pulling { pid, .. } = t.stage else { unreachable!("a pull of a transfer that pulls") };
         debug_assert_eq!(t.pulled, pull.piece.start, "one pull at a time");
-        let (from, n) = (t.spec.peer, t.number.expect("answered"));
+        let (from, n) = (t.peer.expect("answered"), t.number.expect("answered"));
         match read {
             Ok(got) if got > 0 => {
                 t.pulled += got;
@@ -353,7 +447,8 @@ impl Transfers {
                 if t.pulled == t.spec.buf.len() {
                     t.stage = Stage::Confirming;
                     t.traffic.single_copy = true;
-                    self.control.push_back((from, control_frame(FrameKind::Pulled, header(epoch, &t.spec, n))));
+                    let h = header(epoch, &t.spec, n, t.order);
+                    self.control.push_back((from, control_frame(FrameKind::Pulled, h)));
                 }
             }
             outcome => {
@@ -365,7 +460,7 @@ impl Transfers {
                     self.partners[from] = Some(None);
                 }
                 (t.stage, t.pulled, t.traffic) = (Stage::Moving, 0, Traffic::default());
-                self.control.push_back((from, control_frame(FrameKind::Accept, header(epoch, &t.spec, n))));
+                self.control.push_back((from, control_frame(FrameKind::Accept, header(epoch, &t.spec, n, t.order))));
                 self.check(id);
             }
         }
@@ -404,7 +499,7 @@ impl Transfers {
             ops.iter()
                 .find(|(_, t)| {
                     t.spec.direction == Direction::Send
-                        && t.spec.peer == from
+                        && t.peer == Some(from)
                         && t.number == Some(n)
                         && t.stage == Stage::Offered
                         && !t.finished
@@ -416,7 +511,7 @@ impl Transfers {
             ops.iter()
                 .find(|(_, t)| {
                     t.spec.direction == Direction::Recv
-                        && t.spec.peer == from
+                        && t.peer == Some(from)
                         && t.number == Some(n)
                         && !t.finished
                         && stage.is_none_or(|s| t.stage == s)
@@ -428,16 +523,18 @@ impl Transfers {
         match frame.kind {
             FrameKind::Offer => {
                 self.offers_seen[from] += 1;
-                let waiting = self.ops.iter().find(|(_, t)| {
-                    t.spec.direction == Direction::Recv
-                        && t.spec.peer == from
-                        && t.spec.tag == frame.op.tag
-                        && t.stage == Stage::Waiting
-                });
                 // The address to pull from, if any, rides in the frame's unit and root.
                 let addr = u64::from(frame.unit) | u64::from(frame.op.root) << 32;
                 let offer = OpHeader { root: 0, ..frame.op };
-                match waiting.map(|(id, _)| *id) {
+                let next = self.is_next(from, &offer);
+                let again =
+                    |(f, o, _): &(usize, OpHeader, u64)| *f == from && o.tag == offer.tag && o.derived == offer.derived;
+                if self.taken.get(&(from, offer.tag)).is_some_and(|t| t.contains(offer.derived))
+                    || self.offers.iter().any(again)
+                {
+                    return Err(malformed(Malformed::OfferTwice { n, tag: offer.tag, order: offer.derived }));
+                }
+                match self.waiting_for(from, offer.tag).filter(|_| next) {
                     Some(id) => self.answer(id, from, offer, addr),
                     None if self.offers.len() >= MAX_WAITING_OFFERS => {
                         return Err(malformed(Malformed::TooManyOffers));
@@ -456,7 +553,7 @@ impl Transfers {
                 t.traffic.tx_bytes += len;
                 t.traffic.single_copy = true;
                 self.pulled.push((from, len, 0));
-                let h = header(self.epoch, &t.spec, n);
+                let h = header(self.epoch, &t.spec, n, t.order);
                 self.control.push_back((from, control_frame(FrameKind::Confirmed, h)));
                 self.end(id, Ok(()));
                 Ok(None)
@@ -487,9 +584,10 @@ impl Transfers {
                 if let Some(id) = receiving(&self.ops, None) {
                     let t = self.ops.get_mut(&id).expect("found");
                     (t.number, t.stage, t.pulled, t.traffic) = (None, Stage::Waiting, 0, Traffic::default());
-                    let tag = t.spec.tag;
-                    self.match_waiting(id, from, tag);
+                    t.peer = t.spec.peer.member();
+                    self.match_waiting(id);
                 }
+                self.taken(from, frame.op.tag, frame.op.derived);
                 Ok(None)
             }
             _ => {
@@ -507,6 +605,11 @@ impl Transfers {
                 Ok(Some(PartDest { id, start }))
             }
         }
+    }
+
+    /// The member at the other end of transfer `id`, once known.
+    pub fn peer(&self, id: u64) -> Option<usize> {
+        self.ops.get(&id)?.peer
     }
 
     /// Transfer `id`'s buffer.
@@ -548,7 +651,7 @@ impl Transfers {
         self.turn = id;
         let epoch = self.epoch;
         let t = self.ops.get_mut(&id).expect("picked");
-        let h = header(epoch, &t.spec, t.number.expect("a send is numbered"));
+        let h = header(epoch, &t.spec, t.number.expect("a send is numbered"), t.order);
         log::trace!("transfer {id} #{} to rank {to}: {:?}, part {}", h.seq, t.stage, t.next_part);
         if t.stage == Stage::Offering {
             t.stage = Stage::Offered;
@@ -568,9 +671,10 @@ impl Transfers {
         Some((Frame { kind: FrameKind::Part, len: len as u32, unit: part as u32, op: h }, Some((id, start, len))))
     }
 
-    /// Every transfer still moving with member `peer` fails with `e`: its streams closed.
+    /// Every transfer still moving with member `peer` fails with `e`: its streams closed. A
+    /// receive from any member that took no offer yet waits on the others.
     pub fn fail_peer(&mut self, peer: usize, e: &LinkError) {
-        self.fail_where(e, |t| t.spec.peer == peer);
+        self.fail_where(e, |t| t.peer == Some(peer));
         self.offers.retain(|(from, _, _)| *from != peer);
     }
 
@@ -606,9 +710,11 @@ impl Transfers {
         // A receive that took an offer leaves its sender waiting for an answer it never gets:
         // as with parts on the lanes, the links go.
         let torn = !t.finished && matches!(t.stage, Stage::Moving | Stage::Pulling { .. } | Stage::Confirming);
-        if !t.finished && t.stage == Stage::Offered {
-            let h = header(self.epoch, &t.spec, t.number.expect("a send is numbered"));
-            self.control.push_back((t.spec.peer, control_frame(FrameKind::Withdraw, h)));
+        // Withdrawn, even before its offer left: the receiver's later offers with its tag must
+        // not wait for it.
+        if !t.finished && matches!(t.stage, Stage::Offering | Stage::Offered) {
+            let h = header(self.epoch, &t.spec, t.number.expect("a send is numbered"), t.order);
+            self.control.push_back((t.peer.expect("a send's member"), control_frame(FrameKind::Withdraw, h)));
         }
         self.events.retain(|(e, _)| *e != id);
         Some((t.traffic, torn))
@@ -620,11 +726,11 @@ impl Transfers {
             .ops
             .iter()
             .map(|(id, t)| {
+                let rank = t.peer.map_or("any".to_string(), |p| p.to_string());
                 format!(
-                    "{} {id} (tag {}, rank {}): {:?}, {}/{} parts",
+                    "{} {id} (tag {}, rank {rank}): {:?}, {}/{} parts",
                     t.spec.direction.name(),
                     t.spec.tag,
-                    t.spec.peer,
                     t.stage,
                     t.done_parts,
                     t.parts
@@ -640,7 +746,7 @@ impl Transfer {
     fn sendable(&self, to: usize) -> bool {
         !self.finished
             && self.spec.direction == Direction::Send
-            && self.spec.peer == to
+            && self.peer == Some(to)
             && (self.stage == Stage::Offering || (self.stage == Stage::Moving && self.next_part < self.parts))
     }
 }
@@ -669,14 +775,15 @@ impl Answered {
     }
 }
 
-/// The header of the transfer `spec` numbered `number`, as its sender's frames carry it (a
-/// receiver's answers carry its own dtype and count).
-fn header(epoch: Epoch, spec: &TransferSpec, number: u64) -> OpHeader {
+/// The header of the transfer `spec` numbered `number`, `order`th with its tag, as its sender's
+/// frames carry it (a receiver's answers carry its own dtype and count). A transfer runs in no
+/// derived group: that field carries the order.
+fn header(epoch: Epoch, spec: &TransferSpec, number: u64, order: u64) -> OpHeader {
     OpHeader {
         collective: 0,
         algorithm: Algorithm::Direct.code(),
         epoch,
-        derived: 0,
+        derived: order,
         seq: number,
         tag: spec.tag,
         dtype: spec.dtype.code(),

@@ -715,8 +715,8 @@ impl Communicator {
             request.quantization = None;
         }
         let derived = self.derived.as_ref().map_or(0, |d| d.id);
-        if data.calls.in_use(TagUse::Collective(derived, tag)) {
-            return Err(Usage::TagInFlight { call: kind.name(), tag, rank: None }.into());
+        if data.calls.in_use(TagUse(derived, tag)) {
+            return Err(Usage::TagInFlight { call: kind.name(), tag }.into());
         }
         let bound = self.config.timeout;
         let collective = CallKind::Collective(verb(kind, tag), self.derived.clone());

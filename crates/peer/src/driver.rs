@@ -723,6 +723,7 @@ impl Driver {
                         || self.config.algorithm_for(request.kind, request.algorithm, record.buf.len(), (1, 1), None),
                         |p| p.algorithm,
                     ),
+                    peer: None,
                 })
             }
             Ok(other) => unreachable!("{operation} returned {other:?}"),
@@ -760,7 +761,7 @@ impl Driver {
             data.spare_backups.push(t.into_backup());
         }
         data.record_end(call, &outcome);
-        data.calls.finished.insert(call, (outcome, record.owner, TagUse::Collective(record.derived, request.tag)));
+        data.calls.finished.insert(call, (outcome, record.owner, Some(TagUse(record.derived, request.tag))));
     }
 }
 

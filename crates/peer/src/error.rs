@@ -162,17 +162,13 @@ pub enum Usage {
     /// `.0` was called while another call of this communicator was in progress.
     #[error("{0} called while another call of this communicator is in progress")]
     Busy(Api),
-    /// A collective (`rank` `None`) or a transfer with `rank` under a tag that another in flight
-    /// (not waited for yet) uses.
-    #[error("{call} with {}tag {tag} called while another with {} is in flight (not waited for yet)",
-        rank.map_or(String::new(), |r| format!("rank {r} and ")), if rank.is_some() { "them" } else { "that tag" })]
+    /// A collective under a tag that another in flight (not waited for yet) uses.
+    #[error("{call} with tag {tag} called while another with that tag is in flight (not waited for yet)")]
     TagInFlight {
         /// The call.
         call: &'static str,
         /// Its tag.
         tag: u64,
-        /// A transfer's rank.
-        rank: Option<usize>,
     },
     /// A collective's buffers do not fit its group: every member fails it alike.
     #[error(transparent)]

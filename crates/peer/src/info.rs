@@ -23,6 +23,9 @@ pub struct Info {
     pub sequence: u64,
     /// How it moved its data.
     pub algorithm: Algorithm,
+    /// A tagged transfer: the member at the other end, by its rank in the group (for a receive
+    /// from any member, the one whose send it took). `None` for a collective.
+    pub peer: Option<usize>,
 }
 
 /// A link to another member of our group in the topology in force, and what moved over it

@@ -280,9 +280,8 @@ pub(crate) struct Calls {
     pub taken: HashMap<OpKey, Taken>,
     /// Tagged transfers called and not yet ended.
     pub transfers: Transfers<TransferCall, Error>,
-    /// Collectives and transfers that ended: their result, their buffer's owner, and what their
-    /// tag is in use for, until their caller takes them.
-    pub finished: HashMap<CallId, (Result<Info>, Option<Owner>, TagUse)>,
+    /// Collectives and transfers that ended, until their caller takes them.
+    pub finished: HashMap<CallId, Finished>,
     /// Other calls that ended, until their caller takes them.
     pub ended: HashMap<CallId, CallResult>,
 }
@@ -293,19 +292,12 @@ impl Calls {
         self.by_key.iter().filter_map(|(key, call)| Some((*key, self.collectives.get(call)?.posted?.id)))
     }
 
-    /// Whether a call with `tag` is in flight for `what`, or ended and not waited for yet (in
-    /// flight until waited for: whether it ended already depends on timing, which must not
-    /// decide whether a call is refused).
+    /// Whether a collective with `tag` is in flight, or ended and not waited for yet (in flight
+    /// until waited for: whether it ended already depends on timing, which must not decide
+    /// whether a call is refused).
     pub fn in_use(&self, what: TagUse) -> bool {
-        self.finished.values().any(|f| f.2 == what)
-            || match what {
-                TagUse::Collective(derived, tag) => {
-                    self.collectives.values().any(|o| (o.derived, o.request.tag) == (derived, tag))
-                }
-                TagUse::Transfer(direction, peer, tag) => {
-                    self.transfers.iter().any(|(_, t)| uses(t) == (direction, peer, tag))
-                }
-            }
+        self.finished.values().any(|f| f.2 == Some(what))
+            || self.collectives.values().any(|o| TagUse(o.derived, o.request.tag) == what)
     }
 
     /// Whether call `call` ended, and its caller has not taken its result yet.
@@ -319,13 +311,14 @@ impl Calls {
     }
 }
 
-/// What a call's tag is in use for: the collectives of a group (the whole one, 0, or a derived
-/// one) share one space of tags, transfers one per direction and member.
+/// How a collective or transfer ended: its result, its buffer's owner, and a collective's tag,
+/// in use until its caller takes this.
+pub(crate) type Finished = (Result<Info>, Option<Owner>, Option<TagUse>);
+
+/// A collective's tag in the space of its group's (the whole one, 0, or a derived one). Tagged
+/// transfers need no such check: several with one tag match in the order they were made.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum TagUse {
-    Collective(u64, u64),
-    Transfer(Direction, PeerId, u64),
-}
+pub(crate) struct TagUse(pub u64, pub u64);
 
 /// The pools a peer holds, owned by whoever runs collectives.
 #[derive(Default)]
@@ -385,6 +378,8 @@ pub(crate) struct TransferCall {
     pub dtype: DType,
     /// The size of the group it runs in.
     pub world: usize,
+    /// A derived group's members, by their rank in the topology (empty for the whole group).
+    pub members: Vec<usize>,
     pub started: Instant,
 }
 
@@ -400,11 +395,6 @@ fn direction(t: &Transfer) -> Direction {
     }
 }
 
-/// What transfer `t`'s tag is in use for.
-fn uses(t: &Transfer) -> (Direction, PeerId, u64) {
-    (direction(t), t.peer, t.tag)
-}
-
 fn operation(t: &Transfer) -> &'static str {
     direction(t).name()
 }
@@ -412,7 +402,7 @@ fn operation(t: &Transfer) -> &'static str {
 /// Transfer `t` as its caller made it.
 fn described(t: &Transfer) -> Described {
     let (count, dtype) = ((t.data.buf.len() / t.data.dtype.size()) as u64, t.data.dtype.code());
-    Described::Transfer { send: t.send, count, dtype, tag: t.tag, rank: Some(t.rank) }
+    Described::Transfer { send: t.send, count, dtype, tag: t.tag, rank: t.rank }
 }
 
 /// Ends the transfers the engine ended. A failure that broke the engine's lanes closes them at
@@ -452,7 +442,9 @@ pub(crate) fn superseded(data: &mut DataPlane, epoch: Epoch) {
 /// The transfer our caller waits on with `peer` can never complete: the other end is in a call
 /// that waits for ours (`misuse` names both). Nothing if that wait is over.
 pub(crate) fn p2p_apart(data: &mut DataPlane, peer: PeerId, misuse: Misuse) {
-    data.calls.transfers.handle_apart(peer, misuse);
+    let exec = data.exec.as_ref();
+    let unmatched = |call: CallId| exec.is_some_and(|e| e.transfer_unmatched(call.0).is_some());
+    data.calls.transfers.handle_apart(peer, misuse, unmatched);
     take_ended(data);
 }
 
@@ -460,6 +452,10 @@ pub(crate) fn p2p_apart(data: &mut DataPlane, peer: PeerId, misuse: Misuse) {
 fn take_ended(data: &mut DataPlane) {
     while let Some(Ended { call, transfer: t, result }) = data.calls.transfers.poll_ended() {
         let result = result.map_err(|stop| stop_error(&t, stop));
+        // Its member's rank in the group: where a derived group's ranks name topology ranks.
+        let rank = data.exec.as_ref().and_then(|e| e.transfer_peer(call.0));
+        let members = &t.data.members;
+        let peer = rank.map(|r| if members.is_empty() { r } else { members.iter().position(|&m| m == r).unwrap_or(r) });
         let traffic = data.exec.as_mut().and_then(|e| e.take_transfer(call.0)).unwrap_or_default();
         let outcome = result.map(|()| Info {
             world_size: t.data.world,
@@ -469,13 +465,13 @@ fn take_ended(data: &mut DataPlane) {
             topology: t.epoch.0,
             sequence: 0,
             algorithm: if traffic.single_copy { Algorithm::SingleCopy } else { Algorithm::Direct },
+            peer,
         });
         if let Err(e) = &outcome {
             log::debug!("{} failed: {e}", described(&t));
         }
         data.record_end(call, &outcome);
-        let tag_use = TagUse::Transfer(direction(&t), t.peer, t.tag);
-        data.calls.finished.insert(call, (outcome, t.data.owner, tag_use));
+        data.calls.finished.insert(call, (outcome, t.data.owner, None));
     }
 }
 
@@ -497,7 +493,7 @@ fn stop_error(t: &Transfer, stop: Stop<Error>) -> Error {
 /// What the engine's failure of transfer `t` means for its caller.
 fn link_error(t: &Transfer, e: LinkError) -> Error {
     match e {
-        LinkError::Lost { rank, reason } if rank == t.rank => {
+        LinkError::Lost { rank, reason } if Some(rank) == t.rank => {
             Error::PeerLost { peer: t.peer, operation: operation(t), reason }
         }
         // Another link failed, and took the streams with it.

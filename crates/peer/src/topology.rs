@@ -249,7 +249,7 @@ impl Communicator {
 
     /// A blocking transfer of ours, in the probe's tag range.
     fn internal(&self, buf: &mut [u8], direction: Direction, peer: usize, tag: u64) -> Result<crate::Info> {
-        self.transfer(RawBuf::new(buf), None, direction, DType::U8, peer, tag)
+        self.transfer(RawBuf::new(buf), None, direction, DType::U8, Some(peer), tag)
     }
 
     /// A transfer of ours in the probe's tag range, started.
@@ -261,7 +261,7 @@ impl Communicator {
         tag: u64,
     ) -> Result<crate::Work<Vec<u8>>> {
         let raw = RawBuf::new(&mut buf);
-        self.start_transfer(raw, Box::new(buf), direction, DType::U8, peer, tag)
+        self.start_transfer(raw, Box::new(buf), direction, DType::U8, Some(peer), tag)
     }
 
     /// Every member's row, gathered on every member.

@@ -1,5 +1,6 @@
-//! Tagged point-to-point transfers: [`Communicator::send`], [`Communicator::recv`] and their
-//! non-blocking forms, matched by (member, tag) in any order, beside the collectives.
+//! Tagged point-to-point transfers: [`Communicator::send`], [`Communicator::recv`],
+//! [`Communicator::recv_any`] and their non-blocking forms, matched by (member, tag) in any order,
+//! beside the collectives; several with one tag in the order each side made them.
 //!
 //! A transfer concerns two members and needs no agreement: the master plays no part. The engine
 //! runs it over the link to its member (`engine/p2p.rs`: offer, answer, parts straight into the
@@ -9,12 +10,13 @@
 
 use crate::communicator::Work;
 use crate::driver::Connected;
-use crate::error::{Error, Result, Usage};
-use crate::plane::{DataPlane, Owner, TagUse, Transfer, TransferCall};
+use crate::error::{Error, Result};
+use crate::plane::{DataPlane, Owner, Transfer, TransferCall};
 use crate::{Communicator, Info};
 use shoal_collective::DType;
-use shoal_engine::{Direction, RawBuf, TransferSpec};
+use shoal_engine::{Direction, End, RawBuf, TransferSpec};
 use shoal_proto::peer::CallId;
+use shoal_wire::PeerId;
 use std::time::Instant;
 
 impl Communicator {
@@ -22,9 +24,12 @@ impl Communicator {
     /// [`Communicator::recv`] from us with the same `tag`, in any order with other transfers
     /// and collectives. Returns once every byte left (the receiver took the offer).
     ///
+    /// Several sends to `peer` with one tag may be in flight: its receives with that tag take them
+    /// in the order they were made (MPI's and NCCL's "non-overtaking" rule).
+    ///
     /// # Errors
-    /// [`Error::InvalidArgument`] (nothing sent) for a bad buffer or rank; [`Error::Misuse`] if a
-    /// send to `peer` with `tag` is in flight; [`Error::CollectiveMismatch`] on both ends if the
+    /// [`Error::InvalidArgument`] (nothing sent) for a bad buffer or rank; [`Error::Misuse`] if the
+    /// other end's call can never let it complete; [`Error::CollectiveMismatch`] on both ends if the
     /// receive's count or dtype differs; [`Error::PeerLost`] if `peer` dies, freezes or leaves,
     /// or the topology changes, first (retryable: ranks may have changed); [`Error::Timeout`].
     pub fn send(&self, buf: &[u8], dtype: DType, peer: usize, tag: u64) -> Result<Info> {
@@ -32,7 +37,7 @@ impl Communicator {
         crate::communicator::check_buffer(buf, dtype)?;
         // The engine only reads a send's buffer.
         let raw = RawBuf::of_shared(buf);
-        self.transfer(raw, None, Direction::Send, dtype, peer, tag)
+        self.transfer(raw, None, Direction::Send, dtype, Some(peer), tag)
     }
 
     /// Receives into `buf` what member `peer` sends us with [`Communicator::send`] with `tag`:
@@ -43,7 +48,23 @@ impl Communicator {
     pub fn recv(&self, buf: &mut [u8], dtype: DType, peer: usize, tag: u64) -> Result<Info> {
         user_tag(tag)?;
         crate::communicator::check_buffer(buf, dtype)?;
-        self.transfer(RawBuf::new(buf), None, Direction::Recv, dtype, peer, tag)
+        self.transfer(RawBuf::new(buf), None, Direction::Recv, dtype, Some(peer), tag)
+    }
+
+    /// Receives into `buf` what the first member of our group to send us with `tag` sends
+    /// (torch's `recv` without `src`, MPI's `MPI_ANY_SOURCE`): [`Info::peer`] names it. Sends
+    /// that arrived before it are taken in the order they came, each member's in the order it
+    /// made them; a receive posted earlier, from that member or from any, takes its send first.
+    ///
+    /// It waits on every other member: once each says its call can never send to us (it waits
+    /// in a vote or collective for ours), it ends with [`Error::Misuse`]; their calls go on.
+    ///
+    /// # Errors
+    /// As [`Communicator::recv`]; [`Error::InvalidArgument`] in a group of one.
+    pub fn recv_any(&self, buf: &mut [u8], dtype: DType, tag: u64) -> Result<Info> {
+        user_tag(tag)?;
+        crate::communicator::check_buffer(buf, dtype)?;
+        self.transfer(RawBuf::new(buf), None, Direction::Recv, dtype, None, tag)
     }
 
     /// Starts [`Communicator::send`] and returns at once: [`Communicator::wait`] for it. Up to
@@ -59,7 +80,7 @@ impl Communicator {
         crate::communicator::check_buffer(buf.as_ref(), dtype)?;
         let owned = Box::new(buf);
         let raw = RawBuf::of_shared((*owned).as_ref());
-        self.start_transfer(raw, owned, Direction::Send, dtype, peer, tag)
+        self.start_transfer(raw, owned, Direction::Send, dtype, Some(peer), tag)
     }
 
     /// Starts [`Communicator::recv`] into `buf` and returns at once: [`Communicator::wait`] for
@@ -68,6 +89,25 @@ impl Communicator {
     /// # Errors
     /// As [`Communicator::isend`].
     pub fn irecv<B>(&self, buf: B, dtype: DType, peer: usize, tag: u64) -> Result<Work<B>>
+    where
+        B: AsMut<[u8]> + Send + 'static,
+    {
+        self.start_recv(buf, dtype, Some(peer), tag)
+    }
+
+    /// Starts [`Communicator::recv_any`] into `buf` and returns at once, as
+    /// [`Communicator::irecv`].
+    ///
+    /// # Errors
+    /// As [`Communicator::irecv`]; [`Error::InvalidArgument`] in a group of one.
+    pub fn irecv_any<B>(&self, buf: B, dtype: DType, tag: u64) -> Result<Work<B>>
+    where
+        B: AsMut<[u8]> + Send + 'static,
+    {
+        self.start_recv(buf, dtype, None, tag)
+    }
+
+    fn start_recv<B>(&self, buf: B, dtype: DType, peer: Option<usize>, tag: u64) -> Result<Work<B>>
     where
         B: AsMut<[u8]> + Send + 'static,
     {
@@ -84,7 +124,7 @@ impl Communicator {
         owner: Option<Owner>,
         direction: Direction,
         dtype: DType,
-        peer: usize,
+        peer: Option<usize>,
         tag: u64,
     ) -> Result<Info> {
         let c = self.connected()?;
@@ -100,7 +140,7 @@ impl Communicator {
         owned: Box<B>,
         direction: Direction,
         dtype: DType,
-        peer: usize,
+        peer: Option<usize>,
         tag: u64,
     ) -> Result<Work<B>> {
         let c = self.connected()?;
@@ -109,8 +149,8 @@ impl Communicator {
         Ok(self.leave_running(&c, data, call, direction.name()))
     }
 
-    /// Registers a transfer with member `rank` and posts it to the engine of the topology in
-    /// force.
+    /// Registers a transfer with member `rank` (a receive: `None`, any member) and posts it to
+    /// the engine of the topology in force.
     #[allow(clippy::too_many_arguments)]
     fn post_transfer(
         &self,
@@ -120,7 +160,7 @@ impl Communicator {
         owner: Option<Owner>,
         direction: Direction,
         dtype: DType,
-        rank: usize,
+        rank: Option<usize>,
         tag: u64,
     ) -> Result<CallId> {
         let (Some(position), Some(exec)) = (data.position.as_ref(), data.exec.as_mut()) else {
@@ -128,17 +168,25 @@ impl Communicator {
         };
         // A derived group's ranks name its members.
         let (ours, world, members) = self.placed(position);
-        if rank >= world || rank == ours {
-            return Err(Error::InvalidArgument(format!(
-                "{} with rank {rank}: the group's ranks are 0..{world}, and {ours} is ours",
-                direction.name()
-            )));
-        }
-        let to = members.get(rank).copied().unwrap_or(rank);
-        let peer = position.ring[to].peer;
-        if data.calls.in_use(TagUse::Transfer(direction, peer, tag)) {
-            return Err(Usage::TagInFlight { call: direction.name(), tag, rank: Some(rank) }.into());
-        }
+        let (end, to, peer) = match rank {
+            Some(rank) if rank >= world || rank == ours => {
+                return Err(Error::InvalidArgument(format!(
+                    "{} with rank {rank}: the group's ranks are 0..{world}, and {ours} is ours",
+                    direction.name()
+                )));
+            }
+            Some(rank) => {
+                let to = members.get(rank).copied().unwrap_or(rank);
+                (End::Member(to), Some(to), position.ring[to].peer)
+            }
+            None if world < 2 => {
+                return Err(Error::InvalidArgument("recv from any member in a group of one".into()));
+            }
+            None => {
+                let all = if members.is_empty() { (0..world).collect() } else { members.clone() };
+                (End::AnyOf(all.into_iter().filter(|&r| r != position.rank).collect()), None, PeerId::ANY)
+            }
+        };
         let transfer = shoal_wire::Call::Transfer { send: direction == Direction::Send, peer, tag };
         if let Some(misuse) = c.control.own_input(|p, _| p.p2p_settled(transfer)) {
             log::warn!("{misuse}");
@@ -147,9 +195,9 @@ impl Communicator {
         let call = c.control.own_input(|p, _| p.reserve_call());
         let chunk_bytes = self.config.chunk_bytes.unwrap_or(crate::DEFAULT_CHUNK_BYTES);
         data.stats.started(call, direction.name(), tag, buf.len() as u64);
-        exec.post_transfer(call.0, TransferSpec { direction, peer: to, tag, dtype, buf, chunk_bytes });
+        exec.post_transfer(call.0, TransferSpec { direction, peer: end, tag, dtype, buf, chunk_bytes });
         let started = Instant::now();
-        let kept = TransferCall { buf, owner, dtype, world, started };
+        let kept = TransferCall { buf, owner, dtype, world, members, started };
         let send = direction == Direction::Send;
         let transfer = Transfer::new(peer, to, send, tag, position.epoch, started + self.config.timeout, kept);
         data.calls.transfers.start(call, transfer);

@@ -1110,16 +1110,23 @@ impl Sim {
     }
 
     /// Peer `i` posts an exchange around the ring of the topology taken up: `isend` to the next
-    /// rank, then `recv` from the one before, each refused at once where the others' calls at our
-    /// point ended apart from it, with their reason (as `crates/peer` posts them).
+    /// rank, then `recv` from the one before (in the seeded loop, half the time a receive from any
+    /// member, which only the one before sends to), each refused at once where the others' calls
+    /// at our point ended apart from it, with their reason (as `crates/peer` posts them).
     fn exchange(&mut self, i: usize) -> Result<(), Misuse> {
         let at = self.instant();
+        let any = self.peers[i].stage == Stage::Loop && self.rng.chance(50);
         let p = &mut self.peers[i];
         let position = p.position.clone().expect("transfers run in the topology taken up");
         let (rank, world, me) = (position.rank, position.group_size(), p.me().expect("registered"));
         let mut calls = Vec::new();
         for (send, other) in [(true, (rank + 1) % world), (false, (rank + world - 1) % world)] {
-            let peer = position.ring[other].peer;
+            let (end, other, peer) = if any && !send {
+                let others = (0..world).filter(|&r| r != rank).collect();
+                (shoal_engine::End::AnyOf(others), None, PeerId::ANY)
+            } else {
+                (shoal_engine::End::Member(other), Some(other), position.ring[other].peer)
+            };
             if let Some(misuse) = p.proto.p2p_settled(shoal_wire::Call::Transfer { send, peer, tag: P2P_TAG }) {
                 return Err(misuse);
             }
@@ -1129,7 +1136,7 @@ impl Sim {
             let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut buf);
             let spec = TransferSpec {
                 direction: if send { Direction::Send } else { Direction::Recv },
-                peer: other,
+                peer: end,
                 tag: P2P_TAG,
                 dtype: DType::I64,
                 buf: if send { RawBuf::of_shared(bytes) } else { RawBuf::new(bytes) },
@@ -1161,13 +1168,20 @@ impl Sim {
                 );
             }
             let p = &mut self.peers[i];
+            // A receive from any member: whose send it took (the one before, the only one to send).
+            let mut from = Some(t.peer).filter(|&p| p != PeerId::ANY);
             if let Some(exec) = p.exec.as_mut().filter(|e| e.epoch() == t.epoch) {
+                let position = p.position.as_ref().filter(|pos| pos.epoch == t.epoch);
+                let took = exec.transfer_peer(call.0).zip(position).map(|(r, pos)| pos.ring[r].peer);
+                from = from.or(took);
                 exec.take_transfer(call.0);
             }
-            let expected: Vec<i64> = (0..P2P_COUNT).map(|k| p2p_value(t.peer, k)).collect();
-            if result.is_ok() && !t.send && t.data != expected {
-                let v = format!("peer {i}: received {:?} from {}, which sent {expected:?}", t.data, t.peer);
-                self.report.violations.push(Violation(v));
+            if result.is_ok() && !t.send {
+                let expected: Option<Vec<i64>> = from.map(|from| (0..P2P_COUNT).map(|k| p2p_value(from, k)).collect());
+                if expected.as_ref() != Some(&t.data) {
+                    let v = format!("peer {i}: received {:?} from {from:?}, which sent {expected:?}", t.data);
+                    self.report.violations.push(Violation(v));
+                }
             }
             if self.peers[i].stage == Stage::Loop {
                 match &result {
@@ -1324,7 +1338,10 @@ impl Sim {
             Action::Done { call, result } => self.done(i, call, result),
             Action::MemberWaits(_) => self.judge_waiters(i),
             Action::P2pApart { peer, misuse } => {
-                self.peers[i].transfers.handle_apart(peer, misuse);
+                let p = &mut self.peers[i];
+                let exec = p.exec.as_ref();
+                let unmatched = |call: CallId| exec.is_some_and(|e| e.transfer_unmatched(call.0).is_some());
+                p.transfers.handle_apart(peer, misuse, unmatched);
                 self.transfers_ended(i);
             }
         }
