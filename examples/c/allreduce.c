@@ -1,10 +1,12 @@
 /* A peer of a shoal run, in C: joins the master at argv[1], waits until argv[2] peers are in,
  * then runs an all-reduce, an all-gather and a broadcast, retrying what a lost peer interrupts,
- * and checks every result. Prints "ok RANK" and exits 0, or names what failed and exits 1.
+ * then gathers a number from each rank at rank 0 with receives from any member, and checks every
+ * result. Prints "ok RANK" and exits 0, or names what failed and exits 1.
  *
  *   cc allreduce.c -I crates/ffi/include target/release/libshoal.a -lpthread -ldl -lm -o allreduce
  *   ./allreduce 127.0.0.1:48148 4      (one process per peer)
  */
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -70,6 +72,26 @@ int main(int argc, char **argv) {
     if (word != 42.5) {
         fprintf(stderr, "broadcast: %f\n", word);
         return 1;
+    }
+
+    /* Every other rank sends rank 0 its own number; rank 0 takes them as they come. */
+    if (rank == 0) {
+        size_t seen = 0;
+        for (size_t k = 1; k < world; k++) {
+            uint64_t got = 0;
+            size_t source = 0;
+            s = shoal_comm_recv_any(comm, &got, 1, SHOAL_DTYPE_U64, 4, &source);
+            if (s != SHOAL_STATUS_OK) return fail("shoal_comm_recv_any", s);
+            if (got != source * 7 || source == 0 || source >= world || (seen >> source & 1)) {
+                fprintf(stderr, "recv_any: %llu from rank %zu\n", (unsigned long long)got, source);
+                return 1;
+            }
+            seen |= (size_t)1 << source;
+        }
+    } else {
+        uint64_t mine = rank * 7;
+        s = shoal_comm_send(comm, &mine, 1, SHOAL_DTYPE_U64, 0, 4);
+        if (s != SHOAL_STATUS_OK) return fail("shoal_comm_send", s);
     }
 
     /* Bad input is an error that names the problem, not a crash. */

@@ -308,6 +308,17 @@ ShoalStatus shoal_comm_send(const ShoalComm *comm,
                             uint64_t tag);
 
 /**
+ * Receives into `count` elements at `buf` what the first member to send us with `tag` sends
+ * (any member, as `MPI_ANY_SOURCE`), and writes its rank to `*source`.
+ */
+ShoalStatus shoal_comm_recv_any(const ShoalComm *comm,
+                                void *buf,
+                                size_t count,
+                                uint32_t dtype,
+                                uint64_t tag,
+                                size_t *source);
+
+/**
  * Receives into `count` elements at `buf` what the member of rank `peer` sends us with `tag`.
  */
 ShoalStatus shoal_comm_recv(const ShoalComm *comm,

@@ -499,6 +499,33 @@ pub unsafe extern "C" fn shoal_comm_send(
     })
 }
 
+/// Receives into `count` elements at `buf` what the first member to send us with `tag` sends
+/// (any member, as `MPI_ANY_SOURCE`), and writes its rank to `*source`.
+#[no_mangle]
+pub unsafe extern "C" fn shoal_comm_recv_any(
+    comm: *const ShoalComm,
+    buf: *mut c_void,
+    count: usize,
+    dtype: u32,
+    tag: u64,
+    source: *mut usize,
+) -> ShoalStatus {
+    guard(|| {
+        if source.is_null() {
+            return invalid("source is NULL");
+        }
+        let (c, dtype) = (try_ffi!(communicator(comm)), try_ffi!(self::dtype(dtype)));
+        let buf = try_ffi!(bytes_mut(buf, count, dtype, "buf"));
+        match c.recv_any(buf, dtype, tag) {
+            Ok(info) => {
+                *source = info.peer.expect("a receive names its sender");
+                ShoalStatus::Ok
+            }
+            Err(e) => status_of(&e),
+        }
+    })
+}
+
 /// Receives into `count` elements at `buf` what the member of rank `peer` sends us with `tag`.
 #[no_mangle]
 pub unsafe extern "C" fn shoal_comm_recv(
