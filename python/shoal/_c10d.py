@@ -62,14 +62,12 @@ _OPS: "dict[Any, str]" = {
 }
 
 # Tags. Collectives are numbered per group from 0; collectives built on tagged transfers
-# (gather, scatter, all-to-all) take theirs above _COMPOSED; torch's send/recv above _P2P, the
-# user's tag and the n-th transfer with it between the two ranks: torch matches sends and
-# receives of one tag in order, shoal by tag, so the n-th send meets the n-th receive.
-# Tags from 2**63 up are shoal's own.
+# (gather, scatter, all-to-all) take theirs above _COMPOSED; torch's send/recv above _P2P, with
+# the user's tag (shoal, as torch, matches several transfers with one tag in the order each side
+# made them). Tags from 2**63 up are shoal's own.
 _COMPOSED = 1 << 61
 _P2P = 1 << 62
-_SEQ_BITS = 24
-_USER_TAGS = 1 << (62 - _SEQ_BITS)
+_USER_TAGS = _P2P
 # The barrier of the world's members leaving (above every collective's numbered tag).
 _LEAVING = _COMPOSED - 1
 
@@ -315,6 +313,7 @@ class Work(dist._Work):  # type: ignore[misc]
         self._ending = threading.Lock()
         self._futures = threading.Lock()
         self._ended = False
+        self._infos: "list[Any]" = []
         self._error = error
         self._future: "Optional[torch.futures.Future[list[torch.Tensor]]]" = None
 
@@ -326,7 +325,7 @@ class Work(dist._Work):  # type: ignore[misc]
             if not self._ended:
                 while self._works:
                     try:
-                        self._works[0].wait(timeout)
+                        self._infos.append(self._works[0].wait(timeout))
                     except errors.ShoalTimeoutError as e:
                         if timeout is not None:
                             raise _as_torch_error(e) from None
@@ -348,6 +347,12 @@ class Work(dist._Work):  # type: ignore[misc]
         seconds = timeout.total_seconds() if timeout else 0.0
         self._end(seconds if seconds > 0 else None)
         return True
+
+    def _source_rank(self) -> int:
+        """A receive's: the rank whose send it took (torch asks after ``recv`` without ``src``)."""
+        self._end()
+        (info,) = self._infos
+        return int(info.peer)
 
     def get_future(self) -> "torch.futures.Future[list[torch.Tensor]]":
         with self._futures:
@@ -521,7 +526,6 @@ class ShoalBackend(_Base):  # type: ignore[misc, valid-type]
         super().__init__(rank, size)
         self.group = group
         self._owned_run = run  # the default group's: destroy_process_group leaves the run
-        self._p2p: "dict[tuple[str, int, int], int]" = {}
         self._lock = threading.Lock()
         self._attach(group._native.torch_api(), _as_torch_error)
 
@@ -546,13 +550,11 @@ class ShoalBackend(_Base):  # type: ignore[misc, valid-type]
         # One count with the compiled all-reduce's: every member numbers the same call alike.
         return base | (self._next_seq() % _COMPOSED)
 
-    def _p2p_tag(self, kind: str, peer: int, tag: int) -> int:
+    @staticmethod
+    def _p2p_tag(tag: int) -> int:
         if not 0 <= tag < _USER_TAGS:
-            raise ValueError(f"the shoal backend's send/recv tags run from 0 to 2**{62 - _SEQ_BITS} - 1, got {tag}")
-        with self._lock:
-            n = self._p2p.get((kind, peer, tag), 0)
-            self._p2p[(kind, peer, tag)] = n + 1
-        return _P2P | (tag << _SEQ_BITS) | (n % (1 << _SEQ_BITS))
+            raise ValueError(f"the shoal backend's send/recv tags run from 0 to 2**62 - 1, got {tag}")
+        return _P2P | tag
 
     def _run(self, opts: Any, calls: "list[tuple[Callable[..., Any], Callable[..., Any], tuple, dict]]",
              result: "list[torch.Tensor]", finish: Optional[Callable[[], None]] = None) -> Work:
@@ -708,16 +710,25 @@ class ShoalBackend(_Base):  # type: ignore[misc, valid-type]
 
     def send(self, tensors: "list[torch.Tensor]", dst: int, tag: int) -> Work:
         (t,) = tensors
-        return Work([self.group.isend(_contiguous(t), peer=dst, tag=self._p2p_tag("send", dst, tag))], [])
+        return Work([self.group.isend(_contiguous(t), peer=dst, tag=self._p2p_tag(tag))], [])
 
     def recv(self, tensors: "list[torch.Tensor]", src: int, tag: int) -> Work:
-        (t,) = tensors
-        buf = _contiguous(t)
-        work = self.group.irecv(buf, peer=src, tag=self._p2p_tag("recv", src, tag))
-        return Work([work], tensors, _copy_back([(t, buf)]))
+        return self._recv(tensors, src, tag)
 
     def recv_anysource(self, tensors: "list[torch.Tensor]", tag: int) -> Work:
-        raise errors.UsageError("the shoal backend receives from a named rank only: recv(src=...), not any source")
+        """``dist.recv`` without ``src``: the first rank to send with ``tag``, which the work's
+        ``_source_rank()`` names (torch asks it through the compiled part's holder of the work:
+        torch's own holder, all a backend in Python alone has, cannot answer)."""
+        if not self.compiled:
+            raise errors.UsageError("recv without src (from any rank) needs the shoal backend's compiled part, "
+                                    "which could not be built here (a C++ compiler and ninja): name the rank")
+        return self._recv(tensors, None, tag)
+
+    def _recv(self, tensors: "list[torch.Tensor]", src: Optional[int], tag: int) -> Work:
+        (t,) = tensors
+        buf = _contiguous(t)
+        work = self.group.irecv(buf, peer=src, tag=self._p2p_tag(tag))
+        return Work([work], tensors, _copy_back([(t, buf)]))
 
 
 def _same_shapes(verb: str, tensors: "list[torch.Tensor]", like: torch.Tensor, size: int) -> None:

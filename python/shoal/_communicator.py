@@ -344,7 +344,8 @@ class Communicator:
     def send(self, tensor: Any, *, peer: int, tag: int = 0) -> _native.ReduceInfo:
         """Send ``tensor`` to rank ``peer`` of the group, matched there by a :meth:`recv` from us
         with the same ``tag``, in any order with other sends, receives and collectives. Returns
-        once every byte left. A receive of another size or dtype fails both ends with
+        once every byte left. Several sends with one tag match the receives for it in the order
+        each side made them. A receive of another size or dtype fails both ends with
         :class:`CollectiveMismatchError`; a lost peer (or a new topology) raises
         :class:`PeerLostError`."""
         _check_tag(tag)
@@ -352,27 +353,31 @@ class Communicator:
         view, dtype = _byte_view(tensor, writable=False)
         return self._native.send_bytes(view, dtype, peer, tag)
 
-    def recv(self, tensor: Any, *, peer: int, tag: int = 0) -> _native.ReduceInfo:
+    def recv(self, tensor: Any, *, peer: Optional[int], tag: int = 0) -> _native.ReduceInfo:
         """Receive into ``tensor`` what rank ``peer`` sends us with ``tag`` (same size and dtype),
-        straight into its memory. On an error the tensor may be partly written."""
+        straight into its memory. On an error the tensor may be partly written.
+
+        ``peer=None`` receives from any member: the first send with ``tag`` to arrive, each
+        member's in the order it made them; the result's ``peer`` names the sender. Once every
+        other member says its call can never send to us, it raises :class:`UsageError`."""
         _check_tag(tag)
-        _check_rank("peer", peer)
+        _check_source(peer)
         view, dtype = _byte_view(tensor)
         return self._native.recv_bytes(view, dtype, peer, tag)
 
     def isend(self, tensor: Any, *, peer: int, tag: int = 0) -> "Work":
         """Start :meth:`send` and return at once; do not change ``tensor`` until
-        :meth:`Work.wait` returned. One send per (peer, tag) may be in flight."""
+        :meth:`Work.wait` returned."""
         _check_tag(tag)
         _check_rank("peer", peer)
         view, dtype = _byte_view(tensor, writable=False)
         return Work(self._native.isend_bytes(view, dtype, peer, tag))
 
-    def irecv(self, tensor: Any, *, peer: int, tag: int = 0) -> "Work":
-        """Start :meth:`recv` and return at once; ``tensor`` holds the data once
-        :meth:`Work.wait` returned."""
+    def irecv(self, tensor: Any, *, peer: Optional[int], tag: int = 0) -> "Work":
+        """Start :meth:`recv` (``peer=None``: from any member) and return at once; ``tensor``
+        holds the data once :meth:`Work.wait` returned."""
         _check_tag(tag)
-        _check_rank("peer", peer)
+        _check_source(peer)
         view, dtype = _byte_view(tensor)
         return Work(self._native.irecv_bytes(view, dtype, peer, tag))
 
@@ -653,6 +658,11 @@ _U64_MAX = 2**64 - 1
 def _check_rank(name: str, rank: Any) -> None:
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank <= _U64_MAX:
         raise ValueError(f"{name} must be a rank, got {rank!r}")
+
+
+def _check_source(peer: Any) -> None:
+    if peer is not None:
+        _check_rank("peer", peer)
 
 
 def _check_u64(name: str, value: Any, count: int = 1) -> None:

@@ -89,9 +89,36 @@ class DoneWork : public c10d::Work {
   std::vector<at::Tensor> result_;
 };
 
+// A receive's work, held for c10d as torch's `PyWorkHolder` holds a Python work, that also
+// answers which rank sent (`dist.recv` without `src` asks): torch's holder cannot, so this one
+// asks the Python work's `_source_rank()`.
+class SourceWork : public c10d::Work {
+ public:
+  explicit SourceWork(py::object work) : work_(work.cast<c10::intrusive_ptr<c10d::Work>>()), py_(std::move(work)) {}
+
+  ~SourceWork() override {
+    py::gil_scoped_acquire gil;
+    py_ = py::object();
+  }
+
+  bool wait(std::chrono::milliseconds timeout) override { return work_->wait(timeout); }
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return work_->getFuture(); }
+
+  int sourceRank() const override {
+    py::gil_scoped_acquire gil;
+    return py_.attr("_source_rank")().cast<int>();
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  py::object py_;
+};
+
 // The Python method `name` of the subclass, with the arguments after it: its work, held for
-// c10d; the base class's `method` where the subclass has none. SHOAL_FORWARD: the same name.
-#define SHOAL_FORWARD_AS(method, name, ...)                                                   \
+// c10d by a `Holder`; the base class's `method` where the subclass has none. SHOAL_FORWARD_AS:
+// held as torch holds it; SHOAL_FORWARD: the same name.
+#define SHOAL_FORWARD_HELD(method, name, Holder, ...)                                         \
   do {                                                                                      \
     py::gil_scoped_acquire gil;                                                             \
     py::function override = py::get_override(static_cast<const FastBackend*>(this), name); \
@@ -100,10 +127,12 @@ class DoneWork : public c10d::Work {
       if (work.is_none()) {                                                                 \
         return {};                                                                          \
       }                                                                                     \
-      return c10::make_intrusive<c10d::PyProcessGroup::PyWorkHolder>(std::move(work));      \
+      return c10::make_intrusive<Holder>(std::move(work));                                  \
     }                                                                                       \
     return c10d::Backend::method(__VA_ARGS__);                                              \
   } while (false)
+#define SHOAL_FORWARD_AS(method, name, ...) \
+  SHOAL_FORWARD_HELD(method, name, c10d::PyProcessGroup::PyWorkHolder, __VA_ARGS__)
 #define SHOAL_FORWARD(method, ...) SHOAL_FORWARD_AS(method, #method, __VA_ARGS__)
 
 using Tensors = std::vector<at::Tensor>;
@@ -211,7 +240,9 @@ class FastBackend : public c10d::Backend {
   }
   WorkPtr send(Tensors& t, int dst, int tag) override { SHOAL_FORWARD(send, t, dst, tag); }
   WorkPtr recv(Tensors& t, int src, int tag) override { SHOAL_FORWARD(recv, t, src, tag); }
-  WorkPtr recvAnysource(Tensors& t, int tag) override { SHOAL_FORWARD_AS(recvAnysource, "recv_anysource", t, tag); }
+  WorkPtr recvAnysource(Tensors& t, int tag) override {
+    SHOAL_FORWARD_HELD(recvAnysource, "recv_anysource", SourceWork, t, tag);
+  }
   WorkPtr barrier(const c10d::BarrierOptions& o) override { SHOAL_FORWARD(barrier, o); }
 
  private:

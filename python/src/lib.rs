@@ -44,6 +44,9 @@ struct ReduceInfo {
     /// How it moved its data: "ring", "oneshot", "twoshot", "hierarchical", "direct" (a
     /// transfer) or "single_copy" (a transfer read straight out of the sender's memory, on one host).
     algorithm: &'static str,
+    /// A transfer: the rank of the member at the other end (for a receive from any member, the
+    /// one whose send it took); `None` for a collective.
+    peer: Option<usize>,
 }
 
 #[pymethods]
@@ -51,8 +54,15 @@ impl ReduceInfo {
     fn __repr__(&self) -> String {
         format!(
             "ReduceInfo(world_size={}, tx_bytes={}, rx_bytes={}, elapsed={:.6}, topology={}, sequence={}, \
-             algorithm={:?})",
-            self.world_size, self.tx_bytes, self.rx_bytes, self.elapsed, self.topology, self.sequence, self.algorithm
+             algorithm={:?}, peer={})",
+            self.world_size,
+            self.tx_bytes,
+            self.rx_bytes,
+            self.elapsed,
+            self.topology,
+            self.sequence,
+            self.algorithm,
+            self.peer.map_or("None".to_string(), |p| p.to_string())
         )
     }
 }
@@ -67,6 +77,7 @@ impl From<Info> for ReduceInfo {
             topology: info.topology,
             sequence: info.sequence,
             algorithm: info.algorithm.name(),
+            peer: info.peer,
         }
     }
 }
@@ -619,13 +630,17 @@ impl Communicator {
         py: Python<'_>,
         buf: &Bound<'_, PyArray1<u8>>,
         dtype: &str,
-        peer: usize,
+        peer: Option<usize>,
         tag: u64,
     ) -> PyResult<ReduceInfo> {
         let dtype = element_type(dtype)?;
         let mut view = writable(buf, "tensor")?;
         let bytes = contiguous_mut(&mut view, "tensor")?;
-        Ok(py.detach(|| self.inner.recv(bytes, dtype, peer, tag)).map_err(to_py)?.into())
+        let info = py.detach(|| match peer {
+            Some(peer) => self.inner.recv(bytes, dtype, peer, tag),
+            None => self.inner.recv_any(bytes, dtype, tag),
+        });
+        Ok(info.map_err(to_py)?.into())
     }
 
     /// Starts `send_bytes` and returns at once; the work keeps `buf` alive until it ended.
@@ -636,9 +651,19 @@ impl Communicator {
     }
 
     /// Starts `recv_bytes` and returns at once; the work keeps `buf` alive until it ended.
-    fn irecv_bytes(&self, buf: &Bound<'_, PyArray1<u8>>, dtype: &str, peer: usize, tag: u64) -> PyResult<NativeWork> {
-        let dtype = element_type(dtype)?;
-        let work = self.inner.irecv(lend(buf, "tensor")?, dtype, peer, tag).map_err(to_py)?;
+    fn irecv_bytes(
+        &self,
+        buf: &Bound<'_, PyArray1<u8>>,
+        dtype: &str,
+        peer: Option<usize>,
+        tag: u64,
+    ) -> PyResult<NativeWork> {
+        let (dtype, lent) = (element_type(dtype)?, lend(buf, "tensor")?);
+        let work = match peer {
+            Some(peer) => self.inner.irecv(lent, dtype, peer, tag),
+            None => self.inner.irecv_any(lent, dtype, tag),
+        };
+        let work = work.map_err(to_py)?;
         Ok(NativeWork::new(&self.inner, work, Some(buf)))
     }
 

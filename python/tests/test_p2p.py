@@ -23,12 +23,19 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 def test_tagged_transfers_match_in_any_order_and_mismatches_fail_both_ends(master: shoal.Master,
                                                                             tmp_path: Path) -> None:
+    """Every dtype around the ring, beside collectives; several sends with one tag in order;
+    receives from any member, which name the sender, and one that no member can serve, which
+    ends with a usage error rather than at its bound; mismatches fail both ends."""
     results = sorted(run_peers(master, tmp_path, "p2p", 3, timeout=120), key=lambda r: r["rank"])
     for r in results:
         assert r["ok"], r
-        assert r["back"] == [1, 1, 1]
-        assert "tag 300" in r["errors"]["reused"] and "in flight" in r["errors"]["reused"], r
+        assert r["back"] == [[0] * 3, [1] * 3, [2] * 3], "the n-th send with a tag meets the n-th receive"
         assert "ranks are 0..3" in r["errors"]["self"], r
+    assert results[0]["senders"] == {"1": [10, 11], "2": [20, 21]}, results[0]
+    # Every other member waited in the barrier: the receive from any member ended at once.
+    message, waited = results[0]["errors"]["any"]
+    assert "recv from any member (p2p" in message and "barrier" in message, message
+    assert waited < 15, f"{waited:.1f} s: the call's bound is 30 s"
     # Both ends name both calls.
     sender, receiver = results[0]["errors"], results[1]["errors"]
     for errors in (sender, receiver):

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+import shoal._c10d
 import shoal.torch  # noqa: F401 - registers the backend
 
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -142,6 +143,28 @@ def every_operation() -> "dict[str, Any]":
             dist.recv(x, src=0, tag=7)
             same(x, data(0, n, dtype, 6), f"send/recv {dtype}")
         checks += 14
+    dist.barrier()
+
+    # recv without src: every other rank sends rank 0 two tensors with one tag; rank 0 takes them
+    # as they come, each rank's in the order it sent them, and torch names the sender. Without the
+    # compiled part (torch's own holder cannot name it) the call says so.
+    if shoal._c10d.ShoalBackend.compiled:
+        if RANK == 0:
+            got: dict[int, list[float]] = {r: [] for r in ranks[1:]}
+            for _ in range(2 * (WORLD - 1)):
+                x = torch.empty(5)
+                got[dist.recv(x, tag=11)].append(x[0].item())
+            assert got == {r: [10.0 * r, 10.0 * r + 1] for r in ranks[1:]}, got
+        else:
+            for k in range(2):
+                dist.send(torch.full((5,), 10.0 * RANK + k), dst=0, tag=11)
+    elif RANK == 0:
+        try:
+            dist.recv(torch.empty(5), tag=11)
+            raise AssertionError("recv without src ran without the compiled part")
+        except Exception as e:  # noqa: BLE001 - whatever torch makes of the backend's UsageError
+            assert "compiled part" in str(e), e
+    checks += 1
     dist.barrier()
 
     # A non-contiguous tensor, reduced and gathered where it is.

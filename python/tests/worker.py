@@ -1096,21 +1096,44 @@ def p2p(spec: dict) -> dict:
                 comm.recv(wrong, peer=0, tag=tag)
         except shoal.CollectiveMismatchError as e:
             errors[case] = str(e)
-    w = comm.isend(np.ones(3, np.int64), peer=succ, tag=300)
-    try:
-        comm.isend(np.ones(3, np.int64), peer=succ, tag=300)
-    except shoal.UsageError as e:
-        errors["reused"] = str(e)
+    # Several sends with one tag in flight meet the receives with it in the order both sides made them.
+    ws = [comm.isend(np.full(3, k, np.int64), peer=succ, tag=300) for k in range(3)]
     try:
         comm.send(np.ones(3, np.int64), peer=rank, tag=301)
     except ValueError as e:
         errors["self"] = str(e)
-    back = np.zeros(3, np.int64)
-    comm.recv(back, peer=pred, tag=300)
-    w.wait(timeout=30)
+    back = [np.zeros(3, np.int64) for _ in range(3)]
+    for b in back:
+        comm.recv(b, peer=pred, tag=300)
+    for w in ws:
+        w.wait(timeout=30)
+    # Receives from any member: every other rank sends rank 0 two arrays with one tag; rank 0
+    # takes them as they come, each rank's in the order it sent them, and learns whose each is.
+    senders: dict[int, list[int]] = {}
+    if rank == 0:
+        for k in range(2 * (n - 1)):
+            into = np.zeros(4, np.int64)
+            work = comm.irecv(into, peer=None, tag=400) if k % 2 else None
+            info = work.wait(timeout=30) if work else comm.recv(into, peer=None, tag=400)
+            assert info.algorithm == "direct" and info.rx_bytes == into.nbytes, info
+            senders.setdefault(info.peer, []).append(int(into[0]))
+            assert (into == into[0]).all() and into[0] // 10 == info.peer, (into, info)
+    else:
+        for k in range(2):
+            comm.send(np.full(4, 10 * rank + k, np.int64), peer=0, tag=400)
+    # A receive from any member while every other member waits in a barrier for us: it ends with
+    # a usage error naming both calls, well before its bound, and the barrier then completes.
+    if rank == 0:
+        began = time.monotonic()
+        try:
+            comm.recv(np.zeros(1), peer=None, tag=401)
+        except shoal.UsageError as e:
+            errors["any"] = (str(e), time.monotonic() - began)
+    comm.barrier(tag=10)
     # Nobody leaves (closing its streams) before everyone is done.
     comm.barrier(tag=9)
-    return {"rank": rank, "ok": bool(ok), "errors": errors, "back": back.tolist()}
+    return {"rank": rank, "ok": bool(ok), "errors": errors, "back": [b.tolist() for b in back],
+            "senders": {str(k): v for k, v in senders.items()}}
 
 
 def p2p_ring(spec: dict) -> dict:
