@@ -40,11 +40,13 @@
 //! in the order both sides made them (MPI's "non-overtaking"), whatever lane each offer takes; an
 //! offer arrived ahead of an earlier one with its tag waits for it, or for its withdrawal.
 //!
-//! A receive from any member (`peer: None`) takes the earliest offer with its tag, from whichever
-//! member, that is next in its sender's order; an arriving offer goes to the earliest posted
-//! receive that can take it, from its member or from any. No data moves before its receive is posted: calls in
-//! any order need no buffer beyond a few bytes per waiting offer ([`MAX_WAITING_OFFERS`]), and a
-//! lane never carries bytes nobody asked for ahead of those somebody waits for.
+//! A receive from any of several members ([`End::AnyOf`]) takes the earliest offer with its tag,
+//! from whichever of them, that is next in its sender's order; an arriving offer goes to the
+//! earliest posted receive that can take it, from its member or from any.
+//!
+//! No data moves before its receive is posted: calls in any order need no buffer beyond a few
+//! bytes per waiting offer ([`MAX_WAITING_OFFERS`]), and a lane never carries bytes nobody asked
+//! for ahead of those somebody waits for.
 
 use super::{Frame, LinkError, Malformed, RawBuf, Traffic};
 use shoal_collective::Algorithm;
@@ -526,6 +528,10 @@ impl Transfers {
                 // The address to pull from, if any, rides in the frame's unit and root.
                 let addr = u64::from(frame.unit) | u64::from(frame.op.root) << 32;
                 let offer = OpHeader { root: 0, ..frame.op };
+                if self.answered[from].contains(n) {
+                    // Withdrawn before it arrived (its withdrawal took another lane): gone.
+                    return Ok(None);
+                }
                 let next = self.is_next(from, &offer);
                 let again =
                     |(f, o, _): &(usize, OpHeader, u64)| *f == from && o.tag == offer.tag && o.derived == offer.derived;
@@ -801,7 +807,31 @@ fn control_frame(kind: FrameKind, op: OpHeader) -> Frame {
 
 #[cfg(test)]
 mod tests {
-    use super::Answered;
+    use super::*;
+
+    /// An offer whose withdrawal overtook it on another lane is dropped as it arrives: no receive
+    /// takes it (its sender gave up), and the sender's next offer with its tag is the next to match.
+    #[test]
+    fn an_offer_withdrawn_before_it_arrived_is_dropped() {
+        let mut p2p = Transfers::new(Epoch(1), 2);
+        let mut buf = [0u8; 8];
+        let spec = |buf: &mut [u8]| TransferSpec {
+            direction: Direction::Send,
+            peer: End::Member(1),
+            tag: 7,
+            dtype: DType::U8,
+            buf: RawBuf::new(buf),
+            chunk_bytes: 8,
+        };
+        let frame = |kind, number, order| control_frame(kind, header(Epoch(1), &spec(&mut [0u8; 8]), number, order));
+        p2p.on_frame(1, &frame(FrameKind::Withdraw, 0, 0)).unwrap();
+        p2p.on_frame(1, &frame(FrameKind::Offer, 0, 0)).unwrap();
+        p2p.post(1, TransferSpec { direction: Direction::Recv, ..spec(&mut buf) });
+        assert_eq!(p2p.unmatched(1), Some(1), "the withdrawn offer is not taken");
+        p2p.on_frame(1, &frame(FrameKind::Offer, 1, 1)).unwrap();
+        assert_eq!((p2p.unmatched(1), p2p.peer(1)), (None, Some(1)), "the next one is");
+        assert!(p2p.on_frame(1, &frame(FrameKind::Offer, 2, 1)).is_err(), "an order taken already");
+    }
 
     /// Offers answered out of order are kept until the numbers below them are, then folded.
     #[test]
