@@ -222,15 +222,11 @@ pub enum Malformed {
         /// The send's number.
         n: u64,
     },
-    /// An offer whose order among its sender's with its tag was taken or withdrawn already.
-    #[error("offer {n} with tag {tag} comes {order}th with it, a place taken already")]
+    /// A second offer with a number already waiting here.
+    #[error("offer {n} twice")]
     OfferTwice {
         /// The send's number.
         n: u64,
-        /// Its tag.
-        tag: u64,
-        /// Its order with that tag.
-        order: u64,
     },
     /// A confirmation of a transfer that pulled nothing here.
     #[error("a confirmation of transfer {n}, which pulled nothing here")]

@@ -35,10 +35,11 @@
 //! to `Accept` and parts; after a refusal, that member's offers are answered with `Accept`.
 //!
 //! `#n` numbers the sender's transfers to that member, so parts of two transfers with one tag
-//! never mix, whatever lane each part takes. An offer also carries its order among the sender's
-//! transfers to that member with its tag: several with one tag match the receives posted for it
-//! in the order both sides made them (MPI's "non-overtaking"), whatever lane each offer takes; an
-//! offer arrived ahead of an earlier one with its tag waits for it, or for its withdrawal.
+//! never mix, whatever lane each part takes. An offer also names the sender's previous transfer to
+//! that member with its tag that was still in flight when it was posted: several with one tag
+//! match the receives posted for it in the order both sides made them (MPI's "non-overtaking"),
+//! whatever lane each offer takes; an offer that overtook that one waits until it is answered or
+//! withdrawn. (A link, not a count per tag: nothing is kept per tag once its transfers end.)
 //!
 //! A receive from any of several members ([`End::AnyOf`]) takes the earliest offer with its tag,
 //! from whichever of them, that is next in its sender's order; an arriving offer goes to the
@@ -52,7 +53,7 @@ use super::{Frame, LinkError, Malformed, RawBuf, Traffic};
 use shoal_collective::Algorithm;
 use shoal_collective::DType;
 use shoal_wire::{Epoch, FrameKind, OpHeader};
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 
 /// Smallest transfer a receiver on the same host reads straight out of the sender's memory;
 /// below it the two copies through a ring cost less than the system call.
@@ -150,8 +151,9 @@ struct Transfer {
     peer: Option<usize>,
     /// The sender's number of it among its transfers to the receiver, once known here.
     number: Option<u64>,
-    /// A send's order among ours to its member with its tag.
-    order: u64,
+    /// A send: 1 + the number of our previous send to its member with its tag still posted when
+    /// it was (0: none), which the receiver answers first. A receive: its offer's.
+    after: u64,
     stage: Stage,
     part_bytes: usize,
     parts: usize,
@@ -210,11 +212,6 @@ pub(super) struct Transfers {
     /// Offers no receive matched yet, as they arrived: (member, its offer, the address it offers
     /// to pull, or 0).
     offers: Vec<(usize, OpHeader, u64)>,
-    /// Per (member, tag): the order our next send there takes.
-    next_order: HashMap<(usize, u64), u64>,
-    /// Per (member, tag): the orders of its offers that a receive took or that it withdrew. Its
-    /// offer whose order is the lowest not among them is the next to match.
-    taken: HashMap<(usize, u64), Answered>,
     /// Per member: its process where our lanes to it say it runs on this host and may be read
     /// from (`Some(None)` where a lane says otherwise, or the kernel refused a read).
     partners: Vec<Option<Option<u32>>>,
@@ -237,8 +234,6 @@ impl Transfers {
             offers_seen: vec![0; world],
             answered: (0..world).map(|_| Answered::default()).collect(),
             offers: Vec::new(),
-            next_order: HashMap::new(),
-            taken: HashMap::new(),
             partners: vec![None; world],
             pulled: Vec::new(),
             control: VecDeque::new(),
@@ -287,13 +282,15 @@ impl Transfers {
         let elem = spec.dtype.size();
         let part_bytes = (spec.chunk_bytes / elem).max(1) * elem;
         let parts = spec.buf.len().div_ceil(part_bytes);
-        let (number, order, stage) = match (spec.direction, spec.peer.member()) {
+        let (number, after, stage) = match (spec.direction, spec.peer.member()) {
             (Direction::Send, Some(peer)) => {
+                let same = |t: &&Transfer| {
+                    t.spec.direction == Direction::Send && t.peer == Some(peer) && t.spec.tag == spec.tag
+                };
+                let previous = self.ops.values().filter(same).filter_map(|t| t.number).max();
                 let n = &mut self.next_number[peer];
                 *n += 1;
-                let order = self.next_order.entry((peer, spec.tag)).or_default();
-                *order += 1;
-                (Some(*n - 1), *order - 1, Stage::Offering)
+                (Some(*n - 1), previous.map_or(0, |p| p + 1), Stage::Offering)
             }
             (Direction::Send, None) => panic!("a send goes to a member"),
             (Direction::Recv, _) => (None, 0, Stage::Waiting),
@@ -304,7 +301,7 @@ impl Transfers {
             spec,
             peer,
             number,
-            order,
+            after,
             stage,
             part_bytes,
             parts,
@@ -322,8 +319,8 @@ impl Transfers {
         }
     }
 
-    /// Receive `id` takes the earliest waiting offer that fits it and is next in its sender's
-    /// order.
+    /// Receive `id` takes the earliest waiting offer that fits it and whose predecessor with its
+    /// tag was answered.
     fn match_waiting(&mut self, id: u64) {
         let t = &self.ops[&id];
         let fits = |(from, o, _): &(usize, OpHeader, u64)| {
@@ -335,9 +332,10 @@ impl Transfers {
         }
     }
 
-    /// Whether `offer` from member `from` is the next of its tag from there to match.
+    /// Whether `offer` from member `from` is the next of its tag from there to match: the send
+    /// before it with its tag (its `derived` field: its number + 1, or 0) was answered or withdrawn.
     fn is_next(&self, from: usize, offer: &OpHeader) -> bool {
-        self.taken.get(&(from, offer.tag)).map_or(0, |t| t.below) == offer.derived
+        offer.derived == 0 || self.answered[from].contains(offer.derived - 1)
     }
 
     /// The earliest posted receive still waiting that may take an offer from `from` with `tag`.
@@ -352,11 +350,11 @@ impl Transfers {
         self.ops.iter().find(|(_, t)| waiting(t)).map(|(id, _)| *id)
     }
 
-    /// The offer with `tag` from `from` numbered `order` is taken or withdrawn: the next one, if
-    /// it waits here, goes to the earliest receive waiting for it.
-    fn taken(&mut self, from: usize, tag: u64, order: u64) {
-        self.taken.entry((from, tag)).or_default().insert(order);
-        let next = self.offers.iter().position(|(f, o, _)| *f == from && o.tag == tag && self.is_next(from, o));
+    /// Offer `n` with `tag` from `from` is answered or withdrawn: the one after it with its tag,
+    /// if it waits here, goes to the earliest receive waiting for it.
+    fn taken(&mut self, from: usize, tag: u64, n: u64) {
+        self.answered[from].insert(n);
+        let next = self.offers.iter().position(|(f, o, _)| *f == from && o.tag == tag && o.derived == n + 1);
         if let (Some(k), Some(id)) = (next, self.waiting_for(from, tag)) {
             let (from, offer, addr) = self.offers.remove(k);
             self.answer(id, from, offer, addr);
@@ -373,12 +371,10 @@ impl Transfers {
         if offer.dtype != ours.dtype || offer.count != ours.count {
             self.control.push_back((from, control_frame(FrameKind::Refuse, ours)));
             self.end(id, Err(LinkError::Mismatch { rank: from, theirs: offer }));
-            self.taken(from, offer.tag, offer.derived);
+            self.taken(from, offer.tag, offer.seq);
             return;
         }
-        t.number = Some(offer.seq);
-        t.order = offer.derived;
-        self.answered[from].insert(offer.seq);
+        (t.number, t.after) = (Some(offer.seq), offer.derived);
         if let Some(pid) = pid {
             (t.stage, t.pulled) = (Stage::Pulling { pid, addr }, 0);
         } else {
@@ -386,7 +382,7 @@ impl Transfers {
             t.stage = Stage::Moving;
             self.check(id);
         }
-        self.taken(from, offer.tag, offer.derived);
+        self.taken(from, offer.tag, offer.seq);
     }
 
     /// Whether transfer `id` waits for the other end to make its call: a send not yet answered, or
@@ -449,7 +445,7 @@ impl Transfers {
                 if t.pulled == t.spec.buf.len() {
                     t.stage = Stage::Confirming;
                     t.traffic.single_copy = true;
-                    let h = header(epoch, &t.spec, n, t.order);
+                    let h = header(epoch, &t.spec, n, t.after);
                     self.control.push_back((from, control_frame(FrameKind::Pulled, h)));
                 }
             }
@@ -462,7 +458,7 @@ impl Transfers {
                     self.partners[from] = Some(None);
                 }
                 (t.stage, t.pulled, t.traffic) = (Stage::Moving, 0, Traffic::default());
-                self.control.push_back((from, control_frame(FrameKind::Accept, header(epoch, &t.spec, n, t.order))));
+                self.control.push_back((from, control_frame(FrameKind::Accept, header(epoch, &t.spec, n, t.after))));
                 self.check(id);
             }
         }
@@ -532,14 +528,10 @@ impl Transfers {
                     // Withdrawn before it arrived (its withdrawal took another lane): gone.
                     return Ok(None);
                 }
-                let next = self.is_next(from, &offer);
-                let again =
-                    |(f, o, _): &(usize, OpHeader, u64)| *f == from && o.tag == offer.tag && o.derived == offer.derived;
-                if self.taken.get(&(from, offer.tag)).is_some_and(|t| t.contains(offer.derived))
-                    || self.offers.iter().any(again)
-                {
-                    return Err(malformed(Malformed::OfferTwice { n, tag: offer.tag, order: offer.derived }));
+                if self.offers.iter().any(|(f, o, _)| *f == from && o.seq == n) {
+                    return Err(malformed(Malformed::OfferTwice { n }));
                 }
+                let next = self.is_next(from, &offer);
                 match self.waiting_for(from, offer.tag).filter(|_| next) {
                     Some(id) => self.answer(id, from, offer, addr),
                     None if self.offers.len() >= MAX_WAITING_OFFERS => {
@@ -559,7 +551,7 @@ impl Transfers {
                 t.traffic.tx_bytes += len;
                 t.traffic.single_copy = true;
                 self.pulled.push((from, len, 0));
-                let h = header(self.epoch, &t.spec, n, t.order);
+                let h = header(self.epoch, &t.spec, n, t.after);
                 self.control.push_back((from, control_frame(FrameKind::Confirmed, h)));
                 self.end(id, Ok(()));
                 Ok(None)
@@ -584,7 +576,6 @@ impl Transfers {
             }
             FrameKind::Withdraw => {
                 self.offers.retain(|(f, o, _)| !(*f == from && o.seq == n));
-                self.answered[from].insert(n);
                 // A receive that took the offer got nothing yet (no part leaves before our answer
                 // arrives, and the sender withdraws only before): it waits for another send.
                 if let Some(id) = receiving(&self.ops, None) {
@@ -593,7 +584,7 @@ impl Transfers {
                     t.peer = t.spec.peer.member();
                     self.match_waiting(id);
                 }
-                self.taken(from, frame.op.tag, frame.op.derived);
+                self.taken(from, frame.op.tag, n);
                 Ok(None)
             }
             _ => {
@@ -657,7 +648,7 @@ impl Transfers {
         self.turn = id;
         let epoch = self.epoch;
         let t = self.ops.get_mut(&id).expect("picked");
-        let h = header(epoch, &t.spec, t.number.expect("a send is numbered"), t.order);
+        let h = header(epoch, &t.spec, t.number.expect("a send is numbered"), t.after);
         log::trace!("transfer {id} #{} to rank {to}: {:?}, part {}", h.seq, t.stage, t.next_part);
         if t.stage == Stage::Offering {
             t.stage = Stage::Offered;
@@ -719,7 +710,7 @@ impl Transfers {
         // Withdrawn, even before its offer left: the receiver's later offers with its tag must
         // not wait for it.
         if !t.finished && matches!(t.stage, Stage::Offering | Stage::Offered) {
-            let h = header(self.epoch, &t.spec, t.number.expect("a send is numbered"), t.order);
+            let h = header(self.epoch, &t.spec, t.number.expect("a send is numbered"), t.after);
             self.control.push_back((t.peer.expect("a send's member"), control_frame(FrameKind::Withdraw, h)));
         }
         self.events.retain(|(e, _)| *e != id);
@@ -781,15 +772,15 @@ impl Answered {
     }
 }
 
-/// The header of the transfer `spec` numbered `number`, `order`th with its tag, as its sender's
-/// frames carry it (a receiver's answers carry its own dtype and count). A transfer runs in no
-/// derived group: that field carries the order.
-fn header(epoch: Epoch, spec: &TransferSpec, number: u64, order: u64) -> OpHeader {
+/// The header of the transfer `spec` numbered `number`, after the send `after` - 1 with its tag
+/// (0: none), as its sender's frames carry it (a receiver's answers carry its own dtype and count).
+/// A transfer runs in no derived group: that field carries `after`.
+fn header(epoch: Epoch, spec: &TransferSpec, number: u64, after: u64) -> OpHeader {
     OpHeader {
         collective: 0,
         algorithm: Algorithm::Direct.code(),
         epoch,
-        derived: order,
+        derived: after,
         seq: number,
         tag: spec.tag,
         dtype: spec.dtype.code(),
@@ -823,14 +814,17 @@ mod tests {
             buf: RawBuf::new(buf),
             chunk_bytes: 8,
         };
-        let frame = |kind, number, order| control_frame(kind, header(Epoch(1), &spec(&mut [0u8; 8]), number, order));
+        let frame = |kind, number, after| control_frame(kind, header(Epoch(1), &spec(&mut [0u8; 8]), number, after));
         p2p.on_frame(1, &frame(FrameKind::Withdraw, 0, 0)).unwrap();
         p2p.on_frame(1, &frame(FrameKind::Offer, 0, 0)).unwrap();
         p2p.post(1, TransferSpec { direction: Direction::Recv, ..spec(&mut buf) });
         assert_eq!(p2p.unmatched(1), Some(1), "the withdrawn offer is not taken");
+        // Send #2 came after #1 (with the same tag), which is on its way: it waits for #1.
+        p2p.on_frame(1, &frame(FrameKind::Offer, 2, 2)).unwrap();
+        assert_eq!(p2p.unmatched(1), Some(2), "#2 overtook #1");
+        assert!(p2p.on_frame(1, &frame(FrameKind::Offer, 2, 2)).is_err(), "an offer twice");
         p2p.on_frame(1, &frame(FrameKind::Offer, 1, 1)).unwrap();
-        assert_eq!((p2p.unmatched(1), p2p.peer(1)), (None, Some(1)), "the next one is");
-        assert!(p2p.on_frame(1, &frame(FrameKind::Offer, 2, 1)).is_err(), "an order taken already");
+        assert_eq!((p2p.unmatched(1), p2p.peer(1), p2p.ops[&1].number), (None, Some(1), Some(1)), "#1 first");
     }
 
     /// Offers answered out of order are kept until the numbers below them are, then folded.
