@@ -1,7 +1,7 @@
 /* A peer of a shoal run, in C: joins the master at argv[1], waits until argv[2] peers are in,
  * then runs an all-reduce, an all-gather and a broadcast, retrying what a lost peer interrupts,
- * then gathers a number from each rank at rank 0 with receives from any member, and checks every
- * result. Prints "ok RANK" and exits 0, or names what failed and exits 1.
+ * then gathers a number from each rank at rank 0 with receives from any member, reduces within
+ * the groups of a split and a new group, and checks every result. Prints "ok RANK" and exits 0, or names what failed and exits 1.
  *
  *   cc allreduce.c -I crates/ffi/include target/release/libshoal.a -lpthread -ldl -lm -o allreduce
  *   ./allreduce 127.0.0.1:48148 4      (one process per peer)
@@ -93,6 +93,37 @@ int main(int argc, char **argv) {
         s = shoal_comm_send(comm, &mine, 1, SHOAL_DTYPE_U64, 0, 4);
         if (s != SHOAL_STATUS_OK) return fail("shoal_comm_send", s);
     }
+
+    /* Even and odd ranks split into two groups, each summing its members' ranks; the first and
+     * last ranks form another, which broadcasts the last one's number. */
+    ShoalComm *half = NULL, *ends = NULL;
+    s = shoal_comm_split(comm, (int64_t)(rank % 2), 0, &half);
+    if (s != SHOAL_STATUS_OK || half == NULL) return fail("shoal_comm_split", s);
+    size_t half_rank = 0, half_world = 0;
+    if ((s = shoal_comm_rank(half, &half_rank, &half_world)) != SHOAL_STATUS_OK) return fail("shoal_comm_rank", s);
+    uint64_t sum = rank, want = 0;
+    for (size_t r = rank % 2; r < world; r += 2) want += r;
+    s = shoal_comm_all_reduce(half, &sum, 1, SHOAL_DTYPE_U64, SHOAL_OP_SUM, 5);
+    if (s != SHOAL_STATUS_OK) return fail("shoal_comm_all_reduce on a split", s);
+    if (sum != want || half_rank != rank / 2 || half_world != (world + 1 - rank % 2) / 2) {
+        fprintf(stderr, "split: sum %llu (want %llu), rank %zu of %zu\n", (unsigned long long)sum,
+                (unsigned long long)want, half_rank, half_world);
+        return 1;
+    }
+    size_t both[2] = {0, world - 1};
+    s = shoal_comm_new_group(comm, both, 2, &ends);
+    if (s != SHOAL_STATUS_OK) return fail("shoal_comm_new_group", s);
+    if ((ends != NULL) != (rank == 0 || rank == world - 1)) {
+        fprintf(stderr, "new_group: rank %zu %s a member\n", rank, ends ? "is" : "is not");
+        return 1;
+    }
+    if (ends != NULL) {
+        uint64_t last = rank == world - 1 ? 1234 : 0;
+        s = shoal_comm_broadcast(ends, &last, 1, SHOAL_DTYPE_U64, 1, 6);
+        if (s != SHOAL_STATUS_OK || last != 1234) return fail("shoal_comm_broadcast on a new group", s);
+    }
+    shoal_comm_free(ends);
+    shoal_comm_free(half);
 
     /* Bad input is an error that names the problem, not a crash. */
     s = shoal_comm_all_reduce(comm, x, N, 77, SHOAL_OP_SUM, 3);

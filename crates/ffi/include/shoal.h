@@ -246,6 +246,26 @@ ShoalStatus shoal_comm_peers_pending(const ShoalComm *comm, bool *out);
 ShoalStatus shoal_comm_rank(const ShoalComm *comm, size_t *rank, size_t *world_size);
 
 /**
+ * Splits the group of `comm` like `MPI_Comm_split`: every member calls it (a collective of the
+ * group); those that give the same `color` (0 to 2^32 - 1) form one group, ranked by `key` and
+ * then by their rank in `comm`; a member that gives a negative color is in none and gets NULL
+ * in `*out`. The new communicator shares `comm`'s connections and is freed with
+ * [`shoal_comm_free`], before or after `comm`.
+ */
+ShoalStatus shoal_comm_split(const ShoalComm *comm, int64_t color, int64_t key, ShoalComm **out);
+
+/**
+ * The group of the members of `comm` at the `n` ranks `ranks`, like `torch.distributed.new_group`:
+ * every member of `comm`'s group calls it with the same ranks (a collective of the group); those
+ * at `ranks` get a communicator ranked as `ranks` sorted, the others NULL in `*out`. Freed as
+ * [`shoal_comm_split`]'s.
+ */
+ShoalStatus shoal_comm_new_group(const ShoalComm *comm,
+                                 const size_t *ranks,
+                                 size_t n,
+                                 ShoalComm **out);
+
+/**
  * All-reduces `count` elements of `dtype` at `buf` in place with `op`. Peers' calls must match
  * (count, dtype, op, tag).
  */

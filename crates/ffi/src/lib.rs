@@ -399,6 +399,62 @@ pub unsafe extern "C" fn shoal_comm_rank(
     })
 }
 
+/// Splits the group of `comm` like `MPI_Comm_split`: every member calls it (a collective of the
+/// group); those that give the same `color` (0 to 2^32 - 1) form one group, ranked by `key` and
+/// then by their rank in `comm`; a member that gives a negative color is in none and gets NULL
+/// in `*out`. The new communicator shares `comm`'s connections and is freed with
+/// [`shoal_comm_free`], before or after `comm`.
+#[no_mangle]
+pub unsafe extern "C" fn shoal_comm_split(
+    comm: *const ShoalComm,
+    color: i64,
+    key: i64,
+    out: *mut *mut ShoalComm,
+) -> ShoalStatus {
+    guard(|| {
+        let c = try_ffi!(communicator(comm));
+        let Ok(color) = (color >= 0).then(|| u32::try_from(color)).transpose() else {
+            return invalid(&format!("color {color} is above 2^32 - 1"));
+        };
+        put(out, || c.split(color, key))
+    })
+}
+
+/// The group of the members of `comm` at the `n` ranks `ranks`, like `torch.distributed.new_group`:
+/// every member of `comm`'s group calls it with the same ranks (a collective of the group); those
+/// at `ranks` get a communicator ranked as `ranks` sorted, the others NULL in `*out`. Freed as
+/// [`shoal_comm_split`]'s.
+#[no_mangle]
+pub unsafe extern "C" fn shoal_comm_new_group(
+    comm: *const ShoalComm,
+    ranks: *const usize,
+    n: usize,
+    out: *mut *mut ShoalComm,
+) -> ShoalStatus {
+    guard(|| {
+        let c = try_ffi!(communicator(comm));
+        if ranks.is_null() && n > 0 {
+            return invalid("ranks is NULL");
+        }
+        let ranks = if n == 0 { &[][..] } else { std::slice::from_raw_parts(ranks, n) };
+        put(out, || c.new_group(ranks))
+    })
+}
+
+/// Writes the derived group `make` gives to `*out` (NULL for none).
+unsafe fn put(out: *mut *mut ShoalComm, make: impl FnOnce() -> Result<Option<Communicator>, Error>) -> ShoalStatus {
+    if out.is_null() {
+        return invalid("out is NULL");
+    }
+    match make() {
+        Ok(group) => {
+            *out = group.map_or(std::ptr::null_mut(), |g| Box::into_raw(Box::new(ShoalComm(g))));
+            ShoalStatus::Ok
+        }
+        Err(e) => status_of(&e),
+    }
+}
+
 /// All-reduces `count` elements of `dtype` at `buf` in place with `op`. Peers' calls must match
 /// (count, dtype, op, tag).
 #[no_mangle]
