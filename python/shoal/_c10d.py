@@ -32,6 +32,7 @@ import itertools
 import os
 import queue
 import secrets
+import shutil
 import sys
 import threading
 import time
@@ -506,11 +507,35 @@ def _compiled_base() -> Optional[type]:
                 os.remove(os.path.join(build, "lock"))
             module = cpp_extension.load(name="shoal_torch_backend", sources=[source], build_directory=build,
                                         extra_cflags=["-O2"], verbose=False)
+        _prune_builds(build)
         return module.FastBackend  # type: ignore[no-any-return]
     except Exception as e:  # noqa: BLE001 - any failure to build leaves the Python backend
         warnings.warn(f"shoal: the torch backend runs in Python alone (slower on small tensors): its compiled "
                       f"part did not build: {e}", RuntimeWarning, stacklevel=2)
         return None
+
+
+# Builds of the compiled part kept in the cache: one per source, torch and Python version, so
+# older ones (of a shoal or torch since upgraded) go, the most recently used kept for the other
+# environments of the machine.
+KEPT_BUILDS = 3
+
+
+def _prune_builds(ours: str) -> None:
+    """Marks build directory ``ours`` used now, and removes the other builds beside it but the
+    ``KEPT_BUILDS - 1`` most recently used, skipping any a process is building (its lock held)."""
+    os.utime(ours)
+    root = os.path.dirname(ours)
+    others = [os.path.join(root, d) for d in os.listdir(root)
+              if d.startswith("torch-backend-") and os.path.join(root, d) != ours]
+    others.sort(key=lambda d: os.stat(d).st_mtime, reverse=True)
+    for old in others[KEPT_BUILDS - 1:]:
+        try:
+            with open(os.path.join(old, "shoal.lock"), "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                shutil.rmtree(old)
+        except OSError:
+            continue  # in use, or gone meanwhile
 
 
 _Base: type = _compiled_base() or _PythonBase

@@ -118,6 +118,27 @@ def test_without_a_compiler_the_backend_runs_in_python_and_says_so(tmp_path: Pat
     assert out.stderr.count("the torch backend runs in Python alone") == 1, out.stderr[-3000:]
 
 
+def test_old_builds_of_the_compiled_part_are_pruned_but_those_in_use(tmp_path: Path) -> None:
+    """Each new source, torch or Python version builds anew: the cache keeps the build in use and
+    the most recently used others, and never removes one a process is building."""
+    import fcntl
+
+    from shoal import _c10d
+
+    builds = [tmp_path / f"torch-backend-{k}" for k in range(6)]
+    for k, build in enumerate(builds):
+        build.mkdir()
+        (build / "shoal.lock").touch()
+        os.utime(build, (1000 + k, 1000 + k))  # torch-backend-5 the newest
+    (tmp_path / "something-else").mkdir()
+    with open(builds[0] / "shoal.lock") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # the oldest, being built
+        _c10d._prune_builds(str(builds[1]))
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    assert kept == ["something-else", "torch-backend-0", "torch-backend-1", "torch-backend-4", "torch-backend-5"]
+    assert _c10d.KEPT_BUILDS == 3
+
+
 EXAMPLE = Path(__file__).parents[2] / "examples" / "torchrun_elastic.py"
 
 
