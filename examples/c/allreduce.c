@@ -129,6 +129,10 @@ int main(int argc, char **argv) {
     s = shoal_comm_all_reduce(comm, x, N, 77, SHOAL_OP_SUM, 3);
     if (s != SHOAL_STATUS_INVALID_ARGUMENT) return fail("an unknown dtype was not refused", s);
 
+    /* Nobody leaves before everyone is done: a member leaving re-forms the run, which fails the
+     * operations still in flight elsewhere (the group of the ends' broadcast, say). */
+    s = shoal_comm_barrier(comm, 7);
+    if (s != SHOAL_STATUS_OK) return fail("shoal_comm_barrier", s);
     printf("ok %zu\n", rank);
     shoal_comm_free(comm);
     return 0;
