@@ -524,11 +524,17 @@ KEPT_BUILDS = 3
 def _prune_builds(ours: str) -> None:
     """Marks build directory ``ours`` used now, and removes the other builds beside it but the
     ``KEPT_BUILDS - 1`` most recently used, skipping any a process is building (its lock held)."""
+    def used(build: str) -> float:
+        try:
+            return os.stat(build).st_mtime
+        except OSError:
+            return 0.0  # removed meanwhile by another process pruning: first to go
+
     os.utime(ours)
     root = os.path.dirname(ours)
     others = [os.path.join(root, d) for d in os.listdir(root)
               if d.startswith("torch-backend-") and os.path.join(root, d) != ours]
-    others.sort(key=lambda d: os.stat(d).st_mtime, reverse=True)
+    others.sort(key=used, reverse=True)
     for old in others[KEPT_BUILDS - 1:]:
         try:
             with open(os.path.join(old, "shoal.lock"), "a") as lock:

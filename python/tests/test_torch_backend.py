@@ -120,7 +120,8 @@ def test_without_a_compiler_the_backend_runs_in_python_and_says_so(tmp_path: Pat
 
 def test_old_builds_of_the_compiled_part_are_pruned_but_those_in_use(tmp_path: Path) -> None:
     """Each new source, torch or Python version builds anew: the cache keeps the build in use and
-    the most recently used others, and never removes one a process is building."""
+    the most recently used others, never removes one a process is building, and does not trip on
+    one another process removes meanwhile."""
     import fcntl
 
     from shoal import _c10d
@@ -131,10 +132,12 @@ def test_old_builds_of_the_compiled_part_are_pruned_but_those_in_use(tmp_path: P
         (build / "shoal.lock").touch()
         os.utime(build, (1000 + k, 1000 + k))  # torch-backend-5 the newest
     (tmp_path / "something-else").mkdir()
+    # One another process removed while this one lists them (every process of a torchrun prunes).
+    (tmp_path / "torch-backend-gone").symlink_to(tmp_path / "nowhere")
     with open(builds[0] / "shoal.lock") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # the oldest, being built
         _c10d._prune_builds(str(builds[1]))
-    kept = sorted(p.name for p in tmp_path.iterdir())
+    kept = sorted(p.name for p in tmp_path.iterdir() if not p.is_symlink())
     assert kept == ["something-else", "torch-backend-0", "torch-backend-1", "torch-backend-4", "torch-backend-5"]
     assert _c10d.KEPT_BUILDS == 3
 
