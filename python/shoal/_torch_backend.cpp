@@ -116,8 +116,8 @@ class SourceWork : public c10d::Work {
 };
 
 // The Python method `name` of the subclass, with the arguments after it: its work, held for
-// c10d by a `Holder`; the base class's `method` where the subclass has none. SHOAL_FORWARD_AS:
-// held as torch holds it; SHOAL_FORWARD: the same name.
+// c10d by a `Holder`; the base class's `method` where the subclass has none. SHOAL_FORWARD: the
+// method of the same name, its work held as torch holds it.
 #define SHOAL_FORWARD_HELD(method, name, Holder, ...)                                         \
   do {                                                                                      \
     py::gil_scoped_acquire gil;                                                             \
@@ -131,9 +131,8 @@ class SourceWork : public c10d::Work {
     }                                                                                       \
     return c10d::Backend::method(__VA_ARGS__);                                              \
   } while (false)
-#define SHOAL_FORWARD_AS(method, name, ...) \
-  SHOAL_FORWARD_HELD(method, name, c10d::PyProcessGroup::PyWorkHolder, __VA_ARGS__)
-#define SHOAL_FORWARD(method, ...) SHOAL_FORWARD_AS(method, #method, __VA_ARGS__)
+#define SHOAL_FORWARD(method, ...) \
+  SHOAL_FORWARD_HELD(method, #method, c10d::PyProcessGroup::PyWorkHolder, __VA_ARGS__)
 
 using Tensors = std::vector<at::Tensor>;
 using TensorLists = std::vector<std::vector<at::Tensor>>;

@@ -21,7 +21,7 @@
 //! send names its body ([`Machine::payload`]), so a lane reads and writes them in place.
 //! [`crate::Exec`] is this machine plus the only IO, its lanes.
 
-use crate::p2p::{self, Pull};
+use crate::p2p::{self, End, Pull};
 use crate::{
     Backup, LinkError, LinkStats, Malformed, Missing, OpEvent, OpKey, OpSpec, Taken, Traffic, TransferSpec,
     EARLY_GRACE, MAX_EARLY_BYTES, SPARE_BODIES,
@@ -361,10 +361,18 @@ impl Machine {
     /// Starts tagged transfer `id` (a number of the caller's, unique among those in flight)
     /// with member `spec.peer` (or from any), alongside the collectives.
     pub fn post_transfer(&mut self, id: u64, spec: TransferSpec) {
-        let others: Vec<usize> = (0..self.world).filter(|&r| r != self.rank && spec.peer.admits(r)).collect();
-        assert!(!others.is_empty(), "a transfer with {:?}", spec.peer);
+        let member = |r: &usize| *r < self.world && *r != self.rank;
         // A receive from any of several members fails once none is left to send.
-        let gone = others.iter().all(|&r| self.gone[r]).then(|| others[others.len() - 1]);
+        let gone = match &spec.peer {
+            End::Member(p) => {
+                assert!(member(p), "a transfer with member {p}");
+                self.gone[*p].then_some(*p)
+            }
+            End::AnyOf(members) => {
+                assert!(!members.is_empty() && members.iter().all(member), "a transfer with any of {members:?}");
+                members.iter().all(|&r| self.gone[r]).then(|| members[members.len() - 1])
+            }
+        };
         self.p2p.post(id, spec);
         if let Some(e) = &self.broken {
             self.p2p.fail(id, e.clone());

@@ -522,8 +522,11 @@ impl PeerView {
                 PeerEvent::Nothing
             }
             Message::P2pWaits { peer, any, send, tag, seen, epoch, collectives } => {
-                if self.registered.is_none_or(|(me, _)| me == peer) || peer == PeerId::ANY {
+                if self.registered.is_none_or(|(me, _)| me == peer) {
                     return unexpected("a wait on a transfer with ourselves");
+                }
+                if peer == PeerId::ANY {
+                    return unexpected("a wait relayed without its waiter");
                 }
                 self.waiters.insert(peer, WaitNote { any, send, tag, seen, point: (epoch, collectives) });
                 PeerEvent::MemberWaits(peer)
