@@ -47,6 +47,18 @@ class ReduceInfo:
     def peer(self) -> Optional[int]:
         """A transfer: the rank of the member at the other end (for a receive from any member, the
         one whose send it took); ``None`` for a collective."""
+    @property
+    def rank(self) -> int:
+        """Our rank in the group the call ran in."""
+    @property
+    def lateness(self) -> list[float]:
+        """How much later than the earliest member each member called, in seconds, by rank (0.0 for
+        the earliest); the same figures on every participant, to about one hop's latency. Empty where
+        not measured: a transfer, a broadcast, a group of one, or a collective the master decided."""
+    @property
+    def last(self) -> Optional[int]:
+        """The rank that held the others up: the latest to call, by at least a millisecond and a
+        tenth of the earliest member's call; ``None`` if nobody did, or where not measured."""
 
 @final
 class NativeWork:

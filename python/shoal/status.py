@@ -92,6 +92,11 @@ def render(s: dict[str, Any]) -> str:
         out += ["", table(["operation", "started", "succeeded", "failed", "sent", "mean"], rows)]
     if s["failures"]:
         out.append("failures by cause: " + ", ".join(f"{k} {v}" for k, v in s["failures"].items()))
+    if s.get("stragglers"):
+        rows = [[f"p{t['peer']}", t["group"], f"{t['recent_last']} of {t['recent_ops']}",
+                 f"{1000 * t['recent_median_late_s']:.1f} ms", "yes" if t["straggler"] else "no"]
+                for t in s["stragglers"]]
+        out += ["", table(["last to call", "group", "recent", "median late", "holds others up"], rows)]
     if s["running"]:
         rows = [[f"p{r['peer']}", r["kind"], size(r["bytes"]), f"{r['elapsed_s']:.1f} s"] for r in s["running"]]
         out += ["", table(["running on", "operation", "bytes", "for"], rows)]

@@ -47,6 +47,15 @@ struct ReduceInfo {
     /// A transfer: the rank of the member at the other end (for a receive from any member, the
     /// one whose send it took); `None` for a collective.
     peer: Option<usize>,
+    /// Our rank in the group the call ran in.
+    rank: usize,
+    /// How much later than the earliest member each member called, seconds, by rank (0.0 for
+    /// the earliest); the same on every participant. Empty where not measured: a transfer, a
+    /// broadcast, a group of one, a collective the master decided.
+    lateness: Vec<f64>,
+    /// The rank that held the others up: the latest to call, by at least a millisecond and a
+    /// tenth of the earliest member's call; `None` if nobody did (or not measured).
+    last: Option<usize>,
 }
 
 #[pymethods]
@@ -54,7 +63,7 @@ impl ReduceInfo {
     fn __repr__(&self) -> String {
         format!(
             "ReduceInfo(world_size={}, tx_bytes={}, rx_bytes={}, elapsed={:.6}, topology={}, sequence={}, \
-             algorithm={:?}, peer={})",
+             algorithm={:?}, peer={}, rank={}, lateness={:?}, last={})",
             self.world_size,
             self.tx_bytes,
             self.rx_bytes,
@@ -62,7 +71,10 @@ impl ReduceInfo {
             self.topology,
             self.sequence,
             self.algorithm,
-            self.peer.map_or("None".to_string(), |p| p.to_string())
+            self.peer.map_or("None".to_string(), |p| p.to_string()),
+            self.rank,
+            self.lateness,
+            self.last.map_or("None".to_string(), |p| p.to_string())
         )
     }
 }
@@ -78,6 +90,9 @@ impl From<Info> for ReduceInfo {
             sequence: info.sequence,
             algorithm: info.algorithm.name(),
             peer: info.peer,
+            rank: info.rank,
+            last: info.last(),
+            lateness: info.lateness.iter().map(Duration::as_secs_f64).collect(),
         }
     }
 }

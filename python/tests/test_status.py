@@ -22,6 +22,8 @@ from conftest import clean_env, worker_argv
 import shoal
 
 PEERS, ROUNDS, HEARTBEAT = 3, 25, 1.0
+# The peer that computes longer before each all-reduce, and by how much: the others wait for it.
+SLOW, SLOW_S = 2, 0.05
 # The run's one group: any but 0, so that nothing counts on the default.
 GROUP = 3
 # The page's colours of a ring member and of an accepted peer's mark in the list (status.html).
@@ -29,8 +31,8 @@ RING_RGB, ACCEPTED_RGB = (0xE6, 0x55, 0x0D), (0x31, 0xA3, 0x54)
 
 
 class Run:
-    def __init__(self, master: shoal.Master, status: dict, procs: list[subprocess.Popen], stop: Path):
-        self.master, self.status, self.procs, self.stop = master, status, procs, stop
+    def __init__(self, master: shoal.Master, status: dict, procs: list[subprocess.Popen], stop: Path, ids: list[int]):
+        self.master, self.status, self.procs, self.stop, self.ids = master, status, procs, stop, ids
         self.http = master.http_address
         assert self.http is not None
         self.results: list[dict] = []
@@ -64,16 +66,19 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         procs = []
         for i in range(PEERS):
             spec = {"master": master.address, "index": i, "peers": PEERS, "rounds": ROUNDS, "stop": str(stop),
-                    "heartbeat": HEARTBEAT, "out": str(tmp / f"peer{i}"), "group": GROUP}
+                    "heartbeat": HEARTBEAT, "out": str(tmp / f"peer{i}"), "group": GROUP, "slow": SLOW,
+                    "slow_s": SLOW_S}
             procs.append(subprocess.Popen(worker_argv("watched", spec), stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True, env=clean_env()))
             time.sleep(0.2)
         # Each peer says what it did once done; its counters reach the master with its next heartbeat.
         done = [tmp / f"peer{i}.done" for i in range(PEERS)]
-        deadline, status = time.monotonic() + 60, None
+        deadline, status, ids = time.monotonic() + 60, None, []
         while time.monotonic() < deadline and all(p.poll() is None for p in procs):
             if all(d.exists() for d in done):
-                did = {r["peer"]: r["all_reduce"] for r in (json.loads(d.read_text()) for d in done)}
+                reports = [json.loads(d.read_text()) for d in done]
+                ids = [r["peer"] for r in reports]
+                did = {r["peer"]: r["all_reduce"] for r in reports}
                 s = master.status()
                 seen = {p["id"]: p.get("operations", {}).get("all_reduce", {}).get("succeeded") for p in s["peers"]}
                 if seen == did:
@@ -83,7 +88,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         if status is None:
             stop.touch()
             pytest.fail(f"the run never came up: {[p.communicate(timeout=60) for p in procs]}")
-        run = Run(master, status, procs, stop)
+        run = Run(master, status, procs, stop, ids)
         try:
             yield run
         finally:
@@ -118,6 +123,26 @@ def test_status_lists_the_run(run: Run) -> None:
     assert "probe" in s["operations"], "the measurement counts apart from the application's calls"
     assert s["counters"]["joins"] == PEERS and s["counters"]["syncs_completed"] == 1
     assert s["running"] == []
+
+
+def test_status_names_the_peer_that_holds_the_others_up(run: Run) -> None:
+    """Peer ``SLOW`` calls every all-reduce 50 ms after the others: it is the run's straggler, on
+    /status and /metrics alike, and nobody else is."""
+    s = json.loads(run.get("/status")[2])
+    slow = run.ids[SLOW]
+    first = s["stragglers"][0]
+    assert (first["peer"], first["group"], first["straggler"]) == (slow, GROUP, True), s["stragglers"]
+    assert first["recent_last"] * 2 > first["recent_ops"] >= 5 and first["recent_median_late_s"] > SLOW_S / 2
+    assert [t["peer"] for t in s["stragglers"] if t["straggler"]] == [slow]
+    late = {p["id"]: p["late"] for p in s["peers"]}
+    assert late[slow]["last"] * 2 > late[slow]["collectives"] >= ROUNDS, late
+    assert late[slow]["seconds"] > ROUNDS * SLOW_S / 2, late
+    text = run.get("/metrics")[2]
+    for peer in run.ids:
+        assert metric(text, f'shoal_straggler{{peer="{peer}"}}') == (peer == slow)
+        assert metric(text, f'shoal_collectives_measured_total{{peer="{peer}"}}') >= ROUNDS
+    assert metric(text, f'shoal_collectives_last_total{{peer="{slow}"}}') == late[slow]["last"]
+    assert metric(text, f'shoal_lateness_seconds_total{{peer="{slow}"}}') == pytest.approx(late[slow]["seconds"])
 
 
 def test_metrics_in_prometheus_text(run: Run) -> None:
@@ -168,6 +193,7 @@ def test_shoal_status_prints_the_run(run: Run) -> None:
     epoch = run.status["groups"][0]["ring_epoch"]
     assert f"ring of group {GROUP} (topology {epoch}, idle): {ring}; shared state at revision 7 (1 tensors)" in text
     assert re.search(r"^all_reduce\s+\d+", text, re.M) and "links measured by optimize_topology" in text
+    assert re.search(rf"^p{run.ids[SLOW]}\s+{GROUP}\s+\d+ of \d+\s+[\d.]+ ms\s+yes$", text, re.M), text
     dead = subprocess.run([sys.executable, "-m", "shoal.cli", "status", "127.0.0.1:1"], capture_output=True,
                           text=True, timeout=30, env=clean_env())
     assert dead.returncode != 0 and "cannot read http://127.0.0.1:1/status" in dead.stderr
@@ -232,6 +258,9 @@ def test_the_status_page_draws_the_ring_and_lists_the_peers(run: Run, tmp_path: 
     assert dom.count('<span class="mark accepted">') == PEERS
     for p in run.status["peers"]:
         assert f">p{p['id']}</text>" in dom and f"<td class=\"l\">{p['addr']}</td>" in dom
+    # The stragglers' table names the slow peer first.
+    table = dom[dom.index('id="stragglers"'):]
+    assert table.index(f">p{run.ids[SLOW]}</td>") < table.index('<td class="l err">yes</td>'), table[:2000]
 
 
 def test_each_peer_counts_its_own_work(run: Run) -> None:
@@ -247,3 +276,24 @@ def test_each_peer_counts_its_own_work(run: Run) -> None:
         assert all(link["tx_bytes"] + link["rx_bytes"] > 0 for link in s["links"])
         assert any(link["tx_bytes"] > 0 and link["tx_bytes_per_s"] > 0 for link in s["links"])
         assert s["operations"]["probe"]["succeeded"] > 0
+
+
+def test_every_member_learns_how_late_each_called(run: Run) -> None:
+    """Every all-reduce tells each participant how late every member called, the same figures on
+    all of them; the slow peer's show it about ``SLOW_S`` late, and last."""
+    results = run.finish()
+    slow_rank = results[SLOW]["rank"]
+    by_op: dict[tuple[int, int], list[list[float]]] = {}
+    for r in results:
+        for late in r["late"]:
+            assert late["rank"] == r["rank"] and len(late["lateness"]) == PEERS
+            by_op.setdefault(tuple(late["op"]), []).append(late["lateness"])
+    assert len(by_op) == ROUNDS
+    for op, figures in by_op.items():
+        assert len(figures) == PEERS and all(f == figures[0] for f in figures), (op, figures)
+        assert min(figures[0]) == 0.0, (op, figures)
+    slow = sorted(f[0][slow_rank] for f in by_op.values())
+    assert slow[ROUNDS // 2] > SLOW_S / 2, slow
+    last = [late["last"] for late in results[0]["late"]]
+    assert last.count(slow_rank) > ROUNDS // 2, last
+

@@ -1231,22 +1231,28 @@ def drift(spec: dict) -> dict:
 
 
 def watched(spec: dict) -> dict:
-    """Joins, measures the links, syncs a shared state and all-reduces ``rounds`` times, then
-    stays in the run (the test reads the master's status) until the file ``stop`` appears;
-    reports ``stats()``."""
+    """Joins, measures the links, syncs a shared state and all-reduces ``rounds`` times (the peer
+    of index ``slow`` computes ``slow_s`` longer before each), then stays in the run (the test
+    reads the master's status) until the file ``stop`` appears; reports ``stats()`` and every
+    all-reduce's lateness figures."""
     comm = communicator(spec, timeout=60, heartbeat_timeout=spec["heartbeat"])
     comm.connect(timeout=30)
     join_all(comm, spec["peers"])
     comm.optimize_topology()
     comm.sync_shared_state(shoal.SharedState({"w": np.arange(16, dtype=np.float32)}, revision=7))
     x = np.ones(64 << 10, np.float32)
+    late = []
     for _ in range(spec["rounds"]):
-        comm.all_reduce(x, op="avg")
+        if spec["index"] == spec["slow"]:
+            time.sleep(spec["slow_s"])
+        info = comm.all_reduce(x, op="avg")
+        late.append({"op": [info.topology, info.sequence], "lateness": info.lateness, "last": info.last,
+                     "rank": info.rank})
     with open(spec["out"] + ".done", "w") as f:
         json.dump({"peer": comm.peer_id, "all_reduce": comm.stats()["operations"]["all_reduce"]["succeeded"]}, f)
     while not os.path.exists(spec["stop"]):
         time.sleep(0.05)
-    result = {"rank": comm.rank, "stats": comm.stats()}
+    result = {"rank": comm.rank, "stats": comm.stats(), "late": late}
     comm.close()
     return result
 

@@ -207,6 +207,12 @@ pub enum Malformed {
         /// The group's size.
         world: u32,
     },
+    /// A confirmation token whose body is not the [`TOKEN_BYTES`] it carries.
+    #[error("a token of {len} bytes (a token carries {TOKEN_BYTES})")]
+    TokenLength {
+        /// Its body's bytes.
+        len: u32,
+    },
     /// An answer to a send never made here.
     #[error("an answer to send {n}, never made")]
     UnknownAnswer {
@@ -269,6 +275,10 @@ impl LinkError {
 const SPARE_BODIES: usize = 64;
 /// Most bytes of frames kept for collectives not posted yet, over all lanes.
 pub const MAX_EARLY_BYTES: usize = 256 << 20;
+
+/// A confirmation token's body: how long after its call its origin held the result,
+/// microseconds, u64 little-endian (`docs/wire.md`).
+pub const TOKEN_BYTES: usize = 8;
 /// How long a chunk of a collective not posted here yet waits in its lane before it is read
 /// aside ([`Machine::handle_held`]): members post a batch of collectives within microseconds of
 /// each other, and a chunk read aside costs a copy more; one that waits holds up what follows it
@@ -400,6 +410,9 @@ pub struct OpSpec {
     /// Where to save what it overwrites: a spare kept from an earlier collective, so that a
     /// large one does not allocate (and fault in) a copy of its buffer every time.
     pub backup: Backup,
+    /// When its caller called: how long after it we held the result travels in our tokens
+    /// ([`Taken::ready`]).
+    pub called: Instant,
 }
 
 /// What happened to a collective ([`Exec::pump`]).
@@ -419,6 +432,10 @@ pub enum OpEvent {
 pub struct Taken {
     /// What it moved.
     pub traffic: Traffic,
+    /// How long after its call each member of the group held the result, by rank in the group,
+    /// as its token said (ours too); `None` where no token came (its lap did not finish). All
+    /// participants get the same figures: the lap carries each member's own to every other.
+    pub ready: Vec<Option<Duration>>,
     /// What its buffer held where it changed: put back if it failed.
     backup: Backup,
     buf: RawBuf,
@@ -898,7 +915,7 @@ impl<L: Lane> Exec<L> {
         let (machine, to) = (&mut self.machine, *to);
         loop {
             if out.is_none() && !self.dry[to] {
-                *out = machine.poll_frame(to);
+                *out = machine.poll_frame(to, now);
                 *written = 0;
                 self.dry[to] = out.is_none();
             }
@@ -1024,6 +1041,7 @@ mod tests {
             chunk_bytes,
             codec: None,
             backup: Backup::default(),
+            called: now(),
         }
     }
 
@@ -1508,7 +1526,7 @@ mod tests {
     /// whether any moved.
     fn carry(machines: &mut [Machine], from: usize, to: usize, scratch: &mut Vec<u64>) -> bool {
         let mut carried = false;
-        while let Some(out) = machines[from].poll_frame(to) {
+        while let Some(out) = machines[from].poll_frame(to, now()) {
             let (header, body) = (out.header, machines[from].payload(&out).to_vec());
             machines[from].handle_written(to, &out, FRAME_BYTES + body.len(), body.len());
             machines[from].handle_sent(to, out);
@@ -1524,6 +1542,54 @@ mod tests {
             m.handle_chunk(from, rx, bytemuck::cast_slice(scratch.as_slice())).expect("applied");
         }
         carried
+    }
+
+    /// Every confirmation token carries how long after its call its origin held the result, and
+    /// the lap takes each member's figure to every other: all members end with the same figures,
+    /// from which the late member shows (it called last, so held the result soonest after its
+    /// call). Ring (tokens forwarded) and one-shot (tokens straight to each).
+    #[test]
+    fn the_lap_tells_every_member_how_long_after_its_call_each_held_the_result() {
+        let world = 3;
+        for algorithm in [Algorithm::Ring, Algorithm::OneShot] {
+            let mut machines: Vec<Machine> = (0..world).map(|r| Machine::new(Epoch(1), r, world)).collect();
+            for (r, m) in machines.iter_mut().enumerate() {
+                for other in (0..world).filter(|&o| o != r) {
+                    m.handle_lanes(other, true, &[("mem", None)]);
+                    m.handle_lanes(other, false, &[("mem", None)]);
+                }
+            }
+            let mut bufs: Vec<Vec<u64>> = (0..world).map(|r| input(r, 0, 300)).collect();
+            // Rank 0 called 400 ms before the last, rank 1 200 ms.
+            let early = [400, 200, 0].map(|ms| now() - Duration::from_millis(ms));
+            for (r, m) in machines.iter_mut().enumerate() {
+                m.post(OpSpec { called: early[r], ..sum_spec(&mut bufs[r], 0, 1, algorithm, 256) });
+            }
+            let mut scratch = Vec::new();
+            let mut confirmed = 0;
+            while confirmed < world {
+                let mut carried = false;
+                for from in 0..world {
+                    for to in (0..world).filter(|&t| t != from) {
+                        carried |= carry(&mut machines, from, to, &mut scratch);
+                    }
+                }
+                for m in &mut machines {
+                    m.advance();
+                    confirmed += m.poll_events().iter().filter(|(_, e)| matches!(e, OpEvent::Confirmed)).count();
+                }
+                assert!(carried || confirmed == world, "{algorithm:?}: stalled");
+            }
+            let ready: Vec<Vec<Option<Duration>>> =
+                machines.iter_mut().map(|m| m.take(key(0)).unwrap().ready).collect();
+            assert!(
+                ready.iter().all(|r| *r == ready[0]),
+                "{algorithm:?}: every member has the same figures: {ready:?}"
+            );
+            let r: Vec<Duration> = ready[0].iter().map(|d| d.expect("every member's figure")).collect();
+            assert!(r[0] >= Duration::from_millis(400) && r[1] >= Duration::from_millis(200), "{algorithm:?}: {r:?}");
+            assert!(r[2] < Duration::from_millis(150) && r[1] < r[0], "{algorithm:?}: {r:?}");
+        }
     }
 
     /// The machine alone, no lane anywhere: each frame it asks to send is carried by hand to the
@@ -1600,18 +1666,22 @@ mod tests {
     fn a_frame_out_of_step_is_named_by_what_is_wrong() {
         let ours = header_of(0, 64, 1, Algorithm::Ring);
         let frame = |kind, unit, op| Frame { kind, len: 0, unit, op };
+        let token = Frame { len: TOKEN_BYTES as u32, ..frame(FrameKind::Token, 7, ours) };
         let cases = [
             (
                 frame(FrameKind::Chunk, 0, OpHeader { epoch: Epoch(9), ..ours }),
                 Malformed::ForeignTopology { got: 9, ours: 1 },
             ),
             (frame(FrameKind::Chunk, 99, ours), Malformed::NoSuchChunk { place: 99, expected: 2 }),
-            (frame(FrameKind::Token, 7, ours), Malformed::BadToken { origin: 7, world: 2 }),
+            (token, Malformed::BadToken { origin: 7, world: 2 }),
+            (frame(FrameKind::Token, 1, ours), Malformed::TokenLength { len: 0 }),
             (frame(FrameKind::Accept, 0, OpHeader { seq: 5, ..ours }), Malformed::UnknownAnswer { n: 5 }),
             (frame(FrameKind::Part, 0, OpHeader { seq: 2, ..ours }), Malformed::PartNotAccepted { n: 2 }),
         ];
         for (sent, want) in cases {
-            let events = fed(&sent.encode());
+            let mut bytes = sent.encode().to_vec();
+            bytes.resize(FRAME_BYTES + sent.len as usize, 0);
+            let events = fed(&bytes);
             assert!(
                 matches!(&events[..], [(k, OpEvent::Failed(LinkError::Malformed { rank: 0, what }))] if *what == want && *k == key(0)),
                 "{sent:?}: {events:?}"

@@ -24,7 +24,7 @@
 use crate::p2p::{self, End, Pull};
 use crate::{
     Backup, LinkError, LinkStats, Malformed, Missing, OpEvent, OpKey, OpSpec, Taken, Traffic, TransferSpec,
-    EARLY_GRACE, MAX_EARLY_BYTES, SPARE_BODIES,
+    EARLY_GRACE, MAX_EARLY_BYTES, SPARE_BODIES, TOKEN_BYTES,
 };
 use shoal_collective::schedule::{RecvAction, Schedule};
 use shoal_collective::{finish_avg, reduce_into, Codec, ReduceOp};
@@ -113,8 +113,10 @@ enum Sending {
         key: OpKey,
         body: Arc<[u8]>,
     },
+    /// A confirmation token, its body (how long after its call its origin held the result).
     Token {
         key: OpKey,
+        body: [u8; TOKEN_BYTES],
     },
     /// A part of transfer `id`.
     Part {
@@ -137,6 +139,8 @@ enum Dest {
     /// Left in the lane since then: the collective is not posted yet, and most often is within
     /// microseconds (its caller is posting a batch); past [`EARLY_GRACE`] it is kept aside.
     Unposted(Instant),
+    /// Into the lane's scratch: a confirmation token's body, applied once complete.
+    Token,
     /// Kept aside: the collective is not posted yet.
     Early(Vec<u8>),
     /// Into a receive's buffer (a tagged transfer).
@@ -429,7 +433,8 @@ impl Machine {
             self.awaiting = !self.missing().is_empty();
         }
         debug_assert!(!self.ops.contains_key(&key));
-        Some(Taken { traffic: op.traffic, backup: op.backup, buf: op.spec.buf })
+        let ready = op.ready.iter().map(|us| us.map(Duration::from_micros)).collect();
+        Some(Taken { traffic: op.traffic, ready, backup: op.backup, buf: op.spec.buf })
     }
 
     /// The members collective `key` still moves data with (none once its data moved).
@@ -628,6 +633,9 @@ impl Machine {
             let dest = self.p2p.on_frame(from, &frame).map_err(|e| (None, e))?;
             return Ok(dest.map(|dest| Incoming { frame, unit: 0, got: 0, dest: Dest::Part(dest) }));
         }
+        if frame.kind == FrameKind::Token && frame.len as usize != TOKEN_BYTES {
+            return Err(malformed(Malformed::TokenLength { len: frame.len }));
+        }
         let Some(op) = self.ops.get_mut(&key) else {
             if self.was_posted(key) {
                 return Err(malformed(Malformed::Ended { seq: key.seq }));
@@ -636,7 +644,7 @@ impl Machine {
             if frame.kind == FrameKind::Chunk && frame.len as usize > MAX_EARLY_BYTES {
                 return Err(malformed(Malformed::EarlyTooLarge { len: frame.len }));
             }
-            if frame.kind == FrameKind::Token || frame.len == 0 {
+            if frame.len == 0 {
                 self.early.entry(key).or_default().push(Early { from, frame, body: Vec::new() });
                 return Ok(None);
             }
@@ -646,7 +654,7 @@ impl Machine {
             return Err((Some(key), LinkError::Mismatch { rank: from, theirs: frame.op }));
         }
         if frame.kind == FrameKind::Token {
-            return op.token(from, frame.unit).map(|()| None).map_err(|e| (Some(key), e));
+            return Ok(Some(Incoming { frame, unit: 0, got: 0, dest: Dest::Token }));
         }
         let (unit, dest) = chunk_dest(op, &frame, from).map_err(|e| (Some(key), e))?;
         if frame.len == 0 {
@@ -693,7 +701,7 @@ impl Machine {
                 let stash: &mut [u8] = bytemuck::cast_slice_mut(&mut op.stash);
                 &mut stash[*start + got..*start + len]
             }
-            Dest::Scratch => {
+            Dest::Scratch | Dest::Token => {
                 let words = len.div_ceil(8);
                 if scratch.len() < words {
                     scratch.resize(words, 0);
@@ -717,6 +725,8 @@ impl Machine {
         rx.got += n;
         match &rx.dest {
             Dest::Part(p) => self.p2p.count(p.id, n, false),
+            // Not the collective's data: counted nowhere.
+            Dest::Token => return,
             _ => {
                 if let Some(op) = self.ops.get_mut(&rx.key()) {
                     op.traffic.rx_bytes += n as u64;
@@ -742,6 +752,12 @@ impl Machine {
                 self.ops.get_mut(&key).expect("posted").complete_recv(unit, Some(&aside[..len]));
                 self.hot = Some(key);
             }
+            Dest::Token => {
+                let op = self.ops.get_mut(&key).expect("posted");
+                if let Err(e) = op.token(from, rx.frame.unit, token_value(&aside[..len])) {
+                    return Err(self.fail(Some(key), e));
+                }
+            }
             Dest::Early(body) => {
                 let early = Early { from, frame: rx.frame, body };
                 self.early_bytes -= early.body.len();
@@ -763,13 +779,15 @@ impl Machine {
 
     /// The next frame for a free lane to member `to`: collectives and transfers take turns, and
     /// within each the next one in turn with a frame for it that may leave.
-    pub fn poll_frame(&mut self, to: usize) -> Option<Outgoing> {
+    /// `now` is when it leaves: our own confirmation token says how long after its call we held
+    /// the result.
+    pub fn poll_frame(&mut self, to: usize, now: Instant) -> Option<Outgoing> {
         self.p2p_turn = !self.p2p_turn;
         let transfers_first = self.p2p_turn;
         if transfers_first {
-            self.next_transfer_frame(to).or_else(|| self.next_collective_frame(to))
+            self.next_transfer_frame(to).or_else(|| self.next_collective_frame(to, now))
         } else {
-            self.next_collective_frame(to).or_else(|| self.next_transfer_frame(to))
+            self.next_collective_frame(to, now).or_else(|| self.next_transfer_frame(to))
         }
     }
 
@@ -784,7 +802,7 @@ impl Machine {
     }
 
     /// The next collective frame in turn for member `to`.
-    fn next_collective_frame(&mut self, to: usize) -> Option<Outgoing> {
+    fn next_collective_frame(&mut self, to: usize, now: Instant) -> Option<Outgoing> {
         let turn = self.turn;
         self.hot_turn = !self.hot_turn;
         let hot = self.hot.filter(|s| self.hot_turn && self.ops.get(s).is_some_and(|o| o.has_frame_for(to)));
@@ -800,7 +818,9 @@ impl Machine {
         let op = self.ops.get_mut(&key).expect("picked");
         let token = op.outbox.iter().position(|(t, _)| *t == to);
         let (frame, body) = if let Some(origin) = token.and_then(|k| op.outbox.remove(k)).map(|(_, o)| o) {
-            (Frame { kind: FrameKind::Token, len: 0, unit: origin, op: op.spec.header }, Sending::Token { key })
+            let body = op.token_body(origin, now);
+            let frame = Frame { kind: FrameKind::Token, len: TOKEN_BYTES as u32, unit: origin, op: op.spec.header };
+            (frame, Sending::Token { key, body })
         } else {
             let (unit, place) = op.next_unit_for(to);
             let range = op.plan.sends[unit].range.clone();
@@ -831,7 +851,8 @@ impl Machine {
                 let whole: &[u8] = unsafe { self.p2p.buf(*id).slice() };
                 &whole[*start..*start + *len]
             }
-            Sending::Token { .. } | Sending::Control => &[],
+            Sending::Token { body, .. } => body,
+            Sending::Control => &[],
         }
     }
 
@@ -839,11 +860,13 @@ impl Machine {
     /// body's.
     pub fn handle_written(&mut self, to: usize, out: &Outgoing, n: usize, body: usize) {
         debug_assert!(body <= n);
+        // A token's body is not the collective's data: counted nowhere.
+        let body = if matches!(out.body, Sending::Token { .. }) { 0 } else { body };
         let link = self.stats.entry(to).or_default();
         link.tx_bytes += body as u64;
         link.wrote(n);
         match out.body {
-            Sending::Chunk { key, .. } | Sending::Encoded { key, .. } | Sending::Token { key } => {
+            Sending::Chunk { key, .. } | Sending::Encoded { key, .. } | Sending::Token { key, .. } => {
                 let op = self.ops.get_mut(&key).expect("a frame of a collective in flight");
                 op.traffic.tx_bytes += body as u64;
             }
@@ -870,7 +893,7 @@ impl Machine {
                 op.chunk_sent(to);
                 op.check();
             }
-            Sending::Token { key } => {
+            Sending::Token { key, .. } => {
                 let op = self.ops.get_mut(&key).expect("in flight");
                 op.tokens_out += 1;
                 op.check();
@@ -968,6 +991,9 @@ struct OpExec {
     outbox: VecDeque<(usize, u32)>,
     /// Tokens received before the data moved: forwarded after ours.
     held: Vec<u32>,
+    /// What each member's token says, by rank in the group: how long after its call it held the
+    /// result, microseconds (ours once our first token leaves).
+    ready: Vec<Option<u64>>,
     /// Events not returned yet.
     events: Vec<OpEvent>,
     finished: bool,
@@ -1062,6 +1088,7 @@ impl OpExec {
             tokens_out: 0,
             outbox: VecDeque::new(),
             held: Vec::new(),
+            ready: vec![None; world],
             events: Vec::new(),
             finished: false,
             encoded: BTreeMap::new(),
@@ -1286,8 +1313,9 @@ impl OpExec {
         }
     }
 
-    /// A token of `origin`'s (a rank in the group) arrived from the topology's member `member`.
-    fn token(&mut self, member: usize, origin: u32) -> Result<(), LinkError> {
+    /// A token of `origin`'s (a rank in the group), saying it held the result `ready_us` after
+    /// its call, arrived from the topology's member `member`.
+    fn token(&mut self, member: usize, origin: u32, ready_us: u64) -> Result<(), LinkError> {
         let world = self.plan.world as u32;
         let o = origin as usize;
         let malformed = |what| LinkError::Malformed { rank: member, what };
@@ -1302,12 +1330,24 @@ impl OpExec {
         }
         self.tokens_in += 1;
         self.tokens_from[from] += 1;
+        self.ready[o] = Some(ready_us);
         if self.data_done {
             self.forward_tokens([origin]);
         } else {
             self.held.push(origin);
         }
         Ok(())
+    }
+
+    /// The body of `origin`'s token, leaving `now`: the first of ours records how long after
+    /// the call we held the result.
+    fn token_body(&mut self, origin: u32, now: Instant) -> [u8; TOKEN_BYTES] {
+        let called = self.spec.called;
+        let ready = self.ready[origin as usize].get_or_insert_with(|| {
+            debug_assert_eq!(origin as usize, self.plan.rank, "a forwarded token's figure came with it");
+            now.saturating_duration_since(called).as_micros().min(u64::MAX.into()) as u64
+        });
+        ready.to_le_bytes()
     }
 
     /// How many tokens come from the group's member `from`.
@@ -1396,7 +1436,7 @@ fn apply_early(op: &mut OpExec, early: Early) -> Result<Vec<u8>, LinkError> {
         return Err(LinkError::Mismatch { rank: early.from, theirs: early.frame.op });
     }
     if early.frame.kind == FrameKind::Token {
-        return op.token(early.from, early.frame.unit).map(|()| early.body);
+        return op.token(early.from, early.frame.unit, token_value(&early.body)).map(|()| early.body);
     }
     op.traffic.rx_bytes += early.body.len() as u64;
     let (unit, dest) = chunk_dest(op, &early.frame, early.from)?;
@@ -1415,4 +1455,9 @@ fn apply_early(op: &mut OpExec, early: Early) -> Result<Vec<u8>, LinkError> {
         _ => op.complete_recv(unit, Some(&early.body)),
     }
     Ok(early.body)
+}
+
+/// The figure a token's body carries (its length checked with its header).
+fn token_value(body: &[u8]) -> u64 {
+    u64::from_le_bytes(body[..TOKEN_BYTES].try_into().expect("a token's body"))
 }

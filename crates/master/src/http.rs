@@ -18,8 +18,8 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 use serde_json::{json, Value};
 use shoal_proto::loglimit::LogLimit;
-use shoal_proto::master::{RunStatus, Status};
-use shoal_wire::{OpCounters, PeerId, PeerReport, DURATION_BOUNDS_US};
+use shoal_proto::master::{PeerStatus, RunStatus, Status};
+use shoal_wire::{LateReport, OpCounters, PeerId, PeerReport, DURATION_BOUNDS_US};
 use std::fmt::Write as _;
 use std::io::{self, ErrorKind, Read, Write};
 use std::net::{IpAddr, Shutdown, TcpListener, TcpStream};
@@ -324,6 +324,21 @@ pub fn status_json(s: &RunStatus) -> Value {
         .flat_map(|p| p.report.iter().flat_map(move |r| r.running.iter().map(move |o| (p.peer, o))))
         .map(|(p, o)| json!({"peer": p.0, "kind": o.kind, "bytes": o.bytes, "elapsed_s": o.elapsed_ms as f64 / 1e3}))
         .collect();
+    // The peers that were last in any recent collective, those that hold their group up most
+    // first.
+    let mut stragglers: Vec<(&PeerStatus, &LateReport)> =
+        s.peers.iter().filter_map(|p| Some((p, &p.report.as_ref()?.late))).filter(|(_, l)| l.recent_last > 0).collect();
+    stragglers.sort_by_key(|(p, l)| (std::cmp::Reverse(l.recent_last), std::cmp::Reverse(l.recent_median_us), p.peer));
+    let stragglers: Vec<Value> = stragglers
+        .into_iter()
+        .map(|(p, l)| {
+            json!({
+                "peer": p.peer.0, "group": p.group.0, "straggler": l.straggler(),
+                "recent_last": l.recent_last, "recent_ops": l.recent_ops,
+                "recent_median_late_s": l.recent_median_us as f64 / 1e6,
+            })
+        })
+        .collect();
     let c = &s.counters;
     json!({
         "session": format!("{:016x}", s.session.0),
@@ -332,6 +347,7 @@ pub fn status_json(s: &RunStatus) -> Value {
         "peers": peers,
         "groups": groups,
         "running": running,
+        "stragglers": stragglers,
         "open_collectives": s.open_collectives,
         "counters": {
             "joins": c.joins, "auth_failures": c.auth_failures, "refused_full": c.refused_full,
@@ -367,6 +383,15 @@ pub fn report_json(r: &PeerReport) -> Value {
             },
             "transport": l.transport,
         })).collect::<Vec<_>>(),
+        "late": {
+            "collectives": r.late.ops,
+            "last": r.late.last,
+            "seconds": r.late.late_us as f64 / 1e6,
+            "recent_collectives": r.late.recent_ops,
+            "recent_last": r.late.recent_last,
+            "recent_median_s": r.late.recent_median_us as f64 / 1e6,
+            "straggler": r.late.straggler(),
+        },
     })
 }
 
@@ -547,6 +572,36 @@ impl Collector for Run {
                     (vec![("from", from.0.to_string()), ("to", l.peer.0.to_string())], gauge(l.tx_rate as i64))
                 })
             }),
+        )?;
+        let reports =
+            || s.peers.iter().filter_map(|p| Some((vec![("peer", p.peer.0.to_string())], &p.report.as_ref()?.late)));
+        family(
+            &mut e,
+            "collectives_measured",
+            "Collectives in which a peer learned how late every member called, by peer",
+            None,
+            reports().map(|(l, r)| (l, counter(r.ops))),
+        )?;
+        family(
+            &mut e,
+            "collectives_last",
+            "Collectives in which a peer was last and held the others up, by peer",
+            None,
+            reports().map(|(l, r)| (l, counter(r.last))),
+        )?;
+        family(
+            &mut e,
+            "lateness",
+            "How much later than the earliest member a peer called its collectives, in all, by peer",
+            Some(Unit::Seconds),
+            reports().map(|(l, r)| (l, ConstCounter::new(r.late_us as f64 / 1e6))),
+        )?;
+        family(
+            &mut e,
+            "straggler",
+            "1 while a peer was last in most of its recent collectives, by peer",
+            None,
+            reports().map(|(l, r)| (l, gauge(i64::from(r.straggler())))),
         )?;
         let matrices: Vec<_> = s.groups.iter().filter_map(|g| g.matrix.as_ref()).collect();
         if !matrices.is_empty() {

@@ -434,5 +434,19 @@ fn log_event(event: &MasterEvent) {
             let ids: Vec<String> = members.iter().map(ToString::to_string).collect();
             log::info!("group {}: topology {} committed: ring [{}]", group.0, epoch.0, ids.join(" -> "))
         }
+        MasterEvent::Straggler { peer, group, now: true, late } => log::warn!(
+            "group {}: {peer} holds the others up: last in {} of its {} most recent collectives, {:.1} ms late \
+             at the median",
+            group.0,
+            late.recent_last,
+            late.recent_ops,
+            late.recent_median_us as f64 / 1e3
+        ),
+        MasterEvent::Straggler { peer, group, now: false, late } => log::info!(
+            "group {}: {peer} no longer holds the others up (last in {} of its {} most recent collectives)",
+            group.0,
+            late.recent_last,
+            late.recent_ops
+        ),
     }
 }

@@ -563,7 +563,7 @@ impl Communicator {
             drop(data);
             match finished {
                 Some((result, buf, _)) => {
-                    work.result = Some(result.as_ref().map(|i| *i).map_err(ToString::to_string));
+                    work.result = Some(result.as_ref().map(Info::clone).map_err(ToString::to_string));
                     work.buf = buf.map(|b| b.downcast::<B>().expect("the work's own buffer"));
                     return result;
                 }
@@ -574,7 +574,7 @@ impl Communicator {
             }
         }
         match work.result.as_ref().expect("ended") {
-            Ok(info) => Ok(*info),
+            Ok(info) => Ok(info.clone()),
             Err(e) => Err(Usage::WaitedAgain { what: "collective", failed: e.clone() }.into()),
         }
     }

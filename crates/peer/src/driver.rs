@@ -562,6 +562,7 @@ impl Driver {
             chunk_bytes: self.config.chunk_bytes.unwrap_or(DEFAULT_CHUNK_BYTES),
             codec,
             backup: spare_backup(&mut data.spare_backups, record.buf.len()),
+            called: record.started,
         };
         let exec = data.exec.get_or_insert_with(|| Exec::new(id.epoch, position.rank, position.group_size()));
         debug_assert_eq!(exec.epoch(), id.epoch, "a collective runs in the topology taken up");
@@ -696,6 +697,8 @@ impl Driver {
             }
         }
         let traffic = taken.as_ref().map(|t| t.traffic).unwrap_or_default();
+        let ready = taken.as_ref().map_or(&[][..], |t| &t.ready[..]);
+        let lateness = if record.request.kind == CollectiveKind::Broadcast { Vec::new() } else { lateness(ready) };
         let (request, operation) = (record.request, record.request.kind.name());
         let outcome = match result {
             // A group of one posts nothing: its buffers must fit it all the same.
@@ -724,6 +727,8 @@ impl Driver {
                         |p| p.algorithm,
                     ),
                     peer: None,
+                    lateness,
+                    rank,
                 })
             }
             Ok(other) => unreachable!("{operation} returned {other:?}"),
@@ -763,6 +768,14 @@ impl Driver {
         data.record_end(call, &outcome);
         data.calls.finished.insert(call, (outcome, record.owner, Some(TagUse(record.derived, request.tag))));
     }
+}
+
+/// How much later than the earliest member each member called, from how long after its call
+/// each held the result (every member's figure, else nothing: `Info::lateness`).
+fn lateness(ready: &[Option<Duration>]) -> Vec<Duration> {
+    let Some(ready) = ready.iter().copied().collect::<Option<Vec<Duration>>>() else { return Vec::new() };
+    let most = ready.iter().max().copied().unwrap_or_default();
+    ready.into_iter().map(|r| most - r).collect()
 }
 
 /// The spare backup that fits `len` bytes best: the smallest large enough, or else the largest.

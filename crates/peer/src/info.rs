@@ -6,7 +6,7 @@ use shoal_wire::PeerId;
 use std::time::Duration;
 
 /// What a completed collective reports.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Info {
     /// Peers that took part.
     pub world_size: usize,
@@ -26,7 +26,31 @@ pub struct Info {
     /// A tagged transfer: the member at the other end, by its rank in the group (for a receive
     /// from any member, the one whose send it took). `None` for a collective.
     pub peer: Option<usize>,
+    /// How much later than the earliest member each member of the group called, by rank in the
+    /// group (0 for the earliest): every member ended its part together, so a member that held
+    /// the result sooner after its call called that much later (`docs/protocol.md`,
+    /// "Stragglers"). The same figures on every member, to about a hop's latency. Empty where
+    /// not measured: a transfer, a broadcast (whose root holds the result from its call), a
+    /// group of one, or a collective whose lap did not finish (the master decided it).
+    pub lateness: Vec<Duration>,
+    /// Our own rank in the group: which of `lateness` is ours.
+    pub rank: usize,
 }
+
+impl Info {
+    /// The member that held the others up, by rank in the group: the latest to call, where it
+    /// was at least [`STRAGGLER_FLOOR`] and a tenth of the earliest member's call late (two
+    /// members a few microseconds apart hold nobody up).
+    pub fn last(&self) -> Option<usize> {
+        let (last, &late) = self.lateness.iter().enumerate().max_by_key(|(_, l)| **l)?;
+        // The earliest member called this much before we did, and ended when we did.
+        let earliest = self.elapsed + self.lateness[self.rank];
+        (late >= STRAGGLER_FLOOR && late * 10 >= earliest).then_some(last)
+    }
+}
+
+/// The least lateness that makes a member the one that held the others up ([`Info::last`]).
+pub const STRAGGLER_FLOOR: Duration = Duration::from_millis(1);
 
 /// A link to another member of our group in the topology in force, and what moved over it
 /// ([`crate::Communicator::links`]).

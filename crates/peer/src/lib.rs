@@ -42,7 +42,7 @@ pub use config::{
 pub use deadline::Deadline;
 pub use error::{Error, Misfit, Protocol, Result, Usage};
 pub use fetch::StateTensor;
-pub use info::{Info, LinkInfo};
+pub use info::{Info, LinkInfo, STRAGGLER_FLOOR};
 pub use named::Described;
 pub use shoal_collective::Algorithm;
 pub use shoal_collective::{DType, Format, Quantization, ReduceOp};

@@ -380,6 +380,8 @@ pub(crate) struct TransferCall {
     pub world: usize,
     /// A derived group's members, by their rank in the topology (empty for the whole group).
     pub members: Vec<usize>,
+    /// Our rank in that group.
+    pub rank: usize,
     pub started: Instant,
 }
 
@@ -466,6 +468,8 @@ fn take_ended(data: &mut DataPlane) {
             sequence: 0,
             algorithm: if traffic.single_copy { Algorithm::SingleCopy } else { Algorithm::Direct },
             peer,
+            lateness: Vec::new(),
+            rank: t.data.rank,
         });
         if let Err(e) = &outcome {
             log::debug!("{} failed: {e}", described(&t));

@@ -6,8 +6,10 @@
 use crate::error::Error;
 use crate::info::{Info, LinkInfo};
 use shoal_proto::peer::CallId;
-use shoal_wire::{LinkReport, OpCounters, PeerReport, RunningOp, MAX_REPORT_KINDS, MAX_REPORT_RUNNING};
-use std::collections::{BTreeMap, HashMap};
+use shoal_wire::{
+    LateReport, LinkReport, OpCounters, PeerReport, RunningOp, MAX_REPORT_KINDS, MAX_REPORT_RUNNING, RECENT_OPS,
+};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -29,6 +31,9 @@ struct Inner {
     /// Time with a call in flight in that topology: what the links' rates are measured over.
     busy: Duration,
     busy_since: Option<Instant>,
+    /// How late we were to our collectives, and to the most recent ones (whether last, how late).
+    late: LateReport,
+    recent: VecDeque<(bool, Duration)>,
 }
 
 impl Stats {
@@ -60,12 +65,23 @@ impl Stats {
         }
         s.links = links;
         let c = counters(&mut s.ops, kind);
-        c.observe(now.saturating_duration_since(started).as_micros().min(u64::MAX.into()) as u64);
+        c.observe(micros(now.saturating_duration_since(started)));
         match outcome {
             Ok(info) => {
                 c.succeeded += 1;
                 c.tx_bytes += info.tx_bytes;
                 c.rx_bytes += info.rx_bytes;
+                if let Some(&late) = info.lateness.get(info.rank) {
+                    let last = info.last() == Some(info.rank);
+                    let l = &mut s.late;
+                    l.ops += 1;
+                    l.last += u64::from(last);
+                    l.late_us = l.late_us.saturating_add(micros(late));
+                    if s.recent.len() == RECENT_OPS {
+                        s.recent.pop_front();
+                    }
+                    s.recent.push_back((last, late));
+                }
             }
             Err(e) => {
                 c.failed += 1;
@@ -106,17 +122,35 @@ impl Stats {
                     rx_bytes: l.rx_bytes,
                     tx_rate: rate(l.tx_bytes),
                     saturated_bytes: l.saturated_bytes,
-                    saturated_us: l.saturated.as_micros().min(u64::MAX.into()) as u64,
+                    saturated_us: micros(l.saturated),
                     transport: l.transport.to_string(),
                 })
                 .collect(),
-            busy_us: busy.as_micros().min(u64::MAX.into()) as u64,
+            busy_us: micros(busy),
+            late: LateReport {
+                recent_ops: s.recent.len() as u32,
+                recent_last: s.recent.iter().filter(|(last, _)| *last).count() as u32,
+                recent_median_us: median(s.recent.iter().map(|(_, late)| *late)).map_or(0, micros),
+                ..s.late
+            },
         }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }
+}
+
+/// `d` in microseconds, saturated.
+fn micros(d: Duration) -> u64 {
+    d.as_micros().min(u64::MAX.into()) as u64
+}
+
+/// The median of `values` (the upper one of an even count), if any.
+fn median(values: impl Iterator<Item = Duration>) -> Option<Duration> {
+    let mut v: Vec<Duration> = values.collect();
+    v.sort_unstable();
+    v.get(v.len() / 2).copied()
 }
 
 fn counters<'a>(ops: &'a mut BTreeMap<&'static str, OpCounters>, kind: &'static str) -> &'a mut OpCounters {

@@ -197,7 +197,7 @@ impl Communicator {
         data.stats.started(call, direction.name(), tag, buf.len() as u64);
         exec.post_transfer(call.0, TransferSpec { direction, peer: end, tag, dtype, buf, chunk_bytes });
         let started = Instant::now();
-        let kept = TransferCall { buf, owner, dtype, world, members, started };
+        let kept = TransferCall { buf, owner, dtype, world, members, rank: ours, started };
         let send = direction == Direction::Send;
         let transfer = Transfer::new(peer, to, send, tag, position.epoch, started + self.config.timeout, kept);
         data.calls.transfers.start(call, transfer);

@@ -134,8 +134,9 @@ impl Ord for Queued {
 /// How a call ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
-    /// The collective succeeded: the peer's rank in it, and its buffer after it.
-    Ok { rank: usize, values: Vec<i64> },
+    /// The collective succeeded: the peer's rank in it, its buffer after it, and how long after
+    /// its call each member held the result, as the lap told it (`Taken::ready`).
+    Ok { rank: usize, values: Vec<i64>, ready: Vec<Option<Duration>> },
     /// It failed.
     Err(String),
 }
@@ -1568,6 +1569,8 @@ impl Sim {
     fn start_collective(&mut self, i: usize, call: CallId, id: OpId, position: &RingPosition) {
         let members: Vec<PeerId> = position.ring.iter().map(|m| m.peer).collect();
         let world = members.len();
+        // Its call began now: the simulated application posts as it calls.
+        let at = self.instant();
         let p = &mut self.peers[i];
         let me = p.me().expect("registered");
         // Every member runs the same collective, by the same algorithm, on `world` elements; a
@@ -1613,6 +1616,7 @@ impl Sim {
             chunk_bytes: 8,
             codec,
             backup: Backup::default(),
+            called: at,
         };
         let exec = p.exec.get_or_insert_with(|| Exec::new(id.epoch, position.rank, world));
         debug_assert_eq!(exec.epoch(), id.epoch, "a collective runs in the topology taken up");
@@ -1818,11 +1822,15 @@ impl Sim {
             }
         }
         let (id, members, outcome) = match (result, op) {
-            (Ok(Value::Collective(id)), Some(op)) => (id, op.members, Outcome::Ok { rank: op.rank, values: op.buf }),
+            (Ok(Value::Collective(id)), Some(op)) => {
+                let ready = op.taken.as_ref().map(|t| t.ready.clone()).unwrap_or_default();
+                (id, op.members, Outcome::Ok { rank: op.rank, values: op.buf, ready })
+            }
             // Alone in its group: nothing moved.
             (Ok(Value::Collective(id)), None) => {
                 let dtype = if collective_of(id, 1).3.is_some() { DType::F64 } else { DType::I64 };
-                (id, vec![me], Outcome::Ok { rank: 0, values: vec![value(input(me, id.seq.0, 0), dtype)] })
+                let values = vec![value(input(me, id.seq.0, 0), dtype)];
+                (id, vec![me], Outcome::Ok { rank: 0, values, ready: Vec::new() })
             }
             (Ok(other), _) => {
                 self.report.violations.push(Violation(format!("peer {i}: a collective returned {other:?}")));
@@ -1979,7 +1987,7 @@ pub fn check(r: &Report) -> Result<(), Violation> {
     for ((_, e, s), results) in &by_op {
         // Every success holds what its collective makes of exactly the participants' inputs.
         for (i, members, o) in results {
-            if let Outcome::Ok { rank, values } = o {
+            if let Outcome::Ok { rank, values, .. } = o {
                 let world = members.len();
                 let sum = |k: usize| members.iter().fold(0i64, |a, m| a.wrapping_add(input(*m, *s, k)));
                 let (kind, _, root, format) = collective_of(OpId { epoch: *e, derived: 0, seq: Seq(*s) }, world);
@@ -2026,6 +2034,18 @@ pub fn check(r: &Report) -> Result<(), Violation> {
             let differ = results.iter().any(|(_, _, o)| matches!(o, Outcome::Ok { values: v, .. } if v != values));
             if kind == CollectiveKind::AllReduce && differ {
                 return Err(Violation(format!("({e:?}, {s}): members hold different results: {results:?}")));
+            }
+        }
+        // Each member's figure in the lap (how long after its call it held the result) is one:
+        // every participant that got it got the same.
+        let figures: Vec<&Vec<Option<Duration>>> = results
+            .iter()
+            .filter_map(|(_, _, o)| if let Outcome::Ok { ready, .. } = o { Some(ready) } else { None })
+            .collect();
+        for origin in 0..figures.iter().map(|f| f.len()).max().unwrap_or(0) {
+            let told: BTreeSet<Duration> = figures.iter().filter_map(|f| f.get(origin).copied().flatten()).collect();
+            if told.len() > 1 {
+                return Err(Violation(format!("({e:?}, {s}): members were told {told:?} of rank {origin}'s lap")));
             }
         }
         // Participants still in the run at the end all returned the same outcome.

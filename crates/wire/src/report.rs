@@ -13,6 +13,11 @@ pub const DURATION_BOUNDS_US: [u64; 12] =
 pub const DURATION_BUCKETS: usize = DURATION_BOUNDS_US.len() + 1;
 /// Most kinds of operation, and most causes of failure, one report lists.
 pub const MAX_REPORT_KINDS: usize = 32;
+/// The recent collectives a [`LateReport`] counts.
+pub const RECENT_OPS: usize = 32;
+/// The fewest recent collectives measured that can make a peer a straggler
+/// ([`LateReport::straggler`]).
+pub const STRAGGLER_MIN_OPS: u32 = 5;
 /// Most operations in flight one report lists.
 pub const MAX_REPORT_RUNNING: usize = 256;
 
@@ -30,6 +35,27 @@ pub struct PeerReport {
     /// How long, in that topology, it had an operation in flight, microseconds: what the links'
     /// rates and saturated shares are of.
     pub busy_us: u64,
+    /// How late it was to its collectives (`docs/protocol.md`, "Stragglers").
+    pub late: LateReport,
+}
+
+/// How late a peer called its collectives, against the earliest member of each: counted over
+/// the collectives whose lap told it every member's figure (`Info::lateness` in the peer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LateReport {
+    /// Collectives measured.
+    pub ops: u64,
+    /// Those in which it was last and held the others up (by at least a millisecond and a
+    /// tenth of the call of the earliest).
+    pub last: u64,
+    /// How late it was in all, microseconds.
+    pub late_us: u64,
+    /// Its most recent collectives measured ([`RECENT_OPS`] at most).
+    pub recent_ops: u32,
+    /// In how many of those it was last.
+    pub recent_last: u32,
+    /// Its median lateness over those, microseconds.
+    pub recent_median_us: u64,
 }
 
 /// The counters of one kind of operation.
@@ -111,6 +137,14 @@ pub struct LinkReport {
     pub transport: String,
 }
 
+impl LateReport {
+    /// Whether it held its group up in most of its recent collectives (of at least
+    /// [`STRAGGLER_MIN_OPS`] measured): the peer the others wait for.
+    pub fn straggler(&self) -> bool {
+        self.recent_ops >= STRAGGLER_MIN_OPS && 2 * u64::from(self.recent_last) > u64::from(self.recent_ops)
+    }
+}
+
 impl PeerReport {
     pub(crate) fn encode(&self, w: &mut Writer) {
         assert!(self.ops.len() <= MAX_REPORT_KINDS, "report lists too many kinds: a bug");
@@ -150,6 +184,13 @@ impl PeerReport {
             w.str(&l.transport);
         }
         w.u64(self.busy_us);
+        let l = &self.late;
+        for v in [l.ops, l.last, l.late_us] {
+            w.u64(v);
+        }
+        w.u32(l.recent_ops);
+        w.u32(l.recent_last);
+        w.u64(l.recent_median_us);
     }
 
     pub(crate) fn decode(r: &mut Reader<'_>) -> Result<Self, WireError> {
@@ -185,7 +226,16 @@ impl PeerReport {
                 })
             })
             .collect::<Result<Vec<_>, WireError>>()?;
-        Ok(PeerReport { ops, failures, running, links, busy_us: r.u64()? })
+        let busy_us = r.u64()?;
+        let late = LateReport {
+            ops: r.u64()?,
+            last: r.u64()?,
+            late_us: r.u64()?,
+            recent_ops: r.u32()?,
+            recent_last: r.u32()?,
+            recent_median_us: r.u64()?,
+        };
+        Ok(PeerReport { ops, failures, running, links, busy_us, late })
     }
 }
 
@@ -231,12 +281,23 @@ pub(crate) mod strategy {
             }),
             0..4,
         );
-        (ops, failures, running, links, any::<u64>()).prop_map(|(ops, failures, running, links, busy_us)| PeerReport {
-            ops,
-            failures,
-            running,
-            links,
-            busy_us,
-        })
+        let late = (any::<[u64; 4]>(), any::<[u32; 2]>()).prop_map(|(c, n)| LateReport {
+            ops: c[0],
+            last: c[1],
+            late_us: c[2],
+            recent_ops: n[0],
+            recent_last: n[1],
+            recent_median_us: c[3],
+        });
+        (ops, failures, running, links, any::<u64>(), late).prop_map(
+            |(ops, failures, running, links, busy_us, late)| PeerReport {
+                ops,
+                failures,
+                running,
+                links,
+                busy_us,
+                late,
+            },
+        )
     }
 }

@@ -27,7 +27,7 @@ use crate::ballot::Ballot;
 pub use durable::{Durable, DurableGroup, DurablePeer, DurableRing, Incoherent};
 pub use ops::MAX_TRACKED_OPS;
 pub use plan::Plan;
-use shoal_wire::{Epoch, GroupId, Member, Message, PeerId, PeerReport, Reason, SessionId, Vote};
+use shoal_wire::{Epoch, GroupId, LateReport, Member, Message, PeerId, PeerReport, Reason, SessionId, Vote};
 pub use status::{Counters, GroupStatus, Matrix, PeerStatus, RunStatus, Totals};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
@@ -131,6 +131,17 @@ pub enum MasterEvent {
         epoch: Epoch,
         /// Its members in ring order.
         members: Vec<PeerId>,
+    },
+    /// A peer became a straggler, or stopped being one (`LateReport::straggler`), by its report.
+    Straggler {
+        /// The peer.
+        peer: PeerId,
+        /// Its group.
+        group: GroupId,
+        /// Whether it is one now.
+        now: bool,
+        /// What it reported.
+        late: LateReport,
     },
 }
 
@@ -506,6 +517,12 @@ impl Master {
             Message::Heartbeat => {}
             Message::Report { report } => {
                 self.watch_drift(now, peer, &report);
+                let was = self.reports.get(&peer).is_some_and(|r| r.late.straggler());
+                if report.late.straggler() != was {
+                    let (group, late) = (self.focus, report.late);
+                    let now = !was;
+                    self.outputs.push_back(Output::Event(MasterEvent::Straggler { peer, group, now, late }));
+                }
                 self.reports.insert(peer, report);
             }
             Message::VoteUpdateTopology { collectives, measured } if accepted => {

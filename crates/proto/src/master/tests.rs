@@ -1180,6 +1180,35 @@ fn reports_are_summed_and_outlive_the_peers_that_sent_them() {
     assert_eq!((status.counters.joins, status.counters.left, status.counters.topology_votes), (2, 1, 1));
 }
 
+/// A peer whose reports say it was last in most of its recent collectives becomes a straggler:
+/// the master says so once, shows it, and says so again once it no longer is.
+#[test]
+fn a_peer_last_in_most_recent_collectives_is_named_once_and_again_when_it_is_not() {
+    let (mut h, _) = run_with(2);
+    let late = |recent_ops: u32, recent_last: u32| {
+        let late = LateReport { ops: 40, last: 20, late_us: 9_000_000, recent_ops, recent_last, recent_median_us: 200 };
+        Message::Report { report: PeerReport { late, ..Default::default() } }
+    };
+    let named = |out: &[Output]| {
+        out.iter()
+            .filter_map(|o| match o {
+                Output::Event(MasterEvent::Straggler { peer, now, .. }) => Some((peer.0, *now)),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    // Too few collectives to tell, then last in half of them: not one.
+    assert_eq!(named(&h.send(2, late(4, 4))), []);
+    assert_eq!(named(&h.send(2, late(10, 5))), []);
+    assert_eq!(named(&h.send(2, late(10, 6))), [(1, true)]);
+    assert_eq!(named(&h.send(2, late(12, 8))), [], "named once");
+    let status = h.master.status(h.now);
+    let report = |id: u32| status.peers.iter().find(|p| p.peer.0 == id).and_then(|p| p.report.as_ref());
+    assert!(report(1).unwrap().late.straggler() && report(0).is_none());
+    assert_eq!(named(&h.send(2, late(32, 3))), [(1, false)]);
+    assert_eq!(named(&h.send(1, late(32, 3))), [], "never one");
+}
+
 /// A master restored from what its predecessor kept holds the same run: the peers that rejoin
 /// are taken back under their ids, one that never does is removed after a heartbeat timeout (and
 /// the ring re-formed without it), and strangers' or old runs' `Rejoin`s are refused.
