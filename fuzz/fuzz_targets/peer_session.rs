@@ -9,7 +9,7 @@ use libfuzzer_sys::fuzz_target;
 use shoal_fuzz::{apart, digests, failure, misuse, vote_abort};
 use shoal_proto::auth::RunKey;
 use shoal_proto::peer::{
-    Action, CallId, CallKind, Established, OpId, OpProgress, Peer, PeerConfig, Revision, SyncBallot,
+    Action, CallId, CallKind, Cutoff, Established, OpId, OpProgress, Peer, PeerConfig, Revision, SyncBallot,
 };
 use shoal_wire::{AlgorithmLimits, Epoch, GroupId, Measured, Member, Message, PeerId, PlanEntry, SessionId, Vote};
 use std::collections::BTreeSet;
@@ -48,6 +48,7 @@ enum CallMsg {
     PeersPending,
     Sync { revision: u8, strategy: u8, tensors: u8, hash: u8 },
     Collective,
+    Gathered(u8, u8),
 }
 
 #[derive(Debug, Arbitrary)]
@@ -75,6 +76,7 @@ enum Msg {
     P2pWaits { peer: u8, any: bool, send: bool, epoch: u8, collectives: u8 },
     P2pResumed(u8),
     P2pApart(u8),
+    Gathered { epoch: u8, seq: u8, included: Vec<u8> },
     // A peer-to-master message, which a master never sends.
     Other(u8),
 }
@@ -96,6 +98,10 @@ fn call(c: CallMsg) -> CallKind {
             entries: digests(tensors, hash),
         }),
         CallMsg::Collective => CallKind::Collective(shoal_wire::Api::AllReduce, None),
+        CallMsg::Gathered(deadline_ms, min) => CallKind::Gathered(
+            shoal_wire::Api::AllReduce,
+            Cutoff { deadline: Duration::from_millis(deadline_ms.into()), min: min.into() },
+        ),
     }
 }
 
@@ -146,6 +152,11 @@ fn message(m: Msg) -> Message {
         },
         Msg::P2pResumed(p) => Message::P2pResumed { peer: PeerId(p.into()) },
         Msg::P2pApart(p) => Message::P2pApart { peer: PeerId(p.into()), misuse: misuse(0, p) },
+        Msg::Gathered { epoch, seq, included } => Message::Gathered {
+            epoch: Epoch(epoch.into()),
+            seq: seq.into(),
+            included: included.into_iter().take(8).map(|p| PeerId(p.into())).collect(),
+        },
         Msg::VoteOpened { vote, epoch, voter, collectives } => Message::VoteOpened {
             vote: [Vote::UpdateTopology, Vote::PeersPending, Vote::SyncSharedState][usize::from(vote) % 3],
             epoch: Epoch(epoch.into()),

@@ -167,6 +167,8 @@ class Communicator:
         quantization: Optional[str] = None,
         algorithm: Optional[str] = None,
         quantization_block: Optional[int] = None,
+        deadline: Optional[float] = None,
+        min_participants: Optional[int] = None,
     ) -> _native.ReduceInfo:
         """Reduce ``tensor`` in place with every peer of the group (ops: sum, avg, prod, min, max).
 
@@ -190,16 +192,26 @@ class Communicator:
         the same quantization; combinations that make no sense (an integer tensor, prod/min/max)
         raise ``ValueError`` before any traffic. ``ReduceInfo.tx_bytes`` counts what was sent.
         See :class:`ErrorFeedback` to carry the error into the next step.
+
+        ``deadline`` (seconds) waits for no straggler longer: the members that have not called this
+        all-reduce ``deadline`` seconds after the first did (once at least ``min_participants`` have;
+        by default more than half the group) are left out by agreement, and it runs among the
+        others. Each of those ends with the same bit-identical result over exactly them (``avg``
+        divides by their number), and ``ReduceInfo.included`` names them; a member left out raises
+        :class:`ExcludedError` at its call, its tensor untouched, and stays a member. Deciding who
+        is in costs a round trip to the master. Every member must pass a deadline (the first
+        caller's figures stand); a group from ``split`` or ``new_group`` takes none.
         """
         _check_tag(tag)
         quant = _quant(quantization, quantization_block)
-        if type(tensor) is np.ndarray:
+        cutoff = _cutoff(deadline, min_participants)
+        if type(tensor) is np.ndarray and cutoff is None:
             # Checked natively, without a view: None for an array it does not take as is.
             info = self._native.all_reduce_array(tensor, op, tag, algorithm, quant)
             if info is not None:
                 return info
         view, dtype = _byte_view(tensor)
-        return self._native.all_reduce_bytes(view, dtype, op, tag, algorithm, quant)
+        return self._native.all_reduce_bytes(view, dtype, op, tag, algorithm, quant, cutoff)
 
     def all_reduce_async(
         self,
@@ -210,6 +222,8 @@ class Communicator:
         algorithm: Optional[str] = None,
         quantization: Optional[str] = None,
         quantization_block: Optional[int] = None,
+        deadline: Optional[float] = None,
+        min_participants: Optional[int] = None,
     ) -> "Work":
         """Start reducing ``tensor`` in place like :meth:`all_reduce` and return at once.
 
@@ -221,12 +235,13 @@ class Communicator:
         """
         _check_tag(tag)
         quant = _quant(quantization, quantization_block)
-        if type(tensor) is np.ndarray:
+        cutoff = _cutoff(deadline, min_participants)
+        if type(tensor) is np.ndarray and cutoff is None:
             native = self._native.all_reduce_array_async(tensor, op, tag, algorithm, quant)
             if native is not None:
                 return Work(native)
         view, dtype = _byte_view(tensor)
-        return Work(self._native.all_reduce_bytes_async(view, dtype, op, tag, algorithm, quant))
+        return Work(self._native.all_reduce_bytes_async(view, dtype, op, tag, algorithm, quant, cutoff))
 
     def all_reduce_many(
         self,
@@ -548,6 +563,21 @@ def _out_and_in(out: Any, inp: Any, tag: int, quantization: Optional[str], block
     (out_view, dtype), (inp_view, inp_dtype) = _byte_view(out), _byte_view(inp, writable=False)
     _same_dtype(dtype, inp_dtype)
     return out_view, inp_view, dtype, _quant(quantization, block)
+
+
+def _cutoff(deadline: Optional[float], min_participants: Optional[int]) -> "Optional[tuple[float, int]]":
+    """The native form of ``deadline=``, ``min_participants=`` (0: more than half the group)."""
+    if deadline is None:
+        if min_participants is not None:
+            raise ValueError(f"min_participants={min_participants!r} without a deadline")
+        return None
+    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not 0 <= deadline < float("inf"):
+        raise ValueError(f"deadline must be a finite number of seconds >= 0, got {deadline!r}")
+    if min_participants is None:
+        return (float(deadline), 0)
+    if isinstance(min_participants, bool) or not isinstance(min_participants, int) or min_participants < 1:
+        raise ValueError(f"min_participants must be a positive integer, got {min_participants!r}")
+    return (float(deadline), min(min_participants, 2**32 - 1))
 
 
 def _quant(quantization: Optional[str], block: Optional[int]) -> "Optional[tuple[str, Optional[int]]]":

@@ -59,6 +59,10 @@ class ReduceInfo:
     def last(self) -> Optional[int]:
         """The rank that held the others up: the latest to call, by at least a millisecond and a
         tenth of the earliest member's call; ``None`` if nobody did, or where not measured."""
+    @property
+    def included(self) -> list[int]:
+        """The ranks that took part: all of them, but for an ``all_reduce`` with a ``deadline`` that
+        left some out (``world_size`` counts these). Empty for a transfer."""
 
 @final
 class NativeWork:
@@ -109,7 +113,7 @@ class Communicator:
     def peers_pending_async(self) -> NativeVote: ...
     def all_reduce_bytes(
         self, buf: npt.NDArray[np.uint8], dtype: str, op: str, tag: int, algorithm: Optional[str] = None,
-        quant: _Quant = None,
+        quant: _Quant = None, cutoff: Optional[tuple[float, int]] = None,
     ) -> ReduceInfo: ...
     def all_reduce_array(
         self, arr: npt.NDArray[Any], op: str, tag: int, algorithm: Optional[str] = None, quant: _Quant = None,
@@ -119,7 +123,7 @@ class Communicator:
     ) -> Optional[NativeWork]: ...
     def all_reduce_bytes_async(
         self, buf: npt.NDArray[np.uint8], dtype: str, op: str, tag: int, algorithm: Optional[str] = None,
-        quant: _Quant = None,
+        quant: _Quant = None, cutoff: Optional[tuple[float, int]] = None,
     ) -> NativeWork: ...
     def all_reduce_many_bytes(
         self, bufs: list[tuple[npt.NDArray[np.uint8], str]], op: str, max_in_flight: int, tag: int,

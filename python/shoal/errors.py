@@ -16,6 +16,7 @@ __all__ = [
     "KickedError",
     "CollectiveMismatchError",
     "ShoalTimeoutError",
+    "ExcludedError",
     "AuthenticationError",
     "ProtocolError",
 ]
@@ -63,6 +64,18 @@ class CollectiveMismatchError(ShoalError):
 
 class ShoalTimeoutError(ShoalError, TimeoutError):
     """A blocking call did not finish within its bound."""
+
+
+class ExcludedError(ShoalError):
+    """An ``all_reduce`` with a ``deadline`` ran without this peer: it had not called it by the
+    deadline, and the others went on without it, by agreement. Nothing was done here (the tensor
+    is as it was), and the peer is a member still: its next call meets the others' next. Not a
+    failure to retry: the collective happened, among the ranks in ``included``. ``topology`` and
+    ``sequence`` name it, as ``ReduceInfo`` does."""
+
+    included: list = []
+    topology: int = 0
+    sequence: int = 0
 
 
 class AuthenticationError(ShoalError):

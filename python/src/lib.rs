@@ -15,8 +15,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyBool;
 use shoal_master::{MasterOptions, MasterServer};
 use shoal_peer::{
-    Algorithm, Communicator as Core, CommunicatorConfig, DType, Error, Info, Quantization, ReduceOp, StateTensor,
-    Strategy, Usage, Vote, Work,
+    Algorithm, Communicator as Core, CommunicatorConfig, Cutoff, DType, Error, Info, Quantization, ReduceOp,
+    StateTensor, Strategy, Usage, Vote, Work,
 };
 use shoal_transport::TlsFiles;
 use std::os::raw::c_char;
@@ -56,6 +56,8 @@ struct ReduceInfo {
     /// The rank that held the others up: the latest to call, by at least a millisecond and a
     /// tenth of the earliest member's call; `None` if nobody did (or not measured).
     last: Option<usize>,
+    /// The ranks that took part: all, but for a collective with a deadline that left some out.
+    included: Vec<usize>,
 }
 
 #[pymethods]
@@ -63,7 +65,7 @@ impl ReduceInfo {
     fn __repr__(&self) -> String {
         format!(
             "ReduceInfo(world_size={}, tx_bytes={}, rx_bytes={}, elapsed={:.6}, topology={}, sequence={}, \
-             algorithm={:?}, peer={}, rank={}, lateness={:?}, last={})",
+             algorithm={:?}, peer={}, rank={}, lateness={:?}, last={}, included={:?})",
             self.world_size,
             self.tx_bytes,
             self.rx_bytes,
@@ -74,7 +76,8 @@ impl ReduceInfo {
             self.peer.map_or("None".to_string(), |p| p.to_string()),
             self.rank,
             self.lateness,
-            self.last.map_or("None".to_string(), |p| p.to_string())
+            self.last.map_or("None".to_string(), |p| p.to_string()),
+            self.included
         )
     }
 }
@@ -93,8 +96,18 @@ impl From<Info> for ReduceInfo {
             rank: info.rank,
             last: info.last(),
             lateness: info.lateness.iter().map(Duration::as_secs_f64).collect(),
+            included: info.included,
         }
     }
+}
+
+/// A collective's deadline (seconds) and fewest members, as Python passes them.
+fn cutoff_of(cutoff: Option<(f64, u32)>) -> PyResult<Option<Cutoff>> {
+    let Some((deadline, min)) = cutoff else { return Ok(None) };
+    let deadline = Duration::try_from_secs_f64(deadline).map_err(|_| {
+        PyValueError::new_err(format!("deadline must be a finite number of seconds >= 0, got {deadline}"))
+    })?;
+    Ok(Some(Cutoff { deadline, min }))
 }
 
 /// The dtype, operator and algorithm named `dtype`, `op` and `algorithm` (`None`: chosen).
@@ -436,7 +449,9 @@ impl Communicator {
 
     /// All-reduces `buf`, a writable contiguous uint8 view of the tensor, as elements of
     /// `dtype`. The caller (shoal.Communicator) has checked the tensor.
-    #[pyo3(signature = (buf, dtype, op, tag, algorithm=None, quant=None))]
+    /// `cutoff`: (deadline in seconds, fewest members; 0: more than half) for a collective with
+    /// a deadline.
+    #[pyo3(signature = (buf, dtype, op, tag, algorithm=None, quant=None, cutoff=None))]
     #[allow(clippy::too_many_arguments)] // The Python call's arguments, one for one.
     fn all_reduce_bytes(
         &self,
@@ -447,13 +462,17 @@ impl Communicator {
         tag: u64,
         algorithm: Option<&str>,
         quant: QuantArg,
+        cutoff: Option<(f64, u32)>,
     ) -> PyResult<ReduceInfo> {
         let (dtype, op, algorithm) = reduction(dtype, op, algorithm)?;
-        let q = quantization(quant)?;
+        let (q, cutoff) = (quantization(quant)?, cutoff_of(cutoff)?);
         let mut view = writable(buf, "tensor")?;
         let bytes = contiguous_mut(&mut view, "tensor")?;
-        let info = py.detach(|| self.inner.all_reduce(bytes, dtype, op, tag, algorithm, q)).map_err(to_py)?;
-        Ok(info.into())
+        let info = py.detach(|| match cutoff {
+            Some(c) => self.inner.all_reduce_with_deadline(bytes, dtype, op, tag, algorithm, q, c),
+            None => self.inner.all_reduce(bytes, dtype, op, tag, algorithm, q),
+        });
+        Ok(info.map_err(to_py)?.into())
     }
 
     /// All-reduces numpy array `arr` in place like `all_reduce_bytes`, checking it here: the
@@ -539,7 +558,8 @@ impl Communicator {
 
     /// Starts all-reducing `buf` like `all_reduce_bytes` and returns at once; the returned work
     /// keeps `buf` (and so the tensor it views) alive until the collective ended.
-    #[pyo3(signature = (buf, dtype, op, tag, algorithm=None, quant=None))]
+    #[pyo3(signature = (buf, dtype, op, tag, algorithm=None, quant=None, cutoff=None))]
+    #[allow(clippy::too_many_arguments)] // The Python call's arguments, one for one.
     fn all_reduce_bytes_async(
         &self,
         buf: &Bound<'_, PyArray1<u8>>,
@@ -548,11 +568,15 @@ impl Communicator {
         tag: u64,
         algorithm: Option<&str>,
         quant: QuantArg,
+        cutoff: Option<(f64, u32)>,
     ) -> PyResult<NativeWork> {
         let (dtype, op, algorithm) = reduction(dtype, op, algorithm)?;
-        let q = quantization(quant)?;
-        let work = self.inner.all_reduce_async(lend(buf, "tensor")?, dtype, op, tag, algorithm, q).map_err(to_py)?;
-        Ok(NativeWork::new(&self.inner, work, Some(buf)))
+        let (q, cutoff, lent) = (quantization(quant)?, cutoff_of(cutoff)?, lend(buf, "tensor")?);
+        let work = match cutoff {
+            Some(c) => self.inner.all_reduce_async_with_deadline(lent, dtype, op, tag, algorithm, q, c),
+            None => self.inner.all_reduce_async(lent, dtype, op, tag, algorithm, q),
+        };
+        Ok(NativeWork::new(&self.inner, work.map_err(to_py)?, Some(buf)))
     }
 
     /// Starts all-reducing numpy array `arr` like `all_reduce_array`; None, having done nothing,
@@ -1091,6 +1115,17 @@ fn to_py(e: Error) -> PyErr {
         Error::PeerLost { .. } => "PeerLostError",
         Error::MasterInterrupted { .. } => "MasterInterruptedError",
         Error::Timeout { .. } => "ShoalTimeoutError",
+        Error::Excluded { topology, sequence, included, .. } => {
+            let error = raise("ExcludedError", e.to_string());
+            // As for UsageError.calls: only a broken package refuses the attributes.
+            Python::attach(|py| {
+                let value = error.value(py);
+                value.setattr("included", included.clone()).is_ok()
+                    && value.setattr("topology", *topology).is_ok()
+                    && value.setattr("sequence", *sequence).is_ok()
+            });
+            return error;
+        }
         Error::TooFewPeers { .. } => "TooFewPeersError",
         Error::SyncFailed { retryable: true, .. } => "PeerLostError",
         Error::SyncFailed { retryable: false, .. } => "UsageError",

@@ -1416,6 +1416,43 @@ def catchup(spec: dict) -> dict:
     return {"times": times, "hashes": hashes, "received": received, "caught": caught, "peer": comm.peer_id}
 
 
+def deadline(spec: dict) -> dict:
+    """All-reduces with a deadline: round 1 with peer ``late`` 1 s late (left out), a barrier, round
+    2 on time, round 3 with it late again but ``min_participants`` of the whole group (waited for),
+    round 4 async and late (left out). Each round's tensor holds the peer's index + 1 and the
+    round; reports every round's values, info and error."""
+    comm = communicator(spec, timeout=60)
+    comm.connect(timeout=30)
+    join_all(comm, spec["peers"])
+    me, late = spec["index"], spec["late"]
+    rounds = []
+    for r, (delay, least, asynchronous) in enumerate([(0, None, False), (1.0, None, False), (0, None, False),
+                                                      (0.6, spec["peers"], False), (1.0, None, True)]):
+        if r == 2:
+            comm.barrier(tag=99)
+        x = np.array([me + 1, r], np.float64)
+        if me == late:
+            time.sleep(delay)
+        t0 = time.monotonic()
+        outcome: dict = {"round": r}
+        try:
+            if asynchronous:
+                info = comm.all_reduce_async(x, op="avg", tag=r, deadline=0.3, min_participants=least).wait()
+            else:
+                info = comm.all_reduce(x, op="avg", tag=r, deadline=0.3, min_participants=least)
+            outcome.update(included=info.included, world=info.world_size, topology=info.topology,
+                           sequence=info.sequence, rank=info.rank)
+        except shoal.ExcludedError as e:
+            outcome.update(excluded=str(e), included=e.included, topology=e.topology, sequence=e.sequence)
+        outcome.update(values=x.tolist(), took=time.monotonic() - t0)
+        rounds.append(outcome)
+    final = comm.all_reduce(np.ones(1, np.float32), op="sum", tag=7)
+    comm.barrier(tag=98)
+    result = {"rank": comm.rank, "rounds": rounds, "world": final.world_size, "topology": final.topology}
+    comm.close()
+    return result
+
+
 if __name__ == "__main__":
     scenario, spec = sys.argv[1], json.loads(sys.argv[2])
     scenarios = {"overlap": overlap, "many_survive": many_survive,
@@ -1429,6 +1466,6 @@ if __name__ == "__main__":
                  "barrier_lost": barrier_lost, "optimize": optimize, "drift": drift, "quantized": quantized,
                  "watched": watched,
                  "restart_loop": restart_loop, "diloco": diloco,
-                 "ddp": ddp, "catchup": catchup}
+                 "ddp": ddp, "catchup": catchup, "deadline": deadline}
     result = scenarios[scenario](spec)
     print(json.dumps(result), flush=True)

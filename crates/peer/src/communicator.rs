@@ -16,7 +16,7 @@ use shoal_collective::{CollectiveKind, DType, Quantization, ReduceOp};
 use shoal_config::failpoint;
 use shoal_engine::RawBuf;
 use shoal_proto::auth::{DataKey, RunKey};
-use shoal_proto::peer::{Action, CallId, CallKind, Derived, PeerConfig, RingPosition, Value};
+use shoal_proto::peer::{Action, CallId, CallKind, Cutoff, Derived, PeerConfig, RingPosition, Value};
 use shoal_transport::{Conn, TlsConfig};
 use shoal_wire::PeerReport;
 use shoal_wire::{GroupId, PeerId, SessionId};
@@ -310,8 +310,62 @@ impl Communicator {
         quantization: Option<Quantization>,
     ) -> Result<Info> {
         check_buffer(buf, dtype)?;
-        let request = Request { kind: CollectiveKind::AllReduce, dtype, op, tag, root: 0, algorithm, quantization };
+        let request =
+            Request { kind: CollectiveKind::AllReduce, dtype, op, tag, root: 0, algorithm, quantization, cutoff: None };
         self.collective(RawBuf::new(buf), request, Extra::None)
+    }
+
+    /// [`Communicator::all_reduce`] that waits for no member longer than `cutoff` says: the
+    /// members that have not called it `cutoff.deadline` after the first did (once at least
+    /// `cutoff.min` have) are left out by agreement, and it runs among the others, whose result
+    /// is over exactly them (an average divides by their number): [`Info::included`] names them.
+    /// A member left out gets [`Error::Excluded`], its buffer untouched, and stays a member
+    /// (`docs/protocol.md`, "Collectives with a deadline"). Every member must call it with a
+    /// deadline; the first member's figures stand.
+    ///
+    /// # Errors
+    /// [`Error::Excluded`] where this member was left out; otherwise as
+    /// [`Communicator::all_reduce`] (a derived group refuses a deadline: [`Error::InvalidArgument`]).
+    #[allow(clippy::too_many_arguments)] // all_reduce's, and the cutoff.
+    pub fn all_reduce_with_deadline(
+        &self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        tag: u64,
+        algorithm: Option<Algorithm>,
+        quantization: Option<Quantization>,
+        cutoff: Cutoff,
+    ) -> Result<Info> {
+        check_buffer(buf, dtype)?;
+        let (kind, cutoff) = (CollectiveKind::AllReduce, Some(cutoff));
+        let request = Request { kind, dtype, op, tag, root: 0, algorithm, quantization, cutoff };
+        self.collective(RawBuf::new(buf), request, Extra::None)
+    }
+
+    /// Starts [`Communicator::all_reduce_with_deadline`] and returns at once, like
+    /// [`Communicator::all_reduce_async`].
+    ///
+    /// # Errors
+    /// As [`Communicator::all_reduce_async`].
+    #[allow(clippy::too_many_arguments)] // all_reduce_async's, and the cutoff.
+    pub fn all_reduce_async_with_deadline<B>(
+        &self,
+        mut buf: B,
+        dtype: DType,
+        op: ReduceOp,
+        tag: u64,
+        algorithm: Option<Algorithm>,
+        quantization: Option<Quantization>,
+        cutoff: Cutoff,
+    ) -> Result<Work<B>>
+    where
+        B: AsMut<[u8]> + Send + 'static,
+    {
+        check_buffer(buf.as_mut(), dtype)?;
+        let (kind, cutoff) = (CollectiveKind::AllReduce, Some(cutoff));
+        let request = Request { kind, dtype, op, tag, root: 0, algorithm, quantization, cutoff };
+        self.start_async(buf, request, |b| (RawBuf::new(b.as_mut()), Extra::None))
     }
 
     /// Gathers every member's `inp` into `out`, in rank order: `out` holds `world` times `inp`'s
@@ -370,7 +424,7 @@ impl Communicator {
     ) -> Result<Info> {
         check_buffer(buf, dtype)?;
         let (kind, op) = (CollectiveKind::Broadcast, ReduceOp::Sum);
-        let request = Request { kind, dtype, op, tag, root, algorithm, quantization: None };
+        let request = Request { kind, dtype, op, tag, root, algorithm, quantization: None, cutoff: None };
         self.collective(RawBuf::new(buf), request, Extra::None)
     }
 
@@ -447,7 +501,8 @@ impl Communicator {
         B: AsMut<[u8]> + Send + 'static,
     {
         check_buffer(buf.as_mut(), dtype)?;
-        let request = Request { kind: CollectiveKind::AllReduce, dtype, op, tag, root: 0, algorithm, quantization };
+        let request =
+            Request { kind: CollectiveKind::AllReduce, dtype, op, tag, root: 0, algorithm, quantization, cutoff: None };
         self.start_async(buf, request, |b| (RawBuf::new(b.as_mut()), Extra::None))
     }
 
@@ -515,7 +570,7 @@ impl Communicator {
     {
         check_buffer(buf.as_mut(), dtype)?;
         let (kind, op) = (CollectiveKind::Broadcast, ReduceOp::Sum);
-        let request = Request { kind, dtype, op, tag, root, algorithm, quantization: None };
+        let request = Request { kind, dtype, op, tag, root, algorithm, quantization: None, cutoff: None };
         self.start_async(buf, request, |b| (RawBuf::new(b.as_mut()), Extra::None))
     }
 
@@ -658,6 +713,7 @@ impl Communicator {
                 root: 0,
                 algorithm: None,
                 quantization,
+                cutoff: None,
             };
             match self.start_collective(c, &mut data, RawBuf::new(buf), None, request, Extra::None) {
                 Ok(call) => in_flight.push_back(call),
@@ -719,7 +775,15 @@ impl Communicator {
             return Err(Usage::TagInFlight { call: kind.name(), tag }.into());
         }
         let bound = self.config.timeout;
-        let collective = CallKind::Collective(verb(kind, tag), self.derived.clone());
+        let collective = match request.cutoff {
+            None => CallKind::Collective(verb(kind, tag), self.derived.clone()),
+            Some(_) if self.derived.is_some() => {
+                return Err(Error::InvalidArgument(
+                    "a deadline applies to the whole group's collectives, not a derived group's".into(),
+                ))
+            }
+            Some(cutoff) => CallKind::Gathered(verb(kind, tag), cutoff),
+        };
         let call = c.control.own_input(|p, now| p.call(collective, bound, now));
         let count = (buf.len() / dtype.size()) as u64;
         data.stats.started(call, kind.name(), tag, buf.len() as u64);
@@ -732,6 +796,7 @@ impl Communicator {
             count,
             started: Instant::now(),
             posted: None,
+            included: Vec::new(),
             local: None,
         };
         data.calls.collectives.insert(call, record);
@@ -920,16 +985,34 @@ impl<B> Work<B> {
 /// What owns a buffer lent to the engine: a [`Work`]'s, until its caller takes it back.
 fn gather_request(dtype: DType, tag: u64, quantization: Option<Quantization>) -> Request {
     let kind = CollectiveKind::AllGather;
-    Request { kind, dtype, op: ReduceOp::Sum, tag, root: 0, algorithm: None, quantization }
+    Request { kind, dtype, op: ReduceOp::Sum, tag, root: 0, algorithm: None, quantization, cutoff: None }
 }
 
 fn scatter_request(dtype: DType, op: ReduceOp, tag: u64, quantization: Option<Quantization>) -> Request {
-    Request { kind: CollectiveKind::ReduceScatter, dtype, op, tag, root: 0, algorithm: None, quantization }
+    Request {
+        kind: CollectiveKind::ReduceScatter,
+        dtype,
+        op,
+        tag,
+        root: 0,
+        algorithm: None,
+        quantization,
+        cutoff: None,
+    }
 }
 
 fn barrier_request(tag: u64) -> Request {
     let kind = CollectiveKind::Barrier;
-    Request { kind, dtype: DType::U8, op: ReduceOp::Sum, tag, root: 0, algorithm: None, quantization: None }
+    Request {
+        kind,
+        dtype: DType::U8,
+        op: ReduceOp::Sum,
+        tag,
+        root: 0,
+        algorithm: None,
+        quantization: None,
+        cutoff: None,
+    }
 }
 
 /// A barrier's buffer: one byte each member sends every other, which proves that it called.

@@ -520,6 +520,10 @@ impl Driver {
     ) {
         let record = data.calls.collectives.get_mut(&call).expect("a collective called here");
         let (rank, world) = crate::plane::place(position, &members);
+        if record.request.cutoff.is_some() {
+            // The whole group's collective, among the members the master named.
+            record.included.clone_from(&members);
+        }
         let request = record.request;
         if data.placement.epoch != Some(position.epoch) {
             data.placement = Placement::of(position);
@@ -729,6 +733,11 @@ impl Driver {
                     peer: None,
                     lateness,
                     rank,
+                    included: if record.included.is_empty() {
+                        (0..record.posted.map_or(1, |p| p.world)).collect()
+                    } else {
+                        record.included
+                    },
                 })
             }
             Ok(other) => unreachable!("{operation} returned {other:?}"),
@@ -798,5 +807,11 @@ pub(crate) fn call_error(control: &Control, e: CallError, operation: &'static st
         CallError::Aborted { op, failure } => Protocol::Aborted { call: operation, op, reason: failure.reason }.into(),
         CallError::Unconfirmed { op, .. } => Protocol::Unconfirmed { call: operation, op }.into(),
         CallError::Interrupted(reason) => Error::MasterInterrupted { operation, reason },
+        CallError::Excluded { op, included } => {
+            // A collective of the whole group: its ranks are the ring's.
+            let ring = control.lock().position().map(|p| p.ring).unwrap_or_default();
+            let included = included.iter().filter_map(|p| ring.iter().position(|m| m.peer == *p)).collect();
+            Error::Excluded { operation, topology: op.epoch.0, sequence: op.seq.0, included }
+        }
     }
 }

@@ -93,6 +93,23 @@ pub enum Error {
         /// The bound.
         after: Duration,
     },
+    /// A collective with a deadline ran without this peer: it had not called it in time. Nothing
+    /// was done here (the buffer is as it was) and the peer is a member still; its next call
+    /// meets the others' next (`docs/protocol.md`, "Collectives with a deadline").
+    #[error(
+        "{operation} (collective {sequence} of topology {topology}) ran without this peer, which had not called it \
+         by its deadline: it ran among ranks {included:?}; nothing was done here"
+    )]
+    Excluded {
+        /// The call.
+        operation: &'static str,
+        /// The topology it ran in.
+        topology: u64,
+        /// Its number there.
+        sequence: u64,
+        /// The ranks it ran among.
+        included: Vec<usize>,
+    },
     /// The operation did not finish within its bound.
     #[error("{operation} did not finish within {:.1} s", after.as_secs_f64())]
     Timeout {
@@ -147,6 +164,7 @@ impl Error {
             Error::SyncFailed { .. } => "sync_failed",
             Error::TooFewPeers { .. } => "too_few_peers",
             Error::Timeout { .. } => "timeout",
+            Error::Excluded { .. } => "excluded",
             Error::CollectiveMismatch { .. } => "mismatch",
             Error::Protocol(_) => "protocol",
             Error::Config(_) => "config",

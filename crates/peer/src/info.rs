@@ -35,6 +35,9 @@ pub struct Info {
     pub lateness: Vec<Duration>,
     /// Our own rank in the group: which of `lateness` is ours.
     pub rank: usize,
+    /// The ranks in the group that took part: all of them, but for a collective with a deadline
+    /// that left some out (`Communicator::all_reduce_with_deadline`). Empty for a transfer.
+    pub included: Vec<usize>,
 }
 
 impl Info {

@@ -48,6 +48,7 @@ pub use shoal_collective::Algorithm;
 pub use shoal_collective::{DType, Format, Quantization, ReduceOp};
 pub use shoal_engine::Malformed;
 pub use shoal_proto::master::Strategy;
+pub use shoal_proto::peer::Cutoff;
 pub use shoal_topology::Link;
 pub use shoal_wire::{
     Api, Call, Called, LinkReport, Misuse, OpCounters, PeerId, PeerReport, Point, RunningOp, DURATION_BOUNDS_US,

@@ -10,7 +10,7 @@ use crate::links::Staged;
 use crate::named::Described;
 use shoal_collective::{Algorithm, Codec, CollectiveKind, DType, Quantization, ReduceOp};
 use shoal_engine::{Backup, Direction, Exec, LinkError, OpKey, RawBuf, Taken};
-use shoal_proto::peer::{CallError, CallId, Ended, OpId, Peer, RingPosition, Stop, Transfers, Value};
+use shoal_proto::peer::{CallError, CallId, Cutoff, Ended, OpId, Peer, RingPosition, Stop, Transfers, Value};
 use shoal_wire::{Epoch, Misuse, OpHeader, PeerId};
 use std::any::Any;
 use std::collections::HashMap;
@@ -131,6 +131,8 @@ pub(crate) struct Collective {
     pub started: Instant,
     /// Once it runs: how.
     pub posted: Option<Posted>,
+    /// A collective with a deadline: the ranks it ran among, as the master named them.
+    pub included: Vec<usize>,
     /// Our own error for it, which stands where no verdict comes.
     pub local: Option<Error>,
 }
@@ -148,6 +150,8 @@ pub(crate) struct Request {
     pub algorithm: Option<Algorithm>,
     /// How its chunks are quantized, if at all.
     pub quantization: Option<Quantization>,
+    /// When it leaves out members that have not called it (a collective with a deadline).
+    pub cutoff: Option<Cutoff>,
 }
 
 impl Request {
@@ -470,6 +474,7 @@ fn take_ended(data: &mut DataPlane) {
             peer,
             lateness: Vec::new(),
             rank: t.data.rank,
+            included: Vec::new(),
         });
         if let Err(e) = &outcome {
             log::debug!("{} failed: {e}", described(&t));

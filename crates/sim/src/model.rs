@@ -7,8 +7,8 @@ use shoal_proto::auth::{DataKey, RunKey};
 use shoal_proto::master::Strategy;
 use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output};
 use shoal_proto::peer::{
-    Action, CallError, CallId, CallKind, Ended, Established, Gone, OpId, OpProgress, Peer, PeerConfig, Revision,
-    RingPosition, Seq, Stop, SyncBallot, Transfer, Transfers, Value, WaitNote, P2P_PATIENCE,
+    Action, CallError, CallId, CallKind, Cutoff, Ended, Established, Gone, OpId, OpProgress, Peer, PeerConfig,
+    Revision, RingPosition, Seq, Stop, SyncBallot, Transfer, Transfers, Value, WaitNote, P2P_PATIENCE,
 };
 use shoal_wire::{
     Api, Epoch, FailureKind, GroupId, Measured, Message, Mismatch, Misuse, OpFailure, OpHeader, PeerId, SessionId,
@@ -103,6 +103,8 @@ enum Ev {
     Wake(usize),
     MasterWake,
     Tick(usize),
+    /// Peer `i`, lagging, makes its collective calls now.
+    Lagged(usize),
     Fault(Fault),
 }
 
@@ -137,6 +139,8 @@ pub enum Outcome {
     /// The collective succeeded: the peer's rank in it, its buffer after it, and how long after
     /// its call each member held the result, as the lap told it (`Taken::ready`).
     Ok { rank: usize, values: Vec<i64>, ready: Vec<Option<Duration>> },
+    /// Called with a deadline, it ran among `included` without this peer: nothing done here.
+    Excluded(Vec<PeerId>),
     /// It failed.
     Err(String),
 }
@@ -509,6 +513,9 @@ struct Sim {
     /// Whether every batch also exchanges tagged transfers around the ring (posted with its first
     /// collective, waited for after its collectives).
     p2p: bool,
+    /// Whether collectives are called with this deadline, and peers now and then call theirs
+    /// up to twice as late.
+    deadline: Option<Duration>,
     /// Print every event (`SHOAL_SIM_TRACE`).
     trace: bool,
     /// A scripted run's calls ([`run_calls`]).
@@ -525,6 +532,11 @@ pub fn run(seed: u64) -> Report {
     sim.max_in_flight = 1 + sim.rng.below(4) as usize;
     sim.optimizes = sim.rng.chance(50);
     sim.p2p = sim.rng.chance(50);
+    // A quarter of the runs call their collectives with a deadline, and their peers lag.
+    sim.deadline = sim.rng.chance(25).then(|| sim.rng.between(ms(20), ms(300)));
+    // A batch's transfers start with its first collective, which a member left out never runs:
+    // they are for runs without deadlines.
+    sim.p2p &= sim.deadline.is_none();
     sim.groups = vec![GroupId([0, 1, 7][sim.rng.below(3) as usize])];
     if sim.rng.chance(33) {
         sim.groups.push(GroupId(sim.groups[0].0 + 1 + sim.rng.below(3) as u32));
@@ -536,11 +548,12 @@ pub fn run(seed: u64) -> Report {
         sim.max_in_flight = sim.max_in_flight.max(sim.batch);
     }
     sim.report.shape = format!(
-        "{:?}{}{}{}, batches of {} with at most {} in flight",
+        "{:?}{}{}{}{}, batches of {} with at most {} in flight",
         sim.shape,
         if sim.syncs { " with syncs" } else { "" },
         if sim.optimizes { " optimizing" } else { "" },
         if sim.p2p { " exchanging p2p" } else { "" },
+        sim.deadline.map_or(String::new(), |d| format!(" with deadlines of {d:?} and lagging peers")),
         sim.batch,
         sim.max_in_flight
     );
@@ -618,6 +631,7 @@ impl Sim {
             groups: vec![GroupId(0)],
             optimizes: false,
             p2p: false,
+            deadline: None,
             trace: std::env::var_os("SHOAL_SIM_TRACE").is_some(),
             script: None,
         }
@@ -762,7 +776,7 @@ impl Sim {
         let target = match &ev {
             Ev::Control { to: Node::Peer(i), .. } | Ev::ControlClosed { to: Node::Peer(i), .. } => Some(*i),
             Ev::Bytes { to, .. } | Ev::Closed { to, .. } | Ev::Dialed { to } => Some(*to),
-            Ev::Tick(i) | Ev::Wake(i) => Some(*i),
+            Ev::Tick(i) | Ev::Wake(i) | Ev::Lagged(i) => Some(*i),
             _ => None,
         };
         if let Some(i) = target {
@@ -825,6 +839,7 @@ impl Sim {
             }
             Ev::Dialed { to } | Ev::Wake(to) => self.step(to),
             Ev::Tick(i) => self.tick(i),
+            Ev::Lagged(i) => self.start_batch(i),
             Ev::Fault(f) => self.fault(f),
             Ev::Control { .. } => unreachable!("peers only talk to the master"),
         }
@@ -1328,7 +1343,9 @@ impl Sim {
                 self.peers[i].proto.handle_established(position.epoch, outcome, at);
             }
             Action::TakeUp(position) => self.take_up(i, &position),
-            Action::RunCollective { call, op, position, .. } => self.start_collective(i, call, op, &position),
+            Action::RunCollective { call, op, position, group, .. } => {
+                self.start_collective(i, call, op, &position, group)
+            }
             Action::Fetch { round, entries, .. } => {
                 // Fetching from a dead donor fails; the live ones serve.
                 let donors = entries.iter().flat_map(|e| &e.donors);
@@ -1364,14 +1381,13 @@ impl Sim {
         p.calling = Some(next);
         p.call_started = self.now;
         if next == Next::Collective {
-            (p.batch_ok, p.batch_pending_due) = (true, false);
-            for k in 0..self.batch {
-                let call = p.proto.call(CallKind::Collective(Api::AllReduce, None), CALL_TIMEOUT, at);
-                p.batch.insert(call);
-                if k == 0 {
-                    p.waits_in = Some(call);
-                }
+            // A straggler computes longer now and then: up to twice the deadline late.
+            if let Some(deadline) = self.deadline.filter(|_| self.rng.chance(20)) {
+                let lag = self.rng.between(ms(0), deadline * 2);
+                self.push(self.now + lag, Ev::Lagged(i));
+                return true;
             }
+            self.start_batch(i);
             return true;
         }
         let kind = match next {
@@ -1388,6 +1404,27 @@ impl Sim {
         };
         p.waits_in = Some(p.proto.call(kind, CALL_TIMEOUT, at));
         true
+    }
+
+    /// Peer `i`'s batch of collectives, called now (with the run's deadline, if any).
+    fn start_batch(&mut self, i: usize) {
+        let at = self.instant();
+        let kind = match self.deadline {
+            Some(deadline) => CallKind::Gathered(Api::AllReduce, Cutoff { deadline, min: 0 }),
+            None => CallKind::Collective(Api::AllReduce, None),
+        };
+        let p = &mut self.peers[i];
+        if !p.active() || p.proto.gone().is_some() || p.calling != Some(Next::Collective) || !p.batch.is_empty() {
+            return;
+        }
+        (p.batch_ok, p.batch_pending_due) = (true, false);
+        for k in 0..self.batch {
+            let call = p.proto.call(kind.clone(), CALL_TIMEOUT, at);
+            p.batch.insert(call);
+            if k == 0 {
+                p.waits_in = Some(call);
+            }
+        }
     }
 
     /// What peer `i` measures of its links to the other members of its ring: even and odd peers
@@ -1409,6 +1446,9 @@ impl Sim {
 
     /// A call ended: the application goes on.
     fn done(&mut self, i: usize, id: CallId, result: Result<Value, CallError>) {
+        if self.trace {
+            eprintln!("{:>12?} peer {i}: {id:?} ended: {result:?}", self.now);
+        }
         let p = &mut self.peers[i];
         if p.batch.remove(&id) {
             // No collective waits for its whole bound unless a peer was frozen or cut off (a
@@ -1566,9 +1606,19 @@ impl Sim {
         self.carry(i);
     }
 
-    fn start_collective(&mut self, i: usize, call: CallId, id: OpId, position: &RingPosition) {
-        let members: Vec<PeerId> = position.ring.iter().map(|m| m.peer).collect();
+    /// Peer `i` posts collective `id` of call `call`, among the ring's members of `group` (by
+    /// their rank in the ring; empty: the whole ring).
+    fn start_collective(&mut self, i: usize, call: CallId, id: OpId, position: &RingPosition, group: Vec<usize>) {
+        let members: Vec<PeerId> = match &group[..] {
+            [] => position.ring.iter().map(|m| m.peer).collect(),
+            group => group.iter().map(|&r| position.ring[r].peer).collect(),
+        };
         let world = members.len();
+        let rank = if group.is_empty() {
+            position.rank
+        } else {
+            group.iter().position(|&r| r == position.rank).expect("a collective of a group we are in")
+        };
         // Its call began now: the simulated application posts as it calls.
         let at = self.instant();
         let p = &mut self.peers[i];
@@ -1604,7 +1654,7 @@ impl Sim {
         let hierarchical = algorithm == Algorithm::Hierarchical;
         let spec = OpSpec {
             header,
-            members: Vec::new(),
+            members: group,
             kind,
             buf: RawBuf::new(&mut bytemuck::cast_slice_mut(&mut buf)[..count * dtype.size()]),
             dtype,
@@ -1618,10 +1668,10 @@ impl Sim {
             backup: Backup::default(),
             called: at,
         };
-        let exec = p.exec.get_or_insert_with(|| Exec::new(id.epoch, position.rank, world));
+        let exec = p.exec.get_or_insert_with(|| Exec::new(id.epoch, position.rank, position.group_size()));
         debug_assert_eq!(exec.epoch(), id.epoch, "a collective runs in the topology taken up");
         exec.post(spec);
-        p.ops.insert(id, Op { id, call, header, members, rank: position.rank, buf, input, taken: None });
+        p.ops.insert(id, Op { id, call, header, members, rank, buf, input, taken: None });
         let exchange = self.p2p && p.stage == Stage::Loop && p.waits_in == Some(call) && p.p2p.is_none();
         if exchange {
             if let Err(reason) = self.exchange(i) {
@@ -1779,12 +1829,15 @@ impl Sim {
     /// Tells peer `i`'s state machine what its engine did with collective `id`.
     fn report_event(&mut self, i: usize, id: OpId, event: OpEvent) {
         let Some(op) = self.peers[i].ops.get(&id) else { return };
+        // A link error names the member by its rank in the topology.
+        let ring = self.peers[i].position.as_ref().filter(|p| p.epoch == id.epoch).map(|p| &p.ring);
+        let member = |rank: usize| ring.map_or(op.members[rank.min(op.members.len() - 1)], |r| r[rank].peer);
         let progress = match event {
             OpEvent::DataDone => OpProgress::DataDone,
             OpEvent::Confirmed => OpProgress::Confirmed,
             OpEvent::LapBroken(reason) => OpProgress::LapBroken(reason),
             OpEvent::Failed(LinkError::Lost { rank, reason }) => {
-                OpProgress::Failed(OpFailure::new(FailureKind::PeerLost, op.members[rank], reason))
+                OpProgress::Failed(OpFailure::new(FailureKind::PeerLost, member(rank), reason))
             }
             OpEvent::Failed(LinkError::Mismatch { rank, theirs }) => {
                 // Only a scripted run's peers call different collectives.
@@ -1792,13 +1845,13 @@ impl Sim {
                     let v = format!("peer {i}: ({:?}, {}) met {theirs:?} from rank {rank}", id.epoch, id.seq.0);
                     self.report.violations.push(Violation(v));
                 }
-                let (ours, theirs) = ((op.members[op.rank], op.header), (op.members[rank], theirs));
+                let (ours, theirs) = ((op.members[op.rank], op.header), (member(rank), theirs));
                 OpProgress::Failed(OpFailure::mismatch(Mismatch::new(ours, theirs)))
             }
             OpEvent::Failed(LinkError::Malformed { rank, what }) => {
                 let v = format!("peer {i}: ({:?}, {}) desynchronised with rank {rank}: {what}", id.epoch, id.seq.0);
                 self.report.violations.push(Violation(v));
-                OpProgress::Failed(OpFailure::new(FailureKind::Protocol, op.members[rank], what.to_string()))
+                OpProgress::Failed(OpFailure::new(FailureKind::Protocol, member(rank), what.to_string()))
             }
         };
         let at = self.instant();
@@ -1836,6 +1889,15 @@ impl Sim {
                 self.report.violations.push(Violation(format!("peer {i}: a collective returned {other:?}")));
                 return;
             }
+            // Left out: it never ran here, so nothing was lent to the engine.
+            (Err(CallError::Excluded { op: id, included }), op) => {
+                if included.contains(&me) || op.is_some() {
+                    let v =
+                        format!("peer {i}: left out of ({:?}, {}) among {included:?}, yet ran it", id.epoch, id.seq.0);
+                    self.report.violations.push(Violation(v));
+                }
+                (id, included.clone(), Outcome::Excluded(included))
+            }
             (Err(e), op) => {
                 if let CallError::Aborted { failure, .. } = &e {
                     // A scripted call's usage error is the point of its run (`check_calls`).
@@ -1867,13 +1929,16 @@ impl Sim {
                 }
             }
         };
-        let ok = matches!(outcome, Outcome::Ok { .. });
+        // A collective that ran among the others happened: the application goes on.
+        let ok = matches!(outcome, Outcome::Ok { .. } | Outcome::Excluded(_));
         let p = &mut self.peers[i];
         // Every iteration syncs again before its collectives, a retried one too.
         p.synced = false;
         p.batch_ok &= ok;
         if ok {
             p.batch_pending_due |= self.shape == Shape::Pccl || id.seq.0 % 3 == 2;
+        }
+        if matches!(outcome, Outcome::Ok { .. }) {
             self.report.successes += 1;
             // One major operation at a time: no collective of a ring succeeds after a later
             // topology including this peer came into force.
@@ -2048,8 +2113,21 @@ pub fn check(r: &Report) -> Result<(), Violation> {
                 return Err(Violation(format!("({e:?}, {s}): members were told {told:?} of rank {origin}'s lap")));
             }
         }
-        // Participants still in the run at the end all returned the same outcome.
-        let staying: Vec<_> = results.iter().filter(|(i, _, _)| r.live_index.contains(i)).collect();
+        // A collective with a deadline ran among one set of members, the same for all who ran it
+        // and all left out of it (those are never in it: `end_op`).
+        let decided: BTreeSet<&Vec<PeerId>> = results
+            .iter()
+            .filter(|(_, _, o)| matches!(o, Outcome::Excluded(_)))
+            .chain(results.iter().filter(|(_, _, o)| matches!(o, Outcome::Ok { .. })))
+            .map(|(_, members, _)| *members)
+            .collect();
+        if results.iter().any(|(_, _, o)| matches!(o, Outcome::Excluded(_))) && decided.len() > 1 {
+            return Err(Violation(format!("({e:?}, {s}): members ran it among different sets: {decided:?}")));
+        }
+        // Participants still in the run at the end all returned the same outcome (those left out
+        // took no part).
+        let staying: Vec<_> =
+            results.iter().filter(|(i, _, o)| r.live_index.contains(i) && !matches!(o, Outcome::Excluded(_))).collect();
         let ok = staying.iter().filter(|(_, _, o)| matches!(o, Outcome::Ok { .. })).count();
         if ok > 0 && ok < staying.len() {
             let all: Vec<String> = staying.iter().map(|(i, _, o)| format!("peer {i}: {o:?}")).collect();

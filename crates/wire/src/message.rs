@@ -516,6 +516,30 @@ pub enum Message {
         /// Both calls, named with their peers.
         misuse: Misuse,
     },
+    /// Peer → master: this member called collective `seq` of `epoch` (of the whole group) with a
+    /// deadline: leave out the members not called `deadline_ms` after the first did, once at
+    /// least `min` have (0: more than half the group's members). The first member's figures
+    /// stand (`docs/protocol.md`, "Collectives with a deadline").
+    Gather {
+        /// The committed topology.
+        epoch: Epoch,
+        /// The collective's number in it.
+        seq: u64,
+        /// Milliseconds after the first member's call.
+        deadline_ms: u64,
+        /// The fewest members it runs with.
+        min: u32,
+    },
+    /// Master → peer: collective `seq` of `epoch`, called with a deadline, runs among `included`
+    /// alone (in ring order); a member left out ends its call of it with nothing done.
+    Gathered {
+        /// The topology.
+        epoch: Epoch,
+        /// The collective's number in it.
+        seq: u64,
+        /// Its participants, in ring order.
+        included: Vec<PeerId>,
+    },
     /// Master → peer: you are registered as `peer` in run `session`.
     Registered {
         /// The peer's id.
@@ -727,6 +751,7 @@ mod kind {
     pub const P2P_WAITS: u16 = 19;
     pub const P2P_RESUMED: u16 = 20;
     pub const P2P_APART: u16 = 21;
+    pub const GATHER: u16 = 22;
     pub const REGISTERED: u16 = 64;
     pub const TOPOLOGY: u16 = 65;
     pub const TOPOLOGY_COMMITTED: u16 = 66;
@@ -746,6 +771,7 @@ mod kind {
     pub const AUTH_FAILED: u16 = 80;
     pub const SNAPSHOT: u16 = 81;
     pub const CATCH_UP_PLAN: u16 = 82;
+    pub const GATHERED: u16 = 83;
     pub const PEER_HELLO: u16 = 128;
     // 129 was `Op`: a collective's header on a stream of its own, before data frames.
     pub const FETCH_REQUEST: u16 = 130;
@@ -782,6 +808,8 @@ impl Message {
             Message::P2pWaits { .. } => kind::P2P_WAITS,
             Message::P2pResumed { .. } => kind::P2P_RESUMED,
             Message::P2pApart { .. } => kind::P2P_APART,
+            Message::Gather { .. } => kind::GATHER,
+            Message::Gathered { .. } => kind::GATHERED,
             Message::Snapshot { .. } => kind::SNAPSHOT,
             Message::CatchUpPlan { .. } => kind::CATCH_UP_PLAN,
             Message::Registered { .. } => kind::REGISTERED,
@@ -843,6 +871,8 @@ impl Message {
             Message::P2pWaits { .. } => "P2pWaits",
             Message::P2pResumed { .. } => "P2pResumed",
             Message::P2pApart { .. } => "P2pApart",
+            Message::Gather { .. } => "Gather",
+            Message::Gathered { .. } => "Gathered",
             Message::Snapshot { .. } => "Snapshot",
             Message::CatchUpPlan { .. } => "CatchUpPlan",
         }
@@ -975,6 +1005,17 @@ impl Message {
             }
             Message::OpCommitted { epoch, derived, seq } | Message::OpQuery { epoch, derived, seq } => {
                 encode_op(w, *epoch, *derived, *seq);
+            }
+            Message::Gather { epoch, seq, deadline_ms, min } => {
+                w.u64(epoch.0);
+                w.u64(*seq);
+                w.u64(*deadline_ms);
+                w.u32(*min);
+            }
+            Message::Gathered { epoch, seq, included } => {
+                w.u64(epoch.0);
+                w.u64(*seq);
+                encode_peers(w, included);
             }
             Message::OpFailed { epoch, derived, seq, members, failure } => {
                 encode_op(w, *epoch, *derived, *seq);
@@ -1119,6 +1160,12 @@ impl Message {
             }
             kind::OP_COMMITTED => Message::OpCommitted { epoch: Epoch(r.u64()?), derived: r.u64()?, seq: r.u64()? },
             kind::OP_QUERY => Message::OpQuery { epoch: Epoch(r.u64()?), derived: r.u64()?, seq: r.u64()? },
+            kind::GATHER => {
+                Message::Gather { epoch: Epoch(r.u64()?), seq: r.u64()?, deadline_ms: r.u64()?, min: r.u32()? }
+            }
+            kind::GATHERED => {
+                Message::Gathered { epoch: Epoch(r.u64()?), seq: r.u64()?, included: decode_peers(&mut r)? }
+            }
             kind::OP_FAILED => {
                 let (epoch, derived, seq, members) = (Epoch(r.u64()?), r.u64()?, r.u64()?, decode_peers(&mut r)?);
                 Message::OpFailed { epoch, derived, seq, members, failure: OpFailure::decode(&mut r)? }
@@ -1417,6 +1464,13 @@ mod tests {
             }),
             op_name().prop_map(|(e, derived, seq)| Message::OpCommitted { epoch: Epoch(e), derived, seq }),
             op_name().prop_map(|(e, derived, seq)| Message::OpQuery { epoch: Epoch(e), derived, seq }),
+            (any::<u64>(), any::<u64>(), any::<u64>(), any::<u32>())
+                .prop_map(|(e, seq, deadline_ms, min)| { Message::Gather { epoch: Epoch(e), seq, deadline_ms, min } }),
+            (any::<u64>(), any::<u64>(), peers()).prop_map(|(e, seq, included)| Message::Gathered {
+                epoch: Epoch(e),
+                seq,
+                included
+            }),
             (op_name(), peers(), failure()).prop_map(|((e, derived, seq), members, failure)| {
                 Message::OpFailed { epoch: Epoch(e), derived, seq, members, failure }
             }),

@@ -162,6 +162,9 @@ impl Master {
         if self.g.pending_vote.as_ref().is_some_and(|b| b.voters().is_empty()) {
             self.g.pending_vote = None;
         }
+        // They call the others' collective next: one with a deadline counts it from now.
+        let now = self.now;
+        self.restart_gathers(now);
         assert!(peers.iter().all(|p| !self.g.tentative.contains_key(p)), "a released vote is no longer tentative");
         assert!(
             self.g.pending_vote.as_ref().is_none_or(|b| peers.iter().all(|p| !b.voters().contains(p))),

@@ -15,6 +15,7 @@
 mod calls;
 mod catchup;
 mod durable;
+mod gather;
 mod ops;
 mod p2p;
 mod plan;
@@ -253,6 +254,14 @@ pub enum PeerMisbehaved {
         /// Who reported it.
         peer: PeerId,
     },
+    /// A report about a collective with a deadline that the master left the reporter out of.
+    #[error("{peer} reported collective {seq}, which runs without it")]
+    NotIncluded {
+        /// Who reported.
+        peer: PeerId,
+        /// The collective's number.
+        seq: u64,
+    },
     /// More collectives open than the master tracks.
     #[error("more than {MAX_TRACKED_OPS} collectives open at once")]
     TooManyOpenCollectives,
@@ -315,6 +324,10 @@ struct Group {
     measured: BTreeMap<PeerId, Option<Vec<shoal_wire::Measured>>>,
     /// The ring's order from the last `optimize_topology`.
     plan: Option<Plan>,
+    /// Collectives with a deadline some members called, not decided yet, by topology and
+    /// number; and the members those decided run among (`gather.rs`).
+    gathering: BTreeMap<(Epoch, u64), gather::Gathering>,
+    gathered: BTreeMap<(Epoch, u64), gather::Decided>,
 }
 
 /// The master's protocol state machine.
@@ -542,6 +555,10 @@ impl Master {
             Message::SyncVote { revision, strategy, override_resume, entries, collectives } if accepted => {
                 self.sync_vote(now, peer, revision, strategy, override_resume, entries, collectives)
             }
+            Message::Gather { epoch, seq, deadline_ms, min } if accepted => {
+                self.made_a_call(peer);
+                self.gather(now, peer, epoch, seq, deadline_ms, min)
+            }
             Message::SyncDone { round } if accepted => self.sync_done(peer, round),
             Message::SyncFailed { round, reason } if accepted => self.sync_failed(peer, round, reason),
             Message::SnapshotHeld { round, held } if accepted => self.snapshot_held(peer, round, held),
@@ -633,6 +650,10 @@ impl Master {
                 Timer::ImprovePlan(group) => {
                     self.focus(group);
                     self.improve_plan(now)
+                }
+                Timer::Gather(group) => {
+                    self.focus(group);
+                    self.decide_gathers(now)
                 }
             }
         }
@@ -939,6 +960,8 @@ impl Master {
             members: members.clone(),
         }));
         self.set_phase(Phase::AwaitingConnections { epoch, members, ready: BTreeSet::new(), newcomers_by: None });
+        // After the topology, as what ends a call goes: its callers retry in it.
+        self.supersede_gathers(epoch);
         assert!(
             !self.syncs.contains_key(&self.focus) && self.g.pending_vote.is_none(),
             "a new topology ends the votes of the old one"
@@ -985,6 +1008,7 @@ impl Master {
         self.touch();
         // Reports about the old ring that arrived while this one connected are settled now.
         self.close_ops(epoch);
+        self.close_gathers(epoch);
         assert!(epoch > self.g.ring_epoch && epoch <= self.epoch, "commit of {epoch:?} after {:?}", self.g.ring_epoch);
         self.g.ring_epoch = epoch;
         assert!(self.g.ring.iter().all(|p| self.peers[p].status == Status::Accepted), "the ring is accepted members");
@@ -1107,6 +1131,9 @@ impl Master {
         // once finds it (`docs/protocol.md`, "Retry"): held back until the re-form below.
         let held = self.outputs.len();
         self.settle_ops_of(peer);
+        let now = self.now;
+        self.decide_gathers(now);
+        self.abandon_gathered();
         self.sync_member_removed(peer);
         self.catch_up_member_removed(peer);
         self.p2p_member_removed(peer);

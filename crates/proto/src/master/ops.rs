@@ -113,6 +113,10 @@ impl Master {
                     self.abandon_votes(key.0, misuse);
                 }
                 let abandoned: Vec<_> = self.outputs.drain(held..).collect();
+                // Given up before it was decided: the members calling it later fail it too.
+                if derived == 0 {
+                    self.g.gathering.remove(&(epoch, seq));
+                }
                 let record = self.ops.get_mut(&key).expect("still tracked");
                 record.outcome = Some(Outcome::Aborted(failure.clone()));
                 record.waiting.clear();
@@ -125,6 +129,9 @@ impl Master {
                 self.outputs.extend(abandoned);
                 for p in members {
                     self.send_to_peer(p, Message::OpAborted { epoch, derived, seq, failure: failure.clone() });
+                }
+                if derived == 0 {
+                    self.gathered_fate(epoch, seq, Err(failure.clone()));
                 }
             }
             Some(Outcome::Committed) => {
@@ -174,14 +181,28 @@ impl Master {
                 for p in members {
                     self.send_to_peer(p, Message::OpAborted { epoch: old, derived, seq, failure: failure.clone() });
                 }
+                if derived == 0 {
+                    self.gathered_fate(old, seq, Err(failure));
+                }
             }
             self.ops.remove(&key);
         }
         debug_assert!(self.ops.keys().all(|(g, ..)| *g != group), "a replaced ring's collective is open");
     }
 
-    /// Commits if the rules allow, answers whoever waits, and forgets what is settled.
+    /// Commits if the rules allow, answers whoever waits, and forgets what is settled; a
+    /// collective with a deadline that committed tells the members left out of it.
     fn settle(&mut self, key: OpKey) {
+        let existed = self.ops.contains_key(&key);
+        self.settle_record(key);
+        let committed = existed && self.ops.get(&key).is_none_or(|r| matches!(r.outcome, Some(Outcome::Committed)));
+        let (group, epoch, derived, seq) = key;
+        if committed && derived == 0 && group == self.focus {
+            self.gathered_fate(epoch, seq, Ok(()));
+        }
+    }
+
+    fn settle_record(&mut self, key: OpKey) {
         let peers = &self.peers;
         let Some(record) = self.ops.get_mut(&key) else {
             return;
@@ -262,7 +283,16 @@ impl Master {
                 self.violation(peer, super::PeerMisbehaved::TooManyOpenCollectives);
                 return None;
             }
-            let members = if derived == 0 { self.g.ring.iter().copied().collect() } else { named };
+            let members = match self.gathered_members(epoch, seq) {
+                // Called with a deadline: it runs among the members the master named.
+                Some(included) if derived == 0 => included.iter().copied().collect(),
+                _ if derived == 0 => self.g.ring.iter().copied().collect(),
+                _ => named,
+            };
+            if !members.contains(&peer) {
+                self.violation(peer, super::PeerMisbehaved::NotIncluded { peer, seq });
+                return None;
+            }
             let record = OpRecord {
                 members,
                 done: BTreeSet::new(),
@@ -276,6 +306,40 @@ impl Master {
         debug_assert!(self.ops[&key].members.contains(&peer), "{peer} reports on a collective it is no member of");
         assert!(self.ops.len() <= MAX_TRACKED_OPS, "the master tracks at most MAX_TRACKED_OPS collectives");
         Some(key)
+    }
+
+    /// Collective `seq` of `epoch` of the focused group's whole group fails before it ran, with
+    /// `failure`: every member hears the abort (one that calls it later fails it alike,
+    /// `PeerView::fail_next`), and the record keeps it for late reports. `peer` asked: it hears
+    /// again if it was aborted already.
+    pub(super) fn abort_unstarted(&mut self, peer: PeerId, epoch: Epoch, seq: u64, failure: OpFailure) {
+        let key = (self.focus, epoch, 0, seq);
+        if let Some(failure) = self.aborted(epoch, seq) {
+            return self.send_to_peer(peer, Message::OpAborted { epoch, derived: 0, seq, failure });
+        }
+        let members: BTreeSet<PeerId> = self.g.ring.iter().copied().collect();
+        if self.ops.len() < MAX_TRACKED_OPS && !self.ops.contains_key(&key) {
+            let outcome = Some(Outcome::Aborted(failure.clone()));
+            let record = OpRecord {
+                members: members.clone(),
+                done: BTreeSet::new(),
+                waiting: BTreeSet::new(),
+                queried: BTreeSet::new(),
+                outcome,
+            };
+            self.ops.insert(key, record);
+        }
+        for p in members {
+            self.send_to_peer(p, Message::OpAborted { epoch, derived: 0, seq, failure: failure.clone() });
+        }
+    }
+
+    /// Why collective `seq` of `epoch` (of the focused group's whole group) was aborted, if it was.
+    pub(super) fn aborted(&self, epoch: Epoch, seq: u64) -> Option<OpFailure> {
+        match self.ops.get(&(self.focus, epoch, 0, seq))?.outcome.as_ref()? {
+            Outcome::Aborted(failure) => Some(failure.clone()),
+            Outcome::Committed => None,
+        }
     }
 
     pub(super) fn send_to_peer(&mut self, peer: PeerId, message: Message) {

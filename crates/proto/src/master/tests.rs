@@ -1679,3 +1679,98 @@ fn a_group_optimizes_its_own_ring() {
     assert_eq!(matrices, [true, false]);
     assert_eq!((h.master.ring(g1), h.master.phase(g1)), (&[PeerId(4)][..], &Phase::Idle));
 }
+
+/// The `Gathered` messages in `out` to `conn`: (number, members).
+fn gathered_to(out: &[Output], conn: u64) -> Vec<(u64, Vec<u32>)> {
+    sent_to(out, conn)
+        .into_iter()
+        .filter_map(|m| match m {
+            Message::Gathered { seq, included, .. } => Some((*seq, included.iter().map(|p| p.0).collect())),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A collective with a deadline: decided at once when every member called it, else at the
+/// deadline (counted from the first call) among those that did, once enough have; every member
+/// hears the same decision, one that calls late hears it again, and the agreement record of that
+/// collective holds only the members it ran among.
+#[test]
+fn a_collective_with_a_deadline_runs_among_the_members_that_called_it_in_time() {
+    let (mut h, epoch) = run_with(3);
+    let gather = |seq: u64, min: u32| Message::Gather { epoch, seq, deadline_ms: 500, min };
+    // Everyone in time: decided at the last call, for everyone.
+    h.send(1, gather(0, 0));
+    assert!(gathered_to(&h.send(2, gather(0, 0)), 1).is_empty(), "undecided while one is missing");
+    let out = h.send(3, gather(0, 0));
+    for conn in 1..=3 {
+        assert_eq!(gathered_to(&out, conn), [(0, vec![0, 1, 2])], "conn {conn}");
+    }
+    // Peer 2 late: nothing before the deadline, then the two that called.
+    h.send(1, gather(1, 0));
+    let due = h.master.poll_timeout().unwrap();
+    h.now += Duration::from_millis(200);
+    let out = h.send(2, gather(1, 0));
+    assert!(gathered_to(&out, 1).is_empty() && due <= h.now + Duration::from_millis(300));
+    h.now = h.now.max(due);
+    h.master.handle_timeout(h.now);
+    let out = h.drain();
+    for conn in 1..=3 {
+        assert_eq!(gathered_to(&out, conn), [(1, vec![0, 1])], "conn {conn}");
+    }
+    // Its late call hears the decision again, and nothing more until it ended; the master keeps
+    // the ring.
+    let out = h.send(3, gather(1, 0));
+    assert_eq!(sent_to(&out, 3).len(), 1);
+    assert_eq!(gathered_to(&out, 3), [(1, vec![0, 1])]);
+    assert_eq!(h.master.ring(G0).len(), 3);
+    // Agreement over exactly those: a participant asking is answered once the other finished,
+    // and the member left out is never asked.
+    let done = |decided| Message::OpDone { epoch, derived: 0, seq: 1, members: vec![], decided };
+    let out = h.send(1, done(false));
+    assert!(sent_to(&out, 3).is_empty(), "the member left out is not queried: {out:?}");
+    assert!(matches!(sent_to(&out, 2)[..], [Message::OpQuery { seq: 1, .. }]), "{out:?}");
+    let out = h.send(2, done(true));
+    assert_eq!(sent_to(&out, 1), [&Message::OpCommitted { epoch, derived: 0, seq: 1 }]);
+    // The member left out hears that it committed, at once and again at a late call.
+    assert_eq!(sent_to(&out, 3), [&Message::OpCommitted { epoch, derived: 0, seq: 1 }]);
+    let out = h.send(3, gather(1, 0));
+    assert_eq!(gathered_to(&out, 3), [(1, vec![0, 1])]);
+    assert!(sent_to(&out, 3).contains(&&Message::OpCommitted { epoch, derived: 0, seq: 1 }), "{out:?}");
+    // A report from the member left out is a violation: it never ran it.
+    let out = h.send(3, done(true));
+    assert!(sent_to(&out, 3).iter().any(|m| matches!(m, Message::Kicked { .. })), "{out:?}");
+}
+
+/// Too few members by the deadline: the collective waits for the minimum, then runs among those
+/// that called; a member lost meanwhile is not waited for.
+#[test]
+fn a_collective_with_a_deadline_waits_for_its_minimum_and_not_for_the_lost() {
+    let (mut h, epoch) = run_with(3);
+    let gather = |min: u32| Message::Gather { epoch, seq: 0, deadline_ms: 100, min };
+    h.send(1, gather(2));
+    h.now += Duration::from_millis(150);
+    h.master.handle_timeout(h.now);
+    assert!(gathered_to(&h.drain(), 1).is_empty(), "one of the two required");
+    let out = h.send(2, gather(2));
+    assert_eq!(gathered_to(&out, 1), [(0, vec![0, 1])]);
+    // Peers 0 and 1 call the next one; peer 2 is lost: they are all the ring has left.
+    h.send(1, Message::Gather { epoch, seq: 1, deadline_ms: 60_000, min: 0 });
+    h.send(2, Message::Gather { epoch, seq: 1, deadline_ms: 60_000, min: 0 });
+    let out = h.send(3, Message::Leave);
+    assert_eq!(gathered_to(&out, 1), [(1, vec![0, 1])], "{out:?}");
+}
+
+/// A collective with a deadline that a member gave up for a vote before it was decided fails for
+/// every member, and for one that calls it later.
+#[test]
+fn a_collective_with_a_deadline_aborted_before_its_decision_fails_for_late_callers_too() {
+    let (mut h, epoch) = run_with(3);
+    h.send(1, Message::Gather { epoch, seq: 0, deadline_ms: 60_000, min: 0 });
+    let misuse = OpFailure::new(FailureKind::Misuse, PeerId(0), "a vote");
+    let out = h.send(1, Message::OpFailed { epoch, derived: 0, seq: 0, members: vec![], failure: misuse });
+    assert!(sent_to(&out, 2).iter().any(|m| matches!(m, Message::OpAborted { seq: 0, .. })), "{out:?}");
+    let out = h.send(2, Message::Gather { epoch, seq: 0, deadline_ms: 60_000, min: 0 });
+    assert!(matches!(sent_to(&out, 2)[..], [Message::OpAborted { seq: 0, .. }]), "{out:?}");
+    assert!(gathered_to(&out, 1).is_empty());
+}

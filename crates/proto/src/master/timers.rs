@@ -18,6 +18,8 @@ pub enum Timer {
     TentativeVotes(GroupId),
     /// A slice of the background search for a better ring is due (`plan.rs`).
     ImprovePlan(GroupId),
+    /// A collective with a deadline is due its decision (`gather.rs`).
+    Gather(GroupId),
 }
 
 /// Deadlines indexed by [`Timer`]; at most one per timer.

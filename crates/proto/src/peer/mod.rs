@@ -19,7 +19,7 @@ mod view;
 
 pub use transfers::{verb as transfer_verb, Ended, Stop, Transfer, Transfers, APART_GRACE, P2P_PATIENCE};
 pub use view::{
-    CatchUpPlan, Interrupt, LapInterrupt, PeerEvent, PeerView, RingPosition, SyncAbort, TopologyStep,
+    CatchUpPlan, Interrupt, LapInterrupt, Missed, PeerEvent, PeerView, RingPosition, SyncAbort, TopologyStep,
     UnexpectedMessage, Verdict, VoteAbort, VoteOpen, WaitNote,
 };
 
@@ -99,6 +99,19 @@ pub enum CallKind {
     /// `optimize_topology` starts with, ...), in the topology's whole group or a group derived
     /// from it: its data moves in [`Action::RunCollective`].
     Collective(Api, Option<Derived>),
+    /// A collective of the topology's whole group with a deadline: the master names the members
+    /// it runs among, leaving out those that did not call it in time (`docs/protocol.md`,
+    /// "Collectives with a deadline").
+    Gathered(Api, Cutoff),
+}
+
+/// When a collective with a deadline leaves out the members that have not called it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cutoff {
+    /// How long after the first member's call.
+    pub deadline: Duration,
+    /// The fewest members it runs with (0: more than half the group's).
+    pub min: u32,
 }
 
 /// A group derived from the whole group without admission (`split`, `new_group`): its name, the
@@ -129,7 +142,7 @@ impl CallKind {
             CallKind::OptimizeTopology(_) => Api::OptimizeTopology,
             CallKind::PeersPending => Api::PeersPending,
             CallKind::SyncSharedState(_) => Api::SyncSharedState,
-            CallKind::Collective(api, _) => *api,
+            CallKind::Collective(api, _) | CallKind::Gathered(api, _) => *api,
         }
     }
 }
@@ -250,6 +263,14 @@ pub enum CallError {
         /// The failure this peer reported.
         failure: OpFailure,
     },
+    /// The collective, called with a deadline, ran without us: we had not called it in time.
+    /// Nothing was done here; we are a member still.
+    Excluded {
+        /// The collective.
+        op: OpId,
+        /// The members it ran among, in ring order.
+        included: Vec<PeerId>,
+    },
     /// The peers made calls that cannot complete together.
     Misuse(Misuse),
     /// The sync ended without effect.
@@ -318,6 +339,11 @@ pub enum OpProgress {
 /// Where a collective stands.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum OpStage {
+    /// Called with a deadline: waiting for the master to name its members.
+    Gathering,
+    /// Left out of it (it runs among these members): waiting for the master to say how it
+    /// ended, which ends our call alike.
+    LeftOut(Vec<PeerId>),
     /// Its data moves.
     Running,
     /// The confirmation lap runs.
@@ -333,6 +359,9 @@ enum OpStage {
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct InFlight {
     call: CallId,
+    /// Called with a deadline: once committed here, the master hears of it, for the members left
+    /// out.
+    gathered: bool,
     /// Its call, as users know it.
     api: Api,
     deadline: Instant,
@@ -961,7 +990,7 @@ impl Peer {
         let call = self.call.as_ref().map(|(_, deadline, _)| *deadline);
         let queued = self.queue.iter().map(|q| q.deadline);
         let ops = self.ops.values().map(|o| match &o.stage {
-            OpStage::Running | OpStage::Lap => o.deadline,
+            OpStage::Gathering | OpStage::LeftOut(_) | OpStage::Running | OpStage::Lap => o.deadline,
             OpStage::Asking(until) | OpStage::Reporting(until, _) => *until,
         });
         let master = match self.link {
@@ -1026,7 +1055,18 @@ impl Peer {
             (OpProgress::DataDone, OpStage::Running) => self.set_stage(op, OpStage::Lap),
             (OpProgress::Confirmed, OpStage::Lap) => {
                 // Every participant holds the result: committed without the master, which hears
-                // of it only if it asks (to answer a participant that could not tell).
+                // of it only if it asks (to answer a participant that could not tell), or if the
+                // collective has a deadline: the members left out of it wait to hear so.
+                if self.ops.get(&op).is_some_and(|o| o.gathered) && !self.view.queried.contains(&op) {
+                    let (epoch, seq) = (op.epoch, op.seq.0);
+                    self.outbox.push_back(Message::OpDone {
+                        epoch,
+                        derived: 0,
+                        seq,
+                        members: Vec::new(),
+                        decided: true,
+                    });
+                }
                 self.view.commit_on_our_own(op);
                 while let Some(m) = self.view.poll_output() {
                     self.outbox.push_back(m);
@@ -1176,9 +1216,14 @@ impl Peer {
     /// ([`PeerView::fail_next`]).
     fn ended_apart(&mut self, id: CallId, kind: &CallKind) -> bool {
         debug_assert!(self.view.committed.is_some(), "{id:?} ends apart outside any topology");
-        if let CallKind::Collective(api, derived) = kind {
-            let Some((op, failure)) = self.view.fail_next(derived.as_ref().map_or(0, |d| d.id)) else { return false };
-            self.calling(self.point_of(op), Made::api(*api));
+        let collective = match kind {
+            CallKind::Collective(api, derived) => Some((*api, derived.as_ref().map_or(0, |d| d.id))),
+            CallKind::Gathered(api, _) => Some((*api, 0)),
+            _ => None,
+        };
+        if let Some((api, derived)) = collective {
+            let Some((op, failure)) = self.view.fail_next(derived) else { return false };
+            self.calling(self.point_of(op), Made::api(api));
             self.finish(id, Err(CallError::Aborted { op, failure }));
             return true;
         }
@@ -1256,7 +1301,8 @@ impl Peer {
                 self.outbox.push_back(vote);
                 Call::Sync(SyncStage::Voted(ballot))
             }
-            CallKind::Collective(api, derived) => return self.start_collective(id, api, derived, deadline),
+            CallKind::Collective(api, derived) => return self.start_collective(id, api, derived, None, deadline),
+            CallKind::Gathered(api, cutoff) => return self.start_collective(id, api, None, Some(cutoff), deadline),
         };
         assert!(self.call.as_ref().is_none_or(|(c, ..)| *c == id), "{id:?} votes while another call runs");
         self.call = Some((id, deadline, call));
@@ -1282,11 +1328,20 @@ impl Peer {
         }
     }
 
-    fn start_collective(&mut self, id: CallId, api: Api, derived: Option<Derived>, deadline: Instant) {
+    fn start_collective(
+        &mut self,
+        id: CallId,
+        api: Api,
+        derived: Option<Derived>,
+        cutoff: Option<Cutoff>,
+        deadline: Instant,
+    ) {
         self.call = None;
         match self.view.start_collective(derived.as_ref().map_or(0, |d| d.id)) {
             // The others failed it before we started it: it fails here too, untouched.
-            Err((op, failure)) => self.finish(id, Err(CallError::Aborted { op, failure })),
+            Err((op, Missed::Failed(failure))) => self.finish(id, Err(CallError::Aborted { op, failure })),
+            // It ran among the others: left out.
+            Err((op, Missed::LeftOut(included))) => self.finish(id, Err(CallError::Excluded { op, included })),
             Ok(op) => {
                 self.calling(self.point_of(op), Made::api(api));
                 let position = self.position().expect("a collective runs in the topology taken up");
@@ -1301,10 +1356,25 @@ impl Peer {
                     self.view.collective_ended(op, true);
                     return self.actions.push_back(Action::Done { call: id, result: Ok(Value::Collective(op)) });
                 }
-                self.actions.push_back(Action::RunCollective { call: id, op, position, group, deadline });
+                let stage = match cutoff {
+                    // The master names its members first; a decision already heard is taken at
+                    // the next step.
+                    Some(Cutoff { deadline: after, min }) => {
+                        if !self.view.gathered.contains_key(&op) {
+                            let deadline_ms = after.as_millis().min(u64::MAX.into()) as u64;
+                            let seq = op.seq.0;
+                            self.outbox.push_back(Message::Gather { epoch: op.epoch, seq, deadline_ms, min });
+                        }
+                        OpStage::Gathering
+                    }
+                    None => {
+                        self.actions.push_back(Action::RunCollective { call: id, op, position, group, deadline });
+                        OpStage::Running
+                    }
+                };
                 self.ask_judgement();
-                let previous =
-                    self.ops.insert(op, InFlight { call: id, api, deadline, members, stage: OpStage::Running });
+                let gathered = cutoff.is_some();
+                let previous = self.ops.insert(op, InFlight { call: id, gathered, api, deadline, members, stage });
                 assert!(previous.is_none(), "{op} started twice");
             }
         }
@@ -1361,7 +1431,9 @@ impl Peer {
         }
         match &result {
             Ok(_) => self.view.call_ended(true),
-            Err(CallError::Gone(_) | CallError::Busy(_)) => {}
+            // Left out of a collective that ran among the others, counted as it ended there
+            // (`PeerView::start_collective`), as the others count theirs.
+            Err(CallError::Gone(_) | CallError::Busy(_) | CallError::Excluded { .. }) => {}
             Err(_) => self.view.call_ended(false),
         }
         if self.call.as_ref().is_some_and(|(current, ..)| *current == id) {
@@ -1392,7 +1464,8 @@ impl Peer {
             "{op} ends with another value"
         );
         match &result {
-            Ok(_) => self.view.collective_ended(op, true),
+            // Left out, it ran among the others: the ring is whole.
+            Ok(_) | Err(CallError::Excluded { .. }) => self.view.collective_ended(op, true),
             Err(CallError::Gone(_)) => {}
             Err(_) => self.view.collective_ended(op, false),
         }
@@ -1406,7 +1479,8 @@ impl Peer {
             // a restarted master); a failure reported only while running or in the lap.
             let legal = matches!(
                 (&o.stage, &stage),
-                (OpStage::Running, OpStage::Lap | OpStage::Reporting(..) | OpStage::Asking(_))
+                (OpStage::Gathering, OpStage::Running | OpStage::Reporting(..) | OpStage::LeftOut(_))
+                    | (OpStage::Running, OpStage::Lap | OpStage::Reporting(..) | OpStage::Asking(_))
                     | (OpStage::Lap, OpStage::Reporting(..) | OpStage::Asking(_))
                     | (OpStage::Reporting(..), OpStage::Reporting(..))
                     | (OpStage::Asking(_), OpStage::Asking(_))
@@ -1511,7 +1585,7 @@ impl Peer {
         let Some(next) = self.queue.front() else { return false };
         let ready = self.call.is_none()
             && match next.kind {
-                CallKind::Collective(..) => {
+                CallKind::Collective(..) | CallKind::Gathered(..) => {
                     self.ops.len() < self.config.max_in_flight.max(1)
                         && (self.ops.is_empty() || !self.topology_issued())
                 }
@@ -1664,6 +1738,16 @@ impl Peer {
         let Some(InFlight { deadline, members, stage, api, .. }) = self.ops.get(&op).cloned() else { return false };
         let before = std::mem::discriminant(&stage);
         let moved = match stage {
+            OpStage::Gathering => return self.step_gathering(op, api, deadline, now),
+            OpStage::LeftOut(included) => {
+                match self.view.verdicts.remove(&op) {
+                    Some(Verdict::Committed) => self.end_op(op, Err(CallError::Excluded { op, included })),
+                    Some(Verdict::Aborted(failure)) => self.end_op(op, Err(CallError::Aborted { op, failure })),
+                    None if now >= deadline => self.end_op(op, Err(CallError::Timeout)),
+                    None => return false,
+                }
+                true
+            }
             OpStage::Running => {
                 let me = self.view.registered.expect("a collective runs once registered").0;
                 let interrupt = self.view.interrupt(op, api, stalled.unwrap_or_default());
@@ -1724,6 +1808,52 @@ impl Peer {
             "a step of {op} that moved left it where it was"
         );
         moved
+    }
+
+    /// Collective `op`, called with a deadline, waits for the master to name its members: runs
+    /// among them once it has, or ends left out. Whatever stops a collective that moves no data
+    /// stops it meanwhile (an abort, a vote that blocks it, its bound).
+    fn step_gathering(&mut self, op: OpId, api: Api, deadline: Instant, now: Instant) -> bool {
+        let me = self.view.registered.expect("a collective runs once registered").0;
+        if let Some(Verdict::Aborted(failure)) = self.view.verdicts.get(&op) {
+            // Failed before we called (or before we heard whom it ran among): so here.
+            let failure = failure.clone();
+            self.view.verdicts.remove(&op);
+            self.end_op(op, Err(CallError::Aborted { op, failure }));
+            return true;
+        }
+        if let Some(included) = self.view.gathered.remove(&op) {
+            if !included.contains(&me) {
+                self.set_stage(op, OpStage::LeftOut(included));
+                return true;
+            }
+            if included.len() == 1 {
+                // Alone: nothing moves, as in a group of one.
+                self.end_op(op, Ok(Value::Collective(op)));
+                return true;
+            }
+            let position = self.position().expect("a collective runs in the topology taken up");
+            let group: Vec<usize> =
+                included.iter().filter_map(|p| position.ring.iter().position(|m| m.peer == *p)).collect();
+            let o = self.ops.get_mut(&op).expect("in flight");
+            o.members = included;
+            let (call, deadline) = (o.call, o.deadline);
+            self.set_stage(op, OpStage::Running);
+            self.actions.push_back(Action::RunCollective { call, op, position, group, deadline });
+            return true;
+        }
+        let failure = match self.view.interrupt(op, api, &[]) {
+            Some(Interrupt::Aborted(failure)) => {
+                self.view.verdicts.remove(&op);
+                self.end_op(op, Err(CallError::Aborted { op, failure }));
+                return true;
+            }
+            Some(Interrupt::Blocked(misuse)) => OpFailure::misuse(me, misuse),
+            _ if now >= deadline => OpFailure::new(FailureKind::Timeout, me, format!("{me}: {op} was never decided")),
+            _ => return false,
+        };
+        self.report(op, failure, now);
+        true
     }
 
     /// The master's verdict on collective `op`, which failed here with `failed_here`, if it did.

@@ -995,3 +995,75 @@ fn a_transfer_ends_at_its_bound_or_when_its_topology_is_replaced() {
     transfers.handle_stalled(&mut p, t0 + APART_GRACE);
     assert_eq!(ended(&mut transfers), vec![(call, Err(Stop::Replaced))]);
 }
+
+/// A collective with a deadline asks the master whom it runs among, and waits for the answer
+/// before moving anything: it runs among the members named (its group's ranks in the ring), or,
+/// named out, ends at once as left out, counted as the collective it was; a decision heard before
+/// the call ends it without asking.
+#[test]
+fn a_collective_with_a_deadline_runs_among_the_members_the_master_names() {
+    let (mut p, t0) = joined(&[0, 1, 2]);
+    let cutoff = Cutoff { deadline: Duration::from_millis(250), min: 2 };
+    let call = p.call(CallKind::Gathered(Api::AllReduce, cutoff), BOUND, t0);
+    assert_eq!(sent(&mut p), vec![Message::Gather { epoch: Epoch(1), seq: 0, deadline_ms: 250, min: 2 }]);
+    assert!(tagged_actions(&mut p).is_empty(), "nothing moves before the master names the members");
+    let op = OpId { epoch: Epoch(1), derived: 0, seq: Seq(0) };
+    p.handle_message(Message::Gathered { epoch: Epoch(1), seq: 0, included: vec![PeerId(0), PeerId(2)] }, t0).unwrap();
+    match &tagged_actions(&mut p)[..] {
+        [Action::RunCollective { call: c, op: o, group, .. }] => {
+            assert_eq!((*c, *o, &group[..]), (call, op, &[0, 2][..]));
+        }
+        other => panic!("expected the collective to run among two: {other:?}"),
+    }
+    assert!(p.running(op));
+    p.handle_collective(op, OpProgress::DataDone, t0);
+    p.handle_collective(op, OpProgress::Confirmed, t0);
+    assert_eq!(actions(&mut p), vec![done(Ok(Value::Collective(op)))]);
+    // Since it runs among those, the master hears that it committed here.
+    assert_eq!(
+        sent(&mut p),
+        vec![Message::OpDone { epoch: Epoch(1), derived: 0, seq: 0, members: vec![], decided: true }]
+    );
+    // Named out of the next one: nothing runs, and the call ends as the collective did among
+    // the others: left out once it committed.
+    p.call(CallKind::Gathered(Api::AllReduce, cutoff), BOUND, t0);
+    sent(&mut p);
+    let included = vec![PeerId(1), PeerId(2)];
+    p.handle_message(Message::Gathered { epoch: Epoch(1), seq: 1, included: included.clone() }, t0).unwrap();
+    assert!(tagged_actions(&mut p).is_empty(), "waits to hear how it ended");
+    p.handle_message(Message::OpCommitted { epoch: Epoch(1), derived: 0, seq: 1 }, t0).unwrap();
+    let op = OpId { epoch: Epoch(1), derived: 0, seq: Seq(1) };
+    assert_eq!(actions(&mut p), vec![done(Err(CallError::Excluded { op, included: included.clone() }))]);
+    // The decision and the fate of the one after came before our call: no question, and it
+    // fails as it did among the others.
+    p.handle_message(Message::Gathered { epoch: Epoch(1), seq: 2, included: included.clone() }, t0).unwrap();
+    let failure = OpFailure::new(FailureKind::PeerLost, PeerId(1), "lost");
+    p.handle_message(Message::OpAborted { epoch: Epoch(1), derived: 0, seq: 2, failure: failure.clone() }, t0).unwrap();
+    p.call(CallKind::Gathered(Api::AllReduce, cutoff), BOUND, t0);
+    assert!(sent(&mut p).is_empty(), "decided already");
+    let op = OpId { epoch: Epoch(1), derived: 0, seq: Seq(2) };
+    assert_eq!(actions(&mut p), vec![done(Err(CallError::Aborted { op, failure }))]);
+    // And the next collective is number 3 for us as for them.
+    assert_eq!(start_collective(&mut p, t0), OpId { epoch: Epoch(1), derived: 0, seq: Seq(3) });
+}
+
+/// A collective with a deadline waiting for the master's decision ends on an abort, and ends at
+/// its bound if no decision comes.
+#[test]
+fn a_collective_with_a_deadline_ends_on_an_abort_or_at_its_bound() {
+    let (mut p, t0) = joined(&[0, 1]);
+    let cutoff = Cutoff { deadline: Duration::from_millis(10), min: 0 };
+    p.call(CallKind::Gathered(Api::AllReduce, cutoff), BOUND, t0);
+    sent(&mut p);
+    let failure = OpFailure::new(FailureKind::PeerLost, PeerId(1), "lost");
+    p.handle_message(Message::OpAborted { epoch: Epoch(1), derived: 0, seq: 0, failure: failure.clone() }, t0).unwrap();
+    let op = OpId { epoch: Epoch(1), derived: 0, seq: Seq(0) };
+    assert_eq!(actions(&mut p), vec![done(Err(CallError::Aborted { op, failure }))]);
+    let bound = Duration::from_millis(500);
+    p.call(CallKind::Gathered(Api::AllReduce, cutoff), bound, t0);
+    sent(&mut p);
+    let late = t0 + bound;
+    assert!(p.poll_timeout().is_some_and(|t| t <= late));
+    p.handle_timeout(late);
+    assert!(matches!(&sent(&mut p)[..], [.., Message::OpFailed { seq: 1, .. }]), "reported");
+}

@@ -13,6 +13,20 @@ use std::time::Duration;
 /// Commits a peer remembers to answer the master's queries: far more than may be in flight.
 pub const REMEMBERED_COMMITS: usize = 4096;
 
+/// Decisions on collectives with a deadline a peer keeps for the calls it has not made yet:
+/// it runs only a few collectives at a time, so the oldest of this many was long made.
+const MAX_GATHERED_HEARD: usize = 1024;
+
+/// How a collective this peer had not started by the time its topology was left ended for the
+/// others ([`PeerView::missed`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Missed {
+    /// It failed.
+    Failed(OpFailure),
+    /// Called with a deadline, it ran among these members, without us.
+    LeftOut(Vec<PeerId>),
+}
+
 /// What the peer has learned from the master.
 #[derive(Debug, Clone, Default)]
 pub struct PeerView {
@@ -37,11 +51,11 @@ pub struct PeerView {
     /// the master relayed them ([`WaitNote`]); one wait per member at a time.
     pub waiters: BTreeMap<PeerId, WaitNote>,
     /// The collectives this peer would have run next in the topology it left, which the others
-    /// failed before it started them (it joined the re-formed ring first): (topology, number,
-    /// why), in order; of each derived group likewise. Its next collective calls there fail the
-    /// same way, so that every member's k-th call has one outcome
-    /// ([`PeerView::start_collective`]).
-    pub missed: VecDeque<(OpId, OpFailure)>,
+    /// failed before it started them (it joined the re-formed ring first), or, called with a
+    /// deadline, ran among the others without it: (topology, number, how), in order; of each
+    /// derived group likewise. Its next collective calls there end the same way, so that every
+    /// member's k-th call has one outcome ([`PeerView::start_collective`]).
+    pub missed: VecDeque<(OpId, Missed)>,
     /// The answer of the last `peers_pending` vote, until consumed.
     pub pending_result: Option<bool>,
     /// Why the master expelled us, if it did.
@@ -60,6 +74,10 @@ pub struct PeerView {
     /// peer even starts the collective; verdicts of replaced topologies are dropped when a new
     /// one is committed.
     pub verdicts: BTreeMap<OpId, Verdict>,
+    /// The members the master named for collectives called with a deadline (`Gathered`), until
+    /// this peer starts each; those of replaced topologies are dropped when a new one is
+    /// committed.
+    pub gathered: BTreeMap<OpId, Vec<PeerId>>,
     /// The latest collectives this peer committed (on its own or by verdict), at most
     /// `REMEMBERED_COMMITS`: several may be in flight and commit in any order, and the master
     /// only ever asks about one a participant still waits on, which is among the latest.
@@ -261,6 +279,8 @@ pub enum PeerEvent {
     PeerRemoved(PeerId),
     /// The master decided a collective.
     Verdict(OpId),
+    /// The master named the members a collective with a deadline runs among.
+    Gathered(OpId),
     /// A member's call waits on a transfer with us ([`PeerView::waiters`]).
     MemberWaits(PeerId),
     /// The transfer we wait on with `peer` can never complete: `reason` names both calls.
@@ -415,9 +435,15 @@ impl PeerView {
                             let from = self.started_in(derived);
                             for seq in from.. {
                                 let op = OpId { epoch: *left, derived, seq: Seq(seq) };
-                                match self.verdicts.get(&op) {
-                                    Some(Verdict::Aborted(f)) if f.kind != FailureKind::Misuse => {
-                                        self.missed.push_back((op, f.clone()))
+                                let me = self.registered.map(|(p, _)| p);
+                                match (self.verdicts.get(&op), self.gathered.get(&op)) {
+                                    (Some(Verdict::Aborted(f)), _) if f.kind != FailureKind::Misuse => {
+                                        self.missed.push_back((op, Missed::Failed(f.clone())))
+                                    }
+                                    (Some(Verdict::Committed), Some(included))
+                                        if me.is_some_and(|me| !included.contains(&me)) =>
+                                    {
+                                        self.missed.push_back((op, Missed::LeftOut(included.clone())))
                                     }
                                     _ => break,
                                 }
@@ -431,11 +457,13 @@ impl PeerView {
                     self.started = 0;
                     self.derived_started.clear();
                     self.verdicts.retain(|op, _| op.epoch >= epoch);
+                    self.gathered.retain(|op, _| op.epoch >= epoch);
                     self.queried.retain(|op| op.epoch >= epoch);
                     self.committed_ops.retain(|op| op.epoch >= epoch);
                     debug_assert!(self.issued.is_none() && self.ready_in.is_none(), "a commit leaves {epoch:?} issued");
                     debug_assert!(
-                        self.missed.iter().all(|(op, f)| op.epoch < epoch && f.kind != FailureKind::Misuse),
+                        self.missed.iter().all(|(op, m)| op.epoch < epoch
+                            && !matches!(m, Missed::Failed(f) if f.kind == FailureKind::Misuse)),
                         "a collective missed in the topology in force"
                     );
                     PeerEvent::TopologyCommitted(epoch)
@@ -477,6 +505,19 @@ impl PeerView {
                 }
                 self.verdicts.insert(op, Verdict::Aborted(failure));
                 PeerEvent::Verdict(op)
+            }
+            Message::Gathered { epoch, seq, included } => {
+                let op = OpId { epoch, derived: 0, seq: Seq(seq) };
+                let in_force = self.committed.as_ref().map(|(e, _)| *e);
+                // The master names the members of a whole group's collective of the topology in
+                // force, once (to a member that calls it late, again: the same).
+                if in_force.is_some_and(|e| e == epoch) {
+                    if self.gathered.len() >= MAX_GATHERED_HEARD {
+                        self.gathered.pop_first();
+                    }
+                    self.gathered.insert(op, included);
+                }
+                PeerEvent::Gathered(op)
             }
             Message::VoteOpened { vote, epoch, voter, collectives } => {
                 if self.registered.is_some_and(|(me, _)| me == voter) {
@@ -629,19 +670,20 @@ impl PeerView {
     /// # Errors
     /// The collective it would have run in the topology it left, with the failure the others
     /// saw, when they failed it before this peer started it: the call fails without running,
-    /// like theirs, and the next one runs in the new topology.
+    /// like theirs, and the next one runs in the new topology. Likewise one that ran among the
+    /// others without it (called with a deadline): the call ends left out of it.
     ///
     /// # Panics
     /// If no topology is in force: the caller checks that it is connected first.
-    pub fn start_collective(&mut self, derived: u64) -> Result<OpId, (OpId, OpFailure)> {
+    pub fn start_collective(&mut self, derived: u64) -> Result<OpId, (OpId, Missed)> {
         if let Some(i) = self.missed.iter().position(|(op, _)| op.derived == derived) {
             let missed = self.missed.remove(i).expect("found");
             debug_assert!(
                 self.committed.as_ref().is_some_and(|(c, _)| missed.0.epoch < *c),
                 "a collective missed in the topology in force"
             );
-            // It failed in the topology we left, like the others' calls of it.
-            self.collective_ended(missed.0, false);
+            // It ended in the topology we left, as the others' calls of it did.
+            self.collective_ended(missed.0, matches!(missed.1, Missed::LeftOut(_)));
             return Err(missed);
         }
         let epoch = self.committed.as_ref().expect("a collective needs a topology in force").0;
@@ -1000,7 +1042,7 @@ mod tests {
         let failure = OpFailure::new(FailureKind::PeerLost, PeerId(3), "gone");
         v.handle_message(Message::OpAborted { derived: 0, epoch: Epoch(1), seq: 2, failure: failure.clone() }).unwrap();
         commit(&mut v, 2);
-        assert_eq!(v.start_collective(0), Err((op(Epoch(1), 2), failure)));
+        assert_eq!(v.start_collective(0), Err((op(Epoch(1), 2), Missed::Failed(failure))));
         assert_eq!(v.start_collective(0), Ok(op(Epoch(2), 0)), "the retry runs in the new topology");
         // An abort of a collective we started (and failed ourselves) voids nothing.
         let failure = OpFailure::new(FailureKind::PeerLost, PeerId(3), "gone");
@@ -1028,7 +1070,7 @@ mod tests {
         v.handle_message(Message::OpAborted { derived: 5, epoch: Epoch(1), seq: 2, failure: failure.clone() }).unwrap();
         commit(&mut v, 2);
         assert_eq!(v.start_collective(0), Ok(op(Epoch(2), 0)), "the whole group missed nothing");
-        assert_eq!(v.start_collective(5), Err((of(5, 2), failure)));
+        assert_eq!(v.start_collective(5), Err((of(5, 2), Missed::Failed(failure))));
         let next = v.start_collective(5).unwrap();
         assert_eq!(next, OpId { epoch: Epoch(2), derived: 5, seq: Seq(0) });
         // Only the group's members agree on its outcomes: the whole group's answers ignore them.

@@ -1,0 +1,68 @@
+"""Collectives with a deadline: a member that has not called an all-reduce by its deadline is
+left out by agreement, the others end with one result over exactly themselves, and the member
+left out gets ExcludedError with its tensor untouched and stays in the run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import run_peers
+
+import shoal
+
+PEERS, LATE = 3, 2
+
+
+def test_a_member_late_past_the_deadline_is_left_out_by_agreement(master: shoal.Master, tmp_path: Path) -> None:
+    results = sorted(run_peers(master, tmp_path, "deadline", PEERS, timeout=120, late=LATE),
+                     key=lambda r: r["rank"])
+    by_rank = {r["rank"]: r for r in results}
+    # Ranks follow admission: the late peer is the one left out of round 1.
+    excluded = [r for r in results if "excluded" in r["rounds"][1]]
+    assert len(excluded) == 1, [r["rounds"][1] for r in results]
+    late_rank = excluded[0]["rank"]
+    others = [r for r in results if r["rank"] != late_rank]
+    for r in results:
+        first, _, on_time, waited, _ = r["rounds"]
+        # On time: everyone, the average of 1, 2, 3.
+        assert first["included"] == list(range(PEERS)) and first["values"] == [2.0, 0.0], first
+        assert on_time["included"] == list(range(PEERS)) and on_time["values"] == [2.0, 2.0], on_time
+        # min_participants of the whole group: the late member is waited for.
+        assert waited["included"] == list(range(PEERS)) and waited["values"] == [2.0, 3.0], waited
+        assert r["world"] == PEERS and r["topology"] == first["topology"], "nobody was expelled, nothing re-formed"
+    for rnd in (1, 4):
+        late = by_rank[late_rank]["rounds"][rnd]
+        # Untouched, told who took part, and at once: the others were done long before.
+        assert "excluded" in late and late["values"] == [LATE + 1.0, float(rnd)], late
+        assert late["included"] == sorted(r["rank"] for r in others) and late["took"] < 0.5, late
+        values = {tuple(r["rounds"][rnd]["values"]) for r in others}
+        mean = sum(i + 1 for i in range(PEERS) if i != LATE) / (PEERS - 1)
+        assert values == {(mean, float(rnd))}, values
+        for r in others:
+            o = r["rounds"][rnd]
+            assert o["included"] == late["included"] and o["world"] == PEERS - 1, o
+            assert (o["topology"], o["sequence"]) == (late["topology"], late["sequence"]), (o, late)
+            # The deadline, not the late member's second, bounds the others' call.
+            assert o["took"] < 0.9, o
+
+
+def test_deadline_arguments_are_checked_before_anything_moves(master: shoal.Master) -> None:
+    import numpy as np
+
+    comm = shoal.Communicator(master.address)
+    comm.connect(timeout=30)
+    try:
+        x = np.ones(4, np.float32)
+        for bad in (-1.0, float("inf"), "1"):
+            with pytest.raises(ValueError, match="deadline"):
+                comm.all_reduce(x, deadline=bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="min_participants"):
+            comm.all_reduce(x, min_participants=2)
+        with pytest.raises(ValueError, match="min_participants"):
+            comm.all_reduce(x, deadline=1.0, min_participants=0)
+        # Alone in its group: it runs at once.
+        info = comm.all_reduce(x, op="sum", deadline=5.0)
+        assert info.included == [0] and list(x) == [1.0] * 4
+    finally:
+        comm.close()
