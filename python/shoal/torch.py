@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 from ._c10d import ERRORS, Options, ShoalBackend, register, run_communicator
 from ._state import SharedState
-from .errors import PeerLostError, ShoalError
+from .errors import ExcludedError, PeerLostError, ShoalError
 
 __all__ = ["ERRORS", "Options", "ShoalBackend", "run_communicator", "Elastic", "DDPHook", "DiLoCo", "AsyncDiLoCo"]
 
@@ -272,6 +272,14 @@ class DiLoCo:
     step) before averaging together. Outer steps without newcomers move only the all-reduce's
     bytes: the anchor is identical everywhere by construction (every peer applies the same
     bit-identical average), so it is not hashed again.
+
+    **Stragglers.** With ``deadline`` (seconds), the outer all-reduce waits for no peer longer
+    (``Communicator.all_reduce(deadline=..., min_participants=...)``): the peers that reach the
+    outer step in time average among themselves, and a late peer's work is not lost. The first
+    of them sends the average to each peer left out, which applies it to its anchor (so every
+    anchor stays identical) and keeps its own pseudo-gradient: the model moves with the anchor
+    but stays that far from it, so the next outer step averages that work in.
+    ``last_included`` names the ranks the last outer all-reduce ran among.
     """
 
     def __init__(
@@ -285,6 +293,8 @@ class DiLoCo:
         nesterov: bool = True,
         quantization: Optional[str] = None,
         tag: int = 1 << 40,
+        deadline: Optional[float] = None,
+        min_participants: Optional[int] = None,
     ) -> None:
         import torch
 
@@ -298,7 +308,14 @@ class DiLoCo:
             raise ValueError("DiLoCo keeps CPU parameters so far: move the model to the CPU")
         if inner_steps < 1:
             raise ValueError(f"inner_steps must be at least 1, got {inner_steps}")
+        if deadline is not None and quantization is not None:
+            raise ValueError("DiLoCo does not quantize an outer step with a deadline yet: pass one of the two")
         self.comm, self.inner_steps, self.tag = comm, inner_steps, tag
+        self.deadline, self.min_participants = deadline, min_participants
+        self.last_included: list = []
+        # Averages sent to peers left out of an outer all-reduce, in flight: (work, the copy it
+        # sends), waited for before the next outer step.
+        self._sends: list = []
         self.outer_lr, self.outer_momentum, self.nesterov = outer_lr, outer_momentum, nesterov
         self.flat = _flatten(self.params)
         self.anchor = self.flat.clone()
@@ -348,6 +365,7 @@ class DiLoCo:
     def finish(self) -> None:
         """Ends training: the model takes up the anchor."""
         self._vote_done()
+        self._sends_done()
         self.flat.copy_(self.anchor)
 
     def _admit(self) -> bool:
@@ -384,10 +402,47 @@ class DiLoCo:
             vote.wait()
 
     def _reduce(self, delta: "torch.Tensor") -> None:
+        """All-reduces the pseudo-gradients. Raises :class:`shoal.ExcludedError` (``delta``
+        untouched) where this peer reached the outer step past the deadline."""
+        self._sends_done()
         if self._feedback is not None:
-            self._feedback.all_reduce(self.comm, delta, key="diloco", op="avg", tag=self.tag)
+            info = self._feedback.all_reduce(self.comm, delta, key="diloco", op="avg", tag=self.tag)
         else:
-            self.comm.all_reduce(delta, op="avg", tag=self.tag)
+            info = self.comm.all_reduce(delta, op="avg", tag=self.tag, **self._cutoff())
+        self._send_average(info, delta)
+
+    def _cutoff(self) -> dict:
+        """The outer all-reduce's deadline arguments, if it has one."""
+        if self.deadline is None:
+            return {}
+        return {"deadline": self.deadline, "min_participants": self.min_participants}
+
+    def _send_average(self, info: Any, average: "torch.Tensor") -> None:
+        """After an outer all-reduce that left peers out: the first peer it ran among sends each
+        of them the average (a copy, in flight until the next outer step)."""
+        if self.deadline is None:
+            return  # nobody is left out
+        self.last_included = list(info.included)
+        left_out = [r for r in range(self.comm.group_world_size) if r not in info.included]
+        if left_out and self.comm.rank == info.included[0]:
+            copy = average.clone()
+            for rank in left_out:
+                self._sends.append((self.comm.isend(copy, peer=rank, tag=self.tag + 1), copy))
+
+    def _sends_done(self) -> None:
+        """Waits for the averages sent to peers left out. One lost meanwhile needs none."""
+        sends, self._sends = self._sends, []
+        for work, _ in sends:
+            try:
+                work.wait()
+            except PeerLostError:
+                pass
+
+    def _average_missed(self, e: ExcludedError, into: "torch.Tensor") -> None:
+        """This peer was left out of an outer all-reduce: receives the average the others
+        applied into ``into``, from the first of them."""
+        self.last_included = list(e.included)
+        self.comm.recv(into, peer=e.included[0], tag=self.tag + 1)
 
     def _apply(self, delta: "torch.Tensor") -> None:
         """The outer optimizer on the anchor: SGD with (Nesterov) momentum."""
@@ -409,7 +464,19 @@ class DiLoCo:
         delta = torch.sub(self.anchor, self.flat, out=self._delta)
         if self._admit():
             return False
-        self._reduce(delta)
+        try:
+            self._reduce(delta)
+        except ExcludedError as e:
+            # Late: the others averaged without us. Apply their average, and keep our progress
+            # (``delta``, untouched) for the next outer step, where it is averaged in.
+            average = torch.empty_like(delta)
+            self._average_missed(e, average)
+            self._apply(average)
+            self._outer += 1
+            torch.sub(self.anchor, delta, out=self.flat)
+            self.inner = 0
+            self._vote_ahead()
+            return True
         self._apply(delta)
         self._outer += 1
         self.flat.copy_(self.anchor)
@@ -449,14 +516,28 @@ class AsyncDiLoCo(DiLoCo):
             return
         work, previous = self._pending
         try:
-            work.wait()
+            info = work.wait()
+        except ExcludedError as e:
+            # Late: the others averaged without us. Apply their average; ``previous`` (our
+            # pseudo-gradient, untouched) stays in the model's distance from the anchor, to be
+            # averaged in at the next outer step.
+            self._pending = None
+            average = torch.empty_like(previous)
+            self._average_missed(e, average)
+            progress = torch.sub(self.origin, self.flat, out=self._spare)
+            progress.add_(previous)
+            self._apply(average)
+            torch.sub(self.anchor, progress, out=self.flat)
+            self.origin.copy_(self.anchor)
+            return
         except ShoalError:
             try:
-                self._pending = (self.comm.all_reduce_async(previous, op="avg", tag=self.tag), previous)
+                self._pending = (self._reduce_async(previous), previous)
             except ShoalError:
                 self._pending = None  # out of the run: nothing left to wait for
             raise
         self._pending = None
+        self._send_average(info, previous)
         progress = torch.sub(self.origin, self.flat, out=self._spare)
         self._apply(previous)
         torch.sub(self.anchor, progress, out=self.flat)
@@ -470,7 +551,7 @@ class AsyncDiLoCo(DiLoCo):
         if self._admit():
             return False
         delta = torch.sub(self.origin, self.flat, out=self._delta)
-        self._pending = (self.comm.all_reduce_async(delta, op="avg", tag=self.tag), delta)
+        self._pending = (self._reduce_async(delta), delta)
         self._vote_ahead()
         # That progress is being averaged: the next pseudo-gradient counts from here.
         self.origin.copy_(self.flat)
@@ -478,12 +559,19 @@ class AsyncDiLoCo(DiLoCo):
         self.inner = 0
         return True
 
+    def _reduce_async(self, delta: "torch.Tensor") -> "Work":
+        """Starts the outer all-reduce of ``delta``, once the averages sent to peers left out of
+        the last one arrived."""
+        self._sends_done()
+        return self.comm.all_reduce_async(delta, op="avg", tag=self.tag, **self._cutoff())
+
     def finish(self) -> None:
         """Ends training: waits for the all-reduce in flight, applies it, and the model takes up
         the anchor. Raises :class:`shoal.PeerLostError` as :meth:`outer_step` does: call it
         again."""
         self._land()
         self._vote_done()
+        self._sends_done()
         self.flat.copy_(self.anchor)
 
 

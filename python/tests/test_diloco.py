@@ -139,3 +139,35 @@ def test_async_diloco_retries_an_all_reduce_that_timed_out_as_it_retries_a_lost_
         assert errors == [type(failure).__name__], errors
         assert started == 5, "the failed all-reduce is started again, once"
         assert all(torch.equal(a, b) for a, b in zip(params, clean)), "the retry changed the result"
+
+
+@pytest.mark.parametrize("variant", ["sync", "async"])
+def test_a_late_peer_is_left_out_of_an_outer_step_and_its_work_counts_at_the_next(master, tmp_path, variant):
+    """Peer 2 reaches outer step 2 a second past the deadline: the others average without it,
+    every anchor stays identical, and its pseudo-gradient is averaged in at the next outer step.
+    Every inner step adds 1 to each parameter and the outer step is plain SGD of step 1, so each
+    outer step moves the anchor by the mean pseudo-gradient of the peers it ran among: 5 per
+    peer, 10 for a peer whose last one was left out."""
+    results = run_peers(master, tmp_path, "diloco_late", 3, timeout=120, outer=6, deadline=0.6, pause=0.05,
+                        lag=1.5, slow=2, **{"async": variant == "async"})
+    for outer in [*range(1, 7), "final"]:
+        anchors = {tuple(rec["anchor"]) for r in results for rec in r["records"] if rec["outer"] == outer}
+        assert len(anchors) == 1, f"outer step {outer}: anchors differ: {anchors}"
+    slow = next(r for r in results if r["index"] == 2)
+    # Each record's all-reduce: the one its outer step applied (AsyncDiLoCo's first applies none,
+    # its finish the last).
+    records = slow["records"] if variant == "sync" else slow["records"][1:]
+    included = [rec["included"] for rec in records if variant == "async" or rec["outer"] != "final"]
+    assert any(len(inc) == 2 and slow["rank"] not in inc for inc in included), included
+    # Replay the anchor from the included sets: each peer's pseudo-gradient is 5 per outer step
+    # plus whatever of its own was left out of the last one it missed.
+    owed = {r["rank"]: 0.0 for r in results}
+    expected, anchors = 0.0, []
+    for inc in included:
+        contributions = [5.0 + owed[rank] for rank in inc]
+        expected += sum(contributions) / len(contributions)
+        owed = {rank: (0.0 if rank in inc else 5.0 + owed[rank]) for rank in owed}
+        anchors.append(expected)
+    got = [rec["anchor"][0] for rec in records if variant == "async" or rec["outer"] != "final"]
+    assert got == pytest.approx(anchors), (got, anchors, included)
+    assert slow["records"][-1]["anchor"][0] == pytest.approx(anchors[-1]), "finish applies the last one"

@@ -1453,6 +1453,43 @@ def deadline(spec: dict) -> dict:
     return result
 
 
+def diloco_late(spec: dict) -> dict:
+    """DiLoCo (or AsyncDiLoCo) with a deadline on a model whose every inner step adds 1 to each
+    parameter (plain outer SGD, step 1: the anchor moves by the mean pseudo-gradient of the peers
+    an outer step ran among). Every peer computes ``pause`` s an outer step; the peer of index
+    ``slow`` once ``lag`` s more, at outer step 2. Records each outer step's anchor, included
+    ranks and whether this peer was left out."""
+    import torch
+
+    from shoal.torch import AsyncDiLoCo, DiLoCo
+
+    comm = communicator(spec, timeout=30)
+    comm.connect(timeout=30)
+    join_all(comm, spec["peers"])
+    param = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    kind = AsyncDiLoCo if spec["async"] else DiLoCo
+    recipe = kind(comm, [param], inner_steps=5, outer_lr=1.0, outer_momentum=0.0, nesterov=False,
+                  deadline=spec["deadline"])
+    recipe.join()
+    records = []
+    while recipe.outer_steps < spec["outer"]:
+        with torch.no_grad():
+            param.add_(1.0)
+        if recipe.inner == recipe.inner_steps - 1:
+            time.sleep(spec["pause"])
+            if spec["index"] == spec["slow"] and recipe.outer_steps == 2:
+                time.sleep(spec["lag"])
+        if recipe.step():
+            records.append({"outer": recipe.outer_steps, "anchor": recipe.anchor.tolist(),
+                            "included": recipe.last_included})
+    recipe.finish()
+    records.append({"outer": "final", "anchor": recipe.anchor.tolist(), "included": recipe.last_included})
+    comm.barrier(tag=5)
+    result = {"rank": comm.rank, "index": spec["index"], "records": records}
+    comm.close()
+    return result
+
+
 if __name__ == "__main__":
     scenario, spec = sys.argv[1], json.loads(sys.argv[2])
     scenarios = {"overlap": overlap, "many_survive": many_survive,
@@ -1466,6 +1503,7 @@ if __name__ == "__main__":
                  "barrier_lost": barrier_lost, "optimize": optimize, "drift": drift, "quantized": quantized,
                  "watched": watched,
                  "restart_loop": restart_loop, "diloco": diloco,
-                 "ddp": ddp, "catchup": catchup, "deadline": deadline}
+                 "ddp": ddp, "catchup": catchup, "deadline": deadline,
+                 "diloco_late": diloco_late}
     result = scenarios[scenario](spec)
     print(json.dumps(result), flush=True)
