@@ -310,9 +310,11 @@ impl Communicator {
         quantization: Option<Quantization>,
     ) -> Result<Info> {
         check_buffer(buf, dtype)?;
-        let request =
-            Request { kind: CollectiveKind::AllReduce, dtype, op, tag, root: 0, algorithm, quantization, cutoff: None };
-        self.collective(RawBuf::new(buf), request, Extra::None)
+        self.collective(
+            RawBuf::new(buf),
+            all_reduce_request(dtype, op, tag, algorithm, quantization, None),
+            Extra::None,
+        )
     }
 
     /// [`Communicator::all_reduce`] that waits for no member longer than `cutoff` says: the
@@ -338,8 +340,7 @@ impl Communicator {
         cutoff: Cutoff,
     ) -> Result<Info> {
         check_buffer(buf, dtype)?;
-        let (kind, cutoff) = (CollectiveKind::AllReduce, Some(cutoff));
-        let request = Request { kind, dtype, op, tag, root: 0, algorithm, quantization, cutoff };
+        let request = all_reduce_request(dtype, op, tag, algorithm, quantization, Some(cutoff));
         self.collective(RawBuf::new(buf), request, Extra::None)
     }
 
@@ -363,8 +364,7 @@ impl Communicator {
         B: AsMut<[u8]> + Send + 'static,
     {
         check_buffer(buf.as_mut(), dtype)?;
-        let (kind, cutoff) = (CollectiveKind::AllReduce, Some(cutoff));
-        let request = Request { kind, dtype, op, tag, root: 0, algorithm, quantization, cutoff };
+        let request = all_reduce_request(dtype, op, tag, algorithm, quantization, Some(cutoff));
         self.start_async(buf, request, |b| (RawBuf::new(b.as_mut()), Extra::None))
     }
 
@@ -501,8 +501,7 @@ impl Communicator {
         B: AsMut<[u8]> + Send + 'static,
     {
         check_buffer(buf.as_mut(), dtype)?;
-        let request =
-            Request { kind: CollectiveKind::AllReduce, dtype, op, tag, root: 0, algorithm, quantization, cutoff: None };
+        let request = all_reduce_request(dtype, op, tag, algorithm, quantization, None);
         self.start_async(buf, request, |b| (RawBuf::new(b.as_mut()), Extra::None))
     }
 
@@ -983,6 +982,17 @@ impl<B> Work<B> {
 }
 
 /// What owns a buffer lent to the engine: a [`Work`]'s, until its caller takes it back.
+fn all_reduce_request(
+    dtype: DType,
+    op: ReduceOp,
+    tag: u64,
+    algorithm: Option<Algorithm>,
+    quantization: Option<Quantization>,
+    cutoff: Option<Cutoff>,
+) -> Request {
+    Request { kind: CollectiveKind::AllReduce, dtype, op, tag, root: 0, algorithm, quantization, cutoff }
+}
+
 fn gather_request(dtype: DType, tag: u64, quantization: Option<Quantization>) -> Request {
     let kind = CollectiveKind::AllGather;
     Request { kind, dtype, op: ReduceOp::Sum, tag, root: 0, algorithm: None, quantization, cutoff: None }

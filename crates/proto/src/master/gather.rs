@@ -49,9 +49,9 @@ pub(super) struct Gathering {
 }
 
 impl Gathering {
-    /// When the deadline passes.
-    fn due(&self) -> Instant {
-        self.since + self.deadline
+    /// When the deadline passes (never, for one past the clock's range).
+    fn due(&self) -> Option<Instant> {
+        self.since.checked_add(self.deadline)
     }
 }
 
@@ -115,7 +115,8 @@ impl Master {
                 // A newcomer whose first peers_pending waits for its tentative answer is in no
                 // position to call yet: not late (`restart_gathers`).
                 let held = live.iter().any(|p| !g.called.contains(p) && self.g.tentative.contains_key(p));
-                let decided = called.len() == live.len() || (now >= g.due() && called.len() >= least && !held);
+                let due = g.due().is_some_and(|due| now >= due);
+                let decided = called.len() == live.len() || (due && called.len() >= least && !held);
                 decided.then_some((*key, called))
             })
             .collect();
@@ -142,7 +143,7 @@ impl Master {
                 self.send_to_peer(p, Message::Gathered { epoch, seq, included: included.clone() });
             }
         }
-        let next = self.g.gathering.values().map(Gathering::due).filter(|t| *t > now).min();
+        let next = self.g.gathering.values().filter_map(Gathering::due).filter(|t| *t > now).min();
         match next {
             Some(at) => self.timers.set(Timer::Gather(self.focus), at),
             None => self.timers.clear(Timer::Gather(self.focus)),

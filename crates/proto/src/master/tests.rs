@@ -1761,6 +1761,18 @@ fn a_collective_with_a_deadline_waits_for_its_minimum_and_not_for_the_lost() {
     assert_eq!(gathered_to(&out, 1), [(1, vec![0, 1])], "{out:?}");
 }
 
+/// A deadline past the clock's range is one never reached: the collective waits for every member.
+#[test]
+fn a_collective_with_an_endless_deadline_waits_for_every_member() {
+    let (mut h, epoch) = run_with(2);
+    h.send(1, Message::Gather { epoch, seq: 0, deadline_ms: u64::MAX, min: 1 });
+    h.now += Duration::from_millis(1500);
+    h.master.handle_timeout(h.now);
+    assert!(gathered_to(&h.drain(), 1).is_empty());
+    let out = h.send(2, Message::Gather { epoch, seq: 0, deadline_ms: u64::MAX, min: 1 });
+    assert_eq!(gathered_to(&out, 1), [(0, vec![0, 1])]);
+}
+
 /// A collective with a deadline that a member gave up for a vote before it was decided fails for
 /// every member, and for one that calls it later.
 #[test]
