@@ -112,9 +112,11 @@ impl Master {
             .filter_map(|(key, g)| {
                 let called: Vec<PeerId> = live.iter().copied().filter(|p| g.called.contains(p)).collect();
                 let least = if g.min == 0 { live.len() / 2 + 1 } else { g.min };
-                // A newcomer whose first peers_pending waits for its tentative answer is in no
-                // position to call yet: not late (`restart_gathers`).
-                let held = live.iter().any(|p| !g.called.contains(p) && self.g.tentative.contains_key(p));
+                // A newcomer that has made no call since its admission, or whose first
+                // peers_pending waits for its tentative answer, is in no position to call yet:
+                // not late (`restart_gathers`).
+                let newcomer = |p: &PeerId| self.g.tentative.contains_key(p) || self.peers[p].fresh;
+                let held = live.iter().any(|p| !g.called.contains(p) && newcomer(p));
                 let due = g.due().is_some_and(|due| now >= due);
                 let decided = called.len() == live.len() || (due && called.len() >= least && !held);
                 decided.then_some((*key, called))

@@ -1747,18 +1747,37 @@ fn a_collective_with_a_deadline_runs_among_the_members_that_called_it_in_time() 
 #[test]
 fn a_collective_with_a_deadline_waits_for_its_minimum_and_not_for_the_lost() {
     let (mut h, epoch) = run_with(3);
-    let gather = |min: u32| Message::Gather { epoch, seq: 0, deadline_ms: 100, min };
-    h.send(1, gather(2));
+    let gather = |seq: u64, min: u32| Message::Gather { epoch, seq, deadline_ms: 100, min };
+    // A first call from each: the newcomers are held to the others' pace from then on.
+    for conn in 1..=3 {
+        h.send(conn, gather(0, 0));
+    }
+    h.send(1, gather(1, 2));
     h.now += Duration::from_millis(150);
     h.master.handle_timeout(h.now);
     assert!(gathered_to(&h.drain(), 1).is_empty(), "one of the two required");
-    let out = h.send(2, gather(2));
-    assert_eq!(gathered_to(&out, 1), [(0, vec![0, 1])]);
+    let out = h.send(2, gather(1, 2));
+    assert_eq!(gathered_to(&out, 1), [(1, vec![0, 1])]);
     // Peers 0 and 1 call the next one; peer 2 is lost: they are all the ring has left.
-    h.send(1, Message::Gather { epoch, seq: 1, deadline_ms: 60_000, min: 0 });
-    h.send(2, Message::Gather { epoch, seq: 1, deadline_ms: 60_000, min: 0 });
+    h.send(1, Message::Gather { epoch, seq: 2, deadline_ms: 60_000, min: 0 });
+    h.send(2, Message::Gather { epoch, seq: 2, deadline_ms: 60_000, min: 0 });
     let out = h.send(3, Message::Leave);
-    assert_eq!(gathered_to(&out, 1), [(1, vec![0, 1])], "{out:?}");
+    assert_eq!(gathered_to(&out, 1), [(2, vec![0, 1])], "{out:?}");
+}
+
+/// A newcomer that has made no call since its admission is not late: it is in no position to
+/// call yet (PCCL's loop asks `peers_pending` first). The others wait for it past the deadline.
+#[test]
+fn a_collective_with_a_deadline_waits_for_a_newcomer_that_has_not_called_yet() {
+    let (mut h, epoch) = run_with(3);
+    let gather = Message::Gather { epoch, seq: 0, deadline_ms: 100, min: 0 };
+    h.send(1, gather.clone());
+    h.send(2, gather.clone());
+    h.now += Duration::from_millis(150);
+    h.master.handle_timeout(h.now);
+    assert!(gathered_to(&h.drain(), 1).is_empty(), "peer 2, admitted last, has made no call");
+    let out = h.send(3, gather);
+    assert_eq!(gathered_to(&out, 1), [(0, vec![0, 1, 2])]);
 }
 
 /// A deadline past the clock's range is one never reached: the collective waits for every member.
