@@ -194,12 +194,12 @@ class Communicator:
         See :class:`ErrorFeedback` to carry the error into the next step.
 
         ``deadline`` (seconds) waits for no straggler longer: the members that have not called this
-        all-reduce ``deadline`` seconds after the first did (once at least ``min_participants`` have;
-        by default more than half the group) are left out by agreement, and it runs among the
-        others. Each of those ends with the same bit-identical result over exactly them (``avg``
-        divides by their number), and ``ReduceInfo.included`` names them; a member left out raises
-        :class:`ExcludedError` at its call, its tensor untouched, and stays a member. Deciding who
-        is in costs a round trip to the master. Every member must pass a deadline (the first
+        all-reduce ``deadline`` seconds after ``min_participants`` had (by default more than half
+        the group) are left out by agreement, and it runs among the others. Each of those ends
+        with the same bit-identical result over exactly them (``avg`` divides by their number),
+        and ``ReduceInfo.included`` names them; a member left out raises :class:`ExcludedError`
+        at its call, its tensor untouched, and stays a member. Deciding who is in costs a round
+        trip to the master. Every member must pass a deadline (the first
         caller's figures stand); a group from ``split`` or ``new_group`` takes none.
         """
         _check_tag(tag)

@@ -318,8 +318,8 @@ impl Communicator {
     }
 
     /// [`Communicator::all_reduce`] that waits for no member longer than `cutoff` says: the
-    /// members that have not called it `cutoff.deadline` after the first did (once at least
-    /// `cutoff.min` have) are left out by agreement, and it runs among the others, whose result
+    /// members that have not called it `cutoff.deadline` after `cutoff.min` had are left out by
+    /// agreement, and it runs among the others, whose result
     /// is over exactly them (an average divides by their number): [`Info::included`] names them.
     /// A member left out gets [`Error::Excluded`], its buffer untouched, and stays a member
     /// (`docs/protocol.md`, "Collectives with a deadline"). Every member must call it with a

@@ -4,7 +4,7 @@
 //!
 //! Each member that calls collective `seq` of the committed topology with a deadline says so
 //! (`Gather`). Once every member still in the run has, or once the deadline (counted from the
-//! first call the master heard of) has passed and at least the minimum has, the master names
+//! moment the minimum had called: an early member does not start it) has passed, the master names
 //! the members that called, in ring order, to every member of the ring (`Gathered`). Those run
 //! the collective among themselves, with the usual agreement over exactly that set (the record
 //! of the collective lists them alone: [`Master::gathered_members`]), and each tells the master
@@ -39,8 +39,10 @@ pub(super) struct Decided {
 /// A collective with a deadline, called by some members and not decided yet.
 #[derive(Debug, Clone)]
 pub(super) struct Gathering {
-    /// When the first member's call reached us.
-    since: Instant,
+    /// When the minimum number of members had called (the deadline counts from then, so one
+    /// member far ahead of the others does not leave them out), or when newcomers were answered
+    /// after that (`restart_gathers`); `None` while fewer have called.
+    since: Option<Instant>,
     /// The first member's deadline and minimum (0: more than half the ring).
     deadline: Duration,
     min: usize,
@@ -49,9 +51,18 @@ pub(super) struct Gathering {
 }
 
 impl Gathering {
+    /// The fewest members it may run among, of `live`.
+    fn least(&self, live: usize) -> usize {
+        if self.min == 0 {
+            live / 2 + 1
+        } else {
+            self.min
+        }
+    }
+
     /// When the deadline passes (never, for one past the clock's range).
     fn due(&self) -> Option<Instant> {
-        self.since.checked_add(self.deadline)
+        self.since?.checked_add(self.deadline)
     }
 }
 
@@ -92,7 +103,7 @@ impl Master {
         }
         let deadline = Duration::from_millis(deadline_ms);
         let entry = self.g.gathering.entry((epoch, seq)).or_insert_with(|| Gathering {
-            since: now,
+            since: None,
             deadline,
             min: min as usize,
             called: BTreeSet::new(),
@@ -105,20 +116,24 @@ impl Master {
     /// deadline passed with enough of them; arms the group's timer for the next deadline.
     pub(super) fn decide_gathers(&mut self, now: Instant) {
         let live: Vec<PeerId> = self.g.ring.iter().copied().filter(|p| self.peers.contains_key(p)).collect();
+        for g in self.g.gathering.values_mut() {
+            if g.since.is_none() && live.iter().filter(|p| g.called.contains(p)).count() >= g.least(live.len()) {
+                g.since = Some(now);
+            }
+        }
         let ready: Vec<((Epoch, u64), Vec<PeerId>)> = self
             .g
             .gathering
             .iter()
             .filter_map(|(key, g)| {
                 let called: Vec<PeerId> = live.iter().copied().filter(|p| g.called.contains(p)).collect();
-                let least = if g.min == 0 { live.len() / 2 + 1 } else { g.min };
                 // A newcomer that has made no call since its admission, or whose first
                 // peers_pending waits for its tentative answer, is in no position to call yet:
                 // not late (`restart_gathers`).
                 let newcomer = |p: &PeerId| self.g.tentative.contains_key(p) || self.peers[p].fresh;
                 let held = live.iter().any(|p| !g.called.contains(p) && newcomer(p));
                 let due = g.due().is_some_and(|due| now >= due);
-                let decided = called.len() == live.len() || (due && called.len() >= least && !held);
+                let decided = called.len() == live.len() || (due && called.len() >= g.least(live.len()) && !held);
                 decided.then_some((*key, called))
             })
             .collect();
@@ -127,12 +142,13 @@ impl Master {
             let left_out: Vec<String> = live.iter().filter(|p| !included.contains(p)).map(|p| p.to_string()).collect();
             if !left_out.is_empty() {
                 log::info!(
-                    "group {}: collective {seq} of topology {} runs without {} (not called {:.3} s after the first, \
+                    "group {}: collective {seq} of topology {} runs without {} (not called {:.3} s after the first {}, \
                      {} of {} called)",
                     self.focus.0,
                     epoch.0,
                     left_out.join(", "),
                     g.deadline.as_secs_f64(),
+                    g.least(live.len()),
                     included.len(),
                     live.len()
                 );
@@ -157,7 +173,7 @@ impl Master {
     /// are in, so the deadline of a collective with one not decided yet counts from now.
     pub(super) fn restart_gathers(&mut self, now: Instant) {
         for g in self.g.gathering.values_mut() {
-            g.since = g.since.max(now);
+            g.since = g.since.map(|since| since.max(now));
         }
         self.decide_gathers(now);
     }

@@ -1692,7 +1692,7 @@ fn gathered_to(out: &[Output], conn: u64) -> Vec<(u64, Vec<u32>)> {
 }
 
 /// A collective with a deadline: decided at once when every member called it, else at the
-/// deadline (counted from the first call) among those that did, once enough have; every member
+/// deadline (counted from when the minimum had called) among those that did; every member
 /// hears the same decision, one that calls late hears it again, and the agreement record of that
 /// collective holds only the members it ran among.
 #[test]
@@ -1706,13 +1706,16 @@ fn a_collective_with_a_deadline_runs_among_the_members_that_called_it_in_time() 
     for conn in 1..=3 {
         assert_eq!(gathered_to(&out, conn), [(0, vec![0, 1, 2])], "conn {conn}");
     }
-    // Peer 2 late: nothing before the deadline, then the two that called.
+    // Peer 2 late: nothing before the deadline, counted from the second call (the minimum: one
+    // member far ahead of the others starts no clock), then the two that called.
     h.send(1, gather(1, 0));
-    let due = h.master.poll_timeout().unwrap();
-    h.now += Duration::from_millis(200);
+    h.now += Duration::from_millis(400);
     let out = h.send(2, gather(1, 0));
-    assert!(gathered_to(&out, 1).is_empty() && due <= h.now + Duration::from_millis(300));
-    h.now = h.now.max(due);
+    assert!(gathered_to(&out, 1).is_empty());
+    h.now += Duration::from_millis(499);
+    h.master.handle_timeout(h.now);
+    assert!(gathered_to(&h.drain(), 1).is_empty(), "decided before the deadline");
+    h.now += Duration::from_millis(1);
     h.master.handle_timeout(h.now);
     let out = h.drain();
     for conn in 1..=3 {
@@ -1742,8 +1745,8 @@ fn a_collective_with_a_deadline_runs_among_the_members_that_called_it_in_time() 
     assert!(sent_to(&out, 3).iter().any(|m| matches!(m, Message::Kicked { .. })), "{out:?}");
 }
 
-/// Too few members by the deadline: the collective waits for the minimum, then runs among those
-/// that called; a member lost meanwhile is not waited for.
+/// Too few members: the collective waits for the minimum and the deadline from then, then runs
+/// among those that called; a member lost meanwhile is not waited for.
 #[test]
 fn a_collective_with_a_deadline_waits_for_its_minimum_and_not_for_the_lost() {
     let (mut h, epoch) = run_with(3);
@@ -1756,8 +1759,10 @@ fn a_collective_with_a_deadline_waits_for_its_minimum_and_not_for_the_lost() {
     h.now += Duration::from_millis(150);
     h.master.handle_timeout(h.now);
     assert!(gathered_to(&h.drain(), 1).is_empty(), "one of the two required");
-    let out = h.send(2, gather(1, 2));
-    assert_eq!(gathered_to(&out, 1), [(1, vec![0, 1])]);
+    assert!(gathered_to(&h.send(2, gather(1, 2)), 1).is_empty(), "the deadline counts from the second");
+    h.now += Duration::from_millis(100);
+    h.master.handle_timeout(h.now);
+    assert_eq!(gathered_to(&h.drain(), 1), [(1, vec![0, 1])]);
     // Peers 0 and 1 call the next one; peer 2 is lost: they are all the ring has left.
     h.send(1, Message::Gather { epoch, seq: 2, deadline_ms: 60_000, min: 0 });
     h.send(2, Message::Gather { epoch, seq: 2, deadline_ms: 60_000, min: 0 });
