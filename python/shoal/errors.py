@@ -71,11 +71,15 @@ class ExcludedError(ShoalError):
     deadline, and the others went on without it, by agreement. Nothing was done here (the tensor
     is as it was), and the peer is a member still: its next call meets the others' next. Not a
     failure to retry: the collective happened, among the ranks in ``included``. ``topology`` and
-    ``sequence`` name it, as ``ReduceInfo`` does."""
+    ``sequence`` name it, as ``ReduceInfo`` does. ``ahead`` counts the later collectives this
+    peer already heard the others run with a deadline: its next calls of that many are left out
+    at once, so a late peer can skip ahead through them to meet the others where they are (as
+    ``DiLoCo`` does)."""
 
     included: list = []
     topology: int = 0
     sequence: int = 0
+    ahead: int = 0
 
 
 class AuthenticationError(ShoalError):

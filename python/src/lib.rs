@@ -1115,7 +1115,7 @@ fn to_py(e: Error) -> PyErr {
         Error::PeerLost { .. } => "PeerLostError",
         Error::MasterInterrupted { .. } => "MasterInterruptedError",
         Error::Timeout { .. } => "ShoalTimeoutError",
-        Error::Excluded { topology, sequence, included, .. } => {
+        Error::Excluded { topology, sequence, included, ahead, .. } => {
             let error = raise("ExcludedError", e.to_string());
             // As for UsageError.calls: only a broken package refuses the attributes.
             Python::attach(|py| {
@@ -1123,6 +1123,7 @@ fn to_py(e: Error) -> PyErr {
                 value.setattr("included", included.clone()).is_ok()
                     && value.setattr("topology", *topology).is_ok()
                     && value.setattr("sequence", *sequence).is_ok()
+                    && value.setattr("ahead", *ahead).is_ok()
             });
             return error;
         }

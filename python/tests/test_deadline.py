@@ -47,6 +47,31 @@ def test_a_member_late_past_the_deadline_is_left_out_by_agreement(master: shoal.
             assert o["took"] < 0.9, o
 
 
+def test_a_member_far_behind_skips_ahead_through_what_the_others_ran_without_it(
+        master: shoal.Master, tmp_path: Path) -> None:
+    """The late member's first call after its lag is left out and says how many more the others
+    ran without it (``ahead``); each next call is left out at once with one fewer, and the call
+    after the last of them meets the others where they are: it is in it."""
+    results = run_peers(master, tmp_path, "skip_ahead", PEERS, timeout=120, rounds=12, late=LATE, lag=1.5,
+                        deadline=0.2)
+    late = next(r for r in results if r["index"] == LATE)
+    calls = late["calls"]
+    skipped = [c for c in calls[1:] if "ahead" in c]
+    aheads = [c["ahead"] for c in skipped]
+    assert aheads and aheads[0] >= 1, calls
+    first = next(i for i, c in enumerate(calls) if "ahead" in c)
+    # A countdown, ending where it meets them (a call of the last round may still miss it by a hair).
+    assert aheads[:aheads[0] + 1] == list(range(aheads[0], -1, -1)), aheads
+    assert all(c["took"] < 0.5 for c in calls[first + 1:first + 1 + aheads[0]]), calls
+    assert any("ahead" not in c for c in calls[first:]) and "ahead" not in calls[-1], calls
+    # Every call names the same collective and set on every member; those that ran agree.
+    for i in range(len(calls)):
+        seen = {(r["calls"][i]["sequence"], tuple(r["calls"][i]["included"])) for r in results}
+        assert len(seen) == 1, (i, seen)
+        ran = {tuple(r["calls"][i]["values"]) for r in results if "ahead" not in r["calls"][i]}
+        assert len(ran) == 1, (i, ran)
+
+
 def test_deadline_arguments_are_checked_before_anything_moves(master: shoal.Master) -> None:
     import numpy as np
 

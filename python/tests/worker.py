@@ -1453,6 +1453,35 @@ def deadline(spec: dict) -> dict:
     return result
 
 
+def skip_ahead(spec: dict) -> dict:
+    """All-reduces with a deadline, ``rounds`` of them: the peer of index ``late`` sleeps ``lag`` s
+    before its second, so the others run several without it; then it calls on until it is in one,
+    each left-out call skipping one of those it missed (``ExcludedError.ahead``). Reports every
+    call's outcome."""
+    comm = communicator(spec, timeout=60)
+    comm.connect(timeout=30)
+    join_all(comm, spec["peers"])
+    me = spec["index"]
+    calls = []
+    for r in range(spec["rounds"]):
+        if me == spec["late"] and r == 1:
+            time.sleep(spec["lag"])
+        elif me != spec["late"]:
+            time.sleep(0.02)
+        x = np.array([me + 1, r], np.float64)
+        t0 = time.monotonic()
+        try:
+            info = comm.all_reduce(x, op="avg", tag=3, deadline=spec["deadline"])
+            outcome: dict = {"included": info.included, "sequence": info.sequence, "values": x.tolist()}
+        except shoal.ExcludedError as e:
+            outcome = {"included": e.included, "sequence": e.sequence, "ahead": e.ahead, "values": x.tolist()}
+        calls.append({**outcome, "took": time.monotonic() - t0})
+    comm.barrier(tag=98)
+    result = {"rank": comm.rank, "index": me, "calls": calls}
+    comm.close()
+    return result
+
+
 def diloco_late(spec: dict) -> dict:
     """DiLoCo (or AsyncDiLoCo) with a deadline on a model whose every inner step adds 1 to each
     parameter (plain outer SGD, step 1: the anchor moves by the mean pseudo-gradient of the peers
@@ -1504,6 +1533,6 @@ if __name__ == "__main__":
                  "watched": watched,
                  "restart_loop": restart_loop, "diloco": diloco,
                  "ddp": ddp, "catchup": catchup, "deadline": deadline,
-                 "diloco_late": diloco_late}
+                 "diloco_late": diloco_late, "skip_ahead": skip_ahead}
     result = scenarios[scenario](spec)
     print(json.dumps(result), flush=True)

@@ -807,11 +807,11 @@ pub(crate) fn call_error(control: &Control, e: CallError, operation: &'static st
         CallError::Aborted { op, failure } => Protocol::Aborted { call: operation, op, reason: failure.reason }.into(),
         CallError::Unconfirmed { op, .. } => Protocol::Unconfirmed { call: operation, op }.into(),
         CallError::Interrupted(reason) => Error::MasterInterrupted { operation, reason },
-        CallError::Excluded { op, included } => {
+        CallError::Excluded { op, included, ahead } => {
             // A collective of the whole group: its ranks are the ring's.
             let ring = control.lock().position().map(|p| p.ring).unwrap_or_default();
             let included = included.iter().filter_map(|p| ring.iter().position(|m| m.peer == *p)).collect();
-            Error::Excluded { operation, topology: op.epoch.0, sequence: op.seq.0, included }
+            Error::Excluded { operation, topology: op.epoch.0, sequence: op.seq.0, included, ahead }
         }
     }
 }

@@ -109,6 +109,9 @@ pub enum Error {
         sequence: u64,
         /// The ranks it ran among.
         included: Vec<usize>,
+        /// How many later collectives this peer heard the others run already: its next calls
+        /// of that many are left out at once (a recipe skips ahead through them).
+        ahead: u64,
     },
     /// The operation did not finish within its bound.
     #[error("{operation} did not finish within {:.1} s", after.as_secs_f64())]

@@ -1890,7 +1890,7 @@ impl Sim {
                 return;
             }
             // Left out: it never ran here, so nothing was lent to the engine.
-            (Err(CallError::Excluded { op: id, included }), op) => {
+            (Err(CallError::Excluded { op: id, included, .. }), op) => {
                 if included.contains(&me) || op.is_some() {
                     let v =
                         format!("peer {i}: left out of ({:?}, {}) among {included:?}, yet ran it", id.epoch, id.seq.0);

@@ -270,6 +270,9 @@ pub enum CallError {
         op: OpId,
         /// The members it ran among, in ring order.
         included: Vec<PeerId>,
+        /// How many later collectives of the topology we heard the master decide already: the
+        /// others are that far ahead, and our next calls of that many end the same way at once.
+        ahead: u64,
     },
     /// The peers made calls that cannot complete together.
     Misuse(Misuse),
@@ -1341,7 +1344,10 @@ impl Peer {
             // The others failed it before we started it: it fails here too, untouched.
             Err((op, Missed::Failed(failure))) => self.finish(id, Err(CallError::Aborted { op, failure })),
             // It ran among the others: left out.
-            Err((op, Missed::LeftOut(included))) => self.finish(id, Err(CallError::Excluded { op, included })),
+            Err((op, Missed::LeftOut(included))) => {
+                // Missed in a replaced topology: the next call is in the new one, nothing ahead.
+                self.finish(id, Err(CallError::Excluded { op, included, ahead: 0 }))
+            }
             Ok(op) => {
                 self.calling(self.point_of(op), Made::api(api));
                 let position = self.position().expect("a collective runs in the topology taken up");
@@ -1741,7 +1747,10 @@ impl Peer {
             OpStage::Gathering => return self.step_gathering(op, api, deadline, now),
             OpStage::LeftOut(included) => {
                 match self.view.verdicts.remove(&op) {
-                    Some(Verdict::Committed) => self.end_op(op, Err(CallError::Excluded { op, included })),
+                    Some(Verdict::Committed) => {
+                        let ahead = self.view.decided_past(op);
+                        self.end_op(op, Err(CallError::Excluded { op, included, ahead }))
+                    }
                     Some(Verdict::Aborted(failure)) => self.end_op(op, Err(CallError::Aborted { op, failure })),
                     None if now >= deadline => self.end_op(op, Err(CallError::Timeout)),
                     None => return false,

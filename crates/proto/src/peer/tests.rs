@@ -1033,7 +1033,7 @@ fn a_collective_with_a_deadline_runs_among_the_members_the_master_names() {
     assert!(tagged_actions(&mut p).is_empty(), "waits to hear how it ended");
     p.handle_message(Message::OpCommitted { epoch: Epoch(1), derived: 0, seq: 1 }, t0).unwrap();
     let op = OpId { epoch: Epoch(1), derived: 0, seq: Seq(1) };
-    assert_eq!(actions(&mut p), vec![done(Err(CallError::Excluded { op, included: included.clone() }))]);
+    assert_eq!(actions(&mut p), vec![done(Err(CallError::Excluded { op, included: included.clone(), ahead: 0 }))]);
     // The decision and the fate of the one after came before our call: no question, and it
     // fails as it did among the others.
     p.handle_message(Message::Gathered { epoch: Epoch(1), seq: 2, included: included.clone() }, t0).unwrap();
@@ -1043,8 +1043,19 @@ fn a_collective_with_a_deadline_runs_among_the_members_the_master_names() {
     assert!(sent(&mut p).is_empty(), "decided already");
     let op = OpId { epoch: Epoch(1), derived: 0, seq: Seq(2) };
     assert_eq!(actions(&mut p), vec![done(Err(CallError::Aborted { op, failure }))]);
-    // And the next collective is number 3 for us as for them.
-    assert_eq!(start_collective(&mut p, t0), OpId { epoch: Epoch(1), derived: 0, seq: Seq(3) });
+    // Far behind: the others ran two more without us before our call of the first. It ends
+    // left out and says how many more it heard decided, so the caller can skip ahead.
+    for seq in [3, 4] {
+        p.handle_message(Message::Gathered { epoch: Epoch(1), seq, included: included.clone() }, t0).unwrap();
+        p.handle_message(Message::OpCommitted { epoch: Epoch(1), derived: 0, seq }, t0).unwrap();
+    }
+    for (seq, ahead) in [(3, 1), (4, 0)] {
+        p.call(CallKind::Gathered(Api::AllReduce, cutoff), BOUND, t0);
+        let op = OpId { epoch: Epoch(1), derived: 0, seq: Seq(seq) };
+        assert_eq!(actions(&mut p), vec![done(Err(CallError::Excluded { op, included: included.clone(), ahead }))]);
+    }
+    // And the next collective is number 5 for us as for them.
+    assert_eq!(start_collective(&mut p, t0), OpId { epoch: Epoch(1), derived: 0, seq: Seq(5) });
 }
 
 /// A collective with a deadline waiting for the master's decision ends on an abort, and ends at

@@ -663,6 +663,13 @@ impl PeerView {
         seq
     }
 
+    /// How many collectives after `op` in its topology and group we heard the master decide
+    /// (called with a deadline) and have not called yet.
+    pub fn decided_past(&self, op: OpId) -> u64 {
+        let last = OpId { seq: Seq(u64::MAX), ..op };
+        self.gathered.range((std::ops::Bound::Excluded(op), std::ops::Bound::Included(last))).count() as u64
+    }
+
     /// Numbers this peer's next collective in derived group `derived` (0: the topology's whole
     /// group): the committed topology, the group, its number there; the same on every member
     /// since each starts the same collectives of a group in the same order.
