@@ -76,7 +76,7 @@ enum Msg {
     P2pWaits { peer: u8, any: bool, send: bool, epoch: u8, collectives: u8 },
     P2pResumed(u8),
     P2pApart(u8),
-    Gathered { epoch: u8, seq: u8, included: Vec<u8> },
+    Gathered { epoch: u8, seq: u8, included: Vec<u8>, pending: bool },
     // A peer-to-master message, which a master never sends.
     Other(u8),
 }
@@ -152,10 +152,11 @@ fn message(m: Msg) -> Message {
         },
         Msg::P2pResumed(p) => Message::P2pResumed { peer: PeerId(p.into()) },
         Msg::P2pApart(p) => Message::P2pApart { peer: PeerId(p.into()), misuse: misuse(0, p) },
-        Msg::Gathered { epoch, seq, included } => Message::Gathered {
+        Msg::Gathered { epoch, seq, included, pending } => Message::Gathered {
             epoch: Epoch(epoch.into()),
             seq: seq.into(),
             included: included.into_iter().take(8).map(|p| PeerId(p.into())).collect(),
+            pending,
         },
         Msg::VoteOpened { vote, epoch, voter, collectives } => Message::VoteOpened {
             vote: [Vote::UpdateTopology, Vote::PeersPending, Vote::SyncSharedState][usize::from(vote) % 3],

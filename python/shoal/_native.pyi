@@ -63,6 +63,13 @@ class ReduceInfo:
     def included(self) -> list[int]:
         """The ranks that took part: all of them, but for an ``all_reduce`` with a ``deadline`` that
         left some out (``world_size`` counts these). Empty for a transfer."""
+    @property
+    def peers_pending(self) -> Optional[bool]:
+        """For an ``all_reduce`` with a ``deadline``: whether peers waited to join when the master
+        decided who takes part, what ``peers_pending()`` would have answered then; every member
+        hears the same (one left out too: ``ExcludedError.peers_pending``), so a loop can admit
+        them at its next step without that vote, which waits for the whole group. ``None`` for
+        any other call."""
 
 @final
 class NativeWork:

@@ -74,12 +74,14 @@ class ExcludedError(ShoalError):
     ``sequence`` name it, as ``ReduceInfo`` does. ``ahead`` counts the later collectives this
     peer already heard the others run with a deadline: its next calls of that many are left out
     at once, so a late peer can skip ahead through them to meet the others where they are (as
-    ``DiLoCo`` does)."""
+    ``DiLoCo`` does). ``peers_pending`` is the collective's word on newcomers, as
+    ``ReduceInfo.peers_pending`` gives it to the members that took part."""
 
     included: list = []
     topology: int = 0
     sequence: int = 0
     ahead: int = 0
+    peers_pending: bool = False
 
 
 class AuthenticationError(ShoalError):

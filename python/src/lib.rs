@@ -58,6 +58,9 @@ struct ReduceInfo {
     last: Option<usize>,
     /// The ranks that took part: all, but for a collective with a deadline that left some out.
     included: Vec<usize>,
+    /// For a collective with a deadline: whether peers waited to join when the master decided
+    /// it (the same on every member); `None` for any other call.
+    peers_pending: Option<bool>,
 }
 
 #[pymethods]
@@ -65,7 +68,7 @@ impl ReduceInfo {
     fn __repr__(&self) -> String {
         format!(
             "ReduceInfo(world_size={}, tx_bytes={}, rx_bytes={}, elapsed={:.6}, topology={}, sequence={}, \
-             algorithm={:?}, peer={}, rank={}, lateness={:?}, last={}, included={:?})",
+             algorithm={:?}, peer={}, rank={}, lateness={:?}, last={}, included={:?}, peers_pending={})",
             self.world_size,
             self.tx_bytes,
             self.rx_bytes,
@@ -77,7 +80,8 @@ impl ReduceInfo {
             self.rank,
             self.lateness,
             self.last.map_or("None".to_string(), |p| p.to_string()),
-            self.included
+            self.included,
+            self.peers_pending.map_or("None", |p| if p { "True" } else { "False" })
         )
     }
 }
@@ -97,6 +101,7 @@ impl From<Info> for ReduceInfo {
             last: info.last(),
             lateness: info.lateness.iter().map(Duration::as_secs_f64).collect(),
             included: info.included,
+            peers_pending: info.peers_pending,
         }
     }
 }
@@ -1115,7 +1120,7 @@ fn to_py(e: Error) -> PyErr {
         Error::PeerLost { .. } => "PeerLostError",
         Error::MasterInterrupted { .. } => "MasterInterruptedError",
         Error::Timeout { .. } => "ShoalTimeoutError",
-        Error::Excluded { topology, sequence, included, ahead, .. } => {
+        Error::Excluded { topology, sequence, included, ahead, peers_pending, .. } => {
             let error = raise("ExcludedError", e.to_string());
             // As for UsageError.calls: only a broken package refuses the attributes.
             Python::attach(|py| {
@@ -1124,6 +1129,7 @@ fn to_py(e: Error) -> PyErr {
                     && value.setattr("topology", *topology).is_ok()
                     && value.setattr("sequence", *sequence).is_ok()
                     && value.setattr("ahead", *ahead).is_ok()
+                    && value.setattr("peers_pending", *peers_pending).is_ok()
             });
             return error;
         }

@@ -738,6 +738,7 @@ impl Driver {
                     } else {
                         record.included
                     },
+                    peers_pending: request.cutoff.and_then(|_| control.lock().pending_at(id)),
                 })
             }
             Ok(other) => unreachable!("{operation} returned {other:?}"),
@@ -809,9 +810,12 @@ pub(crate) fn call_error(control: &Control, e: CallError, operation: &'static st
         CallError::Interrupted(reason) => Error::MasterInterrupted { operation, reason },
         CallError::Excluded { op, included, ahead } => {
             // A collective of the whole group: its ranks are the ring's.
-            let ring = control.lock().position().map(|p| p.ring).unwrap_or_default();
+            let (ring, peers_pending) = {
+                let peer = control.lock();
+                (peer.position().map(|p| p.ring).unwrap_or_default(), peer.pending_at(op).unwrap_or_default())
+            };
             let included = included.iter().filter_map(|p| ring.iter().position(|m| m.peer == *p)).collect();
-            Error::Excluded { operation, topology: op.epoch.0, sequence: op.seq.0, included, ahead }
+            Error::Excluded { operation, topology: op.epoch.0, sequence: op.seq.0, included, ahead, peers_pending }
         }
     }
 }

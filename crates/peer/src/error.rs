@@ -112,6 +112,9 @@ pub enum Error {
         /// How many later collectives this peer heard the others run already: its next calls
         /// of that many are left out at once (a recipe skips ahead through them).
         ahead: u64,
+        /// Whether peers waited to join when the master decided it, as [`crate::Info::peers_pending`]
+        /// says to the members that took part.
+        peers_pending: bool,
     },
     /// The operation did not finish within its bound.
     #[error("{operation} did not finish within {:.1} s", after.as_secs_f64())]

@@ -38,6 +38,11 @@ pub struct Info {
     /// The ranks in the group that took part: all of them, but for a collective with a deadline
     /// that left some out (`Communicator::all_reduce_with_deadline`). Empty for a transfer.
     pub included: Vec<usize>,
+    /// For a collective with a deadline: whether peers waited to join when the master decided
+    /// who takes part, what `peers_pending` would have answered then. Every member, left out or
+    /// not, hears the same, so a loop can admit them at its next step without a vote of the
+    /// whole group (which waits for a straggler). `None` for any other call.
+    pub peers_pending: Option<bool>,
 }
 
 impl Info {

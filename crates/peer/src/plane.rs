@@ -475,6 +475,7 @@ fn take_ended(data: &mut DataPlane) {
             lateness: Vec::new(),
             rank: t.data.rank,
             included: Vec::new(),
+            peers_pending: None,
         });
         if let Err(e) = &outcome {
             log::debug!("{} failed: {e}", described(&t));

@@ -380,6 +380,9 @@ struct SimPeer {
     batch_ok: bool,
     /// The application asks `peers_pending` after this batch.
     batch_pending_due: bool,
+    /// Collectives a left-out call said the others ran without this peer already (`ahead`):
+    /// none of them may run with it.
+    told_ahead: BTreeSet<OpId>,
     /// Collectives in flight.
     ops: BTreeMap<OpId, Op>,
     /// The topology its calls run in, and the shipped engine that moves their data there.
@@ -440,6 +443,7 @@ impl SimPeer {
             batch: BTreeSet::new(),
             batch_ok: true,
             batch_pending_due: false,
+            told_ahead: BTreeSet::new(),
             ops: BTreeMap::new(),
             position: None,
             exec: None,
@@ -1890,11 +1894,16 @@ impl Sim {
                 return;
             }
             // Left out: it never ran here, so nothing was lent to the engine.
-            (Err(CallError::Excluded { op: id, included, .. }), op) => {
+            (Err(CallError::Excluded { op: id, included, ahead }), op) => {
                 if included.contains(&me) || op.is_some() {
                     let v =
                         format!("peer {i}: left out of ({:?}, {}) among {included:?}, yet ran it", id.epoch, id.seq.0);
                     self.report.violations.push(Violation(v));
+                }
+                // With none of ours past it in flight, the next `ahead` are those.
+                p.told_ahead.retain(|o| o.epoch == id.epoch);
+                if !p.ops.keys().any(|o| o.epoch == id.epoch && o.derived == id.derived && o.seq > id.seq) {
+                    p.told_ahead.extend((1..=ahead).map(|k| OpId { seq: Seq(id.seq.0 + k), ..id }));
                 }
                 (id, included.clone(), Outcome::Excluded(included))
             }
@@ -1929,9 +1938,13 @@ impl Sim {
                 }
             }
         };
+        let p = &mut self.peers[i];
+        if p.told_ahead.remove(&id) && matches!(outcome, Outcome::Ok { .. }) {
+            let v = format!("peer {i}: ran ({:?}, {}), which a call left out said ran without it", id.epoch, id.seq.0);
+            self.report.violations.push(Violation(v));
+        }
         // A collective that ran among the others happened: the application goes on.
         let ok = matches!(outcome, Outcome::Ok { .. } | Outcome::Excluded(_));
-        let p = &mut self.peers[i];
         // Every iteration syncs again before its collectives, a retried one too.
         p.synced = false;
         p.batch_ok &= ok;

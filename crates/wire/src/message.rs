@@ -539,6 +539,9 @@ pub enum Message {
         seq: u64,
         /// Its participants, in ring order.
         included: Vec<PeerId>,
+        /// Whether peers waited to join when the master decided: what `peers_pending` would
+        /// have answered, the same for every member without a vote.
+        pending: bool,
     },
     /// Master → peer: you are registered as `peer` in run `session`.
     Registered {
@@ -1012,10 +1015,11 @@ impl Message {
                 w.u64(*deadline_ms);
                 w.u32(*min);
             }
-            Message::Gathered { epoch, seq, included } => {
+            Message::Gathered { epoch, seq, included, pending } => {
                 w.u64(epoch.0);
                 w.u64(*seq);
                 encode_peers(w, included);
+                w.bool(*pending);
             }
             Message::OpFailed { epoch, derived, seq, members, failure } => {
                 encode_op(w, *epoch, *derived, *seq);
@@ -1163,9 +1167,12 @@ impl Message {
             kind::GATHER => {
                 Message::Gather { epoch: Epoch(r.u64()?), seq: r.u64()?, deadline_ms: r.u64()?, min: r.u32()? }
             }
-            kind::GATHERED => {
-                Message::Gathered { epoch: Epoch(r.u64()?), seq: r.u64()?, included: decode_peers(&mut r)? }
-            }
+            kind::GATHERED => Message::Gathered {
+                epoch: Epoch(r.u64()?),
+                seq: r.u64()?,
+                included: decode_peers(&mut r)?,
+                pending: r.bool("pending")?,
+            },
             kind::OP_FAILED => {
                 let (epoch, derived, seq, members) = (Epoch(r.u64()?), r.u64()?, r.u64()?, decode_peers(&mut r)?);
                 Message::OpFailed { epoch, derived, seq, members, failure: OpFailure::decode(&mut r)? }
@@ -1466,10 +1473,8 @@ mod tests {
             op_name().prop_map(|(e, derived, seq)| Message::OpQuery { epoch: Epoch(e), derived, seq }),
             (any::<u64>(), any::<u64>(), any::<u64>(), any::<u32>())
                 .prop_map(|(e, seq, deadline_ms, min)| { Message::Gather { epoch: Epoch(e), seq, deadline_ms, min } }),
-            (any::<u64>(), any::<u64>(), peers()).prop_map(|(e, seq, included)| Message::Gathered {
-                epoch: Epoch(e),
-                seq,
-                included
+            (any::<u64>(), any::<u64>(), peers(), any::<bool>()).prop_map(|(e, seq, included, pending)| {
+                Message::Gathered { epoch: Epoch(e), seq, included, pending }
             }),
             (op_name(), peers(), failure()).prop_map(|((e, derived, seq), members, failure)| {
                 Message::OpFailed { epoch: Epoch(e), derived, seq, members, failure }

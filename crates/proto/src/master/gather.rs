@@ -29,10 +29,12 @@ pub const MAX_GATHERING: usize = 64;
 pub const MAX_GATHERED: usize = 1024;
 
 /// A collective with a deadline the master decided: the members it runs among, in ring order,
-/// and its fate once known (committed, or aborted with this failure).
+/// whether peers waited to join then, and its fate once known (committed, or aborted with this
+/// failure).
 #[derive(Debug, Clone)]
 pub(super) struct Decided {
     included: Vec<PeerId>,
+    pending: bool,
     fate: Option<Result<(), OpFailure>>,
 }
 
@@ -86,8 +88,8 @@ impl Master {
             return self.abort_unstarted(peer, epoch, seq, failure);
         }
         if let Some(d) = self.g.gathered.get(&(epoch, seq)) {
-            let (included, fate) = (d.included.clone(), d.fate.clone());
-            self.send_to_peer(peer, Message::Gathered { epoch, seq, included });
+            let (included, pending, fate) = (d.included.clone(), d.pending, d.fate.clone());
+            self.send_to_peer(peer, Message::Gathered { epoch, seq, included, pending });
             return match fate {
                 Some(Ok(())) => self.send_to_peer(peer, Message::OpCommitted { epoch, derived: 0, seq }),
                 Some(Err(failure)) => self.send_to_peer(peer, Message::OpAborted { epoch, derived: 0, seq, failure }),
@@ -156,9 +158,13 @@ impl Master {
             if self.g.gathered.len() >= MAX_GATHERED {
                 self.g.gathered.pop_first();
             }
-            self.g.gathered.insert((epoch, seq), Decided { included: included.clone(), fate: None });
+            // Whether newcomers wait, told with the decision: one message, so every member acts
+            // on the same answer at the same point of its calls without a vote of the whole
+            // group, which would wait for the straggler the deadline left out.
+            let pending = self.admission_due();
+            self.g.gathered.insert((epoch, seq), Decided { included: included.clone(), pending, fate: None });
             for &p in &live {
-                self.send_to_peer(p, Message::Gathered { epoch, seq, included: included.clone() });
+                self.send_to_peer(p, Message::Gathered { epoch, seq, included: included.clone(), pending });
             }
         }
         let next = self.g.gathering.values().filter_map(Gathering::due).filter(|t| *t > now).min();

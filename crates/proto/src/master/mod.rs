@@ -1062,6 +1062,12 @@ impl Master {
         debug_assert!(self.g.pending_vote.as_ref().is_none_or(|b| b.voters().contains(&peer)), "{peer}'s vote is lost");
     }
 
+    /// What `peers_pending` answers now: peers wait to join, or the ring was re-planned for
+    /// drifted links (`plan.rs`); either waits for `update_topology`.
+    pub(super) fn admission_due(&self) -> bool {
+        !self.registered().is_empty() || self.g.plan.as_ref().is_some_and(Plan::replanned)
+    }
+
     fn tally_pending_votes(&mut self) {
         let Some(quorum) = self.g.pending_vote.as_ref().and_then(Ballot::tally) else {
             if self.g.pending_vote.as_ref().is_some_and(Ballot::is_empty) {
@@ -1072,8 +1078,7 @@ impl Master {
         self.g.pending_vote = None;
         self.counters.pending_votes += 1;
         self.g.tentative.clear();
-        // A ring re-planned for drifted links waits for update_topology too (`plan.rs`).
-        let pending = !self.registered().is_empty() || self.g.plan.as_ref().is_some_and(Plan::replanned);
+        let pending = self.admission_due();
         self.g.sent_on.retain(|p| !quorum.voters().contains(p));
         debug_assert!(quorum.voters().iter().all(|p| self.peers.contains_key(p)), "a quorum of known peers");
         for p in quorum.voters() {

@@ -1810,3 +1810,37 @@ fn a_collective_with_a_deadline_aborted_before_its_decision_fails_for_late_calle
     assert!(matches!(sent_to(&out, 2)[..], [Message::OpAborted { seq: 0, .. }]), "{out:?}");
     assert!(gathered_to(&out, 1).is_empty());
 }
+
+/// A collective's decision says whether peers wait to join, as `peers_pending` would: the same
+/// word to every member, the one left out and one that calls late included, without a vote.
+#[test]
+fn a_collective_with_a_deadline_says_whether_newcomers_wait() {
+    let (mut h, epoch) = run_with(3);
+    let gather = |seq: u64| Message::Gather { epoch, seq, deadline_ms: 100, min: 0 };
+    let pending_to = |out: &[Output], conn: u64| -> Vec<bool> {
+        sent_to(out, conn)
+            .into_iter()
+            .filter_map(|m| match m {
+                Message::Gathered { pending, .. } => Some(*pending),
+                _ => None,
+            })
+            .collect()
+    };
+    h.send(1, gather(0));
+    h.send(2, gather(0));
+    let out = h.send(3, gather(0));
+    assert_eq!(pending_to(&out, 1), [false], "nobody waits yet");
+    let out = h.join(4);
+    assert_eq!(issued_epoch(&out, 4), None, "a newcomer is only registered");
+    h.send(1, gather(1));
+    h.send(2, gather(1));
+    h.now += Duration::from_millis(100);
+    h.master.handle_timeout(h.now);
+    let out = h.drain();
+    for conn in 1..=3 {
+        assert_eq!(pending_to(&out, conn), [true], "conn {conn}");
+    }
+    assert!(sent_to(&out, 4).is_empty(), "the newcomer is in no ring yet");
+    // The member left out hears the same word again at its late call.
+    assert_eq!(pending_to(&h.send(3, gather(1)), 3), [true]);
+}

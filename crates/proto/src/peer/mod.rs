@@ -608,6 +608,13 @@ impl Peer {
         self.ops.len()
     }
 
+    /// Whether peers waited to join when the master decided collective `op` (called with a
+    /// deadline): what `peers_pending` would have answered then, the same on every member. None
+    /// for one the master did not decide, or decided long ago.
+    pub fn pending_at(&self, op: OpId) -> Option<bool> {
+        self.view.pending_at.get(&op).copied()
+    }
+
     /// Our place in the topology our calls run in, once accepted.
     pub fn position(&self) -> Option<RingPosition> {
         self.taken_up.clone()
@@ -1748,7 +1755,8 @@ impl Peer {
             OpStage::LeftOut(included) => {
                 match self.view.verdicts.remove(&op) {
                     Some(Verdict::Committed) => {
-                        let ahead = self.view.decided_past(op);
+                        let me = self.view.registered.expect("a collective runs once registered").0;
+                        let ahead = self.view.decided_past(op, me);
                         self.end_op(op, Err(CallError::Excluded { op, included, ahead }))
                     }
                     Some(Verdict::Aborted(failure)) => self.end_op(op, Err(CallError::Aborted { op, failure })),

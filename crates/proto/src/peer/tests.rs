@@ -1008,7 +1008,8 @@ fn a_collective_with_a_deadline_runs_among_the_members_the_master_names() {
     assert_eq!(sent(&mut p), vec![Message::Gather { epoch: Epoch(1), seq: 0, deadline_ms: 250, min: 2 }]);
     assert!(tagged_actions(&mut p).is_empty(), "nothing moves before the master names the members");
     let op = OpId { epoch: Epoch(1), derived: 0, seq: Seq(0) };
-    p.handle_message(Message::Gathered { epoch: Epoch(1), seq: 0, included: vec![PeerId(0), PeerId(2)] }, t0).unwrap();
+    let included = vec![PeerId(0), PeerId(2)];
+    p.handle_message(Message::Gathered { epoch: Epoch(1), seq: 0, included, pending: true }, t0).unwrap();
     match &tagged_actions(&mut p)[..] {
         [Action::RunCollective { call: c, op: o, group, .. }] => {
             assert_eq!((*c, *o, &group[..]), (call, op, &[0, 2][..]));
@@ -1019,6 +1020,7 @@ fn a_collective_with_a_deadline_runs_among_the_members_the_master_names() {
     p.handle_collective(op, OpProgress::DataDone, t0);
     p.handle_collective(op, OpProgress::Confirmed, t0);
     assert_eq!(actions(&mut p), vec![done(Ok(Value::Collective(op)))]);
+    assert_eq!(p.pending_at(op), Some(true), "the decision's word on newcomers outlives the call");
     // Since it runs among those, the master hears that it committed here.
     assert_eq!(
         sent(&mut p),
@@ -1029,14 +1031,16 @@ fn a_collective_with_a_deadline_runs_among_the_members_the_master_names() {
     p.call(CallKind::Gathered(Api::AllReduce, cutoff), BOUND, t0);
     sent(&mut p);
     let included = vec![PeerId(1), PeerId(2)];
-    p.handle_message(Message::Gathered { epoch: Epoch(1), seq: 1, included: included.clone() }, t0).unwrap();
+    p.handle_message(Message::Gathered { epoch: Epoch(1), seq: 1, included: included.clone(), pending: false }, t0)
+        .unwrap();
     assert!(tagged_actions(&mut p).is_empty(), "waits to hear how it ended");
     p.handle_message(Message::OpCommitted { epoch: Epoch(1), derived: 0, seq: 1 }, t0).unwrap();
     let op = OpId { epoch: Epoch(1), derived: 0, seq: Seq(1) };
     assert_eq!(actions(&mut p), vec![done(Err(CallError::Excluded { op, included: included.clone(), ahead: 0 }))]);
     // The decision and the fate of the one after came before our call: no question, and it
     // fails as it did among the others.
-    p.handle_message(Message::Gathered { epoch: Epoch(1), seq: 2, included: included.clone() }, t0).unwrap();
+    p.handle_message(Message::Gathered { epoch: Epoch(1), seq: 2, included: included.clone(), pending: false }, t0)
+        .unwrap();
     let failure = OpFailure::new(FailureKind::PeerLost, PeerId(1), "lost");
     p.handle_message(Message::OpAborted { epoch: Epoch(1), derived: 0, seq: 2, failure: failure.clone() }, t0).unwrap();
     p.call(CallKind::Gathered(Api::AllReduce, cutoff), BOUND, t0);
@@ -1046,7 +1050,8 @@ fn a_collective_with_a_deadline_runs_among_the_members_the_master_names() {
     // Far behind: the others ran two more without us before our call of the first. It ends
     // left out and says how many more it heard decided, so the caller can skip ahead.
     for seq in [3, 4] {
-        p.handle_message(Message::Gathered { epoch: Epoch(1), seq, included: included.clone() }, t0).unwrap();
+        p.handle_message(Message::Gathered { epoch: Epoch(1), seq, included: included.clone(), pending: seq == 4 }, t0)
+            .unwrap();
         p.handle_message(Message::OpCommitted { epoch: Epoch(1), derived: 0, seq }, t0).unwrap();
     }
     for (seq, ahead) in [(3, 1), (4, 0)] {
@@ -1054,6 +1059,8 @@ fn a_collective_with_a_deadline_runs_among_the_members_the_master_names() {
         let op = OpId { epoch: Epoch(1), derived: 0, seq: Seq(seq) };
         assert_eq!(actions(&mut p), vec![done(Err(CallError::Excluded { op, included: included.clone(), ahead }))]);
     }
+    assert_eq!(p.pending_at(OpId { epoch: Epoch(1), derived: 0, seq: Seq(4) }), Some(true));
+    assert_eq!(p.pending_at(OpId { epoch: Epoch(1), derived: 0, seq: Seq(3) }), Some(false));
     // And the next collective is number 5 for us as for them.
     assert_eq!(start_collective(&mut p, t0), OpId { epoch: Epoch(1), derived: 0, seq: Seq(5) });
 }

@@ -78,6 +78,10 @@ pub struct PeerView {
     /// this peer starts each; those of replaced topologies are dropped when a new one is
     /// committed.
     pub gathered: BTreeMap<OpId, Vec<PeerId>>,
+    /// Whether peers waited to join when the master decided each of those (`Gathered`), kept
+    /// after this peer started it, and past a new topology, for the call's result to say so
+    /// whenever it ends: the latest `MAX_GATHERED_HEARD`.
+    pub pending_at: BTreeMap<OpId, bool>,
     /// The latest collectives this peer committed (on its own or by verdict), at most
     /// `REMEMBERED_COMMITS`: several may be in flight and commit in any order, and the master
     /// only ever asks about one a participant still waits on, which is among the latest.
@@ -506,7 +510,7 @@ impl PeerView {
                 self.verdicts.insert(op, Verdict::Aborted(failure));
                 PeerEvent::Verdict(op)
             }
-            Message::Gathered { epoch, seq, included } => {
+            Message::Gathered { epoch, seq, included, pending } => {
                 let op = OpId { epoch, derived: 0, seq: Seq(seq) };
                 let in_force = self.committed.as_ref().map(|(e, _)| *e);
                 // The master names the members of a whole group's collective of the topology in
@@ -516,6 +520,10 @@ impl PeerView {
                         self.gathered.pop_first();
                     }
                     self.gathered.insert(op, included);
+                    if self.pending_at.len() >= MAX_GATHERED_HEARD {
+                        self.pending_at.pop_first();
+                    }
+                    self.pending_at.insert(op, pending);
                 }
                 PeerEvent::Gathered(op)
             }
@@ -664,10 +672,12 @@ impl PeerView {
     }
 
     /// How many collectives after `op` in its topology and group we heard the master decide
-    /// (called with a deadline) and have not called yet.
-    pub fn decided_past(&self, op: OpId) -> u64 {
+    /// (called with a deadline) without us, `me`. (One that names us we called already, with
+    /// several in flight.)
+    pub fn decided_past(&self, op: OpId, me: PeerId) -> u64 {
         let last = OpId { seq: Seq(u64::MAX), ..op };
-        self.gathered.range((std::ops::Bound::Excluded(op), std::ops::Bound::Included(last))).count() as u64
+        let past = self.gathered.range((std::ops::Bound::Excluded(op), std::ops::Bound::Included(last)));
+        past.filter(|(_, included)| !included.contains(&me)).count() as u64
     }
 
     /// Numbers this peer's next collective in derived group `derived` (0: the topology's whole
