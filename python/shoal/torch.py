@@ -276,10 +276,15 @@ class DiLoCo:
     **Stragglers.** With ``deadline`` (seconds), the outer all-reduce waits for no peer longer
     (``Communicator.all_reduce(deadline=..., min_participants=...)``): the peers that reach the
     outer step in time average among themselves, and a late peer's work is not lost. The first
-    of them sends the average to each peer left out, which applies it to its anchor (so every
-    anchor stays identical) and keeps its own pseudo-gradient: the model moves with the anchor
-    but stays that far from it, so the next outer step averages that work in.
-    ``last_included`` names the ranks the last outer all-reduce ran among.
+    of them sends the average to each peer left out (and goes on without waiting for it to
+    arrive), which applies it to its anchor (so every anchor stays identical) and keeps its own
+    pseudo-gradient: the model moves with the anchor but stays that far from it, so the outer
+    step it next makes in time averages that work in. A peer so late that the others ran more
+    outer steps meanwhile skips ahead through them (``ExcludedError.ahead``), applying each
+    average, so that its next outer step is theirs. No admission vote holds the others for it
+    either: each outer all-reduce's decision says whether peers wait to join
+    (``ReduceInfo.peers_pending``), the same word to every peer, and they admit them at the next
+    outer step. ``last_included`` names the ranks the last outer all-reduce ran among.
     """
 
     def __init__(
@@ -314,8 +319,11 @@ class DiLoCo:
         self.deadline, self.min_participants = deadline, min_participants
         self.last_included: list = []
         # Averages sent to peers left out of an outer all-reduce, in flight: (work, the copy it
-        # sends), waited for before the next outer step.
+        # sends). Waited for only at finish(): a peer left out takes one once it reaches that
+        # outer step, and the others go on meanwhile.
         self._sends: list = []
+        # With a deadline: whether the last outer all-reduce's decision said peers wait to join.
+        self._pending_said = False
         self.outer_lr, self.outer_momentum, self.nesterov = outer_lr, outer_momentum, nesterov
         self.flat = _flatten(self.params)
         self.anchor = self.flat.clone()
@@ -380,6 +388,7 @@ class DiLoCo:
             self.state.revision += 1
         self.comm.sync_shared_state(self.state)
         self._admitting = False
+        self._pending_said = False
         self.inner = 0
         self._vote_ahead()
         return True
@@ -387,11 +396,15 @@ class DiLoCo:
     def _vote_ahead(self) -> None:
         """Casts the next outer step's peers_pending vote now (every peer at the same point of
         its calls: after the same sync or outer step), so that its round trip to the master
-        overlaps the inner steps."""
-        self._vote = self.comm.peers_pending_async()
+        overlaps the inner steps. With a deadline none: the outer all-reduce's decision said."""
+        if self.deadline is None:
+            self._vote = self.comm.peers_pending_async()
 
     def _peers_pending(self) -> bool:
-        """The answer of the vote cast ahead, or of one cast now where none was."""
+        """The answer of the vote cast ahead, or of one cast now where none was; with a
+        deadline, what the last outer all-reduce's decision said."""
+        if self.deadline is not None:
+            return self._pending_said
         vote, self._vote = self._vote, None
         return vote.wait() if vote is not None else self.comm.peers_pending()
 
@@ -404,7 +417,7 @@ class DiLoCo:
     def _reduce(self, delta: "torch.Tensor") -> None:
         """All-reduces the pseudo-gradients. Raises :class:`shoal.ExcludedError` (``delta``
         untouched) where this peer reached the outer step past the deadline."""
-        self._sends_done()
+        self._sends_landed()
         if self._feedback is not None:
             info = self._feedback.all_reduce(self.comm, delta, key="diloco", op="avg", tag=self.tag)
         else:
@@ -419,10 +432,11 @@ class DiLoCo:
 
     def _send_average(self, info: Any, average: "torch.Tensor") -> None:
         """After an outer all-reduce that left peers out: the first peer it ran among sends each
-        of them the average (a copy, in flight until the next outer step)."""
+        of them the average (a copy, in flight until the peer takes it)."""
         if self.deadline is None:
             return  # nobody is left out
         self.last_included = list(info.included)
+        self._pending_said = bool(info.peers_pending)
         left_out = [r for r in range(self.comm.group_world_size) if r not in info.included]
         if left_out and self.comm.rank == info.included[0]:
             copy = average.clone()
@@ -431,7 +445,20 @@ class DiLoCo:
 
     def _sends_done(self) -> None:
         """Waits for the averages sent to peers left out. One lost meanwhile needs none."""
-        sends, self._sends = self._sends, []
+        self._forget(self._sends)
+        self._sends = []
+
+    def _sends_landed(self) -> None:
+        """Forgets the averages sent that arrived (or whose peer was lost), waiting for none."""
+        still: list = []
+        landed: list = []
+        for send in self._sends:
+            (landed if send[0].done() else still).append(send)
+        self._sends = still
+        self._forget(landed)
+
+    @staticmethod
+    def _forget(sends: list) -> None:
         for work, _ in sends:
             try:
                 work.wait()
@@ -442,7 +469,47 @@ class DiLoCo:
         """This peer was left out of an outer all-reduce: receives the average the others
         applied into ``into``, from the first of them."""
         self.last_included = list(e.included)
+        self._pending_said = e.peers_pending
         self.comm.recv(into, peer=e.included[0], tag=self.tag + 1)
+
+    def _skip_ahead(self, e: ExcludedError, kept: "torch.Tensor") -> Any:
+        """This peer was left out (``e``) of an outer all-reduce of ``kept`` (its pseudo-gradient,
+        untouched; the model's distance from ``origin`` leaves it out). Applies the average the
+        others did, then skips ahead through the outer steps they ran since (``e.ahead``, which
+        leave this peer out at once), applying theirs too, and stops where peers wait to join (the
+        others admit them next). Then the model takes ``kept`` up as its distance from the anchor,
+        and it returns None. Or returns the ``ReduceInfo`` of an outer all-reduce of ``kept`` that
+        ran with this peer after all (its topology replaced meanwhile): ``kept`` then holds that
+        average, for the caller to apply. Raises as ``outer_step`` does, the model holding
+        ``kept`` as above (the retry averages it in)."""
+        import torch
+
+        average, progress = torch.empty_like(kept), torch.empty_like(kept)
+        while True:
+            try:
+                self._average_missed(e, average)
+            except BaseException:
+                self.flat.sub_(kept)
+                raise
+            torch.sub(self.origin, self.flat, out=progress)
+            self._apply(average)
+            torch.sub(self.anchor, progress, out=self.flat)
+            if self.origin is not self.anchor:
+                self.origin.copy_(self.anchor)
+            if not e.ahead or e.peers_pending:
+                self.flat.sub_(kept)
+                return None
+            try:
+                info = self.comm.all_reduce(kept, op="avg", tag=self.tag, **self._cutoff())
+            except ExcludedError as later:
+                e = later
+                self._outer += 1
+                continue
+            except BaseException:
+                self.flat.sub_(kept)
+                raise
+            self._outer += 1
+            return info
 
     def _apply(self, delta: "torch.Tensor") -> None:
         """The outer optimizer on the anchor: SGD with (Nesterov) momentum."""
@@ -458,7 +525,8 @@ class DiLoCo:
     def outer_step(self) -> bool:
         """Admits newcomers (False), or averages the pseudo-gradients, moves the anchor and
         restarts the inner steps from it (True). Raises :class:`shoal.PeerLostError` having
-        changed nothing (the model keeps its inner progress): call it again."""
+        changed nothing but the averages of outer steps this peer was left out of, applied (the
+        model keeps its inner progress): call it again."""
         import torch
 
         delta = torch.sub(self.anchor, self.flat, out=self._delta)
@@ -466,19 +534,19 @@ class DiLoCo:
             return False
         try:
             self._reduce(delta)
-        except ExcludedError as e:
-            # Late: the others averaged without us. Apply their average, and keep our progress
-            # (``delta``, untouched) for the next outer step, where it is averaged in.
-            average = torch.empty_like(delta)
-            self._average_missed(e, average)
-            self._apply(average)
             self._outer += 1
-            torch.sub(self.anchor, delta, out=self.flat)
-            self.inner = 0
-            self._vote_ahead()
-            return True
+        except ExcludedError as e:
+            # Late: the others averaged without us. Our progress (``delta``, untouched) stays the
+            # model's distance from the anchor, to be averaged in at an outer step made in time.
+            self._outer += 1
+            self.flat.copy_(self.anchor)
+            info = self._skip_ahead(e, delta)
+            if info is None:
+                self.inner = 0
+                self._vote_ahead()
+                return True
+            self._send_average(info, delta)
         self._apply(delta)
-        self._outer += 1
         self.flat.copy_(self.anchor)
         self.inner = 0
         self._vote_ahead()
@@ -518,18 +586,14 @@ class AsyncDiLoCo(DiLoCo):
         try:
             info = work.wait()
         except ExcludedError as e:
-            # Late: the others averaged without us. Apply their average; ``previous`` (our
-            # pseudo-gradient, untouched) stays in the model's distance from the anchor, to be
-            # averaged in at the next outer step.
+            # Late: the others averaged without us. ``previous`` (our pseudo-gradient,
+            # untouched) joins the model's distance from the anchor, to be averaged in at the
+            # next outer step.
             self._pending = None
-            average = torch.empty_like(previous)
-            self._average_missed(e, average)
-            progress = torch.sub(self.origin, self.flat, out=self._spare)
-            progress.add_(previous)
-            self._apply(average)
-            torch.sub(self.anchor, progress, out=self.flat)
-            self.origin.copy_(self.anchor)
-            return
+            ran = self._skip_ahead(e, previous)
+            if ran is None:
+                return
+            info = ran
         except ShoalError:
             try:
                 self._pending = (self._reduce_async(previous), previous)
@@ -560,9 +624,8 @@ class AsyncDiLoCo(DiLoCo):
         return True
 
     def _reduce_async(self, delta: "torch.Tensor") -> "Work":
-        """Starts the outer all-reduce of ``delta``, once the averages sent to peers left out of
-        the last one arrived."""
-        self._sends_done()
+        """Starts the outer all-reduce of ``delta``."""
+        self._sends_landed()
         return self.comm.all_reduce_async(delta, op="avg", tag=self.tag, **self._cutoff())
 
     def finish(self) -> None:

@@ -143,31 +143,41 @@ def test_async_diloco_retries_an_all_reduce_that_timed_out_as_it_retries_a_lost_
 
 @pytest.mark.parametrize("variant", ["sync", "async"])
 def test_a_late_peer_is_left_out_of_an_outer_step_and_its_work_counts_at_the_next(master, tmp_path, variant):
-    """Peer 2 reaches outer step 2 a second past the deadline: the others average without it,
-    every anchor stays identical, and its pseudo-gradient is averaged in at the next outer step.
-    Every inner step adds 1 to each parameter and the outer step is plain SGD of step 1, so each
-    outer step moves the anchor by the mean pseudo-gradient of the peers it ran among: 5 per
-    peer, 10 for a peer whose last one was left out."""
-    results = run_peers(master, tmp_path, "diloco_late", 3, timeout=120, outer=6, deadline=0.6, pause=0.05,
-                        lag=1.5, slow=2, **{"async": variant == "async"})
-    for outer in [*range(1, 7), "final"]:
+    """Peer 2 reaches outer step 2 two seconds late (the deadline is 0.6 s): the others average
+    without it and go on (no admission vote waits for it), so by then they ran more; it skips
+    ahead through those, applying their averages, every anchor stays identical, and its
+    pseudo-gradient is averaged in at the next outer step it makes in time. Every inner step of
+    peer ``i`` adds ``i + 1`` to each parameter and the outer step is plain SGD of step 1, so
+    each outer step moves the anchor by the mean of its participants' work since they last took
+    part: ``5 (i + 1)`` per compute phase, two phases for the late peer."""
+    results = run_peers(master, tmp_path, "diloco_late", 3, timeout=120, outer=8, deadline=0.6, pause=0.05,
+                        lag=2.0, slow=2, **{"async": variant == "async"})
+    for outer in [*range(1, 9), "final"]:
         anchors = {tuple(rec["anchor"]) for r in results for rec in r["records"] if rec["outer"] == outer}
-        assert len(anchors) == 1, f"outer step {outer}: anchors differ: {anchors}"
+        assert len(anchors) <= 1, f"outer step {outer}: anchors differ: {anchors}"
+    steady = next(r for r in results if r["index"] == 0)
     slow = next(r for r in results if r["index"] == 2)
+    # The late peer skipped ahead: one of its outer steps took up more than one of the run's.
+    outers = [rec["outer"] for rec in slow["records"] if rec["outer"] != "final"]
+    assert any(b - a > 1 for a, b in zip([0, *outers], outers)), outers
     # Each record's all-reduce: the one its outer step applied (AsyncDiLoCo's first applies none,
-    # its finish the last).
-    records = slow["records"] if variant == "sync" else slow["records"][1:]
+    # its finish the last); the steady peer's name every one of the run's, in order.
+    records = steady["records"] if variant == "sync" else steady["records"][1:]
     included = [rec["included"] for rec in records if variant == "async" or rec["outer"] != "final"]
     assert any(len(inc) == 2 and slow["rank"] not in inc for inc in included), included
-    # Replay the anchor from the included sets: each peer's pseudo-gradient is 5 per outer step
-    # plus whatever of its own was left out of the last one it missed.
-    owed = {r["rank"]: 0.0 for r in results}
+    # The rounds at which each peer ended a compute phase with a call: every one for the steady
+    # peers; the late peer's own (the round after the last its previous outer step took up).
+    calls = {r["rank"]: set(range(1, len(included) + 1)) for r in results}
+    calls[slow["rank"]] = {a + 1 for a in [0, *outers]} & calls[slow["rank"]]
+    work = {r["rank"]: 5.0 * (r["index"] + 1) for r in results}
+    last_in = {rank: 0 for rank in calls}
     expected, anchors = 0.0, []
-    for inc in included:
-        contributions = [5.0 + owed[rank] for rank in inc]
+    for round_, inc in enumerate(included, start=1):
+        contributions = [work[rank] * sum(1 for c in calls[rank] if last_in[rank] < c <= round_) for rank in inc]
         expected += sum(contributions) / len(contributions)
-        owed = {rank: (0.0 if rank in inc else 5.0 + owed[rank]) for rank in owed}
+        last_in.update({rank: round_ for rank in inc})
         anchors.append(expected)
     got = [rec["anchor"][0] for rec in records if variant == "async" or rec["outer"] != "final"]
-    assert got == pytest.approx(anchors), (got, anchors, included)
+    assert got == pytest.approx(anchors), (got, anchors, included, outers)
     assert slow["records"][-1]["anchor"][0] == pytest.approx(anchors[-1]), "finish applies the last one"
+    assert any(slow["rank"] in inc for inc in included[2:]), "the late peer's work counted after it was late"

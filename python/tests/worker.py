@@ -1483,9 +1483,9 @@ def skip_ahead(spec: dict) -> dict:
 
 
 def diloco_late(spec: dict) -> dict:
-    """DiLoCo (or AsyncDiLoCo) with a deadline on a model whose every inner step adds 1 to each
-    parameter (plain outer SGD, step 1: the anchor moves by the mean pseudo-gradient of the peers
-    an outer step ran among). Every peer computes ``pause`` s an outer step; the peer of index
+    """DiLoCo (or AsyncDiLoCo) with a deadline on a model whose every inner step adds ``index + 1``
+    to each parameter (plain outer SGD, step 1: the anchor moves by the mean pseudo-gradient of the
+    peers an outer step ran among). Every peer computes ``pause`` s an outer step; the peer of index
     ``slow`` once ``lag`` s more, at outer step 2. Records each outer step's anchor, included
     ranks and whether this peer was left out."""
     import torch
@@ -1503,7 +1503,7 @@ def diloco_late(spec: dict) -> dict:
     records = []
     while recipe.outer_steps < spec["outer"]:
         with torch.no_grad():
-            param.add_(1.0)
+            param.add_(spec["index"] + 1.0)
         if recipe.inner == recipe.inner_steps - 1:
             time.sleep(spec["pause"])
             if spec["index"] == spec["slow"] and recipe.outer_steps == 2:
