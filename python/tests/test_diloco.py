@@ -54,11 +54,14 @@ def test_ddp_through_the_hook_keeps_replicas_identical(master, tmp_path, victim)
         assert r["last"] < 0.5 * r["first"], r
 
 
-@pytest.mark.parametrize("variant", ["sync", "async"])
+@pytest.mark.parametrize("variant", ["sync", "async", "sync-deadline", "async-deadline"])
 def test_a_newcomer_is_admitted_at_an_outer_step_and_takes_up_the_anchor(master, tmp_path, variant):
     # Peers 0 and 1 found the run; peer 2 connects after their outer step 4 and their next outer
-    # step admits it (peers_pending, update_topology, a sync of anchor, momentum and count).
-    results = run_peers(master, tmp_path, "diloco", 3, outer=14, late=2, pause=0.05, **{"async": variant == "async"})
+    # step admits it (peers_pending, update_topology, a sync of anchor, momentum and count). With
+    # a deadline no peers_pending vote is cast: the outer all-reduce's decision says so.
+    deadline = 10.0 if variant.endswith("deadline") else None
+    results = run_peers(master, tmp_path, "diloco", 3, outer=14, late=2, pause=0.05, deadline=deadline,
+                        **{"async": variant.startswith("async")})
     newcomer = results[2]["records"]
     joined_at = newcomer[0]["outer"]
     assert 4 < joined_at < 14 and newcomer[-1]["world"] == 3

@@ -709,7 +709,7 @@ def diloco(spec: dict) -> dict:
             comm.update_topology()
     kind = AsyncDiLoCo if spec["async"] else DiLoCo
     recipe = kind(comm, model.parameters(), inner_steps=5, outer_lr=0.7, outer_momentum=0.5,
-                  quantization=spec.get("quantization"))
+                  quantization=spec.get("quantization"), deadline=spec.get("deadline"))
     def retried(call):  # a lost peer: the call changed nothing, and is made again
         while True:
             try:
