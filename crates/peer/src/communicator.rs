@@ -617,6 +617,7 @@ impl Communicator {
             drop(data);
             match finished {
                 Some((result, buf, _)) => {
+                    let result = result.map_err(|e| c.ahead_now(e));
                     work.result = Some(result.as_ref().map(Info::clone).map_err(ToString::to_string));
                     work.buf = buf.map(|b| b.downcast::<B>().expect("the work's own buffer"));
                     return result;

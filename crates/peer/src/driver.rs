@@ -16,10 +16,10 @@ use shoal_config::failpoint;
 use shoal_engine::{Backup, Exec, LinkError, OpEvent, OpKey, OpSpec, Pumped};
 use shoal_proto::auth::DataKey;
 use shoal_proto::peer::{
-    Action, CallError, CallId, Established, OpId, OpProgress, RingPosition, Value, WaitNote, P2P_PATIENCE,
+    Action, CallError, CallId, Established, OpId, OpProgress, RingPosition, Seq, Value, WaitNote, P2P_PATIENCE,
 };
 use shoal_transport::{Lane, PollFd};
-use shoal_wire::{FailureKind, Mismatch, OpFailure, OpHeader, PeerId, Reason, SessionId};
+use shoal_wire::{Epoch, FailureKind, Mismatch, OpFailure, OpHeader, PeerId, Reason, SessionId};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -37,6 +37,22 @@ pub(crate) struct Connected {
     pub session: SessionId,
     /// The run's key for data connections (`shoal_proto::auth::DataKey`).
     pub data_key: DataKey,
+}
+
+impl Connected {
+    /// `e`, where it says this peer was left out of a collective, with how far ahead the others
+    /// are now: a collective waited for late (`Communicator::wait`) ended long before, and they
+    /// may have run more without us since.
+    pub fn ahead_now(&self, e: Error) -> Error {
+        match e {
+            Error::Excluded { operation, topology, sequence, included, peers_pending, .. } => {
+                let op = OpId { epoch: Epoch(topology), derived: 0, seq: Seq(sequence) };
+                let ahead = self.control.lock().decided_ahead(op);
+                Error::Excluded { operation, topology, sequence, included, ahead, peers_pending }
+            }
+            e => e,
+        }
+    }
 }
 
 /// Topology `position.epoch`, in force with our pools established, is the one our calls run in:

@@ -608,6 +608,12 @@ impl Peer {
         self.ops.len()
     }
 
+    /// How many collectives of the whole group after `op` we heard the master decide without us
+    /// (called with a deadline) and have not called yet: how far ahead the others are now.
+    pub fn decided_ahead(&self, op: OpId) -> u64 {
+        self.view.registered.map_or(0, |(me, _)| self.view.decided_past(op, me))
+    }
+
     /// Whether peers waited to join when the master decided collective `op` (called with a
     /// deadline): what `peers_pending` would have answered then, the same on every member. None
     /// for one the master did not decide, or decided long ago.
