@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 from ._c10d import ERRORS, Options, ShoalBackend, register, run_communicator
 from ._state import SharedState
-from .errors import ExcludedError, PeerLostError, ShoalError
+from .errors import ExcludedError, PeerLostError, ShoalError, UsageError
 
 __all__ = ["ERRORS", "Options", "ShoalBackend", "run_communicator", "Elastic", "DDPHook", "DiLoCo", "AsyncDiLoCo"]
 
@@ -278,13 +278,16 @@ class DiLoCo:
     outer step in time average among themselves, and a late peer's work is not lost. The first
     of them sends the average to each peer left out (and goes on without waiting for it to
     arrive), which applies it to its anchor (so every anchor stays identical) and keeps its own
-    pseudo-gradient: the model moves with the anchor but stays that far from it, so the outer
-    step it next makes in time averages that work in. A peer so late that the others ran more
-    outer steps meanwhile skips ahead through them (``ExcludedError.ahead``), applying each
-    average, so that its next outer step is theirs. No admission vote holds the others for it
-    either: each outer all-reduce's decision says whether peers wait to join
+    pseudo-gradient: the model moves with the anchor but stays that far from it. It then skips
+    ahead through the outer steps the others ran meanwhile (``ExcludedError.ahead``), applying
+    each average, and meets them at their next one with that pseudo-gradient, where it is
+    averaged in (AsyncDiLoCo starts it there and goes on computing). No admission vote holds the
+    others for it either: each outer all-reduce's decision says whether peers wait to join
     (``ReduceInfo.peers_pending``), the same word to every peer, and they admit them at the next
-    outer step. ``last_included`` names the ranks the last outer all-reduce ran among.
+    outer step. :meth:`finish` takes one more outer step, waiting for every peer, so a late
+    peer's last work counts and one waiting at an outer step the others will not take meets
+    them there: loop on :attr:`outer_steps` (the run's count), not on a count of your own.
+    ``last_included`` names the ranks the last outer all-reduce ran among.
     """
 
     def __init__(
@@ -332,7 +335,12 @@ class DiLoCo:
         # Where the inner steps since the last outer step began: the anchor itself here;
         # AsyncDiLoCo's is the model as it was when the all-reduce in flight started.
         self.origin = self.anchor
-        self._delta = torch.empty_like(self.anchor)
+        # What the outer all-reduce moves: the pseudo-gradient, and with a deadline one more
+        # element, 1 where a peer's finish() sent it (every peer then knows the run ended).
+        n = self.anchor.numel()
+        self._wire = torch.zeros(n + (deadline is not None), dtype=self.anchor.dtype)
+        self._delta = self._wire[:n]
+        self._finished = False
         # Its revision counts the syncs (joins and admissions), not the outer steps.
         self.state = SharedState({"anchor": self.anchor, "momentum": self.momentum, "outer": self._outer})
         self.inner = 0
@@ -371,10 +379,27 @@ class DiLoCo:
         return self.outer_step()
 
     def finish(self) -> None:
-        """Ends training: the model takes up the anchor."""
+        """Ends training: the model takes up the anchor. With a deadline, first one more outer
+        step, which waits for every peer: a late peer's work since it last took part is averaged
+        in, and a peer waiting in an outer step the others will not take meets it there (it ends
+        theirs too: loop on :attr:`outer_steps`, the run's count, not on your own). Raises
+        :class:`shoal.PeerLostError`: call it again."""
+        import torch
+
         self._vote_done()
-        self._sends_done()
+        if self.deadline is not None and not self._finished:
+            torch.sub(self.anchor, self.flat, out=self._delta)
+            self._average(ending=True)
+        self._settle()
         self.flat.copy_(self.anchor)
+
+    def _settle(self) -> None:
+        """Waits for the averages sent to peers left out; with a deadline, then for every peer
+        to finish: one that left at once would replace the topology under the transfers of the
+        averages a late peer has yet to take."""
+        self._sends_done()
+        if self.deadline is not None:
+            self.comm.barrier(tag=self.tag + 2)
 
     def _admit(self) -> bool:
         """Admits the peers waiting to join, if any, and syncs the state with them (True).
@@ -414,21 +439,23 @@ class DiLoCo:
         if vote is not None:
             vote.wait()
 
-    def _reduce(self, delta: "torch.Tensor") -> None:
-        """All-reduces the pseudo-gradients. Raises :class:`shoal.ExcludedError` (``delta``
-        untouched) where this peer reached the outer step past the deadline."""
+    def _reduce(self, delta: "torch.Tensor", everyone: bool = False) -> None:
+        """All-reduces the pseudo-gradients (with a deadline, for ``everyone``: waiting for every
+        peer). Raises :class:`shoal.ExcludedError` (``delta`` untouched) where this peer reached
+        the outer step past the deadline."""
         self._sends_landed()
         if self._feedback is not None:
             info = self._feedback.all_reduce(self.comm, delta, key="diloco", op="avg", tag=self.tag)
         else:
-            info = self.comm.all_reduce(delta, op="avg", tag=self.tag, **self._cutoff())
+            info = self.comm.all_reduce(delta, op="avg", tag=self.tag, **self._cutoff(everyone))
         self._send_average(info, delta)
 
-    def _cutoff(self) -> dict:
-        """The outer all-reduce's deadline arguments, if it has one."""
+    def _cutoff(self, everyone: bool = False) -> dict:
+        """The outer all-reduce's deadline arguments, if it has one (waiting for ``everyone``)."""
         if self.deadline is None:
             return {}
-        return {"deadline": self.deadline, "min_participants": self.min_participants}
+        least = self.comm.group_world_size if everyone else self.min_participants
+        return {"deadline": self.deadline, "min_participants": least}
 
     def _send_average(self, info: Any, average: "torch.Tensor") -> None:
         """After an outer all-reduce that left peers out: the first peer it ran among sends each
@@ -468,36 +495,42 @@ class DiLoCo:
     def _average_missed(self, e: ExcludedError, into: "torch.Tensor") -> None:
         """This peer was left out of an outer all-reduce: receives the average the others
         applied into ``into``, from the first of them."""
+        if not e.included:
+            raise PeerLostError(f"the peers outer step {self.outer_steps} ran among left the topology before this "
+                                "peer took their average")
         self.last_included = list(e.included)
         self._pending_said = e.peers_pending
         self.comm.recv(into, peer=e.included[0], tag=self.tag + 1)
 
     def _skip_ahead(self, e: ExcludedError, kept: "torch.Tensor") -> Any:
         """This peer was left out (``e``) of an outer all-reduce of ``kept`` (its pseudo-gradient,
-        untouched; the model's distance from ``origin`` leaves it out). Applies the average the
-        others did, then skips ahead through the outer steps they ran since (``e.ahead``, which
-        leave this peer out at once), applying theirs too, and stops where peers wait to join (the
-        others admit them next). Then the model takes ``kept`` up as its distance from the anchor,
-        and it returns None. Or returns the ``ReduceInfo`` of an outer all-reduce of ``kept`` that
-        ran with this peer after all (its topology replaced meanwhile): ``kept`` then holds that
-        average, for the caller to apply. Raises as ``outer_step`` does, the model holding
-        ``kept`` as above (the retry averages it in)."""
+        untouched, perhaps with DiLoCo's end flag; the model's distance from ``origin`` leaves it
+        out). Applies the average the others did, then skips ahead through the outer steps they
+        ran since (``e.ahead``, which leave this peer out at once), applying theirs too, and
+        stops where peers wait to join (the others admit them next) or the run ended. Then the
+        model takes ``kept`` up as its distance from the anchor, and it returns None. Or returns
+        the ``ReduceInfo`` of an outer all-reduce of ``kept`` that ran with this peer after all
+        (its topology replaced meanwhile): ``kept`` then holds that average, for the caller to
+        apply. Raises as ``outer_step`` does, the model holding ``kept`` as above (the retry
+        averages it in)."""
         import torch
 
-        average, progress = torch.empty_like(kept), torch.empty_like(kept)
+        n = self.anchor.numel()
+        average, progress = torch.empty_like(kept), torch.empty_like(self.anchor)
         while True:
             try:
                 self._average_missed(e, average)
             except BaseException:
-                self.flat.sub_(kept)
+                self.flat.sub_(kept[:n])
                 raise
             torch.sub(self.origin, self.flat, out=progress)
-            self._apply(average)
+            self._apply(average[:n])
             torch.sub(self.anchor, progress, out=self.flat)
             if self.origin is not self.anchor:
                 self.origin.copy_(self.anchor)
-            if not e.ahead or e.peers_pending:
-                self.flat.sub_(kept)
+            self._finished |= self._ends(average)
+            if not e.ahead or e.peers_pending or self._finished:
+                self.flat.sub_(kept[:n])
                 return None
             try:
                 info = self.comm.all_reduce(kept, op="avg", tag=self.tag, **self._cutoff())
@@ -506,7 +539,7 @@ class DiLoCo:
                 self._outer += 1
                 continue
             except BaseException:
-                self.flat.sub_(kept)
+                self.flat.sub_(kept[:n])
                 raise
             self._outer += 1
             return info
@@ -529,28 +562,48 @@ class DiLoCo:
         model keeps its inner progress): call it again."""
         import torch
 
-        delta = torch.sub(self.anchor, self.flat, out=self._delta)
+        if self._finished:
+            raise UsageError("the run finished (a peer called finish()): loop on outer_steps, the run's count")
+        torch.sub(self.anchor, self.flat, out=self._delta)
         if self._admit():
             return False
-        try:
-            self._reduce(delta)
-            self._outer += 1
-        except ExcludedError as e:
-            # Late: the others averaged without us. Our progress (``delta``, untouched) stays the
-            # model's distance from the anchor, to be averaged in at an outer step made in time.
-            self._outer += 1
-            self.flat.copy_(self.anchor)
-            info = self._skip_ahead(e, delta)
-            if info is None:
-                self.inner = 0
-                self._vote_ahead()
-                return True
-            self._send_average(info, delta)
-        self._apply(delta)
-        self.flat.copy_(self.anchor)
+        self._average(ending=False)
         self.inner = 0
         self._vote_ahead()
         return True
+
+    def _average(self, ending: bool) -> None:
+        """One outer step of the pseudo-gradient in ``_delta``: all-reduces it and applies the
+        average. Left out (the others averaged without us, past the deadline), it applies theirs
+        and skips ahead through those they ran since, then meets them at their next outer step
+        with the same pseudo-gradient, where it is averaged in: they are computing it meanwhile.
+        It stops short of that where peers wait to join (the others admit them first) or the run
+        ended; the pseudo-gradient then stays the model's distance from the anchor, for the next
+        outer step (or the end's). ``ending``: finish()'s, which waits for every peer."""
+        wire = self._wire
+        while True:
+            if self.deadline is not None:
+                wire[-1] = float(ending)
+            try:
+                self._reduce(wire, everyone=ending)
+                self._outer += 1
+            except ExcludedError as e:
+                self._outer += 1
+                self.flat.copy_(self.anchor)
+                info = self._skip_ahead(e, wire)
+                if info is None:
+                    if self._pending_said or self._finished:
+                        return
+                    continue
+                self._send_average(info, wire)
+            break
+        self._finished |= self._ends(wire)
+        self._apply(self._delta)
+        self.flat.copy_(self.anchor)
+
+    def _ends(self, average: "torch.Tensor") -> bool:
+        """Whether an outer all-reduce's ``average`` came from a peer's finish()."""
+        return self.deadline is not None and average.numel() > self.anchor.numel() and float(average[-1]) > 0
 
 
 class AsyncDiLoCo(DiLoCo):
@@ -602,8 +655,9 @@ class AsyncDiLoCo(DiLoCo):
             raise
         self._pending = None
         self._send_average(info, previous)
+        self._finished |= self._ends(previous)
         progress = torch.sub(self.origin, self.flat, out=self._spare)
-        self._apply(previous)
+        self._apply(previous[: self.anchor.numel()])
         torch.sub(self.anchor, progress, out=self.flat)
         self.origin.copy_(self.anchor)
 
@@ -611,11 +665,15 @@ class AsyncDiLoCo(DiLoCo):
         import torch
 
         self._land()
+        if self._finished:
+            raise UsageError("the run finished (a peer called finish()): loop on outer_steps, the run's count")
         # After the late update: newcomers receive the anchor every peer holds now.
         if self._admit():
             return False
-        delta = torch.sub(self.origin, self.flat, out=self._delta)
-        self._pending = (self._reduce_async(delta), delta)
+        torch.sub(self.origin, self.flat, out=self._delta)
+        if self.deadline is not None:
+            self._wire[-1] = 0.0
+        self._pending = (self._reduce_async(self._wire), self._wire)
         self._vote_ahead()
         # That progress is being averaged: the next pseudo-gradient counts from here.
         self.origin.copy_(self.flat)
@@ -630,11 +688,16 @@ class AsyncDiLoCo(DiLoCo):
 
     def finish(self) -> None:
         """Ends training: waits for the all-reduce in flight, applies it, and the model takes up
-        the anchor. Raises :class:`shoal.PeerLostError` as :meth:`outer_step` does: call it
-        again."""
+        the anchor; with a deadline, after one more outer step as :meth:`DiLoCo.finish` runs.
+        Raises :class:`shoal.PeerLostError` as :meth:`outer_step` does: call it again."""
+        import torch
+
         self._land()
         self._vote_done()
-        self._sends_done()
+        if self.deadline is not None and not self._finished:
+            torch.sub(self.origin, self.flat, out=self._delta)
+            self._average(ending=True)
+        self._settle()
         self.flat.copy_(self.anchor)
 
 

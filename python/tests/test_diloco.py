@@ -155,22 +155,45 @@ def test_a_late_peer_is_left_out_of_an_outer_step_and_its_work_counts_at_the_nex
     part: ``5 (i + 1)`` per compute phase, two phases for the late peer."""
     results = run_peers(master, tmp_path, "diloco_late", 3, timeout=120, outer=8, deadline=0.6, pause=0.05,
                         lag=2.0, slow=2, **{"async": variant == "async"})
-    for outer in [*range(1, 9), "final"]:
+    _replays(results, slow_index=2, variant=variant)
+
+
+@pytest.mark.parametrize("variant", ["sync", "async"])
+def test_a_peer_slow_at_every_outer_step_holds_nobody_up_and_its_work_counts(master, tmp_path, variant):
+    """Peer 2 computes twice as long as the others at every outer step: with a deadline they go
+    on without it; it skips ahead and meets them at their next outer step, so its work counts
+    (every anchor replayed from who took part); the run ends together, finish() averaging in
+    what was left."""
+    results = run_peers(master, tmp_path, "diloco_late", 3, timeout=120, outer=10, deadline=0.1, pause=0.3,
+                        lag=0.3, slow=2, every=True, **{"async": variant == "async"})
+    included = _replays(results, slow_index=2, variant=variant)
+    slow = next(r for r in results if r["index"] == 2)
+    assert sum(slow["rank"] in inc for inc in included) >= 2, included
+
+
+def _replays(results: list, slow_index: int, variant: str) -> list:
+    """Checks a diloco_late run (see the test above): identical anchors, a late peer that
+    skipped ahead, and every anchor replayed from the sets each outer step ran among. Returns
+    those sets."""
+    for outer in {rec["outer"] for r in results for rec in r["records"]}:
         anchors = {tuple(rec["anchor"]) for r in results for rec in r["records"] if rec["outer"] == outer}
         assert len(anchors) <= 1, f"outer step {outer}: anchors differ: {anchors}"
     steady = next(r for r in results if r["index"] == 0)
-    slow = next(r for r in results if r["index"] == 2)
+    slow = next(r for r in results if r["index"] == slow_index)
     # The late peer skipped ahead: one of its outer steps took up more than one of the run's.
     outers = [rec["outer"] for rec in slow["records"] if rec["outer"] != "final"]
     assert any(b - a > 1 for a, b in zip([0, *outers], outers)), outers
-    # Each record's all-reduce: the one its outer step applied (AsyncDiLoCo's first applies none,
-    # its finish the last); the steady peer's name every one of the run's, in order.
-    records = steady["records"] if variant == "sync" else steady["records"][1:]
-    included = [rec["included"] for rec in records if variant == "async" or rec["outer"] != "final"]
+    # Each record's all-reduce: the one its outer step applied (AsyncDiLoCo's first applies none),
+    # and finish's, one more (AsyncDiLoCo's finish applies two, the one in flight and its own:
+    # left out here, its anchor only compared); the steady peer's name every one, in order.
+    records = steady["records"] if variant == "sync" else steady["records"][1:-1]
+    included = [rec["included"] for rec in records]
     assert any(len(inc) == 2 and slow["rank"] not in inc for inc in included), included
     # The rounds at which each peer ended a compute phase with a call: every one for the steady
     # peers; the late peer's own (the round after the last its previous outer step took up).
-    calls = {r["rank"]: set(range(1, len(included) + 1)) for r in results}
+    # (DiLoCo's finish() runs its own outer step: no compute ends there.)
+    rounds = len(included) - (variant == "sync")
+    calls = {r["rank"]: set(range(1, rounds + 1)) for r in results}
     calls[slow["rank"]] = {a + 1 for a in [0, *outers]} & calls[slow["rank"]]
     work = {r["rank"]: 5.0 * (r["index"] + 1) for r in results}
     last_in = {rank: 0 for rank in calls}
@@ -180,7 +203,9 @@ def test_a_late_peer_is_left_out_of_an_outer_step_and_its_work_counts_at_the_nex
         expected += sum(contributions) / len(contributions)
         last_in.update({rank: round_ for rank in inc})
         anchors.append(expected)
-    got = [rec["anchor"][0] for rec in records if variant == "async" or rec["outer"] != "final"]
+    got = [rec["anchor"][0] for rec in records]
     assert got == pytest.approx(anchors), (got, anchors, included, outers)
-    assert slow["records"][-1]["anchor"][0] == pytest.approx(anchors[-1]), "finish applies the last one"
+    if variant == "sync":
+        assert slow["records"][-1]["anchor"][0] == pytest.approx(anchors[-1]), "finish applies the last one"
     assert any(slow["rank"] in inc for inc in included[2:]), "the late peer's work counted after it was late"
+    return included

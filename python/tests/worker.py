@@ -1485,9 +1485,9 @@ def skip_ahead(spec: dict) -> dict:
 def diloco_late(spec: dict) -> dict:
     """DiLoCo (or AsyncDiLoCo) with a deadline on a model whose every inner step adds ``index + 1``
     to each parameter (plain outer SGD, step 1: the anchor moves by the mean pseudo-gradient of the
-    peers an outer step ran among). Every peer computes ``pause`` s an outer step; the peer of index
-    ``slow`` once ``lag`` s more, at outer step 2. Records each outer step's anchor, included
-    ranks and whether this peer was left out."""
+    peers an outer step ran among). Every peer computes ``pause`` s an outer step; the peer of
+    index ``slow`` ``lag`` s more, at outer step 2 (at every one with ``every``). Records each
+    outer step's anchor and included ranks."""
     import torch
 
     from shoal.torch import AsyncDiLoCo, DiLoCo
@@ -1506,7 +1506,7 @@ def diloco_late(spec: dict) -> dict:
             param.add_(spec["index"] + 1.0)
         if recipe.inner == recipe.inner_steps - 1:
             time.sleep(spec["pause"])
-            if spec["index"] == spec["slow"] and recipe.outer_steps == 2:
+            if spec["index"] == spec["slow"] and (spec.get("every") or recipe.outer_steps == 2):
                 time.sleep(spec["lag"])
         if recipe.step():
             records.append({"outer": recipe.outer_steps, "anchor": recipe.anchor.tolist(),
