@@ -57,7 +57,8 @@ def model() -> "torch.nn.Module":
     return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
 
 
-def _peer(master: str, name: int, founders: int, outer_steps: int, inner_steps: int, pause: float) -> None:
+def _peer(master: str, name: int, founders: int, outer_steps: int, inner_steps: int, pause: float,
+          deadline: Optional[float] = None) -> None:
     import torch
 
     import shoal
@@ -76,7 +77,8 @@ def _peer(master: str, name: int, founders: int, outer_steps: int, inner_steps: 
     comm = shoal.Communicator(master, timeout=60)
     # Founders wait for each other; a newcomer is admitted by the others' next outer step.
     comm.connect(timeout=120, min_world_size=founders if name < founders else 1)
-    diloco = DiLoCo(comm, net.parameters(), inner_steps=inner_steps, outer_lr=0.7, outer_momentum=0.9)
+    diloco = DiLoCo(comm, net.parameters(), inner_steps=inner_steps, outer_lr=0.7, outer_momentum=0.9,
+                    deadline=deadline)
     _retry(diloco.join)
     say(event="joined", outer=diloco.outer_steps, world=comm.group_world_size)
     opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
@@ -137,12 +139,14 @@ class Run:
 
 
 def run(peers: int = 4, outer_steps: int = 60, inner_steps: int = 8, churn: bool = True, pause: float = 0.05,
-        show: Callable[[str], None] = lambda line: None, timeout: float = 300) -> Run:
+        show: Callable[[str], None] = lambda line: None, timeout: float = 300, deadline: Optional[float] = None,
+        straggler: Optional[int] = None) -> Run:
     """Trains with ``peers`` founders to ``outer_steps`` outer steps, each peer pausing ``pause``
-    seconds after each (a bigger model's compute, so that the churn lands mid-run). With
-    ``churn``, the last founder is killed at a quarter of the run and a newcomer comes in at a
-    third; the next-to-last founder is killed at half and another newcomer comes in at 60%.
-    ``show`` gets a line per event (one per outer step, from the first peer to report it)."""
+    seconds after each (a bigger model's compute, so that the churn lands mid-run), founder
+    ``straggler`` twice as long. With ``churn``, the last founder is killed at a quarter of the
+    run and a newcomer comes in at a third; the next-to-last founder is killed at half and another
+    newcomer comes in at 60%. ``deadline``: DiLoCo's (seconds). ``show`` gets a line per event
+    (one per outer step, from the first peer to report it)."""
     import shoal
 
     schedule: list = []  # (outer step, "kill" founder | "start" newcomer, peer name), in order
@@ -178,7 +182,9 @@ def run(peers: int = 4, outer_steps: int = 60, inner_steps: int = 8, churn: bool
         for name in [*range(peers), *(name for _, what, name in schedule if what == "start")]:
             cmd = [sys.executable, "-m", "shoal.train", "--peer", str(name), "--master", master.address,
                    "--peers", str(peers), "--outer-steps", str(outer_steps), "--inner-steps", str(inner_steps),
-                   "--pause", str(pause)]
+                   "--pause", str(pause * (2 if name == straggler else 1))]
+            if deadline is not None:
+                cmd += ["--deadline", str(deadline)]
             procs[name] = p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             readers.append(threading.Thread(target=read, args=(p,), daemon=True))
             readers[-1].start()
@@ -231,11 +237,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--pause", type=float, default=0.2,
                         help="seconds each peer waits after an outer step (a bigger model's compute)")
     parser.add_argument("--no-churn", action="store_true", help="nobody dies, nobody joins")
+    parser.add_argument("--deadline", type=float, help="seconds DiLoCo's outer all-reduce waits for a late peer")
+    parser.add_argument("--straggler", type=int, help="this founder pauses twice as long")
     parser.add_argument("--peer", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--master", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.peer is not None:
-        return _peer(args.master, args.peer, args.peers, args.outer_steps, args.inner_steps, args.pause)
+        return _peer(args.master, args.peer, args.peers, args.outer_steps, args.inner_steps, args.pause, args.deadline)
     try:
         import sklearn  # noqa: F401
         import torch  # noqa: F401
@@ -243,7 +251,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raise SystemExit(f"shoal demo --train needs torch and scikit-learn: pip install 'shoal[train]' ({e})")
     started = time.monotonic()
     result = run(args.peers, args.outer_steps, args.inner_steps, churn=not args.no_churn, pause=args.pause,
-                 show=lambda line: print(line, flush=True))
+                 show=lambda line: print(line, flush=True), deadline=args.deadline, straggler=args.straggler)
     final = result.final
     print(f"[demo] {final['outer']} outer steps in {time.monotonic() - started:.1f} s: held-out loss "
           f"{result.final_loss():.4f} (mean of the last 5), accuracy {final['accuracy']:.1%}, "

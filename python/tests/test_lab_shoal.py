@@ -14,6 +14,7 @@ import time
 import pytest
 from conftest import need_lab, run_peers
 from test_all_reduce import check_matrix
+from test_diloco import _replays
 from test_failures import result, start_survivors
 
 from shoal import bench
@@ -184,3 +185,21 @@ def test_a_peer_cut_off_by_a_partition_is_expelled_and_the_others_carry_on(sites
         assert o["recovered_at"] - cut_at < HEARTBEAT_TIMEOUT + 4, o
         assert len(o["errors"]) <= 1 and all(e["at"] - cut_at < HEARTBEAT_TIMEOUT + 4 for e in o["errors"]), o
     assert "master_unreachable" in cut_off or "kicked" in cut_off, cut_off
+
+
+def test_diloco_with_a_deadline_across_sites_with_a_slow_peer_and_a_slow_link(sites, tmp_path):
+    """DiLoCo with a deadline across the sites, one peer computing twice as long as the others
+    and another behind a link at a quarter of the others' rate (8 MiB of pseudo-gradients): the
+    slow peer holds nobody up and its work counts (every anchor replayed from who took part)."""
+    hosts = ["a1", "a2", "b1", "b2"]
+    sites.fault("slow", "b2", rate="250mbit")
+    try:
+        with sites.master("a1") as master:
+            results = run_peers(master, tmp_path, "diloco_late", 4, timeout=300,
+                                launch=lambda i, argv: sites.argv(hosts[i], argv), outer=8, deadline=0.3,
+                                pause=0.6, lag=0.6, slow=2, every=True, size=1 << 20, **{"async": False})
+    finally:
+        sites.heal()
+    included = _replays(results, slow_index=2, variant="sync")
+    slow = next(r for r in results if r["index"] == 2)
+    assert sum(slow["rank"] in inc for inc in included) >= 2, included

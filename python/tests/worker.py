@@ -1486,8 +1486,8 @@ def diloco_late(spec: dict) -> dict:
     """DiLoCo (or AsyncDiLoCo) with a deadline on a model whose every inner step adds ``index + 1``
     to each parameter (plain outer SGD, step 1: the anchor moves by the mean pseudo-gradient of the
     peers an outer step ran among). Every peer computes ``pause`` s an outer step; the peer of
-    index ``slow`` ``lag`` s more, at outer step 2 (at every one with ``every``). Records each
-    outer step's anchor and included ranks."""
+    index ``slow`` ``lag`` s more, at outer step 2 (at every one with ``every``). The model has
+    ``size`` parameters (4). Records each outer step's anchor and included ranks."""
     import torch
 
     from shoal.torch import AsyncDiLoCo, DiLoCo
@@ -1495,11 +1495,14 @@ def diloco_late(spec: dict) -> dict:
     comm = communicator(spec, timeout=30)
     comm.connect(timeout=30)
     join_all(comm, spec["peers"])
-    param = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    param = torch.nn.Parameter(torch.zeros(spec.get("size", 4), dtype=torch.float64))
     kind = AsyncDiLoCo if spec["async"] else DiLoCo
     recipe = kind(comm, [param], inner_steps=5, outer_lr=1.0, outer_momentum=0.0, nesterov=False,
                   deadline=spec["deadline"])
     recipe.join()
+    def anchor() -> list:  # every element moves alike: the first, and the hash of all
+        return [float(recipe.anchor[0]), shoal.hash_tensor(recipe.anchor)]
+
     records = []
     while recipe.outer_steps < spec["outer"]:
         with torch.no_grad():
@@ -1509,10 +1512,9 @@ def diloco_late(spec: dict) -> dict:
             if spec["index"] == spec["slow"] and (spec.get("every") or recipe.outer_steps == 2):
                 time.sleep(spec["lag"])
         if recipe.step():
-            records.append({"outer": recipe.outer_steps, "anchor": recipe.anchor.tolist(),
-                            "included": recipe.last_included})
+            records.append({"outer": recipe.outer_steps, "anchor": anchor(), "included": recipe.last_included})
     recipe.finish()
-    records.append({"outer": "final", "anchor": recipe.anchor.tolist(), "included": recipe.last_included})
+    records.append({"outer": "final", "anchor": anchor(), "included": recipe.last_included})
     comm.barrier(tag=5)
     result = {"rank": comm.rank, "index": spec["index"], "records": records}
     comm.close()

@@ -178,10 +178,14 @@ class Lab:
         return subprocess.run(self.argv(host, argv), **kwargs)
 
     def master(self, host: str, port: int = 48148, heartbeat_timeout: Optional[float] = None,
-               tls: Optional[dict[str, str]] = None) -> contextlib.AbstractContextManager[str]:
+               tls: Optional[dict[str, str]] = None,
+               http_port: Optional[int] = None) -> contextlib.AbstractContextManager[str]:
         """A ``shoal master`` process in ``host``; yields the address peers dial. ``tls``: its
-        ``tls_cert``, ``tls_key`` and ``tls_ca``."""
+        ``tls_cert``, ``tls_key`` and ``tls_ca``; ``http_port``: where it serves ``/status``,
+        ``/metrics`` and the status page."""
         argv = [sys.executable, "-m", "shoal.cli", "master", "--listen", f"0.0.0.0:{port}"]
+        if http_port is not None:
+            argv += ["--http", f"0.0.0.0:{http_port}"]
         if heartbeat_timeout is not None:
             argv += ["--heartbeat-timeout", str(heartbeat_timeout)]
         for key, path in (tls or {}).items():
