@@ -270,8 +270,9 @@ pub enum CallError {
         op: OpId,
         /// The members it ran among, in ring order.
         included: Vec<PeerId>,
-        /// How many later collectives of the topology we heard the master decide already: the
-        /// others are that far ahead, and our next calls of that many end the same way at once.
+        /// How many later collectives of the topology we heard the master decide without us
+        /// already: the others are that far ahead, and our next calls of that many end the same
+        /// way at once.
         ahead: u64,
     },
     /// The peers made calls that cannot complete together.
