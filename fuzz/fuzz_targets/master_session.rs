@@ -43,7 +43,7 @@ enum Msg {
     P2pWaits(u8, bool),
     P2pResumed,
     P2pApart(u8),
-    Gather { epoch: u8, seq: u8, deadline_ms: u16, min: u8 },
+    Gather { epoch: u8, seq: u8, deadline_ms: u16, min: u8, needs: u8 },
     Leave,
     Other(u8),
 }
@@ -109,11 +109,12 @@ fn message(m: Msg, key: &RunKey, conn: ConnId) -> Message {
         },
         Msg::P2pResumed => Message::P2pResumed { peer: PeerId(0) },
         Msg::P2pApart(p) => Message::P2pApart { peer: PeerId(p.into()), misuse: misuse(p, p.wrapping_add(1)) },
-        Msg::Gather { epoch, seq, deadline_ms, min } => Message::Gather {
+        Msg::Gather { epoch, seq, deadline_ms, min, needs } => Message::Gather {
             epoch: Epoch(epoch.into()),
             seq: seq.into(),
             deadline_ms: deadline_ms.into(),
             min: min.into(),
+            needs: vec![PeerId(needs.into())],
         },
         Msg::Leave => Message::Leave,
         // A master-to-peer message, which a peer never sends.

@@ -48,7 +48,7 @@ enum CallMsg {
     PeersPending,
     Sync { revision: u8, strategy: u8, tensors: u8, hash: u8 },
     Collective,
-    Gathered(u8, u8),
+    Gathered(u8, u8, Option<u8>),
 }
 
 #[derive(Debug, Arbitrary)]
@@ -98,9 +98,11 @@ fn call(c: CallMsg) -> CallKind {
             entries: digests(tensors, hash),
         }),
         CallMsg::Collective => CallKind::Collective(shoal_wire::Api::AllReduce, None),
-        CallMsg::Gathered(deadline_ms, min) => CallKind::Gathered(
-            shoal_wire::Api::AllReduce,
+        // A root: a broadcast's, of any rank (one past the ring's names nobody).
+        CallMsg::Gathered(deadline_ms, min, root) => CallKind::Gathered(
+            if root.is_some() { shoal_wire::Api::Broadcast } else { shoal_wire::Api::AllReduce },
             Cutoff { deadline: Duration::from_millis(deadline_ms.into()), min: min.into() },
+            root.map(usize::from),
         ),
     }
 }

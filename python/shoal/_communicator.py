@@ -275,14 +275,19 @@ class Communicator:
         tag: int = 0,
         quantization: Optional[str] = None,
         quantization_block: Optional[int] = None,
+        deadline: Optional[float] = None,
+        min_participants: Optional[int] = None,
     ) -> _native.ReduceInfo:
         """Gather every peer's ``inp`` into ``out`` in rank order: ``out`` holds world times
         ``inp``'s elements, of the same dtype. On :class:`PeerLostError` ``out`` is as it was;
         retry it with ``out`` sized for the new world (a misfit raises :class:`UsageError` on
         every peer). With ``quantization`` (as :meth:`all_reduce`) each block travels encoded
-        by its owner, and every peer (the owner too) holds its decoded values."""
+        by its owner, and every peer (the owner too) holds its decoded values. With
+        ``deadline`` (as :meth:`all_reduce`) only the included members' blocks of ``out`` fill
+        (``ReduceInfo.included``); the others' stay as they were."""
         out_view, inp_view, dtype, quant = _out_and_in(out, inp, tag, quantization, quantization_block)
-        return self._native.all_gather_bytes(out_view, inp_view, dtype, tag, quant)
+        cutoff = _cutoff(deadline, min_participants)
+        return self._native.all_gather_bytes(out_view, inp_view, dtype, tag, quant, cutoff)
 
     def reduce_scatter(
         self,
@@ -293,23 +298,37 @@ class Communicator:
         tag: int = 0,
         quantization: Optional[str] = None,
         quantization_block: Optional[int] = None,
+        deadline: Optional[float] = None,
+        min_participants: Optional[int] = None,
     ) -> _native.ReduceInfo:
         """Reduce every peer's ``inp`` block by block and leave block ``rank`` in ``out``:
         ``inp`` holds world times ``out``'s elements, of the same dtype, and is left as it was.
-        Failures as :meth:`all_gather`; ``quantization`` as :meth:`all_reduce`."""
+        Failures as :meth:`all_gather`; ``quantization`` and ``deadline`` as :meth:`all_reduce`
+        (with a deadline, each block is reduced over the included members' alone)."""
         out_view, inp_view, dtype, quant = _out_and_in(out, inp, tag, quantization, quantization_block)
-        return self._native.reduce_scatter_bytes(out_view, inp_view, dtype, op, tag, quant)
+        cutoff = _cutoff(deadline, min_participants)
+        return self._native.reduce_scatter_bytes(out_view, inp_view, dtype, op, tag, quant, cutoff)
 
     def broadcast(
-        self, tensor: Any, *, root: int = 0, tag: int = 0, algorithm: Optional[str] = None
+        self,
+        tensor: Any,
+        *,
+        root: int = 0,
+        tag: int = 0,
+        algorithm: Optional[str] = None,
+        deadline: Optional[float] = None,
+        min_participants: Optional[int] = None,
     ) -> _native.ReduceInfo:
         """Copy rank ``root``'s ``tensor`` into every other peer's, in place. Small tensors go
         straight from the root to every peer (``algorithm="oneshot"``),
-        larger ones around the ring. On :class:`PeerLostError` every tensor is as it was."""
+        larger ones around the ring. On :class:`PeerLostError` every tensor is as it was.
+        ``deadline`` as :meth:`all_reduce`: the root is waited for, the other members late
+        past it are left out (:class:`ExcludedError`, their tensor untouched)."""
         _check_tag(tag)
         _check_root(root)
         view, dtype = _byte_view(tensor)
-        return self._native.broadcast_bytes(view, dtype, root, tag, algorithm)
+        cutoff = _cutoff(deadline, min_participants)
+        return self._native.broadcast_bytes(view, dtype, root, tag, algorithm, cutoff)
 
     def barrier(self, *, tag: int = 0) -> _native.ReduceInfo:
         """Return once every peer of the group called it: one hop of tokens among them."""
@@ -324,11 +343,14 @@ class Communicator:
         tag: int = 0,
         quantization: Optional[str] = None,
         quantization_block: Optional[int] = None,
+        deadline: Optional[float] = None,
+        min_participants: Optional[int] = None,
     ) -> "Work":
         """Start :meth:`all_gather` and return at once (``inp`` is copied first); see
         :meth:`all_reduce_async` for tags and what not to touch until :meth:`Work.wait`."""
         out_view, inp_view, dtype, quant = _out_and_in(out, inp, tag, quantization, quantization_block)
-        return Work(self._native.all_gather_bytes_async(out_view, inp_view, dtype, tag, quant))
+        cutoff = _cutoff(deadline, min_participants)
+        return Work(self._native.all_gather_bytes_async(out_view, inp_view, dtype, tag, quant, cutoff))
 
     def reduce_scatter_async(
         self,
@@ -339,17 +361,30 @@ class Communicator:
         tag: int = 0,
         quantization: Optional[str] = None,
         quantization_block: Optional[int] = None,
+        deadline: Optional[float] = None,
+        min_participants: Optional[int] = None,
     ) -> "Work":
         """Start :meth:`reduce_scatter` and return at once (``inp`` is copied first)."""
         out_view, inp_view, dtype, quant = _out_and_in(out, inp, tag, quantization, quantization_block)
-        return Work(self._native.reduce_scatter_bytes_async(out_view, inp_view, dtype, op, tag, quant))
+        cutoff = _cutoff(deadline, min_participants)
+        return Work(self._native.reduce_scatter_bytes_async(out_view, inp_view, dtype, op, tag, quant, cutoff))
 
-    def broadcast_async(self, tensor: Any, *, root: int = 0, tag: int = 0, algorithm: Optional[str] = None) -> "Work":
+    def broadcast_async(
+        self,
+        tensor: Any,
+        *,
+        root: int = 0,
+        tag: int = 0,
+        algorithm: Optional[str] = None,
+        deadline: Optional[float] = None,
+        min_participants: Optional[int] = None,
+    ) -> "Work":
         """Start :meth:`broadcast` and return at once."""
         _check_tag(tag)
         _check_root(root)
         view, dtype = _byte_view(tensor)
-        return Work(self._native.broadcast_bytes_async(view, dtype, root, tag, algorithm))
+        cutoff = _cutoff(deadline, min_participants)
+        return Work(self._native.broadcast_bytes_async(view, dtype, root, tag, algorithm, cutoff))
 
     def barrier_async(self, *, tag: int = 0) -> "Work":
         """Start :meth:`barrier` and return at once."""

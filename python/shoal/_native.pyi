@@ -137,25 +137,29 @@ class Communicator:
         quant: _Quant = None,
     ) -> list[ReduceInfo]: ...
     def all_gather_bytes(
-        self, out: npt.NDArray[np.uint8], inp: npt.NDArray[np.uint8], dtype: str, tag: int, quant: _Quant = None
+        self, out: npt.NDArray[np.uint8], inp: npt.NDArray[np.uint8], dtype: str, tag: int, quant: _Quant = None,
+        cutoff: Optional[tuple[float, int]] = None,
     ) -> ReduceInfo: ...
     def reduce_scatter_bytes(
         self, out: npt.NDArray[np.uint8], inp: npt.NDArray[np.uint8], dtype: str, op: str, tag: int,
-        quant: _Quant = None,
+        quant: _Quant = None, cutoff: Optional[tuple[float, int]] = None,
     ) -> ReduceInfo: ...
     def broadcast_bytes(
-        self, buf: npt.NDArray[np.uint8], dtype: str, root: int, tag: int, algorithm: Optional[str] = None
+        self, buf: npt.NDArray[np.uint8], dtype: str, root: int, tag: int, algorithm: Optional[str] = None,
+        cutoff: Optional[tuple[float, int]] = None,
     ) -> ReduceInfo: ...
     def barrier(self, tag: int) -> ReduceInfo: ...
     def all_gather_bytes_async(
-        self, out: npt.NDArray[np.uint8], inp: npt.NDArray[np.uint8], dtype: str, tag: int, quant: _Quant = None
+        self, out: npt.NDArray[np.uint8], inp: npt.NDArray[np.uint8], dtype: str, tag: int, quant: _Quant = None,
+        cutoff: Optional[tuple[float, int]] = None,
     ) -> NativeWork: ...
     def reduce_scatter_bytes_async(
         self, out: npt.NDArray[np.uint8], inp: npt.NDArray[np.uint8], dtype: str, op: str, tag: int,
-        quant: _Quant = None,
+        quant: _Quant = None, cutoff: Optional[tuple[float, int]] = None,
     ) -> NativeWork: ...
     def broadcast_bytes_async(
-        self, buf: npt.NDArray[np.uint8], dtype: str, root: int, tag: int, algorithm: Optional[str] = None
+        self, buf: npt.NDArray[np.uint8], dtype: str, root: int, tag: int, algorithm: Optional[str] = None,
+        cutoff: Optional[tuple[float, int]] = None,
     ) -> NativeWork: ...
     def barrier_async(self, tag: int) -> NativeWork: ...
     def send_bytes(self, buf: npt.NDArray[np.uint8], dtype: str, peer: int, tag: int) -> ReduceInfo: ...

@@ -67,7 +67,7 @@ class ShoalTimeoutError(ShoalError, TimeoutError):
 
 
 class ExcludedError(ShoalError):
-    """An ``all_reduce`` with a ``deadline`` ran without this peer: it had not called it by the
+    """A collective with a ``deadline`` ran without this peer: it had not called it by the
     deadline, and the others went on without it, by agreement. Nothing was done here (the tensor
     is as it was), and the peer is a member still: its next call meets the others' next. Not a
     failure to retry: the collective happened, among the ranks in ``included``. ``topology`` and

@@ -504,7 +504,8 @@ impl Communicator {
     }
 
     /// All-gathers `inp` into `out` (views of tensors of `dtype`, checked by the caller).
-    #[pyo3(signature = (out, inp, dtype, tag, quant=None))]
+    #[pyo3(signature = (out, inp, dtype, tag, quant=None, cutoff=None))]
+    #[allow(clippy::too_many_arguments)] // The Python call's arguments, one for one.
     fn all_gather_bytes(
         &self,
         py: Python<'_>,
@@ -513,15 +514,20 @@ impl Communicator {
         dtype: &str,
         tag: u64,
         quant: QuantArg,
+        cutoff: Option<(f64, u32)>,
     ) -> PyResult<ReduceInfo> {
-        let (dtype, q) = (element_type(dtype)?, quantization(quant)?);
+        let (dtype, q, cutoff) = (element_type(dtype)?, quantization(quant)?, cutoff_of(cutoff)?);
         let (mut out, inp) = (writable(out, "out")?, readable(inp, "inp")?);
         let (out, inp) = (contiguous_mut(&mut out, "out")?, inp.as_slice().map_err(|_| not_contiguous("inp"))?);
-        Ok(py.detach(|| self.inner.all_gather(out, inp, dtype, tag, q)).map_err(to_py)?.into())
+        let info = py.detach(|| match cutoff {
+            Some(c) => self.inner.all_gather_with_deadline(out, inp, dtype, tag, q, c),
+            None => self.inner.all_gather(out, inp, dtype, tag, q),
+        });
+        Ok(info.map_err(to_py)?.into())
     }
 
     /// Reduce-scatters `inp` into `out` (views of tensors of `dtype`, checked by the caller).
-    #[pyo3(signature = (out, inp, dtype, op, tag, quant=None))]
+    #[pyo3(signature = (out, inp, dtype, op, tag, quant=None, cutoff=None))]
     #[allow(clippy::too_many_arguments)] // The Python call's arguments, one for one.
     fn reduce_scatter_bytes(
         &self,
@@ -532,15 +538,22 @@ impl Communicator {
         op: &str,
         tag: u64,
         quant: QuantArg,
+        cutoff: Option<(f64, u32)>,
     ) -> PyResult<ReduceInfo> {
         let (dtype, op, q) = (element_type(dtype)?, reduce_op(op)?, quantization(quant)?);
+        let cutoff = cutoff_of(cutoff)?;
         let (mut out, inp) = (writable(out, "out")?, readable(inp, "inp")?);
         let (out, inp) = (contiguous_mut(&mut out, "out")?, inp.as_slice().map_err(|_| not_contiguous("inp"))?);
-        Ok(py.detach(|| self.inner.reduce_scatter(out, inp, dtype, op, tag, q)).map_err(to_py)?.into())
+        let info = py.detach(|| match cutoff {
+            Some(c) => self.inner.reduce_scatter_with_deadline(out, inp, dtype, op, tag, q, c),
+            None => self.inner.reduce_scatter(out, inp, dtype, op, tag, q),
+        });
+        Ok(info.map_err(to_py)?.into())
     }
 
     /// Broadcasts `buf` (a view of a tensor of `dtype`) from rank `root`.
-    #[pyo3(signature = (buf, dtype, root, tag, algorithm=None))]
+    #[pyo3(signature = (buf, dtype, root, tag, algorithm=None, cutoff=None))]
+    #[allow(clippy::too_many_arguments)] // The Python call's arguments, one for one.
     fn broadcast_bytes(
         &self,
         py: Python<'_>,
@@ -549,11 +562,16 @@ impl Communicator {
         root: usize,
         tag: u64,
         algorithm: Option<&str>,
+        cutoff: Option<(f64, u32)>,
     ) -> PyResult<ReduceInfo> {
-        let (dtype, _, algorithm) = reduction(dtype, "sum", algorithm)?;
+        let ((dtype, _, algorithm), cutoff) = (reduction(dtype, "sum", algorithm)?, cutoff_of(cutoff)?);
         let mut view = writable(buf, "tensor")?;
         let bytes = contiguous_mut(&mut view, "tensor")?;
-        Ok(py.detach(|| self.inner.broadcast(bytes, dtype, root, tag, algorithm)).map_err(to_py)?.into())
+        let info = py.detach(|| match cutoff {
+            Some(c) => self.inner.broadcast_with_deadline(bytes, dtype, root, tag, algorithm, c),
+            None => self.inner.broadcast(bytes, dtype, root, tag, algorithm),
+        });
+        Ok(info.map_err(to_py)?.into())
     }
 
     /// Returns once every member of the group called it.
@@ -602,7 +620,7 @@ impl Communicator {
     }
 
     /// Starts `all_gather_bytes` and returns at once; `inp` is copied first.
-    #[pyo3(signature = (out, inp, dtype, tag, quant=None))]
+    #[pyo3(signature = (out, inp, dtype, tag, quant=None, cutoff=None))]
     fn all_gather_bytes_async(
         &self,
         out: &Bound<'_, PyArray1<u8>>,
@@ -610,17 +628,23 @@ impl Communicator {
         dtype: &str,
         tag: u64,
         quant: QuantArg,
+        cutoff: Option<(f64, u32)>,
     ) -> PyResult<NativeWork> {
-        let (dtype, q) = (element_type(dtype)?, quantization(quant)?);
+        let (dtype, q, cutoff) = (element_type(dtype)?, quantization(quant)?, cutoff_of(cutoff)?);
         let lent = lend(out, "out")?;
         let inp = readable(inp, "inp")?;
         let inp = inp.as_slice().map_err(|_| not_contiguous("inp"))?;
-        let work = self.inner.all_gather_async(lent, inp, dtype, tag, q).map_err(to_py)?;
+        let work = match cutoff {
+            Some(c) => self.inner.all_gather_async_with_deadline(lent, inp, dtype, tag, q, c),
+            None => self.inner.all_gather_async(lent, inp, dtype, tag, q),
+        };
+        let work = work.map_err(to_py)?;
         Ok(NativeWork::new(&self.inner, work, Some(out)))
     }
 
     /// Starts `reduce_scatter_bytes` and returns at once; `inp` is copied first.
-    #[pyo3(signature = (out, inp, dtype, op, tag, quant=None))]
+    #[pyo3(signature = (out, inp, dtype, op, tag, quant=None, cutoff=None))]
+    #[allow(clippy::too_many_arguments)] // The Python call's arguments, one for one.
     fn reduce_scatter_bytes_async(
         &self,
         out: &Bound<'_, PyArray1<u8>>,
@@ -629,17 +653,22 @@ impl Communicator {
         op: &str,
         tag: u64,
         quant: QuantArg,
+        cutoff: Option<(f64, u32)>,
     ) -> PyResult<NativeWork> {
         let (dtype, op, q) = (element_type(dtype)?, reduce_op(op)?, quantization(quant)?);
-        let lent = lend(out, "out")?;
+        let (cutoff, lent) = (cutoff_of(cutoff)?, lend(out, "out")?);
         let inp = readable(inp, "inp")?;
         let inp = inp.as_slice().map_err(|_| not_contiguous("inp"))?;
-        let work = self.inner.reduce_scatter_async(lent, inp, dtype, op, tag, q).map_err(to_py)?;
+        let work = match cutoff {
+            Some(c) => self.inner.reduce_scatter_async_with_deadline(lent, inp, dtype, op, tag, q, c),
+            None => self.inner.reduce_scatter_async(lent, inp, dtype, op, tag, q),
+        };
+        let work = work.map_err(to_py)?;
         Ok(NativeWork::new(&self.inner, work, Some(out)))
     }
 
     /// Starts `broadcast_bytes` and returns at once.
-    #[pyo3(signature = (buf, dtype, root, tag, algorithm=None))]
+    #[pyo3(signature = (buf, dtype, root, tag, algorithm=None, cutoff=None))]
     fn broadcast_bytes_async(
         &self,
         buf: &Bound<'_, PyArray1<u8>>,
@@ -647,9 +676,15 @@ impl Communicator {
         root: usize,
         tag: u64,
         algorithm: Option<&str>,
+        cutoff: Option<(f64, u32)>,
     ) -> PyResult<NativeWork> {
-        let (dtype, _, algorithm) = reduction(dtype, "sum", algorithm)?;
-        let work = self.inner.broadcast_async(lend(buf, "tensor")?, dtype, root, tag, algorithm).map_err(to_py)?;
+        let ((dtype, _, algorithm), cutoff) = (reduction(dtype, "sum", algorithm)?, cutoff_of(cutoff)?);
+        let lent = lend(buf, "tensor")?;
+        let work = match cutoff {
+            Some(c) => self.inner.broadcast_async_with_deadline(lent, dtype, root, tag, algorithm, c),
+            None => self.inner.broadcast_async(lent, dtype, root, tag, algorithm),
+        };
+        let work = work.map_err(to_py)?;
         Ok(NativeWork::new(&self.inner, work, Some(buf)))
     }
 

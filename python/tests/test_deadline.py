@@ -1,5 +1,5 @@
-"""Collectives with a deadline: a member that has not called an all-reduce by its deadline is
-left out by agreement, the others end with one result over exactly themselves, and the member
+"""Collectives with a deadline: a member that has not called an all-reduce (all-gather,
+reduce-scatter, broadcast) by its deadline is left out by agreement, the others end with one result over exactly themselves, and the member
 left out gets ExcludedError with its tensor untouched and stays in the run."""
 
 from __future__ import annotations
@@ -72,6 +72,37 @@ def test_a_member_far_behind_skips_ahead_through_what_the_others_ran_without_it(
         assert len(ran) == 1, (i, ran)
 
 
+def test_all_gather_reduce_scatter_and_broadcast_take_a_deadline(master: shoal.Master, tmp_path: Path) -> None:
+    """Each runs among the members in time: an all-gather fills their blocks alone, a
+    reduce-scatter reduces over their inputs alone, a broadcast waits for its root however late
+    and for nobody else; the member left out has its output untouched."""
+    results = run_peers(master, tmp_path, "deadline_verbs", PEERS, timeout=120, late=LATE)
+    late_rank = results[0]["late_rank"]
+    others = sorted(r["rank"] for r in results if r["rank"] != late_rank)
+    for i, verb in enumerate(r["verb"] for r in results[0]["calls"]):
+        calls = {r["rank"]: r["calls"][i] for r in results}
+        assert len({(c["sequence"], tuple(c["included"])) for c in calls.values()}) == 1, calls
+        if verb == "broadcast_late":
+            # The root is waited for, past the deadline: everyone takes part, its tensor everywhere.
+            assert all(c["included"] == list(range(PEERS)) for c in calls.values()), calls
+            assert all(c["out"] == [late_rank + 1.0] * 3 for c in calls.values()), calls
+            continue
+        late = calls[late_rank]
+        assert late.get("excluded") and late["included"] == others and late["took"] < 0.5, (verb, late)
+        if verb == "all_gather":
+            assert late["out"] == [-1.0] * 2 * PEERS, late
+            gathered = [v for r in range(PEERS) for v in ([r + 1.0] * 2 if r in others else [-1.0] * 2)]
+            assert all(calls[r]["out"] == gathered for r in others), calls
+        elif verb == "reduce_scatter":
+            assert late["out"] == [-1.0] * 2, late
+            for r in others:
+                assert calls[r]["out"] == [sum(i + 1.0 + 10.0 * r for i in others)] * 2, (r, calls[r])
+        else:
+            assert late["out"] == [late_rank + 1.0] * 3, late
+            assert all(calls[r]["out"] == [others[0] + 1.0] * 3 for r in others), calls
+        assert all(calls[r]["world"] == len(others) and calls[r]["took"] < 0.9 for r in others), calls
+
+
 def test_deadline_arguments_are_checked_before_anything_moves(master: shoal.Master) -> None:
     import numpy as np
 
@@ -89,5 +120,12 @@ def test_deadline_arguments_are_checked_before_anything_moves(master: shoal.Mast
         # Alone in its group: it runs at once.
         info = comm.all_reduce(x, op="sum", deadline=5.0)
         assert info.included == [0] and list(x) == [1.0] * 4
+        out = np.zeros(4, np.float32)
+        assert comm.all_gather(out, x, deadline=5.0).included == [0] and list(out) == [1.0] * 4
+        out = np.zeros(4, np.float32)
+        assert comm.reduce_scatter(out, x, deadline=5.0).included == [0] and list(out) == [1.0] * 4
+        assert comm.broadcast(x, deadline=5.0).included == [0]
+        with pytest.raises(ValueError, match="deadline"):
+            comm.broadcast(x, deadline=-1.0)
     finally:
         comm.close()

@@ -1453,6 +1453,57 @@ def deadline(spec: dict) -> dict:
     return result
 
 
+def deadline_verbs(spec: dict) -> dict:
+    """The other collectives with a deadline, the peer of index ``late`` 1 s late to each but the
+    broadcast from its own rank (0.6 s late there, and waited for): all-gather, reduce-scatter,
+    broadcast from it, broadcast from the lowest other rank, then the all-gather and
+    reduce-scatter again async. Each peer's all-gather input
+    is ``rank + 1``, its reduce-scatter input block ``b`` ``rank + 1 + 10 b``, a broadcast's tensor
+    ``rank + 1``; outputs start at -1. Reports each call's outcome and output."""
+    comm = communicator(spec, timeout=60)
+    comm.connect(timeout=30)
+    join_all(comm, spec["peers"])
+    me, rank, world = spec["index"], comm.rank, comm.group_world_size
+    late_rank = np.array([rank if me == spec["late"] else -1], np.int64)
+    # With a deadline, on time: no member is a newcomer the master would wait for after it.
+    comm.all_reduce(late_rank, op="max", tag=9, deadline=5.0)
+    on_time_root = 1 if late_rank[0] == 0 else 0
+    calls = []
+    plan = [("all_gather", 1.0, False), ("reduce_scatter", 1.0, False), ("broadcast_late", 0.6, False),
+            ("broadcast", 1.0, False), ("all_gather", 1.0, True), ("reduce_scatter", 1.0, True)]
+    for tag, (verb, lag, asynchronous) in enumerate(plan):
+        comm.barrier(tag=99)
+        if me == spec["late"]:
+            time.sleep(lag)
+        cut = {"deadline": 0.3}
+        if verb == "all_gather":
+            out, inp = np.full(2 * world, -1.0), np.full(2, rank + 1.0)
+            run = comm.all_gather_async if asynchronous else comm.all_gather
+            call = lambda: run(out, inp, tag=tag, **cut)  # noqa: E731
+        elif verb == "reduce_scatter":
+            out = np.full(2, -1.0)
+            inp = np.repeat(rank + 1.0 + 10.0 * np.arange(world), 2)
+            run = comm.reduce_scatter_async if asynchronous else comm.reduce_scatter
+            call = lambda: run(out, inp, op="sum", tag=tag, **cut)  # noqa: E731
+        else:
+            out = np.full(3, rank + 1.0)
+            root = int(late_rank[0]) if verb == "broadcast_late" else on_time_root
+            call = lambda: comm.broadcast(out, root=root, tag=tag, **cut)  # noqa: E731
+        t0 = time.monotonic()
+        try:
+            info = call()
+            if asynchronous:
+                info = info.wait()
+            outcome: dict = {"included": info.included, "sequence": info.sequence, "world": info.world_size}
+        except shoal.ExcludedError as e:
+            outcome = {"included": e.included, "sequence": e.sequence, "excluded": True}
+        calls.append({**outcome, "verb": verb, "out": out.tolist(), "took": time.monotonic() - t0})
+    comm.barrier(tag=98)
+    result = {"rank": rank, "index": me, "world": world, "late_rank": int(late_rank[0]), "calls": calls}
+    comm.close()
+    return result
+
+
 def skip_ahead(spec: dict) -> dict:
     """All-reduces with a deadline, ``rounds`` of them: the peer of index ``late`` sleeps ``lag`` s
     before its second, so the others run several without it; then it calls on until it is in one,
@@ -1535,6 +1586,7 @@ if __name__ == "__main__":
                  "watched": watched,
                  "restart_loop": restart_loop, "diloco": diloco,
                  "ddp": ddp, "catchup": catchup, "deadline": deadline,
-                 "diloco_late": diloco_late, "skip_ahead": skip_ahead}
+                 "diloco_late": diloco_late, "skip_ahead": skip_ahead,
+                 "deadline_verbs": deadline_verbs}
     result = scenarios[scenario](spec)
     print(json.dumps(result), flush=True)

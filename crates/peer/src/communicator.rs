@@ -383,10 +383,32 @@ impl Communicator {
         tag: u64,
         quantization: Option<Quantization>,
     ) -> Result<Info> {
-        check_buffer(out, dtype)?;
-        check_buffer(inp, dtype)?;
-        let extra = Extra::Gather { inp: self.shared.spares.copy_of(inp), before: None };
-        self.collective(RawBuf::new(out), gather_request(dtype, tag, quantization), extra)
+        self.all_gather_as(out, inp, gather_request(dtype, tag, quantization, None))
+    }
+
+    /// [`Communicator::all_gather`] that waits for no member longer than `cutoff` says, as
+    /// [`Communicator::all_reduce_with_deadline`]: the included members' blocks of `out` fill
+    /// ([`Info::included`] names them), the others' stay as they were; a member left out gets
+    /// [`Error::Excluded`], `out` untouched.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_gather`] and [`Communicator::all_reduce_with_deadline`].
+    pub fn all_gather_with_deadline(
+        &self,
+        out: &mut [u8],
+        inp: &[u8],
+        dtype: DType,
+        tag: u64,
+        quantization: Option<Quantization>,
+        cutoff: Cutoff,
+    ) -> Result<Info> {
+        self.all_gather_as(out, inp, gather_request(dtype, tag, quantization, Some(cutoff)))
+    }
+
+    fn all_gather_as(&self, out: &mut [u8], inp: &[u8], request: Request) -> Result<Info> {
+        check_buffer(out, request.dtype)?;
+        check_buffer(inp, request.dtype)?;
+        self.collective(RawBuf::new(out), request, gather_extra(&self.shared.spares, inp))
     }
 
     /// Reduces every member's `inp` block by block and leaves block `r` in member `r`'s `out`:
@@ -403,10 +425,35 @@ impl Communicator {
         tag: u64,
         quantization: Option<Quantization>,
     ) -> Result<Info> {
-        check_buffer(out, dtype)?;
-        check_buffer(inp, dtype)?;
+        self.reduce_scatter_as(out, inp, scatter_request(dtype, op, tag, quantization, None))
+    }
+
+    /// [`Communicator::reduce_scatter`] that waits for no member longer than `cutoff` says, as
+    /// [`Communicator::all_reduce_with_deadline`]: each included member's `out` holds its block
+    /// reduced over the included members' inputs alone ([`Info::included`] names them); a member
+    /// left out gets [`Error::Excluded`], `out` untouched.
+    ///
+    /// # Errors
+    /// As [`Communicator::reduce_scatter`] and [`Communicator::all_reduce_with_deadline`].
+    #[allow(clippy::too_many_arguments)] // reduce_scatter's, and the cutoff.
+    pub fn reduce_scatter_with_deadline(
+        &self,
+        out: &mut [u8],
+        inp: &[u8],
+        dtype: DType,
+        op: ReduceOp,
+        tag: u64,
+        quantization: Option<Quantization>,
+        cutoff: Cutoff,
+    ) -> Result<Info> {
+        self.reduce_scatter_as(out, inp, scatter_request(dtype, op, tag, quantization, Some(cutoff)))
+    }
+
+    fn reduce_scatter_as(&self, out: &mut [u8], inp: &[u8], request: Request) -> Result<Info> {
+        check_buffer(out, request.dtype)?;
+        check_buffer(inp, request.dtype)?;
         let (buf, extra) = scatter_work(&self.shared.spares, out, inp);
-        self.collective(buf, scatter_request(dtype, op, tag, quantization), extra)
+        self.collective(buf, request, extra)
     }
 
     /// Copies member `root`'s `buf` into every other member's `buf`.
@@ -423,8 +470,27 @@ impl Communicator {
         algorithm: Option<Algorithm>,
     ) -> Result<Info> {
         check_buffer(buf, dtype)?;
-        let (kind, op) = (CollectiveKind::Broadcast, ReduceOp::Sum);
-        let request = Request { kind, dtype, op, tag, root, algorithm, quantization: None, cutoff: None };
+        self.collective(RawBuf::new(buf), broadcast_request(dtype, root, tag, algorithm, None), Extra::None)
+    }
+
+    /// [`Communicator::broadcast`] that waits for no member but `root` longer than `cutoff`
+    /// says, as [`Communicator::all_reduce_with_deadline`]: the included members
+    /// ([`Info::included`], the root always among them) receive the root's `buf`; a member left
+    /// out gets [`Error::Excluded`], `buf` untouched.
+    ///
+    /// # Errors
+    /// As [`Communicator::broadcast`] and [`Communicator::all_reduce_with_deadline`].
+    pub fn broadcast_with_deadline(
+        &self,
+        buf: &mut [u8],
+        dtype: DType,
+        root: usize,
+        tag: u64,
+        algorithm: Option<Algorithm>,
+        cutoff: Cutoff,
+    ) -> Result<Info> {
+        check_buffer(buf, dtype)?;
+        let request = broadcast_request(dtype, root, tag, algorithm, Some(cutoff));
         self.collective(RawBuf::new(buf), request, Extra::None)
     }
 
@@ -512,7 +578,7 @@ impl Communicator {
     /// As [`Communicator::all_reduce_async`].
     pub fn all_gather_async<B>(
         &self,
-        mut out: B,
+        out: B,
         inp: &[u8],
         dtype: DType,
         tag: u64,
@@ -521,10 +587,37 @@ impl Communicator {
     where
         B: AsMut<[u8]> + Send + 'static,
     {
-        check_buffer(out.as_mut(), dtype)?;
-        check_buffer(inp, dtype)?;
-        let extra = Extra::Gather { inp: self.shared.spares.copy_of(inp), before: None };
-        self.start_async(out, gather_request(dtype, tag, quantization), |b| (RawBuf::new(b.as_mut()), extra))
+        self.all_gather_async_as(out, inp, gather_request(dtype, tag, quantization, None))
+    }
+
+    /// Starts [`Communicator::all_gather_with_deadline`] into `out` and returns at once, like
+    /// [`Communicator::all_gather_async`].
+    ///
+    /// # Errors
+    /// As [`Communicator::all_reduce_async`].
+    pub fn all_gather_async_with_deadline<B>(
+        &self,
+        out: B,
+        inp: &[u8],
+        dtype: DType,
+        tag: u64,
+        quantization: Option<Quantization>,
+        cutoff: Cutoff,
+    ) -> Result<Work<B>>
+    where
+        B: AsMut<[u8]> + Send + 'static,
+    {
+        self.all_gather_async_as(out, inp, gather_request(dtype, tag, quantization, Some(cutoff)))
+    }
+
+    fn all_gather_async_as<B>(&self, mut out: B, inp: &[u8], request: Request) -> Result<Work<B>>
+    where
+        B: AsMut<[u8]> + Send + 'static,
+    {
+        check_buffer(out.as_mut(), request.dtype)?;
+        check_buffer(inp, request.dtype)?;
+        let extra = gather_extra(&self.shared.spares, inp);
+        self.start_async(out, request, |b| (RawBuf::new(b.as_mut()), extra))
     }
 
     /// Starts [`Communicator::reduce_scatter`] into `out` and returns at once, like
@@ -534,7 +627,7 @@ impl Communicator {
     /// As [`Communicator::all_reduce_async`].
     pub fn reduce_scatter_async<B>(
         &self,
-        mut out: B,
+        out: B,
         inp: &[u8],
         dtype: DType,
         op: ReduceOp,
@@ -544,9 +637,37 @@ impl Communicator {
     where
         B: AsMut<[u8]> + Send + 'static,
     {
-        check_buffer(out.as_mut(), dtype)?;
-        check_buffer(inp, dtype)?;
-        let request = scatter_request(dtype, op, tag, quantization);
+        self.reduce_scatter_async_as(out, inp, scatter_request(dtype, op, tag, quantization, None))
+    }
+
+    /// Starts [`Communicator::reduce_scatter_with_deadline`] into `out` and returns at once,
+    /// like [`Communicator::reduce_scatter_async`].
+    ///
+    /// # Errors
+    /// As [`Communicator::all_reduce_async`].
+    #[allow(clippy::too_many_arguments)] // reduce_scatter_async's, and the cutoff.
+    pub fn reduce_scatter_async_with_deadline<B>(
+        &self,
+        out: B,
+        inp: &[u8],
+        dtype: DType,
+        op: ReduceOp,
+        tag: u64,
+        quantization: Option<Quantization>,
+        cutoff: Cutoff,
+    ) -> Result<Work<B>>
+    where
+        B: AsMut<[u8]> + Send + 'static,
+    {
+        self.reduce_scatter_async_as(out, inp, scatter_request(dtype, op, tag, quantization, Some(cutoff)))
+    }
+
+    fn reduce_scatter_async_as<B>(&self, mut out: B, inp: &[u8], request: Request) -> Result<Work<B>>
+    where
+        B: AsMut<[u8]> + Send + 'static,
+    {
+        check_buffer(out.as_mut(), request.dtype)?;
+        check_buffer(inp, request.dtype)?;
         let spares = &self.shared.spares;
         self.start_async(out, request, |b| scatter_work(spares, b.as_mut(), inp))
     }
@@ -568,8 +689,29 @@ impl Communicator {
         B: AsMut<[u8]> + Send + 'static,
     {
         check_buffer(buf.as_mut(), dtype)?;
-        let (kind, op) = (CollectiveKind::Broadcast, ReduceOp::Sum);
-        let request = Request { kind, dtype, op, tag, root, algorithm, quantization: None, cutoff: None };
+        let request = broadcast_request(dtype, root, tag, algorithm, None);
+        self.start_async(buf, request, |b| (RawBuf::new(b.as_mut()), Extra::None))
+    }
+
+    /// Starts [`Communicator::broadcast_with_deadline`] and returns at once, like
+    /// [`Communicator::broadcast_async`].
+    ///
+    /// # Errors
+    /// As [`Communicator::all_reduce_async`].
+    pub fn broadcast_async_with_deadline<B>(
+        &self,
+        mut buf: B,
+        dtype: DType,
+        root: usize,
+        tag: u64,
+        algorithm: Option<Algorithm>,
+        cutoff: Cutoff,
+    ) -> Result<Work<B>>
+    where
+        B: AsMut<[u8]> + Send + 'static,
+    {
+        check_buffer(buf.as_mut(), dtype)?;
+        let request = broadcast_request(dtype, root, tag, algorithm, Some(cutoff));
         self.start_async(buf, request, |b| (RawBuf::new(b.as_mut()), Extra::None))
     }
 
@@ -782,7 +924,10 @@ impl Communicator {
                     "a deadline applies to the whole group's collectives, not a derived group's".into(),
                 ))
             }
-            Some(cutoff) => CallKind::Gathered(verb(kind, tag), cutoff),
+            // A broadcast never runs without its root.
+            Some(cutoff) => {
+                CallKind::Gathered(verb(kind, tag), cutoff, (kind == CollectiveKind::Broadcast).then_some(request.root))
+            }
         };
         let call = c.control.own_input(|p, now| p.call(collective, bound, now));
         let count = (buf.len() / dtype.size()) as u64;
@@ -994,22 +1139,36 @@ fn all_reduce_request(
     Request { kind: CollectiveKind::AllReduce, dtype, op, tag, root: 0, algorithm, quantization, cutoff }
 }
 
-fn gather_request(dtype: DType, tag: u64, quantization: Option<Quantization>) -> Request {
+fn gather_request(dtype: DType, tag: u64, quantization: Option<Quantization>, cutoff: Option<Cutoff>) -> Request {
     let kind = CollectiveKind::AllGather;
-    Request { kind, dtype, op: ReduceOp::Sum, tag, root: 0, algorithm: None, quantization, cutoff: None }
+    Request { kind, dtype, op: ReduceOp::Sum, tag, root: 0, algorithm: None, quantization, cutoff }
 }
 
-fn scatter_request(dtype: DType, op: ReduceOp, tag: u64, quantization: Option<Quantization>) -> Request {
-    Request {
-        kind: CollectiveKind::ReduceScatter,
-        dtype,
-        op,
-        tag,
-        root: 0,
-        algorithm: None,
-        quantization,
-        cutoff: None,
-    }
+fn scatter_request(
+    dtype: DType,
+    op: ReduceOp,
+    tag: u64,
+    quantization: Option<Quantization>,
+    cutoff: Option<Cutoff>,
+) -> Request {
+    let kind = CollectiveKind::ReduceScatter;
+    Request { kind, dtype, op, tag, root: 0, algorithm: None, quantization, cutoff }
+}
+
+fn broadcast_request(
+    dtype: DType,
+    root: usize,
+    tag: u64,
+    algorithm: Option<Algorithm>,
+    cutoff: Option<Cutoff>,
+) -> Request {
+    let (kind, op) = (CollectiveKind::Broadcast, ReduceOp::Sum);
+    Request { kind, dtype, op, tag, root, algorithm, quantization: None, cutoff }
+}
+
+/// An all-gather's extra: a copy of the caller's input.
+fn gather_extra(spares: &Spares, inp: &[u8]) -> Extra {
+    Extra::Gather { inp: spares.copy_of(inp), before: None, narrowed: None }
 }
 
 fn barrier_request(tag: u64) -> Request {

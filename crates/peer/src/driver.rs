@@ -9,11 +9,11 @@ use crate::error::{Error, Misfit, Protocol, Usage};
 use crate::info::Info;
 use crate::links::Listener;
 use crate::named::{verb_of, Described};
-use crate::plane::{CallResult, Collective, DataPlane, Extra, Placement, Posted, Request, TagUse};
+use crate::plane::{CallResult, Collective, DataPlane, Extra, Placement, Posted, Request, Spares, TagUse};
 use crate::Deadline;
 use shoal_collective::{Algorithm, CollectiveKind, Quantization};
 use shoal_config::failpoint;
-use shoal_engine::{Backup, Exec, LinkError, OpEvent, OpKey, OpSpec, Pumped};
+use shoal_engine::{Backup, Exec, LinkError, OpEvent, OpKey, OpSpec, Pumped, RawBuf};
 use shoal_proto::auth::DataKey;
 use shoal_proto::peer::{
     Action, CallError, CallId, Established, OpId, OpProgress, RingPosition, Seq, Value, WaitNote, P2P_PATIENCE,
@@ -172,6 +172,39 @@ pub(crate) fn fits(record: &Collective, world: usize) -> std::result::Result<(),
         let what = if matches!(record.extra, Extra::Gather { .. }) { "output" } else { "input" };
         return Err(Misfit::Blocks { kind, what, whole, world, block });
     }
+    Ok(())
+}
+
+/// Shapes collective `record` with a deadline, whose buffers fit the whole group of `whole`
+/// members, to run among `included` alone (ranks in the whole group, ascending): an all-gather
+/// gathers their blocks into a buffer of its own, spread into the caller's output on success; a
+/// reduce-scatter reduces their blocks of its copy of the input; a broadcast's root is named by
+/// its rank among them. So the left-out members' blocks stay as they were.
+fn narrow(record: &mut Collective, included: &[usize], whole: usize, spares: &Spares) -> Result<(), Misfit> {
+    fits(record, whole)?;
+    let kind = record.request.kind;
+    match &mut record.extra {
+        Extra::Gather { inp, narrowed, .. } => {
+            let mut work = spares.take(included.len() * inp.len);
+            let out = std::mem::replace(&mut record.buf, RawBuf::new(work.as_mut()));
+            *narrowed = Some((out, work));
+        }
+        Extra::Scatter { out, _work } => {
+            let (block, work) = (out.len(), _work.as_mut());
+            for (i, &r) in included.iter().enumerate() {
+                work.copy_within(r * block..(r + 1) * block, i * block);
+            }
+            record.buf = RawBuf::new(&mut work[..included.len() * block]);
+        }
+        Extra::None if kind == CollectiveKind::Broadcast => {
+            let root = record.request.root;
+            // The master waits for the root: one left out is a bug, failed as a misfit.
+            let no_root = Misfit::NoSuchRoot { kind: kind.name(), root, world: included.len() };
+            record.request.root = included.iter().position(|&r| r == root).ok_or(no_root)?;
+        }
+        Extra::None | Extra::Arrived { .. } => {}
+    }
+    record.count = (record.buf.len() / record.request.dtype.size()) as u64;
     Ok(())
 }
 
@@ -536,9 +569,13 @@ impl Driver {
     ) {
         let record = data.calls.collectives.get_mut(&call).expect("a collective called here");
         let (rank, world) = crate::plane::place(position, &members);
+        let mut narrowed = Ok(());
         if record.request.cutoff.is_some() {
             // The whole group's collective, among the members the master named.
             record.included.clone_from(&members);
+            if world < position.group_size() {
+                narrowed = narrow(record, &members, position.group_size(), &data.spares);
+            }
         }
         let request = record.request;
         if data.placement.epoch != Some(position.epoch) {
@@ -554,7 +591,7 @@ impl Driver {
         record.posted = Some(Posted { id, header, world, rank, algorithm });
         log::trace!("{}", Described::Collective(header));
         // Buffers shaped for another group (it changed since the call) fail on every member alike.
-        if let Err(why) = fits(record, world) {
+        if let Err(why) = narrowed.and_then(|()| fits(record, world)) {
             let me = position.ring[position.rank].peer;
             let failure = OpFailure::new(FailureKind::Misuse, me, why.to_string());
             record.local = Some(Usage::Misfit(why).into());
@@ -562,7 +599,7 @@ impl Driver {
             control.own_input(|p, now| p.handle_collective(id, OpProgress::Failed(failure), now));
             return;
         }
-        if let Extra::Gather { inp, before } = &mut record.extra {
+        if let Extra::Gather { inp, before, .. } = &mut record.extra {
             let block = rank * inp.len..(rank + 1) * inp.len;
             let mut held = data.spares.take(block.len());
             record.buf.read_into(block.clone(), held.as_mut());
@@ -720,18 +757,33 @@ impl Driver {
         let ready = taken.as_ref().map_or(&[][..], |t| &t.ready[..]);
         let lateness = if record.request.kind == CollectiveKind::Broadcast { Vec::new() } else { lateness(ready) };
         let (request, operation) = (record.request, record.request.kind.name());
+        // Where it posted nothing, our rank and the size of the group it ran in: a group of one,
+        // or (with a deadline, which ran among us alone) the whole group.
+        let alone = match (request.cutoff, data.position.as_ref()) {
+            (Some(_), Some(p)) => (p.rank, p.group_size()),
+            _ => (0, 1),
+        };
         let outcome = match result {
-            // A group of one posts nothing: its buffers must fit it all the same.
-            Ok(Value::Collective(_)) if record.posted.is_none() && fits(&record, 1).is_err() => {
-                Err(Usage::Misfit(fits(&record, 1).expect_err("checked")).into())
+            // A group of one posts nothing: its buffers must fit it all the same (a collective
+            // with a deadline that ran among us alone: the whole group).
+            Ok(Value::Collective(_)) if record.posted.is_none() && fits(&record, alone.1).is_err() => {
+                Err(Usage::Misfit(fits(&record, alone.1).expect_err("checked")).into())
             }
             Ok(Value::Collective(id)) => {
                 failpoint("all_reduce.after_commit");
-                let rank = record.posted.map_or(0, |p| p.rank);
+                let rank = record.posted.map_or(alone.0, |p| p.rank);
                 match &record.extra {
                     Extra::Scatter { out, .. } => record.buf.copy_to(rank * out.len()..(rank + 1) * out.len(), out),
                     // Posted, the input went into place then; alone, it is all there is.
-                    Extra::Gather { inp, .. } if record.posted.is_none() => record.buf.write(0, inp.as_ref()),
+                    Extra::Gather { inp, .. } if record.posted.is_none() => {
+                        record.buf.write(rank * inp.len, inp.as_ref())
+                    }
+                    Extra::Gather { inp, narrowed: Some((out, work)), .. } => {
+                        let block = inp.len;
+                        for (i, &r) in record.included.iter().enumerate() {
+                            out.write(r * block, &work.as_ref()[i * block..(i + 1) * block]);
+                        }
+                    }
                     _ => {}
                 }
                 Ok(Info {
@@ -749,10 +801,10 @@ impl Driver {
                     peer: None,
                     lateness,
                     rank,
-                    included: if record.included.is_empty() {
-                        (0..record.posted.map_or(1, |p| p.world)).collect()
-                    } else {
-                        record.included
+                    included: match (record.posted, record.included.is_empty()) {
+                        (None, _) => vec![alone.0],
+                        (Some(p), true) => (0..p.world).collect(),
+                        (Some(_), false) => record.included,
                     },
                     peers_pending: request.cutoff.and_then(|_| control.lock().pending_at(id)),
                 })
@@ -763,7 +815,8 @@ impl Driver {
                 if let Some(t) = &taken {
                     t.restore();
                 }
-                if let (Extra::Gather { inp, before: Some(before) }, Some(posted)) = (&record.extra, record.posted) {
+                if let (Extra::Gather { inp, before: Some(before), .. }, Some(posted)) = (&record.extra, record.posted)
+                {
                     record.buf.write(posted.rank * inp.len, before.as_ref());
                 }
                 let algorithm = record.posted.map_or(Algorithm::Ring, |p| p.algorithm);

@@ -176,10 +176,13 @@ impl Request {
 pub(crate) enum Extra {
     None,
     /// All-gather: a copy of the caller's input, copied into its block of the output when
-    /// posted, and what that block held, put back if it fails.
+    /// posted, and what that block held, put back if it fails. With a deadline that left members
+    /// out, the schedule runs over a buffer of the included members' blocks alone (`narrowed`,
+    /// with the caller's output, which gets each block on success).
     Gather {
         inp: AlignedBytes,
         before: Option<AlignedBytes>,
+        narrowed: Option<(RawBuf, AlignedBytes)>,
     },
     /// Reduce-scatter: where our block of the reduced copy of the input goes on success; the
     /// copy.

@@ -1414,7 +1414,7 @@ impl Sim {
     fn start_batch(&mut self, i: usize) {
         let at = self.instant();
         let kind = match self.deadline {
-            Some(deadline) => CallKind::Gathered(Api::AllReduce, Cutoff { deadline, min: 0 }),
+            Some(deadline) => CallKind::Gathered(Api::AllReduce, Cutoff { deadline, min: 0 }, None),
             None => CallKind::Collective(Api::AllReduce, None),
         };
         let p = &mut self.peers[i];

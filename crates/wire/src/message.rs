@@ -517,18 +517,21 @@ pub enum Message {
         misuse: Misuse,
     },
     /// Peer → master: this member called collective `seq` of `epoch` (of the whole group) with a
-    /// deadline: leave out the members not called `deadline_ms` after the first did, once at
-    /// least `min` have (0: more than half the group's members). The first member's figures
-    /// stand (`docs/protocol.md`, "Collectives with a deadline").
+    /// deadline: leave out the members not called `deadline_ms` after at least `min` had (0: more
+    /// than half the group's members), never those of `needs`. The first member's figures stand
+    /// (`docs/protocol.md`, "Collectives with a deadline").
     Gather {
         /// The committed topology.
         epoch: Epoch,
         /// The collective's number in it.
         seq: u64,
-        /// Milliseconds after the first member's call.
+        /// Milliseconds after the minimum had called.
         deadline_ms: u64,
         /// The fewest members it runs with.
         min: u32,
+        /// The members it cannot run without (a broadcast's root), waited for like any member
+        /// of a collective without a deadline.
+        needs: Vec<PeerId>,
     },
     /// Master → peer: collective `seq` of `epoch`, called with a deadline, runs among `included`
     /// alone (in ring order); a member left out ends its call of it with nothing done.
@@ -1009,11 +1012,12 @@ impl Message {
             Message::OpCommitted { epoch, derived, seq } | Message::OpQuery { epoch, derived, seq } => {
                 encode_op(w, *epoch, *derived, *seq);
             }
-            Message::Gather { epoch, seq, deadline_ms, min } => {
+            Message::Gather { epoch, seq, deadline_ms, min, needs } => {
                 w.u64(epoch.0);
                 w.u64(*seq);
                 w.u64(*deadline_ms);
                 w.u32(*min);
+                encode_peers(w, needs);
             }
             Message::Gathered { epoch, seq, included, pending } => {
                 w.u64(epoch.0);
@@ -1164,9 +1168,13 @@ impl Message {
             }
             kind::OP_COMMITTED => Message::OpCommitted { epoch: Epoch(r.u64()?), derived: r.u64()?, seq: r.u64()? },
             kind::OP_QUERY => Message::OpQuery { epoch: Epoch(r.u64()?), derived: r.u64()?, seq: r.u64()? },
-            kind::GATHER => {
-                Message::Gather { epoch: Epoch(r.u64()?), seq: r.u64()?, deadline_ms: r.u64()?, min: r.u32()? }
-            }
+            kind::GATHER => Message::Gather {
+                epoch: Epoch(r.u64()?),
+                seq: r.u64()?,
+                deadline_ms: r.u64()?,
+                min: r.u32()?,
+                needs: decode_peers(&mut r)?,
+            },
             kind::GATHERED => Message::Gathered {
                 epoch: Epoch(r.u64()?),
                 seq: r.u64()?,
@@ -1471,8 +1479,9 @@ mod tests {
             }),
             op_name().prop_map(|(e, derived, seq)| Message::OpCommitted { epoch: Epoch(e), derived, seq }),
             op_name().prop_map(|(e, derived, seq)| Message::OpQuery { epoch: Epoch(e), derived, seq }),
-            (any::<u64>(), any::<u64>(), any::<u64>(), any::<u32>())
-                .prop_map(|(e, seq, deadline_ms, min)| { Message::Gather { epoch: Epoch(e), seq, deadline_ms, min } }),
+            (any::<u64>(), any::<u64>(), any::<u64>(), any::<u32>(), peers()).prop_map(
+                |(e, seq, deadline_ms, min, needs)| Message::Gather { epoch: Epoch(e), seq, deadline_ms, min, needs }
+            ),
             (any::<u64>(), any::<u64>(), peers(), any::<bool>()).prop_map(|(e, seq, included, pending)| {
                 Message::Gathered { epoch: Epoch(e), seq, included, pending }
             }),

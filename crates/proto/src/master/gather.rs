@@ -50,6 +50,8 @@ pub(super) struct Gathering {
     min: usize,
     /// The members that called it.
     called: BTreeSet<PeerId>,
+    /// The first member's: those it never runs without (a broadcast's root).
+    needs: Vec<PeerId>,
 }
 
 impl Gathering {
@@ -69,8 +71,18 @@ impl Gathering {
 }
 
 impl Master {
-    /// `peer` called collective `seq` of `epoch` with a deadline.
-    pub(super) fn gather(&mut self, now: Instant, peer: PeerId, epoch: Epoch, seq: u64, deadline_ms: u64, min: u32) {
+    /// `peer` called collective `seq` of `epoch` with a deadline (`Message::Gather`).
+    #[allow(clippy::too_many_arguments)] // the message's fields, and who sent it when.
+    pub(super) fn gather(
+        &mut self,
+        now: Instant,
+        peer: PeerId,
+        epoch: Epoch,
+        seq: u64,
+        deadline_ms: u64,
+        min: u32,
+        needs: Vec<PeerId>,
+    ) {
         if epoch != self.g.ring_epoch {
             // Called in a replaced ring: it fails as any collective reported there.
             let reason = format!("topology {} was replaced by topology {}", epoch.0, self.g.ring_epoch.0);
@@ -104,11 +116,14 @@ impl Master {
             return self.violation(peer, super::PeerMisbehaved::TooManyOpenCollectives);
         }
         let deadline = Duration::from_millis(deadline_ms);
+        // Only members can call it.
+        let needs = needs.into_iter().filter(|p| self.g.ring.contains(p)).collect();
         let entry = self.g.gathering.entry((epoch, seq)).or_insert_with(|| Gathering {
             since: None,
             deadline,
             min: min as usize,
             called: BTreeSet::new(),
+            needs,
         });
         entry.called.insert(peer);
         self.decide_gathers(now);
@@ -135,7 +150,10 @@ impl Master {
                 let newcomer = |p: &PeerId| self.g.tentative.contains_key(p) || self.peers[p].fresh;
                 let held = live.iter().any(|p| !g.called.contains(p) && newcomer(p));
                 let due = g.due().is_some_and(|due| now >= due);
-                let decided = called.len() == live.len() || (due && called.len() >= g.least(live.len()) && !held);
+                // One it needs that left the run: the new topology ends it (`supersede_gathers`).
+                let needed = g.needs.iter().all(|p| g.called.contains(p));
+                let decided =
+                    needed && (called.len() == live.len() || (due && called.len() >= g.least(live.len()) && !held));
                 decided.then_some((*key, called))
             })
             .collect();

@@ -555,9 +555,9 @@ impl Master {
             Message::SyncVote { revision, strategy, override_resume, entries, collectives } if accepted => {
                 self.sync_vote(now, peer, revision, strategy, override_resume, entries, collectives)
             }
-            Message::Gather { epoch, seq, deadline_ms, min } if accepted => {
+            Message::Gather { epoch, seq, deadline_ms, min, needs } if accepted => {
                 self.made_a_call(peer);
-                self.gather(now, peer, epoch, seq, deadline_ms, min)
+                self.gather(now, peer, epoch, seq, deadline_ms, min, needs)
             }
             Message::SyncDone { round } if accepted => self.sync_done(peer, round),
             Message::SyncFailed { round, reason } if accepted => self.sync_failed(peer, round, reason),

@@ -1698,7 +1698,7 @@ fn gathered_to(out: &[Output], conn: u64) -> Vec<(u64, Vec<u32>)> {
 #[test]
 fn a_collective_with_a_deadline_runs_among_the_members_that_called_it_in_time() {
     let (mut h, epoch) = run_with(3);
-    let gather = |seq: u64, min: u32| Message::Gather { epoch, seq, deadline_ms: 500, min };
+    let gather = |seq: u64, min: u32| Message::Gather { epoch, seq, deadline_ms: 500, min, needs: vec![] };
     // Everyone in time: decided at the last call, for everyone.
     h.send(1, gather(0, 0));
     assert!(gathered_to(&h.send(2, gather(0, 0)), 1).is_empty(), "undecided while one is missing");
@@ -1750,7 +1750,7 @@ fn a_collective_with_a_deadline_runs_among_the_members_that_called_it_in_time() 
 #[test]
 fn a_collective_with_a_deadline_waits_for_its_minimum_and_not_for_the_lost() {
     let (mut h, epoch) = run_with(3);
-    let gather = |seq: u64, min: u32| Message::Gather { epoch, seq, deadline_ms: 100, min };
+    let gather = |seq: u64, min: u32| Message::Gather { epoch, seq, deadline_ms: 100, min, needs: vec![] };
     // A first call from each: the newcomers are held to the others' pace from then on.
     for conn in 1..=3 {
         h.send(conn, gather(0, 0));
@@ -1764,10 +1764,33 @@ fn a_collective_with_a_deadline_waits_for_its_minimum_and_not_for_the_lost() {
     h.master.handle_timeout(h.now);
     assert_eq!(gathered_to(&h.drain(), 1), [(1, vec![0, 1])]);
     // Peers 0 and 1 call the next one; peer 2 is lost: they are all the ring has left.
-    h.send(1, Message::Gather { epoch, seq: 2, deadline_ms: 60_000, min: 0 });
-    h.send(2, Message::Gather { epoch, seq: 2, deadline_ms: 60_000, min: 0 });
+    h.send(1, Message::Gather { epoch, seq: 2, deadline_ms: 60_000, min: 0, needs: vec![] });
+    h.send(2, Message::Gather { epoch, seq: 2, deadline_ms: 60_000, min: 0, needs: vec![] });
     let out = h.send(3, Message::Leave);
     assert_eq!(gathered_to(&out, 1), [(2, vec![0, 1])], "{out:?}");
+}
+
+/// A member the collective needs (a broadcast's root) is waited for past the deadline, as without
+/// one; the others are not, once it called.
+#[test]
+fn a_collective_with_a_deadline_waits_for_the_member_it_needs() {
+    let (mut h, epoch) = run_with(3);
+    let gather = |seq: u64| Message::Gather { epoch, seq, deadline_ms: 100, min: 0, needs: vec![PeerId(2)] };
+    for conn in 1..=3 {
+        h.send(conn, Message::Gather { epoch, seq: 0, deadline_ms: 100, min: 0, needs: vec![] });
+    }
+    h.send(1, gather(1));
+    h.send(2, gather(1));
+    h.now += Duration::from_millis(500);
+    h.master.handle_timeout(h.now);
+    assert!(gathered_to(&h.drain(), 1).is_empty(), "decided without the member it needs");
+    assert_eq!(gathered_to(&h.send(3, gather(1)), 1), [(1, vec![0, 1, 2])]);
+    // Needed and in time, with one member late: decided at the deadline without the late one.
+    h.send(3, gather(2));
+    h.send(1, gather(2));
+    h.now += Duration::from_millis(100);
+    h.master.handle_timeout(h.now);
+    assert_eq!(gathered_to(&h.drain(), 1), [(2, vec![0, 2])]);
 }
 
 /// A newcomer that has made no call since its admission is not late: it is in no position to
@@ -1775,7 +1798,7 @@ fn a_collective_with_a_deadline_waits_for_its_minimum_and_not_for_the_lost() {
 #[test]
 fn a_collective_with_a_deadline_waits_for_a_newcomer_that_has_not_called_yet() {
     let (mut h, epoch) = run_with(3);
-    let gather = Message::Gather { epoch, seq: 0, deadline_ms: 100, min: 0 };
+    let gather = Message::Gather { epoch, seq: 0, deadline_ms: 100, min: 0, needs: vec![] };
     h.send(1, gather.clone());
     h.send(2, gather.clone());
     h.now += Duration::from_millis(150);
@@ -1789,11 +1812,11 @@ fn a_collective_with_a_deadline_waits_for_a_newcomer_that_has_not_called_yet() {
 #[test]
 fn a_collective_with_an_endless_deadline_waits_for_every_member() {
     let (mut h, epoch) = run_with(2);
-    h.send(1, Message::Gather { epoch, seq: 0, deadline_ms: u64::MAX, min: 1 });
+    h.send(1, Message::Gather { epoch, seq: 0, deadline_ms: u64::MAX, min: 1, needs: vec![] });
     h.now += Duration::from_millis(1500);
     h.master.handle_timeout(h.now);
     assert!(gathered_to(&h.drain(), 1).is_empty());
-    let out = h.send(2, Message::Gather { epoch, seq: 0, deadline_ms: u64::MAX, min: 1 });
+    let out = h.send(2, Message::Gather { epoch, seq: 0, deadline_ms: u64::MAX, min: 1, needs: vec![] });
     assert_eq!(gathered_to(&out, 1), [(0, vec![0, 1])]);
 }
 
@@ -1802,11 +1825,11 @@ fn a_collective_with_an_endless_deadline_waits_for_every_member() {
 #[test]
 fn a_collective_with_a_deadline_aborted_before_its_decision_fails_for_late_callers_too() {
     let (mut h, epoch) = run_with(3);
-    h.send(1, Message::Gather { epoch, seq: 0, deadline_ms: 60_000, min: 0 });
+    h.send(1, Message::Gather { epoch, seq: 0, deadline_ms: 60_000, min: 0, needs: vec![] });
     let misuse = OpFailure::new(FailureKind::Misuse, PeerId(0), "a vote");
     let out = h.send(1, Message::OpFailed { epoch, derived: 0, seq: 0, members: vec![], failure: misuse });
     assert!(sent_to(&out, 2).iter().any(|m| matches!(m, Message::OpAborted { seq: 0, .. })), "{out:?}");
-    let out = h.send(2, Message::Gather { epoch, seq: 0, deadline_ms: 60_000, min: 0 });
+    let out = h.send(2, Message::Gather { epoch, seq: 0, deadline_ms: 60_000, min: 0, needs: vec![] });
     assert!(matches!(sent_to(&out, 2)[..], [Message::OpAborted { seq: 0, .. }]), "{out:?}");
     assert!(gathered_to(&out, 1).is_empty());
 }
@@ -1816,7 +1839,7 @@ fn a_collective_with_a_deadline_aborted_before_its_decision_fails_for_late_calle
 #[test]
 fn a_collective_with_a_deadline_says_whether_newcomers_wait() {
     let (mut h, epoch) = run_with(3);
-    let gather = |seq: u64| Message::Gather { epoch, seq, deadline_ms: 100, min: 0 };
+    let gather = |seq: u64| Message::Gather { epoch, seq, deadline_ms: 100, min: 0, needs: vec![] };
     let pending_to = |out: &[Output], conn: u64| -> Vec<bool> {
         sent_to(out, conn)
             .into_iter()

@@ -100,9 +100,9 @@ pub enum CallKind {
     /// from it: its data moves in [`Action::RunCollective`].
     Collective(Api, Option<Derived>),
     /// A collective of the topology's whole group with a deadline: the master names the members
-    /// it runs among, leaving out those that did not call it in time (`docs/protocol.md`,
-    /// "Collectives with a deadline").
-    Gathered(Api, Cutoff),
+    /// it runs among, leaving out those that did not call it in time, never the member of the
+    /// rank given (a broadcast's root) (`docs/protocol.md`, "Collectives with a deadline").
+    Gathered(Api, Cutoff, Option<usize>),
 }
 
 /// When a collective with a deadline leaves out the members that have not called it.
@@ -142,7 +142,7 @@ impl CallKind {
             CallKind::OptimizeTopology(_) => Api::OptimizeTopology,
             CallKind::PeersPending => Api::PeersPending,
             CallKind::SyncSharedState(_) => Api::SyncSharedState,
-            CallKind::Collective(api, _) | CallKind::Gathered(api, _) => *api,
+            CallKind::Collective(api, _) | CallKind::Gathered(api, ..) => *api,
         }
     }
 }
@@ -1235,7 +1235,7 @@ impl Peer {
         debug_assert!(self.view.committed.is_some(), "{id:?} ends apart outside any topology");
         let collective = match kind {
             CallKind::Collective(api, derived) => Some((*api, derived.as_ref().map_or(0, |d| d.id))),
-            CallKind::Gathered(api, _) => Some((*api, 0)),
+            CallKind::Gathered(api, ..) => Some((*api, 0)),
             _ => None,
         };
         if let Some((api, derived)) = collective {
@@ -1319,7 +1319,9 @@ impl Peer {
                 Call::Sync(SyncStage::Voted(ballot))
             }
             CallKind::Collective(api, derived) => return self.start_collective(id, api, derived, None, deadline),
-            CallKind::Gathered(api, cutoff) => return self.start_collective(id, api, None, Some(cutoff), deadline),
+            CallKind::Gathered(api, cutoff, needs) => {
+                return self.start_collective(id, api, None, Some((cutoff, needs)), deadline)
+            }
         };
         assert!(self.call.as_ref().is_none_or(|(c, ..)| *c == id), "{id:?} votes while another call runs");
         self.call = Some((id, deadline, call));
@@ -1350,7 +1352,7 @@ impl Peer {
         id: CallId,
         api: Api,
         derived: Option<Derived>,
-        cutoff: Option<Cutoff>,
+        cutoff: Option<(Cutoff, Option<usize>)>,
         deadline: Instant,
     ) {
         self.call = None;
@@ -1379,11 +1381,14 @@ impl Peer {
                 let stage = match cutoff {
                     // The master names its members first; a decision already heard is taken at
                     // the next step.
-                    Some(Cutoff { deadline: after, min }) => {
+                    Some((Cutoff { deadline: after, min }, needs)) => {
                         if !self.view.gathered.contains_key(&op) {
                             let deadline_ms = after.as_millis().min(u64::MAX.into()) as u64;
                             let seq = op.seq.0;
-                            self.outbox.push_back(Message::Gather { epoch: op.epoch, seq, deadline_ms, min });
+                            // A rank past the ring's names nobody: the buffers fit no group then.
+                            let needs = needs.and_then(|r| position.ring.get(r)).map(|m| m.peer).into_iter().collect();
+                            let gather = Message::Gather { epoch: op.epoch, seq, deadline_ms, min, needs };
+                            self.outbox.push_back(gather);
                         }
                         OpStage::Gathering
                     }

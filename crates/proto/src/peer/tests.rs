@@ -1004,8 +1004,11 @@ fn a_transfer_ends_at_its_bound_or_when_its_topology_is_replaced() {
 fn a_collective_with_a_deadline_runs_among_the_members_the_master_names() {
     let (mut p, t0) = joined(&[0, 1, 2]);
     let cutoff = Cutoff { deadline: Duration::from_millis(250), min: 2 };
-    let call = p.call(CallKind::Gathered(Api::AllReduce, cutoff), BOUND, t0);
-    assert_eq!(sent(&mut p), vec![Message::Gather { epoch: Epoch(1), seq: 0, deadline_ms: 250, min: 2 }]);
+    let call = p.call(CallKind::Gathered(Api::AllReduce, cutoff, None), BOUND, t0);
+    assert_eq!(
+        sent(&mut p),
+        vec![Message::Gather { epoch: Epoch(1), seq: 0, deadline_ms: 250, min: 2, needs: vec![] }]
+    );
     assert!(tagged_actions(&mut p).is_empty(), "nothing moves before the master names the members");
     let op = OpId { epoch: Epoch(1), derived: 0, seq: Seq(0) };
     let included = vec![PeerId(0), PeerId(2)];
@@ -1028,7 +1031,7 @@ fn a_collective_with_a_deadline_runs_among_the_members_the_master_names() {
     );
     // Named out of the next one: nothing runs, and the call ends as the collective did among
     // the others: left out once it committed.
-    p.call(CallKind::Gathered(Api::AllReduce, cutoff), BOUND, t0);
+    p.call(CallKind::Gathered(Api::AllReduce, cutoff, None), BOUND, t0);
     sent(&mut p);
     let included = vec![PeerId(1), PeerId(2)];
     p.handle_message(Message::Gathered { epoch: Epoch(1), seq: 1, included: included.clone(), pending: false }, t0)
@@ -1043,7 +1046,7 @@ fn a_collective_with_a_deadline_runs_among_the_members_the_master_names() {
         .unwrap();
     let failure = OpFailure::new(FailureKind::PeerLost, PeerId(1), "lost");
     p.handle_message(Message::OpAborted { epoch: Epoch(1), derived: 0, seq: 2, failure: failure.clone() }, t0).unwrap();
-    p.call(CallKind::Gathered(Api::AllReduce, cutoff), BOUND, t0);
+    p.call(CallKind::Gathered(Api::AllReduce, cutoff, None), BOUND, t0);
     assert!(sent(&mut p).is_empty(), "decided already");
     let op = OpId { epoch: Epoch(1), derived: 0, seq: Seq(2) };
     assert_eq!(actions(&mut p), vec![done(Err(CallError::Aborted { op, failure }))]);
@@ -1055,7 +1058,7 @@ fn a_collective_with_a_deadline_runs_among_the_members_the_master_names() {
         p.handle_message(Message::OpCommitted { epoch: Epoch(1), derived: 0, seq }, t0).unwrap();
     }
     for (seq, ahead) in [(3, 1), (4, 0)] {
-        p.call(CallKind::Gathered(Api::AllReduce, cutoff), BOUND, t0);
+        p.call(CallKind::Gathered(Api::AllReduce, cutoff, None), BOUND, t0);
         let op = OpId { epoch: Epoch(1), derived: 0, seq: Seq(seq) };
         assert_eq!(actions(&mut p), vec![done(Err(CallError::Excluded { op, included: included.clone(), ahead }))]);
     }
@@ -1071,14 +1074,14 @@ fn a_collective_with_a_deadline_runs_among_the_members_the_master_names() {
 fn a_collective_with_a_deadline_ends_on_an_abort_or_at_its_bound() {
     let (mut p, t0) = joined(&[0, 1]);
     let cutoff = Cutoff { deadline: Duration::from_millis(10), min: 0 };
-    p.call(CallKind::Gathered(Api::AllReduce, cutoff), BOUND, t0);
+    p.call(CallKind::Gathered(Api::AllReduce, cutoff, None), BOUND, t0);
     sent(&mut p);
     let failure = OpFailure::new(FailureKind::PeerLost, PeerId(1), "lost");
     p.handle_message(Message::OpAborted { epoch: Epoch(1), derived: 0, seq: 0, failure: failure.clone() }, t0).unwrap();
     let op = OpId { epoch: Epoch(1), derived: 0, seq: Seq(0) };
     assert_eq!(actions(&mut p), vec![done(Err(CallError::Aborted { op, failure }))]);
     let bound = Duration::from_millis(500);
-    p.call(CallKind::Gathered(Api::AllReduce, cutoff), bound, t0);
+    p.call(CallKind::Gathered(Api::AllReduce, cutoff, None), bound, t0);
     sent(&mut p);
     let late = t0 + bound;
     assert!(p.poll_timeout().is_some_and(|t| t <= late));
