@@ -132,6 +132,7 @@ fuzz_target!(|steps: Vec<Step>| {
     let config = MasterConfig {
         session: SESSION,
         heartbeat_timeout: Duration::from_secs(2),
+        adaptive: true,
         key: Some(key.clone()),
         data_key: DataKey([1; 32]),
         // A fuzzed run checks the machine, not the ring it plans.

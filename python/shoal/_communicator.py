@@ -27,7 +27,9 @@ class Communicator:
     never copies a tensor silently).
 
     Options are keyword-only; timeouts are float seconds. ``None`` means: the ``SHOAL_*``
-    environment variable, else the built-in default. ``connections`` is the number of TCP
+    environment variable, else the built-in default. ``timeout`` given (or ``SHOAL_TIMEOUT``) pins
+    every call's bound; by default a collective's follows how long those of its kind and size
+    took, from 60 s to 600 s (``docs/protocol.md``, "Adaptive bounds"). ``connections`` is the number of TCP
     streams per peer pair; by default one to a peer on the same host and four to a peer
     elsewhere. ``tls_cert``, ``tls_key`` and ``tls_ca`` (or ``SHOAL_TLS_CERT``, ``SHOAL_TLS_KEY``,
     ``SHOAL_TLS_CA``; ``shoal certs`` makes them) put every connection, to the master and to other

@@ -197,7 +197,10 @@ class Master:
     ``Master("0.0.0.0:48148")`` then ``start()``/``stop()``, or use it as a context manager.
     Port 0 picks a free port; ``address`` gives the real one once started. With ``secret`` (or
     ``SHOAL_SECRET``) a peer joins only if it proves the same secret; a wrong or missing one gets
-    ``AuthenticationError`` at ``connect()``.
+    ``AuthenticationError`` at ``connect()``. ``heartbeat_timeout`` (or
+    ``SHOAL_HEARTBEAT_TIMEOUT``) pins how long a silent peer is tolerated; by default each peer's
+    bound follows the gaps between its heartbeats, from 7.5 s to 60 s (``docs/protocol.md``,
+    "Adaptive bounds").
 
     With ``http_addr`` (or ``SHOAL_HTTP_ADDR``) it serves ``/metrics`` (Prometheus), ``/status``
     (the run as JSON) and ``/`` (a status page) there. With ``state_dir`` it keeps what a restarted

@@ -28,7 +28,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 def _master(argv: Sequence[str]) -> None:
     parser = argparse.ArgumentParser(prog="shoal master", description="Run a shoal master in the foreground.")
     parser.add_argument("--listen", default="0.0.0.0:48148", help="HOST:PORT to listen on (default 0.0.0.0:48148)")
-    parser.add_argument("--heartbeat-timeout", type=float, default=None, help="seconds a silent peer is tolerated")
+    parser.add_argument("--heartbeat-timeout", type=float, default=None,
+                        help="seconds a silent peer is tolerated (default: as its heartbeats' gaps say, 7.5-60)")
     parser.add_argument("--secret-file", default=None,
                         help="file holding the run's secret (peers pass it as secret= or SHOAL_SECRET)")
     parser.add_argument("--http", default=None, metavar="ADDR",

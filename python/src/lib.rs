@@ -418,7 +418,8 @@ impl Communicator {
             c.heartbeat_timeout = seconds("heartbeat_timeout", &s)?;
         }
         if let Some(s) = timeout {
-            c.timeout = seconds("timeout", &s)?;
+            // A bound given pins every call's.
+            (c.timeout, c.timeout_floor) = (seconds("timeout", &s)?, None);
         }
         Ok(Communicator { inner: Arc::new(Core::new(c).map_err(to_py)?) })
     }
@@ -1021,7 +1022,7 @@ impl Master {
         }
         options.state_dir = state_dir;
         if let Some(s) = heartbeat_timeout {
-            options.heartbeat_timeout = seconds("heartbeat_timeout", &s)?;
+            options.heartbeat_timeout = Some(seconds("heartbeat_timeout", &s)?);
         }
         if let Some(s) = secret {
             if s.is_empty() {

@@ -1,6 +1,7 @@
 """Collectives with a deadline: a member that has not called an all-reduce (all-gather,
-reduce-scatter, broadcast) by its deadline is left out by agreement, the others end with one result over exactly themselves, and the member
-left out gets ExcludedError with its tensor untouched and stays in the run."""
+reduce-scatter, broadcast) by its deadline is left out by agreement, the others end with one
+result over exactly themselves, and the member left out gets ExcludedError with its tensor
+untouched and stays in the run."""
 
 from __future__ import annotations
 

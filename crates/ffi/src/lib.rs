@@ -272,7 +272,7 @@ pub unsafe extern "C" fn shoal_master_start(
         let listen = try_ffi!(string(listen, "listen"));
         let mut options = try_ffi!(MasterOptions::from_env(&listen).map_err(|e| status_of(&e.into())));
         if let Some(t) = seconds(heartbeat_timeout_s) {
-            options.heartbeat_timeout = t;
+            options.heartbeat_timeout = Some(t);
         }
         if !secret.is_null() {
             options.secret = Some(try_ffi!(string(secret, "secret")).into_bytes());

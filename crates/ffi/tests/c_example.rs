@@ -39,7 +39,7 @@ fn four_peers_in_c_all_reduce_gather_and_broadcast() {
 
     let options = MasterOptions {
         listen: "127.0.0.1:0".into(),
-        heartbeat_timeout: Duration::from_secs(5),
+        heartbeat_timeout: Some(Duration::from_secs(5)),
         secret: None,
         http: None,
         state_dir: None,

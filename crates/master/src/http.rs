@@ -281,6 +281,7 @@ pub fn status_json(s: &RunStatus) -> Value {
                 "rank": p.rank,
                 "site": p.site,
                 "silent_s": p.silent.as_secs_f64(),
+                "silence_bound_s": p.silence_bound.as_secs_f64(),
             });
             if let (Some(r), Value::Object(fields)) = (&p.report, &mut peer) {
                 let Value::Object(report) = report_json(r) else { unreachable!("an object") };

@@ -56,8 +56,10 @@ pub const MAX_GREETING_BODY: u32 = 4 << 10;
 pub struct MasterOptions {
     /// `host:port` to listen on (port 0: ephemeral).
     pub listen: String,
-    /// How long a silent peer is tolerated (`SHOAL_HEARTBEAT_TIMEOUT`).
-    pub heartbeat_timeout: Duration,
+    /// How long a silent peer is tolerated (`SHOAL_HEARTBEAT_TIMEOUT`). `None`: as long as its
+    /// heartbeats so far say it may be silent (`shoal_proto::bounds`), from half of
+    /// [`DEFAULT_HEARTBEAT_TIMEOUT`] to four times it.
+    pub heartbeat_timeout: Option<Duration>,
     /// The run's secret (`SHOAL_SECRET`): every peer must prove it to join. `None`: anyone who
     /// reaches the master may join.
     pub secret: Option<Vec<u8>>,
@@ -80,8 +82,7 @@ impl MasterOptions {
     pub fn from_env(listen: &str) -> Result<Self, shoal_config::ConfigError> {
         Ok(MasterOptions {
             listen: listen.to_string(),
-            heartbeat_timeout: shoal_config::env_seconds("SHOAL_HEARTBEAT_TIMEOUT")?
-                .unwrap_or(DEFAULT_HEARTBEAT_TIMEOUT),
+            heartbeat_timeout: shoal_config::env_seconds("SHOAL_HEARTBEAT_TIMEOUT")?,
             secret: shoal_config::env_value("SHOAL_SECRET").map(String::into_bytes),
             http: shoal_config::env_value("SHOAL_HTTP_ADDR"),
             state_dir: None,
@@ -118,7 +119,7 @@ impl MasterServer {
     /// If the address cannot be bound or a thread cannot be spawned.
     pub fn start(options: MasterOptions) -> io::Result<MasterServer> {
         shoal_config::init_logging();
-        if options.heartbeat_timeout.is_zero() {
+        if options.heartbeat_timeout.is_some_and(|t| t.is_zero()) {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "heartbeat timeout must be positive"));
         }
         if options.secret.as_ref().is_some_and(Vec::is_empty) {
@@ -149,7 +150,8 @@ impl MasterServer {
             MAX_PENDING_RESERVED,
         );
         // A connection must say Join within the time a silent peer is tolerated.
-        let limits = Limits { deadline: options.heartbeat_timeout, max_body: MAX_GREETING_BODY };
+        let heartbeat_timeout = options.heartbeat_timeout.unwrap_or(DEFAULT_HEARTBEAT_TIMEOUT);
+        let limits = Limits { deadline: heartbeat_timeout, max_body: MAX_GREETING_BODY };
         let greeter = Greeter { inputs: tx.clone(), next_conn: Arc::default(), refusals: Arc::default() };
         for _ in 0..greeters(tls.is_some()) {
             let (listener, tls, stop, pending, mut greeter) =
@@ -171,14 +173,14 @@ impl MasterServer {
                 (session, DataKey(data_key))
             }
         };
-        let config =
-            MasterConfig { session, heartbeat_timeout: options.heartbeat_timeout, key, data_key, search_effort: 1.0 };
+        let adaptive = options.heartbeat_timeout.is_none();
+        let config = MasterConfig { session, heartbeat_timeout, adaptive, key, data_key, search_effort: 1.0 };
         let master = match kept {
             Some(run) => Master::restore(config, run, Instant::now())
                 .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("the kept run: {e}")))?,
             None => Master::new(config, Instant::now()),
         };
-        let write_timeout = (options.heartbeat_timeout / 4).min(WRITE_TIMEOUT_MAX);
+        let write_timeout = (heartbeat_timeout / 4).min(WRITE_TIMEOUT_MAX);
         let driver = thread::Builder::new()
             .name("shoal-master".into())
             .spawn(move || drive(master, rx, write_timeout, state))?;

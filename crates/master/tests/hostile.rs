@@ -21,7 +21,7 @@ fn master_greeting_within(greeting: Duration) -> MasterServer {
 fn master_keeping(greeting: Duration, state_dir: Option<std::path::PathBuf>) -> MasterServer {
     let options = MasterOptions {
         listen: "127.0.0.1:0".into(),
-        heartbeat_timeout: greeting,
+        heartbeat_timeout: Some(greeting),
         secret: None,
         http: None,
         state_dir,

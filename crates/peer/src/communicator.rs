@@ -8,7 +8,7 @@ use crate::fetch::Snapshots;
 use crate::info::{Info, LinkInfo};
 use crate::links::Listener;
 use crate::named::verb;
-use crate::plane::{CallResult, Collective, DataPlane, Extra, Owner, Request, Spares, TagUse};
+use crate::plane::{CallResult, Collective, DataPlane, Extra, OpBounds, Owner, Request, Spares, TagUse};
 use crate::stats::Stats;
 use crate::Deadline;
 use shoal_collective::Algorithm;
@@ -916,7 +916,9 @@ impl Communicator {
         if data.calls.in_use(TagUse(derived, tag)) {
             return Err(Usage::TagInFlight { call: kind.name(), tag }.into());
         }
-        let bound = self.config.timeout;
+        // What optimize_topology runs to measure the links varies by design: it follows nothing.
+        let class = (tag < crate::PROBE_TAGS).then(|| OpBounds::class(kind, buf.len()));
+        let bound = class.map_or(self.config.timeout, |class| data.bounds.bound(&self.config, class));
         let collective = match request.cutoff {
             None => CallKind::Collective(verb(kind, tag), self.derived.clone()),
             Some(_) if self.derived.is_some() => {
@@ -943,6 +945,8 @@ impl Communicator {
             posted: None,
             included: Vec::new(),
             local: None,
+            bound,
+            class,
         };
         data.calls.collectives.insert(call, record);
         Ok(call)

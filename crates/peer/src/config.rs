@@ -36,6 +36,11 @@ pub struct CommunicatorConfig {
     pub heartbeat_timeout: Duration,
     /// Bound on any blocking call (`SHOAL_TIMEOUT`).
     pub timeout: Duration,
+    /// Where collectives' bounds follow how long the collectives of their kind and size took
+    /// (`shoal_proto::bounds`: the median and five deviations of the last 64, once 8 ended): the
+    /// least of them, the most being `timeout`. `None`, as `SHOAL_TIMEOUT` set makes it: every
+    /// call's bound is `timeout`. By default [`DEFAULT_TIMEOUT_FLOOR`].
+    pub timeout_floor: Option<Duration>,
     /// The run's secret (`SHOAL_SECRET`), proved to the master when joining; never sent.
     pub secret: Option<Vec<u8>>,
     /// Most collectives in flight at once (`SHOAL_MAX_IN_FLIGHT`); a call beyond waits for one to
@@ -87,6 +92,11 @@ pub const DEFAULT_CHUNK_BYTES: usize = 256 << 10;
 pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(15);
 /// Default bound on a blocking call.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+/// The least bound of a collective whose bound follows its kind's durations
+/// ([`CommunicatorConfig::timeout_floor`]): a pause of a member's this long (a checkpoint, an
+/// evaluation) is waited for; one longer may fail the collective, retryably, even if nothing
+/// else went wrong.
+pub const DEFAULT_TIMEOUT_FLOOR: Duration = Duration::from_secs(60);
 /// Most connections per pair: each costs a socket pair and buffers on both ends.
 pub const MAX_CONNECTIONS: usize = 64;
 /// Default for [`CommunicatorConfig::max_in_flight`].
@@ -125,6 +135,7 @@ impl CommunicatorConfig {
     /// # Errors
     /// [`crate::Error::Config`] if a `SHOAL_*` variable is malformed.
     pub fn from_env(master_addr: &str) -> Result<Self> {
+        let pinned = env_seconds("SHOAL_TIMEOUT")?;
         let config = CommunicatorConfig {
             master_addr: master_addr.to_string(),
             group: 0,
@@ -134,7 +145,8 @@ impl CommunicatorConfig {
             advertise_addr: env_value("SHOAL_ADVERTISE_ADDR"),
             chunk_bytes: env_count("SHOAL_CHUNK_BYTES")?,
             heartbeat_timeout: env_seconds("SHOAL_HEARTBEAT_TIMEOUT")?.unwrap_or(DEFAULT_HEARTBEAT_TIMEOUT),
-            timeout: env_seconds("SHOAL_TIMEOUT")?.unwrap_or(DEFAULT_TIMEOUT),
+            timeout: pinned.unwrap_or(DEFAULT_TIMEOUT),
+            timeout_floor: pinned.is_none().then_some(DEFAULT_TIMEOUT_FLOOR),
             secret: env_value("SHOAL_SECRET").map(String::into_bytes),
             max_in_flight: env_count("SHOAL_MAX_IN_FLIGHT")?.unwrap_or(DEFAULT_MAX_IN_FLIGHT),
             algorithm: None,

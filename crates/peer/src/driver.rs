@@ -821,12 +821,19 @@ impl Driver {
                 }
                 let algorithm = record.posted.map_or(Algorithm::Ring, |p| p.algorithm);
                 let header = |id: OpId| op_header(id, &request, algorithm, record.count);
-                let bound = self.config.timeout;
+                let bound = record.bound;
+                let me = data.position.as_ref().map(|p| p.ring[p.rank].peer);
                 // If the master expelled us (we were frozen, say) or is gone, that is the news,
                 // not the closed stream that made us notice.
                 Err(match control.check_connected() {
                     Err(gone) => gone,
                     Ok(()) => match e {
+                        // Ours ran out of time, and the master stopped it for every member.
+                        CallError::Aborted { failure, .. }
+                            if failure.kind == FailureKind::Timeout && Some(failure.peer) == me =>
+                        {
+                            record.local.unwrap_or(Error::Timeout { operation, after: bound })
+                        }
                         CallError::Aborted { op: id, failure } => op_error(failure, &header(id)),
                         // Our own error stands; where the state machine stopped the collective (a
                         // removed member, a blocking vote, the bound), the failure it reported.
@@ -843,6 +850,9 @@ impl Driver {
         };
         if let Some(t) = taken {
             data.spare_backups.push(t.into_backup());
+        }
+        if let Some(class) = record.class {
+            data.bounds.ended(&self.config, class, (record.bound, record.started.elapsed()), &outcome);
         }
         data.record_end(call, &outcome);
         data.calls.finished.insert(call, (outcome, record.owner, Some(TagUse(record.derived, request.tag))));

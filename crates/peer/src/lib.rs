@@ -37,7 +37,7 @@ pub use catchup::{CatchUpInfo, CatchUpProgress};
 pub use communicator::{Communicator, Vote, Work};
 pub use config::{
     CommunicatorConfig, DEFAULT_CHUNK_BYTES, DEFAULT_CONNECTIONS, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_TIMEOUT,
-    MAX_CONNECTIONS,
+    DEFAULT_TIMEOUT_FLOOR, MAX_CONNECTIONS,
 };
 pub use deadline::Deadline;
 pub use error::{Error, Misfit, Protocol, Result, Usage};

@@ -10,6 +10,7 @@ use crate::links::Staged;
 use crate::named::Described;
 use shoal_collective::{Algorithm, Codec, CollectiveKind, DType, Quantization, ReduceOp};
 use shoal_engine::{Backup, Direction, Exec, LinkError, OpKey, RawBuf, Taken};
+use shoal_proto::bounds::Observed;
 use shoal_proto::peer::{CallError, CallId, Cutoff, Ended, OpId, Peer, RingPosition, Stop, Transfers, Value};
 use shoal_wire::{Epoch, Misuse, OpHeader, PeerId};
 use std::any::Any;
@@ -135,6 +136,55 @@ pub(crate) struct Collective {
     pub included: Vec<usize>,
     /// Our own error for it, which stands where no verdict comes.
     pub local: Option<Error>,
+    /// The bound it was called with, and the kind and size of collective whose durations that
+    /// followed ([`OpBounds`]; `None` where it follows none).
+    pub bound: Duration,
+    pub class: Option<OpClass>,
+}
+
+/// A kind of collective and a size class: a factor of 16 in bytes.
+pub(crate) type OpClass = (&'static str, u32);
+
+/// The durations of collectives that ended, by kind and size class: where
+/// [`crate::CommunicatorConfig::timeout_floor`] is set, the bound of the next one of that kind and
+/// size follows them ([`shoal_proto::bounds`]), between the floor and `timeout`.
+#[derive(Default)]
+pub(crate) struct OpBounds(HashMap<OpClass, Observed>);
+
+impl OpBounds {
+    /// The class of a collective `kind` over `bytes`.
+    pub fn class(kind: CollectiveKind, bytes: usize) -> OpClass {
+        (kind.name(), bytes.max(1).ilog2() / 4)
+    }
+
+    /// The bound of a collective of `class` called now.
+    pub fn bound(&self, config: &crate::CommunicatorConfig, class: OpClass) -> Duration {
+        match config.timeout_floor {
+            Some(_) => self.0.get(&class).map_or(config.timeout, Observed::bound),
+            None => config.timeout,
+        }
+    }
+
+    /// A collective of `class`, called with `bound`, ended after `took` with `outcome`: one
+    /// that succeeded took that long; one that ran out of time took longer than its bound (twice
+    /// it is assumed, so that a bound too short for a run grows back).
+    pub fn ended(
+        &mut self,
+        config: &crate::CommunicatorConfig,
+        class: OpClass,
+        (bound, took): (Duration, Duration),
+        outcome: &Result<Info>,
+    ) {
+        let Some(floor) = config.timeout_floor else { return };
+        let sample = match outcome {
+            Ok(_) => took,
+            Err(Error::Timeout { .. }) => bound.saturating_mul(2),
+            Err(_) => return,
+        };
+        let ceiling = config.timeout;
+        let observed = self.0.entry(class).or_insert_with(|| Observed::new(floor.min(ceiling), ceiling, ceiling));
+        observed.observe(sample);
+    }
 }
 
 /// What a collective call asks for, besides its buffer.
@@ -346,6 +396,8 @@ pub(crate) struct DataPlane {
     pub spares: Spares,
     /// The communicator's counters.
     pub stats: Arc<crate::stats::Stats>,
+    /// How long collectives took, by kind and size: the bounds of the next.
+    pub bounds: OpBounds,
 }
 
 impl DataPlane {
@@ -536,6 +588,46 @@ mod tests {
             site: sites.map(|s| s[i]),
         });
         RingPosition { epoch: Epoch(3), rank, ring: ring.collect(), world_size: addrs.len(), limits: None }
+    }
+
+    /// A kind's bound falls to what it takes, never below the floor, and grows back after
+    /// collectives of it ran out of time; a pinned bound stays the timeout.
+    #[test]
+    fn a_kinds_bound_follows_its_durations_and_grows_back_after_timeouts() {
+        let ms = Duration::from_millis;
+        let mut config = crate::CommunicatorConfig::from_env("127.0.0.1:1").unwrap();
+        (config.timeout, config.timeout_floor) = (ms(20_000), Some(ms(1000)));
+        let mut bounds = OpBounds::default();
+        let (small, large) =
+            (OpBounds::class(CollectiveKind::AllReduce, 64), OpBounds::class(CollectiveKind::AllReduce, 64 << 20));
+        assert_ne!(small, large, "sizes a factor of 16 and more apart are told apart");
+        let ok: Result<Info> = Ok(Info {
+            world_size: 2,
+            tx_bytes: 0,
+            rx_bytes: 0,
+            elapsed: ms(5),
+            topology: 1,
+            sequence: 0,
+            algorithm: Algorithm::Ring,
+            peer: None,
+            lateness: Vec::new(),
+            rank: 0,
+            included: vec![0, 1],
+            peers_pending: None,
+        });
+        for _ in 0..8 {
+            assert_eq!(bounds.bound(&config, small), ms(20_000), "the timeout until a few ended");
+            bounds.ended(&config, small, (bounds.bound(&config, small), ms(5)), &ok);
+        }
+        assert_eq!(bounds.bound(&config, small), ms(1000), "quick: the floor");
+        assert_eq!(bounds.bound(&config, large), ms(20_000), "another size follows its own");
+        let timed_out = Err(Error::Timeout { operation: "all_reduce", after: ms(1000) });
+        for _ in 0..9 {
+            bounds.ended(&config, small, (bounds.bound(&config, small), ms(1000)), &timed_out);
+        }
+        assert!(bounds.bound(&config, small) >= ms(2000), "grown back: {:?}", bounds.bound(&config, small));
+        config.timeout_floor = None;
+        assert_eq!(bounds.bound(&config, small), ms(20_000), "pinned");
     }
 
     #[test]

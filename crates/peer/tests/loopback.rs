@@ -361,3 +361,51 @@ fn a_vote_cast_ahead_keeps_its_place_among_collectives() {
     });
     assert_eq!(answers, vec![Some(3), Some(3)]);
 }
+
+/// A collective's bound follows how long those of its kind and size took: once a few were quick,
+/// one a member never joins ends at the floor, long before `timeout`, retryably; a pinned bound
+/// (`timeout_floor: None`, as `SHOAL_TIMEOUT` makes it) stays `timeout`.
+#[test]
+fn a_collectives_bound_follows_how_long_its_kind_took() {
+    let m = master();
+    let configs = (0..2)
+        .map(|_| {
+            let mut c = config(&m, 1);
+            c.timeout_floor = Some(Duration::from_millis(300));
+            c
+        })
+        .collect();
+    let out = with_peers(configs, move |i, comm| {
+        let mut buf = f32_bytes(&[1.0; 4]);
+        for tag in 0..10 {
+            comm.all_reduce(&mut buf, DType::F32, ReduceOp::Sum, tag, None, None).unwrap();
+        }
+        // Peer 1 stays away for 3 s: peer 0's call ends at its bound, the floor, and so does
+        // peer 1's late call of that collective.
+        if i == 1 {
+            thread::sleep(Duration::from_secs(3));
+        }
+        let started = std::time::Instant::now();
+        let e = comm.all_reduce(&mut buf, DType::F32, ReduceOp::Sum, 10, None, None).unwrap_err();
+        let took = started.elapsed();
+        // Retried as is, it goes through.
+        let mut ok = false;
+        for _ in 0..50 {
+            if comm.all_reduce(&mut buf, DType::F32, ReduceOp::Sum, 11, None, None).is_ok() {
+                ok = true;
+                break;
+            }
+        }
+        assert!(ok, "the retried collective never went through");
+        comm.barrier(12).unwrap();
+        (e, took)
+    });
+    let (e, took) = &out[0];
+    assert!(
+        matches!(e, shoal_peer::Error::Timeout { after, .. } if *after == Duration::from_millis(300)),
+        "the floor: {e}"
+    );
+    assert!(*took < Duration::from_secs(2), "{took:?}: not the 20 s timeout");
+    // The other member's call of it fails alike, retryably: the member whose bound passed.
+    assert!(matches!(out[1].0, shoal_peer::Error::PeerLost { .. }), "{}", out[1].0);
+}

@@ -35,7 +35,7 @@ fn metric(text: &str, series: &str) -> f64 {
 fn the_master_serves_what_peers_did() {
     let options = MasterOptions {
         listen: "127.0.0.1:0".into(),
-        heartbeat_timeout: HEARTBEAT,
+        heartbeat_timeout: Some(HEARTBEAT),
         secret: None,
         http: Some("127.0.0.1:0".into()),
         state_dir: None,
@@ -90,6 +90,9 @@ fn the_master_serves_what_peers_did() {
     assert_eq!(code, 200);
     assert!(json.contains(r#""state":"accepted""#) && json.contains(r#""ring":[0,1,2]"#), "{json}");
     assert!(json.contains(r#""all_reduce":{"#), "{json}");
+    // A heartbeat timeout given pins every peer's.
+    let pinned = format!(r#""silence_bound_s":{:?}"#, HEARTBEAT.as_secs_f64());
+    assert_eq!(json.matches(&pinned).count(), world, "{json}");
 
     let (code, text) = get(http, "/metrics");
     assert_eq!(code, 200);

@@ -14,6 +14,7 @@
 
 pub mod auth;
 pub mod ballot;
+pub mod bounds;
 pub mod loglimit;
 pub mod master;
 pub mod peer;

@@ -605,6 +605,8 @@ impl Sim {
         let config = MasterConfig {
             session: SESSION,
             heartbeat_timeout: HEARTBEAT_TIMEOUT,
+            // Half the runs expel silent peers by their heartbeats' gaps (`shoal_proto::bounds`).
+            adaptive: seed % 2 == 1,
             key: Some(run_key()),
             data_key,
             search_effort: 0.01,

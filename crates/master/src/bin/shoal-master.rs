@@ -31,7 +31,7 @@ fn main() {
         if !(s.is_finite() && s > 0.0) {
             usage("--heartbeat-timeout");
         }
-        options.heartbeat_timeout = Duration::from_secs_f64(s);
+        options.heartbeat_timeout = Some(Duration::from_secs_f64(s));
     }
     if let Some(path) = secret_file {
         let secret = std::fs::read(&path).unwrap_or_else(|e| fail(&format!("cannot read the secret file {path}: {e}")));

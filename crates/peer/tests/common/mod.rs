@@ -11,7 +11,7 @@ use std::time::Duration;
 pub fn master_with(heartbeat_timeout: Duration, tls: Option<TlsFiles>) -> MasterServer {
     let options = MasterOptions {
         listen: "127.0.0.1:0".into(),
-        heartbeat_timeout,
+        heartbeat_timeout: Some(heartbeat_timeout),
         secret: None,
         http: None,
         state_dir: None,

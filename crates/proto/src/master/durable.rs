@@ -196,6 +196,8 @@ impl Master {
                 addr: p.addr,
                 status,
                 last_heard: now,
+                last_beat: None,
+                beats: master.beats(),
                 fresh: false,
                 last_vote: None,
             };

@@ -25,6 +25,7 @@ mod timers;
 
 use crate::auth::{DataKey, RunKey};
 use crate::ballot::Ballot;
+use crate::bounds::Observed;
 pub use durable::{Durable, DurableGroup, DurablePeer, DurableRing, Incoherent};
 pub use ops::MAX_TRACKED_OPS;
 pub use plan::Plan;
@@ -49,8 +50,13 @@ pub struct ConnId(pub u64);
 pub struct MasterConfig {
     /// The run's session id, written in every frame.
     pub session: SessionId,
-    /// How long a peer may stay silent before it is declared dead.
+    /// How long a peer may stay silent before it is declared dead; with `adaptive`, until its
+    /// heartbeats say otherwise. A quarter of it is how often heartbeats go out.
     pub heartbeat_timeout: Duration,
+    /// Whether each peer's bound follows the gaps between its heartbeats
+    /// ([`crate::bounds`]: from two heartbeat intervals to four times `heartbeat_timeout`), or
+    /// stays `heartbeat_timeout` (`SHOAL_HEARTBEAT_TIMEOUT` pins it).
+    pub adaptive: bool,
     /// The key of the run's secret: a `Join` must prove it (`crate::auth`). `None`: anyone who
     /// reaches the master may join.
     pub key: Option<RunKey>,
@@ -285,6 +291,9 @@ struct PeerEntry {
     addr: String,
     status: Status,
     last_heard: Instant,
+    /// Its last heartbeat, and the gaps between its heartbeats: how long it may be silent.
+    last_beat: Option<Instant>,
+    beats: Observed,
     /// Admitted by the accepted peers' vote and has made no call since (`calls.rs`).
     fresh: bool,
     /// Its last vote, and whether that ended as one of calls that can never complete together
@@ -521,9 +530,15 @@ impl Master {
         if session != self.config.session {
             return self.violation(peer, PeerMisbehaved::WrongSession { got: session });
         }
-        // Every message counts as a sign of life.
+        // Every message counts as a sign of life; heartbeats, which come at a steady pace
+        // whatever else the peer sends, say how long it may be silent.
         if let Some(e) = self.peers.get_mut(&peer) {
             e.last_heard = now;
+            if matches!(message, Message::Heartbeat | Message::Report { .. }) {
+                if let Some(last) = e.last_beat.replace(now) {
+                    e.beats.observe(now.saturating_duration_since(last));
+                }
+            }
         }
         let accepted = self.accepted(peer);
         match message {
@@ -657,19 +672,23 @@ impl Master {
                 }
             }
         }
-        let timeout = self.config.heartbeat_timeout;
-        let silent: Vec<PeerId> = self
+        let silent: Vec<(PeerId, Duration)> = self
             .peers
             .iter()
-            .filter(|(_, e)| now.saturating_duration_since(e.last_heard) > timeout)
-            .map(|(id, _)| *id)
+            .filter_map(|(id, e)| {
+                let bound = self.silence_bound(e);
+                (now.saturating_duration_since(e.last_heard) > bound).then_some((*id, bound))
+            })
             .collect();
-        for peer in silent {
-            self.remove_peer(peer, format!("no message for {:.1} s", timeout.as_secs_f64()), Removal::Expelled);
+        for (peer, bound) in silent {
+            self.remove_peer(peer, format!("no message for {:.1} s", bound.as_secs_f64()), Removal::Expelled);
         }
         self.arm_heartbeat_check();
         self.reform_if_due();
-        debug_assert!(self.peers.values().all(|e| now.saturating_duration_since(e.last_heard) <= timeout));
+        debug_assert!(self
+            .peers
+            .values()
+            .all(|e| now.saturating_duration_since(e.last_heard) <= self.silence_bound(e)));
         assert!(self.timers.next_deadline().is_none_or(|t| t > now), "a timer due now is left unfired");
         self.check();
     }
@@ -723,6 +742,8 @@ impl Master {
             addr: data_addr.clone(),
             status: Status::Registered,
             last_heard: now,
+            last_beat: None,
+            beats: self.beats(),
             fresh: false,
             last_vote: None,
         };
@@ -1229,11 +1250,25 @@ impl Master {
         self.outputs.push_back(Output::Send { conn, message });
     }
 
+    /// How long peer `e` may stay silent.
+    fn silence_bound(&self, e: &PeerEntry) -> Duration {
+        if self.config.adaptive {
+            e.beats.bound()
+        } else {
+            self.config.heartbeat_timeout
+        }
+    }
+
+    /// A peer's heartbeat gaps, before it sent any: the bound starts at the configured one.
+    fn beats(&self) -> Observed {
+        let t = self.config.heartbeat_timeout;
+        Observed::new(2 * heartbeat_interval(t), 4 * t, t)
+    }
+
     fn arm_heartbeat_check(&mut self) {
-        let timeout = self.config.heartbeat_timeout;
-        match self.peers.values().map(|e| e.last_heard).min() {
+        match self.peers.values().map(|e| e.last_heard + self.silence_bound(e)).min() {
             // A millisecond past the deadline, so the check sees the peer as overdue.
-            Some(oldest) => self.timers.set(Timer::CheckHeartbeats, oldest + timeout + Duration::from_millis(1)),
+            Some(first) => self.timers.set(Timer::CheckHeartbeats, first + Duration::from_millis(1)),
             None => self.timers.clear(Timer::CheckHeartbeats),
         }
         // Every silent peer is looked for in time: the check is due no later than the first

@@ -87,6 +87,9 @@ pub struct PeerStatus {
     pub rank: Option<usize>,
     /// Since its last message.
     pub silent: Duration,
+    /// How long it may be silent before it is expelled: its heartbeats' bound where those set
+    /// it (`MasterConfig::adaptive`).
+    pub silence_bound: Duration,
     /// Its last report, if it sent one.
     pub report: Option<PeerReport>,
     /// While it catches up: bytes fetched, bytes in all, and the milliseconds it expects to take
@@ -198,6 +201,7 @@ impl Master {
                 site: sites.get(id).copied(),
                 rank: ranks.get(id).copied(),
                 silent: now.saturating_duration_since(e.last_heard),
+                silence_bound: self.silence_bound(e),
                 report: self.reports.get(id).cloned(),
                 catch_up: self.catching_up.get(id).and_then(|n| n.progress),
             })

@@ -24,11 +24,15 @@ impl Harness {
         Self::with_key(None)
     }
     fn with_key(key: Option<RunKey>) -> Self {
+        Self::configured(key, false)
+    }
+    fn configured(key: Option<RunKey>, adaptive: bool) -> Self {
         let now = crate::test_start();
         let data_key = DataKey([4; 32]);
         let config = MasterConfig {
             session: SESSION,
             heartbeat_timeout: Duration::from_secs(2),
+            adaptive,
             key,
             data_key,
             search_effort: 1.0,
@@ -81,7 +85,10 @@ fn issued_epoch(outputs: &[Output], conn: u64) -> Option<Epoch> {
 
 /// Brings up peers on conns 1..=n, each admitted by the vote of those before it.
 fn run_with(n: u64) -> (Harness, Epoch) {
-    let mut h = Harness::new();
+    run_in(Harness::new(), n)
+}
+
+fn run_in(mut h: Harness, n: u64) -> (Harness, Epoch) {
     let out = h.join(1);
     let mut epoch = issued_epoch(&out, 1).expect("the first peer is admitted without a vote");
     h.send(1, Message::TopologyReady { epoch });
@@ -193,6 +200,48 @@ fn silent_peer_is_removed_after_the_heartbeat_timeout() {
     // the silent peer finds out why if it wakes up.
     assert!(sent_to(&out, 1).contains(&&Message::PeerRemoved { peer: PeerId(1) }));
     assert!(sent_to(&out, 2).iter().any(|m| matches!(m, Message::Kicked { .. })));
+}
+
+/// With adaptive bounds (no `SHOAL_HEARTBEAT_TIMEOUT`), each peer's follows the gaps between
+/// its heartbeats: one whose heartbeats came like clockwork is expelled two heartbeat intervals
+/// after they stop, sooner than the configured timeout; one whose heartbeats came late and
+/// unevenly all along is given longer than it.
+#[test]
+fn adaptive_heartbeat_bounds_follow_each_peers_heartbeats() {
+    let ms = Duration::from_millis;
+    // 2 s configured: heartbeats every 500 ms, bounds from 1 s to 8 s.
+    let (mut h, _) = run_in(Harness::configured(None, true), 3);
+    let t0 = h.now;
+    // Peers 0 and 1 beat every 500 ms; peer 2 after gaps of 0.5, 1, 1.5 and 1.9 s in turn (a
+    // median of 1 s, deviations of 0.5 s: a bound of 3.5 s). Peers 0 and 2 stop after 12 s.
+    let mut next = [t0, t0, t0];
+    let (mut uneven, mut last) = (0, [t0; 3]);
+    let mut expelled: Vec<(u64, Duration)> = Vec::new();
+    while h.now < t0 + ms(20_000) {
+        h.now += ms(10);
+        for (i, at) in next.iter_mut().enumerate() {
+            let conn = i as u64 + 1;
+            if h.now < *at || (conn != 2 && h.now > t0 + ms(12_000)) || expelled.iter().any(|(c, _)| *c == conn) {
+                continue;
+            }
+            h.send(conn, Message::Heartbeat);
+            last[i] = h.now;
+            *at = h.now + if conn == 3 { ms([500, 1000, 1500, 1900][uneven % 4]) } else { ms(500) };
+            uneven += usize::from(conn == 3);
+        }
+        h.master.handle_timeout(h.now);
+        for o in h.drain() {
+            if let Output::Close { conn: ConnId(c), .. } = o {
+                expelled.push((c, h.now - last[c as usize - 1]));
+            }
+        }
+    }
+    let silent_for = |conn| expelled.iter().find(|(c, _)| *c == conn).map(|(_, d)| *d);
+    let steady = silent_for(1).expect("the steady peer that stopped is expelled");
+    assert!(steady > ms(1000) && steady <= ms(1020), "two intervals, not the 2 s configured: {steady:?}");
+    let uneven = silent_for(3).expect("the uneven peer that stopped is expelled");
+    assert!(uneven > ms(3500) && uneven <= ms(3520), "its spread, past the 2 s configured: {uneven:?}");
+    assert_eq!(silent_for(2), None, "the peer that beats on stays");
 }
 
 #[test]
