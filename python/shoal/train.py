@@ -58,7 +58,7 @@ def model() -> "torch.nn.Module":
 
 
 def _peer(master: str, name: int, founders: int, outer_steps: int, inner_steps: int, pause: float,
-          deadline: Optional[float] = None) -> None:
+          deadline: Optional[float] = None, seed: int = 0) -> None:
     import torch
 
     import shoal
@@ -82,7 +82,7 @@ def _peer(master: str, name: int, founders: int, outer_steps: int, inner_steps: 
     _retry(diloco.join)
     say(event="joined", outer=diloco.outer_steps, world=comm.group_world_size)
     opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
-    draw = torch.Generator().manual_seed(100 + name)  # each peer its own batches
+    draw = torch.Generator().manual_seed(100 + name + 1000 * seed)  # each peer its own batches
     anchor = model()  # the anchor as a model, to score it on the held-out images
     while diloco.outer_steps < outer_steps:
         batch = torch.randint(len(x), (32,), generator=draw)
@@ -96,7 +96,8 @@ def _peer(master: str, name: int, founders: int, outer_steps: int, inner_steps: 
                 loss = float(torch.nn.functional.cross_entropy(out, y_test))
                 accuracy = float((out.argmax(1) == y_test).float().mean())
             say(event="outer", outer=diloco.outer_steps, loss=loss, accuracy=accuracy,
-                world=comm.group_world_size, hash=shoal.hash_tensor(diloco.anchor))
+                world=comm.group_world_size, hash=shoal.hash_tensor(diloco.anchor),
+                included=len(diloco.last_included))
             time.sleep(pause)
     _retry(diloco.finish)
     comm.close()
@@ -140,13 +141,13 @@ class Run:
 
 def run(peers: int = 4, outer_steps: int = 60, inner_steps: int = 8, churn: bool = True, pause: float = 0.05,
         show: Callable[[str], None] = lambda line: None, timeout: float = 300, deadline: Optional[float] = None,
-        straggler: Optional[int] = None) -> Run:
+        straggler: Optional[int] = None, seed: int = 0) -> Run:
     """Trains with ``peers`` founders to ``outer_steps`` outer steps, each peer pausing ``pause``
     seconds after each (a bigger model's compute, so that the churn lands mid-run), founder
     ``straggler`` twice as long. With ``churn``, the last founder is killed at a quarter of the
     run and a newcomer comes in at a third; the next-to-last founder is killed at half and another
-    newcomer comes in at 60%. ``deadline``: DiLoCo's (seconds). ``show`` gets a line per event
-    (one per outer step, from the first peer to report it)."""
+    newcomer comes in at 60%. ``deadline``: DiLoCo's (seconds). ``seed`` draws other batches.
+    ``show`` gets a line per event (one per outer step, from the first peer to report it)."""
     import shoal
 
     schedule: list = []  # (outer step, "kill" founder | "start" newcomer, peer name), in order
@@ -182,7 +183,7 @@ def run(peers: int = 4, outer_steps: int = 60, inner_steps: int = 8, churn: bool
         for name in [*range(peers), *(name for _, what, name in schedule if what == "start")]:
             cmd = [sys.executable, "-m", "shoal.train", "--peer", str(name), "--master", master.address,
                    "--peers", str(peers), "--outer-steps", str(outer_steps), "--inner-steps", str(inner_steps),
-                   "--pause", str(pause * (2 if name == straggler else 1))]
+                   "--pause", str(pause * (2 if name == straggler else 1)), "--seed", str(seed)]
             if deadline is not None:
                 cmd += ["--deadline", str(deadline)]
             procs[name] = p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -224,8 +225,9 @@ def _describe(event: dict) -> str:
     if event["event"] == "joined":
         return f"{peer} in the run at outer step {event['outer']}, world {event['world']}"
     if event["event"] == "outer":  # the anchor every peer holds
+        part = f" ({event['included']} took part)" if 0 < event.get("included", 0) < event["world"] else ""
         return (f"[run] outer step {event['outer']:3d}: held-out loss {event['loss']:.4f}, "
-                f"accuracy {event['accuracy']:.1%}, world {event['world']}, anchor {event['hash'][:12]}")
+                f"accuracy {event['accuracy']:.1%}, world {event['world']}{part}, anchor {event['hash'][:12]}")
     return f"{peer} finished at outer step {event['outer']}"
 
 
@@ -239,11 +241,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--no-churn", action="store_true", help="nobody dies, nobody joins")
     parser.add_argument("--deadline", type=float, help="seconds DiLoCo's outer all-reduce waits for a late peer")
     parser.add_argument("--straggler", type=int, help="this founder pauses twice as long")
+    parser.add_argument("--seed", type=int, default=0, help="draws other batches")
     parser.add_argument("--peer", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--master", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.peer is not None:
-        return _peer(args.master, args.peer, args.peers, args.outer_steps, args.inner_steps, args.pause, args.deadline)
+        return _peer(args.master, args.peer, args.peers, args.outer_steps, args.inner_steps, args.pause, args.deadline,
+                     args.seed)
     try:
         import sklearn  # noqa: F401
         import torch  # noqa: F401
@@ -251,7 +255,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raise SystemExit(f"shoal demo --train needs torch and scikit-learn: pip install 'shoal[train]' ({e})")
     started = time.monotonic()
     result = run(args.peers, args.outer_steps, args.inner_steps, churn=not args.no_churn, pause=args.pause,
-                 show=lambda line: print(line, flush=True), deadline=args.deadline, straggler=args.straggler)
+                 show=lambda line: print(line, flush=True), deadline=args.deadline, straggler=args.straggler,
+                 seed=args.seed)
     final = result.final
     print(f"[demo] {final['outer']} outer steps in {time.monotonic() - started:.1f} s: held-out loss "
           f"{result.final_loss():.4f} (mean of the last 5), accuracy {final['accuracy']:.1%}, "
