@@ -381,8 +381,9 @@ class DiLoCo:
     def finish(self) -> None:
         """Ends training: the model takes up the anchor. With a deadline, first one more outer
         step, which waits for every peer: a late peer's work since it last took part is averaged
-        in (the average alone moves the anchor, without momentum), and a peer waiting in an outer step the others will not take meets it there (it ends
-        theirs too: loop on :attr:`outer_steps`, the run's count, not on your own). Raises
+        in (the average alone moves the anchor, without momentum), and a peer waiting in an outer
+        step the others will not take meets it there (it ends theirs too: loop on
+        :attr:`outer_steps`, the run's count, not on your own). Raises
         :class:`shoal.PeerLostError`: call it again."""
         import torch
 
