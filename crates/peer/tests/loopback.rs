@@ -375,6 +375,7 @@ fn a_collectives_bound_follows_how_long_its_kind_took() {
             c
         })
         .collect();
+    let done = Arc::new(Barrier::new(2));
     let out = with_peers(configs, move |i, comm| {
         let mut buf = f32_bytes(&[1.0; 4]);
         for tag in 0..10 {
@@ -389,15 +390,10 @@ fn a_collectives_bound_follows_how_long_its_kind_took() {
         let e = comm.all_reduce(&mut buf, DType::F32, ReduceOp::Sum, 10, None, None).unwrap_err();
         let took = started.elapsed();
         // Retried as is, it goes through.
-        let mut ok = false;
-        for _ in 0..50 {
-            if comm.all_reduce(&mut buf, DType::F32, ReduceOp::Sum, 11, None, None).is_ok() {
-                ok = true;
-                break;
-            }
-        }
-        assert!(ok, "the retried collective never went through");
-        comm.barrier(12).unwrap();
+        let retried = (0..50).any(|_| comm.all_reduce(&mut buf, DType::F32, ReduceOp::Sum, 11, None, None).is_ok());
+        assert!(retried, "the retried collective never went through");
+        // Neither leaves (which would fail the other's retry) before both are through.
+        done.wait();
         (e, took)
     });
     let (e, took) = &out[0];
