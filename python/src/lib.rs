@@ -1284,18 +1284,25 @@ fn quantize_bytes(
     Ok(encoded.len())
 }
 
-/// The WAN lab's delay program: holds the packets of each netfilter queue `(number, delay in
-/// seconds)` of this network namespace for its delay, for `ttl` seconds; returns (packets held,
-/// most held at once). Linux only.
+/// The WAN lab's delay program: holds the packets of each netfilter queue `(namespace, number,
+/// delay in seconds)` for its delay, for `ttl` seconds; returns (packets held, most held at
+/// once). A namespace is a name under `/run/netns`, or `None` for this process's own. Linux only.
 #[pyfunction]
-fn lab_delay(py: Python<'_>, queues: Vec<(u16, f64)>, ttl: f64, max_len: u32) -> PyResult<(u64, usize)> {
+fn lab_delay(
+    py: Python<'_>,
+    queues: Vec<(Option<String>, u16, f64)>,
+    ttl: f64,
+    max_len: u32,
+) -> PyResult<(u64, usize)> {
     let seconds = |s: f64, what: &str| {
         Duration::try_from_secs_f64(s)
             .map_err(|_| PyValueError::new_err(format!("{what} must be a non-negative number of seconds, not {s}")))
     };
     let queues = queues
         .into_iter()
-        .map(|(queue, delay)| Ok(shoal_lab::QueueDelay { queue, delay: seconds(delay, "a delay")? }))
+        .map(|(namespace, queue, delay)| {
+            Ok(shoal_lab::QueueDelay { namespace, queue, delay: seconds(delay, "a delay")? })
+        })
         .collect::<PyResult<Vec<_>>>()?;
     let ttl = seconds(ttl, "ttl")?;
     #[cfg(target_os = "linux")]

@@ -203,3 +203,24 @@ def test_diloco_with_a_deadline_across_sites_with_a_slow_peer_and_a_slow_link(si
     included = _replays(results, slow_index=2, variant="sync")
     slow = next(r for r in results if r["index"] == 2)
     assert sum(slow["rank"] in inc for inc in included) >= 2, included
+
+
+def test_sixteen_peers_in_five_regions_all_reduce_and_carry_on_after_a_kill():
+    """16 peers, one per host of ``world`` (5 regions, 62-255 ms apart): all admitted, their
+    4 KiB all-reduces right, and the 15 left go on at once after one is SIGKILLed."""
+    need_lab()
+    with Lab.up(PROFILES["world"], name=f"t{os.getpid()}m", subnet="10.209.0.0/24", ttl=600, hosts=16) as lab:
+        with lab.master(lab.hosts[0], heartbeat_timeout=HEARTBEAT_TIMEOUT) as master:
+            procs = start_survivors(master, 16, launch=lambda i, argv: lab.argv(lab.hosts[i], argv), count=1024)
+            try:
+                killed_at = time.time()
+                procs[1].kill()
+                outcomes = [result(p, timeout=120) for i, p in enumerate(procs) if i != 1]
+            finally:
+                for p in procs:
+                    p.kill()
+                    p.communicate()
+    for o in outcomes:
+        assert o["world"] == 15 and o["smaller"] == 5, o
+        assert o["recovered_at"] - killed_at < HEARTBEAT_TIMEOUT + 4, o
+        assert len(o["errors"]) <= 1, o

@@ -10,6 +10,10 @@
 //! Fail-open at every level: iptables rules use `--queue-bypass` (no reader, no delay), the
 //! queues accept when full or when a notification cannot be delivered (`F_FAIL_OPEN`), and on
 //! exit (its time-to-live, or an error) the program accepts what it still holds.
+//!
+//! One program serves a whole lab: it opens a queue socket inside each host's namespace (a
+//! socket stays in the namespace it was made in) and waits on all of them at once, so a lab
+//! of 64 hosts costs one process rather than 64.
 
 pub mod msg;
 
@@ -20,9 +24,12 @@ pub use queue::{run, Stats};
 
 use std::time::Duration;
 
-/// One netfilter queue and the delay its packets get.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// One netfilter queue, the network namespace it is in, and the delay its packets get.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QueueDelay {
+    /// A named namespace (`ip netns add NAME`, a file under `/run/netns`), or `None`: the
+    /// caller's own.
+    pub namespace: Option<String>,
     pub queue: u16,
     pub delay: Duration,
 }
@@ -33,6 +40,6 @@ pub enum Error {
     Os { context: String, source: std::io::Error },
     #[error("the kernel refused {what} on queue {queue}: {source}")]
     Refused { what: &'static str, queue: u16, source: std::io::Error },
-    #[error("queue {0} is listed twice")]
-    DuplicateQueue(u16),
+    #[error("queue {queue} is listed twice in {namespace}")]
+    DuplicateQueue { queue: u16, namespace: String },
 }

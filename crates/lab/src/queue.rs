@@ -30,58 +30,111 @@ struct Held {
     packets: VecDeque<(Instant, u32)>,
 }
 
-/// Binds `queues` in the calling process's network namespace and holds every packet that
-/// arrives on one for its delay, for `ttl`; then accepts what it still holds and returns.
-/// Each queue holds at most `max_len` packets (more are accepted at once).
+/// The queues of one namespace, on the socket made there.
+struct Socket {
+    fd: OwnedFd,
+    namespace: String,
+    held: Vec<Held>,
+}
+
+/// Binds `queues`, each in its namespace, and holds every packet that arrives on one for its
+/// delay, for `ttl`; then accepts what it still holds and returns. Each queue holds at most
+/// `max_len` packets (more are accepted at once).
 ///
 /// # Errors
-/// The socket cannot be made, or the kernel refuses a queue (no `nfnetlink_queue` support,
-/// or another program is bound to it).
+/// A namespace cannot be entered, a socket cannot be made, or the kernel refuses a queue (no
+/// `nfnetlink_queue` support, or another program is bound to it).
 pub fn run(queues: &[QueueDelay], ttl: Duration, max_len: u32) -> Result<Stats, Error> {
     let deadline = Instant::now() + ttl;
-    let sock = open()?;
-    let mut held: Vec<Held> = Vec::with_capacity(queues.len());
-    for (i, q) in queues.iter().enumerate() {
-        if held.iter().any(|h| h.queue == q.queue) {
-            return Err(Error::DuplicateQueue(q.queue));
+    let mut sockets: Vec<Socket> = Vec::new();
+    for q in queues {
+        let namespace = q.namespace.clone().unwrap_or_else(|| "this namespace".into());
+        let at = match sockets.iter().position(|s| s.namespace == namespace) {
+            Some(at) => at,
+            None => {
+                let fd = open_in(q.namespace.as_deref())?;
+                sockets.push(Socket { fd, namespace: namespace.clone(), held: Vec::new() });
+                sockets.len() - 1
+            }
+        };
+        let socket = &mut sockets[at];
+        if socket.held.iter().any(|h| h.queue == q.queue) {
+            return Err(Error::DuplicateQueue { queue: q.queue, namespace });
         }
-        let seq = 2 * i as u32 + 1;
-        request(&sock, &msg::bind(q.queue, seq), seq).map_err(|source| Error::Refused {
-            what: "bind",
-            queue: q.queue,
-            source,
-        })?;
+        let seq = 2 * socket.held.len() as u32 + 1;
+        let refused = |what| move |source| Error::Refused { what, queue: q.queue, source };
+        request(&socket.fd, &msg::bind(q.queue, seq), seq).map_err(refused("bind"))?;
         let flags = msg::NFQA_CFG_F_FAIL_OPEN | msg::NFQA_CFG_F_GSO;
-        request(&sock, &msg::configure(q.queue, seq + 1, max_len, flags), seq + 1)
-            .map_err(|source| Error::Refused { what: "configure", queue: q.queue, source })?;
-        held.push(Held { delay: q.delay, queue: q.queue, packets: VecDeque::new() });
+        request(&socket.fd, &msg::configure(q.queue, seq + 1, max_len, flags), seq + 1)
+            .map_err(refused("configure"))?;
+        socket.held.push(Held { delay: q.delay, queue: q.queue, packets: VecDeque::new() });
     }
 
     let mut stats = Stats::default();
     let mut buf = vec![0u8; 1 << 18];
-    let result = loop {
+    let mut polled: Vec<libc::pollfd> =
+        sockets.iter().map(|s| libc::pollfd { fd: s.fd.as_raw_fd(), events: libc::POLLIN, revents: 0 }).collect();
+    let result = 'run: loop {
         let now = Instant::now();
-        if let Err(e) = release(&sock, &mut held, now) {
-            break Err(e);
+        for s in &mut sockets {
+            if let Err(e) = release(&s.fd, &mut s.held, now) {
+                break 'run Err(e);
+            }
         }
         if now >= deadline {
             break Ok(stats);
         }
-        let next = held.iter().filter_map(|h| h.packets.front().map(|p| p.0)).min().unwrap_or(deadline).min(deadline);
-        if let Err(e) = wait_readable(&sock, next.saturating_duration_since(now)) {
-            break Err(Error::Os { context: "waiting on the netfilter queue socket".into(), source: e });
+        let next = sockets
+            .iter()
+            .flat_map(|s| s.held.iter().filter_map(|h| h.packets.front().map(|p| p.0)))
+            .min()
+            .unwrap_or(deadline)
+            .min(deadline);
+        if let Err(e) = wait_readable(&mut polled, next.saturating_duration_since(now)) {
+            break Err(Error::Os { context: "waiting on the netfilter queue sockets".into(), source: e });
         }
-        match receive(&sock, &mut buf, &mut held) {
-            Ok(n) => {
-                stats.packets += n;
-                stats.max_held = stats.max_held.max(held.iter().map(|h| h.packets.len()).sum());
+        for (s, p) in sockets.iter_mut().zip(&polled) {
+            if p.revents == 0 {
+                continue;
             }
-            Err(e) => break Err(Error::Os { context: "reading the netfilter queue socket".into(), source: e }),
+            match receive(&s.fd, &mut buf, &mut s.held) {
+                Ok(n) => stats.packets += n,
+                Err(e) => {
+                    let context = format!("reading the netfilter queue socket in {}", s.namespace);
+                    break 'run Err(Error::Os { context, source: e });
+                }
+            }
         }
+        let held: usize = sockets.iter().flat_map(|s| s.held.iter().map(|h| h.packets.len())).sum();
+        stats.max_held = stats.max_held.max(held);
     };
     // Fail open: whatever is still held goes through now.
-    let _ = release(&sock, &mut held, Instant::now() + Duration::from_secs(3600));
+    for s in &mut sockets {
+        let _ = release(&s.fd, &mut s.held, Instant::now() + Duration::from_secs(3600));
+    }
     result
+}
+
+/// A netfilter socket made inside `namespace` (a name under `/run/netns`), or in ours. The
+/// namespace is entered by a thread of its own, so the caller's stays as it was.
+fn open_in(namespace: Option<&str>) -> Result<OwnedFd, Error> {
+    let Some(name) = namespace else { return open() };
+    let path = std::path::Path::new("/run/netns").join(name);
+    let ns = std::fs::File::open(&path)
+        .map_err(|source| Error::Os { context: format!("opening namespace {}", path.display()), source })?;
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| {
+                // SAFETY: `ns` is an open namespace file; only this short-lived thread moves.
+                if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                    let source = io::Error::last_os_error();
+                    return Err(Error::Os { context: format!("entering namespace {name}"), source });
+                }
+                open()
+            })
+            .join()
+            .expect("opening a socket does not panic")
+    })
 }
 
 fn open() -> Result<OwnedFd, Error> {
@@ -148,7 +201,8 @@ fn request(sock: &OwnedFd, bytes: &[u8], seq: u32) -> io::Result<()> {
         if now >= until {
             return Err(io::Error::new(io::ErrorKind::TimedOut, "no acknowledgement from the kernel"));
         }
-        wait_readable(sock, until - now)?;
+        let mut polled = [libc::pollfd { fd: sock.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
+        wait_readable(&mut polled, until - now)?;
         let Some(n) = recv(sock, &mut buf)? else { continue };
         for m in msg::parse(&buf[..n]) {
             if let Message::Ack { seq: s, error } = m {
@@ -160,11 +214,12 @@ fn request(sock: &OwnedFd, bytes: &[u8], seq: u32) -> io::Result<()> {
     }
 }
 
-fn wait_readable(sock: &OwnedFd, timeout: Duration) -> io::Result<()> {
-    let mut pfd = libc::pollfd { fd: sock.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+/// Waits until one of `fds` is readable or `timeout` passed; each one's `revents` says which.
+fn wait_readable(fds: &mut [libc::pollfd], timeout: Duration) -> io::Result<()> {
+    fds.iter_mut().for_each(|p| p.revents = 0);
     let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as _ };
-    // SAFETY: one valid pollfd; a null signal mask leaves the mask unchanged.
-    let rc = unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) };
+    // SAFETY: valid pollfds; a null signal mask leaves the mask unchanged.
+    let rc = unsafe { libc::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, &ts, std::ptr::null()) };
     if rc < 0 {
         let e = io::Error::last_os_error();
         if e.kind() != io::ErrorKind::Interrupted {

@@ -40,6 +40,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                                      "e.g. 300mbit")
     up.add_argument("--loss", type=float, help="probability each packet a host receives is dropped")
     up.add_argument("--rtt", type=float, help="round-trip ms between every two sites")
+    up.add_argument("--hosts", type=int, help="this many hosts, dealt over the spec's sites in turn (e.g. 64)")
     up.add_argument("--ttl", type=float, default=DEFAULT_TTL_S, help=f"helpers end after this many seconds "
                                                                      f"(default {DEFAULT_TTL_S})")
     down = sub.add_parser("down", parents=[common], help="remove a lab")
@@ -90,7 +91,7 @@ def _dispatch(args: argparse.Namespace) -> None:
             print(f"{name:18} {p['description']}")
     elif args.command == "up":
         lab = Lab.up(load(args.spec), name=args.name, subnet=args.subnet, ttl=args.ttl, rate=args.rate,
-                     window=args.window, loss=args.loss, rtt=args.rtt, uplink=args.uplink)
+                     window=args.window, loss=args.loss, rtt=args.rtt, uplink=args.uplink, hosts=args.hosts)
         _print_status(lab)
         print(f"\nrun in a host: shoal lab exec{_flag(args.name)} {lab.hosts[0]} CMD...    remove: shoal lab down"
               f"{_flag(args.name)}")
@@ -147,8 +148,17 @@ def _print_status(lab: Lab) -> None:
     for name, h in st["hosts"].items():
         rate = f"{h['rate'] / 1e6:g}Mbit" if h["rate"] else "-"
         print(f"  {name:10} {h['site']:6} {h['address']:15} {rate:>10} {h['window'] or '-':>9} {h['loss'] or '-':>6}")
-    print("  rtt (ms): " + "  ".join(f"{a}-{b} {ms:g}" for i, a in enumerate(lab.hosts) for b in lab.hosts[i + 1:]
-                                      if (ms := lab.spec.rtt(a, b))))
+    # By site pair where every host pair of the two sites has one RTT; else pair by pair.
+    by_sites: dict[tuple[str, ...], dict[float, list[str]]] = {}
+    for i, a in enumerate(lab.hosts):
+        for b in lab.hosts[i + 1:]:
+            sites = tuple(sorted({lab.spec.host(a).site, lab.spec.host(b).site}))
+            by_sites.setdefault(sites, {}).setdefault(lab.spec.rtt(a, b), []).append(f"{a}-{b}")
+    rtts = []
+    for sites, values in by_sites.items():
+        single = [("-".join(sites), ms) for ms in values] if len(values) == 1 else []
+        rtts += [f"{name} {ms:g}" for name, ms in single or [(p, ms) for ms, ps in values.items() for p in ps] if ms]
+    print("  rtt (ms): " + "  ".join(rtts))
     if st["uplinks"]:
         caps = (f"{site} {bits / 1e6:g}Mbit" if bits else f"{site} -" for site, bits in st["uplinks"].items())
         print("  site uplinks: " + "  ".join(caps))

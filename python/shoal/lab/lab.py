@@ -43,6 +43,7 @@ TOXIPROXY_VERSION = "v2.12.0"
 TOXIPROXY_API = "127.0.0.1:8474"
 DEFAULT_TTL_S = 4 * 3600
 PROBE = Path(__file__).with_name("probe.py")
+_REALTIME = ["chrt", "--rr", "1"] if shutil.which("chrt") else []
 
 
 class LabError(RuntimeError):
@@ -290,16 +291,14 @@ class Lab:
         numbered after the other end, or its removal."""
         for host, other in ((f["a"], f["b"]), (f["b"], f["a"])):
             n = 100 + self.hosts.index(other)
-            tc = ["ip", "netns", "exec", self.namespace(host), "tc"]
             if not add:
                 self.run(host, ["tc", "filter", "del", "dev", "eth0", "parent", "1:", "prio", str(n)],
                          capture_output=True)
                 self.run(host, ["tc", "class", "del", "dev", "eth0", "classid", f"1:{n}"], capture_output=True)
                 continue
-            what = f"slowing {host} -> {other}"
-            _htb_class(tc, "eth0", n, f["rate"], what)
-            _run([*tc, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", str(n), "u32", "match",
-                  "ip", "dst", f"{self.address(other)}/32", "flowid", f"1:{n}"], what)
+            _batch(["tc", "-n", self.namespace(host)],
+                   [*_htb_class("eth0", n, f["rate"]), f"filter add dev eth0 parent 1: protocol ip prio {n} u32 match "
+                    f"ip dst {self.address(other)}/32 flowid 1:{n}"], f"slowing {host} -> {other}")
 
     def _fault_rules(self, f: dict[str, Any]) -> list[tuple[str, list[str]]]:
         """The iptables rules (host, arguments) of one fault between two hosts."""
@@ -499,61 +498,79 @@ def _down(name: str) -> None:
 
 
 def _build(name: str, spec: Spec, state: dict, ttl: float) -> None:
+    """Builds the lab in a few batched commands per namespace (``ip -batch``, ``tc -batch``,
+    ``iptables-restore``): 64 hosts take seconds, not the minute one command per change took."""
     sw = f"{name}-switch"
     ns = {h.name: f"{name}-{h.name}" for h in spec.hosts}
-    _run(["ip", "netns", "add", sw], "creating the switch")
-    _run(["ip", "-n", sw, "link", "add", "br0", "type", "bridge"], "creating the bridge")
-    _run(["ip", "-n", sw, "link", "set", "br0", "up"], "starting the bridge")
+    _batch(["ip"], [f"netns add {n}" for n in (sw, *ns.values())], "creating the namespaces")
     plen = state["subnet"].split("/")[1]
+    links, caps = ["link add br0 type bridge", "link set br0 up"], []
     for site, bits in spec.uplinks.items():
         bridge, up, down = f"b-{site}", f"u-{site}", f"d-{site}"
-        _run(["ip", "-n", sw, "link", "add", bridge, "type", "bridge"], f"creating site {site}'s bridge")
-        _run(["ip", "-n", sw, "link", "set", bridge, "up"], f"starting site {site}'s bridge")
-        _run(["ip", "-n", sw, "link", "add", up, "type", "veth", "peer", "name", down], f"cabling site {site}")
-        _run(["ip", "-n", sw, "link", "set", up, "master", bridge, "up"], f"plugging site {site} in")
-        _run(["ip", "-n", sw, "link", "set", down, "master", "br0", "up"], f"plugging site {site} in")
+        links += [f"link add {bridge} type bridge", f"link set {bridge} up",
+                  f"link add {up} type veth peer name {down}", f"link set {up} master {bridge} up",
+                  f"link set {down} master br0 up"]
         if bits:
-            _cap(sw, up, bits)  # what the site sends to the others
-            _cap(sw, down, bits)  # what it receives from them
+            caps += _cap(up, bits) + _cap(down, bits)  # what the site sends to the others; receives
     for h in spec.hosts:
-        n, port = ns[h.name], f"h-{h.name}"
-        bridge = f"b-{h.site}" if spec.uplinks else "br0"
-        _run(["ip", "netns", "add", n], f"creating host {h.name}")
-        _run(["ip", "-n", sw, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", n],
-             f"cabling {h.name}")
-        _run(["ip", "-n", sw, "link", "set", port, "master", bridge, "up"], f"plugging {h.name} in")
-        _run(["ip", "-n", n, "addr", "add", f"{h.address}/{plen}", "dev", "eth0"], f"addressing {h.name}")
-        _run(["ip", "-n", n, "link", "set", "eth0", "up"], f"starting {h.name}'s link")
-        _run(["ip", "-n", n, "link", "set", "lo", "up"], f"starting {h.name}'s loopback")
+        port, bridge = f"h-{h.name}", f"b-{h.site}" if spec.uplinks else "br0"
+        links += [f"link add {port} type veth peer name eth0 netns {ns[h.name]}", f"link set {port} master {bridge} up"]
         if h.rate:
-            _cap(n, "eth0", h.rate)  # what it sends
-            _cap(sw, port, h.rate)  # what it receives
+            caps += _cap(port, h.rate)  # what the host receives
+    _batch(["ip", "-n", sw], links, "cabling the switch")
+    if caps:
+        _batch(["tc", "-n", sw], caps, "capping the switch's ports")
+
+    queues: list[str] = []
+    for h in spec.hosts:
+        n = ns[h.name]
+        # Neighbours are static: one kernel-wide table holds every namespace's learned entries
+        # (1,024 by default), and 64 hosts that each learn 63 overflow it and drop SYNs.
+        neighbours = [f"neigh replace {o.address} lladdr {_mac(o.address)} dev eth0 nud permanent"
+                      for o in spec.hosts if o is not h]
+        _batch(["ip", "-n", n], [f"link set eth0 address {_mac(h.address)}", f"addr add {h.address}/{plen} dev eth0",
+                                 "link set eth0 up", "link set lo up", *neighbours], f"addressing {h.name}")
+        if h.rate:
+            _batch(["tc", "-n", n], _cap("eth0", h.rate), f"capping {h.name}'s link")  # what it sends
         if h.window:
             default = min(131072, h.window)
             _run(["ip", "netns", "exec", n, "sysctl", "-q", "-w", f"net.ipv4.tcp_rmem=4096 {default} {h.window}"],
                  f"capping {h.name}'s TCP windows")
-        ipt = ["ip", "netns", "exec", n, IPT]
-        _run([*ipt, "-N", FAULT_CHAIN], f"{h.name}: fault chain")
-        _run([*ipt, "-A", "INPUT", "-i", "eth0", "-j", FAULT_CHAIN], f"{h.name}: fault chain")
+        rules = [f":{FAULT_CHAIN} - [0:0]", f"-A INPUT -i eth0 -j {FAULT_CHAIN}"]
         if h.loss:
-            _run([*ipt, "-A", "INPUT", "-i", "eth0", "-m", "statistic", "--mode", "random", "--probability",
-                  str(h.loss), "-j", "DROP"], f"{h.name}: loss")
+            rules.append(f"-A INPUT -i eth0 -m statistic --mode random --probability {h.loss} -j DROP")
         # One queue per distinct one-way delay towards this host.
         delays = {o.name: spec.rtt(h.name, o.name) / 2000 for o in spec.hosts if o.name != h.name}
-        queues = {d: i + 1 for i, d in enumerate(sorted({d for d in delays.values() if d > 0}))}
-        for other, d in delays.items():
-            if d > 0:
-                _run([*ipt, "-A", "INPUT", "-i", "eth0", "-s", spec.host(other).address, "-j", "NFQUEUE",
-                      "--queue-num", str(queues[d]), "--queue-bypass"], f"{h.name}: delay from {other}")
-        if queues:
-            args = [f"{q}={d}" for d, q in queues.items()]
-            delay = [sys.executable, "-m", "shoal.lab.delay", "--ttl", str(ttl), *args]
-            _start_helper(name, state, h.name, "delay", delay)
-            _write_state(name, state)
-            want = {str(q) for q in queues.values()}
-            _wait_for(lambda: want <= _bound_queues(n),
-                      f"the delay program in {h.name} did not bind its queues "
-                      f"(see {state_root() / name}/delay-{h.name}.log)")
+        numbers = {d: i + 1 for i, d in enumerate(sorted({d for d in delays.values() if d > 0}))}
+        rules += [f"-A INPUT -i eth0 -s {spec.host(other).address} -j NFQUEUE --queue-num {numbers[d]} --queue-bypass"
+                  for other, d in delays.items() if d > 0]
+        restore = subprocess.run(["ip", "netns", "exec", n, f"{IPT}-restore", "--noflush"],
+                                 input="*filter\n" + "\n".join(rules) + "\nCOMMIT\n", capture_output=True, text=True)
+        if restore.returncode != 0:
+            raise LabError(f"{h.name}: loading its iptables rules failed: {restore.stderr.strip()}")
+        queues += [f"{n}:{q}={d}" for d, q in numbers.items()]
+    if queues:
+        # One delay program for every host: it opens a queue socket inside each namespace. It is
+        # the network, not a tenant: real-time priority, so that 64 busy peers on two cores do not
+        # hold every packet past its delay (SYNs then time out).
+        delay = [*_REALTIME, sys.executable, "-m", "shoal.lab.delay", "--ttl", str(ttl), *queues]
+        _start_helper(name, state, "switch", "delay", delay)
+        _write_state(name, state)
+        want = {n: {q.rpartition(":")[2].split("=")[0] for q in queues if q.startswith(f"{n}:")} for n in ns.values()}
+        _wait_for(lambda: all(w <= _bound_queues(n) for n, w in want.items() if w),
+                  f"the delay program did not bind its queues (see {state_root() / name}/delay-switch.log)")
+
+
+def _mac(address: str) -> str:
+    """A host's MAC address, made of its IPv4 address (locally administered)."""
+    return "02:00:" + ":".join(f"{int(b):02x}" for b in address.split("."))
+
+
+def _batch(command: list[str], lines: list[str], what: str) -> None:
+    """Runs ``command -batch -`` (``ip`` or ``tc``) over ``lines``, one change each."""
+    p = subprocess.run([*command, "-batch", "-"], input="\n".join(lines) + "\n", capture_output=True, text=True)
+    if p.returncode != 0:
+        raise LabError(f"{what}: `{' '.join(command)} -batch` failed: {p.stderr.strip() or p.stdout.strip()}")
 
 
 def _wait_for(ready: Callable[[], bool], message: str, timeout: float = 10.0) -> None:
@@ -570,19 +587,18 @@ def _bound_queues(namespace: str) -> set[str]:
     return {line.split()[0] for line in out.splitlines() if line.strip()}
 
 
-def _cap(namespace: str, dev: str, bits: int) -> None:
-    """htb at ``bits``/s on ``dev``'s egress, with a byte FIFO holding ~50 ms at that rate."""
-    tc = ["ip", "netns", "exec", namespace, "tc"]
-    _run([*tc, "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "1"], f"capping {dev}")
-    _htb_class(tc, dev, 1, bits, f"capping {dev}")
+def _cap(dev: str, bits: int) -> list[str]:
+    """``tc -batch`` lines: htb at ``bits``/s on ``dev``'s egress, with a byte FIFO holding ~50 ms
+    at that rate."""
+    return [f"qdisc replace dev {dev} root handle 1: htb default 1", *_htb_class(dev, 1, bits)]
 
 
-def _htb_class(tc: list[str], dev: str, minor: int, bits: int, what: str) -> None:
-    """Class ``1:minor`` of ``dev``'s root htb at ``bits``/s, with a byte FIFO holding ~50 ms."""
+def _htb_class(dev: str, minor: int, bits: int) -> list[str]:
+    """``tc -batch`` lines: class ``1:minor`` of ``dev``'s root htb at ``bits``/s, with a byte FIFO
+    holding ~50 ms."""
     rate = f"{bits}bit"
     burst = max(64 << 10, bits // 8 // 500)  # 2 ms at the rate, at least one large segment
     limit = max(256 << 10, bits // 8 // 20)
-    _run([*tc, "class", "add", "dev", dev, "parent", "1:", "classid", f"1:{minor}", "htb", "rate", rate, "ceil", rate,
-          "burst", str(burst), "cburst", str(burst), "quantum", "60000"], what)
-    _run([*tc, "qdisc", "add", "dev", dev, "parent", f"1:{minor}", "handle", f"{minor + 9}:", "bfifo", "limit",
-          str(limit)], what)
+    return [f"class add dev {dev} parent 1: classid 1:{minor} htb rate {rate} ceil {rate} burst {burst} "
+            f"cburst {burst} quantum 60000",
+            f"qdisc add dev {dev} parent 1:{minor} handle {minor + 9}: bfifo limit {limit}"]

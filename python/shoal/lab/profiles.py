@@ -1,5 +1,6 @@
 """Named lab topologies to start from (``shoal lab up NAME``); see ``spec.py`` for the format.
-Rates, windows, loss and the RTT between sites can be changed at ``up`` time."""
+Rates, windows, loss, the RTT between sites and the number of hosts (``--hosts 64``, dealt over
+the sites in turn) can be changed at ``up`` time."""
 
 from __future__ import annotations
 
@@ -22,6 +23,18 @@ PROFILES: dict[str, dict[str, Any]] = {
         # Not a metric on purpose, like the internet: ap-us (150) is slower than ap-eu-us (100),
         # so the order of a ring matters.
         "rtt": {"us": 1, "eu": 1, "ap": 1, "eu-ap": 20, "us-eu": 80, "us-ap": 150},
+        "rate": "1gbit",
+    },
+    "world": {
+        "description": "2 hosts in each of 5 cloud regions (us-east, us-west, eu, ap, sa), round trips between "
+                       "them as public clouds measure them (62-255 ms), 1 ms inside, 1 Gbit/s links; grow it "
+                       "with --hosts",
+        "hosts": {f"{site}{i}": {"site": site} for i in (1, 2) for site in ("use", "usw", "eu", "ap", "sa")},
+        # Rounded medians between public cloud regions (Virginia, Oregon, Frankfurt, Tokyo, Sao Paulo).
+        "rtt": {"use": 1, "usw": 1, "eu": 1, "ap": 1, "sa": 1,
+                "use-usw": 62, "use-eu": 88, "use-ap": 145, "use-sa": 115,
+                "usw-eu": 145, "usw-ap": 100, "usw-sa": 175,
+                "eu-ap": 225, "eu-sa": 200, "ap-sa": 255},
         "rate": "1gbit",
     },
     "long-fat-pipe": {

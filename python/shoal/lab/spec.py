@@ -106,8 +106,10 @@ class Spec:
 def build(raw: dict[str, Any], subnet: str = "10.77.0.0/24", **overrides: Any) -> Spec:
     """Checks a spec dict and assigns addresses in ``subnet`` (hosts get .1, .2, ... in order).
     ``overrides`` (``rate``, ``window``, ``loss``, ``rtt`` between sites) win over the dict's
-    lab-wide values."""
+    lab-wide values; ``hosts=N`` grows or shrinks the lab to N hosts (``scaled``)."""
     raw = json.loads(json.dumps(raw))  # a deep copy that also proves it is plain data
+    if overrides.get("hosts") is not None:
+        raw = scaled(raw, overrides["hosts"])
     unknown = set(raw) - {"hosts", "rtt", "rate", "window", "loss", "uplink", "description"}
     if unknown:
         raise SpecError(f"unknown spec keys: {', '.join(sorted(unknown))}")
@@ -167,6 +169,28 @@ def build(raw: dict[str, Any], subnet: str = "10.77.0.0/24", **overrides: Any) -
             raise SpecError(f"rtt key {key!r}: expected SITE (inside it), SITE-SITE or HOST-HOST of this lab")
         spec.rtt_ms[frozenset(parts)] = _ms(f"rtt {key}", ms)
     return spec
+
+
+def scaled(raw: dict[str, Any], count: int) -> dict[str, Any]:
+    """The spec ``raw`` with ``count`` hosts dealt over its sites in turn (in the order the sites
+    first appear), named after their site: ``us1 eu1 ap1 us2 ...``. Each new host takes the
+    settings of its site's first host; RTTs named for a pair of hosts are dropped."""
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 250:
+        raise SpecError(f"hosts: {count!r} is not a number of hosts in [1, 250]")
+    hosts_raw = raw.get("hosts")
+    if not isinstance(hosts_raw, dict) or not hosts_raw:
+        raise SpecError("a spec needs a non-empty 'hosts' mapping")
+    first: dict[str, dict[str, Any]] = {}
+    for name, h in hosts_raw.items():
+        h = dict(h or {})
+        first.setdefault(h.get("site", name), h)
+    sites = list(first)
+    hosts = {}
+    for i in range(count):
+        site = sites[i % len(sites)]
+        hosts[f"{site}{i // len(sites) + 1}"] = dict(first[site], site=site)
+    rtts = {k: v for k, v in (raw.get("rtt") or {}).items() if set(k.split("-")) <= set(sites)}
+    return dict(raw, hosts=hosts, rtt=rtts)
 
 
 def _ms(what: str, value: Any) -> float:
