@@ -57,7 +57,7 @@ pub fn all_reduce(rank: usize, world: usize, hosts: &[usize], len: usize, chunk_
     let all: Vec<Range<usize>> = (0..h).flat_map(|j| chunks(segment_range(j, h, len), chunk_elems)).collect();
 
     let mut plan =
-        Schedule { world, rank, sends: Vec::new(), recvs: Vec::new(), confirm: Confirm::Ring, combine: None };
+        Schedule { world, rank, sends: Vec::new(), recvs: Vec::new(), confirm: Confirm::around(world), combine: None };
     let key = |r: &Range<usize>| (r.start, r.end);
     // A leader among several finishes the segment after its own in the ring: its host's sum of
     // it and the ring's last part are both final reductions there, in whichever order they come.

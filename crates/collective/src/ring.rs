@@ -63,7 +63,7 @@ pub fn all_reduce(rank: usize, world: usize, len: usize, chunk_elems: usize) -> 
             sends.push(SendUnit { to: next, range, after_recv, and_after_recv: None, after_combine: false });
         }
     }
-    Schedule { world, rank, sends, recvs, confirm: Confirm::Ring, combine: None }
+    Schedule { world, rank, sends, recvs, confirm: Confirm::around(world), combine: None }
 }
 
 /// The ring all-gather of `rank` among `world` ranks over a buffer of `world` blocks of `block`
@@ -103,7 +103,7 @@ pub fn broadcast(rank: usize, world: usize, root: usize, len: usize, chunk_elems
     assert!(chunk_elems > 0, "chunk size of zero elements");
     let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
     let mut schedule =
-        Schedule { world, rank, sends: Vec::new(), recvs: Vec::new(), confirm: Confirm::Ring, combine: None };
+        Schedule { world, rank, sends: Vec::new(), recvs: Vec::new(), confirm: Confirm::around(world), combine: None };
     if world == 1 {
         return schedule;
     }
@@ -143,7 +143,7 @@ fn steps(
             sends.push(SendUnit { to: next, range, after_recv, and_after_recv: None, after_combine: false });
         }
     }
-    Schedule { world, rank, sends, recvs, confirm: Confirm::Ring, combine: None }
+    Schedule { world, rank, sends, recvs, confirm: Confirm::around(world), combine: None }
 }
 
 /// The elements of segment `j` when `len` elements are cut into `world` nearly equal segments:

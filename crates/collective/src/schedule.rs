@@ -104,6 +104,30 @@ pub enum Confirm {
     Ring,
     /// Each rank sends its token straight to every other: one hop.
     Direct,
+    /// By doubling distances (a dissemination barrier that carries every rank's token): rank `r`
+    /// sends its own token to every rank a power of two ahead (`r + 1`, `r + 2`, `r + 4`, ...),
+    /// and forwards the token of the rank `j` behind it to each `r + 2^k` with `2^k > j` that
+    /// lacks it. At most `ceil(log2 world)` hops (a token goes straight to the ranks a power of two
+    /// ahead, then on), each rank sending and receiving about `world - 1` tokens over
+    /// `ceil(log2 world)` links each way.
+    Doubling,
+}
+
+/// Largest group whose ring schedules confirm around the ring ([`Confirm::around`]).
+pub const RING_CONFIRM_MAX: usize = 8;
+
+impl Confirm {
+    /// How a ring schedule among `world` ranks confirms: around the ring in a small group,
+    /// where its `world - 1` hops cost little and it needs no link beyond the ring's; by
+    /// doubling past [`RING_CONFIRM_MAX`], where a lap of 64 members' tokens took longer than
+    /// the all-reduce's data.
+    pub fn around(world: usize) -> Confirm {
+        if world > RING_CONFIRM_MAX {
+            Confirm::Doubling
+        } else {
+            Confirm::Ring
+        }
+    }
 }
 
 impl Schedule {
@@ -134,14 +158,20 @@ impl Schedule {
         self.recvs.iter().map(|u| u.from).chain(tokens).collect()
     }
 
-    /// Where rank `origin`'s confirmation token goes next from here, if anywhere.
-    pub fn forward_token(&self, origin: usize) -> Option<usize> {
+    /// Where rank `origin`'s confirmation token goes next from here (another rank's: this
+    /// rank's own go to [`Schedule::token_targets`]).
+    pub fn forward_token(&self, origin: usize) -> Vec<usize> {
         match self.confirm {
             Confirm::Ring => {
                 let next = (self.rank + 1) % self.world;
-                (next != origin).then_some(next)
+                if next != origin {
+                    vec![next]
+                } else {
+                    Vec::new()
+                }
             }
-            Confirm::Direct => None,
+            Confirm::Direct => Vec::new(),
+            Confirm::Doubling => self.doubling_targets(self.behind(origin)),
         }
     }
 
@@ -150,6 +180,12 @@ impl Schedule {
         match self.confirm {
             Confirm::Ring => (self.rank + self.world - 1) % self.world,
             Confirm::Direct => origin,
+            // Learned in the round of the distance's highest bit, from that far behind.
+            Confirm::Doubling => {
+                let j = self.behind(origin);
+                let high = 1usize << (usize::BITS - 1 - j.leading_zeros());
+                (self.rank + self.world - high) % self.world
+            }
         }
     }
 
@@ -159,7 +195,29 @@ impl Schedule {
             Confirm::Ring if self.world > 1 => vec![(self.rank + 1) % self.world],
             Confirm::Ring => Vec::new(),
             Confirm::Direct => (0..self.world).filter(|&r| r != self.rank).collect(),
+            Confirm::Doubling => self.doubling_targets(0),
         }
+    }
+
+    /// How many tokens this rank sends in all, its own and those it forwards.
+    pub fn tokens_sent(&self) -> usize {
+        match self.confirm {
+            Confirm::Ring | Confirm::Direct => self.world - 1,
+            Confirm::Doubling => (0..self.world).map(|j| self.doubling_targets(j).len()).sum(),
+        }
+    }
+
+    /// How far `origin` is behind this rank, going round the group.
+    fn behind(&self, origin: usize) -> usize {
+        (self.rank + self.world - origin) % self.world
+    }
+
+    /// Where the token of the rank `j` behind this one goes by doubling: in round `k` to the
+    /// rank `2^k` ahead, once held (`2^k > j`; it was learned in an earlier round, or is our
+    /// own), while that rank lacks it (`j < world - 2^k`: it holds the `2^k` behind itself).
+    fn doubling_targets(&self, j: usize) -> Vec<usize> {
+        let rounds = (0..usize::BITS).map(|k| 1usize << k).take_while(|&d| d < self.world);
+        rounds.filter(|&d| d > j && j < self.world - d).map(|d| (self.rank + d) % self.world).collect()
     }
 }
 
@@ -347,5 +405,75 @@ pub(crate) mod testing {
                     .collect()
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::VecDeque;
+
+    /// Every rank's tokens, delivered as the engine forwards them: each rank gets every other
+    /// rank's token exactly once, from the rank `token_from` names, sends what `tokens_sent`
+    /// says; returns the most hops a token took.
+    fn confirm(world: usize, confirm: Confirm) -> usize {
+        let plans: Vec<Schedule> = (0..world)
+            .map(|rank| Schedule { world, rank, sends: Vec::new(), recvs: Vec::new(), confirm, combine: None })
+            .collect();
+        // (from, to, origin, hops)
+        let mut wire: VecDeque<(usize, usize, usize, usize)> = VecDeque::new();
+        let mut sent = vec![0; world];
+        for p in &plans {
+            for to in p.token_targets() {
+                wire.push_back((p.rank, to, p.rank, 1));
+                sent[p.rank] += 1;
+            }
+        }
+        let mut got = vec![BTreeSet::new(); world];
+        let mut most = 0;
+        while let Some((from, to, origin, hops)) = wire.pop_front() {
+            let p = &plans[to];
+            assert_ne!(origin, to, "{confirm:?} {world}: rank {to} got its own token");
+            assert_eq!(p.token_from(origin), from, "{confirm:?} {world}: rank {origin}'s token reached {to}");
+            assert!(got[to].insert(origin), "{confirm:?} {world}: rank {to} got {origin}'s token twice");
+            most = most.max(hops);
+            for next in p.forward_token(origin) {
+                wire.push_back((to, next, origin, hops + 1));
+                sent[to] += 1;
+            }
+        }
+        for p in &plans {
+            assert_eq!(got[p.rank].len(), world - 1, "{confirm:?} {world}: rank {} lacks tokens", p.rank);
+            assert_eq!(sent[p.rank], p.tokens_sent(), "{confirm:?} {world}: rank {}", p.rank);
+            let froms: BTreeSet<usize> = (0..world).filter(|&o| o != p.rank).map(|o| p.token_from(o)).collect();
+            assert!(froms.iter().all(|f| p.peers_from().contains(f)));
+        }
+        most
+    }
+
+    #[test]
+    fn every_rank_gets_every_token_once_and_doubling_takes_log_hops() {
+        for world in 1usize..=70 {
+            let log = (usize::BITS - (world.max(1) - 1).leading_zeros()) as usize; // ceil(log2 world)
+            assert_eq!(confirm(world, Confirm::Ring), world.saturating_sub(1));
+            assert_eq!(confirm(world, Confirm::Direct), usize::from(world > 1));
+            // A token goes straight to each rank a power of two ahead, then on: as many hops as
+            // the distance has bits, at most ceil(log2 world).
+            let bits = (1..world).map(|j| j.count_ones() as usize).max().unwrap_or(0);
+            assert_eq!(confirm(world, Confirm::Doubling), bits, "{world}");
+            assert!(bits <= log);
+        }
+        assert_eq!(confirm(1000, Confirm::Doubling), 9); // 511 = 0b111111111
+                                                         // Each rank links to ceil(log2 world) others and sends about world - 1 tokens.
+        let p = Schedule {
+            world: 1000,
+            rank: 7,
+            sends: Vec::new(),
+            recvs: Vec::new(),
+            confirm: Confirm::Doubling,
+            combine: None,
+        };
+        assert_eq!(p.token_targets().len(), 10);
+        assert!((999..1010).contains(&p.tokens_sent()), "{}", p.tokens_sent());
     }
 }

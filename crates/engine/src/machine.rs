@@ -439,7 +439,7 @@ impl Machine {
 
     /// The members collective `key` still moves data with (none once its data moved).
     pub fn waits_on(&self, key: OpKey) -> Vec<usize> {
-        self.ops.get(&key).map_or_else(Vec::new, |op| (0..self.world).filter(|&r| op.waits_on(r)).collect())
+        self.ops.get(&key).map_or_else(Vec::new, OpExec::waits_on_members)
     }
 
     /// Saves ahead the next range a collective will change, while nothing else can move; false
@@ -816,8 +816,11 @@ impl Machine {
             self.turn = key;
         }
         let op = self.ops.get_mut(&key).expect("picked");
-        let token = op.outbox.iter().position(|(t, _)| *t == to);
-        let (frame, body) = if let Some(origin) = token.and_then(|k| op.outbox.remove(k)).map(|(_, o)| o) {
+        let token = op.outbox.get_mut(&to).and_then(VecDeque::pop_front);
+        if op.outbox.get(&to).is_some_and(VecDeque::is_empty) {
+            op.outbox.remove(&to);
+        }
+        let (frame, body) = if let Some(origin) = token {
             let body = op.token_body(origin, now);
             let frame = Frame { kind: FrameKind::Token, len: TOKEN_BYTES as u32, unit: origin, op: op.spec.header };
             (frame, Sending::Token { key, body })
@@ -962,6 +965,8 @@ struct OpExec {
     /// For each member, the indices of the units we receive from it in order: a frame names
     /// its place in this order.
     recvs_from: Vec<Vec<usize>>,
+    /// The ranks in the group it sends data to or receives data from.
+    partners: Vec<usize>,
     sent: usize,
     recv_done: Vec<bool>,
     received: usize,
@@ -987,8 +992,13 @@ struct OpExec {
     /// topology's rank, whose), ours first once the data moved.
     tokens_in: usize,
     tokens_from: Vec<usize>,
+    /// How many tokens come from each member, by rank in the group.
+    tokens_due: Vec<usize>,
     tokens_out: usize,
-    outbox: VecDeque<(usize, u32)>,
+    /// Tokens the schedule has this rank send in all ([`Schedule::tokens_sent`]).
+    tokens_to_send: usize,
+    /// Tokens to send, by the topology's member they go to: the origin of each, in order.
+    outbox: BTreeMap<usize, VecDeque<u32>>,
     /// Tokens received before the data moved: forwarded after ours.
     held: Vec<u32>,
     /// What each member's token says, by rank in the group: how long after its call it held the
@@ -1028,6 +1038,13 @@ impl OpExec {
         let chunk_elems = (spec.chunk_bytes / elem).max(1);
         let len = spec.buf.len / elem;
         let plan = spec.algorithm.schedule(spec.kind, (rank, world), &spec.hosts, len, spec.root, chunk_elems);
+        let tokens_to_send = plan.tokens_sent();
+        // Counted once: a token arrives for each of `world - 1` origins, and checking each
+        // against a count made afresh cost a 1,000-member group a billion steps per collective.
+        let mut tokens_due = vec![0; world];
+        for origin in (0..world).filter(|&o| o != rank) {
+            tokens_due[plan.token_from(origin)] += 1;
+        }
         let lasts = plan.final_reductions();
         let mut first_of_range = std::collections::HashMap::with_capacity(plan.recvs.len());
         let first_unit: Vec<usize> =
@@ -1040,6 +1057,7 @@ impl OpExec {
         for (i, u) in plan.recvs.iter().enumerate() {
             recvs_from[u.from].push(i);
         }
+        let partners = (0..world).filter(|&r| !sends_to[r].is_empty() || !recvs_from[r].is_empty()).collect();
         let mut backup = std::mem::take(&mut spec.backup);
         backup.reset(spec.buf.len);
         // A quantized collective also changes what it sends (to the decoded values): the whole
@@ -1068,6 +1086,7 @@ impl OpExec {
             members,
             index,
             sends_to,
+            partners,
             recvs_from,
             next_send: vec![0; world],
             plan,
@@ -1085,8 +1104,10 @@ impl OpExec {
             data_done: false,
             tokens_in: 0,
             tokens_from: vec![0; world],
+            tokens_due,
             tokens_out: 0,
-            outbox: VecDeque::new(),
+            tokens_to_send,
+            outbox: BTreeMap::new(),
             held: Vec::new(),
             ready: vec![None; world],
             events: Vec::new(),
@@ -1235,13 +1256,15 @@ impl OpExec {
     fn forward_tokens(&mut self, origins: impl IntoIterator<Item = u32>) {
         for origin in origins {
             let to = self.plan.forward_token(origin as usize);
-            self.outbox.extend(to.map(|r| (self.members[r], origin)));
+            for r in to {
+                self.outbox.entry(self.members[r]).or_default().push_back(origin);
+            }
         }
     }
 
     /// Whether a frame for member `to` may leave now.
     fn has_frame_for(&self, to: usize) -> bool {
-        !self.finished && (self.outbox.iter().any(|(t, _)| *t == to) || self.sendable(to).is_some())
+        !self.finished && (self.outbox.contains_key(&to) || self.sendable(to).is_some())
     }
 
     /// Applies received unit `unit` whose bytes are in `src` (for a reduction) or in place.
@@ -1352,8 +1375,7 @@ impl OpExec {
 
     /// How many tokens come from the group's member `from`.
     fn tokens_expected(&self, from: usize) -> usize {
-        let (world, rank) = (self.plan.world, self.plan.rank);
-        (0..world).filter(|&o| o != rank && self.plan.token_from(o) == from).count()
+        self.tokens_due[from]
     }
 
     /// Whether anything more of it is to come from the topology's member `member`.
@@ -1364,11 +1386,17 @@ impl OpExec {
                 || self.tokens_from[from] < self.tokens_expected(from))
     }
 
-    /// Whether it still moves data to or from the topology's member `member`: a frozen member it
-    /// does never lets it finish, one it is done with cannot stop it.
-    fn waits_on(&self, member: usize) -> bool {
-        let Some(r) = self.sub(member) else { return false };
-        !self.data_done && (self.sends_left[r] > 0 || self.recvs_from[r].iter().any(|&u| !self.recv_done[u]))
+    /// The topology's members it still moves data to or from, in order: a frozen member it does
+    /// never lets it finish, one it is done with cannot stop it. Only the ranks its schedule
+    /// moves data with are looked at: a ring's two of a thousand.
+    fn waits_on_members(&self) -> Vec<usize> {
+        if self.data_done {
+            return Vec::new();
+        }
+        let waits = |&r: &usize| self.sends_left[r] > 0 || self.recvs_from[r].iter().any(|&u| !self.recv_done[u]);
+        let mut members: Vec<usize> = self.partners.iter().filter(|r| waits(r)).map(|&r| self.members[r]).collect();
+        members.sort_unstable();
+        members
     }
 
     /// Records what the latest moves completed.
@@ -1385,14 +1413,13 @@ impl OpExec {
             self.data_done = true;
             self.events.push(OpEvent::DataDone);
             let me = self.plan.rank as u32;
-            let ours: Vec<(usize, u32)> =
-                self.plan.token_targets().into_iter().map(|r| (self.members[r], me)).collect();
-            self.outbox.extend(ours);
+            for r in self.plan.token_targets() {
+                self.outbox.entry(self.members[r]).or_default().push_back(me);
+            }
             let held = std::mem::take(&mut self.held);
             self.forward_tokens(held);
         }
-        let others = self.plan.world - 1;
-        if self.data_done && self.tokens_in == others && self.tokens_out == others {
+        if self.data_done && self.tokens_in == self.plan.world - 1 && self.tokens_out == self.tokens_to_send {
             self.finished = true;
             self.events.push(OpEvent::Confirmed);
         }
