@@ -5,6 +5,7 @@ use crate::misuse::{Mismatch, Misuse, Reason};
 use crate::report::PeerReport;
 use crate::{SessionId, WireError, MAX_DIMS, MAX_MEMBERS, MAX_STATE_ENTRIES};
 use std::fmt;
+use std::sync::Arc;
 
 /// A peer's identity within one run of the master, assigned at registration and never reused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -562,8 +563,9 @@ pub enum Message {
     Topology {
         /// This topology's number.
         epoch: Epoch,
-        /// Every member of the group, in ring order.
-        members: Vec<Member>,
+        /// Every member of the group, in ring order. Shared: the master sends one list to every
+        /// member, and copying it for each cost a 1,000-member group a million copies.
+        members: Arc<[Member]>,
         /// Peers of the whole run (every group) accepted or admitted by this topology, when it
         /// was issued: at least `members`' count.
         world: u32,
@@ -1193,7 +1195,7 @@ impl Message {
                 let (epoch, members, world) = (Epoch(r.u64()?), decode_members(&mut r)?, r.u32()?);
                 let (known, oneshot_max, twoshot_max) = (r.bool("limits")?, r.u64()?, r.u64()?);
                 let limits = known.then_some(AlgorithmLimits { oneshot_max, twoshot_max });
-                Message::Topology { epoch, members, world, limits }
+                Message::Topology { epoch, members: members.into(), world, limits }
             }
             kind::TOPOLOGY_COMMITTED => Message::TopologyCommitted { epoch: Epoch(r.u64()?) },
             kind::PEERS_PENDING_RESULT => Message::PeersPendingResult { pending: r.bool("pending")? },
@@ -1499,7 +1501,7 @@ mod tests {
             )
                 .prop_map(|(e, members, world, limits)| Message::Topology {
                     epoch: Epoch(e),
-                    members,
+                    members: members.into(),
                     world,
                     limits: limits.map(|(oneshot_max, twoshot_max)| AlgorithmLimits { oneshot_max, twoshot_max }),
                 }),

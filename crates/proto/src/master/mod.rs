@@ -32,6 +32,7 @@ pub use plan::Plan;
 use shoal_wire::{Epoch, GroupId, LateReport, Member, Message, PeerId, PeerReport, Reason, SessionId, Vote};
 pub use status::{Counters, GroupStatus, Matrix, PeerStatus, RunStatus, Totals};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 pub use sync::Strategy;
 pub use timers::{Timer, TimerTable};
@@ -961,7 +962,7 @@ impl Master {
         }
         let sites = self.g.plan.as_ref().map(Plan::sites).unwrap_or_default();
         let limits = self.limits(&members);
-        let wire_members: Vec<Member> = members
+        let wire_members: Arc<[Member]> = members
             .iter()
             .map(|p| {
                 let e = &self.peers[p];

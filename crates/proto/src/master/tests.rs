@@ -1156,7 +1156,7 @@ fn optimize_orders_the_ring_by_measured_links_and_admits_nobody() {
     };
     // Across 40 ms, small all-reduces run one-shot up to megabytes (`shoal_topology::limits`).
     assert!(limits.is_some_and(|l| l.oneshot_max > 64 << 10), "{limits:?}");
-    for m in members {
+    for m in members.iter() {
         assert_eq!(m.site, Some(m.peer.0 as u16 % 2), "{members:?}");
     }
     assert!(out.iter().any(|o| matches!(o, Output::Event(MasterEvent::RingPlanned { .. }))));

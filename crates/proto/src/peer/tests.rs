@@ -74,7 +74,7 @@ fn joined_with(ring: &[u32], reconnect: bool) -> (Peer, Instant) {
     let registered =
         Message::Registered { peer: PeerId(0), session: SessionId(7), heartbeat_ms: 100, data_key: [5; 32] };
     p.handle_message(registered, t0).unwrap();
-    p.handle_message(Message::Topology { epoch: Epoch(1), members: members(ring), world: 8, limits: None }, t0)
+    p.handle_message(Message::Topology { epoch: Epoch(1), members: members(ring).into(), world: 8, limits: None }, t0)
         .unwrap();
     let position = match &actions(&mut p)[..] {
         [Action::Registered { me: PeerId(0), session: SessionId(7), data_key }, Action::Establish { position, .. }]
@@ -294,8 +294,11 @@ fn a_refused_vote_joins_the_issued_topology_and_votes_again() {
     let (mut p, t0) = joined(&[0, 1]);
     p.call(CallKind::UpdateTopology, BOUND, t0);
     assert_eq!(sent(&mut p), vec![Message::VoteUpdateTopology { collectives: 0, measured: None }]);
-    p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1, 2]), world: 8, limits: None }, t0)
-        .unwrap();
+    p.handle_message(
+        Message::Topology { epoch: Epoch(2), members: members(&[0, 1, 2]).into(), world: 8, limits: None },
+        t0,
+    )
+    .unwrap();
     p.handle_message(Message::TopologyVoteAborted { retry: true, reason: Reason::text("a topology connects") }, t0)
         .unwrap();
     let establish = actions(&mut p);
@@ -319,8 +322,11 @@ fn a_vote_ended_apart_with_a_call_queued_behind_it_leaves_that_call_to_run() {
     p.call(CallKind::UpdateTopology, BOUND, t0);
     assert_eq!(sent(&mut p), vec![Message::VoteUpdateTopology { collectives: 0, measured: None }]);
     p.call(CallKind::Collective(Api::AllReduce, None), BOUND, t0);
-    p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1]), world: 8, limits: None }, t0)
-        .unwrap();
+    p.handle_message(
+        Message::Topology { epoch: Epoch(2), members: members(&[0, 1]).into(), world: 8, limits: None },
+        t0,
+    )
+    .unwrap();
     assert!(matches!(&actions(&mut p)[..], [Action::Establish { position, .. }] if position.epoch == Epoch(2)));
     p.handle_message(Message::TopologyVoteAborted { retry: false, reason: apart().into() }, t0).unwrap();
     let ended = actions(&mut p);
@@ -338,8 +344,11 @@ fn a_vote_after_the_calls_at_its_point_ended_apart_ends_at_once() {
     let (mut p, t0) = joined(&[0, 1, 2]);
     let open = Message::VoteOpened { vote: Vote::SyncSharedState, epoch: Epoch(1), voter: PeerId(2), collectives: 0 };
     p.handle_message(open, t0).unwrap();
-    p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1, 2]), world: 8, limits: None }, t0)
-        .unwrap();
+    p.handle_message(
+        Message::Topology { epoch: Epoch(2), members: members(&[0, 1, 2]).into(), world: 8, limits: None },
+        t0,
+    )
+    .unwrap();
     let misuse = Misuse::new(made(&[2], Made::api(Api::SyncSharedState)), made(&[1], Made::api(Api::AllReduce)));
     p.handle_message(Message::SyncAborted { round: 1, retryable: false, reason: misuse.into() }, t0).unwrap();
     let ballot = SyncBallot { revision: Revision(0), strategy: 0, override_resume: false, entries: vec![] };
@@ -397,8 +406,11 @@ fn a_voter_told_of_the_misuse_runs_its_next_collective() {
     let (mut p, t0) = joined(&[0, 1, 2]);
     p.call(CallKind::PeersPending, BOUND, t0);
     assert_eq!(sent(&mut p), vec![Message::VotePeersPending { collectives: 0 }]);
-    p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1, 2]), world: 8, limits: None }, t0)
-        .unwrap();
+    p.handle_message(
+        Message::Topology { epoch: Epoch(2), members: members(&[0, 1, 2]).into(), world: 8, limits: None },
+        t0,
+    )
+    .unwrap();
     p.handle_message(Message::PeersPendingAborted { retry: false, reason: apart().into() }, t0).unwrap();
     assert_eq!(actions(&mut p), vec![done(Err(CallError::Misuse(apart())))]);
     let failure = OpFailure::new(FailureKind::Misuse, PeerId(1), "apart");
@@ -415,8 +427,11 @@ fn a_collective_the_others_failed_first_fails_here_before_it_runs() {
     let (mut p, t0) = joined(&[0, 1, 2]);
     let failure = OpFailure::new(FailureKind::PeerLost, PeerId(2), "gone");
     p.handle_message(Message::OpAborted { derived: 0, epoch: Epoch(1), seq: 0, failure: failure.clone() }, t0).unwrap();
-    p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1]), world: 8, limits: None }, t0)
-        .unwrap();
+    p.handle_message(
+        Message::Topology { epoch: Epoch(2), members: members(&[0, 1]).into(), world: 8, limits: None },
+        t0,
+    )
+    .unwrap();
     p.call(CallKind::Collective(Api::AllReduce, None), BOUND, t0);
     let op = OpId { epoch: Epoch(1), derived: 0, seq: Seq(0) };
     assert_eq!(actions(&mut p), vec![done(Err(CallError::Aborted { op, failure }))], "before it follows the ring");
@@ -499,8 +514,11 @@ fn a_sync_that_crossed_a_topology_joins_it_and_votes_again() {
     let ballot = SyncBallot { revision: Revision(3), strategy: 1, override_resume: false, entries: vec![] };
     p.call(CallKind::SyncSharedState(ballot), BOUND, t0);
     assert!(matches!(&sent(&mut p)[..], [Message::SyncVote { .. }]));
-    p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1]), world: 8, limits: None }, t0)
-        .unwrap();
+    p.handle_message(
+        Message::Topology { epoch: Epoch(2), members: members(&[0, 1]).into(), world: 8, limits: None },
+        t0,
+    )
+    .unwrap();
     let refused =
         Message::SyncAborted { round: 0, retryable: true, reason: Reason::text("topology 2 was being connected") };
     p.handle_message(refused, t0).unwrap();
@@ -627,8 +645,11 @@ fn a_lost_member_aborts_every_collective_in_flight_and_the_missed_ones_fail_alik
             Action::Done { call: *call, result: Err(CallError::Aborted { op: *op, failure: lost.clone() }) }
         );
     }
-    p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1]), world: 8, limits: None }, t0)
-        .unwrap();
+    p.handle_message(
+        Message::Topology { epoch: Epoch(2), members: members(&[0, 1]).into(), world: 8, limits: None },
+        t0,
+    )
+    .unwrap();
     for seq in [2, 3] {
         let retry = p.call(CallKind::Collective(Api::AllReduce, None), BOUND, t0);
         let missed = OpId { epoch: Epoch(1), derived: 0, seq: Seq(seq) };
@@ -987,8 +1008,11 @@ fn a_transfer_ends_at_its_bound_or_when_its_topology_is_replaced() {
     transfers.handle_taken_up(Epoch(2));
     assert_eq!(ended(&mut transfers), vec![(call, Err(Stop::Superseded(Epoch(2))))]);
     let (mut transfers, call) = transfer(t0);
-    p.handle_message(Message::Topology { epoch: Epoch(2), members: members(&[0, 1]), world: 8, limits: None }, t0)
-        .unwrap();
+    p.handle_message(
+        Message::Topology { epoch: Epoch(2), members: members(&[0, 1]).into(), world: 8, limits: None },
+        t0,
+    )
+    .unwrap();
     actions(&mut p);
     transfers.handle_stalled(&mut p, t0);
     assert!(ended(&mut transfers).is_empty(), "held for the news");

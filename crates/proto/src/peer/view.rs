@@ -405,7 +405,7 @@ impl PeerView {
                 if self.committed.as_ref().is_some_and(|(e, _)| *e >= epoch) {
                     return unexpected("topology epoch went backwards");
                 }
-                self.issued = Some((epoch, members.clone()));
+                self.issued = Some((epoch, members.to_vec()));
                 self.issued_with.retain(|e, _| *e >= self.committed.as_ref().map_or(Epoch(0), |(c, _)| *c));
                 self.issued_with.insert(epoch, (world, limits));
                 self.vote_open = None;
@@ -1033,8 +1033,13 @@ mod tests {
         v.handle_message(query(1)).unwrap();
         assert_eq!(v.poll_output(), None, "we may yet start it");
         v.handle_message(query(0)).unwrap();
-        v.handle_message(Message::Topology { epoch: Epoch(2), members: vec![member(0, 0)], world: 1, limits: None })
-            .unwrap();
+        v.handle_message(Message::Topology {
+            epoch: Epoch(2),
+            members: vec![member(0, 0)].into(),
+            world: 1,
+            limits: None,
+        })
+        .unwrap();
         assert!(
             matches!(v.poll_output(), Some(Message::OpFailed { derived: 0, epoch: Epoch(1), seq: 1, failure, .. })
                 if failure.kind == FailureKind::Superseded),
@@ -1148,8 +1153,13 @@ mod tests {
         let mut v = registered_alone();
         assert_eq!(v.topology_step(None, false), None);
         let members = vec![member(0, 0)];
-        v.handle_message(Message::Topology { epoch: Epoch(1), members: members.clone(), world: 3, limits: None })
-            .unwrap();
+        v.handle_message(Message::Topology {
+            epoch: Epoch(1),
+            members: members.clone().into(),
+            world: 3,
+            limits: None,
+        })
+        .unwrap();
         assert_eq!(v.topology_step(None, false), Some(TopologyStep::Establish(Epoch(1), members.clone())));
         assert_eq!(v.topology_step(Some(Epoch(1)), false), None, "established: wait for the commit");
         v.handle_message(Message::TopologyCommitted { epoch: Epoch(1) }).unwrap();
@@ -1234,7 +1244,8 @@ mod tests {
     /// Topology `e` with peer 0 alone is issued and comes into force.
     fn commit(v: &mut PeerView, e: u64) {
         let members = vec![member(0, 0)];
-        v.handle_message(Message::Topology { epoch: Epoch(e), members, world: 1, limits: None }).unwrap();
+        v.handle_message(Message::Topology { epoch: Epoch(e), members: members.into(), world: 1, limits: None })
+            .unwrap();
         v.handle_message(Message::TopologyCommitted { epoch: Epoch(e) }).unwrap();
     }
 
@@ -1247,8 +1258,12 @@ mod tests {
     fn ring_position_is_taken_in_our_group_and_the_world_counts_every_group() {
         let mut v = registered(3);
         let mixed = vec![member(1, 0), member(2, 1), member(3, 0)];
-        let topology =
-            |members: Vec<Member>, world| Message::Topology { epoch: Epoch(2), members, world, limits: None };
+        let topology = |members: Vec<Member>, world| Message::Topology {
+            epoch: Epoch(2),
+            members: members.into(),
+            world,
+            limits: None,
+        };
         assert!(v.handle_message(topology(mixed, 4)).is_err(), "a topology of two groups");
         let members = vec![member(1, 0), member(3, 0), member(4, 0)];
         assert!(v.handle_message(topology(members.clone(), 2)).is_err(), "a run smaller than its group");
