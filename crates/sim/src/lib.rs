@@ -58,4 +58,6 @@
 mod model;
 mod net;
 
-pub use model::{check, check_calls, run, run_calls, Call, Outcome, Report, Scripted, Violation};
+pub use model::{
+    check, check_calls, run, run_calls, run_large, Call, Large, MasterCost, Outcome, Report, Scripted, Violation,
+};

@@ -24,6 +24,9 @@ const TICK: Duration = Duration::from_millis(20);
 /// Faults are injected until then; afterwards the run must converge.
 const FAULTS_UNTIL: Duration = Duration::from_secs(12);
 const END: Duration = Duration::from_secs(30);
+/// Groups larger than this run the ring all-reduce alone, over one element ([`collective_of`]):
+/// what every member sends stays one hop per step, so a run of 1000 stays seconds of real time.
+const LARGE_WORLD: usize = 64;
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -191,6 +194,36 @@ pub struct Report {
     pub scripted: Vec<Scripted>,
     /// A scripted run's matching all-reduce after its calls: (peer index, its failed tries).
     pub after: Vec<(usize, Vec<String>)>,
+    /// What the master's handling of events cost in real time.
+    pub master: MasterCost,
+    /// Every topology the master committed: (when, epoch, members).
+    pub commits: Vec<(Duration, Epoch, Vec<PeerId>)>,
+    /// A large run's newcomer and crash ([`run_large`]).
+    pub large: Option<Large>,
+}
+
+/// The master's real time handling events: connections, messages, closes and timeouts.
+#[derive(Debug, Default, Clone)]
+pub struct MasterCost {
+    /// Events it handled.
+    pub events: u64,
+    /// Real time in its handlers, output drained.
+    pub busy: Duration,
+    /// The slowest one.
+    pub slowest: Duration,
+    /// What that one was.
+    pub slowest_event: String,
+}
+
+/// What [`run_large`] measured, in simulated time.
+#[derive(Debug, Default, Clone)]
+pub struct Large {
+    /// The newcomer's index, when it connected, and when a topology holding it was committed.
+    pub newcomer: (usize, Duration, Option<Duration>),
+    /// The member that crashed, when, and when a topology without it was committed.
+    pub crashed: (usize, Duration, Option<Duration>),
+    /// The slowest one-way latency the network gave a message (its round trip is twice it).
+    pub slowest_latency: Duration,
 }
 
 /// A call that [`run_calls`] has one peer make and the two others another.
@@ -524,6 +557,8 @@ struct Sim {
     trace: bool,
     /// A scripted run's calls ([`run_calls`]).
     script: Option<Script>,
+    /// When the run ends.
+    end: Duration,
 }
 
 /// Runs the scenario of `seed` to its end.
@@ -597,6 +632,29 @@ pub fn run_calls(seed: u64, first: Call, others: Call) -> Report {
     sim.run_to_end()
 }
 
+/// `peers` peers (more than [`LARGE_WORLD`]) join group 0 at once with PCCL's loop, one call at
+/// a time; a member crashes once they all-reduce, and a newcomer joins after that. The
+/// report's [`Large`] says how long, in simulated time, the master took to commit the topology
+/// without the crashed member and the one with the newcomer; [`MasterCost`] what its handling
+/// cost in real time. [`check`] holds it to every invariant.
+pub fn run_large(seed: u64, peers: usize) -> Report {
+    let mut sim = Sim::new(seed);
+    // PCCL's loop: those whose Join the first topology missed are admitted after the first
+    // collective, not the third (one takes seconds around a ring of 1000).
+    sim.shape = Shape::Pccl;
+    sim.end = Duration::from_secs(40);
+    sim.report.shape = format!("{peers} peers at first, PCCL's loop, one crash then one newcomer");
+    for _ in 0..peers {
+        sim.add_peer();
+    }
+    let crash = sim.rng.below(peers as u64) as usize;
+    let (crash_at, join_at) = (sim.rng.between(ms(12_000), ms(12_500)), sim.rng.between(ms(22_000), ms(22_500)));
+    sim.push(crash_at, Ev::Fault(Fault::Crash(crash)));
+    sim.push(join_at, Ev::Fault(Fault::Join));
+    sim.report.large = Some(Large::default());
+    sim.run_to_end()
+}
+
 impl Sim {
     /// A run with no peers yet: the seed's loop is README's, one call at a time.
     fn new(seed: u64) -> Sim {
@@ -640,6 +698,7 @@ impl Sim {
             deadline: None,
             trace: std::env::var_os("SHOAL_SIM_TRACE").is_some(),
             script: None,
+            end: END,
         }
     }
 
@@ -647,7 +706,7 @@ impl Sim {
     fn run_to_end(mut self) -> Report {
         self.wake_master();
         while let Some(q) = self.queue.pop() {
-            if q.at > END {
+            if q.at > self.end {
                 break;
             }
             let ev = self.events[q.slot].take().expect("a queued event");
@@ -659,7 +718,7 @@ impl Sim {
             }
             self.handle(ev);
         }
-        self.now = END;
+        self.now = self.end;
         self.finish()
     }
 }
@@ -684,6 +743,9 @@ impl Sim {
     /// connection carried before, held while the link is stalled.
     fn send(&mut self, from: Node, to: Node, ev: Ev) {
         let latency = if self.rng.chance(5) { self.rng.between(ms(5), ms(40)) } else { self.rng.between(ms(0), ms(3)) };
+        if let Some(large) = &mut self.report.large {
+            large.slowest_latency = large.slowest_latency.max(latency);
+        }
         let mut at = self.now + latency;
         let key = if from < to { (from, to) } else { (to, from) };
         if let Some(&until) = self.stalled.get(&key) {
@@ -709,7 +771,7 @@ impl Sim {
         // The master challenges the new connection; the peer answers with its Join.
         let mut nonce = [0u8; 32];
         nonce.iter_mut().for_each(|b| *b = self.rng.next() as u8);
-        self.master.handle_connect(at, ConnId(i as u64), nonce);
+        self.timed(&|| "a connection".into(), |m| m.handle_connect(at, ConnId(i as u64), nonce));
         self.drain_master();
         let first_tick = self.now + self.rng.between(ms(1), TICK);
         self.push(first_tick, Ev::Tick(i));
@@ -751,28 +813,52 @@ impl Sim {
         }
     }
 
+    /// Runs one of the master's handlers and drains what it decided, timing both (real time).
+    fn timed(&mut self, what: &dyn Fn() -> String, handle: impl FnOnce(&mut Master)) {
+        let started = Instant::now();
+        handle(&mut self.master);
+        let mut outputs = Vec::new();
+        while let Some(out) = self.master.poll_output() {
+            outputs.push(out);
+        }
+        let took = started.elapsed();
+        let cost = &mut self.report.master;
+        (cost.events, cost.busy) = (cost.events + 1, cost.busy + took);
+        if took > cost.slowest {
+            (cost.slowest, cost.slowest_event) = (took, what());
+        }
+        for out in outputs {
+            self.output(out);
+        }
+    }
+
     fn drain_master(&mut self) {
         while let Some(out) = self.master.poll_output() {
-            match out {
-                Output::Send { conn, message } => {
-                    if let Message::Registered { peer, .. } = &message {
-                        // It listens before it joins: reachable as soon as it has a name.
-                        self.index_of.insert(*peer, conn.0 as usize);
-                    }
-                    let to = Node::Peer(conn.0 as usize);
-                    self.send(Node::Master, to, Ev::Control { from: Node::Master, to, msg: message });
-                }
-                Output::Close { conn, .. } => {
-                    let to = Node::Peer(conn.0 as usize);
-                    self.send(Node::Master, to, Ev::ControlClosed { to, peer: conn.0 as usize });
-                }
-                Output::Event(MasterEvent::TopologyCommitted { epoch, members, .. }) => {
-                    self.commits.push((self.now, epoch, members))
-                }
-                Output::Event(_) => {}
-            }
+            self.output(out);
         }
         self.wake_master();
+    }
+
+    /// Carries out one thing the master decided.
+    fn output(&mut self, out: Output) {
+        match out {
+            Output::Send { conn, message } => {
+                if let Message::Registered { peer, .. } = &message {
+                    // It listens before it joins: reachable as soon as it has a name.
+                    self.index_of.insert(*peer, conn.0 as usize);
+                }
+                let to = Node::Peer(conn.0 as usize);
+                self.send(Node::Master, to, Ev::Control { from: Node::Master, to, msg: message });
+            }
+            Output::Close { conn, .. } => {
+                let to = Node::Peer(conn.0 as usize);
+                self.send(Node::Master, to, Ev::ControlClosed { to, peer: conn.0 as usize });
+            }
+            Output::Event(MasterEvent::TopologyCommitted { epoch, members, .. }) => {
+                self.commits.push((self.now, epoch, members))
+            }
+            Output::Event(_) => {}
+        }
     }
 
     // ----- events -----
@@ -807,19 +893,25 @@ impl Sim {
         match ev {
             Ev::Control { from: Node::Peer(i), to: Node::Master, msg } => {
                 let session = if matches!(msg, Message::Join { .. }) { SessionId(0) } else { SESSION };
-                self.master.handle_message(self.instant(), ConnId(i as u64), session, msg);
+                let at = self.instant();
+                let kind = msg.name();
+                self.timed(&|| kind.into(), |m| m.handle_message(at, ConnId(i as u64), session, msg));
                 self.drain_master();
             }
             Ev::ControlClosed { to: Node::Master, peer } => {
-                self.master.handle_disconnect(self.instant(), ConnId(peer as u64), "closed");
+                let at = self.instant();
+                self.timed(&|| "a closed connection".into(), |m| {
+                    m.handle_disconnect(at, ConnId(peer as u64), "closed")
+                });
                 self.drain_master();
             }
             Ev::MasterWake => {
                 if self.master_wake.is_some_and(|w| w <= self.now) {
                     self.master_wake = None;
                 }
-                if self.master.poll_timeout().is_some_and(|t| t <= self.instant()) {
-                    self.master.handle_timeout(self.instant());
+                let at = self.instant();
+                if self.master.poll_timeout().is_some_and(|t| t <= at) {
+                    self.timed(&|| "a timeout".into(), |m| m.handle_timeout(at));
                 }
                 self.drain_master();
             }
@@ -855,6 +947,13 @@ impl Sim {
         let present = self.peers.len();
         let pick = |i: usize| i % present;
         self.report.faults.push(format!("{:?} at {:?}", f, self.now));
+        if let Some(large) = &mut self.report.large {
+            match f {
+                Fault::Crash(v) => large.crashed = (pick(v), self.now, None),
+                Fault::Join => large.newcomer = (present, self.now, None),
+                _ => {}
+            }
+        }
         match f {
             Fault::Crash(v) => self.crash(pick(v)),
             Fault::CrashMidOp(v, sends) => {
@@ -1639,10 +1738,10 @@ impl Sim {
         let quantization = format.map(|f| Quantization::new(f, None).expect("a valid format"));
         let dtype = if quantization.is_some() { DType::F64 } else { DType::I64 };
         let codec = quantization.and_then(|q| q.codec(dtype, Some(ReduceOp::Sum)).expect("f64 sums quantize"));
-        let mut buf: Vec<i64> = (0..world).map(|k| value(input(me, id.seq.0, k), dtype)).collect();
+        let mut buf: Vec<i64> = (0..elements(world)).map(|k| value(input(me, id.seq.0, k), dtype)).collect();
         let input = buf.clone();
         let (quantization, block) = Quantization::to_wire(quantization);
-        let (dtype, count) = if barrier.is_some() { (DType::U8, 1) } else { (dtype, world) };
+        let (dtype, count) = if barrier.is_some() { (DType::U8, 1) } else { (dtype, elements(world)) };
         let header = OpHeader {
             collective: kind.code(),
             algorithm: algorithm.code(),
@@ -1976,6 +2075,20 @@ impl Sim {
         self.report.live_index = live.iter().copied().collect();
         self.report.groups = self.peers.iter().filter_map(|p| Some((p.me()?, p.group))).collect();
         self.report.ring = self.master.rings().flat_map(|(_, ring)| ring.iter().copied()).collect();
+        if let Some(large) = &mut self.report.large {
+            let committed = |after: Duration, holds: &dyn Fn(&[PeerId]) -> bool| {
+                self.commits.iter().find(|(at, _, m)| *at >= after && holds(m)).map(|c| c.0)
+            };
+            let (crashed, at, _) = large.crashed;
+            if let Some(me) = self.peers[crashed].me() {
+                large.crashed.2 = committed(at, &|m| !m.contains(&me));
+            }
+            let (newcomer, at, _) = large.newcomer;
+            if let Some(me) = self.peers.get(newcomer).and_then(SimPeer::me) {
+                large.newcomer.2 = committed(at, &|m| m.contains(&me));
+            }
+        }
+        self.report.commits = std::mem::take(&mut self.commits);
         self.report.views = live
             .iter()
             .map(|&i| {
@@ -2006,6 +2119,9 @@ fn state_digest(revision: u64) -> StateDigest {
 /// buffer of `world` elements (an all-gather's and reduce-scatter's blocks are one element each):
 /// `i64`, or `f64` where quantized.
 fn collective_of(id: OpId, world: usize) -> (CollectiveKind, Algorithm, usize, Option<Format>) {
+    if world > LARGE_WORLD {
+        return (CollectiveKind::AllReduce, Algorithm::Ring, 0, None);
+    }
     const ALL: [(CollectiveKind, Algorithm, Option<Format>); 10] = [
         (CollectiveKind::AllReduce, Algorithm::Ring, None),
         (CollectiveKind::AllReduce, Algorithm::OneShot, None),
@@ -2020,6 +2136,16 @@ fn collective_of(id: OpId, world: usize) -> (CollectiveKind, Algorithm, usize, O
     ];
     let (kind, algorithm, format) = ALL[((id.epoch.0 + id.seq.0) % ALL.len() as u64) as usize];
     (kind, algorithm, (id.seq.0 as usize) % world.max(1), format)
+}
+
+/// Elements in a collective's buffer among `world` members: one each, one in all past
+/// [`LARGE_WORLD`].
+fn elements(world: usize) -> usize {
+    if world > LARGE_WORLD {
+        1
+    } else {
+        world
+    }
 }
 
 /// The host of `rank` for the hierarchical all-reduce: two ranks per host.
@@ -2095,7 +2221,7 @@ pub fn check(r: &Report) -> Result<(), Violation> {
                     CollectiveKind::Broadcast => {
                         (values.clone(), (0..world).map(|k| input(members[root], *s, k)).collect())
                     }
-                    _ => (values.clone(), (0..world).map(sum).collect()),
+                    _ => (values.clone(), (0..elements(world)).map(sum).collect()),
                 };
                 if got != expected {
                     return Err(Violation(format!(

@@ -125,3 +125,43 @@ fn a_seed_is_a_pure_function() {
     let (a, b) = (run(7), run(7));
     assert_eq!((a.events, a.successes, a.collectives.len()), (b.events, b.successes, b.collectives.len()));
 }
+
+/// A run of `SHOAL_SIM_LARGE` peers (default 1000): every invariant holds, the master commits
+/// the topology without a crashed member and the one with a newcomer, and its handling of each
+/// event stays cheap. Prints the figures `docs/benchmarks.md` quotes.
+#[test]
+fn a_large_run_keeps_every_invariant() {
+    let peers = env_u64("SHOAL_SIM_LARGE").unwrap_or(1000) as usize;
+    let seed = env_u64("SHOAL_SIM_SEED").unwrap_or(1);
+    let started = std::time::Instant::now();
+    let report = shoal_sim::run_large(seed, peers);
+    let real = started.elapsed();
+    if let Err(v) = check(&report) {
+        panic!("large run of {peers} (seed {seed}) broke an invariant: {}\nfaults: {:#?}", v.0, report.faults);
+    }
+    let large = report.large.clone().expect("a large run's figures");
+    let m = &report.master;
+    eprintln!(
+        "{peers} peers, seed {seed}: {} events in {real:?}; {} collectives succeeded; slowest one-way latency \
+         {:?}\n  crash of {} at {:?}: topology without it committed {:?} later\n  newcomer at {:?}: topology with \
+         it committed {:?} later\n  master: {} events, {:?} in all, {:?} each on average, slowest {:?} ({})",
+        report.events,
+        report.successes,
+        large.slowest_latency,
+        large.crashed.0,
+        large.crashed.1,
+        large.crashed.2.map(|c| c - large.crashed.1),
+        large.newcomer.1,
+        large.newcomer.2.map(|c| c - large.newcomer.1),
+        m.events,
+        m.busy,
+        m.busy / m.events.max(1) as u32,
+        m.slowest,
+        m.slowest_event,
+    );
+    let commits: Vec<_> = report.commits.iter().map(|(at, e, m)| (*at, e.0, m.len())).collect();
+    eprintln!("  commits (when, epoch, members): {commits:?}");
+    assert!(large.crashed.2.is_some(), "the master never committed a topology without the crashed member");
+    assert!(large.newcomer.2.is_some(), "the newcomer was never admitted");
+    assert!(report.live.len() == peers, "{} live peers at the end, {peers} expected", report.live.len());
+}
