@@ -53,6 +53,12 @@
 //! waiters a call never serves are judged by [`shoal_proto::peer::Peer::judge_waiters`], as
 //! `crates/peer`'s driver does.
 //!
+//! [`run_large`] runs one more: 1,000 peers (or any number past 64, where collectives are the ring
+//! all-reduce over one element) join at once, one crashes, a newcomer joins; [`check`] holds it
+//! to the same invariants, and its [`Large`] and [`MasterCost`] say how long the master took to
+//! commit the topologies without the crashed member and with the newcomer (simulated time) and
+//! what its handlers cost (real time).
+//!
 //! `run(seed)` is a pure function of the seed: a failing seed reproduces exactly.
 
 mod model;

@@ -632,7 +632,7 @@ pub fn run_calls(seed: u64, first: Call, others: Call) -> Report {
     sim.run_to_end()
 }
 
-/// `peers` peers (more than [`LARGE_WORLD`]) join group 0 at once with PCCL's loop, one call at
+/// `peers` peers (more than 64) join group 0 at once with PCCL's loop, one call at
 /// a time; a member crashes once they all-reduce, and a newcomer joins after that. The
 /// report's [`Large`] says how long, in simulated time, the master took to commit the topology
 /// without the crashed member and the one with the newcomer; [`MasterCost`] what its handling
