@@ -25,7 +25,7 @@ def expected(dtype: str, op: str, peers: int) -> np.ndarray:
 
 @pytest.mark.parametrize("peers,algorithm", [(1, None), (2, "ring"), (2, "oneshot"), (3, "ring"), (3, "oneshot"),
                                              (3, "twoshot"), (4, "twoshot"), (4, "hierarchical"), (5, None),
-                                             (8, "ring")])
+                                             (8, "ring"), (12, "ring")])  # past 8: tokens by doubling
 def test_every_dtype_and_op_matches_numpy_on_every_peer(master, tmp_path, peers, algorithm):
     # Small chunks and 3 connections so that even 1 KiB buffers cross several chunks and lanes.
     infos = run_peers(master, tmp_path, "matrix", peers, connections=3, chunk_bytes=4096, algorithm=algorithm)
