@@ -81,6 +81,10 @@ impl Communicator {
     pub fn new(config: CommunicatorConfig) -> Result<Self> {
         config.validate()?;
         shoal_config::init_logging();
+        // Pools of many streams need more descriptors than a process may open by default.
+        if let Err(e) = shoal_transport::raise_open_files_limit() {
+            log::warn!("could not raise the limit on open files: {e}");
+        }
         let tls =
             config.tls.as_ref().map(TlsConfig::load).transpose().map_err(|e| Error::InvalidArgument(e.to_string()))?;
         let (stats, spares) = (Arc::new(Stats::default()), Spares::default());

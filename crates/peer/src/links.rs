@@ -43,7 +43,7 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 /// (`shoal_transport::greet`). Past it, new ones are closed at once: 20,000 trickling handshakes
 /// once gave a peer 19,990 threads, one per greeting, and ran it out of descriptors.
 const MAX_GREETINGS: usize = 1024;
-/// Of those, from one address: a pool is at most `MAX_CONNECTIONS` (64) streams, and a host may
+/// Of those, from one address: a pool is at most `MAX_CONNECTIONS` (256) streams, and a host may
 /// run several peers that dial at once.
 const MAX_GREETINGS_PER_SOURCE: usize = 512;
 /// The largest hello (`PeerHello` or `FetchRequest`) an accepted stream may announce.

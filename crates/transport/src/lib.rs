@@ -142,6 +142,35 @@ pub fn send_times(fd: std::os::fd::RawFd) -> io::Result<SendTimes> {
     Ok(SendTimes { busy_us: info.tcpi_busy_time, window_limited_us: info.tcpi_rwnd_limited + info.tcpi_sndbuf_limited })
 }
 
+/// Raises this process's soft limit on open descriptors to its hard limit, once (later calls
+/// return what the first found): pools of up to 256 streams to each of several members need
+/// more than the 1,024 most systems start a process with. Returns the limit now in force.
+///
+/// # Errors
+/// The limits could not be read or set.
+pub fn raise_open_files_limit() -> io::Result<u64> {
+    static RAISED: std::sync::OnceLock<Result<u64, i32>> = std::sync::OnceLock::new();
+    let raised = RAISED.get_or_init(|| {
+        let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: plain calls on a struct this function owns.
+        unsafe {
+            if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
+                return Err(io::Error::last_os_error().raw_os_error().unwrap_or(0));
+            }
+            if limit.rlim_cur < limit.rlim_max {
+                let wanted = libc::rlimit { rlim_cur: limit.rlim_max, rlim_max: limit.rlim_max };
+                if libc::setrlimit(libc::RLIMIT_NOFILE, &wanted) != 0 {
+                    return Err(io::Error::last_os_error().raw_os_error().unwrap_or(0));
+                }
+                limit.rlim_cur = limit.rlim_max;
+            }
+        }
+        #[allow(clippy::unnecessary_cast)] // `rlim_t` is u64 here, narrower elsewhere
+        Ok(limit.rlim_cur as u64)
+    });
+    raised.map_err(io::Error::from_raw_os_error)
+}
+
 /// Connections the kernel completes for a listener before it accepts them. Past it, a dialer's
 /// SYN is dropped and sent again a second later: std's 128 was reached by 256 members' fetch
 /// connections dialed at once, each then a second late.
@@ -339,6 +368,16 @@ pub fn poll(fds: &mut [PollFd], timeout: Duration) -> io::Result<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_open_files_limit_is_raised_to_the_hard_one() {
+        let limit = raise_open_files_limit().unwrap();
+        let mut now = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: a plain call on a struct the test owns.
+        assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut now) }, 0);
+        assert_eq!((now.rlim_cur, now.rlim_cur), (limit as libc::rlim_t, now.rlim_max));
+        assert_eq!(raise_open_files_limit().unwrap(), limit);
+    }
 
     /// A burst of dials to a listener busy elsewhere completes, up to its backlog: with std's
     /// 128, the rest waited a second for their SYN to be sent again (their dials timed out here).
