@@ -41,7 +41,7 @@ pub fn all_reduce(rank: usize, world: usize, len: usize, chunk_elems: usize) -> 
         })
         .collect();
     // The fold overwrites the buffer every send reads: after them.
-    let combine = (world > 1).then_some(Combine { range: 0..len, after_sends: sends.len() });
+    let combine = (world > 1).then(|| Combine::everyone(world, 0..len, sends.len()));
     Schedule { world, rank, sends, recvs, confirm: Confirm::Direct, combine }
 }
 
@@ -60,7 +60,7 @@ pub fn broadcast(rank: usize, world: usize, root: usize, len: usize, chunk_elems
                 range: range.clone(),
                 after_recv: None,
                 and_after_recv: None,
-                after_combine: false,
+                after_combine: 0,
             }));
         } else {
             schedule.recvs.push(RecvUnit { from: root, range, action: RecvAction::Copy });

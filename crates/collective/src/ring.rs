@@ -60,7 +60,7 @@ pub fn all_reduce(rank: usize, world: usize, len: usize, chunk_elems: usize) -> 
             if let Some(i) = after_recv {
                 debug_assert_eq!(recvs[i].range, range, "pipeline dependency on another chunk");
             }
-            sends.push(SendUnit { to: next, range, after_recv, and_after_recv: None, after_combine: false });
+            sends.push(SendUnit { to: next, range, after_recv, and_after_recv: None, after_combine: 0 });
         }
     }
     Schedule { world, rank, sends, recvs, confirm: Confirm::around(world), combine: None }
@@ -113,7 +113,7 @@ pub fn broadcast(rank: usize, world: usize, root: usize, len: usize, chunk_elems
         }
         if next != root {
             let after_recv = (rank != root).then_some(c);
-            schedule.sends.push(SendUnit { to: next, range, after_recv, and_after_recv: None, after_combine: false });
+            schedule.sends.push(SendUnit { to: next, range, after_recv, and_after_recv: None, after_combine: 0 });
         }
     }
     schedule
@@ -140,7 +140,7 @@ fn steps(
         recvs.extend(chunks(recv, chunk_elems).map(|range| RecvUnit { from: prev, range, action }));
         for (c, range) in chunks(send, chunk_elems).enumerate() {
             let after_recv = s.checked_sub(1).map(|p| recv_step_start[p] + c);
-            sends.push(SendUnit { to: next, range, after_recv, and_after_recv: None, after_combine: false });
+            sends.push(SendUnit { to: next, range, after_recv, and_after_recv: None, after_combine: 0 });
         }
     }
     Schedule { world, rank, sends, recvs, confirm: Confirm::around(world), combine: None }

@@ -27,16 +27,39 @@ pub struct Schedule {
     pub combine: Option<Combine>,
 }
 
-/// The fold of every rank's input over `range` (elements), in rank order: this rank's own from
-/// its buffer, the others' from what it kept aside ([`RecvAction::Stash`]). It runs once every
-/// unit to keep aside arrived and at least `after_sends` of this rank's sends left (those that
-/// read the range); sends marked [`SendUnit::after_combine`] wait for it.
+/// Where a schedule folds inputs kept aside into the buffer: over `range` (elements), one fold
+/// after another. Each fold runs once every unit to keep aside from its ranks arrived, the one
+/// before it ran, and at least `after_sends` of this rank's sends left (those that read the
+/// range); a send waits for as many folds as its [`SendUnit::after_combine`] says.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Combine {
     /// Elements folded.
     pub range: Range<usize>,
+    /// The folds, in the order they run.
+    pub folds: Vec<Fold>,
+}
+
+/// One fold: the inputs of `ranks` over the combined range, in that order: this rank's from
+/// its buffer (what the folds before left there), the others' from what it kept aside from them
+/// ([`RecvAction::Stash`]). The same ranks in the same order on every rank that folds them give
+/// bit-identical bytes: the order is fixed, and `∘` is commutative for every operator and type,
+/// so which operand is the accumulator does not matter.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fold {
+    /// Whose inputs, in the order folded; each other rank's are kept aside for this fold alone.
+    pub ranks: Vec<usize>,
     /// Sends that must have left first.
     pub after_sends: usize,
+    /// Whether it completes the reduction: an average divides after it.
+    pub completes: bool,
+}
+
+impl Combine {
+    /// One fold of every rank's input over `range`, once `after_sends` sends left: one-shot's
+    /// and two-shot's.
+    pub fn everyone(world: usize, range: Range<usize>, after_sends: usize) -> Self {
+        Combine { range, folds: vec![Fold { ranks: (0..world).collect(), after_sends, completes: true }] }
+    }
 }
 
 /// One chunk this rank sends.
@@ -51,21 +74,21 @@ pub struct SendUnit {
     /// A second unit it waits for: a hierarchical leader forwards a chunk once both its ring
     /// predecessor's part and its own host's sum arrived.
     pub and_after_recv: Option<usize>,
-    /// Whether it waits for the fold ([`Schedule::combine`]): it sends folded elements.
-    pub after_combine: bool,
+    /// How many folds ([`Schedule::combine`]) it waits for: it sends folded elements.
+    pub after_combine: usize,
 }
 
 impl SendUnit {
     /// A unit to `to` over `range` that waits for nothing.
     pub fn new(to: usize, range: Range<usize>) -> Self {
-        SendUnit { to, range, after_recv: None, and_after_recv: None, after_combine: false }
+        SendUnit { to, range, after_recv: None, and_after_recv: None, after_combine: 0 }
     }
 
-    /// Whether it may leave, given which receive units are complete and whether the fold ran.
-    pub fn ready(&self, received: impl Fn(usize) -> bool, combined: bool) -> bool {
+    /// Whether it may leave, given which receive units are complete and how many folds ran.
+    pub fn ready(&self, received: impl Fn(usize) -> bool, folds: usize) -> bool {
         self.after_recv.is_none_or(&received)
             && self.and_after_recv.is_none_or(&received)
-            && (!self.after_combine || combined)
+            && self.after_combine <= folds
     }
 }
 
@@ -93,7 +116,7 @@ pub enum RecvAction {
     },
     /// Copy into the local buffer.
     Copy,
-    /// Keep aside as the sender's input, for the fold ([`Schedule::combine`]).
+    /// Keep aside as the sender's input, for the fold of its rank ([`Schedule::combine`]).
     Stash,
 }
 
@@ -131,9 +154,26 @@ impl Confirm {
 }
 
 impl Schedule {
-    /// Whether part of the result is every rank's input folded in rank order.
+    /// Whether part of the result is inputs kept aside, folded.
     pub fn combines(&self) -> bool {
         self.combine.is_some()
+    }
+
+    /// How many folds it runs.
+    pub fn folds(&self) -> usize {
+        self.combine.as_ref().map_or(0, |c| c.folds.len())
+    }
+
+    /// The ranks whose inputs it keeps aside, in rank order: one slot of the buffer's size each.
+    pub fn stashed(&self) -> Vec<usize> {
+        let ranks: BTreeSet<usize> =
+            self.recvs.iter().filter(|u| u.action == RecvAction::Stash).map(|u| u.from).collect();
+        ranks.into_iter().collect()
+    }
+
+    /// The fold that reads what is kept aside from `rank`, by index.
+    pub fn fold_of(&self, rank: usize) -> Option<usize> {
+        self.combine.as_ref()?.folds.iter().position(|f| f.ranks.contains(&rank))
     }
 
     /// How many final reductions (`Reduce { last: true }`) each range has, by its first element.
@@ -251,7 +291,8 @@ pub(crate) mod testing {
         for (r, p) in plans.iter().enumerate() {
             received[r] = vec![false; p.recvs.len()];
         }
-        let mut combined = vec![false; world];
+        // Folds run, by rank.
+        let mut combined = vec![0usize; world];
         // Final reductions still to come, by rank and first element.
         let mut lasts: Vec<BTreeMap<usize, usize>> = plans.iter().map(Schedule::final_reductions).collect();
         // The next unit each rank expects from each sender, in order.
@@ -260,11 +301,19 @@ pub(crate) mod testing {
         loop {
             let mut ready = Vec::new();
             for (r, p) in plans.iter().enumerate() {
-                if let Some(c) = p.combine.as_ref().filter(|_| !combined[r]) {
-                    let stashed = (0..p.recvs.len()).all(|k| p.recvs[k].action != RecvAction::Stash || received[r][k]);
-                    if stashed && sent[r] >= c.after_sends {
-                        fold(&mut bufs[r], &stash[r], c.range.clone(), r, world, op);
-                        combined[r] = true;
+                if let Some(c) = p.combine.as_ref() {
+                    while let Some(f) = c.folds.get(combined[r]) {
+                        let k = combined[r];
+                        let stashed = (0..p.recvs.len()).all(|i| {
+                            p.recvs[i].action != RecvAction::Stash
+                                || p.fold_of(p.recvs[i].from) != Some(k)
+                                || received[r][i]
+                        });
+                        if !stashed || sent[r] < f.after_sends {
+                            break;
+                        }
+                        fold(&mut bufs[r], &stash[r], c.range.clone(), (r, world), f, op);
+                        combined[r] += 1;
                     }
                 }
                 if let Some(u) = p.sends.get(sent[r]) {
@@ -315,7 +364,7 @@ pub(crate) mod testing {
         for (r, p) in plans.iter().enumerate() {
             assert_eq!(sent[r], p.sends.len(), "rank {r} stalled");
             assert!(received[r].iter().all(|&g| g), "rank {r} stalled");
-            assert_eq!(combined[r], p.combines(), "rank {r} never folded");
+            assert_eq!(combined[r], p.folds(), "rank {r} did not fold");
         }
         bufs
     }
@@ -340,23 +389,23 @@ pub(crate) mod testing {
         out.iter().position(|buf| buf != &want)
     }
 
-    /// Folds every rank's input over `range` into `buf` in rank order, as the engine does.
+    /// Runs `f` over `range` of `buf`, as the engine does.
     fn fold(
         buf: &mut [i64],
         stash: &BTreeMap<usize, Vec<i64>>,
         range: Range<usize>,
-        rank: usize,
-        world: usize,
+        (rank, world): (usize, usize),
+        f: &Fold,
         op: ReduceOp,
     ) {
         for e in range {
             let value = |k: usize| if k == rank { buf[e] } else { stash[&k][e] };
-            let mut acc = vec![value(0)];
-            for k in 1..world {
+            let mut acc = vec![value(f.ranks[0])];
+            for &k in &f.ranks[1..] {
                 let d: &mut [u8] = bytemuck::cast_slice_mut(&mut acc);
                 reduce_into(DType::I64, op, d, bytemuck::cast_slice(&[value(k)])).unwrap();
             }
-            if op == ReduceOp::Avg {
+            if op == ReduceOp::Avg && f.completes {
                 finish_avg(DType::I64, bytemuck::cast_slice_mut(&mut acc), world).unwrap();
             }
             buf[e] = acc[0];

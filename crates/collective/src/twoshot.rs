@@ -25,7 +25,7 @@ use crate::schedule::{chunks, Combine, Confirm, RecvAction, RecvUnit, Schedule, 
 /// let plan = shoal_collective::twoshot::all_reduce(0, 2, 10, 8);
 /// // Block 1 to its owner, then the folded block 0 to rank 1, once folded.
 /// assert_eq!(plan.sends.iter().map(|u| (u.to, u.range.clone(), u.after_combine)).collect::<Vec<_>>(),
-///            [(1, 5..10, false), (1, 0..5, true)]);
+///            [(1, 5..10, 0), (1, 0..5, 1)]);
 /// ```
 pub fn all_reduce(rank: usize, world: usize, len: usize, chunk_elems: usize) -> Schedule {
     assert!(world > 0 && rank < world, "rank {rank} outside a group of {world}");
@@ -39,7 +39,7 @@ pub fn all_reduce(rank: usize, world: usize, len: usize, chunk_elems: usize) -> 
                 range,
                 after_recv: None,
                 and_after_recv: None,
-                after_combine: false,
+                after_combine: 0,
             })
         })
         .collect();
@@ -54,14 +54,14 @@ pub fn all_reduce(rank: usize, world: usize, len: usize, chunk_elems: usize) -> 
             range: range.clone(),
             after_recv: None,
             and_after_recv: None,
-            after_combine: true,
+            after_combine: 1,
         }));
     }
     recvs.extend(others().flat_map(|from| {
         chunks(block(from), chunk_elems).map(move |range| RecvUnit { from, range, action: RecvAction::Copy })
     }));
     // The fold writes our block, which no send of the first half reads.
-    let combine = (world > 1).then_some(Combine { range: block(rank), after_sends: 0 });
+    let combine = (world > 1).then(|| Combine::everyone(world, block(rank), 0));
     Schedule { world, rank, sends, recvs, confirm: Confirm::Direct, combine }
 }
 

@@ -977,14 +977,17 @@ struct OpExec {
     lasts: std::collections::BTreeMap<usize, usize>,
     saved: Vec<bool>,
     save_cursor: usize,
-    /// Whether the range the schedule folds is saved, and whether it was folded.
+    /// Whether the range the schedule folds is saved, and how many of its folds ran.
     saved_fold: bool,
-    folded: bool,
-    /// Units to keep aside that did not arrive yet.
-    to_stash: usize,
+    folded: usize,
+    /// Units to keep aside that did not arrive yet, by the fold that reads them.
+    to_stash: Vec<usize>,
+    /// Each group rank's slot in the stash and the fold that reads it, if it has one (by rank
+    /// in the group).
+    slot: Vec<(usize, usize)>,
     backup: Backup,
-    /// The other members' inputs, one slot of the buffer's size each, for a schedule that
-    /// combines them (empty otherwise).
+    /// The inputs kept aside ([`Schedule::stashed`]), one slot of the buffer's size each, for a
+    /// schedule that folds them (empty otherwise).
     stash: Vec<u64>,
     traffic: Traffic,
     data_done: bool,
@@ -1067,14 +1070,27 @@ impl OpExec {
             // SAFETY: lent to the engine; the only slice of it in use.
             backup.save(unsafe { spec.buf.slice() }, 0..spec.buf.len);
         }
-        let stash = if plan.combines() { vec![0u64; (world * spec.buf.len).div_ceil(8)] } else { Vec::new() };
+        let stashed = plan.stashed();
+        let mut slot = vec![(NOT_A_MEMBER, 0); if plan.combines() { world } else { 0 }];
+        for (i, &r) in stashed.iter().enumerate() {
+            slot[r].0 = i;
+        }
+        for (k, f) in plan.combine.iter().flat_map(|c| c.folds.iter().enumerate()) {
+            for &r in f.ranks.iter().filter(|&&r| r != rank) {
+                slot[r].1 = k;
+            }
+        }
+        let stash = vec![0u64; (stashed.len() * spec.buf.len).div_ceil(8)];
         let mut forwarded = vec![false; if quantized { plan.recvs.len() } else { 0 }];
         for u in plan.sends.iter().filter(|_| quantized) {
             for i in [u.after_recv, u.and_after_recv].into_iter().flatten() {
                 forwarded[i] = true;
             }
         }
-        let to_stash = plan.recvs.iter().filter(|u| u.action == RecvAction::Stash).count();
+        let mut to_stash = vec![0; plan.folds()];
+        for u in plan.recvs.iter().filter(|u| u.action == RecvAction::Stash) {
+            to_stash[slot[u.from].1] += 1;
+        }
         OpExec {
             saved: vec![quantized; plan.recvs.len()],
             recv_done: vec![false; plan.recvs.len()],
@@ -1096,8 +1112,9 @@ impl OpExec {
             received: 0,
             save_cursor: 0,
             saved_fold: quantized,
-            folded: false,
+            folded: 0,
             to_stash,
+            slot,
             backup,
             stash,
             traffic: Traffic::default(),
@@ -1292,48 +1309,57 @@ impl OpExec {
         self.recv_done[unit] = true;
         self.received += 1;
         if self.plan.recvs[unit].action == RecvAction::Stash {
-            self.to_stash -= 1;
+            self.to_stash[self.slot[self.plan.recvs[unit].from].1] -= 1;
         }
     }
 
     /// Where in the stash the chunk of unit `unit` goes.
     fn stash_offset(&self, unit: usize) -> usize {
         let u = &self.plan.recvs[unit];
-        u.from * self.spec.buf.len + self.bytes(&u.range).start
+        self.slot[u.from].0 * self.spec.buf.len + self.bytes(&u.range).start
     }
 
-    /// Folds every member's input over the schedule's fold range into the buffer, in rank order:
-    /// the same fold on every member (see `shoal_collective::oneshot`).
+    /// Runs the schedule's next fold over its range: the same fold on every member that runs it
+    /// (see `shoal_collective::schedule::Fold`).
     fn fold(&mut self) {
         self.save_fold();
-        self.folded = true;
         let Some(c) = self.plan.combine.as_ref() else { return };
+        let f = &c.folds[self.folded];
+        if c.range.is_empty() {
+            // Nothing of ours to fold (two-shot's block of a short buffer): nothing was kept aside.
+            self.folded += 1;
+            return;
+        }
         let r = self.bytes(&c.range);
         let range = c.range.clone();
-        self.forget_encoded(&range);
-        let (len, world, rank) = (self.spec.buf.len, self.plan.world, self.plan.rank);
+        let (len, rank, world) = (self.spec.buf.len, self.plan.rank, self.plan.world);
         let (dtype, op) = (self.spec.dtype, self.spec.op);
         // SAFETY: lent to the engine; the only slice of it in use.
         let buf = &mut unsafe { self.spec.buf.slice() }[r.clone()];
-        let stash: &mut [u8] = &mut bytemuck::cast_slice_mut(&mut self.stash)[..world * len];
-        let (first, rest) = stash.split_at_mut(len);
-        let first = &mut first[r.clone()];
-        let other = |k: usize| (k - 1) * len + r.start..(k - 1) * len + r.end;
-        if rank == 0 {
-            for k in 1..world {
-                reduce_into(dtype, op, buf, &rest[other(k)]).expect("aligned buffers");
+        let stash: &mut [u8] = bytemuck::cast_slice_mut(&mut self.stash);
+        let at = |k: usize| self.slot[k].0 * len + r.start..self.slot[k].0 * len + r.end;
+        if f.ranks[0] == rank {
+            for &k in &f.ranks[1..] {
+                reduce_into(dtype, op, buf, &stash[at(k)]).expect("aligned buffers");
             }
         } else {
-            // Fold into rank 0's input, then take the result.
-            for k in 1..world {
-                let src: &[u8] = if k == rank { buf } else { &rest[other(k)] };
-                reduce_into(dtype, op, first, src).expect("aligned buffers");
+            // Fold into the first rank's input, kept aside, then take the result.
+            let first = at(f.ranks[0]);
+            for &k in &f.ranks[1..] {
+                if k == rank {
+                    reduce_into(dtype, op, &mut stash[first.clone()], buf).expect("aligned buffers");
+                } else {
+                    let (acc, src) = two_ranges(stash, first.clone(), at(k));
+                    reduce_into(dtype, op, acc, src).expect("aligned buffers");
+                }
             }
-            buf.copy_from_slice(first);
+            buf.copy_from_slice(&stash[first]);
         }
-        if op == ReduceOp::Avg {
+        if op == ReduceOp::Avg && f.completes {
             finish_avg(dtype, buf, world).expect("aligned buffer");
         }
+        self.folded += 1;
+        self.forget_encoded(&range);
     }
 
     /// A token of `origin`'s (a rank in the group), saying it held the result `ready_us` after
@@ -1404,11 +1430,13 @@ impl OpExec {
         if self.finished {
             return;
         }
-        let fold_due = self.plan.combine.as_ref().is_some_and(|c| self.to_stash == 0 && self.sent >= c.after_sends);
-        if !self.folded && fold_due {
+        while let Some(f) = self.plan.combine.as_ref().and_then(|c| c.folds.get(self.folded)) {
+            if self.to_stash[self.folded] > 0 || self.sent < f.after_sends {
+                break;
+            }
             self.fold();
         }
-        let folded = self.folded || !self.plan.combines();
+        let folded = self.folded == self.plan.folds();
         if !self.data_done && folded && self.sent == self.plan.sends.len() && self.received == self.plan.recvs.len() {
             self.data_done = true;
             self.events.push(OpEvent::DataDone);
@@ -1487,4 +1515,16 @@ fn apply_early(op: &mut OpExec, early: Early) -> Result<Vec<u8>, LinkError> {
 /// The figure a token's body carries (its length checked with its header).
 fn token_value(body: &[u8]) -> u64 {
     u64::from_le_bytes(body[..TOKEN_BYTES].try_into().expect("a token's body"))
+}
+
+/// Two disjoint ranges of `bytes`: the first mutable, the second to read.
+fn two_ranges(bytes: &mut [u8], a: std::ops::Range<usize>, b: std::ops::Range<usize>) -> (&mut [u8], &[u8]) {
+    debug_assert!(a.end <= b.start || b.end <= a.start, "overlapping ranges");
+    if a.start < b.start {
+        let (lo, hi) = bytes.split_at_mut(b.start);
+        (&mut lo[a], &hi[..b.len()])
+    } else {
+        let (lo, hi) = bytes.split_at_mut(a.start);
+        (&mut hi[..a.len()], &lo[b])
+    }
 }
