@@ -25,13 +25,14 @@ def expected(dtype: str, op: str, peers: int) -> np.ndarray:
 
 @pytest.mark.parametrize("peers,algorithm", [(1, None), (2, "ring"), (2, "oneshot"), (3, "ring"), (3, "oneshot"),
                                              (3, "twoshot"), (4, "twoshot"), (4, "hierarchical"), (5, None),
-                                             (8, "ring"), (12, "ring")])  # past 8: tokens by doubling
+                                             (3, "doubling"), (8, "ring"),
+                                             (12, "ring"), (12, None)])  # past 8: tokens by doubling
 def test_every_dtype_and_op_matches_numpy_on_every_peer(master, tmp_path, peers, algorithm):
     # Small chunks and 3 connections so that even 1 KiB buffers cross several chunks and lanes.
     infos = run_peers(master, tmp_path, "matrix", peers, connections=3, chunk_bytes=4096, algorithm=algorithm)
     check_matrix(infos, tmp_path)
-    # Left to choose, buffers this small run one-shot among three or more.
-    chosen = algorithm or ("oneshot" if peers > 2 else "ring")
+    # Left to choose, buffers this small run one-shot among three to eight, by doubling past that.
+    chosen = algorithm or ("doubling" if peers > 8 else "oneshot" if peers > 2 else "ring")
     assert all(i["algorithms"] == [chosen] for i in infos), infos
 
 

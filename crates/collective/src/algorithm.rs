@@ -17,6 +17,9 @@ pub enum Algorithm {
     /// Within each host along a chain, between hosts around a ring of one leader per host
     /// ([`crate::hier`]): only leaders cross hosts.
     Hierarchical,
+    /// Recursive doubling ([`crate::doubling`]): `log2 n` rounds of whole-buffer exchanges with
+    /// one partner each, for small buffers in large groups.
+    Doubling,
     /// Straight from one member to another: a tagged point-to-point send and receive. It runs
     /// no collective.
     Direct,
@@ -27,7 +30,8 @@ pub enum Algorithm {
 
 impl Algorithm {
     /// Every algorithm of collectives.
-    pub const ALL: [Algorithm; 4] = [Algorithm::Ring, Algorithm::OneShot, Algorithm::TwoShot, Algorithm::Hierarchical];
+    pub const ALL: [Algorithm; 5] =
+        [Algorithm::Ring, Algorithm::OneShot, Algorithm::TwoShot, Algorithm::Hierarchical, Algorithm::Doubling];
 
     /// Wire code.
     pub fn code(self) -> u8 {
@@ -38,6 +42,7 @@ impl Algorithm {
             Algorithm::Direct => 4,
             Algorithm::Hierarchical => 5,
             Algorithm::SingleCopy => 6,
+            Algorithm::Doubling => 7,
         }
     }
 
@@ -55,6 +60,7 @@ impl Algorithm {
             Algorithm::Direct => "direct",
             Algorithm::Hierarchical => "hierarchical",
             Algorithm::SingleCopy => "single_copy",
+            Algorithm::Doubling => "doubling",
         }
     }
 
@@ -104,6 +110,9 @@ impl Algorithm {
             }
             (CollectiveKind::AllReduce, Algorithm::Hierarchical) => {
                 crate::hier::all_reduce(rank, world, hosts, len, chunk_elems)
+            }
+            (CollectiveKind::AllReduce, Algorithm::Doubling) => {
+                crate::doubling::all_reduce(rank, world, len, chunk_elems)
             }
             (CollectiveKind::AllGather, _) => crate::ring::all_gather(rank, world, len / world, chunk_elems),
             (CollectiveKind::ReduceScatter, _) => crate::ring::reduce_scatter(rank, world, len / world, chunk_elems),

@@ -8,6 +8,7 @@
 #![deny(unsafe_code)]
 
 mod algorithm;
+pub mod doubling;
 mod dtype;
 pub mod hier;
 mod kernels;

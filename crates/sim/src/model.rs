@@ -2114,7 +2114,7 @@ fn state_digest(revision: u64) -> StateDigest {
 }
 
 /// What collective `id` of a group of `world` is, the same on every member: every kind in turn,
-/// an all-reduce by each algorithm (hierarchical with two members per host, [`host_of`]), two
+/// an all-reduce by each algorithm (hierarchical with two members per host, [`host_of`]), three
 /// of them quantized, and a broadcast by both of its, from a root that varies. Each works on a
 /// buffer of `world` elements (an all-gather's and reduce-scatter's blocks are one element each):
 /// `i64`, or `f64` where quantized.
@@ -2122,11 +2122,13 @@ fn collective_of(id: OpId, world: usize) -> (CollectiveKind, Algorithm, usize, O
     if world > LARGE_WORLD {
         return (CollectiveKind::AllReduce, Algorithm::Ring, 0, None);
     }
-    const ALL: [(CollectiveKind, Algorithm, Option<Format>); 10] = [
+    const ALL: [(CollectiveKind, Algorithm, Option<Format>); 12] = [
         (CollectiveKind::AllReduce, Algorithm::Ring, None),
         (CollectiveKind::AllReduce, Algorithm::OneShot, None),
         (CollectiveKind::AllReduce, Algorithm::TwoShot, None),
         (CollectiveKind::AllReduce, Algorithm::Hierarchical, None),
+        (CollectiveKind::AllReduce, Algorithm::Doubling, None),
+        (CollectiveKind::AllReduce, Algorithm::Doubling, Some(Format::BF16)),
         (CollectiveKind::AllGather, Algorithm::Ring, None),
         (CollectiveKind::ReduceScatter, Algorithm::Ring, None),
         (CollectiveKind::Broadcast, Algorithm::Ring, None),
