@@ -179,7 +179,7 @@ class Communicator:
         ``algorithm`` forces ``"ring"``, ``"oneshot"``, ``"twoshot"``, ``"hierarchical"`` or
         ``"doubling"`` (every peer must pass the same); by default (``SHOAL_ALGO``, else ``"auto"``)
         buffers up to ``SHOAL_ONESHOT_MAX_BYTES`` (between two peers of one host, 8 KiB) run
-        one-shot (in a group of more than 8 off a WAN, by doubling: ``log2 n`` rounds), up to
+        one-shot (in a group of more than 8 on one host, by doubling: ``log2 n`` rounds), up to
         ``SHOAL_TWOSHOT_MAX_BYTES`` two-shot where the group spans hosts; larger ones run
         hierarchical where the group spans hosts and some share one (within each host, then one
         leader per host across), else around the ring. After ``optimize_topology()`` across a WAN,

@@ -106,10 +106,13 @@ pub const MAX_CONNECTIONS: usize = 256;
 pub const DEFAULT_MAX_IN_FLIGHT: usize = 64;
 /// Most collectives in flight the setting allows: each holds its scratch and backup.
 pub const MAX_IN_FLIGHT: usize = 1024;
-/// Largest group whose small all-reduces run one-shot off a WAN; larger ones run by doubling,
+/// Largest group on one host whose small all-reduces run one-shot; larger ones run by doubling,
 /// whose `log2 n` rounds beat one-shot's `n²` messages and the ring's `2 (n - 1)` hops there
 /// (loopback, 2 cores, 4 KiB: 8 peers 0.6 ms against one-shot's 0.5; 16 peers 1.3 against 1.9 and
-/// the ring's 1.8; 64 peers 12 against 61 and 64).
+/// the ring's 1.8; 64 peers 12 against 61 and 64). Across hosts one-shot stays: each of
+/// doubling's rounds costs a one-way delay there, and members cannot tell a LAN from a WAN
+/// before `optimize_topology` measures (the lab's `world`, 16 peers, 4 KiB: one-shot 270 ms,
+/// doubling 645 ms).
 pub const ONESHOT_WORLD_MAX: usize = 8;
 /// Default for [`CommunicatorConfig::oneshot_max_bytes`].
 pub const DEFAULT_ONESHOT_MAX_BYTES: usize = 64 << 10;
@@ -187,8 +190,8 @@ impl CommunicatorConfig {
     /// `hosts` hosts, asked for `requested`: what it (or else
     /// [`CommunicatorConfig::algorithm`]) names; otherwise one-shot up to
     /// [`CommunicatorConfig::oneshot_max_bytes`] (between two members of one host, up to
-    /// `PAIR_ONESHOT_MAX_BYTES`; an all-reduce in a group of more than `ONESHOT_WORLD_MAX`
-    /// by doubling instead, off a WAN), then two-shot up to
+    /// `PAIR_ONESHOT_MAX_BYTES`; an all-reduce in a group on one host of more than
+    /// `ONESHOT_WORLD_MAX` by doubling instead), then two-shot up to
     /// [`CommunicatorConfig::twoshot_max_bytes`] where the group spans hosts; above, the
     /// hierarchical all-reduce where the group spans hosts and some share one (only one leader
     /// per host crosses hosts: `2 (H - 1) / H` of the buffer for `H` hosts instead of the ring's
@@ -238,7 +241,7 @@ impl CommunicatorConfig {
             None if limits.is_some_and(|l| bytes as u64 <= l.twoshot_max) && world > 2 && oneshot_fits => {
                 Algorithm::TwoShot
             }
-            None if limits.is_none()
+            None if !spans_hosts
                 && world > ONESHOT_WORLD_MAX
                 && bytes <= oneshot_max
                 && kind == CollectiveKind::AllReduce =>
@@ -344,14 +347,15 @@ mod tests {
         assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, pair, (2, 1), None), Algorithm::OneShot);
         assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, pair + 1, (2, 1), None), Algorithm::Ring);
         assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, 8, (1, 1), None), Algorithm::Ring);
-        // Past ONESHOT_WORLD_MAX members, one-shot's all-reduces run by doubling; not on a WAN,
-        // not a broadcast, and not where the buffers aside would not fit.
+        // Past ONESHOT_WORLD_MAX members on one host, one-shot's all-reduces run by doubling; not
+        // across hosts, not a broadcast, and not where the buffers aside would not fit.
         let many = (ONESHOT_WORLD_MAX + 1, 1);
         assert_eq!(
             c.algorithm_for(CollectiveKind::AllReduce, None, small, (ONESHOT_WORLD_MAX, 1), None),
             Algorithm::OneShot
         );
         assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, small, many, None), Algorithm::Doubling);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, small, (64, 64), None), Algorithm::OneShot);
         assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, small + 1, many, None), Algorithm::Ring);
         assert_eq!(c.algorithm_for(CollectiveKind::Broadcast, None, small, many, None), Algorithm::OneShot);
         let huge = MAX_STASH_BYTES / 4;

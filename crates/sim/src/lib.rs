@@ -8,8 +8,8 @@
 //! the engine `crates/peer` ships ([`shoal_engine::Exec`]: the real schedules, folding,
 //! confirmation lap and backups), driven as `crates/peer` drives it, over simulated connections
 //! whose bytes the seeded network carries in pieces (`net.rs`). Every collective and algorithm
-//! runs in turn (all-reduce around the ring, one-shot, two-shot and hierarchical, two of them
-//! quantized to bf16 and int8, all-gather, reduce-scatter, broadcast around the ring and one-shot
+//! runs in turn (all-reduce around the ring, one-shot, two-shot, hierarchical and by doubling,
+//! three of them quantized to bf16 and int8, all-gather, reduce-scatter, broadcast around the ring and one-shot
 //! from a root that varies; one element per block or segment, values summed), several at once
 //! where the seed batches them, in group 0 or another, among 2 to 5 peers and in one run of 1000
 //! among 8 to 64. In half the runs every batch also exchanges tagged transfers around the ring

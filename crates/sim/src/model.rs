@@ -26,6 +26,8 @@ const FAULTS_UNTIL: Duration = Duration::from_secs(12);
 const END: Duration = Duration::from_secs(30);
 /// Groups larger than this run the ring all-reduce alone, over one element ([`collective_of`]):
 /// what every member sends stays one hop per step, so a run of 1000 stays seconds of real time.
+/// (By doubling, the automatic choice off a WAN, collectives end in `log2 n` hops, so many more
+/// run, each sending about `n²` token frames: a run of 1000 had not ended after 13 minutes.)
 const LARGE_WORLD: usize = 64;
 
 fn ms(n: u64) -> Duration {
@@ -2115,8 +2117,8 @@ fn state_digest(revision: u64) -> StateDigest {
 
 /// What collective `id` of a group of `world` is, the same on every member: every kind in turn,
 /// an all-reduce by each algorithm (hierarchical with two members per host, [`host_of`]), three
-/// of them quantized, and a broadcast by both of its, from a root that varies. Each works on a
-/// buffer of `world` elements (an all-gather's and reduce-scatter's blocks are one element each):
+/// of them quantized (bf16 around the ring and by doubling, int8 two-shot), and a broadcast by
+/// both of its, from a root that varies. Each works on a buffer of `world` elements (an all-gather's and reduce-scatter's blocks are one element each):
 /// `i64`, or `f64` where quantized.
 fn collective_of(id: OpId, world: usize) -> (CollectiveKind, Algorithm, usize, Option<Format>) {
     if world > LARGE_WORLD {
