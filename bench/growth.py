@@ -295,8 +295,9 @@ def table(rows: list[dict], sims: list[dict], sizes: list[str]) -> str:
     return text
 
 
-def plot(rows: list[dict], sims: list[dict], sizes: list[str], out: Path, where: str) -> list[Path]:
-    """Log-log plots of every figure against N; returns the files written."""
+def plot(rows: list[dict], sims: list[dict], sizes: list[str], out: Path, lab: str | None) -> list[Path]:
+    """Log-log plots of every figure against N (named growth-lab-* for a lab's); returns the files written."""
+    where, prefix = (f"lab {lab}", "growth-lab") if lab else ("loopback", "growth")
     try:
         import matplotlib
 
@@ -308,13 +309,13 @@ def plot(rows: list[dict], sims: list[dict], sizes: list[str], out: Path, where:
     n = [r["peers"] for r in rows]
     med = lambda key: [r[key]["median"] * 1e3 for r in rows]
     panels = {
-        "growth-membership.png": ("membership and votes (ms)", {
+        f"{prefix}-membership.png": ("membership and votes (ms)", {
             "connect() to accepted": med("connect_s"), "peers_pending()": med("peers_pending_s"),
             "update_topology(), none pending": med("update_topology_s"),
             "update_topology() admitting one": med("admit_s"), "recovery after SIGKILL": med("recovery_s"),
             "sync, nothing to repair": med("sync_s"), "sync with a repair": med("sync_repair_s")}),
-        "growth-all-reduce.png": ("all-reduce (ms)", {s: med(f"all_reduce_{s}_s") for s in sizes}),
-        "growth-master.png": ("master", {
+        f"{prefix}-all-reduce.png": ("all-reduce (ms)", {s: med(f"all_reduce_{s}_s") for s in sizes}),
+        f"{prefix}-master.png": ("master", {
             "CPU ms per join": [r["master"]["per_join_cpu_s"] * 1e3 for r in rows],
             "CPU ms per vote": [r["master"]["per_vote_cpu_s"] * 1e3 for r in rows],
             "CPU ms admitting one": [r["master"]["admit_cpu_s"] * 1e3 for r in rows],
@@ -393,7 +394,7 @@ def main() -> None:
     sims = [simulate(p) for p in args.sim_peers] if args.sim else []
     (args.out / "growth.json").write_text(json.dumps({"rows": rows, "simulator": sims}, indent=1))
     print(table(rows, sims, args.sizes))
-    for path in plot(rows, sims, args.sizes, args.out, f"lab {args.lab}" if args.lab else "loopback"):
+    for path in plot(rows, sims, args.sizes, args.out, args.lab):
         print(f"wrote {path}")
 
 
