@@ -90,9 +90,21 @@ def test_optimize_topology_puts_each_site_together_and_groups_where_it_pays(site
                 assert (rtt < 0.02) if near else (0.03 < rtt < 0.2), (me, other, m[me][other])
 
 
+def lab_carries(lab: Lab, streams: int, at_least: float) -> None:
+    """Skips unless `streams` plain TCP streams carry `at_least` bits a second from x to y: the lab's
+    delay program is a user-space process, and on a loaded machine it, not the windows, bounds the
+    path (a CI run once saw 290 Mbit/s whatever the streams), and there the pool cannot show that
+    more streams carry more. Plain TCP alone decides: shoal cannot cause the skip."""
+    carried = lab.measure_throughput("x", "y", streams=streams, seconds=2)["bits_per_s"]
+    if carried < at_least:
+        pytest.skip(f"{streams} plain streams carried {carried / 1e6:.0f} Mbit/s, under {at_least / 1e6:.0f}: the "
+                    f"lab's delay program, not the windows, bounds the path on this loaded machine")
+
+
 def test_optimize_topology_grows_the_pool_of_a_window_bound_path(tmp_path):
     need_lab()
     with Lab.up(PROFILES["long-fat-pipe"], name=f"t{os.getpid()}w", subnet="10.208.0.0/24", ttl=600) as lab:
+        lab_carries(lab, streams=16, at_least=700e6)
         with lab.master("x") as master:
             out = run_peers(master, tmp_path, "optimize", 2, timeout=180,
                             launch=lambda i, argv: lab.argv("xy"[i], argv))
@@ -116,6 +128,7 @@ def test_a_pool_grows_past_64_streams_where_windows_call_for_it(tmp_path):
             out = run_peers(master, tmp_path, "optimize", 2, timeout=240,
                             launch=lambda i, argv: lab.argv("xy"[i], argv), times=2)
         sixty_four = lab.measure_throughput("x", "y", streams=64, seconds=3)["bits_per_s"]
+        lab_carries(lab, streams=256, at_least=1.2 * sixty_four)
     for o in out:
         other = 1 - o["rank"]
         assert o["streams_out"][str(other)] == 256, o["streams_out"]
