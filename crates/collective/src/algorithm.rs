@@ -20,6 +20,9 @@ pub enum Algorithm {
     /// Recursive doubling ([`crate::doubling`]): `log2 n` rounds of whole-buffer exchanges with
     /// one partner each, for small buffers in large groups.
     Doubling,
+    /// One-shot within each site to its leader, among the leaders, and back down
+    /// ([`crate::twolevel`]): small buffers in large groups spread over sites.
+    TwoLevel,
     /// Straight from one member to another: a tagged point-to-point send and receive. It runs
     /// no collective.
     Direct,
@@ -30,8 +33,14 @@ pub enum Algorithm {
 
 impl Algorithm {
     /// Every algorithm of collectives.
-    pub const ALL: [Algorithm; 5] =
-        [Algorithm::Ring, Algorithm::OneShot, Algorithm::TwoShot, Algorithm::Hierarchical, Algorithm::Doubling];
+    pub const ALL: [Algorithm; 6] = [
+        Algorithm::Ring,
+        Algorithm::OneShot,
+        Algorithm::TwoShot,
+        Algorithm::Hierarchical,
+        Algorithm::Doubling,
+        Algorithm::TwoLevel,
+    ];
 
     /// Wire code.
     pub fn code(self) -> u8 {
@@ -43,6 +52,7 @@ impl Algorithm {
             Algorithm::Hierarchical => 5,
             Algorithm::SingleCopy => 6,
             Algorithm::Doubling => 7,
+            Algorithm::TwoLevel => 8,
         }
     }
 
@@ -61,6 +71,7 @@ impl Algorithm {
             Algorithm::Hierarchical => "hierarchical",
             Algorithm::SingleCopy => "single_copy",
             Algorithm::Doubling => "doubling",
+            Algorithm::TwoLevel => "twolevel",
         }
     }
 
@@ -85,7 +96,8 @@ impl Algorithm {
     /// The schedule of `rank` among `world` ranks for a collective of `kind` over a buffer of
     /// `len` elements (all-gather and reduce-scatter: `world` blocks of `len / world`), from
     /// `root` for a broadcast, in chunks of at most `chunk_elems` elements. `hosts` places each
-    /// rank on a host, for the hierarchical all-reduce (empty: each on its own).
+    /// rank on a host or site, for the hierarchical and two-level all-reduces (empty: each on its
+    /// own).
     ///
     /// # Panics
     /// If the algorithm does not run `kind` ([`Algorithm::runs`]).
@@ -113,6 +125,9 @@ impl Algorithm {
             }
             (CollectiveKind::AllReduce, Algorithm::Doubling) => {
                 crate::doubling::all_reduce(rank, world, len, chunk_elems)
+            }
+            (CollectiveKind::AllReduce, Algorithm::TwoLevel) => {
+                crate::twolevel::all_reduce(rank, world, hosts, len, chunk_elems)
             }
             (CollectiveKind::AllGather, _) => crate::ring::all_gather(rank, world, len / world, chunk_elems),
             (CollectiveKind::ReduceScatter, _) => crate::ring::reduce_scatter(rank, world, len / world, chunk_elems),

@@ -16,6 +16,7 @@ pub mod oneshot;
 pub mod quant;
 pub mod ring;
 pub mod schedule;
+pub mod twolevel;
 pub mod twoshot;
 
 pub use algorithm::Algorithm;

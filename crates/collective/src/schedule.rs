@@ -121,7 +121,7 @@ pub enum RecvAction {
 }
 
 /// How the participants learn that every one of them holds the result.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Confirm {
     /// Each rank's token goes round the ring, forwarded by every other rank: `world - 1` hops.
     Ring,
@@ -134,6 +134,11 @@ pub enum Confirm {
     /// ahead, then on), each rank sending and receiving about `world - 1` tokens over
     /// `ceil(log2 world)` links each way.
     Doubling,
+    /// Through each site's leader (the leader of each rank, by rank; a leader's is itself): a
+    /// member sends its token to its leader; a leader sends its own and its members' to every
+    /// other leader and to its members, and the other leaders' to its members. Three hops, one
+    /// of them between sites, each rank sending over the links its data took.
+    Leaders(Vec<usize>),
 }
 
 /// Largest group whose ring schedules confirm around the ring ([`Confirm::around`]).
@@ -201,7 +206,7 @@ impl Schedule {
     /// Where rank `origin`'s confirmation token goes next from here (another rank's: this
     /// rank's own go to [`Schedule::token_targets`]).
     pub fn forward_token(&self, origin: usize) -> Vec<usize> {
-        match self.confirm {
+        match &self.confirm {
             Confirm::Ring => {
                 let next = (self.rank + 1) % self.world;
                 if next != origin {
@@ -212,12 +217,15 @@ impl Schedule {
             }
             Confirm::Direct => Vec::new(),
             Confirm::Doubling => self.doubling_targets(self.behind(origin)),
+            Confirm::Leaders(leader) if leader[origin] == self.rank => self.site_targets(leader, Some(origin)),
+            Confirm::Leaders(leader) if leader[self.rank] == self.rank => self.site_targets(leader, None),
+            Confirm::Leaders(_) => Vec::new(),
         }
     }
 
     /// The rank that `origin`'s token reaches this rank from.
     pub fn token_from(&self, origin: usize) -> usize {
-        match self.confirm {
+        match &self.confirm {
             Confirm::Ring => (self.rank + self.world - 1) % self.world,
             Confirm::Direct => origin,
             // Learned in the round of the distance's highest bit, from that far behind.
@@ -226,25 +234,46 @@ impl Schedule {
                 let high = 1usize << (usize::BITS - 1 - j.leading_zeros());
                 (self.rank + self.world - high) % self.world
             }
+            // A leader has its members' from them and the other sites' from their leaders;
+            // a member has every token from its leader.
+            Confirm::Leaders(leader) if leader[origin] == self.rank => origin,
+            Confirm::Leaders(leader) if leader[self.rank] == self.rank => leader[origin],
+            Confirm::Leaders(leader) => leader[self.rank],
         }
     }
 
     /// Where this rank's own token goes once its data moved.
     pub fn token_targets(&self) -> Vec<usize> {
-        match self.confirm {
+        match &self.confirm {
             Confirm::Ring if self.world > 1 => vec![(self.rank + 1) % self.world],
             Confirm::Ring => Vec::new(),
             Confirm::Direct => (0..self.world).filter(|&r| r != self.rank).collect(),
             Confirm::Doubling => self.doubling_targets(0),
+            Confirm::Leaders(leader) if leader[self.rank] == self.rank => self.site_targets(leader, Some(self.rank)),
+            Confirm::Leaders(leader) => vec![leader[self.rank]],
         }
     }
 
     /// How many tokens this rank sends in all, its own and those it forwards.
     pub fn tokens_sent(&self) -> usize {
-        match self.confirm {
+        match &self.confirm {
             Confirm::Ring | Confirm::Direct => self.world - 1,
             Confirm::Doubling => (0..self.world).map(|j| self.doubling_targets(j).len()).sum(),
+            Confirm::Leaders(_) => {
+                let forwarded: usize =
+                    (0..self.world).filter(|&o| o != self.rank).map(|o| self.forward_token(o).len()).sum();
+                self.token_targets().len() + forwarded
+            }
         }
+    }
+
+    /// Where a leader sends a token of its own site's (`own`: the origin, its own or a
+    /// member's): to every other leader and its other members; another site's (`None`): to its
+    /// members.
+    fn site_targets(&self, leader: &[usize], own: Option<usize>) -> Vec<usize> {
+        let member = |r: usize| leader[r] == self.rank && r != self.rank && Some(r) != own;
+        let leads = |r: usize| own.is_some() && leader[r] == r && r != self.rank;
+        (0..self.world).filter(|&r| member(r) || leads(r)).collect()
     }
 
     /// How far `origin` is behind this rank, going round the group.
@@ -467,7 +496,14 @@ mod tests {
     /// says; returns the most hops a token took.
     fn confirm(world: usize, confirm: Confirm) -> usize {
         let plans: Vec<Schedule> = (0..world)
-            .map(|rank| Schedule { world, rank, sends: Vec::new(), recvs: Vec::new(), confirm, combine: None })
+            .map(|rank| Schedule {
+                world,
+                rank,
+                sends: Vec::new(),
+                recvs: Vec::new(),
+                confirm: confirm.clone(),
+                combine: None,
+            })
             .collect();
         // (from, to, origin, hops)
         let mut wire: VecDeque<(usize, usize, usize, usize)> = VecDeque::new();
@@ -511,6 +547,12 @@ mod tests {
             let bits = (1..world).map(|j| j.count_ones() as usize).max().unwrap_or(0);
             assert_eq!(confirm(world, Confirm::Doubling), bits, "{world}");
             assert!(bits <= log);
+            // Through leaders: at most member to leader, leader to leader, leader to member.
+            for sites in [1, 3, 7] {
+                let leaders = crate::twolevel::leaders(world, &(0..world).map(|r| r % sites).collect::<Vec<_>>());
+                let hops = confirm(world, Confirm::Leaders(leaders));
+                assert!(hops <= 3 && (world == 1 || hops >= 1), "{world} in {sites} sites: {hops} hops");
+            }
         }
         assert_eq!(confirm(1000, Confirm::Doubling), 9); // 511 = 0b111111111
                                                          // Each rank links to ceil(log2 world) others and sends about world - 1 tokens.

@@ -1164,8 +1164,8 @@ mod tests {
                             Some(c) => quantized_spec(&mut run.buf, seq, tag, algorithm, chunk_bytes, c),
                             None => sum_spec(&mut run.buf, seq, tag, algorithm, chunk_bytes),
                         };
-                        if spec.algorithm == Algorithm::Hierarchical {
-                            // Two hosts, ranks alternating between them.
+                        if matches!(spec.algorithm, Algorithm::Hierarchical | Algorithm::TwoLevel) {
+                            // Two hosts (or sites), ranks alternating between them.
                             spec.hosts = (0..world).map(|r| r % 2).collect();
                         }
                         exec.post(spec);
@@ -1942,6 +1942,11 @@ mod tests {
             let q = shoal_collective::Quantization::parse(name, block).unwrap();
             let codec = q.codec(DType::F32, Some(ReduceOp::Avg)).unwrap().unwrap();
             for (algorithm, world) in Algorithm::ALL.into_iter().flat_map(|a| [(a, 2), (a, 3), (a, 4)]) {
+                let sites: Vec<usize> = (0..world).map(|r| r % 2).collect();
+                if algorithm == Algorithm::TwoLevel && !shoal_collective::twolevel::quantizes(world, &sites) {
+                    // One site of two and one of one: chosen only unquantized.
+                    continue;
+                }
                 let sizes = [1000, 1, 3000];
                 let faults = Faults { capacity: 3 * 1000, max_io: 1000, reset_after: None };
                 let mut execs = mesh(world, 2, faults);
@@ -1966,9 +1971,8 @@ mod tests {
                         assert!(worst <= bound, "{case}: rank {rank}, collective {i}: error {worst}");
                         // Every chunk went out encoded: the bytes sent are the encoded sizes.
                         let elems = (2048 / 4, 2 * words);
-                        let hosts: Vec<usize> = (0..world).map(|r| r % 2).collect();
                         let plan =
-                            algorithm.schedule(CollectiveKind::AllReduce, (rank, world), &hosts, elems.1, 0, elems.0);
+                            algorithm.schedule(CollectiveKind::AllReduce, (rank, world), &sites, elems.1, 0, elems.0);
                         let encoded: usize = plan.sends.iter().map(|u| codec.encoded_len(u.range.len())).sum();
                         let sent = run.taken.as_ref().expect("taken").traffic.tx_bytes;
                         assert_eq!(sent, encoded as u64, "{case}: rank {rank}, collective {i}");
