@@ -176,15 +176,19 @@ class Communicator:
 
         On success every peer holds bit-identical values. On :class:`PeerLostError` the call did
         not happen (the tensor is as it was) and the ring re-forms by itself: retry it as is.
-        ``algorithm`` forces ``"ring"``, ``"oneshot"``, ``"twoshot"``, ``"hierarchical"`` or
-        ``"doubling"`` (every peer must pass the same); by default (``SHOAL_ALGO``, else ``"auto"``)
-        buffers up to ``SHOAL_ONESHOT_MAX_BYTES`` (between two peers of one host, 8 KiB) run
-        one-shot (in a group of more than 8 on one host, by doubling: ``log2 n`` rounds), up to
-        ``SHOAL_TWOSHOT_MAX_BYTES`` two-shot where the group spans hosts; larger ones run
-        hierarchical where the group spans hosts and some share one (within each host, then one
-        leader per host across), else around the ring. After ``optimize_topology()`` across a WAN,
-        the limits the master derives from the measured round trips replace the two settings, and
-        the master's sites (where grouping pays) replace hosts. ``ReduceInfo.algorithm`` says which ran.
+        ``algorithm`` forces ``"ring"``, ``"oneshot"``, ``"twoshot"``, ``"hierarchical"``,
+        ``"doubling"`` or ``"twolevel"`` (every peer must pass the same); by default
+        (``SHOAL_ALGO``, else ``"auto"``) buffers up to ``SHOAL_ONESHOT_MAX_BYTES`` (between two
+        peers of one host, 8 KiB) run one-shot (in a group of more than 8 on one host, by
+        doubling: ``log2 n`` rounds; in one of more than 8 across hosts or sites some of which
+        hold several members, two-level: one-shot to each site's leader, among the leaders, and
+        back), up to ``SHOAL_TWOSHOT_MAX_BYTES`` two-shot where the group spans hosts; larger ones
+        run hierarchical where the group spans hosts and some share one (within each host, then
+        one leader per host across), else around the ring. After ``optimize_topology()`` across a
+        WAN, the limits the master derives from the measured round trips replace the two
+        settings, the master's sites (members whose round trips are short) replace hosts, and
+        the hierarchical all-reduce runs only where the measured links say grouping pays.
+        ``ReduceInfo.algorithm`` says which ran.
 
         ``quantization`` (op sum or avg, float tensors) sends every chunk in fewer bytes:
         ``"fp16"``, ``"bf16"`` (each element cast), ``"int8"``, ``"int4"`` (block-wise min-max,

@@ -41,8 +41,9 @@ class ReduceInfo:
         """The collective's number within its topology; with ``topology``, the same on every participant."""
     @property
     def algorithm(self) -> str:
-        """How it moved its data: "ring", "oneshot", "twoshot", "hierarchical", "doubling", "direct" (a transfer)
-        or "single_copy" (a transfer read straight out of the sender's memory, on one host)."""
+        """How it moved its data: "ring", "oneshot", "twoshot", "hierarchical", "doubling", "twolevel",
+        "direct" (a transfer) or "single_copy" (a transfer read straight out of the sender's memory,
+        on one host)."""
     @property
     def peer(self) -> Optional[int]:
         """A transfer: the rank of the member at the other end (for a receive from any member, the

@@ -373,7 +373,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--in-flight", type=int, default=1,
                         help="all-reduces of each size started at once per iteration (default 1)")
     parser.add_argument("--algorithm", default=None,
-                        choices=["auto", "ring", "oneshot", "twoshot", "hierarchical", "doubling"],
+                        choices=["auto", "ring", "oneshot", "twoshot", "hierarchical", "doubling", "twolevel"],
                         help="all-reduce algorithm (default: chosen per size)")
     parser.add_argument("--optimize", action="store_true",
                         help="order the ring by measured links (optimize_topology) before timing")

@@ -41,8 +41,9 @@ struct ReduceInfo {
     /// The collective's number within its topology: with `topology`, the same on every
     /// participant.
     sequence: u64,
-    /// How it moved its data: "ring", "oneshot", "twoshot", "hierarchical", "doubling", "direct" (a
-    /// transfer) or "single_copy" (a transfer read straight out of the sender's memory, on one host).
+    /// How it moved its data: "ring", "oneshot", "twoshot", "hierarchical", "doubling", "twolevel",
+    /// "direct" (a transfer) or "single_copy" (a transfer read straight out of the sender's memory,
+    /// on one host).
     algorithm: &'static str,
     /// A transfer: the rank of the member at the other end (for a receive from any member, the
     /// one whose send it took); `None` for a collective.
@@ -126,7 +127,7 @@ fn algorithm_named(algorithm: Option<&str>) -> PyResult<Option<Algorithm>> {
         None | Some("auto") => Ok(None),
         Some(name) => Algorithm::from_name(name).map(Some).ok_or_else(|| {
             PyValueError::new_err(format!(
-                "unknown algorithm {name:?}: expected auto, ring, oneshot, twoshot, hierarchical or doubling"
+                "unknown algorithm {name:?}: expected auto, ring, oneshot, twoshot, hierarchical, doubling or twolevel"
             ))
         }),
     }

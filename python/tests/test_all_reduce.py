@@ -25,7 +25,7 @@ def expected(dtype: str, op: str, peers: int) -> np.ndarray:
 
 @pytest.mark.parametrize("peers,algorithm", [(1, None), (2, "ring"), (2, "oneshot"), (3, "ring"), (3, "oneshot"),
                                              (3, "twoshot"), (4, "twoshot"), (4, "hierarchical"), (5, None),
-                                             (3, "doubling"), (8, "ring"),
+                                             (3, "doubling"), (5, "twolevel"), (8, "ring"),
                                              (12, "ring"), (12, None)])  # past 8: tokens by doubling
 def test_every_dtype_and_op_matches_numpy_on_every_peer(master, tmp_path, peers, algorithm):
     # Small chunks and 3 connections so that even 1 KiB buffers cross several chunks and lanes.
@@ -34,6 +34,19 @@ def test_every_dtype_and_op_matches_numpy_on_every_peer(master, tmp_path, peers,
     # Left to choose, buffers this small run one-shot among three to eight, by doubling past that.
     chosen = algorithm or ("doubling" if peers > 8 else "oneshot" if peers > 2 else "ring")
     assert all(i["algorithms"] == [chosen] for i in infos), infos
+
+
+def test_a_large_group_over_hosts_runs_two_level_by_itself(master, tmp_path):
+    """12 peers that advertise three addresses (three hosts, four members each): left to
+    choose, small all-reduces run one-shot to each host's leader, among the leaders and back."""
+    peers = 12
+
+    def on_host(i: int, argv: list[str]) -> list[str]:
+        return ["env", f"SHOAL_ADVERTISE_ADDR=127.0.0.{1 + i % 3}", *argv]
+
+    infos = run_peers(master, tmp_path, "matrix", peers, launch=on_host, connections=3, chunk_bytes=4096)
+    check_matrix(infos, tmp_path)
+    assert all(i["algorithms"] == ["twolevel"] for i in infos), infos
 
 
 def test_all_gather_reduce_scatter_and_broadcast_match_numpy_on_every_peer(master, tmp_path):

@@ -26,7 +26,7 @@ def outcome(tmp_path_factory):
 def test_every_mode_dtype_and_algorithm_ends_bit_identical_on_every_peer(outcome):
     results, arrays = outcome
     keys = arrays[0].files
-    assert len(keys) == 4 * 3 * 4 - 4 + 5, keys  # every combination but bf16 of float16, and 5 variants
+    assert len(keys) == 4 * 3 * 5 - 5 + 5, keys  # every combination but bf16 of float16, and 5 variants
     for key in keys:
         if key == "scatter":
             continue  # each peer holds its own block
@@ -52,7 +52,7 @@ def test_results_are_within_their_formats_error(outcome):
 def test_tx_bytes_show_the_compression(outcome):
     results, _ = outcome
     sent = results[0]["sent"]
-    for algorithm in ["ring", "oneshot", "twoshot", "hierarchical"]:
+    for algorithm in ["ring", "oneshot", "twoshot", "hierarchical", "twolevel"]:
         plain = sent[f"none/float32/{algorithm}"]
         ratio = {q: plain / sent[f"{q}/float32/{algorithm}"] for q in ["fp16", "bf16", "int8", "int4"]}
         assert 1.95 <= ratio["fp16"] <= 2.0 and 1.95 <= ratio["bf16"] <= 2.0, (algorithm, ratio)

@@ -1309,7 +1309,7 @@ def quantized(spec: dict) -> dict:
 
     for seed, (q, dtype, algorithm) in enumerate(
             (q, d, a) for q in QUANTIZATIONS for d in ["float16", "float32", "float64"]
-            for a in ["ring", "oneshot", "twoshot", "hierarchical"]):
+            for a in ["ring", "oneshot", "twoshot", "hierarchical", "twolevel"]):
         if (q, dtype) == ("bf16", "float16"):
             continue
         exact = sum(normal(dtype, r, seed).astype(np.float64) for r in range(n)) / n

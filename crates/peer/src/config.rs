@@ -178,7 +178,7 @@ impl CommunicatorConfig {
         };
         if let Some(name) = env_value("SHOAL_ALGO").filter(|a| a != "auto") {
             let Some(algorithm) = Algorithm::from_name(&name) else {
-                let expected = "auto, ring, oneshot, twoshot, hierarchical or doubling";
+                let expected = "auto, ring, oneshot, twoshot, hierarchical, doubling or twolevel";
                 return Err(shoal_config::ConfigError { name: "SHOAL_ALGO", value: name, expected }.into());
             };
             return Ok(CommunicatorConfig { algorithm: Some(algorithm), ..config });
@@ -191,9 +191,11 @@ impl CommunicatorConfig {
     /// [`CommunicatorConfig::algorithm`]) names; otherwise one-shot up to
     /// [`CommunicatorConfig::oneshot_max_bytes`] (between two members of one host, up to
     /// `PAIR_ONESHOT_MAX_BYTES`; an all-reduce in a group on one host of more than
-    /// `ONESHOT_WORLD_MAX` by doubling instead), then two-shot up to
+    /// `ONESHOT_WORLD_MAX` by doubling instead; one across sites or hosts some of which hold
+    /// several of its members, two-level), then two-shot up to
     /// [`CommunicatorConfig::twoshot_max_bytes`] where the group spans hosts; above, the
-    /// hierarchical all-reduce where the group spans hosts and some share one (only one leader
+    /// hierarchical all-reduce where the group spans hosts and some share one, and where measured
+    /// links say grouping pays ([`AlgorithmLimits::hierarchical`]) (only one leader
     /// per host crosses hosts: `2 (H - 1) / H` of the buffer for `H` hosts instead of the ring's
     /// `2 (n - 1) / n`, in fewer long hops), and the ring otherwise (loopback, 2 cores: one-shot
     /// takes 0.43× the ring's time at 4 KiB with 4 peers, 0.94× at 256 KiB). On one
@@ -229,15 +231,24 @@ impl CommunicatorConfig {
             (2, false) => self.oneshot_max_bytes.min(PAIR_ONESHOT_MAX_BYTES),
             _ => self.oneshot_max_bytes,
         };
+        // A small all-reduce in a large group spread over sites (or hosts) some of which hold
+        // several members: one-shot within each and among their leaders, `n + H²` messages for
+        // `H` sites where one-shot sends `n²`; one-shot otherwise.
+        let direct = if kind == CollectiveKind::AllReduce && world > ONESHOT_WORLD_MAX && spans_hosts && hosts < world {
+            Algorithm::TwoLevel
+        } else {
+            Algorithm::OneShot
+        };
         // Doubling keeps a buffer aside per round, and one more.
         let doubling_fits = bytes.saturating_mul(world.ilog2() as usize + 2) <= MAX_STASH_BYTES;
         let chosen = match requested.or(self.algorithm) {
-            Some(Algorithm::OneShot | Algorithm::TwoShot) if !oneshot_fits => Algorithm::Ring,
+            Some(Algorithm::OneShot | Algorithm::TwoShot | Algorithm::TwoLevel) if !oneshot_fits => Algorithm::Ring,
             Some(Algorithm::Doubling) if !doubling_fits => Algorithm::Ring,
             Some(algorithm) => algorithm,
             // The master's limits from measured links (a group across a WAN): what its cost
-            // model says is fastest, between two members too.
-            None if limits.is_some_and(|l| bytes as u64 <= l.oneshot_max) && oneshot_fits => Algorithm::OneShot,
+            // model says is fastest, between two members too; in a large group spread over
+            // sites, one-shot within each and among their leaders.
+            None if limits.is_some_and(|l| bytes as u64 <= l.oneshot_max) && oneshot_fits => direct,
             None if limits.is_some_and(|l| bytes as u64 <= l.twoshot_max) && world > 2 && oneshot_fits => {
                 Algorithm::TwoShot
             }
@@ -248,11 +259,11 @@ impl CommunicatorConfig {
             {
                 Algorithm::Doubling
             }
-            None if limits.is_none() && world > 1 && bytes <= oneshot_max && oneshot_fits => Algorithm::OneShot,
+            None if limits.is_none() && world > 1 && bytes <= oneshot_max && oneshot_fits => direct,
             None if limits.is_none() && spans_hosts && world > 2 && bytes <= self.twoshot_max_bytes && oneshot_fits => {
                 Algorithm::TwoShot
             }
-            None if spans_hosts && hosts < world => Algorithm::Hierarchical,
+            None if spans_hosts && hosts < world && limits.is_none_or(|l| l.hierarchical) => Algorithm::Hierarchical,
             None => Algorithm::Ring,
         };
         // A broadcast has no two-shot form: the ring's pipeline moves it as fast.
@@ -387,9 +398,23 @@ mod tests {
         assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, 1 << 20, (2, 2), None), Algorithm::OneShot);
         // The master's limits from measured links win over the settings, between two members too.
         c.algorithm = None;
-        let wan = Some(AlgorithmLimits { oneshot_max: 2 << 20, twoshot_max: 32 << 20 });
+        let wan = Some(AlgorithmLimits { oneshot_max: 2 << 20, twoshot_max: 32 << 20, hierarchical: false });
         assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, 1 << 20, (2, 2), wan), Algorithm::OneShot);
         assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, 4 << 10, (64, 64), wan), Algorithm::OneShot);
+        // A large group in sites: two-level where one-shot would run (not a broadcast); the
+        // hierarchical all-reduce only where the measured links say grouping pays.
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, 4 << 10, (64, 5), wan), Algorithm::TwoLevel);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, 4 << 10, (8, 2), wan), Algorithm::OneShot);
+        assert_eq!(c.algorithm_for(CollectiveKind::Broadcast, None, 4 << 10, (64, 5), wan), Algorithm::OneShot);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, 64 << 20, (64, 5), wan), Algorithm::Ring);
+        let pays = wan.map(|l| AlgorithmLimits { hierarchical: true, ..l });
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, 64 << 20, (64, 5), pays), Algorithm::Hierarchical);
+        // Unmeasured, hosts some members share stand in for sites.
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, small, (16, 4), None), Algorithm::TwoLevel);
+        assert_eq!(
+            c.algorithm_for(CollectiveKind::AllReduce, Some(Algorithm::TwoLevel), huge, (16, 4), None),
+            Algorithm::Ring
+        );
         assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, 8 << 20, (4, 4), wan), Algorithm::TwoShot);
         assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, 8 << 20, (2, 2), wan), Algorithm::Ring);
         assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, 64 << 20, (4, 4), wan), Algorithm::Ring);

@@ -586,7 +586,12 @@ impl Driver {
         let codec = request.codec().expect("checked when called");
         // What travels decides: a quantized buffer is as small as its encoding.
         let wire = codec.map_or(record.buf.len(), |c| c.encoded_len(record.count as usize));
-        let algorithm = self.config.algorithm_for(request.kind, request.algorithm, wire, group, position.limits);
+        let mut algorithm = self.config.algorithm_for(request.kind, request.algorithm, wire, group, position.limits);
+        if algorithm == Algorithm::TwoLevel && codec.is_some() && !shoal_collective::twolevel::quantizes(world, &hosts)
+        {
+            // A leader without members would keep a result its encoding did not round.
+            algorithm = Algorithm::OneShot;
+        }
         let header = op_header(id, &request, algorithm, record.count);
         record.posted = Some(Posted { id, header, world, rank, algorithm });
         log::trace!("{}", Described::Collective(header));
@@ -615,7 +620,11 @@ impl Driver {
             op: request.op,
             algorithm,
             root: request.root,
-            hosts: if algorithm == Algorithm::Hierarchical { hosts.into_owned() } else { Vec::new() },
+            hosts: if matches!(algorithm, Algorithm::Hierarchical | Algorithm::TwoLevel) {
+                hosts.into_owned()
+            } else {
+                Vec::new()
+            },
             chunk_bytes: self.config.chunk_bytes.unwrap_or(DEFAULT_CHUNK_BYTES),
             codec,
             backup: spare_backup(&mut data.spare_backups, record.buf.len()),

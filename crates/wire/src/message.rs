@@ -56,6 +56,11 @@ pub struct AlgorithmLimits {
     pub oneshot_max: u64,
     /// Two-shot above `oneshot_max`, up to this.
     pub twoshot_max: u64,
+    /// Whether a larger all-reduce runs hierarchically by the members' sites
+    /// ([`Member::site`]): the cost model predicts it faster than the ring. Sites are sent
+    /// wherever round trips cluster, for the small all-reduces' two-level schedule, whether or
+    /// not grouping pays for bandwidth.
+    pub hierarchical: bool,
 }
 
 /// The code of [`Member::site`]'s `None` on the wire.
@@ -1041,9 +1046,10 @@ impl Message {
                 encode_members(w, members);
                 w.u32(*world);
                 w.bool(limits.is_some());
-                let l = limits.unwrap_or(AlgorithmLimits { oneshot_max: 0, twoshot_max: 0 });
+                let l = limits.unwrap_or(AlgorithmLimits { oneshot_max: 0, twoshot_max: 0, hierarchical: false });
                 w.u64(l.oneshot_max);
                 w.u64(l.twoshot_max);
+                w.bool(l.hierarchical);
             }
             Message::PeersPendingResult { pending } => w.bool(*pending),
             Message::Kicked { reason } => w.str(reason),
@@ -1194,7 +1200,8 @@ impl Message {
             kind::TOPOLOGY => {
                 let (epoch, members, world) = (Epoch(r.u64()?), decode_members(&mut r)?, r.u32()?);
                 let (known, oneshot_max, twoshot_max) = (r.bool("limits")?, r.u64()?, r.u64()?);
-                let limits = known.then_some(AlgorithmLimits { oneshot_max, twoshot_max });
+                let hierarchical = r.bool("hierarchical")?;
+                let limits = known.then_some(AlgorithmLimits { oneshot_max, twoshot_max, hierarchical });
                 Message::Topology { epoch, members: members.into(), world, limits }
             }
             kind::TOPOLOGY_COMMITTED => Message::TopologyCommitted { epoch: Epoch(r.u64()?) },
@@ -1497,13 +1504,17 @@ mod tests {
                 any::<u64>(),
                 prop::collection::vec(member(), 0..20),
                 any::<u32>(),
-                proptest::option::of((any::<u64>(), any::<u64>()))
+                proptest::option::of((any::<u64>(), any::<u64>(), any::<bool>()))
             )
                 .prop_map(|(e, members, world, limits)| Message::Topology {
                     epoch: Epoch(e),
                     members: members.into(),
                     world,
-                    limits: limits.map(|(oneshot_max, twoshot_max)| AlgorithmLimits { oneshot_max, twoshot_max }),
+                    limits: limits.map(|(oneshot_max, twoshot_max, hierarchical)| AlgorithmLimits {
+                        oneshot_max,
+                        twoshot_max,
+                        hierarchical
+                    }),
                 }),
             any::<u64>().prop_map(|e| Message::TopologyCommitted { epoch: Epoch(e) }),
             any::<bool>().prop_map(|pending| Message::PeersPendingResult { pending }),

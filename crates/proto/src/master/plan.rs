@@ -100,12 +100,14 @@ impl Plan {
         self.replanned
     }
 
-    /// The site of every measured member, where scheduling by sites pays for the planned order
-    /// (`shoal_topology::grouping_pays`); none otherwise.
+    /// The site of every measured member, where round trips cluster into several sites and
+    /// some site holds two members or more (`shoal_topology::sites`); none otherwise. The
+    /// two-level all-reduce follows them, and the hierarchical one where
+    /// [`AlgorithmLimits::hierarchical`] says grouping pays.
     pub fn sites(&self) -> BTreeMap<PeerId, u16> {
         let sites = shoal_topology::sites(&self.links, shoal_topology::sites::DEFAULT_NEAR_US);
-        let order: Vec<usize> = self.order.iter().map(|p| index(&self.members, *p)).collect();
-        if !shoal_topology::grouping_pays(&self.links, &order, &sites) {
+        let count = sites.iter().max().map_or(0, |s| s + 1);
+        if count < 2 || count == sites.len() {
             return BTreeMap::new();
         }
         let sites: BTreeMap<PeerId, u16> = self.members.iter().zip(sites).map(|(p, s)| (*p, s as u16)).collect();
@@ -318,17 +320,17 @@ impl Master {
         self.arm_plan_slice(now);
     }
 
-    /// Each planned member's site (`shoal_topology::sites`), where grouping by them pays
-    /// (`shoal_topology::grouping_pays`): the hierarchical all-reduce follows them. Empty
-    /// otherwise, and members are grouped by host as their addresses say.
     /// The small-message limits of a ring of `members` in this order
-    /// (`shoal_topology::limits`), where every one of them was measured.
+    /// (`shoal_topology::limits`), where every one of them was measured, and whether grouping
+    /// them by their sites pays (`shoal_topology::grouping_pays`).
     pub(super) fn limits(&self, members: &[PeerId]) -> Option<AlgorithmLimits> {
         let plan = self.g.plan.as_ref()?;
         let order: Vec<usize> =
             members.iter().map(|p| plan.members.iter().position(|m| m == p)).collect::<Option<_>>()?;
         let l = shoal_topology::limits(&plan.links, &order)?;
-        Some(AlgorithmLimits { oneshot_max: l.oneshot_max, twoshot_max: l.twoshot_max })
+        let sites = shoal_topology::sites(&plan.links, shoal_topology::sites::DEFAULT_NEAR_US);
+        let hierarchical = shoal_topology::grouping_pays(&plan.links, &order, &sites);
+        Some(AlgorithmLimits { oneshot_max: l.oneshot_max, twoshot_max: l.twoshot_max, hierarchical })
     }
 
     pub(super) fn arm_plan_slice(&mut self, now: Instant) {

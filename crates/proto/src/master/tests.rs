@@ -1081,7 +1081,7 @@ fn a_full_run_refuses_the_next_join_and_goes_on() {
             })
             .collect(),
         world: MAX_PEERS as u32,
-        limits: Some(shoal_wire::AlgorithmLimits { oneshot_max: u64::MAX, twoshot_max: u64::MAX }),
+        limits: Some(shoal_wire::AlgorithmLimits { oneshot_max: u64::MAX, twoshot_max: u64::MAX, hierarchical: false }),
     };
     assert!(shoal_wire::encode_frame(SESSION, &topology).is_ok(), "the largest topology must encode");
 }
@@ -1117,11 +1117,16 @@ fn a_join_without_the_proof_of_the_secret_is_refused_and_counted() {
 /// What conn `c`'s peer measured when peers sit on two sites by the parity of their conn: fast
 /// and close inside a site, slow and far between.
 fn two_site_links(c: u64, n: u64) -> Vec<shoal_wire::Measured> {
+    site_links(c, n, 50_000_000)
+}
+
+/// As [`two_site_links`], `between` bytes a second between the sites.
+fn site_links(c: u64, n: u64, between: u64) -> Vec<shoal_wire::Measured> {
     (1..=n)
         .filter(|&o| o != c)
         .map(|o| {
             let near = o % 2 == c % 2;
-            let (rtt_us, bytes_per_s) = if near { (500, 1_000_000_000) } else { (40_000, 50_000_000) };
+            let (rtt_us, bytes_per_s) = if near { (500, 1_000_000_000) } else { (40_000, between) };
             shoal_wire::Measured { peer: PeerId(o as u32 - 1), rtt_us, bytes_per_s }
         })
         .collect()
@@ -1154,8 +1159,9 @@ fn optimize_orders_the_ring_by_measured_links_and_admits_nobody() {
     else {
         unreachable!()
     };
-    // Across 40 ms, small all-reduces run one-shot up to megabytes (`shoal_topology::limits`).
-    assert!(limits.is_some_and(|l| l.oneshot_max > 64 << 10), "{limits:?}");
+    // Across 40 ms, small all-reduces run one-shot up to megabytes (`shoal_topology::limits`),
+    // large ones by sites: 20 times faster inside.
+    assert!(limits.is_some_and(|l| l.oneshot_max > 64 << 10 && l.hierarchical), "{limits:?}");
     for m in members.iter() {
         assert_eq!(m.site, Some(m.peer.0 as u16 % 2), "{members:?}");
     }
@@ -1189,6 +1195,26 @@ fn optimize_orders_the_ring_by_measured_links_and_admits_nobody() {
     let planned: Vec<PeerId> = reformed.iter().copied().filter(|p| p.0 != 6).collect();
     let crossings = (0..5).filter(|&i| planned[i].0 % 2 != planned[(i + 1) % 5].0 % 2).count();
     assert_eq!(crossings, 2, "{reformed:?}");
+}
+
+#[test]
+fn sites_go_out_wherever_round_trips_cluster_and_the_hierarchy_only_where_it_pays() {
+    // As fast between the sites as inside: the ring moves large buffers faster than leaders.
+    let (mut h, _) = run_with(6);
+    let mut out = Vec::new();
+    for c in 1..=6 {
+        out =
+            h.send(c, Message::VoteUpdateTopology { collectives: 0, measured: Some(site_links(c, 6, 1_000_000_000)) });
+    }
+    let Some(Message::Topology { members, limits, .. }) =
+        sent_to(&out, 1).into_iter().find(|m| matches!(m, Message::Topology { .. }))
+    else {
+        panic!("no topology: {out:?}")
+    };
+    assert!(limits.is_some_and(|l| !l.hierarchical), "{limits:?}");
+    for m in members.iter() {
+        assert_eq!(m.site, Some(m.peer.0 as u16 % 2), "{members:?}");
+    }
 }
 
 #[test]
