@@ -222,6 +222,10 @@ pub struct MasterCost {
 pub struct Large {
     /// The newcomer's index, when it connected, and when a topology holding it was committed.
     pub newcomer: (usize, Duration, Option<Duration>),
+    /// When the first member called `update_topology` once the newcomer connected: the vote
+    /// that admits it (PCCL's loop votes only while a peer is pending). The call lasts until the
+    /// commit; before it, the members finish the collective in flight.
+    pub voted: Option<Duration>,
     /// The member that crashed, when, and when a topology without it was committed.
     pub crashed: (usize, Duration, Option<Duration>),
     /// The slowest one-way latency the network gave a message (its round trip is twice it).
@@ -1029,6 +1033,11 @@ impl Sim {
     }
 
     fn send_master(&mut self, i: usize, msg: Message) {
+        if let Some(large) = self.report.large.as_mut().filter(|l| l.newcomer.1 > Duration::ZERO && l.voted.is_none()) {
+            if matches!(msg, Message::VoteUpdateTopology { .. }) && i != large.newcomer.0 {
+                large.voted = Some(self.now);
+            }
+        }
         self.send(Node::Peer(i), Node::Master, Ev::Control { from: Node::Peer(i), to: Node::Master, msg });
     }
 
@@ -1758,7 +1767,7 @@ impl Sim {
             quantization,
             block,
         };
-        let hierarchical = algorithm == Algorithm::Hierarchical;
+        let hierarchical = matches!(algorithm, Algorithm::Hierarchical | Algorithm::TwoLevel);
         let spec = OpSpec {
             header,
             members: group,
@@ -2116,21 +2125,23 @@ fn state_digest(revision: u64) -> StateDigest {
 }
 
 /// What collective `id` of a group of `world` is, the same on every member: every kind in turn,
-/// an all-reduce by each algorithm (hierarchical with two members per host, [`host_of`]), three
-/// of them quantized (bf16 around the ring and by doubling, int8 two-shot), and a broadcast by
-/// both of its, from a root that varies. Each works on a buffer of `world` elements (an all-gather's and reduce-scatter's blocks are one element each):
-/// `i64`, or `f64` where quantized.
+/// an all-reduce by each algorithm (hierarchical and two-level with two members per host or
+/// site, [`host_of`]), three of them quantized (bf16 around the ring and by doubling, int8
+/// two-shot), and a broadcast by both of its, from a root that varies. Each works on a buffer of
+/// `world` elements (an all-gather's and reduce-scatter's blocks are one element each): `i64`,
+/// or `f64` where quantized.
 fn collective_of(id: OpId, world: usize) -> (CollectiveKind, Algorithm, usize, Option<Format>) {
     if world > LARGE_WORLD {
         return (CollectiveKind::AllReduce, Algorithm::Ring, 0, None);
     }
-    const ALL: [(CollectiveKind, Algorithm, Option<Format>); 12] = [
+    const ALL: [(CollectiveKind, Algorithm, Option<Format>); 13] = [
         (CollectiveKind::AllReduce, Algorithm::Ring, None),
         (CollectiveKind::AllReduce, Algorithm::OneShot, None),
         (CollectiveKind::AllReduce, Algorithm::TwoShot, None),
         (CollectiveKind::AllReduce, Algorithm::Hierarchical, None),
         (CollectiveKind::AllReduce, Algorithm::Doubling, None),
         (CollectiveKind::AllReduce, Algorithm::Doubling, Some(Format::BF16)),
+        (CollectiveKind::AllReduce, Algorithm::TwoLevel, None),
         (CollectiveKind::AllGather, Algorithm::Ring, None),
         (CollectiveKind::ReduceScatter, Algorithm::Ring, None),
         (CollectiveKind::Broadcast, Algorithm::Ring, None),

@@ -144,7 +144,7 @@ fn a_large_run_keeps_every_invariant() {
     eprintln!(
         "{peers} peers, seed {seed}: {} events in {real:?}; {} collectives succeeded; slowest one-way latency \
          {:?}\n  crash of {} at {:?}: topology without it committed {:?} later\n  newcomer at {:?}: topology with \
-         it committed {:?} later\n  master: {} events, {:?} in all, {:?} each on average, slowest {:?} ({})",
+         it committed {:?} later, {:?} after the first member's vote\n  master: {} events, {:?} in all, {:?} each on average, slowest {:?} ({})",
         report.events,
         report.successes,
         large.slowest_latency,
@@ -153,6 +153,7 @@ fn a_large_run_keeps_every_invariant() {
         large.crashed.2.map(|c| c - large.crashed.1),
         large.newcomer.1,
         large.newcomer.2.map(|c| c - large.newcomer.1),
+        large.newcomer.2.zip(large.voted).map(|(c, v)| c - v),
         m.events,
         m.busy,
         m.busy / m.events.max(1) as u32,
@@ -163,5 +164,15 @@ fn a_large_run_keeps_every_invariant() {
     eprintln!("  commits (when, epoch, members): {commits:?}");
     assert!(large.crashed.2.is_some(), "the master never committed a topology without the crashed member");
     assert!(large.newcomer.2.is_some(), "the newcomer was never admitted");
+    // Simulated time, the same on every machine: admitting one and recovering from one loss each
+    // take at most three of the slowest round trips once the members vote (a loss needs none).
+    let rtt3 = 6 * large.slowest_latency;
+    let admitted = large.newcomer.2.zip(large.voted).map(|(c, v)| c - v);
+    assert!(
+        admitted.is_some_and(|a| a <= rtt3),
+        "admission took {admitted:?} after the first vote; 3 round trips: {rtt3:?}"
+    );
+    let recovered = large.crashed.2.map(|c| c - large.crashed.1);
+    assert!(recovered.is_some_and(|r| r <= rtt3), "recovery took {recovered:?}; 3 round trips: {rtt3:?}");
     assert!(report.live.len() == peers, "{} live peers at the end, {peers} expected", report.live.len());
 }
