@@ -962,12 +962,21 @@ impl Master {
         }
         let sites = self.g.plan.as_ref().map(Plan::sites).unwrap_or_default();
         let limits = self.limits(&members);
+        // A member nobody measured (a newcomer) sits in a site of its own, so that the others
+        // keep theirs until the next `optimize_topology` measures it.
+        let mut spare = sites.values().max().map_or(0, |s| s + 1);
         let wire_members: Arc<[Member]> = members
             .iter()
             .map(|p| {
                 let e = &self.peers[p];
                 debug_assert_eq!(e.group, self.focus, "{p} is issued another group's topology");
-                Member { peer: *p, group: e.group, addr: e.addr.clone(), site: sites.get(p).copied() }
+                let site = sites.get(p).copied().or_else(|| {
+                    (!sites.is_empty()).then(|| {
+                        spare += 1;
+                        spare - 1
+                    })
+                });
+                Member { peer: *p, group: e.group, addr: e.addr.clone(), site }
             })
             .collect();
         // The run's size: the other groups' rings, and this topology.

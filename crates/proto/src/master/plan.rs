@@ -321,12 +321,15 @@ impl Master {
     }
 
     /// The small-message limits of a ring of `members` in this order
-    /// (`shoal_topology::limits`), where every one of them was measured, and whether grouping
-    /// them by their sites pays (`shoal_topology::grouping_pays`).
+    /// (`shoal_topology::limits`), and whether grouping them by their sites pays
+    /// (`shoal_topology::grouping_pays`), judged over the measured ones where they are more than
+    /// half of them: a newcomer nobody measured yet leaves the run's choices as they were.
     pub(super) fn limits(&self, members: &[PeerId]) -> Option<AlgorithmLimits> {
         let plan = self.g.plan.as_ref()?;
-        let order: Vec<usize> =
-            members.iter().map(|p| plan.members.iter().position(|m| m == p)).collect::<Option<_>>()?;
+        let order: Vec<usize> = members.iter().filter_map(|p| plan.members.iter().position(|m| m == p)).collect();
+        if 2 * order.len() <= members.len() {
+            return None;
+        }
         let l = shoal_topology::limits(&plan.links, &order)?;
         let sites = shoal_topology::sites(&plan.links, shoal_topology::sites::DEFAULT_NEAR_US);
         let hierarchical = shoal_topology::grouping_pays(&plan.links, &order, &sites);

@@ -1180,8 +1180,15 @@ fn optimize_orders_the_ring_by_measured_links_and_admits_nobody() {
     }
     let next = topology_members(&out, 7);
     assert_eq!(&next[..6], ring.as_slice());
-    let newcomer_in = sent_to(&out, 7).into_iter().any(|m| matches!(m, Message::Topology { limits: None, .. }));
-    assert!(newcomer_in, "a member nobody measured: no limits");
+    // A member nobody measured: the limits of the others, and a site of its own.
+    let Some(Message::Topology { members, limits, .. }) =
+        sent_to(&out, 7).into_iter().find(|m| matches!(m, Message::Topology { .. }))
+    else {
+        panic!("no topology for the newcomer")
+    };
+    assert!(limits.is_some_and(|l| l.oneshot_max > 64 << 10 && l.hierarchical), "{limits:?}");
+    let site = |p: u32| members.iter().find(|m| m.peer == PeerId(p)).and_then(|m| m.site);
+    assert_eq!((site(0), site(1), site(6)), (Some(0), Some(1), Some(2)), "{members:?}");
     assert_eq!(next[6], PeerId(6));
     for c in 1..=7 {
         h.send(c, Message::TopologyReady { epoch: issued_epoch(&out, 1).unwrap() });
