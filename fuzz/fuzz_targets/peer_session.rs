@@ -57,7 +57,7 @@ enum Msg {
     Registered { peer: u8, session: u8, heartbeat_ms: u16 },
     AuthFailed,
     Heartbeat,
-    Topology { epoch: u8, members: Vec<(u8, u8, Option<u16>)>, world: u8, limits: Option<(u16, u16)> },
+    Topology { epoch: u8, members: Vec<(u8, u8, Option<u16>)>, world: u8, limits: Option<(u16, u16, bool)> },
     TopologyCommitted(u8),
     PeersPendingResult(bool),
     PeerRemoved(u8),
@@ -132,7 +132,11 @@ fn message(m: Msg) -> Message {
                 })
                 .collect(),
             world: world.into(),
-            limits: limits.map(|(one, two)| AlgorithmLimits { oneshot_max: one.into(), twoshot_max: two.into() }),
+            limits: limits.map(|(one, two, hierarchical)| AlgorithmLimits {
+                oneshot_max: one.into(),
+                twoshot_max: two.into(),
+                hierarchical,
+            }),
         },
         Msg::TopologyCommitted(e) => Message::TopologyCommitted { epoch: Epoch(e.into()) },
         Msg::PeersPendingResult(pending) => Message::PeersPendingResult { pending },
