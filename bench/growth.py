@@ -90,6 +90,8 @@ def member(args: argparse.Namespace) -> None:
     while comm.group_world_size < n:
         if comm.peers_pending():
             comm.update_topology()
+    if args.optimize:
+        comm.optimize_topology()
     comm.all_reduce(np.ones(1, np.float32))
     step(index, "votes")
     out["peers_pending_s"] = statistics.median(timed(comm.peers_pending) for _ in range(args.iters))
@@ -174,7 +176,7 @@ def measure(n: int, args: argparse.Namespace) -> dict:
             address = f"{lab.address(lab.hosts[0])}:48148"
         worker = [sys.executable, os.path.abspath(__file__), "--master", address, "--n", str(n), "--iters",
                   str(args.iters), "--state-mib", str(args.state_mib), "--rest", str(args.rest), "--sizes",
-                  *args.sizes]
+                  *args.sizes, *(["--optimize"] if args.optimize else [])]
         before = master_usage(master.pid)
         procs = [subprocess.Popen(place(i, [*worker, "--role", "member", "--index", str(i)]), stdout=subprocess.PIPE,
                                   text=True, env=env) for i in range(n)]
@@ -369,6 +371,8 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=["4K", "1M", "64M"])
     parser.add_argument("--iters", type=int, default=20, help="timed repetitions of each small step")
     parser.add_argument("--state-mib", type=int, default=16, help="shared state synced")
+    parser.add_argument("--optimize", action="store_true",
+                        help="optimize_topology() once every peer is in (sites, limits), before the steps")
     parser.add_argument("--rest", type=float, default=5.0, help="seconds idle, for the master at rest")
     parser.add_argument("--big-max-peers", type=int, default=32,
                         help="sizes of 16 MiB and more only up to this many peers (memory: each holds copies)")
