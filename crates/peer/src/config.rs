@@ -109,10 +109,12 @@ pub const MAX_IN_FLIGHT: usize = 1024;
 /// Largest group on one host whose small all-reduces run one-shot; larger ones run by doubling,
 /// whose `log2 n` rounds beat one-shot's `n²` messages and the ring's `2 (n - 1)` hops there
 /// (loopback, 2 cores, 4 KiB: 8 peers 0.6 ms against one-shot's 0.5; 16 peers 1.3 against 1.9 and
-/// the ring's 1.8; 64 peers 12 against 61 and 64). Across hosts one-shot stays: each of
-/// doubling's rounds costs a one-way delay there, and members cannot tell a LAN from a WAN
-/// before `optimize_topology` measures (the lab's `world`, 16 peers, 4 KiB: one-shot 270 ms,
-/// doubling 645 ms).
+/// the ring's 1.8; 64 peers 12 against 61 and 64). Across hosts doubling is not chosen: each of
+/// its rounds costs a one-way delay there, and members cannot tell a LAN from a WAN before
+/// `optimize_topology` measures (the lab's `world`, 16 peers, 4 KiB: one-shot 270 ms, doubling
+/// 645 ms). Past this size across sites or hosts some of which hold several members, the
+/// all-reduces that would run one-shot run two-level (the lab's `world`, 64 peers in five sites,
+/// 4 KiB: 336 ms against one-shot's 1.04 s); otherwise one-shot stays.
 pub const ONESHOT_WORLD_MAX: usize = 8;
 /// Default for [`CommunicatorConfig::oneshot_max_bytes`].
 pub const DEFAULT_ONESHOT_MAX_BYTES: usize = 64 << 10;
