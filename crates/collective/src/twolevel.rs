@@ -93,7 +93,7 @@ pub fn all_reduce(rank: usize, world: usize, sites: &[usize], len: usize, chunk_
         plan.recvs.extend(whole().map(|range| RecvUnit { from, range, action: RecvAction::Stash }));
     }
     if !below.is_empty() {
-        folds.push(Fold { ranks: members.clone(), after_sends: 0, completes: others.is_empty() });
+        folds.push(Fold { ranks: members, after_sends: 0, completes: others.is_empty() });
     }
     // Our partial to every other leader, chunk by chunk to each at once.
     for range in whole() {
@@ -103,7 +103,7 @@ pub fn all_reduce(rank: usize, world: usize, sites: &[usize], len: usize, chunk_
     }
     if !others.is_empty() {
         // The fold overwrites what the sends to the leaders read: after them.
-        folds.push(Fold { ranks: heads.clone(), after_sends: plan.sends.len(), completes: true });
+        folds.push(Fold { ranks: heads, after_sends: plan.sends.len(), completes: true });
     }
     // The result to our members.
     for range in whole() {

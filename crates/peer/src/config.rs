@@ -234,8 +234,8 @@ impl CommunicatorConfig {
             _ => self.oneshot_max_bytes,
         };
         // A small all-reduce in a large group spread over sites (or hosts) some of which hold
-        // several members: one-shot within each and among their leaders, `n + H²` messages for
-        // `H` sites where one-shot sends `n²`; one-shot otherwise.
+        // several members: one-shot within each and among their leaders, `2 (n - H) + H (H - 1)`
+        // buffers for `H` sites where one-shot sends `n (n - 1)`; one-shot otherwise.
         let direct = if kind == CollectiveKind::AllReduce && world > ONESHOT_WORLD_MAX && spans_hosts && hosts < world {
             Algorithm::TwoLevel
         } else {
