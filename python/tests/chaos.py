@@ -1,7 +1,8 @@
 """Chaos: peers all-reduce and sync a shared state in a loop while random ones are killed
-(SIGKILL), frozen (SIGSTOP, for less or more than the heartbeat timeout) or started; in a WAN
-lab (``--lab PROFILE``, root) the master and peers run on its hosts and random peers' hosts are
-also partitioned from every other host for a while, then healed. Afterwards every completed
+(SIGKILL, every other one after a short stall so that it fails the calls in flight), frozen
+(SIGSTOP, for less or more than the heartbeat timeout) or started; in a WAN lab (``--lab
+PROFILE``, root) the master and peers run on its hosts and random peers' hosts are also
+partitioned from every other host for a while, then healed. Afterwards every completed
 all-reduce must be identical on all its participants and correct, every failed one must have
 restored its buffer, every peer's state must hash the same at every revision (a newcomer once
 repaired), no call may have outlived its bound, and only peers on a partitioned host may have
@@ -33,6 +34,7 @@ from shoal.lab import Lab
 
 WORKER = Path(__file__).with_name("worker.py")
 HEARTBEAT_TIMEOUT = 1.5
+KILL_STALL = 0.3  # well inside the heartbeat timeout: the master keeps the stalled peer
 CALL_TIMEOUT = 30.0
 # A call ends by a peer's loss within the heartbeat timeout, plus scheduling slack on 2 shared
 # cores; never by the call timeout. Except connect: it waits for the accepted peers to admit the
@@ -115,8 +117,16 @@ def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive
                     continue
                 v = rng.choice(busy)
                 if action == "kill":
+                    # Every other kill stalls the victim first, so that it lands inside the
+                    # others' calls (they wait for it) and fails them; a plain SIGKILL between
+                    # calls may fail none, the master hearing of the loss before the next one.
+                    stall = sum(" SIGKILL " in a for a in actions) % 2 == 0
+                    if stall:
+                        procs[v].send_signal(signal.SIGSTOP)
+                        time.sleep(KILL_STALL)
                     procs[v].kill()
-                    actions.append(f"{time.time():.2f} SIGKILL peer{v}")
+                    stalled = f" after a {KILL_STALL} s stall" if stall else ""
+                    actions.append(f"{time.time():.2f} SIGKILL peer{v}{stalled}")
                 else:
                     seconds = rng.uniform(0.3, 3.0)
                     procs[v].send_signal(signal.SIGSTOP)
