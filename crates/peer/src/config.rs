@@ -115,7 +115,7 @@ pub const MAX_IN_FLIGHT: usize = 1024;
 /// 645 ms). Past this size across sites or hosts some of which hold several members, the
 /// all-reduces that would run one-shot run two-level (the lab's `world`, 64 peers in five sites,
 /// 4 KiB: 336 ms against one-shot's 1.04 s); otherwise one-shot stays.
-pub const ONESHOT_WORLD_MAX: usize = 8;
+pub use shoal_topology::ONESHOT_WORLD_MAX;
 /// Default for [`CommunicatorConfig::oneshot_max_bytes`].
 pub const DEFAULT_ONESHOT_MAX_BYTES: usize = 64 << 10;
 /// Largest buffer an all-reduce between two members of one host runs one-shot (within

@@ -6,6 +6,10 @@
 //!
 //! - one-shot: every input straight to every member, then a token straight back: the largest
 //!   round trip, plus `(n - 1) S` through each member's uplink;
+//! - two-level, which runs in one-shot's place in a group of more than [`ONESHOT_WORLD_MAX`]
+//!   members over `H` sites some of which hold several: inputs to each site's leader, partials
+//!   among the leaders, results back, and a token the same way: the largest round trip too (the
+//!   hops inside a site cost little), plus `(H - 1) S` through a leader's uplink;
 //! - two-shot: two direct hops and a token: one and a half of the largest round trip, plus
 //!   `2 (n - 1) / n S` per member;
 //! - the ring: `2 (n - 1)` steps in which each chunk travels `n - 1` consecutive edges per phase,
@@ -21,6 +25,9 @@
 
 use crate::{ring_edges, Links};
 
+/// Members past which a small all-reduce does not run one-shot: by doubling on one host, two-level
+/// across sites (or hosts) some of which hold several members (`shoal_peer`'s `algorithm_for`).
+pub const ONESHOT_WORLD_MAX: usize = 8;
 /// How much slower per byte the direct algorithms move their bytes than the ring.
 pub const DIRECT_PENALTY: f64 = 1.5;
 /// Round trips below this are one machine's or one rack's: no limits are derived.
@@ -30,18 +37,21 @@ pub const WAN_RTT_US: u32 = 1_000;
 pub const MOST_ONESHOT_BYTES: u64 = 16 << 20;
 pub const MOST_TWOSHOT_BYTES: u64 = 64 << 20;
 
-/// The largest all-reduce, in bytes, that runs one-shot, and two-shot above that.
+/// The largest all-reduce, in bytes, that runs one-shot (or two-level in its place), and two-shot
+/// above that.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
-    /// One-shot up to this.
+    /// One-shot (two-level in its place) up to this.
     pub oneshot_max: u64,
     /// Two-shot above `oneshot_max`, up to this.
     pub twoshot_max: u64,
 }
 
 /// The limits for the ring `order` (indices into `links`), if every link it needs was measured
-/// and the group spans a wide-area path.
-pub fn limits(links: &Links, order: &[usize]) -> Option<Limits> {
+/// and the group spans a wide-area path. `sites` gives each of `links`' members its site
+/// ([`crate::sites`]): where the group's small all-reduces run two-level over them, that is
+/// the direct schedule weighed.
+pub fn limits(links: &Links, order: &[usize], sites: &[usize]) -> Option<Limits> {
     let n = order.len();
     if n < 2 {
         return None;
@@ -57,7 +67,10 @@ pub fn limits(links: &Links, order: &[usize]) -> Option<Limits> {
     let ring_delay: f64 = ring_edges(order).map(|(a, b)| links.get(a, b).map_or(0, |l| l.rtt_us) as f64 / 2e6).sum();
     let (nf, rtt) = (n as f64, max_rtt as f64 / 1e6);
     // (latency s, seconds per byte)
-    let oneshot = (rtt, DIRECT_PENALTY * (nf - 1.0) / min_rate);
+    let held: std::collections::BTreeSet<usize> = order.iter().map(|&i| sites[i]).collect();
+    let two_level = n > ONESHOT_WORLD_MAX && (2..n).contains(&held.len());
+    let fanout = if two_level { held.len() as f64 - 1.0 } else { nf - 1.0 };
+    let oneshot = (rtt, DIRECT_PENALTY * fanout / min_rate);
     let twoshot = (1.5 * rtt, DIRECT_PENALTY * 2.0 * (nf - 1.0) / nf / min_rate);
     let ring = (3.0 * (nf - 1.0) / nf * ring_delay, 2.0 * (nf - 1.0) / nf / ring_rate);
     // The largest size at which `a` takes no longer than `b`.
@@ -101,14 +114,36 @@ mod tests {
         // The lab's two-sites: 1 ms inside, 40 ms between, ~120 MB/s. Measured there (4 peers):
         // one-shot fastest to 1 MiB (67 ms against 85 two-shot, 109 ring), two-shot at 4 MiB
         // (120 against 137 ring, 169 one-shot), the ring at 16 MiB (289 against 319 two-shot).
-        let l = limits(&two_sites(1_000, 40_000, 120_000_000), &[0, 1, 2, 3]).unwrap();
+        let l = limits(&two_sites(1_000, 40_000, 120_000_000), &[0, 1, 2, 3], &[0, 0, 1, 1]).unwrap();
         assert!((512 << 10..4 << 20).contains(&l.oneshot_max), "{l:?}");
         assert!((4 << 20..16 << 20).contains(&l.twoshot_max), "{l:?}");
     }
 
     #[test]
+    fn a_large_group_over_sites_weighs_two_level_in_one_shots_place() {
+        // The lab's `world` at 64 peers as small probes measure it: five sites, 1 ms inside and up
+        // to 255 ms between, ~1 MB/s. One-shot's 63 inputs per member lose to two-shot even at
+        // 4 KiB there; two-level's four partials per leader run to tens of KiB.
+        let (n, sites) = (64, (0..64).map(|i| i % 5).collect::<Vec<_>>());
+        let mut links = Links::new(n);
+        for a in 0..n {
+            for b in (0..n).filter(|&b| b != a) {
+                let rtt_us = if sites[a] == sites[b] { 1_000 } else { 255_000 };
+                links.set(a, b, Link { rtt_us, bytes_per_s: 1_000_000 });
+            }
+        }
+        let order: Vec<usize> = (0..n).collect();
+        let alone: Vec<usize> = (0..n).collect();
+        assert!(limits(&links, &order, &alone).unwrap().oneshot_max < 4 << 10);
+        assert!(limits(&links, &order, &sites).unwrap().oneshot_max >= 16 << 10);
+        // At most ONESHOT_WORLD_MAX members the direct schedule is one-shot, sites or not.
+        let few = &order[..ONESHOT_WORLD_MAX];
+        assert_eq!(limits(&links, few, &sites), limits(&links, few, &alone));
+    }
+
+    #[test]
     fn on_one_machine_there_are_no_limits() {
-        assert_eq!(limits(&two_sites(50, 80, 2_000_000_000), &[0, 1, 2, 3]), None);
-        assert_eq!(limits(&Links::new(4), &[0, 1, 2, 3]), None, "nothing measured");
+        assert_eq!(limits(&two_sites(50, 80, 2_000_000_000), &[0, 1, 2, 3], &[0; 4]), None);
+        assert_eq!(limits(&Links::new(4), &[0, 1, 2, 3], &[0, 1, 2, 3]), None, "nothing measured");
     }
 }

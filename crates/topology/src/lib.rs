@@ -15,7 +15,7 @@ pub mod choice;
 pub mod sites;
 
 pub use atsp::{exact, kicks_within, lower_bound, solve, tour_cost, Search, EXACT_MAX};
-pub use choice::{limits, Limits};
+pub use choice::{limits, Limits, ONESHOT_WORLD_MAX};
 pub use sites::{grouping_pays, sites};
 
 /// What one peer measured of its link to another: its round trip and the rate its bytes reached

@@ -330,8 +330,8 @@ impl Master {
         if 2 * order.len() <= members.len() {
             return None;
         }
-        let l = shoal_topology::limits(&plan.links, &order)?;
         let sites = shoal_topology::sites(&plan.links, shoal_topology::sites::DEFAULT_NEAR_US);
+        let l = shoal_topology::limits(&plan.links, &order, &sites)?;
         let hierarchical = shoal_topology::grouping_pays(&plan.links, &order, &sites);
         Some(AlgorithmLimits { oneshot_max: l.oneshot_max, twoshot_max: l.twoshot_max, hierarchical })
     }
