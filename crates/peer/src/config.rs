@@ -236,10 +236,14 @@ impl CommunicatorConfig {
         // A small all-reduce in a large group spread over sites (or hosts) some of which hold
         // several members: one-shot within each and among their leaders, `2 (n - H) + H (H - 1)`
         // buffers for `H` sites where one-shot sends `n (n - 1)`; one-shot otherwise.
-        let direct = if kind == CollectiveKind::AllReduce && world > ONESHOT_WORLD_MAX && spans_hosts && hosts < world {
-            Algorithm::TwoLevel
-        } else {
-            Algorithm::OneShot
+        let two_level_group = world > ONESHOT_WORLD_MAX && spans_hosts && hosts < world;
+        let direct =
+            if kind == CollectiveKind::AllReduce && two_level_group { Algorithm::TwoLevel } else { Algorithm::OneShot };
+        // In such a group the master's one-shot limit is two-level's (`shoal_topology::limits`):
+        // a broadcast there goes one-shot from its root only up to the settings' limit.
+        let direct_max = |l: AlgorithmLimits| match kind {
+            CollectiveKind::Broadcast if two_level_group => l.oneshot_max.min(oneshot_max as u64),
+            _ => l.oneshot_max,
         };
         // Doubling keeps a buffer aside per round, and one more.
         let doubling_fits = bytes.saturating_mul(world.ilog2() as usize + 2) <= MAX_STASH_BYTES;
@@ -250,7 +254,7 @@ impl CommunicatorConfig {
             // The master's limits from measured links (a group across a WAN): what its cost
             // model says is fastest, between two members too; in a large group spread over
             // sites, one-shot within each and among their leaders.
-            None if limits.is_some_and(|l| bytes as u64 <= l.oneshot_max) && oneshot_fits => direct,
+            None if limits.is_some_and(|l| bytes as u64 <= direct_max(l)) && oneshot_fits => direct,
             None if limits.is_some_and(|l| bytes as u64 <= l.twoshot_max) && world > 2 && oneshot_fits => {
                 Algorithm::TwoShot
             }
@@ -408,6 +412,8 @@ mod tests {
         assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, 4 << 10, (64, 5), wan), Algorithm::TwoLevel);
         assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, 4 << 10, (8, 2), wan), Algorithm::OneShot);
         assert_eq!(c.algorithm_for(CollectiveKind::Broadcast, None, 4 << 10, (64, 5), wan), Algorithm::OneShot);
+        assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, 1 << 20, (64, 5), wan), Algorithm::TwoLevel);
+        assert_eq!(c.algorithm_for(CollectiveKind::Broadcast, None, 1 << 20, (64, 5), wan), Algorithm::Ring);
         assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, 64 << 20, (64, 5), wan), Algorithm::Ring);
         let pays = wan.map(|l| AlgorithmLimits { hierarchical: true, ..l });
         assert_eq!(c.algorithm_for(CollectiveKind::AllReduce, None, 64 << 20, (64, 5), pays), Algorithm::Hierarchical);
