@@ -51,7 +51,7 @@ pub struct Limits {
 
 /// The limits for the ring `order` (indices into `links`), if every link it needs was measured
 /// and the group spans a wide-area path. `sites` gives each of `links`' members its site
-/// ([`crate::sites`]): where the group's small all-reduces run two-level over them, that is
+/// ([`crate::sites()`]): where the group's small all-reduces run two-level over them, that is
 /// the direct schedule weighed.
 pub fn limits(links: &Links, order: &[usize], sites: &[usize]) -> Option<Limits> {
     let n = order.len();
