@@ -180,7 +180,9 @@ impl MasterServer {
             }
         };
         let adaptive = options.heartbeat_timeout.is_none();
-        let config = MasterConfig { session, heartbeat_timeout, adaptive, key, data_key, search_effort: 1.0 };
+        let search_clock = Some(Instant::now as fn() -> Instant);
+        let config =
+            MasterConfig { session, heartbeat_timeout, adaptive, key, data_key, search_effort: 1.0, search_clock };
         let master = match kept {
             Some(run) => Master::restore(config, run, Instant::now())
                 .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("the kept run: {e}")))?,

@@ -674,6 +674,7 @@ impl Sim {
             key: Some(run_key()),
             data_key,
             search_effort: 0.01,
+            search_clock: None,
         };
         Sim {
             rng: Rng(seed),

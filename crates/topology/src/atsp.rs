@@ -108,11 +108,16 @@ pub fn exact(costs: &Costs) -> Vec<usize> {
 /// The best tour found in `kicks` kicks: exact up to [`EXACT_MAX`] members, else [`Search`] from
 /// `start` (a previous tour) or from scratch.
 pub fn solve(costs: &Costs, start: Option<Vec<usize>>, kicks: u64) -> Vec<usize> {
+    solve_while(costs, start, kicks, || true)
+}
+
+/// As [`solve`], kicking only while `go_on` says so (see [`Search::run_while`]).
+pub fn solve_while(costs: &Costs, start: Option<Vec<usize>>, kicks: u64, go_on: impl FnMut() -> bool) -> Vec<usize> {
     if costs.len() <= EXACT_MAX {
         return exact(costs);
     }
     let mut search = Search::new(costs.clone(), start, 1);
-    search.run(kicks);
+    search.run_while(kicks, go_on);
     search.best().0.to_vec()
 }
 
@@ -176,6 +181,13 @@ impl Search {
 
     /// Kicks and descends `kicks` more times. True if the best tour improved.
     pub fn run(&mut self, kicks: u64) -> bool {
+        self.run_while(kicks, || true)
+    }
+
+    /// As [`Search::run`], asking `go_on` before each kick and stopping at its first no: a
+    /// caller's bound that is not in kicks (a master's wall clock, on a machine too busy for the
+    /// kicks it calibrated). The search stays a pure function of the answers `go_on` gave.
+    pub fn run_while(&mut self, kicks: u64, mut go_on: impl FnMut() -> bool) -> bool {
         let n = self.costs.len();
         let before = self.best_cost;
         if n < 8 {
@@ -183,6 +195,9 @@ impl Search {
             return false;
         }
         for _ in 0..kicks {
+            if !go_on() {
+                break;
+            }
             let mut next = self.current.clone();
             let cuts = self.double_bridge(&mut next);
             descend(&self.costs, &self.near, &mut next, cuts);
@@ -518,6 +533,22 @@ mod tests {
             (total, optimum) = (total + cost, optimum + best);
         }
         assert!(total as f64 <= optimum as f64 * 1.02, "{total} against {optimum} in all");
+    }
+
+    #[test]
+    fn a_search_stops_at_its_callers_first_no() {
+        let costs = random_costs(20, 3);
+        let mut asked = 0;
+        let mut search = Search::new(costs.clone(), None, 1);
+        search.run_while(1000, || {
+            asked += 1;
+            asked <= 7
+        });
+        assert_eq!((search.rounds(), asked), (7, 8), "seven kicks, then the no");
+        // The kicks it made are those of a search without the bound: the same best tour.
+        let mut free = Search::new(costs, None, 1);
+        free.run(7);
+        assert_eq!(search.best(), free.best());
     }
 
     #[test]

@@ -14,7 +14,7 @@ pub mod atsp;
 pub mod choice;
 pub mod sites;
 
-pub use atsp::{exact, kicks_within, lower_bound, solve, tour_cost, Search, EXACT_MAX};
+pub use atsp::{exact, kicks_within, lower_bound, solve, solve_while, tour_cost, Search, EXACT_MAX};
 pub use choice::{limits, Limits, ONESHOT_WORLD_MAX};
 pub use sites::{grouping_pays, sites};
 

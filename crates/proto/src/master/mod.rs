@@ -68,6 +68,12 @@ pub struct MasterConfig {
     /// as a fraction: 1.0 for a run; the simulator, which checks agreement rather than plans,
     /// spends a hundredth.
     pub search_effort: f64,
+    /// Where the ring search reads the time. With one, each search also stops once its budget
+    /// passed in this clock's time: a master that gets a sliver of a core shared with many busy
+    /// peers would otherwise spend dozens of times its budget in kicks calibrated on an idle one,
+    /// and hear nothing meanwhile. Without one (the simulator, which replays by seed) budgets are
+    /// kicks alone.
+    pub search_clock: Option<fn() -> Instant>,
 }
 
 /// What the driver must do.

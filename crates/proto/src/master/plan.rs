@@ -22,13 +22,14 @@
 //! back; the next `optimize_topology` measures it again.
 
 use super::{Master, MasterEvent, Output, Timer};
-use shoal_topology::{kicks_within, solve, tour_cost, Costs, Link, Links, Search, EXACT_MAX};
+use shoal_topology::{kicks_within, solve_while, tour_cost, Costs, Link, Links, Search, EXACT_MAX};
 use shoal_wire::{AlgorithmLimits, GroupId, Measured, PeerId, PeerReport};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 /// The heuristic's budget for a new plan: in kicks, about this long on the machines measured
-/// (`shoal_topology::kicks_within`; the master reads no clock).
+/// (`shoal_topology::kicks_within`), and no longer than this by the driver's clock where it
+/// gives one ([`super::MasterConfig::search_clock`]).
 pub const FIRST_ANSWER: Duration = Duration::from_secs(1);
 /// Its budget to re-solve after the group changed (a member left).
 pub const REPLAN: Duration = Duration::from_millis(100);
@@ -168,7 +169,8 @@ impl Master {
         }
         let costs = Costs::from_links(&links);
         let before = tour_cost(&costs, &(0..voters.len()).collect::<Vec<_>>());
-        let tour = solve(&costs, None, kicks(voters.len(), FIRST_ANSWER, self.config.search_effort));
+        let budget = self.budget(FIRST_ANSWER);
+        let tour = solve_while(&costs, None, budget.kicks(voters.len()), || budget.go_on());
         let after = tour_cost(&costs, &tour);
         let order: Vec<PeerId> = tour.iter().map(|&i| voters[i]).collect();
         assert!(same_members(&order, voters), "a planned ring holds every voter once");
@@ -197,7 +199,10 @@ impl Master {
     /// `members` in the order a topology lists them: the planned ones in the plan's order, then
     /// the others as given.
     pub(super) fn planned(&mut self, members: Vec<PeerId>) -> Vec<PeerId> {
-        let effort = self.config.search_effort;
+        if self.g.plan.is_none() {
+            return members;
+        }
+        let budget = self.budget(REPLAN);
         let Some(plan) = &mut self.g.plan else { return members };
         debug_assert!(same_members(&plan.order, &plan.members), "the plan's order is not its members");
         plan.replanned = false;
@@ -212,7 +217,7 @@ impl Master {
             // Members left: the order without them, improved over the links among those that stay.
             let costs = Costs::from_links(&plan.links.subset(&kept));
             let start = (0..kept.len()).collect();
-            let tour = solve(&costs, Some(start), kicks(kept.len(), REPLAN, effort));
+            let tour = solve_while(&costs, Some(start), budget.kicks(kept.len()), || budget.go_on());
             tour.iter().map(|&i| plan.members[kept[i]]).collect()
         };
         order.extend(members.iter().filter(|p| !plan.members.contains(p)));
@@ -259,7 +264,7 @@ impl Master {
 
     /// Re-solves the ring with the new `rate` of each link from `from` that `drifted`.
     fn replan(&mut self, now: Instant, from: PeerId, drifted: &[(PeerId, Link, u64)]) {
-        let effort = self.config.search_effort;
+        let budget = self.budget(REPLAN);
         let plan = self.g.plan.as_mut().expect("a plan to drift from");
         let i = index(&plan.members, from);
         for &(to, planned, rate) in drifted {
@@ -274,7 +279,7 @@ impl Master {
         let costs = Costs::from_links(&plan.links);
         let current: Vec<usize> = plan.order.iter().map(|p| index(&plan.members, *p)).collect();
         let before = tour_cost(&costs, &current);
-        let tour = solve(&costs, Some(current), kicks(plan.members.len(), REPLAN, effort));
+        let tour = solve_while(&costs, Some(current), budget.kicks(plan.members.len()), || budget.go_on());
         let after = tour_cost(&costs, &tour);
         debug_assert!(after <= before, "a search from the ring in force never ends on a worse one");
         plan.search =
@@ -301,11 +306,11 @@ impl Master {
     /// A slice of the background search, when one runs: a better ring is kept for the next
     /// topology.
     pub(super) fn improve_plan(&mut self, now: Instant) {
-        let effort = self.config.search_effort;
+        let budget = self.budget(SLICE);
         let Some(plan) = &mut self.g.plan else { return };
         let Some(search) = &mut plan.search else { return };
         debug_assert!(plan.members.len() > EXACT_MAX, "an exact plan is searched on");
-        if search.run(kicks(plan.members.len(), SLICE, effort)) {
+        if search.run_while(budget.kicks(plan.members.len()), || budget.go_on()) {
             let (tour, cost) = search.best();
             plan.order = tour.iter().map(|&i| plan.members[i]).collect();
             assert!(same_members(&plan.order, &plan.members), "an improved ring holds every member once");
@@ -375,7 +380,31 @@ fn describe(members: &[PeerId], links: &Links) -> String {
     lines.join("\n")
 }
 
-/// The kicks a search over `n` members makes for `budget` at `effort` (a fraction of it).
-fn kicks(n: usize, budget: Duration, effort: f64) -> u64 {
-    kicks_within(n, budget.mul_f64(effort.clamp(0.0, 1.0)))
+impl Master {
+    /// What a search may spend of `budget`: kicks at the configured effort (a fraction of it),
+    /// and the time left on the driver's clock if it gave one.
+    fn budget(&self, budget: Duration) -> Budget {
+        let time = budget.mul_f64(self.config.search_effort.clamp(0.0, 1.0));
+        let clock = self.config.search_clock;
+        Budget { time, clock, end: clock.map(|c| c() + time) }
+    }
+}
+
+/// A search's budget: in kicks, and by the driver's clock if it has one.
+struct Budget {
+    time: Duration,
+    clock: Option<fn() -> Instant>,
+    end: Option<Instant>,
+}
+
+impl Budget {
+    /// The kicks a search over `n` members makes within it on the machines measured.
+    fn kicks(&self, n: usize) -> u64 {
+        kicks_within(n, self.time)
+    }
+
+    /// Whether the clock leaves time for another kick.
+    fn go_on(&self) -> bool {
+        self.clock.zip(self.end).is_none_or(|(clock, end)| clock() < end)
+    }
 }

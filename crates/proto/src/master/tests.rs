@@ -27,6 +27,9 @@ impl Harness {
         Self::configured(key, false)
     }
     fn configured(key: Option<RunKey>, adaptive: bool) -> Self {
+        Self::clocked(key, adaptive, None)
+    }
+    fn clocked(key: Option<RunKey>, adaptive: bool, search_clock: Option<fn() -> Instant>) -> Self {
         let now = crate::test_start();
         let data_key = DataKey([4; 32]);
         let config = MasterConfig {
@@ -36,6 +39,7 @@ impl Harness {
             key,
             data_key,
             search_effort: 1.0,
+            search_clock,
         };
         Harness { master: Master::new(config, now), now }
     }
@@ -1202,6 +1206,44 @@ fn optimize_orders_the_ring_by_measured_links_and_admits_nobody() {
     let planned: Vec<PeerId> = reformed.iter().copied().filter(|p| p.0 != 6).collect();
     let crossings = (0..5).filter(|&i| planned[i].0 % 2 != planned[(i + 1) % 5].0 % 2).count();
     assert_eq!(crossings, 2, "{reformed:?}");
+}
+
+thread_local! {
+    /// How often [`slow_clock`] was read on this test's thread.
+    static CLOCK_READS: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// A master's clock on a machine so busy that each kick of the ring search takes 50 ms.
+fn slow_clock() -> Instant {
+    let reads = CLOCK_READS.with(|r| r.replace(r.get() + 1));
+    crate::test_start() + Duration::from_millis(50) * reads
+}
+
+#[test]
+fn a_master_on_a_busy_machine_stops_its_ring_search_by_its_clock() {
+    // 20 members: past exact plans, the first answer's budget is some 30,000 kicks; at 50 ms a
+    // kick the master would hear nothing for 25 minutes.
+    let n = 20;
+    let (mut h, _) = run_in(Harness::clocked(None, false, Some(slow_clock)), n);
+    CLOCK_READS.with(|r| r.set(0));
+    let mut out = Vec::new();
+    for c in 1..=n {
+        out = h.send(c, Message::VoteUpdateTopology { collectives: 0, measured: Some(two_site_links(c, n)) });
+    }
+    // One read to start, then one before each kick until a second passed: 20 kicks made. Far
+    // fewer reads, and the search never asked; far more, and it did not stop.
+    let reads = CLOCK_READS.with(std::cell::Cell::get);
+    let budget = plan::FIRST_ANSWER.as_millis() as u32 / 50;
+    assert!((budget..=budget + 4).contains(&reads), "the clock read {reads} times, for a budget of {budget} kicks");
+    let ring = topology_members(&out, 1);
+    assert_eq!(ring.len(), n as usize);
+    let crossings = (0..ring.len()).filter(|&i| ring[i].0 % 2 != ring[(i + 1) % ring.len()].0 % 2).count();
+    assert_eq!(crossings, 2, "the sites side by side after the kicks it had time for: {ring:?}");
+    // A background slice past its time makes no kick: the plan stays as issued.
+    let order = h.master.plan(G0).unwrap().order().to_vec();
+    h.master.improve_plan(h.now);
+    assert_eq!(h.master.plan(G0).unwrap().order(), order.as_slice());
+    assert_eq!(CLOCK_READS.with(std::cell::Cell::get), reads + 2, "a slice asks the clock once, then stops");
 }
 
 #[test]
