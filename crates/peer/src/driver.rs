@@ -57,7 +57,7 @@ impl Connected {
 
 /// Topology `position.epoch`, in force with our pools established, is the one our calls run in:
 /// its engine takes the links to our ring neighbours; it links to other members when a schedule
-/// first needs them.
+/// first needs them. The engine it replaces closes its pools off this thread (`closer.rs`).
 pub(crate) fn take_up(data: &mut DataPlane, position: &RingPosition) {
     crate::plane::superseded(data, position.epoch);
     let (rank, world) = (position.rank, position.group_size());
@@ -76,7 +76,9 @@ pub(crate) fn take_up(data: &mut DataPlane, position: &RingPosition) {
             exec.add_recv(prev, recv);
         }
     }
-    data.exec = Some(exec);
+    if let Some(superseded) = data.exec.replace(exec) {
+        data.closer.close(superseded);
+    }
     data.position = Some(position.clone());
     data.placement = Placement::of(position);
     data.calls.taken.clear();

@@ -15,6 +15,7 @@
 #![deny(unsafe_code)]
 
 mod catchup;
+mod closer;
 mod communicator;
 mod config;
 mod control;

@@ -384,6 +384,8 @@ pub(crate) struct DataPlane {
     pub staged: Staged,
     /// The engine of the topology our calls run in, over its links.
     pub exec: Option<Exec<shoal_transport::Stream>>,
+    /// Where the engines of superseded topologies close their pools.
+    pub closer: crate::closer::Closer<Exec<shoal_transport::Stream>>,
     /// That topology: who each rank is, and where to dial it.
     pub position: Option<RingPosition>,
     /// Where the members of [`DataPlane::position`] run, worked out once at take-up.
