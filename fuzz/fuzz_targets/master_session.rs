@@ -137,6 +137,7 @@ fuzz_target!(|steps: Vec<Step>| {
         data_key: DataKey([1; 32]),
         // A fuzzed run checks the machine, not the ring it plans.
         search_effort: 0.01,
+        search_clock: None,
     };
     let mut master = Master::new(config, t0);
     let mut now = t0;
