@@ -47,15 +47,20 @@ from shoal.lab import Lab
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# Each master thread's CPU seconds when last seen, by (process, thread): a connection's thread
+# ends with its peer, and its time must not leave the total with it.
+THREAD_CPU: dict[tuple[int, int], float] = {}
+
+
 def master_usage(pid: int) -> tuple[float, float]:
     """The master's CPU seconds so far (every thread's, to the nanosecond: ``/proc/*/stat``
-    counts 10 ms ticks) and resident MiB."""
-    cpu = 0.0
+    counts 10 ms ticks; a thread that ended counts what it had when last seen) and resident MiB."""
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            cpu += int((task / "schedstat").read_text().split()[0]) / 1e9
+            THREAD_CPU[pid, int(task.name)] = int((task / "schedstat").read_text().split()[0]) / 1e9
         except OSError:  # a thread that ended
             pass
+    cpu = sum(seconds for (p, _), seconds in THREAD_CPU.items() if p == pid)
     rss = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                if line.startswith("VmRSS:")) / 1024
     return cpu, rss
