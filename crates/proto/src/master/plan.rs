@@ -385,16 +385,15 @@ impl Master {
     /// and the time left on the driver's clock if it gave one.
     fn budget(&self, budget: Duration) -> Budget {
         let time = budget.mul_f64(self.config.search_effort.clamp(0.0, 1.0));
-        let clock = self.config.search_clock;
-        Budget { time, clock, end: clock.map(|c| c() + time) }
+        Budget { time, deadline: self.config.search_clock.map(|clock| (clock, clock() + time)) }
     }
 }
 
 /// A search's budget: in kicks, and by the driver's clock if it has one.
 struct Budget {
     time: Duration,
-    clock: Option<fn() -> Instant>,
-    end: Option<Instant>,
+    /// The clock, and when the search must end by it.
+    deadline: Option<(fn() -> Instant, Instant)>,
 }
 
 impl Budget {
@@ -405,6 +404,6 @@ impl Budget {
 
     /// Whether the clock leaves time for another kick.
     fn go_on(&self) -> bool {
-        self.clock.zip(self.end).is_none_or(|(clock, end)| clock() < end)
+        self.deadline.is_none_or(|(clock, end)| clock() < end)
     }
 }
