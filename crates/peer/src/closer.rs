@@ -8,7 +8,7 @@
 //! the call: one thread per communicator, started when first needed, at most [`CLOSING_MAX`]
 //! engines queued (past that, or without a thread, the caller drops in place, as before).
 
-use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
+use std::sync::mpsc::{sync_channel, SyncSender};
 use std::thread;
 
 /// Superseded engines queued for the closer at most: each holds its pools' descriptors until
@@ -30,11 +30,9 @@ impl<T: Send + 'static> Default for Closer<T> {
 impl<T: Send + 'static> Closer<T> {
     /// Drops `retired` on the closer's thread, or here if its queue is full or it has none.
     pub fn close(&mut self, retired: T) {
-        let queue = self.queue.get_or_insert_with(start::<T>);
-        let Some(queue) = queue else { return drop(retired) };
-        match queue.try_send(retired) {
-            Ok(()) => {}
-            Err(TrySendError::Full(retired) | TrySendError::Disconnected(retired)) => drop(retired),
+        if let Some(queue) = self.queue.get_or_insert_with(start::<T>) {
+            // Full or gone: the error hands it back, dropped here with it.
+            let _ = queue.try_send(retired);
         }
     }
 }

@@ -199,9 +199,6 @@ impl Master {
     /// `members` in the order a topology lists them: the planned ones in the plan's order, then
     /// the others as given.
     pub(super) fn planned(&mut self, members: Vec<PeerId>) -> Vec<PeerId> {
-        if self.g.plan.is_none() {
-            return members;
-        }
         let budget = self.budget(REPLAN);
         let Some(plan) = &mut self.g.plan else { return members };
         debug_assert!(same_members(&plan.order, &plan.members), "the plan's order is not its members");
