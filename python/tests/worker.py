@@ -1249,8 +1249,12 @@ def watched(spec: dict) -> dict:
         info = comm.all_reduce(x, op="avg")
         late.append({"op": [info.topology, info.sequence], "lateness": info.lateness, "last": info.last,
                      "rank": info.rank})
-    with open(spec["out"] + ".done", "w") as f:
-        json.dump({"peer": comm.peer_id, "all_reduce": comm.stats()["operations"]["all_reduce"]["succeeded"]}, f)
+    # Written whole, then named: the test reads it as soon as the name exists.
+    done = Path(spec["out"] + ".done")
+    partial = done.with_suffix(".partial")
+    partial.write_text(json.dumps({"peer": comm.peer_id,
+                                   "all_reduce": comm.stats()["operations"]["all_reduce"]["succeeded"]}))
+    partial.rename(done)
     while not os.path.exists(spec["stop"]):
         time.sleep(0.05)
     result = {"rank": comm.rank, "stats": comm.stats(), "late": late}
