@@ -6,6 +6,7 @@
 //! This crate knows the frame format but not what any message means.
 #![warn(missing_docs)]
 
+pub mod dial;
 pub mod gate;
 pub mod greet;
 pub mod lane;

@@ -244,13 +244,10 @@ impl Conn {
     pub fn dial(addr: &str, timeout: Duration, tls: Option<&TlsConfig>) -> io::Result<Conn> {
         let deadline = Instant::now() + timeout;
         let tcp = crate::connect(addr, timeout)?;
-        let Some(tls) = tls else { return Ok(Conn::plain(tcp)) };
-        let host = host_of(addr);
-        let name =
-            ServerName::try_from(host.to_string()).map_err(|e| tls_error(format!("{host} as a server name: {e}")))?;
-        let conn = ClientConnection::new(tls.client.clone(), name).map_err(tls_error)?;
-        tcp.set_nonblocking(true)?;
-        Conn::handshake(Opening { tcp, tls: Some(conn.into()) }, deadline)
+        if tls.is_none() {
+            return Ok(Conn::plain(tcp));
+        }
+        Conn::handshake(Opening::dial(tcp, addr, tls)?, deadline)
     }
 
     /// Takes an accepted connection: with TLS if `tls` is given, its handshake done by
@@ -544,6 +541,21 @@ impl Opening {
         tcp.set_nonblocking(true)?;
         let tls = tls.map(|t| ServerConnection::new(t.server.clone()).map(Connection::from)).transpose();
         Ok(Opening { tcp, tls: tls.map_err(tls_error)? })
+    }
+
+    /// Takes a connection we dialed to `addr` (`host:port`), set non-blocking: its client
+    /// handshake if `tls` is given, which checks that the other end's certificate names `host`.
+    ///
+    /// # Errors
+    /// `fcntl` errors, a host that cannot be a server's name, or a TLS session that cannot be made.
+    pub fn dial(tcp: TcpStream, addr: &str, tls: Option<&TlsConfig>) -> io::Result<Opening> {
+        tcp.set_nonblocking(true)?;
+        let Some(tls) = tls else { return Ok(Opening { tcp, tls: None }) };
+        let host = host_of(addr);
+        let name =
+            ServerName::try_from(host.to_string()).map_err(|e| tls_error(format!("{host} as a server name: {e}")))?;
+        let conn = ClientConnection::new(tls.client.clone(), name).map_err(tls_error)?;
+        Ok(Opening { tcp, tls: Some(conn.into()) })
     }
 
     /// Moves the handshake on as far as the socket allows without blocking.
