@@ -69,6 +69,13 @@ impl Gate {
         Ok(Pass { gate: Arc::clone(self), from })
     }
 
+    /// Whether no connection, from wherever, could enter now: a listener then leaves the next
+    /// ones in its accept queue (where the kernel holds them, or has their dialers send their
+    /// SYNs again) rather than take them only to close them.
+    pub fn full(&self) -> bool {
+        self.held.lock().unwrap_or_else(PoisonError::into_inner).total >= self.total + self.reserve
+    }
+
     /// Connections holding a pass now.
     pub fn held(&self) -> usize {
         self.held.lock().unwrap_or_else(PoisonError::into_inner).total

@@ -216,7 +216,11 @@ pub fn greet_until<L: Listening, G: Greet<ConnOf<L>>>(
     let mut starved = Starved::default();
     while !stop.load(Ordering::Relaxed) {
         let now = Instant::now();
-        let accepting = paused_until.is_none_or(|t| now >= t);
+        // A full gate leaves connections queued, not closed: an honest burst (64 members'
+        // pools dialed at once) waits its turn. Other greeters sharing the gate free places
+        // unseen by this one's poll: it looks again soon.
+        let full = gate.full();
+        let accepting = paused_until.is_none_or(|t| now >= t) && !full;
         let mut fds = Vec::with_capacity(greetings.len() + 1);
         let mut wake = now + STOP_POLL;
         for g in &greetings {
@@ -232,8 +236,11 @@ pub fn greet_until<L: Listening, G: Greet<ConnOf<L>>>(
         let mut listening = PollFd::new(listener);
         listening.want_read = accepting;
         fds.push(listening);
-        if !accepting {
-            wake = wake.min(paused_until.expect("paused"));
+        if let Some(t) = paused_until.filter(|_| !accepting) {
+            wake = wake.min(t);
+        }
+        if full {
+            wake = wake.min(now + AGAIN_EVERY);
         }
         if let Err(e) = poll(&mut fds, wake.saturating_duration_since(now)) {
             log::warn!("greeting connections: poll: {e}");
@@ -319,6 +326,9 @@ fn accept<L: Listening, G: Greet<ConnOf<L>>>(
     greetings: &mut Vec<Greeting<G::Token, L::Handshake>>,
 ) -> Option<Instant> {
     for _ in 0..ACCEPT_BATCH {
+        if gate.full() {
+            return None;
+        }
         let (opening, from) = match listener.accept_one(tls) {
             Ok(accepted) => accepted,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => return None,
@@ -636,7 +646,7 @@ mod tests {
     /// offered again.
     #[test]
     fn large_frames_and_crowds_are_refused_and_a_frame_waits_for_its_listener() {
-        let served = serve(None, Gate::new(2, 2), Duration::from_secs(2), true);
+        let served = serve(None, Gate::new(3, 2), Duration::from_secs(2), true);
         let mut big = connect(&served.addr, Duration::from_secs(1)).unwrap();
         big.write_all(&frame(&Message::Kicked { reason: "x".repeat(100) })).unwrap();
         assert!(served.failure().contains("exceeds the limit of 64"));
@@ -649,6 +659,31 @@ mod tests {
             Event::Greeted(message, _) => assert_eq!(message, Message::Heartbeat, "taken the second time"),
             Event::Failed(e) => panic!("failed: {e}"),
             _ => panic!("another event"),
+        }
+        served.end();
+    }
+
+    /// Past the gate's cap in all, connections wait in the accept queue, not closed: each is
+    /// greeted once a place frees.
+    #[test]
+    fn a_full_gate_leaves_connections_queued_until_a_place_frees() {
+        let served = serve(None, Gate::new(2, 2), Duration::from_secs(5), false);
+        let held: Vec<_> = (0..2).map(|_| connect(&served.addr, Duration::from_secs(1)).unwrap()).collect();
+        assert!(matches!(served.next(), Event::Opened) && matches!(served.next(), Event::Opened));
+        let mut queued: Vec<_> = (0..3).map(|_| connect(&served.addr, Duration::from_secs(1)).unwrap()).collect();
+        for q in &mut queued {
+            q.write_all(&frame(&Message::Heartbeat)).unwrap();
+        }
+        assert!(served.events.recv_timeout(Duration::from_millis(300)).is_err(), "taken past a full gate");
+        drop(held);
+        let mut greeted = 0;
+        while greeted < 3 {
+            match served.next() {
+                Event::Greeted(message, _) => (greeted, _) = (greeted + 1, assert_eq!(message, Message::Heartbeat)),
+                Event::Failed(e) => assert_eq!(e, "connection closed by the other side", "a held one hung up"),
+                Event::Opened => {}
+                Event::Refused => panic!("a queued connection was refused"),
+            }
         }
         served.end();
     }
