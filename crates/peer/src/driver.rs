@@ -19,7 +19,7 @@ use shoal_proto::peer::{
     Action, CallError, CallId, Established, OpId, OpProgress, RingPosition, Seq, Value, WaitNote, P2P_PATIENCE,
 };
 use shoal_transport::{Lane, PollFd};
-use shoal_wire::{Epoch, FailureKind, Mismatch, OpFailure, OpHeader, PeerId, Reason, SessionId};
+use shoal_wire::{Epoch, FailureKind, Member, Mismatch, OpFailure, OpHeader, PeerId, Reason, SessionId};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -656,8 +656,8 @@ impl Driver {
         let me = position.ring[position.rank].peer;
         // Every missing link at once: each dial waits a round trip.
         let deadline = Deadline::after(self.config.timeout);
-        let open = |k: usize| listener.open(&position.ring[missing.to[k]], position.epoch, &self.config, deadline);
-        for (&to, opened) in missing.to.iter().zip(crate::links::at_once(missing.to.len(), open)) {
+        let members: Vec<&Member> = missing.to.iter().map(|&to| &position.ring[to]).collect();
+        for (&to, opened) in missing.to.iter().zip(listener.open(&members, position.epoch, &self.config, deadline)) {
             let member = &position.ring[to];
             match opened {
                 Ok(pool) => {

@@ -23,6 +23,7 @@ use crate::fetch::{Asker, FetchConn, Held};
 use crate::Deadline;
 use shoal_proto::auth::DataKey;
 use shoal_proto::peer::{Established, RingPosition};
+use shoal_transport::dial::{dial_all, Dial};
 use shoal_transport::gate::{Full, Gate};
 use shoal_transport::greet::{greet_until, greeters, Greet, Greeted, Handshake, Limits, Listening};
 use shoal_transport::shm::{ShmLane, RING_BYTES};
@@ -53,6 +54,13 @@ const MAX_HELLO_BODY: u32 = 1 << 10;
 pub(crate) const MAX_FETCHES: usize = 256;
 /// How long one dial may take before the successor is reported unreachable.
 const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
+/// Data streams one call dials at once, on its own thread: 63 pools of 16 streams (a 64-peer
+/// one-shot) go out in one round trip, while a run of larger pools waits its turn rather than
+/// flood the members' accept queues (`ACCEPT_BACKLOG`) with SYNs.
+const DIALS_AT_ONCE: usize = 1024;
+/// Shared-memory lanes one call opens at once, a thread each: each waits for the member on this
+/// host to map its ring.
+const LOCAL_DIALS_AT_ONCE: usize = 8;
 /// The most a dialed stream holds written but unsent: the engine gives a pool's streams data
 /// as each drains, so no window-bound stream queues what the others could have carried (in the
 /// lab's long-fat pipe, 8 concurrent 8 MiB all-reduces over 8 streams took 807 ms without it,
@@ -243,19 +251,22 @@ impl Listener {
         &self.arrivals.arrived
     }
 
-    /// Dials a pool to `member` for topology `epoch`, made non-blocking: our half of a link a
-    /// schedule needs.
+    /// Dials a pool to each of `members` for topology `epoch`, made non-blocking: our half of the
+    /// links a schedule needs, all at once.
     pub fn open(
         &self,
-        member: &Member,
+        members: &[&Member],
         epoch: Epoch,
         config: &CommunicatorConfig,
         deadline: Deadline,
-    ) -> std::result::Result<Vec<Stream>, DialFailed> {
+    ) -> Vec<std::result::Result<Vec<Stream>, DialFailed>> {
         let id = self.identity.get().expect("identity is set at registration");
-        let connections = self.connections(config, member);
-        let tls = self.tls.as_ref();
-        dial(id, member.peer, epoch, &member.addr, connections, config.shared_memory, tls, deadline, "all_reduce")
+        let pools: Vec<PoolTo> = members.iter().map(|m| self.pool_to(config, m)).collect();
+        dial_pools(id, &pools, epoch, config.shared_memory, self.tls.as_ref(), deadline, "all_reduce")
+    }
+
+    fn pool_to<'a>(&self, config: &CommunicatorConfig, member: &'a Member) -> PoolTo<'a> {
+        PoolTo { to: member.peer, addr: &member.addr, streams: self.connections(config, member) }
     }
 
     /// The pool `from` dialed to us for topology `epoch`, if it is complete, made non-blocking:
@@ -304,12 +315,9 @@ impl Listener {
             targets.extend(pos.ring.iter().filter(|m| m.peer != me && m.peer != next.peer).filter(elsewhere));
         }
         targets.retain(|m| !staged.outgoing.contains_key(&m.peer));
-        let tls = self.tls.as_ref();
-        let dial_one = |k: usize| {
-            let (to, shm) = (targets[k], config.shared_memory);
-            dial(id, to.peer, pos.epoch, &to.addr, self.connections(config, to), shm, tls, deadline, operation)
-        };
-        for (k, dialed) in at_once(targets.len(), dial_one).into_iter().enumerate() {
+        let pools: Vec<PoolTo> = targets.iter().map(|m| self.pool_to(config, m)).collect();
+        let dialed = dial_pools(id, &pools, pos.epoch, config.shared_memory, self.tls.as_ref(), deadline, operation);
+        for (k, dialed) in dialed.into_iter().enumerate() {
             match dialed {
                 Ok(pool) => {
                     staged.outgoing.insert(targets[k].peer, pool);
@@ -356,81 +364,130 @@ pub(crate) enum DialFailed {
     /// The call's bound passed first.
     #[error(transparent)]
     OutOfTime(crate::Error),
-    /// The member's port did not take the connection (or its TLS handshake failed).
+    /// The member's port did not take the connection, its TLS handshake failed, or the hello
+    /// did not go out.
     #[error("dialing {to} at {addr}: {source}")]
     Dialing { to: PeerId, addr: String, source: std::io::Error },
-    /// The hello did not go out.
-    #[error("greeting {to} at {addr}: {source}")]
-    Greeting { to: PeerId, addr: String, source: shoal_transport::TransportError },
     /// The stream could not be set up for the engine.
     #[error("configuring a stream to {to}: {source}")]
     Configuring { to: PeerId, source: std::io::Error },
 }
 
+/// A pool to dial: to whom, where, and how many streams.
+pub(crate) struct PoolTo<'a> {
+    pub to: PeerId,
+    pub addr: &'a str,
+    pub streams: usize,
+}
+
+/// Dials every pool of `pools` for topology `epoch` at once, their streams made non-blocking:
+/// shared-memory lanes to members on this host where `shared_memory` allows, TCP (with `tls`)
+/// otherwise, all of those on this thread ([`shoal_transport::dial`]), at most [`DIALS_AT_ONCE`]
+/// under way. A pool fails whole when one of its streams does.
 #[allow(clippy::too_many_arguments)]
-fn dial(
+fn dial_pools(
     id: &Identity,
-    to: PeerId,
+    pools: &[PoolTo<'_>],
     epoch: Epoch,
-    addr: &str,
-    connections: usize,
     shared_memory: bool,
     tls: Option<&TlsConfig>,
     deadline: Deadline,
     operation: &'static str,
-) -> Result<Vec<Stream>, DialFailed> {
-    let configuring = |source| DialFailed::Configuring { to, source };
-    let one = |i: usize| -> Result<Stream, DialFailed> {
-        let (stream, streams) = (i as u16, connections as u16);
-        let mac = id.key.hello(id.session, id.me, to, epoch, stream, streams);
-        let hello = Message::PeerHello { from: id.me, to, epoch, stream, streams, mac };
-        // The same machine and network namespace: the member's local socket answers there.
-        let left = deadline.left(operation).map_err(DialFailed::OutOfTime)?;
-        let local = if shared_memory { dial_local(id, addr, &hello, left.min(HELLO_TIMEOUT)) } else { None };
-        let mut s =
-            match local {
-                Some(lane) => Stream::Shm(lane),
-                None => {
-                    let left = deadline.left(operation).map_err(DialFailed::OutOfTime)?;
-                    let at = || addr.to_string();
-                    let mut s = Conn::dial(addr, left.min(DIAL_TIMEOUT), tls)
-                        .map_err(|source| DialFailed::Dialing { to, addr: at(), source })?;
-                    write_message(&mut s, id.session, &hello).map_err(|source| DialFailed::Greeting {
-                        to,
-                        addr: at(),
-                        source,
-                    })?;
-                    limit_unsent(s.tcp(), UNSENT_LIMIT).map_err(configuring)?;
-                    Stream::from(s)
-                }
-            };
+) -> Vec<Result<Vec<Stream>, DialFailed>> {
+    let left = match deadline.left(operation) {
+        Ok(left) => left.min(DIAL_TIMEOUT),
+        Err(_) => {
+            let late = || crate::Error::Timeout { operation, after: deadline.bound() };
+            return pools.iter().map(|_| Err(DialFailed::OutOfTime(late()))).collect();
+        }
+    };
+    let by = Instant::now() + left;
+    // Every stream of every pool: (pool, its hello).
+    let streams: Vec<(usize, Message)> = (pools.iter().enumerate())
+        .flat_map(|(k, pool)| {
+            let count = pool.streams as u16;
+            (0..count).map(move |stream| {
+                let mac = id.key.hello(id.session, id.me, pool.to, epoch, stream, count);
+                (k, Message::PeerHello { from: id.me, to: pool.to, epoch, stream, streams: count, mac })
+            })
+        })
+        .collect();
+    // The same machine and network namespace: the member's local socket answers there.
+    let lanes = match shared_memory {
+        true => at_most(streams.len(), LOCAL_DIALS_AT_ONCE, |i| {
+            let (k, hello) = &streams[i];
+            dial_local(id, pools[*k].addr, hello, by.saturating_duration_since(Instant::now()).min(HELLO_TIMEOUT))
+        }),
+        false => streams.iter().map(|_| None).collect(),
+    };
+    let remote: Vec<usize> = (0..streams.len()).filter(|&i| lanes[i].is_none()).collect();
+    let frames: Vec<Vec<u8>> = remote
+        .iter()
+        .map(|&i| shoal_wire::encode_frame(id.session, &streams[i].1).expect("a hello fits a frame"))
+        .collect();
+    let dials: Vec<Dial> =
+        remote.iter().zip(&frames).map(|(&i, f)| Dial { addr: pools[streams[i].0].addr, first: f }).collect();
+    let mut dialed = dial_all(&dials, tls, by, DIALS_AT_ONCE).into_iter();
+    let mut out: Vec<Result<Vec<Stream>, DialFailed>> =
+        pools.iter().map(|p| Ok(Vec::with_capacity(p.streams))).collect();
+    for ((k, _), lane) in streams.iter().zip(lanes) {
+        let pool = &pools[*k];
+        let stream = match lane {
+            Some(lane) => Ok(Stream::Shm(lane)),
+            None => dialed
+                .next()
+                .expect("a dial per stream without a lane")
+                .map_err(|source| DialFailed::Dialing { to: pool.to, addr: pool.addr.to_string(), source })
+                .and_then(|conn| {
+                    let configured = limit_unsent(conn.tcp(), UNSENT_LIMIT).map(|()| Stream::from(conn));
+                    configured.map_err(|source| DialFailed::Configuring { to: pool.to, source })
+                }),
+        };
         // From here the engine drives it, without blocking.
-        s.set_nonblocking().map_err(configuring)?;
-        Ok(s)
-    };
-    // The streams of a pool are dialed at once: one after another, a pool of 4 across a 40 ms
-    // RTT took 4 round trips (8 with TLS) of every topology change.
-    let pool = at_once(connections, one).into_iter().collect::<Result<Vec<_>, _>>()?;
-    let kind = match pool.first() {
-        Some(Stream::Shm(_)) => "shared-memory",
-        Some(Stream::Tls(_)) => "TLS",
-        _ => "TCP",
-    };
-    log::debug!("{} dialed {connections} {kind} streams to {to} at {addr}", id.me);
-    Ok(pool)
+        let stream = stream.and_then(|mut s| match s.set_nonblocking() {
+            Ok(()) => Ok(s),
+            Err(source) => Err(DialFailed::Configuring { to: pool.to, source }),
+        });
+        match (&mut out[*k], stream) {
+            (Ok(held), Ok(s)) => held.push(s),
+            (Err(_), _) => {}
+            (slot, Err(e)) => *slot = Err(e),
+        }
+    }
+    for (pool, dialed) in pools.iter().zip(&out) {
+        if let Ok(streams) = dialed {
+            let kind = match streams.first() {
+                Some(Stream::Shm(_)) => "shared-memory",
+                Some(Stream::Tls(_)) => "TLS",
+                _ => "TCP",
+            };
+            log::debug!("{} dialed {} {kind} streams to {} at {}", id.me, pool.streams, pool.to, pool.addr);
+        }
+    }
+    out
 }
 
-/// `f(0)`, ..., `f(n - 1)`, each on a thread of its own when there are several: dials that
-/// would otherwise wait a round trip each, one after another.
-pub(crate) fn at_once<T: Send>(n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
-    if n <= 1 {
+/// `f(0)`, ..., `f(n - 1)`, on up to `threads` threads when there are several: waits that
+/// would otherwise come one after another.
+pub(crate) fn at_most<T: Send>(n: usize, threads: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
+    if n <= 1 || threads <= 1 {
         return (0..n).map(f).collect();
     }
-    let f = &f;
+    let (f, next) = (&f, &AtomicUsize::new(0));
+    let done = Mutex::new((0..n).map(|_| None).collect::<Vec<Option<T>>>());
     thread::scope(|scope| {
-        let runs: Vec<_> = (0..n).map(|i| scope.spawn(move || f(i))).collect();
-        runs.into_iter().map(|r| r.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
-    })
+        for _ in 0..threads.min(n) {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= n {
+                    return;
+                }
+                let value = f(i);
+                done.lock().unwrap_or_else(PoisonError::into_inner)[i] = Some(value);
+            });
+        }
+    });
+    done.into_inner().unwrap_or_else(PoisonError::into_inner).into_iter().map(|v| v.expect("every index ran")).collect()
 }
 
 /// The name of the local socket of the member listening on `port` in this network namespace.
@@ -971,6 +1028,41 @@ mod tests {
         let started = Instant::now();
         assert_eq!(std::io::Read::read(&mut s, &mut [0u8; 1]).ok(), Some(0), "an idle fetcher is hung up on");
         assert!(started.elapsed() < idle + Duration::from_millis(700), "after {:?}", started.elapsed());
+    }
+
+    /// A data port whose greeting places are all taken leaves a pool's streams in its accept
+    /// queue and takes them whole once places free: closed, they would leave the dialer a pool
+    /// that breaks under its first collective (64 peers dialing 63 pools of 32 streams did).
+    #[test]
+    fn a_pool_dialed_while_every_greeting_place_is_taken_arrives_whole() {
+        let snapshots = crate::fetch::Snapshots::new(None, Duration::from_secs(5));
+        let listener = Listener::start_gated("127.0.0.1:0", None, snapshots, Gate::new(8, 8)).unwrap();
+        let (me, session) = (PeerId(1), SessionId(5));
+        listener.set_identity(me, session, KEY, "127.0.0.1:1");
+        let addr = format!("127.0.0.1:{}", listener.port);
+        let silent: Vec<_> = (0..8).map(|_| Conn::dial(&addr, Duration::from_secs(1), None).unwrap()).collect();
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while listener.arrivals.greeting.held() < 8 {
+            assert!(Instant::now() < deadline, "the silent connections were not taken");
+            thread::sleep(Duration::from_millis(5));
+        }
+        let them = Identity { me: PeerId(2), session, key: KEY };
+        let pools = [PoolTo { to: me, addr: &addr, streams: 16 }];
+        let dialed = dial_pools(&them, &pools, Epoch(1), false, None, Deadline::after(Duration::from_secs(5)), "test");
+        assert!(dialed[0].as_ref().is_ok_and(|p| p.len() == 16), "the dials into the accept queue");
+        thread::sleep(Duration::from_millis(200));
+        assert!(listener.take_pool(PeerId(2), Epoch(1)).is_none(), "greeted past a full gate");
+        drop(silent);
+        let deadline = Instant::now() + Duration::from_secs(3);
+        let pool = loop {
+            if let Some(pool) = listener.take_pool(PeerId(2), Epoch(1)) {
+                break pool;
+            }
+            assert!(Instant::now() < deadline, "the queued pool never arrived");
+            thread::sleep(Duration::from_millis(5));
+        };
+        assert_eq!(pool.len(), 16);
+        assert_eq!(listener.arrivals.refused.load(Ordering::Relaxed), 0, "the silent ones hung up unheard");
     }
 
     /// Connections that never greet hold at most their address's share of the greeting slots;
