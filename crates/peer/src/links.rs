@@ -469,7 +469,7 @@ fn dial_pools(
 
 /// `f(0)`, ..., `f(n - 1)`, on up to `threads` threads when there are several: waits that
 /// would otherwise come one after another.
-pub(crate) fn at_most<T: Send>(n: usize, threads: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
+fn at_most<T: Send>(n: usize, threads: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
     if n <= 1 || threads <= 1 {
         return (0..n).map(f).collect();
     }
