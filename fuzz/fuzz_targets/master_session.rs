@@ -24,7 +24,7 @@ enum Step {
 
 #[derive(Debug, Arbitrary)]
 enum Msg {
-    Join { group: u8, proven: bool },
+    Join { group: u8, proven: bool, catch_up: bool },
     Heartbeat,
     VoteUpdateTopology(u8),
     VoteOptimizeTopology(u8, Vec<(u8, u16, u16)>),
@@ -50,9 +50,9 @@ enum Msg {
 
 fn message(m: Msg, key: &RunKey, conn: ConnId) -> Message {
     match m {
-        Msg::Join { group, proven } => {
+        Msg::Join { group, proven, catch_up } => {
             let proof = if proven { key.prove(&nonce(conn)) } else { [0; 32] };
-            Message::Join { group: GroupId(group.into()), data_addr: format!("h:{}", conn.0), proof }
+            Message::Join { group: GroupId(group.into()), data_addr: format!("h:{}", conn.0), proof, catch_up }
         }
         Msg::Heartbeat => Message::Heartbeat,
         Msg::VoteUpdateTopology(c) => Message::VoteUpdateTopology { collectives: c.into(), measured: None },

@@ -218,7 +218,7 @@ fuzz_target!(|session: Session| {
     for step in session.steps.into_iter().take(512) {
         match step {
             Step::Connect(g) => {
-                peer.connect(GroupId((g % 2).into()), "h:me".into(), bound, now);
+                peer.connect(GroupId((g % 2).into()), "h:me".into(), g >= 128, bound, now);
             }
             Step::Call(c) => {
                 peer.call(call(c), bound, now);

@@ -499,7 +499,8 @@ mod tests {
         let mut s = shoal_transport::connect(&m.local_addr().to_string(), Duration::from_secs(2)).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
         assert!(matches!(read_message(&mut s), Ok((_, Message::Challenge { .. }))));
-        let join = Message::Join { group: GroupId(0), data_addr: "127.0.0.1:1".into(), proof: [0; 32] };
+        let join =
+            Message::Join { group: GroupId(0), data_addr: "127.0.0.1:1".into(), proof: [0; 32], catch_up: false };
         write_message(&mut s, SessionId(0), &join).unwrap();
         match read_message(&mut s) {
             Ok((_, Message::Registered { peer, session, .. })) => (s, session, peer),

@@ -47,7 +47,7 @@ fn joins(m: &MasterServer) -> TcpStream {
     let mut s = dial(m);
     s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
     assert!(matches!(read_message(&mut s), Ok((_, Message::Challenge { .. }))));
-    let join = Message::Join { group: GroupId(0), data_addr: "127.0.0.1:1".into(), proof: [0; 32] };
+    let join = Message::Join { group: GroupId(0), data_addr: "127.0.0.1:1".into(), proof: [0; 32], catch_up: false };
     write_message(&mut s, SessionId(0), &join).unwrap();
     assert!(matches!(read_message(&mut s), Ok((_, Message::Registered { .. }))), "a proper peer was refused");
     s
@@ -71,8 +71,11 @@ fn closed_within(s: &mut TcpStream, bound: Duration) -> Duration {
 fn a_stranger_dripping_bytes_is_closed_at_the_greeting_deadline() {
     let m = master();
     let mut s = dial(&m);
-    let join = encode_frame(SessionId(0), &Message::Join { group: GroupId(0), data_addr: "x".into(), proof: [0; 32] })
-        .unwrap();
+    let join = encode_frame(
+        SessionId(0),
+        &Message::Join { group: GroupId(0), data_addr: "x".into(), proof: [0; 32], catch_up: false },
+    )
+    .unwrap();
     let mut writer = s.try_clone().unwrap();
     let drip = std::thread::spawn(move || {
         for b in join {

@@ -182,7 +182,8 @@ impl Communicator {
         let control = Control::start(&addr, stream, self.tls.clone(), peer_config, Arc::clone(&self.stats), snapshots)?;
         let group = GroupId(self.config.group);
         let bound = deadline.left("connect")?;
-        let call = control.own_input(|p, now| p.connect(group, data_addr.clone(), bound, now));
+        let catching_up = catch_up.is_some();
+        let call = control.own_input(|p, now| p.connect(group, data_addr.clone(), catching_up, bound, now));
         let mut data = self.lock_data();
         let mut me = None;
         let joined = self.run_call(&control, &listener, &mut data, call, "connect", |_, action| {

@@ -494,7 +494,7 @@ mod tests {
         });
         let stream = Conn::dial(&addr, Duration::from_secs(1), None).unwrap();
         let control = start(&addr, stream, Duration::from_secs(10));
-        control.input(|p, now| p.connect(GroupId(0), "127.0.0.1:1".into(), Duration::from_secs(5), now));
+        control.input(|p, now| p.connect(GroupId(0), "127.0.0.1:1".into(), false, Duration::from_secs(5), now));
         master.join().unwrap();
         let outcome = loop {
             match control.next_action() {

@@ -773,7 +773,7 @@ impl Sim {
             [only] => only,
             ref several => several[self.rng.below(several.len() as u64) as usize],
         };
-        peer.proto.connect(peer.group, format!("sim:{i}"), CALL_TIMEOUT, at);
+        peer.proto.connect(peer.group, format!("sim:{i}"), false, CALL_TIMEOUT, at);
         self.peers.push(peer);
         // The master challenges the new connection; the peer answers with its Join.
         let mut nonce = [0u8; 32];

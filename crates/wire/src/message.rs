@@ -339,6 +339,9 @@ pub enum Message {
         /// Keyed hash of the nonce under the run's key (zeros where the peer has no secret); the
         /// secret never crosses the wire, and the proof is worthless on another connection.
         proof: [u8; 32],
+        /// Whether it will catch up with its group's state (`CatchUpStart` follows) before it
+        /// awaits admission: until then it is not pending, and no vote admits it.
+        catch_up: bool,
     },
     /// Peer → master, in place of `Join` on a new control connection: this peer, registered in
     /// `session`, lost its connection (the master restarted, say) and is back.
@@ -894,10 +897,11 @@ impl Message {
     /// Appends the body (everything after the frame header) to `w`.
     pub fn encode_body(&self, w: &mut Writer) {
         match self {
-            Message::Join { group, data_addr, proof } => {
+            Message::Join { group, data_addr, proof, catch_up } => {
                 w.u32(group.0);
                 w.str(data_addr);
                 w.bytes(proof);
+                w.bool(*catch_up);
             }
             Message::Challenge { nonce } => w.bytes(nonce),
             Message::AuthFailed { reason } => w.str(reason),
@@ -1072,7 +1076,12 @@ impl Message {
     pub fn decode_body(kind: u16, body: &[u8]) -> Result<Message, WireError> {
         let mut r = Reader::new(body);
         let message = match kind {
-            kind::JOIN => Message::Join { group: GroupId(r.u32()?), data_addr: r.str()?, proof: r.hash()? },
+            kind::JOIN => Message::Join {
+                group: GroupId(r.u32()?),
+                data_addr: r.str()?,
+                proof: r.hash()?,
+                catch_up: r.bool("catch_up")?,
+            },
             kind::CHALLENGE => Message::Challenge { nonce: r.hash()? },
             kind::AUTH_FAILED => Message::AuthFailed { reason: r.str()? },
             kind::HEARTBEAT => Message::Heartbeat,
@@ -1442,10 +1451,8 @@ mod tests {
     fn message() -> impl Strategy<Value = Message> {
         prop_oneof![
             sync_message(),
-            (any::<u32>(), ".{0,64}", any::<[u8; 32]>()).prop_map(|(g, a, proof)| Message::Join {
-                group: GroupId(g),
-                data_addr: a,
-                proof
+            (any::<u32>(), ".{0,64}", any::<[u8; 32]>(), any::<bool>()).prop_map(|(g, a, proof, catch_up)| {
+                Message::Join { group: GroupId(g), data_addr: a, proof, catch_up }
             }),
             any::<[u8; 32]>().prop_map(|nonce| Message::Challenge { nonce }),
             ".{0,100}".prop_map(|reason| Message::AuthFailed { reason }),
@@ -1615,10 +1622,20 @@ mod tests {
     /// every later call of that peer fail.
     #[test]
     fn an_over_long_string_is_an_encoding_error_not_a_panic() {
-        let m = Message::Join { group: GroupId(0), data_addr: "é".repeat(MAX_STRING_BYTES), proof: [0; 32] };
+        let m = Message::Join {
+            group: GroupId(0),
+            data_addr: "é".repeat(MAX_STRING_BYTES),
+            proof: [0; 32],
+            catch_up: false,
+        };
         let want = WireError::StringTooLong { len: 2 * MAX_STRING_BYTES, max: MAX_STRING_BYTES };
         assert_eq!(encode_frame(SessionId(1), &m), Err(want));
-        let fits = Message::Join { group: GroupId(0), data_addr: "é".repeat(MAX_STRING_BYTES / 2), proof: [0; 32] };
+        let fits = Message::Join {
+            group: GroupId(0),
+            data_addr: "é".repeat(MAX_STRING_BYTES / 2),
+            proof: [0; 32],
+            catch_up: false,
+        };
         assert!(encode_frame(SessionId(1), &fits).is_ok());
     }
 

@@ -8,7 +8,8 @@
 //!    over the members that hold the copy ──▶ CatchUpEnd ──▶ Registered (peers_pending: true)
 //! ```
 //!
-//! A catching-up peer is not pending: the accepted peers' `peers_pending` answers `false` for
+//! A peer whose `Join` said it will catch up is registered `CatchingUp` at once, so that no
+//! vote admits it in the round trip before its `CatchUpStart`. A catching-up peer is not pending: the accepted peers' `peers_pending` answers `false` for
 //! it, so they do not stop for it. The members keep their copy while a newcomer of the group
 //! catches up, and drop it (`Snapshot { round: 0 }`) once none does. A newcomer that dies costs
 //! nothing but its copy's memory until then; a donor that dies is routed around by the newcomer.
@@ -46,16 +47,16 @@ impl Master {
     /// `peer` asks to catch up with its group's state, described by `entries`.
     pub(super) fn catch_up_start(&mut self, peer: PeerId, entries: Vec<StateDigest>) {
         let entry = &self.peers[&peer];
-        debug_assert_eq!(
-            self.catching_up.contains_key(&peer),
-            entry.status == Status::CatchingUp,
+        debug_assert!(
+            !self.catching_up.contains_key(&peer) || entry.status == Status::CatchingUp,
             "{peer} half caught up"
         );
         let group = entry.group;
         let admitting =
             matches!(&self.g.phase, super::Phase::AwaitingConnections { members, .. } if members.contains(&peer));
-        if entry.status != Status::Registered || admitting {
-            // Admitted meanwhile (or asked twice): the sync after its admission repairs it.
+        if entry.status == Status::Accepted || self.catching_up.contains_key(&peer) || admitting {
+            // Admitted meanwhile (it joined without saying it would catch up, or the master
+            // restarted), or asked twice: the sync after its admission repairs it.
             return self.send_plan(peer, None, String::new());
         }
         let Some(state) = self.group_states.get(&group).filter(|_| !self.g.ring.is_empty()) else {
@@ -144,10 +145,11 @@ impl Master {
 
     /// `peer`'s catch-up ended: it awaits admission now.
     pub(super) fn catch_up_end(&mut self, peer: PeerId, fetched: bool, revision: u64) {
-        if self.catching_up.remove(&peer).is_none() {
+        // CatchingUp since its `Join` perhaps, with no plan asked for yet (it was refused one).
+        if self.peers[&peer].status != Status::CatchingUp {
             return;
         }
-        debug_assert_eq!(self.peers[&peer].status, Status::CatchingUp, "{peer} caught up without catching up");
+        self.catching_up.remove(&peer);
         if fetched {
             log::info!("{peer} caught up with revision {revision}: it awaits admission");
         } else {

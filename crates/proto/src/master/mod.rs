@@ -5,7 +5,8 @@
 //! ```text
 //!  Join ──▶ Registered ──(its group's update_topology vote passes, or the group has no accepted
 //!  member)──▶ in a Topology being connected ──(every member TopologyReady)──▶ Accepted
-//!  Registered ──(CatchUpStart)──▶ CatchingUp ──(CatchUpEnd)──▶ Registered   (`catchup.rs`)
+//!  Registered ──(CatchUpStart)──▶ CatchingUp ──(CatchUpEnd)──▶ Registered   (`catchup.rs`;
+//!  a `Join` that says it will catch up registers it CatchingUp at once)
 //!  any state ──(connection closed, missed heartbeats, Leave, protocol violation)──▶ removed
 //! ```
 //!
@@ -718,7 +719,7 @@ impl Master {
         if let Message::Rejoin { peer, session, proof } = message {
             return self.rejoin(now, conn, peer, session, proof);
         }
-        let Message::Join { group, data_addr, proof } = message else {
+        let Message::Join { group, data_addr, proof, catch_up } = message else {
             let reason = format!("expected Join as first message, got {}", message.name());
             if let Some(note) = self.refusals.admit(now) {
                 log::warn!("connection {}: {reason}{note}", conn.0);
@@ -747,7 +748,9 @@ impl Master {
             conn: Some(conn),
             group,
             addr: data_addr.clone(),
-            status: Status::Registered,
+            // One that will catch up is not pending meanwhile: its `CatchUpStart` is a round
+            // trip behind, and a vote in between would admit it before it fetched anything.
+            status: if catch_up { Status::CatchingUp } else { Status::Registered },
             last_heard: now,
             last_beat: None,
             beats: self.beats(),

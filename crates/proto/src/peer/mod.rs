@@ -397,13 +397,21 @@ enum Purpose {
     Follow(CallKind),
 }
 
+/// What `Join` carries: the group, the data address, whether we will catch up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Joining {
+    group: GroupId,
+    data_addr: String,
+    catch_up: bool,
+}
+
 /// The one call in progress that is not a collective in flight, with what it waits for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Call {
     /// `connect`: waiting for the master's challenge to send `Join` (what it carries, until
     /// sent), then to be registered.
     Registering {
-        join: Option<(GroupId, String)>,
+        join: Option<Joining>,
     },
     Topology {
         purpose: Purpose,
@@ -788,15 +796,24 @@ impl Peer {
     }
 
     /// Joins the run: answers the master's challenge with `Join`; the call is done once the
-    /// accepted peers admit us.
-    pub fn connect(&mut self, group: GroupId, data_addr: String, bound: Duration, now: Instant) -> CallId {
+    /// accepted peers admit us. `catch_up`: we will catch up with the group's state once
+    /// registered ([`Peer::catch_up_start`]), and the master holds our admission until then.
+    pub fn connect(
+        &mut self,
+        group: GroupId,
+        data_addr: String,
+        catch_up: bool,
+        bound: Duration,
+        now: Instant,
+    ) -> CallId {
         let id = self.next_id();
         if self.busy() || self.view.registered.is_some() {
             self.actions.push_back(Action::Done { call: id, result: Err(CallError::Busy(Api::Connect)) });
             return id;
         }
         debug_assert!(self.view.committed.is_none() && self.taken_up.is_none(), "a newcomer runs in a topology");
-        self.call = Some((id, now + bound, Call::Registering { join: Some((group, data_addr)) }));
+        let join = Joining { group, data_addr, catch_up };
+        self.call = Some((id, now + bound, Call::Registering { join: Some(join) }));
         self.progress(now);
         assert!(self.busy() || self.gone().is_some() || self.has_action(), "connect neither runs nor ended");
         id
@@ -1630,11 +1647,11 @@ impl Peer {
         let Some((id, deadline, call)) = self.call.clone() else { return false };
         debug_assert!(self.ops.is_empty() && self.gone().is_none(), "{id:?} runs alone, in the run");
         match call {
-            Call::Registering { join: Some((group, data_addr)) } => match self.view.challenge {
+            Call::Registering { join: Some(Joining { group, data_addr, catch_up }) } => match self.view.challenge {
                 Some(nonce) => {
                     debug_assert!(self.view.registered.is_none(), "Join goes out once registered");
                     let proof = self.config.key.as_ref().map_or([0; 32], |key| key.prove(&nonce));
-                    self.outbox.push_back(Message::Join { group, data_addr, proof });
+                    self.outbox.push_back(Message::Join { group, data_addr, proof, catch_up });
                     self.call = Some((id, deadline, Call::Registering { join: None }));
                     true
                 }

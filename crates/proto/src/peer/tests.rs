@@ -67,10 +67,13 @@ fn joined_with(ring: &[u32], reconnect: bool) -> (Peer, Instant) {
     let t0 = crate::test_start();
     let mut p =
         Peer::new(PeerConfig { heartbeat_timeout: HEARTBEAT_TIMEOUT, key: None, max_in_flight: 4, reconnect }, t0);
-    p.connect(GroupId(0), "h:0".into(), BOUND, t0);
+    p.connect(GroupId(0), "h:0".into(), false, BOUND, t0);
     assert!(sent(&mut p).is_empty(), "Join waits for the master's challenge");
     p.handle_message(Message::Challenge { nonce: [3; 32] }, t0).unwrap();
-    assert_eq!(sent(&mut p), vec![Message::Join { group: GroupId(0), data_addr: "h:0".into(), proof: [0; 32] }]);
+    assert_eq!(
+        sent(&mut p),
+        vec![Message::Join { group: GroupId(0), data_addr: "h:0".into(), proof: [0; 32], catch_up: false }]
+    );
     let registered =
         Message::Registered { peer: PeerId(0), session: SessionId(7), heartbeat_ms: 100, data_key: [5; 32] };
     p.handle_message(registered, t0).unwrap();
@@ -546,7 +549,7 @@ fn a_join_proves_the_secret_on_the_nonce_and_a_refusal_ends_connect() {
         t0,
     );
     p.handle_message(Message::Challenge { nonce: [9; 32] }, t0).unwrap();
-    p.connect(GroupId(0), "h:0".into(), BOUND, t0);
+    p.connect(GroupId(0), "h:0".into(), false, BOUND, t0);
     let join = sent(&mut p);
     assert!(
         matches!(&join[..], [Message::Join { proof, .. }] if key.verify(&[9; 32], proof)),
