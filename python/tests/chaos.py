@@ -6,11 +6,14 @@ partitioned from every other host for a while, then healed. Afterwards every com
 all-reduce must be identical on all its participants and correct, every failed one must have
 restored its buffer, every peer's state must hash the same at every revision (a newcomer once
 repaired), no call may have outlived its bound, and only peers on a partitioned host may have
-lost the master.
+lost the master. Every peer's memory, threads and descriptors are read about once a second
+(``resources.py``): none may grow past its slack after its warm-up. The first peer of each group
+is never a victim, so that a run longer than the warm-up checks at least one process through all
+of it (the others live seconds).
 
 ``test_chaos.py`` runs short rounds in the suite. A soak is opt-in::
 
-    python python/tests/chaos.py --duration 600 --seed 7 [--lab two-sites]
+    python python/tests/chaos.py --duration 600 --seed 7 [--lab two-sites] [--plot resources.png]
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from collections import defaultdict
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Optional
+
+from resources import WARMUP, Sampler
 
 import shoal
 from shoal.lab import Lab
@@ -47,10 +52,10 @@ BOUNDS = {"other": HEARTBEAT_TIMEOUT + 10.0, "connect": CALL_TIMEOUT + 5.0, "cut
 
 
 def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive: int = 6,
-        lab: Optional[Lab] = None, groups: tuple[int, ...] = (0,)) -> dict:
+        lab: Optional[Lab] = None, groups: tuple[int, ...] = (0,), plot: Optional[Path] = None) -> dict:
     """With ``lab``, the master runs on its first host, peers round the others, and partitions
     join the chaos. Peer i joins group ``groups[i % len(groups)]``: each group is checked on its
-    own (its collectives, its states by revision)."""
+    own (its collectives, its states by revision). ``plot``: where to draw the peers' resources."""
     rng = random.Random(seed)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
     stop = workdir / "stop"
@@ -60,7 +65,11 @@ def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive
     ever_cut: set[int] = set()  # peers whose host was partitioned while they ran
     actions: list[str] = []
     peer_hosts = lab.hosts[1:] if lab else []
+    anchors = set(range(len(groups)))  # peer i joins groups[i % len(groups)]
+    sampler = Sampler()
     with ExitStack() as stack:
+        stack.callback(sampler.stop)
+        sampler.start()
         if lab:
             address = stack.enter_context(lab.master(lab.hosts[0], heartbeat_timeout=HEARTBEAT_TIMEOUT))
         else:
@@ -79,6 +88,7 @@ def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive
             argv = [sys.executable, str(WORKER), "chaos", json.dumps(spec)]
             procs[i] = subprocess.Popen(lab.argv(host(i), argv) if lab else argv,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+            sampler.watch(f"peer{i}", procs[i].pid)  # `ip netns exec` runs it in its own process
 
         for i in range(4 * len(groups)):
             start(i)
@@ -98,7 +108,7 @@ def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive
             action = rng.choice(["kill", "freeze", "join", "partition"] if lab else ["kill", "freeze", "join"])
             if action == "partition" and len(running) > min_alive:
                 h = host(rng.choice(running))
-                if h not in cut:
+                if h not in cut and h not in {host(a) for a in anchors}:
                     seconds = rng.uniform(0.3, 3.0)
                     lab.fault("partition", h)
                     cut[h] = time.time() + seconds
@@ -112,7 +122,7 @@ def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive
                 # newcomer's admission (on a loaded machine every kill could miss otherwise): none
                 # yet, no fault this time (once, every peer was slow to start under the full
                 # suite, and a round's kills all hit peers that had never run a collective).
-                busy = [i for i in running if '"key"' in _log(workdir, i)]
+                busy = [i for i in running if i not in anchors and '"key"' in _log(workdir, i)]
                 if not busy:
                     continue
                 v = rng.choice(busy)
@@ -145,7 +155,14 @@ def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive
                 raise AssertionError(f"peer{i} did not stop: a call hangs") from None
             if p.returncode not in (0, -signal.SIGKILL):
                 raise AssertionError(f"peer{i} exited {p.returncode}:\n{err.decode()[-3000:]}")
-    return analyse(workdir, len(procs), actions, ever_cut, groups)
+    summary = analyse(workdir, len(procs), actions, ever_cut, groups)
+    summary["resources"] = sampler.summary()
+    if plot:
+        sampler.plot(plot)
+    assert not summary["resources"]["leaks"], f"resources grew: {summary['resources']['leaks']}"
+    if duration > WARMUP + 10:
+        assert summary["resources"]["past_warmup"] >= len(anchors), f"no process lived past its warm-up: {summary}"
+    return summary
 
 
 def _log(workdir: Path, i: int) -> str:
@@ -206,6 +223,7 @@ def main() -> None:
     parser.add_argument("--lab", help="a lab profile to run in (root; builds a lab named 'chaos')")
     parser.add_argument("--keep", help="write the peers' logs (JSON lines) to this new folder, and keep them")
     parser.add_argument("--groups", default="0", help="peer groups to spread the peers over, e.g. 3,8")
+    parser.add_argument("--plot", type=Path, help="draw every peer's memory, threads and descriptors to this PNG")
     args = parser.parse_args()
     groups = tuple(int(g) for g in args.groups.split(","))
     if args.keep:
@@ -216,7 +234,8 @@ def main() -> None:
                                          ttl=args.duration + 600)) if args.lab else None
         print(f"seed {args.seed}", flush=True)
         min_alive, max_alive = 2 * len(groups), 6 * len(groups)
-        print(json.dumps(run(args.duration, args.seed, Path(d), min_alive, max_alive, lab=lab, groups=groups)))
+        print(json.dumps(run(args.duration, args.seed, Path(d), min_alive, max_alive, lab=lab, groups=groups,
+                             plot=args.plot)))
 
 
 if __name__ == "__main__":
