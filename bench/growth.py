@@ -23,7 +23,7 @@ real time per event. Prints a table, writes ``growth.json`` and, with matplotlib
 ``SHOAL_PROBE_BYTES=262144`` with ``--optimize`` (its probes grow to 64 MiB by default, 19 minutes
 across 64 peers).
 
-    python bench/growth.py --peers 2 4 8 16 32 64 --sim --out docs/growth
+    python bench/growth.py --peers 2 4 8 16 32 64 --sim --big-max-peers 64 --out DIR   # PNGs as in docs/img
 """
 
 from __future__ import annotations
