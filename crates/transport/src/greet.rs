@@ -236,11 +236,8 @@ pub fn greet_until<L: Listening, G: Greet<ConnOf<L>>>(
         let mut listening = PollFd::new(listener);
         listening.want_read = accepting;
         fds.push(listening);
-        if let Some(t) = paused_until.filter(|_| !accepting) {
-            wake = wake.min(t);
-        }
-        if full {
-            wake = wake.min(now + AGAIN_EVERY);
+        if !accepting {
+            wake = wake.min(resume_at(now, paused_until, full));
         }
         if let Err(e) = poll(&mut fds, wake.saturating_duration_since(now)) {
             log::warn!("greeting connections: poll: {e}");
@@ -277,6 +274,16 @@ pub fn greet_until<L: Listening, G: Greet<ConnOf<L>>>(
         greetings = kept;
     }
     Ok(())
+}
+
+/// When a greeter that is not accepting looks at its listener again: a place may free in a full
+/// gate at any moment (on another greeter sharing it, unseen), a pause for descriptors ends when
+/// it ends. Never before `now`: a pause that ended while the gate was full would spin the loop.
+fn resume_at(now: Instant, paused_until: Option<Instant>, full: bool) -> Instant {
+    match (full, paused_until) {
+        (true, _) | (false, None) => now + AGAIN_EVERY,
+        (false, Some(t)) => t.max(now),
+    }
 }
 
 /// A run of accepts paused for want of descriptors: its start and its end are logged, not every
@@ -519,6 +526,17 @@ mod tests {
         assert_eq!(starved.note(false, t0 + lasted), Some(Starving::Ended { pauses: 50, lasted }));
         assert_eq!(starved.note(false, t0 + lasted), None);
         assert_eq!(starved.note(true, t0 + lasted), Some(Starving::Began), "a new run is logged again");
+    }
+
+    /// A pause for descriptors that ended while the gate is full does not make the greeter spin:
+    /// it looks again a moment later, as for any full gate.
+    #[test]
+    fn a_greeter_that_cannot_accept_waits_a_moment_before_it_looks_again() {
+        let now = Instant::now();
+        let ended = now - Duration::from_millis(50);
+        assert_eq!(resume_at(now, Some(ended), true), now + AGAIN_EVERY);
+        assert_eq!(resume_at(now, None, true), now + AGAIN_EVERY);
+        assert_eq!(resume_at(now, Some(now + EMFILE_PAUSE), false), now + EMFILE_PAUSE);
     }
 
     enum Event {
