@@ -1,6 +1,7 @@
 """Chaos: peers all-reduce and sync a shared state in a loop while random ones are killed
 (SIGKILL, every other one after a short stall so that it fails the calls in flight), frozen
-(SIGSTOP, for less or more than the heartbeat timeout) or started; in a WAN lab (``--lab
+(SIGSTOP, for less or more than the heartbeat timeout) or started, with a ``shoal master``
+process (on loopback; in the lab, on its first host); in a WAN lab (``--lab
 PROFILE``, root) the master and peers run on its hosts and random peers' hosts are also
 partitioned from every other host for a while, then healed. Afterwards every completed
 all-reduce must be identical on all its participants and correct, every failed one must have
@@ -73,7 +74,16 @@ def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive
         if lab:
             address = stack.enter_context(lab.master(lab.hosts[0], heartbeat_timeout=HEARTBEAT_TIMEOUT))
         else:
-            address = stack.enter_context(shoal.Master("127.0.0.1:0", heartbeat_timeout=HEARTBEAT_TIMEOUT)).address
+            # A process of its own, as in a run: its resources are sampled with the peers'.
+            argv = [sys.executable, "-m", "shoal.cli", "master", "--listen", "127.0.0.1:0",
+                    "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT)]
+            master = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
+            stack.callback(_end, master)
+            first = master.stdout.readline() if master.stdout else ""
+            if "listening on" not in first:
+                raise AssertionError(f"the master did not start: {first!r}")
+            address = first.split()[-1]
+            sampler.watch("master", master.pid)
 
         def host(i: int) -> str:
             return peer_hosts[i % len(peer_hosts)]
@@ -163,6 +173,16 @@ def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive
     if duration > WARMUP + 10:
         assert summary["resources"]["past_warmup"] >= len(anchors), f"no process lived past its warm-up: {summary}"
     return summary
+
+
+def _end(p: subprocess.Popen) -> None:
+    """Stops ``p`` (SIGTERM, then SIGKILL after 10 s), reaps it and closes its pipes."""
+    p.terminate()
+    try:
+        p.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
 
 
 def _log(workdir: Path, i: int) -> str:

@@ -129,12 +129,17 @@ class Sampler:
         fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
         labels = [("rss_mib", "resident MiB"), ("threads", "threads"), ("fds", "open descriptors")]
         for ax, (k, label) in zip(axes, labels):
-            for curve in curves.values():
-                ax.plot([s.t for s in curve], [getattr(s, k) for s in curve], linewidth=0.8)
+            for name, curve in curves.items():
+                # Processes other than the peers (the master) stand out, named.
+                style = {"linewidth": 0.8} if name.startswith("peer") else {
+                    "linewidth": 2, "color": "black", "label": name}
+                ax.plot([s.t for s in curve], [getattr(s, k) for s in curve], **style)
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
         axes[-1].set_xlabel("seconds")
         axes[0].set_title(f"{len(curves)} processes")
+        if any(not n.startswith("peer") for n in curves):
+            axes[0].legend(loc="lower right")
         fig.tight_layout()
         fig.savefig(path, dpi=100)
         plt.close(fig)
