@@ -78,7 +78,7 @@ def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive
             argv = [sys.executable, "-m", "shoal.cli", "master", "--listen", "127.0.0.1:0",
                     "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT)]
             master = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
-            stack.callback(_end, master)
+            stack.callback(shoal.lab.stop, master)
             first = master.stdout.readline() if master.stdout else ""
             if "listening on" not in first:
                 raise AssertionError(f"the master did not start: {first!r}")
@@ -173,16 +173,6 @@ def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive
     if duration > WARMUP + 10:
         assert summary["resources"]["past_warmup"] >= len(anchors), f"no process lived past its warm-up: {summary}"
     return summary
-
-
-def _end(p: subprocess.Popen) -> None:
-    """Stops ``p`` (SIGTERM, then SIGKILL after 10 s), reaps it and closes its pipes."""
-    p.terminate()
-    try:
-        p.communicate(timeout=10)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.communicate()
 
 
 def _log(workdir: Path, i: int) -> str:

@@ -203,12 +203,7 @@ class Lab:
                 raise LabError(f"{what} in {host} did not start")
             yield f"{self.address(host)}:{port}"
         finally:
-            p.terminate()
-            try:
-                p.communicate(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.communicate()
+            stop(p)
 
     # ---- faults ----------------------------------------------------------------------------
 
@@ -424,6 +419,16 @@ class Lab:
 
 
 # ---- building, removing and the state file (module level: also used before a Lab exists) ----
+
+
+def stop(p: subprocess.Popen, grace: float = 10.0) -> None:
+    """Stops ``p`` (SIGTERM, then SIGKILL after ``grace`` seconds), reaps it and closes its pipes."""
+    p.terminate()
+    try:
+        p.communicate(timeout=grace)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
 
 
 def remove(name: str) -> None:
