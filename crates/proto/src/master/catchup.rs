@@ -9,10 +9,11 @@
 //! ```
 //!
 //! A peer whose `Join` said it will catch up is registered `CatchingUp` at once, so that no
-//! vote admits it in the round trip before its `CatchUpStart`. A catching-up peer is not pending: the accepted peers' `peers_pending` answers `false` for
-//! it, so they do not stop for it. The members keep their copy while a newcomer of the group
-//! catches up, and drop it (`Snapshot { round: 0 }`) once none does. A newcomer that dies costs
-//! nothing but its copy's memory until then; a donor that dies is routed around by the newcomer.
+//! vote admits it in the round trip before its `CatchUpStart`. A catching-up peer is not
+//! pending: the accepted peers' `peers_pending` answers `false` for it, so they do not stop for
+//! it. The members keep their copy while a newcomer of the group catches up, and drop it
+//! (`Snapshot { round: 0 }`) once none does. A newcomer that dies costs nothing but its copy's
+//! memory until then; a donor that dies is routed around by the newcomer.
 
 use super::{Master, Status};
 use shoal_wire::{GroupId, Member, Message, PeerId, PlanEntry, StateDigest};
