@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -59,3 +60,27 @@ def test_all_reduce_many_retries_after_a_peer_is_killed(tmp_path: Path) -> None:
             # Every batch returned whole, in one world; the run went on with two.
             assert worlds[-1] == 2 and set(worlds) <= {2, 3}, worlds
         procs[1].communicate(timeout=10)
+
+
+def test_a_collective_waited_for_after_the_master_is_lost_is_restored_before_the_wait_returns() -> None:
+    """Once out of the run, a wait used to return the loss at once while its collective still
+    held the array: the data plane restored it a moment later, over what the caller had written
+    since (into freed memory, for a Work dropped unwaited: a chaos peer kicked with collectives in
+    flight died of a segfault)."""
+    with shoal.Master("127.0.0.1:0", heartbeat_timeout=HEARTBEAT_TIMEOUT) as master:
+        a, b = (shoal.Communicator(master.address, heartbeat_timeout=0.3, timeout=20) for _ in range(2))
+        with a, b:
+            joined = threading.Thread(target=b.connect, kwargs={"timeout": 10, "min_world_size": 2})
+            joined.start()
+            a.connect(timeout=10, min_world_size=2)
+            joined.join()
+            xs = [np.arange(1 << 16, dtype=np.float32) for _ in range(4)]
+            works = [a.all_reduce_async(x, op="sum", tag=1 + i) for i, x in enumerate(xs)]  # b never joins in
+            master.stop()
+            for work, x in zip(works, xs):
+                with pytest.raises(shoal.MasterUnreachableError):
+                    work.wait()
+                assert (x == np.arange(1 << 16, dtype=np.float32)).all()
+                x[:] = 7
+            time.sleep(0.3)  # the progress thread, had it kept the collectives, would have ended them
+            assert all((x == 7).all() for x in xs)

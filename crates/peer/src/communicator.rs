@@ -754,7 +754,17 @@ impl Communicator {
     /// collective goes on: wait again).
     pub fn wait<B: 'static>(&self, work: &mut Work<B>, timeout: Option<Duration>) -> Result<Info> {
         if work.result.is_none() {
-            let c = self.connected()?;
+            // Out of the run (kicked, the master lost), the call still holds the buffer until
+            // the data plane ends it, which the loss brings about at once: drive it to its end
+            // here, so that the buffer is restored when this returns, never later (a caller
+            // that reuses or frees it would be written over).
+            let (c, out) = match self.connected() {
+                Ok(c) => (c, None),
+                Err(e) => match self.connected.lock().unwrap_or_else(PoisonError::into_inner).clone() {
+                    Some(c) => (c, Some(e)),
+                    None => return Err(e),
+                },
+            };
             let until = timeout.map(|t| Instant::now() + t);
             let mut data = self.lock_data();
             self.driver.drive(&c.control, &c.listener, &mut data, Some(work.call), until, "wait", |_, a| {
@@ -771,7 +781,7 @@ impl Communicator {
                 }
                 None => {
                     let after = timeout.unwrap_or(self.config.timeout);
-                    return Err(Error::Timeout { operation: "wait", after });
+                    return Err(out.unwrap_or(Error::Timeout { operation: "wait", after }));
                 }
             }
         }
