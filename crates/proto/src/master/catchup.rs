@@ -175,6 +175,28 @@ impl Master {
         assert!(self.snapshots.values().all(|s| !s.held.contains(&peer)), "a removed member donates nothing");
     }
 
+    /// The focused group has no member left (the last one left or was lost): nobody will sync
+    /// again to make a copy, so a newcomer waiting for one goes on with nothing to fetch (and,
+    /// pending then, is admitted alone; its state becomes the group's) instead of waiting out
+    /// its timeout. A copy kept already is planned by [`Master::send_plans`] as members answer.
+    pub(super) fn catch_ups_without_members(&mut self) {
+        let group = self.focus;
+        if self.snapshots.contains_key(&group) {
+            return;
+        }
+        let waiting: Vec<PeerId> = self
+            .catching_up
+            .iter()
+            .filter(|(p, n)| !n.planned && self.peers[*p].group == group)
+            .map(|(p, _)| *p)
+            .collect();
+        for p in waiting {
+            log::info!("group {}: no member is left to make a copy of the state for {p}", group.0);
+            self.catching_up.get_mut(&p).expect("listed").planned = true;
+            self.send_plan(p, None, String::new());
+        }
+    }
+
     /// Sends every newcomer of `group` not planned yet its plan, once every member asked to keep
     /// the group's copy has answered.
     fn send_plans(&mut self, group: GroupId) {

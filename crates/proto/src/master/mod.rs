@@ -809,6 +809,7 @@ impl Master {
     /// vote them in: they are admitted at once.
     fn admit_without_vote_if_alone(&mut self) {
         if self.g.phase == Phase::Idle && self.g.ring.is_empty() {
+            self.catch_ups_without_members();
             let newcomers = self.registered();
             if !newcomers.is_empty() {
                 self.issue_topology(newcomers);

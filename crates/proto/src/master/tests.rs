@@ -777,6 +777,25 @@ fn a_catch_up_with_another_layout_or_nothing_to_fetch_is_answered_at_once() {
     assert!(h.master.peers().any(|(p, s)| p == PeerId(1) && s == Status::Registered));
 }
 
+/// Found by the chaos run: a newcomer waited for its group's next sync to make a copy while the
+/// group's members all left, and its `connect` timed out. Once the last one is gone it goes on at
+/// once with nothing to fetch, and its end of the catch-up admits it alone.
+#[test]
+fn a_newcomer_waiting_for_a_copy_goes_on_at_once_when_the_last_member_leaves() {
+    let (mut h, _) = run_with(2);
+    complete_sync(&mut h, 2, 4, &[1, 2]);
+    h.join_catching_up(3);
+    let out = h.send(3, Message::CatchUpStart { entries: vec![digest("t0", 0), digest("t1", 0)] });
+    assert_eq!(catch_up_plan(&out, 3), None, "the next sync makes a copy");
+    h.master.handle_disconnect(h.now, ConnId(1), "eof");
+    assert_eq!(catch_up_plan(&h.drain(), 3), None, "a member is left to sync");
+    h.master.handle_disconnect(h.now, ConnId(2), "eof");
+    let plan = catch_up_plan(&h.drain(), 3).expect("no member is left");
+    assert_eq!((plan.round, plan.donors.len(), plan.reason.as_str()), (0, 0, ""));
+    let out = h.send(3, Message::CatchUpEnd { fetched: false, revision: 0 });
+    assert!(issued_epoch(&out, 3).is_some(), "admitted alone: {out:?}");
+}
+
 /// Found by the simulation (seed 112661): a member answered a query about collective 12 of the
 /// old ring after the new ring was issued but before it was committed. The master kept that
 /// record, committed, under the key (group, 12); collective 12 of the new ring then found it, took
