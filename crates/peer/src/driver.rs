@@ -848,12 +848,16 @@ impl Driver {
                         CallError::Aborted { op: id, failure } => op_error(failure, &header(id)),
                         // Our own error stands; where the state machine stopped the collective (a
                         // removed member, a blocking vote, the bound), the failure it reported.
-                        CallError::Unconfirmed { op: id, failure } => {
-                            record.local.unwrap_or_else(|| match failure.kind {
-                                FailureKind::Timeout => Error::Timeout { operation, after: bound },
-                                _ => op_error(failure, &header(id)),
-                            })
-                        }
+                        CallError::Unconfirmed { op: id, failure } => match record.local {
+                            // Calls that differ once a member was lost follow from the loss (as
+                            // the master's verdict says, `ops.rs`): retryable.
+                            Some(Error::CollectiveMismatch { .. }) if failure.kind == FailureKind::PeerLost => {
+                                op_error(failure, &header(id))
+                            }
+                            Some(local) => local,
+                            None if failure.kind == FailureKind::Timeout => Error::Timeout { operation, after: bound },
+                            None => op_error(failure, &header(id)),
+                        },
                         e => call_error(control, e, operation, bound),
                     },
                 })

@@ -336,6 +336,9 @@ struct Group {
     /// survivors' next calls need a new topology of the same ring. Issued as soon as no major
     /// operation is open ([`Master::reform_if_due`]), so an application simply retries.
     reform_due: bool,
+    /// A member the committed ring lost since it came into force: calls of the ring that differ
+    /// after it follow from the loss (`ops.rs`).
+    lost: Option<PeerId>,
     /// What each voter of the open `update_topology` ballot measured, if it called
     /// `optimize_topology` (`plan.rs`).
     measured: BTreeMap<PeerId, Option<Vec<shoal_wire::Measured>>>,
@@ -1052,6 +1055,7 @@ impl Master {
         self.close_gathers(epoch);
         assert!(epoch > self.g.ring_epoch && epoch <= self.epoch, "commit of {epoch:?} after {:?}", self.g.ring_epoch);
         self.g.ring_epoch = epoch;
+        self.g.lost = None;
         assert!(self.g.ring.iter().all(|p| self.peers[p].status == Status::Accepted), "the ring is accepted members");
         debug_assert_eq!(self.g.ring.iter().collect::<BTreeSet<_>>().len(), self.g.ring.len(), "a ring member twice");
         self.outputs.push_back(Output::Event(MasterEvent::TopologyCommitted { group: self.focus, epoch, members }));
@@ -1169,6 +1173,7 @@ impl Master {
         }
         if self.g.ring.contains(&peer) {
             self.g.ring.retain(|p| *p != peer);
+            self.g.lost.get_or_insert(peer);
             // A topology being connected is re-issued without the peer below instead.
             self.g.reform_due |= !matches!(self.g.phase, Phase::AwaitingConnections { .. });
         }

@@ -466,6 +466,27 @@ fn an_aborted_collective_re_forms_the_ring_before_its_verdict_goes_out() {
     assert!(matches!(sent_to(&out, 1)[..], [Message::OpAborted { derived: 0, seq: 3, .. }]), "{out:?}");
 }
 
+/// Found by the chaos run: a member was lost during `optimize_topology` while a vote held the
+/// re-form back; the lost member's probe partners failed and called again at once, in the same
+/// topology, while the others went on to the gather. Their calls differed because of the loss:
+/// the verdict is the loss (retryable), not a mismatch (the application's error).
+#[test]
+fn calls_that_differ_in_a_topology_that_lost_a_member_abort_as_a_loss() {
+    let (mut h, epoch) = run_with(3);
+    h.send(1, Message::VoteUpdateTopology { collectives: 3, measured: None });
+    h.master.handle_disconnect(h.now, ConnId(3), "eof");
+    h.drain();
+    let failure = crate::mismatched(epoch.0, 3, 1, 0);
+    let out = h.send(2, Message::OpFailed { derived: 0, members: Vec::new(), epoch, seq: 3, failure });
+    let verdict = sent_to(&out, 1).into_iter().find_map(|m| match m {
+        Message::OpAborted { seq: 3, failure, .. } => Some(failure.clone()),
+        _ => None,
+    });
+    let verdict = verdict.unwrap_or_else(|| panic!("no verdict: {out:?}"));
+    assert_eq!((verdict.kind, verdict.peer), (FailureKind::PeerLost, PeerId(2)), "{verdict:?}");
+    assert!(verdict.reason.mismatch().is_none(), "{verdict:?}");
+}
+
 /// A mismatch is the reporter's own call against a member's, both of the collective reported: one
 /// that names another peer's call as the reporter's, or another collective, expels the reporter.
 #[test]
