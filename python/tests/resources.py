@@ -130,9 +130,10 @@ class Sampler:
         labels = [("rss_mib", "resident MiB"), ("threads", "threads"), ("fds", "open descriptors")]
         for ax, (k, label) in zip(axes, labels):
             for name, curve in curves.items():
-                # Processes other than the peers (the master) stand out, named.
+                # Processes other than the peers (the master) stand out, named; one restarted
+                # ("master#2") in the same colour, named once.
                 style = {"linewidth": 0.8} if name.startswith("peer") else {
-                    "linewidth": 2, "color": "black", "label": name}
+                    "linewidth": 2, "color": "black", "label": name if "#" not in name else "_" + name}
                 ax.plot([s.t for s in curve], [getattr(s, k) for s in curve], **style)
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -451,88 +450,6 @@ def admission_misuse(spec: dict) -> dict:
     y = np.ones(10, np.float32)
     comm.all_reduce(y, op="sum")
     return {"error": error, "took": took, "restored": restored, "after": float(y[0])}
-
-
-def chaos(spec: dict) -> dict:
-    """All-reduce and sync a shared state until the stop file appears, logging every call to a
-    JSON-lines file as it ends (this process may be killed at any instant). The state moves with
-    every all-reduce's result and is synced after it, so a newcomer (arriving with zeros) is
-    repaired and every peer's state hash must then be equal at every revision. Calls follow what
-    every peer sees: after each fifth collective of a topology ask peers_pending. A failed call is
-    retried; before the retry, after PeerLostError, the README's loop votes update_topology, and a
-    ``retry_only`` peer does not."""
-    comm = communicator(spec, timeout=spec["call_timeout"],
-                              heartbeat_timeout=spec.get("heartbeat_timeout"))
-    log = open(spec["log"], "a")
-
-    def record(**fields) -> None:
-        log.write(json.dumps(fields) + "\n")
-        log.flush()
-
-    def timed(name: str, call):
-        started = time.time()
-        try:
-            return call()
-        finally:
-            record(call=name, seconds=time.time() - started)
-
-    try:
-        timed("connect", lambda: comm.connect(timeout=spec["call_timeout"]))
-        pattern = (np.arange(1 << 18) % 13 + 1).astype(np.float32)
-        w = np.zeros(1 << 16, np.float32)
-        state, synced = shoal.SharedState({"w": w}), 0
-        next_call, pending_due, resume, vote_first = "all_reduce", False, False, False
-        while not os.path.exists(spec["stop"]):
-            try:
-                if vote_first:
-                    vote_first = False
-                    timed("update_topology", comm.update_topology)
-                    continue
-                if next_call == "peers_pending":
-                    next_call = "update_topology" if timed("peers_pending", comm.peers_pending) else "all_reduce"
-                    continue
-                if next_call == "update_topology":
-                    timed("update_topology", comm.update_topology)
-                    next_call = "all_reduce"
-                    continue
-                if next_call == "sync":
-                    # The revision the run moves to; a peer behind (a newcomer) is repaired.
-                    state.revision = synced + 1
-                    info = timed("sync", lambda: comm.sync_shared_state(state, override_resume=resume))
-                    resume = False
-                    synced = info.revision
-                    record(revision=synced, state=shoal.hash_tensor(w), received=sorted(info.received))
-                    next_call = "peers_pending" if pending_due else "all_reduce"
-                    continue
-                x = pattern.copy()
-                info = timed("all_reduce", lambda: comm.all_reduce(x, op="sum"))
-                ok = bool((x == pattern * info.world_size).all())
-                record(key=[info.topology, info.sequence], world=info.world_size, correct=ok,
-                       sha=hashlib.sha256(x.tobytes()).hexdigest())
-                w += x[: w.size] * 1e-3
-                pending_due = info.sequence % 5 == 4
-                next_call = "sync"
-            except (shoal.PeerLostError, shoal.UsageError) as e:
-                restored = next_call != "all_reduce" or bool((x == pattern).all())
-                record(error=type(e).__name__, restored=restored, msg=str(e))
-                # Every peer that held the run's state (revision R) is gone: go on from ours at
-                # R + 1, as an application would from a checkpoint of R, so that a revision never
-                # names two different states.
-                lost = re.search(r"last agreed on \(revision (\d+)\)", str(e))
-                if lost:
-                    resume, synced = True, int(lost.group(1))
-                vote_first = isinstance(e, shoal.PeerLostError) and not spec.get("retry_only")
-    except shoal.KickedError as e:
-        record(kicked=str(e))
-    except shoal.MasterUnreachableError as e:
-        if not spec.get("may_be_cut_off"):
-            record(fatal=f"{type(e).__name__}: {e}")
-            raise
-        record(master_unreachable=str(e))  # its host was partitioned: chaos.py checks that
-    except shoal.ShoalError as e:
-        record(fatal=f"{type(e).__name__}: {e}")
-        raise
-    return {}
 
 
 def die_at(spec: dict) -> dict:
@@ -1583,7 +1500,7 @@ if __name__ == "__main__":
                  "matrix": matrix, "torch": torch_tensors, "join_late": join_late, "survive": survive,
                  "agree": agree, "min_world": min_world, "pipeline_dp": pipeline_dp, "derived": derived, "busy": busy,
                  "master_loss": master_loss,
-                 "admission_misuse": admission_misuse, "chaos": chaos, "die_at": die_at, "sgd": sgd,
+                 "admission_misuse": admission_misuse, "die_at": die_at, "sgd": sgd,
                  "sync_case": sync_case, "repairs": repairs, "mismatch": mismatch, "shapes": shapes, "loop": loop,
                  "mismatched_calls": mismatched_calls, "late_misuse": late_misuse, "links": links, "verbs": verbs,
                  "p2p": p2p, "p2p_ring": p2p_ring,
