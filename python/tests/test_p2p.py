@@ -84,5 +84,9 @@ def test_transfers_check_their_arguments(master: shoal.Master) -> None:
             comm.send(np.ones(3, np.float32), peer=-1)
         with pytest.raises(ValueError, match="ranks are 0..1"):
             comm.recv(np.ones(3, np.float32), peer=0)
+        # A rank the group does not have (any more: a chaos peer's partner was lost between the
+        # round's all-reduce and its send) is the run's change, not a bad argument.
+        with pytest.raises(shoal.UsageError, match="rank 1, which the group in force .* does not have"):
+            comm.send(np.ones(3, np.float32), peer=1)
         with pytest.raises(ValueError, match="tag must be"):
             comm.isend(np.ones(3, np.float32), peer=1, tag=-2)

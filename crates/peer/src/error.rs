@@ -213,6 +213,22 @@ pub enum Usage {
         /// How it failed.
         failed: String,
     },
+    /// A transfer named a rank the group in force does not have: most often it shrank since the
+    /// caller chose the rank (a member lost), which a retry with that rank does not mend.
+    #[error(
+        "{call} with rank {rank}, which the group in force (topology {epoch}) does not have: its ranks are \
+         0..{world} (did a member leave since the rank was chosen?)"
+    )]
+    RankGone {
+        /// The call.
+        call: &'static str,
+        /// The rank it named.
+        rank: usize,
+        /// The members of the group in force.
+        world: usize,
+        /// The topology in force.
+        epoch: u64,
+    },
     /// The master refused this newcomer's catch-up: its tensors are not its group's.
     #[error("{0}")]
     CatchUpRefused(String),

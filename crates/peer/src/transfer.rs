@@ -10,7 +10,7 @@
 
 use crate::communicator::Work;
 use crate::driver::Connected;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Usage};
 use crate::plane::{DataPlane, Owner, Transfer, TransferCall};
 use crate::{Communicator, Info};
 use shoal_collective::DType;
@@ -169,7 +169,11 @@ impl Communicator {
         // A derived group's ranks name its members.
         let (ours, world, members) = self.placed(position);
         let (end, to, peer) = match rank {
-            Some(rank) if rank >= world || rank == ours => {
+            Some(rank) if rank >= world => {
+                let (call, epoch) = (direction.name(), position.epoch.0);
+                return Err(Usage::RankGone { call, rank, world, epoch }.into());
+            }
+            Some(rank) if rank == ours => {
                 return Err(Error::InvalidArgument(format!(
                     "{} with rank {rank}: the group's ranks are 0..{world}, and {ours} is ours",
                     direction.name()
