@@ -22,7 +22,7 @@
 //! member votes `update_topology` with its own row ([`CallKind::OptimizeTopology`]).
 
 use crate::communicator::check_buffer;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Usage};
 use crate::info::Measurements;
 use crate::tags::{BARRIER_TAG, GATHER_TAG, PROBE_TAGS};
 use crate::{Communicator, DType, PeerId};
@@ -276,7 +276,7 @@ impl Communicator {
         }
         let mut out = vec![0u8; world * inp.len()];
         check_buffer(&out, DType::U8)?;
-        self.all_gather(&mut out, &inp, DType::U8, GATHER_TAG, None)?;
+        self.all_gather(&mut out, &inp, DType::U8, GATHER_TAG, None).map_err(changed_meanwhile)?;
         let links = out
             .chunks_exact(inp.len())
             .map(|row| {
@@ -291,6 +291,25 @@ impl Communicator {
             .collect();
         let grew = out.chunks_exact(ENTRY_BYTES).any(|e| e[12] != 0);
         Ok(Measurements { members: position.ring.iter().map(|m| m.peer).collect(), links, grew })
+    }
+}
+
+/// The rows were measured in a topology that a loss or an admission replaced before they were
+/// gathered: they fit no longer (every member fails the gather alike, found by the chaos run). Not
+/// the caller's misuse but the run's change, retryable as a loss is.
+fn changed_meanwhile(e: Error) -> Error {
+    match e {
+        Error::Usage(Usage::Misfit(m)) => Error::PeerLost {
+            peer: PeerId::ANY,
+            operation: "optimize_topology",
+            reason: format!("the group changed while its links were measured ({m})"),
+        },
+        Error::Usage(Usage::MemberMisfit { peer, reason }) => Error::PeerLost {
+            peer,
+            operation: "optimize_topology",
+            reason: format!("the group changed while its links were measured ({peer}: {reason})"),
+        },
+        e => e,
     }
 }
 
@@ -321,6 +340,22 @@ fn partner(me: usize, world: usize, round: usize) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Misfit;
+
+    #[test]
+    fn rows_that_no_longer_fit_the_group_fail_as_a_loss_not_a_misuse() {
+        let misfit = Misfit::Blocks { kind: "all_gather", what: "output", whole: 39, world: 2, block: 13 };
+        for e in [
+            Error::Usage(Usage::Misfit(misfit)),
+            Error::Usage(Usage::MemberMisfit { peer: PeerId(3), reason: shoal_wire::Reason::Text("fits not".into()) }),
+        ] {
+            let e = changed_meanwhile(e);
+            assert!(matches!(&e, Error::PeerLost { operation: "optimize_topology", .. }), "{e}");
+            assert!(e.to_string().contains("the group changed while its links were measured"), "{e}");
+        }
+        let refused = changed_meanwhile(Error::Usage(Usage::CatchUpRefused("no".into())));
+        assert!(matches!(refused, Error::Usage(_)), "another misuse stays one");
+    }
 
     #[test]
     fn every_pair_meets_once_and_nobody_twice_in_a_round() {
