@@ -15,8 +15,9 @@ process may be killed at any instant, so nothing waits for the end). Each round:
 4. now and then, as the anchor decides for every member alike, ``peers_pending`` (and
    ``update_topology`` if someone waits) or ``optimize_topology``.
 
-A failed call is retried; after a ``PeerLostError``, before the retry, the README's loop votes
-``update_topology``, and a ``retry_only`` peer does not. ``chaos.py`` checks the log afterwards:
+A failed call is retried; after a ``PeerLostError`` a peer (not a ``retry_only`` one) votes
+``update_topology`` first (PCCL's loop), and once that passed starts the round over, as the
+newcomers it may have admitted do. ``chaos.py`` checks the log afterwards:
 every record says what it needs to be checked alone (a key the other participants share, a hash
 of the result, whether it was right, whether a failed call restored its buffers).
 """
@@ -173,6 +174,9 @@ def main(spec: dict) -> None:
                 if vote_first:
                     vote_first = False
                     timed("update_topology", comm.update_topology)
+                    # It may have admitted newcomers, who begin with a round's all-reduce: so
+                    # does everyone now, leaving the failed call (as the README's loop does).
+                    next_call = "all_reduce"
                 elif next_call == "peers_pending":
                     next_call = "update_topology" if timed("peers_pending", comm.peers_pending) else "all_reduce"
                 elif next_call in ("update_topology", "optimize_topology"):
