@@ -15,9 +15,8 @@ process may be killed at any instant, so nothing waits for the end). Each round:
 4. now and then, as the anchor decides for every member alike, ``peers_pending`` (and
    ``update_topology`` if someone waits) or ``optimize_topology``.
 
-A failed call is retried; after a ``PeerLostError`` a peer (not a ``retry_only`` one) votes
-``update_topology`` first (PCCL's loop), and once that passed starts the round over, as the
-newcomers it may have admitted do. ``chaos.py`` checks the log afterwards:
+After a failed call the round starts over (the README's loop); after a ``PeerLostError`` a peer
+(not a ``retry_only`` one) votes ``update_topology`` first (PCCL's loop). ``chaos.py`` checks the log afterwards:
 every record says what it needs to be checked alone (a key the other participants share, a hash
 of the result, whether it was right, whether a failed call restored its buffers).
 """
@@ -158,6 +157,7 @@ def main(spec: dict) -> None:
     w = np.zeros(STATE, np.float32)
     state, synced = shoal.SharedState({"w": w}), 0
     try:
+        connecting = True
         if spec.get("catch_up"):
             caught = timed("connect", lambda: comm.connect(timeout=spec["call_timeout"], catch_up=state))
             if caught.revision is not None:
@@ -166,6 +166,7 @@ def main(spec: dict) -> None:
                 record(revision=synced, state=shoal.hash_tensor(w), caught_up=caught.fetched_bytes)
         else:
             timed("connect", lambda: comm.connect(timeout=spec["call_timeout"]))
+        connecting = False
         # ``then``: the call after the sync, as the last anchor decided.
         next_call, then, resume, vote_first = "all_reduce", "all_reduce", False, False
         while not os.path.exists(spec["stop"]):
@@ -174,9 +175,6 @@ def main(spec: dict) -> None:
                 if vote_first:
                     vote_first = False
                     timed("update_topology", comm.update_topology)
-                    # It may have admitted newcomers, who begin with a round's all-reduce: so
-                    # does everyone now, leaving the failed call (as the README's loop does).
-                    next_call = "all_reduce"
                 elif next_call == "peers_pending":
                     next_call = "update_topology" if timed("peers_pending", comm.peers_pending) else "all_reduce"
                 elif next_call in ("update_topology", "optimize_topology"):
@@ -212,13 +210,15 @@ def main(spec: dict) -> None:
                 if lost_state:
                     resume, synced = True, int(lost_state.group(1))
                 vote_first = isinstance(e, shoal.PeerLostError) and not spec.get("retry_only")
+                # The round starts over, where every member that failed meets the others (a
+                # failure inside optimize_topology, say, reaches some members sooner than others)
+                # and the newcomers a vote admitted begin: the README's loop, `continue`.
+                next_call = "all_reduce"
     except shoal.KickedError as e:
         record(kicked=str(e))
     except shoal.MasterUnreachableError as e:
-        if not spec.get("may_be_cut_off"):
-            record(fatal=f"{type(e).__name__}: {e}")
-            raise
-        record(master_unreachable=str(e))  # its host was partitioned: chaos.py checks that
+        # Its host was partitioned, or it dialed while the master restarted: chaos.py checks that.
+        record(master_unreachable=str(e), at=time.time(), connecting=connecting)
     except shoal.ShoalError as e:
         record(fatal=f"{type(e).__name__}: {e}")
         raise
