@@ -10,6 +10,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import median
 from typing import Optional
 
 # Growth a process may show after its warm-up before it counts as a leak: caches, pools and
@@ -42,14 +43,16 @@ def sample(pid: int, t: float = 0.0) -> Optional[Sample]:
 
 
 def growth(curve: list[Sample], warmup: float = WARMUP) -> Optional[dict[str, float]]:
-    """How far each of memory, threads and descriptors rose above its level at the end of the
-    warm-up (the first reading ``warmup`` seconds after the first), or ``None`` if the curve
-    does not reach past the warm-up."""
+    """How far each of memory, threads and descriptors rose from its level at the end of the
+    warm-up (``warmup`` seconds after the first reading) to its level at the end, or ``None`` if
+    the curve does not reach past the warm-up. A level is the median of a fifth of the readings
+    after the warm-up (at least one, at most 30): what a leak raises, where a passing peak (the
+    buffers of a measurement, a repair) does not count."""
     after = [s for s in curve if s.t - curve[0].t >= warmup] if curve else []
     if len(after) < 2:
         return None
-    base = after[0]
-    return {k: max(getattr(s, k) for s in after) - getattr(base, k) for k in SLACK}
+    n = max(1, min(30, len(after) // 5))
+    return {k: median(getattr(s, k) for s in after[-n:]) - median(getattr(s, k) for s in after[:n]) for k in SLACK}
 
 
 def leaks(curves: dict[str, list[Sample]], warmup: float = WARMUP,
