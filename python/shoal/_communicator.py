@@ -404,8 +404,8 @@ class Communicator:
         once every byte left. Several sends with one tag match the receives for it in the order
         each side made them. A receive of another size or dtype fails both ends with
         :class:`CollectiveMismatchError`; a lost peer (or a new topology) raises
-        :class:`PeerLostError`, and a rank the group no longer has :class:`UsageError` (choose the
-        peer again from the group in force)."""
+        :class:`PeerLostError`, and a rank the group in force does not have, or our own,
+        :class:`UsageError` (after a change of the group: choose the peer again)."""
         _check_tag(tag)
         _check_rank("peer", peer)
         view, dtype = _byte_view(tensor, writable=False)

@@ -1017,7 +1017,7 @@ def p2p(spec: dict) -> dict:
     ws = [comm.isend(np.full(3, k, np.int64), peer=succ, tag=300) for k in range(3)]
     try:
         comm.send(np.ones(3, np.int64), peer=rank, tag=301)
-    except ValueError as e:
+    except shoal.UsageError as e:
         errors["self"] = str(e)
     back = [np.zeros(3, np.int64) for _ in range(3)]
     for b in back:

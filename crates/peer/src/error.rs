@@ -213,17 +213,21 @@ pub enum Usage {
         /// How it failed.
         failed: String,
     },
-    /// A transfer named a rank the group in force does not have: most often it shrank since the
-    /// caller chose the rank (a member lost), which a retry with that rank does not mend.
+    /// A transfer named a rank the group in force does not have, or this member's own: most
+    /// often the group changed since the caller chose the rank (a member lost, ranks moved up),
+    /// which a retry with that rank does not mend.
     #[error(
-        "{call} with rank {rank}, which the group in force (topology {epoch}) does not have: its ranks are \
-         0..{world} (did a member leave since the rank was chosen?)"
+        "{call} with rank {rank}, {}: the group in force (topology {epoch}) has ranks 0..{world} (did it change \
+         since the rank was chosen?)",
+        if *ours { "this member's own" } else { "which it does not have" }
     )]
-    RankGone {
+    RankUnfit {
         /// The call.
         call: &'static str,
         /// The rank it named.
         rank: usize,
+        /// Whether that is the caller's own rank.
+        ours: bool,
         /// The members of the group in force.
         world: usize,
         /// The topology in force.

@@ -169,15 +169,9 @@ impl Communicator {
         // A derived group's ranks name its members.
         let (ours, world, members) = self.placed(position);
         let (end, to, peer) = match rank {
-            Some(rank) if rank >= world => {
+            Some(rank) if rank >= world || rank == ours => {
                 let (call, epoch) = (direction.name(), position.epoch.0);
-                return Err(Usage::RankGone { call, rank, world, epoch }.into());
-            }
-            Some(rank) if rank == ours => {
-                return Err(Error::InvalidArgument(format!(
-                    "{} with rank {rank}: the group's ranks are 0..{world}, and {ours} is ours",
-                    direction.name()
-                )));
+                return Err(Usage::RankUnfit { call, rank, ours: rank == ours, world, epoch }.into());
             }
             Some(rank) => {
                 let to = members.get(rank).copied().unwrap_or(rank);

@@ -184,17 +184,18 @@ impl Master {
         if self.snapshots.contains_key(&group) {
             return;
         }
-        let waiting: Vec<PeerId> = self
-            .catching_up
-            .iter()
-            .filter(|(p, n)| !n.planned && self.peers[*p].group == group)
-            .map(|(p, _)| *p)
-            .collect();
+        let waiting = self.unplanned(group);
         for p in waiting {
             log::info!("group {}: no member is left to make a copy of the state for {p}", group.0);
             self.catching_up.get_mut(&p).expect("listed").planned = true;
             self.send_plan(p, None, String::new());
         }
+    }
+
+    /// The newcomers of `group` catching up that were sent no plan yet.
+    fn unplanned(&self, group: GroupId) -> Vec<PeerId> {
+        let of_group = |(p, n): (&PeerId, &Newcomer)| (!n.planned && self.peers[p].group == group).then_some(*p);
+        self.catching_up.iter().filter_map(of_group).collect()
     }
 
     /// Sends every newcomer of `group` not planned yet its plan, once every member asked to keep
@@ -204,12 +205,7 @@ impl Master {
         if !s.asked.iter().all(|p| s.answered.contains(p)) {
             return;
         }
-        let waiting: Vec<PeerId> = self
-            .catching_up
-            .iter()
-            .filter(|(p, n)| !n.planned && self.peers[*p].group == group)
-            .map(|(p, _)| *p)
-            .collect();
+        let waiting = self.unplanned(group);
         let s = s.clone();
         debug_assert!(s.held.is_subset(&s.asked), "only members asked keep a copy");
         for p in waiting {
