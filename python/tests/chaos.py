@@ -136,6 +136,8 @@ def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive
 
         def act(what: str) -> None:
             actions.append(f"{time.time():.2f} {what}")
+            with open(workdir / "actions.txt", "a") as f:  # kept with the logs of a failing run
+                f.write(actions[-1] + "\n")
 
         def start(i: int) -> None:
             # Odd peers only retry a failed call; even ones vote update_topology first (README).
@@ -246,7 +248,7 @@ def analyse(workdir: Path, peers: int, actions: list[str], ever_cut: set[int] = 
     received: dict[tuple, list[dict]] = defaultdict(list)
     calls: Counter = Counter()
     failures: Counter = Counter()
-    syncs = repaired = caught_up = cut_off = 0
+    syncs = repaired = caught_up = cut_off = replanned = 0
     longest = {"connect": 0.0, "cut_off": 0.0, "other": 0.0}
     # A newcomer dialing while the master restarts is refused (it may have started well before).
     restarts = [float(a.split()[0]) for a in actions if a.endswith(" restart master")]
@@ -264,8 +266,9 @@ def analyse(workdir: Path, peers: int, actions: list[str], ever_cut: set[int] = 
                 assert r["restored"], f"buffer not restored: {where}"
             elif "seconds" in r:
                 calls[r["call"]] += 1
+            replanned += bool(r.get("replanned"))
             if "key" in r:
-                assert r["correct"], f"wrong result: {where}"
+                assert r.get("correct", r.get("replanned")), f"wrong result: {where}"
                 results[tuple(r["key"])].add(r["sha"])
             if "sent" in r:
                 sent[tuple(r["sent"])] = r
@@ -295,7 +298,7 @@ def analyse(workdir: Path, peers: int, actions: list[str], ever_cut: set[int] = 
     return {"operations": sum(calls.values()), "by_call": dict(sorted(calls.items())),
             "failures": sum(failures.values()), "failures_by_call": dict(sorted(failures.items())),
             "collectives": len(results), "messages": sum("error" not in g[0] for g in received.values()),
-            "syncs": syncs, "repaired": repaired, "caught_up": caught_up, "cut_off": cut_off,
+            "replanned": replanned, "syncs": syncs, "repaired": repaired, "caught_up": caught_up, "cut_off": cut_off,
             "longest_call_s": round(longest["other"], 2), "longest_connect_s": round(longest["connect"], 2),
             "longest_cut_off_call_s": round(longest["cut_off"], 2),
             "actions": len(actions),

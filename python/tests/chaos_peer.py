@@ -64,7 +64,7 @@ class Round:
     """The operations in flight after an anchor: each started at once, then waited for in turn."""
 
     def __init__(self, comm: shoal.Communicator, group: int, anchor: Any, record: Callable[..., None]) -> None:
-        self.comm, self.record = comm, record
+        self.comm, self.record, self.group, self.topology = comm, record, group, anchor.topology
         n, r, topology, sequence = anchor.world_size, anchor.rank, anchor.topology, anchor.sequence
         m = mix(topology, sequence)
         self.ops: list[tuple] = []
@@ -130,7 +130,16 @@ class Round:
                 if isinstance(work, BaseException):
                     raise work
                 info = work.wait()
-                self.record(call=name, seconds=time.time() - started, **done(info))
+                fields = done(info)
+                if info.topology != self.topology:
+                    # A new topology came into force between the anchor and this call: it ran
+                    # among other members or ranks than the round planned (a broadcast's root, a
+                    # transfer's partner), so only its agreement among its participants tells.
+                    fields = {k: v for k, v in fields.items() if k not in ("correct", "sent", "received")}
+                    fields["replanned"] = True
+                    if "key" in fields:
+                        fields["key"] = [self.group, info.topology, info.sequence, fields["key"][-1]]
+                self.record(call=name, seconds=time.time() - started, **fields)
             except (shoal.PeerLostError, shoal.UsageError) as e:
                 self.record(call=name, seconds=time.time() - started, error=type(e).__name__, restored=restored(),
                             msg=str(e), **failed)
@@ -144,6 +153,7 @@ def main(spec: dict) -> None:
     log = open(spec["log"], "a")
 
     def record(**fields: Any) -> None:
+        fields.setdefault("at", round(time.time(), 3))  # beside chaos.py's actions.txt
         log.write(json.dumps(fields) + "\n")
         log.flush()
 
@@ -218,7 +228,7 @@ def main(spec: dict) -> None:
         record(kicked=str(e))
     except shoal.MasterUnreachableError as e:
         # Its host was partitioned, or it dialed while the master restarted: chaos.py checks that.
-        record(master_unreachable=str(e), at=time.time(), connecting=connecting)
+        record(master_unreachable=str(e), connecting=connecting)
     except shoal.ShoalError as e:
         record(fatal=f"{type(e).__name__}: {e}")
         raise
