@@ -129,6 +129,7 @@ def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive
         sampler.start()
         master = Master(workdir, lab, sampler, env)
         stack.callback(master.stop)
+        stack.callback(_reap, procs)
         next_restart = time.time() + restart_every / 2
 
         def host(i: int) -> str:
@@ -231,6 +232,17 @@ def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive
     if duration > WARMUP + 10:
         assert summary["resources"]["past_warmup"] >= len(anchors), f"no process lived past its warm-up: {summary}"
     return summary
+
+
+def _reap(procs: dict[int, subprocess.Popen]) -> None:
+    """Kills what still runs of the peers (a failed run) and closes their pipes: nothing is left
+    for a later test's garbage collection to warn about."""
+    for p in procs.values():
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        if p.stderr:
+            p.stderr.close()
 
 
 def _log(workdir: Path, i: int) -> str:

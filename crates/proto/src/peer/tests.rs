@@ -811,6 +811,24 @@ fn a_transfer_waiting_on_us_is_judged_by_the_driver_and_its_verdict_goes_to_the_
     assert!(p.view.told);
 }
 
+/// Found by the chaos round in CI: a member's transfer waited on us while we were in the vote
+/// that ends `optimize_topology` (a call that starts with a collective), and a debug assertion
+/// took that vote for a collective and panicked.
+#[test]
+fn a_transfer_waiting_on_us_in_optimize_topologys_vote_is_judged_too() {
+    let (mut p, t0) = joined(&[0, 1, 2]);
+    p.call(CallKind::OptimizeTopology(Vec::new()), BOUND, t0);
+    let call = CallId(2);
+    assert_eq!(p.voting(call), Some(Api::OptimizeTopology));
+    sent(&mut p);
+    p.handle_message(waits(2, 0), t0).unwrap();
+    assert_eq!(actions(&mut p), vec![Action::MemberWaits(PeerId(2))]);
+    p.judge_waiters(call, None, |_, _| true, t0);
+    let [Message::P2pApart { peer: PeerId(2), misuse }] = &sent(&mut p)[..] else { panic!("judged apart") };
+    let recv = Made::Transfer { send: false, peer: PeerId(0), tag: 3 };
+    assert_eq!(misuse, &Misuse::new(made(&[2], recv), made(&[0], Made::api(Api::OptimizeTopology))));
+}
+
 /// The vote our transfer waited on ends for another member's transfer a moment before the master
 /// tells us that ours ends too: that vote's end concerns the call it ends, ours, and not the next
 /// one, which is cast (it once failed with the other member's reason).
