@@ -156,10 +156,10 @@ def process(master: str, replica: int, stage: int, replicas: int, steps: int, jo
             # on all its members, so every replica's minimum is too.
             pending = torch.tensor([int(retried(dp.peers_pending))], dtype=torch.int32)
             pipe.all_reduce(pending, op="min")
-        except (shoal.PeerLostError, ValueError) as e:
+        except (shoal.PeerLostError, shoal.UsageError) as e:
             # The partner died during a pipeline call (PeerLostError), or before one, which then
-            # ran in the group re-formed without it, where its rank is gone (ValueError).
-            if isinstance(e, ValueError) and pipe.group_world_size == STAGES:
+            # ran in the group re-formed without it, where its rank is gone (UsageError).
+            if isinstance(e, shoal.UsageError) and pipe.group_world_size == STAGES:
                 raise
             say(event="left", step=step, why=str(e))  # the pipeline is broken: this replica is done
             pipe.close()
