@@ -34,6 +34,12 @@ def continents(lab_ok):
 
 
 @pytest.fixture(scope="module")
+def behind_nat(lab_ok):
+    with Lab.up(PROFILES["behind-nat"], name=f"t{os.getpid()}n", subnet="10.212.0.0/24", ttl=600) as lab:
+        yield lab
+
+
+@pytest.fixture(scope="module")
 def fat_pipe(lab_ok):
     with Lab.up(PROFILES["long-fat-pipe"], name=f"t{os.getpid()}f", subnet="10.202.0.0/24", ttl=600) as lab:
         yield lab
@@ -66,6 +72,31 @@ def test_specs_are_checked_before_anything_is_built():
             build(raw)
     with pytest.raises(SpecError, match="no room for 3"):
         build({"hosts": {"a": {}, "b": {}, "c": {}}}, subnet="10.0.0.0/30")
+
+
+def test_hosts_behind_a_nat_get_a_lan_and_the_rest_of_the_lab_sees_the_router():
+    spec = build(PROFILES["behind-nat"], subnet="10.77.0.0/24")
+    assert [(h.name, h.address) for h in spec.hosts] == [
+        ("a1", "10.77.0.1"), ("b1", "172.16.1.2"), ("c1", "172.16.2.2"), ("c2", "172.16.2.3"), ("a2", "10.77.0.2")]
+    assert [(n.name, n.address, n.gateway) for n in spec.nats] == [("home", "10.77.0.3", "172.16.1.1"),
+                                                                      ("campus", "10.77.0.4", "172.16.2.1")]
+    assert [spec.public(h) for h in ("a1", "b1", "c2")] == ["10.77.0.1", "10.77.0.3", "10.77.0.4"]
+    # A LAN sees its own addresses; everyone else, the router's.
+    assert (spec.seen("c1", "c2"), spec.seen("b1", "c2"), spec.seen("a1", "c2"), spec.seen("c2", "a1")) == (
+        "172.16.2.3", "10.77.0.4", "10.77.0.4", "10.77.0.1")
+    nat = {"a": {"site": "s", "nat": "n"}, "b": {"site": "s", "nat": "n"}, "c": {"site": "t"}}
+    bad = [
+        ({"hosts": {"a": {"nat": "n"}}}, "no NAT router 'n'"),
+        ({"hosts": {"a": {"nat": "a"}}, "nat": {"a": {}}}, "bad NAT router name 'a'"),
+        ({"hosts": {"a": {}}, "nat": {"n": {}}}, "NAT n: no host sits behind it"),
+        ({"hosts": {"a": {"nat": "n"}}, "nat": {"n": {"upnp": True}}}, "NAT n: takes no settings"),
+        ({"hosts": dict(nat, b={"site": "u", "nat": "n"}), "nat": {"n": {}}}, "in different sites"),
+        ({"hosts": dict(nat, a={"site": "s", "nat": "n", "rtt": 5}), "nat": {"n": {}}}, "not equally far from c"),
+        ({"hosts": nat, "nat": {"n": {}}, "rtt": {"a-c": 9}}, "not equally far from c"),
+    ]
+    for raw, message in bad:
+        with pytest.raises(SpecError, match=message):
+            build(raw)
 
 
 def test_a_profile_grows_to_any_number_of_hosts_dealt_over_its_sites():
@@ -203,6 +234,58 @@ def test_a_partition_blocks_a_live_connection_and_healing_restores_it(fat_pipe):
     finally:
         fat_pipe.heal()
     assert fat_pipe.measure_rtt("x", "y", count=3)["median_ms"] < 44
+
+
+ACCEPT_ONE = """import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", 7007))
+s.listen()
+print("listening", flush=True)
+s.settimeout(float(sys.argv[1]))
+try:
+    print(s.accept()[1][0])
+except socket.timeout:
+    print("nobody")
+"""
+DIAL = """import socket, sys
+try:
+    socket.create_connection((sys.argv[1], 7007), timeout=float(sys.argv[2])).close()
+    print("connected")
+except OSError as e:
+    print(type(e).__name__)
+"""
+
+
+def dial(lab: Lab, src: str, dst: str, at: str, timeout: float = 2.0) -> tuple[str, str]:
+    """``src`` dials ``dst`` (listening) at address ``at``: (what the dialer got, the address
+    the listener saw the connection come from, or ``nobody``)."""
+    server = lab.popen(dst, [sys.executable, "-c", ACCEPT_ONE, str(timeout + 1)], stdout=subprocess.PIPE, text=True)
+    assert server.stdout and server.stdout.readline().strip() == "listening"
+    got = lab.run(src, [sys.executable, "-c", DIAL, at, str(timeout)], capture_output=True, text=True).stdout.strip()
+    return got, server.communicate(timeout=timeout + 5)[0].strip()
+
+
+def test_a_nat_lets_its_hosts_out_and_nobody_in(behind_nat):
+    lab = behind_nat
+    assert dial(lab, "b1", "a1", lab.address("a1")) == ("connected", lab.public_address("b1"))  # masqueraded
+    assert dial(lab, "c1", "c2", lab.address("c2")) == ("connected", lab.address("c1"))  # its own LAN
+    # Nobody dials in: not the router's address (no port forwarding: the SYN is dropped), not
+    # a private one (not routed), not from behind another NAT.
+    assert dial(lab, "a1", "b1", lab.public_address("b1")) == ("TimeoutError", "nobody")
+    assert dial(lab, "a1", "b1", lab.address("b1"), timeout=1)[1] == "nobody"
+    assert dial(lab, "c1", "b1", lab.public_address("b1")) == ("TimeoutError", "nobody")
+    # Delays follow the sites through the router, both ways.
+    rtt = lab.measure_rtt("c2", "a1", count=10)["median_ms"]
+    assert abs(rtt - 40) <= 4, rtt
+    # A partition of one host behind a NAT leaves the router's other hosts connected.
+    lab.fault("partition", "c1")
+    try:
+        assert dial(lab, "c1", "a1", lab.address("a1"), timeout=1) == ("TimeoutError", "nobody")
+        assert dial(lab, "c2", "a1", lab.address("a1")) == ("connected", lab.public_address("c2"))
+    finally:
+        lab.heal()
+    assert dial(lab, "c1", "a1", lab.address("a1")) == ("connected", lab.public_address("c1"))
 
 
 def udp_delivered(lab: Lab, src: str, dst: str, count: int = 2000) -> float:

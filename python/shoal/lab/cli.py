@@ -159,6 +159,8 @@ def _print_status(lab: Lab) -> None:
         single = [("-".join(sites), ms) for ms in values] if len(values) == 1 else []
         rtts += [f"{name} {ms:g}" for name, ms in single or [(p, ms) for ms, ps in values.items() for p in ps] if ms]
     print("  rtt (ms): " + "  ".join(rtts))
+    for nat, n in st["nats"].items():
+        print(f"  NAT {nat} at {n['address']} (site {n['site']}, LAN {n['lan']}): {' '.join(n['hosts'])}")
     if st["uplinks"]:
         caps = (f"{site} {bits / 1e6:g}Mbit" if bits else f"{site} -" for site, bits in st["uplinks"].items())
         print("  site uplinks: " + "  ".join(caps))

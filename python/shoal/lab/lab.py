@@ -14,6 +14,14 @@ entering the site together, as a datacenter's WAN link does. Inside each host:
   program is gone, packets pass undelayed);
 - a delay program (``python -m shoal.lab.delay``) holding each queue's packets for RTT/2.
 
+A NAT router (``spec.py``) is a namespace ``NAME-ROUTER`` too: ``eth0`` on the bridge with its
+public address, a bridge ``lan`` with a veth to each of its hosts (whose ``eth0`` sits on it, the
+router their default route), MASQUERADE on what leaves through ``eth0``, and a FORWARD policy that
+lets in only what conntrack knows as a reply. Every host's delays and faults key on the address
+it sees the other at (``Spec.seen``); a fault's drop of what a host behind a NAT sends happens on
+its way out (the ``SHOAL-FAULT-OUT`` chain of OUTPUT), where its destination still tells the
+hosts of one router apart.
+
 Everything is recorded before it is made, in ``/run/shoal-lab/NAME/state.json``
 (``SHOAL_LAB_STATE`` moves it): ``down``, or the next ``up`` of the same name, removes what a
 crashed run left. Every helper process runs under ``timeout`` (its time-to-live) and carries
@@ -34,10 +42,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from .spec import Spec, build, parse_rate
+from .spec import Host, Nat, Spec, build, parse_rate
 
 IPT = "iptables-legacy"
 FAULT_CHAIN = "SHOAL-FAULT"
+FAULT_OUT_CHAIN = "SHOAL-FAULT-OUT"
 FAULT_KINDS = ("partition", "blackhole", "reset", "loss", "slow")
 TOXIPROXY_VERSION = "v2.12.0"
 TOXIPROXY_API = "127.0.0.1:8474"
@@ -133,7 +142,7 @@ class Lab:
             lab_dir = state_root() / name
             lab_dir.mkdir(parents=True, exist_ok=True)
             state = {"raw": raw, "subnet": subnet, "overrides": overrides, "ttl": ttl, "created": time.time(),
-                     "namespaces": [f"{name}-switch"] + [f"{name}-{h.name}" for h in spec.hosts],
+                     "namespaces": [f"{name}-switch"] + [f"{name}-{h.name}" for h in [*spec.hosts, *spec.nats]],
                      "helpers": [], "faults": [], "complete": False}
             _write_state(name, state)
             try:
@@ -162,7 +171,12 @@ class Lab:
         return [h.name for h in self.spec.hosts]
 
     def address(self, host: str) -> str:
+        """The address ``host`` binds and advertises (behind a NAT, a private one)."""
         return self.spec.host(host).address
+
+    def public_address(self, host: str) -> str:
+        """The address the rest of the lab sees ``host`` at: its own, or its NAT router's."""
+        return self.spec.public(host)
 
     def namespace(self, host: str) -> str:
         self.spec.host(host)
@@ -242,8 +256,8 @@ class Lab:
                     raise LabError(f"the path between {a} and {other} is slow already: heal it first")
                 if kind == "slow":
                     self._slow(f, add=True)
-                for host, rule in self._fault_rules(f):
-                    _run(self.argv(host, [IPT, "-A", FAULT_CHAIN, *rule]), f"adding a {kind} fault")
+                for host, chain, rule in self._fault_rules(f):
+                    _run(self.argv(host, [IPT, "-A", chain, *rule]), f"adding a {kind} fault")
                 state["faults"].append(f)
             _write_state(self.name, state)
             self.state = state
@@ -260,8 +274,8 @@ class Lab:
                 if a is None or (a in involved and (b is None or involved == {a, b})):
                     if f["kind"] == "slow":
                         self._slow(f, add=False)
-                    for host, rule in self._fault_rules(f):
-                        self.run(host, [IPT, "-D", FAULT_CHAIN, *rule], capture_output=True)
+                    for host, chain, rule in self._fault_rules(f):
+                        self.run(host, [IPT, "-D", chain, *rule], capture_output=True)
                     removed += 1
                 else:
                     keep.append(f)
@@ -293,24 +307,32 @@ class Lab:
                 continue
             _batch(["tc", "-n", self.namespace(host)],
                    [*_htb_class("eth0", n, f["rate"]), f"filter add dev eth0 parent 1: protocol ip prio {n} u32 match "
-                    f"ip dst {self.address(other)}/32 flowid 1:{n}"], f"slowing {host} -> {other}")
+                    f"ip dst {self.spec.seen(host, other)}/32 flowid 1:{n}"], f"slowing {host} -> {other}")
 
-    def _fault_rules(self, f: dict[str, Any]) -> list[tuple[str, list[str]]]:
-        """The iptables rules (host, arguments) of one fault between two hosts."""
+    def _fault_rules(self, f: dict[str, Any]) -> list[tuple[str, str, list[str]]]:
+        """The iptables rules (host, chain, arguments) of one fault between two hosts."""
         a, b = f["a"], f["b"]
-        ip = self.address
         if f["kind"] == "slow":
             return []
         if f["kind"] == "partition":
-            return [(a, ["-s", ip(b), "-j", "DROP"]), (b, ["-s", ip(a), "-j", "DROP"])]
+            return [*self._dropping(b, a, ["-j", "DROP"]), *self._dropping(a, b, ["-j", "DROP"])]
         if f["kind"] == "blackhole":
-            return [(b, ["-s", ip(a), "-j", "DROP"])]
+            return self._dropping(a, b, ["-j", "DROP"])
         if f["kind"] == "loss":
             p = ["-m", "statistic", "--mode", "random", "--probability", str(f["probability"]), "-j", "DROP"]
-            return [(a, ["-s", ip(b), *p]), (b, ["-s", ip(a), *p])]
+            return [*self._dropping(b, a, p), *self._dropping(a, b, p)]
         # A reset itself must pass, or the other side's rule would swallow it.
         reset = ["-p", "tcp", "!", "--tcp-flags", "RST", "RST", "-j", "REJECT", "--reject-with", "tcp-reset"]
-        return [(a, ["-s", ip(b), *reset]), (b, ["-s", ip(a), *reset])]
+        return [*self._dropping(b, a, reset), *self._dropping(a, b, reset)]
+
+    def _dropping(self, src: str, dst: str, action: list[str]) -> list[tuple[str, str, list[str]]]:
+        """Where ``action`` meets what ``src`` sends ``dst``: as ``dst`` receives it, by the
+        address it comes from; or, from a host behind a NAT to one off its LAN (whose address
+        the rest of the lab shares with the router's other hosts), as ``src`` sends it."""
+        seen = self.spec.seen
+        if self.spec.host(src).nat and self.spec.host(src).nat != self.spec.host(dst).nat:
+            return [(src, FAULT_OUT_CHAIN, ["-d", seen(src, dst), *action])]
+        return [(dst, FAULT_CHAIN, ["-s", seen(dst, src), *action])]
 
     # ---- connection-level faults (toxiproxy) --------------------------------------------------
 
@@ -412,6 +434,7 @@ class Lab:
             "hosts": self.spec.to_dict()["hosts"],
             "rtt_ms": {a: {b: self.spec.rtt(a, b) for b in hosts if b != a} for a in hosts},
             "uplinks": self.spec.uplinks,
+            "nats": self.spec.to_dict()["nat"],
             "faults": self.state["faults"],
             "helpers": alive,
             "expires": self.state["created"] + self.state["ttl"],
@@ -506,7 +529,7 @@ def _build(name: str, spec: Spec, state: dict, ttl: float) -> None:
     """Builds the lab in a few batched commands per namespace (``ip -batch``, ``tc -batch``,
     ``iptables-restore``): 64 hosts take seconds, not the minute one command per change took."""
     sw = f"{name}-switch"
-    ns = {h.name: f"{name}-{h.name}" for h in spec.hosts}
+    ns = {h.name: f"{name}-{h.name}" for h in [*spec.hosts, *spec.nats]}
     _batch(["ip"], [f"netns add {n}" for n in (sw, *ns.values())], "creating the namespaces")
     plen = state["subnet"].split("/")[1]
     links, caps = ["link add br0 type bridge", "link set br0 up"], []
@@ -517,38 +540,51 @@ def _build(name: str, spec: Spec, state: dict, ttl: float) -> None:
                   f"link set {down} master br0 up"]
         if bits:
             caps += _cap(up, bits) + _cap(down, bits)  # what the site sends to the others; receives
-    for h in spec.hosts:
+    # On the lab's public network: the public hosts and the NAT routers.
+    for h in [*(h for h in spec.hosts if not h.nat), *spec.nats]:
         port, bridge = f"h-{h.name}", f"b-{h.site}" if spec.uplinks else "br0"
         links += [f"link add {port} type veth peer name eth0 netns {ns[h.name]}", f"link set {port} master {bridge} up"]
-        if h.rate:
+        if isinstance(h, Host) and h.rate:
             caps += _cap(port, h.rate)  # what the host receives
     _batch(["ip", "-n", sw], links, "cabling the switch")
     if caps:
         _batch(["tc", "-n", sw], caps, "capping the switch's ports")
+    on_public = [*(h.address for h in spec.hosts if not h.nat), *(n.address for n in spec.nats)]
+    for n in spec.nats:
+        _build_nat(ns[n.name], n, spec, plen, on_public, ns)
 
     queues: list[str] = []
     for h in spec.hosts:
         n = ns[h.name]
         # Neighbours are static: one kernel-wide table holds every namespace's learned entries
         # (1,024 by default), and 64 hosts that each learn 63 overflow it and drop SYNs.
-        neighbours = [f"neigh replace {o.address} lladdr {_mac(o.address)} dev eth0 nud permanent"
-                      for o in spec.hosts if o is not h]
-        _batch(["ip", "-n", n], [f"link set eth0 address {_mac(h.address)}", f"addr add {h.address}/{plen} dev eth0",
-                                 "link set eth0 up", "link set lo up", *neighbours], f"addressing {h.name}")
+        addressing = [f"link set eth0 address {_mac(h.address)}", "link set lo up"]
+        if h.nat:  # on its router's LAN, which routes the rest
+            nat = spec.nat(h.nat)
+            lan = [nat.gateway, *(spec.host(o).address for o in nat.hosts)]
+            addressing += [f"addr add {h.address}/{nat.lan.split('/')[1]} dev eth0", "link set eth0 up",
+                           f"route add default via {nat.gateway}"]
+        else:
+            lan = on_public
+            addressing += [f"addr add {h.address}/{plen} dev eth0", "link set eth0 up"]
+        neighbours = [f"neigh replace {a} lladdr {_mac(a)} dev eth0 nud permanent" for a in lan if a != h.address]
+        _batch(["ip", "-n", n], [*addressing, *neighbours], f"addressing {h.name}")
         if h.rate:
             _batch(["tc", "-n", n], _cap("eth0", h.rate), f"capping {h.name}'s link")  # what it sends
         if h.window:
             default = min(131072, h.window)
             _run(["ip", "netns", "exec", n, "sysctl", "-q", "-w", f"net.ipv4.tcp_rmem=4096 {default} {h.window}"],
                  f"capping {h.name}'s TCP windows")
-        rules = [f":{FAULT_CHAIN} - [0:0]", f"-A INPUT -i eth0 -j {FAULT_CHAIN}"]
+        rules = [f":{FAULT_CHAIN} - [0:0]", f"-A INPUT -i eth0 -j {FAULT_CHAIN}",
+                 f":{FAULT_OUT_CHAIN} - [0:0]", f"-A OUTPUT -o eth0 -j {FAULT_OUT_CHAIN}"]
         if h.loss:
             rules.append(f"-A INPUT -i eth0 -m statistic --mode random --probability {h.loss} -j DROP")
-        # One queue per distinct one-way delay towards this host.
-        delays = {o.name: spec.rtt(h.name, o.name) / 2000 for o in spec.hosts if o.name != h.name}
+        # One queue per distinct one-way delay towards this host, keyed by the address each other
+        # host's packets arrive from (the hosts behind one NAT share theirs, and their delay).
+        delays = {spec.seen(h.name, o.name): spec.rtt(h.name, o.name) / 2000 for o in spec.hosts if o.name != h.name}
         numbers = {d: i + 1 for i, d in enumerate(sorted({d for d in delays.values() if d > 0}))}
-        rules += [f"-A INPUT -i eth0 -s {spec.host(other).address} -j NFQUEUE --queue-num {numbers[d]} --queue-bypass"
-                  for other, d in delays.items() if d > 0]
+        rules += [f"-A INPUT -i eth0 -s {source} -j NFQUEUE --queue-num {numbers[d]} --queue-bypass"
+                  for source, d in delays.items() if d > 0]
         restore = subprocess.run(["ip", "netns", "exec", n, f"{IPT}-restore", "--noflush"],
                                  input="*filter\n" + "\n".join(rules) + "\nCOMMIT\n", capture_output=True, text=True)
         if restore.returncode != 0:
@@ -564,6 +600,35 @@ def _build(name: str, spec: Spec, state: dict, ttl: float) -> None:
         want = {n: {q.rpartition(":")[2].split("=")[0] for q in queues if q.startswith(f"{n}:")} for n in ns.values()}
         _wait_for(lambda: all(w <= _bound_queues(n) for n, w in want.items() if w),
                   f"the delay program did not bind its queues (see {state_root() / name}/delay-switch.log)")
+
+
+def _build_nat(namespace: str, nat: Nat, spec: Spec, plen: str, on_public: list[str], ns: dict[str, str]) -> None:
+    """Router ``nat``: its public ``eth0`` (cabled to the switch already), a bridge ``lan`` with a
+    veth to each of its hosts (their ``eth0``), masquerading out and only replies in."""
+    links = [f"link set eth0 address {_mac(nat.address)}", f"addr add {nat.address}/{plen} dev eth0",
+             "link set eth0 up", "link set lo up", "link add lan type bridge",
+             f"link set lan address {_mac(nat.gateway)}", "link set lan up",
+             f"addr add {nat.gateway}/{nat.lan.split('/')[1]} dev lan",
+             *(f"neigh replace {a} lladdr {_mac(a)} dev eth0 nud permanent" for a in on_public if a != nat.address)]
+    for host in nat.hosts:
+        h = spec.host(host)
+        links += [f"link add n-{host} type veth peer name eth0 netns {ns[host]}", f"link set n-{host} master lan up",
+                  f"neigh replace {h.address} lladdr {_mac(h.address)} dev lan nud permanent"]
+    _batch(["ip", "-n", namespace], links, f"cabling NAT {nat.name}")
+    caps = [line for host in nat.hosts if spec.host(host).rate for line in _cap(f"n-{host}", spec.host(host).rate)]
+    if caps:
+        _batch(["tc", "-n", namespace], caps, f"capping what NAT {nat.name} passes to its hosts")
+    _run(["ip", "netns", "exec", namespace, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"], f"routing in {nat.name}")
+    # Its hosts' traffic goes out (and between them, bridged); only replies come in.
+    rules = ["*nat", f"-A POSTROUTING -o eth0 -s {nat.lan} -j MASQUERADE", "COMMIT",
+             "*filter", ":FORWARD DROP [0:0]", "-A FORWARD -i lan -j ACCEPT",
+             "-A FORWARD -i eth0 -o lan -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT",
+             "-A INPUT -i eth0 -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT", "-A INPUT -i eth0 -j DROP",
+             "COMMIT"]
+    restore = subprocess.run(["ip", "netns", "exec", namespace, f"{IPT}-restore"], input="\n".join(rules) + "\n",
+                             capture_output=True, text=True)
+    if restore.returncode != 0:
+        raise LabError(f"NAT {nat.name}: loading its iptables rules failed: {restore.stderr.strip()}")
 
 
 def _mac(address: str) -> str:

@@ -37,6 +37,15 @@ PROFILES: dict[str, dict[str, Any]] = {
                 "eu-ap": 225, "eu-sa": 200, "ap-sa": 255},
         "rate": "1gbit",
     },
+    "behind-nat": {
+        "description": "2 public hosts in site a (the master's first), 1 host behind a home NAT router (site b), 2 "
+                       "behind one campus NAT router (site c): 30-50 ms between the sites, 1 ms inside, 1 Gbit/s",
+        "hosts": {"a1": {"site": "a"}, "b1": {"site": "b", "nat": "home"}, "c1": {"site": "c", "nat": "campus"},
+                  "c2": {"site": "c", "nat": "campus"}, "a2": {"site": "a"}},
+        "nat": {"home": {}, "campus": {}},
+        "rtt": {"a": 1, "b": 1, "c": 1, "a-b": 30, "a-c": 40, "b-c": 50},
+        "rate": "1gbit",
+    },
     "long-fat-pipe": {
         "description": "2 hosts 40 ms apart on 1 Gbit/s links, TCP windows capped at 640 KiB (~100 Mbit/s per flow)",
         "hosts": {"x": {}, "y": {}},
