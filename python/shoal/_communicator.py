@@ -455,7 +455,7 @@ class Communicator:
         result: dict[str, Any] = json.loads(self._native.stats_json())
         return result
 
-    def links(self) -> "list[dict[str, int | float | str]]":
+    def links(self) -> "list[dict[str, int | float | str | bool]]":
         """Our links in the topology in force: one per member we exchanged data with, opened
         when a collective first needed it and reused by the later ones.
 
@@ -465,10 +465,14 @@ class Communicator:
         of ours to it waited for room in its stream (the link was saturated) and the bytes written
         meanwhile (their ratio is what the link carries; the master re-plans the ring when it
         drifts, ``docs/topology.md``), and what carries the streams (``"shm"``: shared memory to
-        a member on this host; ``"tcp"``; ``"tls"``: TCP under TLS).
+        a member on this host; ``"tcp"``; ``"tls"``: TCP under TLS). ``"path"`` says how its
+        streams were opened: ``"direct"`` (each side dialed the other's listener) or
+        ``"reverse"`` (a member that cannot be dialed, behind a NAT, opened them for both
+        directions, ``docs/nat.md``), and ``"dialable"`` whether the member can be dialed, as the
+        master found when it joined.
         """
         keys = ("peer", "rank", "streams_out", "streams_in", "tx_bytes", "rx_bytes", "saturated_s", "saturated_bytes",
-                "transport")
+                "transport", "path", "dialable")
         return [dict(zip(keys, link)) for link in self._native.links()]
 
     def sync_shared_state(

@@ -859,10 +859,10 @@ impl Communicator {
     }
 
     /// Our links in the topology in force: (peer id, rank, streams out, streams in, bytes sent,
-    /// bytes received, seconds saturated, bytes sent saturated, transport) for every member we
-    /// exchanged data with.
+    /// bytes received, seconds saturated, bytes sent saturated, transport, path, whether the
+    /// member can be dialed) for every member we exchanged data with.
     #[allow(clippy::type_complexity)]
-    fn links(&self) -> Vec<(u32, usize, usize, usize, u64, u64, f64, u64, &'static str)> {
+    fn links(&self) -> Vec<(u32, usize, usize, usize, u64, u64, f64, u64, &'static str, &'static str, bool)> {
         let links = self.inner.links().into_iter();
         links
             .map(|l| {
@@ -877,6 +877,8 @@ impl Communicator {
                     saturated,
                     l.saturated_bytes,
                     l.transport,
+                    l.path,
+                    l.dialable,
                 )
             })
             .collect()

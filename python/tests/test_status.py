@@ -110,6 +110,7 @@ def test_status_lists_the_run(run: Run) -> None:
     assert {p["id"] for p in s["peers"]} == set(s["ring"]) and len(s["ring"]) == PEERS
     for p in s["peers"]:
         assert re.fullmatch(r"127\.0\.0\.1:\d+", p["addr"]) and p["group"] == GROUP and p["rank"] in range(PEERS)
+        assert (p["dialable"], p["seen"]) == (True, "127.0.0.1"), "the master's probe, and where it saw the peer"
         assert p["operations"]["all_reduce"]["succeeded"] >= ROUNDS
         assert len(p["links"]) == PEERS - 1
     (g,) = s["groups"]

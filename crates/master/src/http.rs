@@ -280,6 +280,8 @@ pub fn status_json(s: &RunStatus) -> Value {
                 },
                 "rank": p.rank,
                 "site": p.site,
+                "dialable": p.dialable,
+                "seen": p.seen.map(|ip| ip.to_string()),
                 "silent_s": p.silent.as_secs_f64(),
                 "silence_bound_s": p.silence_bound.as_secs_f64(),
             });

@@ -18,17 +18,17 @@ pub use http::{
 
 use shoal_proto::auth::{DataKey, RunKey};
 use shoal_proto::loglimit::LogLimit;
-use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output, RunStatus};
+use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output, RunStatus, PROBE_TIMEOUT};
 use shoal_transport::gate::{Full, Gate};
 use shoal_transport::greet::{greet_until, greeters, Greet, Greeted, Limits};
 use shoal_transport::{read_message, write_message, Conn, TlsConfig, TransportError};
-use shoal_wire::{Message, SessionId};
+use shoal_wire::{Message, PeerId, SessionId};
 use state::StateDir;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::hash::{BuildHasher, RandomState};
 use std::io;
-use std::net::{Shutdown, SocketAddr, TcpListener};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
@@ -53,6 +53,11 @@ pub const MAX_PENDING_RESERVED: usize = 64;
 const STATUS_WAIT: Duration = Duration::from_secs(2);
 /// The largest first frame a connection may announce: a `Join` is far smaller.
 pub const MAX_GREETING_BODY: u32 = 4 << 10;
+/// Newcomers' probes under way at once, a thread each (`Prober`).
+pub const PROBES_AT_ONCE: usize = 32;
+/// Probes waiting their turn at most; past it a newcomer is judged closed at once (a run joins
+/// [`shoal_proto::master::MAX_PEERS`] peers at most, so this is a flood of strangers' joins).
+pub const PROBES_WAITING_MAX: usize = 4096;
 
 /// How to run a master.
 #[derive(Debug, Clone)]
@@ -105,7 +110,9 @@ pub struct MasterServer {
 }
 
 enum Input {
-    Connected(ConnId, Conn),
+    Connected(ConnId, Conn, SocketAddr),
+    /// A newcomer's probe ended: whether a connection to its data address opened.
+    Probed(PeerId, Result<(), String>),
     /// A connection's TLS handshake failed (logged where it happened).
     TlsRefused,
     Message(ConnId, SessionId, Message),
@@ -181,17 +188,26 @@ impl MasterServer {
         };
         let adaptive = options.heartbeat_timeout.is_none();
         let search_clock = Some(Instant::now as fn() -> Instant);
-        let config =
-            MasterConfig { session, heartbeat_timeout, adaptive, key, data_key, search_effort: 1.0, search_clock };
+        let config = MasterConfig {
+            session,
+            heartbeat_timeout,
+            adaptive,
+            key,
+            data_key,
+            search_effort: 1.0,
+            search_clock,
+            probe_timeout: PROBE_TIMEOUT,
+        };
         let master = match kept {
             Some(run) => Master::restore(config, run, Instant::now())
                 .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("the kept run: {e}")))?,
             None => Master::new(config, Instant::now()),
         };
         let write_timeout = (heartbeat_timeout / 4).min(WRITE_TIMEOUT_MAX);
+        let prober = Prober { inputs: tx.clone(), waiting: VecDeque::new(), running: Arc::new(AtomicUsize::new(0)) };
         let driver = thread::Builder::new()
             .name("shoal-master".into())
-            .spawn(move || drive(master, rx, write_timeout, state))?;
+            .spawn(move || drive(master, rx, write_timeout, state, prober))?;
         if let Some(listener) = http {
             let (inputs, stop) = (tx.clone(), stop.clone());
             thread::Builder::new()
@@ -277,7 +293,7 @@ impl Greet for Greeter {
     fn opened(&mut self, writer: Conn, from: SocketAddr) -> Option<ConnId> {
         let conn = ConnId(self.next_conn.fetch_add(1, Ordering::Relaxed));
         log::debug!("connection {} from {from}", conn.0);
-        self.inputs.send(Input::Connected(conn, writer)).ok()?;
+        self.inputs.send(Input::Connected(conn, writer, from)).ok()?;
         Some(conn)
     }
 
@@ -343,7 +359,67 @@ fn read_loop(conn: ConnId, from: SocketAddr, mut stream: Conn, first: Input, inp
     let _ = stream.shutdown(Shutdown::Both);
 }
 
-fn drive(mut master: Master, inputs: Receiver<Input>, write_timeout: Duration, state: Option<StateDir>) {
+/// Newcomers' probes (`shoal_proto::master::Reach`): each dials a data address on a thread of
+/// its own, at most [`PROBES_AT_ONCE`] at a time, the rest waiting their turn. Each thread ends
+/// at its timeout; the master judges a probe that outlives its own clock's bound closed.
+struct Prober {
+    inputs: Sender<Input>,
+    waiting: VecDeque<(PeerId, String, Duration)>,
+    running: Arc<AtomicUsize>,
+}
+
+impl Prober {
+    fn probe(&mut self, peer: PeerId, addr: String, timeout: Duration) {
+        if self.waiting.len() < PROBES_WAITING_MAX {
+            self.waiting.push_back((peer, addr, timeout));
+        } else {
+            let _ = self.inputs.send(Input::Probed(peer, Err("too many probes wait already".into())));
+        }
+        self.start();
+    }
+
+    /// Starts what waits, as far as the cap allows.
+    fn start(&mut self) {
+        while self.running.load(Ordering::Acquire) < PROBES_AT_ONCE {
+            let Some((peer, addr, timeout)) = self.waiting.pop_front() else { return };
+            self.running.fetch_add(1, Ordering::AcqRel);
+            let (inputs, running) = (self.inputs.clone(), Arc::clone(&self.running));
+            let spawned = thread::Builder::new().name("shoal-master-probe".into()).spawn(move || {
+                let result = dial_once(&addr, timeout);
+                running.fetch_sub(1, Ordering::AcqRel);
+                let _ = inputs.send(Input::Probed(peer, result));
+            });
+            if let Err(e) = spawned {
+                self.running.fetch_sub(1, Ordering::AcqRel);
+                let _ = self.inputs.send(Input::Probed(peer, Err(format!("cannot spawn its probe: {e}"))));
+            }
+        }
+    }
+}
+
+/// Opens one TCP connection to `addr` (`host:port`) within `timeout`, and closes it.
+fn dial_once(addr: &str, timeout: Duration) -> Result<(), String> {
+    let targets: Vec<SocketAddr> = addr.to_socket_addrs().map_err(|e| format!("{addr}: {e}"))?.collect();
+    let mut last = format!("{addr} resolves to no address");
+    for target in targets {
+        match TcpStream::connect_timeout(&target, timeout) {
+            Ok(stream) => {
+                let _ = stream.shutdown(Shutdown::Both);
+                return Ok(());
+            }
+            Err(e) => last = format!("{target}: {e}"),
+        }
+    }
+    Err(last)
+}
+
+fn drive(
+    mut master: Master,
+    inputs: Receiver<Input>,
+    write_timeout: Duration,
+    state: Option<StateDir>,
+    mut prober: Prober,
+) {
     let mut streams: BTreeMap<ConnId, Conn> = BTreeMap::new();
     // A new run is kept at once (the first pass below), so that a restart finds its session.
     let mut saved = None;
@@ -361,7 +437,7 @@ fn drive(mut master: Master, inputs: Receiver<Input>, write_timeout: Duration, s
         // queue. Once, 64 lab peers on 2 cores were expelled so after a 4 s re-plan.
         let mut taken = 0;
         while let Some(next) = input.take() {
-            if !take(&mut master, &mut streams, next, write_timeout) {
+            if !take(&mut master, &mut streams, next, write_timeout, &mut prober) {
                 break 'run;
             }
             if taken < BACKLOG_BEFORE_DEADLINES && master.poll_timeout().is_some_and(|t| t <= Instant::now()) {
@@ -400,6 +476,7 @@ fn drive(mut master: Master, inputs: Receiver<Input>, write_timeout: Duration, s
                         let _ = stream.shutdown(Shutdown::Both);
                     }
                 }
+                Output::Probe { peer, addr, timeout } => prober.probe(peer, addr, timeout),
                 Output::Event(event) => log_event(&event),
             }
         }
@@ -411,9 +488,15 @@ fn drive(mut master: Master, inputs: Receiver<Input>, write_timeout: Duration, s
 }
 
 /// Feeds `master` one input; false on `Stop`.
-fn take(master: &mut Master, streams: &mut BTreeMap<ConnId, Conn>, input: Input, write_timeout: Duration) -> bool {
+fn take(
+    master: &mut Master,
+    streams: &mut BTreeMap<ConnId, Conn>,
+    input: Input,
+    write_timeout: Duration,
+    prober: &mut Prober,
+) -> bool {
     match input {
-        Input::Connected(conn, stream) => {
+        Input::Connected(conn, stream, from) => {
             if let Err(e) = stream.set_write_timeout(Some(write_timeout)) {
                 log::warn!("connection {}: {e}", conn.0);
             }
@@ -421,7 +504,7 @@ fn take(master: &mut Master, streams: &mut BTreeMap<ConnId, Conn>, input: Input,
             match getrandom::fill(&mut nonce) {
                 Ok(()) => {
                     streams.insert(conn, stream);
-                    master.handle_connect(Instant::now(), conn, nonce);
+                    master.handle_connect(Instant::now(), conn, nonce, Some(from.ip()));
                 }
                 Err(e) => {
                     log::error!("connection {}: no randomness for its challenge: {e}; closing", conn.0);
@@ -430,6 +513,10 @@ fn take(master: &mut Master, streams: &mut BTreeMap<ConnId, Conn>, input: Input,
             }
         }
         Input::TlsRefused => master.count_tls_failure(),
+        Input::Probed(peer, result) => {
+            master.handle_probe(Instant::now(), peer, result);
+            prober.start();
+        }
         Input::Message(conn, session, message) => {
             log::trace!("connection {}: {message:?}", conn.0);
             master.handle_message(Instant::now(), conn, session, message);

@@ -17,8 +17,8 @@ use std::io::{self, Write};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-/// The state file's format version: 2 keeps a ring per group.
-const VERSION: u64 = 2;
+/// The state file's format version: 2 keeps a ring per group, 3 each peer's reach.
+const VERSION: u64 = 3;
 const FILE: &str = "run.json";
 
 /// A state directory.
@@ -130,6 +130,7 @@ fn encode(d: &Durable) -> Value {
         })).collect::<Vec<_>>(),
         "peers": d.peers.iter().map(|p| json!({
             "id": p.peer.0, "group": p.group.0, "addr": p.addr, "accepted": p.accepted,
+            "dialable": p.dialable, "seen": p.seen.map(|ip| ip.to_string()),
         })).collect::<Vec<_>>(),
         "groups": d.groups.iter().map(|g| json!({
             "group": g.group.0,
@@ -168,6 +169,14 @@ fn decode(v: &Value) -> Result<Durable, String> {
                 group: GroupId(u32_of(p, "group")?),
                 addr: field(p, "addr")?.as_str().ok_or("\"addr\" is not a string")?.to_string(),
                 accepted: field(p, "accepted")?.as_bool().ok_or("\"accepted\" is not a bool")?,
+                dialable: match field(p, "dialable")? {
+                    Value::Null => None,
+                    v => Some(v.as_bool().ok_or("\"dialable\" is not a bool")?),
+                },
+                seen: match field(p, "seen")? {
+                    Value::Null => None,
+                    v => Some(v.as_str().and_then(|s| s.parse().ok()).ok_or("\"seen\" is not an IP address")?),
+                },
             })
         })
         .collect::<Result<Vec<_>, String>>()?;
@@ -232,9 +241,30 @@ mod tests {
                 DurableRing { group: GroupId(2), epoch: Epoch(0), issued: Epoch(9), members: vec![] },
             ],
             peers: vec![
-                DurablePeer { peer: PeerId(1), group: GroupId(0), addr: "10.0.0.1:4000".into(), accepted: true },
-                DurablePeer { peer: PeerId(3), group: GroupId(0), addr: "[::1]:4001".into(), accepted: true },
-                DurablePeer { peer: PeerId(4), group: GroupId(2), addr: "h:1".into(), accepted: false },
+                DurablePeer {
+                    peer: PeerId(1),
+                    group: GroupId(0),
+                    addr: "10.0.0.1:4000".into(),
+                    accepted: true,
+                    dialable: Some(true),
+                    seen: Some("10.0.0.1".parse().unwrap()),
+                },
+                DurablePeer {
+                    peer: PeerId(3),
+                    group: GroupId(0),
+                    addr: "[::1]:4001".into(),
+                    accepted: true,
+                    dialable: Some(false),
+                    seen: Some("::1".parse().unwrap()),
+                },
+                DurablePeer {
+                    peer: PeerId(4),
+                    group: GroupId(2),
+                    addr: "h:1".into(),
+                    accepted: false,
+                    dialable: None,
+                    seen: None,
+                },
             ],
             groups: vec![DurableGroup {
                 group: GroupId(0),
@@ -256,9 +286,9 @@ mod tests {
         assert_eq!(std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777, 0o600, "it holds the data key");
         // What cannot be read is an error naming the file and the problem, never a new run.
         for (text, problem) in [
-            ("{\"version\": 2, \"session\": 3}", "no \"peers\""),
-            ("{\"version\": 1}", "state format 1, this master reads 2"),
-            ("{\"version\": 2, \"sess", "EOF while parsing"),
+            ("{\"version\": 3, \"session\": 3}", "no \"peers\""),
+            ("{\"version\": 2}", "state format 2, this master reads 3"),
+            ("{\"version\": 3, \"sess", "EOF while parsing"),
         ] {
             fs::write(dir.join(FILE), text).unwrap();
             let e = state.load().unwrap_err().to_string();

@@ -7,7 +7,7 @@ use crate::config::{CommunicatorConfig, DEFAULT_CHUNK_BYTES};
 use crate::control::Control;
 use crate::error::{Error, Misfit, Protocol, Usage};
 use crate::info::Info;
-use crate::links::Listener;
+use crate::links::{Dialer, Listener};
 use crate::named::{verb_of, Described};
 use crate::plane::{CallResult, Collective, DataPlane, Extra, Placement, Posted, Request, Spares, TagUse};
 use crate::Deadline;
@@ -64,16 +64,18 @@ pub(crate) fn take_up(data: &mut DataPlane, position: &RingPosition) {
     let me = position.ring[rank].peer;
     let mut exec = Exec::new(position.epoch, rank, world);
     if world > 1 {
-        let prev = (rank + world - 1) % world;
-        // Both halves come non-blocking from the listener (`links.rs`).
-        // Our successor's pool, and those dialed to other members in the same round trip.
+        // Both halves come non-blocking from the listener (`links.rs`): our successor's pool and
+        // our predecessor's, and those to and from other members in the same round trip.
+        let rank_of = |peer: PeerId| position.ring.iter().position(|m| m.peer == peer);
         for (peer, send) in std::mem::take(&mut data.staged.outgoing) {
-            if let Some(rank) = position.ring.iter().position(|m| m.peer == peer).filter(|_| !send.is_empty()) {
+            if let Some(rank) = rank_of(peer).filter(|_| !send.is_empty()) {
                 exec.add_send(rank, send);
             }
         }
-        if let Some(recv) = data.staged.incoming.remove(&position.ring[prev].peer).filter(|p| !p.is_empty()) {
-            exec.add_recv(prev, recv);
+        for (peer, recv) in std::mem::take(&mut data.staged.incoming) {
+            if let Some(rank) = rank_of(peer).filter(|_| !recv.is_empty()) {
+                exec.add_recv(rank, recv);
+            }
         }
     }
     if let Some(superseded) = data.exec.replace(exec) {
@@ -653,28 +655,56 @@ impl Driver {
             return;
         }
         let missing = exec.missing();
-        let me = position.ring[position.rank].peer;
-        // Every missing link at once: each dial waits a round trip.
-        let deadline = Deadline::after(self.config.timeout);
-        let members: Vec<&Member> = missing.to.iter().map(|&to| &position.ring[to]).collect();
-        for (&to, opened) in missing.to.iter().zip(listener.open(&members, position.epoch, &self.config, deadline)) {
-            let member = &position.ring[to];
-            match opened {
-                Ok(pool) => {
-                    log::info!("{me}: linked to {} (rank {to}) over {} streams", member.peer, pool.len());
-                    exec.add_send(to, pool);
+        let (ring, epoch) = (&position.ring, position.epoch);
+        let mine = &ring[position.rank];
+        let me = mine.peer;
+        // Each pool is dialed by its sender, or by its receiver where only the sender can be
+        // dialed (`links::Dialer`): what we dial, and what we take as its member dialed it.
+        let (mut sends, mut receives) = (Vec::new(), Vec::new());
+        for &to in &missing.to {
+            match Dialer::of(mine, &ring[to]) {
+                Dialer::Sender => sends.push(to),
+                Dialer::Receiver => {
+                    if let Some(pool) = listener.take_reverse(ring[to].peer, epoch) {
+                        log::info!("{me}: {} (rank {to}) linked us to it over {} streams", ring[to].peer, pool.len());
+                        exec.add_send(to, pool);
+                    }
                 }
-                Err(reason) => {
-                    log::warn!("{me}: cannot link to {} (rank {to}): {reason}", member.peer);
-                    exec.unreachable(to, reason.to_string());
-                }
+                Dialer::Nobody => exec.unreachable(to, format!("neither {me} nor {} can be dialed", ring[to].peer)),
             }
         }
-        for from in missing.from {
-            let peer = position.ring[from].peer;
-            if let Some(pool) = listener.take_pool(peer, position.epoch) {
-                log::info!("{me}: {peer} (rank {from}) linked to us over {} streams", pool.len());
-                exec.add_recv(from, pool);
+        for &from in &missing.from {
+            match Dialer::of(&ring[from], mine) {
+                Dialer::Sender => {
+                    if let Some(pool) = listener.take_pool(ring[from].peer, epoch) {
+                        log::info!("{me}: {} (rank {from}) linked to us over {} streams", ring[from].peer, pool.len());
+                        exec.add_recv(from, pool);
+                    }
+                }
+                Dialer::Receiver => receives.push(from),
+                Dialer::Nobody => exec.unreachable(from, format!("neither {me} nor {} can be dialed", ring[from].peer)),
+            }
+        }
+        // Every missing link at once: each dial waits a round trip.
+        let deadline = Deadline::after(self.config.timeout);
+        for (reverse, ranks) in [(false, sends), (true, receives)] {
+            let members: Vec<&Member> = ranks.iter().map(|&r| &ring[r]).collect();
+            for (&rank, opened) in ranks.iter().zip(listener.open(&members, reverse, epoch, &self.config, deadline)) {
+                let peer = ring[rank].peer;
+                match opened {
+                    Ok(pool) if reverse => {
+                        log::info!("{me}: linked {peer} (rank {rank}) to us over {} streams", pool.len());
+                        exec.add_recv(rank, pool);
+                    }
+                    Ok(pool) => {
+                        log::info!("{me}: linked to {peer} (rank {rank}) over {} streams", pool.len());
+                        exec.add_send(rank, pool);
+                    }
+                    Err(reason) => {
+                        log::warn!("{me}: cannot link to {peer} (rank {rank}): {reason}");
+                        exec.unreachable(rank, reason.to_string());
+                    }
+                }
             }
         }
     }

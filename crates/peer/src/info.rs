@@ -86,6 +86,11 @@ pub struct LinkInfo {
     /// `"tls"` (TCP with TLS), or `"mixed"` where the two ends chose differently
     /// (`SHOAL_TRANSPORT`).
     pub transport: &'static str,
+    /// How its pools were opened: `"direct"`, each by its sender, or `"reverse"`, a member that
+    /// cannot be dialed opened one itself for the other's data (`docs/nat.md`).
+    pub path: &'static str,
+    /// Whether the member can be dialed, as the master found when it joined.
+    pub dialable: bool,
 }
 
 /// What the members of one ring measured of their links to each other.

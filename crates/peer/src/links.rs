@@ -29,6 +29,7 @@ use shoal_transport::greet::{greet_until, greeters, Greet, Greeted, Handshake, L
 use shoal_transport::shm::{ShmLane, RING_BYTES};
 use shoal_transport::{limit_unsent, write_message, Conn, Stream, TlsConfig, TransportError};
 use shoal_wire::{Epoch, Member, Message, PeerId, SessionId};
+use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
 use std::os::linux::net::SocketAddrExt;
@@ -98,6 +99,9 @@ pub(crate) struct Listener {
 /// shared-state fetches, by the sync that serves them).
 struct Arrivals {
     streams: Mutex<BTreeMap<PeerId, Pool>>,
+    /// Pools a member that cannot be dialed opened to us for our data to it (a reverse dial),
+    /// by that member: our sending half of the link.
+    reverse: Mutex<BTreeMap<PeerId, Pool>>,
     fetches: Mutex<std::collections::VecDeque<crate::fetch::FetchConn>>,
     /// Fetch connections held, served or waiting: at most [`MAX_FETCHES`].
     fetching: Arc<AtomicUsize>,
@@ -127,7 +131,8 @@ struct Pool {
 pub(crate) struct Staged {
     /// Streams we dialed, by the peer they reach: we send on them.
     pub outgoing: BTreeMap<PeerId, Vec<Stream>>,
-    /// Streams the peer dialed to us: we receive on them.
+    /// Streams we receive on, by the peer that sends: it dialed them, or we did for it (a reverse
+    /// dial, it cannot be dialed).
     pub incoming: BTreeMap<PeerId, Vec<Stream>>,
     /// The topology they are for: a call that ended while it established that topology leaves
     /// them to the next call, which goes on where it stopped (redialing would close the streams
@@ -156,6 +161,7 @@ impl Listener {
         let arrived = Waker::new().map_err(io("creating a wake-up pipe for"))?;
         let arrivals = Arrivals {
             streams: Mutex::default(),
+            reverse: Mutex::default(),
             fetches: Mutex::default(),
             fetching: Arc::default(),
             snapshots,
@@ -252,21 +258,23 @@ impl Listener {
     }
 
     /// Dials a pool to each of `members` for topology `epoch`, made non-blocking: our half of the
-    /// links a schedule needs, all at once.
+    /// links a schedule needs, all at once; with `reverse`, each member's half of its link to us
+    /// (it cannot be dialed, [`Dialer::Receiver`]).
     pub fn open(
         &self,
         members: &[&Member],
+        reverse: bool,
         epoch: Epoch,
         config: &CommunicatorConfig,
         deadline: Deadline,
     ) -> Vec<std::result::Result<Vec<Stream>, DialFailed>> {
         let id = self.identity.get().expect("identity is set at registration");
-        let pools: Vec<PoolTo> = members.iter().map(|m| self.pool_to(config, m)).collect();
+        let pools: Vec<PoolTo> = members.iter().map(|m| self.pool_to(config, m, reverse)).collect();
         dial_pools(id, &pools, epoch, config.shared_memory, self.tls.as_ref(), deadline, "all_reduce")
     }
 
-    fn pool_to<'a>(&self, config: &CommunicatorConfig, member: &'a Member) -> PoolTo<'a> {
-        PoolTo { to: member.peer, addr: &member.addr, streams: self.connections(config, member) }
+    fn pool_to<'a>(&self, config: &CommunicatorConfig, member: &'a Member, reverse: bool) -> PoolTo<'a> {
+        PoolTo { to: member.peer, addr: &member.addr, streams: self.connections(config, member), reverse }
     }
 
     /// The pool `from` dialed to us for topology `epoch`, if it is complete, made non-blocking:
@@ -275,11 +283,18 @@ impl Listener {
         take_complete(&mut self.arrivals.streams.lock().unwrap_or_else(PoisonError::into_inner), from, epoch)
     }
 
+    /// The pool `to` dialed to us for our data to it in topology `epoch` (a reverse dial), if it
+    /// is complete, made non-blocking: our half of the link.
+    pub fn take_reverse(&self, to: PeerId, epoch: Epoch) -> Option<Vec<Stream>> {
+        take_complete(&mut self.arrivals.reverse.lock().unwrap_or_else(PoisonError::into_inner), to, epoch)
+    }
+
     /// Makes `staged` hold a pool to our successor and one from our predecessor for the topology
     /// of `pos` (and, in a small group, to the members on other hosts), going on from what an
-    /// earlier try at the same topology staged. Gives up once the state machine says the topology
-    /// is superseded (or we are out of the run) or no call waits for it any more, or at
-    /// `deadline`: the state machine ends the call.
+    /// earlier try at the same topology staged. Each pool is dialed by its sender, or by its
+    /// receiver where only the sender can be dialed ([`Dialer`]). Gives up once the state machine
+    /// says the topology is superseded (or we are out of the run) or no call waits for it any
+    /// more, or at `deadline`: the state machine ends the call.
     pub fn establish(
         &self,
         staged: &mut Staged,
@@ -295,50 +310,71 @@ impl Listener {
             staged.incoming.clear();
             staged.epoch = Some(pos.epoch);
         }
-        self.arrivals
-            .streams
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .retain(|p, pool| members.contains(p) && pool.epoch >= pos.epoch);
+        for arrivals in [&self.arrivals.streams, &self.arrivals.reverse] {
+            let mut arrivals = arrivals.lock().unwrap_or_else(PoisonError::into_inner);
+            arrivals.retain(|p, pool| members.contains(p) && pool.epoch >= pos.epoch);
+        }
         if pos.group_size() == 1 {
             return Established::Ready;
         }
         let id = self.identity.get().expect("identity is set at registration");
-        let me = id.me;
-        let next = pos.next();
+        let (me, mine) = (id.me, &pos.ring[pos.rank]);
+        let (next, prev) = (pos.next(), pos.prev());
+        for (from, to, them) in [(mine, next, next), (prev, mine, prev)] {
+            if Dialer::of(from, to) == Dialer::Nobody {
+                log::warn!("{me}: no path to {}: neither {} nor {} can be dialed", them.peer, from.peer, to.peer);
+                return Established::Unreachable(them.peer);
+            }
+        }
         // The members on other hosts too, while the group is small, in the same round trip: the
         // one-shot and two-shot schedules of small collectives link to every member, and would
         // otherwise dial them when first posted, a round trip of the first collective.
-        let mut targets = vec![next];
+        let mut others: Vec<&Member> = Vec::new();
         if pos.group_size() <= EAGER_LINKS_MAX {
             let elsewhere = |m: &&Member| !crate::config::on_this_host(self.local_ip(), &m.addr);
-            targets.extend(pos.ring.iter().filter(|m| m.peer != me && m.peer != next.peer).filter(elsewhere));
+            others.extend(pos.ring.iter().filter(|m| m.peer != me).filter(elsewhere));
         }
-        targets.retain(|m| !staged.outgoing.contains_key(&m.peer));
-        let pools: Vec<PoolTo> = targets.iter().map(|m| self.pool_to(config, m)).collect();
-        let dialed = dial_pools(id, &pools, pos.epoch, config.shared_memory, self.tls.as_ref(), deadline, operation);
-        for (k, dialed) in dialed.into_iter().enumerate() {
-            match dialed {
-                Ok(pool) => {
-                    staged.outgoing.insert(targets[k].peer, pool);
+        // What we send on, to those we can dial; what we receive on, from those that cannot dial us.
+        let mut sends: Vec<&Member> = vec![next];
+        sends.extend(others.iter().copied().filter(|m| m.peer != next.peer));
+        sends.retain(|m| Dialer::of(mine, m) == Dialer::Sender && !staged.outgoing.contains_key(&m.peer));
+        let mut receives: Vec<&Member> = vec![prev];
+        receives.extend(others.iter().copied().filter(|m| m.peer != prev.peer));
+        receives.retain(|m| Dialer::of(m, mine) == Dialer::Receiver && !staged.incoming.contains_key(&m.peer));
+        for (reverse, targets) in [(false, &sends), (true, &receives)] {
+            let pools: Vec<PoolTo> = targets.iter().map(|m| self.pool_to(config, m, reverse)).collect();
+            let tls = self.tls.as_ref();
+            let dialed = dial_pools(id, &pools, pos.epoch, config.shared_memory, tls, deadline, operation);
+            for (m, dialed) in targets.iter().zip(dialed) {
+                let neighbour = if reverse { prev } else { next };
+                match dialed {
+                    Ok(pool) if reverse => drop(staged.incoming.insert(m.peer, pool)),
+                    Ok(pool) => drop(staged.outgoing.insert(m.peer, pool)),
+                    Err(reason) if m.peer == neighbour.peer => {
+                        log::warn!("{me}: cannot reach {}: {reason}", m.peer);
+                        return Established::Unreachable(m.peer);
+                    }
+                    // The first collective that needs it dials again, and fails if it cannot.
+                    Err(reason) => log::info!("{me}: no link to {} yet: {reason}", m.peer),
                 }
-                Err(reason) if targets[k].peer == next.peer => {
-                    log::warn!("{me}: cannot reach {}: {reason}", next.peer);
-                    return Established::Unreachable(next.peer);
-                }
-                // The first collective that needs it dials again, and fails if it cannot.
-                Err(reason) => log::info!("{me}: no link to {} yet: {reason}", targets[k].peer),
             }
         }
-        let prev = pos.prev().peer;
         loop {
-            if staged.incoming.contains_key(&prev) {
-                return Established::Ready;
-            }
             {
                 let mut arrivals = self.arrivals.streams.lock().unwrap_or_else(PoisonError::into_inner);
-                if let Some(pool) = take_complete(&mut arrivals, prev, pos.epoch) {
-                    staged.incoming.insert(prev, pool);
+                if let Entry::Vacant(slot) = staged.incoming.entry(prev.peer) {
+                    if let Some(pool) = take_complete(&mut arrivals, prev.peer, pos.epoch) {
+                        slot.insert(pool);
+                    }
+                }
+                // A successor that cannot be dialed opens our pool to it itself.
+                if let Entry::Vacant(slot) = staged.outgoing.entry(next.peer) {
+                    let mut reversed = self.arrivals.reverse.lock().unwrap_or_else(PoisonError::into_inner);
+                    if let Some(pool) = take_complete(&mut reversed, next.peer, pos.epoch) {
+                        slot.insert(pool);
+                    }
+                }
+                if staged.incoming.contains_key(&prev.peer) && staged.outgoing.contains_key(&next.peer) {
                     return Established::Ready;
                 }
                 let Ok(wait) = deadline.left(operation) else { return Established::Superseded };
@@ -348,6 +384,32 @@ impl Listener {
             if peer.superseded(pos.epoch) || !peer.establishing(pos.epoch) {
                 return Established::Superseded;
             }
+        }
+    }
+}
+
+/// Who opens the pool that carries one member's data to another (`docs/nat.md`), as the master
+/// found each member at admission (`Member::dialable`, `Member::seen`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Dialer {
+    /// The sender dials the receiver: it can be dialed, or both sit on one network.
+    Sender,
+    /// The receiver dials the sender (a reverse dial): only the sender can be dialed.
+    Receiver,
+    /// Neither can dial the other.
+    Nobody,
+}
+
+impl Dialer {
+    /// Who dials the pool of `from`'s data to `to`.
+    pub(crate) fn of(from: &Member, to: &Member) -> Dialer {
+        let one_network = from.seen.is_some() && from.seen == to.seen;
+        if to.dialable || one_network {
+            Dialer::Sender
+        } else if from.dialable {
+            Dialer::Receiver
+        } else {
+            Dialer::Nobody
         }
     }
 }
@@ -378,6 +440,8 @@ pub(crate) struct PoolTo<'a> {
     pub to: PeerId,
     pub addr: &'a str,
     pub streams: usize,
+    /// It carries `to`'s data to us: `to` cannot dial us.
+    pub reverse: bool,
 }
 
 /// Dials every pool of `pools` for topology `epoch` at once, their streams made non-blocking:
@@ -405,10 +469,10 @@ fn dial_pools(
     // Every stream of every pool: (pool, its hello).
     let streams: Vec<(usize, Message)> = (pools.iter().enumerate())
         .flat_map(|(k, pool)| {
-            let count = pool.streams as u16;
+            let (count, reverse) = (pool.streams as u16, pool.reverse);
             (0..count).map(move |stream| {
-                let mac = id.key.hello(id.session, id.me, pool.to, epoch, stream, count);
-                (k, Message::PeerHello { from: id.me, to: pool.to, epoch, stream, streams: count, mac })
+                let mac = id.key.hello(id.session, id.me, pool.to, epoch, stream, count, reverse);
+                (k, Message::PeerHello { from: id.me, to: pool.to, epoch, stream, streams: count, reverse, mac })
             })
         })
         .collect();
@@ -461,7 +525,8 @@ fn dial_pools(
                 Some(Stream::Tls(_)) => "TLS",
                 _ => "TCP",
             };
-            log::debug!("{} dialed {} {kind} streams to {} at {}", id.me, pool.streams, pool.to, pool.addr);
+            let reverse = if pool.reverse { " for its data to us" } else { "" };
+            log::debug!("{} dialed {} {kind} streams to {} at {}{reverse}", id.me, pool.streams, pool.to, pool.addr);
         }
     }
     out
@@ -725,30 +790,36 @@ fn take_greeting(id: &Identity, arrivals: &Arc<Arrivals>, greeted: Greeted<()>) 
     add_stream(arrivals, place, Stream::from(stream))
 }
 
-/// The place a greeted stream takes: (dialer, topology, index, pool size).
-type Place = (PeerId, Epoch, u16, u16);
+/// The place a greeted stream takes: (dialer, topology, index, pool size, whether it carries our
+/// data to the dialer).
+type Place = (PeerId, Epoch, u16, u16, bool);
 
 /// Checks a dialer's first message: a `PeerHello` to us in our session, under the run's key.
 fn check_hello(id: &Identity, session: SessionId, message: Message) -> Result<Place, String> {
     let (me, our_session) = (id.me, id.session);
-    let Message::PeerHello { from, to, epoch, stream: index, streams, mac } = message else {
+    let Message::PeerHello { from, to, epoch, stream: index, streams, reverse, mac } = message else {
         return Err(format!("expected PeerHello or FetchRequest, got {}", message.name()));
     };
     if session != our_session || to != me {
         return Err(format!("hello for {to} in {session:?}, we are {me} in {our_session:?}"));
     }
-    if !DataKey::matches(id.key.hello(session, from, to, epoch, index, streams), &mac) {
+    if !DataKey::matches(id.key.hello(session, from, to, epoch, index, streams, reverse), &mac) {
         return Err(format!("a PeerHello posing as {from} without the run's data key"));
     }
     if streams == 0 || usize::from(streams) > crate::config::MAX_CONNECTIONS || index >= streams {
         return Err(format!("stream {index} of a pool of {streams}"));
     }
-    Ok((from, epoch, index, streams))
+    Ok((from, epoch, index, streams, reverse))
 }
 
 /// Puts a greeted stream in its pool, and says when the pool is complete.
-fn add_stream(arrivals: &Arrivals, (from, epoch, index, streams): Place, stream: Stream) -> Result<(), String> {
-    let mut all = arrivals.streams.lock().unwrap_or_else(PoisonError::into_inner);
+fn add_stream(
+    arrivals: &Arrivals,
+    (from, epoch, index, streams, reverse): Place,
+    stream: Stream,
+) -> Result<(), String> {
+    let pools = if reverse { &arrivals.reverse } else { &arrivals.streams };
+    let mut all = pools.lock().unwrap_or_else(PoisonError::into_inner);
     let fresh = || Pool { epoch, size: streams.into(), streams: BTreeMap::new() };
     let pool = all.entry(from).or_insert_with(fresh);
     if epoch < pool.epoch {
@@ -776,8 +847,31 @@ mod tests {
 
     /// A hello from `from` to `to`, tagged under `key`.
     fn hello(key: &DataKey, session: SessionId, from: PeerId, to: PeerId) -> Message {
-        let mac = key.hello(session, from, to, Epoch(1), 0, 1);
-        Message::PeerHello { from, to, epoch: Epoch(1), stream: 0, streams: 1, mac }
+        let mac = key.hello(session, from, to, Epoch(1), 0, 1, false);
+        Message::PeerHello { from, to, epoch: Epoch(1), stream: 0, streams: 1, reverse: false, mac }
+    }
+
+    #[test]
+    fn a_pool_is_dialed_by_its_sender_unless_only_the_sender_can_be_dialed() {
+        let member = |dialable, seen: [u8; 4]| Member {
+            peer: PeerId(seen[3].into()),
+            group: shoal_wire::GroupId(0),
+            addr: "h:1".into(),
+            site: None,
+            dialable,
+            seen: Some(seen.into()),
+        };
+        let public = member(true, [1, 1, 1, 1]);
+        let (home, campus, campus2) =
+            (member(false, [2, 2, 2, 2]), member(false, [3, 3, 3, 3]), member(false, [3, 3, 3, 4]));
+        let same_nat = Member { peer: PeerId(9), ..campus.clone() };
+        assert_eq!(Dialer::of(&home, &public), Dialer::Sender);
+        assert_eq!(Dialer::of(&public, &home), Dialer::Receiver, "a reverse dial");
+        assert_eq!(Dialer::of(&campus, &same_nat), Dialer::Sender, "one network: its own addresses");
+        assert_eq!(Dialer::of(&home, &campus), Dialer::Nobody);
+        assert_eq!(Dialer::of(&campus, &campus2), Dialer::Nobody, "two NATs");
+        let unknown = Member { seen: None, ..home.clone() };
+        assert_eq!(Dialer::of(&unknown, &Member { peer: PeerId(8), ..unknown.clone() }), Dialer::Nobody);
     }
 
     /// A listener without TLS on a free loopback port.
@@ -1047,7 +1141,7 @@ mod tests {
             thread::sleep(Duration::from_millis(5));
         }
         let them = Identity { me: PeerId(2), session, key: KEY };
-        let pools = [PoolTo { to: me, addr: &addr, streams: 16 }];
+        let pools = [PoolTo { to: me, addr: &addr, streams: 16, reverse: false }];
         let dialed = dial_pools(&them, &pools, Epoch(1), false, None, Deadline::after(Duration::from_secs(5)), "test");
         assert!(dialed[0].as_ref().is_ok_and(|p| p.len() == 16), "the dials into the accept queue");
         thread::sleep(Duration::from_millis(200));

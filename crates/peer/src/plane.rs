@@ -6,7 +6,7 @@
 
 use crate::error::{Error, Protocol, Result};
 use crate::info::Info;
-use crate::links::Staged;
+use crate::links::{Dialer, Staged};
 use crate::named::Described;
 use shoal_collective::{Algorithm, Codec, CollectiveKind, DType, Quantization, ReduceOp};
 use shoal_engine::{Backup, Direction, Exec, LinkError, OpKey, RawBuf, Taken};
@@ -411,9 +411,13 @@ impl DataPlane {
     /// Our links in the topology in force, by rank.
     pub fn links(&self) -> Vec<crate::LinkInfo> {
         let (Some(exec), Some(position)) = (self.exec.as_ref(), self.position.as_ref()) else { return Vec::new() };
+        let (mine, ring) = (&position.ring[position.rank], &position.ring);
+        let reversed = |m| [Dialer::of(mine, m), Dialer::of(m, mine)].contains(&Dialer::Receiver);
         let info = |(&rank, s): (&usize, &shoal_engine::LinkStats)| crate::LinkInfo {
-            peer: position.ring[rank].peer,
+            peer: ring[rank].peer,
             rank,
+            path: if reversed(&ring[rank]) { "reverse" } else { "direct" },
+            dialable: ring[rank].dialable,
             streams_out: s.lanes_out,
             streams_in: s.lanes_in,
             tx_bytes: s.tx_bytes,
@@ -588,6 +592,8 @@ mod tests {
             group: GroupId(0),
             addr: (*addr).to_string(),
             site: sites.map(|s| s[i]),
+            dialable: true,
+            seen: None,
         });
         RingPosition { epoch: Epoch(3), rank, ring: ring.collect(), world_size: addrs.len(), limits: None }
     }

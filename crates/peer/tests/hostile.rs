@@ -42,7 +42,15 @@ fn forgeries(session: SessionId, to: PeerId) -> Vec<(SessionId, Message)> {
         len: 65536,
         mac: [mac; 32],
     };
-    let hello = Message::PeerHello { from: PeerId(0), to, epoch: Epoch(1), stream: 0, streams: 1, mac: [3; 32] };
+    let hello = Message::PeerHello {
+        from: PeerId(0),
+        to,
+        epoch: Epoch(1),
+        stream: 0,
+        streams: 1,
+        reverse: false,
+        mac: [3; 32],
+    };
     vec![(session, fetch(0, 1)), (SessionId(0), fetch(0, 0)), (session, fetch(999, 2)), (session, hello)]
 }
 

@@ -43,6 +43,7 @@ pub struct DataKey(pub [u8; 32]);
 
 impl DataKey {
     /// The tag of a `PeerHello` with these fields.
+    #[allow(clippy::too_many_arguments)]
     pub fn hello(
         &self,
         session: SessionId,
@@ -51,13 +52,14 @@ impl DataKey {
         epoch: Epoch,
         stream: u16,
         streams: u16,
+        reverse: bool,
     ) -> [u8; 32] {
         self.tag(
             b"PeerHello",
             session,
             from,
             to,
-            &[&epoch.0.to_le_bytes(), &stream.to_le_bytes(), &streams.to_le_bytes()],
+            &[&epoch.0.to_le_bytes(), &stream.to_le_bytes(), &streams.to_le_bytes(), &[u8::from(reverse)]],
         )
     }
 

@@ -107,6 +107,8 @@ enum Ev {
     /// Peer `i`'s engine holds an early frame whose grace ends: it looks again.
     Wake(usize),
     MasterWake,
+    /// The master's probe of a newcomer's data address answers: every simulated peer listens.
+    Probed(PeerId),
     Tick(usize),
     /// Peer `i`, lagging, makes its collective calls now.
     Lagged(usize),
@@ -675,6 +677,7 @@ impl Sim {
             data_key,
             search_effort: 0.01,
             search_clock: None,
+            probe_timeout: shoal_proto::master::PROBE_TIMEOUT,
         };
         Sim {
             rng: Rng(seed),
@@ -778,7 +781,7 @@ impl Sim {
         // The master challenges the new connection; the peer answers with its Join.
         let mut nonce = [0u8; 32];
         nonce.iter_mut().for_each(|b| *b = self.rng.next() as u8);
-        self.timed(&|| "a connection".into(), |m| m.handle_connect(at, ConnId(i as u64), nonce));
+        self.timed(&|| "a connection".into(), |m| m.handle_connect(at, ConnId(i as u64), nonce, None));
         self.drain_master();
         let first_tick = self.now + self.rng.between(ms(1), TICK);
         self.push(first_tick, Ev::Tick(i));
@@ -861,6 +864,10 @@ impl Sim {
                 let to = Node::Peer(conn.0 as usize);
                 self.send(Node::Master, to, Ev::ControlClosed { to, peer: conn.0 as usize });
             }
+            Output::Probe { peer, .. } => {
+                let round_trip = self.rng.between(ms(0), ms(6));
+                self.push(self.now + round_trip, Ev::Probed(peer));
+            }
             Output::Event(MasterEvent::TopologyCommitted { epoch, members, .. }) => {
                 self.commits.push((self.now, epoch, members))
             }
@@ -920,6 +927,11 @@ impl Sim {
                 if self.master.poll_timeout().is_some_and(|t| t <= at) {
                     self.timed(&|| "a timeout".into(), |m| m.handle_timeout(at));
                 }
+                self.drain_master();
+            }
+            Ev::Probed(peer) => {
+                let at = self.instant();
+                self.timed(&|| format!("the probe of {peer}"), |m| m.handle_probe(at, peer, Ok(())));
                 self.drain_master();
             }
             Ev::Control { to: Node::Peer(i), msg, .. } => self.peer_control(i, msg),

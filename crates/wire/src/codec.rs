@@ -81,7 +81,8 @@ impl<'a> Reader<'a> {
     pub fn new(bytes: &'a [u8]) -> Self {
         Reader { bytes, pos: 0 }
     }
-    fn take<const N: usize>(&mut self) -> Result<[u8; N], WireError> {
+    /// Reads `N` bytes as they are.
+    pub fn take<const N: usize>(&mut self) -> Result<[u8; N], WireError> {
         let end = self.pos.checked_add(N).ok_or(WireError::Truncated)?;
         let slice = self.bytes.get(self.pos..end).ok_or(WireError::Truncated)?;
         self.pos = end;

@@ -5,6 +5,7 @@ use crate::misuse::{Mismatch, Misuse, Reason};
 use crate::report::PeerReport;
 use crate::{SessionId, WireError, MAX_DIMS, MAX_MEMBERS, MAX_STATE_ENTRIES};
 use std::fmt;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::sync::Arc;
 
 /// A peer's identity within one run of the master, assigned at registration and never reused.
@@ -46,6 +47,13 @@ pub struct Member {
     /// Its site, where `optimize_topology` measured it: members of a site have short round trips
     /// to each other (`docs/topology.md`). `None` for a member nobody measured.
     pub site: Option<u16>,
+    /// Whether the master could open a connection to `addr` when the member joined: one that
+    /// cannot be dialed (behind a NAT or a firewall) dials out instead (`docs/nat.md`).
+    pub dialable: bool,
+    /// The address the master saw the member's control connection come from (behind a NAT, the
+    /// NAT's public one), if known: members that share one sit on one network and may reach
+    /// each other there although nobody outside can.
+    pub seen: Option<IpAddr>,
 }
 
 /// The largest all-reduces that run one-shot and two-shot in a topology, derived by the master
@@ -739,6 +747,9 @@ pub enum Message {
         stream: u16,
         /// Size of the pool the dialer opens to this peer.
         streams: u16,
+        /// The dialer opens the pool that carries `to`'s data to it, not its own to `to`: it
+        /// cannot be dialed, and `to` can (a reverse dial, `docs/nat.md`).
+        reverse: bool,
         /// Keyed hash of the fields above and the session under the run's data key.
         mac: [u8; 32],
     },
@@ -1057,12 +1068,13 @@ impl Message {
             }
             Message::PeersPendingResult { pending } => w.bool(*pending),
             Message::Kicked { reason } => w.str(reason),
-            Message::PeerHello { from, to, epoch, stream, streams, mac } => {
+            Message::PeerHello { from, to, epoch, stream, streams, reverse, mac } => {
                 w.u32(from.0);
                 w.u32(to.0);
                 w.u64(epoch.0);
                 w.u16(*stream);
                 w.u16(*streams);
+                w.bool(*reverse);
                 w.bytes(mac);
             }
         }
@@ -1222,6 +1234,7 @@ impl Message {
                 epoch: Epoch(r.u64()?),
                 stream: r.u16()?,
                 streams: r.u16()?,
+                reverse: r.bool("reverse")?,
                 mac: r.hash()?,
             },
             other => return Err(WireError::UnknownKind(other)),
@@ -1314,18 +1327,45 @@ fn encode_members(w: &mut Writer, members: &[Member]) {
             assert!(s != NO_SITE, "site {NO_SITE} is reserved: a bug");
             s
         }));
+        w.bool(m.dialable);
+        encode_ip(w, m.seen);
     }
 }
 
 fn decode_members(r: &mut Reader<'_>) -> Result<Vec<Member>, WireError> {
-    let count = r.count(MAX_MEMBERS, 4 + 4 + 2 + 2)?;
+    let count = r.count(MAX_MEMBERS, 4 + 4 + 2 + 2 + 1 + 1)?;
     let mut members = Vec::with_capacity(count);
     for _ in 0..count {
         let (peer, group, addr) = (PeerId(r.u32()?), GroupId(r.u32()?), r.str()?);
         let site = Some(r.u16()?).filter(|s| *s != NO_SITE);
-        members.push(Member { peer, group, addr, site });
+        let (dialable, seen) = (r.bool("member dialable")?, decode_ip(r)?);
+        members.push(Member { peer, group, addr, site, dialable, seen });
     }
     Ok(members)
+}
+
+/// An optional IP address: a version byte (0 for none, 4 or 6), then its octets.
+fn encode_ip(w: &mut Writer, ip: Option<IpAddr>) {
+    match ip {
+        None => w.u8(0),
+        Some(IpAddr::V4(v4)) => {
+            w.u8(4);
+            v4.octets().iter().for_each(|b| w.u8(*b));
+        }
+        Some(IpAddr::V6(v6)) => {
+            w.u8(6);
+            v6.octets().iter().for_each(|b| w.u8(*b));
+        }
+    }
+}
+
+fn decode_ip(r: &mut Reader<'_>) -> Result<Option<IpAddr>, WireError> {
+    match r.u8()? {
+        0 => Ok(None),
+        4 => Ok(Some(IpAddr::V4(Ipv4Addr::from(r.take::<4>()?)))),
+        6 => Ok(Some(IpAddr::V6(Ipv6Addr::from(r.take::<16>()?)))),
+        v => Err(WireError::InvalidValue { field: "IP address version", value: v.into() }),
+    }
 }
 
 #[cfg(test)]
@@ -1346,8 +1386,19 @@ mod tests {
     }
 
     fn member() -> impl Strategy<Value = Member> {
-        (any::<u32>(), any::<u32>(), "[a-z0-9.:]{0,40}", proptest::option::of(0u16..u16::MAX))
-            .prop_map(|(p, g, addr, site)| Member { peer: PeerId(p), group: GroupId(g), addr, site })
+        let seen = proptest::option::of(prop_oneof![
+            any::<[u8; 4]>().prop_map(IpAddr::from),
+            any::<[u8; 16]>().prop_map(IpAddr::from),
+        ]);
+        (any::<u32>(), any::<u32>(), "[a-z0-9.:]{0,40}", proptest::option::of(0u16..u16::MAX), any::<bool>(), seen)
+            .prop_map(|(p, g, addr, site, dialable, seen)| Member {
+                peer: PeerId(p),
+                group: GroupId(g),
+                addr,
+                site,
+                dialable,
+                seen,
+            })
     }
 
     fn failure() -> impl Strategy<Value = OpFailure> {
@@ -1526,16 +1577,16 @@ mod tests {
             any::<u64>().prop_map(|e| Message::TopologyCommitted { epoch: Epoch(e) }),
             any::<bool>().prop_map(|pending| Message::PeersPendingResult { pending }),
             ".{0,100}".prop_map(|reason| Message::Kicked { reason }),
-            (any::<u32>(), any::<u32>(), any::<u64>(), any::<u16>(), any::<u16>(), any::<[u8; 32]>()).prop_map(
-                |(f, t, e, s, n, mac)| Message::PeerHello {
+            (any::<u32>(), any::<u32>(), any::<u64>(), any::<u16>(), any::<u16>(), any::<bool>(), any::<[u8; 32]>())
+                .prop_map(|(f, t, e, s, n, reverse, mac)| Message::PeerHello {
                     from: PeerId(f),
                     to: PeerId(t),
                     epoch: Epoch(e),
                     stream: s,
                     streams: n,
+                    reverse,
                     mac
-                }
-            ),
+                }),
         ]
     }
 

@@ -231,8 +231,8 @@ impl Master {
             let plan = Message::CatchUpPlan { round: 0, revision: 0, entries: Vec::new(), donors: Vec::new(), reason };
             return self.send_to_peer(peer, plan);
         };
-        let ids: Vec<PeerId> = s.held.iter().copied().collect();
         debug_assert!(s.held.is_subset(&s.answered), "a donor that never said it keeps a copy");
+        let ids = self.dialable_donors(peer, &s.held.iter().copied().collect::<Vec<_>>());
         let entries = self.catching_up[&peer]
             .entries
             .iter()
@@ -244,7 +244,17 @@ impl Master {
             .collect();
         let donors = ids
             .iter()
-            .map(|p| Member { peer: *p, group: self.peers[p].group, addr: self.peers[p].addr.clone(), site: None })
+            .map(|p| {
+                let e = &self.peers[p];
+                Member {
+                    peer: *p,
+                    group: e.group,
+                    addr: e.addr.clone(),
+                    site: None,
+                    dialable: e.reach.dialable(),
+                    seen: e.seen,
+                }
+            })
             .collect();
         assert!(!ids.is_empty() && s.round > 0, "a plan to fetch names a copy and who holds it");
         let plan = Message::CatchUpPlan { round: s.round, revision: s.revision, entries, donors, reason };

@@ -12,9 +12,10 @@
 //! of its group is back.
 
 use super::sync::GroupState;
-use super::{ConnId, Group, Master, MasterConfig, Message, PeerEntry, Status};
+use super::{ConnId, Group, Master, MasterConfig, Message, Output, PeerEntry, Reach, Status};
 use shoal_wire::{Epoch, GroupId, PeerId, SessionId};
 use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
 use std::time::Instant;
 
 /// A peer of the run, as kept.
@@ -28,6 +29,11 @@ pub struct DurablePeer {
     pub addr: String,
     /// Whether it is a member of the committed ring (else it awaits admission).
     pub accepted: bool,
+    /// Whether its data address can be dialed; `None` while that was being probed (a restored
+    /// master probes it again).
+    pub dialable: Option<bool>,
+    /// Where its control connection came from, if known.
+    pub seen: Option<IpAddr>,
 }
 
 /// A group's committed ring, as kept.
@@ -130,6 +136,11 @@ impl Master {
                     group: e.group,
                     addr: e.addr.clone(),
                     accepted: e.status == Status::Accepted,
+                    dialable: match e.reach {
+                        Reach::Probing(_) => None,
+                        ref r => Some(r.dialable()),
+                    },
+                    seen: e.seen,
                 })
                 .collect(),
             groups: self
@@ -190,6 +201,15 @@ impl Master {
         let mut master = Master::new(config, now);
         for p in durable.peers {
             let status = if p.accepted { Status::Accepted } else { Status::Registered };
+            let reach = match p.dialable {
+                Some(true) => Reach::Dialable,
+                Some(false) => Reach::Closed("found so before the master restarted".into()),
+                None => {
+                    let timeout = master.config.probe_timeout;
+                    master.outputs.push_back(Output::Probe { peer: p.peer, addr: p.addr.clone(), timeout });
+                    Reach::Probing(now + timeout)
+                }
+            };
             let entry = PeerEntry {
                 conn: None,
                 group: p.group,
@@ -200,6 +220,8 @@ impl Master {
                 beats: master.beats(),
                 fresh: false,
                 last_vote: None,
+                reach,
+                seen: p.seen,
             };
             if master.peers.insert(p.peer, entry).is_some() {
                 return Err(Incoherent::Twice(p.peer));
@@ -216,6 +238,7 @@ impl Master {
                 .insert(g.group, GroupState { revision: g.revision, hashes: g.hashes, synced: g.synced });
         }
         master.arm_heartbeat_check();
+        master.arm_probes();
         assert!(
             master.rings().all(|(_, ring)| ring.iter().all(|p| master.peers[p].status == Status::Accepted)),
             "the rings are accepted members"

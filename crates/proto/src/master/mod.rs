@@ -20,6 +20,7 @@ mod gather;
 mod ops;
 mod p2p;
 mod plan;
+mod reach;
 mod status;
 mod sync;
 mod timers;
@@ -30,9 +31,11 @@ use crate::bounds::Observed;
 pub use durable::{Durable, DurableGroup, DurablePeer, DurableRing, Incoherent};
 pub use ops::MAX_TRACKED_OPS;
 pub use plan::Plan;
+pub use reach::{Reach, PROBE_TIMEOUT};
 use shoal_wire::{Epoch, GroupId, LateReport, Member, Message, PeerId, PeerReport, Reason, SessionId, Vote};
 pub use status::{Counters, GroupStatus, Matrix, PeerStatus, RunStatus, Totals};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 pub use sync::Strategy;
@@ -75,6 +78,8 @@ pub struct MasterConfig {
     /// and hear nothing meanwhile. Without one (the simulator, which replays by seed) budgets are
     /// kicks alone.
     pub search_clock: Option<fn() -> Instant>,
+    /// How long a newcomer's data port has to answer the master's probe ([`PROBE_TIMEOUT`]).
+    pub probe_timeout: Duration,
 }
 
 /// What the driver must do.
@@ -94,6 +99,16 @@ pub enum Output {
         conn: ConnId,
         /// Why.
         reason: String,
+    },
+    /// Open a connection to `peer`'s data address `addr`, within `timeout`, and close it; answer
+    /// [`Master::handle_probe`] (`reach.rs`). A late answer is ignored.
+    Probe {
+        /// The newcomer.
+        peer: PeerId,
+        /// The address it advertises for data connections.
+        addr: String,
+        /// How long the master waits for the answer.
+        timeout: Duration,
     },
     /// Something worth logging or counting happened.
     Event(MasterEvent),
@@ -307,6 +322,10 @@ struct PeerEntry {
     /// Its last vote, and whether that ended as one of calls that can never complete together
     /// (`calls.rs`).
     last_vote: Option<calls::LastVote>,
+    /// Whether its data address can be dialed (`reach.rs`).
+    reach: Reach,
+    /// Where its control connection came from, if known.
+    seen: Option<IpAddr>,
 }
 
 /// One peer group's membership: its committed ring, the major operation it runs and its votes.
@@ -384,6 +403,8 @@ pub struct Master {
     snapshots: BTreeMap<GroupId, catchup::Snapshot>,
     /// The nonce each connection was challenged with, until its `Join`.
     challenges: BTreeMap<ConnId, [u8; 32]>,
+    /// Where each connection not yet registered came from, as the driver saw it.
+    origins: BTreeMap<ConnId, IpAddr>,
     /// What each peer last reported of its work (`Message::Report`).
     reports: BTreeMap<PeerId, PeerReport>,
     /// What peers that left had reported: the run's totals never go down.
@@ -422,6 +443,7 @@ impl Master {
             catching_up: BTreeMap::new(),
             snapshots: BTreeMap::new(),
             challenges: BTreeMap::new(),
+            origins: BTreeMap::new(),
             reports: BTreeMap::new(),
             retired: Totals::default(),
             counters: Counters::default(),
@@ -521,12 +543,15 @@ impl Master {
 
     // ----- inputs -----
 
-    /// Connection `conn` opened: it is challenged with `nonce`, which must be random and never
-    /// reused (the driver draws it), and must answer with `Join`.
-    pub fn handle_connect(&mut self, now: Instant, conn: ConnId, nonce: [u8; 32]) {
+    /// Connection `conn` opened, from `from` if the driver knows: it is challenged with `nonce`,
+    /// which must be random and never reused (the driver draws it), and must answer with `Join`.
+    pub fn handle_connect(&mut self, now: Instant, conn: ConnId, nonce: [u8; 32], from: Option<IpAddr>) {
         self.advance(now);
         let reused = self.challenges.insert(conn, nonce).is_some() || self.conns.contains_key(&conn);
         assert!(!reused, "connection {} was opened twice", conn.0);
+        if let Some(ip) = from {
+            self.origins.insert(conn, ip);
+        }
         self.send(conn, Message::Challenge { nonce });
     }
 
@@ -612,6 +637,7 @@ impl Master {
             "a peer's conn challenged"
         );
         self.challenges.remove(&conn);
+        self.origins.remove(&conn);
         if let Some(peer) = self.conns.get(&conn).copied() {
             self.remove_peer(peer, format!("control connection lost: {reason}"), Removal::Lost);
         }
@@ -681,6 +707,7 @@ impl Master {
                     self.focus(group);
                     self.decide_gathers(now)
                 }
+                Timer::Probes => self.end_late_probes(now),
             }
         }
         let silent: Vec<(PeerId, Duration)> = self
@@ -719,6 +746,7 @@ impl Master {
     // ----- transitions -----
 
     fn handle_first_message(&mut self, now: Instant, conn: ConnId, message: Message) {
+        let seen = self.origins.remove(&conn);
         if let Message::Rejoin { peer, session, proof } = message {
             return self.rejoin(now, conn, peer, session, proof);
         }
@@ -759,6 +787,8 @@ impl Master {
             beats: self.beats(),
             fresh: false,
             last_vote: None,
+            reach: Reach::Probing(now + self.config.probe_timeout),
+            seen,
         };
         self.peers.insert(peer, entry);
         self.conns.insert(conn, peer);
@@ -766,10 +796,11 @@ impl Master {
         self.g.peers += 1;
         self.counters.joins += 1;
         self.touch();
+        self.outputs.push_back(Output::Probe { peer, addr: data_addr.clone(), timeout: self.config.probe_timeout });
         self.outputs.push_back(Output::Event(MasterEvent::PeerRegistered { peer, group, addr: data_addr }));
         self.send(conn, self.registered_message(peer));
         self.arm_heartbeat_check();
-        self.admit_without_vote_if_alone();
+        self.arm_probes();
         assert_eq!(self.conns.get(&conn), Some(&peer), "a registered peer is reached on its connection");
     }
 
@@ -989,7 +1020,14 @@ impl Master {
                         spare - 1
                     })
                 });
-                Member { peer: *p, group: e.group, addr: e.addr.clone(), site }
+                Member {
+                    peer: *p,
+                    group: e.group,
+                    addr: e.addr.clone(),
+                    site,
+                    dialable: e.reach.dialable(),
+                    seen: e.seen,
+                }
             })
             .collect();
         // The run's size: the other groups' rings, and this topology.
@@ -1260,7 +1298,9 @@ impl Master {
     /// The focused group's peers that await admission.
     fn registered(&self) -> Vec<PeerId> {
         let group = self.focus;
-        let waits = |e: &PeerEntry| e.group == group && e.status == Status::Registered;
+        // One whose probe is under way waits for it: a topology must say how to reach it.
+        let waits =
+            |e: &PeerEntry| e.group == group && e.status == Status::Registered && !matches!(e.reach, Reach::Probing(_));
         self.peers.iter().filter(|(_, e)| waits(e)).map(|(id, _)| *id).collect()
     }
 

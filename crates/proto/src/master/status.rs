@@ -81,6 +81,11 @@ pub struct PeerStatus {
     pub addr: String,
     /// Registered or accepted.
     pub status: Status,
+    /// Whether its data address can be dialed; `None` while the master's probe is under way
+    /// (`reach.rs`).
+    pub dialable: Option<bool>,
+    /// Where its control connection came from, if known: behind a NAT, the NAT's address.
+    pub seen: Option<std::net::IpAddr>,
     /// Its site, where `optimize_topology` found sites worth scheduling by.
     pub site: Option<u16>,
     /// Its rank in the committed ring.
@@ -198,6 +203,11 @@ impl Master {
                 group: e.group,
                 addr: e.addr.clone(),
                 status: e.status,
+                dialable: match e.reach {
+                    super::Reach::Probing(_) => None,
+                    ref r => Some(r.dialable()),
+                },
+                seen: e.seen,
                 site: sites.get(id).copied(),
                 rank: ranks.get(id).copied(),
                 silent: now.saturating_duration_since(e.last_heard),

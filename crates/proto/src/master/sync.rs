@@ -373,7 +373,8 @@ impl Master {
             for (p, plan) in &mut plans {
                 let receives = receivers.contains(p);
                 let hash = if receives { winner } else { votes[p].entries[i].hash };
-                plan.push(PlanEntry { hash, donors: if receives { donors.clone() } else { Vec::new() } });
+                let donors = if receives { self.dialable_donors(*p, &donors) } else { Vec::new() };
+                plan.push(PlanEntry { hash, donors });
             }
         }
         let entries = first_vote.entries.len();

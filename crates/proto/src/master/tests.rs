@@ -17,6 +17,7 @@ const G0: GroupId = GroupId(0);
 struct Harness {
     master: Master,
     now: Instant,
+    probes: Probes,
 }
 
 impl Harness {
@@ -40,8 +41,9 @@ impl Harness {
             data_key,
             search_effort: 1.0,
             search_clock,
+            probe_timeout: crate::master::PROBE_TIMEOUT,
         };
-        Harness { master: Master::new(config, now), now }
+        Harness { master: Master::new(config, now), now, probes: Probes::Answer }
     }
     fn send(&mut self, conn: u64, m: Message) -> Vec<Output> {
         let session = if matches!(m, Message::Join { .. }) { SessionId(0) } else { SESSION };
@@ -52,7 +54,7 @@ impl Harness {
     fn connect(&mut self, conn: u64) -> [u8; 32] {
         let mut nonce = [0u8; 32];
         nonce[..8].copy_from_slice(&conn.to_le_bytes());
-        self.master.handle_connect(self.now, ConnId(conn), nonce);
+        self.master.handle_connect(self.now, ConnId(conn), nonce, Some([10, 0, 0, conn as u8].into()));
         let out = self.drain();
         assert_eq!(sent_to(&out, conn), vec![&Message::Challenge { nonce }]);
         nonce
@@ -71,9 +73,27 @@ impl Harness {
         let join = Message::Join { group: G0, data_addr: format!("127.0.0.1:{conn}"), proof: [0; 32], catch_up: true };
         self.send(conn, join)
     }
+    /// What the master output, each probe answered as `self.probes` says (then left out).
     fn drain(&mut self) -> Vec<Output> {
-        std::iter::from_fn(|| self.master.poll_output()).collect()
+        let mut out = Vec::new();
+        while let Some(o) = self.master.poll_output() {
+            match (o, self.probes) {
+                (Output::Probe { peer, .. }, Probes::Answer) => self.master.handle_probe(self.now, peer, Ok(())),
+                (o @ Output::Probe { .. }, Probes::Keep) => out.push(o),
+                (o, _) => out.push(o),
+            }
+        }
+        out
     }
+}
+
+/// How the harness answers the master's probes of newcomers' data ports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Probes {
+    /// At once: every newcomer can be dialed.
+    Answer,
+    /// Not: the test answers, and sees them among the outputs.
+    Keep,
 }
 
 fn sent_to(outputs: &[Output], conn: u64) -> Vec<&Message> {
@@ -152,6 +172,93 @@ fn newcomer_waits_until_every_accepted_peer_votes() {
     assert!(matches!(h.master.phase(G0), Phase::AwaitingConnections { .. }));
     h.send(2, Message::TopologyReady { epoch });
     assert_eq!(h.master.ring(G0), &[PeerId(0), PeerId(1), PeerId(2)]);
+}
+
+/// The members of the first topology in `outputs` to `conn`.
+fn members_sent(outputs: &[Output], conn: u64) -> Vec<shoal_wire::Member> {
+    sent_to(outputs, conn)
+        .into_iter()
+        .find_map(|m| match m {
+            Message::Topology { members, .. } => Some(members.to_vec()),
+            _ => None,
+        })
+        .expect("a topology")
+}
+
+#[test]
+fn a_newcomer_is_pending_once_its_data_port_was_probed_and_every_topology_says_how_to_reach_it() {
+    let (mut h, _) = run_with(1);
+    h.probes = Probes::Keep;
+    // Within the heartbeat timeout (2 s), so that the test's silent peers stay.
+    let timeout = Duration::from_millis(500);
+    h.master.config.probe_timeout = timeout;
+    // Joined: its data port is probed, and meanwhile nobody is pending.
+    let out = h.join(2);
+    let probe = Output::Probe { peer: PeerId(1), addr: "127.0.0.1:2".into(), timeout };
+    assert!(out.contains(&probe), "{out:?}");
+    let pending = |h: &mut Harness| {
+        let out = h.send(1, Message::VotePeersPending { collectives: 0 });
+        match sent_to(&out, 1)[..] {
+            [Message::PeersPendingResult { pending }] => *pending,
+            _ => panic!("peers_pending unanswered: {out:?}"),
+        }
+    };
+    assert!(!pending(&mut h));
+    h.master.handle_probe(h.now, PeerId(1), Err("connection refused".into()));
+    assert!(pending(&mut h), "pending once probed");
+    // A third's probe outlives its time: closed, and pending.
+    let out = h.join(3);
+    assert!(out.iter().any(|o| matches!(o, Output::Probe { peer: PeerId(2), .. })));
+    h.now += timeout;
+    h.master.handle_timeout(h.now);
+    h.master.handle_probe(h.now, PeerId(2), Ok(())); // too late: changes nothing
+    let out = h.send(1, Message::VoteUpdateTopology { collectives: 0, measured: None });
+    let members = members_sent(&out, 1);
+    let reach: Vec<(u32, bool, Option<std::net::IpAddr>)> =
+        members.iter().map(|m| (m.peer.0, m.dialable, m.seen)).collect();
+    assert_eq!(
+        reach,
+        vec![
+            (0, true, Some([10, 0, 0, 1].into())),
+            (1, false, Some([10, 0, 0, 2].into())),
+            (2, false, Some([10, 0, 0, 3].into()))
+        ]
+    );
+    // Kept across a restart.
+    assert!(h.master.durable().peers.iter().all(|p| p.dialable == Some(p.peer == PeerId(0))));
+}
+
+#[test]
+fn the_first_peer_is_admitted_once_probed_and_a_restored_probe_runs_again() {
+    let mut h = Harness::new();
+    h.probes = Probes::Keep;
+    let out = h.join(1);
+    assert_eq!(issued_epoch(&out, 1), None, "admitted before anyone knows how to reach it");
+    h.master.handle_probe(h.now, PeerId(0), Ok(()));
+    assert!(issued_epoch(&h.drain(), 1).is_some());
+    // A peer whose probe was under way when the master stopped is probed again by the next.
+    h.join(2);
+    let durable = h.master.durable();
+    assert_eq!(durable.peers.iter().map(|p| p.dialable).collect::<Vec<_>>(), vec![Some(true), None]);
+    let mut restored = Master::restore(h.master.config.clone(), durable, h.now).unwrap();
+    let outputs: Vec<Output> = std::iter::from_fn(|| restored.poll_output()).collect();
+    assert!(outputs.iter().any(|o| matches!(o, Output::Probe { peer: PeerId(1), .. })), "{outputs:?}");
+}
+
+#[test]
+fn a_repair_or_catch_up_fetches_from_donors_it_can_dial() {
+    let (mut h, _) = run_with(4);
+    let closed = |h: &mut Harness, p: u32, seen: [u8; 4]| {
+        let e = h.master.peers.get_mut(&PeerId(p)).unwrap();
+        (e.reach, e.seen) = (Reach::Closed("behind a NAT".into()), Some(seen.into()));
+    };
+    closed(&mut h, 1, [9, 9, 9, 9]);
+    closed(&mut h, 2, [10, 0, 0, 1]); // where peer 0 was seen: its own network
+    let donors = [PeerId(1), PeerId(2), PeerId(3)];
+    assert_eq!(h.master.dialable_donors(PeerId(0), &donors), vec![PeerId(2), PeerId(3)]);
+    assert_eq!(h.master.dialable_donors(PeerId(3), &donors), vec![PeerId(3)]);
+    // None it can dial: all of them, and its fetch fails as a lost donor's would.
+    assert_eq!(h.master.dialable_donors(PeerId(3), &donors[..1]), vec![PeerId(1)]);
 }
 
 #[test]
@@ -1156,6 +1263,8 @@ fn a_full_run_refuses_the_next_join_and_goes_on() {
                 group: GroupId(0),
                 addr: "h".repeat(shoal_wire::MAX_STRING_BYTES),
                 site: Some(1),
+                dialable: false,
+                seen: Some(std::net::Ipv6Addr::LOCALHOST.into()),
             })
             .collect(),
         world: MAX_PEERS as u32,
@@ -1418,7 +1527,7 @@ fn a_restored_master_takes_back_the_peers_that_rejoin() {
     assert_eq!((&durable.rings[..], durable.epoch), (&[ring][..], epoch));
     let config = h.master.config.clone();
     let now = h.now;
-    let mut h = Harness { master: Master::restore(config, durable.clone(), now).unwrap(), now };
+    let mut h = Harness { master: Master::restore(config, durable.clone(), now).unwrap(), now, probes: Probes::Answer };
     assert_eq!(h.master.durable(), durable, "restoring loses nothing");
     let rejoin = |h: &mut Harness, conn: u64, peer: u32, session: SessionId| {
         h.connect(conn);
@@ -1460,7 +1569,7 @@ fn a_topology_lost_with_the_master_is_issued_again_once_everyone_rejoined() {
     let durable = h.master.durable();
     assert_eq!((durable.epoch, durable.rings[0].epoch, durable.rings[0].issued), (issued, epoch, issued));
     let (config, now) = (h.master.config.clone(), h.now);
-    let mut h = Harness { master: Master::restore(config, durable, now).unwrap(), now };
+    let mut h = Harness { master: Master::restore(config, durable, now).unwrap(), now, probes: Probes::Answer };
     for (conn, peer) in [(10, 0), (11, 1)] {
         h.connect(conn);
         let out = h.send(conn, Message::Rejoin { peer: PeerId(peer), session: SESSION, proof: [0; 32] });

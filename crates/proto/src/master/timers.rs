@@ -20,6 +20,8 @@ pub enum Timer {
     ImprovePlan(GroupId),
     /// A collective with a deadline is due its decision (`gather.rs`).
     Gather(GroupId),
+    /// A newcomer's probe is out of time (`reach.rs`).
+    Probes,
 }
 
 /// Deadlines indexed by [`Timer`]; at most one per timer.

@@ -21,7 +21,7 @@ const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(2);
 const BOUND: Duration = Duration::from_secs(10);
 
 fn member(p: u32) -> Member {
-    Member { peer: PeerId(p), group: GroupId(0), addr: format!("h:{p}"), site: None }
+    Member { peer: PeerId(p), group: GroupId(0), addr: format!("h:{p}"), site: None, dialable: true, seen: None }
 }
 
 fn members(ids: &[u32]) -> Vec<Member> {

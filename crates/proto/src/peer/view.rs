@@ -1250,7 +1250,14 @@ mod tests {
     }
 
     fn member(p: u32, g: u32) -> Member {
-        Member { peer: PeerId(p), group: shoal_wire::GroupId(g), addr: format!("h:{p}"), site: None }
+        Member {
+            peer: PeerId(p),
+            group: shoal_wire::GroupId(g),
+            addr: format!("h:{p}"),
+            site: None,
+            dialable: true,
+            seen: None,
+        }
     }
 
     /// A topology lists our group's members; the run's other groups count only in its size.
