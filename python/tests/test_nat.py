@@ -22,7 +22,7 @@ HOSTS = ["a2", "c1", "c2"]  # one public, two behind the campus NAT
 @pytest.fixture(scope="module")
 def nat():
     need_lab()
-    with Lab.up(PROFILES["behind-nat"], name=f"t{os.getpid()}x", subnet="10.213.0.0/24", ttl=900) as lab:
+    with Lab.up(PROFILES["behind-nat"], name=f"t{os.getpid()}z", subnet="10.213.0.0/24", ttl=900) as lab:
         yield lab
 
 

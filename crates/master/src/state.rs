@@ -17,7 +17,8 @@ use std::io::{self, Write};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-/// The state file's format version: 2 keeps a ring per group, 3 each peer's reach.
+/// The state file's format version: 2 keeps a ring per group, 3 each peer's reach and whether it
+/// catches up.
 const VERSION: u64 = 3;
 const FILE: &str = "run.json";
 
@@ -130,6 +131,7 @@ fn encode(d: &Durable) -> Value {
         })).collect::<Vec<_>>(),
         "peers": d.peers.iter().map(|p| json!({
             "id": p.peer.0, "group": p.group.0, "addr": p.addr, "accepted": p.accepted,
+            "catching_up": p.catching_up,
             "dialable": p.dialable, "seen": p.seen.map(|ip| ip.to_string()),
         })).collect::<Vec<_>>(),
         "groups": d.groups.iter().map(|g| json!({
@@ -169,6 +171,7 @@ fn decode(v: &Value) -> Result<Durable, String> {
                 group: GroupId(u32_of(p, "group")?),
                 addr: field(p, "addr")?.as_str().ok_or("\"addr\" is not a string")?.to_string(),
                 accepted: field(p, "accepted")?.as_bool().ok_or("\"accepted\" is not a bool")?,
+                catching_up: field(p, "catching_up")?.as_bool().ok_or("\"catching_up\" is not a bool")?,
                 dialable: match field(p, "dialable")? {
                     Value::Null => None,
                     v => Some(v.as_bool().ok_or("\"dialable\" is not a bool")?),
@@ -246,6 +249,7 @@ mod tests {
                     group: GroupId(0),
                     addr: "10.0.0.1:4000".into(),
                     accepted: true,
+                    catching_up: false,
                     dialable: Some(true),
                     seen: Some("10.0.0.1".parse().unwrap()),
                 },
@@ -254,6 +258,7 @@ mod tests {
                     group: GroupId(0),
                     addr: "[::1]:4001".into(),
                     accepted: true,
+                    catching_up: false,
                     dialable: Some(false),
                     seen: Some("::1".parse().unwrap()),
                 },
@@ -262,6 +267,7 @@ mod tests {
                     group: GroupId(2),
                     addr: "h:1".into(),
                     accepted: false,
+                    catching_up: true,
                     dialable: None,
                     seen: None,
                 },

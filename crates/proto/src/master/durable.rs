@@ -29,6 +29,9 @@ pub struct DurablePeer {
     pub addr: String,
     /// Whether it is a member of the committed ring (else it awaits admission).
     pub accepted: bool,
+    /// Whether it catches up with its group's state before it awaits admission: a restored
+    /// master keeps it out of votes until it asks again (`catchup.rs`).
+    pub catching_up: bool,
     /// Whether its data address can be dialed; `None` while that was being probed (a restored
     /// master probes it again).
     pub dialable: Option<bool>,
@@ -136,6 +139,7 @@ impl Master {
                     group: e.group,
                     addr: e.addr.clone(),
                     accepted: e.status == Status::Accepted,
+                    catching_up: e.status == Status::CatchingUp,
                     dialable: match e.reach {
                         Reach::Probing(_) => None,
                         ref r => Some(r.dialable()),
@@ -200,7 +204,11 @@ impl Master {
         }
         let mut master = Master::new(config, now);
         for p in durable.peers {
-            let status = if p.accepted { Status::Accepted } else { Status::Registered };
+            let status = match (p.accepted, p.catching_up) {
+                (true, _) => Status::Accepted,
+                (false, true) => Status::CatchingUp,
+                (false, false) => Status::Registered,
+            };
             let reach = match p.dialable {
                 Some(true) => Reach::Dialable,
                 Some(false) => Reach::Closed("found so before the master restarted".into()),

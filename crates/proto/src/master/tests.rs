@@ -809,6 +809,43 @@ fn a_newcomer_that_will_catch_up_is_not_pending_before_its_catch_up_starts() {
     assert!(pending(&mut h));
 }
 
+/// The master restarts while a newcomer waits for its catch-up's plan: the restored master keeps
+/// it out of votes (the 30-minute lab soak saw it admitted, its ring neighbour waiting for links
+/// it never opened, and the whole group's `update_topology` stalled for 24 s) until the newcomer,
+/// taken back, asks again, and is then planned as before.
+#[test]
+fn a_newcomer_catching_up_when_the_master_restarts_is_not_admitted_before_it_asks_again() {
+    let (mut h, _) = run_with(2);
+    complete_sync(&mut h, 2, 4, &[1, 2]);
+    h.join(3);
+    let entries = vec![digest("t0", 0), digest("t1", 0)];
+    assert_eq!(catch_up_plan(&h.send(3, Message::CatchUpStart { entries: entries.clone() }), 3), None);
+    let durable = h.master.durable();
+    assert!(durable.peers.iter().any(|p| p.peer == PeerId(2) && p.catching_up && !p.accepted));
+    let now = h.now;
+    let mut h = Harness {
+        master: Master::restore(h.master.config.clone(), durable, now).unwrap(),
+        now,
+        probes: Probes::Answer,
+    };
+    for (conn, peer) in [(11, 0), (12, 1), (13, 2)] {
+        h.connect(conn);
+        h.send(conn, Message::Rejoin { peer: PeerId(peer), session: SESSION, proof: [0; 32] });
+    }
+    assert!(h.master.peers().any(|(p, s)| p == PeerId(2) && s == Status::CatchingUp));
+    h.send(11, Message::VotePeersPending { collectives: 0 });
+    let out = h.send(12, Message::VotePeersPending { collectives: 0 });
+    assert_eq!(sent_to(&out, 11), vec![&Message::PeersPendingResult { pending: false }], "not pending meanwhile");
+    // Asked again: the restored master knows no copy yet, so the group's next sync makes one.
+    assert_eq!(catch_up_plan(&h.send(13, Message::CatchUpStart { entries }), 13), None);
+    vote(&mut h, 11, 5, Strategy::EnforcePopular, &[3, 4]);
+    let out = vote(&mut h, 12, 5, Strategy::EnforcePopular, &[3, 4]);
+    let (round, ..) = plan(&out, 11).expect("both voted");
+    h.send(11, Message::SyncDone { round });
+    let out = h.send(12, Message::SyncDone { round });
+    assert!(sent_to(&out, 11).iter().any(|m| matches!(m, Message::Snapshot { .. })), "a copy for it: {out:?}");
+}
+
 /// A newcomer catches up while the others go on: it is not pending meanwhile; the members keep
 /// the state of their next sync (asked before `SyncComplete`), the newcomer is sent the plan once
 /// every member answered, it is pending once it reports the end, and the copies are dropped.

@@ -482,6 +482,20 @@ pub struct Peer {
     last_call: Option<(Epoch, u64, Made)>,
     /// Whether `last_call` ended as one of calls that cannot complete together.
     last_apart: bool,
+    /// Where our catch-up stands until we are admitted: what a master that restarted meanwhile
+    /// lost is told again once it took us back ([`Peer::rejoined`]).
+    catching_up: Option<CatchingUp>,
+}
+
+/// A newcomer's catch-up, as the master must know it (`docs/state.md`, "Catching up").
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum CatchingUp {
+    /// `CatchUpStart` went out with these entries; no plan came yet.
+    Asked(Vec<shoal_wire::StateDigest>),
+    /// The plan came: the fetch is under way.
+    Planned,
+    /// `CatchUpEnd` went out: we await admission.
+    Ended { fetched: bool, revision: u64 },
 }
 
 /// Where a peer stands with the master. Expulsion and refusal are the master's news and live in
@@ -520,6 +534,7 @@ impl Peer {
             removed_at: std::collections::BTreeMap::new(),
             last_call: None,
             last_apart: false,
+            catching_up: None,
             config,
         };
         debug_assert!(!peer.busy() && peer.gone().is_none() && peer.outbox.is_empty(), "a new peer is in a call");
@@ -970,6 +985,18 @@ impl Peer {
                 _ => self.ask(op, "the master restarted", now),
             }
         }
+        // The master that took us back may be a new one, which knows nothing of our catch-up:
+        // it keeps us out of votes until we ask for a plan again, or say again that we ended.
+        match self.catching_up.clone() {
+            Some(CatchingUp::Asked(entries)) if self.view.catch_up_plan.is_none() => {
+                log::info!("asking again for our catch-up's plan: the master may have restarted");
+                self.outbox.push_back(Message::CatchUpStart { entries });
+            }
+            Some(CatchingUp::Ended { fetched, revision }) => {
+                self.outbox.push_back(Message::CatchUpEnd { fetched, revision });
+            }
+            _ => {}
+        }
         assert!(self.reconnecting().is_none(), "rejoined, yet dialing the master again");
     }
 
@@ -1134,12 +1161,17 @@ impl Peer {
     /// unused): the master answers with a [`CatchUpPlan`] ([`Peer::take_catch_up_plan`]).
     pub fn catch_up_start(&mut self, entries: Vec<shoal_wire::StateDigest>) {
         self.view.catch_up_plan = None;
+        self.catching_up = Some(CatchingUp::Asked(entries.clone()));
         self.outbox.push_back(Message::CatchUpStart { entries });
     }
 
     /// The plan of our catch-up, once the master sent it.
     pub fn take_catch_up_plan(&mut self) -> Option<CatchUpPlan> {
-        self.view.catch_up_plan.take()
+        let plan = self.view.catch_up_plan.take();
+        if plan.is_some() {
+            self.catching_up = Some(CatchingUp::Planned);
+        }
+        plan
     }
 
     /// Tells the master how far our catch-up is.
@@ -1149,6 +1181,7 @@ impl Peer {
 
     /// Our catch-up ended: with `fetched`, we hold the state of `revision`.
     pub fn catch_up_end(&mut self, fetched: bool, revision: u64) {
+        self.catching_up = Some(CatchingUp::Ended { fetched, revision });
         self.outbox.push_back(Message::CatchUpEnd { fetched, revision });
     }
 
@@ -1704,7 +1737,10 @@ impl Peer {
                     Some(TopologyStep::InForce(..)) => {
                         self.take_up();
                         match purpose {
-                            Purpose::Connect => self.finish(id, Ok(Value::Joined)),
+                            Purpose::Connect => {
+                                self.catching_up = None;
+                                self.finish(id, Ok(Value::Joined))
+                            }
                             Purpose::Vote(_) => self.finish(id, Ok(Value::TopologyInForce)),
                             Purpose::Follow(kind) => self.run(id, kind, deadline),
                         }

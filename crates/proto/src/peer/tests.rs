@@ -714,6 +714,38 @@ fn a_broken_connection_interrupts_the_vote_and_the_peer_rejoins() {
     assert_eq!(p.gone(), None);
 }
 
+/// A newcomer waiting for its catch-up's plan asks the master that took it back again (a
+/// restarted one knows nothing of it); once the plan came, it does not; once it ended, it says
+/// so again.
+#[test]
+fn a_catch_up_without_its_plan_asks_again_after_a_rejoin() {
+    let (mut p, t0) = joined_with(&[0, 1], true);
+    let entries =
+        vec![shoal_wire::StateDigest { name: "w".into(), dtype: 11, shape: vec![4], hash: [1; 32], may_differ: false }];
+    p.catch_up_start(entries.clone());
+    assert_eq!(sent(&mut p), vec![Message::CatchUpStart { entries: entries.clone() }]);
+    let rejoin = |p: &mut Peer, t: Instant| {
+        p.handle_disconnect("the master restarted".into(), t);
+        p.handle_reconnected([9; 32], t);
+        let back = Message::Registered { peer: PeerId(0), session: SessionId(7), heartbeat_ms: 100, data_key: [5; 32] };
+        assert_eq!(p.handle_message(back, t), Ok(PeerEvent::Rejoined));
+        sent(p).into_iter().filter(|m| !matches!(m, Message::Rejoin { .. })).collect::<Vec<_>>()
+    };
+    let t1 = t0 + Duration::from_millis(100);
+    assert_eq!(rejoin(&mut p, t1), vec![Message::CatchUpStart { entries }]);
+    let plan =
+        Message::CatchUpPlan { round: 0, revision: 0, entries: Vec::new(), donors: Vec::new(), reason: String::new() };
+    p.handle_message(plan, t1).unwrap();
+    assert!(p.take_catch_up_plan().is_some());
+    assert_eq!(rejoin(&mut p, t1 + Duration::from_millis(100)), Vec::<Message>::new(), "planned: nothing to ask");
+    p.catch_up_end(true, 5);
+    assert_eq!(sent(&mut p), vec![Message::CatchUpEnd { fetched: true, revision: 5 }]);
+    assert_eq!(
+        rejoin(&mut p, t1 + Duration::from_millis(200)),
+        vec![Message::CatchUpEnd { fetched: true, revision: 5 }]
+    );
+}
+
 /// A collective that finished here and asked the master for its verdict asks the restarted master
 /// again once rejoined; a master not back within a heartbeat timeout is lost, and every call
 /// ends.
