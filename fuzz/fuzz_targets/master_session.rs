@@ -19,7 +19,16 @@ enum Step {
     Connect(u8),
     Disconnect(u8),
     Wait(u16),
-    Send { conn: u8, wrong_session: bool, message: Msg },
+    Send {
+        conn: u8,
+        wrong_session: bool,
+        message: Msg,
+    },
+    /// A newcomer's probe answers (`reach.rs`): for any peer id, probed or not, at any time.
+    Probed {
+        peer: u8,
+        dialable: bool,
+    },
 }
 
 #[derive(Debug, Arbitrary)]
@@ -138,6 +147,7 @@ fuzz_target!(|steps: Vec<Step>| {
         // A fuzzed run checks the machine, not the ring it plans.
         search_effort: 0.01,
         search_clock: None,
+        probe_timeout: Duration::from_millis(500),
     };
     let mut master = Master::new(config, t0);
     let mut now = t0;
@@ -148,7 +158,7 @@ fuzz_target!(|steps: Vec<Step>| {
                 // A driver never opens a connection it has open (the master asserts it).
                 let conn = ConnId((c % 16).into());
                 if open.insert(conn.0) {
-                    master.handle_connect(now, conn, nonce(conn));
+                    master.handle_connect(now, conn, nonce(conn), Some([10, 0, 0, conn.0 as u8].into()));
                 }
             }
             Step::Disconnect(c) => {
@@ -164,6 +174,10 @@ fuzz_target!(|steps: Vec<Step>| {
                 let conn = ConnId((conn % 16).into());
                 let session = if wrong_session { SessionId(8) } else { SESSION };
                 master.handle_message(now, conn, session, message(m, &key, conn));
+            }
+            Step::Probed { peer, dialable } => {
+                let result = if dialable { Ok(()) } else { Err("refused".to_string()) };
+                master.handle_probe(now, PeerId(peer.into()), result);
             }
         }
         while master.poll_output().is_some() {}

@@ -129,6 +129,9 @@ fn message(m: Msg) -> Message {
                     group: GroupId(u32::from(g == u8::MAX)),
                     addr: format!("h:{p}"),
                     site,
+                    // Behind a NAT now and then, seen at one of two addresses.
+                    dialable: p % 3 != 0,
+                    seen: Some([10, 0, 0, p % 2].into()),
                 })
                 .collect(),
             world: world.into(),
