@@ -707,7 +707,8 @@ mod tests {
     }
 
     /// With TLS, a handshake trickled a byte at a time ends at the deadline, a plaintext dialer
-    /// is refused, and a member's frame arrives over its session.
+    /// is refused, a dialer that hangs up unheard (the master's probe) just closed, and a
+    /// member's frame arrives over its session.
     #[test]
     fn tls_handshakes_are_greeted_on_the_same_thread_by_their_deadline() {
         let dir = std::env::temp_dir().join(format!("shoal-greet-tls-{}", std::process::id()));
@@ -730,6 +731,8 @@ mod tests {
         let mut plain = connect(&served.addr, Duration::from_secs(1)).unwrap();
         plain.write_all(&frame(&Message::Heartbeat)).unwrap();
         assert!(served.failure().contains("TLS"), "plaintext is no handshake");
+        drop(connect(&served.addr, Duration::from_secs(1)).unwrap());
+        assert_eq!(served.failure(), "connection closed by the other side", "hung up unheard: no TLS failure");
         let mut member = Conn::dial(&served.addr, Duration::from_secs(2), Some(&config)).unwrap();
         write_message(&mut member, SessionId(4), &Message::Heartbeat).unwrap();
         loop {

@@ -519,6 +519,10 @@ impl Conn {
 pub struct Opening {
     tcp: TcpStream,
     tls: Option<Connection>,
+    /// Whether a byte of the other end's handshake arrived: an accepted connection closed before
+    /// any did is one that hung up unheard, as over plain TCP (the master's probe of a
+    /// newcomer's data port, `docs/nat.md`), not a failed handshake.
+    heard: bool,
 }
 
 /// What an [`Opening`] waits for.
@@ -540,7 +544,7 @@ impl Opening {
     pub fn accept(tcp: TcpStream, tls: Option<&TlsConfig>) -> io::Result<Opening> {
         tcp.set_nonblocking(true)?;
         let tls = tls.map(|t| ServerConnection::new(t.server.clone()).map(Connection::from)).transpose();
-        Ok(Opening { tcp, tls: tls.map_err(tls_error)? })
+        Ok(Opening { tcp, tls: tls.map_err(tls_error)?, heard: false })
     }
 
     /// Takes a connection we dialed to `addr` (`host:port`), set non-blocking: its client
@@ -550,12 +554,12 @@ impl Opening {
     /// `fcntl` errors, a host that cannot be a server's name, or a TLS session that cannot be made.
     pub fn dial(tcp: TcpStream, addr: &str, tls: Option<&TlsConfig>) -> io::Result<Opening> {
         tcp.set_nonblocking(true)?;
-        let Some(tls) = tls else { return Ok(Opening { tcp, tls: None }) };
+        let Some(tls) = tls else { return Ok(Opening { tcp, tls: None, heard: false }) };
         let host = host_of(addr);
         let name =
             ServerName::try_from(host.to_string()).map_err(|e| tls_error(format!("{host} as a server name: {e}")))?;
         let conn = ClientConnection::new(tls.client.clone(), name).map_err(tls_error)?;
-        Ok(Opening { tcp, tls: Some(conn.into()) })
+        Ok(Opening { tcp, tls: Some(conn.into()), heard: false })
     }
 
     /// Moves the handshake on as far as the socket allows without blocking.
@@ -583,8 +587,12 @@ impl Opening {
                 return Ok(Step::Done);
             }
             match conn.read_tls(&mut self.tcp) {
+                // Hung up unheard: a server was dialed and left, nothing was refused.
+                Ok(0) if !self.heard && matches!(conn, Connection::Server(_)) => {
+                    return Err(io::ErrorKind::UnexpectedEof.into())
+                }
                 Ok(0) => return Err(hung_up()),
-                Ok(_) => {}
+                Ok(_) => self.heard = true,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(Step::Read),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) if matches!(e.kind(), io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset) => {
