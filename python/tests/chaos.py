@@ -81,10 +81,14 @@ class Master:
     def _start(self) -> subprocess.Popen:
         argv = [sys.executable, "-m", "shoal.cli", "master", "--listen", self.listen,
                 "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), "--state-dir", str(self.state)]
-        if self.lab:
-            p = self.lab.popen(self.lab.hosts[0], argv, stdout=subprocess.PIPE, text=True, env=self.env)
-        else:
-            p = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=self.env)
+        # Every decision of every incarnation, kept with a failing run's logs: its phases and
+        # votes are what a stalled call is explained by.
+        env = dict(self.env, SHOAL_LOG="info")
+        with open(self.state.parent / "master.log", "a") as log:
+            if self.lab:
+                p = self.lab.popen(self.lab.hosts[0], argv, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+            else:
+                p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         first = p.stdout.readline() if p.stdout else ""
         if "listening on" not in first:
             shoal.lab.stop(p)
