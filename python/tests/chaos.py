@@ -122,6 +122,7 @@ def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive
     procs: dict[int, subprocess.Popen] = {}
     frozen: dict[int, float] = {}
     faulted: dict[str, float] = {}  # partitioned or slowed host -> when it heals
+    slowed: set[str] = set()  # of those, the slowed ones
     ever_cut: set[int] = set()  # peers whose host was partitioned while they ran
     actions: list[str] = []
     peer_hosts = lab.hosts[1:] if lab else []
@@ -170,6 +171,7 @@ def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive
                     lab.heal(h)
                     act(f"heal {h}")
                     del faulted[h]
+                    slowed.discard(h)
             if time.time() >= next_restart:
                 master.restart()
                 act("restart master")
@@ -179,13 +181,16 @@ def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive
             action = rng.choice(["kill", "freeze", "join", "partition", "slow"] if lab else ["kill", "freeze", "join"])
             if action in ("partition", "slow") and len(running) > min_alive:
                 h = host(rng.choice(running))
-                if h not in faulted and h not in {host(a) for a in anchors}:
+                # One slowed host at a time: two would share the path between them, which the
+                # lab slows once (with one group, both of a site's other hosts may be chosen).
+                if h not in faulted and h not in {host(a) for a in anchors} and not (action == "slow" and slowed):
                     seconds = rng.uniform(0.3, 3.0)
                     if action == "partition":
                         lab.fault("partition", h)
                         ever_cut.update(i for i in running if host(i) == h)
                     else:
                         lab.fault("slow", h, rate=SLOW_RATE)
+                        slowed.add(h)
                     faulted[h] = time.time() + seconds
                     act(f"{action} {h} for {seconds:.1f} s")
             elif action == "join" and len(running) < max_alive:
