@@ -341,12 +341,11 @@ impl Listener {
         let mut receives: Vec<&Member> = vec![prev];
         receives.extend(others.iter().copied().filter(|m| m.peer != prev.peer));
         receives.retain(|m| Dialer::of(m, mine) == Dialer::Receiver && !staged.incoming.contains_key(&m.peer));
-        for (reverse, targets) in [(false, &sends), (true, &receives)] {
+        for (reverse, targets, neighbour) in [(false, &sends, next), (true, &receives, prev)] {
             let pools: Vec<PoolTo> = targets.iter().map(|m| self.pool_to(config, m, reverse)).collect();
             let tls = self.tls.as_ref();
             let dialed = dial_pools(id, &pools, pos.epoch, config.shared_memory, tls, deadline, operation);
             for (m, dialed) in targets.iter().zip(dialed) {
-                let neighbour = if reverse { prev } else { next };
                 match dialed {
                     Ok(pool) if reverse => drop(staged.incoming.insert(m.peer, pool)),
                     Ok(pool) => drop(staged.outgoing.insert(m.peer, pool)),

@@ -140,10 +140,7 @@ impl Master {
                     addr: e.addr.clone(),
                     accepted: e.status == Status::Accepted,
                     catching_up: e.status == Status::CatchingUp,
-                    dialable: match e.reach {
-                        Reach::Probing(_) => None,
-                        ref r => Some(r.dialable()),
-                    },
+                    dialable: e.reach.known(),
                     seen: e.seen,
                 })
                 .collect(),

@@ -1299,8 +1299,7 @@ impl Master {
     fn registered(&self) -> Vec<PeerId> {
         let group = self.focus;
         // One whose probe is under way waits for it: a topology must say how to reach it.
-        let waits =
-            |e: &PeerEntry| e.group == group && e.status == Status::Registered && !matches!(e.reach, Reach::Probing(_));
+        let waits = |e: &PeerEntry| e.group == group && e.status == Status::Registered && e.reach.known().is_some();
         self.peers.iter().filter(|(_, e)| waits(e)).map(|(id, _)| *id).collect()
     }
 

@@ -29,6 +29,11 @@ impl Reach {
     pub fn dialable(&self) -> bool {
         *self == Reach::Dialable
     }
+
+    /// Whether it can be dialed, once the probe ended.
+    pub fn known(&self) -> Option<bool> {
+        (!matches!(self, Reach::Probing(_))).then(|| self.dialable())
+    }
 }
 
 impl Master {

@@ -203,10 +203,7 @@ impl Master {
                 group: e.group,
                 addr: e.addr.clone(),
                 status: e.status,
-                dialable: match e.reach {
-                    super::Reach::Probing(_) => None,
-                    ref r => Some(r.dialable()),
-                },
+                dialable: e.reach.known(),
                 seen: e.seen,
                 site: sites.get(id).copied(),
                 rank: ranks.get(id).copied(),
