@@ -240,6 +240,12 @@ pub enum Malformed {
         /// The transfer's number.
         n: u64,
     },
+    /// A receiver's word that every part of a transfer arrived, before every part left here.
+    #[error("transfer {n} said received before all its parts left")]
+    ReceivedEarly {
+        /// The transfer's number.
+        n: u64,
+    },
     /// A part of a transfer not accepted here.
     #[error("a part of transfer {n}, which is not accepted here")]
     PartNotAccepted {
@@ -2275,6 +2281,46 @@ mod tests {
         }
         pump_transfers(&mut execs, &mut ended, |e| e.len() == 2);
         assert!(ended[&(0, 3)].is_err() && ended[&(1, 2)].is_err(), "{ended:?}");
+    }
+
+    /// A send whose parts are all written still waits for the receiver to say they arrived: the
+    /// receiver's links failing (here a third member's stream reset mid-frame) while the parts
+    /// are on their way fail both ends, never the receive alone (a soak's finding: the send
+    /// ended as its last part left, the receive failed 0.17 s later).
+    #[test]
+    fn a_send_ends_once_its_receiver_has_every_part_and_fails_with_it() {
+        let faults = Faults { capacity: 1 << 20, max_io: 512, reset_after: None };
+        let mut execs = engines(3);
+        for (from, to) in [(0, 1), (1, 0), (1, 2), (2, 0), (0, 2)] {
+            link(&mut execs, from, to, 1, faults);
+        }
+        let from_2 = link(&mut execs, 2, 1, 1, faults);
+        let (mut a, mut got_a) = (input(0, 1, 5000), vec![0u64; 5000]);
+        let (mut c, mut got_c) = (input(2, 1, 5000), vec![0u64; 5000]);
+        execs[1].post_transfer(1, transfer(Direction::Recv, 0, 8, &mut got_a));
+        execs[1].post_transfer(2, transfer(Direction::Recv, 2, 8, &mut got_c));
+        execs[0].post_transfer(3, transfer(Direction::Send, 1, 8, &mut a));
+        execs[2].post_transfer(4, transfer(Direction::Send, 1, 8, &mut c));
+        // Both offers answered; then the senders write on while the receiver reads nothing.
+        let senders = |execs: &mut [Exec<MemLane>], rounds| {
+            for _ in 0..rounds {
+                execs[0].pump(now());
+                execs[2].pump(now());
+            }
+        };
+        senders(&mut execs, 10);
+        execs[1].pump(now());
+        senders(&mut execs, 2000);
+        assert_eq!((execs[0].transfer_unmatched(3), execs[2].transfer_unmatched(4)), (None, None), "both accepted");
+        let early = execs[0].transfer_events();
+        assert!(early.is_empty(), "the send ended with its parts still on their way: {early:?}");
+        // Rank 2's stream to the receiver resets mid-frame: every link of the receiver's fails.
+        from_2[0].reset();
+        let mut ended = BTreeMap::new();
+        pump_transfers(&mut execs, &mut ended, |e| e.len() == 2);
+        execs[1].release_if_broken(); // as its driver does: its streams close
+        pump_transfers(&mut execs, &mut ended, |e| e.len() == 4);
+        assert!(ended.values().all(|r| r.is_err()), "both ends of both transfers fail: {ended:?}");
     }
 
     /// Two engines whose lanes say the other end runs in process `pid`, as shared-memory lanes

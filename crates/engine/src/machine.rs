@@ -902,7 +902,10 @@ impl Machine {
                 op.check();
             }
             Sending::Part { id, .. } => self.p2p.part_done(id),
-            Sending::Control => {}
+            Sending::Control => {
+                let frame = Frame::decode(&out.header).expect("encoded here");
+                self.p2p.sent(to, &frame);
+            }
         }
     }
 

@@ -9,7 +9,8 @@
 //!                                                   is posted (the earliest such, if several)
 //!              ◀──────── Accept #n ──────────────  dtype and count match
 //!              ── Part #n/0, Part #n/1, ... ────▶  straight into the receive's buffer
-//!  done once every part is written                  done once every part arrived
+//!              ◀──────── Received #n ───────────  done once every part arrived
+//!  done
 //!
 //!              ◀──────── Refuse #n (its dtype, count) ─  they differ: both ends fail with a
 //!                                                         mismatch that names both calls
@@ -30,7 +31,13 @@
 //! ```
 //!
 //! The receiver ends only on `Confirmed`: a sender whose call gave up before `Pulled` arrived
-//! sent `Withdraw` instead, and the receive waits for another send, whatever it read. A read the
+//! sent `Withdraw` instead, and the receive waits for another send, whatever it read.
+//!
+//! Either way the end that decides ends first (the receiver, once it holds every part; the
+//! sender, once it knows its buffer was read while it held it) and the other on its word, one
+//! frame behind: a send never ends while its parts are still on their way, so links that fail
+//! under them fail both ends. (The links failing while that last frame travels still leaves the
+//! ends apart: `docs/algorithms.md`.) A read the
 //! kernel refuses (another user, Yama's `ptrace_scope`) or that finds no such memory falls back
 //! to `Accept` and parts; after a refusal, that member's offers are answered with `Accept`.
 //!
@@ -139,6 +146,12 @@ enum Stage {
     Waiting,
     /// Parts move.
     Moving,
+    /// A send whose every part was written, waiting for the receiver's `Received`.
+    Delivered,
+    /// The end that decides (a receive that holds every part, a send whose buffer was read),
+    /// waiting for its word to the other end (`Received`, `Confirmed`) to be written: links that
+    /// fail before fail it too, as they fail the other end, still waiting for that word.
+    Acknowledging,
     /// A receive reading the sender's buffer at `addr` out of process `pid`.
     Pulling { pid: u32, addr: u64 },
     /// A receive that read all of it, waiting for the sender's `Confirmed`.
@@ -167,6 +180,8 @@ struct Transfer {
     pulled: usize,
     /// Whether its offer carried the buffer's address (a send).
     offered_pull: bool,
+    /// Whether the receiver said every part arrived (a send).
+    received: bool,
     traffic: Traffic,
     finished: bool,
 }
@@ -310,6 +325,7 @@ impl Transfers {
             got,
             pulled: 0,
             offered_pull: false,
+            received: false,
             traffic: Traffic::default(),
             finished: false,
         };
@@ -479,10 +495,43 @@ impl Transfers {
         }
     }
 
-    /// Ends transfer `id` if every part moved.
+    /// Moves transfer `id` on once every part moved: a receive ends and says so, a send waits
+    /// for that.
     fn check(&mut self, id: u64) {
-        let t = &self.ops[&id];
-        if !t.finished && t.stage == Stage::Moving && t.done_parts == t.parts {
+        let epoch = self.epoch;
+        let t = self.ops.get_mut(&id).expect("posted");
+        if t.finished || t.stage != Stage::Moving || t.done_parts < t.parts {
+            return;
+        }
+        if t.spec.direction == Direction::Send && !t.received {
+            t.stage = Stage::Delivered;
+            return;
+        }
+        if t.spec.direction == Direction::Send {
+            return self.end(id, Ok(()));
+        }
+        let h = header(epoch, &t.spec, t.number.expect("answered"), t.after);
+        self.control.push_back((t.peer.expect("answered"), control_frame(FrameKind::Received, h)));
+        t.stage = Stage::Acknowledging;
+    }
+
+    /// Control frame `frame` went whole into a stream to member `to`: the transfer it decides,
+    /// if any, ends.
+    pub fn sent(&mut self, to: usize, frame: &Frame) {
+        let direction = match frame.kind {
+            FrameKind::Received => Direction::Recv,
+            FrameKind::Confirmed => Direction::Send,
+            _ => return,
+        };
+        let deciding = |t: &Transfer| {
+            t.spec.direction == direction
+                && t.peer == Some(to)
+                && t.number == Some(frame.op.seq)
+                && t.stage == Stage::Acknowledging
+                && !t.finished
+        };
+        // None: given up meanwhile, its word sent all the same (the other end holds it).
+        if let Some(id) = self.ops.iter().find(|(_, t)| deciding(t)).map(|(id, _)| *id) {
             self.end(id, Ok(()));
         }
     }
@@ -492,18 +541,20 @@ impl Transfers {
         let malformed = |what: Malformed| LinkError::Malformed { rank: from, what };
         let n = frame.op.seq;
         log::trace!("transfer frame {:?} #{n} (tag {}) from rank {from}", frame.kind, frame.op.tag);
-        // Our send to `from` numbered `n`, still waiting for its answer.
-        let offered = |ops: &BTreeMap<u64, Transfer>| {
+        // Our send to `from` numbered `n`, not ended, in one of `stages`.
+        let sending = |ops: &BTreeMap<u64, Transfer>, stages: &[Stage]| {
             ops.iter()
                 .find(|(_, t)| {
                     t.spec.direction == Direction::Send
                         && t.peer == Some(from)
                         && t.number == Some(n)
-                        && t.stage == Stage::Offered
+                        && stages.contains(&t.stage)
                         && !t.finished
                 })
                 .map(|(id, _)| *id)
         };
+        // Our send to `from` numbered `n`, still waiting for its answer.
+        let offered = |ops: &BTreeMap<u64, Transfer>| sending(ops, &[Stage::Offered]);
         // Our receive from `from` numbered `n`, not ended, in `stage` if one is given.
         let receiving = |ops: &BTreeMap<u64, Transfer>, stage: Option<Stage>| {
             ops.iter()
@@ -553,7 +604,7 @@ impl Transfers {
                 self.pulled.push((from, len, 0));
                 let h = header(self.epoch, &t.spec, n, t.after);
                 self.control.push_back((from, control_frame(FrameKind::Confirmed, h)));
-                self.end(id, Ok(()));
+                t.stage = Stage::Acknowledging;
                 Ok(None)
             }
             FrameKind::Confirmed => {
@@ -561,6 +612,21 @@ impl Transfers {
                     return Err(malformed(Malformed::ConfirmNotPulled { n }));
                 };
                 self.end(id, Ok(()));
+                Ok(None)
+            }
+            FrameKind::Received => {
+                let Some(id) = sending(&self.ops, &[Stage::Moving, Stage::Delivered]) else {
+                    return stale(self.next_number[from]);
+                };
+                // Every part arrived: the last ones' writes may not be seen done here yet (lanes
+                // report them on their own), and the send ends with them.
+                let t = self.ops.get_mut(&id).expect("found");
+                if t.next_part < t.parts {
+                    return Err(malformed(Malformed::ReceivedEarly { n }));
+                }
+                t.received = true;
+                t.stage = Stage::Moving;
+                self.check(id);
                 Ok(None)
             }
             FrameKind::Accept => {

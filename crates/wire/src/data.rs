@@ -49,13 +49,17 @@ pub enum FrameKind {
     Pulled = 8,
     /// The sender saw `Pulled`: the transfer ended at both ends.
     Confirmed = 9,
+    /// Every part arrived at the receiver: the transfer ended at both ends.
+    Received = 10,
 }
 
 impl FrameKind {
     /// The kind of code `code`, if any.
     pub fn from_code(code: u8) -> Option<Self> {
         use FrameKind::*;
-        [Chunk, Token, Offer, Accept, Refuse, Part, Withdraw, Pulled, Confirmed].into_iter().find(|k| *k as u8 == code)
+        [Chunk, Token, Offer, Accept, Refuse, Part, Withdraw, Pulled, Confirmed, Received]
+            .into_iter()
+            .find(|k| *k as u8 == code)
     }
 
     /// Whether it belongs to a tagged transfer rather than a collective.
@@ -178,8 +182,8 @@ mod tests {
         let f = DataFrame { kind: FrameKind::Chunk, len: 4096, unit: 7, op: header(3, 9) };
         assert_eq!(DataFrame::decode(&f.encode()), Ok(f));
         let mut bad = f.encode();
-        bad[4] = FrameKind::Confirmed as u8 + 1;
-        assert_eq!(DataFrame::decode(&bad), Err(DataFrameError::UnknownKind { code: 10 }));
+        bad[4] = FrameKind::Received as u8 + 1;
+        assert_eq!(DataFrame::decode(&bad), Err(DataFrameError::UnknownKind { code: 11 }));
         bad[0] = b'X';
         assert!(matches!(DataFrame::decode(&bad), Err(DataFrameError::BadMagic { .. })));
     }

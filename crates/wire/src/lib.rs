@@ -27,7 +27,7 @@ pub use report::*;
 
 /// The protocol version this build speaks. Peers and masters of different versions refuse to
 /// talk to each other with [`WireError::VersionMismatch`].
-pub const PROTOCOL_VERSION: u16 = 18;
+pub const PROTOCOL_VERSION: u16 = 19;
 /// The four bytes that open every frame: `SHOL` read as a little-endian u32.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"SHOL");
 /// Size of the fixed frame header.
