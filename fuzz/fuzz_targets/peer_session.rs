@@ -298,7 +298,16 @@ fuzz_target!(|session: Session| {
                 Action::RunCollective { op, .. } => running.push(op),
                 Action::Fetch { round, .. } => fetching = Some(round),
                 Action::Done { call, .. } => assert!(ended.insert(call), "call {call:?} ended twice"),
-                Action::Registered { .. } | Action::TakeUp(_) | Action::MemberWaits(_) | Action::P2pApart { .. } => {}
+                // A driver answers a question about a transfer's outcome, or ends the transfer by
+                // the answer: the state machine only relays them.
+                Action::P2pOutcome { peer: asker, epoch, number, send } => {
+                    peer.p2p_decided(asker, epoch, number, send, false)
+                }
+                Action::Registered { .. }
+                | Action::TakeUp(_)
+                | Action::MemberWaits(_)
+                | Action::P2pApart { .. }
+                | Action::P2pDecided { .. } => {}
             }
         }
         running.retain(|&op| peer.running(op));

@@ -672,6 +672,12 @@ impl<L: Lane> Exec<L> {
         self.machine.transfer_peer(id)
     }
 
+    /// Transfer `id`'s number and other end, and whether its outcome rests on the other end's
+    /// word ([`Machine::transfer_outcome`]).
+    pub fn transfer_outcome(&self, id: u64) -> (Option<(u64, usize)>, bool) {
+        self.machine.transfer_outcome(id)
+    }
+
     /// Whether transfer `id` still waits for the other end's call
     /// ([`Machine::transfer_unmatched`]).
     pub fn transfer_unmatched(&self, id: u64) -> Option<u64> {
@@ -2286,7 +2292,8 @@ mod tests {
     /// A send whose parts are all written still waits for the receiver to say they arrived: the
     /// receiver's links failing (here a third member's stream reset mid-frame) while the parts
     /// are on their way fail both ends, never the receive alone (a soak's finding: the send
-    /// ended as its last part left, the receive failed 0.17 s later).
+    /// ended as its last part left, the receive failed 0.17 s later). The send that fails there
+    /// says its outcome was the receiver's to tell (its driver asks the receiver, `P2pOutcome`).
     #[test]
     fn a_send_ends_once_its_receiver_has_every_part_and_fails_with_it() {
         let faults = Faults { capacity: 1 << 20, max_io: 512, reset_after: None };
@@ -2319,8 +2326,16 @@ mod tests {
         let mut ended = BTreeMap::new();
         pump_transfers(&mut execs, &mut ended, |e| e.len() == 2);
         execs[1].release_if_broken(); // as its driver does: its streams close
-        pump_transfers(&mut execs, &mut ended, |e| e.len() == 4);
-        assert!(ended.values().all(|r| r.is_err()), "both ends of both transfers fail: {ended:?}");
+        let mut sent = Vec::new();
+        while sent.is_empty() {
+            execs[0].pump(now());
+            sent = execs[0].transfer_events();
+        }
+        // Failed waiting for the receiver's word: only the receiver knows how it ended there.
+        assert!(sent[0].1.is_err(), "{sent:?}");
+        assert_eq!(execs[0].transfer_outcome(3), (Some((0, 1)), true), "the send's outcome is the receiver's");
+        execs[0].take_transfer(3);
+        assert!(ended.values().all(|r| r.is_err()), "both receives fail: {ended:?}");
     }
 
     /// Two engines whose lanes say the other end runs in process `pid`, as shared-memory lanes

@@ -409,6 +409,13 @@ impl Machine {
         self.p2p.peer(id)
     }
 
+    /// The sender's number of transfer `id` and the member at the other end, once matched; and
+    /// whether it waits for the other end's word on its outcome (failed there, only that end
+    /// knows how it ended: `docs/algorithms.md`, "Tagged point-to-point").
+    pub fn transfer_outcome(&self, id: u64) -> (Option<(u64, usize)>, bool) {
+        (self.p2p.matched(id), self.p2p.uncertain(id))
+    }
+
     /// Whether transfer `id` still waits for the other end's call ([`Machine::transfer_stuck`]
     /// there): `Some` with, for a receive, the count of that member's offers seen.
     pub fn transfer_unmatched(&self, id: u64) -> Option<u64> {

@@ -675,6 +675,22 @@ impl Transfers {
         self.ops.get(&id)?.peer
     }
 
+    /// The sender's number of transfer `id` among its transfers to the receiver, and the member
+    /// at the other end, once matched.
+    pub fn matched(&self, id: u64) -> Option<(u64, usize)> {
+        let t = self.ops.get(&id)?;
+        Some((t.number?, t.peer?))
+    }
+
+    /// Whether transfer `id`, ended or not, waits for the other end's word on its outcome: a send
+    /// whose every part was written, a receive that pulled everything (if it failed there, only
+    /// the other end knows how it ended).
+    pub fn uncertain(&self, id: u64) -> bool {
+        self.ops.get(&id).is_some_and(|t| {
+            matches!(t.stage, Stage::Delivered | Stage::Confirming) || (t.stage == Stage::Moving && t.received)
+        })
+    }
+
     /// Transfer `id`'s buffer.
     pub fn buf(&self, id: u64) -> RawBuf {
         self.ops[&id].spec.buf
@@ -770,14 +786,22 @@ impl Transfers {
     /// (it stopped with parts on them). A send the receiver had not answered is withdrawn.
     pub fn take(&mut self, id: u64) -> Option<(Traffic, bool)> {
         let t = self.ops.remove(&id)?;
-        // A receive that took an offer leaves its sender waiting for an answer it never gets:
-        // as with parts on the lanes, the links go.
-        let torn = !t.finished && matches!(t.stage, Stage::Moving | Stage::Pulling { .. } | Stage::Confirming);
+        // A receive that took an offer leaves its sender waiting for an answer it never gets (a
+        // decider taking its word back, too): as with parts on the lanes, the links go.
+        let torn = !t.finished
+            && matches!(t.stage, Stage::Moving | Stage::Pulling { .. } | Stage::Confirming | Stage::Acknowledging);
         // Withdrawn, even before its offer left: the receiver's later offers with its tag must
         // not wait for it.
         if !t.finished && matches!(t.stage, Stage::Offering | Stage::Offered) {
             let h = header(self.epoch, &t.spec, t.number.expect("a send is numbered"), t.after);
             self.control.push_back((t.peer.expect("a send's member"), control_frame(FrameKind::Withdraw, h)));
+        }
+        // Given up before its word to the other end left: the word goes too, and that end, its
+        // links gone, asks and hears that it failed here.
+        if !t.finished && t.stage == Stage::Acknowledging {
+            let kind = if t.spec.direction == Direction::Recv { FrameKind::Received } else { FrameKind::Confirmed };
+            let word = |(to, f): &(usize, Frame)| Some(*to) == t.peer && Some(f.op.seq) == t.number && f.kind == kind;
+            self.control.retain(|c| !word(c));
         }
         self.events.retain(|(e, _)| *e != id);
         Some((t.traffic, torn))
@@ -891,6 +915,44 @@ mod tests {
         assert!(p2p.on_frame(1, &frame(FrameKind::Offer, 2, 2)).is_err(), "an offer twice");
         p2p.on_frame(1, &frame(FrameKind::Offer, 1, 1)).unwrap();
         assert_eq!((p2p.unmatched(1), p2p.peer(1), p2p.ops[&1].number), (None, Some(1), Some(1)), "#1 first");
+    }
+
+    /// A receive that holds every part ends once its `Received` left; given up before (its call
+    /// abandoned), it takes the word back and the links go, so that its sender, waiting for that
+    /// word, fails at once (and, asking, hears it failed here) rather than wait out its bound.
+    #[test]
+    fn a_receive_given_up_before_its_word_left_takes_it_back_and_tears_the_links() {
+        for given_up in [false, true] {
+            let mut p2p = Transfers::new(Epoch(1), 2);
+            let mut buf = [0u8; 16];
+            let spec = TransferSpec {
+                direction: Direction::Recv,
+                peer: End::Member(1),
+                tag: 7,
+                dtype: DType::U8,
+                buf: RawBuf::new(&mut buf),
+                chunk_bytes: 8,
+            };
+            let h = header(Epoch(1), &spec, 0, 0);
+            p2p.post(1, spec);
+            p2p.on_frame(1, &control_frame(FrameKind::Offer, h)).unwrap();
+            assert_eq!(p2p.next_frame(1).map(|(f, _)| f.kind), Some(FrameKind::Accept));
+            for part in 0..2 {
+                let frame = Frame { kind: FrameKind::Part, len: 8, unit: part, op: h };
+                assert!(p2p.on_frame(1, &frame).unwrap().is_some(), "part {part} goes into the buffer");
+                p2p.part_done(1);
+            }
+            assert!(p2p.events().is_empty(), "not ended before its word left");
+            if given_up {
+                assert_eq!(p2p.take(1).map(|(_, torn)| torn), Some(true), "the links go");
+                assert!(p2p.next_frame(1).is_none(), "the word is taken back");
+                continue;
+            }
+            let (word, _) = p2p.next_frame(1).expect("its word");
+            assert_eq!((word.kind, word.op.seq), (FrameKind::Received, 0));
+            p2p.sent(1, &word);
+            assert!(matches!(p2p.events()[..], [(1, Ok(()))]), "ends once its word left");
+        }
     }
 
     /// Offers answered out of order are kept until the numbers below them are, then folded.

@@ -59,7 +59,6 @@ impl Connected {
 /// its engine takes the links to our ring neighbours; it links to other members when a schedule
 /// first needs them. The engine it replaces closes its pools off this thread (`closer.rs`).
 pub(crate) fn take_up(data: &mut DataPlane, position: &RingPosition) {
-    crate::plane::superseded(data, position.epoch);
     let (rank, world) = (position.rank, position.group_size());
     let me = position.ring[rank].peer;
     let mut exec = Exec::new(position.epoch, rank, world);
@@ -404,12 +403,21 @@ impl Driver {
                 }
                 control.own_input(|p, now| p.handle_established(position.epoch, outcome, now));
             }
-            Action::TakeUp(position) => take_up(data, &position),
+            Action::TakeUp(position) => {
+                control.own_input(|p, _| crate::plane::superseded(p, data, position.epoch));
+                take_up(data, &position)
+            }
             Action::RunCollective { call: c, op, position, group, .. } => {
                 self.post(control, listener, data, c, op, (&position, group))
             }
             Action::MemberWaits(_) => self.judge_waiters(control, data, call),
             Action::P2pApart { peer, misuse } => crate::plane::p2p_apart(data, peer, misuse),
+            Action::P2pOutcome { peer, epoch, number, send } => {
+                control.own_input(|p, _| crate::plane::p2p_outcome(p, data, peer, epoch, number, send))
+            }
+            Action::P2pDecided { peer, epoch, number, send, done } => {
+                crate::plane::p2p_decided(data, peer, epoch, number, send, done)
+            }
             action => {
                 if let Some(result) = own(data, action) {
                     let call = call.expect("only a call's own driver is asked for its actions");
@@ -426,7 +434,7 @@ impl Driver {
         let events = exec.events();
         let transfers = exec.transfer_events();
         let news = !events.is_empty() || !transfers.is_empty();
-        crate::plane::engine_ended(data, transfers);
+        control.own_input(|p, _| crate::plane::engine_ended(p, data, transfers));
         if !events.is_empty() {
             self.report(control, data, events);
             self.take_stopped(control, data);
@@ -462,8 +470,8 @@ impl Driver {
             }
         });
         self.take_stopped(control, data);
-        if !data.calls.transfers.is_empty() {
-            crate::plane::stop_stalled(&mut control.lock(), data);
+        if !data.calls.transfers.is_empty() || data.calls.transfers.owes() {
+            control.own_input(|p, _| crate::plane::stop_stalled(p, data));
         }
         if let Some(call) = call.filter(|c| data.calls.transfers.get(*c).is_some() && entered.elapsed() >= P2P_PATIENCE)
         {

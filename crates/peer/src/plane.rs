@@ -11,7 +11,9 @@ use crate::named::Described;
 use shoal_collective::{Algorithm, Codec, CollectiveKind, DType, Quantization, ReduceOp};
 use shoal_engine::{Backup, Direction, Exec, LinkError, OpKey, RawBuf, Taken};
 use shoal_proto::bounds::Observed;
-use shoal_proto::peer::{CallError, CallId, Cutoff, Ended, OpId, Peer, RingPosition, Stop, Transfers, Value};
+use shoal_proto::peer::{
+    CallError, CallId, Cutoff, Ended, EngineEnd, OpId, Peer, RingPosition, Stop, Transfers, Value,
+};
 use shoal_wire::{Epoch, Misuse, OpHeader, PeerId};
 use std::any::Any;
 use std::collections::HashMap;
@@ -405,7 +407,7 @@ pub(crate) struct DataPlane {
 impl DataPlane {
     /// Whether the engine in force has collectives or transfers in flight.
     pub fn in_flight(&self) -> bool {
-        self.exec.as_ref().is_some_and(|e| e.in_flight() > 0)
+        self.exec.as_ref().is_some_and(|e| e.in_flight() > 0 || self.calls.transfers.asking())
     }
 
     /// Our links in the topology in force, by rank.
@@ -475,7 +477,14 @@ fn described(t: &Transfer) -> Described {
 /// Ends the transfers the engine ended. A failure that broke the engine's lanes closes them at
 /// once where no collective runs over them (which close once theirs have their verdicts): the
 /// other ends' transfers over the lanes that did not fail would wait for their bound.
-pub(crate) fn engine_ended(data: &mut DataPlane, events: Vec<(u64, std::result::Result<(), LinkError>)>) {
+///
+/// A transfer that failed while its outcome rested on the other end's word asks that end what
+/// became of it there ([`shoal_proto::peer::Transfers::handle_engine`]).
+pub(crate) fn engine_ended(
+    peer: &mut Peer,
+    data: &mut DataPlane,
+    events: Vec<(u64, std::result::Result<(), LinkError>)>,
+) {
     let now = Instant::now();
     if events.iter().any(|(_, r)| r.is_err()) && data.calls.by_key.is_empty() {
         if let Some(exec) = data.exec.as_mut() {
@@ -487,23 +496,66 @@ pub(crate) fn engine_ended(data: &mut DataPlane, events: Vec<(u64, std::result::
         let Some(t) = data.calls.transfers.get(call) else { continue };
         let lost = matches!(result, Err(LinkError::Lost { .. }));
         let result = result.map_err(|e| link_error(t, e));
-        data.calls.transfers.handle_engine(call, result, lost, now);
+        let (matched, uncertain) = data.exec.as_ref().map_or((None, false), |e| e.transfer_outcome(call.0));
+        let end = EngineEnd { matched: matched.and_then(|m| member(data.position.as_ref(), m)), uncertain };
+        data.calls.transfers.handle_engine(call, result, lost, end, peer, now);
     }
+    take_ended(data);
+}
+
+/// A transfer's number and the member at the other end, from the engine's number and rank.
+fn member(position: Option<&RingPosition>, (number, rank): (u64, usize)) -> Option<(u64, PeerId)> {
+    Some((number, position?.ring.get(rank)?.peer))
+}
+
+/// Member `asker` asks what became here of its transfer with us whose links failed.
+pub(crate) fn p2p_outcome(peer: &mut Peer, data: &mut DataPlane, asker: PeerId, epoch: Epoch, number: u64, send: bool) {
+    let (exec, position) = (data.exec.as_ref(), data.position.as_ref());
+    let in_flight = |call: CallId| member(position, exec?.transfer_outcome(call.0).0?);
+    data.calls.transfers.handle_outcome_asked(asker, epoch, number, send, in_flight, peer);
+    take_ended(data);
+}
+
+/// What became at member `with`'s end of our transfer asking it.
+pub(crate) fn p2p_decided(data: &mut DataPlane, with: PeerId, epoch: Epoch, number: u64, send: bool, done: bool) {
+    data.calls.transfers.handle_decided(with, epoch, number, send, done);
     take_ended(data);
 }
 
 /// Ends, before the driver sleeps, the transfers that cannot end otherwise
 /// ([`shoal_proto::peer::Transfers::handle_stalled`]).
 pub(crate) fn stop_stalled(peer: &mut Peer, data: &mut DataPlane) {
+    note_uncertain(data);
     data.calls.transfers.handle_stalled(peer, Instant::now());
     take_ended(data);
 }
 
 /// Topology `epoch` replaces the one the transfers in flight run in: its links close, and ranks
-/// may name other members now; each ends with a retryable error.
-pub(crate) fn superseded(data: &mut DataPlane, epoch: Epoch) {
-    data.calls.transfers.handle_taken_up(epoch);
+/// may name other members now; each ends with a retryable error, but one whose outcome rests
+/// on the other end's word asks that end. What the engine did before counts first.
+pub(crate) fn superseded(peer: &mut Peer, data: &mut DataPlane, epoch: Epoch) {
+    if let Some(events) = data.exec.as_mut().map(|e| e.transfer_events()) {
+        engine_ended(peer, data, events);
+    }
+    note_uncertain(data);
+    data.calls.transfers.handle_taken_up(epoch, peer, Instant::now());
     take_ended(data);
+}
+
+/// Tells the transfers which of them wait for the other end's word on their outcome.
+fn note_uncertain(data: &mut DataPlane) {
+    let (Some(exec), position, transfers) = (data.exec.as_ref(), data.position.as_ref(), &mut data.calls.transfers)
+    else {
+        return;
+    };
+    let calls: Vec<CallId> = transfers.iter().map(|(call, _)| call).collect();
+    for call in calls {
+        if let (Some(matched), true) = exec.transfer_outcome(call.0) {
+            if let Some(matched) = member(position, matched) {
+                transfers.handle_uncertain(call, matched);
+            }
+        }
+    }
 }
 
 /// The transfer our caller waits on with `peer` can never complete: the other end is in a call

@@ -7,8 +7,8 @@ use shoal_proto::auth::{DataKey, RunKey};
 use shoal_proto::master::Strategy;
 use shoal_proto::master::{ConnId, Master, MasterConfig, MasterEvent, Output};
 use shoal_proto::peer::{
-    Action, CallError, CallId, CallKind, Cutoff, Ended, Established, Gone, OpId, OpProgress, Peer, PeerConfig,
-    Revision, RingPosition, Seq, Stop, SyncBallot, Transfer, Transfers, Value, WaitNote, P2P_PATIENCE,
+    Action, CallError, CallId, CallKind, Cutoff, Ended, EngineEnd, Established, Gone, OpId, OpProgress, Peer,
+    PeerConfig, Revision, RingPosition, Seq, Stop, SyncBallot, Transfer, Transfers, Value, WaitNote, P2P_PATIENCE,
 };
 use shoal_wire::{
     Api, Epoch, FailureKind, GroupId, Measured, Message, Mismatch, Misuse, OpFailure, OpHeader, PeerId, SessionId,
@@ -515,6 +515,9 @@ impl SimPeer {
         self.proto.registered().map(|(p, _)| p)
     }
 }
+/// A transfer, by (topology, sender, receiver, the sender's number of it).
+type TransferKey = (Epoch, PeerId, PeerId, u64);
+
 struct Sim {
     rng: Rng,
     now: Duration,
@@ -540,6 +543,9 @@ struct Sim {
     /// Topologies the master committed: (time, epoch, members).
     commits: Vec<(Duration, Epoch, Vec<PeerId>)>,
     index_of: BTreeMap<PeerId, usize>,
+    /// How each end of each transfer ended, by (topology, sender, receiver, the sender's number):
+    /// (peer index, succeeded) of the sender's end and the receiver's.
+    outcomes: BTreeMap<TransferKey, [Option<(usize, bool)>; 2]>,
     report: Report,
     /// The application's loop, the same on every peer.
     shape: Shape,
@@ -698,6 +704,7 @@ impl Sim {
             pools: BTreeMap::new(),
             commits: Vec::new(),
             index_of: BTreeMap::new(),
+            outcomes: BTreeMap::new(),
             report: Report { seed, ..Report::default() },
             shape: Shape::Readme,
             syncs: false,
@@ -1313,6 +1320,11 @@ impl Sim {
                     self.now, t.peer, t.epoch
                 );
             }
+            if let (Some((number, with)), Some(me)) = (t.matched(), self.peers[i].me()) {
+                let (key, end) =
+                    if t.send { ((t.epoch, me, with, number), 0) } else { ((t.epoch, with, me, number), 1) };
+                self.outcomes.entry(key).or_default()[end] = Some((i, result.is_ok()));
+            }
             let p = &mut self.peers[i];
             // A receive from any member: whose send it took (the one before, the only one to send).
             let mut from = Some(t.peer).filter(|&p| p != PeerId::ANY);
@@ -1490,6 +1502,17 @@ impl Sim {
                 let exec = p.exec.as_ref();
                 let unmatched = |call: CallId| exec.is_some_and(|e| e.transfer_unmatched(call.0).is_some());
                 p.transfers.handle_apart(peer, misuse, unmatched);
+                self.transfers_ended(i);
+            }
+            Action::P2pOutcome { peer, epoch, number, send } => {
+                let p = &mut self.peers[i];
+                let (exec, position) = (p.exec.as_ref(), p.position.as_ref());
+                let in_flight = |call: CallId| exec.and_then(|e| engine_end(e, position, call).matched);
+                p.transfers.handle_outcome_asked(peer, epoch, number, send, in_flight, &mut p.proto);
+                self.transfers_ended(i);
+            }
+            Action::P2pDecided { peer, epoch, number, send, done } => {
+                self.peers[i].transfers.handle_decided(peer, epoch, number, send, done);
                 self.transfers_ended(i);
             }
         }
@@ -1720,7 +1743,18 @@ impl Sim {
     /// The collectives still in the old one are taken out (their calls end by the state
     /// machine's word, their buffers put back if they failed), and its lanes close.
     fn take_up(&mut self, i: usize, position: &RingPosition) {
-        self.peers[i].transfers.handle_taken_up(position.epoch);
+        let at = self.instant();
+        let p = &mut self.peers[i];
+        // As the real driver: what the engine did first, then which transfers wait for a word.
+        if let Some(exec) = p.exec.as_mut() {
+            for (id, result) in exec.transfer_events() {
+                let lost = matches!(result, Err(LinkError::Lost { .. }));
+                let end = engine_end(exec, p.position.as_ref(), CallId(id));
+                p.transfers.handle_engine(CallId(id), result, lost, end, &mut p.proto, at);
+            }
+        }
+        note_uncertain(p);
+        p.transfers.handle_taken_up(position.epoch, &mut p.proto, at);
         self.transfers_ended(i);
         let p = &mut self.peers[i];
         if let Some(mut old) = p.exec.take() {
@@ -1891,7 +1925,8 @@ impl Sim {
         }
         for (id, result) in transfers {
             let lost = matches!(result, Err(LinkError::Lost { .. }));
-            p.transfers.handle_engine(CallId(id), result, lost, at);
+            let end = engine_end(exec, p.position.as_ref(), CallId(id));
+            p.transfers.handle_engine(CallId(id), result, lost, end, &mut p.proto, at);
         }
         // Waiting for a member to link to us, or to dial one: as the driver before it sleeps.
         let awaiting = exec.awaiting();
@@ -1931,9 +1966,10 @@ impl Sim {
     fn transfers_stalled(&mut self, i: usize) -> bool {
         let at = self.instant();
         let p = &mut self.peers[i];
-        if p.transfers.is_empty() {
+        if p.transfers.is_empty() && !p.transfers.owes() {
             return false;
         }
+        note_uncertain(p);
         p.transfers.handle_stalled(&mut p.proto, at);
         let mut announced = false;
         if let (Some((call, since)), Some(exec)) = (p.p2p.as_ref().and_then(|x| x.waits), p.exec.as_ref()) {
@@ -2095,6 +2131,18 @@ impl Sim {
     }
 
     fn finish(mut self) -> Report {
+        // A transfer ends alike at both ends, where both still take part in the run (what a
+        // member removed from it decided holds nowhere: the other end is told it failed).
+        for ((epoch, from, to, number), ends) in &self.outcomes {
+            if let [Some((s, sent)), Some((r, received))] = *ends {
+                if sent != received && self.peers[s].active() && self.peers[r].active() {
+                    let v = format!(
+                        "transfer #{number} of {epoch:?} from {from} to {to}: sent {sent}, received {received}"
+                    );
+                    self.report.violations.push(Violation(v));
+                }
+            }
+        }
         let live: Vec<usize> = (0..self.peers.len()).filter(|&i| self.peers[i].active()).collect();
         self.report.live = live.iter().filter_map(|&i| self.peers[i].me()).collect();
         self.report.live_index = live.iter().copied().collect();
@@ -2382,4 +2430,26 @@ pub fn check_calls(r: &Report, heartbeat: Duration) -> Result<(), Violation> {
 /// The engine's key of collective `id`.
 fn op_key(id: OpId) -> OpKey {
     OpKey { derived: id.derived, seq: id.seq.0 }
+}
+
+/// What engine `exec` knows of transfer `call`: its number and other end (by id, in `position`,
+/// the engine's topology), once matched; and whether its outcome rests on that end's word.
+fn engine_end(exec: &Exec<SimLane>, position: Option<&RingPosition>, call: CallId) -> EngineEnd {
+    let (matched, uncertain) = exec.transfer_outcome(call.0);
+    let position = position.filter(|pos| pos.epoch == exec.epoch());
+    let matched = matched.and_then(|(n, rank)| Some((n, position?.ring.get(rank)?.peer)));
+    EngineEnd { matched, uncertain }
+}
+
+/// Tells peer `p`'s transfers which of them wait for the other end's word on their outcome.
+fn note_uncertain(p: &mut SimPeer) {
+    let Some(exec) = p.exec.as_ref() else { return };
+    let calls: Vec<CallId> = p.transfers.iter().map(|(call, _)| call).collect();
+    for call in calls {
+        if let (Some(_), true) = exec.transfer_outcome(call.0) {
+            if let Some(matched) = engine_end(exec, p.position.as_ref(), call).matched {
+                p.transfers.handle_uncertain(call, matched);
+            }
+        }
+    }
 }

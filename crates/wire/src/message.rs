@@ -533,6 +533,35 @@ pub enum Message {
         /// Both calls, named with their peers.
         misuse: Misuse,
     },
+    /// Peer → master, then master → the other end: the links of the sender's transfer with member
+    /// `peer` failed while its outcome rested on that end's word (`Received`, `Confirmed`): what
+    /// became of the transfer there? The other end answers [`Message::P2pDecided`]
+    /// (`docs/protocol.md`, "A transfer's outcome when its links fail").
+    P2pOutcome {
+        /// The other end (relayed: the asker).
+        peer: PeerId,
+        /// The topology the transfer ran in.
+        epoch: Epoch,
+        /// The sender's number of the transfer among its transfers to the receiver.
+        number: u64,
+        /// The asker sent; otherwise it received.
+        send: bool,
+    },
+    /// Peer → master, then master → the asker: the answer to [`Message::P2pOutcome`], whose fields
+    /// it repeats. `done`: the transfer ended at the answering end and holds (the asker's ends as
+    /// it); otherwise it failed there, or it never will end there (the asker's fails).
+    P2pDecided {
+        /// The asker (relayed: the member that answers).
+        peer: PeerId,
+        /// As asked.
+        epoch: Epoch,
+        /// As asked.
+        number: u64,
+        /// As asked: the asker sent.
+        send: bool,
+        /// Whether the transfer succeeded at the answering end.
+        done: bool,
+    },
     /// Peer → master: this member called collective `seq` of `epoch` (of the whole group) with a
     /// deadline: leave out the members not called `deadline_ms` after at least `min` had (0: more
     /// than half the group's members), never those of `needs`. The first member's figures stand
@@ -779,6 +808,8 @@ mod kind {
     pub const P2P_RESUMED: u16 = 20;
     pub const P2P_APART: u16 = 21;
     pub const GATHER: u16 = 22;
+    pub const P2P_OUTCOME: u16 = 23;
+    pub const P2P_DECIDED: u16 = 24;
     pub const REGISTERED: u16 = 64;
     pub const TOPOLOGY: u16 = 65;
     pub const TOPOLOGY_COMMITTED: u16 = 66;
@@ -835,6 +866,8 @@ impl Message {
             Message::P2pWaits { .. } => kind::P2P_WAITS,
             Message::P2pResumed { .. } => kind::P2P_RESUMED,
             Message::P2pApart { .. } => kind::P2P_APART,
+            Message::P2pOutcome { .. } => kind::P2P_OUTCOME,
+            Message::P2pDecided { .. } => kind::P2P_DECIDED,
             Message::Gather { .. } => kind::GATHER,
             Message::Gathered { .. } => kind::GATHERED,
             Message::Snapshot { .. } => kind::SNAPSHOT,
@@ -898,6 +931,8 @@ impl Message {
             Message::P2pWaits { .. } => "P2pWaits",
             Message::P2pResumed { .. } => "P2pResumed",
             Message::P2pApart { .. } => "P2pApart",
+            Message::P2pOutcome { .. } => "P2pOutcome",
+            Message::P2pDecided { .. } => "P2pDecided",
             Message::Gather { .. } => "Gather",
             Message::Gathered { .. } => "Gathered",
             Message::Snapshot { .. } => "Snapshot",
@@ -973,6 +1008,19 @@ impl Message {
             Message::P2pApart { peer, misuse } => {
                 w.u32(peer.0);
                 misuse.encode(w);
+            }
+            Message::P2pOutcome { peer, epoch, number, send } => {
+                w.u32(peer.0);
+                w.u64(epoch.0);
+                w.u64(*number);
+                w.bool(*send);
+            }
+            Message::P2pDecided { peer, epoch, number, send, done } => {
+                w.u32(peer.0);
+                w.u64(epoch.0);
+                w.u64(*number);
+                w.bool(*send);
+                w.bool(*done);
             }
             Message::Snapshot { round } => w.u64(*round),
             Message::CatchUpPlan { round, revision, entries, donors, reason } => {
@@ -1145,6 +1193,19 @@ impl Message {
             },
             kind::P2P_RESUMED => Message::P2pResumed { peer: PeerId(r.u32()?) },
             kind::P2P_APART => Message::P2pApart { peer: PeerId(r.u32()?), misuse: Misuse::decode(&mut r)? },
+            kind::P2P_OUTCOME => Message::P2pOutcome {
+                peer: PeerId(r.u32()?),
+                epoch: Epoch(r.u64()?),
+                number: r.u64()?,
+                send: r.bool("send")?,
+            },
+            kind::P2P_DECIDED => Message::P2pDecided {
+                peer: PeerId(r.u32()?),
+                epoch: Epoch(r.u64()?),
+                number: r.u64()?,
+                send: r.bool("send")?,
+                done: r.bool("done")?,
+            },
             kind::SNAPSHOT => Message::Snapshot { round: r.u64()? },
             kind::CATCH_UP_PLAN => Message::CatchUpPlan {
                 round: r.u64()?,
@@ -1470,6 +1531,19 @@ mod tests {
             ),
             any::<u32>().prop_map(|p| Message::P2pResumed { peer: PeerId(p) }),
             (any::<u32>(), misuse()).prop_map(|(p, misuse)| Message::P2pApart { peer: PeerId(p), misuse }),
+            any::<(u32, u64, u64, bool)>().prop_map(|(p, e, number, send)| Message::P2pOutcome {
+                peer: PeerId(p),
+                epoch: Epoch(e),
+                number,
+                send
+            }),
+            any::<(u32, u64, u64, bool, bool)>().prop_map(|(p, e, number, send, done)| Message::P2pDecided {
+                peer: PeerId(p),
+                epoch: Epoch(e),
+                number,
+                send,
+                done
+            }),
             any::<u64>().prop_map(|round| Message::Snapshot { round }),
             (
                 any::<(u64, u64)>(),

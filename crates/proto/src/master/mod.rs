@@ -394,6 +394,8 @@ pub struct Master {
     /// Members whose call waits on a tagged transfer with another member, announced and not
     /// over: (waiter, the other end, or the members asked about a receive from any) (`p2p.rs`).
     p2p_waits: BTreeMap<PeerId, p2p::Wait>,
+    /// Questions about transfers' outcomes waiting for their answers (`p2p.rs`).
+    p2p_asked: BTreeSet<p2p::Asked>,
     next_sync: u64,
     /// Each group's last completed sync.
     group_states: BTreeMap<GroupId, sync::GroupState>,
@@ -438,6 +440,7 @@ impl Master {
             ops: BTreeMap::new(),
             syncs: BTreeMap::new(),
             p2p_waits: BTreeMap::new(),
+            p2p_asked: BTreeSet::new(),
             next_sync: 0,
             group_states: BTreeMap::new(),
             catching_up: BTreeMap::new(),
@@ -616,6 +619,8 @@ impl Master {
             Message::P2pWaits { peer: other, .. } if accepted => self.p2p_waits(peer, other, message),
             Message::P2pResumed { .. } if accepted => self.p2p_resumed(peer),
             Message::P2pApart { peer: waiter, misuse } if accepted => self.p2p_apart(peer, waiter, misuse),
+            Message::P2pOutcome { .. } if accepted => self.p2p_outcome(peer, message),
+            Message::P2pDecided { .. } if accepted => self.p2p_decided(peer, message),
             Message::CatchUpStart { entries } => self.catch_up_start(peer, entries),
             Message::CatchUpProgress { done, total, eta_ms } => self.catch_up_progress(peer, done, total, eta_ms),
             Message::CatchUpEnd { fetched, revision } => self.catch_up_end(peer, fetched, revision),

@@ -13,10 +13,25 @@
 //! and the waiter's call ends once every one has answered `P2pApart`. Their calls go on: another
 //! member's send could still have served the receive until the last answer, so no verdict of one
 //! member ends its call, and the waiter, its receive ended, may still make the calls they wait for.
+//!
+//! A transfer whose links failed while its outcome rested on the other end's word (`Received`,
+//! `Confirmed`) asks here what became of it there (`P2pOutcome`); the other end, which decided it,
+//! answers (`P2pDecided`) and the asker's transfer ends as that end's did. An end that left, or
+//! leaves before it answers, decided nothing that holds: the asker's fails.
 
 use super::{Master, Status};
+use shoal_wire::Epoch;
 use shoal_wire::{Call, Called, Message, Misuse, PeerId};
 use std::collections::BTreeSet;
+
+/// Most questions about a transfer's outcome one member may have waiting for their answer: past
+/// it, the next is answered "failed" at once (a member's transfers in flight when its links fail
+/// are its calls not yet ended, far fewer).
+pub const MAX_OUTCOMES_ASKED: usize = 4096;
+
+/// A question about a transfer's outcome waiting for its answer: (asker, the end asked, topology,
+/// number, the asker sent).
+pub(super) type Asked = (PeerId, PeerId, Epoch, u64, bool);
 
 /// A member's announced wait on a tagged transfer (`Master::p2p_waits`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -112,6 +127,36 @@ impl Master {
         assert!(!self.p2p_waits.contains_key(&waiter), "a wait outlives its end");
     }
 
+    /// `asker`'s transfer with `other` (the fields of `P2pOutcome`) lost its links while its
+    /// outcome rested on `other`'s word: `other` is asked what became of it there. Answered "failed"
+    /// at once where `other` is no member of the asker's group (it left: what it decided holds
+    /// nowhere), or the asker has [`MAX_OUTCOMES_ASKED`] questions waiting.
+    pub(super) fn p2p_outcome(&mut self, asker: PeerId, message: Message) {
+        let Message::P2pOutcome { peer: other, epoch, number, send } = message else {
+            unreachable!("called with P2pOutcome")
+        };
+        let group = |p: &PeerId| self.peers.get(p).filter(|e| e.status == Status::Accepted).map(|e| e.group);
+        let waiting = self.p2p_asked.range((asker, PeerId(0), Epoch(0), 0, false)..).take_while(|a| a.0 == asker);
+        if other == asker || group(&other) != group(&asker) || waiting.count() >= MAX_OUTCOMES_ASKED {
+            log::debug!("{asker} asks what became of transfer #{number} of topology {} at {other}: failed", epoch.0);
+            return self.send_to_peer(asker, Message::P2pDecided { peer: other, epoch, number, send, done: false });
+        }
+        self.p2p_asked.insert((asker, other, epoch, number, send));
+        self.send_to_peer(other, Message::P2pOutcome { peer: asker, epoch, number, send });
+    }
+
+    /// `member` says what became at its end of `asker`'s transfer (the fields of `P2pDecided`):
+    /// relayed to the asker, if it still asks.
+    pub(super) fn p2p_decided(&mut self, member: PeerId, message: Message) {
+        let Message::P2pDecided { peer: asker, epoch, number, send, done } = message else {
+            unreachable!("called with P2pDecided")
+        };
+        if self.p2p_asked.remove(&(asker, member, epoch, number, send)) {
+            log::debug!("transfer #{number} of topology {} between {asker} and {member}: done {done}", epoch.0);
+            self.send_to_peer(asker, Message::P2pDecided { peer: member, epoch, number, send, done });
+        }
+    }
+
     /// `peer` left the run: its waits are over, and nobody waits on it any more (the transfers
     /// with it fail on the `PeerRemoved` every member hears; a receive from any member, on the
     /// topology that follows).
@@ -123,6 +168,14 @@ impl Master {
             *waiter != peer && wait.asked().any(|o| o != peer)
         });
         debug_assert!(!self.p2p_waits.iter().any(|(w, o)| *w == peer || o.asked().any(|o| o == peer)));
+        // What it decided holds nowhere now: those asking it hear "failed".
+        let asked: Vec<Asked> = self.p2p_asked.iter().filter(|a| a.0 == peer || a.1 == peer).copied().collect();
+        for (asker, other, epoch, number, send) in asked {
+            self.p2p_asked.remove(&(asker, other, epoch, number, send));
+            if asker != peer {
+                self.send_to_peer(asker, Message::P2pDecided { peer: other, epoch, number, send, done: false });
+            }
+        }
     }
 }
 

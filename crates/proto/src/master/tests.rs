@@ -1798,6 +1798,32 @@ fn a_kept_run_that_no_master_wrote_is_refused_with_its_fault() {
     );
 }
 
+/// A member asking what became of its transfer at the other end: relayed to that end, naming the
+/// asker, whose answer goes back naming the end asked, once. An end that leaves before it answers
+/// decided nothing that holds: the asker hears "failed"; so does one asking about no member.
+#[test]
+fn a_transfers_outcome_is_asked_of_the_other_end_and_failed_when_it_leaves() {
+    let (mut h, _) = run_with(3);
+    let e = Epoch(7);
+    let ask = |peer: u32| Message::P2pOutcome { peer: PeerId(peer), epoch: e, number: 5, send: true };
+    let told = |peer: u32, done| Message::P2pDecided { peer: PeerId(peer), epoch: e, number: 5, send: true, done };
+    let out = h.send(1, ask(1));
+    assert_eq!(sent_to(&out, 2), vec![&ask(0)], "relayed to the other end, naming the asker");
+    assert!(h.send(3, told(0, true)).is_empty(), "only the end asked answers");
+    let out = h.send(2, told(0, true));
+    assert_eq!(sent_to(&out, 1), vec![&told(1, true)]);
+    assert!(h.send(2, told(0, true)).is_empty(), "answered once");
+
+    h.send(1, ask(1));
+    h.send(1, ask(2));
+    let out = h.send(2, Message::Leave);
+    assert!(sent_to(&out, 1).contains(&&told(1, false)), "peer#1 left before it answered: {out:?}");
+    assert_eq!(sent_to(&h.send(1, ask(1)), 1), vec![&told(1, false)], "peer#1 is no member now");
+    assert_eq!(sent_to(&h.send(1, ask(0)), 1), vec![&told(0, false)], "nobody is its own other end");
+    let out = h.send(3, told(0, true));
+    assert_eq!(sent_to(&out, 1), vec![&told(2, true)], "the question to peer#2 still stands");
+}
+
 fn waits(peer: u32, send: bool, epoch: Epoch) -> Message {
     Message::P2pWaits { peer: PeerId(peer), any: false, send, tag: 3, seen: 0, epoch, collectives: 0 }
 }

@@ -17,7 +17,10 @@
 mod transfers;
 mod view;
 
-pub use transfers::{verb as transfer_verb, Ended, Stop, Transfer, Transfers, APART_GRACE, P2P_PATIENCE};
+pub use transfers::{
+    verb as transfer_verb, Ended, EngineEnd, Stop, Transfer, Transfers, APART_GRACE, ASK_AGAIN, MAX_DECIDED,
+    P2P_PATIENCE,
+};
 pub use view::{
     CatchUpPlan, Interrupt, LapInterrupt, Missed, PeerEvent, PeerView, RingPosition, SyncAbort, TopologyStep,
     UnexpectedMessage, Verdict, VoteAbort, VoteOpen, WaitNote,
@@ -218,6 +221,31 @@ pub enum Action {
         peer: PeerId,
         /// Both calls, named with their peers.
         misuse: Misuse,
+    },
+    /// A member asks what became here of its transfer with us whose links failed (the fields of
+    /// [`PeerEvent::P2pOutcome`]): [`Transfers::handle_outcome_asked`].
+    P2pOutcome {
+        /// The asker.
+        peer: PeerId,
+        /// The topology the transfer ran in.
+        epoch: Epoch,
+        /// The sender's number of it.
+        number: u64,
+        /// The asker sent.
+        send: bool,
+    },
+    /// What became of our transfer with `peer` at its end: [`Transfers::handle_decided`].
+    P2pDecided {
+        /// The member asked.
+        peer: PeerId,
+        /// As asked.
+        epoch: Epoch,
+        /// As asked.
+        number: u64,
+        /// As asked: we sent.
+        send: bool,
+        /// Whether it succeeded there.
+        done: bool,
     },
     /// The call ended.
     Done {
@@ -696,6 +724,18 @@ impl Peer {
         self.outbox.push_back(Message::P2pWaits { peer: other, any, send, tag, seen, epoch, collectives });
     }
 
+    /// The links of our transfer with member `other` (topology `epoch`, the sender's number
+    /// `number`; `send`: ours is the send) failed while its outcome rested on `other`'s word: the
+    /// master asks it what became of it there ([`Action::P2pDecided`] answers).
+    pub fn p2p_outcome(&mut self, other: PeerId, epoch: Epoch, number: u64, send: bool) {
+        self.outbox.push_back(Message::P2pOutcome { peer: other, epoch, number, send });
+    }
+
+    /// Answers `asker`'s [`Action::P2pOutcome`]: the transfer succeeded here (`done`) or not.
+    pub fn p2p_decided(&mut self, asker: PeerId, epoch: Epoch, number: u64, send: bool, done: bool) {
+        self.outbox.push_back(Message::P2pDecided { peer: asker, epoch, number, send, done });
+    }
+
     /// The wait announced with [`Peer::p2p_waits`] is over.
     pub fn p2p_resumed(&mut self, other: PeerId) {
         debug_assert!(self.view.registered.is_some_and(|(me, _)| me != other), "a transfer with ourselves waited");
@@ -879,6 +919,14 @@ impl Peer {
                     self.view.settled_here = None;
                 }
                 self.actions.push_back(Action::P2pApart { peer: *peer, misuse: misuse.clone() });
+            }
+            Ok(PeerEvent::P2pOutcome { peer, epoch, number, send }) => {
+                let (peer, epoch, number, send) = (*peer, *epoch, *number, *send);
+                self.actions.push_back(Action::P2pOutcome { peer, epoch, number, send });
+            }
+            Ok(PeerEvent::P2pDecided { peer, epoch, number, send, done }) => {
+                let (peer, epoch, number, send, done) = (*peer, *epoch, *number, *send, *done);
+                self.actions.push_back(Action::P2pDecided { peer, epoch, number, send, done });
             }
             _ => {}
         }

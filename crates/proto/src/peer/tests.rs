@@ -978,6 +978,83 @@ fn a_receive_from_any_member_judged_apart_leaves_our_collective_running() {
     assert_eq!(ended.result, Err(Stop::Apart(misuse)));
 }
 
+/// What the engine says of a transfer that ended before it matched.
+const UNMATCHED: EngineEnd = EngineEnd { matched: None, uncertain: false };
+
+/// A send whose every part was written fails with its links (here a third member's loss) before
+/// the receiver's `Received` came: only the receiver knows whether every part arrived. The sender
+/// asks it through the master, asks again after [`ASK_AGAIN`] (the master may have restarted),
+/// waits through a new topology, and ends as the receiver's end did; the receiver answers from
+/// what ended there, or once its transfer still in flight ends, and "failed" for one it never had.
+#[test]
+fn a_transfer_whose_links_failed_at_the_other_ends_word_ends_as_it_did_there() {
+    let (mut p, t0) = joined(&[0, 1, 2]);
+    let (mut transfers, call) = transfer(t0);
+    let uncertain = EngineEnd { matched: Some((5, PeerId(1))), uncertain: true };
+    transfers.handle_engine(call, Err("connection closed"), true, uncertain, &mut p, t0);
+    let ask = Message::P2pOutcome { peer: PeerId(1), epoch: Epoch(1), number: 5, send: true };
+    assert_eq!(sent(&mut p), vec![ask.clone()]);
+    assert!(transfers.asking() && ended(&mut transfers).is_empty(), "it asks, not fails");
+    transfers.handle_taken_up(Epoch(2), &mut p, t0);
+    transfers.handle_stalled(&mut p, t0 + APART_GRACE);
+    assert!(ended(&mut transfers).is_empty(), "neither a new topology nor the grace ends it");
+    assert_eq!(transfers.poll_timeout(), Some(t0 + ASK_AGAIN));
+    transfers.handle_stalled(&mut p, t0 + ASK_AGAIN);
+    assert_eq!(sent(&mut p), vec![ask], "asked again");
+    transfers.handle_decided(PeerId(2), Epoch(1), 5, true, false);
+    transfers.handle_decided(PeerId(1), Epoch(1), 4, true, false);
+    assert!(ended(&mut transfers).is_empty(), "answers to other questions");
+    transfers.handle_decided(PeerId(1), Epoch(1), 5, true, true);
+    assert_eq!(ended(&mut transfers), vec![(call, Ok(()))]);
+    // Told "failed", it fails with its own error; the other end removed, or we (expelled while
+    // frozen: a soak's finding, whose transfer asked until its bound), too; its bound holds.
+    for how in ["failed", "removed", "expelled", "bound"] {
+        let (mut p, t0) = joined(&[0, 1, 2]);
+        let (mut transfers, call) = transfer(t0);
+        transfers.handle_engine(call, Err("connection closed"), true, uncertain, &mut p, t0);
+        let at = match how {
+            "failed" => {
+                transfers.handle_decided(PeerId(1), Epoch(1), 5, true, false);
+                t0
+            }
+            "removed" => {
+                p.handle_message(Message::PeerRemoved { peer: PeerId(1) }, t0).unwrap();
+                t0
+            }
+            "expelled" => {
+                p.handle_message(Message::Kicked { reason: "no message for 1.5 s".into() }, t0).unwrap();
+                t0
+            }
+            _ => t0 + BOUND,
+        };
+        transfers.handle_stalled(&mut p, at);
+        let stop = if how == "bound" { Stop::Timeout } else { Stop::Failed("connection closed") };
+        assert_eq!(ended(&mut transfers), vec![(call, Err(stop))], "{how}");
+    }
+
+    // The receiver's side: peer 1 asks about its send #5 to us, and #6, and #7 we never had.
+    let (mut p, t0) = joined(&[0, 1, 2]);
+    let mut transfers: Transfers<(), &'static str> = Transfers::default();
+    for (c, n) in [(1, 5), (2, 6)] {
+        transfers.start(CallId(c), Transfer::new(PeerId(1), Some(1), false, 3, Epoch(1), t0 + BOUND, ()));
+        let matched = EngineEnd { matched: Some((n, PeerId(1))), uncertain: false };
+        if n == 5 {
+            transfers.handle_engine(CallId(c), Ok(()), false, matched, &mut p, t0);
+        }
+    }
+    ended(&mut transfers);
+    let in_flight = |call: CallId| (call == CallId(2)).then_some((6, PeerId(1)));
+    for n in [5, 6, 7] {
+        transfers.handle_outcome_asked(PeerId(1), Epoch(1), n, true, in_flight, &mut p);
+    }
+    let told = |number, done| Message::P2pDecided { peer: PeerId(1), epoch: Epoch(1), number, send: true, done };
+    assert_eq!(sent(&mut p), vec![told(5, true), told(7, false)], "#6 is answered as it ends");
+    transfers.handle_stalled(&mut p, t0 + BOUND);
+    assert_eq!(ended(&mut transfers), vec![(CallId(2), Err(Stop::Timeout))]);
+    transfers.handle_stalled(&mut p, t0 + BOUND);
+    assert_eq!(sent(&mut p), vec![told(6, false)]);
+}
+
 /// A transfer of ours with peer 1, in topology 1, bound at [`BOUND`].
 fn transfer(t0: Instant) -> (Transfers<(), &'static str>, CallId) {
     let mut transfers = Transfers::default();
@@ -996,7 +1073,7 @@ fn ended(transfers: &mut Transfers<(), &'static str>) -> Vec<(CallId, Result<(),
 fn a_lost_transfer_waits_a_grace_for_the_news_that_settles_its_point() {
     let (mut p, t0) = joined(&[0, 1, 2]);
     let (mut transfers, call) = transfer(t0);
-    transfers.handle_engine(call, Err("connection closed"), true, t0);
+    transfers.handle_engine(call, Err("connection closed"), true, UNMATCHED, &mut p, t0);
     transfers.handle_stalled(&mut p, t0 + APART_GRACE / 2);
     assert!(ended(&mut transfers).is_empty(), "held");
     let recv = Made::Transfer { send: false, peer: PeerId(0), tag: 3 };
@@ -1010,13 +1087,13 @@ fn a_lost_transfer_waits_a_grace_for_the_news_that_settles_its_point() {
 
     let (mut p, t0) = joined(&[0, 1, 2]);
     let (mut transfers, call) = transfer(t0);
-    transfers.handle_engine(call, Err("connection closed"), true, t0);
+    transfers.handle_engine(call, Err("connection closed"), true, UNMATCHED, &mut p, t0);
     assert_eq!(transfers.poll_timeout(), Some(t0 + APART_GRACE));
     transfers.handle_stalled(&mut p, t0 + APART_GRACE);
     assert_eq!(ended(&mut transfers), vec![(call, Err(Stop::Failed("connection closed")))]);
     // Any other failure ends it at once.
     let (mut transfers, call) = transfer(t0);
-    transfers.handle_engine(call, Err("count differs"), false, t0);
+    transfers.handle_engine(call, Err("count differs"), false, UNMATCHED, &mut p, t0);
     assert_eq!(ended(&mut transfers), vec![(call, Err(Stop::Failed("count differs")))]);
 }
 
@@ -1043,7 +1120,7 @@ fn a_long_wait_is_announced_once_and_ends_by_the_answer_or_a_resume() {
     let (mut transfers, call) = transfer(t0);
     transfers.handle_waiting(call, P2P_PATIENCE, || Some(0), &mut p);
     sent(&mut p);
-    transfers.handle_engine(call, Ok(()), false, t0);
+    transfers.handle_engine(call, Ok(()), false, UNMATCHED, &mut p, t0);
     assert_eq!(ended(&mut transfers), vec![(call, Ok(()))]);
     transfers.handle_resumed(call, &mut p);
     assert_eq!(sent(&mut p), vec![Message::P2pResumed { peer: PeerId(1) }]);
@@ -1058,7 +1135,7 @@ fn a_transfer_ends_at_its_bound_or_when_its_topology_is_replaced() {
     transfers.handle_stalled(&mut p, t0 + BOUND);
     assert_eq!(ended(&mut transfers), vec![(call, Err(Stop::Timeout))]);
     let (mut transfers, call) = transfer(t0);
-    transfers.handle_taken_up(Epoch(2));
+    transfers.handle_taken_up(Epoch(2), &mut p, t0);
     assert_eq!(ended(&mut transfers), vec![(call, Err(Stop::Superseded(Epoch(2))))]);
     let (mut transfers, call) = transfer(t0);
     p.handle_message(

@@ -24,6 +24,16 @@ pub const P2P_PATIENCE: Duration = Duration::from_millis(100);
 /// it, but it travels another way than the streams' close or the new topology.
 pub const APART_GRACE: Duration = Duration::from_millis(200);
 
+/// How long a transfer asking what became of it at the other end ([`Transfers::handle_engine`])
+/// waits for the answer before it asks again: the question, or its answer, may have been lost
+/// with the master (restarted) or the other end's connection to it.
+pub const ASK_AGAIN: Duration = Duration::from_secs(1);
+
+/// Most transfers whose outcome is kept, after they ended, for the other end to ask about
+/// ([`Transfers::handle_outcome_asked`]): the other end asks within its bound, and a member ends
+/// far fewer transfers than this in one.
+pub const MAX_DECIDED: usize = 4096;
+
 /// A transfer in flight: with whom, in which topology, until when; and `data`, what its driver
 /// keeps with it (its buffer, ...).
 #[derive(Debug)]
@@ -46,6 +56,22 @@ pub struct Transfer<T, E> {
     /// topology replaces ours, because the other end's call ended apart from ours, whose news is
     /// a moment behind.
     failing: Option<(Stop<E>, Instant)>,
+    /// The sender's number of it and the member at the other end, once the engine said.
+    matched: Option<(u64, PeerId)>,
+    /// Its outcome rests on the other end's word, which has not come ([`EngineEnd::uncertain`]).
+    uncertain: bool,
+    /// It stopped while its outcome rested on the other end's word: it asked that end what
+    /// became of it there, and ends as it did there, or with this stop.
+    asking: Option<Asking<E>>,
+}
+
+/// A transfer asking what became of it at the other end.
+#[derive(Debug)]
+struct Asking<E> {
+    /// How it ends, if the other end's did not succeed.
+    stop: Stop<E>,
+    /// When it last asked.
+    asked: Instant,
 }
 
 impl<T, E> Transfer<T, E> {
@@ -62,7 +88,24 @@ impl<T, E> Transfer<T, E> {
     ) -> Self {
         assert_eq!(rank.is_none(), peer == PeerId::ANY, "a member named by its id and rank, or any");
         assert!(rank.is_some() || !send, "a send goes to a member");
-        Transfer { peer, rank, send, tag, epoch, deadline, data, failing: None }
+        Transfer {
+            peer,
+            rank,
+            send,
+            tag,
+            epoch,
+            deadline,
+            data,
+            failing: None,
+            matched: None,
+            uncertain: false,
+            asking: None,
+        }
+    }
+
+    /// The sender's number of it and the member at the other end, once the engine said.
+    pub fn matched(&self) -> Option<(u64, PeerId)> {
+        self.matched
     }
 
     /// The call it is, as a usage error names it.
@@ -99,6 +142,25 @@ pub struct Transfers<T, E> {
     /// call, and that member.
     announced: Option<(CallId, PeerId)>,
     ended: VecDeque<Ended<T, E>>,
+    /// Transfers that ended here, for the other end to ask how: (topology, the other end, ours
+    /// was the send, the sender's number) and whether it succeeded; the latest [`MAX_DECIDED`].
+    decided: VecDeque<((Epoch, PeerId, bool, u64), bool)>,
+    /// Questions about transfers still in flight here, answered as they end: (the transfer, the
+    /// asker).
+    owed: Vec<(CallId, PeerId)>,
+    /// Answers to send: (asker, topology, number, the asker sent, succeeded here).
+    told: VecDeque<(PeerId, Epoch, u64, bool, bool)>,
+}
+
+/// What the engine knows of a transfer it ended ([`Transfers::handle_engine`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineEnd {
+    /// The sender's number of it and the member at the other end, once matched.
+    pub matched: Option<(u64, PeerId)>,
+    /// It failed while its outcome rested on the other end's word (a send whose every part was
+    /// written, waiting for `Received`; a receive that pulled everything, waiting for
+    /// `Confirmed`).
+    pub uncertain: bool,
 }
 
 /// A transfer that ended ([`Transfers::poll_ended`]).
@@ -114,7 +176,14 @@ pub struct Ended<T, E> {
 
 impl<T, E> Default for Transfers<T, E> {
     fn default() -> Self {
-        Transfers { calls: BTreeMap::new(), announced: None, ended: VecDeque::new() }
+        Transfers {
+            calls: BTreeMap::new(),
+            announced: None,
+            ended: VecDeque::new(),
+            decided: VecDeque::new(),
+            owed: Vec::new(),
+            told: VecDeque::new(),
+        }
     }
 }
 
@@ -146,28 +215,129 @@ impl<T, E> Transfers<T, E> {
         self.calls.is_empty()
     }
 
+    /// Whether one asks what became of it at the other end: it moves nothing in the engine, yet
+    /// waits for an answer or its bound ([`Transfers::handle_stalled`]).
+    pub fn asking(&self) -> bool {
+        self.calls.values().any(|t| t.asking.is_some())
+    }
+
+    /// Whether answers to the other ends' questions wait to be sent ([`Transfers::handle_stalled`]).
+    pub fn owes(&self) -> bool {
+        !self.told.is_empty()
+    }
+
     /// The engine ended transfer `call` with `result`; `lost`: a failure is the loss of the
     /// streams. That may be the other end's call ending apart from ours, or a call of a third
     /// member's doing so at our point (its new topology closes the old streams): the failure is
     /// held [`APART_GRACE`] for that news, a `P2pApart` or the verdict that settles our point.
-    pub fn handle_engine(&mut self, call: CallId, result: Result<(), E>, lost: bool, now: Instant) {
+    ///
+    /// A failure while the outcome rested on the other end's word (`end.uncertain`) is not ours
+    /// to decide: `peer` asks the other end, through the master, what became of it there, and it
+    /// ends as it did there ([`Transfers::handle_decided`]).
+    pub fn handle_engine(
+        &mut self,
+        call: CallId,
+        result: Result<(), E>,
+        lost: bool,
+        end: EngineEnd,
+        peer: &mut Peer,
+        now: Instant,
+    ) {
         let Some(t) = self.calls.get_mut(&call) else { return };
+        (t.matched, t.uncertain) = (end.matched, end.uncertain && end.matched.is_some());
         match result {
+            Err(e) if t.uncertain => self.ask(call, Stop::Failed(e), peer, now),
             Err(e) if lost => t.failing = Some((Stop::Failed(e), now)),
             result => self.end(call, result.map_err(Stop::Failed)),
         }
-        assert!(self.calls.get(&call).is_none_or(|t| t.failing.is_some()), "{call:?} ended in the engine, yet runs");
+        self.flush(peer);
+        assert!(
+            self.calls.get(&call).is_none_or(|t| t.failing.is_some() || t.asking.is_some()),
+            "{call:?} ended in the engine, yet runs"
+        );
+    }
+
+    /// The engine says transfer `call` (the sender's number and the other end: `matched`) waits
+    /// for the other end's word on its outcome: stopped before that word, by anything, it asks
+    /// that end how it ended there rather than fail.
+    pub fn handle_uncertain(&mut self, call: CallId, matched: (u64, PeerId)) {
+        if let Some(t) = self.calls.get_mut(&call) {
+            (t.matched, t.uncertain) = (Some(matched), true);
+        }
+    }
+
+    /// Transfer `call` stops with `stop`: if its outcome rests on the other end's word, `peer`
+    /// asks that end, through the master, what became of it there; otherwise it ends so.
+    fn ask(&mut self, call: CallId, stop: Stop<E>, peer: &mut Peer, now: Instant) {
+        let Some(t) = self.calls.get_mut(&call) else { return };
+        let Some((number, with)) = t.matched.filter(|_| t.uncertain && t.asking.is_none()) else {
+            return self.end(call, Err(stop));
+        };
+        log::debug!("{} #{number} with {with} stopped at the other end's word: asking it", verb(t.send));
+        peer.p2p_outcome(with, t.epoch, number, t.send);
+        (t.asking, t.failing) = (Some(Asking { stop, asked: now }), None);
+    }
+
+    /// Member `asker` asks what became here of its transfer with us (topology `epoch`, the
+    /// sender's number `number`; `send`: the asker sent), whose links failed while its outcome
+    /// rested on our word. Answered through `peer` from what ended here; a transfer still in
+    /// flight here (`in_flight` gives the engine's number and other end of one) is answered as
+    /// it ends. One never seen here failed here.
+    pub fn handle_outcome_asked(
+        &mut self,
+        asker: PeerId,
+        epoch: Epoch,
+        number: u64,
+        send: bool,
+        in_flight: impl Fn(CallId) -> Option<(u64, PeerId)>,
+        peer: &mut Peer,
+    ) {
+        let key = (epoch, asker, !send, number);
+        if let Some((_, done)) = self.decided.iter().find(|(k, _)| *k == key) {
+            self.told.push_back((asker, epoch, number, send, *done));
+        } else if let Some((call, t)) = self.calls.iter_mut().find(|(c, t)| {
+            t.epoch == epoch && t.send != send && t.asking.is_none() && in_flight(**c) == Some((number, asker))
+        }) {
+            t.matched = Some((number, asker));
+            self.owed.push((*call, asker));
+        } else {
+            self.told.push_back((asker, epoch, number, send, false));
+        }
+        self.flush(peer);
+    }
+
+    /// Member `with` says what became at its end of our transfer asking it (the fields of
+    /// `P2pDecided`): ours ends as that one did. Nothing if none asks so (ended meanwhile).
+    pub fn handle_decided(&mut self, with: PeerId, epoch: Epoch, number: u64, send: bool, done: bool) {
+        let asking = |t: &Transfer<T, E>| {
+            t.epoch == epoch && t.send == send && t.matched == Some((number, with)) && t.asking.is_some()
+        };
+        let Some((&call, _)) = self.calls.iter().find(|(_, t)| asking(t)) else { return };
+        let t = self.calls.get_mut(&call).expect("found");
+        let stop = t.asking.take().expect("asking").stop;
+        log::debug!("{} #{number} with {with}: {} there", verb(send), if done { "done" } else { "failed" });
+        self.end(call, if done { Ok(()) } else { Err(stop) });
+    }
+
+    /// Sends the answers owed: those to questions about transfers that ended since they came.
+    fn flush(&mut self, peer: &mut Peer) {
+        for (asker, epoch, number, send, done) in self.told.drain(..) {
+            peer.p2p_decided(asker, epoch, number, send, done);
+        }
     }
 
     /// Topology `epoch` was taken up: its links replace the ones the transfers in flight run
     /// over, and ranks may name other members now; each ends, retryably.
-    pub fn handle_taken_up(&mut self, epoch: Epoch) {
-        let calls: Vec<CallId> = self.calls.keys().copied().collect();
+    /// One whose outcome rests on the other end's word asks that end (through `peer`, at `now`)
+    /// and waits for the answer: the other end decided it, whatever topology follows.
+    pub fn handle_taken_up(&mut self, epoch: Epoch, peer: &mut Peer, now: Instant) {
+        let calls: Vec<CallId> = self.calls.iter().filter(|(_, t)| t.asking.is_none()).map(|(c, _)| *c).collect();
         for call in calls {
             assert!(self.calls[&call].epoch < epoch, "{call:?} runs in a topology taken up after {epoch:?}");
-            self.end(call, Err(Stop::Superseded(epoch)));
+            self.ask(call, Stop::Superseded(epoch), peer, now);
         }
-        assert!(self.calls.is_empty(), "a transfer outlives its topology");
+        self.flush(peer);
+        assert!(self.calls.values().all(|t| t.asking.is_some()), "a transfer outlives its topology");
     }
 
     /// The master says that member `peer`'s call can never let the transfer our caller waits on
@@ -196,40 +366,65 @@ impl<T, E> Transfers<T, E> {
     /// `now`. Nothing while `peer` has an action to carry out first (a `P2pApart` before the
     /// topology it brings).
     pub fn handle_stalled(&mut self, peer: &mut Peer, now: Instant) {
+        self.flush(peer);
         if peer.has_action() || self.calls.is_empty() {
             return;
         }
+        // Those asking the other end: its answer, its removal or ours (no answer comes then), or
+        // their bound ends them.
+        let mut stopped: Vec<(CallId, Stop<E>)> = Vec::new();
+        for (call, t) in self.calls.iter_mut() {
+            let Some(asking) = &mut t.asking else { continue };
+            let with = t.matched.expect("asks about a matched transfer").1;
+            if peer.removed(with) || peer.gone().is_some() || now >= t.deadline {
+                let stop = t.asking.take().expect("asking").stop;
+                stopped.push((*call, if now >= t.deadline { Stop::Timeout } else { stop }));
+            } else if now >= asking.asked + ASK_AGAIN {
+                asking.asked = now;
+                let (number, with) = t.matched.expect("asks about a matched transfer");
+                peer.p2p_outcome(with, t.epoch, number, t.send);
+            }
+        }
+        for (call, stop) in stopped {
+            self.end(call, Err(stop));
+        }
         // A topology issued after the others' calls at our point ended apart: ours are among them.
         let apart = |peer: &Peer, t: &Transfer<T, E>| {
-            !peer.removed(t.peer) && (t.failing.is_some() || peer.superseded(t.epoch))
+            t.asking.is_none() && !peer.removed(t.peer) && (t.failing.is_some() || peer.superseded(t.epoch))
         };
         let first = self.calls.values().find(|t| apart(peer, t)).map(Transfer::call);
         let settled = first.and_then(|call| peer.p2p_settled(call));
         debug_assert!(settled.is_none() || first.is_some(), "a transfer told of calls it is not among");
-        let mut stopped: Vec<(CallId, Stop<E>)> = Vec::new();
-        for (call, t) in &mut self.calls {
+        // (transfer, how it stops, whether it asks the other end first where it waits for its word:
+        // what ended it here did not end it there, where it may have completed)
+        let mut stopped: Vec<(CallId, Stop<E>, bool)> = Vec::new();
+        for (call, t) in self.calls.iter_mut().filter(|(_, t)| t.asking.is_none()) {
             let stop = if peer.removed(t.peer) {
-                Some(Stop::Removed)
+                Some((Stop::Removed, false))
             } else if let Some(m) = settled.as_ref().filter(|_| apart(peer, t)) {
                 // Each transfer of ours there is one of those calls.
-                Some(Stop::Apart(Misuse::settled(Called::new(m.ours.peers.clone(), t.call()), m.theirs.clone())))
+                let misuse = Misuse::settled(Called::new(m.ours.peers.clone(), t.call()), m.theirs.clone());
+                Some((Stop::Apart(misuse), true))
             } else if apart(peer, t) {
                 let (_, since) = t.failing.get_or_insert((Stop::Replaced, now));
-                (now >= *since + APART_GRACE).then(|| t.failing.take().expect("held").0)
+                (now >= *since + APART_GRACE).then(|| (t.failing.take().expect("held").0, true))
             } else if now >= t.deadline {
-                Some(Stop::Timeout)
+                Some((Stop::Timeout, false))
             } else {
                 None
             };
-            stopped.extend(stop.map(|s| (*call, s)));
+            stopped.extend(stop.map(|(s, ask)| (*call, s, ask)));
         }
-        let ended = self.ended.len() + stopped.len();
-        for (call, stop) in stopped {
-            self.end(call, Err(stop));
+        for (call, stop, ask) in stopped {
+            if ask {
+                self.ask(call, stop, peer, now);
+            } else {
+                self.end(call, Err(stop));
+            }
         }
-        debug_assert_eq!(self.ended.len(), ended, "a transfer stopped is not ended once");
+        self.flush(peer);
         assert!(
-            self.calls.values().all(|t| now < t.deadline || t.failing.is_some()),
+            self.calls.values().all(|t| now < t.deadline || t.failing.is_some() || t.asking.is_some()),
             "a transfer past its bound is neither ended nor held"
         );
     }
@@ -274,7 +469,11 @@ impl<T, E> Transfers<T, E> {
     /// When [`Transfers::handle_stalled`] has something to do with time alone: a bound, or a
     /// held failure's grace.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        let due = |t: &Transfer<T, E>| t.failing.as_ref().map_or(t.deadline, |(_, since)| *since + APART_GRACE);
+        let due = |t: &Transfer<T, E>| match (&t.failing, &t.asking) {
+            (_, Some(asking)) => t.deadline.min(asking.asked + ASK_AGAIN),
+            (Some((_, since)), None) => *since + APART_GRACE,
+            (None, None) => t.deadline,
+        };
         self.calls.values().map(due).min()
     }
 
@@ -287,6 +486,18 @@ impl<T, E> Transfers<T, E> {
         let Some(mut transfer) = self.calls.remove(&call) else { return };
         debug_assert!(self.ended.iter().all(|e| e.call != call), "{call:?} ends twice");
         transfer.failing = None;
+        let done = result.is_ok();
+        for (_, asker) in self.owed.iter().filter(|(c, _)| *c == call) {
+            let (number, _) = transfer.matched.expect("asked about by number");
+            self.told.push_back((*asker, transfer.epoch, number, !transfer.send, done));
+        }
+        self.owed.retain(|(c, _)| *c != call);
+        if let Some((number, with)) = transfer.matched {
+            if self.decided.len() == MAX_DECIDED {
+                self.decided.pop_front();
+            }
+            self.decided.push_back(((transfer.epoch, with, transfer.send, number), done));
+        }
         self.ended.push_back(Ended { call, transfer, result });
         assert!(!self.calls.contains_key(&call), "{call:?} ended, yet in flight");
     }

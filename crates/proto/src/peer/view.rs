@@ -294,6 +294,32 @@ pub enum PeerEvent {
         /// Both calls, named.
         misuse: Misuse,
     },
+    /// A member whose transfer with us lost its links asks what became of it here (the fields
+    /// of [`Message::P2pOutcome`], relayed).
+    P2pOutcome {
+        /// The asker.
+        peer: PeerId,
+        /// The topology the transfer ran in.
+        epoch: Epoch,
+        /// The sender's number of it.
+        number: u64,
+        /// The asker sent.
+        send: bool,
+    },
+    /// The answer to a [`Message::P2pOutcome`] of ours: the transfer ended at member `peer`'s
+    /// end (`done`) or not.
+    P2pDecided {
+        /// The member asked.
+        peer: PeerId,
+        /// As asked.
+        epoch: Epoch,
+        /// As asked.
+        number: u64,
+        /// As asked: we sent.
+        send: bool,
+        /// Whether it succeeded there.
+        done: bool,
+    },
     /// Drop the copy of the shared state kept for newcomers: none catches up any more.
     DropSnapshot,
     /// The master asked whether we committed a collective: `committed` says we did and must
@@ -592,6 +618,10 @@ impl PeerView {
                     return Err(UnexpectedMessage { got: "P2pApart", why: "it names other calls than our wait's" });
                 }
                 PeerEvent::P2pApart { peer, misuse }
+            }
+            Message::P2pOutcome { peer, epoch, number, send } => PeerEvent::P2pOutcome { peer, epoch, number, send },
+            Message::P2pDecided { peer, epoch, number, send, done } => {
+                PeerEvent::P2pDecided { peer, epoch, number, send, done }
             }
             Message::Snapshot { round: 0 } => {
                 self.snapshot_order = None;
