@@ -300,14 +300,12 @@ fuzz_target!(|session: Session| {
                 Action::Done { call, .. } => assert!(ended.insert(call), "call {call:?} ended twice"),
                 // A driver answers a question about a transfer's outcome, or ends the transfer by
                 // the answer: the state machine only relays them.
-                Action::P2pOutcome { peer: asker, epoch, number, send } => {
-                    peer.p2p_decided(asker, epoch, number, send, false)
-                }
+                Action::P2pOutcome(asked) => peer.p2p_decided(asked, false),
                 Action::Registered { .. }
                 | Action::TakeUp(_)
                 | Action::MemberWaits(_)
                 | Action::P2pApart { .. }
-                | Action::P2pDecided { .. } => {}
+                | Action::P2pDecided(..) => {}
             }
         }
         running.retain(|&op| peer.running(op));

@@ -412,12 +412,8 @@ impl Driver {
             }
             Action::MemberWaits(_) => self.judge_waiters(control, data, call),
             Action::P2pApart { peer, misuse } => crate::plane::p2p_apart(data, peer, misuse),
-            Action::P2pOutcome { peer, epoch, number, send } => {
-                control.own_input(|p, _| crate::plane::p2p_outcome(p, data, peer, epoch, number, send))
-            }
-            Action::P2pDecided { peer, epoch, number, send, done } => {
-                crate::plane::p2p_decided(data, peer, epoch, number, send, done)
-            }
+            Action::P2pOutcome(asked) => control.own_input(|p, _| crate::plane::p2p_outcome(p, data, asked)),
+            Action::P2pDecided(told, done) => crate::plane::p2p_decided(data, told, done),
             action => {
                 if let Some(result) = own(data, action) {
                     let call = call.expect("only a call's own driver is asked for its actions");

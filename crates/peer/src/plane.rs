@@ -12,7 +12,7 @@ use shoal_collective::{Algorithm, Codec, CollectiveKind, DType, Quantization, Re
 use shoal_engine::{Backup, Direction, Exec, LinkError, OpKey, RawBuf, Taken};
 use shoal_proto::bounds::Observed;
 use shoal_proto::peer::{
-    CallError, CallId, Cutoff, Ended, EngineEnd, OpId, Peer, RingPosition, Stop, Transfers, Value,
+    CallError, CallId, Cutoff, Ended, EngineEnd, OpId, Peer, RingPosition, Stop, TransferName, Transfers, Value,
 };
 use shoal_wire::{Epoch, Misuse, OpHeader, PeerId};
 use std::any::Any;
@@ -508,17 +508,17 @@ fn member(position: Option<&RingPosition>, (number, rank): (u64, usize)) -> Opti
     Some((number, position?.ring.get(rank)?.peer))
 }
 
-/// Member `asker` asks what became here of its transfer with us whose links failed.
-pub(crate) fn p2p_outcome(peer: &mut Peer, data: &mut DataPlane, asker: PeerId, epoch: Epoch, number: u64, send: bool) {
+/// A member asks what became here of its transfer `asked` with us.
+pub(crate) fn p2p_outcome(peer: &mut Peer, data: &mut DataPlane, asked: TransferName) {
     let (exec, position) = (data.exec.as_ref(), data.position.as_ref());
     let in_flight = |call: CallId| member(position, exec?.transfer_outcome(call.0).0?);
-    data.calls.transfers.handle_outcome_asked(asker, epoch, number, send, in_flight, peer);
+    data.calls.transfers.handle_outcome_asked(asked, in_flight, peer);
     take_ended(data);
 }
 
-/// What became at member `with`'s end of our transfer asking it.
-pub(crate) fn p2p_decided(data: &mut DataPlane, with: PeerId, epoch: Epoch, number: u64, send: bool, done: bool) {
-    data.calls.transfers.handle_decided(with, epoch, number, send, done);
+/// Whether our transfer `told` succeeded at its other end.
+pub(crate) fn p2p_decided(data: &mut DataPlane, told: TransferName, done: bool) {
+    data.calls.transfers.handle_decided(told, done);
     take_ended(data);
 }
 

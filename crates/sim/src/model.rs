@@ -1504,15 +1504,15 @@ impl Sim {
                 p.transfers.handle_apart(peer, misuse, unmatched);
                 self.transfers_ended(i);
             }
-            Action::P2pOutcome { peer, epoch, number, send } => {
+            Action::P2pOutcome(asked) => {
                 let p = &mut self.peers[i];
                 let (exec, position) = (p.exec.as_ref(), p.position.as_ref());
                 let in_flight = |call: CallId| exec.and_then(|e| engine_end(e, position, call).matched);
-                p.transfers.handle_outcome_asked(peer, epoch, number, send, in_flight, &mut p.proto);
+                p.transfers.handle_outcome_asked(asked, in_flight, &mut p.proto);
                 self.transfers_ended(i);
             }
-            Action::P2pDecided { peer, epoch, number, send, done } => {
-                self.peers[i].transfers.handle_decided(peer, epoch, number, send, done);
+            Action::P2pDecided(told, done) => {
+                self.peers[i].transfers.handle_decided(told, done);
                 self.transfers_ended(i);
             }
         }

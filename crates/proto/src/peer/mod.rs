@@ -23,7 +23,7 @@ pub use transfers::{
 };
 pub use view::{
     CatchUpPlan, Interrupt, LapInterrupt, Missed, PeerEvent, PeerView, RingPosition, SyncAbort, TopologyStep,
-    UnexpectedMessage, Verdict, VoteAbort, VoteOpen, WaitNote,
+    TransferName, UnexpectedMessage, Verdict, VoteAbort, VoteOpen, WaitNote,
 };
 
 use crate::auth::{DataKey, RunKey};
@@ -222,31 +222,12 @@ pub enum Action {
         /// Both calls, named with their peers.
         misuse: Misuse,
     },
-    /// A member asks what became here of its transfer with us whose links failed (the fields of
-    /// [`PeerEvent::P2pOutcome`]): [`Transfers::handle_outcome_asked`].
-    P2pOutcome {
-        /// The asker.
-        peer: PeerId,
-        /// The topology the transfer ran in.
-        epoch: Epoch,
-        /// The sender's number of it.
-        number: u64,
-        /// The asker sent.
-        send: bool,
-    },
-    /// What became of our transfer with `peer` at its end: [`Transfers::handle_decided`].
-    P2pDecided {
-        /// The member asked.
-        peer: PeerId,
-        /// As asked.
-        epoch: Epoch,
-        /// As asked.
-        number: u64,
-        /// As asked: we sent.
-        send: bool,
-        /// Whether it succeeded there.
-        done: bool,
-    },
+    /// A member asks what became here of its transfer with us ([`PeerEvent::P2pOutcome`]):
+    /// [`Transfers::handle_outcome_asked`].
+    P2pOutcome(TransferName),
+    /// Whether our transfer asking the member at its other end succeeded there
+    /// ([`PeerEvent::P2pDecided`]): [`Transfers::handle_decided`].
+    P2pDecided(TransferName, bool),
     /// The call ended.
     Done {
         /// Which.
@@ -724,16 +705,19 @@ impl Peer {
         self.outbox.push_back(Message::P2pWaits { peer: other, any, send, tag, seen, epoch, collectives });
     }
 
-    /// The links of our transfer with member `other` (topology `epoch`, the sender's number
-    /// `number`; `send`: ours is the send) failed while its outcome rested on `other`'s word: the
-    /// master asks it what became of it there ([`Action::P2pDecided`] answers).
-    pub fn p2p_outcome(&mut self, other: PeerId, epoch: Epoch, number: u64, send: bool) {
-        self.outbox.push_back(Message::P2pOutcome { peer: other, epoch, number, send });
+    /// Our transfer `t` (`t.peer`: the other end) stopped while its outcome rested on the other
+    /// end's word: the master asks that end what became of it there ([`Action::P2pDecided`]
+    /// answers).
+    pub fn p2p_outcome(&mut self, t: TransferName) {
+        let TransferName { peer, epoch, number, send } = t;
+        self.outbox.push_back(Message::P2pOutcome { peer, epoch, number, send });
     }
 
-    /// Answers `asker`'s [`Action::P2pOutcome`]: the transfer succeeded here (`done`) or not.
-    pub fn p2p_decided(&mut self, asker: PeerId, epoch: Epoch, number: u64, send: bool, done: bool) {
-        self.outbox.push_back(Message::P2pDecided { peer: asker, epoch, number, send, done });
+    /// Answers [`Action::P2pOutcome`] about `t` (`t.peer`: the asker): the transfer succeeded
+    /// here (`done`) or not.
+    pub fn p2p_decided(&mut self, t: TransferName, done: bool) {
+        let TransferName { peer, epoch, number, send } = t;
+        self.outbox.push_back(Message::P2pDecided { peer, epoch, number, send, done });
     }
 
     /// The wait announced with [`Peer::p2p_waits`] is over.
@@ -920,14 +904,8 @@ impl Peer {
                 }
                 self.actions.push_back(Action::P2pApart { peer: *peer, misuse: misuse.clone() });
             }
-            Ok(PeerEvent::P2pOutcome { peer, epoch, number, send }) => {
-                let (peer, epoch, number, send) = (*peer, *epoch, *number, *send);
-                self.actions.push_back(Action::P2pOutcome { peer, epoch, number, send });
-            }
-            Ok(PeerEvent::P2pDecided { peer, epoch, number, send, done }) => {
-                let (peer, epoch, number, send, done) = (*peer, *epoch, *number, *send, *done);
-                self.actions.push_back(Action::P2pDecided { peer, epoch, number, send, done });
-            }
+            Ok(PeerEvent::P2pOutcome(t)) => self.actions.push_back(Action::P2pOutcome(*t)),
+            Ok(PeerEvent::P2pDecided(t, done)) => self.actions.push_back(Action::P2pDecided(*t, *done)),
             _ => {}
         }
         if self.in_vote() {

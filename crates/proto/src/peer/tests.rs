@@ -1001,10 +1001,11 @@ fn a_transfer_whose_links_failed_at_the_other_ends_word_ends_as_it_did_there() {
     assert_eq!(transfers.poll_timeout(), Some(t0 + ASK_AGAIN));
     transfers.handle_stalled(&mut p, t0 + ASK_AGAIN);
     assert_eq!(sent(&mut p), vec![ask], "asked again");
-    transfers.handle_decided(PeerId(2), Epoch(1), 5, true, false);
-    transfers.handle_decided(PeerId(1), Epoch(1), 4, true, false);
+    let told = |peer, number| TransferName { peer: PeerId(peer), epoch: Epoch(1), number, send: true };
+    transfers.handle_decided(told(2, 5), false);
+    transfers.handle_decided(told(1, 4), false);
     assert!(ended(&mut transfers).is_empty(), "answers to other questions");
-    transfers.handle_decided(PeerId(1), Epoch(1), 5, true, true);
+    transfers.handle_decided(told(1, 5), true);
     assert_eq!(ended(&mut transfers), vec![(call, Ok(()))]);
     // Told "failed", it fails with its own error; the other end removed, or we (expelled while
     // frozen: a soak's finding, whose transfer asked until its bound), too; its bound holds.
@@ -1014,7 +1015,7 @@ fn a_transfer_whose_links_failed_at_the_other_ends_word_ends_as_it_did_there() {
         transfers.handle_engine(call, Err("connection closed"), true, uncertain, &mut p, t0);
         let at = match how {
             "failed" => {
-                transfers.handle_decided(PeerId(1), Epoch(1), 5, true, false);
+                transfers.handle_decided(told(1, 5), false);
                 t0
             }
             "removed" => {
@@ -1045,14 +1046,14 @@ fn a_transfer_whose_links_failed_at_the_other_ends_word_ends_as_it_did_there() {
     ended(&mut transfers);
     let in_flight = |call: CallId| (call == CallId(2)).then_some((6, PeerId(1)));
     for n in [5, 6, 7] {
-        transfers.handle_outcome_asked(PeerId(1), Epoch(1), n, true, in_flight, &mut p);
+        transfers.handle_outcome_asked(told(1, n), in_flight, &mut p);
     }
-    let told = |number, done| Message::P2pDecided { peer: PeerId(1), epoch: Epoch(1), number, send: true, done };
-    assert_eq!(sent(&mut p), vec![told(5, true), told(7, false)], "#6 is answered as it ends");
+    let answer = |number, done| Message::P2pDecided { peer: PeerId(1), epoch: Epoch(1), number, send: true, done };
+    assert_eq!(sent(&mut p), vec![answer(5, true), answer(7, false)], "#6 is answered as it ends");
     transfers.handle_stalled(&mut p, t0 + BOUND);
     assert_eq!(ended(&mut transfers), vec![(CallId(2), Err(Stop::Timeout))]);
     transfers.handle_stalled(&mut p, t0 + BOUND);
-    assert_eq!(sent(&mut p), vec![told(6, false)]);
+    assert_eq!(sent(&mut p), vec![answer(6, false)]);
 }
 
 /// A transfer of ours with peer 1, in topology 1, bound at [`BOUND`].

@@ -9,7 +9,7 @@
 //! argument; it takes each transfer that ended with [`Transfers::poll_ended`]. `crates/peer`
 //! drives it beside its engine's sockets, `crates/sim` beside its simulated lanes.
 
-use super::{CallId, Peer};
+use super::{CallId, Peer, TransferName};
 use shoal_wire::{Call, Called, Epoch, Misuse, PeerId};
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -148,8 +148,8 @@ pub struct Transfers<T, E> {
     /// Questions about transfers still in flight here, answered as they end: (the transfer, the
     /// asker).
     owed: Vec<(CallId, PeerId)>,
-    /// Answers to send: (asker, topology, number, the asker sent, succeeded here).
-    told: VecDeque<(PeerId, Epoch, u64, bool, bool)>,
+    /// Answers to send: the transfer as asked, and whether it succeeded here.
+    told: VecDeque<(TransferName, bool)>,
 }
 
 /// What the engine knows of a transfer it ended ([`Transfers::handle_engine`]).
@@ -274,41 +274,39 @@ impl<T, E> Transfers<T, E> {
             return self.end(call, Err(stop));
         };
         log::debug!("{} #{number} with {with} stopped at the other end's word: asking it", verb(t.send));
-        peer.p2p_outcome(with, t.epoch, number, t.send);
+        peer.p2p_outcome(TransferName { peer: with, epoch: t.epoch, number, send: t.send });
         (t.asking, t.failing) = (Some(Asking { stop, asked: now }), None);
     }
 
-    /// Member `asker` asks what became here of its transfer with us (topology `epoch`, the
-    /// sender's number `number`; `send`: the asker sent), whose links failed while its outcome
-    /// rested on our word. Answered through `peer` from what ended here; a transfer still in
-    /// flight here (`in_flight` gives the engine's number and other end of one) is answered as
-    /// it ends. One never seen here failed here.
+    /// A member asks what became here of its transfer `asked` with us (`asked.peer`: the asker),
+    /// which stopped while its outcome rested on our word. Answered through `peer` from what
+    /// ended here; a transfer still in flight here (`in_flight` gives the engine's number and
+    /// other end of one) is answered as it ends. One never seen here failed here.
     pub fn handle_outcome_asked(
         &mut self,
-        asker: PeerId,
-        epoch: Epoch,
-        number: u64,
-        send: bool,
+        asked: TransferName,
         in_flight: impl Fn(CallId) -> Option<(u64, PeerId)>,
         peer: &mut Peer,
     ) {
+        let TransferName { peer: asker, epoch, number, send } = asked;
         let key = (epoch, asker, !send, number);
         if let Some((_, done)) = self.decided.iter().find(|(k, _)| *k == key) {
-            self.told.push_back((asker, epoch, number, send, *done));
+            self.told.push_back((asked, *done));
         } else if let Some((call, t)) = self.calls.iter_mut().find(|(c, t)| {
             t.epoch == epoch && t.send != send && t.asking.is_none() && in_flight(**c) == Some((number, asker))
         }) {
             t.matched = Some((number, asker));
             self.owed.push((*call, asker));
         } else {
-            self.told.push_back((asker, epoch, number, send, false));
+            self.told.push_back((asked, false));
         }
         self.flush(peer);
     }
 
-    /// Member `with` says what became at its end of our transfer asking it (the fields of
-    /// `P2pDecided`): ours ends as that one did. Nothing if none asks so (ended meanwhile).
-    pub fn handle_decided(&mut self, with: PeerId, epoch: Epoch, number: u64, send: bool, done: bool) {
+    /// The member at the other end of our transfer `told` (`told.peer`) says whether it
+    /// succeeded there: ours ends as that one did. Nothing if none asks so (ended meanwhile).
+    pub fn handle_decided(&mut self, told: TransferName, done: bool) {
+        let TransferName { peer: with, epoch, number, send } = told;
         let asking = |t: &Transfer<T, E>| {
             t.epoch == epoch && t.send == send && t.matched == Some((number, with)) && t.asking.is_some()
         };
@@ -321,8 +319,8 @@ impl<T, E> Transfers<T, E> {
 
     /// Sends the answers owed: those to questions about transfers that ended since they came.
     fn flush(&mut self, peer: &mut Peer) {
-        for (asker, epoch, number, send, done) in self.told.drain(..) {
-            peer.p2p_decided(asker, epoch, number, send, done);
+        for (t, done) in self.told.drain(..) {
+            peer.p2p_decided(t, done);
         }
     }
 
@@ -382,7 +380,7 @@ impl<T, E> Transfers<T, E> {
             } else if now >= asking.asked + ASK_AGAIN {
                 asking.asked = now;
                 let (number, with) = t.matched.expect("asks about a matched transfer");
-                peer.p2p_outcome(with, t.epoch, number, t.send);
+                peer.p2p_outcome(TransferName { peer: with, epoch: t.epoch, number, send: t.send });
             }
         }
         for (call, stop) in stopped {
@@ -489,7 +487,8 @@ impl<T, E> Transfers<T, E> {
         let done = result.is_ok();
         for (_, asker) in self.owed.iter().filter(|(c, _)| *c == call) {
             let (number, _) = transfer.matched.expect("asked about by number");
-            self.told.push_back((*asker, transfer.epoch, number, !transfer.send, done));
+            let asked = TransferName { peer: *asker, epoch: transfer.epoch, number, send: !transfer.send };
+            self.told.push_back((asked, done));
         }
         self.owed.retain(|(c, _)| *c != call);
         if let Some((number, with)) = transfer.matched {

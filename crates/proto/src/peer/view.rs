@@ -262,6 +262,21 @@ pub enum Verdict {
     Aborted(OpFailure),
 }
 
+/// A tagged transfer named across the master, as [`Message::P2pOutcome`] and
+/// [`Message::P2pDecided`] carry it: the member at its other end (relayed: the asker, or the
+/// member asked), its topology, the sender's number of it, and whether the asker sent it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TransferName {
+    /// The member at the other end.
+    pub peer: PeerId,
+    /// The topology it ran in.
+    pub epoch: Epoch,
+    /// The sender's number of it among its transfers to the receiver.
+    pub number: u64,
+    /// The asker sent it; otherwise it received it.
+    pub send: bool,
+}
+
 /// A fact the peer learned from one message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PeerEvent {
@@ -294,32 +309,12 @@ pub enum PeerEvent {
         /// Both calls, named.
         misuse: Misuse,
     },
-    /// A member whose transfer with us lost its links asks what became of it here (the fields
-    /// of [`Message::P2pOutcome`], relayed).
-    P2pOutcome {
-        /// The asker.
-        peer: PeerId,
-        /// The topology the transfer ran in.
-        epoch: Epoch,
-        /// The sender's number of it.
-        number: u64,
-        /// The asker sent.
-        send: bool,
-    },
-    /// The answer to a [`Message::P2pOutcome`] of ours: the transfer ended at member `peer`'s
-    /// end (`done`) or not.
-    P2pDecided {
-        /// The member asked.
-        peer: PeerId,
-        /// As asked.
-        epoch: Epoch,
-        /// As asked.
-        number: u64,
-        /// As asked: we sent.
-        send: bool,
-        /// Whether it succeeded there.
-        done: bool,
-    },
+    /// A member whose transfer with us stopped at our word asks what became of it here
+    /// ([`Message::P2pOutcome`], relayed: `peer` is the asker).
+    P2pOutcome(TransferName),
+    /// The answer to a [`Message::P2pOutcome`] of ours (`peer` is the member asked): the transfer
+    /// succeeded there, or not.
+    P2pDecided(TransferName, bool),
     /// Drop the copy of the shared state kept for newcomers: none catches up any more.
     DropSnapshot,
     /// The master asked whether we committed a collective: `committed` says we did and must
@@ -619,9 +614,11 @@ impl PeerView {
                 }
                 PeerEvent::P2pApart { peer, misuse }
             }
-            Message::P2pOutcome { peer, epoch, number, send } => PeerEvent::P2pOutcome { peer, epoch, number, send },
+            Message::P2pOutcome { peer, epoch, number, send } => {
+                PeerEvent::P2pOutcome(TransferName { peer, epoch, number, send })
+            }
             Message::P2pDecided { peer, epoch, number, send, done } => {
-                PeerEvent::P2pDecided { peer, epoch, number, send, done }
+                PeerEvent::P2pDecided(TransferName { peer, epoch, number, send }, done)
             }
             Message::Snapshot { round: 0 } => {
                 self.snapshot_order = None;
