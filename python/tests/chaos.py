@@ -11,7 +11,8 @@ slowed, for a while, then healed.
 
 Afterwards: every completed operation must be identical on all its participants and correct,
 every failed one must have restored its buffers, every p2p message delivered intact exactly once
-or failed on both ends, every peer's state (a newcomer's caught-up one too) must hash the same at
+or failed on both ends (unless the end that succeeded was removed from the run before the other
+heard it: ``docs/protocol.md``), every peer's state (a newcomer's caught-up one too) must hash the same at
 every revision, no call may have outlived its bound, and only peers on a partitioned host (or
 newcomers dialing while the master restarted) may have lost the master. Every process's memory,
 threads and descriptors are read about once a second (``resources.py``): none may grow past its
@@ -31,6 +32,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -260,6 +262,17 @@ def _log(workdir: Path, i: int) -> str:
     return path.read_text() if path.exists() else ""
 
 
+def _removed(actions: list[str]) -> defaultdict[int, list[float]]:
+    """When each peer was killed, or frozen past the master's heartbeat timeout (and so removed
+    from the run), by its index."""
+    removed: defaultdict[int, list[float]] = defaultdict(list)
+    for a in actions:
+        m = re.match(r"([\d.]+) (SIGKILL|SIGSTOP) peer(\d+)(?: for ([\d.]+) s)?", a)
+        if m and (m[2] == "SIGKILL" or float(m[4]) > HEARTBEAT_TIMEOUT):
+            removed[int(m[3])].append(float(m[1]))
+    return removed
+
+
 def analyse(workdir: Path, peers: int, actions: list[str], ever_cut: set[int] = frozenset(),
             groups: tuple[int, ...] = (0,)) -> dict:
     """Checks every peer's log (the module's docstring says what) and counts what happened."""
@@ -292,10 +305,10 @@ def analyse(workdir: Path, peers: int, actions: list[str], ever_cut: set[int] = 
                 assert r.get("correct", r.get("replanned")), f"wrong result: {where}"
                 results[tuple(r["key"])].add(r["sha"])
             if "sent" in r:
-                sent[tuple(r["sent"])] = r
+                sent[tuple(r["sent"])] = dict(r, peer=i)
             if "received" in r and "call" in r:
                 assert "error" in r or r["correct"], f"a message arrived damaged: {where}"
-                received[tuple(r["received"])].append(r)
+                received[tuple(r["received"])].append(dict(r, peer=i))
             if "revision" in r:
                 states[(groups[i % len(groups)], r["revision"])].add(r["state"])
                 if "caught_up" in r:
@@ -311,14 +324,25 @@ def analyse(workdir: Path, peers: int, actions: list[str], ever_cut: set[int] = 
         assert len(shas) == 1, f"operation {key} differs between participants"
     for (group, revision), hashes in states.items():
         assert len(hashes) == 1, f"peers of group {group} hold different states at revision {revision}"
+    removed = _removed(actions)
+    decider_lost = 0
     for key, got in received.items():
         assert len(got) == 1, f"message {key} received {len(got)} times: {got}"
         if key in sent:  # both ends lived to say how it went
-            assert ("error" in sent[key]) == ("error" in got[0]), f"message {key}: {sent[key]} but {got[0]}"
-            assert "error" in got[0] or got[0]["sha"] == sent[key]["sha"], f"message {key} changed: {got[0]}"
+            send, recv = sent[key], got[0]
+            if ("error" in send) != ("error" in recv):
+                # The one way the ends may part (docs/protocol.md, "A transfer's outcome when its
+                # links fail"): the end that succeeded was removed from the run after it did and
+                # before the other end, waiting for its word, heard it.
+                done, failed = (recv, send) if "error" in send else (send, recv)
+                lost = [t for t in removed[done["peer"]] if done["at"] - 1.0 <= t <= failed["at"]]
+                assert lost, f"message {key}: {send} but {recv}"
+                decider_lost += 1
+            assert "error" in recv or recv["sha"] == send["sha"], f"message {key} changed: {recv}"
     return {"operations": sum(calls.values()), "by_call": dict(sorted(calls.items())),
             "failures": sum(failures.values()), "failures_by_call": dict(sorted(failures.items())),
             "collectives": len(results), "messages": sum("error" not in g[0] for g in received.values()),
+            "messages_decider_lost": decider_lost,
             "replanned": replanned, "syncs": syncs, "repaired": repaired, "caught_up": caught_up, "cut_off": cut_off,
             "longest_call_s": round(longest["other"], 2), "longest_connect_s": round(longest["connect"], 2),
             "longest_cut_off_call_s": round(longest["cut_off"], 2),

@@ -3,9 +3,11 @@ links: see chaos.py (the soak is ``python python/tests/chaos.py``)."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import chaos
+import pytest
 from conftest import need_lab
 
 from shoal.lab import PROFILES, Lab
@@ -43,3 +45,24 @@ def test_chaos_round_with_partitions_in_the_lab(tmp_path):
         summary = chaos.run(duration=15, seed=20261123, workdir=tmp_path, lab=lab, restart_every=10)
     enough(summary)
     assert summary["by_action"].get("partition", 0) + summary["by_action"].get("slow", 0) >= 1, summary
+
+
+def test_a_message_apart_passes_only_where_its_decider_was_removed(tmp_path):
+    """The analysis's p2p check: a message that succeeded at one end and failed at the other is a
+    failure, unless the end that succeeded was removed from the run (killed, or frozen past the
+    heartbeat timeout) between its success and the other end's failure."""
+    def run(actions):
+        (tmp_path / "peer0.jsonl").write_text(json.dumps({"call": "send", "seconds": 0.1, "sent": [0, 1, 2, 0, 1],
+                                                          "sha": "x", "at": 10.0}) + "\n")
+        (tmp_path / "peer1.jsonl").write_text(json.dumps({"call": "recv", "error": "PeerLostError", "restored": True,
+                                                          "received": [0, 1, 2, 0, 1], "at": 10.5}) + "\n")
+        return chaos.analyse(tmp_path, 2, actions)
+
+    with pytest.raises(AssertionError, match="message"):
+        run([])
+    with pytest.raises(AssertionError, match="message"):
+        run(["10.2 SIGSTOP peer0 for 0.5 s"])  # frozen, not removed: its word still comes
+    with pytest.raises(AssertionError, match="message"):
+        run(["12.0 SIGKILL peer0"])  # killed after the other end had failed already
+    assert run(["10.2 SIGKILL peer0"])["messages_decider_lost"] == 1
+    assert run(["10.1 SIGSTOP peer0 for 2.6 s"])["messages_decider_lost"] == 1
