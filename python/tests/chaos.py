@@ -11,8 +11,8 @@ slowed, for a while, then healed.
 
 Afterwards: every completed operation must be identical on all its participants and correct,
 every failed one must have restored its buffers, every p2p message delivered intact exactly once
-or failed on both ends (unless the end that succeeded was removed from the run before the other
-heard it: ``docs/protocol.md``), every peer's state (a newcomer's caught-up one too) must hash the same at
+or failed on both ends (unless the end that succeeded was removed from the run while the other
+end's call ran: ``docs/protocol.md``), every peer's state (a newcomer's caught-up one too) must hash the same at
 every revision, no call may have outlived its bound, and only peers on a partitioned host (or
 newcomers dialing while the master restarted) may have lost the master. Every process's memory,
 threads and descriptors are read about once a second (``resources.py``): none may grow past its
@@ -187,14 +187,16 @@ def run(duration: float, seed: int, workdir: Path, min_alive: int = 2, max_alive
                 # lab slows once (with one group, both of a site's other hosts may be chosen).
                 if h not in faulted and h not in {host(a) for a in anchors} and not (action == "slow" and slowed):
                     seconds = rng.uniform(0.3, 3.0)
+                    cut = [i for i in running if host(i) == h]
                     if action == "partition":
                         lab.fault("partition", h)
-                        ever_cut.update(i for i in running if host(i) == h)
+                        ever_cut.update(cut)
                     else:
                         lab.fault("slow", h, rate=SLOW_RATE)
                         slowed.add(h)
                     faulted[h] = time.time() + seconds
-                    act(f"{action} {h} for {seconds:.1f} s")
+                    named = f" (peers {' '.join(map(str, cut))})" if cut and action == "partition" else ""
+                    act(f"{action} {h} for {seconds:.1f} s{named}")
             elif action == "join" and len(running) < max_alive:
                 start(len(procs))
                 act(f"start peer{len(procs) - 1}")
@@ -263,13 +265,19 @@ def _log(workdir: Path, i: int) -> str:
 
 
 def _removed(actions: list[str]) -> defaultdict[int, list[float]]:
-    """When each peer was killed, or frozen past the master's heartbeat timeout (and so removed
-    from the run), by its index."""
+    """When each peer may have been removed from the run, by its index: killed, or frozen or
+    partitioned long enough for the master to hear nothing from it for its heartbeat timeout
+    (the silence begins up to a heartbeat interval, a quarter of the timeout, before the fault)."""
+    long_enough = HEARTBEAT_TIMEOUT * 3 / 4
     removed: defaultdict[int, list[float]] = defaultdict(list)
     for a in actions:
         m = re.match(r"([\d.]+) (SIGKILL|SIGSTOP) peer(\d+)(?: for ([\d.]+) s)?", a)
-        if m and (m[2] == "SIGKILL" or float(m[4]) > HEARTBEAT_TIMEOUT):
+        if m and (m[2] == "SIGKILL" or float(m[4]) >= long_enough):
             removed[int(m[3])].append(float(m[1]))
+        m = re.match(r"([\d.]+) partition \S+ for ([\d.]+) s \(peers ([\d ]+)\)", a)
+        if m and float(m[2]) >= long_enough:
+            for i in m[3].split():
+                removed[int(i)].append(float(m[1]))
     return removed
 
 
@@ -332,13 +340,16 @@ def analyse(workdir: Path, peers: int, actions: list[str], ever_cut: set[int] = 
             send, recv = sent[key], got[0]
             if ("error" in send) != ("error" in recv):
                 # The one way the ends may part (docs/protocol.md, "A transfer's outcome when its
-                # links fail"): the end that succeeded was removed from the run after it did and
-                # before the other end, waiting for its word, heard it.
+                # links fail"): the end that succeeded was removed from the run while the other
+                # end's call ran, and decided nothing that holds (the other end, waiting for its
+                # word, heard that it was removed).
                 done, failed = (recv, send) if "error" in send else (send, recv)
-                lost = [t for t in removed[done["peer"]] if done["at"] - 1.0 <= t <= failed["at"]]
+                ran = (failed["at"] - failed.get("seconds", 0.0) - 1.0, failed["at"])
+                lost = "the master removed it" in failed["msg"] or any(
+                    ran[0] <= t <= ran[1] for t in removed[done["peer"]])
                 assert lost, f"message {key}: {send} but {recv}"
                 decider_lost += 1
-            assert "error" in recv or recv["sha"] == send["sha"], f"message {key} changed: {recv}"
+            assert "error" in recv or "error" in send or recv["sha"] == send["sha"], f"message {key} changed: {recv}"
     return {"operations": sum(calls.values()), "by_call": dict(sorted(calls.items())),
             "failures": sum(failures.values()), "failures_by_call": dict(sorted(failures.items())),
             "collectives": len(results), "messages": sum("error" not in g[0] for g in received.values()),

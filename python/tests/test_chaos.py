@@ -47,15 +47,17 @@ def test_chaos_round_with_partitions_in_the_lab(tmp_path):
     assert summary["by_action"].get("partition", 0) + summary["by_action"].get("slow", 0) >= 1, summary
 
 
-def test_a_message_apart_passes_only_where_its_decider_was_removed(tmp_path):
+def test_a_message_apart_passes_only_where_the_end_that_succeeded_was_removed(tmp_path):
     """The analysis's p2p check: a message that succeeded at one end and failed at the other is a
-    failure, unless the end that succeeded was removed from the run (killed, or frozen past the
-    heartbeat timeout) between its success and the other end's failure."""
-    def run(actions):
+    failure, unless the end that succeeded was removed from the run (killed, frozen or
+    partitioned past the heartbeat timeout, or named removed by the other end's error) while the
+    other end's call ran."""
+    def run(actions, msg="lost peer#0 during recv: connection closed"):
         (tmp_path / "peer0.jsonl").write_text(json.dumps({"call": "send", "seconds": 0.1, "sent": [0, 1, 2, 0, 1],
                                                           "sha": "x", "at": 10.0}) + "\n")
-        (tmp_path / "peer1.jsonl").write_text(json.dumps({"call": "recv", "error": "PeerLostError", "restored": True,
-                                                          "received": [0, 1, 2, 0, 1], "at": 10.5}) + "\n")
+        (tmp_path / "peer1.jsonl").write_text(json.dumps({"call": "recv", "seconds": 2.0, "error": "PeerLostError",
+                                                          "restored": True, "msg": msg, "received": [0, 1, 2, 0, 1],
+                                                          "at": 10.5}) + "\n")
         return chaos.analyse(tmp_path, 2, actions)
 
     with pytest.raises(AssertionError, match="message"):
@@ -64,5 +66,9 @@ def test_a_message_apart_passes_only_where_its_decider_was_removed(tmp_path):
         run(["10.2 SIGSTOP peer0 for 0.5 s"])  # frozen, not removed: its word still comes
     with pytest.raises(AssertionError, match="message"):
         run(["12.0 SIGKILL peer0"])  # killed after the other end had failed already
+    with pytest.raises(AssertionError, match="message"):
+        run(["9.0 partition a2 for 2.6 s (peers 1)"])  # another peer's host
     assert run(["10.2 SIGKILL peer0"])["messages_decider_lost"] == 1
     assert run(["10.1 SIGSTOP peer0 for 2.6 s"])["messages_decider_lost"] == 1
+    assert run(["9.0 partition b2 for 1.5 s (peers 0 3)"])["messages_decider_lost"] == 1
+    assert run([], msg="lost peer#0 during recv: the master removed it from the run")["messages_decider_lost"] == 1
