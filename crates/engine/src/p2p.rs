@@ -36,8 +36,8 @@
 //! Either way the end that decides ends first (the receiver, once it holds every part; the
 //! sender, once it knows its buffer was read while it held it) and the other on its word, one
 //! frame behind: a send never ends while its parts are still on their way, so links that fail
-//! under them fail both ends. (The links failing while that last frame travels still leaves the
-//! ends apart: `docs/algorithms.md`.) A read the
+//! under them fail both ends. (Stopped while that word travels, the end waiting for it asks the
+//! decider through the master how it ended: `shoal_proto::peer::Transfers`.) A read the
 //! kernel refuses (another user, Yama's `ptrace_scope`) or that finds no such memory falls back
 //! to `Accept` and parts; after a refusal, that member's offers are answered with `Accept`.
 //!
@@ -503,12 +503,12 @@ impl Transfers {
         if t.finished || t.stage != Stage::Moving || t.done_parts < t.parts {
             return;
         }
-        if t.spec.direction == Direction::Send && !t.received {
+        if t.spec.direction == Direction::Send {
+            if t.received {
+                return self.end(id, Ok(()));
+            }
             t.stage = Stage::Delivered;
             return;
-        }
-        if t.spec.direction == Direction::Send {
-            return self.end(id, Ok(()));
         }
         let h = header(epoch, &t.spec, t.number.expect("answered"), t.after);
         self.control.push_back((t.peer.expect("answered"), control_frame(FrameKind::Received, h)));
@@ -625,8 +625,9 @@ impl Transfers {
                     return Err(malformed(Malformed::ReceivedEarly { n }));
                 }
                 t.received = true;
-                t.stage = Stage::Moving;
-                self.check(id);
+                if t.stage == Stage::Delivered {
+                    self.end(id, Ok(()));
+                }
                 Ok(None)
             }
             FrameKind::Accept => {
