@@ -401,9 +401,10 @@ class Communicator:
     def send(self, tensor: Any, *, peer: int, tag: int = 0) -> _native.ReduceInfo:
         """Send ``tensor`` to rank ``peer`` of the group, matched there by a :meth:`recv` from us
         with the same ``tag``, in any order with other sends, receives and collectives. Returns
-        once every byte left. Several sends with one tag match the receives for it in the order
-        each side made them. A receive of another size or dtype fails both ends with
-        :class:`CollectiveMismatchError`; a lost peer (or a new topology) raises
+        once the receiver holds every byte; the two ends end alike (both succeed or both fail),
+        unless one of them is removed from the run. Several sends with one tag match the receives
+        for it in the order each side made them. A receive of another size or dtype fails both
+        ends with :class:`CollectiveMismatchError`; a lost peer (or a new topology) raises
         :class:`PeerLostError`, and a rank the group in force does not have, or our own,
         :class:`UsageError` (after a change of the group: choose the peer again)."""
         _check_tag(tag)
