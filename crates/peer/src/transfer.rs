@@ -22,7 +22,9 @@ use std::time::Instant;
 impl Communicator {
     /// Sends `buf` (elements of `dtype`) to member `peer` of our group, matched there by a
     /// [`Communicator::recv`] from us with the same `tag`, in any order with other transfers
-    /// and collectives. Returns once every byte left (the receiver took the offer).
+    /// and collectives. Returns once the receiver holds every byte: both ends end alike, unless
+    /// one is removed from the run (`docs/protocol.md`, "A transfer's outcome when its links
+    /// fail").
     ///
     /// Several sends to `peer` with one tag may be in flight: its receives with that tag take them
     /// in the order they were made (MPI's and NCCL's "non-overtaking" rule).
