@@ -544,18 +544,11 @@ pub(crate) fn superseded(peer: &mut Peer, data: &mut DataPlane, epoch: Epoch) {
 
 /// Tells the transfers which of them wait for the other end's word on their outcome.
 fn note_uncertain(data: &mut DataPlane) {
-    let (Some(exec), position, transfers) = (data.exec.as_ref(), data.position.as_ref(), &mut data.calls.transfers)
-    else {
-        return;
-    };
-    let calls: Vec<CallId> = transfers.iter().map(|(call, _)| call).collect();
-    for call in calls {
-        if let (Some(matched), true) = exec.transfer_outcome(call.0) {
-            if let Some(matched) = member(position, matched) {
-                transfers.handle_uncertain(call, matched);
-            }
-        }
-    }
+    let (exec, position) = (data.exec.as_ref(), data.position.as_ref());
+    data.calls.transfers.handle_uncertain(|call| match exec?.transfer_outcome(call.0) {
+        (Some(matched), true) => member(position, matched),
+        _ => None,
+    });
 }
 
 /// The transfer our caller waits on with `peer` can never complete: the other end is in a call

@@ -2446,13 +2446,9 @@ fn engine_end(exec: &Exec<SimLane>, position: Option<&RingPosition>, call: CallI
 
 /// Tells peer `p`'s transfers which of them wait for the other end's word on their outcome.
 fn note_uncertain(p: &mut SimPeer) {
-    let Some(exec) = p.exec.as_ref() else { return };
-    let calls: Vec<CallId> = p.transfers.iter().map(|(call, _)| call).collect();
-    for call in calls {
-        if let (Some(_), true) = exec.transfer_outcome(call.0) {
-            if let Some(matched) = engine_end(exec, p.position.as_ref(), call).matched {
-                p.transfers.handle_uncertain(call, matched);
-            }
-        }
-    }
+    let (exec, position) = (p.exec.as_ref(), p.position.as_ref());
+    p.transfers.handle_uncertain(|call| {
+        let end = engine_end(exec?, position, call);
+        end.matched.filter(|_| end.uncertain)
+    });
 }

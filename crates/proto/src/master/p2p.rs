@@ -20,8 +20,7 @@
 //! leaves before it answers, decided nothing that holds: the asker's fails.
 
 use super::{Master, Status};
-use shoal_wire::Epoch;
-use shoal_wire::{Call, Called, Message, Misuse, PeerId};
+use shoal_wire::{Call, Called, Epoch, Message, Misuse, PeerId};
 use std::collections::BTreeSet;
 
 /// Most questions about a transfer's outcome one member may have waiting for their answer: past

@@ -257,12 +257,14 @@ impl<T, E> Transfers<T, E> {
         );
     }
 
-    /// The engine says transfer `call` (the sender's number and the other end: `matched`) waits
-    /// for the other end's word on its outcome: stopped before that word, by anything, it asks
-    /// that end how it ended there rather than fail.
-    pub fn handle_uncertain(&mut self, call: CallId, matched: (u64, PeerId)) {
-        if let Some(t) = self.calls.get_mut(&call) {
-            (t.matched, t.uncertain) = (Some(matched), true);
+    /// The transfers the engine says wait for the other end's word on their outcome
+    /// (`uncertain` gives the sender's number and the other end of each such): stopped before
+    /// that word, by anything, each asks that end how it ended there rather than fail.
+    pub fn handle_uncertain(&mut self, uncertain: impl Fn(CallId) -> Option<(u64, PeerId)>) {
+        for (call, t) in self.calls.iter_mut().filter(|(_, t)| t.asking.is_none()) {
+            if let Some(matched) = uncertain(*call) {
+                (t.matched, t.uncertain) = (Some(matched), true);
+            }
         }
     }
 
@@ -373,13 +375,12 @@ impl<T, E> Transfers<T, E> {
         let mut stopped: Vec<(CallId, Stop<E>)> = Vec::new();
         for (call, t) in self.calls.iter_mut() {
             let Some(asking) = &mut t.asking else { continue };
-            let with = t.matched.expect("asks about a matched transfer").1;
+            let (number, with) = t.matched.expect("asks about a matched transfer");
             if peer.removed(with) || peer.gone().is_some() || now >= t.deadline {
                 let stop = t.asking.take().expect("asking").stop;
                 stopped.push((*call, if now >= t.deadline { Stop::Timeout } else { stop }));
             } else if now >= asking.asked + ASK_AGAIN {
                 asking.asked = now;
-                let (number, with) = t.matched.expect("asks about a matched transfer");
                 peer.p2p_outcome(TransferName { peer: with, epoch: t.epoch, number, send: t.send });
             }
         }
